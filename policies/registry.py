@@ -1,0 +1,116 @@
+"""Per-family policy registries keyed by the name used in scenario YAML.
+
+A policy class declares ``Params``, a frozen dataclass whose fields carry help text, and is
+registered with ``@REGISTRY.register("name")``. An unknown name is an error that lists the
+valid ones; contract tests are parametrised over each registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from simulator.errors import MoesimError, did_you_mean
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """A policy without parameters."""
+
+
+class Clock:
+    """Mutable view of where the simulation is, shared by the engine with every policy.
+
+    The engine updates ``now`` (seconds), ``pass_index`` (forward pass number) and
+    ``layer`` before it consults a policy; policies read them and never write.
+    """
+
+    __slots__ = ("layer", "now", "pass_index")
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.pass_index = 0
+        self.layer = 0
+
+
+@dataclass
+class PolicyContext:
+    """What a policy may use, injected at construction (no global state).
+
+    ``rng`` is the policy's own generator, derived from the scenario seed; ``workload`` is
+    the :class:`simulator.workload.Workload` being replayed (for oracle-style policies that
+    read the future from the trace); ``expert_bytes`` is the size of one expert at the
+    scenario's precision; ``num_experts`` experts per layer make the cache key
+    ``layer * num_experts + expert``.
+    """
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+    expert_bytes: int
+    rng: np.random.Generator
+    clock: Clock = field(default_factory=Clock)
+    workload: Any = None
+
+
+P = TypeVar("P")
+
+
+class Registry(Generic[P]):
+    """Policies of one family by name."""
+
+    def __init__(self, family: str) -> None:
+        self.family = family
+        self._classes: dict[str, type[P]] = {}
+
+    def register(self, name: str) -> Any:
+        """Class decorator registering a policy under ``name``."""
+
+        def deco(cls: type[P]) -> type[P]:
+            if name in self._classes:
+                raise RuntimeError(f"{self.family} policy '{name}' registered twice")
+            params = getattr(cls, "Params", NoParams)
+            if not (dataclasses.is_dataclass(params) and params.__dataclass_params__.frozen):  # type: ignore[attr-defined]
+                raise TypeError(f"{cls.__name__}.Params must be a frozen dataclass")
+            cls.name = name  # type: ignore[attr-defined]
+            self._classes[name] = cls
+            return cls
+
+        return deco
+
+    def names(self) -> list[str]:
+        """Registered names in registration order."""
+        return list(self._classes)
+
+    def get(self, name: str, where: str = "") -> type[P]:
+        """The class registered as ``name``; unknown names list the valid ones."""
+        try:
+            return self._classes[name]
+        except KeyError:
+            loc = f"{where}: " if where else ""
+            raise MoesimError(
+                f"{loc}unknown {self.family} policy '{name}'{did_you_mean(name, self.names())}; "
+                f"valid {self.family} policies: {', '.join(self.names())}.") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._classes
+
+    def items(self) -> list[tuple[str, type[P]]]:
+        """(name, class) pairs."""
+        return list(self._classes.items())
+
+
+def families() -> dict[str, Registry[Any]]:
+    """Every policy family's registry, by the scenario key under ``policies``."""
+    from policies import budget, eviction, miss, prefetch, routing
+
+    return {
+        "eviction": eviction.REGISTRY,
+        "miss": miss.REGISTRY,
+        "prefetch": prefetch.REGISTRY,
+        "routing": routing.REGISTRY,
+        "budget": budget.REGISTRY,
+    }

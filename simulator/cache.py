@@ -1,0 +1,77 @@
+"""GPU expert cache: owns the miss -> evict -> insert loop (style.md #2).
+
+Entries are keyed by ``layer * num_experts + expert`` and hold bytes. An entry is either in
+flight (space reserved when its transfer is issued, pinned until it completes) or resident.
+The eviction policy only orders candidates; the cache skips pinned keys and evicts only when
+it can free enough room, otherwise it changes nothing and returns ``None``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container
+
+from policies.eviction import EvictionPolicy
+from simulator.copyengine import Transfer
+
+
+class ExpertCache:
+    """Byte-capacity cache of experts in HBM."""
+
+    def __init__(self, capacity_bytes: float, policy: EvictionPolicy) -> None:
+        self.capacity = capacity_bytes
+        self.policy = policy
+        self.used = 0
+        self.resident: dict[int, int] = {}
+        self.inflight: dict[int, Transfer] = {}
+        self.on_evict: list[Callable[[int], None]] = []
+        self.max_used = 0
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.resident or key in self.inflight
+
+    def make_room(self, nbytes: int, pinned: Container[int]) -> list[int] | None:
+        """Evict until ``nbytes`` fit; return the victims, or ``None`` (and change nothing)
+        when the unpinned entries cannot free enough."""
+        need = self.used + nbytes - self.capacity
+        if need <= 0:
+            return []
+        if nbytes > self.capacity:
+            return None
+        victims = []
+        freed = 0
+        inflight = self.inflight
+        resident = self.resident
+        for key in self.policy.candidates():
+            if key in pinned or key in inflight:
+                continue
+            victims.append(key)
+            freed += resident[key]
+            if freed >= need:
+                break
+        if freed < need:
+            return None
+        for key in victims:
+            self.remove(key)
+        return victims
+
+    def remove(self, key: int) -> None:
+        """Evict a resident entry."""
+        self.used -= self.resident.pop(key)
+        self.policy.on_remove(key)
+        for cb in self.on_evict:
+            cb(key)
+
+    def reserve(self, tr: Transfer) -> None:
+        """Record an in-flight entry for ``tr`` (room must have been made)."""
+        self.inflight[tr.key] = tr
+        self.used += tr.nbytes
+        if self.used > self.max_used:
+            self.max_used = self.used
+        self.policy.on_insert(tr.key)
+
+    def complete(self, tr: Transfer) -> None:
+        """``tr`` finished: its entry becomes resident."""
+        if tr.bypass:
+            return
+        del self.inflight[tr.key]
+        self.resident[tr.key] = tr.nbytes

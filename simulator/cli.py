@@ -1,0 +1,245 @@
+"""The ``moesim`` command line.
+
+User errors (bad files, keys, values) print a one-paragraph message and exit with code 2,
+without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from simulator.errors import MoesimError
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except MoesimError as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="moesim")
+def cli() -> None:
+    """moesim: trace-driven simulator of MoE expert caching, prefetch and budgeting.
+
+    \b
+    Typical use:
+      moesim trace synth --preset olmoe-1b-7b --tokens 2000 --out t.parquet
+      moesim trace info t.parquet
+      moesim run quickstart --set cache.capacity=25% --out runs/q
+    """
+
+
+def _progress(enabled: bool, label: str) -> Any:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if not enabled:
+        return None
+    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    transient=True, console=_stderr_console())
+
+
+def _stderr_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+@cli.command()
+@click.argument("scenario", required=False, default="quickstart")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a scenario key by its dotted path, e.g. --set cache.capacity=25%. Repeatable.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Results folder (default: runs/<scenario name>). Written atomically.")
+@click.option("--no-write", is_flag=True, help="Print the summary only; write no files.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of a table.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write: bool,
+        as_json: bool, quiet: bool) -> None:
+    """Replay SCENARIO (a YAML file or a shipped name; default: quickstart).
+
+    Prints a summary table and writes DIR/summary.json, DIR/steps.parquet (one row per
+    forward pass) and DIR/scenario.resolved.yaml.
+    """
+    from rich.console import Console
+
+    from simulator.engine import Simulation
+    from simulator.results import summary_table, write_results
+    from simulator.scenario import load_scenario, resolve_path
+
+    sc = load_scenario(scenario, overrides)
+    prog = _progress(not quiet and sys.stderr.isatty(), "simulating")
+    if prog is not None:
+        with prog:
+            task = prog.add_task("sim", total=None)
+            sim = Simulation(sc, progress=lambda done, total: prog.update(task, completed=done, total=total))
+            result = sim.run()
+    else:
+        sim = Simulation(sc)
+        result = sim.run()
+    if as_json:
+        click.echo(json.dumps(result.summary, indent=2))
+    else:
+        Console().print(summary_table(result, f"moesim run {scenario}"))
+    if not no_write:
+        target = Path(out_dir) if out_dir else Path("runs") / resolve_path(scenario).stem
+        write_results(result, target)
+        click.echo(f"results written to {target}/ (summary.json, steps.parquet, scenario.resolved.yaml)",
+                   err=True)
+
+
+@cli.group()
+def trace() -> None:
+    """Make, inspect and validate routing traces (Parquet, schema v1)."""
+
+
+@trace.command("info")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the information as JSON.")
+def trace_info_cmd(file: str, as_json: bool) -> None:
+    """Validate FILE and print its model, counts, phases and per-layer expert popularity."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from traces.info import trace_info
+    from traces.io import read_trace
+
+    info = trace_info(read_trace(file))
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    con = Console()
+    m = info["model"]
+    con.print(f"[bold]{file}[/bold]  model [bold]{m['name']}[/bold]: {m['num_layers']} layers x "
+              f"{m['num_experts']} experts, top-{m['top_k']}, hidden {m['hidden_size']}, expert "
+              f"intermediate {m['expert_intermediate_size']}, renormalize={m['renormalize']}")
+    con.print("expert bytes: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in m["expert_bytes"].items()))
+    con.print(f"rows {info['rows']}  requests {info['requests']}  steps {info['steps']}  tokens "
+              f"{info['tokens']}  layers present {info['layers_present']}")
+    con.print("tokens by phase: " + (", ".join(f"{k} {v}" for k, v in info["tokens_by_phase"].items()) or "none"))
+    if info["optional_columns"]:
+        con.print("optional columns: " + ", ".join(info["optional_columns"]))
+    rs = info["routing_stats"]
+    con.print(f"routing ({'/'.join(rs['phases'])}): top-1 repeat {rs['top1_repeat']:.3f} (uniform "
+              f"{1 / m['num_experts']:.3f}), set overlap {rs['set_overlap']:.3f} (uniform "
+              f"{m['top_k'] / m['num_experts']:.3f}), popularity skew {rs['popularity_skew']:.3f}, "
+              f"layer MI {rs['layer_mi']:.3f}")
+    if info["capture"]:
+        con.print("capture: " + json.dumps(info["capture"]))
+    table = Table(title="expert popularity per layer", header_style="bold")
+    for col in ("layer", "selections", "experts used", "max share", "entropy", "top experts (share)"):
+        table.add_column(col, justify="right" if col != "top experts (share)" else "left")
+    for row in info["layers"]:
+        if not row["selections"]:
+            table.add_row(str(row["layer"]), "0", "-", "-", "-", "-")
+            continue
+        tops = "  ".join(f"{e}:{s:.3f}" for e, s in row["top_experts"])
+        table.add_row(str(row["layer"]), str(row["selections"]), str(row["experts_used"]),
+                      f"{row['max_share']:.3f}", f"{row['entropy']:.3f}", tops)
+    con.print(table)
+
+
+@trace.command("synth")
+@click.option("--preset", required=True, help="Model preset: olmoe-1b-7b, mixtral-8x7b, qwen1.5-moe-a2.7b, qwen3-30b-a3b, phi-3.5-moe.")
+@click.option("--requests", default=1, show_default=True, type=int, help="Number of requests.")
+@click.option("--prompt-tokens", default=0, show_default=True, type=int, help="Prefill tokens per request (0: no prefill).")
+@click.option("--tokens", default=2000, show_default=True, type=int, help="Decode tokens per request.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
+@click.option("--routing", type=click.Choice(["realistic", "uniform"]), default="realistic", show_default=True,
+              help="realistic: popularity skew, token reuse, cross-layer correlation; uniform: independent uniform top-k.")
+@click.option("--layers", type=int, default=None, help="Override the preset's number of MoE layers.")
+@click.option("--experts", type=int, default=None, help="Override experts per layer.")
+@click.option("--top-k", type=int, default=None, help="Override top-k.")
+@click.option("--skew", type=float, default=None, help="Popularity skew parameter (logit scale).")
+@click.option("--reuse", type=float, default=None, help="Previous-token reuse bonus (logits).")
+@click.option("--corr", type=float, default=None, help="Cross-layer correlation scale (logits).")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output Parquet file (written atomically).")
+def trace_synth(preset: str, requests: int, prompt_tokens: int, tokens: int, seed: int, routing: str,
+                layers: int | None, experts: int | None, top_k: int | None, skew: float | None,
+                reuse: float | None, corr: float | None, out: str) -> None:
+    """Write a synthetic trace: REQUESTS requests, each a prefill of PROMPT_TOKENS tokens then
+    TOKENS decode tokens, with the preset's shape and tuned routing statistics."""
+    from traces.io import write_trace
+    from traces.synth import synth_from_preset
+
+    for name, value in (("--layers", layers), ("--experts", experts), ("--top-k", top_k)):
+        if value is not None and value < 1:
+            raise MoesimError(f"{name} must be >= 1, got {value}.")
+    t = synth_from_preset(preset, layers=layers, experts=experts, top_k=top_k, routing=routing,
+                          skew=skew, reuse=reuse, corr=corr, requests=requests,
+                          prompt_tokens=prompt_tokens, tokens=tokens, seed=seed)
+    write_trace(t, out)
+    click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens, "
+               f"{t.model.num_layers} layers x {t.model.num_experts} experts top-{t.model.top_k}")
+
+
+@cli.command("policies")
+def policies_cmd() -> None:
+    """List every registered policy by family with its parameters and defaults."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from policies.registry import families
+    from simulator.confload import describe_fields
+
+    table = Table(header_style="bold")
+    for col in ("family", "name", "parameters", "description"):
+        table.add_column(col)
+    for fam, reg in families().items():
+        for name, cls in reg.items():
+            params = describe_fields(cls.Params)
+            ptxt = "\n".join(f"{n}: {t} = {d!r}  {h}" for n, t, d, h in params) or "-"
+            doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+            table.add_row(fam, name, ptxt, doc)
+    Console().print(table)
+
+
+@cli.command("presets")
+def presets_cmd() -> None:
+    """List hardware presets (datasheet figures) and synthetic model presets."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from simulator.hardware import PRESETS as HW
+    from traces.synth import PRESETS as SY
+
+    con = Console()
+    t = Table(title="hardware presets (datasheet figures, not measurements)", header_style="bold")
+    for col in ("name", "gpu", "HBM GB", "HBM GB/s", "bf16 TFLOPS", "host link", "GB/s", "latency us"):
+        t.add_column(col)
+    for name, hw in HW.items():
+        link = hw["links"][hw["host_link"]]
+        g = hw["gpu"]
+        t.add_row(name, g["name"], str(g["memory_gb"]), str(g["hbm_bandwidth_gbps"]), str(g["peak_tflops"]),
+                  hw["host_link"], str(link["bandwidth_gbps"]), str(link["latency_us"]))
+    con.print(t)
+    s = Table(title="synthetic model presets", header_style="bold")
+    for col in ("name", "layers", "experts", "top-k", "expert MiB (bf16)", "routing (skew, reuse, corr)", "tuned on"):
+        s.add_column(col)
+    for name, p in SY.items():
+        m = p.model
+        s.add_row(name, str(m.num_layers), str(m.num_experts), str(m.top_k),
+                  f"{m.expert_bytes['bf16'] / 2**20:.1f}",
+                  f"{p.routing.skew}, {p.routing.reuse}, {p.routing.corr}", p.tuned_on)
+    con.print(s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point."""
+    try:
+        cli.main(args=argv, prog_name="moesim", standalone_mode=True)
+    except KeyboardInterrupt:  # pragma: no cover - interactive
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

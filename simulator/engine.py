@@ -1,0 +1,358 @@
+"""The SimPy model of one GPU (``docs/design.md``: "Simulation semantics").
+
+One SimPy process runs the forward passes on the compute stream. For each layer of a pass:
+
+1. non-expert compute (attention, gate) for the pass's tokens;
+2. at the routing point each needed expert is a *hit* (resident), a *late prefetch* (its
+   transfer is in flight: wait for it) or a *miss* (absent: the miss policy decides; ``fetch``
+   makes room through the cache and queues a demand transfer on the host link's copy engine);
+3. the prefetch policy may propose experts for later layers (queued behind demand fetches);
+4. expert compute: by default once all of the layer's experts are present (the papers'
+   baseline); with ``expert_compute: on-arrival`` each expert as soon as it has arrived.
+
+Time spent by the compute stream waiting for transfers is *stall*. A *collision miss* is a
+miss on an expert evicted earlier in the same forward pass. With no prefetch the step time is
+exactly ``sum over layers of (non-expert + copy of missed experts + expert compute)``
+(``speculating-experts-prefetch.txt`` §5.1), which the tests check.
+
+Cache-only replay (``timing: false``) runs the same decisions with zero-cost compute and
+instant transfers, so no simulated time passes.
+"""
+
+from __future__ import annotations
+
+import time as _time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import simpy
+
+from policies.eviction import REGISTRY as EVICTION
+from policies.miss import REGISTRY as MISS
+from policies.prefetch import REGISTRY as PREFETCH
+from policies.registry import Clock, PolicyContext
+from simulator.cache import ExpertCache
+from simulator.copyengine import DEMAND, CopyEngine, Transfer
+from simulator.cost import CostModel
+from simulator.errors import MoesimError
+from simulator.scenario import Scenario, parse_capacity
+from simulator.workload import DECODE, VERIFY, Workload, build_workload
+from traces.schema import PHASES
+from traces.trace import Trace
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class Result:
+    """What a run produces: one row per forward pass, one per request, and the summary."""
+
+    scenario: Scenario
+    steps: pd.DataFrame
+    requests: pd.DataFrame
+    summary: dict[str, Any]
+    transfers: list[tuple[int, int, float, float, float]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def load_trace(scenario: Scenario) -> Trace:
+    """The scenario's trace: read from its path, or synthesised in-process."""
+    src = scenario.workload.trace
+    if src.path is not None:
+        from traces.io import read_trace
+
+        p = Path(src.path)
+        if not p.is_absolute():
+            p = Path(scenario.base_dir) / p
+        return read_trace(p)
+    from traces.synth import synth_from_preset
+
+    s = src.synth
+    assert s is not None
+    return synth_from_preset(
+        s.preset, layers=s.layers, experts=s.experts, top_k=s.top_k, routing=s.routing,
+        requests=s.requests, prompt_tokens=s.prompt_tokens, tokens=s.tokens,
+        seed=scenario.seed if s.seed is None else s.seed)
+
+
+class Simulation:
+    """Replays a workload under a scenario. Build once, call :meth:`run` once."""
+
+    def __init__(self, scenario: Scenario, trace: Trace | None = None,
+                 workload: Workload | None = None, progress: ProgressFn | None = None,
+                 record_transfers: bool = False) -> None:
+        self.scenario = scenario
+        if workload is None:
+            trace = trace if trace is not None else load_trace(scenario)
+            workload = build_workload(trace, scenario.workload.batch_size,
+                                      scenario.workload.max_requests)
+        self.wl = workload
+        model = workload.model
+        self.model = model
+        precision = scenario.cache.precision or model.default_precision()
+        if precision not in model.expert_bytes:
+            raise MoesimError(
+                f"{scenario.source}: key 'cache.precision' is '{precision}', but the trace's model "
+                f"({model.name}) has expert sizes for {', '.join(model.expert_bytes)} only; pick one "
+                "of those.")
+        self.precision = precision
+        self.expert_bytes = int(model.expert_bytes[precision])
+        total = model.num_layers * model.num_experts * self.expert_bytes
+        self.capacity = parse_capacity(scenario.cache.capacity, self.expert_bytes, total, scenario.source)
+        self.cost = CostModel(scenario.hardware, model, self.expert_bytes)
+        self.progress = progress
+        self.clock = Clock()
+        seed = scenario.seed
+
+        def ctx(family_index: int) -> PolicyContext:
+            return PolicyContext(num_layers=model.num_layers, num_experts=model.num_experts,
+                                 top_k=model.top_k, expert_bytes=self.expert_bytes,
+                                 rng=np.random.default_rng([seed, family_index]),
+                                 clock=self.clock, workload=workload)
+
+        pol = scenario.policies
+        self.eviction = EVICTION.get(pol.eviction.name)(pol.eviction.params, ctx(0))
+        self.miss = MISS.get(pol.miss.name)(pol.miss.params, ctx(1))
+        self.prefetch = PREFETCH.get(pol.prefetch.name)(pol.prefetch.params, ctx(2))
+        self.cache = ExpertCache(self.capacity, self.eviction)
+        hw = scenario.hardware
+        self.link_name = f"{hw.host_link}.h2d"
+        self.copy = CopyEngine(self.link_name, hw.h2d, instant=not scenario.timing)
+        self.copy.on_complete.append(self.cache.complete)
+        self.transfers: list[tuple[int, int, float, float, float]] | None = None
+        if record_transfers:
+            self.transfers = []
+            log = self.transfers
+            self.copy.on_complete.append(
+                lambda tr: log.append((tr.key, tr.priority, tr.issued, tr.start, tr.done)))
+        self.env = simpy.Environment()
+        n = workload.num_passes
+        self._cols = {name: np.zeros(n, dtype=np.int64) for name in
+                      ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches",
+                       "bytes")}
+        self._t_start = np.zeros(n)
+        self._t_end = np.zeros(n)
+        self._stall = np.zeros(n)
+        self.wall_s = 0.0
+
+    # -- the compute-stream process -------------------------------------------------------
+    def _run(self) -> Generator[simpy.Event, Any, None]:  # noqa: C901 - the hot loop, kept flat
+        env = self.env
+        wl = self.wl
+        timing = self.scenario.timing
+        on_arrival = self.scenario.expert_compute == "on-arrival"
+        num_l = self.model.num_layers
+        num_e = self.model.num_experts
+        keys = wl.keys().tolist()
+        ranks = wl.acc_rank.tolist()
+        off = wl.off.tolist()
+        if timing:
+            ffn_arr = self.cost.expert_time(wl.acc_tokens)
+            nonexp = self.cost.nonexpert_time(wl.pass_tokens, wl.pass_context).tolist()
+        else:
+            ffn_arr = np.zeros(wl.num_accesses)
+            nonexp = [0.0] * wl.num_passes
+        csum = np.concatenate([[0.0], np.cumsum(ffn_arr)])
+        layer_ffn = (csum[wl.off[1:]] - csum[wl.off[:-1]]).tolist()
+        ffn = ffn_arr.tolist()
+        cache = self.cache
+        resident = cache.resident
+        inflight = cache.inflight
+        on_access = self.eviction.on_access
+        decide = self.miss.decide
+        prefetch_active = self.prefetch.active
+        copy = self.copy
+        advance = copy.advance
+        submit = copy.submit
+        make_room = cache.make_room
+        reserve = cache.reserve
+        complete = cache.complete
+        clock = self.clock
+        nbytes = self.expert_bytes
+        cols = self._cols
+        c_hits, c_miss, c_late, c_coll, c_unc, c_bytes = (
+            cols["hits"], cols["misses"], cols["late_prefetches"], cols["collision_misses"],
+            cols["uncached_fetches"], cols["bytes"])
+        t_start, t_end, stall_arr = self._t_start, self._t_end, self._stall
+        evicted: set[int] = set()
+        progress = self.progress
+        n_pass = wl.num_passes
+        report_every = max(1, n_pass // 200)
+        carry = 0.0
+        for p in range(n_pass):
+            clock.pass_index = p
+            t_start[p] = env.now
+            evicted.clear()
+            hits = misses = late = coll = unc = 0
+            stall = 0.0
+            bytes0 = copy.bytes_moved
+            base = p * num_l
+            ne = nonexp[p]
+            for layer in range(num_l):
+                delay = carry + ne
+                if delay > 0:
+                    yield env.timeout(delay)
+                carry = 0.0
+                lo = off[base + layer]
+                hi = off[base + layer + 1]
+                if lo == hi:
+                    continue
+                now = env.now
+                advance(now)
+                clock.now = now
+                clock.layer = layer
+                pinned: set[int] | None = None
+                waits: list[Transfer] = []
+                arrivals: list[tuple[float, int]] | None = [] if on_arrival else None
+                for i in range(lo, hi):
+                    key = keys[i]
+                    if key in resident:
+                        hits += 1
+                        on_access(key)
+                        if arrivals is not None:
+                            arrivals.append((now, i))
+                        continue
+                    tr = inflight.get(key)
+                    if tr is not None:
+                        late += 1
+                        on_access(key)
+                        waits.append(tr)
+                        if arrivals is not None:
+                            arrivals.append((tr.done, i))
+                        continue
+                    misses += 1
+                    if key in evicted:
+                        coll += 1
+                    decision = decide(layer, key - layer * num_e, ranks[i])
+                    if decision.action != "fetch":  # pragma: no cover - only 'fetch' exists yet
+                        raise MoesimError(f"miss action '{decision.action}' is not supported")
+                    if pinned is None:
+                        pinned = set(keys[lo:hi])
+                    victims = make_room(nbytes, pinned)
+                    tr = submit(key, nbytes, DEMAND, now)
+                    if victims is None:
+                        tr.bypass = True
+                        unc += 1
+                    else:
+                        if victims:
+                            evicted.update(victims)
+                        reserve(tr)
+                        on_access(key)
+                    if timing:
+                        waits.append(tr)
+                        if arrivals is not None:
+                            arrivals.append((tr.done, i))
+                    else:
+                        complete(tr)
+                        if arrivals is not None:
+                            arrivals.append((now, i))
+                if prefetch_active:  # pragma: no cover - no active prefetcher registered yet
+                    raise MoesimError("prefetch policies are not supported by this engine yet")
+                if arrivals is None:
+                    if waits:
+                        t_wait = env.now
+                        while True:
+                            ready = max(t.done for t in waits)
+                            if ready <= env.now:
+                                break
+                            yield env.timeout(ready - env.now)
+                        stall += env.now - t_wait
+                    carry = layer_ffn[base + layer]
+                else:
+                    arrivals.sort()
+                    for arr, i in arrivals:
+                        if arr > env.now + carry:
+                            if carry > 0:
+                                yield env.timeout(carry)
+                                carry = 0.0
+                            tr_i = inflight.get(keys[i])
+                            t_wait = env.now
+                            while True:
+                                ready = tr_i.done if tr_i is not None else arr
+                                if ready <= env.now:
+                                    break
+                                yield env.timeout(ready - env.now)
+                            stall += env.now - t_wait
+                        carry += ffn[i]
+            if carry > 0:
+                yield env.timeout(carry)
+                carry = 0.0
+            advance(env.now)
+            t_end[p] = env.now
+            c_hits[p] = hits
+            c_miss[p] = misses
+            c_late[p] = late
+            c_coll[p] = coll
+            c_unc[p] = unc
+            c_bytes[p] = copy.bytes_moved - bytes0
+            stall_arr[p] = stall
+            if progress is not None and (p + 1) % report_every == 0:
+                progress(p + 1, n_pass)
+        if progress is not None:
+            progress(n_pass, n_pass)
+
+    def run(self) -> Result:
+        """Run the simulation to the end and derive the metrics."""
+        from simulator.metrics import summarise
+
+        t0 = _time.perf_counter()
+        self.env.process(self._run())
+        self.env.run()
+        self.copy.finish()
+        self.wall_s = _time.perf_counter() - t0
+        steps = self._steps_frame()
+        requests = self._requests_frame()
+        summary = summarise(self, steps, requests)
+        return Result(self.scenario, steps, requests, summary, self.transfers)
+
+    def _steps_frame(self) -> pd.DataFrame:
+        wl = self.wl
+        num_l = self.model.num_layers
+        uniq = wl.off[num_l::num_l] - wl.off[:-1:num_l]
+        layers_routed = np.diff(wl.off).reshape(-1, num_l) > 0 if wl.num_passes else np.zeros((0, num_l), bool)
+        df = pd.DataFrame({
+            "pass": np.arange(wl.num_passes, dtype=np.int64),
+            "group": wl.pass_group,
+            "step": wl.pass_step,
+            "phase": pd.Categorical.from_codes(wl.pass_phase.astype(np.int64), categories=list(PHASES)),
+            "tokens": wl.pass_tokens,
+            "requests": wl.pass_requests,
+            "start_s": self._t_start,
+            "end_s": self._t_end,
+            "duration_s": self._t_end - self._t_start,
+            "stall_s": self._stall,
+            **{k: v for k, v in self._cols.items() if k != "bytes"},
+            "bytes_h2d": self._cols["bytes"],
+            "unique_experts": uniq,
+            "layers_routed": layers_routed.sum(axis=1),
+            "gate_weight_total": wl.weight_total,
+            "gate_weight_computed": wl.weight_total,  # every routed expert is computed (fetch)
+            "tokens_altered": np.zeros(wl.num_passes, dtype=np.int64),
+        })
+        return df
+
+    def _requests_frame(self) -> pd.DataFrame:
+        wl = self.wl
+        groups = wl.request_group
+        first = wl.request_first_pass
+        group_start = pd.Series(self._t_start).groupby(wl.pass_group).min()
+        start = group_start.reindex(groups).to_numpy() if len(groups) else np.zeros(0)
+        return pd.DataFrame({
+            "request": wl.request_ids,
+            "group": groups,
+            "first_pass": first,
+            "ttft_s": self._t_end[first] - start if len(first) else np.zeros(0),
+            "first_phase": [PHASES[int(c)] for c in wl.pass_phase[first]],
+        })
+
+
+def simulate(scenario: Scenario, trace: Trace | None = None, **kwargs: Any) -> Result:
+    """Build a :class:`Simulation` and run it."""
+    return Simulation(scenario, trace=trace, **kwargs).run()
+
+
+__all__ = ["DECODE", "VERIFY", "Result", "Simulation", "load_trace", "simulate"]

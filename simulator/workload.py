@@ -1,0 +1,149 @@
+"""Trace -> forward passes (``docs/design.md``: "Data flow", Workload).
+
+Static batching: requests, ordered by id, are taken in groups of ``batch_size``. A group runs
+its passes back to back: pass ``s`` of the group carries step ``s`` of each of its requests
+that has one (step 0 is the prefill when the trace has one, so the group's prompts are
+prefilled together; each decode step then carries one token of each request). Groups run one
+after another.
+
+For each (pass, layer) the workload lists the *expert accesses*: the distinct experts the
+pass's tokens routed to at that layer, in order of first appearance (tokens by request then
+position, experts in rank order), with the number of tokens routed to each and the sum of
+their mixing weights. A batch-1 decode trace therefore gives the access stream "by step, by
+layer, by rank" that libCacheSim is fed in the differential tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from traces.schema import PHASE_CODES, ModelInfo
+from traces.trace import Trace
+
+PREFILL, DECODE, VERIFY = PHASE_CODES["prefill"], PHASE_CODES["decode"], PHASE_CODES["verify"]
+
+
+@dataclass
+class Workload:
+    """Forward passes and their expert accesses as flat numpy arrays.
+
+    Per pass ``p`` (in execution order): ``pass_group``, ``pass_step``, ``pass_phase``
+    (phase code: prefill if any prefill token, else verify if any, else decode),
+    ``pass_tokens`` (token occurrences), ``pass_context`` (sum over tokens of position + 1,
+    the attention context), ``pass_requests``.
+
+    Accesses of (pass ``p``, layer ``l``) are ``acc_*[off[p * L + l] : off[p * L + l + 1]]``:
+    ``acc_layer``, ``acc_expert``, ``acc_rank`` (best router rank among the tokens),
+    ``acc_tokens`` (tokens routed), ``acc_weight`` (sum of their mixing weights).
+
+    ``request_ids`` lists requests in order; ``request_group`` their group;
+    ``request_first_pass`` the pass that produced their first token.
+    """
+
+    model: ModelInfo
+    batch_size: int
+    pass_group: np.ndarray
+    pass_step: np.ndarray
+    pass_phase: np.ndarray
+    pass_tokens: np.ndarray
+    pass_context: np.ndarray
+    pass_requests: np.ndarray
+    off: np.ndarray
+    acc_layer: np.ndarray
+    acc_expert: np.ndarray
+    acc_rank: np.ndarray
+    acc_tokens: np.ndarray
+    acc_weight: np.ndarray
+    request_ids: np.ndarray
+    request_group: np.ndarray
+    request_first_pass: np.ndarray
+    weight_total: np.ndarray
+
+    @property
+    def num_passes(self) -> int:
+        return int(self.pass_group.shape[0])
+
+    @property
+    def num_accesses(self) -> int:
+        return int(self.acc_expert.shape[0])
+
+    def keys(self) -> np.ndarray:
+        """Cache key of every access: ``layer * num_experts + expert``."""
+        return self.acc_layer.astype(np.int64) * self.model.num_experts + self.acc_expert
+
+
+def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None = None) -> Workload:
+    """Group the trace's rows into forward passes and list each pass's expert accesses."""
+    model = trace.model
+    num_l, num_e, k = model.num_layers, model.num_experts, model.top_k
+    req_ids, req_idx = np.unique(trace.request, return_inverse=True)
+    if max_requests is not None and max_requests < len(req_ids):
+        keep = req_idx < max_requests
+        trace = trace.take(keep)
+        req_idx = req_idx[keep]
+        req_ids = req_ids[:max_requests]
+    group = (req_idx // batch_size).astype(np.int64)
+    step = trace.step.astype(np.int64)
+    layer = trace.layer.astype(np.int64)
+    pos = trace.position.astype(np.int64)
+    order = np.lexsort((pos, req_idx, layer, step, group))
+    group, step, layer, pos = group[order], step[order], layer[order], pos[order]
+    ridx = req_idx[order]
+    phase = trace.phase[order]
+    experts = trace.experts[order].astype(np.int64)
+    weights = trace.weights[order].astype(np.float64)
+
+    # passes: distinct (group, step), already in execution order
+    pass_key = group * (int(step.max(initial=0)) + 1) + step
+    change = np.r_[True, pass_key[1:] != pass_key[:-1]] if len(pass_key) else np.zeros(0, bool)
+    pass_of_row = np.cumsum(change) - 1
+    n_pass = int(pass_of_row[-1] + 1) if len(pass_of_row) else 0
+    starts = np.flatnonzero(change)
+    pass_group = group[starts]
+    pass_step = step[starts]
+    # phase: prefill > verify > decode
+    rank_of_phase = np.array([3, 1, 2])[phase]  # prefill=3, decode=1, verify=2
+    best = np.zeros(n_pass, dtype=np.int64)
+    np.maximum.at(best, pass_of_row, rank_of_phase)
+    pass_phase = np.array([0, DECODE, VERIFY, PREFILL], dtype=np.int8)[best]
+    # tokens per pass: distinct (request, position)
+    tok_key = (pass_of_row * (len(req_ids) + 1) + ridx) * (int(pos.max(initial=0)) + 2) + pos
+    tok_unique, tok_first = np.unique(tok_key, return_index=True)
+    tok_pass = pass_of_row[tok_first]
+    pass_tokens = np.bincount(tok_pass, minlength=n_pass).astype(np.int64)
+    pass_context = np.bincount(tok_pass, weights=pos[tok_first] + 1, minlength=n_pass).astype(np.int64)
+    req_pass_key = np.unique(pass_of_row * (len(req_ids) + 1) + ridx)
+    pass_requests = np.bincount(req_pass_key // (len(req_ids) + 1), minlength=n_pass).astype(np.int64)
+
+    # accesses: distinct experts per (pass, layer) in order of first appearance
+    pl = pass_of_row * num_l + layer  # (pass, layer) id per row, non-decreasing
+    flat_pl = np.repeat(pl, k)
+    flat_e = experts.reshape(-1)
+    flat_w = weights.reshape(-1)
+    flat_rank = np.tile(np.arange(k), len(pl))
+    combo = flat_pl * num_e + flat_e
+    uniq, first, inverse, counts = np.unique(combo, return_index=True, return_inverse=True,
+                                             return_counts=True)
+    wsum = np.bincount(inverse, weights=flat_w, minlength=len(uniq))
+    best_rank = np.full(len(uniq), k, dtype=np.int64)
+    np.minimum.at(best_rank, inverse, flat_rank)
+    appearance = np.argsort(first, kind="stable")
+    acc_pl = (uniq // num_e)[appearance]
+    acc_expert = (uniq % num_e)[appearance]
+    off = np.searchsorted(acc_pl, np.arange(n_pass * num_l + 1), side="left")
+    weight_total = np.bincount(pass_of_row, weights=weights.sum(axis=1), minlength=n_pass)
+
+    first_pass = np.full(len(req_ids), np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(first_pass, ridx, pass_of_row)
+    req_group = (np.arange(len(req_ids)) // batch_size).astype(np.int64)
+    return Workload(
+        model=model, batch_size=batch_size, pass_group=pass_group, pass_step=pass_step,
+        pass_phase=pass_phase, pass_tokens=pass_tokens, pass_context=pass_context,
+        pass_requests=pass_requests, off=off.astype(np.int64),
+        acc_layer=(acc_pl % num_l).astype(np.int64), acc_expert=acc_expert.astype(np.int64),
+        acc_rank=best_rank[appearance], acc_tokens=counts[appearance].astype(np.int64),
+        acc_weight=wsum[appearance], request_ids=req_ids, request_group=req_group,
+        request_first_pass=first_pass, weight_total=weight_total,
+    )
