@@ -28,12 +28,13 @@ class EvictionPolicy(ABC):
         self.ctx = ctx
 
     @abstractmethod
-    def on_insert(self, key: int) -> None:
-        """``key`` entered the cache (in flight or resident)."""
+    def on_insert(self, key: int, demand: bool) -> None:
+        """``key`` entered the cache (its transfer was issued). ``demand=True``: a miss fetched
+        for immediate use, which also counts as a use (no separate :meth:`on_access`)."""
 
     @abstractmethod
     def on_access(self, key: int) -> None:
-        """``key`` was used by a forward pass (a hit, or a fetched miss)."""
+        """``key`` was used by a forward pass (a hit, or a late prefetch)."""
 
     @abstractmethod
     def on_remove(self, key: int) -> None:
@@ -59,9 +60,8 @@ class LRU(EvictionPolicy):
         super().__init__(params, ctx)
         self._order: OrderedDict[int, None] = OrderedDict()
 
-    def on_insert(self, key: int) -> None:
+    def on_insert(self, key: int, demand: bool) -> None:
         self._order[key] = None
-        self._order.move_to_end(key)
 
     def on_access(self, key: int) -> None:
         self._order.move_to_end(key)

@@ -23,10 +23,12 @@ class MissDecision:
 
 
 class MissPolicy(ABC):
-    """Base class of the miss family."""
+    """Base class of the miss family. ``always_fetch = True`` tells the engine that every
+    decision is a plain fetch at the scenario's precision, so it may skip the call."""
 
     name: ClassVar[str]
     Params: ClassVar[type[Any]] = NoParams
+    always_fetch: ClassVar[bool] = False
 
     def __init__(self, params: Any, ctx: PolicyContext) -> None:
         self.params = params
@@ -46,6 +48,8 @@ _FETCH = MissDecision("fetch")
 class Fetch(MissPolicy):
     """Blocking fetch: copy the missed expert to the GPU and wait for it (the papers'
     on-demand baseline, ``speculating-experts-prefetch.txt`` §5.1)."""
+
+    always_fetch = True
 
     def decide(self, layer: int, expert: int, rank: int) -> MissDecision:
         return _FETCH

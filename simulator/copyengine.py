@@ -42,9 +42,6 @@ class Transfer:
         self.started = False
         self.bypass = False  # copied to a staging buffer, not kept in the cache
 
-    def sort_key(self) -> tuple[int, int]:
-        return (self.priority, self.seq)
-
 
 class CopyEngine:
     """A link direction's copy engine (see module docstring).
@@ -76,7 +73,8 @@ class CopyEngine:
         return t
 
     def submit(self, key: int, nbytes: int, priority: int, now: float) -> Transfer:
-        """Queue a transfer issued at ``now`` and return it."""
+        """Queue a transfer issued at ``now`` and return it. The caller must have called
+        :meth:`advance` with ``now`` (the engine does so at every routing point)."""
         tr = Transfer(key, nbytes, priority, now, self._seq)
         self._seq += 1
         self.bytes_moved += nbytes
@@ -84,13 +82,48 @@ class CopyEngine:
         if self.instant:
             tr.started = True  # the caller completes it at once (cache-only replay)
             return tr
-        self.advance(now)
-        sk = tr.sort_key()
+        sk = (priority, tr.seq)
+        pending = self._pending
+        if not pending or self._pending_keys[-1] <= sk:
+            prev = pending[-1].done if pending else self._busy_until
+            tr.start = prev if prev > now else now
+            dur = self._time_cache.get(nbytes)
+            if dur is None:
+                dur = self.duration(nbytes)
+            tr.done = tr.start + dur
+            pending.append(tr)
+            self._pending_keys.append(sk)
+            return tr
         idx = bisect.bisect_right(self._pending_keys, sk)
-        self._pending.insert(idx, tr)
+        pending.insert(idx, tr)
         self._pending_keys.insert(idx, sk)
         self._reproject(idx)
         return tr
+
+    def submit_batch(self, keys: list[int], nbytes: int, priority: int, now: float) -> list[Transfer]:
+        """:meth:`submit` for several same-size transfers issued together, in order."""
+        if self.instant or (self._pending and self._pending_keys[-1][0] > priority):
+            return [self.submit(k, nbytes, priority, now) for k in keys]
+        dur = self._time_cache.get(nbytes)
+        if dur is None:
+            dur = self.duration(nbytes)
+        pending = self._pending
+        pkeys = self._pending_keys
+        prev = pending[-1].done if pending else self._busy_until
+        seq = self._seq
+        out = []
+        for key in keys:
+            tr = Transfer(key, nbytes, priority, now, seq)
+            tr.start = prev if prev > now else now
+            prev = tr.done = tr.start + dur
+            pending.append(tr)
+            pkeys.append((priority, seq))
+            out.append(tr)
+            seq += 1
+        self._seq = seq
+        self.bytes_moved += nbytes * len(keys)
+        self.transfers += len(keys)
+        return out
 
     def _reproject(self, idx: int) -> None:
         prev = self._pending[idx - 1].done if idx > 0 else self._busy_until
@@ -111,10 +144,16 @@ class CopyEngine:
             self._busy_until = tr.done
             self.busy_time += tr.done - tr.start
             running.append(tr)
-        while running and running[0].done <= now:
-            tr = running.popleft()
-            for cb in self.on_complete:
-                cb(tr)
+        if running and running[0].done <= now:
+            callbacks = self.on_complete
+            single = callbacks[0] if len(callbacks) == 1 else None
+            while running and running[0].done <= now:
+                tr = running.popleft()
+                if single is not None:
+                    single(tr)
+                else:
+                    for cb in callbacks:
+                        cb(tr)
 
     def projected_done(self, tr: Transfer) -> float:
         """When ``tr`` will complete given everything submitted so far."""

@@ -167,9 +167,11 @@ class Simulation:
         prefetch_active = self.prefetch.active
         copy = self.copy
         advance = copy.advance
-        submit = copy.submit
-        make_room = cache.make_room
-        reserve = cache.reserve
+        admit_demand = cache.admit_demand
+        on_insert = self.eviction.on_insert
+        fetch_keys: list[int] = []
+        fetch_idx: list[int] = []
+        always_fetch = self.miss.always_fetch
         complete = cache.complete
         clock = self.clock
         nbytes = self.expert_bytes
@@ -205,8 +207,8 @@ class Simulation:
                 advance(now)
                 clock.now = now
                 clock.layer = layer
-                pinned: set[int] | None = None
                 waits: list[Transfer] = []
+                ready = now
                 arrivals: list[tuple[float, int]] | None = [] if on_arrival else None
                 for i in range(lo, hi):
                     key = keys[i]
@@ -221,46 +223,49 @@ class Simulation:
                         late += 1
                         on_access(key)
                         waits.append(tr)
+                        if tr.done > ready:
+                            ready = tr.done
                         if arrivals is not None:
                             arrivals.append((tr.done, i))
                         continue
                     misses += 1
                     if key in evicted:
                         coll += 1
-                    decision = decide(layer, key - layer * num_e, ranks[i])
-                    if decision.action != "fetch":  # pragma: no cover - only 'fetch' exists yet
-                        raise MoesimError(f"miss action '{decision.action}' is not supported")
-                    if pinned is None:
-                        pinned = set(keys[lo:hi])
-                    victims = make_room(nbytes, pinned)
-                    tr = submit(key, nbytes, DEMAND, now)
-                    if victims is None:
-                        tr.bypass = True
-                        unc += 1
-                    else:
-                        if victims:
-                            evicted.update(victims)
-                        reserve(tr)
-                        on_access(key)
+                    if not always_fetch:
+                        decision = decide(layer, key - layer * num_e, ranks[i])
+                        if decision.action != "fetch":  # pragma: no cover - only 'fetch' exists yet
+                            raise MoesimError(f"miss action '{decision.action}' is not supported")
+                    on_insert(key, True)
+                    fetch_keys.append(key)
+                    fetch_idx.append(i)
+                if fetch_keys:
+                    trs = admit_demand(fetch_keys, nbytes, set(keys[lo:hi]), copy, now, evicted)
+                    if cache.last_bypassed:
+                        unc += cache.last_bypassed
                     if timing:
-                        waits.append(tr)
+                        waits.extend(trs)
+                        last = trs[-1].done  # same priority, issued in order: finishes last
+                        if last > ready:
+                            ready = last
                         if arrivals is not None:
-                            arrivals.append((tr.done, i))
+                            arrivals.extend((tr.done, i) for tr, i in zip(trs, fetch_idx, strict=True))
                     else:
-                        complete(tr)
+                        for tr in trs:
+                            complete(tr)
                         if arrivals is not None:
-                            arrivals.append((now, i))
+                            arrivals.extend((now, i) for i in fetch_idx)
+                    fetch_keys = []
+                    fetch_idx = []
                 if prefetch_active:  # pragma: no cover - no active prefetcher registered yet
                     raise MoesimError("prefetch policies are not supported by this engine yet")
                 if arrivals is None:
-                    if waits:
-                        t_wait = env.now
+                    if ready > now:
                         while True:
+                            yield env.timeout(ready - env.now)
                             ready = max(t.done for t in waits)
                             if ready <= env.now:
                                 break
-                            yield env.timeout(ready - env.now)
-                        stall += env.now - t_wait
+                        stall += env.now - now
                     carry = layer_ffn[base + layer]
                 else:
                     arrivals.sort()
