@@ -25,7 +25,6 @@ class ExpertCache:
         self.inflight: dict[int, Transfer] = {}
         self.on_evict: list[Callable[[int], None]] = []
         self.max_used = 0
-        self.last_bypassed = 0
 
     def __contains__(self, key: int) -> bool:
         return key in self.resident or key in self.inflight
@@ -55,50 +54,36 @@ class ExpertCache:
             self.remove(key)
         return victims
 
-    def admit_demand(self, keys: list[int], nbytes: int, pinned: Container[int],
-                     copy: CopyEngine, now: float, evicted: set[int]) -> list[Transfer]:
-        """Miss -> evict -> insert for a layer's blocking fetches, issued together at ``now``.
-
-        The policy has already been told ``on_insert(key, True)`` for each key, in access
-        order (so its recency order matches a one-by-one replay). Room is made for all of
-        them at once (victims added to ``evicted``; current-layer keys are pinned so the
-        victims are the same as one-by-one); when not all fit, the first ones in order are
-        admitted and the rest go to a staging buffer (``tr.bypass``), removed again from
-        the policy. Returns the transfers in order.
-        """
-        transfers = copy.submit_batch(keys, nbytes, DEMAND, now)
-        total = nbytes * len(keys)
-        admit = len(keys)
-        if self.used + total > self.capacity:
-            need = self.used + total - self.capacity
-            victims = []
-            freed = 0
-            inflight = self.inflight
-            resident = self.resident
-            for key in self.policy.candidates():
-                if key in pinned or key in inflight or key not in resident:
-                    continue
-                victims.append(key)
-                freed += resident[key]
-                if freed >= need:
-                    break
-            for key in victims:
-                self.remove(key)
-            evicted.update(victims)
-            if freed < need:
-                room = self.capacity - self.used
-                admit = max(0, min(len(keys), int(room // nbytes))) if nbytes > 0 else len(keys)
+    def plan_evictions(self, need: int, layer_keys: Container[int]) -> list[int] | None:
+        """Victims that free ``need`` bytes, skipping transfers in flight, chosen in the
+        policy's order *without evicting*. Returns ``None`` when a key of ``layer_keys`` (the
+        current layer's experts) comes up before enough is freed, or when not enough can be
+        freed: the caller then replays the layer one access at a time, where a one-by-one
+        replay could choose differently."""
+        victims = []
+        freed = 0
         inflight = self.inflight
-        for tr in transfers[:admit]:
+        resident = self.resident
+        for key in self.policy.candidates():
+            if key in inflight:
+                continue
+            if key in layer_keys:
+                return None
+            victims.append(key)
+            freed += resident[key]
+            if freed >= need:
+                return victims
+        return None
+
+    def admit(self, transfers: list[Transfer]) -> None:
+        """Record in-flight entries for transfers whose room has been made (the policy was
+        told ``on_insert`` by the caller, in access order)."""
+        inflight = self.inflight
+        for tr in transfers:
             inflight[tr.key] = tr
-        self.used += nbytes * admit
+            self.used += tr.nbytes
         if self.used > self.max_used:
             self.max_used = self.used
-        self.last_bypassed = len(keys) - admit
-        for tr in transfers[admit:]:
-            tr.bypass = True
-            self.policy.on_remove(tr.key)
-        return transfers
 
     def remove(self, key: int) -> None:
         """Evict a resident entry."""

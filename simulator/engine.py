@@ -33,6 +33,7 @@ import simpy
 
 from policies.eviction import REGISTRY as EVICTION
 from policies.miss import REGISTRY as MISS
+from policies.miss import MissDecision
 from policies.prefetch import REGISTRY as PREFETCH
 from policies.registry import Clock, PolicyContext
 from simulator.cache import ExpertCache
@@ -77,6 +78,12 @@ def load_trace(scenario: Scenario) -> Trace:
         s.preset, layers=s.layers, experts=s.experts, top_k=s.top_k, routing=s.routing,
         requests=s.requests, prompt_tokens=s.prompt_tokens, tokens=s.tokens,
         seed=scenario.seed if s.seed is None else s.seed)
+
+
+def check_fetch(decision: MissDecision) -> None:
+    """Only blocking fetches exist so far; other miss actions come with their policies."""
+    if decision.action != "fetch":  # pragma: no cover - no such policy registered yet
+        raise MoesimError(f"miss action '{decision.action}' is not supported by this engine")
 
 
 class Simulation:
@@ -167,7 +174,14 @@ class Simulation:
         prefetch_active = self.prefetch.active
         copy = self.copy
         advance = copy.advance
-        admit_demand = cache.admit_demand
+        plan = cache.plan_evictions
+        admit = cache.admit
+        remove = cache.remove
+        make_room = cache.make_room
+        reserve = cache.reserve
+        submit = copy.submit
+        submit_batch = copy.submit_batch
+        capacity = self.capacity
         on_insert = self.eviction.on_insert
         fetch_keys: list[int] = []
         fetch_idx: list[int] = []
@@ -210,52 +224,110 @@ class Simulation:
                 waits: list[Transfer] = []
                 ready = now
                 arrivals: list[tuple[float, int]] | None = [] if on_arrival else None
+                # Plan: count misses; if evictions are needed and none of them would take an
+                # expert of this layer, apply the whole layer at once (fast path); otherwise
+                # replay it one access at a time, pinning the experts looked up so far.
+                n_miss = 0
                 for i in range(lo, hi):
                     key = keys[i]
-                    if key in resident:
-                        hits += 1
-                        on_access(key)
-                        if arrivals is not None:
-                            arrivals.append((now, i))
-                        continue
-                    tr = inflight.get(key)
-                    if tr is not None:
-                        late += 1
-                        on_access(key)
-                        waits.append(tr)
-                        if tr.done > ready:
-                            ready = tr.done
-                        if arrivals is not None:
-                            arrivals.append((tr.done, i))
-                        continue
-                    misses += 1
-                    if key in evicted:
-                        coll += 1
-                    if not always_fetch:
-                        decision = decide(layer, key - layer * num_e, ranks[i])
-                        if decision.action != "fetch":  # pragma: no cover - only 'fetch' exists yet
-                            raise MoesimError(f"miss action '{decision.action}' is not supported")
-                    on_insert(key, True)
-                    fetch_keys.append(key)
-                    fetch_idx.append(i)
-                if fetch_keys:
-                    trs = admit_demand(fetch_keys, nbytes, set(keys[lo:hi]), copy, now, evicted)
-                    if cache.last_bypassed:
-                        unc += cache.last_bypassed
-                    if timing:
-                        waits.extend(trs)
-                        last = trs[-1].done  # same priority, issued in order: finishes last
-                        if last > ready:
-                            ready = last
-                        if arrivals is not None:
-                            arrivals.extend((tr.done, i) for tr, i in zip(trs, fetch_idx, strict=True))
-                    else:
-                        for tr in trs:
+                    if key not in resident and key not in inflight:
+                        n_miss += 1
+                victims: list[int] | None = None
+                if n_miss:
+                    need = cache.used + n_miss * nbytes - capacity
+                    victims = plan(need, set(keys[lo:hi])) if need > 0 else []
+                if victims is not None:
+                    if victims:
+                        for key in victims:
+                            remove(key)
+                        evicted.update(victims)
+                    for i in range(lo, hi):
+                        key = keys[i]
+                        if key in resident:
+                            hits += 1
+                            on_access(key)
+                            if arrivals is not None:
+                                arrivals.append((now, i))
+                            continue
+                        tr = inflight.get(key)
+                        if tr is not None:
+                            late += 1
+                            on_access(key)
+                            waits.append(tr)
+                            if tr.done > ready:
+                                ready = tr.done
+                            if arrivals is not None:
+                                arrivals.append((tr.done, i))
+                            continue
+                        misses += 1
+                        if key in evicted:
+                            coll += 1
+                        if not always_fetch:
+                            check_fetch(decide(layer, key - layer * num_e, ranks[i]))
+                        on_insert(key, True)
+                        fetch_keys.append(key)
+                        fetch_idx.append(i)
+                    if fetch_keys:
+                        trs = submit_batch(fetch_keys, nbytes, DEMAND, now)
+                        admit(trs)
+                        if timing:
+                            waits.extend(trs)
+                            last = trs[-1].done  # same priority, issued in order: finishes last
+                            if last > ready:
+                                ready = last
+                            if arrivals is not None:
+                                arrivals.extend((tr.done, i) for tr, i in zip(trs, fetch_idx, strict=True))
+                        else:
+                            for tr in trs:
+                                complete(tr)
+                            if arrivals is not None:
+                                arrivals.extend((now, i) for i in fetch_idx)
+                        fetch_keys = []
+                        fetch_idx = []
+                else:
+                    pinned: set[int] = set()
+                    for i in range(lo, hi):
+                        key = keys[i]
+                        pinned.add(key)
+                        if key in resident:
+                            hits += 1
+                            on_access(key)
+                            if arrivals is not None:
+                                arrivals.append((now, i))
+                            continue
+                        tr = inflight.get(key)
+                        if tr is not None:
+                            late += 1
+                            on_access(key)
+                            waits.append(tr)
+                            if tr.done > ready:
+                                ready = tr.done
+                            if arrivals is not None:
+                                arrivals.append((tr.done, i))
+                            continue
+                        misses += 1
+                        if key in evicted:
+                            coll += 1
+                        if not always_fetch:
+                            check_fetch(decide(layer, key - layer * num_e, ranks[i]))
+                        room = make_room(nbytes, pinned)
+                        tr = submit(key, nbytes, DEMAND, now)
+                        if room is None:
+                            tr.bypass = True
+                            unc += 1
+                        else:
+                            evicted.update(room)
+                            reserve(tr, True)
+                        if timing:
+                            waits.append(tr)
+                            if tr.done > ready:
+                                ready = tr.done
+                            if arrivals is not None:
+                                arrivals.append((tr.done, i))
+                        else:
                             complete(tr)
-                        if arrivals is not None:
-                            arrivals.extend((now, i) for i in fetch_idx)
-                    fetch_keys = []
-                    fetch_idx = []
+                            if arrivals is not None:
+                                arrivals.append((now, i))
                 if prefetch_active:  # pragma: no cover - no active prefetcher registered yet
                     raise MoesimError("prefetch policies are not supported by this engine yet")
                 if arrivals is None:

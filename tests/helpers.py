@@ -1,0 +1,101 @@
+"""Test helpers: small traces from arrays, scenarios from dicts, the real-trace folder."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from simulator.hardware import deep_merge
+from simulator.scenario import Scenario, scenario_from_dict
+from traces.schema import PHASE_CODES, ModelInfo, expert_bytes_for
+from traces.trace import Trace
+
+REAL = Path(__file__).resolve().parents[2] / "shared" / "traces" / "real"
+
+
+def real_dir() -> Path:
+    """../shared/traces/real, or skip the test with a message saying what is missing."""
+    if not REAL.is_dir():
+        pytest.skip(f"real traces not found at {REAL} (../shared/traces/real beside the checkout)")
+    return REAL
+
+
+def small_model(layers: int = 2, experts: int = 8, top_k: int = 2, hidden: int = 256,
+                inter: int = 512, renorm: bool = True) -> ModelInfo:
+    return ModelInfo(name="tiny", num_layers=layers, num_experts=experts, top_k=top_k,
+                     hidden_size=hidden, expert_intermediate_size=inter,
+                     expert_bytes=expert_bytes_for(hidden, inter), renormalize=renorm)
+
+
+def trace_from_array(model: ModelInfo, experts: np.ndarray, prompt_tokens: int = 0) -> Trace:
+    """Trace from an int array [requests, tokens, layers, k]; the first ``prompt_tokens``
+    positions of each request are its prefill (step 0), the rest decode steps."""
+    r, t, num_l, k = experts.shape
+    req = np.repeat(np.arange(r, dtype=np.int32), t * num_l)
+    pos = np.tile(np.repeat(np.arange(t, dtype=np.int32), num_l), r)
+    lay = np.tile(np.arange(num_l, dtype=np.int16), r * t)
+    pre = pos < prompt_tokens
+    step = np.where(pre, 0, pos - prompt_tokens + (1 if prompt_tokens else 0)).astype(np.int32)
+    phase = np.where(pre, PHASE_CODES["prefill"], PHASE_CODES["decode"]).astype(np.int8)
+    flat = experts.reshape(-1, k).astype(np.int16)
+    w = np.full(flat.shape, 1.0 / k, dtype=np.float32)
+    return Trace(model=model, request=req, step=step, position=pos, phase=phase, layer=lay,
+                 experts=flat, weights=w)
+
+
+BASE: dict[str, Any] = {
+    "seed": 0,
+    "hardware": {"preset": "a100-80g-pcie4"},
+    "workload": {"trace": {"synth": {"preset": "olmoe-1b-7b", "tokens": 50}}, "batch_size": 1},
+    "cache": {"capacity": "5%"},
+    "policies": {"eviction": "lru", "miss": "fetch", "prefetch": "none"},
+}
+
+
+def scenario(**over: Any) -> Scenario:
+    """Scenario from BASE with nested overrides (e.g. cache={'capacity': '10 experts'})."""
+    return scenario_from_dict(deep_merge(BASE, over), where="<test>")
+
+
+def mixtral_trace(name: str = "gsm8k") -> Trace:
+    """The real Mixtral expert-jsonl trace read directly (problems as requests, decode)."""
+    path = real_dir() / "mixtral-8x7b-vllm" / f"routing_data_collected_{name}_2_routing.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows.sort(key=lambda r: (r["problem_id"], r["token_idx"], r["layer"]))
+    model = ModelInfo(name="mixtral-8x7b", num_layers=32, num_experts=8, top_k=2, hidden_size=4096,
+                      expert_intermediate_size=14336, expert_bytes=expert_bytes_for(4096, 14336),
+                      renormalize=True)
+    n = len(rows)
+    return Trace(
+        model=model,
+        request=np.array([r["problem_id"] for r in rows], dtype=np.int32),
+        step=np.array([r["token_idx"] for r in rows], dtype=np.int32),
+        position=np.array([r["token_idx"] for r in rows], dtype=np.int32),
+        phase=np.full(n, PHASE_CODES["decode"], dtype=np.int8),
+        layer=np.array([r["layer"] for r in rows], dtype=np.int16),
+        experts=np.array([r["experts"] for r in rows], dtype=np.int16),
+        weights=np.array([r["gating_probs"] for r in rows], dtype=np.float32),
+    )
+
+
+def access_stream(trace: Trace) -> list[int]:
+    """(layer, expert) keys of a batch-1 trace ordered by request, step, layer, rank."""
+    e = trace.model.num_experts
+    order = np.lexsort((trace.layer, trace.step, trace.request))
+    out: list[int] = []
+    for i in order:
+        layer = int(trace.layer[i])
+        out.extend(layer * e + int(x) for x in trace.experts[i])
+    return out
+
+
+def group_counts(values: list[int]) -> dict[int, int]:
+    counts: dict[int, int] = defaultdict(int)
+    for v in values:
+        counts[v] += 1
+    return counts

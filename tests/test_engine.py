@@ -1,0 +1,213 @@
+"""Engine: closed forms, differential checks against libCacheSim, properties."""
+
+from __future__ import annotations
+
+import libcachesim as lcs
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from simulator.cost import CostModel
+from simulator.engine import Simulation, simulate
+from simulator.workload import build_workload
+from tests.helpers import access_stream, mixtral_trace, scenario, small_model, trace_from_array
+from traces.synth import generate, synth_from_preset
+
+
+def lcs_lru_hits(stream: list[int], capacity: int) -> list[bool]:
+    """Per-access hit flags from libCacheSim's LRU, unit-size objects."""
+    cache = lcs.LRU(cache_size=capacity)
+    out = []
+    for key in stream:
+        req = lcs.Request()
+        req.obj_id = key
+        req.obj_size = 1
+        out.append(bool(cache.get(req)))
+    return out
+
+
+def lcs_misses(stream: list[int], capacity: int, algo: str = "LRU") -> int:
+    cache = getattr(lcs, algo)(cache_size=capacity)
+    misses = 0
+    for key in stream:
+        req = lcs.Request()
+        req.obj_id = key
+        req.obj_size = 1
+        misses += not cache.get(req)
+    return misses
+
+
+# -- closed forms ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("capacity", [0, 3, 10, 10_000])
+def test_on_demand_step_time_is_the_closed_form(capacity):
+    """speculating-experts-prefetch.txt §5.1: T = sum over layers of (t_attn+gate + copy of the
+    missed experts + expert compute). Hit/miss flags come from libCacheSim's LRU."""
+    model = small_model(layers=3, experts=8, top_k=2)
+    trace = generate(model, requests=1, prompt_tokens=4, tokens=30, seed=2)
+    sc = scenario(cache={"capacity": f"{capacity} experts"})
+    res = simulate(sc, trace=trace)
+    wl = build_workload(trace, 1)
+    expert_bytes = model.expert_bytes["bf16"]
+    cost = CostModel(sc.hardware, model, expert_bytes)
+    keys = wl.keys().tolist()
+    hits = lcs_lru_hits(keys, capacity) if capacity else [False] * len(keys)
+    copy = sc.hardware.h2d.latency_us * 1e-6 + expert_bytes / (
+        sc.hardware.h2d.bandwidth_gbps * 1e9 * sc.hardware.h2d.efficiency
+        * expert_bytes / (expert_bytes + sc.hardware.h2d.half_efficiency_bytes))
+    ffn = cost.expert_time(wl.acc_tokens)
+    nonexp = cost.nonexpert_time(wl.pass_tokens, wl.pass_context)
+    expected = []
+    for p in range(wl.num_passes):
+        total = 0.0
+        for layer in range(model.num_layers):
+            lo, hi = wl.off[p * 3 + layer], wl.off[p * 3 + layer + 1]
+            missed = sum(not hits[i] for i in range(lo, hi))
+            total += nonexp[p] + missed * copy + ffn[lo:hi].sum()
+        expected.append(total)
+    np.testing.assert_allclose(res.steps["duration_s"].to_numpy(), expected, rtol=1e-9, atol=1e-12)
+    assert res.summary["misses"] == sum(not h for h in hits)
+
+
+def test_stall_is_exactly_the_copy_time_on_demand():
+    model = small_model(layers=2, experts=8, top_k=2)
+    trace = generate(model, requests=1, tokens=20, seed=5)
+    sc = scenario(cache={"capacity": "0 experts"})
+    res = simulate(sc, trace=trace)
+    copy = sc.hardware.h2d.copy_time(model.expert_bytes["bf16"])
+    assert res.summary["stall_s"] == pytest.approx(res.summary["misses"] * copy, rel=1e-9)
+    assert res.summary["uncached_fetches"] == res.summary["misses"]
+
+
+traces_st = st.builds(
+    lambda layers, experts, k, tokens, seed, cap: (small_model(layers, experts, min(k, experts)), tokens, seed, cap),
+    st.integers(1, 3), st.integers(2, 10), st.integers(1, 3), st.integers(1, 25),
+    st.integers(0, 10_000), st.integers(0, 30))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces_st, st.integers(0, 8), st.integers(1, 3))
+def test_computing_experts_on_arrival_is_never_slower(params, prompt, batch):
+    model, tokens, seed, cap = params
+    trace = generate(model, requests=batch, prompt_tokens=prompt, tokens=tokens, seed=seed)
+    base = {"cache": {"capacity": f"{cap} experts"}, "workload": {"batch_size": batch}}
+    layer = simulate(scenario(**base), trace=trace)
+    arrival = simulate(scenario(**base, expert_compute="on-arrival"), trace=trace)
+    assert arrival.summary["misses"] == layer.summary["misses"]
+    assert (arrival.steps["end_s"].to_numpy() <= layer.steps["end_s"].to_numpy() * (1 + 1e-12) + 1e-15).all()
+    assert arrival.summary["total_time_s"] <= layer.summary["total_time_s"] * (1 + 1e-12)
+
+
+# -- E[N_a] ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("experts", "k", "batch"), [
+    (64, 8, 1), (64, 8, 2), (64, 8, 4), (64, 8, 8), (64, 8, 16), (64, 8, 32), (64, 8, 64),
+    (256, 8, 8), (256, 8, 32)])
+def test_unique_experts_per_layer_follows_expected_active_experts(experts, k, batch):
+    """xshare-batch-expert-sharing.txt §1: E[N_a] = N(1 - (1 - k/N)^B) under uniform routing
+    (DeepSeek-R1 N=256, k=8: ~57 at B=8, ~163 at B=32)."""
+    tokens = max(20, 4000 // batch)
+    trace = synth_from_preset("olmoe-1b-7b", layers=4, experts=experts, top_k=k, routing="uniform",
+                              requests=batch, tokens=tokens, seed=1)
+    sc = scenario(timing=False, workload={"batch_size": batch}, cache={"capacity": "5%"})
+    got = simulate(sc, trace=trace).summary["unique_experts_per_layer"]
+    expected = experts * (1 - (1 - k / experts) ** batch)
+    assert got == pytest.approx(expected, rel=0.02)
+    if (experts, batch) == (256, 8):
+        assert expected == pytest.approx(57, abs=1)
+    if (experts, batch) == (256, 32):
+        assert expected == pytest.approx(163, abs=1)
+
+
+# -- capacity limits -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("timing", [True, False])
+def test_infinite_capacity_leaves_only_compulsory_misses(timing):
+    trace = synth_from_preset("olmoe-1b-7b", layers=4, requests=3, prompt_tokens=8, tokens=40, seed=3)
+    for cap in ("inf", "100%"):
+        res = simulate(scenario(timing=timing, cache={"capacity": cap}, workload={"batch_size": 2}), trace=trace)
+        distinct = np.unique(trace.layer.astype(np.int64)[:, None] * 64 + trace.experts).size
+        assert res.summary["misses"] == distinct
+        assert res.summary["collision_misses"] == 0
+
+
+# -- differential: libCacheSim ---------------------------------------------------------------
+
+@pytest.mark.parametrize("capacity", [1, 8, 50, 200, 700])
+@pytest.mark.parametrize("routing", ["realistic", "uniform"])
+def test_lru_misses_equal_libcachesim_on_synthetic_traces(capacity, routing):
+    trace = synth_from_preset("olmoe-1b-7b", requests=2, tokens=150, seed=11, routing=routing)
+    expected = lcs_misses(access_stream(trace), capacity)
+    for timing in (True, False):
+        res = simulate(scenario(timing=timing, cache={"capacity": f"{capacity} experts"}), trace=trace)
+        assert res.summary["misses"] == expected
+        assert res.summary["hits"] == len(access_stream(trace)) - expected
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("capacity", [2, 16, 64, 128, 200])
+def test_lru_misses_equal_libcachesim_on_real_mixtral_trace(capacity):
+    trace = mixtral_trace("gsm8k")
+    assert trace.num_tokens() == 247 and trace.num_requests == 2
+    expected = lcs_misses(access_stream(trace), capacity)
+    res = simulate(scenario(cache={"capacity": f"{capacity} experts"}), trace=trace)
+    assert res.summary["misses"] == expected
+
+
+# -- properties ------------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces_st, st.integers(1, 3), st.sampled_from(["layer", "on-arrival"]), st.booleans())
+def test_invariants(params, batch, compute, timing):
+    """Occupancy never exceeds capacity; bytes moved = misses x expert bytes; simulated time
+    never goes backwards; the cache-only replay makes the same decisions."""
+    model, tokens, seed, cap = params
+    trace = generate(model, requests=batch, prompt_tokens=seed % 5, tokens=tokens, seed=seed)
+    sc = scenario(timing=timing, expert_compute=compute, cache={"capacity": f"{cap} experts"},
+                  workload={"batch_size": batch})
+    sim = Simulation(sc, trace=trace, record_transfers=True)
+    res = sim.run()
+    s = res.summary
+    eb = model.expert_bytes["bf16"]
+    assert s["cache_peak_bytes"] <= cap * eb
+    assert s["bytes_by_link"]["pcie.h2d"] == s["misses"] * eb
+    assert s["hits"] + s["misses"] == s["expert_accesses"]
+    start, end = res.steps["start_s"].to_numpy(), res.steps["end_s"].to_numpy()
+    assert (end >= start).all()
+    assert (start[1:] >= end[:-1]).all()
+    if timing:
+        for _key, _prio, issued, begin, done in res.transfers or []:
+            assert issued <= begin <= done
+        begins = [b for _, _, _, b, _ in res.transfers or []]
+        assert begins == sorted(begins)
+    other = simulate(scenario(timing=not timing, expert_compute=compute,
+                              cache={"capacity": f"{cap} experts"}, workload={"batch_size": batch}),
+                     trace=trace)
+    assert other.summary["misses"] == s["misses"]
+    assert other.summary["collision_misses"] == s["collision_misses"]
+
+
+def test_same_seed_gives_identical_results():
+    sc = scenario(workload={"trace": {"synth": {"preset": "olmoe-1b-7b", "tokens": 60, "requests": 2,
+                                                "prompt_tokens": 8}}})
+    a, b = simulate(sc), simulate(sc)
+    assert a.summary == b.summary
+    assert a.steps.equals(b.steps)
+    c = simulate(scenario(seed=1, workload={"trace": {"synth": {"preset": "olmoe-1b-7b", "tokens": 60,
+                                                                 "requests": 2, "prompt_tokens": 8}}}))
+    assert c.summary != a.summary
+
+
+def test_collision_misses_counted_within_a_pass():
+    """SpecMD §4.2 definition on a hand-made case: two layers, each needing experts {0, 1},
+    and a cache of 2 experts, so every fetch evicts the other layer's experts."""
+    model = small_model(layers=2, experts=4, top_k=2)
+    # one token: layer 0 uses {0,1}, layer 1 uses {0,1}: keys 0,1 then 4,5. Capacity 2.
+    ex = np.array([[[[0, 1], [0, 1]], [[0, 1], [0, 1]]]])
+    res = simulate(scenario(cache={"capacity": "2 experts"}), trace=trace_from_array(model, ex))
+    # pass 0: 4 compulsory misses (layer-1 misses evict layer-0 experts);
+    # pass 1: layer 0 misses on keys evicted in pass 0 -> not collisions; its fetch evicts
+    # layer 1's keys, which layer 1 then misses on: evicted earlier in the same pass -> 2 collisions.
+    assert res.steps["misses"].tolist() == [4, 4]
+    assert res.steps["collision_misses"].tolist() == [0, 2]
