@@ -10,9 +10,11 @@ it keeps its queue and computes when each queued transfer will finish *given wha
 submitted so far*. :meth:`CopyEngine.advance` moves it to the simulation clock (starting
 queued transfers whose start time has passed and completing those whose finish time has
 passed, in time order, notifying observers with the finish time); :meth:`projected_done`
-tells a waiting process when to wake up. A process that waits re-checks after waking, so a
-later higher-priority submission that delays its transfer is handled exactly. This keeps the
-replay to about one SimPy event per layer.
+tells a waiting process when its transfer completes. Each GPU's compute process is the only
+submitter to its copy engines, so a projection made at a routing point is final for the
+transfers already queued (later submissions of the same process queue behind them or, for a
+demand fetch, ahead of prefetches that have not started). This keeps the replay to about one
+SimPy event per layer.
 """
 
 from __future__ import annotations

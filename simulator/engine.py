@@ -227,15 +227,12 @@ class Simulation:
                 # Plan: count misses; if evictions are needed and none of them would take an
                 # expert of this layer, apply the whole layer at once (fast path); otherwise
                 # replay it one access at a time, pinning the experts looked up so far.
-                n_miss = 0
-                for i in range(lo, hi):
-                    key = keys[i]
-                    if key not in resident and key not in inflight:
-                        n_miss += 1
+                layer_keys = keys[lo:hi]
+                n_miss = len([k for k in layer_keys if k not in resident and k not in inflight])
                 victims: list[int] | None = None
                 if n_miss:
                     need = cache.used + n_miss * nbytes - capacity
-                    victims = plan(need, set(keys[lo:hi])) if need > 0 else []
+                    victims = plan(need, set(layer_keys)) if need > 0 else []
                 if victims is not None:
                     if victims:
                         for key in victims:
@@ -330,31 +327,24 @@ class Simulation:
                                 arrivals.append((now, i))
                 if prefetch_active:  # pragma: no cover - no active prefetcher registered yet
                     raise MoesimError("prefetch policies are not supported by this engine yet")
+                # The compute process is the only submitter to its copy engine, so the finish
+                # times projected at the routing point are final: the wait for the layer's
+                # experts (stall) and their compute fold into the next timeout.
                 if arrivals is None:
                     if ready > now:
-                        while True:
-                            yield env.timeout(ready - env.now)
-                            ready = max(t.done for t in waits)
-                            if ready <= env.now:
-                                break
-                        stall += env.now - now
-                    carry = layer_ffn[base + layer]
+                        stall += ready - now
+                        carry = ready - now + layer_ffn[base + layer]
+                    else:
+                        carry = layer_ffn[base + layer]
                 else:
                     arrivals.sort()
+                    t = now
                     for arr, i in arrivals:
-                        if arr > env.now + carry:
-                            if carry > 0:
-                                yield env.timeout(carry)
-                                carry = 0.0
-                            tr_i = inflight.get(keys[i])
-                            t_wait = env.now
-                            while True:
-                                ready = tr_i.done if tr_i is not None else arr
-                                if ready <= env.now:
-                                    break
-                                yield env.timeout(ready - env.now)
-                            stall += env.now - t_wait
-                        carry += ffn[i]
+                        if arr > t:
+                            stall += arr - t
+                            t = arr
+                        t += ffn[i]
+                    carry = t - now
             if carry > 0:
                 yield env.timeout(carry)
                 carry = 0.0
