@@ -45,15 +45,17 @@ def convert(tp: Any, value: Any, path: str, where: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
+        errors: list[ConfigError] = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return convert(arg, value, path, where)
             except ConfigError as exc:
-                errors.append(str(exc))
-        raise errors[0] if len(errors) == 1 else _err(where, path, f"has an invalid value {value!r}.")  # type: ignore[misc]
+                errors.append(exc)
+        if len(errors) == 1:
+            raise errors[0]
+        raise _err(where, path, f"has an invalid value {value!r}.")
     if origin is Literal:
         choices = get_args(tp)
         if value not in choices:

@@ -46,6 +46,21 @@ class SynthSource:
     experts: int | None = field(default=None, metadata={"help": "override experts per layer"})
     top_k: int | None = field(default=None, metadata={"help": "override top-k"})
 
+    def __post_init__(self) -> None:
+        from simulator.errors import did_you_mean
+        from traces.synth import PRESETS
+
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset '{self.preset}'{did_you_mean(self.preset, list(PRESETS))} is not a "
+                             f"synthetic preset; valid presets: {', '.join(PRESETS)}")
+        for key in ("requests", "layers", "experts", "top_k"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"{key} must be >= 1, got {value}")
+        for key in ("prompt_tokens", "tokens"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
+
 
 @dataclass(frozen=True)
 class TraceSource:

@@ -1,0 +1,156 @@
+"""The moesim command line, end to end, including user errors (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def moesim(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "simulator.cli", *args], capture_output=True,
+                          text=True, cwd=cwd or ROOT, env=env, timeout=300)
+
+
+def test_run_quickstart_writes_results(tmp_path):
+    out = tmp_path / "q"
+    r = moesim("run", "scenarios/quickstart.yaml", "--out", str(out), "--set", "workload.trace.synth.tokens=40")
+    assert r.returncode == 0, r.stderr
+    assert "hit_rate" in r.stdout and "tpot_s" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    steps = pd.read_parquet(out / "steps.parquet")
+    resolved = yaml.safe_load((out / "scenario.resolved.yaml").read_text())
+    assert len(steps) == summary["forward_passes"] == 4 * 41  # 4 requests: prefill + 40 decode steps
+    assert steps["misses"].sum() == summary["misses"]
+    assert resolved["workload"]["trace"]["synth"]["tokens"] == 40
+    assert resolved["policies"]["eviction"] == {"name": "lru"}
+    assert resolved["hardware"]["links"]["pcie"]["bandwidth_gbps"] == 32.0
+    # the resolved scenario replays to the same result
+    r2 = moesim("run", str(out / "scenario.resolved.yaml"), "--out", str(tmp_path / "again"))
+    assert r2.returncode == 0, r2.stderr
+    assert json.loads((tmp_path / "again" / "summary.json").read_text()) == summary
+
+
+def test_run_by_shipped_name_and_set_overrides(tmp_path):
+    r = moesim("run", "quickstart", "--no-write", "--json", "--set", "cache.capacity=100%",
+               "--set", "workload.trace.synth.tokens=20", "--set", "hardware.links.pcie.bandwidth_gbps=5")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["misses"] == s["expert_accesses"] - s["hits"]
+    assert s["collision_misses"] == 0
+
+
+def test_trace_synth_then_info(tmp_path):
+    f = tmp_path / "t.parquet"
+    r = moesim("trace", "synth", "--preset", "mixtral-8x7b", "--requests", "2", "--prompt-tokens", "3",
+               "--tokens", "10", "--seed", "4", "--out", str(f))
+    assert r.returncode == 0, r.stderr
+    r = moesim("trace", "info", str(f))
+    assert r.returncode == 0, r.stderr
+    assert "mixtral-8x7b" in r.stdout and "expert popularity per layer" in r.stdout
+    r = moesim("trace", "info", str(f), "--json")
+    info = json.loads(r.stdout)
+    assert info["requests"] == 2 and info["tokens"] == 26 and info["steps"] == 22
+    assert info["tokens_by_phase"] == {"prefill": 6, "decode": 20}
+    assert len(info["layers"]) == 32
+    # a scenario can name the file
+    sc = tmp_path / "s.yaml"
+    sc.write_text(yaml.safe_dump({"workload": {"trace": {"path": "t.parquet"}},
+                                  "cache": {"capacity": "8 experts"}}))
+    r = moesim("run", str(sc), "--no-write", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["forward_passes"] == 22
+
+
+def test_synth_overrides_shape(tmp_path):
+    f = tmp_path / "u.parquet"
+    r = moesim("trace", "synth", "--preset", "olmoe-1b-7b", "--layers", "2", "--experts", "16",
+               "--top-k", "4", "--routing", "uniform", "--tokens", "5", "--out", str(f))
+    assert r.returncode == 0, r.stderr
+    info = json.loads(moesim("trace", "info", str(f), "--json").stdout)
+    assert (info["model"]["num_layers"], info["model"]["num_experts"], info["model"]["top_k"]) == (2, 16, 4)
+
+
+def _scenario(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    return p
+
+
+GOOD = """
+workload:
+  trace: {synth: {preset: olmoe-1b-7b, tokens: 10}}
+cache:
+  capacity: 5%
+policies: {eviction: lru}
+"""
+
+
+@pytest.mark.parametrize(("text", "expect"), [
+    (GOOD.replace("capacity: 5%", "capacity: 5%\n  capacty: 3"), r"key 'cache.capacty' is not a known key \(did you mean 'capacity'\?\); valid keys here: capacity, precision"),
+    (GOOD.replace("eviction: lru", "eviction: lruu"), r"unknown eviction policy 'lruu' \(did you mean 'lru'\?\); valid eviction policies: lru"),
+    (GOOD + "hardware: {preset: a100-80g-pcie4, links: {pcie: {bandwidth_gbps: -5}}}\n", r"key 'hardware.links.pcie' is invalid: bandwidth_gbps must be > 0 GB/s, got -5"),
+    (GOOD + "hardware: {preset: a100}\n", r"key 'hardware.preset' is 'a100'.*valid presets: a100-80g-pcie4"),
+    (GOOD.replace("capacity: 5%", "capacity: lots"), r"key 'cache.capacity' is 'lots'; write it as a percentage"),
+    (GOOD.replace("tokens: 10}", "tokens: 10"), r"broken YAML at line"),
+    (GOOD + "timing: maybe\n", r"key 'timing' must be true or false"),
+    (GOOD.replace("olmoe-1b-7b", "olmo"), r"key 'workload.trace.synth' is invalid: preset 'olmo' .*valid presets: olmoe-1b-7b"),
+    (GOOD + "expert_compute: eager\n", r"key 'expert_compute' is 'eager'.*valid choices: layer, on-arrival"),
+    (GOOD.replace("policies: {eviction: lru}", "policies: {evict: lru}"), r"key 'policies.evict' is not a policy family .*valid families: eviction"),
+])
+def test_bad_scenarios_fail_with_one_paragraph_and_exit_2(tmp_path, text, expect):
+    import re
+
+    path = _scenario(tmp_path, text)
+    out = tmp_path / "out"
+    r = moesim("run", str(path), "--out", str(out))
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: ")
+    assert re.search(expect, r.stderr), r.stderr
+    assert str(path) in r.stderr or "--set" in r.stderr
+    assert not out.exists()
+
+
+def test_bad_trace_file_fails_cleanly(tmp_path):
+    bad = tmp_path / "broken.parquet"
+    bad.write_bytes(b"not parquet")
+    r = moesim("trace", "info", str(bad))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "broken.parquet" in r.stderr and "not a readable Parquet file" in r.stderr
+    sc = _scenario(tmp_path, "workload: {trace: {path: broken.parquet}}\n")
+    out = tmp_path / "o"
+    r = moesim("run", str(sc), "--out", str(out))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and not out.exists()
+
+
+def test_bad_set_override_is_named(tmp_path):
+    r = moesim("run", "quickstart", "--no-write", "--set", "cache.capacity")
+    assert r.returncode == 2 and "must look like dotted.key=value" in r.stderr
+    r = moesim("run", "quickstart", "--no-write", "--set", "cache.size=3")
+    assert r.returncode == 2 and "key 'cache.size' is not a known key" in r.stderr
+
+
+def test_policies_and_presets_list():
+    r = moesim("policies")
+    assert r.returncode == 0
+    for name in ("lru", "fetch", "none", "standard"):
+        assert name in r.stdout
+    r = moesim("presets")
+    assert r.returncode == 0 and "gh200-c2c" in r.stdout and "datasheet" in r.stdout
+
+
+def test_help_lists_commands():
+    r = moesim("--help")
+    assert r.returncode == 0
+    for cmd in ("run", "trace", "policies", "presets"):
+        assert cmd in r.stdout

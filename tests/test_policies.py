@@ -1,0 +1,94 @@
+"""Contract tests inherited by every registered eviction policy, and registry behaviour."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from policies.eviction import REGISTRY as EVICTION
+from policies.registry import PolicyContext, families
+from simulator.cache import ExpertCache
+from simulator.copyengine import DEMAND, CopyEngine
+from simulator.errors import MoesimError
+from simulator.hardware import LinkConfig
+
+EB = 100
+
+
+def make_cache(name: str, capacity_experts: int) -> tuple[ExpertCache, CopyEngine]:
+    cls = EVICTION.get(name)
+    ctx = PolicyContext(num_layers=4, num_experts=8, top_k=2, expert_bytes=EB,
+                        rng=np.random.default_rng(0))
+    cache = ExpertCache(capacity_experts * EB, cls(cls.Params(), ctx))
+    copy = CopyEngine("pcie.h2d", LinkConfig(bandwidth_gbps=1.0, latency_us=0.0), instant=True)
+    return cache, copy
+
+
+def insert(cache: ExpertCache, copy: CopyEngine, key: int, pinned: set[int]) -> list[int] | None:
+    victims = cache.make_room(EB, pinned)
+    if victims is None:
+        return None
+    tr = copy.submit(key, EB, DEMAND, 0.0)
+    cache.reserve(tr, True)
+    cache.complete(tr)
+    return victims
+
+
+@pytest.mark.parametrize("name", EVICTION.names())
+def test_capacity_is_respected(name):
+    cache, copy = make_cache(name, 4)
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        key = int(rng.integers(0, 32))
+        if key in cache:
+            cache.policy.on_access(key)
+            continue
+        assert insert(cache, copy, key, {key}) is not None
+        assert cache.used <= cache.capacity
+        assert len(cache.resident) <= 4
+
+
+@pytest.mark.parametrize("name", EVICTION.names())
+def test_pinned_entries_are_never_evicted(name):
+    cache, copy = make_cache(name, 3)
+    for key in (0, 1, 2):
+        insert(cache, copy, key, set())
+    victims = insert(cache, copy, 3, {0, 1})
+    assert victims == [2]
+    assert {0, 1, 3} == set(cache.resident)
+
+
+@pytest.mark.parametrize("name", EVICTION.names())
+def test_cannot_free_room_changes_nothing_and_says_so(name):
+    cache, copy = make_cache(name, 2)
+    insert(cache, copy, 0, set())
+    insert(cache, copy, 1, set())
+    before = (dict(cache.resident), cache.used, list(cache.policy.candidates()))
+    assert cache.make_room(EB, {0, 1}) is None
+    assert (dict(cache.resident), cache.used, list(cache.policy.candidates())) == before
+    # an in-flight entry is pinned too
+    cache2, _ = make_cache(name, 1)
+    slow = CopyEngine("pcie.h2d", LinkConfig(bandwidth_gbps=1.0, latency_us=0.0))
+    tr = slow.submit(5, EB, DEMAND, 0.0)
+    cache2.reserve(tr, True)
+    assert cache2.make_room(EB, set()) is None
+    assert 5 in cache2.inflight
+
+
+def test_lru_order():
+    cache, copy = make_cache("lru", 3)
+    for key in (0, 1, 2):
+        insert(cache, copy, key, set())
+    cache.policy.on_access(0)
+    assert insert(cache, copy, 3, set()) == [1]
+    assert list(cache.policy.candidates()) == [2, 0, 3]
+
+
+def test_every_family_has_its_default_and_unknown_names_list_valid_ones():
+    fams = families()
+    assert set(fams) == {"eviction", "miss", "prefetch", "routing", "budget"}
+    for fam, default in {"eviction": "lru", "miss": "fetch", "prefetch": "none", "routing": "standard",
+                         "budget": "none"}.items():
+        assert default in fams[fam]
+    with pytest.raises(MoesimError, match="unknown miss policy 'fetchh' .*valid miss policies: fetch"):
+        fams["miss"].get("fetchh")
