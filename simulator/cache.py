@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container
 
 from policies.eviction import EvictionPolicy
-from simulator.copyengine import DEMAND, CopyEngine, Transfer
+from simulator.copyengine import Transfer
 
 
 class ExpertCache:
@@ -54,7 +54,7 @@ class ExpertCache:
             self.remove(key)
         return victims
 
-    def plan_evictions(self, need: int, layer_keys: Container[int]) -> list[int] | None:
+    def plan_evictions(self, need: float, layer_keys: Container[int]) -> list[int] | None:
         """Victims that free ``need`` bytes, skipping transfers in flight, chosen in the
         policy's order *without evicting*. Returns ``None`` when a key of ``layer_keys`` (the
         current layer's experts) comes up before enough is freed, or when not enough can be

@@ -39,7 +39,13 @@ def cli() -> None:
 
 
 def _progress(enabled: bool, label: str) -> Any:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     if not enabled:
         return None

@@ -147,7 +147,7 @@ class Simulation:
         self.wall_s = 0.0
 
     # -- the compute-stream process -------------------------------------------------------
-    def _run(self) -> Generator[simpy.Event, Any, None]:  # noqa: C901 - the hot loop, kept flat
+    def _run(self) -> Generator[simpy.Event, Any, None]:
         env = self.env
         wl = self.wl
         timing = self.scenario.timing
@@ -381,11 +381,11 @@ class Simulation:
         num_l = self.model.num_layers
         uniq = wl.off[num_l::num_l] - wl.off[:-1:num_l]
         layers_routed = np.diff(wl.off).reshape(-1, num_l) > 0 if wl.num_passes else np.zeros((0, num_l), bool)
-        df = pd.DataFrame({
+        return pd.DataFrame({
             "pass": np.arange(wl.num_passes, dtype=np.int64),
             "group": wl.pass_group,
             "step": wl.pass_step,
-            "phase": pd.Categorical.from_codes(wl.pass_phase.astype(np.int64), categories=list(PHASES)),
+            "phase": pd.Categorical.from_codes(wl.pass_phase.astype(np.int64), categories=pd.Index(PHASES)),
             "tokens": wl.pass_tokens,
             "requests": wl.pass_requests,
             "start_s": self._t_start,
@@ -400,7 +400,6 @@ class Simulation:
             "gate_weight_computed": wl.weight_total,  # every routed expert is computed (fetch)
             "tokens_altered": np.zeros(wl.num_passes, dtype=np.int64),
         })
-        return df
 
     def _requests_frame(self) -> pd.DataFrame:
         wl = self.wl

@@ -174,7 +174,7 @@ def _policy(family: str, value: Any, where: str) -> PolicySpec:
         raise ConfigError(f"{where}: key '{path}' must be a policy name or a mapping with 'name', "
                           f"got {value!r}.")
     cls = families()[family].get(str(name), where=f"{where}: key '{path}'")
-    return PolicySpec(str(name), build(cls.Params, params, path, where))  # type: ignore[attr-defined]
+    return PolicySpec(str(name), build(cls.Params, params, path, where))
 
 
 def parse_set(assignments: list[str] | tuple[str, ...]) -> list[tuple[list[str], Any]]:

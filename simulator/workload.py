@@ -110,7 +110,7 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
     pass_phase = np.array([0, DECODE, VERIFY, PREFILL], dtype=np.int8)[best]
     # tokens per pass: distinct (request, position)
     tok_key = (pass_of_row * (len(req_ids) + 1) + ridx) * (int(pos.max(initial=0)) + 2) + pos
-    tok_unique, tok_first = np.unique(tok_key, return_index=True)
+    _tok_unique, tok_first = np.unique(tok_key, return_index=True)
     tok_pass = pass_of_row[tok_first]
     pass_tokens = np.bincount(tok_pass, minlength=n_pass).astype(np.int64)
     pass_context = np.bincount(tok_pass, weights=pos[tok_first] + 1, minlength=n_pass).astype(np.int64)

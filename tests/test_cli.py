@@ -25,7 +25,8 @@ def test_run_quickstart_writes_results(tmp_path):
     out = tmp_path / "q"
     r = moesim("run", "scenarios/quickstart.yaml", "--out", str(out), "--set", "workload.trace.synth.tokens=40")
     assert r.returncode == 0, r.stderr
-    assert "hit_rate" in r.stdout and "tpot_s" in r.stdout
+    assert "hit_rate" in r.stdout
+    assert "tpot_s" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
     steps = pd.read_parquet(out / "steps.parquet")
     resolved = yaml.safe_load((out / "scenario.resolved.yaml").read_text())
@@ -56,10 +57,13 @@ def test_trace_synth_then_info(tmp_path):
     assert r.returncode == 0, r.stderr
     r = moesim("trace", "info", str(f))
     assert r.returncode == 0, r.stderr
-    assert "mixtral-8x7b" in r.stdout and "expert popularity per layer" in r.stdout
+    assert "mixtral-8x7b" in r.stdout
+    assert "expert popularity per layer" in r.stdout
     r = moesim("trace", "info", str(f), "--json")
     info = json.loads(r.stdout)
-    assert info["requests"] == 2 and info["tokens"] == 26 and info["steps"] == 22
+    assert info["requests"] == 2
+    assert info["tokens"] == 26
+    assert info["steps"] == 22
     assert info["tokens_by_phase"] == {"prefill": 6, "decode": 20}
     assert len(info["layers"]) == 32
     # a scenario can name the file
@@ -125,19 +129,25 @@ def test_bad_trace_file_fails_cleanly(tmp_path):
     bad = tmp_path / "broken.parquet"
     bad.write_bytes(b"not parquet")
     r = moesim("trace", "info", str(bad))
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "broken.parquet" in r.stderr and "not a readable Parquet file" in r.stderr
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert "broken.parquet" in r.stderr
+    assert "not a readable Parquet file" in r.stderr
     sc = _scenario(tmp_path, "workload: {trace: {path: broken.parquet}}\n")
     out = tmp_path / "o"
     r = moesim("run", str(sc), "--out", str(out))
-    assert r.returncode == 2 and "Traceback" not in r.stderr and not out.exists()
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert not out.exists()
 
 
 def test_bad_set_override_is_named(tmp_path):
     r = moesim("run", "quickstart", "--no-write", "--set", "cache.capacity")
-    assert r.returncode == 2 and "must look like dotted.key=value" in r.stderr
+    assert r.returncode == 2
+    assert "must look like dotted.key=value" in r.stderr
     r = moesim("run", "quickstart", "--no-write", "--set", "cache.size=3")
-    assert r.returncode == 2 and "key 'cache.size' is not a known key" in r.stderr
+    assert r.returncode == 2
+    assert "key 'cache.size' is not a known key" in r.stderr
 
 
 def test_policies_and_presets_list():
@@ -146,7 +156,9 @@ def test_policies_and_presets_list():
     for name in ("lru", "fetch", "none", "standard"):
         assert name in r.stdout
     r = moesim("presets")
-    assert r.returncode == 0 and "gh200-c2c" in r.stdout and "datasheet" in r.stdout
+    assert r.returncode == 0
+    assert "gh200-c2c" in r.stdout
+    assert "datasheet" in r.stdout
 
 
 def test_help_lists_commands():

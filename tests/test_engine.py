@@ -149,7 +149,8 @@ def test_lru_misses_equal_libcachesim_on_synthetic_traces(capacity, routing):
 @pytest.mark.parametrize("capacity", [2, 16, 64, 128, 200])
 def test_lru_misses_equal_libcachesim_on_real_mixtral_trace(capacity):
     trace = mixtral_trace("gsm8k")
-    assert trace.num_tokens() == 247 and trace.num_requests == 2
+    assert trace.num_tokens() == 247
+    assert trace.num_requests == 2
     expected = lcs_misses(access_stream(trace), capacity)
     res = simulate(scenario(cache={"capacity": f"{capacity} experts"}), trace=trace)
     assert res.summary["misses"] == expected

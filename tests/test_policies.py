@@ -90,5 +90,5 @@ def test_every_family_has_its_default_and_unknown_names_list_valid_ones():
     for fam, default in {"eviction": "lru", "miss": "fetch", "prefetch": "none", "routing": "standard",
                          "budget": "none"}.items():
         assert default in fams[fam]
-    with pytest.raises(MoesimError, match="unknown miss policy 'fetchh' .*valid miss policies: fetch"):
+    with pytest.raises(MoesimError, match=r"unknown miss policy 'fetchh' .*valid miss policies: fetch"):
         fams["miss"].get("fetchh")

@@ -8,7 +8,13 @@ import pytest
 
 from simulator.errors import MoesimError
 from simulator.hardware import PRESETS
-from simulator.scenario import apply_overrides, load_scenario, parse_capacity, parse_set, shipped_scenarios
+from simulator.scenario import (
+    apply_overrides,
+    load_scenario,
+    parse_capacity,
+    parse_set,
+    shipped_scenarios,
+)
 from tests.helpers import scenario
 
 EB = 12_582_912
@@ -24,7 +30,7 @@ def test_capacity_forms(text, expected):
 
 @pytest.mark.parametrize("text", ["lots", "5", "-3%", "120%", "3 bananas"])
 def test_bad_capacity(text):
-    with pytest.raises(MoesimError, match="cache.capacity"):
+    with pytest.raises(MoesimError, match=r"cache\.capacity"):
         parse_capacity(text, EB, 1024 * EB, "<t>")
 
 
@@ -56,7 +62,8 @@ def test_shipped_quickstart_is_found_and_valid():
     sc = load_scenario("quickstart")
     assert sc.cache.capacity == "5%"
     assert sc.hardware.preset == "a100-80g-pcie4"
-    assert sc.policies.eviction.name == "lru" and sc.policies.miss.name == "fetch"
+    assert sc.policies.eviction.name == "lru"
+    assert sc.policies.miss.name == "fetch"
     assert sc.policies.prefetch.name == "none"
 
 
@@ -64,5 +71,5 @@ def test_precision_must_exist_in_the_trace():
     from simulator.engine import Simulation
 
     sc = scenario(cache={"capacity": "5%", "precision": "fp8"})
-    with pytest.raises(MoesimError, match="cache.precision' is 'fp8'.*bf16, int8, int4, int2"):
+    with pytest.raises(MoesimError, match=r"cache.precision' is 'fp8'.*bf16, int8, int4, int2"):
         Simulation(sc)

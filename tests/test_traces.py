@@ -44,7 +44,9 @@ def test_counts_of_synthetic_trace():
 
 def test_no_prefill_means_decode_from_step_0():
     t = synth_from_preset("phi-3.5-moe", requests=1, prompt_tokens=0, tokens=4, seed=1)
-    assert (t.phase == 1).all() and t.step.min() == 0 and t.step.max() == 3
+    assert (t.phase == 1).all()
+    assert t.step.min() == 0
+    assert t.step.max() == 3
 
 
 def test_presets_have_the_papers_shapes():

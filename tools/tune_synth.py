@@ -16,11 +16,11 @@ from traces.synth import RoutingParams, generate, get_preset
 # Real statistics measured by tools/real_stats.py (docs/synthetic.md).
 TARGETS = {
     "mixtral-8x7b": ({"top1_repeat": 0.221, "set_overlap": 0.344, "popularity_skew": 0.027,
-                      "layer_mi": 0.191}, dict(requests=2, tokens=124)),
+                      "layer_mi": 0.191}, {"requests": 2, "tokens": 124}),
     "olmoe-1b-7b": ({"top1_repeat": 0.070, "set_overlap": 0.243, "popularity_skew": 0.040},
-                    dict(requests=40, tokens=112)),
+                    {"requests": 40, "tokens": 112}),
     "qwen1.5-moe-a2.7b": ({"top1_repeat": 0.052, "set_overlap": 0.100, "popularity_skew": 0.005},
-                          dict(requests=20, tokens=122)),
+                          {"requests": 20, "tokens": 122}),
 }
 
 

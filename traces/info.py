@@ -14,7 +14,7 @@ from traces.trace import Trace
 def layer_popularity(trace: Trace) -> list[dict[str, Any]]:
     """Per layer: selections, experts used, top-1 share, top experts, normalised entropy."""
     num_e = trace.model.num_experts
-    rows = []
+    rows: list[dict[str, Any]] = []
     for layer in range(trace.model.num_layers):
         sel = trace.experts[trace.layer == layer].reshape(-1)
         if sel.size == 0:

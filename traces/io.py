@@ -234,4 +234,4 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     capture = meta.get("capture") or {}
     return Trace(model=model, request=request, step=step, position=position, phase=phase,
                  layer=layer, experts=experts, weights=weights, capture=capture, source=p,
-                 **optional)  # type: ignore[arg-type]
+                 **optional)

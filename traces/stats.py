@@ -47,7 +47,7 @@ def sequence_stats(seqs: Sequence[np.ndarray], num_experts: int) -> dict[str, fl
         if s.shape[0] == 0:
             continue
         k = s.shape[2]
-        valid = (s >= 0).all(axis=2)  # [T, L]
+        valid: np.ndarray = np.asarray((s >= 0).all(axis=2))  # [T, L]
         top1 = s[:, :, 0]
         pair = valid[1:] & valid[:-1]
         repeat_hits += int(((top1[1:] == top1[:-1]) & pair).sum())
