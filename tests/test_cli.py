@@ -166,3 +166,27 @@ def test_help_lists_commands():
     assert r.returncode == 0
     for cmd in ("run", "trace", "policies", "presets"):
         assert cmd in r.stdout
+
+
+def test_out_of_range_expert_in_a_scenario_trace(tmp_path):
+    import numpy as np
+
+    from tests.helpers import small_model, trace_from_array
+    from traces.io import write_trace
+
+    t = trace_from_array(small_model(), np.zeros((1, 3, 2, 2), dtype=np.int64) + np.array([0, 1]))
+    t.experts[3] = [2, 9]
+    write_trace(t, tmp_path / "t.parquet")
+    sc = _scenario(tmp_path, "workload: {trace: {path: t.parquet}}\n")
+    out = tmp_path / "o"
+    r = moesim("run", str(sc), "--out", str(out))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and not out.exists()
+    assert "t.parquet: column 'experts' has expert id(s) [2, 9] at row 3; ids must be 0..7" in r.stderr
+
+
+@pytest.mark.parametrize("args", [["--top-k", "9", "--experts", "8"], ["--tokens", "-1"], ["--layers", "0"]])
+def test_bad_synth_arguments_write_nothing(tmp_path, args):
+    f = tmp_path / "x.parquet"
+    r = moesim("trace", "synth", "--preset", "olmoe-1b-7b", *args, "--out", str(f))
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.startswith("error: ")
+    assert not f.exists()

@@ -93,12 +93,16 @@ def get_preset(name: str) -> SynthPreset:
 def reshape_model(model: ModelInfo, layers: int | None = None, experts: int | None = None,
                   top_k: int | None = None) -> ModelInfo:
     """The preset's model with overridden layer / expert / top-k counts."""
-    new = replace(model, num_layers=layers or model.num_layers,
-                  num_experts=experts or model.num_experts, top_k=top_k or model.top_k)
-    if new.top_k > new.num_experts:
-        raise MoesimError(f"--top-k {new.top_k} exceeds --experts {new.num_experts}; top-k must be "
-                          "at most the number of experts per layer.")
-    return new
+    k = top_k or model.top_k
+    n = experts or model.num_experts
+    if k > n:
+        raise MoesimError(f"synthetic trace: top-k {k} exceeds {n} experts per layer (--top-k / "
+                          "--experts, or workload.trace.synth.top_k / experts); top-k must be at "
+                          "most the number of experts.")
+    try:
+        return replace(model, num_layers=layers or model.num_layers, num_experts=n, top_k=k)
+    except ValueError as exc:
+        raise MoesimError(f"synthetic trace: {exc}.") from None
 
 
 def generate(model: ModelInfo, *, requests: int = 1, prompt_tokens: int = 0, tokens: int = 100,
