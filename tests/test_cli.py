@@ -180,7 +180,9 @@ def test_out_of_range_expert_in_a_scenario_trace(tmp_path):
     sc = _scenario(tmp_path, "workload: {trace: {path: t.parquet}}\n")
     out = tmp_path / "o"
     r = moesim("run", str(sc), "--out", str(out))
-    assert r.returncode == 2 and "Traceback" not in r.stderr and not out.exists()
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert not out.exists()
     assert "t.parquet: column 'experts' has expert id(s) [2, 9] at row 3; ids must be 0..7" in r.stderr
 
 
@@ -188,5 +190,7 @@ def test_out_of_range_expert_in_a_scenario_trace(tmp_path):
 def test_bad_synth_arguments_write_nothing(tmp_path, args):
     f = tmp_path / "x.parquet"
     r = moesim("trace", "synth", "--preset", "olmoe-1b-7b", *args, "--out", str(f))
-    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.startswith("error: ")
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: ")
     assert not f.exists()
