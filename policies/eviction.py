@@ -12,7 +12,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+import numpy as np
 
 from policies.registry import NoParams, PolicyContext, Registry
 
@@ -44,6 +47,10 @@ class EvictionPolicy(ABC):
     def candidates(self) -> Iterator[int]:
         """Every cached key, most evictable first (the cache filters pinned keys)."""
 
+    def on_prefetch_select(self, key: int) -> None:  # noqa: B027 - optional hook
+        """The prefetcher selected ``key``, already cached (no transfer). Default: nothing
+        (recency policies do not count a selection as a use)."""
+
 
 REGISTRY: Registry[EvictionPolicy] = Registry("eviction")
 
@@ -71,3 +78,299 @@ class LRU(EvictionPolicy):
 
     def candidates(self) -> Iterator[int]:
         return iter(self._order)
+
+
+@REGISTRY.register("fifo")
+class FIFO(EvictionPolicy):
+    """First in, first out: evict the expert inserted longest ago; uses do not reorder."""
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        self._order[key] = None
+
+    def on_access(self, key: int) -> None:
+        pass
+
+    def on_remove(self, key: int) -> None:
+        del self._order[key]
+
+    def candidates(self) -> Iterator[int]:
+        return iter(self._order)
+
+
+@REGISTRY.register("lfu")
+class LFU(EvictionPolicy):
+    """Least frequently used (SpecMD appendix B): evict the expert with the lowest access
+    count over the whole inference history (counts survive eviction); ties go to the expert
+    that reached its count longest ago."""
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        self._count: dict[int, int] = {}
+        self._buckets: dict[int, OrderedDict[int, None]] = {}
+        self._where: dict[int, int] = {}
+
+    def _place(self, key: int, count: int) -> None:
+        old = self._where.get(key)
+        if old is not None:
+            bucket = self._buckets[old]
+            del bucket[key]
+            if not bucket:
+                del self._buckets[old]
+        self._buckets.setdefault(count, OrderedDict())[key] = None
+        self._where[key] = count
+
+    def _bump(self, key: int) -> None:
+        c = self._count.get(key, 0) + 1
+        self._count[key] = c
+        self._place(key, c)
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        if demand:
+            self._bump(key)
+        else:
+            self._place(key, self._count.get(key, 0))
+
+    def on_access(self, key: int) -> None:
+        self._bump(key)
+
+    def on_remove(self, key: int) -> None:
+        c = self._where.pop(key)
+        bucket = self._buckets[c]
+        del bucket[key]
+        if not bucket:
+            del self._buckets[c]
+
+    def candidates(self) -> Iterator[int]:
+        for c in sorted(self._buckets):
+            yield from list(self._buckets[c])
+
+
+@REGISTRY.register("random")
+class Random(EvictionPolicy):
+    """Evict uniformly at random (the policy's own seeded generator)."""
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        self._keys: dict[int, None] = {}
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        self._keys[key] = None
+
+    def on_access(self, key: int) -> None:
+        pass
+
+    def on_remove(self, key: int) -> None:
+        del self._keys[key]
+
+    def candidates(self) -> Iterator[int]:
+        keys = list(self._keys)
+        for i in self.ctx.rng.permutation(len(keys)):
+            yield keys[int(i)]
+
+
+def _layer_of(key: int, ctx: PolicyContext) -> int:
+    return key // ctx.num_experts
+
+
+@REGISTRY.register("fld")
+class FarthestLayerDistance(EvictionPolicy):
+    """Farthest layer distance (HOBBIT, Tang et al. 2024; SpecMD appendix B): evict experts
+    whose layer is farthest, |layer - current layer|, from the layer being executed; ties by
+    least recent use."""
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        self._order[key] = None
+
+    def on_access(self, key: int) -> None:
+        self._order.move_to_end(key)
+
+    def on_remove(self, key: int) -> None:
+        del self._order[key]
+
+    def candidates(self) -> Iterator[int]:
+        cur = self.ctx.clock.layer
+        e = self.ctx.num_experts
+        rank = {k: i for i, k in enumerate(self._order)}
+        return iter(sorted(self._order, key=lambda k: (-abs(k // e - cur), rank[k])))
+
+
+def _access_index(ctx: PolicyContext, key: int) -> int | None:
+    """Index of the access of ``key`` at the clock's (pass, layer), or None."""
+    wl = ctx.workload
+    cache = getattr(ctx, "_key_cache", None)
+    if cache is None:
+        cache = ctx._key_cache = wl.keys().tolist()  # type: ignore[attr-defined]
+    base = ctx.clock.pass_index * ctx.num_layers + ctx.clock.layer
+    lo, hi = int(wl.off[base]), int(wl.off[base + 1])
+    try:
+        return int(cache.index(key, lo, hi))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class ScoreParams:
+    """Parameters of score-based eviction."""
+
+    decay: float = field(default=1.0, metadata={
+        "help": "multiply every accumulated score by this at each forward pass (1 = plain sum)"})
+
+
+@REGISTRY.register("score")
+class ScoreBased(EvictionPolicy):
+    """Score-based eviction (Zhu et al. 2025; SpecMD appendix B): evict the expert with the
+    lowest accumulated gate score, the running sum of the router weights its tokens gave it;
+    ties by least recent use."""
+
+    Params = ScoreParams
+
+    def __init__(self, params: ScoreParams, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        self._score: dict[int, float] = {}
+        self._order: OrderedDict[int, None] = OrderedDict()
+        self._pass = -1
+
+    def _credit(self, key: int) -> None:
+        ctx = self.ctx
+        if self.params.decay != 1.0 and ctx.clock.pass_index != self._pass:
+            steps = ctx.clock.pass_index - max(self._pass, 0)
+            f = self.params.decay ** steps
+            for k in self._score:
+                self._score[k] *= f
+            self._pass = ctx.clock.pass_index
+        w = 0.0
+        if ctx.workload is not None:
+            i = _access_index(ctx, key)
+            if i is not None:
+                w = float(ctx.workload.acc_weight[i])
+        self._score[key] = self._score.get(key, 0.0) + w
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        self._order[key] = None
+        if demand:
+            self._credit(key)
+
+    def on_access(self, key: int) -> None:
+        self._order.move_to_end(key)
+        self._credit(key)
+
+    def on_remove(self, key: int) -> None:
+        del self._order[key]
+
+    def candidates(self) -> Iterator[int]:
+        rank = {k: i for i, k in enumerate(self._order)}
+        return iter(sorted(self._order, key=lambda k: (self._score.get(k, 0.0), rank[k])))
+
+
+@REGISTRY.register("least-stale")
+class LeastStale(EvictionPolicy):
+    """Least-Stale (``specmd-expert-caching-least-stale.txt`` §4.2).
+
+    An expert is *current* if it was used in the ongoing forward pass or selected by the
+    prefetcher during it (:meth:`on_prefetch_select`), *stale* otherwise (last touched in an
+    earlier pass). The stale queue is evicted first; the current queue only when no stale
+    expert is left. Within each queue the order is FIFO by layer position: layer 0 first,
+    and within a layer the expert that joined the queue first. At execution point ``l`` the
+    stale experts of layers left of ``l`` (not needed again in this pass) therefore go before
+    those of the layers still to come. Both queues are kept as per-layer buckets.
+    """
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        n = ctx.num_layers
+        self._stale: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n)]
+        self._current: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n)]
+        self._is_current: dict[int, bool] = {}
+        self._pass = 0
+
+    def _roll(self) -> None:
+        p = self.ctx.clock.pass_index
+        if p != self._pass:
+            for stale, cur in zip(self._stale, self._current, strict=True):
+                stale.update(cur)
+                cur.clear()
+            for k in self._is_current:
+                self._is_current[k] = False
+            self._pass = p
+
+    def _touch(self, key: int) -> None:
+        self._roll()
+        layer = key // self.ctx.num_experts
+        if self._is_current.get(key) is False:
+            del self._stale[layer][key]
+        self._current[layer][key] = None
+        self._is_current[key] = True
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        self._touch(key)
+
+    def on_access(self, key: int) -> None:
+        if self.ctx.clock.pass_index != self._pass or not self._is_current.get(key):
+            self._touch(key)
+
+    def on_prefetch_select(self, key: int) -> None:
+        self.on_access(key)
+
+    def on_remove(self, key: int) -> None:
+        layer = key // self.ctx.num_experts
+        if self._is_current.pop(key):
+            del self._current[layer][key]
+        else:
+            del self._stale[layer][key]
+
+    def candidates(self) -> Iterator[int]:
+        self._roll()
+        for bucket in self._stale:
+            yield from list(bucket)
+        for bucket in self._current:
+            yield from list(bucket)
+
+
+@REGISTRY.register("belady")
+class Belady(EvictionPolicy):
+    """Belady's MIN: evict the expert whose next use is furthest in the future (never used
+    again first), read from the trace. The optimal bound every other policy is measured
+    against (for the same pinning rules)."""
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        if ctx.workload is None:
+            raise ValueError("belady needs the workload to read future accesses")
+        keys = ctx.workload.keys()
+        order = np.argsort(keys, kind="stable")
+        sk = keys[order]
+        starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
+        ends = np.r_[starts[1:], len(sk)]
+        self._positions = {int(sk[s]): order[s:e] for s, e in zip(starts, ends, strict=True)}
+        self._next: dict[int, float] = {}
+
+    def _next_use(self, key: int) -> float:
+        ctx = self.ctx
+        pos = self._positions.get(key)
+        if pos is None:
+            return float("inf")
+        i = _access_index(ctx, key)
+        if i is None:
+            i = int(ctx.workload.off[ctx.clock.pass_index * ctx.num_layers + ctx.clock.layer]) - 1
+        j = int(np.searchsorted(pos, i, side="right"))
+        return float(pos[j]) if j < len(pos) else float("inf")
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        self._next[key] = self._next_use(key)
+
+    def on_access(self, key: int) -> None:
+        self._next[key] = self._next_use(key)
+
+    def on_remove(self, key: int) -> None:
+        del self._next[key]
+
+    def candidates(self) -> Iterator[int]:
+        return iter(sorted(self._next, key=lambda k: -self._next[k]))

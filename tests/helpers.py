@@ -99,3 +99,62 @@ def group_counts(values: list[int]) -> dict[int, int]:
     for v in values:
         counts[v] += 1
     return counts
+
+
+ORDINALS = {1: "1st", 2: "2nd", 3: "3rd"}
+
+
+def flame_decode_trace() -> Trace:
+    """The real FLAME-MoE-290M decode trace read directly: 64 sequences (requests) x 10 decode
+    positions x MoE layers 2..9 (as layers 0..7), top-6 experts ranked by probability.
+    Model sizes other than the routing shape are placeholders (the files do not give them)."""
+    import pandas as pd
+
+    base = real_dir() / "flame-moe-290m" / "decode"
+    rows = []
+    for k in range(1, 11):
+        folder = base / ORDINALS.get(k, f"{k}th")
+        for layer in range(2, 10):
+            (csv,) = folder.glob(f"*_layer{layer}_*.csv")
+            probs = pd.read_csv(csv).filter(like="expert_").to_numpy()
+            top = np.argsort(-probs, axis=1, kind="stable")[:, :6]
+            for seq in range(probs.shape[0]):
+                rows.append((seq, k - 1, layer - 2, top[seq], probs[seq, top[seq]]))
+    rows.sort(key=lambda r: (r[0], r[1], r[2]))
+    model = ModelInfo(name="flame-moe-290m", num_layers=8, num_experts=64, top_k=6, hidden_size=512,
+                      expert_intermediate_size=512, expert_bytes=expert_bytes_for(512, 512),
+                      renormalize=False)
+    n = len(rows)
+    return Trace(
+        model=model,
+        request=np.array([r[0] for r in rows], dtype=np.int32),
+        step=np.array([r[1] for r in rows], dtype=np.int32),
+        position=np.array([r[1] for r in rows], dtype=np.int32),
+        phase=np.full(n, PHASE_CODES["decode"], dtype=np.int8),
+        layer=np.array([r[2] for r in rows], dtype=np.int16),
+        experts=np.array([r[3] for r in rows], dtype=np.int16),
+        weights=np.array([r[4] for r in rows], dtype=np.float32),
+    )
+
+
+def batch_access_stream(trace: Trace, batch: int) -> list[int]:
+    """Independent construction of the access stream of a batched decode trace: requests in
+    groups of ``batch``; per step, per layer, the distinct (layer, expert) keys in order of
+    first appearance over requests (ascending) and ranks."""
+    e = trace.model.num_experts
+    reqs = sorted(set(trace.request.tolist()))
+    group_of = {r: i // batch for i, r in enumerate(reqs)}
+    cells: dict[tuple[int, int, int], list[tuple[int, list[int]]]] = defaultdict(list)
+    for i in range(len(trace)):
+        r = int(trace.request[i])
+        cells[(group_of[r], int(trace.step[i]), int(trace.layer[i]))].append((r, trace.experts[i].tolist()))
+    out: list[int] = []
+    for key in sorted(cells):
+        seen: set[int] = set()
+        for _r, experts in sorted(cells[key], key=lambda c: c[0]):
+            for x in experts:
+                k = key[2] * e + x
+                if k not in seen:
+                    seen.add(k)
+                    out.append(k)
+    return out

@@ -11,14 +11,19 @@ from simulator.cache import ExpertCache
 from simulator.copyengine import DEMAND, CopyEngine
 from simulator.errors import MoesimError
 from simulator.hardware import LinkConfig
+from simulator.workload import build_workload
+from tests.helpers import small_model
+from traces.synth import generate
 
 EB = 100
 
 
 def make_cache(name: str, capacity_experts: int) -> tuple[ExpertCache, CopyEngine]:
     cls = EVICTION.get(name)
+    model = small_model(layers=4, experts=8, top_k=2)
+    wl = build_workload(generate(model, requests=1, tokens=30, seed=0), 1)
     ctx = PolicyContext(num_layers=4, num_experts=8, top_k=2, expert_bytes=EB,
-                        rng=np.random.default_rng(0))
+                        rng=np.random.default_rng(0), workload=wl)
     cache = ExpertCache(capacity_experts * EB, cls(cls.Params(), ctx))
     copy = CopyEngine("pcie.h2d", LinkConfig(bandwidth_gbps=1.0, latency_us=0.0), instant=True)
     return cache, copy
