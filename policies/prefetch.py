@@ -7,11 +7,16 @@ demand fetches. Policies with ``active = False`` are never called.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
+
 from policies.registry import NoParams, PolicyContext, Registry
+from simulator.errors import MoesimError
 
 
 class PrefetchPolicy(ABC):
@@ -38,6 +43,212 @@ class NoPrefetch(PrefetchPolicy):
     """No prefetching: experts are loaded on demand only."""
 
     active = False
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        return ()
+
+
+def _keys_of(ctx: PolicyContext, pass_index: int, layer: int) -> list[int]:
+    """Cache keys the workload accesses at (pass, layer), in access order."""
+    wl = ctx.workload
+    b = pass_index * ctx.num_layers + layer
+    return (wl.acc_layer[wl.off[b]:wl.off[b + 1]] * ctx.num_experts
+            + wl.acc_expert[wl.off[b]:wl.off[b + 1]]).tolist()
+
+
+def _previous_pass(ctx: PolicyContext, pass_index: int) -> int | None:
+    """The previous forward pass of the same batch group (the previous token), or None."""
+    wl = ctx.workload
+    if pass_index == 0 or wl.pass_group[pass_index - 1] != wl.pass_group[pass_index]:
+        return None
+    return pass_index - 1
+
+
+def _need_pred_next(ctx: PolicyContext, name: str) -> None:
+    if ctx.workload is None or ctx.workload.pred_next is None:
+        raise MoesimError(
+            f"prefetch policy '{name}' needs the trace's 'pred_next' column (the next layer's "
+            "router probabilities predicted from this layer's hidden state), and this trace has "
+            "none. Record it with `moesim capture --predict-next`, make a synthetic trace with "
+            "workload.trace.synth.pred_next: true, or use prefetch: previous-token, which needs "
+            "no hidden state.")
+
+
+@REGISTRY.register("oracle")
+class Oracle(PrefetchPolicy):
+    """The true experts of the next layer, read from the trace: an upper bound for any
+    next-layer predictor (``speculating-experts-prefetch.txt`` §5.1's perfect prefetch)."""
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        if layer + 1 >= self.ctx.num_layers:
+            return ()
+        return _keys_of(self.ctx, pass_index, layer + 1)
+
+
+@REGISTRY.register("previous-token")
+class PreviousToken(PrefetchPolicy):
+    """Prefetch for the next layer the experts that layer used for the previous token (the
+    previous decode pass of the same batch); needs no hidden state."""
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        prev = _previous_pass(self.ctx, pass_index)
+        if prev is None or layer + 1 >= self.ctx.num_layers:
+            return ()
+        return _keys_of(self.ctx, prev, layer + 1)
+
+
+@dataclass(frozen=True)
+class LookaheadParams:
+    """Parameters of lookahead prefetch."""
+
+    depth: int = field(default=2, metadata={"help": "number of layers ahead to prefetch (d >= 1)"})
+
+    def __post_init__(self) -> None:
+        if self.depth < 1:
+            raise ValueError(f"depth must be >= 1, got {self.depth}")
+
+
+@REGISTRY.register("lookahead")
+class Lookahead(PrefetchPolicy):
+    """Prefetch ``depth`` layers ahead: at layer l, the experts layers l+1 .. l+d used for the
+    previous token, nearest layer first (previous-token prediction extended d layers)."""
+
+    Params = LookaheadParams
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        prev = _previous_pass(self.ctx, pass_index)
+        if prev is None:
+            return ()
+        out: list[int] = []
+        for t in range(layer + 1, min(layer + 1 + self.params.depth, self.ctx.num_layers)):
+            out.extend(_keys_of(self.ctx, prev, t))
+        return out
+
+
+def _pred_scores(ctx: PolicyContext, pass_index: int, layer: int) -> np.ndarray | None:
+    """Predicted next-layer router probabilities of the pass's tokens at ``layer`` ([tokens, N])."""
+    rows = ctx.workload.rows(pass_index, layer)
+    if rows.size == 0:
+        return None
+    return ctx.workload.pred_next[rows]
+
+
+@dataclass(frozen=True)
+class TopKParams:
+    """Parameters of top-k next-gate prefetch."""
+
+    overfetch: float = field(default=1.0, metadata={
+        "help": "prefetch ceil(top_k * overfetch) experts per token (SpecMD §3.1.4)"})
+
+    def __post_init__(self) -> None:
+        if not self.overfetch > 0:
+            raise ValueError(f"overfetch must be > 0, got {self.overfetch}")
+
+
+@REGISTRY.register("next-gate-topk")
+class NextGateTopK(PrefetchPolicy):
+    """Speculative top-k prefetch (SpecMD §3.1.4; Eliseev & Mazur 2023): the next layer's
+    router applied to this layer's hidden state (the trace's ``pred_next``) gives predicted
+    probabilities; each token's top ``ceil(k * overfetch)`` experts are prefetched, the union
+    over the pass's tokens ordered by summed predicted probability."""
+
+    Params = TopKParams
+
+    def __init__(self, params: TopKParams, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        _need_pred_next(ctx, "next-gate-topk")
+        self.count = min(ctx.num_experts, math.ceil(ctx.top_k * params.overfetch))
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        if layer + 1 >= self.ctx.num_layers:
+            return ()
+        scores = _pred_scores(self.ctx, pass_index, layer)
+        if scores is None:
+            return ()
+        n = self.count
+        top = np.argpartition(-scores, n - 1, axis=1)[:, :n] if n < scores.shape[1] else None
+        total = scores.sum(axis=0)
+        chosen = np.unique(top) if top is not None else np.arange(scores.shape[1])
+        chosen = chosen[np.argsort(-total[chosen], kind="stable")]
+        base = (layer + 1) * self.ctx.num_experts
+        return (chosen + base).tolist()
+
+
+@dataclass(frozen=True)
+class PercentileParams:
+    """Parameters of score-percentile prefetch."""
+
+    percentile: float = field(default=80.0, metadata={
+        "help": "prefetch every expert whose predicted score is above this percentile (0..100)"})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.percentile < 100:
+            raise ValueError(f"percentile must be in [0, 100), got {self.percentile}")
+
+
+@REGISTRY.register("score-percentile")
+class ScorePercentile(PrefetchPolicy):
+    """Score-based prefetch (SpecMD §3.1.4, after Zhu et al. 2025): every expert whose
+    predicted next-layer score (mean over the pass's tokens of ``pred_next``) is above the
+    p-th percentile of the layer's predicted scores, highest first. The count adapts to how
+    peaked the prediction is."""
+
+    Params = PercentileParams
+
+    def __init__(self, params: PercentileParams, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        _need_pred_next(ctx, "score-percentile")
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        if layer + 1 >= self.ctx.num_layers:
+            return ()
+        scores = _pred_scores(self.ctx, pass_index, layer)
+        if scores is None:
+            return ()
+        mean = scores.mean(axis=0)
+        threshold = np.percentile(mean, self.params.percentile)
+        chosen = np.flatnonzero(mean > threshold)
+        chosen = chosen[np.argsort(-mean[chosen], kind="stable")]
+        return (chosen + (layer + 1) * self.ctx.num_experts).tolist()
+
+
+@dataclass(frozen=True)
+class StaticPinParams:
+    """Parameters of static pinning."""
+
+    fraction: float = field(default=0.5, metadata={
+        "help": "share of the cache capacity given to pinned experts (0..1]"})
+    calibration: float = field(default=0.1, metadata={
+        "help": "leading share of the forward passes whose expert use decides what is pinned"})
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+        if not 0 < self.calibration <= 1:
+            raise ValueError(f"calibration must be in (0, 1], got {self.calibration}")
+
+
+@REGISTRY.register("static-pin")
+class StaticPin(PrefetchPolicy):
+    """Keep the most frequently used experts resident: the experts used most often in the
+    first ``calibration`` share of the forward passes fill ``fraction`` of the cache before
+    the replay starts (loaded at start-up, outside the timed passes) and are never evicted;
+    the rest of the cache works as usual. No per-layer prefetching."""
+
+    Params = StaticPinParams
+    active = False
+
+    def __init__(self, params: StaticPinParams, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        wl = ctx.workload
+        n_cal = max(1, math.ceil(wl.num_passes * params.calibration))
+        end = int(wl.off[n_cal * ctx.num_layers])
+        keys = wl.keys()[:end]
+        counts = np.bincount(keys, minlength=ctx.num_layers * ctx.num_experts)
+        slots = ctx.capacity_bytes / ctx.expert_bytes if math.isfinite(ctx.capacity_bytes) else len(counts)
+        n_pin = min(int(slots * params.fraction), int((counts > 0).sum()))
+        order = np.argsort(-counts, kind="stable")[:n_pin]
+        self.static_pins: list[int] = [int(k) for k in order]
 
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:
         return ()

@@ -44,7 +44,7 @@ class PolicyContext:
     the :class:`simulator.workload.Workload` being replayed (for oracle-style policies that
     read the future from the trace); ``expert_bytes`` is the size of one expert at the
     scenario's precision; ``num_experts`` experts per layer make the cache key
-    ``layer * num_experts + expert``.
+    ``layer * num_experts + expert``; ``capacity_bytes`` is the cache's capacity.
     """
 
     num_layers: int
@@ -53,6 +53,7 @@ class PolicyContext:
     expert_bytes: int
     rng: np.random.Generator
     clock: Clock = field(default_factory=Clock)
+    capacity_bytes: float = float("inf")
     workload: Any = None
 
 

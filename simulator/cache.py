@@ -25,6 +25,7 @@ class ExpertCache:
         self.inflight: dict[int, Transfer] = {}
         self.on_evict: list[Callable[[int], None]] = []
         self.max_used = 0
+        self.static_pinned: set[int] = set()
 
     def __contains__(self, key: int) -> bool:
         return key in self.resident or key in self.inflight
@@ -41,8 +42,9 @@ class ExpertCache:
         freed = 0
         inflight = self.inflight
         resident = self.resident
+        static = self.static_pinned
         for key in self.policy.candidates():
-            if key in pinned or key in inflight or key not in resident:
+            if key in pinned or key in inflight or key not in resident or key in static:
                 continue
             victims.append(key)
             freed += resident[key]
@@ -64,8 +66,9 @@ class ExpertCache:
         freed = 0
         inflight = self.inflight
         resident = self.resident
+        static = self.static_pinned
         for key in self.policy.candidates():
-            if key in inflight:
+            if key in inflight or key in static:
                 continue
             if key in layer_keys:
                 return None
@@ -84,6 +87,21 @@ class ExpertCache:
             self.used += tr.nbytes
         if self.used > self.max_used:
             self.max_used = self.used
+
+    def preload(self, keys: list[int], nbytes: int) -> int:
+        """Make ``keys`` resident before the replay and pin them for good (static pinning);
+        stops when the capacity is full. Returns how many were loaded."""
+        loaded = 0
+        for key in keys:
+            if key in self.resident or self.used + nbytes > self.capacity:
+                continue
+            self.resident[key] = nbytes
+            self.used += nbytes
+            self.static_pinned.add(key)
+            self.policy.on_insert(key, False)
+            loaded += 1
+        self.max_used = max(self.max_used, self.used)
+        return loaded
 
     def remove(self, key: int) -> None:
         """Evict a resident entry."""

@@ -127,6 +127,21 @@ class CopyEngine:
         self.transfers += len(keys)
         return out
 
+    def promote(self, tr: Transfer) -> None:
+        """A queued prefetch is needed now: move it to demand priority (ahead of demand
+        fetches issued after it)."""
+        if tr.started or tr.priority == DEMAND:
+            return
+        idx = self._pending.index(tr)
+        del self._pending[idx]
+        del self._pending_keys[idx]
+        tr.priority = DEMAND
+        sk = (DEMAND, tr.seq)
+        new = bisect.bisect_right(self._pending_keys, sk)
+        self._pending.insert(new, tr)
+        self._pending_keys.insert(new, sk)
+        self._reproject(min(idx, new))
+
     def _reproject(self, idx: int) -> None:
         prev = self._pending[idx - 1].done if idx > 0 else self._busy_until
         for tr in self._pending[idx:]:

@@ -22,7 +22,7 @@ instant transfers, so no simulated time passes.
 from __future__ import annotations
 
 import time as _time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from policies.prefetch import REGISTRY as PREFETCH
 from policies.registry import Clock, PolicyContext
 from simulator.cache import ExpertCache
 from simulator.copyengine import DEMAND, CopyEngine, Transfer
+from simulator.copyengine import PREFETCH as PREFETCH_PRIORITY
 from simulator.cost import CostModel
 from simulator.errors import MoesimError
 from simulator.scenario import Scenario, parse_capacity
@@ -77,7 +78,8 @@ def load_trace(scenario: Scenario) -> Trace:
     return synth_from_preset(
         s.preset, layers=s.layers, experts=s.experts, top_k=s.top_k, routing=s.routing,
         requests=s.requests, prompt_tokens=s.prompt_tokens, tokens=s.tokens,
-        seed=scenario.seed if s.seed is None else s.seed)
+        seed=scenario.seed if s.seed is None else s.seed, probs=s.probs, pred_next=s.pred_next,
+        pred_noise=s.pred_noise)
 
 
 def check_fetch(decision: MissDecision) -> None:
@@ -118,6 +120,7 @@ class Simulation:
         def ctx(family_index: int) -> PolicyContext:
             return PolicyContext(num_layers=model.num_layers, num_experts=model.num_experts,
                                  top_k=model.top_k, expert_bytes=self.expert_bytes,
+                                 capacity_bytes=self.capacity,
                                  rng=np.random.default_rng([seed, family_index]),
                                  clock=self.clock, workload=workload)
 
@@ -140,7 +143,18 @@ class Simulation:
         n = workload.num_passes
         self._cols = {name: np.zeros(n, dtype=np.int64) for name in
                       ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches",
-                       "bytes")}
+                       "bytes", "prefetches_issued", "prefetches_used", "prefetch_predicted_hits",
+                       "prefetch_predicted", "prefetch_actual")}
+        self._pf_unused: set[int] = set()
+        self._layer_sets: dict[int, set[int]] = {}
+        self._keys_list: list[int] | None = None
+        if self.prefetch.active:
+            pf_unused = self._pf_unused
+            self.cache.on_evict.append(pf_unused.discard)
+        static = getattr(self.prefetch, "static_pins", None)
+        self.preloaded = 0
+        if static:
+            self.preloaded = self.cache.preload(static, self.expert_bytes)
         self._t_start = np.zeros(n)
         self._t_end = np.zeros(n)
         self._stall = np.zeros(n)
@@ -194,6 +208,11 @@ class Simulation:
             cols["hits"], cols["misses"], cols["late_prefetches"], cols["collision_misses"],
             cols["uncached_fetches"], cols["bytes"])
         t_start, t_end, stall_arr = self._t_start, self._t_end, self._stall
+        c_pf_issued, c_pf_used, c_pred_hits, c_pred_total, c_actual_total = (
+            cols["prefetches_issued"], cols["prefetches_used"], cols["prefetch_predicted_hits"],
+            cols["prefetch_predicted"], cols["prefetch_actual"])
+        propose = self.prefetch.propose
+        pf_unused = self._pf_unused
         evicted: set[int] = set()
         progress = self.progress
         n_pass = wl.num_passes
@@ -204,6 +223,7 @@ class Simulation:
             t_start[p] = env.now
             evicted.clear()
             hits = misses = late = coll = unc = 0
+            pf_issued = pf_used = pred_hits = pred_total = actual_total = 0
             stall = 0.0
             bytes0 = copy.bytes_moved
             base = p * num_l
@@ -223,7 +243,8 @@ class Simulation:
                 clock.layer = layer
                 waits: list[Transfer] = []
                 ready = now
-                arrivals: list[tuple[float, int]] | None = [] if on_arrival else None
+                promoted = False
+                arrivals: list[tuple[Transfer | None, int]] | None = [] if on_arrival else None
                 # Plan: count misses; if evictions are needed and none of them would take an
                 # expert of this layer, apply the whole layer at once (fast path); otherwise
                 # replay it one access at a time, pinning the experts looked up so far.
@@ -233,100 +254,96 @@ class Simulation:
                 if n_miss:
                     need = cache.used + n_miss * nbytes - capacity
                     victims = plan(need, set(layer_keys)) if need > 0 else []
-                if victims is not None:
-                    if victims:
-                        for key in victims:
-                            remove(key)
-                        evicted.update(victims)
-                    for i in range(lo, hi):
-                        key = keys[i]
-                        if key in resident:
-                            hits += 1
-                            on_access(key)
-                            if arrivals is not None:
-                                arrivals.append((now, i))
-                            continue
-                        tr = inflight.get(key)
-                        if tr is not None:
-                            late += 1
-                            on_access(key)
-                            waits.append(tr)
-                            if tr.done > ready:
-                                ready = tr.done
-                            if arrivals is not None:
-                                arrivals.append((tr.done, i))
-                            continue
-                        misses += 1
-                        if key in evicted:
-                            coll += 1
-                        if not always_fetch:
-                            check_fetch(decide(layer, key - layer * num_e, ranks[i]))
+                fast = victims is not None
+                if fast and victims:
+                    for key in victims:
+                        remove(key)
+                    evicted.update(victims)
+                pinned: set[int] = set()
+                for i in range(lo, hi):
+                    key = keys[i]
+                    if not fast:
+                        pinned.add(key)
+                    if key in resident:
+                        hits += 1
+                        on_access(key)
+                        if pf_unused and key in pf_unused:
+                            pf_unused.discard(key)
+                            pf_used += 1
+                        if arrivals is not None:
+                            arrivals.append((None, i))
+                        continue
+                    tr = inflight.get(key)
+                    if tr is not None:
+                        late += 1
+                        on_access(key)
+                        if pf_unused and key in pf_unused:
+                            pf_unused.discard(key)
+                            pf_used += 1
+                        if tr.priority != DEMAND and not tr.started:
+                            copy.promote(tr)
+                            promoted = True
+                        waits.append(tr)
+                        if tr.done > ready:
+                            ready = tr.done
+                        if arrivals is not None:
+                            arrivals.append((tr, i))
+                        continue
+                    misses += 1
+                    if key in evicted:
+                        coll += 1
+                    if not always_fetch:
+                        check_fetch(decide(layer, key - layer * num_e, ranks[i]))
+                    if fast:
                         on_insert(key, True)
                         fetch_keys.append(key)
                         fetch_idx.append(i)
-                    if fetch_keys:
-                        trs = submit_batch(fetch_keys, nbytes, DEMAND, now)
-                        admit(trs)
-                        if timing:
-                            waits.extend(trs)
-                            last = trs[-1].done  # same priority, issued in order: finishes last
-                            if last > ready:
-                                ready = last
-                            if arrivals is not None:
-                                arrivals.extend((tr.done, i) for tr, i in zip(trs, fetch_idx, strict=True))
-                        else:
-                            for tr in trs:
-                                complete(tr)
-                            if arrivals is not None:
-                                arrivals.extend((now, i) for i in fetch_idx)
-                        fetch_keys = []
-                        fetch_idx = []
-                else:
-                    pinned: set[int] = set()
-                    for i in range(lo, hi):
-                        key = keys[i]
-                        pinned.add(key)
-                        if key in resident:
-                            hits += 1
-                            on_access(key)
-                            if arrivals is not None:
-                                arrivals.append((now, i))
-                            continue
-                        tr = inflight.get(key)
-                        if tr is not None:
-                            late += 1
-                            on_access(key)
-                            waits.append(tr)
-                            if tr.done > ready:
-                                ready = tr.done
-                            if arrivals is not None:
-                                arrivals.append((tr.done, i))
-                            continue
-                        misses += 1
-                        if key in evicted:
-                            coll += 1
-                        if not always_fetch:
-                            check_fetch(decide(layer, key - layer * num_e, ranks[i]))
-                        room = make_room(nbytes, pinned)
-                        tr = submit(key, nbytes, DEMAND, now)
-                        if room is None:
-                            tr.bypass = True
-                            unc += 1
-                        else:
-                            evicted.update(room)
-                            reserve(tr, True)
-                        if timing:
-                            waits.append(tr)
-                            if tr.done > ready:
-                                ready = tr.done
-                            if arrivals is not None:
-                                arrivals.append((tr.done, i))
-                        else:
+                        continue
+                    room = make_room(nbytes, pinned)
+                    tr = submit(key, nbytes, DEMAND, now)
+                    if room is None:
+                        tr.bypass = True
+                        unc += 1
+                    else:
+                        evicted.update(room)
+                        reserve(tr, True)
+                    if timing:
+                        waits.append(tr)
+                        if tr.done > ready:
+                            ready = tr.done
+                        if arrivals is not None:
+                            arrivals.append((tr, i))
+                    else:
+                        complete(tr)
+                        if arrivals is not None:
+                            arrivals.append((None, i))
+                if fetch_keys:
+                    trs = submit_batch(fetch_keys, nbytes, DEMAND, now)
+                    admit(trs)
+                    if timing:
+                        waits.extend(trs)
+                        last = trs[-1].done  # same priority, issued in order: finishes last
+                        if last > ready:
+                            ready = last
+                        if arrivals is not None:
+                            arrivals.extend(zip(trs, fetch_idx, strict=True))
+                    else:
+                        for tr in trs:
                             complete(tr)
-                            if arrivals is not None:
-                                arrivals.append((now, i))
-                if prefetch_active:  # pragma: no cover - no active prefetcher registered yet
-                    raise MoesimError("prefetch policies are not supported by this engine yet")
+                        if arrivals is not None:
+                            arrivals.extend((None, i) for i in fetch_idx)
+                    fetch_keys = []
+                    fetch_idx = []
+                if promoted or not fast:
+                    ready = max((t.done for t in waits), default=now)
+                if prefetch_active:
+                    props = propose(p, layer)
+                    if props:
+                        pf = self._prefetch(props, now, base, layer, set(layer_keys), evicted, pf_unused)
+                        pf_issued += pf[0]
+                        pred_hits += pf[1]
+                        pred_total += pf[2]
+                        actual_total += pf[3]
                 # The compute process is the only submitter to its copy engine, so the finish
                 # times projected at the routing point are final: the wait for the layer's
                 # experts (stall) and their compute fold into the next timeout.
@@ -337,9 +354,9 @@ class Simulation:
                     else:
                         carry = layer_ffn[base + layer]
                 else:
-                    arrivals.sort()
+                    timed = sorted(((now if tr_a is None else tr_a.done), i) for tr_a, i in arrivals)
                     t = now
-                    for arr, i in arrivals:
+                    for arr, i in timed:
                         if arr > t:
                             stall += arr - t
                             t = arr
@@ -357,10 +374,68 @@ class Simulation:
             c_unc[p] = unc
             c_bytes[p] = copy.bytes_moved - bytes0
             stall_arr[p] = stall
+            c_pf_issued[p] = pf_issued
+            c_pf_used[p] = pf_used
+            c_pred_hits[p] = pred_hits
+            c_pred_total[p] = pred_total
+            c_actual_total[p] = actual_total
             if progress is not None and (p + 1) % report_every == 0:
                 progress(p + 1, n_pass)
         if progress is not None:
             progress(n_pass, n_pass)
+
+    def _prefetch(self, props: Sequence[int], now: float, pass_base: int, layer: int,
+                  pinned: set[int], evicted: set[int], unused: set[int]) -> tuple[int, int, int, int]:
+        """Queue prefetches for ``props`` (keys of later layers, most wanted first) at the
+        routing point of ``layer``. Returns (issued, predicted hits, predicted, actual):
+        prediction precision/recall compare each target layer's proposals with the experts
+        that layer really needs in this pass."""
+        cache = self.cache
+        copy = self.copy
+        policy = self.eviction
+        num_e = self.model.num_experts
+        num_l = self.model.num_layers
+        off = self.wl.off
+        if self._keys_list is None:
+            self._keys_list = self.wl.keys().tolist()
+        keys = self._keys_list
+        issued = 0
+        by_target: dict[int, set[int]] = {}
+        seen: set[int] = set()
+        nbytes = self.expert_bytes
+        room_left = True
+        for key in props:
+            if key in seen:
+                continue
+            seen.add(key)
+            target = key // num_e
+            if target <= layer or target >= num_l:
+                continue
+            by_target.setdefault(target, set()).add(key)
+            if key in cache.resident or key in cache.inflight:
+                policy.on_prefetch_select(key)
+                continue
+            if not room_left:
+                continue
+            victims = cache.make_room(nbytes, pinned)
+            if victims is None:
+                room_left = False
+                continue
+            evicted.update(victims)
+            tr = copy.submit(key, nbytes, PREFETCH_PRIORITY, now)
+            cache.reserve(tr, False)
+            if copy.instant:
+                cache.complete(tr)
+            unused.add(key)
+            issued += 1
+        hits = predicted = actual = 0
+        for target, keys_t in by_target.items():
+            b = pass_base + target
+            actual_set = set(keys[int(off[b]):int(off[b + 1])])
+            hits += len(keys_t & actual_set)
+            predicted += len(keys_t)
+            actual += len(actual_set)
+        return issued, hits, predicted, actual
 
     def run(self) -> Result:
         """Run the simulation to the end and derive the metrics."""
@@ -392,10 +467,16 @@ class Simulation:
             "end_s": self._t_end,
             "duration_s": self._t_end - self._t_start,
             "stall_s": self._stall,
-            **{k: v for k, v in self._cols.items() if k != "bytes"},
+            **{k: self._cols[k] for k in ("hits", "misses", "late_prefetches", "collision_misses",
+                                          "uncached_fetches")},
             "bytes_h2d": self._cols["bytes"],
             "unique_experts": uniq,
             "layers_routed": layers_routed.sum(axis=1),
+            "prefetches_issued": self._cols["prefetches_issued"],
+            "prefetches_used": self._cols["prefetches_used"],
+            "prefetch_predicted_hits": self._cols["prefetch_predicted_hits"],
+            "prefetch_predicted": self._cols["prefetch_predicted"],
+            "prefetch_actual": self._cols["prefetch_actual"],
             "gate_weight_total": wl.weight_total,
             "gate_weight_computed": wl.weight_total,  # every routed expert is computed (fetch)
             "tokens_altered": np.zeros(wl.num_passes, dtype=np.int64),

@@ -8,6 +8,12 @@ Definitions (names as in ``docs/design.md``; README "Metrics" repeats them):
 - ``late_prefetches``: accesses that found the expert's transfer still in flight.
 - ``hit_rate``: hits / (hits + misses + late_prefetches).
 - ``collision_misses``: misses on an expert evicted earlier in the same forward pass.
+- ``prefetches_issued``: prefetch transfers queued; ``prefetches_used``: prefetched experts
+  accessed (hit or late) before being evicted.
+- ``prefetch_precision`` / ``prefetch_recall``: over the layers a prefetcher made proposals
+  for, |proposed ∩ needed| / |proposed| and |proposed ∩ needed| / |needed| (prediction
+  quality, independent of what was already cached).
+- ``preloaded_experts``: experts loaded before the replay (static pinning), not timed.
 - ``uncached_fetches``: misses fetched to a staging buffer because the cache could not make
   room (every entry pinned, or capacity below one expert).
 - ``bytes_by_link``: bytes copied per link direction (e.g. ``pcie.h2d``).
@@ -68,8 +74,13 @@ def summarise(sim: Simulation, steps: pd.DataFrame, requests: pd.DataFrame) -> d
         "hit_rate": hits / accesses if accesses else None,
         "collision_misses": int(steps["collision_misses"].sum()),
         "uncached_fetches": int(steps["uncached_fetches"].sum()),
-        "prefetches_issued": 0,
-        "prefetches_used": 0,
+        "prefetches_issued": int(steps["prefetches_issued"].sum()),
+        "prefetches_used": int(steps["prefetches_used"].sum()),
+        "prefetch_precision": (_f(steps["prefetch_predicted_hits"].sum() / steps["prefetch_predicted"].sum())
+                               if steps["prefetch_predicted"].sum() else None),
+        "prefetch_recall": (_f(steps["prefetch_predicted_hits"].sum() / steps["prefetch_actual"].sum())
+                            if steps["prefetch_actual"].sum() else None),
+        "preloaded_experts": sim.preloaded,
         "expert_accesses": accesses,
         "bytes_by_link": {sim.link_name: int(steps["bytes_h2d"].sum())},
         "stall_s": float(steps["stall_s"].sum()),

@@ -45,6 +45,11 @@ class SynthSource:
     layers: int | None = field(default=None, metadata={"help": "override the preset's layer count"})
     experts: int | None = field(default=None, metadata={"help": "override experts per layer"})
     top_k: int | None = field(default=None, metadata={"help": "override top-k"})
+    probs: bool = field(default=False, metadata={"help": "record full router probabilities"})
+    pred_next: bool = field(default=False, metadata={
+        "help": "record a predictor of the next layer's router probabilities (for prefetch)"})
+    pred_noise: float = field(default=1.0, metadata={
+        "help": "noise (logit std) of that predictor: 0 = perfect"})
 
     def __post_init__(self) -> None:
         from simulator.errors import did_you_mean

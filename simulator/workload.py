@@ -60,6 +60,18 @@ class Workload:
     request_group: np.ndarray
     request_first_pass: np.ndarray
     weight_total: np.ndarray
+    row_order: np.ndarray | None = None
+    row_off: np.ndarray | None = None
+    probs: np.ndarray | None = None
+    pred_next: np.ndarray | None = None
+
+    def rows(self, pass_index: int, layer: int) -> np.ndarray:
+        """Indices into the trace's row arrays (``probs``, ``pred_next``) of the tokens of
+        (pass, layer), ordered by request then position."""
+        assert self.row_order is not None
+        assert self.row_off is not None
+        b = pass_index * self.model.num_layers + layer
+        return self.row_order[int(self.row_off[b]):int(self.row_off[b + 1])]
 
     @property
     def num_passes(self) -> int:
@@ -146,4 +158,6 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
         acc_rank=best_rank[appearance], acc_tokens=counts[appearance].astype(np.int64),
         acc_weight=wsum[appearance], request_ids=req_ids, request_group=req_group,
         request_first_pass=first_pass, weight_total=weight_total,
+        row_order=order, row_off=np.searchsorted(pl, np.arange(n_pass * num_l + 1), side="left"),
+        probs=trace.probs, pred_next=trace.pred_next,
     )

@@ -22,6 +22,7 @@ procedure (``tools/tune_synth.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -107,10 +108,17 @@ def reshape_model(model: ModelInfo, layers: int | None = None, experts: int | No
 
 def generate(model: ModelInfo, *, requests: int = 1, prompt_tokens: int = 0, tokens: int = 100,
              seed: int = 0, routing: str = "realistic", params: RoutingParams | None = None,
-             capture: dict[str, object] | None = None) -> Trace:
+             capture: dict[str, object] | None = None, probs: bool = False,
+             pred_next: bool = False, pred_noise: float = 1.0) -> Trace:
     """Generate a trace: each request is a prefill of ``prompt_tokens`` (none when 0) then
     ``tokens`` decode tokens. Requests are generated side by side (vectorised), so the cost
     is ``(prompt_tokens + tokens) * num_layers`` small numpy steps.
+
+    ``probs=True`` records the full router probabilities ``softmax(z)``. ``pred_next=True``
+    records a speculative predictor of the next layer's router probabilities,
+    ``softmax(z_next + pred_noise * N(0, 1))`` where ``z_next`` are the next layer's true
+    logits for the same token: ``pred_noise = 0`` is a perfect predictor, larger values a
+    worse one (the last layer, which has no next layer, gets a uniform vector).
     """
     for label, value, low in (("requests", requests, 1), ("prompt tokens", prompt_tokens, 0),
                               ("tokens", tokens, 0)):
@@ -131,6 +139,10 @@ def generate(model: ModelInfo, *, requests: int = 1, prompt_tokens: int = 0, tok
     total = prompt_tokens + tokens
     experts = np.empty((total, num_l, requests, k), dtype=np.int16)
     weights = np.empty((total, num_l, requests, k), dtype=np.float32)
+    probs_arr = np.empty((total, num_l, requests, num_e), dtype=np.float32) if probs else None
+    pred_arr = (np.full((total, num_l, requests, num_e), 1.0 / num_e, dtype=np.float32)
+                if pred_next else None)
+    pred_rng = np.random.default_rng([seed, 1])
     prev = np.zeros((num_l, requests, num_e), dtype=bool)
     rows = np.arange(requests)[:, None]
     for t in range(total):
@@ -148,8 +160,15 @@ def generate(model: ModelInfo, *, requests: int = 1, prompt_tokens: int = 0, tok
             top = top[rows, order]
             ztop = ztop[rows, order]
             zmax = z.max(axis=1, keepdims=True)
-            denom = np.exp(z - zmax).sum(axis=1, keepdims=True)
+            ez = np.exp(z - zmax)
+            denom = ez.sum(axis=1, keepdims=True)
             w = np.exp(ztop - zmax) / denom
+            if probs_arr is not None:
+                probs_arr[t, layer] = ez / denom
+            if pred_arr is not None and layer > 0:
+                zp = z + pred_noise * pred_rng.standard_normal(z.shape)
+                ep = np.exp(zp - zp.max(axis=1, keepdims=True))
+                pred_arr[t, layer - 1] = ep / ep.sum(axis=1, keepdims=True)
             if model.renormalize:
                 w = w / w.sum(axis=1, keepdims=True)
             experts[t, layer] = top
@@ -161,6 +180,8 @@ def generate(model: ModelInfo, *, requests: int = 1, prompt_tokens: int = 0, tok
     # rows ordered by request, position, layer
     experts = experts.transpose(2, 0, 1, 3).reshape(-1, k)
     weights = weights.transpose(2, 0, 1, 3).reshape(-1, k)
+    probs_rows = probs_arr.transpose(2, 0, 1, 3).reshape(-1, num_e) if probs_arr is not None else None
+    pred_rows = pred_arr.transpose(2, 0, 1, 3).reshape(-1, num_e) if pred_arr is not None else None
     req = np.repeat(np.arange(requests, dtype=np.int32), total * num_l)
     pos = np.tile(np.repeat(np.arange(total, dtype=np.int32), num_l), requests)
     lay = np.tile(np.arange(num_l, dtype=np.int16), requests * total)
@@ -171,15 +192,18 @@ def generate(model: ModelInfo, *, requests: int = 1, prompt_tokens: int = 0, tok
            "requests": requests, "prompt_tokens": prompt_tokens, "tokens": tokens}
     if routing == "realistic":
         cap["params"] = {"skew": p.skew, "reuse": p.reuse, "corr": p.corr}
+    if pred_next:
+        cap["pred_noise"] = pred_noise
     cap.update(capture or {})
     return Trace(model=model, request=req, step=step, position=pos, phase=phase, layer=lay,
-                 experts=experts, weights=weights, capture=cap, source="<synth>")
+                 experts=experts, weights=weights, probs=probs_rows, pred_next=pred_rows,
+                 capture=cap, source="<synth>")
 
 
 def synth_from_preset(preset: str, *, layers: int | None = None, experts: int | None = None,
                       top_k: int | None = None, routing: str = "realistic",
                       skew: float | None = None, reuse: float | None = None,
-                      corr: float | None = None, **kwargs: int) -> Trace:
+                      corr: float | None = None, **kwargs: Any) -> Trace:
     """:func:`generate` with a named preset's shape and routing defaults, plus overrides."""
     sp = get_preset(preset)
     model = reshape_model(sp.model, layers, experts, top_k)
