@@ -172,10 +172,6 @@ class Random(EvictionPolicy):
             yield keys[int(i)]
 
 
-def _layer_of(key: int, ctx: PolicyContext) -> int:
-    return key // ctx.num_experts
-
-
 @REGISTRY.register("fld")
 class FarthestLayerDistance(EvictionPolicy):
     """Farthest layer distance (HOBBIT, Tang et al. 2024; SpecMD appendix B): evict experts
@@ -197,9 +193,9 @@ class FarthestLayerDistance(EvictionPolicy):
 
     def candidates(self) -> Iterator[int]:
         cur = self.ctx.clock.layer
-        e = self.ctx.num_experts
+        layer_of = self.ctx.layer_of
         rank = {k: i for i, k in enumerate(self._order)}
-        return iter(sorted(self._order, key=lambda k: (-abs(k // e - cur), rank[k])))
+        return iter(sorted(self._order, key=lambda k: (-abs(layer_of(k) - cur), rank[k])))
 
 
 def _access_index(ctx: PolicyContext, key: int) -> int | None:
@@ -207,7 +203,7 @@ def _access_index(ctx: PolicyContext, key: int) -> int | None:
     wl = ctx.workload
     cache = getattr(ctx, "_key_cache", None)
     if cache is None:
-        cache = ctx._key_cache = wl.keys().tolist()  # type: ignore[attr-defined]
+        cache = ctx._key_cache = ctx.cache_keys(wl.keys()).tolist()  # type: ignore[attr-defined]
     base = ctx.clock.pass_index * ctx.num_layers + ctx.clock.layer
     lo, hi = int(wl.off[base]), int(wl.off[base + 1])
     try:
@@ -303,7 +299,7 @@ class LeastStale(EvictionPolicy):
 
     def _touch(self, key: int) -> None:
         self._roll()
-        layer = key // self.ctx.num_experts
+        layer = self.ctx.layer_of(key)
         if self._is_current.get(key) is False:
             del self._stale[layer][key]
         self._current[layer][key] = None
@@ -320,7 +316,7 @@ class LeastStale(EvictionPolicy):
         self.on_access(key)
 
     def on_remove(self, key: int) -> None:
-        layer = key // self.ctx.num_experts
+        layer = self.ctx.layer_of(key)
         if self._is_current.pop(key):
             del self._current[layer][key]
         else:
@@ -344,7 +340,7 @@ class Belady(EvictionPolicy):
         super().__init__(params, ctx)
         if ctx.workload is None:
             raise ValueError("belady needs the workload to read future accesses")
-        keys = ctx.workload.keys()
+        keys = ctx.cache_keys(ctx.workload.keys())
         order = np.argsort(keys, kind="stable")
         sk = keys[order]
         starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])

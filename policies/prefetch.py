@@ -1,7 +1,7 @@
 """Prefetch policies: propose experts for later layers at a layer's routing point.
 
 The engine calls :meth:`PrefetchPolicy.propose` after layer ``l``'s routing decision; the
-proposed keys (``layer * num_experts + expert``) are queued on the copy engine behind
+proposed cache keys (:meth:`PolicyContext.key`) are queued on the copy engine behind
 demand fetches. Policies with ``active = False`` are never called.
 """
 
@@ -52,8 +52,8 @@ def _keys_of(ctx: PolicyContext, pass_index: int, layer: int) -> list[int]:
     """Cache keys the workload accesses at (pass, layer), in access order."""
     wl = ctx.workload
     b = pass_index * ctx.num_layers + layer
-    return (wl.acc_layer[wl.off[b]:wl.off[b + 1]] * ctx.num_experts
-            + wl.acc_expert[wl.off[b]:wl.off[b + 1]]).tolist()
+    return ctx.cache_keys(wl.acc_layer[wl.off[b]:wl.off[b + 1]] * ctx.num_experts
+                          + wl.acc_expert[wl.off[b]:wl.off[b + 1]]).tolist()
 
 
 def _previous_pass(ctx: PolicyContext, pass_index: int) -> int | None:
@@ -170,8 +170,7 @@ class NextGateTopK(PrefetchPolicy):
         total = scores.sum(axis=0)
         chosen = np.unique(top) if top is not None else np.arange(scores.shape[1])
         chosen = chosen[np.argsort(-total[chosen], kind="stable")]
-        base = (layer + 1) * self.ctx.num_experts
-        return (chosen + base).tolist()
+        return self.ctx.cache_keys(chosen + (layer + 1) * self.ctx.num_experts).tolist()
 
 
 @dataclass(frozen=True)
@@ -209,7 +208,7 @@ class ScorePercentile(PrefetchPolicy):
         threshold = np.percentile(mean, self.params.percentile)
         chosen = np.flatnonzero(mean > threshold)
         chosen = chosen[np.argsort(-mean[chosen], kind="stable")]
-        return (chosen + (layer + 1) * self.ctx.num_experts).tolist()
+        return self.ctx.cache_keys(chosen + (layer + 1) * self.ctx.num_experts).tolist()
 
 
 @dataclass(frozen=True)
@@ -248,7 +247,7 @@ class StaticPin(PrefetchPolicy):
         slots = ctx.capacity_bytes / ctx.expert_bytes if math.isfinite(ctx.capacity_bytes) else len(counts)
         n_pin = min(int(slots * params.fraction), int((counts > 0).sum()))
         order = np.argsort(-counts, kind="stable")[:n_pin]
-        self.static_pins: list[int] = [int(k) for k in order]
+        self.static_pins: list[int] = [int(k) for k in ctx.cache_keys(order)]
 
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:
         return ()

@@ -43,8 +43,12 @@ class PolicyContext:
     ``rng`` is the policy's own generator, derived from the scenario seed; ``workload`` is
     the :class:`simulator.workload.Workload` being replayed (for oracle-style policies that
     read the future from the trace); ``expert_bytes`` is the size of one expert at the
-    scenario's precision; ``num_experts`` experts per layer make the cache key
-    ``layer * num_experts + expert``; ``capacity_bytes`` is the cache's capacity.
+    scenario's precision; ``capacity_bytes`` is the cache's capacity.
+
+    Cache keys: an expert at a precision is ``(layer * num_experts + expert) * P + q`` where
+    ``precisions`` lists the model's precisions from largest to smallest (P of them) and
+    ``q`` indexes it; ``default_precision`` is the scenario's. Use :meth:`key`,
+    :meth:`layer_of`, :meth:`base_of` and :meth:`precision_of` rather than arithmetic.
     """
 
     num_layers: int
@@ -55,6 +59,30 @@ class PolicyContext:
     clock: Clock = field(default_factory=Clock)
     capacity_bytes: float = float("inf")
     workload: Any = None
+    precisions: tuple[str, ...] = ("bf16",)
+    default_precision: int = 0
+    precision_bytes: tuple[int, ...] = ()
+
+    def key(self, layer: int, expert: int, precision: int | None = None) -> int:
+        """Cache key of ``expert`` of ``layer`` at ``precision`` (default: the scenario's)."""
+        q = self.default_precision if precision is None else precision
+        return (layer * self.num_experts + expert) * len(self.precisions) + q
+
+    def base_of(self, key: int) -> int:
+        """``layer * num_experts + expert`` of a cache key (the workload's key)."""
+        return key // len(self.precisions)
+
+    def layer_of(self, key: int) -> int:
+        """The layer of a cache key."""
+        return key // (len(self.precisions) * self.num_experts)
+
+    def precision_of(self, key: int) -> int:
+        """The precision index of a cache key."""
+        return key % len(self.precisions)
+
+    def cache_keys(self, base: Any) -> Any:
+        """Workload keys (numpy array or int) -> cache keys at the scenario's precision."""
+        return base * len(self.precisions) + self.default_precision
 
 
 P = TypeVar("P")

@@ -110,6 +110,10 @@ class Simulation:
                 "of those.")
         self.precision = precision
         self.expert_bytes = int(model.expert_bytes[precision])
+        # precisions from largest to smallest; cache key = base * P + index
+        self.precisions = tuple(sorted(model.expert_bytes, key=lambda q: -model.expert_bytes[q]))
+        self.num_prec = len(self.precisions)
+        self.default_prec = self.precisions.index(precision)
         total = model.num_layers * model.num_experts * self.expert_bytes
         self.capacity = parse_capacity(scenario.cache.capacity, self.expert_bytes, total, scenario.source)
         self.cost = CostModel(scenario.hardware, model, self.expert_bytes)
@@ -120,7 +124,9 @@ class Simulation:
         def ctx(family_index: int) -> PolicyContext:
             return PolicyContext(num_layers=model.num_layers, num_experts=model.num_experts,
                                  top_k=model.top_k, expert_bytes=self.expert_bytes,
-                                 capacity_bytes=self.capacity,
+                                 capacity_bytes=self.capacity, precisions=self.precisions,
+                                 default_precision=self.default_prec,
+                                 precision_bytes=tuple(int(model.expert_bytes[q]) for q in self.precisions),
                                  rng=np.random.default_rng([seed, family_index]),
                                  clock=self.clock, workload=workload)
 
@@ -168,7 +174,8 @@ class Simulation:
         on_arrival = self.scenario.expert_compute == "on-arrival"
         num_l = self.model.num_layers
         num_e = self.model.num_experts
-        keys = wl.keys().tolist()
+        keys = (wl.keys() * self.num_prec + self.default_prec).tolist()
+        num_p = self.num_prec
         ranks = wl.acc_rank.tolist()
         off = wl.off.tolist()
         if timing:
@@ -293,7 +300,7 @@ class Simulation:
                     if key in evicted:
                         coll += 1
                     if not always_fetch:
-                        check_fetch(decide(layer, key - layer * num_e, ranks[i]))
+                        check_fetch(decide(layer, key // num_p - layer * num_e, ranks[i]))
                     if fast:
                         on_insert(key, True)
                         fetch_keys.append(key)
@@ -397,7 +404,7 @@ class Simulation:
         num_l = self.model.num_layers
         off = self.wl.off
         if self._keys_list is None:
-            self._keys_list = self.wl.keys().tolist()
+            self._keys_list = (self.wl.keys() * self.num_prec + self.default_prec).tolist()
         keys = self._keys_list
         issued = 0
         by_target: dict[int, set[int]] = {}
@@ -408,7 +415,7 @@ class Simulation:
             if key in seen:
                 continue
             seen.add(key)
-            target = key // num_e
+            target = key // (num_e * self.num_prec)
             if target <= layer or target >= num_l:
                 continue
             by_target.setdefault(target, set()).add(key)

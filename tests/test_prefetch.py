@@ -112,7 +112,7 @@ def test_overfetch_and_percentile_counts():
     sim = Simulation(scenario(policies={"prefetch": {"name": "next-gate-topk", "overfetch": 1.5}}), trace=trace)
     assert len(sim.prefetch.propose(0, 0)) == 12  # 8 x 1.5 for one token (SpecMD's OLMoE example)
     sim = Simulation(scenario(policies={"prefetch": "score-percentile"}), trace=trace)
-    props = sim.prefetch.propose(0, 0)
+    props = [sim.prefetch.ctx.base_of(k) for k in sim.prefetch.propose(0, 0)]
     scores = trace.pred_next[sim.wl.rows(0, 0)].mean(axis=0)
     assert sorted(props) == sorted(int(e) + 64 for e in np.flatnonzero(scores > np.percentile(scores, 80)))
     assert len(props) == 13  # above the 80th percentile of 64 distinct scores
@@ -151,7 +151,8 @@ def test_static_pin_keeps_the_calibration_favourites():
     sim = Simulation(scenario(cache={"capacity": "40 experts"},
                               policies={"prefetch": {"name": "static-pin", "fraction": 0.5, "calibration": 0.2}}),
                      trace=trace)
-    pins = set(sim.prefetch.static_pins)
+    cache_pins = set(sim.prefetch.static_pins)
+    pins = {sim.prefetch.ctx.base_of(k) for k in cache_pins}
     assert len(pins) == 20
     assert sim.preloaded == 20
     wl = sim.wl
@@ -159,7 +160,7 @@ def test_static_pin_keeps_the_calibration_favourites():
     counts = np.bincount(wl.keys()[: wl.off[n_cal * 4]], minlength=256)
     assert min(counts[list(pins)]) >= max(np.delete(counts, list(pins)))
     res = sim.run()
-    assert pins <= set(sim.cache.resident)  # never evicted
+    assert cache_pins <= set(sim.cache.resident)  # never evicted
     plain = simulate(scenario(cache={"capacity": "40 experts"}), trace=trace)
     assert res.summary["hits"] != plain.summary["hits"]
 
