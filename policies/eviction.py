@@ -370,3 +370,38 @@ class Belady(EvictionPolicy):
 
     def candidates(self) -> Iterator[int]:
         return iter(sorted(self._next, key=lambda k: -self._next[k]))
+
+
+@REGISTRY.register("lhu")
+class LeastHighPrecisionUsed(EvictionPolicy):
+    """Least high-precision used (HOBBIT, Tang et al. 2024; SpecMD appendix B): lower-
+    precision copies go first (cheap to re-fetch, least recently used first); then
+    highest-precision experts by how often they were used at that precision (fewest first,
+    ties by least recent use). Pair it with a precision cascade miss policy."""
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        self._order: OrderedDict[int, None] = OrderedDict()
+        self._hp_uses: dict[int, int] = {}
+
+    def _use(self, key: int) -> None:
+        self._order.move_to_end(key)
+        if self.ctx.precision_of(key) == 0:
+            self._hp_uses[key] = self._hp_uses.get(key, 0) + 1
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        self._order[key] = None
+        if demand:
+            self._use(key)
+
+    def on_access(self, key: int) -> None:
+        self._use(key)
+
+    def on_remove(self, key: int) -> None:
+        del self._order[key]
+
+    def candidates(self) -> Iterator[int]:
+        rank = {k: i for i, k in enumerate(self._order)}
+        prec = self.ctx.precision_of
+        return iter(sorted(self._order, key=lambda k: (
+            prec(k) == 0, self._hp_uses.get(k, 0) if prec(k) == 0 else 0, rank[k])))

@@ -54,6 +54,12 @@ class CostModel:
         return (np.maximum(self.expert_bytes / self.hbm, self.expert_flops_per_token * tokens / self.peak)
                 + self.hw.expert_overhead_us * 1e-6)
 
+    def expert_time_at(self, tokens: int, nbytes: int) -> float:
+        """Seconds of one expert FFN with ``tokens`` tokens, its weights ``nbytes`` bytes (a
+        precision other than the scenario's)."""
+        return (max(nbytes / self.hbm, self.expert_flops_per_token * tokens / self.peak)
+                + self.hw.expert_overhead_us * 1e-6)
+
     def copy_time(self, nbytes: float) -> float:
         """Seconds to copy ``nbytes`` host-to-device (no queueing)."""
         return self.hw.h2d.copy_time(nbytes)

@@ -33,14 +33,15 @@ import simpy
 
 from policies.eviction import REGISTRY as EVICTION
 from policies.miss import REGISTRY as MISS
-from policies.miss import MissDecision
 from policies.prefetch import REGISTRY as PREFETCH
 from policies.registry import Clock, PolicyContext
+from policies.routing import REGISTRY as ROUTING
 from simulator.cache import ExpertCache
 from simulator.copyengine import DEMAND, CopyEngine, Transfer
 from simulator.copyengine import PREFETCH as PREFETCH_PRIORITY
 from simulator.cost import CostModel
 from simulator.errors import MoesimError
+from simulator.general import general_layer
 from simulator.scenario import Scenario, parse_capacity
 from simulator.workload import DECODE, VERIFY, Workload, build_workload
 from traces.schema import PHASES
@@ -80,12 +81,6 @@ def load_trace(scenario: Scenario) -> Trace:
         requests=s.requests, prompt_tokens=s.prompt_tokens, tokens=s.tokens,
         seed=scenario.seed if s.seed is None else s.seed, probs=s.probs, pred_next=s.pred_next,
         pred_noise=s.pred_noise)
-
-
-def check_fetch(decision: MissDecision) -> None:
-    """Only blocking fetches exist so far; other miss actions come with their policies."""
-    if decision.action != "fetch":  # pragma: no cover - no such policy registered yet
-        raise MoesimError(f"miss action '{decision.action}' is not supported by this engine")
 
 
 class Simulation:
@@ -134,6 +129,7 @@ class Simulation:
         self.eviction = EVICTION.get(pol.eviction.name)(pol.eviction.params, ctx(0))
         self.miss = MISS.get(pol.miss.name)(pol.miss.params, ctx(1))
         self.prefetch = PREFETCH.get(pol.prefetch.name)(pol.prefetch.params, ctx(2))
+        self.routing = ROUTING.get(pol.routing.name)(pol.routing.params, ctx(3))
         self.cache = ExpertCache(self.capacity, self.eviction)
         hw = scenario.hardware
         self.link_name = f"{hw.host_link}.h2d"
@@ -150,7 +146,11 @@ class Simulation:
         self._cols = {name: np.zeros(n, dtype=np.int64) for name in
                       ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches",
                        "bytes", "prefetches_issued", "prefetches_used", "prefetch_predicted_hits",
-                       "prefetch_predicted", "prefetch_actual")}
+                       "prefetch_predicted", "prefetch_actual", "low_precision_experts",
+                       "dropped_experts", "substituted_experts", "tokens_altered")}
+        self.general = self.routing.changes_routing or not self.miss.always_fetch
+        self._mass_total = workload.weight_total.astype(np.float64).copy()
+        self._mass_kept = workload.weight_total.astype(np.float64).copy()
         self._pf_unused: set[int] = set()
         self._layer_sets: dict[int, set[int]] = {}
         self._keys_list: list[int] | None = None
@@ -173,10 +173,7 @@ class Simulation:
         timing = self.scenario.timing
         on_arrival = self.scenario.expert_compute == "on-arrival"
         num_l = self.model.num_layers
-        num_e = self.model.num_experts
         keys = (wl.keys() * self.num_prec + self.default_prec).tolist()
-        num_p = self.num_prec
-        ranks = wl.acc_rank.tolist()
         off = wl.off.tolist()
         if timing:
             ffn_arr = self.cost.expert_time(wl.acc_tokens)
@@ -191,7 +188,6 @@ class Simulation:
         resident = cache.resident
         inflight = cache.inflight
         on_access = self.eviction.on_access
-        decide = self.miss.decide
         prefetch_active = self.prefetch.active
         copy = self.copy
         advance = copy.advance
@@ -206,7 +202,6 @@ class Simulation:
         on_insert = self.eviction.on_insert
         fetch_keys: list[int] = []
         fetch_idx: list[int] = []
-        always_fetch = self.miss.always_fetch
         complete = cache.complete
         clock = self.clock
         nbytes = self.expert_bytes
@@ -220,6 +215,10 @@ class Simulation:
             cols["prefetch_predicted"], cols["prefetch_actual"])
         propose = self.prefetch.propose
         pf_unused = self._pf_unused
+        general = self.general
+        c_low, c_drop, c_sub, c_alt = (cols["low_precision_experts"], cols["dropped_experts"],
+                                       cols["substituted_experts"], cols["tokens_altered"])
+        mass_t, mass_k = self._mass_total, self._mass_kept
         evicted: set[int] = set()
         progress = self.progress
         n_pass = wl.num_passes
@@ -231,6 +230,9 @@ class Simulation:
             evicted.clear()
             hits = misses = late = coll = unc = 0
             pf_issued = pf_used = pred_hits = pred_total = actual_total = 0
+            low_prec = dropped = substituted = 0
+            mass_total = mass_kept = 0.0
+            altered: set[tuple[int, int]] = set()
             stall = 0.0
             bytes0 = copy.bytes_moved
             base = p * num_l
@@ -248,6 +250,42 @@ class Simulation:
                 advance(now)
                 clock.now = now
                 clock.layer = layer
+                if general:
+                    g = general_layer(self, p, layer, now, evicted, pf_unused)
+                    hits += g.hits
+                    misses += g.misses
+                    late += g.late
+                    coll += g.collisions
+                    unc += g.uncached
+                    pf_used += g.pf_used
+                    low_prec += g.low_precision
+                    dropped += g.dropped
+                    substituted += g.substituted
+                    mass_total += g.mass_total
+                    mass_kept += g.mass_retained
+                    altered |= g.altered
+                    if prefetch_active:
+                        props = propose(p, layer)
+                        if props:
+                            pf = self._prefetch(props, now, base, layer, g.pinned, evicted, pf_unused)
+                            pf_issued += pf[0]
+                            pred_hits += pf[1]
+                            pred_total += pf[2]
+                            actual_total += pf[3]
+                    timed_g = sorted(((now if tr_g is None else tr_g.done), f) for tr_g, f in g.computes)
+                    if on_arrival:
+                        t = now
+                        for arr, f in timed_g:
+                            if arr > t:
+                                stall += arr - t
+                                t = arr
+                            t += f
+                        carry = t - now
+                    else:
+                        ready_g = max((arr for arr, _ in timed_g), default=now)
+                        stall += ready_g - now
+                        carry = ready_g - now + sum(f for _, f in timed_g)
+                    continue
                 waits: list[Transfer] = []
                 ready = now
                 promoted = False
@@ -299,8 +337,6 @@ class Simulation:
                     misses += 1
                     if key in evicted:
                         coll += 1
-                    if not always_fetch:
-                        check_fetch(decide(layer, key // num_p - layer * num_e, ranks[i]))
                     if fast:
                         on_insert(key, True)
                         fetch_keys.append(key)
@@ -386,6 +422,13 @@ class Simulation:
             c_pred_hits[p] = pred_hits
             c_pred_total[p] = pred_total
             c_actual_total[p] = actual_total
+            if general:
+                c_low[p] = low_prec
+                c_drop[p] = dropped
+                c_sub[p] = substituted
+                mass_t[p] = mass_total
+                mass_k[p] = mass_kept
+                c_alt[p] = len(altered)
             if progress is not None and (p + 1) % report_every == 0:
                 progress(p + 1, n_pass)
         if progress is not None:
@@ -484,9 +527,12 @@ class Simulation:
             "prefetch_predicted_hits": self._cols["prefetch_predicted_hits"],
             "prefetch_predicted": self._cols["prefetch_predicted"],
             "prefetch_actual": self._cols["prefetch_actual"],
-            "gate_weight_total": wl.weight_total,
-            "gate_weight_computed": wl.weight_total,  # every routed expert is computed (fetch)
-            "tokens_altered": np.zeros(wl.num_passes, dtype=np.int64),
+            "low_precision_experts": self._cols["low_precision_experts"],
+            "dropped_experts": self._cols["dropped_experts"],
+            "substituted_experts": self._cols["substituted_experts"],
+            "gate_weight_total": self._mass_total,
+            "gate_weight_computed": self._mass_kept,
+            "tokens_altered": self._cols["tokens_altered"],
         })
 
     def _requests_frame(self) -> pd.DataFrame:

@@ -14,6 +14,10 @@ Definitions (names as in ``docs/design.md``; README "Metrics" repeats them):
   for, |proposed ∩ needed| / |proposed| and |proposed ∩ needed| / |needed| (prediction
   quality, independent of what was already cached).
 - ``preloaded_experts``: experts loaded before the replay (static pinning), not timed.
+- ``low_precision_experts``: expert computations at a precision below the scenario's
+  (fetch-lowest-bit, fetch-priority, or a resident lower-precision copy used as a hit).
+- ``dropped_experts`` / ``substituted_experts``: missed experts that were skipped, or
+  replaced by another expert (substitute, speculative), per (pass, layer).
 - ``uncached_fetches``: misses fetched to a staging buffer because the cache could not make
   room (every entry pinned, or capacity below one expert).
 - ``bytes_by_link``: bytes copied per link direction (e.g. ``pcie.h2d``).
@@ -81,6 +85,9 @@ def summarise(sim: Simulation, steps: pd.DataFrame, requests: pd.DataFrame) -> d
         "prefetch_recall": (_f(steps["prefetch_predicted_hits"].sum() / steps["prefetch_actual"].sum())
                             if steps["prefetch_actual"].sum() else None),
         "preloaded_experts": sim.preloaded,
+        "low_precision_experts": int(steps["low_precision_experts"].sum()),
+        "dropped_experts": int(steps["dropped_experts"].sum()),
+        "substituted_experts": int(steps["substituted_experts"].sum()),
         "expert_accesses": accesses,
         "bytes_by_link": {sim.link_name: int(steps["bytes_h2d"].sum())},
         "stall_s": float(steps["stall_s"].sum()),

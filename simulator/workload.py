@@ -64,6 +64,7 @@ class Workload:
     row_off: np.ndarray | None = None
     probs: np.ndarray | None = None
     pred_next: np.ndarray | None = None
+    trace: Trace | None = None
 
     def rows(self, pass_index: int, layer: int) -> np.ndarray:
         """Indices into the trace's row arrays (``probs``, ``pred_next``) of the tokens of
@@ -159,5 +160,5 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
         acc_weight=wsum[appearance], request_ids=req_ids, request_group=req_group,
         request_first_pass=first_pass, weight_total=weight_total,
         row_order=order, row_off=np.searchsorted(pl, np.arange(n_pass * num_l + 1), side="left"),
-        probs=trace.probs, pred_next=trace.pred_next,
+        probs=trace.probs, pred_next=trace.pred_next, trace=trace,
     )
