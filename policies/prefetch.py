@@ -197,18 +197,46 @@ class ScorePercentile(PrefetchPolicy):
     def __init__(self, params: PercentileParams, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
         _need_pred_next(ctx, "score-percentile")
+        self._lo = self._hi = 0
+        self._props: dict[tuple[int, int], list[int]] = {}
+
+    CHUNK = 256
 
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:
         if layer + 1 >= self.ctx.num_layers:
             return ()
-        scores = _pred_scores(self.ctx, pass_index, layer)
-        if scores is None:
-            return ()
-        mean = scores.mean(axis=0)
-        threshold = np.percentile(mean, self.params.percentile)
-        chosen = np.flatnonzero(mean > threshold)
-        chosen = chosen[np.argsort(-mean[chosen], kind="stable")]
-        return self.ctx.cache_keys(chosen + (layer + 1) * self.ctx.num_experts).tolist()
+        if not self._lo <= pass_index < self._hi:
+            self._plan(pass_index)
+        return self._props.get((pass_index, layer), ())
+
+    def _plan(self, first: int) -> None:
+        """Proposals for every (pass, layer) of passes ``first .. first + CHUNK`` at once:
+        mean predicted scores by ``reduceat``, thresholds by one percentile call."""
+        ctx = self.ctx
+        wl = ctx.workload
+        num_l = ctx.num_layers
+        last = min(first + self.CHUNK, wl.num_passes)
+        self._lo, self._hi = first, last
+        self._props = {}
+        bounds = wl.row_off[first * num_l:last * num_l + 1]
+        lo = int(bounds[0])
+        counts = np.diff(bounds)
+        groups = np.flatnonzero(counts > 0)
+        if groups.size == 0:
+            return
+        pred = wl.pred_next[wl.row_order[lo:int(bounds[-1])]]
+        sums = np.add.reduceat(pred, (bounds[groups] - lo).astype(np.int64), axis=0)
+        means = sums / counts[groups][:, None]
+        thresholds = np.percentile(means, self.params.percentile, axis=1)
+        above = means > thresholds[:, None]
+        base = ctx.num_experts
+        for g, m, sel in zip(groups.tolist(), means, above, strict=True):
+            layer = g % num_l
+            if layer + 1 >= num_l:
+                continue
+            chosen = np.flatnonzero(sel)
+            chosen = chosen[np.argsort(-m[chosen], kind="stable")]
+            self._props[(first + g // num_l, layer)] = ctx.cache_keys(chosen + (layer + 1) * base).tolist()
 
 
 @dataclass(frozen=True)

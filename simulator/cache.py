@@ -88,6 +88,34 @@ class ExpertCache:
         if self.used > self.max_used:
             self.max_used = self.used
 
+    def room_for(self, n: int, nbytes: int, pinned: Container[int]) -> tuple[int, list[int]]:
+        """How many of ``n`` entries of ``nbytes`` can be admitted in order, and the victims
+        (in eviction order) that make room for them; evicts nothing. Equivalent to making
+        room one entry at a time while the earlier ones are in flight (pinned)."""
+        free = self.capacity - self.used
+        if n * nbytes <= free:
+            return n, []
+        victims: list[int] = []
+        inflight = self.inflight
+        resident = self.resident
+        static = self.static_pinned
+        admitted = int(max(free, 0) // nbytes) if nbytes else n
+        for key in self.policy.candidates():
+            if admitted >= n:
+                break
+            if key in pinned or key in inflight or key not in resident or key in static:
+                continue
+            victims.append(key)
+            free += resident[key]
+            admitted = int(free // nbytes)
+        return min(admitted, n), victims
+
+    def cancel(self, tr: Transfer) -> None:
+        """Drop the in-flight entry of a cancelled transfer."""
+        del self.inflight[tr.key]
+        self.used -= tr.nbytes
+        self.policy.on_remove(tr.key)
+
     def preload(self, keys: list[int], nbytes: int) -> int:
         """Make ``keys`` resident before the replay and pin them for good (static pinning);
         stops when the capacity is full. Returns how many were loaded."""

@@ -142,6 +142,51 @@ class CopyEngine:
         self._pending_keys.insert(new, sk)
         self._reproject(min(idx, new))
 
+    def promote_many(self, trs: list[Transfer]) -> None:
+        """:meth:`promote` for several queued prefetches, re-projecting the queue once."""
+        trs = [t for t in trs if not t.started and t.priority != DEMAND]
+        if not trs:
+            return
+        moving = {id(t) for t in trs}
+        first = min(self._pending.index(t) for t in trs)
+        rest = [t for t in self._pending if id(t) not in moving]
+        for t in trs:
+            t.priority = DEMAND
+        pending = sorted(rest + trs, key=lambda t: (t.priority, t.seq))
+        self._pending[:] = pending
+        self._pending_keys[:] = [(t.priority, t.seq) for t in pending]
+        self._reproject(first)
+
+    def cancel_many(self, trs: list[Transfer]) -> list[Transfer]:
+        """Withdraw the queued (not started) transfers among ``trs``; returns those withdrawn."""
+        gone = [t for t in trs if not t.started]
+        if not gone:
+            return gone
+        ids = {id(t) for t in gone}
+        first = min(self._pending.index(t) for t in gone)
+        keep = [t for t in self._pending if id(t) not in ids]
+        self._pending[:] = keep
+        self._pending_keys[:] = [(t.priority, t.seq) for t in keep]
+        for t in gone:
+            self.bytes_moved -= t.nbytes
+            self.transfers -= 1
+        if first < len(keep):
+            self._reproject(first)
+        return gone
+
+    def cancel(self, tr: Transfer) -> bool:
+        """Withdraw a queued transfer that has not started; returns False if it had."""
+        if tr.started:
+            return False
+        idx = self._pending.index(tr)
+        del self._pending[idx]
+        del self._pending_keys[idx]
+        self.bytes_moved -= tr.nbytes
+        self.transfers -= 1
+        if idx < len(self._pending):
+            self._reproject(idx)
+        return True
+
     def _reproject(self, idx: int) -> None:
         prev = self._pending[idx - 1].done if idx > 0 else self._busy_until
         for tr in self._pending[idx:]:

@@ -147,7 +147,9 @@ class Simulation:
                       ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches",
                        "bytes", "prefetches_issued", "prefetches_used", "prefetch_predicted_hits",
                        "prefetch_predicted", "prefetch_actual", "low_precision_experts",
-                       "dropped_experts", "substituted_experts", "tokens_altered")}
+                       "dropped_experts", "substituted_experts", "tokens_altered",
+                       "prefetches_cancelled")}
+        self._pf_pending: dict[int, list[Transfer]] = {}
         self.general = self.routing.changes_routing or not self.miss.always_fetch
         self._mass_total = workload.weight_total.astype(np.float64).copy()
         self._mass_kept = workload.weight_total.astype(np.float64).copy()
@@ -216,6 +218,9 @@ class Simulation:
         propose = self.prefetch.propose
         pf_unused = self._pf_unused
         general = self.general
+        pf_pending = self._pf_pending
+        to_promote: list[Transfer] = []
+        c_cancel = cols["prefetches_cancelled"]
         c_low, c_drop, c_sub, c_alt = (cols["low_precision_experts"], cols["dropped_experts"],
                                        cols["substituted_experts"], cols["tokens_altered"])
         mass_t, mass_k = self._mass_total, self._mass_kept
@@ -230,7 +235,7 @@ class Simulation:
             evicted.clear()
             hits = misses = late = coll = unc = 0
             pf_issued = pf_used = pred_hits = pred_total = actual_total = 0
-            low_prec = dropped = substituted = 0
+            low_prec = dropped = substituted = cancelled = 0
             mass_total = mass_kept = 0.0
             altered: set[tuple[int, int]] = set()
             stall = 0.0
@@ -264,6 +269,8 @@ class Simulation:
                     mass_total += g.mass_total
                     mass_kept += g.mass_retained
                     altered |= g.altered
+                    if pf_pending:
+                        cancelled += self._cancel_stale_prefetches(layer)
                     if prefetch_active:
                         props = propose(p, layer)
                         if props:
@@ -326,8 +333,7 @@ class Simulation:
                             pf_unused.discard(key)
                             pf_used += 1
                         if tr.priority != DEMAND and not tr.started:
-                            copy.promote(tr)
-                            promoted = True
+                            to_promote.append(tr)
                         waits.append(tr)
                         if tr.done > ready:
                             ready = tr.done
@@ -377,6 +383,12 @@ class Simulation:
                             arrivals.extend((None, i) for i in fetch_idx)
                     fetch_keys = []
                     fetch_idx = []
+                if to_promote:
+                    copy.promote_many(to_promote)
+                    to_promote = []
+                    promoted = True
+                if pf_pending:
+                    cancelled += self._cancel_stale_prefetches(layer)
                 if promoted or not fast:
                     ready = max((t.done for t in waits), default=now)
                 if prefetch_active:
@@ -422,6 +434,7 @@ class Simulation:
             c_pred_hits[p] = pred_hits
             c_pred_total[p] = pred_total
             c_actual_total[p] = actual_total
+            c_cancel[p] = cancelled
             if general:
                 c_low[p] = low_prec
                 c_drop[p] = dropped
@@ -433,6 +446,21 @@ class Simulation:
                 progress(p + 1, n_pass)
         if progress is not None:
             progress(n_pass, n_pass)
+
+    def _cancel_stale_prefetches(self, layer: int) -> int:
+        """At ``layer``'s routing point, withdraw prefetches for this layer (or earlier) that
+        are still queued: the layer did not need them (a needed one was promoted to demand),
+        so they can no longer help. Their room is freed and their bytes are not moved."""
+        stale: list[Transfer] = []
+        for target in [t for t in self._pf_pending if t <= layer]:
+            stale.extend(tr for tr in self._pf_pending.pop(target) if tr.priority != DEMAND)
+        if not stale:
+            return 0
+        gone = self.copy.cancel_many(stale)
+        for tr in gone:
+            self.cache.cancel(tr)
+            self._pf_unused.discard(tr.key)
+        return len(gone)
 
     def _prefetch(self, props: Sequence[int], now: float, pass_base: int, layer: int,
                   pinned: set[int], evicted: set[int], unused: set[int]) -> tuple[int, int, int, int]:
@@ -449,11 +477,10 @@ class Simulation:
         if self._keys_list is None:
             self._keys_list = (self.wl.keys() * self.num_prec + self.default_prec).tolist()
         keys = self._keys_list
-        issued = 0
         by_target: dict[int, set[int]] = {}
         seen: set[int] = set()
         nbytes = self.expert_bytes
-        room_left = True
+        wanted: list[int] = []
         for key in props:
             if key in seen:
                 continue
@@ -465,19 +492,28 @@ class Simulation:
             if key in cache.resident or key in cache.inflight:
                 policy.on_prefetch_select(key)
                 continue
-            if not room_left:
-                continue
-            victims = cache.make_room(nbytes, pinned)
-            if victims is None:
-                room_left = False
-                continue
+            wanted.append(key)
+        issued = 0
+        if wanted:
+            n, victims = cache.room_for(len(wanted), nbytes, pinned)
+            for v in victims:
+                cache.remove(v)
             evicted.update(victims)
-            tr = copy.submit(key, nbytes, PREFETCH_PRIORITY, now)
-            cache.reserve(tr, False)
-            if copy.instant:
-                cache.complete(tr)
-            unused.add(key)
-            issued += 1
+            admit = wanted[:n]
+            if admit:
+                trs = copy.submit_batch(admit, nbytes, PREFETCH_PRIORITY, now)
+                for tr in trs:
+                    policy.on_insert(tr.key, False)
+                cache.admit(trs)
+                if copy.instant:
+                    for tr in trs:
+                        cache.complete(tr)
+                else:
+                    pending = self._pf_pending
+                    for tr in trs:
+                        pending.setdefault(tr.key // (num_e * self.num_prec), []).append(tr)
+                unused.update(admit)
+                issued = len(trs)
         hits = predicted = actual = 0
         for target, keys_t in by_target.items():
             b = pass_base + target
@@ -524,6 +560,7 @@ class Simulation:
             "layers_routed": layers_routed.sum(axis=1),
             "prefetches_issued": self._cols["prefetches_issued"],
             "prefetches_used": self._cols["prefetches_used"],
+            "prefetches_cancelled": self._cols["prefetches_cancelled"],
             "prefetch_predicted_hits": self._cols["prefetch_predicted_hits"],
             "prefetch_predicted": self._cols["prefetch_predicted"],
             "prefetch_actual": self._cols["prefetch_actual"],

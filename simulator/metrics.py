@@ -9,7 +9,9 @@ Definitions (names as in ``docs/design.md``; README "Metrics" repeats them):
 - ``hit_rate``: hits / (hits + misses + late_prefetches).
 - ``collision_misses``: misses on an expert evicted earlier in the same forward pass.
 - ``prefetches_issued``: prefetch transfers queued; ``prefetches_used``: prefetched experts
-  accessed (hit or late) before being evicted.
+  accessed (hit or late) before being evicted; ``prefetches_cancelled``: prefetches still
+  queued (not started) when their target layer was reached without needing them, withdrawn
+  (no bytes moved).
 - ``prefetch_precision`` / ``prefetch_recall``: over the layers a prefetcher made proposals
   for, |proposed ∩ needed| / |proposed| and |proposed ∩ needed| / |needed| (prediction
   quality, independent of what was already cached).
@@ -80,6 +82,7 @@ def summarise(sim: Simulation, steps: pd.DataFrame, requests: pd.DataFrame) -> d
         "uncached_fetches": int(steps["uncached_fetches"].sum()),
         "prefetches_issued": int(steps["prefetches_issued"].sum()),
         "prefetches_used": int(steps["prefetches_used"].sum()),
+        "prefetches_cancelled": int(steps["prefetches_cancelled"].sum()),
         "prefetch_precision": (_f(steps["prefetch_predicted_hits"].sum() / steps["prefetch_predicted"].sum())
                                if steps["prefetch_predicted"].sum() else None),
         "prefetch_recall": (_f(steps["prefetch_predicted_hits"].sum() / steps["prefetch_actual"].sum())
