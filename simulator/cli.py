@@ -187,6 +187,23 @@ def trace_synth(preset: str, requests: int, prompt_tokens: int, tokens: int, see
                f"{t.model.num_layers} layers x {t.model.num_experts} experts top-{t.model.top_k}")
 
 
+@trace.command("import")
+@click.option("--format", "fmt", required=True, help="Log layout: expert-jsonl.")
+@click.argument("src", nargs=-1, required=True, type=click.Path())
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output Parquet file (written atomically).")
+@click.option("--model-preset", default=None, help="Synthetic preset giving the model shapes the log lacks (e.g. mixtral-8x7b).")
+def trace_import(fmt: str, src: tuple[str, ...], out: str, model_preset: str | None) -> None:
+    """Convert routing logs (files or folders SRC...) written by other tools into a v1 trace."""
+    from traces.importers import import_trace
+    from traces.io import write_trace
+
+    t, report = import_trace(fmt, list(src), model_preset)
+    write_trace(t, out)
+    click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens")
+    for note in report.notes:
+        click.echo(f"note: {note}")
+
+
 @cli.command("policies")
 def policies_cmd() -> None:
     """List every registered policy by family with its parameters and defaults."""

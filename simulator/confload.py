@@ -18,6 +18,11 @@ from simulator.errors import MoesimError, did_you_mean
 T = TypeVar("T")
 
 
+def yaml_name(f: dataclasses.Field[Any]) -> str:
+    """The key a field has in YAML (``metadata['yaml']``, e.g. ``import``; else its name)."""
+    return str(f.metadata.get("yaml", f.name))
+
+
 def help_of(f: dataclasses.Field[Any]) -> str:
     """The help text of a dataclass field ('' when none)."""
     return str(f.metadata.get("help", ""))
@@ -103,7 +108,7 @@ def build(cls: type[T], data: Any, path: str = "", where: str = "") -> T:
         data = {}
     if not isinstance(data, dict):
         raise _err(where, path or "<top>", f"must be a mapping of keys to values, got {data!r}.")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    fields = {yaml_name(f): f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     hints = get_type_hints(cls)
     unknown = [k for k in data if k not in fields]
     if unknown:
@@ -114,7 +119,7 @@ def build(cls: type[T], data: Any, path: str = "", where: str = "") -> T:
     kwargs = {}
     for name, f in fields.items():
         if name in data:
-            kwargs[name] = convert(hints[name], data[name], _join(path, name), where)
+            kwargs[f.name] = convert(hints[f.name], data[name], _join(path, name), where)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise _err(where, _join(path, name), f"is required ({help_of(f)}).")
     try:
@@ -130,7 +135,7 @@ def to_plain(obj: Any) -> Any:
         for f in dataclasses.fields(obj):
             if f.metadata.get("internal"):
                 continue
-            out[f.name] = to_plain(getattr(obj, f.name))
+            out[yaml_name(f)] = to_plain(getattr(obj, f.name))
         return out
     if isinstance(obj, dict):
         return {str(k): to_plain(v) for k, v in obj.items()}
@@ -150,5 +155,5 @@ def describe_fields(cls: type) -> list[tuple[str, str, Any, str]]:
         elif f.default is dataclasses.MISSING:
             default = "(required)"
         tp = hints[f.name]
-        rows.append((f.name, getattr(tp, "__name__", str(tp)), default, help_of(f)))
+        rows.append((yaml_name(f), getattr(tp, "__name__", str(tp)), default, help_of(f)))
     return rows

@@ -65,6 +65,14 @@ class Result:
 def load_trace(scenario: Scenario) -> Trace:
     """The scenario's trace: read from its path, or synthesised in-process."""
     src = scenario.workload.trace
+    if src.import_ is not None:
+        from traces.importers import import_trace
+
+        imp = src.import_
+        ip = Path(imp.path)
+        if not ip.is_absolute():
+            ip = Path(scenario.base_dir) / ip
+        return import_trace(imp.format, [ip], imp.model_preset)[0]
     if src.path is not None:
         from traces.io import read_trace
 

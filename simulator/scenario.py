@@ -68,15 +68,27 @@ class SynthSource:
 
 
 @dataclass(frozen=True)
+class ImportSource:
+    """A routing log converted in-process (``moesim trace import`` with the same options)."""
+
+    format: str = field(metadata={"help": "import format, e.g. expert-jsonl"})
+    path: str = field(metadata={"help": "file or folder (relative to the scenario file)"})
+    model_preset: str | None = field(default=None, metadata={
+        "help": "synthetic preset giving the model shapes the log lacks"})
+
+
+@dataclass(frozen=True)
 class TraceSource:
-    """Where the workload's trace comes from: exactly one of ``synth`` and ``path``."""
+    """Where the workload's trace comes from: exactly one of ``synth``, ``path``, ``import``."""
 
     synth: SynthSource | None = field(default=None, metadata={"help": "synthetic trace options"})
     path: str | None = field(default=None, metadata={"help": "a v1 Parquet trace (relative to the scenario file)"})
+    import_: ImportSource | None = field(default=None, metadata={
+        "help": "a routing log imported in-process (YAML key: import)", "yaml": "import"})
 
     def __post_init__(self) -> None:
-        if (self.synth is None) == (self.path is None):
-            raise ValueError("give exactly one of 'synth' and 'path'")
+        if sum(x is not None for x in (self.synth, self.path, self.import_)) != 1:
+            raise ValueError("give exactly one of 'synth', 'path' and 'import'")
 
 
 @dataclass(frozen=True)
