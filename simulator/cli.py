@@ -216,12 +216,14 @@ def policies_cmd() -> None:
     table = Table(header_style="bold")
     for col in ("family", "name", "parameters", "description"):
         table.add_column(col)
+    from rich.markup import escape
+
     for fam, reg in families().items():
         for name, cls in reg.items():
             params = describe_fields(cls.Params)
             ptxt = "\n".join(f"{n}: {t} = {d!r}  {h}" for n, t, d, h in params) or "-"
-            doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-            table.add_row(fam, name, ptxt, doc)
+            doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+            table.add_row(fam, name, escape(ptxt), escape(doc))
     Console().print(table)
 
 
