@@ -286,9 +286,11 @@ class LeastStale(EvictionPolicy):
         self._current: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n)]
         self._is_current: dict[int, bool] = {}
         self._pass = 0
+        self._div = ctx.num_experts * len(ctx.precisions)  # key // _div = layer
+        self._clock = ctx.clock
 
     def _roll(self) -> None:
-        p = self.ctx.clock.pass_index
+        p = self._clock.pass_index
         if p != self._pass:
             for stale, cur in zip(self._stale, self._current, strict=True):
                 stale.update(cur)
@@ -298,8 +300,9 @@ class LeastStale(EvictionPolicy):
             self._pass = p
 
     def _touch(self, key: int) -> None:
-        self._roll()
-        layer = self.ctx.layer_of(key)
+        if self._clock.pass_index != self._pass:
+            self._roll()
+        layer = key // self._div
         if self._is_current.get(key) is False:
             del self._stale[layer][key]
         self._current[layer][key] = None
@@ -309,14 +312,14 @@ class LeastStale(EvictionPolicy):
         self._touch(key)
 
     def on_access(self, key: int) -> None:
-        if self.ctx.clock.pass_index != self._pass or not self._is_current.get(key):
+        if self._clock.pass_index != self._pass or not self._is_current.get(key):
             self._touch(key)
 
     def on_prefetch_select(self, key: int) -> None:
         self.on_access(key)
 
     def on_remove(self, key: int) -> None:
-        layer = self.ctx.layer_of(key)
+        layer = key // self._div
         if self._is_current.pop(key):
             del self._current[layer][key]
         else:

@@ -31,7 +31,7 @@ DEMAND, PREFETCH = 0, 1
 class Transfer:
     """One copy of one expert. ``done`` is projected until :attr:`started`."""
 
-    __slots__ = ("bypass", "done", "issued", "key", "nbytes", "priority", "seq", "start", "started")
+    __slots__ = ("bypass", "done", "dur", "issued", "key", "nbytes", "priority", "seq", "start", "started")
 
     def __init__(self, key: int, nbytes: int, priority: int, issued: float, seq: int) -> None:
         self.key = key
@@ -43,6 +43,7 @@ class Transfer:
         self.done = issued
         self.started = False
         self.bypass = False  # copied to a staging buffer, not kept in the cache
+        self.dur = 0.0
 
 
 class CopyEngine:
@@ -92,10 +93,12 @@ class CopyEngine:
             dur = self._time_cache.get(nbytes)
             if dur is None:
                 dur = self.duration(nbytes)
+            tr.dur = dur
             tr.done = tr.start + dur
             pending.append(tr)
             self._pending_keys.append(sk)
             return tr
+        tr.dur = self.duration(nbytes)
         idx = bisect.bisect_right(self._pending_keys, sk)
         pending.insert(idx, tr)
         self._pending_keys.insert(idx, sk)
@@ -116,6 +119,7 @@ class CopyEngine:
         out = []
         for key in keys:
             tr = Transfer(key, nbytes, priority, now, seq)
+            tr.dur = dur
             tr.start = prev if prev > now else now
             prev = tr.done = tr.start + dur
             pending.append(tr)
@@ -188,11 +192,14 @@ class CopyEngine:
         return True
 
     def _reproject(self, idx: int) -> None:
-        prev = self._pending[idx - 1].done if idx > 0 else self._busy_until
-        for tr in self._pending[idx:]:
-            tr.start = max(prev, tr.issued)
-            tr.done = tr.start + self.duration(tr.nbytes)
-            prev = tr.done
+        pending = self._pending
+        prev = pending[idx - 1].done if idx > 0 else self._busy_until
+        for i in range(idx, len(pending)):
+            tr = pending[i]
+            issued = tr.issued
+            start = prev if prev > issued else issued
+            tr.start = start
+            prev = tr.done = start + tr.dur
 
     def advance(self, now: float) -> None:
         """Start transfers whose start time is before ``now``; complete those finished by
