@@ -15,6 +15,8 @@ import click
 
 from simulator.errors import MoesimError
 
+IMPORT_FORMATS = ("expert-jsonl",)  # keep in step with traces.importers.IMPORTERS (tested)
+
 
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
@@ -167,10 +169,14 @@ def trace_info_cmd(file: str, as_json: bool) -> None:
 @click.option("--skew", type=float, default=None, help="Popularity skew parameter (logit scale).")
 @click.option("--reuse", type=float, default=None, help="Previous-token reuse bonus (logits).")
 @click.option("--corr", type=float, default=None, help="Cross-layer correlation scale (logits).")
+@click.option("--probs", is_flag=True, help="Record full router probabilities (for substitute, cache-aware routing).")
+@click.option("--pred-next", is_flag=True, help="Record a next-layer router predictor (for next-gate-topk, score-percentile, speculative).")
+@click.option("--pred-noise", type=float, default=1.0, show_default=True, help="Noise of that predictor (logit std; 0 = perfect).")
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output Parquet file (written atomically).")
 def trace_synth(preset: str, requests: int, prompt_tokens: int, tokens: int, seed: int, routing: str,
                 layers: int | None, experts: int | None, top_k: int | None, skew: float | None,
-                reuse: float | None, corr: float | None, out: str) -> None:
+                reuse: float | None, corr: float | None, probs: bool, pred_next: bool,
+                pred_noise: float, out: str) -> None:
     """Write a synthetic trace: REQUESTS requests, each a prefill of PROMPT_TOKENS tokens then
     TOKENS decode tokens, with the preset's shape and tuned routing statistics."""
     from traces.io import write_trace
@@ -181,14 +187,16 @@ def trace_synth(preset: str, requests: int, prompt_tokens: int, tokens: int, see
             raise MoesimError(f"{name} must be >= 1, got {value}.")
     t = synth_from_preset(preset, layers=layers, experts=experts, top_k=top_k, routing=routing,
                           skew=skew, reuse=reuse, corr=corr, requests=requests,
-                          prompt_tokens=prompt_tokens, tokens=tokens, seed=seed)
+                          prompt_tokens=prompt_tokens, tokens=tokens, seed=seed, probs=probs,
+                          pred_next=pred_next, pred_noise=pred_noise)
     write_trace(t, out)
     click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens, "
                f"{t.model.num_layers} layers x {t.model.num_experts} experts top-{t.model.top_k}")
 
 
 @trace.command("import")
-@click.option("--format", "fmt", required=True, help="Log layout: expert-jsonl.")
+@click.option("--format", "fmt", required=True, type=click.Choice(sorted(IMPORT_FORMATS)),
+              help="Log layout (expert-jsonl: one JSON line per problem/token/layer, as in mixtral-8x7b-vllm/).")
 @click.argument("src", nargs=-1, required=True, type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output Parquet file (written atomically).")
 @click.option("--model-preset", default=None, help="Synthetic preset giving the model shapes the log lacks (e.g. mixtral-8x7b).")

@@ -194,3 +194,19 @@ def test_bad_synth_arguments_write_nothing(tmp_path, args):
     assert "Traceback" not in r.stderr
     assert r.stderr.startswith("error: ")
     assert not f.exists()
+
+
+def test_import_formats_listed_by_the_cli_are_the_registered_ones():
+    from simulator.cli import IMPORT_FORMATS
+    from traces.importers import IMPORTERS
+
+    assert sorted(IMPORT_FORMATS) == sorted(IMPORTERS)
+
+
+def test_synth_with_predictor_columns(tmp_path):
+    f = tmp_path / "p.parquet"
+    r = moesim("trace", "synth", "--preset", "olmoe-1b-7b", "--layers", "3", "--tokens", "4", "--probs",
+               "--pred-next", "--pred-noise", "0.5", "--out", str(f))
+    assert r.returncode == 0, r.stderr
+    info = json.loads(moesim("trace", "info", str(f), "--json").stdout)
+    assert info["optional_columns"] == ["probs", "pred_next"]
