@@ -15,7 +15,8 @@ import click
 
 from simulator.errors import MoesimError
 
-IMPORT_FORMATS = ("expert-jsonl",)  # keep in step with traces.importers.IMPORTERS (tested)
+IMPORT_FORMATS = ("vllm-routes-jsonl", "expert-jsonl", "flame-csv", "routed-experts-npy",
+                  "long-table")  # keep in step with traces.importers.IMPORTERS (tested)
 
 
 class _Group(click.Group):
@@ -196,16 +197,30 @@ def trace_synth(preset: str, requests: int, prompt_tokens: int, tokens: int, see
 
 @trace.command("import")
 @click.option("--format", "fmt", required=True, type=click.Choice(sorted(IMPORT_FORMATS)),
-              help="Log layout (expert-jsonl: one JSON line per problem/token/layer, as in mixtral-8x7b-vllm/).")
+              help="Log layout: vllm-routes-jsonl (layer0-vllm/), expert-jsonl (mixtral-8x7b-vllm/), "
+                   "flame-csv (flame-moe-290m/), routed-experts-npy ([tokens, layers, k] arrays), "
+                   "long-table (CSV/Parquet, one row per token/layer/expert).")
 @click.argument("src", nargs=-1, required=True, type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output Parquet file (written atomically).")
 @click.option("--model-preset", default=None, help="Synthetic preset giving the model shapes the log lacks (e.g. mixtral-8x7b).")
-def trace_import(fmt: str, src: tuple[str, ...], out: str, model_preset: str | None) -> None:
+@click.option("--drop-warmup", is_flag=True, help="vllm-routes-jsonl: drop vLLM warm-up dummy rows and report how many.")
+@click.option("--tokens-per-sequence", type=int, default=64, show_default=True, help="flame-csv: prefill tokens per sequence.")
+@click.option("--columns", default=None, metavar="KEY=COL,...",
+              help="long-table: map request, position, layer, expert (and weight, rank, step, phase) to column names.")
+def trace_import(fmt: str, src: tuple[str, ...], out: str, model_preset: str | None, drop_warmup: bool,
+                 tokens_per_sequence: int, columns: str | None) -> None:
     """Convert routing logs (files or folders SRC...) written by other tools into a v1 trace."""
     from traces.importers import import_trace
     from traces.io import write_trace
 
-    t, report = import_trace(fmt, list(src), model_preset)
+    mapping = None
+    if columns:
+        try:
+            mapping = dict(item.split("=", 1) for item in columns.split(","))
+        except ValueError:
+            raise MoesimError(f"--columns '{columns}' must look like request=req,position=pos,...") from None
+    t, report = import_trace(fmt, list(src), model_preset, drop_warmup=drop_warmup,
+                             tokens_per_sequence=tokens_per_sequence, columns=mapping)
     write_trace(t, out)
     click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens")
     for note in report.notes:

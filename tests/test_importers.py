@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from simulator.engine import simulate
@@ -68,3 +69,61 @@ def test_scenario_import_source(tmp_path):
     assert s["forward_passes"] == 5
     assert s["misses"] == len({(layer, e) for t in range(5) for layer in range(32) for e in (t % 8, (t + 1) % 8)})
     assert sc.to_dict()["workload"]["trace"]["import"]["format"] == "expert-jsonl"
+
+
+@pytest.mark.real
+def test_vllm_route_logs_drop_warmup():
+    base = real_dir() / "layer0-vllm"
+    t, report = import_trace("vllm-routes-jsonl", [base / "olmoe-1b-7b" / "moe_routes.jsonl"], "olmoe-1b-7b",
+                             drop_warmup=True)
+    assert len(t) == 6519 - 2048  # the first 2048 rows are vLLM warm-up dummies
+    assert any("dropped 2048 warm-up rows" in n for n in report.notes)
+    assert set(t.layer.tolist()) == {0}
+    kept, _ = import_trace("vllm-routes-jsonl", [base / "olmoe-1b-7b" / "moe_routes.jsonl"], "olmoe-1b-7b")
+    assert len(kept) == 6519
+    q, _rq = import_trace("vllm-routes-jsonl", [base / "qwen1.5-moe-a2.7b-chat"], "qwen1.5-moe-a2.7b",
+                         drop_warmup=True)
+    assert not any(tuple(row) == (43, 5, 7, 58) for row in q.experts.tolist())
+    with pytest.raises(MoesimError, match="line 2: 8 experts, but model mixtral-8x7b has top-2"):
+        import_trace("vllm-routes-jsonl", [base / "olmoe-1b-7b"], "mixtral-8x7b")
+
+
+@pytest.mark.real
+def test_flame_csv_prefill_and_decode():
+    t, _report = import_trace("flame-csv", [real_dir() / "flame-moe-290m"])
+    assert (t.model.num_layers, t.model.num_experts, t.model.top_k) == (8, 64, 6)
+    pre = t.take(t.phase == 0)
+    dec = t.take(t.phase == 1)
+    assert pre.num_tokens() == 2048
+    assert pre.num_requests == 32
+    assert dec.num_tokens() == 640
+    assert dec.num_requests == 64
+    # documented fact: mean top-1 probability rises from ~0.036 (layer 2) to ~0.21 (layer 9)
+    assert float(pre.weights[pre.layer == 0, 0].mean()) == pytest.approx(0.036, abs=0.005)
+    assert float(pre.weights[pre.layer == 7, 0].mean()) == pytest.approx(0.21, abs=0.02)
+    assert (np.diff(t.weights, axis=1) <= 0).all()  # ranked by probability
+
+
+def test_routed_npy_and_long_table(tmp_path):
+    import pandas as pd
+
+    arr = np.array([[[0, 1], [2, 3]], [[1, 0], [3, 4]], [[5, 6], [7, 0]]])
+    np.save(tmp_path / "r.npy", arr)
+    t, report = import_trace("routed-experts-npy", [tmp_path / "r.npy"], "mixtral-8x7b")
+    assert len(t) == 6
+    assert t.experts.tolist() == arr.reshape(-1, 2).tolist()
+    assert any("1/k" in n for n in report.notes)
+    rows = [(0, tok, layer, int(e), w, r) for tok in range(3) for layer in range(2)
+            for r, (e, w) in enumerate(zip(arr[tok, layer], (0.6, 0.4), strict=True))]
+    df = pd.DataFrame(rows, columns=["req", "tok", "lay", "eid", "prob", "rk"]).sample(frac=1, random_state=0)
+    df.to_csv(tmp_path / "long.csv", index=False)
+    t2, _ = import_trace("long-table", [tmp_path / "long.csv"], "mixtral-8x7b",
+                         columns={"request": "req", "position": "tok", "layer": "lay", "expert": "eid",
+                                  "weight": "prob", "rank": "rk"})
+    assert t2.experts.tolist() == arr.reshape(-1, 2).tolist()
+    np.testing.assert_allclose(t2.weights, [[0.6, 0.4]] * 6)
+    with pytest.raises(MoesimError, match=r"missing request \(column 'request'\)"):
+        import_trace("long-table", [tmp_path / "long.csv"], "mixtral-8x7b")
+    np.save(tmp_path / "bad.npy", np.full((2, 2, 2), 9))
+    with pytest.raises(MoesimError, match=r"expert id outside 0\.\.7"):
+        import_trace("routed-experts-npy", [tmp_path / "bad.npy"], "mixtral-8x7b")
