@@ -157,7 +157,8 @@ def trace_info_cmd(file: str, as_json: bool) -> None:
 
 
 @trace.command("synth")
-@click.option("--preset", required=True, help="Model preset: olmoe-1b-7b, mixtral-8x7b, qwen1.5-moe-a2.7b, qwen3-30b-a3b, phi-3.5-moe.")
+@click.option("--preset", default=None, help="Model preset: olmoe-1b-7b, mixtral-8x7b, qwen1.5-moe-a2.7b, qwen3-30b-a3b, phi-3.5-moe.")
+@click.option("--fit", "fit", default=None, help="A fitted profile (file from `moesim trace fit`, or a shipped name) instead of --preset.")
 @click.option("--requests", default=1, show_default=True, type=int, help="Number of requests.")
 @click.option("--prompt-tokens", default=0, show_default=True, type=int, help="Prefill tokens per request (0: no prefill).")
 @click.option("--tokens", default=2000, show_default=True, type=int, help="Decode tokens per request.")
@@ -174,7 +175,7 @@ def trace_info_cmd(file: str, as_json: bool) -> None:
 @click.option("--pred-next", is_flag=True, help="Record a next-layer router predictor (for next-gate-topk, score-percentile, speculative).")
 @click.option("--pred-noise", type=float, default=1.0, show_default=True, help="Noise of that predictor (logit std; 0 = perfect).")
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output Parquet file (written atomically).")
-def trace_synth(preset: str, requests: int, prompt_tokens: int, tokens: int, seed: int, routing: str,
+def trace_synth(preset: str | None, fit: str | None, requests: int, prompt_tokens: int, tokens: int, seed: int, routing: str,
                 layers: int | None, experts: int | None, top_k: int | None, skew: float | None,
                 reuse: float | None, corr: float | None, probs: bool, pred_next: bool,
                 pred_noise: float, out: str) -> None:
@@ -186,6 +187,19 @@ def trace_synth(preset: str, requests: int, prompt_tokens: int, tokens: int, see
     for name, value in (("--layers", layers), ("--experts", experts), ("--top-k", top_k)):
         if value is not None and value < 1:
             raise MoesimError(f"{name} must be >= 1, got {value}.")
+    if (preset is None) == (fit is None):
+        raise MoesimError("give exactly one of --preset and --fit.")
+    if fit is not None:
+        from traces.fit import load_profile, synthesise
+
+        if tokens < 1 or requests < 1:
+            raise MoesimError("--tokens and --requests must be >= 1.")
+        t = synthesise(load_profile(fit), requests=requests, tokens=tokens, seed=seed)
+        write_trace(t, out)
+        click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens "
+                   f"from fitted profile {fit}")
+        return
+    assert preset is not None
     t = synth_from_preset(preset, layers=layers, experts=experts, top_k=top_k, routing=routing,
                           skew=skew, reuse=reuse, corr=corr, requests=requests,
                           prompt_tokens=prompt_tokens, tokens=tokens, seed=seed, probs=probs,
@@ -225,6 +239,35 @@ def trace_import(fmt: str, src: tuple[str, ...], out: str, model_preset: str | N
     click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens")
     for note in report.notes:
         click.echo(f"note: {note}")
+
+
+@trace.command("fit")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Profile YAML to write.")
+@click.option("--batch", type=int, default=1, show_default=True, help="Batch size the LRU curves are replayed with.")
+@click.option("--name", default=None, help="Profile name (default: the model's).")
+def trace_fit(file: str, out: str, batch: int, name: str | None) -> None:
+    """Estimate the synthetic routing model from trace FILE (per-layer popularity,
+    cross-layer affinity, reuse, batch correlation) and write a profile for `synth --fit`."""
+    from traces.fit import fit_profile, write_profile
+    from traces.io import read_trace
+
+    if batch < 1:
+        raise MoesimError(f"--batch must be >= 1, got {batch}.")
+    t = read_trace(file)
+    prog = _progress(sys.stderr.isatty(), "fitting")
+    if prog is not None:
+        with prog:
+            task = prog.add_task("fit", total=None)
+            profile = fit_profile(t, batch=batch, name=name,
+                                  progress=lambda d, n: prog.update(task, completed=d, total=n))
+    else:
+        profile = fit_profile(t, batch=batch, name=name)
+    write_profile(profile, out)
+    r = profile["report"]
+    click.echo(f"wrote {out}: weights {profile['weights']}")
+    click.echo(f"LRU hit rate at {r['cache_fractions']} of all experts: real {r['lru_hit_rate_real']}, "
+               f"synthetic {r['lru_hit_rate_synthetic']} (max gap {r['max_hit_rate_gap']})")
 
 
 @cli.command("policies")

@@ -84,6 +84,15 @@ def load_trace(scenario: Scenario) -> Trace:
 
     s = src.synth
     assert s is not None
+    if s.fit is not None:
+        from traces.fit import load_profile, synthesise
+
+        fp = Path(s.fit)
+        if not fp.is_absolute() and (Path(scenario.base_dir) / fp).is_file():
+            fp = Path(scenario.base_dir) / fp
+        return synthesise(load_profile(str(fp)), requests=s.requests, tokens=s.tokens,
+                          seed=scenario.seed if s.seed is None else s.seed)
+    assert s.preset is not None
     return synth_from_preset(
         s.preset, layers=s.layers, experts=s.experts, top_k=s.top_k, routing=s.routing,
         requests=s.requests, prompt_tokens=s.prompt_tokens, tokens=s.tokens,

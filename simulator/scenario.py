@@ -36,7 +36,9 @@ from simulator.hardware import HardwareConfig, expand_preset
 class SynthSource:
     """An in-process synthetic trace (``moesim trace synth`` with the same options)."""
 
-    preset: str = field(metadata={"help": "model preset (olmoe-1b-7b, mixtral-8x7b, ...)"})
+    preset: str | None = field(default=None, metadata={"help": "model preset (olmoe-1b-7b, mixtral-8x7b, ...)"})
+    fit: str | None = field(default=None, metadata={
+        "help": "a fitted profile instead of a preset (file from `moesim trace fit`, or a shipped name)"})
     requests: int = field(default=1, metadata={"help": "number of requests"})
     prompt_tokens: int = field(default=0, metadata={"help": "prefill tokens per request (0: none)"})
     tokens: int = field(default=2000, metadata={"help": "decode tokens per request"})
@@ -55,7 +57,9 @@ class SynthSource:
         from simulator.errors import did_you_mean
         from traces.synth import PRESETS
 
-        if self.preset not in PRESETS:
+        if (self.preset is None) == (self.fit is None):
+            raise ValueError("give exactly one of 'preset' and 'fit'")
+        if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"preset '{self.preset}'{did_you_mean(self.preset, list(PRESETS))} is not a "
                              f"synthetic preset; valid presets: {', '.join(PRESETS)}")
         for key in ("requests", "layers", "experts", "top_k"):

@@ -210,3 +210,23 @@ def test_synth_with_predictor_columns(tmp_path):
     assert r.returncode == 0, r.stderr
     info = json.loads(moesim("trace", "info", str(f), "--json").stdout)
     assert info["optional_columns"] == ["probs", "pred_next"]
+
+
+def test_fit_then_synth_from_the_profile(tmp_path):
+    src = tmp_path / "t.parquet"
+    assert moesim("trace", "synth", "--preset", "mixtral-8x7b", "--layers", "4", "--tokens", "40",
+                  "--requests", "2", "--out", str(src)).returncode == 0
+    prof = tmp_path / "p.yaml"
+    r = moesim("trace", "fit", str(src), "--out", str(prof))
+    assert r.returncode == 0, r.stderr
+    assert "LRU hit rate" in r.stdout
+    out = tmp_path / "s.parquet"
+    r = moesim("trace", "synth", "--fit", str(prof), "--tokens", "100", "--requests", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    info = json.loads(moesim("trace", "info", str(out), "--json").stdout)
+    assert info["requests"] == 3
+    assert info["tokens"] == 300
+    assert info["model"]["num_layers"] == 4
+    r = moesim("trace", "synth", "--preset", "mixtral-8x7b", "--fit", str(prof), "--out", str(out))
+    assert r.returncode == 2
+    assert "exactly one of --preset and --fit" in r.stderr

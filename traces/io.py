@@ -78,6 +78,7 @@ def write_trace(trace: Trace, path: str | os.PathLike[str]) -> Path:
     os.close(fd)
     try:
         pq.write_table(table, tmp, compression="zstd")
+        os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

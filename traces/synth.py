@@ -109,7 +109,9 @@ def reshape_model(model: ModelInfo, layers: int | None = None, experts: int | No
 def generate(model: ModelInfo, *, requests: int = 1, prompt_tokens: int = 0, tokens: int = 100,
              seed: int = 0, routing: str = "realistic", params: RoutingParams | None = None,
              capture: dict[str, object] | None = None, probs: bool = False,
-             pred_next: bool = False, pred_noise: float = 1.0) -> Trace:
+             pred_next: bool = False, pred_noise: float = 1.0,
+             popularity: np.ndarray | None = None, affinity: np.ndarray | None = None,
+             batch_corr: float = 0.0) -> Trace:
     """Generate a trace: each request is a prefill of ``prompt_tokens`` (none when 0) then
     ``tokens`` decode tokens. Requests are generated side by side (vectorised), so the cost
     is ``(prompt_tokens + tokens) * num_layers`` small numpy steps.
@@ -119,6 +121,12 @@ def generate(model: ModelInfo, *, requests: int = 1, prompt_tokens: int = 0, tok
     ``softmax(z_next + pred_noise * N(0, 1))`` where ``z_next`` are the next layer's true
     logits for the same token: ``pred_noise = 0`` is a perfect predictor, larger values a
     worse one (the last layer, which has no next layer, gets a uniform vector).
+
+    Fitted profiles (:mod:`traces.fit`) replace the random tables: ``popularity`` [L, N]
+    is used as is (instead of ``skew * u``), ``affinity`` [L, N, N] (row: the previous
+    layer's top-1) is scaled by ``params.corr``; ``batch_corr`` adds a standard-normal logit
+    vector shared by every request at the same token index and layer (requests decoded
+    together route alike).
     """
     for label, value, low in (("requests", requests, 1), ("prompt tokens", prompt_tokens, 0),
                               ("tokens", tokens, 0)):
@@ -136,6 +144,11 @@ def generate(model: ModelInfo, *, requests: int = 1, prompt_tokens: int = 0, tok
     num_l, num_e, k = model.num_layers, model.num_experts, model.top_k
     pop = rng.standard_normal((num_l, num_e)) * p.skew
     aff = rng.standard_normal((num_l, num_e, num_e)) * p.corr
+    if popularity is not None:
+        pop = np.asarray(popularity, dtype=np.float64).reshape(num_l, num_e)
+    if affinity is not None:
+        aff = np.asarray(affinity, dtype=np.float64).reshape(num_l, num_e, num_e) * p.corr
+    shared_rng = np.random.default_rng([seed, 2])
     total = prompt_tokens + tokens
     experts = np.empty((total, num_l, requests, k), dtype=np.int16)
     weights = np.empty((total, num_l, requests, k), dtype=np.float32)
@@ -148,11 +161,14 @@ def generate(model: ModelInfo, *, requests: int = 1, prompt_tokens: int = 0, tok
     for t in range(total):
         top1_prev_layer: np.ndarray | None = None
         gumbel = rng.gumbel(size=(num_l, requests, num_e))
+        shared = shared_rng.standard_normal((num_l, 1, num_e)) * batch_corr if batch_corr else None
         for layer in range(num_l):
             z = gumbel[layer] + pop[layer]
+            if shared is not None:
+                z = z + shared[layer]
             if p.reuse and t > 0:
                 z = z + p.reuse * prev[layer]
-            if p.corr and top1_prev_layer is not None:
+            if (p.corr or affinity is not None) and top1_prev_layer is not None:
                 z = z + aff[layer][top1_prev_layer]
             top = np.argpartition(-z, k - 1, axis=1)[:, :k] if k < num_e else np.tile(np.arange(num_e), (requests, 1))
             ztop = z[rows, top]
