@@ -270,6 +270,44 @@ def trace_fit(file: str, out: str, batch: int, name: str | None) -> None:
                f"synthetic {r['lru_hit_rate_synthetic']} (max gap {r['max_hit_rate_gap']})")
 
 
+@cli.command("capture")
+@click.option("--model", "model_path", required=True, type=click.Path(), help="Local folder of a Hugging Face MoE model (config.json + weights).")
+@click.option("--prompts", required=True, type=click.Path(dir_okay=False, exists=True), help="Text file, one prompt per line (token ids when the model has no tokenizer).")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output trace (Parquet, written atomically).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Greedy decode length per prompt.")
+@click.option("--batch-size", type=int, default=1, show_default=True, help="Prompts run together (left-padded).")
+@click.option("--predict-next", is_flag=True, help="Record the next layer's router applied to this layer's router input (pred_next).")
+@click.option("--quasi-hidden", is_flag=True, help="Record the quasi-hidden-state prediction (pred_quasi), speculating-experts §3.")
+def capture_cmd(model_path: str, prompts: str, out: str, device: str, dtype: str, max_new_tokens: int,
+                batch_size: int, predict_next: bool, quasi_hidden: bool) -> None:
+    """Run a Hugging Face MoE model (OLMoE, Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, Phi-MoE,
+    GPT-OSS) with hooks on its routers and write a v1 trace. Offline: local folders only."""
+    from traces.capture import capture, load_local
+    from traces.io import write_trace
+
+    if max_new_tokens < 1 or batch_size < 1:
+        raise MoesimError("--max-new-tokens and --batch-size must be >= 1.")
+    lines = [ln.strip() for ln in Path(prompts).read_text().splitlines() if ln.strip()]
+    if not lines:
+        raise MoesimError(f"capture: {prompts} has no prompts (one per line).")
+    model, tok = load_local(model_path, device, dtype)
+    prog = _progress(sys.stderr.isatty(), "capturing tokens")
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "predict_next": predict_next,
+              "quasi_hidden": quasi_hidden, "source": {"model_path": model_path, "prompts_file": prompts}}
+    if prog is not None:
+        with prog:
+            task = prog.add_task("capture", total=None)
+            res = capture(model, tok, lines, progress=lambda d, n: prog.update(task, completed=d, total=n), **kwargs)
+    else:
+        res = capture(model, tok, lines, **kwargs)
+    write_trace(res.trace, out)
+    t = res.trace
+    click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens, "
+               f"{t.model.num_layers} MoE layers x {t.model.num_experts} experts top-{t.model.top_k}")
+
+
 @cli.command("policies")
 def policies_cmd() -> None:
     """List every registered policy by family with its parameters and defaults."""

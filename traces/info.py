@@ -56,7 +56,7 @@ def trace_info(trace: Trace) -> dict[str, Any]:
         "layers_present": int(np.unique(trace.layer).size),
         "rows_by_phase": phases,
         "tokens_by_phase": per_phase_tokens,
-        "optional_columns": [c for c in ("node", "parent", "accepted", "probs", "pred_next")
+        "optional_columns": [c for c in ("node", "parent", "accepted", "probs", "pred_next", "pred_quasi")
                              if getattr(trace, c) is not None],
         "routing_stats": {"phases": list(stats_phase), **trace_stats(trace, stats_phase)},
         "layers": layer_popularity(trace),

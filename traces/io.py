@@ -55,7 +55,7 @@ def trace_to_table(trace: Trace) -> pa.Table:
         cols["parent"] = pa.array(trace.parent.astype(np.int16))
     if trace.accepted is not None:
         cols["accepted"] = pa.array(trace.accepted.astype(bool))
-    for name in ("probs", "pred_next"):
+    for name in ("probs", "pred_next", "pred_quasi"):
         arr = getattr(trace, name)
         if arr is not None:
             dtype = pa.float16() if arr.dtype == np.float16 else pa.float32()
@@ -223,7 +223,7 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
                           if name in table.column_names else None)
     optional["accepted"] = (table.column("accepted").to_numpy(zero_copy_only=False).astype(bool)
                             if "accepted" in table.column_names else None)
-    for name in ("probs", "pred_next"):
+    for name in ("probs", "pred_next", "pred_quasi"):
         if name in table.column_names:
             arr = _fixed_lists(p, table, name, model.num_experts).astype(np.float32)
             bad_rows = np.flatnonzero(~np.isfinite(arr).all(axis=1))

@@ -18,6 +18,8 @@ parent     int16 (opt.)      draft-tree parent node (verify)
 accepted   bool (opt.)       whether the draft token was accepted (verify)
 probs      list<float> (opt) full router probability vector (length num_experts)
 pred_next  list<float> (opt) next layer's router probabilities predicted from this layer
+pred_quasi list<float> (opt) the same predicted from the quasi-hidden state (speculating-
+                             experts-prefetch.txt §3.2)
 =========  ================  ==========================================================
 
 The Parquet key-value metadata key ``moesim`` holds JSON ``{"schema_version": 1,
@@ -39,7 +41,7 @@ PHASES = ("prefill", "decode", "verify")
 PHASE_CODES = {name: i for i, name in enumerate(PHASES)}
 
 REQUIRED_COLUMNS = ("request", "step", "position", "phase", "layer", "experts", "weights")
-OPTIONAL_COLUMNS = ("node", "parent", "accepted", "probs", "pred_next")
+OPTIONAL_COLUMNS = ("node", "parent", "accepted", "probs", "pred_next", "pred_quasi")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ class Trace:
     accepted: np.ndarray | None = None
     probs: np.ndarray | None = None
     pred_next: np.ndarray | None = None
+    pred_quasi: np.ndarray | None = None
     capture: dict[str, Any] = field(default_factory=dict)
     source: str = "<memory>"
 
@@ -71,5 +72,6 @@ class Trace:
             position=self.position[mask], phase=self.phase[mask], layer=self.layer[mask],
             experts=self.experts[mask], weights=self.weights[mask], node=sel(self.node),
             parent=sel(self.parent), accepted=sel(self.accepted), probs=sel(self.probs),
-            pred_next=sel(self.pred_next), capture=dict(self.capture), source=self.source,
+            pred_next=sel(self.pred_next), pred_quasi=sel(self.pred_quasi),
+            capture=dict(self.capture), source=self.source,
         )
