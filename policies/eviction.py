@@ -55,13 +55,9 @@ class EvictionPolicy(ABC):
 REGISTRY: Registry[EvictionPolicy] = Registry("eviction")
 
 
-@REGISTRY.register("lru")
-class LRU(EvictionPolicy):
-    """Least recently used: evict the expert whose last use is oldest.
-
-    An inserted expert counts as used at insertion (a demand fetch is used at once), as in
-    libCacheSim's LRU, so miss counts match it on the same access stream.
-    """
+class RecencyOrdered(EvictionPolicy):
+    """Shared bookkeeping: cached keys in recency order (least recent first); inserts count
+    as uses. Subclasses order candidates from it (plain recency by default)."""
 
     def __init__(self, params: Any, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
@@ -79,26 +75,25 @@ class LRU(EvictionPolicy):
     def candidates(self) -> Iterator[int]:
         return iter(self._order)
 
+    def _recency_rank(self) -> dict[int, int]:
+        return {k: i for i, k in enumerate(self._order)}
+
+
+@REGISTRY.register("lru")
+class LRU(RecencyOrdered):
+    """Least recently used: evict the expert whose last use is oldest.
+
+    An inserted expert counts as used at insertion (a demand fetch is used at once), as in
+    libCacheSim's LRU, so miss counts match it on the same access stream.
+    """
+
 
 @REGISTRY.register("fifo")
-class FIFO(EvictionPolicy):
+class FIFO(RecencyOrdered):
     """First in, first out: evict the expert inserted longest ago; uses do not reorder."""
-
-    def __init__(self, params: Any, ctx: PolicyContext) -> None:
-        super().__init__(params, ctx)
-        self._order: OrderedDict[int, None] = OrderedDict()
-
-    def on_insert(self, key: int, demand: bool) -> None:
-        self._order[key] = None
 
     def on_access(self, key: int) -> None:
         pass
-
-    def on_remove(self, key: int) -> None:
-        del self._order[key]
-
-    def candidates(self) -> Iterator[int]:
-        return iter(self._order)
 
 
 @REGISTRY.register("lfu")
@@ -173,28 +168,15 @@ class Random(EvictionPolicy):
 
 
 @REGISTRY.register("fld")
-class FarthestLayerDistance(EvictionPolicy):
+class FarthestLayerDistance(RecencyOrdered):
     """Farthest layer distance (HOBBIT, Tang et al. 2024; SpecMD appendix B): evict experts
     whose layer is farthest, |layer - current layer|, from the layer being executed; ties by
     least recent use."""
 
-    def __init__(self, params: Any, ctx: PolicyContext) -> None:
-        super().__init__(params, ctx)
-        self._order: OrderedDict[int, None] = OrderedDict()
-
-    def on_insert(self, key: int, demand: bool) -> None:
-        self._order[key] = None
-
-    def on_access(self, key: int) -> None:
-        self._order.move_to_end(key)
-
-    def on_remove(self, key: int) -> None:
-        del self._order[key]
-
     def candidates(self) -> Iterator[int]:
         cur = self.ctx.clock.layer
         layer_of = self.ctx.layer_of
-        rank = {k: i for i, k in enumerate(self._order)}
+        rank = self._recency_rank()
         return iter(sorted(self._order, key=lambda k: (-abs(layer_of(k) - cur), rank[k])))
 
 
@@ -221,7 +203,7 @@ class ScoreParams:
 
 
 @REGISTRY.register("score")
-class ScoreBased(EvictionPolicy):
+class ScoreBased(RecencyOrdered):
     """Score-based eviction (Zhu et al. 2025; SpecMD appendix B): evict the expert with the
     lowest accumulated gate score, the running sum of the router weights its tokens gave it;
     ties by least recent use."""
@@ -231,7 +213,6 @@ class ScoreBased(EvictionPolicy):
     def __init__(self, params: ScoreParams, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
         self._score: dict[int, float] = {}
-        self._order: OrderedDict[int, None] = OrderedDict()
         self._pass = -1
 
     def _credit(self, key: int) -> None:
@@ -250,19 +231,16 @@ class ScoreBased(EvictionPolicy):
         self._score[key] = self._score.get(key, 0.0) + w
 
     def on_insert(self, key: int, demand: bool) -> None:
-        self._order[key] = None
+        super().on_insert(key, demand)
         if demand:
             self._credit(key)
 
     def on_access(self, key: int) -> None:
-        self._order.move_to_end(key)
+        super().on_access(key)
         self._credit(key)
 
-    def on_remove(self, key: int) -> None:
-        del self._order[key]
-
     def candidates(self) -> Iterator[int]:
-        rank = {k: i for i, k in enumerate(self._order)}
+        rank = self._recency_rank()
         return iter(sorted(self._order, key=lambda k: (self._score.get(k, 0.0), rank[k])))
 
 
@@ -376,7 +354,7 @@ class Belady(EvictionPolicy):
 
 
 @REGISTRY.register("lhu")
-class LeastHighPrecisionUsed(EvictionPolicy):
+class LeastHighPrecisionUsed(RecencyOrdered):
     """Least high-precision used (HOBBIT, Tang et al. 2024; SpecMD appendix B): lower-
     precision copies go first (cheap to re-fetch, least recently used first); then
     highest-precision experts by how often they were used at that precision (fewest first,
@@ -384,7 +362,6 @@ class LeastHighPrecisionUsed(EvictionPolicy):
 
     def __init__(self, params: Any, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
-        self._order: OrderedDict[int, None] = OrderedDict()
         self._hp_uses: dict[int, int] = {}
 
     def _use(self, key: int) -> None:
@@ -393,18 +370,15 @@ class LeastHighPrecisionUsed(EvictionPolicy):
             self._hp_uses[key] = self._hp_uses.get(key, 0) + 1
 
     def on_insert(self, key: int, demand: bool) -> None:
-        self._order[key] = None
+        super().on_insert(key, demand)
         if demand:
             self._use(key)
 
     def on_access(self, key: int) -> None:
         self._use(key)
 
-    def on_remove(self, key: int) -> None:
-        del self._order[key]
-
     def candidates(self) -> Iterator[int]:
-        rank = {k: i for i, k in enumerate(self._order)}
+        rank = self._recency_rank()
         prec = self.ctx.precision_of
         return iter(sorted(self._order, key=lambda k: (
             prec(k) == 0, self._hp_uses.get(k, 0) if prec(k) == 0 else 0, rank[k])))

@@ -13,6 +13,31 @@ from tests.helpers import scenario, small_model, trace_from_array
 from traces.synth import generate, synth_from_preset
 
 
+def per_layer_costs(sc, trace):
+    """Per pass: non-expert time a, and per layer expert time x_l and the copy time c_l of the
+    experts that layer has never needed before (what ample capacity leaves to copy)."""
+    wl = build_workload(trace, 1)
+    model = trace.model
+    cost = CostModel(sc.hardware, model, model.expert_bytes["bf16"])
+    copy = sc.hardware.h2d.copy_time(model.expert_bytes["bf16"])
+    ffn = cost.expert_time(wl.acc_tokens)
+    nonexp = cost.nonexpert_time(wl.pass_tokens, wl.pass_context)
+    keys = wl.keys()
+    seen: set[int] = set()
+    out = []
+    num_l = model.num_layers
+    for p in range(wl.num_passes):
+        x, c = [], []
+        for layer in range(num_l):
+            lo, hi = wl.off[p * num_l + layer], wl.off[p * num_l + layer + 1]
+            new = [k for k in keys[lo:hi].tolist() if k not in seen]
+            seen.update(new)
+            c.append(len(new) * copy)
+            x.append(ffn[lo:hi].sum())
+        out.append((nonexp[p], x, c))
+    return wl, out
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_oracle_prefetch_with_ample_capacity_is_the_closed_form(seed):
     """speculating-experts-prefetch.txt §5.1: with perfect one-layer-ahead prefetch a step
@@ -26,25 +51,11 @@ def test_oracle_prefetch_with_ample_capacity_is_the_closed_form(seed):
     trace = generate(model, requests=1, tokens=25, seed=seed)
     sc = scenario(cache={"capacity": "inf"}, policies={"prefetch": "oracle"})
     res = simulate(sc, trace=trace)
-    wl = build_workload(trace, 1)
-    cost = CostModel(sc.hardware, model, model.expert_bytes["bf16"])
-    copy = sc.hardware.h2d.copy_time(model.expert_bytes["bf16"])
-    ffn = cost.expert_time(wl.acc_tokens)
-    nonexp = cost.nonexpert_time(wl.pass_tokens, wl.pass_context)
-    keys = wl.keys()
-    seen: set[int] = set()
-    expected = []
+    wl, costs = per_layer_costs(sc, trace)
     num_l = model.num_layers
-    for p in range(wl.num_passes):
-        a = nonexp[p]
-        x, c = [], []
-        for layer in range(num_l):
-            lo, hi = wl.off[p * num_l + layer], wl.off[p * num_l + layer + 1]
-            new = [k for k in keys[lo:hi].tolist() if k not in seen]
-            seen.update(new)
-            c.append(len(new) * copy)
-            x.append(ffn[lo:hi].sum())
-        expected.append(a + c[0] + sum(max(x[i] + a, c[i + 1]) for i in range(num_l - 1)) + x[-1])
+    keys = wl.keys()
+    expected = [a + c[0] + sum(max(x[i] + a, c[i + 1]) for i in range(num_l - 1)) + x[-1]
+                for a, x, c in costs]
     np.testing.assert_allclose(res.steps["duration_s"].to_numpy(), expected, rtol=1e-9)
     s = res.summary
     assert s["prefetch_precision"] == 1.0
@@ -66,25 +77,8 @@ def test_prefetch_gain_is_eq1_of_the_paper():
     sc = scenario(cache={"capacity": "inf"})
     on_demand = simulate(sc, trace=trace)
     pref = simulate(scenario(cache={"capacity": "inf"}, policies={"prefetch": "oracle"}), trace=trace)
-    wl = build_workload(trace, 1)
-    model = trace.model
-    cost = CostModel(sc.hardware, model, model.expert_bytes["bf16"])
-    copy = sc.hardware.h2d.copy_time(model.expert_bytes["bf16"])
-    ffn = cost.expert_time(wl.acc_tokens)
-    a_all = cost.nonexpert_time(wl.pass_tokens, wl.pass_context)
-    keys = wl.keys()
-    seen: set[int] = set()
-    gains = []
-    num_l = model.num_layers
-    for p in range(wl.num_passes):
-        x, c = [], []
-        for layer in range(num_l):
-            lo, hi = wl.off[p * num_l + layer], wl.off[p * num_l + layer + 1]
-            new = [k for k in keys[lo:hi].tolist() if k not in seen]
-            seen.update(new)
-            c.append(len(new) * copy)
-            x.append(ffn[lo:hi].sum())
-        gains.append(sum(min(a_all[p] + x[i], c[i + 1]) for i in range(num_l - 1)))
+    _, costs = per_layer_costs(sc, trace)
+    gains = [sum(min(a + x[i], c[i + 1]) for i in range(len(x) - 1)) for a, x, c in costs]
     diff = on_demand.steps["duration_s"].to_numpy() - pref.steps["duration_s"].to_numpy()
     np.testing.assert_allclose(diff, gains, rtol=1e-9, atol=1e-15)
     assert diff[0] > 0
