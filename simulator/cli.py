@@ -280,8 +280,12 @@ def trace_fit(file: str, out: str, batch: int, name: str | None) -> None:
 @click.option("--batch-size", type=int, default=1, show_default=True, help="Prompts run together (left-padded).")
 @click.option("--predict-next", is_flag=True, help="Record the next layer's router applied to this layer's router input (pred_next).")
 @click.option("--quasi-hidden", is_flag=True, help="Record the quasi-hidden-state prediction (pred_quasi), speculating-experts §3.")
+@click.option("--speculative", is_flag=True, help="Decode by verifying depth-1 draft trees; records node, parent, accepted (batch size 1).")
+@click.option("--draft-model", type=click.Path(), default=None, help="With --speculative: local draft model folder (default: the target's own top candidates).")
+@click.option("--tree-width", type=int, default=4, show_default=True, help="With --speculative: candidates per draft tree.")
 def capture_cmd(model_path: str, prompts: str, out: str, device: str, dtype: str, max_new_tokens: int,
-                batch_size: int, predict_next: bool, quasi_hidden: bool) -> None:
+                batch_size: int, predict_next: bool, quasi_hidden: bool, speculative: bool,
+                draft_model: str | None, tree_width: int) -> None:
     """Run a Hugging Face MoE model (OLMoE, Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, Phi-MoE,
     GPT-OSS) with hooks on its routers and write a v1 trace. Offline: local folders only."""
     from traces.capture import capture, load_local
@@ -292,16 +296,34 @@ def capture_cmd(model_path: str, prompts: str, out: str, device: str, dtype: str
     lines = [ln.strip() for ln in Path(prompts).read_text().splitlines() if ln.strip()]
     if not lines:
         raise MoesimError(f"capture: {prompts} has no prompts (one per line).")
+    if speculative and (batch_size != 1 or quasi_hidden):
+        raise MoesimError("--speculative runs one prompt at a time without --quasi-hidden: drop "
+                          "--batch-size / --quasi-hidden.")
+    if draft_model and not speculative:
+        raise MoesimError("--draft-model needs --speculative.")
+    if tree_width < 1:
+        raise MoesimError(f"--tree-width must be >= 1, got {tree_width}.")
     model, tok = load_local(model_path, device, dtype)
     prog = _progress(sys.stderr.isatty(), "capturing tokens")
-    kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "batch_size": batch_size, "predict_next": predict_next,
-              "quasi_hidden": quasi_hidden, "source": {"model_path": model_path, "prompts_file": prompts}}
+    src = {"model_path": model_path, "prompts_file": prompts}
+    if speculative:
+        from traces.capture import capture_speculative
+
+        draft = load_local(draft_model, device, dtype, any_causal_lm=True)[0] if draft_model else None
+
+        def run(progress: Any = None) -> Any:
+            return capture_speculative(model, tok, lines, max_new_tokens=max_new_tokens, width=tree_width,
+                                       draft=draft, predict_next=predict_next, progress=progress, source=src)
+    else:
+        def run(progress: Any = None) -> Any:
+            return capture(model, tok, lines, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                           predict_next=predict_next, quasi_hidden=quasi_hidden, progress=progress, source=src)
     if prog is not None:
         with prog:
             task = prog.add_task("capture", total=None)
-            res = capture(model, tok, lines, progress=lambda d, n: prog.update(task, completed=d, total=n), **kwargs)
+            res = run(lambda d, n: prog.update(task, completed=d, total=n))
     else:
-        res = capture(model, tok, lines, **kwargs)
+        res = run()
     write_trace(res.trace, out)
     t = res.trace
     click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens, "

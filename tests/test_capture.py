@@ -112,3 +112,41 @@ def test_capture_cli(tmp_path):
                                      capture_output=True, text=True).stdout)
     assert info["requests"] == 2
     assert "pred_next" in info["optional_columns"]
+    r = subprocess.run([sys.executable, "-m", "simulator.cli", "capture", "--model", str(folder), "--prompts",
+                        str(prompts), "--out", str(out), "--dtype", "float32", "--max-new-tokens", "4",
+                        "--speculative", "--tree-width", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(subprocess.run([sys.executable, "-m", "simulator.cli", "trace", "info", str(out), "--json"],
+                                     capture_output=True, text=True).stdout)
+    assert {"node", "parent", "accepted"} <= set(info["optional_columns"])
+    assert "verify" in info["tokens_by_phase"]
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_speculative_capture_verifies_depth1_trees(tmp_path, with_draft):
+    from traces.capture import capture_speculative
+
+    target, tok = load_local(str(build("olmoe", tmp_path / "t")), "cpu", "float32")
+    draft = load_local(str(build("mixtral", tmp_path / "d", seed=3)), "cpu", "float32")[0] if with_draft else None
+    spec = capture_speculative(target, tok, ["w3 w4 w5"], max_new_tokens=8, width=3, draft=draft).trace
+    plain = capture(target, tok, ["w3 w4 w5"], max_new_tokens=8).trace
+    ver = spec.take(spec.phase == 2)
+    assert set(ver.node.tolist()) == {1, 2, 3}
+    assert set(ver.parent.tolist()) == {0}
+    if not with_draft:
+        assert ver.accepted[ver.node == 1].all()  # the target's own top candidate is its greedy token
+    # what was committed (accepted candidates, or the decode step after a rejection) is plain
+    # greedy decoding: same tokens, same routing, position by position
+    committed = spec.take(((spec.phase == 2) & spec.accepted) | (spec.phase == 1))
+    dec = plain.take(plain.phase == 1)
+    compared = 0
+    for pos in np.unique(dec.position):
+        a = committed.take(committed.position == pos)
+        b = dec.take(dec.position == pos)
+        if len(a) == 0:
+            continue
+        compared += 1
+        np.testing.assert_array_equal(a.experts, b.experts)
+        np.testing.assert_allclose(a.weights, b.weights, rtol=1e-4, atol=1e-5)
+    assert compared >= 5
+    assert read_trace(write_trace(spec, tmp_path / "s.parquet")).node is not None

@@ -84,8 +84,9 @@ class CaptureResult:
     notes: list[str] = field(default_factory=list)
 
 
-def load_local(path: str, device: str, dtype: str) -> tuple[Any, Any]:
-    """Model and tokenizer (or None) from a local folder; never downloads."""
+def load_local(path: str, device: str, dtype: str, any_causal_lm: bool = False) -> tuple[Any, Any]:
+    """Model and tokenizer (or None) from a local folder; never downloads. ``any_causal_lm``
+    accepts any causal LM (a draft model), not only the supported MoE families."""
     torch = _need_torch()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -99,7 +100,7 @@ def load_local(path: str, device: str, dtype: str) -> tuple[Any, Any]:
     except (OSError, ValueError) as exc:
         raise MoesimError(f"capture: {p} has no readable config.json ({exc}).") from None
     mt = getattr(config, "model_type", None)
-    if mt not in supported_families():
+    if not any_causal_lm and mt not in supported_families():
         names = ", ".join(SUPPORTED[t]["family"] for t in supported_families())
         raise MoesimError(f"capture: model type '{mt}' is not supported; supported MoE families: {names}.")
     dt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype)
@@ -374,3 +375,139 @@ def _tokenize(tokenizer: Any, prompt: str, i: int) -> list[int]:
     if not ids:
         raise MoesimError(f"capture: prompt {i + 1} is empty.")
     return list(ids)
+
+
+def capture_speculative(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int = 16,
+                        width: int = 4, draft: Any = None, predict_next: bool = False,
+                        keep_hidden: bool = False, progress: Any = None,
+                        source: dict[str, Any] | None = None) -> CaptureResult:
+    """Prefill, then speculative verification over depth-1 draft trees, one prompt at a time.
+
+    Each verification pass (phase ``verify``) checks ``width`` candidate tokens for the next
+    position, all children of the last accepted token: the draft model's top-``width``
+    next-token candidates when ``draft`` is given, else the target's own top candidates (so
+    the target's greedy token is always among them). The candidates run in one batched
+    forward pass over copies of the KV cache — for a depth-1 tree that is exactly what tree
+    attention computes — and the hooks record their routing with ``node`` (1..width, rank of
+    the candidate), ``parent`` (0: the last accepted token) and ``accepted`` (the candidate
+    equal to the target's greedy token). When no candidate is accepted, the target's token
+    is fed as a plain decode step. Decoding continues from the accepted candidate.
+    """
+    torch = _need_torch()
+    from transformers import DynamicCache
+
+    layers = moe_layers(model)
+    info = model_info(model, layers)
+    mt = model.config.model_type
+    device = next(model.parameters()).device
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+    rec = _Recorder(layers)
+    cols: dict[str, list[Any]] = {k: [] for k in ("req", "step", "pos", "phase", "layer", "exp", "w", "probs",
+                                                   "pred", "quasi", "hidden", "node", "parent", "acc")}
+
+    def record(call: dict[int, Any], rows: list[int], req: int, step: int, pos: int, phase: str,
+               nodes: list[int], accepted: list[bool]) -> None:
+        for row, node, acc in zip(rows, nodes, accepted, strict=True):
+            before = len(cols["req"])
+            _emit(cols, call, {}, layers, None, mt, row, req, step, pos, predict_next, keep_hidden)
+            added = len(cols["req"]) - before
+            cols["phase"][before:] = [PHASE_CODES[phase]] * added
+            cols["node"].extend([node] * added)
+            cols["parent"].extend([0 if node > 0 else -1] * added)
+            cols["acc"].extend([acc] * added)
+
+    total = sum(len(_tokenize(tokenizer, p, i)) for i, p in enumerate(prompts)) + len(prompts) * max_new_tokens
+    done = 0
+    try:
+        with torch.no_grad():
+            for req, prompt in enumerate(prompts):
+                ids = torch.tensor([_tokenize(tokenizer, prompt, req)], device=device)
+                plen = ids.shape[1]
+                cache = DynamicCache(config=model.config)
+                rec.calls.clear()
+                rec.new_call()
+                rec.on = True
+                out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+                rec.on = False
+                record(rec.calls[-1], list(range(plen)), req, 0, 0, "prefill", [0] * plen, [True] * plen)
+                for i in range(plen):  # prefill positions are 0..plen-1
+                    for j in range(len(layers)):
+                        cols["pos"][-(plen - i) * len(layers) + j] = i
+                done += plen
+                logits = out.logits[0, -1]
+                dcache = None
+                dlogits = None
+                if draft is not None:
+                    dcache = DynamicCache(config=draft.config)
+                    dlogits = draft(input_ids=ids, past_key_values=dcache, use_cache=True).logits[0, -1]
+                pos = plen
+                step = 1
+                produced = 0
+                while produced < max_new_tokens - 1:
+                    target_tok = int(torch.argmax(logits))
+                    source_logits = dlogits if dlogits is not None else logits
+                    cands = torch.topk(source_logits.float(), width).indices.tolist()
+                    n0 = cache.get_seq_length()
+                    cache.batch_repeat_interleave(width)
+                    rec.calls.clear()
+                    rec.new_call()
+                    rec.on = True
+                    vout = model(input_ids=torch.tensor(cands, device=device)[:, None], past_key_values=cache,
+                                 use_cache=True)
+                    rec.on = False
+                    acc = [c == target_tok for c in cands]
+                    record(rec.calls[-1], list(range(width)), req, step, pos, "verify",
+                           list(range(1, width + 1)), acc)
+                    done += width
+                    if any(acc):
+                        keep = acc.index(True)
+                        cache.batch_select_indices(torch.tensor([keep], device=device))
+                        logits = vout.logits[keep, -1]
+                        fed = cands[keep]
+                    else:
+                        cache.batch_select_indices(torch.tensor([0], device=device))
+                        cache.crop(n0 - cache.get_seq_length())  # drop the rejected candidate
+                        rec.calls.clear()
+                        rec.new_call()
+                        rec.on = True
+                        dout = model(input_ids=torch.tensor([[target_tok]], device=device), past_key_values=cache,
+                                     use_cache=True)
+                        rec.on = False
+                        step += 1
+                        record(rec.calls[-1], [0], req, step, pos, "decode", [0], [True])
+                        done += 1
+                        logits = dout.logits[0, -1]
+                        fed = target_tok
+                    if dcache is not None:
+                        dlogits = draft(input_ids=torch.tensor([[fed]], device=device), past_key_values=dcache,
+                                        use_cache=True).logits[0, -1]
+                    pos += 1
+                    step += 1
+                    produced += 1
+                    if progress is not None:
+                        progress(done, total)
+                    if fed in eos_ids:
+                        break
+    finally:
+        rec.close()
+    n = len(cols["req"])
+    trace = Trace(
+        model=info, request=np.asarray(cols["req"], dtype=np.int32), step=np.asarray(cols["step"], dtype=np.int32),
+        position=np.asarray(cols["pos"], dtype=np.int32), phase=np.asarray(cols["phase"], dtype=np.int8),
+        layer=np.asarray(cols["layer"], dtype=np.int16), experts=np.asarray(cols["exp"], dtype=np.int16),
+        weights=np.asarray(cols["w"], dtype=np.float32), probs=np.asarray(cols["probs"], dtype=np.float32),
+        pred_next=np.asarray(cols["pred"], dtype=np.float32) if predict_next else None,
+        node=np.asarray(cols["node"], dtype=np.int16), parent=np.asarray(cols["parent"], dtype=np.int16),
+        accepted=np.asarray(cols["acc"], dtype=bool),
+        capture={"source": "moesim capture --speculative", "model_type": mt, "tree": f"depth 1, width {width}",
+                 "draft": "target's own top candidates" if draft is None else "draft model",
+                 "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "prompts": len(prompts), "max_new_tokens": max_new_tokens, **(source or {})})
+    if n == 0:
+        raise MoesimError("capture: no tokens were recorded (empty prompts?).")
+    assert trace.node is not None
+    order = np.lexsort((trace.layer, trace.node, trace.position, trace.step, trace.request))
+    hidden = np.asarray(cols["hidden"], dtype=np.float32)[order] if keep_hidden else None
+    return CaptureResult(trace.take(order), hidden)
