@@ -105,6 +105,64 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
                    err=True)
 
 
+@cli.command("sweep")
+@click.argument("scenario")
+@click.option("--grid", "grid", multiple=True, metavar="KEY=V1,V2,...", help="An axis: dotted key and its values. Repeatable.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a base scenario key.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Sweep folder (default: runs/sweep-<scenario name>).")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True)
+@click.option("--workers", type=int, default=None, help="Worker processes (default: CPU count).")
+@click.option("--ray-address", default=None, help="With --executor ray: an existing cluster (default: a local instance).")
+def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], out_dir: str | None,
+              executor: str, workers: int | None, ray_address: str | None) -> None:
+    """Run SCENARIO over the cartesian product of its axes (--grid and the YAML 'sweep:' section),
+    one worker process per point; rerunning resumes. Writes DIR/points/<id>/ and DIR/results.parquet."""
+    import os as _os
+
+    from rich.console import Console
+
+    from simulator.scenario import resolve_path
+    from simulator.sweep import parse_grid, sweep
+
+    n_workers = workers if workers is not None else (_os.cpu_count() or 1)
+    if n_workers < 1:
+        raise MoesimError(f"--workers must be >= 1, got {n_workers}.")
+    target = Path(out_dir) if out_dir else Path("runs") / f"sweep-{resolve_path(scenario).stem}"
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    prog = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[failed]} failed"),
+                    TimeRemainingColumn(), console=_stderr_console(), disable=not sys.stderr.isatty())
+    with prog:
+        task = prog.add_task("sweep", total=None, failed=0)
+        df = sweep(scenario, str(target), parse_grid(grid), overrides, n_workers, executor, ray_address,
+                   progress=lambda d, f, n: prog.update(task, completed=d, total=n, failed=f))
+    ok = int((df["status"] == "ok").sum()) if len(df) else 0
+    Console().print(f"{len(df)} points ({ok} ok, {len(df) - ok} failed) -> {target}/results.parquet")
+
+
+@cli.command("plot")
+@click.argument("results")
+@click.option("--kind", type=click.Choice(["heatmap", "lines", "bars"]), required=True)
+@click.option("--metric", required=True, help="A results column, e.g. tpot_s, hit_rate.")
+@click.option("--x", "x", default=None, help="The axis on the horizontal axis (a results column).")
+@click.option("--y", "y", default=None, help="heatmap: the vertical axis.")
+@click.option("--by", "by", default=None, help="lines/bars: one line or bar group per value of this column.")
+@click.option("--title", default=None)
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="FILE.png, .svg or .pdf")
+def plot_cmd(results: str, kind: str, metric: str, x: str | None, y: str | None, by: str | None,
+             title: str | None, out: str) -> None:
+    """Plot a sweep's RESULTS (folder or results.parquet): heatmap, lines or bars."""
+    from simulator.plots import plot
+
+    click.echo(f"wrote {plot(results, kind, out, metric, x, y, by, title)}")
+
+
 @cli.group()
 def trace() -> None:
     """Make, inspect and validate routing traces (Parquet, schema v1)."""

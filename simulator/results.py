@@ -14,7 +14,7 @@ import yaml
 from simulator.engine import Result
 
 
-def write_results(result: Result, out_dir: str | os.PathLike[str]) -> Path:
+def write_results(result: Result, out_dir: str | os.PathLike[str], extra: dict[str, str] | None = None) -> Path:
     """Write ``summary.json``, ``steps.parquet`` and ``scenario.resolved.yaml`` into
     ``out_dir`` atomically: everything goes to a temporary sibling folder that then replaces
     ``out_dir`` in one rename, so a failure leaves the old results (or nothing)."""
@@ -26,6 +26,8 @@ def write_results(result: Result, out_dir: str | os.PathLike[str]) -> Path:
         result.steps.to_parquet(tmp / "steps.parquet", index=False)
         (tmp / "scenario.resolved.yaml").write_text(
             yaml.safe_dump(result.scenario.to_dict(), sort_keys=False))
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
         old = None
         if target.exists():
             old = target.parent / f".{target.name}.old-{os.getpid()}"

@@ -1,0 +1,128 @@
+"""``moesim plot``: figures from sweep results (matplotlib, written atomically).
+
+Kinds: ``heatmap`` (a metric over two axes), ``lines`` (a metric against one axis, one line
+per value of ``--by``; a ``belady`` line is drawn dashed as the bound), ``bars`` (a metric per
+value of ``--x``, grouped by ``--by``). Axis values are taken from the results' columns, in
+the order the sweep listed them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from simulator.errors import MoesimError, did_you_mean
+
+KINDS = ("heatmap", "lines", "bars")
+
+
+def load_results(path: str) -> pd.DataFrame:
+    """results.parquet of a sweep (the file, or its folder)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "results.parquet"
+    if not p.is_file():
+        raise MoesimError(f"plot: {path} is neither a sweep folder nor a results.parquet file; run "
+                          "`moesim sweep SCENARIO --out DIR` first.")
+    df = pd.read_parquet(p)
+    if "status" in df:
+        df = df[df["status"] == "ok"]
+    if df.empty:
+        raise MoesimError(f"plot: {p} has no finished points.")
+    return df
+
+
+def _column(df: pd.DataFrame, name: str | None, what: str) -> str:
+    if name is None:
+        raise MoesimError(f"plot: this kind needs {what}.")
+    if name not in df.columns:
+        raise MoesimError(f"plot: column '{name}'{did_you_mean(name, list(df.columns))} is not in the results; "
+                          f"columns: {', '.join(map(str, df.columns))}.")
+    return name
+
+
+def _sort_key(v: Any) -> tuple[int, float, str]:
+    s = str(v)
+    m = re.match(r"^\s*([0-9.]+)", s)
+    return (0, float(m.group(1)), s) if m else (1, 0.0, s)
+
+
+def _ordered(values: Any) -> list[Any]:
+    return sorted(pd.unique(values), key=_sort_key)
+
+
+def plot(path: str, kind: str, out: str, metric: str, x: str | None = None, y: str | None = None,
+         by: str | None = None, title: str | None = None) -> Path:
+    """Draw ``kind`` from the results at ``path`` into ``out`` (.png, .svg or .pdf)."""
+    import matplotlib.pyplot as plt
+
+    target = Path(out)
+    if target.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise MoesimError(f"plot: --out {out} must end in .png, .svg or .pdf.")
+    fig = figure(load_results(path), kind, metric, x, y, by, title)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=target.suffix, dir=target.parent)
+    os.close(fd)
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, target)
+    return target
+
+
+def figure(df: pd.DataFrame, kind: str, metric: str, x: str | None = None, y: str | None = None,
+           by: str | None = None, title: str | None = None) -> Any:
+    """The matplotlib Figure for ``kind`` (see :func:`plot`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if kind not in KINDS:
+        raise MoesimError(f"plot: unknown kind '{kind}'{did_you_mean(kind, list(KINDS))}; valid: {', '.join(KINDS)}.")
+    metric = _column(df, metric, "--metric")
+    x = _column(df, x, "--x (an axis)")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if kind == "heatmap":
+        y = _column(df, y, "--y (a second axis)")
+        table = df.pivot_table(index=y, columns=x, values=metric, aggfunc="mean")
+        table = table.reindex(index=_ordered(df[y]), columns=_ordered(df[x]))
+        im = ax.imshow(table.to_numpy(dtype=float), aspect="auto", origin="lower", cmap="viridis")
+        ax.set_xticks(range(len(table.columns)), [str(c) for c in table.columns])
+        ax.set_yticks(range(len(table.index)), [str(i) for i in table.index])
+        for i in range(table.shape[0]):
+            for j in range(table.shape[1]):
+                v = table.iat[i, j]
+                if pd.notna(v):
+                    ax.text(j, i, f"{v:.3g}", ha="center", va="center", color="white", fontsize=8)
+        fig.colorbar(im, ax=ax, label=metric)
+        ax.set_ylabel(y)
+    else:
+        groups = _ordered(df[by]) if by else [None]
+        if by:
+            _column(df, by, "--by")
+        xs = _ordered(df[x])
+        width = 0.8 / max(len(groups), 1)
+        for gi, g in enumerate(groups):
+            sub = df if g is None else df[df[by] == g]
+            series = sub.groupby(x)[metric].mean().reindex(xs)
+            label = str(g) if g is not None else metric
+            if kind == "lines":
+                style = "--" if str(g) == "belady" else "-"
+                ax.plot([str(v) for v in xs], series.to_numpy(dtype=float), style, marker="o", label=label)
+            else:
+                pos = [i + (gi - (len(groups) - 1) / 2) * width for i in range(len(xs))]
+                ax.bar(pos, series.to_numpy(dtype=float), width=width, label=label)
+                ax.set_xticks(range(len(xs)), [str(v) for v in xs])
+        if by:
+            ax.legend(title=by, fontsize=8)
+        ax.set_ylabel(metric)
+    ax.set_xlabel(x)
+    ax.set_title(title or f"{metric} ({kind})")
+    fig.tight_layout()
+    return fig

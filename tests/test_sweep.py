@@ -1,0 +1,115 @@
+"""Sweeps: equal to single runs, resumable, failures recorded, atomic points; plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from simulator.engine import simulate
+from simulator.errors import MoesimError
+from simulator.scenario import load_scenario
+from simulator.sweep import done_points, sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+GRID = {"cache.capacity": ["5%", "25%"], "hardware.links.pcie.bandwidth_gbps": [5, 32]}
+BASE = ("workload.trace.synth.tokens=40", "workload.trace.synth.requests=2")
+
+
+def test_a_2x2_sweep_equals_four_single_runs(tmp_path):
+    df = sweep("quickstart", str(tmp_path / "s"), GRID, BASE, workers=2)
+    assert len(df) == 4
+    assert (df["status"] == "ok").all()
+    for _, row in df.iterrows():
+        single = simulate(load_scenario("quickstart", [*BASE, f"cache.capacity={row['cache.capacity']}",
+                                                      f"hardware.links.pcie.bandwidth_gbps={row['hardware.links.pcie.bandwidth_gbps']}"]))
+        assert row["misses"] == single.summary["misses"]
+        assert row["tpot_s"] == single.summary["tpot_s"]
+        assert row["bytes_by_link.pcie.h2d"] == single.summary["bytes_by_link"]["pcie.h2d"]
+
+
+def test_resume_does_no_work_and_zip_axes(tmp_path):
+    out = tmp_path / "s"
+    sweep("quickstart", str(out), GRID, BASE, workers=1)
+    stamps = {p: (out / "points" / p / "summary.json").stat().st_mtime_ns for p in done_points(out)}
+    calls = []
+    df = sweep("quickstart", str(out), GRID, BASE, workers=1, progress=lambda d, f, n: calls.append((d, n)))
+    assert calls == [(4, 4)]  # everything was already done
+    assert {p: (out / "points" / p / "summary.json").stat().st_mtime_ns for p in done_points(out)} == stamps
+    assert len(df) == 4
+    sc = tmp_path / "z.yaml"
+    sc.write_text("workload: {trace: {synth: {preset: olmoe-1b-7b, tokens: 20}}}\n"
+                  "sweep:\n  axes:\n    cache.capacity: [5%, 25%]\n    policies.eviction: [lru, fifo]\n"
+                  "  zip: [[cache.capacity, policies.eviction]]\n")
+    z = sweep(str(sc), str(tmp_path / "z"), workers=1)
+    assert sorted(zip(z["cache.capacity"], z["policies.eviction"], strict=True)) == [("25%", "fifo"), ("5%", "lru")]
+
+
+def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path):
+    df = sweep("quickstart", str(tmp_path / "s"), {"cache.precision": ["bf16", "fp8"]}, BASE, workers=1)
+    assert sorted(df["status"]) == ["error", "ok"]
+    err = df[df["status"] == "error"].iloc[0]
+    assert "cache.precision' is 'fp8'" in err["error"]
+
+
+def test_bad_axes_fail_before_running(tmp_path):
+    with pytest.raises(MoesimError, match="key 'cache.capacty' is not a known key"):
+        sweep("quickstart", str(tmp_path / "s"), {"cache.capacty": ["5%"]}, BASE)
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_killed_sweep_leaves_no_half_written_point_and_resumes(tmp_path):
+    out = tmp_path / "s"
+    cmd = [sys.executable, "-m", "simulator.cli", "sweep", "quickstart", "--grid", "cache.capacity=1%,5%,10%,25%,50%,100%",
+           "--set", "workload.trace.synth.tokens=150", "--workers", "1", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and len(done_points(out)) < 2:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    points = out / "points"
+    for d in points.iterdir():
+        if d.name.startswith("."):
+            continue  # an interrupted write stays in a hidden temporary folder
+        assert (d / "summary.json").is_file() and (d / "steps.parquet").is_file() and (d / "scenario.resolved.yaml").is_file()
+    before = done_points(out)
+    assert 2 <= len(before) < 6
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    df = pd.read_parquet(out / "results.parquet")
+    assert len(df) == 6
+    assert (df["status"] == "ok").all()
+
+
+def test_plots_carry_the_swept_values(tmp_path):
+    from simulator.plots import figure, load_results, plot
+
+    out = tmp_path / "s"
+    sweep("quickstart", str(out), {**GRID, "policies.eviction": ["lru", "belady"]}, BASE, workers=2)
+    df = load_results(str(out))
+    heat = figure(df, "heatmap", "tpot_s", x="cache.capacity", y="hardware.links.pcie.bandwidth_gbps")
+    ax = heat.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["5%", "25%"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["5", "32"]
+    lines = figure(df, "lines", "hit_rate", x="cache.capacity", by="policies.eviction")
+    labels = [ln.get_label() for ln in lines.axes[0].get_lines()]
+    assert set(labels) == {"lru", "belady"}
+    assert next(ln for ln in lines.axes[0].get_lines() if ln.get_label() == "belady").get_linestyle() == "--"
+    bars = figure(df, "bars", "misses", x="policies.eviction", by="cache.capacity")
+    assert [t.get_text() for t in bars.axes[0].get_xticklabels()] == ["belady", "lru"]
+    for kind, kw in [("heatmap", {"x": "cache.capacity", "y": "hardware.links.pcie.bandwidth_gbps"}),
+                     ("lines", {"x": "cache.capacity", "by": "policies.eviction"}),
+                     ("bars", {"x": "policies.eviction"})]:
+        f = plot(str(out), kind, str(tmp_path / f"{kind}.png"), "hit_rate", **kw)
+        assert f.stat().st_size > 1000
+    with pytest.raises(MoesimError, match="column 'tpot' .*is not in the results"):
+        figure(df, "bars", "tpot", x="cache.capacity")
+    assert json.loads((out / "points" / df["point"].iloc[0] / "point.json").read_text())["id"] == df["point"].iloc[0]
