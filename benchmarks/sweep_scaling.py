@@ -25,7 +25,8 @@ def main() -> None:
             t0 = time.perf_counter()
             df = sweep("quickstart", d, GRID, BASE, workers=workers)
             dt = time.perf_counter() - t0
-            assert len(df) == 16 and (df["status"] == "ok").all()
+            assert len(df) == 16
+            assert (df["status"] == "ok").all()
             out[f"workers_{workers}"] = {"seconds": dt, "points_per_minute": 16 * 60 / dt}
     out["scaling"] = out["workers_2"]["points_per_minute"] / out["workers_1"]["points_per_minute"]
     print(json.dumps(out, indent=2))

@@ -23,6 +23,7 @@ import itertools
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -104,13 +105,13 @@ def plan(scenario_path: str, grid: dict[str, list[Any]], overrides: tuple[str, .
             groups.append([{key: v} for v in values])
     points = []
     for combo in itertools.product(*groups):
-        values: dict[str, Any] = {}
+        chosen: dict[str, Any] = {}
         for part in combo:
-            values.update(part)
-        pid = hashlib.sha1(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:12]
-        point_data = apply_overrides(data, [(k.split("."), v) for k, v in values.items()])
-        scenario_from_dict(point_data, where=f"{p} (sweep point {values})", base_dir=str(p.parent))
-        points.append(Point(pid, values))
+            chosen.update(part)
+        pid = hashlib.sha1(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        point_data = apply_overrides(data, [(k.split("."), v) for k, v in chosen.items()])
+        scenario_from_dict(point_data, where=f"{p} (sweep point {chosen})", base_dir=str(p.parent))
+        points.append(Point(pid, chosen))
     data["__base_dir__"] = str(p.parent)
     data["__source__"] = str(p)
     return data, points, zips
@@ -215,7 +216,8 @@ def sweep(scenario_path: str, out_dir: str, grid: dict[str, list[Any]] | None = 
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["numpy", "pandas", "pyarrow", "simpy", "simulator.engine",
                                     "simulator.results", "simulator.sweep"])
-        pool = ProcessPoolExecutor(max_workers=workers, max_tasks_per_child=1, mp_context=ctx)
+        fresh: dict[str, Any] = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
+        pool = ProcessPoolExecutor(workers, ctx, **fresh)  # Python 3.10 reuses worker processes
         try:
             futures = [pool.submit(run_point, data, p, str(out)) for p in todo]
             for fut in as_completed(futures):

@@ -60,7 +60,7 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path):
 
 
 def test_bad_axes_fail_before_running(tmp_path):
-    with pytest.raises(MoesimError, match="key 'cache.capacty' is not a known key"):
+    with pytest.raises(MoesimError, match=r"key 'cache\.capacty' is not a known key"):
         sweep("quickstart", str(tmp_path / "s"), {"cache.capacty": ["5%"]}, BASE)
     assert not (tmp_path / "s").exists()
 
@@ -79,7 +79,9 @@ def test_a_killed_sweep_leaves_no_half_written_point_and_resumes(tmp_path):
     for d in points.iterdir():
         if d.name.startswith("."):
             continue  # an interrupted write stays in a hidden temporary folder
-        assert (d / "summary.json").is_file() and (d / "steps.parquet").is_file() and (d / "scenario.resolved.yaml").is_file()
+        assert (d / "summary.json").is_file()
+        assert (d / "steps.parquet").is_file()
+        assert (d / "scenario.resolved.yaml").is_file()
     before = done_points(out)
     assert 2 <= len(before) < 6
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -110,6 +112,6 @@ def test_plots_carry_the_swept_values(tmp_path):
                      ("bars", {"x": "policies.eviction"})]:
         f = plot(str(out), kind, str(tmp_path / f"{kind}.png"), "hit_rate", **kw)
         assert f.stat().st_size > 1000
-    with pytest.raises(MoesimError, match="column 'tpot' .*is not in the results"):
+    with pytest.raises(MoesimError, match=r"column 'tpot' .*is not in the results"):
         figure(df, "bars", "tpot", x="cache.capacity")
     assert json.loads((out / "points" / df["point"].iloc[0] / "point.json").read_text())["id"] == df["point"].iloc[0]
