@@ -71,8 +71,10 @@ def _stderr_console() -> Any:
 @click.option("--no-write", is_flag=True, help="Print the summary only; write no files.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of a table.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--events", "events", type=click.Path(dir_okay=False), default=None,
+              help="Also write the run's timeline as a Chrome trace (JSON) that Perfetto opens.")
 def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write: bool,
-        as_json: bool, quiet: bool) -> None:
+        as_json: bool, quiet: bool, events: str | None) -> None:
     """Replay SCENARIO (a YAML file or a shipped name; default: quickstart).
 
     Prints a summary table and writes DIR/summary.json, DIR/steps.parquet (one row per
@@ -86,14 +88,20 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
 
     sc = load_scenario(scenario, overrides)
     prog = _progress(not quiet and sys.stderr.isatty(), "simulating")
+    rec: dict[str, Any] = {"record_transfers": events is not None, "record_layers": events is not None}
     if prog is not None:
         with prog:
             task = prog.add_task("sim", total=None)
-            sim = Simulation(sc, progress=lambda done, total: prog.update(task, completed=done, total=total))
+            sim = Simulation(sc, progress=lambda done, total: prog.update(task, completed=done, total=total), **rec)
             result = sim.run()
     else:
-        sim = Simulation(sc)
+        sim = Simulation(sc, **rec)
         result = sim.run()
+    if events is not None:
+        from simulator.events import chrome_trace, write_events
+
+        write_events(chrome_trace(result, sim.link_name, sim.model.num_experts, sim.num_prec), events)
+        click.echo(f"timeline written to {events} (open it in Perfetto)", err=True)
     if as_json:
         click.echo(json.dumps(result.summary, indent=2))
     else:
@@ -148,18 +156,32 @@ def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], 
 
 @cli.command("plot")
 @click.argument("results")
-@click.option("--kind", type=click.Choice(["heatmap", "lines", "bars"]), required=True)
-@click.option("--metric", required=True, help="A results column, e.g. tpot_s, hit_rate.")
+@click.option("--kind", type=click.Choice(["heatmap", "lines", "bars", "timeline"]), required=True)
+@click.option("--metric", default=None, help="A results column, e.g. tpot_s, hit_rate (not for timeline).")
+@click.option("--window", default=None, metavar="START:END", help="timeline: time window in ms.")
 @click.option("--x", "x", default=None, help="The axis on the horizontal axis (a results column).")
 @click.option("--y", "y", default=None, help="heatmap: the vertical axis.")
 @click.option("--by", "by", default=None, help="lines/bars: one line or bar group per value of this column.")
 @click.option("--title", default=None)
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="FILE.png, .svg or .pdf")
-def plot_cmd(results: str, kind: str, metric: str, x: str | None, y: str | None, by: str | None,
-             title: str | None, out: str) -> None:
-    """Plot a sweep's RESULTS (folder or results.parquet): heatmap, lines or bars."""
-    from simulator.plots import plot
+def plot_cmd(results: str, kind: str, metric: str | None, window: str | None, x: str | None, y: str | None,
+             by: str | None, title: str | None, out: str) -> None:
+    """Plot a sweep's RESULTS (folder or results.parquet) as heatmap, lines or bars, or a run's
+    events JSON (`moesim run --events`) as a timeline of the compute and copy streams."""
+    from simulator.plots import plot, plot_timeline
 
+    if kind == "timeline":
+        win = None
+        if window:
+            try:
+                a, b = (float(v) for v in window.split(":"))
+            except ValueError:
+                raise MoesimError(f"--window '{window}' must look like START:END (milliseconds).") from None
+            win = (a, b)
+        click.echo(f"wrote {plot_timeline(results, out, win, title)}")
+        return
+    if metric is None:
+        raise MoesimError(f"plot --kind {kind} needs --metric.")
     click.echo(f"wrote {plot(results, kind, out, metric, x, y, by, title)}")
 
 

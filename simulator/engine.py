@@ -105,7 +105,7 @@ class Simulation:
 
     def __init__(self, scenario: Scenario, trace: Trace | None = None,
                  workload: Workload | None = None, progress: ProgressFn | None = None,
-                 record_transfers: bool = False) -> None:
+                 record_transfers: bool = False, record_layers: bool = False) -> None:
         self.scenario = scenario
         if workload is None:
             trace = trace if trace is not None else load_trace(scenario)
@@ -153,6 +153,8 @@ class Simulation:
         self.copy = CopyEngine(self.link_name, hw.h2d, instant=not scenario.timing)
         self.copy.on_complete.append(self.cache.complete)
         self.transfers: list[tuple[int, int, float, float, float]] | None = None
+        # (pass, layer, non-expert start, routing point, experts start, layer end)
+        self.layer_log: list[tuple[int, int, float, float, float, float]] | None = [] if record_layers else None
         if record_transfers:
             self.transfers = []
             log = self.transfers
@@ -237,6 +239,7 @@ class Simulation:
         general = self.general
         pf_pending = self._pf_pending
         to_promote: list[Transfer] = []
+        layer_log = self.layer_log
         c_cancel = cols["prefetches_cancelled"]
         c_low, c_drop, c_sub, c_alt = (cols["low_precision_experts"], cols["dropped_experts"],
                                        cols["substituted_experts"], cols["tokens_altered"])
@@ -297,6 +300,7 @@ class Simulation:
                             pred_total += pf[2]
                             actual_total += pf[3]
                     timed_g = sorted(((now if tr_g is None else tr_g.done), f) for tr_g, f in g.computes)
+                    st0 = stall
                     if on_arrival:
                         t = now
                         for arr, f in timed_g:
@@ -309,6 +313,8 @@ class Simulation:
                         ready_g = max((arr for arr, _ in timed_g), default=now)
                         stall += ready_g - now
                         carry = ready_g - now + sum(f for _, f in timed_g)
+                    if layer_log is not None:
+                        layer_log.append((p, layer, now - ne, now, now + stall - st0, now + carry))
                     continue
                 waits: list[Transfer] = []
                 ready = now
@@ -419,6 +425,7 @@ class Simulation:
                 # The compute process is the only submitter to its copy engine, so the finish
                 # times projected at the routing point are final: the wait for the layer's
                 # experts (stall) and their compute fold into the next timeout.
+                st0 = stall
                 if arrivals is None:
                     if ready > now:
                         stall += ready - now
@@ -434,6 +441,8 @@ class Simulation:
                             t = arr
                         t += ffn[i]
                     carry = t - now
+                if layer_log is not None:
+                    layer_log.append((p, layer, now - ne, now, now + stall - st0, now + carry))
             if carry > 0:
                 yield env.timeout(carry)
                 carry = 0.0
@@ -552,7 +561,8 @@ class Simulation:
         steps = self._steps_frame()
         requests = self._requests_frame()
         summary = summarise(self, steps, requests)
-        return Result(self.scenario, steps, requests, summary, self.transfers)
+        return Result(self.scenario, steps, requests, summary, self.transfers,
+                      extra={"layers": self.layer_log} if self.layer_log is not None else {})
 
     def _steps_frame(self) -> pd.DataFrame:
         wl = self.wl

@@ -18,7 +18,7 @@ import pandas as pd
 
 from simulator.errors import MoesimError, did_you_mean
 
-KINDS = ("heatmap", "lines", "bars")
+KINDS = ("heatmap", "lines", "bars")  # plus "timeline", from a run's events (plot_timeline)
 
 
 def load_results(path: str) -> pd.DataFrame:
@@ -126,3 +126,50 @@ def figure(df: pd.DataFrame, kind: str, metric: str, x: str | None = None, y: st
     ax.set_title(title or f"{metric} ({kind})")
     fig.tight_layout()
     return fig
+
+
+def plot_timeline(events_path: str, out: str, window_ms: tuple[float, float] | None = None,
+                  title: str | None = None) -> Path:
+    """A Gantt chart of a run's compute stream and copy engine from its events JSON."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = Path(events_path)
+    try:
+        doc = json.loads(p.read_text())
+        spans = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise MoesimError(f"plot: {events_path} is not an events file from `moesim run --events` ({exc}).") from None
+    if window_ms is not None:
+        lo, hi = window_ms[0] * 1e3, window_ms[1] * 1e3
+        spans = [e for e in spans if e["ts"] + e["dur"] >= lo and e["ts"] <= hi]
+    if not spans:
+        raise MoesimError(f"plot: {events_path} has no events{' in that window' if window_ms else ''}.")
+    colours = {"attention+gate": "#9e9e9e", "wait for experts": "#d62728", "experts": "#1f77b4",
+               "demand fetch": "#ff7f0e", "prefetch": "#2ca02c"}
+    fig, ax = plt.subplots(figsize=(10, 3))
+    seen = set()
+    for e in spans:
+        kind = e["name"].split(" ", 1)[1] if e["name"].startswith("L") else e["name"]
+        row = 1 - e["tid"]  # compute on top
+        label = kind if kind not in seen else None
+        seen.add(kind)
+        ax.broken_barh([(e["ts"] / 1e3, e["dur"] / 1e3)], (row - 0.4, 0.8), color=colours.get(kind, "k"), label=label)
+    ax.set_yticks([0, 1], ["copy engine", "compute"])
+    ax.set_xlabel("simulated time (ms)")
+    ax.legend(loc="upper right", fontsize=7, ncol=5)
+    ax.set_title(title or "timeline")
+    fig.tight_layout()
+    target = Path(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=target.suffix, dir=target.parent)
+    os.close(fd)
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, target)
+    return target

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -115,3 +116,33 @@ def test_plots_carry_the_swept_values(tmp_path):
     with pytest.raises(MoesimError, match=r"column 'tpot' .*is not in the results"):
         figure(df, "bars", "tpot", x="cache.capacity")
     assert json.loads((out / "points" / df["point"].iloc[0] / "point.json").read_text())["id"] == df["point"].iloc[0]
+
+
+def test_events_export_and_timeline(tmp_path):
+    from simulator.engine import Simulation
+    from simulator.events import chrome_trace, write_events
+    from simulator.plots import plot_timeline
+
+    sc = load_scenario("quickstart", [*BASE, "policies.prefetch=oracle", "cache.capacity=25%"])
+    sim = Simulation(sc, record_transfers=True, record_layers=True)
+    res = sim.run()
+    doc = chrome_trace(res, sim.link_name, sim.model.num_experts, sim.num_prec)
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    compute = sorted((e for e in spans if e["tid"] == 0), key=lambda e: e["ts"])
+    copies = [e for e in spans if e["tid"] == 1]
+    assert len(copies) == res.summary["misses"] + res.summary["prefetches_issued"] - res.summary["prefetches_cancelled"]
+    for a, b in itertools.pairwise(compute):  # the compute stream never overlaps itself
+        assert a["ts"] + a["dur"] <= b["ts"] + 1e-6
+    # per pass, the compute spans add up to the pass duration
+    by_pass: dict[int, float] = {}
+    for e in compute:
+        by_pass[e["args"]["pass"]] = by_pass.get(e["args"]["pass"], 0.0) + e["dur"] / 1e6
+    assert by_pass[5] == pytest.approx(res.steps["duration_s"].iloc[5], rel=1e-9)
+    path = write_events(doc, tmp_path / "ev.json")
+    img = plot_timeline(str(path), str(tmp_path / "tl.png"), window_ms=(0, 50))
+    assert img.stat().st_size > 1000
+    r = subprocess.run([sys.executable, "-m", "simulator.cli", "run", "quickstart", "--no-write", "--quiet", "--set",
+                        "workload.trace.synth.tokens=5", "--events", str(tmp_path / "e2.json")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "e2.json").read_text())["traceEvents"]
