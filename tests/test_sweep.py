@@ -146,3 +146,15 @@ def test_events_export_and_timeline(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "e2.json").read_text())["traceEvents"]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::ResourceWarning")
+def test_ray_executor_agrees_with_local(tmp_path):
+    pytest.importorskip("ray")
+    grid = {"cache.capacity": ["5%", "25%"], "policies.eviction": ["lru", "fifo"]}
+    ray_df = sweep("quickstart", str(tmp_path / "r"), grid, BASE, workers=2, executor="ray")
+    local = sweep("quickstart", str(tmp_path / "l"), grid, BASE, workers=2)
+    cols = ["point", "misses", "hits", "tpot_s", "ttft_s", "stall_s"]
+    a = ray_df.sort_values("point")[cols].reset_index(drop=True)
+    b = local.sort_values("point")[cols].reset_index(drop=True)
+    pd.testing.assert_frame_equal(a, b)
