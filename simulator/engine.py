@@ -31,6 +31,7 @@ import numpy as np
 import pandas as pd
 import simpy
 
+from policies.budget import REGISTRY as BUDGET
 from policies.eviction import REGISTRY as EVICTION
 from policies.miss import REGISTRY as MISS
 from policies.prefetch import REGISTRY as PREFETCH
@@ -147,6 +148,7 @@ class Simulation:
         self.miss = MISS.get(pol.miss.name)(pol.miss.params, ctx(1))
         self.prefetch = PREFETCH.get(pol.prefetch.name)(pol.prefetch.params, ctx(2))
         self.routing = ROUTING.get(pol.routing.name)(pol.routing.params, ctx(3))
+        self.budget = BUDGET.get(pol.budget.name)(pol.budget.params, ctx(4))
         self.cache = ExpertCache(self.capacity, self.eviction)
         hw = scenario.hardware
         self.link_name = f"{hw.host_link}.h2d"
@@ -167,9 +169,9 @@ class Simulation:
                        "bytes", "prefetches_issued", "prefetches_used", "prefetch_predicted_hits",
                        "prefetch_predicted", "prefetch_actual", "low_precision_experts",
                        "dropped_experts", "substituted_experts", "tokens_altered",
-                       "prefetches_cancelled")}
+                       "prefetches_cancelled", "unique_computed")}
         self._pf_pending: dict[int, list[Transfer]] = {}
-        self.general = self.routing.changes_routing or not self.miss.always_fetch
+        self.general = self.routing.changes_routing or not self.miss.always_fetch or self.budget.restricts
         self._mass_total = workload.weight_total.astype(np.float64).copy()
         self._mass_kept = workload.weight_total.astype(np.float64).copy()
         self._pf_unused: set[int] = set()
@@ -244,6 +246,7 @@ class Simulation:
         c_low, c_drop, c_sub, c_alt = (cols["low_precision_experts"], cols["dropped_experts"],
                                        cols["substituted_experts"], cols["tokens_altered"])
         mass_t, mass_k = self._mass_total, self._mass_kept
+        c_uniq = cols["unique_computed"]
         evicted: set[int] = set()
         progress = self.progress
         n_pass = wl.num_passes
@@ -255,7 +258,7 @@ class Simulation:
             evicted.clear()
             hits = misses = late = coll = unc = 0
             pf_issued = pf_used = pred_hits = pred_total = actual_total = 0
-            low_prec = dropped = substituted = cancelled = 0
+            low_prec = dropped = substituted = cancelled = uniq_computed = 0
             mass_total = mass_kept = 0.0
             altered: set[tuple[int, int]] = set()
             stall = 0.0
@@ -289,6 +292,7 @@ class Simulation:
                     mass_total += g.mass_total
                     mass_kept += g.mass_retained
                     altered |= g.altered
+                    uniq_computed += len(g.computes)
                     if pf_pending:
                         cancelled += self._cancel_stale_prefetches(layer)
                     if prefetch_active:
@@ -468,6 +472,7 @@ class Simulation:
                 mass_t[p] = mass_total
                 mass_k[p] = mass_kept
                 c_alt[p] = len(altered)
+                c_uniq[p] = uniq_computed
             if progress is not None and (p + 1) % report_every == 0:
                 progress(p + 1, n_pass)
         if progress is not None:
@@ -567,7 +572,7 @@ class Simulation:
     def _steps_frame(self) -> pd.DataFrame:
         wl = self.wl
         num_l = self.model.num_layers
-        uniq = wl.off[num_l::num_l] - wl.off[:-1:num_l]
+        uniq = self._cols["unique_computed"] if self.general else wl.off[num_l::num_l] - wl.off[:-1:num_l]
         layers_routed = np.diff(wl.off).reshape(-1, num_l) > 0 if wl.num_passes else np.zeros((0, num_l), bool)
         return pd.DataFrame({
             "pass": np.arange(wl.num_passes, dtype=np.int64),

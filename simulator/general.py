@@ -36,6 +36,7 @@ class LayerOutcome:
     dropped: int = 0
     substituted: int = 0
     pf_used: int = 0
+    budget_unique: int = 0
     pinned: set[int] = field(default_factory=set)  # cache keys the layer used
     mass_total: float = 0.0
     mass_retained: float = 0.0
@@ -69,13 +70,15 @@ def general_layer(sim: Simulation, p: int, layer: int, now: float, evicted: set[
         return key in resident
 
     orig = trace.experts[rows].astype(np.int64)
-    chosen = (sim.routing.route(p, layer, rows, orig, cached)
-              if sim.routing.changes_routing else orig)
-    n_tok, k = chosen.shape
+    routed_experts = (sim.routing.route(p, layer, rows, orig, cached)
+                      if sim.routing.changes_routing else orig)
+    chosen: list[list[int]] = (sim.budget.select(p, layer, rows, routed_experts)
+                               if sim.budget.restricts else routed_experts.tolist())
+    n_tok = len(chosen)
     first: dict[int, list[int]] = {}  # expert -> [best rank, token indices...]
     for t in range(n_tok):
-        for r in range(k):
-            e = int(chosen[t, r])
+        for r in range(len(chosen[t])):
+            e = int(chosen[t][r])
             ent = first.get(e)
             if ent is None:
                 first[e] = [r, t]
@@ -85,6 +88,7 @@ def general_layer(sim: Simulation, p: int, layer: int, now: float, evicted: set[
                 ent.append(t)
     routed = frozenset(first)
     final = [set(map(int, chosen[t])) for t in range(n_tok)]
+    out.budget_unique = len(first)
     key_for: dict[int, tuple[int, Transfer | None]] = {}  # expert -> (cache key, transfer)
     pinned = out.pinned
     default = ctx.default_precision
