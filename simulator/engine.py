@@ -108,10 +108,13 @@ class Simulation:
                  workload: Workload | None = None, progress: ProgressFn | None = None,
                  record_transfers: bool = False, record_layers: bool = False) -> None:
         self.scenario = scenario
+        self._trace = trace
         if workload is None:
             trace = trace if trace is not None else load_trace(scenario)
+            self._trace = trace
             workload = build_workload(trace, scenario.workload.batch_size,
-                                      scenario.workload.max_requests)
+                                      scenario.workload.max_requests, scenario.workload.speculative,
+                                      scenario.seed)
         self.wl = workload
         model = workload.model
         self.model = model
@@ -566,6 +569,12 @@ class Simulation:
         steps = self._steps_frame()
         requests = self._requests_frame()
         summary = summarise(self, steps, requests)
+        if self.scenario.workload.speculative is not None and self.scenario.timing and self._trace is not None:
+            from dataclasses import replace
+
+            ar = replace(self.scenario, workload=replace(self.scenario.workload, speculative=None))
+            ar_rate = Simulation(ar, trace=self._trace).run().summary["tokens_per_s"]
+            summary["speedup_vs_autoregressive"] = (summary["tokens_per_s"] / ar_rate) if ar_rate else None
         return Result(self.scenario, steps, requests, summary, self.transfers,
                       extra={"layers": self.layer_log} if self.layer_log is not None else {})
 
@@ -580,6 +589,7 @@ class Simulation:
             "step": wl.pass_step,
             "phase": pd.Categorical.from_codes(wl.pass_phase.astype(np.int64), categories=pd.Index(PHASES)),
             "tokens": wl.pass_tokens,
+            "generated": wl.pass_generated if wl.pass_generated is not None else wl.pass_tokens,
             "requests": wl.pass_requests,
             "start_s": self._t_start,
             "end_s": self._t_end,

@@ -60,7 +60,7 @@ def _fmt(value: Any, key: str) -> str:
 SUMMARY_ROWS = ("hits", "misses", "hit_rate", "collision_misses", "late_prefetches",
                 "prefetches_issued", "prefetches_used", "prefetch_precision", "prefetch_recall",
                 "uncached_fetches", "bytes_by_link", "stall_s", "ttft_s", "tpot_s",
-                "tokens_per_s", "link_utilisation", "unique_experts_per_layer",
+                "tokens_per_s", "mean_accepted_tokens", "speedup_vs_autoregressive", "link_utilisation", "unique_experts_per_layer",
                 "unique_experts_per_layer_prefill", "gate_mass_retained", "tokens_altered",
                 "low_precision_experts", "dropped_experts", "substituted_experts", "total_time_s",
                 "forward_passes", "tokens", "requests")

@@ -96,6 +96,26 @@ class TraceSource:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative verification built from a decode trace (``docs/speculative.md``)."""
+
+    tree_size: int = field(metadata={
+        "help": "tokens verified per request per pass (a chain of s draft tokens: s + 1; an EAGLE tree: M)"})
+    depth: int | None = field(default=None, metadata={
+        "help": "longest acceptable draft path (default: tree_size - 1, a chain)"})
+    accept_prob: float = field(default=0.7, metadata={
+        "help": "each draft token on the path is accepted with this probability, until the first rejection"})
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.tree_size <= 1024:
+            raise ValueError(f"tree_size must be in 1..1024, got {self.tree_size}")
+        if self.depth is not None and not 0 <= self.depth < self.tree_size:
+            raise ValueError(f"depth must be in 0..tree_size-1, got {self.depth}")
+        if not 0 <= self.accept_prob <= 1:
+            raise ValueError(f"accept_prob must be in [0, 1], got {self.accept_prob}")
+
+
+@dataclass(frozen=True)
 class WorkloadConfig:
     """Which tokens go through each forward pass."""
 
@@ -103,6 +123,8 @@ class WorkloadConfig:
     batch_size: int = field(default=1, metadata={
         "help": "B requests decoded together: a decode step carries one token of each"})
     max_requests: int | None = field(default=None, metadata={"help": "replay only the first N requests"})
+    speculative: SpeculativeConfig | None = field(default=None, metadata={
+        "help": "replace decode steps by speculative verification passes"})
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

@@ -16,6 +16,7 @@ layer, by rank" that libCacheSim is fed in the differential tests.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -65,6 +66,7 @@ class Workload:
     probs: np.ndarray | None = None
     pred_next: np.ndarray | None = None
     trace: Trace | None = None
+    pass_generated: np.ndarray | None = None  # tokens each pass produces (verify: accepted + 1)
 
     def rows(self, pass_index: int, layer: int) -> np.ndarray:
         """Indices into the trace's row arrays (``probs``, ``pred_next``) of the tokens of
@@ -87,8 +89,62 @@ class Workload:
         return self.acc_layer.astype(np.int64) * self.model.num_experts + self.acc_expert
 
 
-def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None = None) -> Workload:
-    """Group the trace's rows into forward passes and list each pass's expert accesses."""
+def speculate(trace: Trace, tree_size: int, depth: int, accept_prob: float,
+              rng: np.random.Generator) -> tuple[Trace, dict[tuple[int, int], int]]:
+    """Decode rows -> verification rows (see ``docs/speculative.md``). Returns the new trace
+    and the tokens each (request, verify step) produces."""
+    dec = trace.phase == PHASE_CODES["decode"]
+    keep = trace.take(~dec)
+    parts = [keep]
+    produced: dict[tuple[int, int], int] = {}
+    d = trace.take(dec)
+    first_step = 1 if (trace.phase == PHASE_CODES["prefill"]).any() else 0
+    for r in np.unique(d.request):
+        sel = np.flatnonzero(d.request == r)
+        pos = d.position[sel]
+        upos = np.unique(pos)
+        by_pos = {int(q): sel[pos == q] for q in upos}
+        c = 0
+        step = first_step
+        while c < len(upos):
+            window = upos[c:c + tree_size]
+            a = 0
+            while a < min(depth, len(window) - 1) and rng.random() < accept_prob:
+                a += 1
+            idx = np.concatenate([by_pos[int(q)] for q in window])
+            piece = d.take(idx)
+            piece.step = np.full(len(idx), step, dtype=np.int32)
+            piece.phase = np.full(len(idx), PHASE_CODES["verify"], dtype=np.int8)
+            piece.node = np.repeat(np.arange(len(window), dtype=np.int16),
+                                   [len(by_pos[int(q)]) for q in window])
+            piece.parent = np.where(piece.node > 0, piece.node - 1, -1).astype(np.int16)
+            piece.accepted = piece.node <= a
+            parts.append(piece)
+            produced[(int(r), step)] = a + 1
+            c += a + 1
+            step += 1
+    keep.node = np.zeros(len(keep), dtype=np.int16)
+    keep.parent = np.full(len(keep), -1, dtype=np.int16)
+    keep.accepted = np.ones(len(keep), dtype=bool)
+    merged: dict[str, Any] = {}
+    for col in ("request", "step", "position", "phase", "layer", "experts", "weights", "probs", "pred_next",
+                "node", "parent", "accepted"):
+        arrs = [getattr(part, col) for part in parts]
+        merged[col] = None if any(arr is None for arr in arrs) else np.concatenate(arrs)
+    out = Trace(model=trace.model, capture=trace.capture, source=trace.source, **merged)
+    return out, produced
+
+
+def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None = None,
+                   speculative: Any = None, seed: int = 0) -> Workload:
+    """Group the trace's rows into forward passes and list each pass's expert accesses.
+    ``speculative`` (a :class:`simulator.scenario.SpeculativeConfig`) turns decode steps into
+    verification passes first."""
+    produced: dict[tuple[int, int], int] | None = None
+    if speculative is not None:
+        depth = speculative.depth if speculative.depth is not None else speculative.tree_size - 1
+        trace, produced = speculate(trace, speculative.tree_size, depth, speculative.accept_prob,
+                                    np.random.default_rng([seed, 99]))
     model = trace.model
     num_l, num_e, k = model.num_layers, model.num_experts, model.top_k
     req_ids, req_idx = np.unique(trace.request, return_inverse=True)
@@ -151,8 +207,18 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
     first_pass = np.full(len(req_ids), np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(first_pass, ridx, pass_of_row)
     req_group = (np.arange(len(req_ids)) // batch_size).astype(np.int64)
+    generated = np.where(pass_phase == PREFILL, pass_requests, pass_tokens).astype(np.int64)
+    if produced is not None:
+        generated = np.zeros(n_pass, dtype=np.int64)
+        seen_pairs = np.unique(pass_of_row * (len(req_ids) + 1) + ridx)
+        for key in seen_pairs.tolist():
+            pidx, r = divmod(key, len(req_ids) + 1)
+            if pass_phase[pidx] == VERIFY:
+                generated[pidx] += produced.get((int(req_ids[r]), int(pass_step[pidx])), 0)
+            else:  # prefill: the first token; decode: one token
+                generated[pidx] += 1
     return Workload(
-        model=model, batch_size=batch_size, pass_group=pass_group, pass_step=pass_step,
+        model=model, batch_size=batch_size, pass_generated=generated, pass_group=pass_group, pass_step=pass_step,
         pass_phase=pass_phase, pass_tokens=pass_tokens, pass_context=pass_context,
         pass_requests=pass_requests, off=off.astype(np.int64),
         acc_layer=(acc_pl % num_l).astype(np.int64), acc_expert=acc_expert.astype(np.int64),
