@@ -174,7 +174,9 @@ class Simulation:
                        "dropped_experts", "substituted_experts", "tokens_altered",
                        "prefetches_cancelled", "unique_computed")}
         self._pf_pending: dict[int, list[Transfer]] = {}
-        self.general = self.routing.changes_routing or not self.miss.always_fetch or self.budget.restricts
+        self.general = (self.routing.changes_routing or not self.miss.always_fetch or self.budget.restricts
+                        or scenario.hardware.gpus > 1)
+        self._ep_max_load = np.zeros(workload.num_passes)
         self._mass_total = workload.weight_total.astype(np.float64).copy()
         self._mass_kept = workload.weight_total.astype(np.float64).copy()
         self._pf_unused: set[int] = set()
@@ -557,12 +559,80 @@ class Simulation:
             actual += len(actual_set)
         return issued, hits, predicted, actual
 
+    def _run_ep(self) -> Generator[simpy.Event, Any, None]:
+        """Expert parallelism (G > 1 GPUs): experts stay resident on their GPU (no host
+        offload, so cache, eviction, miss and prefetch policies do not apply); attention runs
+        data-parallel with the pass's tokens split across GPUs; each (token, expert) pair on
+        another GPU sends the token's hidden state over the EP link and back (dispatch and
+        combine all-to-all, as long as the busiest GPU's traffic); a layer waits for the
+        slowest GPU's experts. Routing and budget policies apply (XShare Algorithm 6 balances
+        the per-GPU load)."""
+        from policies.budget import placement_of
+
+        env, wl, hw = self.env, self.wl, self.scenario.hardware
+        g_n = hw.gpus
+        num_l, num_e = self.model.num_layers, self.model.num_experts
+        owner = placement_of(hw.placement, num_l, num_e, g_n)
+        link = hw.links[hw.ep_link]
+        token_bytes = 2 * self.model.hidden_size
+        trace = wl.trace
+        assert trace is not None
+        cols = self._cols
+        mass_t, mass_k = self._mass_total, self._mass_kept
+        nonexp = self.cost.nonexpert_time(np.ceil(wl.pass_tokens / g_n), np.ceil(wl.pass_context / g_n)).tolist()
+        for p in range(wl.num_passes):
+            self.clock.pass_index = p
+            self._t_start[p] = env.now
+            loads, uniq, accesses, mass_total, mass_kept, altered = [], 0, 0, 0.0, 0.0, 0
+            for layer in range(num_l):
+                self.clock.layer = layer
+                rows = wl.rows(p, layer)
+                t_layer = nonexp[p]
+                if rows.size:
+                    orig = trace.experts[rows].astype(np.int64)
+                    chosen = self.budget.select(p, layer, rows, orig) if self.budget.restricts else orig.tolist()
+                    tok_gpu = np.arange(len(rows)) % g_n
+                    per_gpu_tokens: list[dict[int, int]] = [{} for _ in range(g_n)]
+                    sent = np.zeros(g_n)
+                    recv = np.zeros(g_n)
+                    weights = trace.weights[rows]
+                    for t, experts in enumerate(chosen):
+                        o = orig[t].tolist()
+                        wmap = dict(zip(o, weights[t].tolist(), strict=True))
+                        mass_total += sum(wmap.values())
+                        mass_kept += sum(wmap.get(e, 0.0) for e in experts)
+                        altered += set(experts) != set(o)
+                        for e in experts:
+                            gpu = int(owner[layer, e])
+                            per_gpu_tokens[gpu][e] = per_gpu_tokens[gpu].get(e, 0) + 1
+                            if gpu != tok_gpu[t]:
+                                sent[tok_gpu[t]] += token_bytes
+                                recv[gpu] += token_bytes
+                    load = [len(d) for d in per_gpu_tokens]
+                    loads.append(max(load))
+                    uniq += sum(load)
+                    accesses += sum(load)
+                    per_gpu_time = [float(self.cost.expert_time(np.asarray(list(d.values()))).sum()) if d else 0.0
+                                    for d in per_gpu_tokens]
+                    expert_t = max(per_gpu_time)
+                    traffic = float(max(sent.max(), recv.max()))
+                    a2a = link.copy_time(traffic) if traffic > 0 else 0.0
+                    t_layer += 2 * a2a + expert_t
+                yield env.timeout(t_layer)
+            self._t_end[p] = env.now
+            cols["hits"][p] = accesses
+            cols["unique_computed"][p] = uniq
+            cols["tokens_altered"][p] = altered
+            self._ep_max_load[p] = float(np.mean(loads)) if loads else 0.0
+            mass_t[p] = mass_total
+            mass_k[p] = mass_kept
+
     def run(self) -> Result:
         """Run the simulation to the end and derive the metrics."""
         from simulator.metrics import summarise
 
         t0 = _time.perf_counter()
-        self.env.process(self._run())
+        self.env.process(self._run_ep() if self.scenario.hardware.gpus > 1 else self._run())
         self.env.run()
         self.copy.finish()
         self.wall_s = _time.perf_counter() - t0
@@ -612,6 +682,7 @@ class Simulation:
             "gate_weight_total": self._mass_total,
             "gate_weight_computed": self._mass_kept,
             "tokens_altered": self._cols["tokens_altered"],
+            "max_experts_per_gpu": self._ep_max_load,
         })
 
     def _requests_frame(self) -> pd.DataFrame:

@@ -78,8 +78,17 @@ class HardwareConfig:
         "help": "fixed non-expert cost per layer (kernel launches, routing), microseconds"})
     expert_overhead_us: float = field(default=5.0, metadata={
         "help": "fixed cost per expert FFN launch, microseconds"})
+    gpus: int = field(default=1, metadata={
+        "help": "GPUs; > 1 means expert parallelism: experts placed across GPUs, all resident"})
+    placement: str = field(default="contiguous", metadata={
+        "help": "expert placement: contiguous, round-robin, or a YAML/JSON file layer -> [GPU per expert]"})
+    ep_link: str = field(default="nvlink", metadata={"help": "link carrying the all-to-all (expert parallelism)"})
 
     def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ValueError(f"gpus must be >= 1, got {self.gpus}")
+        if self.gpus > 1 and self.ep_link not in self.links:
+            raise ValueError(f"ep_link '{self.ep_link}' is not among links ({', '.join(self.links)})")
         if self.host_link not in self.links:
             raise ValueError(f"host_link '{self.host_link}' is not among links ({', '.join(self.links) or 'none'})")
         for key in ("host_memory_gb",):
@@ -123,6 +132,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "gpu": {"name": "RTX-4090", "memory_gb": 24, "hbm_bandwidth_gbps": 1008, "peak_tflops": 165},
         "host_memory_gb": 128, "host_link": "pcie", "links": {"pcie": _pcie(4)},
     },
+    # NVLink 4: 900 GB/s per GPU in total, 450 GB/s per direction.
+    **{f"h100-sxm-nvlink-x{g}": {
+        "gpu": {"name": "H100-SXM5-80GB", "memory_gb": 80, "hbm_bandwidth_gbps": 3350, "peak_tflops": 989},
+        "host_memory_gb": 1024, "host_link": "pcie", "gpus": g,
+        "links": {"pcie": _pcie(5), "nvlink": {"bandwidth_gbps": 450.0, "latency_us": 5.0, "efficiency": 0.9,
+                                              "half_efficiency_bytes": 16 * 1024}},
+    } for g in (2, 4, 8)},
     "a6000-pcie4": {
         "gpu": {"name": "RTX-A6000", "memory_gb": 48, "hbm_bandwidth_gbps": 768, "peak_tflops": 155},
         "host_memory_gb": 128, "host_link": "pcie", "links": {"pcie": _pcie(4)},

@@ -42,6 +42,8 @@ Definitions (names as in ``docs/design.md``; README "Metrics" repeats them):
   original top-k, over all tokens.
 - ``tokens_altered``: fraction of tokens whose expert set a routing, budget or miss policy
   changed.
+- ``max_experts_per_gpu``: expert parallelism: experts active on the busiest GPU, per layer,
+  mean over decode and verify passes (the peak GPU load of XShare §5).
 - ``total_time_s``: simulated time of the whole replay.
 
 In cache-only replay (``timing: false``) the time metrics are ``null``.
@@ -111,6 +113,9 @@ def summarise(sim: Simulation, steps: pd.DataFrame, requests: pd.DataFrame) -> d
         "gate_mass_retained": float(steps["gate_weight_computed"].sum()) / total_w if total_w else None,
         "tokens_altered": int(steps["tokens_altered"].sum()) / tokens_total if tokens_total else None,
         "total_time_s": total_time,
+        "gpus": sim.scenario.hardware.gpus,
+        "max_experts_per_gpu": (_f(steps.loc[decode_like, "max_experts_per_gpu"].mean())
+                                if sim.scenario.hardware.gpus > 1 and decode_like.any() else None),
         "forward_passes": len(steps),
         "tokens": tokens_total,
         "decode_tokens": int(steps.loc[decode, "tokens"].sum()),

@@ -150,3 +150,31 @@ def test_every_budget_composes_with_caching(name):
     assert capped["expert_accesses"] <= plain["expert_accesses"]  # a budgeted pass loads fewer experts
     assert capped["gate_mass_retained"] <= 1.0 + 1e-9
     assert capped["cache_peak_bytes"] <= 20 * t.model.expert_bytes["bf16"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 8), st.integers(1, 4), st.integers(1, 5), st.integers(0, 10**6),
+       st.sampled_from(["contiguous", "round-robin"]))
+def test_gpu_aware_greedy_keeps_the_load_balanced(gpus, per_gpu, tokens, seed, placement):
+    """XShare Algorithm 5: MaxLoad(S) <= ceil(|S| / G) (from an empty warm-up)."""
+    from policies.budget import gpu_aware_greedy, placement_of
+
+    n = 32
+    owner = placement_of(placement, 1, n, gpus)[0]
+    g = np.random.default_rng(seed).random((tokens, n))
+    chosen = gpu_aware_greedy(g, set(), owner, gpus, per_gpu)
+    loads = np.bincount(owner[chosen], minlength=gpus)
+    assert loads.max() <= -(-len(chosen) // gpus)
+    assert len(chosen) == min(n, per_gpu * gpus) or len(chosen) >= per_gpu * gpus
+
+
+def test_xshare_per_request_selection():
+    t = trace(batch=4, tokens=12)
+    sim = Simulation(scenario(cache={"capacity": "inf"}, workload={"batch_size": 4, "speculative": {"tree_size": 4}},
+                              policies={"budget": {"name": "xshare", "per_request": 2, "k0": 1}}), trace=t)
+    res = sim.run()
+    # each request contributes its tokens' top-1 plus 2 more experts: at most 4 * (4 + 2)
+    assert res.summary["unique_experts_per_layer"] <= 4 * (4 + 2)
+    plain = Simulation(scenario(cache={"capacity": "inf"}, workload={"batch_size": 4, "speculative": {"tree_size": 4}}),
+                       trace=t).run()
+    assert res.summary["unique_experts_per_layer"] < plain.summary["unique_experts_per_layer"]

@@ -1,0 +1,42 @@
+"""Expert parallelism: per-layer time is the slowest GPU's, plus the all-to-all."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simulator.cost import CostModel
+from simulator.engine import simulate
+from simulator.hardware import PRESETS
+from tests.helpers import scenario, small_model, trace_from_array
+from traces.synth import synth_from_preset
+
+
+def test_layer_time_is_the_slowest_gpu_plus_all_to_all():
+    model = small_model(layers=1, experts=4, top_k=2)
+    # one pass of 2 tokens: token 0 -> experts {0, 1} (GPU 0), token 1 -> experts {0, 3}
+    ex = np.array([[[[0, 1]], [[0, 3]]]])
+    t = trace_from_array(model, ex, prompt_tokens=2)
+    sc = scenario(hardware={"preset": "h100-sxm-nvlink-x2"})
+    res = simulate(sc, trace=t)
+    cost = CostModel(sc.hardware, model, model.expert_bytes["bf16"])
+    nonexp = float(cost.nonexpert_time(np.array([1]), np.array([2]))[0])  # 2 tokens, context 1+2, on 2 GPUs
+    gpu0 = float(cost.expert_time(np.array([2]))[0] + cost.expert_time(np.array([1]))[0])  # expert 0 (2 tokens), 1
+    gpu1 = float(cost.expert_time(np.array([1]))[0])  # expert 3
+    # token 0 on GPU 0, token 1 on GPU 1: token 1 -> expert 0 crosses; GPU 1 sends one hidden state
+    a2a = sc.hardware.links["nvlink"].copy_time(2 * model.hidden_size)
+    assert res.summary["total_time_s"] == pytest.approx(nonexp + 2 * a2a + max(gpu0, gpu1), rel=1e-9)
+    assert res.steps["max_experts_per_gpu"].iloc[0] == 2
+
+
+@pytest.mark.parametrize("gpus", [2, 4, 8])
+def test_gpu_aware_selection_lowers_the_peak_load(gpus):
+    assert f"h100-sxm-nvlink-x{gpus}" in PRESETS
+    t = synth_from_preset("olmoe-1b-7b", layers=3, experts=128, requests=16, tokens=10, seed=1, probs=True)
+    base = {"hardware": {"preset": f"h100-sxm-nvlink-x{gpus}"}, "workload": {"batch_size": 16}}
+    plain = simulate(scenario(**base), trace=t).summary
+    balanced = simulate(scenario(**base, policies={"budget": {"name": "xshare", "per_gpu": 4, "k0": 0, "gpus": gpus}}),
+                        trace=t).summary
+    assert balanced["max_experts_per_gpu"] <= -(-4 * gpus // gpus)  # ceil(|S|/G) with |S| = m_g * G
+    assert balanced["max_experts_per_gpu"] < plain["max_experts_per_gpu"]
+    assert balanced["tpot_s"] < plain["tpot_s"]
