@@ -159,8 +159,9 @@ class XShareParams:
             raise ValueError(f"per_gpu must be >= 1, got {self.per_gpu}")
         if self.gpus < 1:
             raise ValueError(f"gpus must be >= 1, got {self.gpus}")
-        if self.budget is not None and self.budget < 1:
-            raise ValueError(f"budget must be >= 1, got {self.budget}")
+        low = 0 if self.per_request is not None else 1  # Algorithm 4 allows m = 0 (no top-up)
+        if self.budget is not None and self.budget < low:
+            raise ValueError(f"budget must be >= {low}, got {self.budget}")
         if self.threshold is not None and not 0 < self.threshold <= 1:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
         if self.k0 < 0:

@@ -256,4 +256,151 @@ gap = fast.pivot_table(index="cache.capacity", columns="policies.eviction", valu
 print("Belady's headroom over LRU in hit rate:", (gap["belady"] - gap["lru"]).round(3).to_dict())"""),
 ]
 nbf.write(nbf.v4.new_notebook(cells=capbw, metadata=META), "notebooks/capacity_bandwidth.ipynb")
+budgets = [
+    md("""# Expert budgets: MoE-Spec, XShare, expert parallelism
+
+Reproduces, on the traces available here, the shapes of MoE-Spec Fig. 2b/2c and Fig. 4a/4b,
+XShare Fig. 1 and its (m_l, k0) / (k0, m, m_r) settings, and XShare Table 2's expert-parallel
+peak load. Everything is computed when the notebook runs (CI executes it)."""),
+    code("""import os
+from pathlib import Path
+
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from simulator.engine import Simulation, load_trace
+from simulator.scenario import load_scenario
+from traces.importers import import_trace
+
+ROOT = Path.cwd() if (Path.cwd() / "scenarios").is_dir() else Path.cwd().parent
+REAL = ROOT.parent / "shared" / "traces" / "real"
+OUT = Path(os.environ.get("MOESIM_NOTEBOOK_OUT", ROOT / "runs" / "notebooks"))
+OUT.mkdir(parents=True, exist_ok=True)
+
+
+def summary(path, *sets, trace=None):
+    return Simulation(load_scenario(path, list(sets)), trace=trace).run().summary"""),
+    md("""## Real routing: unique experts against batch size, and mass captured by the top-B experts
+
+FLAME-MoE decode: 64 sequences per decode position (MoE-Spec Fig. 2b, XShare Fig. 1): the first B
+sequences of each position form a batch. The dashed line is XShare's E[N_a] = N(1-(1-k/N)^B) for
+independent uniform routing. Routing mass captured by the B experts with the largest summed
+weight over the 64-sequence batch (MoE-Spec Fig. 2c)."""),
+    code("""rows = []
+mass_curves = []
+if REAL.is_dir():
+    flame, _ = import_trace("flame-csv", [REAL / "flame-moe-290m" / "decode"])
+    n, k = flame.model.num_experts, flame.model.top_k
+    for step in np.unique(flame.step):
+        for layer in range(flame.model.num_layers):
+            sel = (flame.step == step) & (flame.layer == layer)
+            ex, w = flame.experts[sel], flame.weights[sel]
+            for b in (1, 2, 4, 8, 16, 32, 64):
+                rows.append({"batch": b, "unique": len(np.unique(ex[:b]))})
+            mass = np.zeros(n)
+            np.add.at(mass, ex.reshape(-1), w.reshape(-1))
+            mass_curves.append(np.cumsum(np.sort(mass)[::-1]) / mass.sum())
+    uniq = pd.DataFrame(rows).groupby("batch")["unique"].mean()
+    capture = np.mean(mass_curves, axis=0)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].plot(uniq.index, uniq.values, "o-", label="FLAME-MoE decode")
+    bs = np.array(uniq.index)
+    axes[0].plot(bs, n * (1 - (1 - k / n) ** bs), "--", label="uniform E[N_a]")
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("batch size")
+    axes[0].set_ylabel("unique experts per layer")
+    axes[0].legend()
+    axes[1].plot(np.arange(1, n + 1), capture)
+    axes[1].set_xlabel("B (top experts by summed routing weight)")
+    axes[1].set_ylabel("share of routing mass captured")
+    fig.tight_layout()
+    fig.savefig(OUT / "budgets_real.png", dpi=100)
+    print("unique experts per layer by batch:", uniq.round(1).to_dict())
+    print(f"top-32 of 64 experts capture {capture[31]:.1%} of the batch's routing mass; top-16: {capture[15]:.1%}")
+else:
+    print("../shared/traces/real is not here: real-trace figures skipped")"""),
+    md("""## MoE-Spec Fig. 4: tree size, with and without a budget of N/2
+
+Synthetic OLMoE-like routing (4 layers for speed), one request, draft trees of M tokens
+(depth 7, acceptance 0.8 per draft), all experts resident; budget B = 32 with router ranking
+and substitution."""),
+    code("""spec = ROOT / "scenarios" / "moe-spec" / "olmoe-tree63-budget32.yaml"
+base = ["workload.trace.synth.layers=4", "workload.trace.synth.tokens=160"]
+trace = load_trace(load_scenario(spec, base))
+rows = []
+for m in (3, 7, 15, 31, 63, 127, 255):
+    depth = min(m - 1, 7)
+    for label, budget in (("no budget", "none"), ("B = 32", "{name: moe-spec, budget: 32}")):
+        s = summary(spec, *base, f"workload.speculative.tree_size={m}", f"workload.speculative.depth={depth}",
+                    f"policies.budget={budget}", trace=trace)
+        rows.append({"tree": m, "policy": label, "unique": s["unique_experts_per_layer"],
+                     "speedup": s["speedup_vs_autoregressive"], "gate_mass": s["gate_mass_retained"]})
+fig4 = pd.DataFrame(rows)
+fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+for label, grp in fig4.groupby("policy"):
+    axes[0].plot(grp["tree"], grp["unique"], "o-", label=label)
+    axes[1].plot(grp["tree"], grp["speedup"], "o-", label=label)
+for ax, ylabel in zip(axes, ["unique experts per layer", "speedup over autoregressive"]):
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("draft tree size")
+    ax.set_ylabel(ylabel)
+    ax.legend()
+fig.tight_layout()
+fig.savefig(OUT / "budgets_moespec_fig4.png", dpi=100)
+fig4.pivot(index="tree", columns="policy", values=["unique", "speedup"]).round(2)"""),
+    md("## XShare settings: batch 4, speculation length 3"),
+    code("""alg4 = ROOT / "scenarios" / "xshare" / "spec-batch4-alg4.yaml"
+xtrace = load_trace(load_scenario(alg4))
+settings = {"baseline": "none",
+            "Alg.2 (m=16, k0=1)": "{name: xshare, budget: 16, k0: 1}",
+            "Alg.2 (m=24, k0=1)": "{name: xshare, budget: 24, k0: 1}",
+            "Alg.4 (k0=1, m=0, m_r=4)": "{name: xshare, per_request: 4, budget: 0, k0: 1}",
+            "Alg.4 (k0=1, m=0, m_r=5)": "{name: xshare, per_request: 5, budget: 0, k0: 1}",
+            "Alg.4 (k0=2, m=0, m_r=4)": "{name: xshare, per_request: 4, budget: 0, k0: 2}",
+            "Alg.4 (k0=0, m=16, m_r=4)": "{name: xshare, per_request: 4, budget: 16, k0: 0}"}
+rows = []
+for name, budget in settings.items():
+    s = summary(alg4, f"policies.budget={budget}", trace=xtrace)
+    rows.append({"setting": name, "tokens_per_s": s["tokens_per_s"], "gate_mass": s["gate_mass_retained"],
+                 "unique_experts": s["unique_experts_per_layer"]})
+xs = pd.DataFrame(rows)
+xs["OTPS gain"] = xs["tokens_per_s"] / xs["tokens_per_s"].iloc[0] - 1
+xs.round(3)"""),
+    md("## Expert parallelism: peak GPU load with and without Algorithm 6 (XShare Table 2)"),
+    code("""ep = ROOT / "scenarios" / "xshare" / "ep8-alg6.yaml"
+etrace = load_trace(load_scenario(ep))
+base = summary(ep, "policies.budget=none", trace=etrace)
+alg6 = summary(ep, trace=etrace)
+print(f"peak GPU load: {base['max_experts_per_gpu']:.1f} -> {alg6['max_experts_per_gpu']:.1f} experts "
+      f"(XShare Table 2, DeepSeek-R1: 25.6 -> 8.6); active experts per layer {base['unique_experts_per_layer']:.0f} "
+      f"-> {alg6['unique_experts_per_layer']:.0f}; gate mass kept {alg6['gate_mass_retained']:.2f}; "
+      f"TPOT {1e3 * base['tpot_s']:.3f} -> {1e3 * alg6['tpot_s']:.3f} ms")"""),
+    md("""## What these traces can and cannot reproduce
+
+* **Shapes reproduced.** Unique experts grow with batch size and approach N (FLAME-MoE decode
+  tracks the uniform E[N_a] curve closely: its routing over 64 sequences is nearly uniform);
+  a few top experts capture most of a batch's routing mass, with a long tail of stragglers;
+  MoE-Spec's budget caps unique experts at B while unbudgeted verification approaches N as the
+  tree grows, and the budget keeps speedup rising at large trees while unbudgeted speedup peaks
+  and declines (Fig. 4b); dropping the warm-up (k0 = 0) buys the most throughput for the least
+  gate mass, as XShare warns; Algorithm 6 cuts the EP peak load about 3x, close to Table 2's
+  25.6 -> 8.6.
+* **Not reproduced: Algorithm 4 over Algorithm 2.** Here both trade throughput for gate mass
+  along about the same curve. XShare's advantage for Algorithm 4 comes from the strong overlap of
+  the experts of speculative tokens of one request (2-3x that of independent tokens, its Fig. 3);
+  the synthetic requests' consecutive tokens overlap less (set overlap ~0.30 against 0.125 for
+  independent tokens, see docs/synthetic.md), so per-request selection has less to exploit.
+* **Not reproducible here.** The published accuracy numbers (GSM8K, MATH500, HumanEval, ...)
+  need the real models: the simulator reports gate mass retained and tokens altered as quality
+  proxies only. Absolute speedups (MoE-Spec Table 1, XShare's 13-14% OTPS) depend on real EAGLE
+  draft trees, their acceptance, GPU kernels and the real routing of OLMoE, Qwen3, Mixtral,
+  GPT-OSS and DeepSeek-R1, none of which are available as multi-layer traces here (FLAME-MoE is
+  a 290M model with 10 decode tokens; Mixtral's log has 2 problems and no router
+  probabilities); the tree experiments use synthetic routing and trees assembled from recorded
+  tokens (docs/speculative.md)."""),
+]
+nbf.write(nbf.v4.new_notebook(cells=budgets, metadata=META), "notebooks/budgets.ipynb")
 print("wrote notebooks/*.ipynb")
