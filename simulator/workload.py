@@ -208,6 +208,15 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
     np.minimum.at(first_pass, ridx, pass_of_row)
     req_group = (np.arange(len(req_ids)) // batch_size).astype(np.int64)
     generated = np.where(pass_phase == PREFILL, pass_requests, pass_tokens).astype(np.int64)
+    if produced is None and trace.accepted is not None and (pass_phase == VERIFY).any():
+        # verify steps recorded in the trace (moesim capture --speculative): a pass generates
+        # the accepted draft tokens (a rejected step is followed by a decode step)
+        acc_rows = trace.accepted[order] & (phase == VERIFY)
+        node = trace.node[order] if trace.node is not None else np.zeros(len(order), dtype=np.int64)
+        acc_key = np.unique(np.stack([pass_of_row[acc_rows], ridx[acc_rows], pos[acc_rows],
+                                      node[acc_rows].astype(np.int64)], axis=1), axis=0)
+        verify_gen = np.bincount(acc_key[:, 0], minlength=n_pass) if len(acc_key) else np.zeros(n_pass, np.int64)
+        generated = np.where(pass_phase == VERIFY, verify_gen, generated).astype(np.int64)
     if produced is not None:
         generated = np.zeros(n_pass, dtype=np.int64)
         seen_pairs = np.unique(pass_of_row * (len(req_ids) + 1) + ridx)

@@ -64,3 +64,52 @@ def test_verify_rows_carry_tree_nodes():
     assert set(np.unique(ver.node).tolist()) <= {0, 1, 2, 3}
     assert (ver.parent[ver.node > 0] == ver.node[ver.node > 0] - 1).all()  # a chain
     assert ver.accepted[ver.node == 0].all()
+
+
+def test_recorded_verify_steps_count_accepted_tokens():
+    from simulator.workload import build_workload
+    from tests.helpers import small_model, trace_from_array
+
+    model = small_model(layers=1, experts=4, top_k=1)
+    t = trace_from_array(model, np.array([[[[0]], [[1]], [[2]], [[3]]]]))  # 4 rows, one layer
+    t.phase[:] = 2  # verify
+    t.step[:] = [1, 1, 2, 2]
+    t.position[:] = [5, 5, 6, 6]
+    t.node = np.array([1, 2, 1, 2], dtype=np.int16)
+    t.parent = np.zeros(4, dtype=np.int16)
+    t.accepted = np.array([True, False, False, False])
+    wl = build_workload(t)
+    assert wl.pass_generated.tolist() == [1, 0]
+
+
+@pytest.mark.real
+def test_real_traces_show_the_budgeting_shapes():
+    """MoE-Spec Fig. 2b/2c, XShare Fig. 1 on the real traces: unique experts per layer grow with
+    the batch towards N, and the top-B experts of a batch capture most of its routing mass."""
+    from tests.helpers import mixtral_trace, real_dir
+    from traces.importers import import_trace
+
+    flame, _ = import_trace("flame-csv", [real_dir() / "flame-moe-290m" / "decode"])
+    uniq = []
+    for b in (1, 4, 16, 64):
+        vals = []
+        for step in range(10):
+            for layer in range(8):
+                sel = (flame.step == step) & (flame.layer == layer)
+                vals.append(len(np.unique(flame.experts[sel][:b])))
+        uniq.append(np.mean(vals))
+    assert uniq == sorted(uniq)
+    assert uniq[0] == 6
+    assert uniq[-1] > 60  # 64 sequences touch nearly all 64 experts
+    sel = (flame.step == 0) & (flame.layer == 7)
+    mass = np.zeros(64)
+    np.add.at(mass, flame.experts[sel].reshape(-1), flame.weights[sel].reshape(-1))
+    share = np.cumsum(np.sort(mass)[::-1]) / mass.sum()
+    assert share[31] > 0.6  # half of the experts hold well over half of the mass
+    assert (np.diff(share) >= -1e-12).all()
+    mx = mixtral_trace("gsm8k")
+    p0 = mx.take((mx.request == 0) & (mx.layer == 0))
+    unique_by_window = [np.mean([len(np.unique(p0.experts[i:i + b])) for i in range(0, 160 - b, b)])
+                        for b in (1, 2, 4, 8)]
+    assert unique_by_window == sorted(unique_by_window)
+    assert unique_by_window[-1] < 8 * (1 - (1 - 2 / 8) ** 8)  # consecutive tokens share experts
