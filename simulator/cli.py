@@ -410,6 +410,54 @@ def capture_cmd(model_path: str, prompts: str, out: str, device: str, dtype: str
                f"{t.model.num_layers} MoE layers x {t.model.num_experts} experts top-{t.model.top_k}")
 
 
+@cli.group()
+def calibrate() -> None:
+    """Measure the device, fit a hardware profile (validation against a real executor: not yet)."""
+
+
+@calibrate.command("measure")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
+@click.option("--model-shapes", default="olmoe-1b-7b", show_default=True, help="Comma-separated model shapes for the expert FFN tables.")
+@click.option("--quick", is_flag=True, help="Small sizes and few repeats (CI).")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Raw measurements (Parquet).")
+def calibrate_measure(device: str, model_shapes: str, quick: bool, out: str) -> None:
+    """Microbenchmarks with PyTorch: copies by size, expert FFN by tokens, attention by context, launch overhead."""
+    from simulator.calibrate import measure, write_parquet_atomic
+
+    prog = _progress(sys.stderr.isatty(), "measuring")
+    shapes = [s.strip() for s in model_shapes.split(",") if s.strip()]
+    if prog is not None:
+        with prog:
+            task = prog.add_task("m", total=None)
+            df = measure(device, shapes, quick, progress=lambda d, n: prog.update(task, completed=d, total=n))
+    else:
+        df = measure(device, shapes, quick)
+    write_parquet_atomic(df, out)
+    click.echo(f"wrote {out}: {len(df)} measurements on {df['device_name'].iloc[0]} ({device})")
+
+
+@calibrate.command("fit")
+@click.argument("raw", type=click.Path(dir_okay=False, exists=True))
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Profile YAML.")
+def calibrate_fit(raw: str, out: str) -> None:
+    """Fit RAW measurements into a hardware profile (links: affine latency + bytes/bandwidth;
+    compute tables; launch overhead), with fit residuals. Scenarios name it as hardware.profile."""
+    import pandas as pd
+
+    from simulator.calibrate import fit, write_profile
+
+    try:
+        df = pd.read_parquet(raw)
+    except Exception as exc:
+        raise MoesimError(f"calibrate fit: {raw} is not a readable Parquet file ({exc}).") from None
+    prof = fit(df, raw)
+    write_profile(prof, out)
+    for name, link in prof["links"].items():
+        click.echo(f"{name}: {link['bandwidth_gbps']:.2f} GB/s, {link['latency_us']:.2f} us "
+                   f"(relative RMS residual {link['rel_rms_residual']:.1%})")
+    click.echo(f"wrote {out}")
+
+
 @cli.command("policies")
 def policies_cmd() -> None:
     """List every registered policy by family with its parameters and defaults."""

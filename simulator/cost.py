@@ -39,6 +39,7 @@ class CostModel:
         shared = 3 * h * model.shared_expert_intermediate_size * model.shared_experts
         self.nonexpert_weights = h * q + 2 * h * kv + q * h + h * model.num_experts + shared
         self.expert_flops_per_token = 6 * h * model.expert_intermediate_size
+        self._table = self._measured()
 
     def nonexpert_time(self, tokens: np.ndarray, context: np.ndarray) -> np.ndarray:
         """Seconds of the non-expert part of one layer, per pass."""
@@ -48,9 +49,30 @@ class CostModel:
         flops = 2 * self.nonexpert_weights * tokens + 4 * self.q_width * context
         return np.maximum(nbytes / self.hbm, flops / self.peak) + self.hw.layer_overhead_us * 1e-6
 
+    def _measured(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The profile's expert-time table for this model's (hidden, intermediate) shape."""
+        for by_dtype in (self.hw.expert_table or {}).values():
+            for tab in by_dtype.values():
+                if (tab.get("hidden"), tab.get("intermediate")) == (self.model.hidden_size,
+                                                                     self.model.expert_intermediate_size):
+                    return np.log(np.asarray(tab["tokens"], float)), np.log(np.asarray(tab["seconds"], float))
+        return None
+
     def expert_time(self, tokens: np.ndarray) -> np.ndarray:
-        """Seconds of one expert FFN with ``tokens`` tokens routed to it."""
+        """Seconds of one expert FFN with ``tokens`` tokens routed to it: the calibration
+        profile's table (log-log interpolation) when it has this model's shape, else roofline."""
         tokens = np.asarray(tokens, dtype=np.float64)
+        tab = self._table
+        if tab is not None:
+            lt, ls = tab
+            x = np.log(np.maximum(tokens, 1.0))
+            y = np.interp(x, lt, ls)
+            if len(lt) > 1:  # extrapolate with the end slopes
+                lo = (ls[1] - ls[0]) / (lt[1] - lt[0])
+                hi = (ls[-1] - ls[-2]) / (lt[-1] - lt[-2])
+                y = np.where(x < lt[0], ls[0] + lo * (x - lt[0]), y)
+                y = np.where(x > lt[-1], ls[-1] + hi * (x - lt[-1]), y)
+            return np.exp(y) + self.hw.expert_overhead_us * 1e-6
         return (np.maximum(self.expert_bytes / self.hbm, self.expert_flops_per_token * tokens / self.peak)
                 + self.hw.expert_overhead_us * 1e-6)
 

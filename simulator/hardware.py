@@ -83,6 +83,10 @@ class HardwareConfig:
     placement: str = field(default="contiguous", metadata={
         "help": "expert placement: contiguous, round-robin, or a YAML/JSON file layer -> [GPU per expert]"})
     ep_link: str = field(default="nvlink", metadata={"help": "link carrying the all-to-all (expert parallelism)"})
+    profile: str | None = field(default=None, metadata={
+        "help": "a calibration profile (`moesim calibrate fit`): its link fit and compute tables replace the datasheet"})
+    expert_table: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "measured expert FFN times by shape and dtype (filled from the profile)"})
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -157,8 +161,35 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def expand_preset(data: dict[str, Any], where: str) -> dict[str, Any]:
-    """Hardware mapping with its ``preset`` expanded and the other keys merged over it."""
+def expand_preset(data: dict[str, Any], where: str, base_dir: str = ".") -> dict[str, Any]:
+    """Hardware mapping with its ``preset`` expanded and the other keys merged over it; a
+    ``profile`` replaces the host link and the compute model with measured figures."""
+    from pathlib import Path
+
+    data = dict(data)
+    prof_path = data.get("profile")
+    if prof_path is not None:
+        from simulator.calibrate import load_profile
+
+        p = Path(str(prof_path))
+        if not p.is_absolute() and (Path(base_dir) / p).is_file():
+            p = Path(base_dir) / p
+        prof = load_profile(str(p), where)
+        link = prof["links"].get("h2d_pinned") or prof["links"]["h2d_pageable"]
+        host = data.get("host_link", "pcie")
+        measured: dict[str, Any] = {
+            "source": f"profile {p} ({prof['measured_on'].get('device_name', '')})",
+            "links": {host: {"bandwidth_gbps": link["bandwidth_gbps"], "latency_us": link["latency_us"],
+                             "efficiency": 1.0, "half_efficiency_bytes": 0.0}},
+            "expert_table": prof.get("expert_time") or {},
+        }
+        if prof.get("launch_overhead_us") is not None:
+            measured["expert_overhead_us"] = 0.0  # the measured FFN times include their launches
+        data["profile"] = str(p)
+        name = data.get("preset")
+        base = PRESETS.get(str(name), {}) if name is not None else {"host_link": host, "links": {}}
+        return deep_merge(deep_merge(base, {k: v for k, v in data.items() if k != "links"} | measured),
+                          {"links": data.get("links", {})})
     name = data.get("preset")
     if name is None:
         return data

@@ -185,6 +185,7 @@ class Scenario:
         pol = {fam: {"name": spec.name, **to_plain(spec.params)}
                for fam, spec in vars(self.policies).items()}
         hw = to_plain(self.hardware)
+        hw.pop("expert_table", None)  # comes from the profile file named in 'profile'
         return {
             "seed": self.seed, "timing": self.timing, "expert_compute": self.expert_compute,
             "hardware": hw, "workload": to_plain(self.workload), "cache": to_plain(self.cache),
@@ -264,7 +265,7 @@ def scenario_from_dict(data: Any, where: str = "<scenario>", base_dir: str = "."
     hw_raw = top.hardware if top.hardware is not None else {"preset": "a100-80g-pcie4"}
     if not isinstance(hw_raw, dict):
         raise ConfigError(f"{where}: key 'hardware' must be a mapping (e.g. {{preset: a100-80g-pcie4}}).")
-    hardware = build(HardwareConfig, expand_preset(hw_raw, where), "hardware", where)
+    hardware = build(HardwareConfig, expand_preset(hw_raw, where, base_dir), "hardware", where)
     if top.workload is None:
         raise ConfigError(f"{where}: key 'workload' is required, e.g. "
                           "workload: {trace: {synth: {preset: olmoe-1b-7b, tokens: 2000}}}.")

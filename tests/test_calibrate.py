@@ -1,0 +1,95 @@
+"""Calibration: measure (CPU, quick), fit, profiles in scenarios, bad profiles."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from simulator.calibrate import fit, load_profile, write_profile
+from simulator.cost import CostModel
+from simulator.engine import simulate
+from simulator.errors import MoesimError
+from simulator.scenario import load_scenario
+from traces.synth import PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def synthetic_raw(bw_gbps: float, lat_us: float, noise: float = 0.01, seed: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    sizes = 2.0 ** np.arange(10, 31)
+    t = lat_us * 1e-6 + sizes / (bw_gbps * 1e9)
+    t = t * (1 + noise * rng.standard_normal(len(t)))
+    rows = [{"kind": "copy", "direction": "h2d", "memory": "pinned", "bytes": int(n), "median_s": float(s),
+             "device": "cuda", "device_name": "synthetic"} for n, s in zip(sizes, t, strict=True)]
+    rows.append({"kind": "launch", "median_s": 4e-6, "device": "cuda", "device_name": "synthetic"})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize(("bw", "lat"), [(25.0, 10.0), (55.0, 4.0), (450.0, 2.0)])
+def test_fit_recovers_bandwidth_and_latency(bw, lat):
+    prof = fit(synthetic_raw(bw, lat))
+    link = prof["links"]["h2d_pinned"]
+    assert link["bandwidth_gbps"] == pytest.approx(bw, rel=0.02)
+    assert link["latency_us"] == pytest.approx(lat, rel=0.05)
+    assert link["rel_rms_residual"] < 0.03
+    assert prof["launch_overhead_us"] == pytest.approx(4.0)
+
+
+def test_cpu_pipeline_measure_fit_and_a_scenario_using_the_profile(tmp_path):
+    pytest.importorskip("torch")
+    raw = tmp_path / "raw.parquet"
+    prof = tmp_path / "cpu.yaml"
+    cmd = [sys.executable, "-m", "simulator.cli", "calibrate"]
+    r = subprocess.run([*cmd, "measure", "--device", "cpu", "--quick", "--out", str(raw)], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    df = pd.read_parquet(raw)
+    assert {"copy", "expert", "attention", "launch"} <= set(df["kind"])
+    assert {"device", "driver", "cuda", "torch"} <= set(df.columns)
+    assert (df["p10_s"] <= df["median_s"]).all()
+    r = subprocess.run([*cmd, "fit", str(raw), "--out", str(prof)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "h2d_pageable" in r.stdout
+    sc = load_scenario("quickstart", [f"hardware.profile={prof}", "workload.trace.synth.tokens=10"])
+    assert sc.hardware.source.startswith("profile")
+    measured = yaml.safe_load(prof.read_text())["links"]["h2d_pageable"]
+    assert sc.hardware.h2d.bandwidth_gbps == measured["bandwidth_gbps"]
+    assert simulate(sc).summary["hardware_source"].startswith("profile")
+
+
+def test_profile_expert_table_drives_the_cost_model(tmp_path):
+    m = PRESETS["olmoe-1b-7b"].model
+    prof = fit(synthetic_raw(25, 10))
+    prof["expert_time"] = {"olmoe-1b-7b": {"bfloat16": {
+        "hidden": m.hidden_size, "intermediate": m.expert_intermediate_size,
+        "tokens": [1, 4, 16, 64], "seconds": [1e-5, 2e-5, 4e-5, 8e-5]}}}
+    path = write_profile(prof, tmp_path / "p.yaml")
+    sc = load_scenario("quickstart", [f"hardware.profile={path}"])
+    cost = CostModel(sc.hardware, m, m.expert_bytes["bf16"])
+    got = cost.expert_time(np.array([1, 2, 4, 64, 256]))
+    np.testing.assert_allclose(got, [1e-5, 1e-5 * 2 ** 0.5, 2e-5, 8e-5, 16e-5], rtol=1e-9)  # log-log
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda p: p.pop("links"), "key 'links' needs h2d_pinned or h2d_pageable"),
+    (lambda p: p["links"]["h2d_pinned"].update(bandwidth_gbps=-3), r"key 'links.h2d_pinned' needs bandwidth_gbps > 0"),
+    (lambda p: p.update(profile_version=9), "not a version-1 profile"),
+    (lambda p: p.update(expert_time={"x": {"bfloat16": {"tokens": [4, 1], "seconds": [1e-5, 2e-5]}}}),
+     r"key 'expert_time.x.bfloat16' needs increasing tokens"),
+])
+def test_bad_profiles_are_rejected_with_the_key(tmp_path, mutate, message):
+    prof = fit(synthetic_raw(25, 10))
+    mutate(prof)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(prof))
+    with pytest.raises(MoesimError, match=message):
+        load_profile(str(path), "<test>")
+    with pytest.raises(MoesimError, match=message):
+        load_scenario("quickstart", [f"hardware.profile={path}"])
