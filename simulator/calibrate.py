@@ -93,9 +93,16 @@ def measure(device: str = "cpu", shapes: list[str] | None = None, quick: bool = 
     if device == "cuda" and not torch.cuda.is_available():
         raise MoesimError("calibrate measure: --device cuda but no CUDA device is available; use --device cpu.")
     shapes = shapes or ["olmoe-1b-7b"]
-    bad = [s for s in shapes if s not in SHAPES]
-    if bad:
-        raise MoesimError(f"calibrate measure: unknown model shape '{bad[0]}'; valid: {', '.join(SHAPES)}.")
+    dims: dict[str, tuple[int, int]] = {}
+    for name in shapes:
+        if name in SHAPES:
+            dims[name] = SHAPES[name]
+        elif "x" in name and all(part.isdigit() for part in name.split("x", 1)):
+            hh, ii = name.split("x", 1)
+            dims[name] = (int(hh), int(ii))
+        else:
+            raise MoesimError(f"calibrate measure: unknown model shape '{name}'; valid: {', '.join(SHAPES)}, "
+                              "or HIDDENxINTERMEDIATE (e.g. 256x512).")
     env = environment(device)
     warmup, repeats = (1, 5) if quick else (3, 15)
     rows: list[dict[str, Any]] = []
@@ -128,8 +135,8 @@ def measure(device: str = "cpu", shapes: list[str] | None = None, quick: bool = 
     dtypes = ["float32"] if device == "cpu" else ["bfloat16", "float16"]
     tokens = [1, 4, 16, 64] if quick else [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
     for shape in shapes:
-        hidden, inter = SHAPES[shape]
-        if quick:  # CI-sized: shrink the shape, keep the ratio
+        hidden, inter = dims[shape]
+        if quick and shape in SHAPES:  # CI-sized: shrink a named shape, keep the ratio
             hidden, inter = max(64, hidden // 16), max(64, inter // 16)
         for dt in dtypes:
             tdt = getattr(torch, dt)
@@ -141,6 +148,20 @@ def measure(device: str = "cpu", shapes: list[str] | None = None, quick: bool = 
                 add("expert", _timer(device, lambda x=x, wg=wg, wu=wu, wd=wd: (torch.nn.functional.silu(x @ wg) * (x @ wu)) @ wd,
                                      warmup, repeats), shape=shape, hidden=hidden, intermediate=inter, dtype=dt,
                     tokens=t)
+            # the non-expert part of a layer: q, k, v, o projections and the router
+            proj = torch.randn(4, hidden, hidden, dtype=tdt, device=device) / hidden ** 0.5
+            rw = torch.randn(hidden, 64, dtype=tdt, device=device)
+
+            def dense(x: Any, proj: Any = proj, rw: Any = rw) -> Any:
+                y = x
+                for w in proj:
+                    y = y @ w
+                return y @ rw
+
+            for t in tokens:
+                x = torch.randn(t, hidden, dtype=tdt, device=device)
+                add("dense", _timer(device, lambda x=x: dense(x), warmup, repeats), shape=shape, hidden=hidden,
+                    dtype=dt, tokens=t)
         done += 1
         heads, hd = max(1, hidden // 128), 128 if not quick else 32
         for ctx in ([128, 512, 2048] if quick else [128, 512, 2048, 8192, 32768]):
@@ -203,6 +224,13 @@ def fit(raw: pd.DataFrame, source: str = "<raw>") -> dict[str, Any]:
         experts.setdefault(shape, {})[dt] = {
             "hidden": int(grp["hidden"].iloc[0]), "intermediate": int(grp["intermediate"].iloc[0]),
             "tokens": grp["tokens"].astype(int).tolist(), "seconds": grp["median_s"].round(9).tolist()}
+    dense: dict[str, Any] = {}
+    dense_rows = raw[raw["kind"] == "dense"] if {"shape", "dtype", "tokens"} <= set(raw.columns) else raw.iloc[:0]
+    for (shape, dt), grp in (dense_rows.groupby(["shape", "dtype"]) if len(dense_rows) else []):
+        grp = grp.sort_values("tokens")
+        dense.setdefault(shape, {})[dt] = {"hidden": int(grp["hidden"].iloc[0]),
+                                           "tokens": grp["tokens"].astype(int).tolist(),
+                                           "seconds": grp["median_s"].round(9).tolist()}
     attention: dict[str, Any] = {}
     att_rows = raw[raw["kind"] == "attention"] if {"shape", "context"} <= set(raw.columns) else raw.iloc[:0]
     for shape, grp in (att_rows.groupby("shape") if len(att_rows) else []):
@@ -215,6 +243,7 @@ def fit(raw: pd.DataFrame, source: str = "<raw>") -> dict[str, Any]:
         "measured_on": {k: str(first.get(k, "")) for k in ("device", "device_name", "driver", "cuda", "torch", "measured_at")},
         "links": links,
         "expert_time": experts,
+        "nonexpert_time": dense,
         "attention_time": attention,
         "launch_overhead_us": round(float(launch.median()) * 1e6, 4) if len(launch) else None,
     }

@@ -412,7 +412,7 @@ def capture_cmd(model_path: str, prompts: str, out: str, device: str, dtype: str
 
 @cli.group()
 def calibrate() -> None:
-    """Measure the device, fit a hardware profile (validation against a real executor: not yet)."""
+    """Measure the device, fit a hardware profile, validate the simulator against a reference executor."""
 
 
 @calibrate.command("measure")
@@ -456,6 +456,22 @@ def calibrate_fit(raw: str, out: str) -> None:
         click.echo(f"{name}: {link['bandwidth_gbps']:.2f} GB/s, {link['latency_us']:.2f} us "
                    f"(relative RMS residual {link['rel_rms_residual']:.1%})")
     click.echo(f"wrote {out}")
+
+
+@calibrate.command("validate")
+@click.option("--profile", required=True, type=click.Path(dir_okay=False, exists=True), help="Profile from `calibrate fit`.")
+@click.option("--trace", "trace_path", required=True, type=click.Path(dir_okay=False, exists=True), help="Trace replayed by both.")
+@click.option("--scenarios", multiple=True, required=True, help="Scenario files (glob patterns; repeatable), prefetch: none.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Report folder.")
+def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], device: str, out_dir: str) -> None:
+    """Replay TRACE on the device with a reference executor (same policy decisions) and with
+    the simulator under PROFILE; write report.md, validation.parquet and a plot."""
+    from simulator.validate import expand, validate
+
+    df = validate(profile, trace_path, expand(list(scenarios)), out_dir, device)
+    click.echo(f"TPOT APE median {df['tpot_ape'].median():.1%}, p95 {df['tpot_ape'].quantile(0.95):.1%} over "
+               f"{len(df)} scenarios -> {out_dir}/report.md")
 
 
 @cli.command("policies")

@@ -40,11 +40,31 @@ class CostModel:
         self.nonexpert_weights = h * q + 2 * h * kv + q * h + h * model.num_experts + shared
         self.expert_flops_per_token = 6 * h * model.expert_intermediate_size
         self._table = self._measured()
+        self._dense = None
+        for by_dtype in (hardware.nonexpert_table or {}).values():
+            for tab in by_dtype.values():
+                if tab.get("hidden") == model.hidden_size:
+                    self._dense = (np.log(np.asarray(tab["tokens"], float)), np.log(np.asarray(tab["seconds"], float)))
+
+    @staticmethod
+    def _interp(tab: tuple[np.ndarray, np.ndarray], tokens: np.ndarray) -> np.ndarray:
+        lt, ls = tab
+        x = np.log(np.maximum(tokens, 1.0))
+        y = np.interp(x, lt, ls)
+        if len(lt) > 1:  # extrapolate with the end slopes (log-log)
+            y = np.where(x < lt[0], ls[0] + (ls[1] - ls[0]) / (lt[1] - lt[0]) * (x - lt[0]), y)
+            y = np.where(x > lt[-1], ls[-1] + (ls[-1] - ls[-2]) / (lt[-1] - lt[-2]) * (x - lt[-1]), y)
+        return np.asarray(np.exp(y))
 
     def nonexpert_time(self, tokens: np.ndarray, context: np.ndarray) -> np.ndarray:
-        """Seconds of the non-expert part of one layer, per pass."""
+        """Seconds of the non-expert part of one layer, per pass: the profile's measured
+        projection + router table when it has this hidden size (plus the KV-cache read), else
+        roofline."""
         tokens = np.asarray(tokens, dtype=np.float64)
         context = np.asarray(context, dtype=np.float64)
+        if self._dense is not None:
+            kv = 2 * self.kv_width * BF16 * context / self.hbm
+            return self._interp(self._dense, tokens) + kv + self.hw.layer_overhead_us * 1e-6
         nbytes = BF16 * self.nonexpert_weights + 2 * self.kv_width * BF16 * context
         flops = 2 * self.nonexpert_weights * tokens + 4 * self.q_width * context
         return np.maximum(nbytes / self.hbm, flops / self.peak) + self.hw.layer_overhead_us * 1e-6
@@ -62,17 +82,8 @@ class CostModel:
         """Seconds of one expert FFN with ``tokens`` tokens routed to it: the calibration
         profile's table (log-log interpolation) when it has this model's shape, else roofline."""
         tokens = np.asarray(tokens, dtype=np.float64)
-        tab = self._table
-        if tab is not None:
-            lt, ls = tab
-            x = np.log(np.maximum(tokens, 1.0))
-            y = np.interp(x, lt, ls)
-            if len(lt) > 1:  # extrapolate with the end slopes
-                lo = (ls[1] - ls[0]) / (lt[1] - lt[0])
-                hi = (ls[-1] - ls[-2]) / (lt[-1] - lt[-2])
-                y = np.where(x < lt[0], ls[0] + lo * (x - lt[0]), y)
-                y = np.where(x > lt[-1], ls[-1] + hi * (x - lt[-1]), y)
-            return np.exp(y) + self.hw.expert_overhead_us * 1e-6
+        if self._table is not None:
+            return self._interp(self._table, tokens) + self.hw.expert_overhead_us * 1e-6
         return (np.maximum(self.expert_bytes / self.hbm, self.expert_flops_per_token * tokens / self.peak)
                 + self.hw.expert_overhead_us * 1e-6)
 

@@ -87,6 +87,8 @@ class HardwareConfig:
         "help": "a calibration profile (`moesim calibrate fit`): its link fit and compute tables replace the datasheet"})
     expert_table: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "measured expert FFN times by shape and dtype (filled from the profile)"})
+    nonexpert_table: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "measured non-expert (projection + router) times by shape and dtype (filled from the profile)"})
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -182,9 +184,12 @@ def expand_preset(data: dict[str, Any], where: str, base_dir: str = ".") -> dict
             "links": {host: {"bandwidth_gbps": link["bandwidth_gbps"], "latency_us": link["latency_us"],
                              "efficiency": 1.0, "half_efficiency_bytes": 0.0}},
             "expert_table": prof.get("expert_time") or {},
+            "nonexpert_table": prof.get("nonexpert_time") or {},
         }
         if prof.get("launch_overhead_us") is not None:
             measured["expert_overhead_us"] = 0.0  # the measured FFN times include their launches
+        if prof.get("nonexpert_time"):
+            measured["layer_overhead_us"] = 0.0
         data["profile"] = str(p)
         name = data.get("preset")
         base = PRESETS.get(str(name), {}) if name is not None else {"host_link": host, "links": {}}

@@ -93,3 +93,42 @@ def test_bad_profiles_are_rejected_with_the_key(tmp_path, mutate, message):
         load_profile(str(path), "<test>")
     with pytest.raises(MoesimError, match=message):
         load_scenario("quickstart", [f"hardware.profile={path}"])
+
+
+def test_validate_pipeline_on_cpu_makes_the_simulators_decisions(tmp_path):
+    pytest.importorskip("torch")
+    from simulator.calibrate import measure
+    from tests.helpers import small_model
+    from traces.io import write_trace
+    from traces.synth import generate
+
+    t = generate(small_model(layers=3, experts=8, top_k=2, hidden=128, inter=256), requests=2, prompt_tokens=4,
+                 tokens=8, seed=2)
+    write_trace(t, tmp_path / "t.parquet")
+    write_profile(fit(measure("cpu", ["128x256"], quick=True)), tmp_path / "p.yaml")
+    for cap in ("10%", "50%", "100%"):
+        for ev in ("lru", "least-stale", "fifo"):
+            (tmp_path / f"s{cap[:-1]}{ev}.yaml").write_text(yaml.safe_dump(
+                {"workload": {"trace": {"path": "t.parquet"}}, "cache": {"capacity": cap}, "policies": {"eviction": ev}}))
+    r = subprocess.run([sys.executable, "-m", "simulator.cli", "calibrate", "validate", "--profile", str(tmp_path / "p.yaml"),
+                        "--trace", str(tmp_path / "t.parquet"), "--scenarios", str(tmp_path / "s*.yaml"), "--device", "cpu",
+                        "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    df = pd.read_parquet(tmp_path / "out" / "validation.parquet")
+    assert len(df) == 9
+    assert (df["hits_exec"] == df["hits_sim"]).all()
+    assert (df["misses_exec"] == df["misses_sim"]).all()
+    assert (df["tpot_measured_s"] > 0).all()
+    assert (tmp_path / "out" / "predicted_vs_measured.png").stat().st_size > 1000
+    assert "TPOT absolute percentage error: median" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_validate_refuses_prefetch_scenarios(tmp_path):
+    pytest.importorskip("torch")
+    from simulator.validate import execute
+    from tests.helpers import scenario, small_model
+    from traces.synth import generate
+
+    t = generate(small_model(layers=2, experts=4, top_k=1), tokens=3, seed=0)
+    with pytest.raises(MoesimError, match="does not run prefetch yet"):
+        execute(scenario(policies={"prefetch": "oracle"}), t)
