@@ -21,7 +21,6 @@ import datetime
 import itertools
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from simulator.atomic import write_atomic, write_yaml_atomic
 from simulator.errors import MoesimError
 
 PROFILE_VERSION = 1
@@ -181,14 +181,8 @@ def measure(device: str = "cpu", shapes: list[str] | None = None, quick: bool = 
 
 
 def write_parquet_atomic(df: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".parquet", dir=target.parent)
-    os.close(fd)
-    df.to_parquet(tmp, index=False)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, target)
-    return target
+    """Raw measurements as Parquet, atomically."""
+    return write_atomic(path, lambda tmp: df.to_parquet(tmp, index=False), suffix=".parquet")
 
 
 def fit_link(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float, float]:
@@ -250,14 +244,8 @@ def fit(raw: pd.DataFrame, source: str = "<raw>") -> dict[str, Any]:
 
 
 def write_profile(profile: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    with os.fdopen(fd, "w") as fh:
-        yaml.safe_dump(profile, fh, sort_keys=False, default_flow_style=None, width=200)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, target)
-    return target
+    """Write a hardware profile as YAML atomically."""
+    return write_yaml_atomic(profile, path)
 
 
 def load_profile(path: str, where: str) -> dict[str, Any]:

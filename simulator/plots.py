@@ -8,14 +8,13 @@ the order the sweep listed them.
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from simulator.atomic import save_figure_atomic
 from simulator.errors import MoesimError, did_you_mean
 
 KINDS = ("heatmap", "lines", "bars")  # plus "timeline", from a run's events (plot_timeline)
@@ -59,20 +58,12 @@ def _ordered(values: Any) -> list[Any]:
 def plot(path: str, kind: str, out: str, metric: str, x: str | None = None, y: str | None = None,
          by: str | None = None, title: str | None = None) -> Path:
     """Draw ``kind`` from the results at ``path`` into ``out`` (.png, .svg or .pdf)."""
-    import matplotlib.pyplot as plt
 
     target = Path(out)
     if target.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise MoesimError(f"plot: --out {out} must end in .png, .svg or .pdf.")
     fig = figure(load_results(path), kind, metric, x, y, by, title)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=target.suffix, dir=target.parent)
-    os.close(fd)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, target)
-    return target
+    return save_figure_atomic(fig, target)
 
 
 def figure(df: pd.DataFrame, kind: str, metric: str, x: str | None = None, y: str | None = None,
@@ -164,12 +155,4 @@ def plot_timeline(events_path: str, out: str, window_ms: tuple[float, float] | N
     ax.legend(loc="upper right", fontsize=7, ncol=5)
     ax.set_title(title or "timeline")
     fig.tight_layout()
-    target = Path(out)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}.", suffix=target.suffix, dir=target.parent)
-    os.close(fd)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, target)
-    return target
+    return save_figure_atomic(fig, out)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -175,15 +174,10 @@ def fit_profile(trace: Trace, batch: int = 1, name: str | None = None, seeds: in
 
 
 def write_profile(profile: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Write a profile as YAML atomically."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    with os.fdopen(fd, "w") as fh:
-        yaml.safe_dump(profile, fh, sort_keys=False, default_flow_style=None, width=200)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, target)
-    return target
+    """Write a fitted routing profile as YAML atomically."""
+    from simulator.atomic import write_yaml_atomic
+
+    return write_yaml_atomic(profile, path)
 
 
 PROFILES_DIR = Path(__file__).with_name("profiles")

@@ -1,0 +1,47 @@
+"""Atomic file writes: write a temporary file beside the target, then rename it into place,
+so a crash or a kill never leaves a half-written result (readable: mode 0644)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def write_atomic(path: str | os.PathLike[str], write: Callable[[str], Any], suffix: str = "") -> Path:
+    """Call ``write(tmp_path)`` on a temporary file next to ``path``, then rename it to ``path``."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix or target.suffix, dir=target.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def write_yaml_atomic(data: Any, path: str | os.PathLike[str]) -> Path:
+    """YAML (block style for mappings, flow style for lists of scalars), atomically."""
+    import yaml
+
+    def dump(tmp: str) -> None:
+        with open(tmp, "w") as fh:
+            yaml.safe_dump(data, fh, sort_keys=False, default_flow_style=None, width=200)
+
+    return write_atomic(path, dump)
+
+
+def save_figure_atomic(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -> Path:
+    """A matplotlib figure saved atomically (format from the suffix) and closed."""
+    import matplotlib.pyplot as plt
+
+    try:
+        return write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi))
+    finally:
+        plt.close(fig)
