@@ -174,6 +174,12 @@ class Simulation:
                        "dropped_experts", "substituted_experts", "tokens_altered",
                        "prefetches_cancelled", "unique_computed")}
         self._pf_pending: dict[int, list[Transfer]] = {}
+        # sparse verification factors (sparse-verification-speculative-decoding.txt Table 1):
+        # attention context and expert down projections are thinned in verification passes
+        spec = scenario.workload.speculative
+        is_verify = workload.pass_phase == VERIFY
+        self.attn_scale = np.where(is_verify, 1.0 - (spec.sparse_attention if spec else 0.0), 1.0)
+        self.ffn_scale = np.where(is_verify, 1.0 - (spec.sparse_ffn if spec else 0.0) / 3.0, 1.0)
         self.general = (self.routing.changes_routing or not self.miss.always_fetch or self.budget.restricts
                         or scenario.hardware.gpus > 1)
         self._ep_max_load = np.zeros(workload.num_passes)
@@ -204,8 +210,8 @@ class Simulation:
         keys = (wl.keys() * self.num_prec + self.default_prec).tolist()
         off = wl.off.tolist()
         if timing:
-            ffn_arr = self.cost.expert_time(wl.acc_tokens)
-            nonexp = self.cost.nonexpert_time(wl.pass_tokens, wl.pass_context).tolist()
+            ffn_arr = self.cost.expert_time(wl.acc_tokens) * np.repeat(self.ffn_scale, np.diff(wl.off[::num_l]))
+            nonexp = self.cost.nonexpert_time(wl.pass_tokens, wl.pass_context * self.attn_scale).tolist()
         else:
             ffn_arr = np.zeros(wl.num_accesses)
             nonexp = [0.0] * wl.num_passes
@@ -579,7 +585,8 @@ class Simulation:
         assert trace is not None
         cols = self._cols
         mass_t, mass_k = self._mass_total, self._mass_kept
-        nonexp = self.cost.nonexpert_time(np.ceil(wl.pass_tokens / g_n), np.ceil(wl.pass_context / g_n)).tolist()
+        nonexp = self.cost.nonexpert_time(np.ceil(wl.pass_tokens / g_n),
+                                          np.ceil(wl.pass_context * self.attn_scale / g_n)).tolist()
         for p in range(wl.num_passes):
             self.clock.pass_index = p
             self._t_start[p] = env.now
@@ -614,7 +621,7 @@ class Simulation:
                     accesses += sum(load)
                     per_gpu_time = [float(self.cost.expert_time(np.asarray(list(d.values()))).sum()) if d else 0.0
                                     for d in per_gpu_tokens]
-                    expert_t = max(per_gpu_time)
+                    expert_t = max(per_gpu_time) * float(self.ffn_scale[p])
                     traffic = float(max(sent.max(), recv.max()))
                     a2a = link.copy_time(traffic) if traffic > 0 else 0.0
                     t_layer += 2 * a2a + expert_t

@@ -217,10 +217,11 @@ def general_layer(sim: Simulation, p: int, layer: int, now: float, evicted: set[
         for e in final[t]:
             tokens_of[e] = tokens_of.get(e, 0) + 1
     cost = sim.cost
+    scale = float(sim.ffn_scale[p])
     for e, n in tokens_of.items():
         key, tr = key_for[e]
         nb = ctx.precision_bytes[ctx.precision_of(key)]
-        out.computes.append((tr, cost.expert_time_at(n, nb)))
+        out.computes.append((tr, cost.expert_time_at(n, nb) * scale))
     return out
 
 

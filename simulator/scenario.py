@@ -105,6 +105,10 @@ class SpeculativeConfig:
         "help": "longest acceptable draft path (default: tree_size - 1, a chain)"})
     accept_prob: float = field(default=0.7, metadata={
         "help": "each draft token on the path is accepted with this probability, until the first rejection"})
+    sparse_attention: float = field(default=0.0, metadata={
+        "help": "s_a (sparse verification §3, Table 1): share of KV blocks a verification pass skips"})
+    sparse_ffn: float = field(default=0.0, metadata={
+        "help": "s_f: share of the experts' down-projection channels a verification pass prunes"})
 
     def __post_init__(self) -> None:
         if not 1 <= self.tree_size <= 1024:
@@ -113,6 +117,9 @@ class SpeculativeConfig:
             raise ValueError(f"depth must be in 0..tree_size-1, got {self.depth}")
         if not 0 <= self.accept_prob <= 1:
             raise ValueError(f"accept_prob must be in [0, 1], got {self.accept_prob}")
+        for key in ("sparse_attention", "sparse_ffn"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"{key} must be in [0, 1), got {getattr(self, key)}")
 
 
 @dataclass(frozen=True)

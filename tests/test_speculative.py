@@ -113,3 +113,33 @@ def test_real_traces_show_the_budgeting_shapes():
                         for b in (1, 2, 4, 8)]
     assert unique_by_window == sorted(unique_by_window)
     assert unique_by_window[-1] < 8 * (1 - (1 - 2 / 8) ** 8)  # consecutive tokens share experts
+
+
+def test_sparse_verification_factors_thin_attention_and_down_projections():
+    """sparse-verification §3 / Table 1: in verification passes the attention reads a share
+    (1 - s_a) of the KV cache and experts skip s_f of their down-projection (1/3 of an expert)."""
+    from simulator.cost import CostModel
+    from simulator.engine import Simulation
+
+    t = synth_from_preset("olmoe-1b-7b", layers=2, requests=1, prompt_tokens=200, tokens=40, seed=5)
+    base = {"tree_size": 4, "accept_prob": 0.5}
+    dense = Simulation(scenario(cache={"capacity": "inf"}, workload={"speculative": base}), trace=t)
+    sparse = Simulation(scenario(cache={"capacity": "inf"},
+                                 workload={"speculative": {**base, "sparse_attention": 0.6, "sparse_ffn": 0.3}}),
+                        trace=t)
+    a, b = dense.run().steps, sparse.run().steps
+    wl = dense.wl
+    cost = CostModel(dense.scenario.hardware, t.model, t.model.expert_bytes["bf16"])
+    ffn = cost.expert_time(wl.acc_tokens)
+    checked = 0
+    for p in range(wl.num_passes):
+        if wl.pass_phase[p] != 2 or a["misses"].iloc[p] or b["misses"].iloc[p]:
+            continue
+        ctx = np.array([wl.pass_context[p]], float)
+        tok = np.array([wl.pass_tokens[p]], float)
+        d_attn = (cost.nonexpert_time(tok, ctx) - cost.nonexpert_time(tok, ctx * 0.4))[0] * 2  # 2 layers
+        d_ffn = ffn[wl.off[p * 2]:wl.off[p * 2 + 2]].sum() * 0.3 / 3
+        assert a["duration_s"].iloc[p] - b["duration_s"].iloc[p] == pytest.approx(d_attn + d_ffn, rel=1e-9)
+        checked += 1
+    assert checked >= 3
+    assert (b["duration_s"] <= a["duration_s"] + 1e-15).all()
