@@ -461,7 +461,7 @@ def calibrate_fit(raw: str, out: str) -> None:
 @calibrate.command("validate")
 @click.option("--profile", required=True, type=click.Path(dir_okay=False, exists=True), help="Profile from `calibrate fit`.")
 @click.option("--trace", "trace_path", required=True, type=click.Path(dir_okay=False, exists=True), help="Trace replayed by both.")
-@click.option("--scenarios", multiple=True, required=True, help="Scenario files (glob patterns; repeatable), prefetch: none.")
+@click.option("--scenarios", multiple=True, required=True, help="Scenario files (glob patterns; repeatable).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Report folder.")
 def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], device: str, out_dir: str) -> None:

@@ -7,9 +7,12 @@ from the same policy objects the simulator uses (a fresh set per scenario, asked
 order through the same cache), so both make identical hits and misses; a miss copies the
 expert's weights host -> device (into a free or evicted slot), then each layer computes the
 non-expert part (q/k/v/o projections and router as matmuls over the pass's tokens) and every
-needed expert's FFN on its tokens. Each forward pass is timed (CUDA events on CUDA, a
-monotonic clock on the CPU). Prefetch is not executed yet: validation scenarios use
-``prefetch: none``.
+needed expert's FFN on its tokens. Prefetches proposed by the scenario's prefetcher are
+copied by a background copy worker (a second CUDA stream's job on a GPU, a thread on the CPU)
+that overlaps compute; an access to an expert whose copy has not landed waits for it. Each
+forward pass is timed (CUDA synchronisation on CUDA, a monotonic clock on the CPU). The
+decisions are the simulator's cache-only decisions: misses and hits + late prefetches are
+identical; whether a prefetch was late depends on the real timing.
 """
 
 from __future__ import annotations
@@ -29,14 +32,13 @@ from simulator.errors import MoesimError
 
 def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
     """Replay ``trace`` under ``scenario`` on ``device``; per-pass times and the decisions."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
     import torch
 
     from simulator.copyengine import DEMAND, CopyEngine
     from simulator.engine import Simulation
 
-    if scenario.policies.prefetch.name != "none":
-        raise MoesimError("calibrate validate: the reference executor does not run prefetch yet; use "
-                          "scenarios with prefetch: none.")
     sim = Simulation(replace(scenario, timing=False), trace=trace)  # its policies, cache and workload
     wl, model = sim.wl, sim.model
     h, inter, num_l, num_e = model.hidden_size, model.expert_intermediate_size, model.num_layers, model.num_experts
@@ -58,6 +60,25 @@ def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
     p_num = sim.num_prec
     hits = misses = 0
     times = []
+    copier = ThreadPoolExecutor(max_workers=1)  # the copy engine: one copy at a time, in order
+    landing: dict[int, Future[Any]] = {}
+
+    def place(key: int, src: int) -> None:
+        slot = free.pop()
+        where[key] = slot
+        if device == "cuda":
+            def job(slot: int = slot, src: int = src) -> None:
+                assert side is not None
+                with torch.cuda.stream(side):
+                    pool[slot].copy_(host[src], non_blocking=True)
+                side.synchronize()
+        else:
+            def job(slot: int = slot, src: int = src) -> None:
+                pool[slot].copy_(host[src])
+        landing[key] = copier.submit(job)
+
+    side = torch.cuda.Stream() if device == "cuda" else None
+    prefetching = sim.prefetch.active
 
     def sync() -> None:
         if device == "cuda":
@@ -85,6 +106,9 @@ def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
                     if key in cache.resident:
                         hits += 1
                         policy.on_access(key)
+                        fut = landing.pop(key, None)
+                        if fut is not None:
+                            fut.result()  # a prefetch still in flight: wait for it
                     else:
                         misses += 1
                         victims = cache.make_room(sim.expert_bytes, pinned)
@@ -94,6 +118,9 @@ def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
                             needed.append((staging, int(wl.acc_tokens[i])))
                             continue
                         for v in victims:
+                            fut = landing.pop(v, None)
+                            if fut is not None:
+                                fut.result()
                             free.append(where.pop(v))
                         cache.reserve(tr, True)
                         cache.complete(tr)
@@ -101,11 +128,24 @@ def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
                         where[key] = slot
                         pool[slot].copy_(host[keys[i]], non_blocking=device == "cuda")
                     needed.append((pool[where[key]], int(wl.acc_tokens[i])))
+                if prefetching:
+                    props = sim.prefetch.propose(p, layer)
+                    if props:
+                        before = set(cache.resident)
+                        sim._prefetch(props, 0.0, p * num_l, layer, set(pinned), set(), set())
+                        for v in before - set(cache.resident):
+                            fut = landing.pop(v, None)
+                            if fut is not None:
+                                fut.result()
+                            free.append(where.pop(v))
+                        for k in set(cache.resident) - before:
+                            place(k, k // p_num)
                 for w3, n in needed:
                     xs = x[: max(1, min(n, n_tok))]
                     _ = (torch.nn.functional.silu(xs @ w3[0]) * (xs @ w3[1])) @ w3[2].T
             sync()
             times.append(time.perf_counter() - t0)
+    copier.shutdown(wait=True)
     return {"pass_s": np.asarray(times), "hits": hits, "misses": misses, "workload": wl}
 
 
@@ -128,7 +168,8 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
         m = meas["pass_s"]
         row = {"scenario": Path(path).stem, "capacity": sc.cache.capacity, "eviction": sc.policies.eviction.name,
                "model": pred.summary["model"],
-               "hits_sim": pred.summary["hits"], "misses_sim": pred.summary["misses"],
+               "prefetch": sc.policies.prefetch.name,
+               "hits_sim": pred.summary["hits"] + pred.summary["late_prefetches"], "misses_sim": pred.summary["misses"],
                "hits_exec": meas["hits"], "misses_exec": meas["misses"],
                "tpot_measured_s": float(m[dec].mean()) if dec.any() else np.nan,
                "tpot_predicted_s": float(steps.loc[dec, "duration_s"].mean()) if dec.any() else np.nan,

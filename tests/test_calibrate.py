@@ -110,12 +110,16 @@ def test_validate_pipeline_on_cpu_makes_the_simulators_decisions(tmp_path):
         for ev in ("lru", "least-stale", "fifo"):
             (tmp_path / f"s{cap[:-1]}{ev}.yaml").write_text(yaml.safe_dump(
                 {"workload": {"trace": {"path": "t.parquet"}}, "cache": {"capacity": cap}, "policies": {"eviction": ev}}))
+    for pf in ("oracle", "previous-token"):  # prefetch on: copies overlap compute on a copy worker
+        (tmp_path / f"s25{pf}.yaml").write_text(yaml.safe_dump(
+            {"workload": {"trace": {"path": "t.parquet"}}, "cache": {"capacity": "25%"},
+             "policies": {"eviction": "least-stale", "prefetch": pf}}))
     r = subprocess.run([sys.executable, "-m", "simulator.cli", "calibrate", "validate", "--profile", str(tmp_path / "p.yaml"),
                         "--trace", str(tmp_path / "t.parquet"), "--scenarios", str(tmp_path / "s*.yaml"), "--device", "cpu",
                         "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     df = pd.read_parquet(tmp_path / "out" / "validation.parquet")
-    assert len(df) == 9
+    assert len(df) == 11
     assert (df["hits_exec"] == df["hits_sim"]).all()
     assert (df["misses_exec"] == df["misses_sim"]).all()
     assert (df["tpot_measured_s"] > 0).all()
@@ -123,12 +127,16 @@ def test_validate_pipeline_on_cpu_makes_the_simulators_decisions(tmp_path):
     assert "TPOT absolute percentage error: median" in (tmp_path / "out" / "report.md").read_text()
 
 
-def test_validate_refuses_prefetch_scenarios(tmp_path):
+def test_executor_with_prefetch_makes_the_simulators_decisions():
     pytest.importorskip("torch")
+    from simulator.engine import simulate
     from simulator.validate import execute
     from tests.helpers import scenario, small_model
     from traces.synth import generate
 
-    t = generate(small_model(layers=2, experts=4, top_k=1), tokens=3, seed=0)
-    with pytest.raises(MoesimError, match="does not run prefetch yet"):
-        execute(scenario(policies={"prefetch": "oracle"}), t)
+    t = generate(small_model(layers=3, experts=6, top_k=2, hidden=64, inter=128), requests=2, tokens=12, seed=3)
+    sc = scenario(cache={"capacity": "8 experts"}, policies={"prefetch": "oracle", "eviction": "least-stale"})
+    sim = simulate(sc, trace=t).summary
+    ex = execute(sc, t)
+    assert ex["misses"] == sim["misses"]
+    assert ex["hits"] == sim["hits"] + sim["late_prefetches"]
