@@ -140,3 +140,15 @@ def test_executor_with_prefetch_makes_the_simulators_decisions():
     ex = execute(sc, t)
     assert ex["misses"] == sim["misses"]
     assert ex["hits"] == sim["hits"] + sim["late_prefetches"]
+
+
+def test_shipped_validation_set_covers_the_required_grid():
+    from simulator.scenario import shipped_scenarios
+
+    names = [n for n in shipped_scenarios() if n.startswith("validation/")]
+    assert len(names) == 16
+    combos = {(s.cache.capacity, s.policies.prefetch.name, s.policies.eviction.name)
+              for s in (load_scenario(n) for n in names)}
+    assert {c for c, _, _ in combos} == {"1%", "5%", "25%", "100%"}
+    assert {p for _, p, _ in combos} == {"none", "previous-token"}
+    assert {e for _, _, e in combos} == {"lru", "least-stale"}
