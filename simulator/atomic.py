@@ -26,6 +26,11 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[str], Any], suff
     return target
 
 
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """A text file, atomically."""
+    return write_atomic(path, lambda tmp: Path(tmp).write_text(text))
+
+
 def write_yaml_atomic(data: Any, path: str | os.PathLike[str]) -> Path:
     """YAML (block style for mappings, flow style for lists of scalars), atomically."""
     import yaml

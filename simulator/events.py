@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +41,10 @@ def chrome_trace(result: Result, link: str, num_experts: int, num_precisions: in
 
 def write_events(doc: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write the trace JSON atomically."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(doc, fh)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, target)
-    return target
+    from simulator.atomic import write_atomic
+
+    def dump(tmp: str) -> None:
+        with open(tmp, "w") as fh:
+            json.dump(doc, fh)
+
+    return write_atomic(path, dump)

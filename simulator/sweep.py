@@ -36,6 +36,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from simulator.atomic import write_atomic
 from simulator.errors import MoesimError, did_you_mean
 from simulator.scenario import (
     apply_overrides,
@@ -184,10 +185,7 @@ def collect(out_dir: Path, points: list[Point]) -> pd.DataFrame:
             continue
         rows.append(row)
     df = pd.DataFrame(rows)
-    fd, tmp = tempfile.mkstemp(prefix=".results.", suffix=".parquet", dir=out_dir)
-    os.close(fd)
-    df.to_parquet(tmp, index=False)
-    os.replace(tmp, out_dir / "results.parquet")
+    write_atomic(out_dir / "results.parquet", lambda tmp: df.to_parquet(tmp, index=False))
     return df
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from simulator.atomic import save_figure_atomic, write_atomic, write_text_atomic
 from simulator.errors import MoesimError
 
 
@@ -180,8 +181,7 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
         rows.append(row)
     df = pd.DataFrame(rows)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    df.to_parquet(out / "validation.parquet", index=False)
+    write_atomic(out / "validation.parquet", lambda tmp: df.to_parquet(tmp, index=False))
     _report(df, out, profile, device)
     return df
 
@@ -201,8 +201,7 @@ def _report(df: pd.DataFrame, out: Path, profile: str, device: str) -> None:
     ax.set_ylabel("predicted (ms)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "predicted_vs_measured.png", dpi=100)
-    plt.close(fig)
+    save_figure_atomic(fig, out / "predicted_vs_measured.png", dpi=100)
     lines = [f"# Validation on {device} with profile `{profile}`", "",
              f"TPOT absolute percentage error: median {df['tpot_ape'].median():.1%}, "
              f"p95 {df['tpot_ape'].quantile(0.95):.1%} over {len(df)} scenarios.",
@@ -218,8 +217,8 @@ def _report(df: pd.DataFrame, out: Path, profile: str, device: str) -> None:
                      f"{1e3 * r.ttft_predicted_s:.3f} | {r.ttft_ape:.1%} |")
     lines += ["", "Largest errors first. On the CPU the figures test the pipeline; the simulator's roofline "
               "non-expert model is not calibrated against the executor's projection matmuls."]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
-    (out / "summary.json").write_text(json.dumps({
+    write_text_atomic(out / "report.md", "\n".join(lines) + "\n")
+    write_text_atomic(out / "summary.json", json.dumps({
         "tpot_median_ape": float(df["tpot_ape"].median()), "tpot_p95_ape": float(df["tpot_ape"].quantile(0.95)),
         "scenarios": len(df)}, indent=2))
 

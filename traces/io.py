@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -71,19 +70,10 @@ def trace_to_table(trace: Trace) -> pa.Table:
 
 def write_trace(trace: Trace, path: str | os.PathLike[str]) -> Path:
     """Write ``trace`` to ``path`` atomically (temporary file + rename)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    from simulator.atomic import write_atomic
+
     table = trace_to_table(trace)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp, compression="zstd")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return write_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"), suffix=".tmp")
 
 
 def _fail(path: str, message: str) -> MoesimError:
