@@ -32,25 +32,11 @@ class ExpertCache:
 
     def make_room(self, nbytes: int, pinned: Container[int]) -> list[int] | None:
         """Evict until ``nbytes`` fit; return the victims, or ``None`` (and change nothing)
-        when the unpinned entries cannot free enough."""
-        need = self.used + nbytes - self.capacity
-        if need <= 0:
-            return []
+        when the unpinned entries cannot free enough (:meth:`room_for` for one entry)."""
         if nbytes > self.capacity:
             return None
-        victims = []
-        freed = 0
-        inflight = self.inflight
-        resident = self.resident
-        static = self.static_pinned
-        for key in self.policy.candidates():
-            if key in pinned or key in inflight or key not in resident or key in static:
-                continue
-            victims.append(key)
-            freed += resident[key]
-            if freed >= need:
-                break
-        if freed < need:
+        admitted, victims = self.room_for(1, nbytes, pinned)
+        if admitted < 1:
             return None
         for key in victims:
             self.remove(key)
