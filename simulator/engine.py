@@ -42,7 +42,7 @@ from simulator.copyengine import DEMAND, CopyEngine, Transfer
 from simulator.copyengine import PREFETCH as PREFETCH_PRIORITY
 from simulator.cost import CostModel
 from simulator.errors import MoesimError
-from simulator.general import general_layer
+from simulator.general import general_layer, token_mass
 from simulator.scenario import Scenario, parse_capacity
 from simulator.workload import DECODE, VERIFY, Workload, build_workload
 from traces.schema import PHASES
@@ -590,7 +590,8 @@ class Simulation:
         for p in range(wl.num_passes):
             self.clock.pass_index = p
             self._t_start[p] = env.now
-            loads, uniq, accesses, mass_total, mass_kept, altered = [], 0, 0, 0.0, 0.0, 0
+            loads, uniq, accesses, mass_total, mass_kept = [], 0, 0, 0.0, 0.0
+            altered: set[tuple[int, int]] = set()
             for layer in range(num_l):
                 self.clock.layer = layer
                 rows = wl.rows(p, layer)
@@ -602,13 +603,11 @@ class Simulation:
                     per_gpu_tokens: list[dict[int, int]] = [{} for _ in range(g_n)]
                     sent = np.zeros(g_n)
                     recv = np.zeros(g_n)
-                    weights = trace.weights[rows]
+                    m_total, m_kept, changed = token_mass(wl, rows, orig, [set(c) for c in chosen])
+                    mass_total += m_total
+                    mass_kept += m_kept
+                    altered |= changed
                     for t, experts in enumerate(chosen):
-                        o = orig[t].tolist()
-                        wmap = dict(zip(o, weights[t].tolist(), strict=True))
-                        mass_total += sum(wmap.values())
-                        mass_kept += sum(wmap.get(e, 0.0) for e in experts)
-                        altered += set(experts) != set(o)
                         for e in experts:
                             gpu = int(owner[layer, e])
                             per_gpu_tokens[gpu][e] = per_gpu_tokens[gpu].get(e, 0) + 1
@@ -629,7 +628,7 @@ class Simulation:
             self._t_end[p] = env.now
             cols["hits"][p] = accesses
             cols["unique_computed"][p] = uniq
-            cols["tokens_altered"][p] = altered
+            cols["tokens_altered"][p] = len(altered)
             self._ep_max_load[p] = float(np.mean(loads)) if loads else 0.0
             mass_t[p] = mass_total
             mass_k[p] = mass_kept

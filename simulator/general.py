@@ -12,7 +12,7 @@ speculate). What each token finally computes gives ``gate_mass_retained`` and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,7 +36,6 @@ class LayerOutcome:
     dropped: int = 0
     substituted: int = 0
     pf_used: int = 0
-    budget_unique: int = 0
     pinned: set[int] = field(default_factory=set)  # cache keys the layer used
     mass_total: float = 0.0
     mass_retained: float = 0.0
@@ -88,7 +87,6 @@ def general_layer(sim: Simulation, p: int, layer: int, now: float, evicted: set[
                 ent.append(t)
     routed = frozenset(first)
     final = [set(map(int, chosen[t])) for t in range(n_tok)]
-    out.budget_unique = len(first)
     key_for: dict[int, tuple[int, Transfer | None]] = {}  # expert -> (cache key, transfer)
     pinned = out.pinned
     default = ctx.default_precision
@@ -196,24 +194,9 @@ def general_layer(sim: Simulation, p: int, layer: int, now: float, evicted: set[
                         use(cand, kc, inflight.get(kc))
                     break
     # what each token computed: gate mass and alteration
-    probs = wl.probs[rows].astype(np.float64) if wl.probs is not None else None
-    weights = trace.weights[rows]
-    req = trace.request[rows]
-    pos = trace.position[rows]
+    out.mass_total, out.mass_retained, out.altered = token_mass(wl, rows, orig, final)
     tokens_of: dict[int, int] = {}
     for t in range(n_tok):
-        o = orig[t].tolist()
-        if probs is not None:
-            total = float(probs[t, sorted(o)].sum())
-            kept = float(probs[t, sorted(final[t])].sum()) if final[t] else 0.0
-        else:
-            wmap = dict(zip(o, weights[t].tolist(), strict=True))
-            total = float(sum(wmap.values()))
-            kept = float(sum(wmap.get(e, 0.0) for e in final[t]))
-        out.mass_total += total
-        out.mass_retained += kept
-        if final[t] != set(o):
-            out.altered.add((int(req[t]), int(pos[t])))
         for e in final[t]:
             tokens_of[e] = tokens_of.get(e, 0) + 1
     cost = sim.cost
@@ -223,6 +206,32 @@ def general_layer(sim: Simulation, p: int, layer: int, now: float, evicted: set[
         nb = ctx.precision_bytes[ctx.precision_of(key)]
         out.computes.append((tr, cost.expert_time_at(n, nb) * scale))
     return out
+
+
+def token_mass(wl: Any, rows: np.ndarray, orig: np.ndarray,
+               final: list[set[int]]) -> tuple[float, float, set[tuple[int, int]]]:
+    """Gate mass of the original top-k, the mass of the experts each token finally computed,
+    and the (request, position) of tokens whose expert set changed. Mass is the router
+    probability when the trace has ``probs``, else the top-k weight (0 outside the top-k)."""
+    trace = wl.trace
+    probs = wl.probs[rows].astype(np.float64) if wl.probs is not None else None
+    weights = trace.weights[rows]
+    req = trace.request[rows]
+    pos = trace.position[rows]
+    total = kept = 0.0
+    altered: set[tuple[int, int]] = set()
+    for t in range(len(rows)):
+        o = orig[t].tolist()
+        if probs is not None:
+            total += float(probs[t, sorted(o)].sum())
+            kept += float(probs[t, sorted(final[t])].sum()) if final[t] else 0.0
+        else:
+            wmap = dict(zip(o, weights[t].tolist(), strict=True))
+            total += float(sum(wmap.values()))
+            kept += float(sum(wmap.get(e, 0.0) for e in final[t]))
+        if final[t] != set(o):
+            altered.add((int(req[t]), int(pos[t])))
+    return total, kept, altered
 
 
 def _predicted(sim: Simulation, p: int, layer: int, rows: np.ndarray) -> list[list[int]]:

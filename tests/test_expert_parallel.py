@@ -40,3 +40,17 @@ def test_gpu_aware_selection_lowers_the_peak_load(gpus):
     assert balanced["max_experts_per_gpu"] <= -(-4 * gpus // gpus)  # ceil(|S|/G) with |S| = m_g * G
     assert balanced["max_experts_per_gpu"] < plain["max_experts_per_gpu"]
     assert balanced["tpot_s"] < plain["tpot_s"]
+
+
+def test_gate_mass_and_altered_tokens_mean_the_same_with_and_without_ep():
+    """The same budget selects the same experts on one GPU or eight: gate_mass_retained
+    (router probabilities when the trace has them) and tokens_altered must agree."""
+    t = synth_from_preset("olmoe-1b-7b", layers=3, experts=128, requests=8, tokens=6, seed=4, probs=True)
+    budget = {"name": "xshare", "per_gpu": 3, "k0": 1, "gpus": 8}
+    one = simulate(scenario(cache={"capacity": "inf"}, workload={"batch_size": 8}, policies={"budget": budget}),
+                   trace=t).summary
+    ep = simulate(scenario(hardware={"preset": "h100-sxm-nvlink-x8"}, workload={"batch_size": 8},
+                           policies={"budget": budget}), trace=t).summary
+    assert ep["gate_mass_retained"] == pytest.approx(one["gate_mass_retained"], rel=1e-12)
+    assert ep["tokens_altered"] == pytest.approx(one["tokens_altered"], rel=1e-12)
+    assert 0 < one["tokens_altered"] <= 1
