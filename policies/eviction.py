@@ -180,16 +180,14 @@ class FarthestLayerDistance(RecencyOrdered):
         return iter(sorted(self._order, key=lambda k: (-abs(layer_of(k) - cur), rank[k])))
 
 
-def _access_index(ctx: PolicyContext, key: int) -> int | None:
-    """Index of the access of ``key`` at the clock's (pass, layer), or None."""
+def _access_index(ctx: PolicyContext, keys: list[int], key: int) -> int | None:
+    """Index of the access of ``key`` at the clock's (pass, layer), or None. ``keys`` are the
+    workload's accesses as cache keys (``ctx.cache_keys(workload.keys()).tolist()``)."""
     wl = ctx.workload
-    cache = getattr(ctx, "_key_cache", None)
-    if cache is None:
-        cache = ctx._key_cache = ctx.cache_keys(wl.keys()).tolist()  # type: ignore[attr-defined]
     base = ctx.clock.pass_index * ctx.num_layers + ctx.clock.layer
     lo, hi = int(wl.off[base]), int(wl.off[base + 1])
     try:
-        return int(cache.index(key, lo, hi))
+        return int(keys.index(key, lo, hi))
     except ValueError:
         return None
 
@@ -214,6 +212,7 @@ class ScoreBased(RecencyOrdered):
         super().__init__(params, ctx)
         self._score: dict[int, float] = {}
         self._pass = -1
+        self._keys = ctx.cache_keys(ctx.workload.keys()).tolist() if ctx.workload is not None else []
 
     def _credit(self, key: int) -> None:
         ctx = self.ctx
@@ -225,7 +224,7 @@ class ScoreBased(RecencyOrdered):
             self._pass = ctx.clock.pass_index
         w = 0.0
         if ctx.workload is not None:
-            i = _access_index(ctx, key)
+            i = _access_index(ctx, self._keys, key)
             if i is not None:
                 w = float(ctx.workload.acc_weight[i])
         self._score[key] = self._score.get(key, 0.0) + w
@@ -322,6 +321,7 @@ class Belady(EvictionPolicy):
         if ctx.workload is None:
             raise ValueError("belady needs the workload to read future accesses")
         keys = ctx.cache_keys(ctx.workload.keys())
+        self._keys = keys.tolist()
         order = np.argsort(keys, kind="stable")
         sk = keys[order]
         starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
@@ -334,7 +334,7 @@ class Belady(EvictionPolicy):
         pos = self._positions.get(key)
         if pos is None:
             return float("inf")
-        i = _access_index(ctx, key)
+        i = _access_index(ctx, self._keys, key)
         if i is None:
             i = int(ctx.workload.off[ctx.clock.pass_index * ctx.num_layers + ctx.clock.layer]) - 1
         j = int(np.searchsorted(pos, i, side="right"))

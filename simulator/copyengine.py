@@ -9,8 +9,8 @@ Because service times are deterministic, the engine does not need its own SimPy 
 it keeps its queue and computes when each queued transfer will finish *given what has been
 submitted so far*. :meth:`CopyEngine.advance` moves it to the simulation clock (starting
 queued transfers whose start time has passed and completing those whose finish time has
-passed, in time order, notifying observers with the finish time); :meth:`projected_done`
-tells a waiting process when its transfer completes. Each GPU's compute process is the only
+passed, in time order, notifying observers with the finish time); a waiting process reads
+its transfer's projected ``done`` time. Each GPU's compute process is the only
 submitter to its copy engines, so a projection made at a routing point is final for the
 transfers already queued (later submissions of the same process queue behind them or, for a
 demand fetch, ahead of prefetches that have not started). This keeps the replay to about one
@@ -178,19 +178,6 @@ class CopyEngine:
             self._reproject(first)
         return gone
 
-    def cancel(self, tr: Transfer) -> bool:
-        """Withdraw a queued transfer that has not started; returns False if it had."""
-        if tr.started:
-            return False
-        idx = self._pending.index(tr)
-        del self._pending[idx]
-        del self._pending_keys[idx]
-        self.bytes_moved -= tr.nbytes
-        self.transfers -= 1
-        if idx < len(self._pending):
-            self._reproject(idx)
-        return True
-
     def _reproject(self, idx: int) -> None:
         pending = self._pending
         prev = pending[idx - 1].done if idx > 0 else self._busy_until
@@ -223,14 +210,6 @@ class CopyEngine:
                 else:
                     for cb in callbacks:
                         cb(tr)
-
-    def projected_done(self, tr: Transfer) -> float:
-        """When ``tr`` will complete given everything submitted so far."""
-        return tr.done
-
-    def idle_at(self) -> float:
-        """When the engine runs out of work given everything submitted so far."""
-        return self._pending[-1].done if self._pending else self._busy_until
 
     def finish(self) -> None:
         """Complete all work (end of simulation), counting its busy time."""

@@ -186,7 +186,6 @@ class Simulation:
         self._mass_total = workload.weight_total.astype(np.float64).copy()
         self._mass_kept = workload.weight_total.astype(np.float64).copy()
         self._pf_unused: set[int] = set()
-        self._layer_sets: dict[int, set[int]] = {}
         self._keys_list: list[int] | None = None
         if self.prefetch.active:
             pf_unused = self._pf_unused

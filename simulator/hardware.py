@@ -86,9 +86,10 @@ class HardwareConfig:
     profile: str | None = field(default=None, metadata={
         "help": "a calibration profile (`moesim calibrate fit`): its link fit and compute tables replace the datasheet"})
     expert_table: dict[str, Any] = field(default_factory=dict, metadata={
-        "help": "measured expert FFN times by shape and dtype (filled from the profile)"})
+        "help": "measured expert FFN times by shape and dtype (filled from the profile)", "internal": True})
     nonexpert_table: dict[str, Any] = field(default_factory=dict, metadata={
-        "help": "measured non-expert (projection + router) times by shape and dtype (filled from the profile)"})
+        "help": "measured non-expert (projection + router) times by shape and dtype (filled from the profile)",
+        "internal": True})
 
     def __post_init__(self) -> None:
         if self.gpus < 1:

@@ -191,8 +191,7 @@ class Scenario:
         """The resolved scenario as plain data (what scenario.resolved.yaml holds)."""
         pol = {fam: {"name": spec.name, **to_plain(spec.params)}
                for fam, spec in vars(self.policies).items()}
-        hw = to_plain(self.hardware)
-        hw.pop("expert_table", None)  # comes from the profile file named in 'profile'
+        hw = to_plain(self.hardware)  # the profile's tables stay out: 'profile' names their file
         return {
             "seed": self.seed, "timing": self.timing, "expert_compute": self.expert_compute,
             "hardware": hw, "workload": to_plain(self.workload), "cache": to_plain(self.cache),

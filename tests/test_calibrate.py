@@ -152,3 +152,13 @@ def test_shipped_validation_set_covers_the_required_grid():
     assert {c for c, _, _ in combos} == {"1%", "5%", "25%", "100%"}
     assert {p for _, p, _ in combos} == {"none", "previous-token"}
     assert {e for _, _, e in combos} == {"lru", "least-stale"}
+
+
+def test_resolved_scenario_names_the_profile_not_its_tables(tmp_path):
+    prof = fit(synthetic_raw(25, 10))
+    prof["nonexpert_time"] = {"s": {"float32": {"hidden": 64, "tokens": [1, 4], "seconds": [1e-5, 2e-5]}}}
+    path = write_profile(prof, tmp_path / "p.yaml")
+    hw = load_scenario("quickstart", [f"hardware.profile={path}"]).to_dict()["hardware"]
+    assert hw["profile"] == str(path)
+    assert "expert_table" not in hw
+    assert "nonexpert_table" not in hw
