@@ -101,40 +101,12 @@ def group_counts(values: list[int]) -> dict[int, int]:
     return counts
 
 
-ORDINALS = {1: "1st", 2: "2nd", 3: "3rd"}
-
-
 def flame_decode_trace() -> Trace:
-    """The real FLAME-MoE-290M decode trace read directly: 64 sequences (requests) x 10 decode
-    positions x MoE layers 2..9 (as layers 0..7), top-6 experts ranked by probability.
-    Model sizes other than the routing shape are placeholders (the files do not give them)."""
-    import pandas as pd
+    """The real FLAME-MoE-290M decode trace (64 sequences x 10 decode positions x MoE layers
+    2..9 as 0..7), through the flame-csv importer (tested against the traces' documented facts)."""
+    from traces.importers import import_trace
 
-    base = real_dir() / "flame-moe-290m" / "decode"
-    rows = []
-    for k in range(1, 11):
-        folder = base / ORDINALS.get(k, f"{k}th")
-        for layer in range(2, 10):
-            (csv,) = folder.glob(f"*_layer{layer}_*.csv")
-            probs = pd.read_csv(csv).filter(like="expert_").to_numpy()
-            top = np.argsort(-probs, axis=1, kind="stable")[:, :6]
-            for seq in range(probs.shape[0]):
-                rows.append((seq, k - 1, layer - 2, top[seq], probs[seq, top[seq]]))
-    rows.sort(key=lambda r: (r[0], r[1], r[2]))
-    model = ModelInfo(name="flame-moe-290m", num_layers=8, num_experts=64, top_k=6, hidden_size=512,
-                      expert_intermediate_size=512, expert_bytes=expert_bytes_for(512, 512),
-                      renormalize=False)
-    n = len(rows)
-    return Trace(
-        model=model,
-        request=np.array([r[0] for r in rows], dtype=np.int32),
-        step=np.array([r[1] for r in rows], dtype=np.int32),
-        position=np.array([r[1] for r in rows], dtype=np.int32),
-        phase=np.full(n, PHASE_CODES["decode"], dtype=np.int8),
-        layer=np.array([r[2] for r in rows], dtype=np.int16),
-        experts=np.array([r[3] for r in rows], dtype=np.int16),
-        weights=np.array([r[4] for r in rows], dtype=np.float32),
-    )
+    return import_trace("flame-csv", [real_dir() / "flame-moe-290m" / "decode"])[0]
 
 
 def batch_access_stream(trace: Trace, batch: int) -> list[int]:

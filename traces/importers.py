@@ -79,31 +79,16 @@ def import_expert_jsonl(sources: list[Path], model_preset: str | None, **_: Any)
     model = _model(model_preset, "expert-jsonl")
     report = ImportReport()
     rows: dict[tuple[int, int, int], tuple[list[int], list[float]]] = {}
-    for src in sources:
-        for path in _files(src, "*routing*.jsonl"):
-            with path.open() as fh:
-                for n, line in enumerate(fh, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                        key = (int(obj["problem_id"]), int(obj["token_idx"]), int(obj["layer"]))
-                        experts = [int(x) for x in obj["experts"]]
-                        weights = [float(x) for x in obj["gating_probs"]]
-                    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                        raise MoesimError(
-                            f"import {path} line {n}: not an expert-jsonl record ({exc!r}); each line "
-                            "needs problem_id, token_idx, layer, experts and gating_probs.") from None
-                    if len(experts) != model.top_k or len(weights) != model.top_k:
-                        raise MoesimError(
-                            f"import {path} line {n}: {len(experts)} experts, but model preset "
-                            f"{model.name} has top-{model.top_k}; pick the right --model-preset.")
-                    if not all(0 <= e < model.num_experts for e in experts) or not 0 <= key[2] < model.num_layers:
-                        raise MoesimError(
-                            f"import {path} line {n}: layer {key[2]} / experts {experts} out of range for "
-                            f"{model.name} ({model.num_layers} layers, {model.num_experts} experts); "
-                            "pick the right --model-preset.")
-                    rows[key] = (experts, weights)
+    need = "each line needs problem_id, token_idx, layer, experts and gating_probs"
+    for where, obj in _json_lines(sources, "*routing*.jsonl", "an expert-jsonl", need):
+        try:
+            key = (int(obj["problem_id"]), int(obj["token_idx"]), int(obj["layer"]))
+            experts = [int(x) for x in obj["experts"]]
+            weights = [float(x) for x in obj["gating_probs"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MoesimError(f"import {where}: not an expert-jsonl record ({exc!r}); {need}.") from None
+        _check_row(model, where, key[2], experts, weights)
+        rows[key] = (experts, weights)
     if not rows:
         raise MoesimError("import: no expert-jsonl records found.")
     keys = sorted(rows)
@@ -140,8 +125,26 @@ def _build(model: ModelInfo, request: list[int], step: list[int], position: list
         capture=capture)
 
 
-def _check_row(model: ModelInfo, where: str, layer: int, experts: list[int]) -> None:
-    if len(experts) != model.top_k:
+def _json_lines(sources: list[Path], pattern: str, what: str, need: str) -> Any:
+    """(``"FILE line N"``, parsed object) for every non-blank line of the JSONL files."""
+    for src in sources:
+        for path in _files(src, pattern):
+            with path.open() as fh:
+                for n, line in enumerate(fh, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise MoesimError(f"import {path} line {n}: not {what} record ({exc!r}); {need}.") from None
+                    if not isinstance(obj, dict):
+                        raise MoesimError(f"import {path} line {n}: not {what} record (not a JSON object); {need}.")
+                    yield f"{path} line {n}", obj
+
+
+def _check_row(model: ModelInfo, where: str, layer: int, experts: list[int],
+               weights: list[float] | None = None) -> None:
+    if len(experts) != model.top_k or (weights is not None and len(weights) != model.top_k):
         raise MoesimError(f"import {where}: {len(experts)} experts, but model {model.name} has "
                           f"top-{model.top_k}; pick the right --model-preset.")
     if not 0 <= layer < model.num_layers or not all(0 <= e < model.num_experts for e in experts):
@@ -157,27 +160,20 @@ def import_vllm_routes(sources: list[Path], model_preset: str | None, drop_warmu
     report = ImportReport()
     records: list[tuple[str, int, list[int], list[float], str]] = []
     meta: dict[str, Any] = {}
-    for src in sources:
-        for path in _files(src, "*.jsonl"):
-            with path.open() as fh:
-                for n, line in enumerate(fh, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                        if obj.get("type") == "meta":
-                            meta = {k: v for k, v in obj.items() if k != "type"}
-                            continue
-                        if obj.get("type") != "route":
-                            continue
-                        rec = (str(obj["req_id"]), int(obj["layer"]), [int(x) for x in obj["topk_ids"]],
-                               [float(x) for x in obj["topk_weights"]], f"{path} line {n}")
-                    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                        raise MoesimError(f"import {path} line {n}: not a vLLM route record ({exc!r}); "
-                                          "route lines need req_id, token_idx, layer, topk_ids and "
-                                          "topk_weights.") from None
-                    _check_row(model, rec[4], rec[1], rec[2])
-                    records.append(rec)
+    need = "route lines need req_id, token_idx, layer, topk_ids and topk_weights"
+    for where, obj in _json_lines(sources, "*.jsonl", "a vLLM route", need):
+        if obj.get("type") == "meta":
+            meta = {k: v for k, v in obj.items() if k != "type"}
+            continue
+        if obj.get("type") != "route":
+            continue
+        try:
+            rec = (str(obj["req_id"]), int(obj["layer"]), [int(x) for x in obj["topk_ids"]],
+                   [float(x) for x in obj["topk_weights"]], where)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MoesimError(f"import {where}: not a vLLM route record ({exc!r}); {need}.") from None
+        _check_row(model, where, rec[1], rec[2], rec[3])
+        records.append(rec)
     if not records:
         raise MoesimError("import: no vLLM route records found.")
     if meta.get("top_k") not in (None, model.top_k) or meta.get("num_experts") not in (None, model.num_experts):
