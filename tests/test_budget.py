@@ -103,11 +103,15 @@ def test_xshare_warmup_keeps_every_tokens_top1_and_respects_the_budget():
     for orig, s in zip(ex, sets, strict=True):
         assert int(orig[0]) in s
         assert len(s) == 8
-    thr = Simulation(scenario(cache={"capacity": "inf"}, workload={"batch_size": 16},
-                              policies={"budget": {"name": "xshare", "threshold": 0.5, "k0": 0}}), trace=t)
-    g = t.probs[rows].sum(axis=0)
-    chosen = {e for s in thr.budget.select(2, 0, rows, ex) for e in s}
-    assert g[sorted(chosen)].sum() >= 0.5 * g.sum() - 1e-9 or len(chosen) < 8
+    # Algorithm 1: the greedy set is the smallest prefix of experts by batch score that holds
+    # tau of the batch's gating mass
+    g = t.probs[rows].astype(np.float64)
+    batch = g.sum(axis=0)
+    for tau in (0.3, 0.5, 0.9):
+        chosen = greedy_select(g, set(), threshold=tau)
+        assert batch[chosen].sum() >= tau * batch.sum()
+        assert batch[chosen[:-1]].sum() < tau * batch.sum()
+        assert sorted(batch[chosen], reverse=True) == list(batch[chosen])
 
 
 def test_lynx_and_dynamic_skip_on_hand_checked_weights():
