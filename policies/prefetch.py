@@ -228,15 +228,17 @@ class ScorePercentile(PrefetchPolicy):
         sums = np.add.reduceat(pred, (bounds[groups] - lo).astype(np.int64), axis=0)
         means = sums / counts[groups][:, None]
         thresholds = np.percentile(means, self.params.percentile, axis=1)
-        above = means > thresholds[:, None]
-        base = ctx.num_experts
-        for g, m, sel in zip(groups.tolist(), means, above, strict=True):
+        # highest score first, ties by expert index; the experts above the threshold are a
+        # prefix of that order
+        order = np.argsort(-means, axis=1, kind="stable")
+        counts_above = (means > thresholds[:, None]).sum(axis=1).tolist()
+        layers = groups % num_l
+        keys = ctx.cache_keys(order + ((layers + 1) * ctx.num_experts)[:, None]).tolist()
+        props = self._props
+        for g, row, n in zip(groups.tolist(), keys, counts_above, strict=True):
             layer = g % num_l
-            if layer + 1 >= num_l:
-                continue
-            chosen = np.flatnonzero(sel)
-            chosen = chosen[np.argsort(-m[chosen], kind="stable")]
-            self._props[(first + g // num_l, layer)] = ctx.cache_keys(chosen + (layer + 1) * base).tolist()
+            if layer + 1 < num_l:
+                props[(first + g // num_l, layer)] = row[:n]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ SimPy event per layer.
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from collections.abc import Callable
 
@@ -29,11 +28,13 @@ DEMAND, PREFETCH = 0, 1
 
 
 class Transfer:
-    """One copy of one expert. ``done`` is projected until :attr:`started`."""
+    """One copy of one expert. ``start``/``done`` are projected until :attr:`started`
+    (see :meth:`CopyEngine.project` for queued prefetches)."""
 
-    __slots__ = ("bypass", "done", "dur", "issued", "key", "nbytes", "priority", "seq", "start", "started")
+    __slots__ = ("bypass", "cancelled", "done", "dur", "issued", "key", "nbytes", "priority", "seq", "start",
+                 "started")
 
-    def __init__(self, key: int, nbytes: int, priority: int, issued: float, seq: int) -> None:
+    def __init__(self, key: int, nbytes: int, priority: int, issued: float, seq: int, dur: float = 0.0) -> None:
         self.key = key
         self.nbytes = nbytes
         self.priority = priority
@@ -42,12 +43,20 @@ class Transfer:
         self.start = issued
         self.done = issued
         self.started = False
+        self.cancelled = False
         self.bypass = False  # copied to a staging buffer, not kept in the cache
-        self.dur = 0.0
+        self.dur = dur
 
 
 class CopyEngine:
     """A link direction's copy engine (see module docstring).
+
+    Queued transfers wait in two FIFO queues served demand first: ``_demand`` (demand
+    fetches and promoted prefetches, by issue order) and ``_pf`` (prefetches). The demand
+    queue's finish times are projected when it changes; the prefetch queue's only when
+    asked (:meth:`project`) or when :meth:`advance` starts its transfers, so queuing,
+    promoting and withdrawing prefetches costs no re-projection. Promoted and withdrawn
+    prefetches stay in ``_pf`` as tombstones until they reach its head.
 
     ``instant=True`` (cache-only replay): every transfer takes no time; the caller
     completes it right after reserving its cache entry.
@@ -57,8 +66,8 @@ class CopyEngine:
         self.name = name
         self.link = link
         self.instant = instant
-        self._pending: list[Transfer] = []  # not started, in service order
-        self._pending_keys: list[tuple[int, int]] = []
+        self._demand: list[Transfer] = []  # queued demand, in service order
+        self._pf: deque[Transfer] = deque()  # queued prefetches in issue order (with tombstones)
         self._running: deque[Transfer] = deque()  # started, not completed, in finish order
         self._busy_until = 0.0
         self._seq = 0
@@ -75,131 +84,133 @@ class CopyEngine:
             t = self._time_cache[nbytes] = self.link.copy_time(nbytes)
         return t
 
+    def _demand_tail(self, now: float) -> float:
+        """When the engine is free for a new demand transfer issued at ``now``."""
+        prev = self._demand[-1].done if self._demand else self._busy_until
+        return prev if prev > now else now
+
     def submit(self, key: int, nbytes: int, priority: int, now: float) -> Transfer:
         """Queue a transfer issued at ``now`` and return it. The caller must have called
         :meth:`advance` with ``now`` (the engine does so at every routing point)."""
-        tr = Transfer(key, nbytes, priority, now, self._seq)
-        self._seq += 1
-        self.bytes_moved += nbytes
-        self.transfers += 1
-        if self.instant:
-            tr.started = True  # the caller completes it at once (cache-only replay)
-            return tr
-        sk = (priority, tr.seq)
-        pending = self._pending
-        if not pending or self._pending_keys[-1] <= sk:
-            prev = pending[-1].done if pending else self._busy_until
-            tr.start = prev if prev > now else now
-            dur = self._time_cache.get(nbytes)
-            if dur is None:
-                dur = self.duration(nbytes)
-            tr.dur = dur
-            tr.done = tr.start + dur
-            pending.append(tr)
-            self._pending_keys.append(sk)
-            return tr
-        tr.dur = self.duration(nbytes)
-        idx = bisect.bisect_right(self._pending_keys, sk)
-        pending.insert(idx, tr)
-        self._pending_keys.insert(idx, sk)
-        self._reproject(idx)
-        return tr
+        return self.submit_batch([key], nbytes, priority, now)[0]
 
     def submit_batch(self, keys: list[int], nbytes: int, priority: int, now: float) -> list[Transfer]:
-        """:meth:`submit` for several same-size transfers issued together, in order."""
-        if self.instant or (self._pending and self._pending_keys[-1][0] > priority):
-            return [self.submit(k, nbytes, priority, now) for k in keys]
+        """Queue same-size transfers issued together at ``now``, in order; returns them."""
         dur = self._time_cache.get(nbytes)
         if dur is None:
             dur = self.duration(nbytes)
-        pending = self._pending
-        pkeys = self._pending_keys
-        prev = pending[-1].done if pending else self._busy_until
         seq = self._seq
-        out = []
-        for key in keys:
-            tr = Transfer(key, nbytes, priority, now, seq)
-            tr.dur = dur
-            tr.start = prev if prev > now else now
-            prev = tr.done = tr.start + dur
-            pending.append(tr)
-            pkeys.append((priority, seq))
-            out.append(tr)
-            seq += 1
-        self._seq = seq
+        self._seq = seq + len(keys)
         self.bytes_moved += nbytes * len(keys)
         self.transfers += len(keys)
+        out = [Transfer(key, nbytes, priority, now, s, dur) for s, key in enumerate(keys, seq)]
+        if self.instant:
+            for tr in out:
+                tr.started = True  # the caller completes it at once (cache-only replay)
+        elif priority == DEMAND:
+            prev = self._demand_tail(now)
+            for tr in out:
+                tr.start = prev
+                prev = tr.done = prev + dur
+            self._demand.extend(out)
+        else:
+            self._pf.extend(out)
         return out
 
     def promote(self, tr: Transfer) -> None:
         """A queued prefetch is needed now: move it to demand priority (ahead of demand
         fetches issued after it)."""
-        if tr.started or tr.priority == DEMAND:
-            return
-        idx = self._pending.index(tr)
-        del self._pending[idx]
-        del self._pending_keys[idx]
-        tr.priority = DEMAND
-        sk = (DEMAND, tr.seq)
-        new = bisect.bisect_right(self._pending_keys, sk)
-        self._pending.insert(new, tr)
-        self._pending_keys.insert(new, sk)
-        self._reproject(min(idx, new))
+        self.promote_many([tr])
 
     def promote_many(self, trs: list[Transfer]) -> None:
-        """:meth:`promote` for several queued prefetches, re-projecting the queue once."""
-        trs = [t for t in trs if not t.started and t.priority != DEMAND]
-        if not trs:
+        """:meth:`promote` for several queued prefetches, re-projecting the demand queue once."""
+        moving = [t for t in dict.fromkeys(trs) if not t.started and t.priority != DEMAND and not t.cancelled]
+        if not moving:
             return
-        moving = {id(t) for t in trs}
-        first = min(self._pending.index(t) for t in trs)
-        rest = [t for t in self._pending if id(t) not in moving]
-        for t in trs:
-            t.priority = DEMAND
-        pending = sorted(rest + trs, key=lambda t: (t.priority, t.seq))
-        self._pending[:] = pending
-        self._pending_keys[:] = [(t.priority, t.seq) for t in pending]
-        self._reproject(first)
+        for t in moving:
+            t.priority = DEMAND  # its entry in the prefetch queue becomes a tombstone
+        demand = self._demand
+        first = len(demand)
+        for t in sorted(moving, key=lambda t: t.seq):
+            i = len(demand)
+            while i > 0 and demand[i - 1].seq > t.seq:
+                i -= 1
+            demand.insert(i, t)
+            first = min(first, i)
+        prev = demand[first - 1].done if first else self._busy_until
+        for i in range(first, len(demand)):
+            t = demand[i]
+            start = prev if prev > t.issued else t.issued
+            t.start = start
+            prev = t.done = start + t.dur
 
     def cancel_many(self, trs: list[Transfer]) -> list[Transfer]:
         """Withdraw the queued (not started) transfers among ``trs``; returns those withdrawn."""
-        gone = [t for t in trs if not t.started]
+        gone = [t for t in dict.fromkeys(trs) if not t.started and not t.cancelled]
         if not gone:
             return gone
-        ids = {id(t) for t in gone}
-        first = min(self._pending.index(t) for t in gone)
-        keep = [t for t in self._pending if id(t) not in ids]
-        self._pending[:] = keep
-        self._pending_keys[:] = [(t.priority, t.seq) for t in keep]
+        demand_gone = False
         for t in gone:
+            t.cancelled = True
             self.bytes_moved -= t.nbytes
             self.transfers -= 1
-        if first < len(keep):
-            self._reproject(first)
+            demand_gone = demand_gone or t.priority == DEMAND
+        if demand_gone:
+            keep = [t for t in self._demand if not t.cancelled]
+            self._demand[:] = []
+            if keep:
+                prev = self._busy_until
+                for t in keep:
+                    start = prev if prev > t.issued else t.issued
+                    t.start = start
+                    prev = t.done = start + t.dur
+            self._demand.extend(keep)
         return gone
 
-    def _reproject(self, idx: int) -> None:
-        pending = self._pending
-        prev = pending[idx - 1].done if idx > 0 else self._busy_until
-        for i in range(idx, len(pending)):
-            tr = pending[i]
-            issued = tr.issued
-            start = prev if prev > issued else issued
-            tr.start = start
-            prev = tr.done = start + tr.dur
+    def project(self) -> None:
+        """Project the start and finish times of the queued prefetches (demand queue first)."""
+        prev = self._demand[-1].done if self._demand else self._busy_until
+        for t in self._pf:
+            if t.cancelled or t.priority == DEMAND:
+                continue
+            start = prev if prev > t.issued else t.issued
+            t.start = start
+            prev = t.done = start + t.dur
 
     def advance(self, now: float) -> None:
         """Start transfers whose start time is before ``now``; complete those finished by
         ``now`` (observers see them in finish order)."""
-        pending = self._pending
         running = self._running
-        while pending and pending[0].start < now:
-            tr = pending.pop(0)
-            self._pending_keys.pop(0)
+        demand = self._demand
+        pf = self._pf
+        prev = self._busy_until
+        started = 0
+        for tr in demand:
+            if tr.start >= now:
+                break
+            prev = tr.done
             tr.started = True
-            self._busy_until = tr.done
-            self.busy_time += tr.done - tr.start
             running.append(tr)
+            self.busy_time += tr.done - tr.start
+            started += 1
+        if started:
+            del demand[:started]
+        if not demand:
+            while pf:
+                tr = pf[0]
+                if tr.cancelled or tr.priority == DEMAND:
+                    pf.popleft()
+                    continue
+                start = prev if prev > tr.issued else tr.issued
+                if start >= now:
+                    break
+                pf.popleft()
+                tr.start = start
+                prev = tr.done = start + tr.dur
+                tr.started = True
+                running.append(tr)
+                self.busy_time += prev - start
+        self._busy_until = prev
         if running and running[0].done <= now:
             callbacks = self.on_complete
             single = callbacks[0] if len(callbacks) == 1 else None

@@ -313,6 +313,7 @@ class Simulation:
                             pred_hits += pf[1]
                             pred_total += pf[2]
                             actual_total += pf[3]
+                    copy.project()  # finish times of queued prefetches a substitute may wait on
                     timed_g = sorted(((now if tr_g is None else tr_g.done), f) for tr_g, f in g.computes)
                     st0 = stall
                     if on_arrival:

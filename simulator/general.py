@@ -92,6 +92,14 @@ def general_layer(sim: Simulation, p: int, layer: int, now: float, evicted: set[
     default = ctx.default_precision
     pred_order: list[list[int]] | None = None
 
+    def waiting_for(key: int) -> Transfer | None:
+        """The in-flight transfer of a resident-or-arriving substitute; a queued prefetch
+        is promoted (this layer needs it now, so it must not be withdrawn)."""
+        tr = inflight.get(key)
+        if tr is not None and tr.priority != DEMAND and not tr.started:
+            copy.promote(tr)
+        return tr
+
     def use(e: int, key: int, tr: Transfer | None) -> None:
         key_for[e] = (key, tr)
         pinned.add(key)
@@ -177,7 +185,7 @@ def general_layer(sim: Simulation, p: int, layer: int, now: float, evicted: set[
                 final[t].add(e2)
             if e2 not in key_for:
                 policy.on_access(k2)
-                use(e2, k2, inflight.get(k2))
+                use(e2, k2, waiting_for(k2))
         else:  # speculate
             if pred_order is None:
                 pred_order = _predicted(sim, p, layer, rows)
@@ -191,7 +199,7 @@ def general_layer(sim: Simulation, p: int, layer: int, now: float, evicted: set[
                     final[t].add(cand)
                     if cand not in key_for:
                         policy.on_access(kc)
-                        use(cand, kc, inflight.get(kc))
+                        use(cand, kc, waiting_for(kc))
                     break
     # what each token computed: gate mass and alteration
     out.mass_total, out.mass_retained, out.altered = token_mass(wl, rows, orig, final)
