@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, ClassVar
 
 import numpy as np
@@ -45,11 +46,23 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def candidates(self) -> Iterator[int]:
-        """Every cached key, most evictable first (the cache filters pinned keys)."""
+        """Every cached key, most evictable first (the cache filters pinned keys). The cache
+        walks the iterator before it tells the policy of any change, so it may be a view."""
 
     def on_prefetch_select(self, key: int) -> None:  # noqa: B027 - optional hook
         """The prefetcher selected ``key``, already cached (no transfer). Default: nothing
         (recency policies do not count a selection as a use)."""
+
+    def on_insert_many(self, keys: list[int], demand: bool) -> None:
+        """:meth:`on_insert` for several keys, in order (a policy may do it faster; the
+        contract tests check it equals the one-by-one calls)."""
+        for key in keys:
+            self.on_insert(key, demand)
+
+    def on_remove_many(self, keys: list[int]) -> None:
+        """:meth:`on_remove` for several keys, in order."""
+        for key in keys:
+            self.on_remove(key)
 
 
 REGISTRY: Registry[EvictionPolicy] = Registry("eviction")
@@ -72,6 +85,11 @@ class RecencyOrdered(EvictionPolicy):
     def on_remove(self, key: int) -> None:
         del self._order[key]
 
+    def on_remove_many(self, keys: list[int]) -> None:
+        order = self._order
+        for key in keys:
+            del order[key]
+
     def candidates(self) -> Iterator[int]:
         return iter(self._order)
 
@@ -87,6 +105,9 @@ class LRU(RecencyOrdered):
     libCacheSim's LRU, so miss counts match it on the same access stream.
     """
 
+    def on_insert_many(self, keys: list[int], demand: bool) -> None:
+        self._order.update(dict.fromkeys(keys))
+
 
 @REGISTRY.register("fifo")
 class FIFO(RecencyOrdered):
@@ -94,6 +115,9 @@ class FIFO(RecencyOrdered):
 
     def on_access(self, key: int) -> None:
         pass
+
+    def on_insert_many(self, keys: list[int], demand: bool) -> None:
+        self._order.update(dict.fromkeys(keys))
 
 
 @REGISTRY.register("lfu")
@@ -259,8 +283,9 @@ class LeastStale(EvictionPolicy):
     def __init__(self, params: Any, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
         n = ctx.num_layers
-        self._stale: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n)]
-        self._current: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(n)]
+        # insertion-ordered dicts: a key only ever joins at the end or leaves
+        self._stale: list[dict[int, None]] = [{} for _ in range(n)]
+        self._current: list[dict[int, None]] = [{} for _ in range(n)]
         self._is_current: dict[int, bool] = {}
         self._pass = 0
         self._div = ctx.num_experts * len(ctx.precisions)  # key // _div = layer
@@ -272,8 +297,7 @@ class LeastStale(EvictionPolicy):
             for stale, cur in zip(self._stale, self._current, strict=True):
                 stale.update(cur)
                 cur.clear()
-            for k in self._is_current:
-                self._is_current[k] = False
+            self._is_current = dict.fromkeys(self._is_current, False)
             self._pass = p
 
     def _touch(self, key: int) -> None:
@@ -287,6 +311,23 @@ class LeastStale(EvictionPolicy):
 
     def on_insert(self, key: int, demand: bool) -> None:
         self._touch(key)
+
+    def on_insert_many(self, keys: list[int], demand: bool) -> None:
+        if self._clock.pass_index != self._pass:
+            self._roll()
+        is_current = self._is_current
+        if not is_current.keys().isdisjoint(keys):
+            for key in keys:
+                self._touch(key)
+            return
+        current, div = self._current, self._div
+        layer = keys[0] // div if keys else 0
+        if min(keys, default=0) // div == layer == max(keys, default=0) // div:
+            current[layer].update(dict.fromkeys(keys))  # one layer (a prefetch batch)
+        else:
+            for key in keys:
+                current[key // div][key] = None
+        is_current.update(dict.fromkeys(keys, True))
 
     def on_access(self, key: int) -> None:
         if self._clock.pass_index != self._pass or not self._is_current.get(key):
@@ -302,12 +343,20 @@ class LeastStale(EvictionPolicy):
         else:
             del self._stale[layer][key]
 
+    def on_remove_many(self, keys: list[int]) -> None:
+        is_current, current, stale, div = self._is_current, self._current, self._stale, self._div
+        for key in keys:
+            if is_current.pop(key):
+                del current[key // div][key]
+            else:
+                del stale[key // div][key]
+
     def candidates(self) -> Iterator[int]:
-        self._roll()
-        for bucket in self._stale:
-            yield from list(bucket)
-        for bucket in self._current:
-            yield from list(bucket)
+        # the cache does not change the policy while it walks the candidates, so the
+        # queues are iterated in place
+        if self._clock.pass_index != self._pass:
+            self._roll()
+        return chain.from_iterable(self._stale + self._current)
 
 
 @REGISTRY.register("belady")

@@ -198,26 +198,26 @@ class ScorePercentile(PrefetchPolicy):
         super().__init__(params, ctx)
         _need_pred_next(ctx, "score-percentile")
         self._lo = self._hi = 0
-        self._props: dict[tuple[int, int], list[int]] = {}
+        self._num_l = ctx.num_layers
+        self._props: list[Sequence[int]] = []
 
     CHUNK = 256
 
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:
-        if layer + 1 >= self.ctx.num_layers:
-            return ()
         if not self._lo <= pass_index < self._hi:
             self._plan(pass_index)
-        return self._props.get((pass_index, layer), ())
+        return self._props[(pass_index - self._lo) * self._num_l + layer]
 
     def _plan(self, first: int) -> None:
         """Proposals for every (pass, layer) of passes ``first .. first + CHUNK`` at once:
         mean predicted scores by ``reduceat``, thresholds by one percentile call."""
         ctx = self.ctx
         wl = ctx.workload
-        num_l = ctx.num_layers
+        num_l = self._num_l = ctx.num_layers
         last = min(first + self.CHUNK, wl.num_passes)
         self._lo, self._hi = first, last
-        self._props = {}
+        props: list[Sequence[int]] = [()] * ((last - first) * num_l)
+        self._props = props
         bounds = wl.row_off[first * num_l:last * num_l + 1]
         lo = int(bounds[0])
         counts = np.diff(bounds)
@@ -229,16 +229,15 @@ class ScorePercentile(PrefetchPolicy):
         means = sums / counts[groups][:, None]
         thresholds = np.percentile(means, self.params.percentile, axis=1)
         # highest score first, ties by expert index; the experts above the threshold are a
-        # prefix of that order
-        order = np.argsort(-means, axis=1, kind="stable")
-        counts_above = (means > thresholds[:, None]).sum(axis=1).tolist()
+        # prefix of that order. The last layer has no next layer to prefetch for.
         layers = groups % num_l
+        n_above = np.where(layers + 1 < num_l, (means > thresholds[:, None]).sum(axis=1), 0)
+        width = int(n_above.max())
+        order = np.argsort(-means, axis=1, kind="stable")[:, :width]
         keys = ctx.cache_keys(order + ((layers + 1) * ctx.num_experts)[:, None]).tolist()
-        props = self._props
-        for g, row, n in zip(groups.tolist(), keys, counts_above, strict=True):
-            layer = g % num_l
-            if layer + 1 < num_l:
-                props[(first + g // num_l, layer)] = row[:n]
+        for g, row, n in zip(groups.tolist(), keys, n_above.tolist(), strict=True):
+            if n:
+                props[g] = row[:n] if n < width else row
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ class ExpertCache:
         self.used = 0
         self.resident: dict[int, int] = {}
         self.inflight: dict[int, Transfer] = {}
-        self.on_evict: list[Callable[[int], None]] = []
+        self.on_evict: list[Callable[[list[int]], None]] = []  # told the keys evicted
         self.max_used = 0
         self.static_pinned: set[int] = set()
 
@@ -38,8 +38,8 @@ class ExpertCache:
         admitted, victims = self.room_for(1, nbytes, pinned)
         if admitted < 1:
             return None
-        for key in victims:
-            self.remove(key)
+        if victims:
+            self.remove_many(victims)
         return victims
 
     def plan_evictions(self, need: float, layer_keys: Container[int]) -> list[int] | None:
@@ -50,11 +50,10 @@ class ExpertCache:
         replay could choose differently."""
         victims = []
         freed = 0
-        inflight = self.inflight
         resident = self.resident
         static = self.static_pinned
         for key in self.policy.candidates():
-            if key in inflight or key in static:
+            if key not in resident or (static and key in static):  # in flight, or pinned for good
                 continue
             if key in layer_keys:
                 return None
@@ -67,10 +66,8 @@ class ExpertCache:
     def admit(self, transfers: list[Transfer]) -> None:
         """Record in-flight entries for transfers whose room has been made (the policy was
         told ``on_insert`` by the caller, in access order)."""
-        inflight = self.inflight
-        for tr in transfers:
-            inflight[tr.key] = tr
-            self.used += tr.nbytes
+        self.inflight.update({tr.key: tr for tr in transfers})
+        self.used += sum(tr.nbytes for tr in transfers)
         if self.used > self.max_used:
             self.max_used = self.used
 
@@ -82,25 +79,27 @@ class ExpertCache:
         if n * nbytes <= free:
             return n, []
         victims: list[int] = []
-        inflight = self.inflight
         resident = self.resident
         static = self.static_pinned
         admitted = int(max(free, 0) // nbytes) if nbytes else n
         for key in self.policy.candidates():
             if admitted >= n:
                 break
-            if key in pinned or key in inflight or key not in resident or key in static:
+            # entries in flight are not resident
+            if key not in resident or key in pinned or (static and key in static):
                 continue
             victims.append(key)
             free += resident[key]
             admitted = int(free // nbytes)
         return min(admitted, n), victims
 
-    def cancel(self, tr: Transfer) -> None:
-        """Drop the in-flight entry of a cancelled transfer."""
-        del self.inflight[tr.key]
-        self.used -= tr.nbytes
-        self.policy.on_remove(tr.key)
+    def cancel_many(self, transfers: list[Transfer]) -> None:
+        """Drop the in-flight entries of withdrawn transfers."""
+        inflight = self.inflight
+        for tr in transfers:
+            del inflight[tr.key]
+            self.used -= tr.nbytes
+        self.policy.on_remove_many([tr.key for tr in transfers])
 
     def preload(self, keys: list[int], nbytes: int) -> int:
         """Make ``keys`` resident before the replay and pin them for good (static pinning);
@@ -119,11 +118,16 @@ class ExpertCache:
 
     def remove(self, key: int) -> None:
         """Evict a resident entry."""
-        self.used -= self.resident.pop(key)
-        self.policy.on_remove(key)
-        if self.on_evict:
-            for cb in self.on_evict:
-                cb(key)
+        self.remove_many([key])
+
+    def remove_many(self, keys: list[int]) -> None:
+        """Evict resident entries (in this order)."""
+        resident = self.resident
+        for key in keys:
+            self.used -= resident.pop(key)
+        self.policy.on_remove_many(keys)
+        for cb in self.on_evict:
+            cb(keys)
 
     def reserve(self, tr: Transfer, demand: bool = True) -> None:
         """Record an in-flight entry for ``tr`` (room must have been made)."""
@@ -139,3 +143,11 @@ class ExpertCache:
             return
         del self.inflight[tr.key]
         self.resident[tr.key] = tr.nbytes
+
+    def complete_many(self, transfers: list[Transfer]) -> None:
+        """:meth:`complete` for several finished transfers."""
+        inflight, resident = self.inflight, self.resident
+        for tr in transfers:
+            if not tr.bypass:
+                del inflight[tr.key]
+                resident[tr.key] = tr.nbytes

@@ -9,7 +9,7 @@ Because service times are deterministic, the engine does not need its own SimPy 
 it keeps its queue and computes when each queued transfer will finish *given what has been
 submitted so far*. :meth:`CopyEngine.advance` moves it to the simulation clock (starting
 queued transfers whose start time has passed and completing those whose finish time has
-passed, in time order, notifying observers with the finish time); a waiting process reads
+passed, in time order, and telling observers which finished); a waiting process reads
 its transfer's projected ``done`` time. Each GPU's compute process is the only
 submitter to its copy engines, so a projection made at a routing point is final for the
 transfers already queued (later submissions of the same process queue behind them or, for a
@@ -21,10 +21,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from operator import attrgetter
 
 from simulator.hardware import LinkConfig
 
 DEMAND, PREFETCH = 0, 1
+_seq = attrgetter("seq")
 
 
 class Transfer:
@@ -72,7 +74,7 @@ class CopyEngine:
         self._busy_until = 0.0
         self._seq = 0
         self._time_cache: dict[int, float] = {}
-        self.on_complete: list[Callable[[Transfer], None]] = []
+        self.on_complete: list[Callable[[list[Transfer]], None]] = []  # told the finished, in order
         self.bytes_moved = 0
         self.busy_time = 0.0
         self.transfers = 0
@@ -124,14 +126,17 @@ class CopyEngine:
 
     def promote_many(self, trs: list[Transfer]) -> None:
         """:meth:`promote` for several queued prefetches, re-projecting the demand queue once."""
-        moving = [t for t in dict.fromkeys(trs) if not t.started and t.priority != DEMAND and not t.cancelled]
+        moving = [t for t in (dict.fromkeys(trs) if len(trs) > 1 else trs)
+                  if not t.started and t.priority != DEMAND and not t.cancelled]
         if not moving:
             return
         for t in moving:
             t.priority = DEMAND  # its entry in the prefetch queue becomes a tombstone
+        if len(moving) > 1:
+            moving.sort(key=_seq)
         demand = self._demand
         first = len(demand)
-        for t in sorted(moving, key=lambda t: t.seq):
+        for t in moving:
             i = len(demand)
             while i > 0 and demand[i - 1].seq > t.seq:
                 i -= 1
@@ -146,15 +151,16 @@ class CopyEngine:
 
     def cancel_many(self, trs: list[Transfer]) -> list[Transfer]:
         """Withdraw the queued (not started) transfers among ``trs``; returns those withdrawn."""
-        gone = [t for t in dict.fromkeys(trs) if not t.started and not t.cancelled]
+        gone = []
+        for t in trs:
+            if not (t.started or t.cancelled):
+                t.cancelled = True
+                gone.append(t)
         if not gone:
             return gone
-        demand_gone = False
-        for t in gone:
-            t.cancelled = True
-            self.bytes_moved -= t.nbytes
-            self.transfers -= 1
-            demand_gone = demand_gone or t.priority == DEMAND
+        self.bytes_moved -= sum(t.nbytes for t in gone)
+        self.transfers -= len(gone)
+        demand_gone = any(t.priority == DEMAND for t in gone)
         if demand_gone:
             keep = [t for t in self._demand if not t.cancelled]
             self._demand[:] = []
@@ -212,15 +218,11 @@ class CopyEngine:
                 self.busy_time += prev - start
         self._busy_until = prev
         if running and running[0].done <= now:
-            callbacks = self.on_complete
-            single = callbacks[0] if len(callbacks) == 1 else None
+            finished = []
             while running and running[0].done <= now:
-                tr = running.popleft()
-                if single is not None:
-                    single(tr)
-                else:
-                    for cb in callbacks:
-                        cb(tr)
+                finished.append(running.popleft())
+            for cb in self.on_complete:
+                cb(finished)
 
     def finish(self) -> None:
         """Complete all work (end of simulation), counting its busy time."""

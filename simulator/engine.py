@@ -33,6 +33,7 @@ import simpy
 
 from policies.budget import REGISTRY as BUDGET
 from policies.eviction import REGISTRY as EVICTION
+from policies.eviction import EvictionPolicy
 from policies.miss import REGISTRY as MISS
 from policies.prefetch import REGISTRY as PREFETCH
 from policies.registry import Clock, PolicyContext
@@ -156,7 +157,7 @@ class Simulation:
         hw = scenario.hardware
         self.link_name = f"{hw.host_link}.h2d"
         self.copy = CopyEngine(self.link_name, hw.h2d, instant=not scenario.timing)
-        self.copy.on_complete.append(self.cache.complete)
+        self.copy.on_complete.append(self.cache.complete_many)
         self.transfers: list[tuple[int, int, float, float, float]] | None = None
         # (pass, layer, non-expert start, routing point, experts start, layer end)
         self.layer_log: list[tuple[int, int, float, float, float, float]] | None = [] if record_layers else None
@@ -164,7 +165,7 @@ class Simulation:
             self.transfers = []
             log = self.transfers
             self.copy.on_complete.append(
-                lambda tr: log.append((tr.key, tr.priority, tr.issued, tr.start, tr.done)))
+                lambda trs: log.extend((tr.key, tr.priority, tr.issued, tr.start, tr.done) for tr in trs))
         self.env = simpy.Environment()
         n = workload.num_passes
         self._cols = {name: np.zeros(n, dtype=np.int64) for name in
@@ -187,9 +188,12 @@ class Simulation:
         self._mass_kept = workload.weight_total.astype(np.float64).copy()
         self._pf_unused: set[int] = set()
         self._keys_list: list[int] | None = None
+        self._off_list: list[int] = []
+        select = type(self.eviction).on_prefetch_select
+        self._on_select = None if select is EvictionPolicy.on_prefetch_select else self.eviction.on_prefetch_select
         if self.prefetch.active:
             pf_unused = self._pf_unused
-            self.cache.on_evict.append(pf_unused.discard)
+            self.cache.on_evict.append(pf_unused.difference_update)
         static = getattr(self.prefetch, "static_pins", None)
         self.preloaded = 0
         if static:
@@ -226,7 +230,7 @@ class Simulation:
         advance = copy.advance
         plan = cache.plan_evictions
         admit = cache.admit
-        remove = cache.remove
+        remove_many = cache.remove_many
         make_room = cache.make_room
         reserve = cache.reserve
         submit = copy.submit
@@ -346,8 +350,7 @@ class Simulation:
                     victims = plan(need, set(layer_keys)) if need > 0 else []
                 fast = victims is not None
                 if fast and victims:
-                    for key in victims:
-                        remove(key)
+                    remove_many(victims)
                     evicted.update(victims)
                 pinned: set[int] = set()
                 for i in range(lo, hi):
@@ -493,15 +496,16 @@ class Simulation:
         """At ``layer``'s routing point, withdraw prefetches for this layer (or earlier) that
         are still queued: the layer did not need them (a needed one was promoted to demand),
         so they can no longer help. Their room is freed and their bytes are not moved."""
+        pending = self._pf_pending
         stale: list[Transfer] = []
-        for target in [t for t in self._pf_pending if t <= layer]:
-            stale.extend(tr for tr in self._pf_pending.pop(target) if tr.priority != DEMAND)
+        for target in [t for t in pending if t <= layer]:
+            stale.extend(tr for tr in pending.pop(target) if tr.priority != DEMAND)
         if not stale:
             return 0
         gone = self.copy.cancel_many(stale)
-        for tr in gone:
-            self.cache.cancel(tr)
-            self._pf_unused.discard(tr.key)
+        if gone:
+            self.cache.cancel_many(gone)
+            self._pf_unused.difference_update([tr.key for tr in gone])
         return len(gone)
 
     def _prefetch(self, props: Sequence[int], now: float, pass_base: int, layer: int,
@@ -511,56 +515,69 @@ class Simulation:
         prediction precision/recall compare each target layer's proposals with the experts
         that layer really needs in this pass."""
         cache = self.cache
-        copy = self.copy
+        resident, inflight = cache.resident, cache.inflight
         policy = self.eviction
-        num_e = self.model.num_experts
+        div = self.model.num_experts * self.num_prec  # key // div = layer
         num_l = self.model.num_layers
-        off = self.wl.off
         if self._keys_list is None:
             self._keys_list = (self.wl.keys() * self.num_prec + self.default_prec).tolist()
-        keys = self._keys_list
-        by_target: dict[int, set[int]] = {}
-        seen: set[int] = set()
-        nbytes = self.expert_bytes
-        wanted: list[int] = []
-        for key in props:
-            if key in seen:
-                continue
-            seen.add(key)
-            target = key // (num_e * self.num_prec)
-            if target <= layer or target >= num_l:
-                continue
-            by_target.setdefault(target, set()).add(key)
-            if key in cache.resident or key in cache.inflight:
-                policy.on_prefetch_select(key)
-                continue
-            wanted.append(key)
+            self._off_list = self.wl.off.tolist()
+        keys, off = self._keys_list, self._off_list
+        lo_key, hi_key = (layer + 1) * div, num_l * div
+        select = self._on_select
+        targets: dict[int, Sequence[int]]  # target layer -> its proposals
+        if props and lo_key <= min(props) and max(props) < lo_key + div and len(set(props)) == len(props):
+            # the common case: distinct experts of the next layer
+            targets = {layer + 1: props}
+            wanted = [k for k in props if k not in resident and k not in inflight]
+            if select is not None and len(wanted) < len(props):
+                for key in props:
+                    if key in resident or key in inflight:
+                        select(key)
+        else:
+            wanted = []
+            targets = {}
+            for key in dict.fromkeys(props):
+                if key < lo_key or key >= hi_key:
+                    continue  # not a later layer
+                t = key // div
+                keys_t = targets.get(t)
+                if keys_t is None:
+                    targets[t] = [key]
+                else:
+                    keys_t.append(key)  # type: ignore[attr-defined]
+                if key in resident or key in inflight:
+                    if select is not None:
+                        select(key)
+                    continue
+                wanted.append(key)
         issued = 0
         if wanted:
-            n, victims = cache.room_for(len(wanted), nbytes, pinned)
-            for v in victims:
-                cache.remove(v)
-            evicted.update(victims)
+            n, victims = cache.room_for(len(wanted), self.expert_bytes, pinned)
+            if victims:
+                cache.remove_many(victims)
+                evicted.update(victims)
             admit = wanted[:n]
             if admit:
-                trs = copy.submit_batch(admit, nbytes, PREFETCH_PRIORITY, now)
-                for tr in trs:
-                    policy.on_insert(tr.key, False)
+                trs = self.copy.submit_batch(admit, self.expert_bytes, PREFETCH_PRIORITY, now)
+                policy.on_insert_many(admit, False)
                 cache.admit(trs)
-                if copy.instant:
-                    for tr in trs:
-                        cache.complete(tr)
+                if self.copy.instant:
+                    cache.complete_many(trs)
                 else:
                     pending = self._pf_pending
-                    for tr in trs:
-                        pending.setdefault(tr.key // (num_e * self.num_prec), []).append(tr)
+                    if len(targets) == 1:
+                        pending.setdefault(next(iter(targets)), []).extend(trs)
+                    else:
+                        for tr in trs:
+                            pending.setdefault(tr.key // div, []).append(tr)
                 unused.update(admit)
                 issued = len(trs)
         hits = predicted = actual = 0
-        for target, keys_t in by_target.items():
+        for target, keys_t in targets.items():
             b = pass_base + target
-            actual_set = set(keys[int(off[b]):int(off[b + 1])])
-            hits += len(keys_t & actual_set)
+            actual_set = set(keys[off[b]:off[b + 1]])
+            hits += len(actual_set.intersection(keys_t))
             predicted += len(keys_t)
             actual += len(actual_set)
         return issued, hits, predicted, actual
