@@ -162,11 +162,14 @@ verdicts"""),
   over a soon-needed layer-10 one — needs popularity that drifts over time, which this
   routing model does not have.
 * **Score vs top-k prefetch.** The score prefetcher's recall is higher (about 0.81 against
-  0.69) but it moves more experts over a 5 GB/s link that is already saturated: 4-bit OLMoE
-  experts take about 1.3 ms each, a layer's compute well under that, so extra prefetches
-  queue behind demand fetches, arrive late and are withdrawn (one 4-bit expert takes about
-  0.8 ms on the link, printed above; a layer's compute takes tens of microseconds). SpecMD reports the same
-  exception for Mixtral, whose experts are too large for the bandwidth (§5.3).
+  0.69) but it moves more experts over a 5 GB/s link that is already saturated: one 4-bit
+  OLMoE expert takes about 0.8 ms on the link (printed above) while a layer's compute takes
+  tens of microseconds, so extra prefetches queue behind demand fetches, arrive late and are
+  withdrawn. At 1% and 5% neither prefetcher gets a single expert in before its layer starts
+  (hit rate 0 for both: every access is a miss or a late prefetch); at 25% the cache keeps
+  enough between tokens that the score prefetcher's wider net pays, slightly (finding 3 holds
+  there). SpecMD reports the same bandwidth exception for Mixtral, whose experts are too large
+  for the link (§5.3).
 * **Mixtral** (real routing, previous-token prefetch): at 1% and 5% the cache holds fewer
   experts than a pass needs at 84 MB per 4-bit expert over 5 GB/s, so nearly every access is a
   miss or a late prefetch whatever the eviction policy.
