@@ -66,8 +66,12 @@ class ExpertCache:
     def admit(self, transfers: list[Transfer]) -> None:
         """Record in-flight entries for transfers whose room has been made (the policy was
         told ``on_insert`` by the caller, in access order)."""
-        self.inflight.update({tr.key: tr for tr in transfers})
-        self.used += sum(tr.nbytes for tr in transfers)
+        inflight = self.inflight
+        used = self.used
+        for tr in transfers:
+            inflight[tr.key] = tr
+            used += tr.nbytes
+        self.used = used
         if self.used > self.max_used:
             self.max_used = self.used
 
