@@ -104,15 +104,17 @@ def test_every_family_has_its_default_and_unknown_names_list_valid_ones():
 @pytest.mark.parametrize("name", EVICTION.names())
 @settings(max_examples=40, deadline=None)
 @given(script=st.lists(st.tuples(st.sampled_from(["insert", "remove", "access", "select", "pass"]),
-                                 st.lists(st.integers(0, 31), min_size=1, max_size=6, unique=True),
-                                 st.booleans()), max_size=30))
+                                 st.integers(0, 3), st.lists(st.integers(0, 7), min_size=1, max_size=6, unique=True),
+                                 st.booleans(), st.booleans()), max_size=30))
 def test_batch_notifications_equal_one_by_one(name, script):
     """Contract: on_insert_many / on_remove_many leave a policy exactly as the one-by-one
-    calls do (same candidate order after every step)."""
+    calls do (same candidate order after every step), for batches within one layer (a
+    prefetch batch) and across layers."""
     (batched, _), (single, _) = make_cache(name, 32), make_cache(name, 32)
     a, b = batched.policy, single.policy
     present: list[int] = []
-    for op, keys, demand in script:
+    for op, layer, experts, one_layer, demand in script:
+        keys = list(dict.fromkeys((layer if one_layer else (layer + i) % 4) * 8 + e for i, e in enumerate(experts)))
         if op == "pass":
             for pol in (a, b):
                 pol.ctx.clock.pass_index = min(pol.ctx.clock.pass_index + 1, 4)
