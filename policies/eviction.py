@@ -53,17 +53,6 @@ class EvictionPolicy(ABC):
         """The prefetcher selected ``key``, already cached (no transfer). Default: nothing
         (recency policies do not count a selection as a use)."""
 
-    def on_insert_many(self, keys: list[int], demand: bool) -> None:
-        """:meth:`on_insert` for several keys, in order (a policy may do it faster; the
-        contract tests check it equals the one-by-one calls)."""
-        for key in keys:
-            self.on_insert(key, demand)
-
-    def on_remove_many(self, keys: list[int]) -> None:
-        """:meth:`on_remove` for several keys, in order."""
-        for key in keys:
-            self.on_remove(key)
-
 
 REGISTRY: Registry[EvictionPolicy] = Registry("eviction")
 
@@ -85,11 +74,6 @@ class RecencyOrdered(EvictionPolicy):
     def on_remove(self, key: int) -> None:
         del self._order[key]
 
-    def on_remove_many(self, keys: list[int]) -> None:
-        order = self._order
-        for key in keys:
-            del order[key]
-
     def candidates(self) -> Iterator[int]:
         return iter(self._order)
 
@@ -105,9 +89,6 @@ class LRU(RecencyOrdered):
     libCacheSim's LRU, so miss counts match it on the same access stream.
     """
 
-    def on_insert_many(self, keys: list[int], demand: bool) -> None:
-        self._order.update(dict.fromkeys(keys))
-
 
 @REGISTRY.register("fifo")
 class FIFO(RecencyOrdered):
@@ -115,9 +96,6 @@ class FIFO(RecencyOrdered):
 
     def on_access(self, key: int) -> None:
         pass
-
-    def on_insert_many(self, keys: list[int], demand: bool) -> None:
-        self._order.update(dict.fromkeys(keys))
 
 
 @REGISTRY.register("lfu")
@@ -312,23 +290,6 @@ class LeastStale(EvictionPolicy):
     def on_insert(self, key: int, demand: bool) -> None:
         self._touch(key)
 
-    def on_insert_many(self, keys: list[int], demand: bool) -> None:
-        if self._clock.pass_index != self._pass:
-            self._roll()
-        is_current = self._is_current
-        if not is_current.keys().isdisjoint(keys):
-            for key in keys:
-                self._touch(key)
-            return
-        current, div = self._current, self._div
-        layer = keys[0] // div if keys else 0
-        if min(keys, default=0) // div == layer == max(keys, default=0) // div:
-            current[layer].update(dict.fromkeys(keys))  # one layer (a prefetch batch)
-        else:
-            for key in keys:
-                current[key // div][key] = None
-        is_current.update(dict.fromkeys(keys, True))
-
     def on_access(self, key: int) -> None:
         if self._clock.pass_index != self._pass or not self._is_current.get(key):
             self._touch(key)
@@ -342,14 +303,6 @@ class LeastStale(EvictionPolicy):
             del self._current[layer][key]
         else:
             del self._stale[layer][key]
-
-    def on_remove_many(self, keys: list[int]) -> None:
-        is_current, current, stale, div = self._is_current, self._current, self._stale, self._div
-        for key in keys:
-            if is_current.pop(key):
-                del current[key // div][key]
-            else:
-                del stale[key // div][key]
 
     def candidates(self) -> Iterator[int]:
         # the cache does not change the policy while it walks the candidates, so the

@@ -213,7 +213,7 @@ class ScorePercentile(PrefetchPolicy):
         mean predicted scores by ``reduceat``, thresholds by one percentile call."""
         ctx = self.ctx
         wl = ctx.workload
-        num_l = self._num_l = ctx.num_layers
+        num_l = self._num_l
         last = min(first + self.CHUNK, wl.num_passes)
         self._lo, self._hi = first, last
         props: list[Sequence[int]] = [()] * ((last - first) * num_l)

@@ -99,11 +99,11 @@ class ExpertCache:
 
     def cancel_many(self, transfers: list[Transfer]) -> None:
         """Drop the in-flight entries of withdrawn transfers."""
-        inflight = self.inflight
+        inflight, on_remove = self.inflight, self.policy.on_remove
         for tr in transfers:
             del inflight[tr.key]
             self.used -= tr.nbytes
-        self.policy.on_remove_many([tr.key for tr in transfers])
+            on_remove(tr.key)
 
     def preload(self, keys: list[int], nbytes: int) -> int:
         """Make ``keys`` resident before the replay and pin them for good (static pinning);
@@ -126,10 +126,10 @@ class ExpertCache:
 
     def remove_many(self, keys: list[int]) -> None:
         """Evict resident entries (in this order)."""
-        resident = self.resident
+        resident, on_remove = self.resident, self.policy.on_remove
         for key in keys:
             self.used -= resident.pop(key)
-        self.policy.on_remove_many(keys)
+            on_remove(key)
         for cb in self.on_evict:
             cb(keys)
 
@@ -143,10 +143,7 @@ class ExpertCache:
 
     def complete(self, tr: Transfer) -> None:
         """``tr`` finished: its entry becomes resident."""
-        if tr.bypass:
-            return
-        del self.inflight[tr.key]
-        self.resident[tr.key] = tr.nbytes
+        self.complete_many([tr])
 
     def complete_many(self, transfers: list[Transfer]) -> None:
         """:meth:`complete` for several finished transfers."""

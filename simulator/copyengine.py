@@ -10,7 +10,8 @@ it keeps its queue and computes when each queued transfer will finish *given wha
 submitted so far*. :meth:`CopyEngine.advance` moves it to the simulation clock (starting
 queued transfers whose start time has passed and completing those whose finish time has
 passed, in time order, and telling observers which finished); a waiting process reads
-its transfer's projected ``done`` time. Each GPU's compute process is the only
+its transfer's projected ``done`` time (a process waits only on demand fetches, promoted
+prefetches and started transfers). Each GPU's compute process is the only
 submitter to its copy engines, so a projection made at a routing point is final for the
 transfers already queued (later submissions of the same process queue behind them or, for a
 demand fetch, ahead of prefetches that have not started). This keeps the replay to about one
@@ -30,8 +31,8 @@ _seq = attrgetter("seq")
 
 
 class Transfer:
-    """One copy of one expert. ``start``/``done`` are projected until :attr:`started`
-    (see :meth:`CopyEngine.project` for queued prefetches)."""
+    """One copy of one expert. ``start``/``done`` are projections until :attr:`started`;
+    a queued prefetch's are not kept up to date (they are set when it starts or is promoted)."""
 
     __slots__ = ("bypass", "cancelled", "done", "dur", "issued", "key", "nbytes", "priority", "seq", "start",
                  "started")
@@ -55,9 +56,9 @@ class CopyEngine:
 
     Queued transfers wait in two FIFO queues served demand first: ``_demand`` (demand
     fetches and promoted prefetches, by issue order) and ``_pf`` (prefetches). The demand
-    queue's finish times are projected when it changes; the prefetch queue's only when
-    asked (:meth:`project`) or when :meth:`advance` starts its transfers, so queuing,
-    promoting and withdrawing prefetches costs no re-projection. Promoted and withdrawn
+    queue's finish times are projected when it changes; a prefetch's only when
+    :meth:`advance` starts it or :meth:`promote_many` moves it to the demand queue, so
+    queuing, promoting and withdrawing prefetches costs no re-projection of the others. Promoted and withdrawn
     prefetches stay in ``_pf`` as tombstones until they reach its head.
 
     ``instant=True`` (cache-only replay): every transfer takes no time; the caller
@@ -86,11 +87,6 @@ class CopyEngine:
             t = self._time_cache[nbytes] = self.link.copy_time(nbytes)
         return t
 
-    def _demand_tail(self, now: float) -> float:
-        """When the engine is free for a new demand transfer issued at ``now``."""
-        prev = self._demand[-1].done if self._demand else self._busy_until
-        return prev if prev > now else now
-
     def submit(self, key: int, nbytes: int, priority: int, now: float) -> Transfer:
         """Queue a transfer issued at ``now`` and return it. The caller must have called
         :meth:`advance` with ``now`` (the engine does so at every routing point)."""
@@ -98,9 +94,7 @@ class CopyEngine:
 
     def submit_batch(self, keys: list[int], nbytes: int, priority: int, now: float) -> list[Transfer]:
         """Queue same-size transfers issued together at ``now``, in order; returns them."""
-        dur = self._time_cache.get(nbytes)
-        if dur is None:
-            dur = self.duration(nbytes)
+        dur = self.duration(nbytes)
         seq = self._seq
         self._seq = seq + len(keys)
         self.bytes_moved += nbytes * len(keys)
@@ -110,7 +104,8 @@ class CopyEngine:
             for tr in out:
                 tr.started = True  # the caller completes it at once (cache-only replay)
         elif priority == DEMAND:
-            prev = self._demand_tail(now)
+            prev = self._demand[-1].done if self._demand else self._busy_until
+            prev = prev if prev > now else now
             for tr in out:
                 tr.start = prev
                 prev = tr.done = prev + dur
@@ -142,12 +137,7 @@ class CopyEngine:
                 i -= 1
             demand.insert(i, t)
             first = min(first, i)
-        prev = demand[first - 1].done if first else self._busy_until
-        for i in range(first, len(demand)):
-            t = demand[i]
-            start = prev if prev > t.issued else t.issued
-            t.start = start
-            prev = t.done = start + t.dur
+        self._project_demand(first)
 
     def cancel_many(self, trs: list[Transfer]) -> list[Transfer]:
         """Withdraw the queued (not started) transfers among ``trs``; returns those withdrawn."""
@@ -160,25 +150,17 @@ class CopyEngine:
             return gone
         self.bytes_moved -= sum(t.nbytes for t in gone)
         self.transfers -= len(gone)
-        demand_gone = any(t.priority == DEMAND for t in gone)
-        if demand_gone:
-            keep = [t for t in self._demand if not t.cancelled]
-            self._demand[:] = []
-            if keep:
-                prev = self._busy_until
-                for t in keep:
-                    start = prev if prev > t.issued else t.issued
-                    t.start = start
-                    prev = t.done = start + t.dur
-            self._demand.extend(keep)
+        if any(t.priority == DEMAND for t in gone):
+            self._demand[:] = [t for t in self._demand if not t.cancelled]
+            self._project_demand(0)
         return gone
 
-    def project(self) -> None:
-        """Project the start and finish times of the queued prefetches (demand queue first)."""
-        prev = self._demand[-1].done if self._demand else self._busy_until
-        for t in self._pf:
-            if t.cancelled or t.priority == DEMAND:
-                continue
+    def _project_demand(self, first: int) -> None:
+        """Re-project the demand queue from position ``first`` on."""
+        demand = self._demand
+        prev = demand[first - 1].done if first else self._busy_until
+        for i in range(first, len(demand)):
+            t = demand[i]
             start = prev if prev > t.issued else t.issued
             t.start = start
             prev = t.done = start + t.dur

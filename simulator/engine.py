@@ -24,6 +24,7 @@ from __future__ import annotations
 import time as _time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,6 @@ import simpy
 
 from policies.budget import REGISTRY as BUDGET
 from policies.eviction import REGISTRY as EVICTION
-from policies.eviction import EvictionPolicy
 from policies.miss import REGISTRY as MISS
 from policies.prefetch import REGISTRY as PREFETCH
 from policies.registry import Clock, PolicyContext
@@ -187,10 +187,6 @@ class Simulation:
         self._mass_total = workload.weight_total.astype(np.float64).copy()
         self._mass_kept = workload.weight_total.astype(np.float64).copy()
         self._pf_unused: set[int] = set()
-        self._keys_list: list[int] | None = None
-        self._off_list: list[int] = []
-        select = type(self.eviction).on_prefetch_select
-        self._on_select = None if select is EvictionPolicy.on_prefetch_select else self.eviction.on_prefetch_select
         if self.prefetch.active:
             pf_unused = self._pf_unused
             self.cache.on_evict.append(pf_unused.difference_update)
@@ -203,6 +199,16 @@ class Simulation:
         self._stall = np.zeros(n)
         self.wall_s = 0.0
 
+    @cached_property
+    def _access_keys(self) -> list[int]:
+        """Cache key of every access of the workload, in replay order."""
+        return (self.wl.keys() * self.num_prec + self.default_prec).tolist()
+
+    @cached_property
+    def _access_off(self) -> list[int]:
+        """Access offsets of every (pass, layer) (``workload.off`` as a list)."""
+        return self.wl.off.tolist()
+
     # -- the compute-stream process -------------------------------------------------------
     def _run(self) -> Generator[simpy.Event, Any, None]:
         env = self.env
@@ -210,8 +216,7 @@ class Simulation:
         timing = self.scenario.timing
         on_arrival = self.scenario.expert_compute == "on-arrival"
         num_l = self.model.num_layers
-        keys = (wl.keys() * self.num_prec + self.default_prec).tolist()
-        off = wl.off.tolist()
+        keys, off = self._access_keys, self._access_off
         if timing:
             ffn_arr = self.cost.expert_time(wl.acc_tokens) * np.repeat(self.ffn_scale, np.diff(wl.off[::num_l]))
             nonexp = self.cost.nonexpert_time(wl.pass_tokens, wl.pass_context * self.attn_scale).tolist()
@@ -317,7 +322,6 @@ class Simulation:
                             pred_hits += pf[1]
                             pred_total += pf[2]
                             actual_total += pf[3]
-                    copy.project()  # finish times of queued prefetches a substitute may wait on
                     timed_g = sorted(((now if tr_g is None else tr_g.done), f) for tr_g, f in g.computes)
                     st0 = stall
                     if on_arrival:
@@ -373,10 +377,10 @@ class Simulation:
                         if pf_unused and key in pf_unused:
                             pf_unused.discard(key)
                             pf_used += 1
-                        if tr.priority != DEMAND and not tr.started:
-                            to_promote.append(tr)
                         waits.append(tr)
-                        if tr.done > ready:
+                        if tr.priority != DEMAND and not tr.started:
+                            to_promote.append(tr)  # projected when promoted, below
+                        elif tr.done > ready:
                             ready = tr.done
                         if arrivals is not None:
                             arrivals.append((tr, i))
@@ -519,38 +523,23 @@ class Simulation:
         policy = self.eviction
         div = self.model.num_experts * self.num_prec  # key // div = layer
         num_l = self.model.num_layers
-        if self._keys_list is None:
-            self._keys_list = (self.wl.keys() * self.num_prec + self.default_prec).tolist()
-            self._off_list = self.wl.off.tolist()
-        keys, off = self._keys_list, self._off_list
+        keys, off = self._access_keys, self._access_off
         lo_key, hi_key = (layer + 1) * div, num_l * div
-        select = self._on_select
-        targets: dict[int, Sequence[int]]  # target layer -> its proposals
-        if props and lo_key <= min(props) and max(props) < lo_key + div and len(set(props)) == len(props):
-            # the common case: distinct experts of the next layer
-            targets = {layer + 1: props}
-            wanted = [k for k in props if k not in resident and k not in inflight]
-            if select is not None and len(wanted) < len(props):
-                for key in props:
-                    if key in resident or key in inflight:
-                        select(key)
-        else:
-            wanted = []
-            targets = {}
-            for key in dict.fromkeys(props):
-                if key < lo_key or key >= hi_key:
-                    continue  # not a later layer
-                t = key // div
-                keys_t = targets.get(t)
-                if keys_t is None:
-                    targets[t] = [key]
-                else:
-                    keys_t.append(key)  # type: ignore[attr-defined]
-                if key in resident or key in inflight:
-                    if select is not None:
-                        select(key)
-                    continue
-                wanted.append(key)
+        wanted: list[int] = []
+        targets: dict[int, list[int]] = {}  # target layer -> its proposals
+        for key in dict.fromkeys(props):
+            if key < lo_key or key >= hi_key:
+                continue  # not a later layer
+            t = key // div
+            keys_t = targets.get(t)
+            if keys_t is None:
+                targets[t] = [key]
+            else:
+                keys_t.append(key)
+            if key in resident or key in inflight:
+                policy.on_prefetch_select(key)
+                continue
+            wanted.append(key)
         issued = 0
         if wanted:
             n, victims = cache.room_for(len(wanted), self.expert_bytes, pinned)
@@ -560,17 +549,15 @@ class Simulation:
             admit = wanted[:n]
             if admit:
                 trs = self.copy.submit_batch(admit, self.expert_bytes, PREFETCH_PRIORITY, now)
-                policy.on_insert_many(admit, False)
+                for key in admit:
+                    policy.on_insert(key, False)
                 cache.admit(trs)
                 if self.copy.instant:
                     cache.complete_many(trs)
                 else:
                     pending = self._pf_pending
-                    if len(targets) == 1:
-                        pending.setdefault(next(iter(targets)), []).extend(trs)
-                    else:
-                        for tr in trs:
-                            pending.setdefault(tr.key // div, []).append(tr)
+                    for tr in trs:
+                        pending.setdefault(tr.key // div, []).append(tr)
                 unused.update(admit)
                 issued = len(trs)
         hits = predicted = actual = 0

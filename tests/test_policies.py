@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from policies.eviction import REGISTRY as EVICTION
 from policies.registry import PolicyContext, families
@@ -99,40 +97,3 @@ def test_every_family_has_its_default_and_unknown_names_list_valid_ones():
         assert default in fams[fam]
     with pytest.raises(MoesimError, match=r"unknown miss policy 'fetchh' .*valid miss policies: fetch"):
         fams["miss"].get("fetchh")
-
-
-@pytest.mark.parametrize("name", EVICTION.names())
-@settings(max_examples=40, deadline=None)
-@given(script=st.lists(st.tuples(st.sampled_from(["insert", "remove", "access", "select", "pass"]),
-                                 st.integers(0, 3), st.lists(st.integers(0, 7), min_size=1, max_size=6, unique=True),
-                                 st.booleans(), st.booleans()), max_size=30))
-def test_batch_notifications_equal_one_by_one(name, script):
-    """Contract: on_insert_many / on_remove_many leave a policy exactly as the one-by-one
-    calls do (same candidate order after every step), for batches within one layer (a
-    prefetch batch) and across layers."""
-    (batched, _), (single, _) = make_cache(name, 32), make_cache(name, 32)
-    a, b = batched.policy, single.policy
-    present: list[int] = []
-    for op, layer, experts, one_layer, demand in script:
-        keys = list(dict.fromkeys((layer if one_layer else (layer + i) % 4) * 8 + e for i, e in enumerate(experts)))
-        if op == "pass":
-            for pol in (a, b):
-                pol.ctx.clock.pass_index = min(pol.ctx.clock.pass_index + 1, 4)
-                pol.ctx.clock.layer = keys[0] % 4
-        elif op == "insert":
-            new = [k for k in keys if k not in present]
-            a.on_insert_many(new, demand)
-            for k in new:
-                b.on_insert(k, demand)
-            present.extend(new)
-        elif op == "remove":
-            gone = [k for k in keys if k in present]
-            a.on_remove_many(gone)
-            for k in gone:
-                b.on_remove(k)
-            present = [k for k in present if k not in gone]
-        else:
-            for k in (k for k in keys if k in present):
-                for pol in (a, b):
-                    pol.on_access(k) if op == "access" else pol.on_prefetch_select(k)
-        assert list(a.candidates()) == list(b.candidates())
