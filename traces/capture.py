@@ -307,26 +307,34 @@ def capture(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: i
                             progress(done_tokens, total)
     finally:
         rec.close()
-    n = len(cols["req"])
-    if n == 0:
+    trace = _recorded_trace(info, cols, predict_next, {
+        "source": "moesim capture", "model_type": mt, "dtype": str(next(model.parameters()).dtype),
+        "device": str(device), "prompts": len(prompts), "batch_size": batch_size,
+        "max_new_tokens": max_new_tokens, "predict_next": predict_next, "quasi_hidden": quasi_hidden,
+        **(source or {})},
+        pred_quasi=np.asarray(cols["quasi"], dtype=np.float32) if quasi_hidden else None)
+    order = np.lexsort((trace.layer, trace.position, trace.step, trace.request))
+    trace = trace.take(order)
+    hidden = np.asarray(cols["hidden"], dtype=np.float32)[order] if keep_hidden else None
+    return CaptureResult(trace, hidden)
+
+
+def _recorded_trace(info: ModelInfo, cols: dict[str, list[Any]], predict_next: bool,
+                    capture: dict[str, Any], **extra: Any) -> Trace:
+    """The trace of the recorded columns (``_emit``'s), with ``capture`` metadata plus the
+    torch/transformers versions and the date; ``extra`` holds optional columns."""
+    torch = _need_torch()
+    if not cols["req"]:
         raise MoesimError("capture: no tokens were recorded (empty prompts?).")
-    trace = Trace(
+    stamp = {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
+             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return Trace(
         model=info, request=np.asarray(cols["req"], dtype=np.int32), step=np.asarray(cols["step"], dtype=np.int32),
         position=np.asarray(cols["pos"], dtype=np.int32), phase=np.asarray(cols["phase"], dtype=np.int8),
         layer=np.asarray(cols["layer"], dtype=np.int16), experts=np.asarray(cols["exp"], dtype=np.int16),
         weights=np.asarray(cols["w"], dtype=np.float32), probs=np.asarray(cols["probs"], dtype=np.float32),
         pred_next=np.asarray(cols["pred"], dtype=np.float32) if predict_next else None,
-        pred_quasi=np.asarray(cols["quasi"], dtype=np.float32) if quasi_hidden else None,
-        capture={"source": "moesim capture", "model_type": mt, "dtype": str(next(model.parameters()).dtype),
-                 "device": str(device), "torch": torch.__version__,
-                 "transformers": __import__("transformers").__version__,
-                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "prompts": len(prompts), "batch_size": batch_size, "max_new_tokens": max_new_tokens,
-                 "predict_next": predict_next, "quasi_hidden": quasi_hidden, **(source or {})})
-    order = np.lexsort((trace.layer, trace.position, trace.step, trace.request))
-    trace = trace.take(order)
-    hidden = np.asarray(cols["hidden"], dtype=np.float32)[order] if keep_hidden else None
-    return CaptureResult(trace, hidden)
+        capture={**capture, **stamp}, **extra)
 
 
 def _emit(cols: dict[str, list[Any]], call: dict[int, Any], residual: dict[int, Any], layers: list[MoELayer],
@@ -491,22 +499,12 @@ def capture_speculative(model: Any, tokenizer: Any, prompts: list[str], *, max_n
                         break
     finally:
         rec.close()
-    n = len(cols["req"])
-    trace = Trace(
-        model=info, request=np.asarray(cols["req"], dtype=np.int32), step=np.asarray(cols["step"], dtype=np.int32),
-        position=np.asarray(cols["pos"], dtype=np.int32), phase=np.asarray(cols["phase"], dtype=np.int8),
-        layer=np.asarray(cols["layer"], dtype=np.int16), experts=np.asarray(cols["exp"], dtype=np.int16),
-        weights=np.asarray(cols["w"], dtype=np.float32), probs=np.asarray(cols["probs"], dtype=np.float32),
-        pred_next=np.asarray(cols["pred"], dtype=np.float32) if predict_next else None,
+    trace = _recorded_trace(info, cols, predict_next, {
+        "source": "moesim capture --speculative", "model_type": mt, "tree": f"depth 1, width {width}",
+        "draft": "target's own top candidates" if draft is None else "draft model",
+        "prompts": len(prompts), "max_new_tokens": max_new_tokens, **(source or {})},
         node=np.asarray(cols["node"], dtype=np.int16), parent=np.asarray(cols["parent"], dtype=np.int16),
-        accepted=np.asarray(cols["acc"], dtype=bool),
-        capture={"source": "moesim capture --speculative", "model_type": mt, "tree": f"depth 1, width {width}",
-                 "draft": "target's own top candidates" if draft is None else "draft model",
-                 "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "prompts": len(prompts), "max_new_tokens": max_new_tokens, **(source or {})})
-    if n == 0:
-        raise MoesimError("capture: no tokens were recorded (empty prompts?).")
+        accepted=np.asarray(cols["acc"], dtype=bool))
     assert trace.node is not None
     order = np.lexsort((trace.layer, trace.node, trace.position, trace.step, trace.request))
     hidden = np.asarray(cols["hidden"], dtype=np.float32)[order] if keep_hidden else None
