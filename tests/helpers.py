@@ -13,6 +13,7 @@ import pytest
 from simulator.hardware import deep_merge
 from simulator.scenario import Scenario, scenario_from_dict
 from traces.schema import PHASE_CODES, ModelInfo, expert_bytes_for
+from traces.synth import grid_index
 from traces.trace import Trace
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "traces" / "real"
@@ -36,16 +37,9 @@ def trace_from_array(model: ModelInfo, experts: np.ndarray, prompt_tokens: int =
     """Trace from an int array [requests, tokens, layers, k]; the first ``prompt_tokens``
     positions of each request are its prefill (step 0), the rest decode steps."""
     r, t, num_l, k = experts.shape
-    req = np.repeat(np.arange(r, dtype=np.int32), t * num_l)
-    pos = np.tile(np.repeat(np.arange(t, dtype=np.int32), num_l), r)
-    lay = np.tile(np.arange(num_l, dtype=np.int16), r * t)
-    pre = pos < prompt_tokens
-    step = np.where(pre, 0, pos - prompt_tokens + (1 if prompt_tokens else 0)).astype(np.int32)
-    phase = np.where(pre, PHASE_CODES["prefill"], PHASE_CODES["decode"]).astype(np.int8)
     flat = experts.reshape(-1, k).astype(np.int16)
     w = np.full(flat.shape, 1.0 / k, dtype=np.float32)
-    return Trace(model=model, request=req, step=step, position=pos, phase=phase, layer=lay,
-                 experts=flat, weights=w)
+    return Trace(model=model, **grid_index(r, t, num_l, prompt_tokens), experts=flat, weights=w)
 
 
 BASE: dict[str, Any] = {

@@ -198,12 +198,6 @@ def generate(model: ModelInfo, *, requests: int = 1, prompt_tokens: int = 0, tok
     weights = weights.transpose(2, 0, 1, 3).reshape(-1, k)
     probs_rows = probs_arr.transpose(2, 0, 1, 3).reshape(-1, num_e) if probs_arr is not None else None
     pred_rows = pred_arr.transpose(2, 0, 1, 3).reshape(-1, num_e) if pred_arr is not None else None
-    req = np.repeat(np.arange(requests, dtype=np.int32), total * num_l)
-    pos = np.tile(np.repeat(np.arange(total, dtype=np.int32), num_l), requests)
-    lay = np.tile(np.arange(num_l, dtype=np.int16), requests * total)
-    is_prefill = pos < prompt_tokens
-    step = np.where(is_prefill, 0, pos - prompt_tokens + (1 if prompt_tokens else 0)).astype(np.int32)
-    phase = np.where(is_prefill, PHASE_CODES["prefill"], PHASE_CODES["decode"]).astype(np.int8)
     cap = {"source": "moesim trace synth", "routing": routing, "seed": seed,
            "requests": requests, "prompt_tokens": prompt_tokens, "tokens": tokens}
     if routing == "realistic":
@@ -211,9 +205,25 @@ def generate(model: ModelInfo, *, requests: int = 1, prompt_tokens: int = 0, tok
     if pred_next:
         cap["pred_noise"] = pred_noise
     cap.update(capture or {})
-    return Trace(model=model, request=req, step=step, position=pos, phase=phase, layer=lay,
+    return Trace(model=model, **grid_index(requests, total, num_l, prompt_tokens),
                  experts=experts, weights=weights, probs=probs_rows, pred_next=pred_rows,
                  capture=cap, source="<synth>")
+
+
+def grid_index(requests: int, tokens: int, num_layers: int, prompt_tokens: int) -> dict[str, np.ndarray]:
+    """Index columns (request, step, position, phase, layer) of ``requests`` requests of
+    ``tokens`` positions each, rows ordered by request, position, layer: the first
+    ``prompt_tokens`` positions are the request's prefill (step 0), the rest one decode step
+    each."""
+    pos = np.tile(np.repeat(np.arange(tokens, dtype=np.int32), num_layers), requests)
+    is_prefill = pos < prompt_tokens
+    return {
+        "request": np.repeat(np.arange(requests, dtype=np.int32), tokens * num_layers),
+        "step": np.where(is_prefill, 0, pos - prompt_tokens + (1 if prompt_tokens else 0)).astype(np.int32),
+        "position": pos,
+        "phase": np.where(is_prefill, PHASE_CODES["prefill"], PHASE_CODES["decode"]).astype(np.int8),
+        "layer": np.tile(np.arange(num_layers, dtype=np.int16), requests * tokens),
+    }
 
 
 def synth_from_preset(preset: str, *, layers: int | None = None, experts: int | None = None,
