@@ -202,12 +202,10 @@ def placement_of(spec: str, num_layers: int, num_experts: int, gpus: int) -> np.
         return np.tile(np.arange(num_experts) % gpus, (num_layers, 1))
     from pathlib import Path
 
-    import yaml
+    from simulator.confload import read_yaml
 
     path = Path(spec)
-    if not path.is_file():
-        raise MoesimError(f"expert placement '{spec}': not contiguous, round-robin or a file.")
-    data = yaml.safe_load(path.read_text())
+    data = read_yaml(path, "expert placement", "Use contiguous, round-robin or a placement YAML file.")
     out = np.zeros((num_layers, num_experts), dtype=np.int64)
     for layer in range(num_layers):
         entry: Any = data.get(layer, data.get(str(layer))) if isinstance(data, dict) else data

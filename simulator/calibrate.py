@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import yaml
 
 from simulator.atomic import write_atomic, write_yaml_atomic
+from simulator.confload import read_yaml
 from simulator.errors import MoesimError
 
 PROFILE_VERSION = 1
@@ -252,12 +252,7 @@ def load_profile(path: str, where: str) -> dict[str, Any]:
     """A profile YAML, checked: version, links with positive bandwidth and non-negative latency,
     monotone token tables with positive times. Errors name the file, key and fix."""
     p = Path(path)
-    if not p.is_file():
-        raise MoesimError(f"{where}: hardware profile {path}: no such file; make one with `moesim calibrate fit`.")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise MoesimError(f"{where}: hardware profile {p}: broken YAML ({exc}).") from None
+    data = read_yaml(p, f"{where}: hardware profile", "Make one with `moesim calibrate fit`.")
     if not isinstance(data, dict) or data.get("profile_version") != PROFILE_VERSION:
         raise MoesimError(f"{where}: hardware profile {p}: not a version-{PROFILE_VERSION} profile (key "
                           "'profile_version'); re-create it with `moesim calibrate fit`.")

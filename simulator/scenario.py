@@ -28,6 +28,7 @@ import yaml
 
 from policies.registry import families
 from simulator.confload import ConfigError, build, to_plain
+from simulator.confload import read_yaml as read_yaml_file
 from simulator.errors import MoesimError
 from simulator.hardware import HardwareConfig, expand_preset
 
@@ -293,19 +294,8 @@ def scenario_from_dict(data: Any, where: str = "<scenario>", base_dir: str = "."
 
 
 def read_yaml(path: str | Path) -> Any:
-    """Parse a YAML file; errors name the file and the line."""
-    p = Path(path)
-    if not p.is_file():
-        raise MoesimError(f"scenario {p}: no such file. Shipped scenarios: "
-                          f"{', '.join(shipped_scenarios()) or 'none'}.")
-    try:
-        return yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise MoesimError(f"scenario {p}: broken YAML{line}: {problem}. Fix the syntax "
-                          "(indentation, a missing ':' or an unclosed bracket).") from None
+    """Parse a scenario YAML file; errors name the file and the line."""
+    return read_yaml_file(path, "scenario", f"Shipped scenarios: {', '.join(shipped_scenarios()) or 'none'}.")
 
 
 def shipped_dir() -> Path:

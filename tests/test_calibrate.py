@@ -162,3 +162,16 @@ def test_resolved_scenario_names_the_profile_not_its_tables(tmp_path):
     assert hw["profile"] == str(path)
     assert "expert_table" not in hw
     assert "nonexpert_table" not in hw
+
+
+def test_broken_yaml_in_a_profile_or_a_placement_file_names_the_file_and_line(tmp_path):
+    from policies.budget import placement_of
+
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("links: {h2d_pinned: [1, 2\n")
+    with pytest.raises(MoesimError, match=r"hardware profile .*broken.yaml: broken YAML at line 2"):
+        load_profile(str(bad), "<test>")
+    with pytest.raises(MoesimError, match=r"expert placement .*broken.yaml: broken YAML at line 2"):
+        placement_of(str(bad), 2, 4, 2)
+    with pytest.raises(MoesimError, match=r"expert placement .*nowhere.yaml: no such file. Use contiguous"):
+        placement_of(str(tmp_path / "nowhere.yaml"), 2, 4, 2)

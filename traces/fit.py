@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
+from simulator.confload import read_yaml
 from simulator.errors import MoesimError
 from traces.schema import PHASE_CODES, ModelInfo
 from traces.stats import trace_stats
@@ -197,10 +197,7 @@ def load_profile(name_or_path: str) -> dict[str, Any]:
         raise MoesimError(f"fitted profile '{name_or_path}': no such file or shipped profile "
                           f"(shipped: {', '.join(shipped_profiles()) or 'none'}); make one with "
                           "`moesim trace fit TRACE --out profile.yaml`.")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise MoesimError(f"fitted profile {p}: broken YAML ({exc}).") from None
+    data = read_yaml(p, "fitted profile", "")
     if not isinstance(data, dict) or data.get("profile_version") != PROFILE_VERSION:
         raise MoesimError(f"fitted profile {p}: not a version-{PROFILE_VERSION} moesim profile; "
                           "re-create it with `moesim trace fit`.")
