@@ -70,6 +70,26 @@ def test_truncation_keeps_original_weights_and_substitution_gives_every_token_k(
     p = t.probs[rows]
     kept_mass = sum(p[i, k].sum() for i, k in enumerate(trunc))
     assert kept_mass / p[np.arange(len(rows))[:, None], ex].sum() < 1
+    # every pass: the engine's gate mass and altered tokens equal the selections' own
+    check = Simulation(scenario(cache={"capacity": "inf"}, workload={"batch_size": 16},
+                                policies={"budget": {"name": "moe-spec", "budget": 12, "coverage": "truncation"}}),
+                       trace=t)
+    for q in range(sim.wl.num_passes):
+        total = kept = 0.0
+        altered = set()
+        for layer in range(3):
+            rows_q = check.wl.rows(q, layer)
+            ex_q = t.experts[rows_q].astype(np.int64)
+            probs_q = t.probs[rows_q].astype(np.float64)
+            for i, sel in enumerate(check.budget.select(q, layer, rows_q, ex_q)):
+                total += probs_q[i, ex_q[i]].sum()
+                kept += probs_q[i, sel].sum()
+                if len(sel) < len(ex_q[i]):
+                    altered.add((t.request[rows_q[i]], t.position[rows_q[i]]))
+        step = res.steps.iloc[q]
+        assert step["gate_weight_total"] == pytest.approx(total, rel=1e-12)
+        assert step["gate_weight_computed"] == pytest.approx(kept, rel=1e-12)
+        assert step["tokens_altered"] == len(altered)
     assert res.summary["gate_mass_retained"] < 1
     assert res.summary["tokens_altered"] > 0
     sub = Simulation(scenario(cache={"capacity": "inf"}, workload={"batch_size": 16},
