@@ -645,6 +645,8 @@ class Simulation:
         self.env.process(self._run_ep() if self.scenario.hardware.gpus > 1 else self._run())
         self.env.run()
         self.copy.finish()
+        for name in ("_access_keys", "_access_off"):  # one Python int per access: free them
+            self.__dict__.pop(name, None)
         self.wall_s = _time.perf_counter() - t0
         steps = self._steps_frame()
         requests = self._requests_frame()
