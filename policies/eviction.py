@@ -2,9 +2,11 @@
 
 The cache (:class:`simulator.cache.ExpertCache`) owns the miss -> evict -> insert loop. It
 tells the policy about inserts, uses and removals, and asks for ``candidates()``: every
-cached key, most evictable first. The cache skips pinned keys (experts of the current layer
-and transfers in flight) and evicts only when enough can be freed; otherwise it changes
-nothing and reports that it could not make room.
+cached key, most evictable first (``prefetch_candidates()`` when the room is for an optional
+prefetch: a policy may decline to evict some keys for one). The cache skips pinned keys
+(``docs/design.md`` step 7: the current layer's experts, or in ``per-expert`` execution the
+running one; transfers in flight) and evicts only when enough can be freed; otherwise it
+changes nothing and reports that it could not make room.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ class EvictionPolicy(ABC):
     def on_prefetch_select(self, key: int) -> None:  # noqa: B027 - optional hook
         """The prefetcher selected ``key``, already cached (no transfer). Default: nothing
         (recency policies do not count a selection as a use)."""
+
+    def prefetch_candidates(self) -> Iterator[int]:
+        """The keys this policy lets the cache evict to admit an optional prefetch, most
+        evictable first. Default: every candidate (:meth:`candidates`)."""
+        return self.candidates()
 
 
 REGISTRY: Registry[EvictionPolicy] = Registry("eviction")
@@ -245,20 +252,54 @@ class ScoreBased(RecencyOrdered):
         return iter(sorted(self._order, key=lambda k: (self._score.get(k, 0.0), rank[k])))
 
 
+@dataclass(frozen=True)
+class LeastStaleParams:
+    """Parameters of Least-Stale eviction."""
+
+    order: str = field(default="relative", metadata={
+        "help": "order within each queue: relative (layers already passed first, then upcoming "
+                "layers farthest first) or absolute (layer index, layer 0 first)"})
+    prefetch_evicts_current: bool = field(default=False, metadata={
+        "help": "let an optional prefetch evict current experts (false: only stale ones, the "
+                "paper's 'only to prevent out-of-memory errors')"})
+
+    def __post_init__(self) -> None:
+        if self.order not in ("relative", "absolute"):
+            raise ValueError(f"order must be 'relative' or 'absolute', got {self.order!r}")
+
+
 @REGISTRY.register("least-stale")
 class LeastStale(EvictionPolicy):
     """Least-Stale (``specmd-expert-caching-least-stale.txt`` §4.2).
 
     An expert is *current* if it was used in the ongoing forward pass or selected by the
-    prefetcher during it (:meth:`on_prefetch_select`), *stale* otherwise (last touched in an
-    earlier pass). The stale queue is evicted first; the current queue only when no stale
-    expert is left. Within each queue the order is FIFO by layer position: layer 0 first,
-    and within a layer the expert that joined the queue first. At execution point ``l`` the
-    stale experts of layers left of ``l`` (not needed again in this pass) therefore go before
-    those of the layers still to come. Both queues are kept as per-layer buckets.
+    prefetcher during it (:meth:`on_prefetch_select`, or admitted by a prefetch), *stale*
+    otherwise (last touched in an earlier pass). The stale queue is evicted first; the
+    current queue only when no stale expert is left (§4.2: "only to prevent out-of-memory
+    errors"). An optional prefetch never evicts a current expert (§4.2's reading that a
+    prefetch is never needed to prevent running out of memory), unless
+    ``prefetch_evicts_current`` is set; on the FLAME-MoE prefill trace in ``per-expert``
+    execution only this strict reading gives the large collision reductions of §5.2 / Fig. 8
+    (the permissive one ties LRU: a demand miss then evicts the admitted next-layer experts).
+
+    Within each queue (``order: relative``, the default) the order is relative to the
+    execution point: experts *left* of it first — layers already passed in this pass, and
+    the current layer's experts that are not among its routed experts still to run
+    (``Clock.pending``: in ``per-expert`` execution those that have run are left; an
+    expert the layer's routing did not pick is not needed again in this pass) — in layer
+    order (FIFO by layer position), then the *upcoming* layers, farthest first, the current
+    layer's experts still to run last; FIFO within a layer. This is what
+    §5.2 and the captions of Fig. 5 and 9 describe ("only evicts stale left-layer experts")
+    and what appendix A.3 says the policy protects ("experts needed for upcoming layers").
+    ``order: absolute`` keeps the plain layer index (layer 0 first), which among upcoming
+    layers evicts the nearest first, the LRU pathology of Fig. 3-top.
+
+    Both queues are kept as per-layer buckets (insertion-ordered dicts).
     """
 
-    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+    Params = LeastStaleParams
+
+    def __init__(self, params: LeastStaleParams, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
         n = ctx.num_layers
         # insertion-ordered dicts: a key only ever joins at the end or leaves
@@ -268,6 +309,7 @@ class LeastStale(EvictionPolicy):
         self._pass = 0
         self._div = ctx.num_experts * len(ctx.precisions)  # key // _div = layer
         self._clock = ctx.clock
+        self._relative = params.order == "relative"
 
     def _roll(self) -> None:
         p = self._clock.pass_index
@@ -304,12 +346,37 @@ class LeastStale(EvictionPolicy):
         else:
             del self._stale[layer][key]
 
+    def _queue(self, buckets: list[dict[int, None]]) -> Iterator[int]:
+        """One queue's keys, most evictable first."""
+        if not self._relative:
+            return chain.from_iterable(buckets)
+        clock = self._clock
+        cur = clock.layer
+        here = buckets[cur]
+        pending = clock.pending
+        if not here:
+            left, upcoming_here = [], []
+        elif pending:
+            left = [k for k in here if k not in pending]
+            upcoming_here = [k for k in here if k in pending]
+        else:
+            left, upcoming_here = list(here), []
+        return chain(chain.from_iterable(buckets[:cur]), left,
+                     chain.from_iterable(reversed(buckets[cur + 1:])), upcoming_here)
+
     def candidates(self) -> Iterator[int]:
         # the cache does not change the policy while it walks the candidates, so the
         # queues are iterated in place
         if self._clock.pass_index != self._pass:
             self._roll()
-        return chain.from_iterable(self._stale + self._current)
+        return chain(self._queue(self._stale), self._queue(self._current))
+
+    def prefetch_candidates(self) -> Iterator[int]:
+        if self.params.prefetch_evicts_current:
+            return self.candidates()
+        if self._clock.pass_index != self._pass:
+            self._roll()
+        return self._queue(self._stale)
 
 
 @REGISTRY.register("belady")

@@ -30,55 +30,25 @@ class ExpertCache:
     def __contains__(self, key: int) -> bool:
         return key in self.resident or key in self.inflight
 
-    def make_room(self, nbytes: int, pinned: Container[int]) -> list[int] | None:
+    def make_room(self, nbytes: int, pinned: Container[int], for_prefetch: bool = False) -> list[int] | None:
         """Evict until ``nbytes`` fit; return the victims, or ``None`` (and change nothing)
         when the unpinned entries cannot free enough (:meth:`room_for` for one entry)."""
         if nbytes > self.capacity:
             return None
-        admitted, victims = self.room_for(1, nbytes, pinned)
+        admitted, victims = self.room_for(1, nbytes, pinned, for_prefetch)
         if admitted < 1:
             return None
         if victims:
             self.remove_many(victims)
         return victims
 
-    def plan_evictions(self, need: float, layer_keys: Container[int]) -> list[int] | None:
-        """Victims that free ``need`` bytes, skipping transfers in flight, chosen in the
-        policy's order *without evicting*. Returns ``None`` when a key of ``layer_keys`` (the
-        current layer's experts) comes up before enough is freed, or when not enough can be
-        freed: the caller then replays the layer one access at a time, where a one-by-one
-        replay could choose differently."""
-        victims = []
-        freed = 0
-        resident = self.resident
-        static = self.static_pinned
-        for key in self.policy.candidates():
-            if key not in resident or (static and key in static):  # in flight, or pinned for good
-                continue
-            if key in layer_keys:
-                return None
-            victims.append(key)
-            freed += resident[key]
-            if freed >= need:
-                return victims
-        return None
-
-    def admit(self, transfers: list[Transfer]) -> None:
-        """Record in-flight entries for transfers whose room has been made (the policy was
-        told ``on_insert`` by the caller, in access order)."""
-        inflight = self.inflight
-        used = self.used
-        for tr in transfers:
-            inflight[tr.key] = tr
-            used += tr.nbytes
-        self.used = used
-        if self.used > self.max_used:
-            self.max_used = self.used
-
-    def room_for(self, n: int, nbytes: int, pinned: Container[int]) -> tuple[int, list[int]]:
+    def room_for(self, n: int, nbytes: int, pinned: Container[int],
+                 for_prefetch: bool = False) -> tuple[int, list[int]]:
         """How many of ``n`` entries of ``nbytes`` can be admitted in order, and the victims
-        (in eviction order) that make room for them; evicts nothing. Equivalent to making
-        room one entry at a time while the earlier ones are in flight (pinned)."""
+        (in eviction order) that make room for them; evicts nothing. Entries in flight, the
+        ``pinned`` keys and statically pinned keys are never victims; ``for_prefetch`` walks
+        the policy's :meth:`prefetch_candidates` (it may decline to evict some keys for an
+        optional prefetch)."""
         free = self.capacity - self.used
         if n * nbytes <= free:
             return n, []
@@ -86,7 +56,8 @@ class ExpertCache:
         resident = self.resident
         static = self.static_pinned
         admitted = int(max(free, 0) // nbytes) if nbytes else n
-        for key in self.policy.candidates():
+        walk = self.policy.prefetch_candidates() if for_prefetch else self.policy.candidates()
+        for key in walk:
             if admitted >= n:
                 break
             # entries in flight are not resident

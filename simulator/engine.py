@@ -22,9 +22,10 @@ instant transfers, so no simulated time passes.
 from __future__ import annotations
 
 import time as _time
-from collections.abc import Callable, Generator, Sequence
+from collections import deque
+from collections.abc import Callable, Generator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +44,28 @@ from simulator.copyengine import DEMAND, CopyEngine, Transfer
 from simulator.copyengine import PREFETCH as PREFETCH_PRIORITY
 from simulator.cost import CostModel
 from simulator.errors import MoesimError
-from simulator.general import general_layer, token_mass
+from simulator.lookup import LayerLookup, PassRow, Run, token_mass
 from simulator.scenario import Scenario, parse_capacity
 from simulator.workload import DECODE, VERIFY, Workload, build_workload
 from traces.schema import PHASES
 from traces.trace import Trace
 
 ProgressFn = Callable[[int, int], None]
+_NO_PINS: frozenset[int] = frozenset()
+
+
+class _Either:
+    """Membership in either of two sets (the pins of a prefetch admission: the caller's and
+    the earlier admissions for the same target layer)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: AbstractSet[int], b: AbstractSet[int]) -> None:
+        self.a = a
+        self.b = b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.a or key in self.b
 
 
 @dataclass
@@ -107,7 +123,8 @@ class Simulation:
 
     def __init__(self, scenario: Scenario, trace: Trace | None = None,
                  workload: Workload | None = None, progress: ProgressFn | None = None,
-                 record_transfers: bool = False, record_layers: bool = False) -> None:
+                 record_transfers: bool = False, record_layers: bool = False,
+                 record_decisions: bool = False) -> None:
         self.scenario = scenario
         self._trace = trace
         if workload is None:
@@ -174,7 +191,19 @@ class Simulation:
                        "prefetch_predicted", "prefetch_actual", "low_precision_experts",
                        "dropped_experts", "substituted_experts", "tokens_altered",
                        "prefetches_cancelled", "unique_computed")}
+        # prefetch (SpecMD A.3): proposals waiting for room, in order, as (key, target layer);
+        # admissions per target layer (pinned against later admissions for it); admitted
+        # transfers still queued on the copy engine, per target layer
+        self._waiting: deque[tuple[int, int]] = deque()
+        self._queued: set[int] = set()
+        self._admitted: dict[int, set[int]] = {}
         self._pf_pending: dict[int, list[Transfer]] = {}
+        self._evicted: set[int] = set()  # keys evicted in the current pass
+        self.row = PassRow()
+        # (pass, layer, op, key) in decision order, op in hit/fetch/bypass/evict/prefetch/run
+        # (run: the expert ``key`` runs, or with key -1 all the layer's looked-up experts);
+        # the calibration executor replays them on the device
+        self.decisions: list[tuple[int, int, str, int]] | None = [] if record_decisions else None
         # sparse verification factors (sparse-verification-speculative-decoding.txt Table 1):
         # attention context and expert down projections are thinned in verification passes
         spec = scenario.workload.speculative
@@ -186,10 +215,9 @@ class Simulation:
         self._ep_max_load = np.zeros(workload.num_passes)
         self._mass_total = workload.weight_total.astype(np.float64).copy()
         self._mass_kept = workload.weight_total.astype(np.float64).copy()
-        self._pf_unused: set[int] = set()
+        self.pf_unused: set[int] = set()  # prefetched keys not accessed yet
         if self.prefetch.active:
-            pf_unused = self._pf_unused
-            self.cache.on_evict.append(pf_unused.difference_update)
+            self.cache.on_evict.append(self.pf_unused.difference_update)
         static = getattr(self.prefetch, "static_pins", None)
         self.preloaded = 0
         if static:
@@ -198,89 +226,56 @@ class Simulation:
         self._t_end = np.zeros(n)
         self._stall = np.zeros(n)
         self.wall_s = 0.0
+        self.acc_keys = workload.keys() * self.num_prec + self.default_prec  # cache key per access
+        self.acc_ffn = np.zeros(0)
+        self._nonexp: list[float] = []
 
-    @cached_property
-    def _access_keys(self) -> list[int]:
-        """Cache key of every access of the workload, in replay order."""
-        return (self.wl.keys() * self.num_prec + self.default_prec).tolist()
-
-    @cached_property
-    def _access_off(self) -> list[int]:
-        """Access offsets of every (pass, layer) (``workload.off`` as a list)."""
-        return self.wl.off.tolist()
+    def _prepare_costs(self) -> None:
+        """Compute time of every expert access and the non-expert time of every pass (zero in
+        cache-only replay)."""
+        wl = self.wl
+        num_l = self.model.num_layers
+        if self.scenario.timing:
+            self.acc_ffn = (self.cost.expert_time(wl.acc_tokens)
+                            * np.repeat(self.ffn_scale, np.diff(wl.off[::num_l])))
+            self._nonexp = self.cost.nonexpert_time(wl.pass_tokens, wl.pass_context * self.attn_scale).tolist()
+        else:
+            self.acc_ffn = np.zeros(wl.num_accesses)
+            self._nonexp = [0.0] * wl.num_passes
 
     # -- the compute-stream process -------------------------------------------------------
     def _run(self) -> Generator[simpy.Event, Any, None]:
+        """Forward passes on the compute stream. Per layer: non-expert compute; at the routing
+        point the experts are looked up (:class:`simulator.lookup.LayerLookup`, the one lookup
+        path) and the prefetcher's proposals are queued (:meth:`_propose`); the experts run as
+        ``expert_compute`` says. Cache-only replay makes the same decisions at zero cost."""
         env = self.env
         wl = self.wl
-        timing = self.scenario.timing
-        on_arrival = self.scenario.expert_compute == "on-arrival"
         num_l = self.model.num_layers
-        keys, off = self._access_keys, self._access_off
-        if timing:
-            ffn_arr = self.cost.expert_time(wl.acc_tokens) * np.repeat(self.ffn_scale, np.diff(wl.off[::num_l]))
-            nonexp = self.cost.nonexpert_time(wl.pass_tokens, wl.pass_context * self.attn_scale).tolist()
-        else:
-            ffn_arr = np.zeros(wl.num_accesses)
-            nonexp = [0.0] * wl.num_passes
-        csum = np.concatenate([[0.0], np.cumsum(ffn_arr)])
-        layer_ffn = (csum[wl.off[1:]] - csum[wl.off[:-1]]).tolist()
-        ffn = ffn_arr.tolist()
-        cache = self.cache
-        resident = cache.resident
-        inflight = cache.inflight
-        on_access = self.eviction.on_access
-        prefetch_active = self.prefetch.active
+        mode = self.scenario.expert_compute
+        per_expert = mode == "per-expert"
+        on_arrival = mode == "on-arrival"
+        off = wl.off.tolist()
+        clock = self.clock
         copy = self.copy
         advance = copy.advance
-        plan = cache.plan_evictions
-        admit = cache.admit
-        remove_many = cache.remove_many
-        make_room = cache.make_room
-        reserve = cache.reserve
-        submit = copy.submit
-        submit_batch = copy.submit_batch
-        capacity = self.capacity
-        on_insert = self.eviction.on_insert
-        fetch_keys: list[int] = []
-        fetch_idx: list[int] = []
-        complete = cache.complete
-        clock = self.clock
-        nbytes = self.expert_bytes
+        prefetching = self.prefetch.active
         cols = self._cols
-        c_hits, c_miss, c_late, c_coll, c_unc, c_bytes = (
-            cols["hits"], cols["misses"], cols["late_prefetches"], cols["collision_misses"],
-            cols["uncached_fetches"], cols["bytes"])
-        t_start, t_end, stall_arr = self._t_start, self._t_end, self._stall
-        c_pf_issued, c_pf_used, c_pred_hits, c_pred_total, c_actual_total = (
-            cols["prefetches_issued"], cols["prefetches_used"], cols["prefetch_predicted_hits"],
-            cols["prefetch_predicted"], cols["prefetch_actual"])
-        propose = self.prefetch.propose
-        pf_unused = self._pf_unused
-        general = self.general
-        pf_pending = self._pf_pending
-        to_promote: list[Transfer] = []
         layer_log = self.layer_log
-        c_cancel = cols["prefetches_cancelled"]
-        c_low, c_drop, c_sub, c_alt = (cols["low_precision_experts"], cols["dropped_experts"],
-                                       cols["substituted_experts"], cols["tokens_altered"])
-        mass_t, mass_k = self._mass_total, self._mass_kept
-        c_uniq = cols["unique_computed"]
-        evicted: set[int] = set()
         progress = self.progress
+        general = self.general
+        evicted = self._evicted
+        self._prepare_costs()
         n_pass = wl.num_passes
         report_every = max(1, n_pass // 200)
+        nonexp = self._nonexp
         carry = 0.0
         for p in range(n_pass):
             clock.pass_index = p
-            t_start[p] = env.now
+            self._t_start[p] = env.now
             evicted.clear()
-            hits = misses = late = coll = unc = 0
-            pf_issued = pf_used = pred_hits = pred_total = actual_total = 0
-            low_prec = dropped = substituted = cancelled = uniq_computed = 0
-            mass_total = mass_kept = 0.0
-            altered: set[tuple[int, int]] = set()
-            stall = 0.0
+            row = PassRow()
+            self.row = row
             bytes0 = copy.bytes_moved
             base = p * num_l
             ne = nonexp[p]
@@ -292,282 +287,245 @@ class Simulation:
                 lo = off[base + layer]
                 hi = off[base + layer + 1]
                 if lo == hi:
-                    continue
+                    continue  # no routing for this (pass, layer): the layer is skipped
                 now = env.now
                 advance(now)
                 clock.now = now
                 clock.layer = layer
-                if general:
-                    g = general_layer(self, p, layer, now, evicted, pf_unused)
-                    hits += g.hits
-                    misses += g.misses
-                    late += g.late
-                    coll += g.collisions
-                    unc += g.uncached
-                    pf_used += g.pf_used
-                    low_prec += g.low_precision
-                    dropped += g.dropped
-                    substituted += g.substituted
-                    mass_total += g.mass_total
-                    mass_kept += g.mass_retained
-                    altered |= g.altered
-                    uniq_computed += len(g.computes)
-                    if pf_pending:
-                        cancelled += self._cancel_stale_prefetches(layer)
-                    if prefetch_active:
-                        props = propose(p, layer)
-                        if props:
-                            pf = self._prefetch(props, now, base, layer, g.pinned, evicted, pf_unused)
-                            pf_issued += pf[0]
-                            pred_hits += pf[1]
-                            pred_total += pf[2]
-                            actual_total += pf[3]
-                    timed_g = sorted(((now if tr_g is None else tr_g.done), f) for tr_g, f in g.computes)
-                    st0 = stall
-                    if on_arrival:
-                        t = now
-                        for arr, f in timed_g:
-                            if arr > t:
-                                stall += arr - t
-                                t = arr
-                            t += f
-                        carry = t - now
-                    else:
-                        ready_g = max((arr for arr, _ in timed_g), default=now)
-                        stall += ready_g - now
-                        carry = ready_g - now + sum(f for _, f in timed_g)
-                    if layer_log is not None:
-                        layer_log.append((p, layer, now - ne, now, now + stall - st0, now + carry))
-                    continue
-                waits: list[Transfer] = []
-                ready = now
-                promoted = False
-                arrivals: list[tuple[Transfer | None, int]] | None = [] if on_arrival else None
-                # Plan: count misses; if evictions are needed and none of them would take an
-                # expert of this layer, apply the whole layer at once (fast path); otherwise
-                # replay it one access at a time, pinning the experts looked up so far.
-                layer_keys = keys[lo:hi]
-                n_miss = len([k for k in layer_keys if k not in resident and k not in inflight])
-                victims: list[int] | None = None
-                if n_miss:
-                    need = cache.used + n_miss * nbytes - capacity
-                    victims = plan(need, set(layer_keys)) if need > 0 else []
-                fast = victims is not None
-                if fast and victims:
-                    remove_many(victims)
-                    evicted.update(victims)
-                pinned: set[int] = set()
-                for i in range(lo, hi):
-                    key = keys[i]
-                    if not fast:
-                        pinned.add(key)
-                    if key in resident:
-                        hits += 1
-                        on_access(key)
-                        if pf_unused and key in pf_unused:
-                            pf_unused.discard(key)
-                            pf_used += 1
-                        if arrivals is not None:
-                            arrivals.append((None, i))
-                        continue
-                    tr = inflight.get(key)
-                    if tr is not None:
-                        late += 1
-                        on_access(key)
-                        if pf_unused and key in pf_unused:
-                            pf_unused.discard(key)
-                            pf_used += 1
-                        waits.append(tr)
-                        if tr.priority != DEMAND and not tr.started:
-                            to_promote.append(tr)  # projected when promoted, below
-                        elif tr.done > ready:
-                            ready = tr.done
-                        if arrivals is not None:
-                            arrivals.append((tr, i))
-                        continue
-                    misses += 1
-                    if key in evicted:
-                        coll += 1
-                    if fast:
-                        on_insert(key, True)
-                        fetch_keys.append(key)
-                        fetch_idx.append(i)
-                        continue
-                    room = make_room(nbytes, pinned)
-                    tr = submit(key, nbytes, DEMAND, now)
-                    if room is None:
-                        tr.bypass = True
-                        unc += 1
-                    else:
-                        evicted.update(room)
-                        reserve(tr, True)
-                    if timing:
-                        waits.append(tr)
-                        if tr.done > ready:
-                            ready = tr.done
-                        if arrivals is not None:
-                            arrivals.append((tr, i))
-                    else:
-                        complete(tr)
-                        if arrivals is not None:
-                            arrivals.append((None, i))
-                if fetch_keys:
-                    trs = submit_batch(fetch_keys, nbytes, DEMAND, now)
-                    admit(trs)
-                    if timing:
-                        waits.extend(trs)
-                        last = trs[-1].done  # same priority, issued in order: finishes last
-                        if last > ready:
-                            ready = last
-                        if arrivals is not None:
-                            arrivals.extend(zip(trs, fetch_idx, strict=True))
-                    else:
-                        for tr in trs:
-                            complete(tr)
-                        if arrivals is not None:
-                            arrivals.extend((None, i) for i in fetch_idx)
-                    fetch_keys = []
-                    fetch_idx = []
-                if to_promote:
-                    copy.promote_many(to_promote)
-                    to_promote = []
-                    promoted = True
-                if pf_pending:
-                    cancelled += self._cancel_stale_prefetches(layer)
-                if promoted or not fast:
-                    ready = max((t.done for t in waits), default=now)
-                if prefetch_active:
-                    props = propose(p, layer)
-                    if props:
-                        pf = self._prefetch(props, now, base, layer, set(layer_keys), evicted, pf_unused)
-                        pf_issued += pf[0]
-                        pred_hits += pf[1]
-                        pred_total += pf[2]
-                        actual_total += pf[3]
-                # The compute process is the only submitter to its copy engine, so the finish
-                # times projected at the routing point are final: the wait for the layer's
-                # experts (stall) and their compute fold into the next timeout.
-                st0 = stall
-                if arrivals is None:
-                    if ready > now:
-                        stall += ready - now
-                        carry = ready - now + layer_ffn[base + layer]
-                    else:
-                        carry = layer_ffn[base + layer]
+                look = LayerLookup(self, p, layer, lo, hi, row, evicted)
+                clock.pending = set(look.keys)
+                if self._pf_pending or self._waiting or self._admitted:
+                    self._withdraw(layer, look.keys)
+                st0 = row.stall
+                if per_expert:
+                    if prefetching:
+                        self._propose(p, layer, now)
+                    end = self._per_expert(look, now)
                 else:
-                    timed = sorted(((now if tr_a is None else tr_a.done), i) for tr_a, i in arrivals)
-                    t = now
-                    for arr, i in timed:
-                        if arr > t:
-                            stall += arr - t
-                            t = arr
-                        t += ffn[i]
-                    carry = t - now
+                    pinned = set(look.keys)
+                    runs: list[Run] = []
+                    for i in range(len(look)):
+                        runs.extend(look.lookup(i, pinned, now))
+                    if prefetching:
+                        self._propose(p, layer, now, pinned)
+                    end = self._compute(look.finish(runs), now, on_arrival)
+                    clock.pending = set()
+                    if self.decisions is not None:
+                        self.decisions.append((p, layer, "run", -1))
+                    if self._waiting:  # the layer's pins are released
+                        advance(end)
+                        clock.now = end
+                        self._admit(end, _NO_PINS)
+                carry = end - now
                 if layer_log is not None:
-                    layer_log.append((p, layer, now - ne, now, now + stall - st0, now + carry))
+                    layer_log.append((p, layer, now - ne, now, now + row.stall - st0, end))
             if carry > 0:
                 yield env.timeout(carry)
                 carry = 0.0
             advance(env.now)
-            t_end[p] = env.now
-            c_hits[p] = hits
-            c_miss[p] = misses
-            c_late[p] = late
-            c_coll[p] = coll
-            c_unc[p] = unc
-            c_bytes[p] = copy.bytes_moved - bytes0
-            stall_arr[p] = stall
-            c_pf_issued[p] = pf_issued
-            c_pf_used[p] = pf_used
-            c_pred_hits[p] = pred_hits
-            c_pred_total[p] = pred_total
-            c_actual_total[p] = actual_total
-            c_cancel[p] = cancelled
+            self._t_end[p] = env.now
+            self._stall[p] = row.stall
+            for name, value in (("hits", row.hits), ("misses", row.misses), ("late_prefetches", row.late),
+                                ("collision_misses", row.collisions), ("uncached_fetches", row.uncached),
+                                ("bytes", copy.bytes_moved - bytes0), ("prefetches_issued", row.pf_issued),
+                                ("prefetches_used", row.pf_used), ("prefetch_predicted_hits", row.pred_hits),
+                                ("prefetch_predicted", row.pred_total), ("prefetch_actual", row.actual_total),
+                                ("prefetches_cancelled", row.pf_cancelled),
+                                ("low_precision_experts", row.low_precision),
+                                ("dropped_experts", row.dropped), ("substituted_experts", row.substituted),
+                                ("tokens_altered", len(row.altered)), ("unique_computed", row.unique)):
+                cols[name][p] = value
             if general:
-                c_low[p] = low_prec
-                c_drop[p] = dropped
-                c_sub[p] = substituted
-                mass_t[p] = mass_total
-                mass_k[p] = mass_kept
-                c_alt[p] = len(altered)
-                c_uniq[p] = uniq_computed
+                self._mass_total[p] = row.mass_total
+                self._mass_kept[p] = row.mass_kept
             if progress is not None and (p + 1) % report_every == 0:
                 progress(p + 1, n_pass)
         if progress is not None:
             progress(n_pass, n_pass)
 
-    def _cancel_stale_prefetches(self, layer: int) -> int:
-        """At ``layer``'s routing point, withdraw prefetches for this layer (or earlier) that
-        are still queued: the layer did not need them (a needed one was promoted to demand),
-        so they can no longer help. Their room is freed and their bytes are not moved."""
-        pending = self._pf_pending
-        stale: list[Transfer] = []
-        for target in [t for t in pending if t <= layer]:
-            stale.extend(tr for tr in pending.pop(target) if tr.priority != DEMAND)
-        if not stale:
-            return 0
-        gone = self.copy.cancel_many(stale)
-        if gone:
-            self.cache.cancel_many(gone)
-            self._pf_unused.difference_update([tr.key for tr in gone])
-        return len(gone)
+    def _compute(self, runs: list[Run], now: float, on_arrival: bool) -> float:
+        """``layer`` execution: the experts run once all have arrived, back to back (a fused
+        kernel): end = max(arrivals) + sum(compute). ``on-arrival``: each as soon as it has
+        arrived, in arrival order: t = max(t, arrival) + compute. Stall is the time the
+        compute stream waits. Returns the layer's end."""
+        row = self.row
+        if not on_arrival:
+            ready = now
+            total = 0.0
+            for r in runs:
+                a = r.arrival(now)
+                if a > ready:
+                    ready = a
+                total += r.ffn
+            row.stall += ready - now
+            return ready + total
+        t = now
+        for a, f in sorted((r.arrival(now), r.ffn) for r in runs):
+            if a > t:
+                row.stall += a - t
+                t = a
+            t += f
+        return t
 
-    def _prefetch(self, props: Sequence[int], now: float, pass_base: int, layer: int,
-                  pinned: set[int], evicted: set[int], unused: set[int]) -> tuple[int, int, int, int]:
-        """Queue prefetches for ``props`` (keys of later layers, most wanted first) at the
-        routing point of ``layer``. Returns (issued, predicted hits, predicted, actual):
-        prediction precision/recall compare each target layer's proposals with the experts
-        that layer really needs in this pass."""
+    def _per_expert(self, look: LayerLookup, now: float) -> float:
+        """``per-expert`` execution (SpecMD Algorithm 1, appendix A.2: a Hugging Face-style
+        loop): the layer's experts run one after another in router order. Expert j+1 is
+        looked up when expert j starts to run, so its copy overlaps j's compute; pinned are
+        the running expert and the one looked up next (transfers in flight are never
+        evicted). When an expert has run its pin is released and the waiting prefetch
+        proposals are admitted (:meth:`_admit`). With compute f and copy c per expert and
+        every expert missing, n experts take c + (n - 1) * max(c, f) + f. Returns the
+        layer's end."""
+        clock = self.clock
+        advance = self.copy.advance
+        timing = self.scenario.timing
+        row = self.row
+        n = len(look)
+        t = now
+        cur = look.lookup(0, set(), t) if n else []
+        for i in range(n):
+            for r in cur:
+                a = r.arrival(t)
+                if a > t:
+                    row.stall += a - t
+                    t = a
+            if timing:
+                advance(t)
+                clock.now = t
+            pins = {r.key for r in cur}  # the running expert
+            nxt = look.lookup(i + 1, set(pins), t) if i + 1 < n else []
+            nxt_pins = {r.key for r in nxt}
+            for r in cur:
+                t += r.ffn
+            if timing:
+                advance(t)
+                clock.now = t
+            clock.pending.difference_update(pins)
+            clock.pending.discard(look.keys[i])
+            if self.decisions is not None:
+                self.decisions.extend((look.p, look.layer, "run", k) for k in pins)
+            if self._waiting:
+                self._admit(t, nxt_pins)
+            cur = nxt
+        look.finish([])
+        return t
+
+    # -- prefetch: SpecMD appendix A.3's asynchronous queue ---------------------------------
+    def _propose(self, p: int, layer: int, now: float, pinned: AbstractSet[int] | None = None) -> None:
+        """Take the prefetcher's proposals at ``layer``'s routing point: those resident or in
+        flight are *selected* (the eviction policy is told; nothing is pinned), the absent
+        ones join the waiting queue in order; then one admission round (:meth:`_admit`)
+        under ``pinned``. Counts prediction precision/recall against what each target layer
+        really needs in this pass."""
+        props = self.prefetch.propose(p, layer)
+        if not props:
+            if self._waiting:
+                self._admit(now, _NO_PINS if pinned is None else pinned)
+            return
         cache = self.cache
         resident, inflight = cache.resident, cache.inflight
-        policy = self.eviction
+        select = self.eviction.on_prefetch_select
         div = self.model.num_experts * self.num_prec  # key // div = layer
         num_l = self.model.num_layers
-        keys, off = self._access_keys, self._access_off
         lo_key, hi_key = (layer + 1) * div, num_l * div
-        wanted: list[int] = []
-        targets: dict[int, list[int]] = {}  # target layer -> its proposals
+        waiting, queued = self._waiting, self._queued
+        targets: dict[int, list[int]] = {}
         for key in dict.fromkeys(props):
             if key < lo_key or key >= hi_key:
                 continue  # not a later layer
             t = key // div
-            keys_t = targets.get(t)
-            if keys_t is None:
-                targets[t] = [key]
-            else:
-                keys_t.append(key)
+            targets.setdefault(t, []).append(key)
             if key in resident or key in inflight:
-                policy.on_prefetch_select(key)
-                continue
-            wanted.append(key)
-        issued = 0
-        if wanted:
-            n, victims = cache.room_for(len(wanted), self.expert_bytes, pinned)
-            if victims:
-                cache.remove_many(victims)
-                evicted.update(victims)
-            admit = wanted[:n]
-            if admit:
-                trs = self.copy.submit_batch(admit, self.expert_bytes, PREFETCH_PRIORITY, now)
-                for key in admit:
-                    policy.on_insert(key, False)
-                cache.admit(trs)
-                if self.copy.instant:
-                    cache.complete_many(trs)
-                else:
-                    pending = self._pf_pending
-                    for tr in trs:
-                        pending.setdefault(tr.key // div, []).append(tr)
-                unused.update(admit)
-                issued = len(trs)
-        hits = predicted = actual = 0
+                select(key)
+            elif key not in queued:
+                queued.add(key)
+                waiting.append((key, t))
+        if waiting:
+            self._admit(now, _NO_PINS if pinned is None else pinned)
+        row = self.row
+        wl = self.wl
+        base = p * num_l
+        keys = self.acc_keys
         for target, keys_t in targets.items():
-            b = pass_base + target
-            actual_set = set(keys[off[b]:off[b + 1]])
-            hits += len(actual_set.intersection(keys_t))
-            predicted += len(keys_t)
-            actual += len(actual_set)
-        return issued, hits, predicted, actual
+            b = base + target
+            actual = set(keys[wl.off[b]:wl.off[b + 1]].tolist())
+            row.pred_hits += len(actual.intersection(keys_t))
+            row.pred_total += len(keys_t)
+            row.actual_total += len(actual)
+
+    def _admit(self, now: float, pinned: AbstractSet[int]) -> None:
+        """One admission round: admit waiting proposals from the head of the queue while room
+        can be made, each evicting an unpinned victim the eviction policy offers for a
+        prefetch (:meth:`EvictionPolicy.prefetch_candidates`) and entering as the newest
+        entry; earlier admissions for the same target layer stay pinned. Stops at the first
+        proposal for which no room can be made."""
+        waiting, queued = self._waiting, self._queued
+        cache = self.cache
+        nbytes = self.expert_bytes
+        copy = self.copy
+        row = self.row
+        rec = self.decisions
+        div = self.model.num_experts * self.num_prec
+        while waiting:
+            key, target = waiting[0]
+            if key in cache.resident or key in cache.inflight:
+                waiting.popleft()
+                queued.discard(key)
+                continue
+            mine = self._admitted.get(target)
+            victims = cache.make_room(nbytes, _Either(pinned, mine) if mine else pinned, for_prefetch=True)
+            if victims is None:
+                return
+            waiting.popleft()
+            queued.discard(key)
+            if victims:
+                self._evicted_by_prefetch(victims)
+                if rec is not None:
+                    rec.extend((self.clock.pass_index, self.clock.layer, "evict", v) for v in victims)
+            tr = copy.submit(key, nbytes, PREFETCH_PRIORITY, now)
+            cache.reserve(tr, False)
+            if rec is not None:
+                rec.append((self.clock.pass_index, self.clock.layer, "prefetch", key))
+            if copy.instant:
+                cache.complete(tr)
+            else:
+                self._pf_pending.setdefault(key // div, []).append(tr)
+            self._admitted.setdefault(target, set()).add(key)
+            self.pf_unused.add(key)
+            row.pf_issued += 1
+
+    def _evicted_by_prefetch(self, victims: list[int]) -> None:
+        self._evicted.update(victims)
+        for keys in self._admitted.values():
+            keys.difference_update(victims)
+
+    def _withdraw(self, layer: int, needed: list[int]) -> None:
+        """At ``layer``'s routing point: proposals for it (or earlier) still waiting are
+        withdrawn, its admissions are no longer pinned for it, and its prefetches still
+        queued on the copy engine that the layer does not need are withdrawn with their
+        room (``prefetches_cancelled``; no bytes move)."""
+        waiting = self._waiting
+        if waiting and any(t <= layer for _, t in waiting):
+            keep = [(k, t) for k, t in waiting if t > layer]
+            self._queued.difference_update(k for k, t in waiting if t <= layer)
+            waiting.clear()
+            waiting.extend(keep)
+        for t in [t for t in self._admitted if t <= layer]:
+            del self._admitted[t]
+        pending = self._pf_pending
+        if not pending:
+            return
+        need = set(needed)
+        stale: list[Transfer] = []
+        for target in [t for t in pending if t <= layer]:
+            stale.extend(tr for tr in pending.pop(target) if tr.priority != DEMAND and tr.key not in need)
+        if not stale:
+            return
+        gone = self.copy.cancel_many(stale)
+        if gone:
+            self.cache.cancel_many(gone)
+            self.pf_unused.difference_update([tr.key for tr in gone])
+            self.row.pf_cancelled += len(gone)
 
     def _run_ep(self) -> Generator[simpy.Event, Any, None]:
         """Expert parallelism (G > 1 GPUs): experts stay resident on their GPU (no host
@@ -645,8 +603,6 @@ class Simulation:
         self.env.process(self._run_ep() if self.scenario.hardware.gpus > 1 else self._run())
         self.env.run()
         self.copy.finish()
-        for name in ("_access_keys", "_access_off"):  # one Python int per access: free them
-            self.__dict__.pop(name, None)
         self.wall_s = _time.perf_counter() - t0
         steps = self._steps_frame()
         requests = self._requests_frame()
@@ -663,7 +619,7 @@ class Simulation:
     def _steps_frame(self) -> pd.DataFrame:
         wl = self.wl
         num_l = self.model.num_layers
-        uniq = self._cols["unique_computed"] if self.general else wl.off[num_l::num_l] - wl.off[:-1:num_l]
+        uniq = self._cols["unique_computed"]
         layers_routed = np.diff(wl.off).reshape(-1, num_l) > 0 if wl.num_passes else np.zeros((0, num_l), bool)
         return pd.DataFrame({
             "pass": np.arange(wl.num_passes, dtype=np.int64),

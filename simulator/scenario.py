@@ -4,7 +4,8 @@ Keys (``docs/design.md``: "Scenario YAML")::
 
     seed: 0
     timing: true                   # false: cache-only replay (hit/miss decisions, no timeline)
-    expert_compute: layer          # or on-arrival: each expert computed as soon as it arrives
+    expert_compute: layer          # or on-arrival (each expert as soon as it arrives) or per-expert
+                                   # (one at a time in router order, a Hugging Face-style loop)
     hardware: {preset: a100-80g-pcie4, links: {pcie: {bandwidth_gbps: 5}}}
     workload:
       trace: {synth: {preset: olmoe-1b-7b, tokens: 2000}}   # or {path: trace.parquet}
@@ -184,7 +185,7 @@ class Scenario:
     policies: PoliciesConfig
     seed: int = 0
     timing: bool = True
-    expert_compute: Literal["layer", "on-arrival"] = "layer"
+    expert_compute: Literal["layer", "on-arrival", "per-expert"] = "layer"
     source: str = "<memory>"
     base_dir: str = "."
 
@@ -204,7 +205,7 @@ class Scenario:
 class _TopLevel:
     seed: int = 0
     timing: bool = True
-    expert_compute: Literal["layer", "on-arrival"] = "layer"
+    expert_compute: Literal["layer", "on-arrival", "per-expert"] = "layer"
     hardware: Any = None
     workload: Any = None
     cache: Any = None

@@ -2,9 +2,9 @@
 simulator predicts the same scenarios with a calibration profile; the report gives the error.
 
 The executor holds real-shaped expert weights (gate, up, down) for every expert in host
-memory (pinned on CUDA) and a device cache pool of the scenario's capacity. Its decisions come
-from the same policy objects the simulator uses (a fresh set per scenario, asked in the same
-order through the same cache), so both make identical hits and misses; a miss copies the
+memory (pinned on CUDA) and a device cache pool of the scenario's capacity. Its decisions are
+the simulator's: a cache-only run records them (hit, fetch, evict, prefetch, run, in order)
+and the executor performs them, so both make identical hits and misses; a miss copies the
 expert's weights host -> device (into a free or evicted slot), then each layer computes the
 non-expert part (q/k/v/o projections and router as matmuls over the pass's tokens) and every
 needed expert's FFN on its tokens. Prefetches proposed by the scenario's prefetcher are
@@ -32,15 +32,18 @@ from simulator.errors import MoesimError
 
 
 def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
-    """Replay ``trace`` under ``scenario`` on ``device``; per-pass times and the decisions."""
+    """Replay ``trace`` under ``scenario`` on ``device``; per-pass times and the decisions.
+    The decisions are the simulator's own (a cache-only run that records them), replayed op
+    by op: no second copy of the miss -> evict -> insert logic."""
     from concurrent.futures import Future, ThreadPoolExecutor
 
     import torch
 
-    from simulator.copyengine import DEMAND, CopyEngine
     from simulator.engine import Simulation
 
-    sim = Simulation(replace(scenario, timing=False), trace=trace)  # its policies, cache and workload
+    sim = Simulation(replace(scenario, timing=False), trace=trace, record_decisions=True)
+    sim.run()
+    assert sim.decisions is not None
     wl, model = sim.wl, sim.model
     h, inter, num_l, num_e = model.hidden_size, model.expert_intermediate_size, model.num_layers, model.num_experts
     dt = torch.float32 if device == "cpu" else torch.bfloat16
@@ -55,14 +58,12 @@ def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
     where: dict[int, int] = {}
     attn = torch.randn(4, h, h, dtype=dt, device=device) / h ** 0.5
     router = torch.randn(h, num_e, dtype=dt, device=device)
-    cache, policy = sim.cache, sim.eviction
-    copy = CopyEngine("exec", scenario.hardware.h2d, instant=True)
-    keys = wl.keys().tolist()
     p_num = sim.num_prec
     hits = misses = 0
     times = []
     copier = ThreadPoolExecutor(max_workers=1)  # the copy engine: one copy at a time, in order
     landing: dict[int, Future[Any]] = {}
+    side = torch.cuda.Stream() if device == "cuda" else None
 
     def place(key: int, src: int) -> None:
         slot = free.pop()
@@ -78,72 +79,65 @@ def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
                 pool[slot].copy_(host[src])
         landing[key] = copier.submit(job)
 
-    side = torch.cuda.Stream() if device == "cuda" else None
-    prefetching = sim.prefetch.active
+    def landed(key: int) -> None:
+        fut = landing.pop(key, None)
+        if fut is not None:
+            fut.result()  # a prefetch still in flight: wait for it
 
     def sync() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
+    def run(x: Any, w3: Any, n: int) -> None:
+        """One expert FFN (gate, up, down) on ``n`` of the pass's tokens."""
+        xs = x[: max(1, min(n, x.shape[0]))]
+        _ = (torch.nn.functional.silu(xs @ w3[0]) * (xs @ w3[1])) @ w3[2].T
+
+    ops: dict[tuple[int, int], list[tuple[str, int]]] = {}
+    for p, layer, op, key in sim.decisions:
+        ops.setdefault((p, layer), []).append((op, key))
     with torch.no_grad():
         for p in range(wl.num_passes):
-            sim.clock.pass_index = p
             n_tok = int(wl.pass_tokens[p])
             x = torch.randn(n_tok, h, dtype=dt, device=device)
             sync()
             t0 = time.perf_counter()
             for layer in range(num_l):
-                sim.clock.layer = layer
                 y = x
                 for w in attn:
                     y = y @ w
                 _ = y @ router
                 lo, hi = int(wl.off[p * num_l + layer]), int(wl.off[p * num_l + layer + 1])
-                pinned: set[int] = set()
-                needed = []
-                for i in range(lo, hi):
-                    key = keys[i] * p_num + sim.default_prec
-                    pinned.add(key)
-                    if key in cache.resident:
+                tokens = {int(k) * p_num + sim.default_prec: int(n)
+                          for k, n in zip(wl.keys()[lo:hi], wl.acc_tokens[lo:hi], strict=True)}
+                needed: dict[int, Any] = {}
+
+                for op, key in ops.get((p, layer), []):
+                    if op == "evict":
+                        landed(key)
+                        free.append(where.pop(key))
+                    elif op == "hit":
                         hits += 1
-                        policy.on_access(key)
-                        fut = landing.pop(key, None)
-                        if fut is not None:
-                            fut.result()  # a prefetch still in flight: wait for it
-                    else:
+                        landed(key)
+                        needed[key] = pool[where[key]]
+                    elif op == "fetch":
                         misses += 1
-                        victims = cache.make_room(sim.expert_bytes, pinned)
-                        tr = copy.submit(key, sim.expert_bytes, DEMAND, 0.0)
-                        if victims is None:
-                            staging.copy_(host[keys[i]], non_blocking=device == "cuda")
-                            needed.append((staging, int(wl.acc_tokens[i])))
-                            continue
-                        for v in victims:
-                            fut = landing.pop(v, None)
-                            if fut is not None:
-                                fut.result()
-                            free.append(where.pop(v))
-                        cache.reserve(tr, True)
-                        cache.complete(tr)
                         slot = free.pop()
                         where[key] = slot
-                        pool[slot].copy_(host[keys[i]], non_blocking=device == "cuda")
-                    needed.append((pool[where[key]], int(wl.acc_tokens[i])))
-                if prefetching:
-                    props = sim.prefetch.propose(p, layer)
-                    if props:
-                        before = set(cache.resident)
-                        sim._prefetch(props, 0.0, p * num_l, layer, set(pinned), set(), set())
-                        for v in before - set(cache.resident):
-                            fut = landing.pop(v, None)
-                            if fut is not None:
-                                fut.result()
-                            free.append(where.pop(v))
-                        for k in set(cache.resident) - before:
-                            place(k, k // p_num)
-                for w3, n in needed:
-                    xs = x[: max(1, min(n, n_tok))]
-                    _ = (torch.nn.functional.silu(xs @ w3[0]) * (xs @ w3[1])) @ w3[2].T
+                        pool[slot].copy_(host[key // p_num], non_blocking=device == "cuda")
+                        needed[key] = pool[slot]
+                    elif op == "bypass":
+                        misses += 1
+                        staging.copy_(host[key // p_num], non_blocking=device == "cuda")
+                        run(x, staging, tokens.get(key, 1))
+                    elif op == "prefetch":
+                        place(key, key // p_num)
+                    elif key == -1:  # run: the layer's experts, all at once
+                        for k, w3 in needed.items():
+                            run(x, w3, tokens.get(k, 1))
+                        needed.clear()
+                    else:  # run: one expert
+                        run(x, needed.pop(key), tokens.get(key, 1))
             sync()
             times.append(time.perf_counter() - t0)
     copier.shutdown(wait=True)
