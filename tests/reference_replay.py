@@ -177,6 +177,7 @@ class Counts:
         self.collisions = 0
         self.uncached = 0
         self.prefetches = 0
+        self.outcomes: list[bool] = []  # per lookup, in order: True for a hit
 
     def as_tuple(self) -> tuple[int, int, int]:
         return (self.hits, self.misses, self.collisions)
@@ -205,6 +206,7 @@ def replay(passes: list[Pass], capacity: int, policy: RefPolicy, mode: str = "la
             keys.discard(k)
 
     def lookup(key: Key, pinned: set[Key]) -> None:
+        c.outcomes.append(key in cache)
         if key in cache:
             c.hits += 1
             policy.use(key)
@@ -342,3 +344,25 @@ def flame_prefill_passes(folder: Path, tokens_per_sequence: int = 64) -> list[Pa
             cells.append(list(seen))
         out.append(cells)
     return out
+
+
+def trace_passes(trace: object) -> list[Pass]:
+    """A batch-1 trace's passes from its plain arrays (``request``, ``step``, ``layer``,
+    ``experts``; duck-typed, no moesim import): one pass per (request, step), its tokens by
+    position, a cell's experts in order of first appearance, ``None`` for a layer without
+    rows."""
+    t: object = trace
+    num_l = t.model.num_layers  # type: ignore[attr-defined]
+    passes: dict[tuple[int, int], list[list[int] | None]] = {}
+    rows = sorted(range(len(t.request)), key=lambda i: (int(t.request[i]), int(t.step[i]),  # type: ignore[attr-defined]
+                                                        int(t.layer[i]), int(t.position[i])))  # type: ignore[attr-defined]
+    for i in rows:
+        key = (int(t.request[i]), int(t.step[i]))  # type: ignore[attr-defined]
+        cells = passes.setdefault(key, [None] * num_l)
+        layer = int(t.layer[i])  # type: ignore[attr-defined]
+        cell = cells[layer] if cells[layer] is not None else []
+        for e in t.experts[i].tolist():  # type: ignore[attr-defined]
+            if e not in cell:
+                cell.append(int(e))
+        cells[layer] = cell
+    return [passes[k] for k in sorted(passes)]

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from simulator.cost import CostModel
 from simulator.engine import Simulation, simulate
 from simulator.workload import build_workload
+from tests import reference_replay as R
 from tests.helpers import access_stream, mixtral_trace, scenario, small_model, trace_from_array
 from traces.synth import generate, synth_from_preset
 
@@ -43,7 +44,8 @@ def lcs_misses(stream: list[int], capacity: int, algo: str = "LRU") -> int:
 @pytest.mark.parametrize("capacity", [0, 3, 10, 10_000])
 def test_on_demand_step_time_is_the_closed_form(capacity):
     """speculating-experts-prefetch.txt §5.1: T = sum over layers of (t_attn+gate + copy of the
-    missed experts + expert compute). Hit/miss flags come from libCacheSim's LRU."""
+    missed experts + expert compute). Hit/miss flags come from the independent reference
+    replay (layer execution: the whole layer pinned)."""
     model = small_model(layers=3, experts=8, top_k=2)
     trace = generate(model, requests=1, prompt_tokens=4, tokens=30, seed=2)
     sc = scenario(cache={"capacity": f"{capacity} experts"})
@@ -51,8 +53,8 @@ def test_on_demand_step_time_is_the_closed_form(capacity):
     wl = build_workload(trace, 1)
     expert_bytes = model.expert_bytes["bf16"]
     cost = CostModel(sc.hardware, model, expert_bytes)
-    keys = wl.keys().tolist()
-    hits = lcs_lru_hits(keys, capacity) if capacity else [False] * len(keys)
+    ref = R.replay(R.trace_passes(trace), capacity, R.RefLRU(3), "layer")
+    hits = ref.outcomes
     copy = sc.hardware.h2d.latency_us * 1e-6 + expert_bytes / (
         sc.hardware.h2d.bandwidth_gbps * 1e9 * sc.hardware.h2d.efficiency
         * expert_bytes / (expert_bytes + sc.hardware.h2d.half_efficiency_bytes))
@@ -68,6 +70,47 @@ def test_on_demand_step_time_is_the_closed_form(capacity):
         expected.append(total)
     np.testing.assert_allclose(res.steps["duration_s"].to_numpy(), expected, rtol=1e-9, atol=1e-12)
     assert res.summary["misses"] == sum(not h for h in hits)
+
+
+@pytest.mark.parametrize("capacity", [0, 3, 10, 48])
+def test_per_expert_step_time_is_the_closed_form(capacity):
+    """``per-expert`` execution: the layer's experts run one after another; expert j+1 is
+    looked up (its copy issued) when expert j starts, so start_1 = t + c_1 and
+    start_{j+1} = max(start_j + f_j, start_j + c_{j+1}), where c is the copy time of a miss
+    (0 for a hit) and f the expert's compute; the layer ends at start_n + f_n. With every
+    expert missing and equal f and c: c + (n - 1) max(c, f) + f. Hit flags from the
+    independent reference replay in per-expert execution."""
+    model = small_model(layers=3, experts=8, top_k=2)
+    trace = generate(model, requests=1, prompt_tokens=4, tokens=30, seed=2)
+    sc = scenario(cache={"capacity": f"{capacity} experts"}, expert_compute="per-expert")
+    res = simulate(sc, trace=trace)
+    wl = build_workload(trace, 1)
+    expert_bytes = model.expert_bytes["bf16"]
+    cost = CostModel(sc.hardware, model, expert_bytes)
+    hits = R.replay(R.trace_passes(trace), capacity, R.RefLRU(3), "per-expert").outcomes
+    link = sc.hardware.h2d
+    copy = link.latency_us * 1e-6 + expert_bytes / (
+        link.bandwidth_gbps * 1e9 * link.efficiency * expert_bytes / (expert_bytes + link.half_efficiency_bytes))
+    ffn = cost.expert_time(wl.acc_tokens)
+    nonexp = cost.nonexpert_time(wl.pass_tokens, wl.pass_context)
+    expected = []
+    for p in range(wl.num_passes):
+        total = 0.0
+        for layer in range(model.num_layers):
+            lo, hi = wl.off[p * 3 + layer], wl.off[p * 3 + layer + 1]
+            t = total + nonexp[p]
+            start = t + (0.0 if hits[lo] else copy)
+            for i in range(lo + 1, hi):
+                start = max(start + ffn[i - 1], start + (0.0 if hits[i] else copy))
+            total = start + ffn[hi - 1]
+        expected.append(total)
+    np.testing.assert_allclose(res.steps["duration_s"].to_numpy(), expected, rtol=1e-9, atol=1e-12)
+    if capacity == 0:  # every expert missing: c + (n - 1) max(c, f) + f per layer
+        n = np.diff(wl.off[:4])
+        f = [ffn[wl.off[i]] for i in range(3)]
+        assert all(ffn[wl.off[i]:wl.off[i + 1]].max() == f[i] for i in range(3))
+        first = sum(nonexp[0] + copy + (n[i] - 1) * max(copy, f[i]) + f[i] for i in range(3))
+        assert res.steps["duration_s"].iloc[0] == pytest.approx(first, rel=1e-12)
 
 
 def test_stall_is_exactly_the_copy_time_on_demand():
@@ -134,32 +177,35 @@ def test_infinite_capacity_leaves_only_compulsory_misses(timing):
 
 # -- differential: libCacheSim ---------------------------------------------------------------
 
-@pytest.mark.parametrize("capacity", [1, 8, 50, 200, 700])
+@pytest.mark.parametrize("capacity", [2, 8, 50, 200, 700])
 @pytest.mark.parametrize("routing", ["realistic", "uniform"])
-def test_lru_misses_equal_libcachesim_on_synthetic_traces(capacity, routing):
+def test_lru_per_expert_misses_equal_libcachesim_on_synthetic_traces(capacity, routing):
+    """Per-expert execution replays the sequential access stream (room for the running
+    expert and the next is all it pins), so LRU equals libCacheSim's, timed or not."""
     trace = synth_from_preset("olmoe-1b-7b", requests=2, tokens=150, seed=11, routing=routing)
     expected = lcs_misses(access_stream(trace), capacity)
     for timing in (True, False):
-        res = simulate(scenario(timing=timing, cache={"capacity": f"{capacity} experts"}), trace=trace)
+        res = simulate(scenario(timing=timing, expert_compute="per-expert",
+                                cache={"capacity": f"{capacity} experts"}), trace=trace)
         assert res.summary["misses"] == expected
         assert res.summary["hits"] == len(access_stream(trace)) - expected
 
 
 @pytest.mark.real
 @pytest.mark.parametrize("capacity", [2, 16, 64, 128, 200])
-def test_lru_misses_equal_libcachesim_on_real_mixtral_trace(capacity):
+def test_lru_per_expert_misses_equal_libcachesim_on_real_mixtral_trace(capacity):
     trace = mixtral_trace("gsm8k")
     assert trace.num_tokens() == 247
     assert trace.num_requests == 2
     expected = lcs_misses(access_stream(trace), capacity)
-    res = simulate(scenario(cache={"capacity": f"{capacity} experts"}), trace=trace)
+    res = simulate(scenario(expert_compute="per-expert", cache={"capacity": f"{capacity} experts"}), trace=trace)
     assert res.summary["misses"] == expected
 
 
 # -- properties ------------------------------------------------------------------------------
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(traces_st, st.integers(1, 3), st.sampled_from(["layer", "on-arrival"]), st.booleans())
+@given(traces_st, st.integers(1, 3), st.sampled_from(["layer", "on-arrival", "per-expert"]), st.booleans())
 def test_invariants(params, batch, compute, timing):
     """Occupancy never exceeds capacity; bytes moved = misses x expert bytes; simulated time
     never goes backwards; the cache-only replay makes the same decisions."""

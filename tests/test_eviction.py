@@ -22,6 +22,7 @@ from tests.helpers import (
     small_model,
     trace_from_array,
 )
+from tests import reference_replay as R
 from traces.synth import generate, synth_from_preset
 
 
@@ -36,44 +37,40 @@ def lcs_misses(stream: list[int], capacity: int, algo: str) -> int:
     return misses
 
 
-def run(trace, policy: str, capacity: int, batch: int = 1, timing: bool = False):
-    sc = scenario(timing=timing, cache={"capacity": f"{capacity} experts"},
+def run(trace, policy, capacity: int, batch: int = 1, timing: bool = False, mode: str = "layer"):
+    sc = scenario(timing=timing, cache={"capacity": f"{capacity} experts"}, expert_compute=mode,
                   policies={"eviction": policy}, workload={"batch_size": batch})
     return simulate(sc, trace=trace).summary
 
 
-def fifo_with_pinning(cells: list[list[int]], capacity: int) -> tuple[int, int]:
-    """Reference FIFO under the simulator's rule that experts already looked up in the
-    current layer cannot be evicted. ``cells`` lists each (pass, layer)'s keys in access
-    order. Returns (misses, conflicts): a conflict is a miss for which plain FIFO would have
-    evicted a pinned expert (where libCacheSim, which knows no layers, differs)."""
+def fifo_running_pinned(cells: list[list[int]], capacity: int) -> tuple[int, int]:
+    """Reference FIFO in ``per-expert`` execution, where the expert running while the next
+    one is looked up (the previous key of the same layer cell) cannot be evicted. ``cells``
+    lists each (pass, layer)'s keys in access order. Returns (misses, conflicts): a conflict
+    is a miss for which plain FIFO would have evicted the running expert (where libCacheSim,
+    which knows no layers, differs)."""
     from collections import deque
 
     queue: deque[int] = deque()
     cached: set[int] = set()
     misses = conflicts = 0
     for keys in cells:
-        seen: list[int] = []
-        for key in keys:
-            if key not in cached:
-                misses += 1
-                if len(cached) >= capacity:
-                    victim = next((v for v in queue if v not in seen), None)
-                    if queue and queue[0] in seen:
-                        conflicts += 1
-                    if victim is None:
-                        seen.append(key)
-                        continue
-                    queue.remove(victim)
-                    cached.discard(victim)
-                queue.append(key)
-                cached.add(key)
-            seen.append(key)
+        for j, key in enumerate(keys):
+            if key in cached:
+                continue
+            misses += 1
+            running = keys[j - 1] if j else None
+            if len(cached) >= capacity:
+                if queue and queue[0] == running:
+                    conflicts += 1
+                victim = next((v for v in queue if v != running), None)
+                if victim is None:
+                    continue
+                queue.remove(victim)
+                cached.discard(victim)
+            queue.append(key)
+            cached.add(key)
     return misses, conflicts
-
-
-def cells_of(stream_cells):
-    return [list(c) for c in stream_cells]
 
 
 def batch1_cells(trace) -> list[list[int]]:
@@ -83,33 +80,61 @@ def batch1_cells(trace) -> list[list[int]]:
 
 
 def check_fifo(trace, cells, stream, capacity, batch=1) -> int:
-    ref, conflicts = fifo_with_pinning(cells, capacity)
-    assert run(trace, "fifo", capacity, batch)["misses"] == ref
+    ref, conflicts = fifo_running_pinned(cells, capacity)
+    assert run(trace, "fifo", capacity, batch, mode="per-expert")["misses"] == ref
     if conflicts == 0:
         assert ref == lcs_misses(stream, capacity, "FIFO")
     return conflicts
 
 
+# The sequential stream is the physics of per-expert execution: with no prefetch and room for
+# the running expert and the next, LRU is libCacheSim's LRU on the per-access stream.
 @pytest.mark.parametrize("capacity", [8, 40, 120, 400])
-def test_lru_equals_libcachesim_on_synthetic(capacity):
+def test_lru_per_expert_equals_libcachesim_on_synthetic(capacity):
     trace = synth_from_preset("olmoe-1b-7b", requests=2, tokens=120, seed=5)
-    assert run(trace, "lru", capacity)["misses"] == lcs_misses(access_stream(trace), capacity, "LRU")
+    assert run(trace, "lru", capacity, mode="per-expert")["misses"] == lcs_misses(access_stream(trace), capacity, "LRU")
 
 
-def test_fifo_equals_libcachesim_up_to_pinned_conflicts_on_synthetic():
+def test_fifo_per_expert_equals_libcachesim_up_to_running_conflicts_on_synthetic():
     trace = synth_from_preset("olmoe-1b-7b", requests=2, tokens=120, seed=5)
     stream = access_stream(trace)
     conflicts = {c: check_fifo(trace, batch1_cells(trace), stream, c) for c in (8, 40, 120, 400)}
-    assert conflicts[8] == conflicts[40] == conflicts[120] == 0  # equal to libCacheSim there
-    assert conflicts[400] > 0  # here plain FIFO evicts experts the layer still needs
+    assert conflicts[8] == conflicts[40] == 0  # equal to libCacheSim there
+    assert conflicts[400] > 0  # here plain FIFO would evict the running expert
+
+
+@pytest.mark.parametrize("capacity", [8, 40, 120, 400])
+@pytest.mark.parametrize("policy", ["lru", "fifo"])
+def test_layer_execution_equals_the_reference_replay_on_synthetic(capacity, policy):
+    """Layer execution pins the whole layer: LRU/FIFO then differ from libCacheSim where a
+    layer's own resident expert would have been the victim; the independent replay written
+    from the contract is the reference."""
+    trace = synth_from_preset("olmoe-1b-7b", requests=2, tokens=120, seed=5)
+    passes = R.trace_passes(trace)
+    c = R.replay(passes, capacity, R.POLICIES[policy](trace.model.num_layers), "layer")
+    res = run(trace, policy, capacity)
+    assert (res["hits"], res["misses"], res["collision_misses"]) == c.as_tuple()
+
+
+def test_layer_pinning_is_why_layer_lru_differs_from_libcachesim():
+    """Hand-checked: one layer, top-2, capacity 2, stream (a b) (c a). At c the cache holds
+    a and b with a older; libCacheSim's LRU evicts a, then misses a again (4 misses). Layer
+    execution pins a (the layer routes to it), evicts b and hits a (3 misses); per-expert
+    execution pins only the running expert (none when c is the layer's first) and takes
+    libCacheSim's 4."""
+    model = small_model(layers=1, experts=4, top_k=2)
+    t = trace_from_array(model, np.array([[[[0, 1]], [[2, 0]]]]))
+    assert lcs_misses([0, 1, 2, 0], 2, "LRU") == 4
+    assert run(t, "lru", 2)["misses"] == 3
+    assert run(t, "lru", 2, mode="per-expert")["misses"] == 4
 
 
 @pytest.mark.real
 @pytest.mark.parametrize("capacity", [2, 16, 64, 128, 200])
-def test_lru_fifo_equal_libcachesim_on_real_mixtral(capacity):
+def test_lru_fifo_per_expert_equal_libcachesim_on_real_mixtral(capacity):
     trace = mixtral_trace("gsm8k")
     stream = access_stream(trace)
-    assert run(trace, "lru", capacity)["misses"] == lcs_misses(stream, capacity, "LRU")
+    assert run(trace, "lru", capacity, mode="per-expert")["misses"] == lcs_misses(stream, capacity, "LRU")
     check_fifo(trace, batch1_cells(trace), stream, capacity)
 
 
@@ -131,13 +156,13 @@ def flame_cells(trace, batch: int) -> list[list[int]]:
 
 @pytest.mark.real
 @pytest.mark.parametrize("capacity", [64, 128, 256, 400])
-def test_lru_fifo_equal_libcachesim_on_real_flame_batch64(capacity):
+def test_lru_fifo_per_expert_equal_libcachesim_on_real_flame_batch64(capacity):
     """FLAME-MoE decode: its 64 sequences decoded as one batch (10 steps x 8 layers)."""
     trace = flame_decode_trace()
     assert trace.num_requests == 64
     assert trace.num_steps() == 640
     stream = batch_access_stream(trace, 64)
-    res = run(trace, "lru", capacity, batch=64)
+    res = run(trace, "lru", capacity, batch=64, mode="per-expert")
     assert res["expert_accesses"] == len(stream)
     assert res["misses"] == lcs_misses(stream, capacity, "LRU")
     check_fifo(trace, flame_cells(trace, 64), stream, capacity, batch=64)
@@ -145,26 +170,28 @@ def test_lru_fifo_equal_libcachesim_on_real_flame_batch64(capacity):
 
 # -- Belady ----------------------------------------------------------------------------------
 
-def exhaustive_optimum(trace, capacity: int) -> int:
-    """Fewest misses over every eviction choice the simulator allows (batch 1: a miss evicts
-    any cached expert not looked up earlier in the same layer, or is streamed when none)."""
+def exhaustive_optimum(trace, capacity: int, mode: str) -> int:
+    """Fewest misses over every eviction choice the pinning rule allows (batch 1). ``layer``:
+    a miss may evict any cached expert its layer does not route to; ``per-expert``: any but
+    the running expert (the previous one of the same layer). A miss with no victim is not
+    cached."""
     e = trace.model.num_experts
     order = np.lexsort((trace.layer, trace.step, trace.request))
-    cells = [(int(trace.layer[i]), [int(trace.layer[i]) * e + int(x) for x in trace.experts[i]]) for i in order]
-    seq = []  # (key, index of its layer cell)
-    for c, (_layer, keys) in enumerate(cells):
-        seq.extend((k, c) for k in keys)
+    cells = [[int(trace.layer[i]) * e + int(x) for x in trace.experts[i]] for i in order]
+    seq = []  # (key, pinned when it is looked up)
+    for keys in cells:
+        for j, k in enumerate(keys):
+            seq.append((k, frozenset(keys) if mode == "layer" else frozenset(keys[j - 1:j])))
 
     @functools.cache
     def best(pos: int, cache: frozenset[int]) -> int:
         if pos == len(seq):
             return 0
-        key, cell = seq[pos]
+        key, pinned = seq[pos]
         if key in cache:
             return best(pos + 1, cache)
         if len(cache) < capacity:
             return 1 + best(pos + 1, cache | {key})
-        pinned = {k for k, c in seq[:pos] if c == cell}
         options = [v for v in cache if v not in pinned]
         if not options:
             return 1 + best(pos + 1, cache)
@@ -181,9 +208,9 @@ small_traces = st.builds(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(small_traces, st.integers(1, 5))
-def test_belady_equals_the_exhaustive_optimum(trace, capacity):
-    assert run(trace, "belady", capacity)["misses"] == exhaustive_optimum(trace, capacity)
+@given(small_traces, st.integers(1, 5), st.sampled_from(["layer", "per-expert"]))
+def test_belady_equals_the_exhaustive_optimum(trace, capacity, mode):
+    assert run(trace, "belady", capacity, mode=mode)["misses"] == exhaustive_optimum(trace, capacity, mode)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
