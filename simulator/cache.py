@@ -33,6 +33,8 @@ class ExpertCache:
     def make_room(self, nbytes: int, pinned: Container[int], for_prefetch: bool = False) -> list[int] | None:
         """Evict until ``nbytes`` fit; return the victims, or ``None`` (and change nothing)
         when the unpinned entries cannot free enough (:meth:`room_for` for one entry)."""
+        if self.used + nbytes <= self.capacity:
+            return []
         if nbytes > self.capacity:
             return None
         admitted, victims = self.room_for(1, nbytes, pinned, for_prefetch)

@@ -89,30 +89,28 @@ class CopyEngine:
 
     def submit(self, key: int, nbytes: int, priority: int, now: float) -> Transfer:
         """Queue a transfer issued at ``now`` and return it. The caller must have called
-        :meth:`advance` with ``now`` (the engine does so at every routing point)."""
-        return self.submit_batch([key], nbytes, priority, now)[0]
-
-    def submit_batch(self, keys: list[int], nbytes: int, priority: int, now: float) -> list[Transfer]:
-        """Queue same-size transfers issued together at ``now``, in order; returns them."""
-        dur = self.duration(nbytes)
+        :meth:`advance` with ``now`` (the engine does so at every routing point). A demand
+        transfer is projected at once (behind the queued demand ones); a prefetch gets its
+        times when :meth:`advance` starts it or it is promoted."""
+        dur = self._time_cache.get(nbytes)
+        if dur is None:
+            dur = self.duration(nbytes)
         seq = self._seq
-        self._seq = seq + len(keys)
-        self.bytes_moved += nbytes * len(keys)
-        self.transfers += len(keys)
-        out = [Transfer(key, nbytes, priority, now, s, dur) for s, key in enumerate(keys, seq)]
+        self._seq = seq + 1
+        self.bytes_moved += nbytes
+        self.transfers += 1
+        tr = Transfer(key, nbytes, priority, now, seq, dur)
         if self.instant:
-            for tr in out:
-                tr.started = True  # the caller completes it at once (cache-only replay)
+            tr.started = True  # the caller completes it at once (cache-only replay)
         elif priority == DEMAND:
-            prev = self._demand[-1].done if self._demand else self._busy_until
-            prev = prev if prev > now else now
-            for tr in out:
-                tr.start = prev
-                prev = tr.done = prev + dur
-            self._demand.extend(out)
+            demand = self._demand
+            prev = demand[-1].done if demand else self._busy_until
+            tr.start = prev if prev > now else now
+            tr.done = tr.start + dur
+            demand.append(tr)
         else:
-            self._pf.extend(out)
-        return out
+            self._pf.append(tr)
+        return tr
 
     def promote(self, tr: Transfer) -> None:
         """A queued prefetch is needed now: move it to demand priority (ahead of demand

@@ -1,19 +1,24 @@
-"""The SimPy model of one GPU (``docs/design.md``: "Simulation semantics").
+"""The SimPy model of one GPU (``docs/design.md``: "Simulation semantics"; ``docs/execution.md``).
 
 One SimPy process runs the forward passes on the compute stream. For each layer of a pass:
 
 1. non-expert compute (attention, gate) for the pass's tokens;
-2. at the routing point each needed expert is a *hit* (resident), a *late prefetch* (its
-   transfer is in flight: wait for it) or a *miss* (absent: the miss policy decides; ``fetch``
-   makes room through the cache and queues a demand transfer on the host link's copy engine);
-3. the prefetch policy may propose experts for later layers (queued behind demand fetches);
-4. expert compute: by default once all of the layer's experts are present (the papers'
-   baseline); with ``expert_compute: on-arrival`` each expert as soon as it has arrived.
+2. at the routing point the layer's experts are looked up through the one lookup path
+   (:mod:`simulator.lookup`): a *hit* (resident), a *late prefetch* (its transfer is in
+   flight: wait for it) or a *miss* (absent: the miss policy decides; ``fetch`` makes room
+   through the cache and queues a demand transfer on the host link's copy engine), under one
+   pinning rule;
+3. the prefetch policy's proposals go into SpecMD A.3's asynchronous queue (selected,
+   waiting, admitted when room can be made, withdrawn at their target layer);
+4. expert compute: ``expert_compute: layer`` (default) once all of the layer's experts are
+   present; ``on-arrival`` each as soon as it has arrived; ``per-expert`` one after another
+   in router order, each looked up when the previous one starts.
 
 Time spent by the compute stream waiting for transfers is *stall*. A *collision miss* is a
-miss on an expert evicted earlier in the same forward pass. With no prefetch the step time is
-exactly ``sum over layers of (non-expert + copy of missed experts + expert compute)``
-(``speculating-experts-prefetch.txt`` §5.1), which the tests check.
+miss on an expert evicted earlier in the same forward pass. With no prefetch, in ``layer``
+execution, the step time is exactly ``sum over layers of (non-expert + copy of missed experts
++ expert compute)`` (``speculating-experts-prefetch.txt`` §5.1), which the tests check, as
+they check the ``per-expert`` recurrence of ``docs/execution.md``.
 
 Cache-only replay (``timing: false``) runs the same decisions with zero-cost compute and
 instant transfers, so no simulated time passes.

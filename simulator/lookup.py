@@ -260,8 +260,9 @@ class LayerLookup:
         row = self.row
         rec = sim.decisions
         layer, e = self.layer, self.experts[i]
+        default = ctx.default_precision
         for q in levels:
-            kq = ctx.key(layer, e, q)
+            kq = self.keys[i] if q == default else ctx.key(layer, e, q)
             if kq in cache.resident:
                 sim.eviction.on_access(kq)
                 pinned.add(kq)
@@ -280,7 +281,7 @@ class LayerLookup:
             pinned.add(kq)
             tr = copy.submit(kq, nb, DEMAND, now)
             cache.reserve(tr, True)
-            row.low_precision += q != ctx.default_precision
+            row.low_precision += q != default
             if rec is not None:
                 rec.append((self.p, layer, "fetch", kq))
             if copy.instant:

@@ -95,7 +95,7 @@ def test_copy_engine_matches_reference_server(script: list[tuple[str, int, float
             assert done_order == ref.completed
         elif op in ("demand", "prefetch"):
             prio = DEMAND if op == "demand" else PREFETCH
-            new = eng.submit_batch(list(range(n)), SIZES[size], prio, now)
+            new = [eng.submit(k, SIZES[size], prio, now) for k in range(n)]
             for tr in new:
                 ref.items.append(Ref(tr.seq, prio, now, eng.duration(SIZES[size])))
             trs.extend(new)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from policies.eviction import REGISTRY as EVICTION
 from simulator.engine import simulate
+from tests import reference_replay as R
 from tests.helpers import (
     access_stream,
     batch_access_stream,
@@ -22,7 +23,6 @@ from tests.helpers import (
     small_model,
     trace_from_array,
 )
-from tests import reference_replay as R
 from traces.synth import generate, synth_from_preset
 
 

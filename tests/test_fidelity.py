@@ -216,7 +216,7 @@ def test_least_stale_relative_order_by_hand():
     assert list(pol.prefetch_candidates()) == stale  # never a current expert for a prefetch
     clock.pending = set()  # the layer has run: (1,2) is left now
     assert list(pol.candidates())[-2:] == [k(0, 1), k(1, 2)]
-    pol_p, clock_p, _ = least_stale(strict=False)
+    pol_p, _clock_p, _ = least_stale(strict=False)
     assert list(pol_p.prefetch_candidates()) == list(pol_p.candidates())
     pol_a, clock_a, _ = least_stale("absolute")
     for layer, e in [(3, 3), (1, 1), (2, 2), (0, 0)]:
@@ -262,3 +262,37 @@ def test_lru_evicts_a_selected_expert_for_its_own_batch():
 
     assert run("lru") == [[2, 2, 0], [2, 2, 1]]
     assert run("least-stale") == [[1, 3, 0], [2, 2, 0]]
+
+
+def test_strict_least_stale_turns_declined_prefetches_into_collisions():
+    """Why strict Least-Stale loses to LRU when the cache can stream a pass (FLAME-MoE prefill
+    at 25%, layer execution: LRU 0 collision misses, least-stale 3,895). Three layers, one
+    expert each used every pass (0:0, 1:0, 2:0), room for 2, oracle prefetch, cache-only.
+
+    LRU. Pass 0: 0:0 misses; 1:0 is admitted at layer 0 (free room) and hits; at layer 1 the
+    proposal 2:0 evicts the oldest unpinned entry, 0:0, and hits at layer 2: (2, 1, 0). Pass 1:
+    0:0 misses and evicts 1:0 (oldest); the proposal 1:0 evicts 2:0 (oldest unpinned) and hits;
+    the proposal 2:0 evicts 0:0 and hits: (2, 1, 0). Every pass streams.
+
+    Least-Stale, strict. Pass 0: 0:0 misses; 1:0 admitted, hits; the proposal 2:0 finds no
+    stale entry (both are current) and is declined, then withdrawn at layer 2, where 2:0
+    misses and evicts the current left 0:0: (1, 2, 0). Pass 1 (1:0, 2:0 stale): 0:0 misses
+    and evicts the farthest upcoming stale entry, 2:0; 1:0 is selected (current) and hits;
+    the proposal 2:0 is declined again (no stale entry left) and 2:0 misses at layer 2 - a
+    collision miss: (1, 2, 1).
+
+    Least-Stale with prefetch_evicts_current: the declined proposals evict the current left
+    entry instead (0:0 at layer 1 in both passes), so 2:0 is prefetched back: (2, 1, 0) and
+    (2, 1, 0) - evicting a stale upcoming 2:0 at layer 0 costs nothing when the prefetcher may
+    bring it back."""
+    model = small_model(layers=3, experts=2, top_k=1)
+    t = trace_from_array(model, np.zeros((1, 2, 3, 1), dtype=np.int64))
+
+    def run(policy):
+        sc = scenario(timing=False, cache={"capacity": "2 experts"},
+                      policies={"eviction": policy, "prefetch": "oracle"})
+        return simulate(sc, trace=t).steps[["hits", "misses", "collision_misses"]].values.tolist()
+
+    assert run("lru") == [[2, 1, 0], [2, 1, 0]]
+    assert run("least-stale") == [[1, 2, 0], [1, 2, 1]]
+    assert run({"name": "least-stale", "prefetch_evicts_current": True}) == [[2, 1, 0], [2, 1, 0]]
