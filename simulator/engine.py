@@ -405,8 +405,7 @@ class Simulation:
             if timing:
                 advance(t)
                 clock.now = t
-            clock.pending.difference_update(pins)
-            clock.pending.discard(look.keys[i])
+            clock.pending.discard(look.keys[i])  # expert i has run
             if self.decisions is not None:
                 self.decisions.extend((look.p, look.layer, "run", k) for k in pins)
             if self._waiting:

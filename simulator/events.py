@@ -1,7 +1,7 @@
 """One run's timeline as a Chrome trace (``moesim run --events FILE``), which Perfetto and
 chrome://tracing open: the compute stream (per layer: non-expert, waiting for experts,
 expert compute) and the host link's copy engine (each transfer, demand or prefetch) as
-tracks. With ``expert_compute: on-arrival`` a layer's waits are drawn as one block before
+tracks. With ``expert_compute: on-arrival`` or ``per-expert`` a layer's waits are drawn as one block before
 its expert compute. Times are in microseconds of simulated time.
 """
 

@@ -137,13 +137,13 @@ class LayerLookup:
     # -- one lookup --------------------------------------------------------------------------
     def lookup(self, i: int, pinned: set[int], now: float) -> list[Run]:
         """Look up the layer's ``i``-th expert at time ``now``; ``pinned`` holds the keys that
-        must not be evicted (the key looked up and any key it computes from are added)."""
+        must not be evicted (any key the expert is computed from is added: a fetched or
+        lower-precision copy, a substitute)."""
         sim = self.sim
         row = self.row
         cache = sim.cache
         policy = sim.eviction
         key = self.keys[i]
-        pinned.add(key)
         rec = sim.decisions
         if key in cache.resident:
             row.hits += 1

@@ -41,29 +41,35 @@ def lcs_misses(stream: list[int], capacity: int, algo: str = "LRU") -> int:
 
 # -- closed forms ----------------------------------------------------------------------------
 
+def on_demand_case(capacity: int, mode: str):
+    """A 3-layer no-prefetch replay in ``mode`` and what its closed form needs: the result,
+    the workload, per-access compute and per-pass non-expert times, the copy time of one
+    expert written from the link's datasheet formula, and each access's hit flag from the
+    independent reference replay."""
+    model = small_model(layers=3, experts=8, top_k=2)
+    trace = generate(model, requests=1, prompt_tokens=4, tokens=30, seed=2)
+    sc = scenario(cache={"capacity": f"{capacity} experts"}, expert_compute=mode)
+    res = simulate(sc, trace=trace)
+    wl = build_workload(trace, 1)
+    expert_bytes = model.expert_bytes["bf16"]
+    cost = CostModel(sc.hardware, model, expert_bytes)
+    link = sc.hardware.h2d
+    copy = link.latency_us * 1e-6 + expert_bytes / (
+        link.bandwidth_gbps * 1e9 * link.efficiency * expert_bytes / (expert_bytes + link.half_efficiency_bytes))
+    hits = R.replay(R.trace_passes(trace), capacity, R.RefLRU(3), mode).outcomes
+    return res, wl, cost.expert_time(wl.acc_tokens), cost.nonexpert_time(wl.pass_tokens, wl.pass_context), copy, hits
+
+
 @pytest.mark.parametrize("capacity", [0, 3, 10, 10_000])
 def test_on_demand_step_time_is_the_closed_form(capacity):
     """speculating-experts-prefetch.txt §5.1: T = sum over layers of (t_attn+gate + copy of the
     missed experts + expert compute). Hit/miss flags come from the independent reference
     replay (layer execution: the whole layer pinned)."""
-    model = small_model(layers=3, experts=8, top_k=2)
-    trace = generate(model, requests=1, prompt_tokens=4, tokens=30, seed=2)
-    sc = scenario(cache={"capacity": f"{capacity} experts"})
-    res = simulate(sc, trace=trace)
-    wl = build_workload(trace, 1)
-    expert_bytes = model.expert_bytes["bf16"]
-    cost = CostModel(sc.hardware, model, expert_bytes)
-    ref = R.replay(R.trace_passes(trace), capacity, R.RefLRU(3), "layer")
-    hits = ref.outcomes
-    copy = sc.hardware.h2d.latency_us * 1e-6 + expert_bytes / (
-        sc.hardware.h2d.bandwidth_gbps * 1e9 * sc.hardware.h2d.efficiency
-        * expert_bytes / (expert_bytes + sc.hardware.h2d.half_efficiency_bytes))
-    ffn = cost.expert_time(wl.acc_tokens)
-    nonexp = cost.nonexpert_time(wl.pass_tokens, wl.pass_context)
+    res, wl, ffn, nonexp, copy, hits = on_demand_case(capacity, "layer")
     expected = []
     for p in range(wl.num_passes):
         total = 0.0
-        for layer in range(model.num_layers):
+        for layer in range(3):
             lo, hi = wl.off[p * 3 + layer], wl.off[p * 3 + layer + 1]
             missed = sum(not hits[i] for i in range(lo, hi))
             total += nonexp[p] + missed * copy + ffn[lo:hi].sum()
@@ -80,31 +86,19 @@ def test_per_expert_step_time_is_the_closed_form(capacity):
     (0 for a hit) and f the expert's compute; the layer ends at start_n + f_n. With every
     expert missing and equal f and c: c + (n - 1) max(c, f) + f. Hit flags from the
     independent reference replay in per-expert execution."""
-    model = small_model(layers=3, experts=8, top_k=2)
-    trace = generate(model, requests=1, prompt_tokens=4, tokens=30, seed=2)
-    sc = scenario(cache={"capacity": f"{capacity} experts"}, expert_compute="per-expert")
-    res = simulate(sc, trace=trace)
-    wl = build_workload(trace, 1)
-    expert_bytes = model.expert_bytes["bf16"]
-    cost = CostModel(sc.hardware, model, expert_bytes)
-    hits = R.replay(R.trace_passes(trace), capacity, R.RefLRU(3), "per-expert").outcomes
-    link = sc.hardware.h2d
-    copy = link.latency_us * 1e-6 + expert_bytes / (
-        link.bandwidth_gbps * 1e9 * link.efficiency * expert_bytes / (expert_bytes + link.half_efficiency_bytes))
-    ffn = cost.expert_time(wl.acc_tokens)
-    nonexp = cost.nonexpert_time(wl.pass_tokens, wl.pass_context)
+    res, wl, ffn, nonexp, copy, hits = on_demand_case(capacity, "per-expert")
     expected = []
     for p in range(wl.num_passes):
         total = 0.0
-        for layer in range(model.num_layers):
+        for layer in range(3):
             lo, hi = wl.off[p * 3 + layer], wl.off[p * 3 + layer + 1]
-            t = total + nonexp[p]
-            start = t + (0.0 if hits[lo] else copy)
+            start = total + nonexp[p] + (0.0 if hits[lo] else copy)
             for i in range(lo + 1, hi):
                 start = max(start + ffn[i - 1], start + (0.0 if hits[i] else copy))
             total = start + ffn[hi - 1]
         expected.append(total)
     np.testing.assert_allclose(res.steps["duration_s"].to_numpy(), expected, rtol=1e-9, atol=1e-12)
+    assert res.summary["misses"] == sum(not h for h in hits)
     if capacity == 0:  # every expert missing: c + (n - 1) max(c, f) + f per layer
         n = np.diff(wl.off[:4])
         f = [ffn[wl.off[i]] for i in range(3)]

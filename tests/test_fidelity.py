@@ -228,6 +228,13 @@ def test_least_stale_relative_order_by_hand():
 
 # -- the prefetch contract by hand: SpecMD Fig. 3's LRU pathology ----------------------------
 
+def oracle_steps(trace, policy, capacity: int) -> list[list[int]]:
+    """Per pass (hits, misses, collision misses) of a cache-only replay with oracle prefetch."""
+    sc = scenario(timing=False, cache={"capacity": f"{capacity} experts"},
+                  policies={"eviction": policy, "prefetch": "oracle"})
+    return simulate(sc, trace=trace).steps[["hits", "misses", "collision_misses"]].values.tolist()
+
+
 def test_lru_evicts_a_selected_expert_for_its_own_batch():
     """Two layers, 4 experts, top-2, room for 3, oracle prefetch, cache-only, layer
     execution. Keys written layer:expert. Pass 0 routes layer 0 -> (0, 1), layer 1 -> (2, 3);
@@ -256,9 +263,7 @@ def test_lru_evicts_a_selected_expert_for_its_own_batch():
     t = trace_from_array(model, ex)
 
     def run(policy):
-        sc = scenario(timing=False, cache={"capacity": "3 experts"},
-                      policies={"eviction": policy, "prefetch": "oracle"})
-        return simulate(sc, trace=t).steps[["hits", "misses", "collision_misses"]].values.tolist()
+        return oracle_steps(t, policy, 3)
 
     assert run("lru") == [[2, 2, 0], [2, 2, 1]]
     assert run("least-stale") == [[1, 3, 0], [2, 2, 0]]
@@ -289,10 +294,22 @@ def test_strict_least_stale_turns_declined_prefetches_into_collisions():
     t = trace_from_array(model, np.zeros((1, 2, 3, 1), dtype=np.int64))
 
     def run(policy):
-        sc = scenario(timing=False, cache={"capacity": "2 experts"},
-                      policies={"eviction": policy, "prefetch": "oracle"})
-        return simulate(sc, trace=t).steps[["hits", "misses", "collision_misses"]].values.tolist()
+        return oracle_steps(t, policy, 2)
 
     assert run("lru") == [[2, 1, 0], [2, 1, 0]]
     assert run("least-stale") == [[1, 2, 0], [1, 2, 1]]
     assert run({"name": "least-stale", "prefetch_evicts_current": True}) == [[2, 1, 0], [2, 1, 0]]
+
+
+def test_a_fetched_lower_precision_copy_stays_pinned_for_its_layer():
+    """One layer, top-2, fetch-lowest-bit (int4), room for exactly one int4 expert, two passes
+    routing experts (0, 1). Pass 0: 0 misses and its int4 copy is fetched; 1 misses and finds
+    the only entry pinned (the layer computes from it), so 1 is fetched to the staging buffer
+    (uncached). Pass 1: 0 finds its int4 copy resident (a hit at low precision); 1 misses and
+    is uncached again. Per pass (hits, misses, uncached): (0, 2, 1), (1, 1, 1)."""
+    model = small_model(layers=1, experts=4, top_k=2)
+    t = trace_from_array(model, np.array([[[[0, 1]], [[0, 1]]]]))
+    sc = scenario(timing=False, cache={"capacity": f"{model.expert_bytes['int4']}B"},
+                  policies={"miss": {"name": "fetch-lowest-bit", "precisions": ["bf16", "int4"]}})
+    steps = simulate(sc, trace=t).steps
+    assert steps[["hits", "misses", "uncached_fetches"]].values.tolist() == [[0, 2, 1], [1, 1, 1]]
