@@ -56,7 +56,8 @@ def on_demand_case(capacity: int, mode: str):
     link = sc.hardware.h2d
     copy = link.latency_us * 1e-6 + expert_bytes / (
         link.bandwidth_gbps * 1e9 * link.efficiency * expert_bytes / (expert_bytes + link.half_efficiency_bytes))
-    hits = R.replay(R.trace_passes(trace), capacity, R.RefLRU(3), mode).outcomes
+    ref_mode = "per-expert" if mode == "per-expert" else "layer"  # on-arrival pins as layer does
+    hits = R.replay(R.trace_passes(trace), capacity, R.RefLRU(3), ref_mode).outcomes
     return res, wl, cost.expert_time(wl.acc_tokens), cost.nonexpert_time(wl.pass_tokens, wl.pass_context), copy, hits
 
 
@@ -76,6 +77,34 @@ def test_on_demand_step_time_is_the_closed_form(capacity):
         expected.append(total)
     np.testing.assert_allclose(res.steps["duration_s"].to_numpy(), expected, rtol=1e-9, atol=1e-12)
     assert res.summary["misses"] == sum(not h for h in hits)
+
+
+@pytest.mark.parametrize("capacity", [0, 3, 10, 48])
+def test_on_arrival_step_time_is_the_closed_form(capacity):
+    """``on-arrival`` execution: at the routing point t every miss is issued and the copies
+    serialise, so the k-th miss of the layer (k = 1, 2, ...) arrives at t + k c; hits are
+    there at t. Each expert runs as soon as it has arrived, in arrival order (hits first, in
+    router order): s = t, then s = max(s, a) + f; the layer ends at s."""
+    res, wl, ffn, nonexp, copy, hits = on_demand_case(capacity, "on-arrival")
+    expected = []
+    for p in range(wl.num_passes):
+        total = 0.0
+        for layer in range(3):
+            lo, hi = wl.off[p * 3 + layer], wl.off[p * 3 + layer + 1]
+            t = total + nonexp[p]
+            arrivals, k = [], 0
+            for i in range(lo, hi):
+                if hits[i]:
+                    arrivals.append((t, ffn[i]))
+                else:
+                    k += 1
+                    arrivals.append((t + k * copy, ffn[i]))
+            s = t
+            for a, f in sorted(arrivals):
+                s = max(s, a) + f
+            total = s
+        expected.append(total)
+    np.testing.assert_allclose(res.steps["duration_s"].to_numpy(), expected, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("capacity", [0, 3, 10, 48])
