@@ -183,6 +183,8 @@ def test_pinning_properties(layers, experts, k, tokens, seed, cap, batch, mode, 
                 pinned.discard(key)
     assert collisions == s["collision_misses"]
     assert res.steps["collision_misses"].sum() == s["collision_misses"]
+    cache = sim.cache  # bytes in use are those of the resident and in-flight entries
+    assert cache.used == sum(cache.resident.values()) + sum(tr.nbytes for tr in cache.inflight.values())
 
 
 # -- Least-Stale's orders, by hand -----------------------------------------------------------

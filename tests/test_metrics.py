@@ -1,0 +1,103 @@
+"""Summary metrics on hand-made traces whose values are worked out by hand in each test
+(issue 12): the arithmetic is written in the docstrings, the datasheet figures are the A100 +
+PCIe 4.0 preset's (see tests/test_cost.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simulator.engine import simulate
+from tests.helpers import scenario, small_model, trace_from_array
+
+HBM = 2039e9
+LINK_EFF = 32e9 * 0.8
+TINY_EXPERT = 3 * 256 * 512 * 2  # small_model's bf16 expert: 786,432 bytes
+COPY = 10e-6 + (TINY_EXPERT + 65_536) / LINK_EFF  # 43.28 us
+FFN = TINY_EXPERT / HBM + 5e-6
+NONEXP = 529_408 / HBM + 20e-6  # one token at context 1 (tests/test_cost.py)
+
+
+def test_hit_rate_counts_late_prefetches_as_accesses():
+    """Two layers, top-1, oracle prefetch, unlimited cache, a 0.01 GB/s link (a copy takes
+    about 0.1 s, far longer than a layer's compute). Pass 0: layer 0's expert misses (demand
+    copy); the proposal for layer 1 is admitted and queued behind it, so it is still in flight
+    at layer 1's routing point: a late prefetch. Pass 1 uses the same experts: two hits.
+    hits 2, misses 1, late 1: hit_rate = 2 / (2 + 1 + 1) = 0.5."""
+    model = small_model(layers=2, experts=4, top_k=1)
+    t = trace_from_array(model, np.array([[[[0], [1]], [[0], [1]]]]))
+    s = simulate(scenario(cache={"capacity": "inf"}, policies={"prefetch": "oracle"},
+                          hardware={"links": {"pcie": {"bandwidth_gbps": 0.01}}}), trace=t).summary
+    assert (s["hits"], s["misses"], s["late_prefetches"]) == (2, 1, 1)
+    assert s["hit_rate"] == 0.5
+    assert s["prefetches_issued"] == 1
+    assert s["prefetches_used"] == 1
+
+
+def test_tpot_shares_a_pass_among_its_requests():
+    """Batch 2: request A decodes 3 tokens, request B 1 token (no prompts). Pass 0 carries a
+    token of each, passes 1 and 2 only A's. A request's time per output token shares a pass's
+    duration among the requests in it: tpot = (2 d0 + d1 + d2) / (2 + 1 + 1) — not the mean
+    pass duration (d0 + d1 + d2) / 3, nor unweighted (d0 + d1 + d2) / 4."""
+    model = small_model(layers=1, experts=8, top_k=2)
+    a = trace_from_array(model, np.array([[[[0, 1]], [[2, 3]], [[4, 5]]]]))
+    from traces.trace import Trace
+
+    b_rows = a.take(a.step == 0)
+    b_rows.request = np.full(len(b_rows), 1, dtype=np.int32)
+    cols = {c: np.concatenate([getattr(a, c), getattr(b_rows, c)])
+            for c in ("request", "step", "position", "phase", "layer", "experts", "weights")}
+    t = Trace(model=model, **cols)
+    res = simulate(scenario(cache={"capacity": "0 experts"}, workload={"batch_size": 2}), trace=t)
+    d = res.steps["duration_s"].to_numpy()
+    assert res.steps["requests"].tolist() == [2, 1, 1]
+    assert res.summary["tpot_s"] == pytest.approx((2 * d[0] + d[1] + d[2]) / 4, rel=1e-12)
+    assert res.summary["tokens_per_s"] == pytest.approx(4 / d.sum(), rel=1e-12)
+
+
+def test_link_utilisation_and_cache_peak_by_hand():
+    """One decode token, 2 layers, top-2, no cache (every expert fetched to staging): the
+    link is busy 4 copies = 4 x 43.28 us out of the pass's 2 (non-expert + 2 copies + 2 FFN):
+    utilisation 4 c / (2 (n + 2 c + 2 f)). Nothing is cached: peak 0 bytes. With room for 3
+    experts the 4 distinct experts fill it: peak 3 x 786,432 bytes."""
+    model = small_model(layers=2, experts=8, top_k=2)
+    t = trace_from_array(model, np.array([[[[0, 1], [2, 3]]]]))
+    s = simulate(scenario(cache={"capacity": "0 experts"}), trace=t).summary
+    total = 2 * (NONEXP + 2 * COPY + 2 * FFN)
+    assert s["total_time_s"] == pytest.approx(total, rel=1e-12)
+    assert s["link_utilisation"]["pcie.h2d"] == pytest.approx(4 * COPY / total, rel=1e-12)
+    assert s["cache_peak_bytes"] == 0
+    s3 = simulate(scenario(cache={"capacity": "3 experts"}), trace=t).summary
+    assert s3["cache_peak_bytes"] == 3 * TINY_EXPERT
+
+
+def test_a_withdrawn_prefetch_frees_its_room():
+    """The cache reserves a prefetch's bytes when it is admitted and frees them when it is
+    withdrawn unstarted: room for 2 experts of 786,432 bytes; one resident (786,432 in use),
+    one prefetch admitted (1,572,864 in use, no room left), withdrawn (786,432 again: room
+    for one more, without evicting the resident one); the copy engine moved its bytes back."""
+    from policies.eviction import REGISTRY
+    from policies.registry import PolicyContext
+    from simulator.cache import ExpertCache
+    from simulator.copyengine import DEMAND, PREFETCH, CopyEngine
+
+    sc = scenario()
+    ctx = PolicyContext(num_layers=1, num_experts=4, top_k=1, expert_bytes=TINY_EXPERT,
+                        rng=np.random.default_rng(0))
+    cache = ExpertCache(2 * TINY_EXPERT, REGISTRY.get("lru")(REGISTRY.get("lru").Params(), ctx))
+    copy = CopyEngine("pcie.h2d", sc.hardware.h2d)
+    d = copy.submit(0, TINY_EXPERT, DEMAND, 0.0)
+    cache.reserve(d, True)
+    copy.advance(1.0)  # the demand copy (43.28 us) has landed
+    cache.complete(d)
+    assert cache.used == TINY_EXPERT
+    pf = copy.submit(1, TINY_EXPERT, PREFETCH, 1.0)
+    cache.reserve(pf, False)
+    assert cache.used == 2 * TINY_EXPERT
+    assert cache.room_for(1, TINY_EXPERT, {0}) == (0, [])  # full: the resident one is pinned
+    gone = copy.cancel_many([pf])
+    cache.cancel_many(gone)
+    assert gone == [pf]
+    assert cache.used == TINY_EXPERT
+    assert cache.room_for(1, TINY_EXPERT, {0}) == (1, [])  # room again, nothing evicted
+    assert copy.bytes_moved == TINY_EXPERT
