@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ from traces.schema import PHASE_CODES, ModelInfo, expert_bytes_for
 from traces.synth import grid_index
 from traces.trace import Trace
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "traces" / "real"
+# ../shared beside the checkout; MOESIM_SHARED names it when the tests run from a copy (mutmut)
+REAL = Path(os.environ.get("MOESIM_SHARED") or Path(__file__).resolve().parents[2] / "shared") / "traces" / "real"
 
 
 def real_dir() -> Path:

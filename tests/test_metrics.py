@@ -101,3 +101,38 @@ def test_a_withdrawn_prefetch_frees_its_room():
     assert cache.used == TINY_EXPERT
     assert cache.room_for(1, TINY_EXPERT, {0}) == (1, [])  # room again, nothing evicted
     assert copy.bytes_moved == TINY_EXPERT
+
+
+def test_prefetch_precision_and_recall_have_their_own_denominators():
+    """Batch 2, 2 layers, top-2, previous-token prefetch. Request A routes (layer 0, layer 1)
+    to (0, 1), (2, 3) for both tokens; request B to (4, 5), (4, 5) then (4, 5), (2, 6). Pass 0
+    has no previous pass: no proposals. Pass 1 at layer 0 proposes layer 1's experts of pass
+    0: {2, 3, 4, 5}; layer 1 of pass 1 needs {2, 3, 6}; both share {2, 3}.
+    precision = 2 / 4, recall = 2 / 3."""
+    model = small_model(layers=2, experts=8, top_k=2)
+    ex = np.array([[[[0, 1], [2, 3]], [[0, 1], [2, 3]]],
+                   [[[4, 5], [4, 5]], [[4, 5], [2, 6]]]])
+    t = trace_from_array(model, ex)
+    s = simulate(scenario(timing=False, policies={"prefetch": "previous-token"}, workload={"batch_size": 2}),
+                 trace=t).summary
+    assert s["prefetch_precision"] == 0.5
+    assert s["prefetch_recall"] == pytest.approx(2 / 3, rel=1e-15)
+
+
+def test_fld_evicts_the_farthest_layer_first():
+    """FLD at layer 1 of 4: distances |layer - 1| are 3 -> 2, 0 and 2 -> 1, 1 -> 0. Keys
+    inserted in the order 2:0, 0:0, 1:0, 3:0 (LRU order): candidates 3:0 (farthest), then the
+    distance-1 keys by recency, 2:0 then 0:0, then 1:0."""
+    from policies.eviction import REGISTRY
+    from policies.registry import Clock, PolicyContext
+
+    clock = Clock()
+    ctx = PolicyContext(num_layers=4, num_experts=4, top_k=1, expert_bytes=1, rng=np.random.default_rng(0),
+                        clock=clock)
+    fld = REGISTRY.get("fld")(REGISTRY.get("fld").Params(), ctx)
+    for layer in (2, 0, 1, 3):
+        fld.on_insert(ctx.key(layer, 0), True)
+    clock.layer = 1
+    assert list(fld.candidates()) == [ctx.key(3, 0), ctx.key(2, 0), ctx.key(0, 0), ctx.key(1, 0)]
+    clock.layer = 3  # now layer 0 is farthest
+    assert next(iter(fld.candidates())) == ctx.key(0, 0)

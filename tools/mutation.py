@@ -1,0 +1,68 @@
+"""Mutation testing of one module at a time with mutmut (issue 12; not part of the test run).
+
+Usage: ``python tools/mutation.py simulator/cache.py [policies/eviction.py ...]``
+
+For each module it runs ``mutmut run "<module>.*"`` (configured in pyproject's
+``[tool.mutmut]``; mutmut runs, for each mutant, the tests that reach the mutated function,
+from the default test run: the slow notebooks are not among them), reads mutmut's results for
+the module and merges them into ``benchmarks/results/mutation.json``: killed, survived, timed
+out, not reached by any test, the kill rate over the non-equivalent mutants, and the names of
+the survivors. Survivors judged equivalent (no test can tell them apart: the behaviour is
+the same) are listed in ``EQUIVALENT`` below, each with its reason; ``mutmut show NAME`` shows
+a mutant. ``MOESIM_SHARED`` is set to ``../shared`` so the real-trace tests run in mutmut's
+copy of the tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "mutation.json"
+KILLED = {1, 3, 36, 24, -24, 152, 255, 37}  # test failure, pytest error, timeout, type check
+SURVIVED = {0}
+NO_TESTS = {5, 33}
+
+# mutant name -> why no test can tell it from the original
+EQUIVALENT: dict[str, str] = {}
+
+
+def run(module: str) -> dict[str, object]:
+    dotted = module.removesuffix(".py").replace("/", ".")
+    env = {**os.environ, "MOESIM_SHARED": str(ROOT.parent / "shared")}
+    subprocess.run([sys.executable, "-m", "mutmut", "run", f"{dotted}.*"], cwd=ROOT, env=env, check=False)
+    meta = json.loads((ROOT / "mutants" / f"{module}.meta").read_text())
+    codes: dict[str, int | None] = meta["exit_code_by_key"]
+    killed = sorted(k for k, c in codes.items() if c in KILLED)
+    survived = sorted(k for k, c in codes.items() if c in SURVIVED)
+    untested = sorted(k for k, c in codes.items() if c in NO_TESTS)
+    other = sorted(k for k, c in codes.items() if k not in killed + survived + untested)
+    equivalent = [k for k in survived if k in EQUIVALENT]
+    live = [k for k in survived + untested if k not in EQUIVALENT]
+    judged = len(killed) + len(live)
+    return {
+        "mutants": len(codes), "killed": len(killed), "survived": len(survived), "no_tests": len(untested),
+        "unchecked": len(other), "equivalent": {k: EQUIVALENT[k] for k in equivalent},
+        "kill_rate": len(killed) / judged if judged else None,
+        "alive": live,
+    }
+
+
+def main(modules: list[str]) -> None:
+    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    for module in modules:
+        results[module] = run(module)
+        r = results[module]
+        print(f"{module}: {r['killed']} killed of {r['mutants']}, {len(r['alive'])} alive "
+              f"(kill rate {r['kill_rate']:.1%})" if r["kill_rate"] is not None else f"{module}: no mutants")
+    tmp = RESULTS.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    tmp.replace(RESULTS)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
