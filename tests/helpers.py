@@ -126,3 +126,24 @@ def batch_access_stream(trace: Trace, batch: int) -> list[int]:
                     seen.add(k)
                     out.append(k)
     return out
+
+
+def datasheet_times(model: ModelInfo, wl: Any) -> tuple[np.ndarray, np.ndarray, float]:
+    """Per-access expert compute, per-pass non-expert time and one bf16 expert's copy time,
+    written from the A100-80G + PCIe 4.0 datasheet figures (HBM 2039 GB/s, 312 TFLOPS bf16,
+    launches 5 us per expert and 20 us per layer; PCIe 32 GB/s at 80% efficiency, half of it
+    at 64 KiB, 10 us latency) and the roofline of docs/design.md, independently of the cost
+    model: an expert reads 6 H I bytes and does 6 H I FLOPs per token; a layer's non-expert
+    part (q and kv widths H) reads W = 4 H^2 + H N bf16 weights plus 4 H
+    bytes of KV cache per context token and does 2 W FLOPs per token plus 4 H per context
+    token."""
+    h, i, n = model.hidden_size, model.expert_intermediate_size, model.num_experts
+    assert model.heads * model.head_size == h, "q width H is assumed"
+    assert model.kv_heads * model.head_size == h, "kv width H is assumed"
+    hbm, peak = 2039e9, 312e12
+    ffn = np.maximum(6 * h * i / hbm, 6 * h * i * wl.acc_tokens / peak) + 5e-6
+    w = 4 * h * h + h * n
+    nonexp = np.maximum((2 * w + 4 * h * wl.pass_context) / hbm,
+                        (2 * w * wl.pass_tokens + 4 * h * wl.pass_context) / peak) + 20e-6
+    copy = 10e-6 + (6 * h * i + 65_536) / (32e9 * 0.8)
+    return ffn, nonexp, copy

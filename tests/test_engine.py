@@ -8,11 +8,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from simulator.cost import CostModel
 from simulator.engine import Simulation, simulate
 from simulator.workload import build_workload
 from tests import reference_replay as R
-from tests.helpers import access_stream, mixtral_trace, scenario, small_model, trace_from_array
+from tests.helpers import (
+    access_stream,
+    datasheet_times,
+    mixtral_trace,
+    scenario,
+    small_model,
+    trace_from_array,
+)
 from traces.synth import generate, synth_from_preset
 
 
@@ -43,22 +49,24 @@ def lcs_misses(stream: list[int], capacity: int, algo: str = "LRU") -> int:
 
 def on_demand_case(capacity: int, mode: str):
     """A 3-layer no-prefetch replay in ``mode`` and what its closed form needs: the result,
-    the workload, per-access compute and per-pass non-expert times, the copy time of one
-    expert written from the link's datasheet formula, and each access's hit flag from the
-    independent reference replay."""
+    the workload, per-access compute and per-pass non-expert times and the copy time of one
+    expert, all written from the A100 + PCIe 4.0 datasheet figures (tests/test_cost.py: HBM
+    2039 GB/s, 312 TFLOPS, launches 5 us per expert and 20 us per layer; 32 GB/s x 0.8, half
+    the efficiency at 64 KiB, 10 us latency), and each access's hit flag from the independent
+    reference replay. Tiny model (H 256, I 512, 8 experts, 2 heads of 128): an expert is
+    786,432 bytes and 786,432 FLOPs per token; the non-expert weights are 264,192 (bf16:
+    528,384 bytes, 2 x 264,192 FLOPs per token) plus 1,024 bytes and 1,024 FLOPs per context
+    token."""
     model = small_model(layers=3, experts=8, top_k=2)
     trace = generate(model, requests=1, prompt_tokens=4, tokens=30, seed=2)
     sc = scenario(cache={"capacity": f"{capacity} experts"}, expert_compute=mode)
     res = simulate(sc, trace=trace)
     wl = build_workload(trace, 1)
-    expert_bytes = model.expert_bytes["bf16"]
-    cost = CostModel(sc.hardware, model, expert_bytes)
-    link = sc.hardware.h2d
-    copy = link.latency_us * 1e-6 + expert_bytes / (
-        link.bandwidth_gbps * 1e9 * link.efficiency * expert_bytes / (expert_bytes + link.half_efficiency_bytes))
+    ffn, nonexp, copy = datasheet_times(model, wl)
+    assert copy == pytest.approx(10e-6 + (786_432 + 65_536) / (32e9 * 0.8), rel=1e-15)
     ref_mode = "per-expert" if mode == "per-expert" else "layer"  # on-arrival pins as layer does
     hits = R.replay(R.trace_passes(trace), capacity, R.RefLRU(3), ref_mode).outcomes
-    return res, wl, cost.expert_time(wl.acc_tokens), cost.nonexpert_time(wl.pass_tokens, wl.pass_context), copy, hits
+    return res, wl, ffn, nonexp, copy, hits
 
 
 @pytest.mark.parametrize("capacity", [0, 3, 10, 10_000])

@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from simulator.cost import CostModel
 from simulator.engine import Simulation, simulate
 from simulator.errors import MoesimError
 from simulator.workload import build_workload
-from tests.helpers import scenario, small_model, trace_from_array
+from tests.helpers import datasheet_times, scenario, small_model, trace_from_array
 from traces.synth import generate, synth_from_preset
 
 
@@ -18,10 +17,7 @@ def per_layer_costs(sc, trace):
     experts that layer has never needed before (what ample capacity leaves to copy)."""
     wl = build_workload(trace, 1)
     model = trace.model
-    cost = CostModel(sc.hardware, model, model.expert_bytes["bf16"])
-    copy = sc.hardware.h2d.copy_time(model.expert_bytes["bf16"])
-    ffn = cost.expert_time(wl.acc_tokens)
-    nonexp = cost.nonexpert_time(wl.pass_tokens, wl.pass_context)
+    ffn, nonexp, copy = datasheet_times(model, wl)
     keys = wl.keys()
     seen: set[int] = set()
     out = []

@@ -27,15 +27,46 @@ KILLED = {1, 3, 36, 24, -24, 152, 255, 37}  # test failure, pytest error, timeou
 SURVIVED = {0}
 NO_TESTS = {5, 33}
 
+# the tests that check each module (mutmut runs, per mutant, those of them that reach it)
+TESTS: dict[str, list[str]] = {
+    "simulator/cache.py": ["tests/test_policies.py", "tests/test_metrics.py", "tests/test_fidelity.py",
+                           "tests/test_eviction.py"],
+    "simulator/copyengine.py": ["tests/test_copyengine.py", "tests/test_metrics.py", "tests/test_prefetch.py",
+                                "tests/test_engine.py"],
+    "simulator/lookup.py": ["tests/test_fidelity.py", "tests/test_miss_routing.py", "tests/test_engine.py"],
+    "simulator/metrics.py": ["tests/test_metrics.py", "tests/test_engine.py", "tests/test_speculative.py",
+                             "tests/test_expert_parallel.py"],
+    "policies/eviction.py": ["tests/test_eviction.py", "tests/test_fidelity.py", "tests/test_policies.py"],
+    "policies/prefetch.py": ["tests/test_proposals.py", "tests/test_prefetch.py"],
+    "policies/budget.py": ["tests/test_budget.py", "tests/test_budget_hand.py", "tests/test_expert_parallel.py"],
+}
+
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {}
 
 
 def run(module: str) -> dict[str, object]:
+    """Mutate ``module`` in a scratch copy of the tree (mutmut reads its configuration from
+    the working directory's pyproject: there it mutates only this module and selects only its
+    tests), and read the results back."""
+    import shutil
+    import tempfile
+
     dotted = module.removesuffix(".py").replace("/", ".")
+    work = Path(tempfile.mkdtemp(prefix="moesim-mutation-"))
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        (work / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, work / f)
+    pyproject = (work / "pyproject.toml").read_text()
+    tests = TESTS.get(module, ["tests"])
+    pyproject = pyproject.replace("[tool.mutmut]\n", "[tool.mutmut]\n" + f"only_mutate = [{module!r}]\n"
+                                  + f"pytest_add_cli_args_test_selection = {tests!r}\n", 1)
+    (work / "pyproject.toml").write_text(pyproject)
     env = {**os.environ, "MOESIM_SHARED": str(ROOT.parent / "shared")}
-    subprocess.run([sys.executable, "-m", "mutmut", "run", f"{dotted}.*"], cwd=ROOT, env=env, check=False)
-    meta = json.loads((ROOT / "mutants" / f"{module}.meta").read_text())
+    subprocess.run([sys.executable, "-m", "mutmut", "run", f"{dotted}.*"], cwd=work, env=env, check=False)
+    meta = json.loads((work / "mutants" / f"{module}.meta").read_text())
+    shutil.rmtree(work, ignore_errors=True)
     codes: dict[str, int | None] = meta["exit_code_by_key"]
     killed = sorted(k for k, c in codes.items() if c in KILLED)
     survived = sorted(k for k, c in codes.items() if c in SURVIVED)
