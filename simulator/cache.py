@@ -28,47 +28,42 @@ class ExpertCache:
         self.static_pinned: set[int] = set()
 
     def __contains__(self, key: int) -> bool:
+        """Whether ``key`` is resident or in flight."""
         return key in self.resident or key in self.inflight
 
     def make_room(self, nbytes: int, pinned: Container[int], for_prefetch: bool = False) -> list[int] | None:
-        """Evict until ``nbytes`` fit; return the victims, or ``None`` (and change nothing)
-        when the unpinned entries cannot free enough (:meth:`room_for` for one entry)."""
-        if self.used + nbytes <= self.capacity:
-            return []
-        if nbytes > self.capacity:
-            return None
-        admitted, victims = self.room_for(1, nbytes, pinned, for_prefetch)
-        if admitted < 1:
-            return None
+        """Evict what :meth:`victims_for` names; return the victims, or ``None`` (and change
+        nothing) when no room can be made."""
+        victims = self.victims_for(nbytes, pinned, for_prefetch)
         if victims:
             self.remove_many(victims)
         return victims
 
-    def room_for(self, n: int, nbytes: int, pinned: Container[int],
-                 for_prefetch: bool = False) -> tuple[int, list[int]]:
-        """How many of ``n`` entries of ``nbytes`` can be admitted in order, and the victims
-        (in eviction order) that make room for them; evicts nothing. Entries in flight, the
-        ``pinned`` keys and statically pinned keys are never victims; ``for_prefetch`` walks
-        the policy's :meth:`prefetch_candidates` (it may decline to evict some keys for an
-        optional prefetch)."""
+    def victims_for(self, nbytes: int, pinned: Container[int], for_prefetch: bool = False) -> list[int] | None:
+        """The victims, in the policy's eviction order, whose eviction makes room for one entry
+        of ``nbytes`` (empty when it fits already), or ``None`` when the entries that may be
+        evicted cannot free enough; evicts nothing. Entries in flight, the ``pinned`` keys and
+        statically pinned keys are never victims; ``for_prefetch`` walks the policy's
+        :meth:`prefetch_candidates` (it may decline to evict some keys for an optional
+        prefetch)."""
         free = self.capacity - self.used
-        if n * nbytes <= free:
-            return n, []
+        if nbytes <= free:
+            return []
+        if nbytes > self.capacity:
+            return None
         victims: list[int] = []
         resident = self.resident
         static = self.static_pinned
-        admitted = int(max(free, 0) // nbytes) if nbytes else n
         walk = self.policy.prefetch_candidates() if for_prefetch else self.policy.candidates()
         for key in walk:
-            if admitted >= n:
-                break
             # entries in flight are not resident
             if key not in resident or key in pinned or (static and key in static):
                 continue
             victims.append(key)
             free += resident[key]
-            admitted = int(free // nbytes)
-        return min(admitted, n), victims
+            if nbytes <= free:
+                return victims
+        return None
 
     def cancel_many(self, transfers: list[Transfer]) -> None:
         """Drop the in-flight entries of withdrawn transfers."""
@@ -92,10 +87,6 @@ class ExpertCache:
             loaded += 1
         self.max_used = max(self.max_used, self.used)
         return loaded
-
-    def remove(self, key: int) -> None:
-        """Evict a resident entry."""
-        self.remove_many([key])
 
     def remove_many(self, keys: list[int]) -> None:
         """Evict resident entries (in this order)."""

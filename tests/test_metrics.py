@@ -94,12 +94,12 @@ def test_a_withdrawn_prefetch_frees_its_room():
     pf = copy.submit(1, TINY_EXPERT, PREFETCH, 1.0)
     cache.reserve(pf, False)
     assert cache.used == 2 * TINY_EXPERT
-    assert cache.room_for(1, TINY_EXPERT, {0}) == (0, [])  # full: the resident one is pinned
+    assert cache.victims_for(TINY_EXPERT, {0}) is None  # full: the resident one is pinned
     gone = copy.cancel_many([pf])
     cache.cancel_many(gone)
     assert gone == [pf]
     assert cache.used == TINY_EXPERT
-    assert cache.room_for(1, TINY_EXPERT, {0}) == (1, [])  # room again, nothing evicted
+    assert cache.victims_for(TINY_EXPERT, {0}) == []  # room again, nothing evicted
     assert copy.bytes_moved == TINY_EXPERT
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "mutation.json"
+SURVIVORS = ROOT / "benchmarks" / "results" / "mutation-survivors"  # the alive mutants' diffs, per module
 KILLED = {1, 3, 36, 24, -24, 152, 255, 37}  # test failure, pytest error, timeout, type check
 SURVIVED = {0}
 NO_TESTS = {5, 33}
@@ -30,7 +31,7 @@ NO_TESTS = {5, 33}
 # the tests that check each module (mutmut runs, per mutant, those of them that reach it)
 TESTS: dict[str, list[str]] = {
     "simulator/cache.py": ["tests/test_policies.py", "tests/test_metrics.py", "tests/test_fidelity.py",
-                           "tests/test_eviction.py"],
+                           "tests/test_eviction.py", "tests/test_prefetch.py"],
     "simulator/copyengine.py": ["tests/test_copyengine.py", "tests/test_metrics.py", "tests/test_prefetch.py",
                                 "tests/test_engine.py"],
     "simulator/lookup.py": ["tests/test_fidelity.py", "tests/test_miss_routing.py", "tests/test_engine.py"],
@@ -66,6 +67,12 @@ def run(module: str) -> dict[str, object]:
     env = {**os.environ, "MOESIM_SHARED": str(ROOT.parent / "shared")}
     subprocess.run([sys.executable, "-m", "mutmut", "run", f"{dotted}.*"], cwd=work, env=env, check=False)
     meta = json.loads((work / "mutants" / f"{module}.meta").read_text())
+    alive_codes = {k: c for k, c in meta["exit_code_by_key"].items()
+                   if c in SURVIVED | NO_TESTS and k not in EQUIVALENT}
+    diffs = [subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=work, env=env,
+                            capture_output=True, text=True).stdout for name in sorted(alive_codes)]
+    SURVIVORS.mkdir(parents=True, exist_ok=True)
+    (SURVIVORS / f"{dotted}.txt").write_text("".join(f"# {name}\n{d}\n" for name, d in zip(sorted(alive_codes), diffs, strict=True)))
     shutil.rmtree(work, ignore_errors=True)
     codes: dict[str, int | None] = meta["exit_code_by_key"]
     killed = sorted(k for k, c in codes.items() if c in KILLED)
