@@ -97,8 +97,9 @@ class ExpertCache:
         for cb in self.on_evict:
             cb(keys)
 
-    def reserve(self, tr: Transfer, demand: bool = True) -> None:
-        """Record an in-flight entry for ``tr`` (room must have been made)."""
+    def reserve(self, tr: Transfer, demand: bool) -> None:
+        """Record an in-flight entry for ``tr`` (room must have been made); the policy is told
+        whether it is a demand fetch (a use) or a prefetch."""
         self.inflight[tr.key] = tr
         self.used += tr.nbytes
         if self.used > self.max_used:

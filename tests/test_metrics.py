@@ -71,38 +71,6 @@ def test_link_utilisation_and_cache_peak_by_hand():
     assert s3["cache_peak_bytes"] == 3 * TINY_EXPERT
 
 
-def test_a_withdrawn_prefetch_frees_its_room():
-    """The cache reserves a prefetch's bytes when it is admitted and frees them when it is
-    withdrawn unstarted: room for 2 experts of 786,432 bytes; one resident (786,432 in use),
-    one prefetch admitted (1,572,864 in use, no room left), withdrawn (786,432 again: room
-    for one more, without evicting the resident one); the copy engine moved its bytes back."""
-    from policies.eviction import REGISTRY
-    from policies.registry import PolicyContext
-    from simulator.cache import ExpertCache
-    from simulator.copyengine import DEMAND, PREFETCH, CopyEngine
-
-    sc = scenario()
-    ctx = PolicyContext(num_layers=1, num_experts=4, top_k=1, expert_bytes=TINY_EXPERT,
-                        rng=np.random.default_rng(0))
-    cache = ExpertCache(2 * TINY_EXPERT, REGISTRY.get("lru")(REGISTRY.get("lru").Params(), ctx))
-    copy = CopyEngine("pcie.h2d", sc.hardware.h2d)
-    d = copy.submit(0, TINY_EXPERT, DEMAND, 0.0)
-    cache.reserve(d, True)
-    copy.advance(1.0)  # the demand copy (43.28 us) has landed
-    cache.complete(d)
-    assert cache.used == TINY_EXPERT
-    pf = copy.submit(1, TINY_EXPERT, PREFETCH, 1.0)
-    cache.reserve(pf, False)
-    assert cache.used == 2 * TINY_EXPERT
-    assert cache.victims_for(TINY_EXPERT, {0}) is None  # full: the resident one is pinned
-    gone = copy.cancel_many([pf])
-    cache.cancel_many(gone)
-    assert gone == [pf]
-    assert cache.used == TINY_EXPERT
-    assert cache.victims_for(TINY_EXPERT, {0}) == []  # room again, nothing evicted
-    assert copy.bytes_moved == TINY_EXPERT
-
-
 def test_prefetch_precision_and_recall_have_their_own_denominators():
     """Batch 2, 2 layers, top-2, previous-token prefetch. Request A routes (layer 0, layer 1)
     to (0, 1), (2, 3) for both tokens; request B to (4, 5), (4, 5) then (4, 5), (2, 6). Pass 0
@@ -136,3 +104,15 @@ def test_fld_evicts_the_farthest_layer_first():
     assert list(fld.candidates()) == [ctx.key(3, 0), ctx.key(2, 0), ctx.key(0, 0), ctx.key(1, 0)]
     clock.layer = 3  # now layer 0 is farthest
     assert next(iter(fld.candidates())) == ctx.key(0, 0)
+
+
+def test_a_cache_of_one_expert_evicts_rather_than_streams():
+    """Room for exactly one expert, one layer, top-1, the stream a b a (three passes), LRU:
+    a misses and is cached; b misses and evicts a (an expert the size of the whole cache still
+    fits once the cache is emptied); a misses and evicts b. Misses 3, hits 0, no uncached
+    fetch; the cache never holds more than one expert."""
+    model = small_model(layers=1, experts=4, top_k=1)
+    t = trace_from_array(model, np.array([[[[0]], [[1]], [[0]]]]))
+    s = simulate(scenario(timing=False, cache={"capacity": "1 experts"}), trace=t).summary
+    assert (s["hits"], s["misses"], s["uncached_fetches"]) == (0, 3, 0)
+    assert s["cache_peak_bytes"] == TINY_EXPERT

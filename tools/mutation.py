@@ -30,8 +30,8 @@ NO_TESTS = {5, 33}
 
 # the tests that check each module (mutmut runs, per mutant, those of them that reach it)
 TESTS: dict[str, list[str]] = {
-    "simulator/cache.py": ["tests/test_policies.py", "tests/test_metrics.py", "tests/test_fidelity.py",
-                           "tests/test_eviction.py", "tests/test_prefetch.py"],
+    "simulator/cache.py": ["tests/test_cache.py", "tests/test_policies.py", "tests/test_metrics.py",
+                           "tests/test_fidelity.py", "tests/test_eviction.py", "tests/test_prefetch.py"],
     "simulator/copyengine.py": ["tests/test_copyengine.py", "tests/test_metrics.py", "tests/test_prefetch.py",
                                 "tests/test_engine.py"],
     "simulator/lookup.py": ["tests/test_fidelity.py", "tests/test_miss_routing.py", "tests/test_engine.py"],
