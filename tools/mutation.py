@@ -43,7 +43,15 @@ TESTS: dict[str, list[str]] = {
 }
 
 # mutant name -> why no test can tell it from the original
-EQUIVALENT: dict[str, str] = {}
+EQUIVALENT: dict[str, str] = {
+    "simulator.cache.xǁExpertCacheǁpreload__mutmut_13":
+        "on_insert(key, None) for on_insert(key, False): every policy only tests `if demand`, and None is false",
+    "simulator.cache.xǁExpertCacheǁpreload__mutmut_16":
+        "on_insert(key, True) for a preloaded key: a statically pinned key is never a victim, and no policy "
+        "orders the other keys by a static key's count or recency",
+    "simulator.cache.xǁExpertCacheǁreserve__mutmut_4":
+        "`used >= max_used` for `used > max_used`: when equal it assigns the value max_used already has",
+}
 
 
 def run(module: str) -> dict[str, object]:
