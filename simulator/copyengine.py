@@ -22,12 +22,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from operator import attrgetter
 
 from simulator.hardware import LinkConfig
 
 DEMAND, PREFETCH = 0, 1
-_seq = attrgetter("seq")
 
 
 class Transfer:
@@ -65,8 +63,7 @@ class CopyEngine:
     completes it right after reserving its cache entry.
     """
 
-    def __init__(self, name: str, link: LinkConfig, instant: bool = False) -> None:
-        self.name = name
+    def __init__(self, link: LinkConfig, instant: bool = False) -> None:
         self.link = link
         self.instant = instant
         self._demand: list[Transfer] = []  # queued demand, in service order
@@ -78,7 +75,6 @@ class CopyEngine:
         self.on_complete: list[Callable[[list[Transfer]], None]] = []  # told the finished, in order
         self.bytes_moved = 0
         self.busy_time = 0.0
-        self.transfers = 0
 
     def duration(self, nbytes: int) -> float:
         """Service time of a copy of ``nbytes``."""
@@ -98,7 +94,6 @@ class CopyEngine:
         seq = self._seq
         self._seq = seq + 1
         self.bytes_moved += nbytes
-        self.transfers += 1
         tr = Transfer(key, nbytes, priority, now, seq, dur)
         if self.instant:
             tr.started = True  # the caller completes it at once (cache-only replay)
@@ -119,15 +114,12 @@ class CopyEngine:
 
     def promote_many(self, trs: list[Transfer]) -> None:
         """:meth:`promote` for several queued prefetches, re-projecting the demand queue once."""
-        moving = [t for t in (dict.fromkeys(trs) if len(trs) > 1 else trs)
-                  if not t.started and t.priority != DEMAND and not t.cancelled]
+        moving = [t for t in dict.fromkeys(trs) if not t.started and t.priority != DEMAND and not t.cancelled]
         if not moving:
             return
         for t in moving:
             t.priority = DEMAND  # its entry in the prefetch queue becomes a tombstone
-        if len(moving) > 1:
-            moving.sort(key=_seq)
-        demand = self._demand
+        demand = self._demand  # each goes in by issue order (seq), whatever the order of trs
         first = len(demand)
         for t in moving:
             i = len(demand)
@@ -147,7 +139,6 @@ class CopyEngine:
         if not gone:
             return gone
         self.bytes_moved -= sum(t.nbytes for t in gone)
-        self.transfers -= len(gone)
         if any(t.priority == DEMAND for t in gone):
             self._demand[:] = [t for t in self._demand if not t.cancelled]
             self._project_demand(0)

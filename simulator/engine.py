@@ -178,7 +178,7 @@ class Simulation:
         self.cache = ExpertCache(self.capacity, self.eviction)
         hw = scenario.hardware
         self.link_name = f"{hw.host_link}.h2d"
-        self.copy = CopyEngine(self.link_name, hw.h2d, instant=not scenario.timing)
+        self.copy = CopyEngine(hw.h2d, instant=not scenario.timing)
         self.copy.on_complete.append(self.cache.complete_many)
         self.transfers: list[tuple[int, int, float, float, float]] | None = None
         # (pass, layer, non-expert start, routing point, experts start, layer end)

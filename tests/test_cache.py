@@ -18,7 +18,7 @@ EB = 786_432  # one bf16 expert of the tiny model
 def make(capacity: float, policy: str = "lru") -> tuple[ExpertCache, CopyEngine]:
     ctx = PolicyContext(num_layers=1, num_experts=16, top_k=1, expert_bytes=EB, rng=np.random.default_rng(0))
     cls = REGISTRY.get(policy)
-    return ExpertCache(capacity, cls(cls.Params(), ctx)), CopyEngine("pcie.h2d", scenario().hardware.h2d, instant=True)
+    return ExpertCache(capacity, cls(cls.Params(), ctx)), CopyEngine(scenario().hardware.h2d, instant=True)
 
 
 def put(cache: ExpertCache, copy: CopyEngine, key: int, nbytes: int = EB, demand: bool = True) -> None:
@@ -78,7 +78,7 @@ def test_a_withdrawn_prefetch_frees_exactly_its_bytes():
     (2,359,296: full). Withdrawn unstarted: back to 1,572,864 and room for one more without
     evicting anything; the copy engine no longer counts its bytes."""
     cache, _ = make(3 * EB)
-    copy = CopyEngine("pcie.h2d", scenario().hardware.h2d)
+    copy = CopyEngine(scenario().hardware.h2d)
     copy.on_complete.append(cache.complete_many)  # as the engine wires them
     for key in (1, 2):
         cache.reserve(copy.submit(key, EB, DEMAND, 0.0), True)

@@ -76,7 +76,7 @@ ops = st.lists(st.tuples(st.sampled_from(["demand", "prefetch", "promote", "canc
 @settings(max_examples=300, deadline=None)
 @given(ops)
 def test_copy_engine_matches_reference_server(script: list[tuple[str, int, float, int]]) -> None:
-    eng = CopyEngine("link.h2d", LINK)
+    eng = CopyEngine(LINK)
     done_order: list[int] = []
     eng.on_complete.append(lambda trs: done_order.extend(tr.seq for tr in trs))
     ref = RefServer()
@@ -122,3 +122,36 @@ def test_copy_engine_matches_reference_server(script: list[tuple[str, int, float
     ref.advance(float("inf"))
     assert done_order == ref.completed
     assert eng.bytes_moved == sum(tr.nbytes for tr in trs if not ref.items[tr.seq].cancelled)
+
+
+def test_boundaries_of_a_demand_copy_and_a_queued_prefetch_by_hand():
+    """A 1 GB/s link, no latency, full efficiency: a 786,432-byte copy takes d = 786.432 us.
+    A demand copy D and a prefetch P are issued at 0: D runs [0, d], P queues behind it.
+    At exactly d, D has finished (its observers are told) and P has not started yet (it
+    starts at d, which is not before now), so it can still be withdrawn. Otherwise P runs
+    [d, 2d]; the engine is then busy 2 d."""
+    from simulator.hardware import LinkConfig
+
+    link = LinkConfig(bandwidth_gbps=1.0, latency_us=0.0, efficiency=1.0, half_efficiency_bytes=0)
+    d = 786_432 / 1e9
+    for withdraw in (True, False):
+        eng = CopyEngine(link)
+        told: list[list[int]] = []
+        eng.on_complete.append(lambda trs, told=told: told.append([t.key for t in trs]))
+        dem = eng.submit(1, 786_432, DEMAND, 0.0)
+        pf = eng.submit(2, 786_432, PREFETCH, 0.0)
+        assert (dem.start, dem.done) == (0.0, d)
+        eng.advance(d)
+        assert told == [[1]]
+        assert not pf.started
+        if withdraw:
+            assert eng.cancel_many([pf]) == [pf]
+            eng.finish()
+            assert eng.busy_time == d
+            assert eng.bytes_moved == 786_432
+        else:
+            eng.finish()
+            assert (pf.start, pf.done) == (d, 2 * d)
+            assert told == [[1], [2]]
+            assert eng.busy_time == 2 * d
+            assert eng.bytes_moved == 2 * 786_432

@@ -25,7 +25,7 @@ def make_cache(name: str, capacity_experts: int) -> tuple[ExpertCache, CopyEngin
     ctx = PolicyContext(num_layers=4, num_experts=8, top_k=2, expert_bytes=EB,
                         rng=np.random.default_rng(0), workload=wl)
     cache = ExpertCache(capacity_experts * EB, cls(cls.Params(), ctx))
-    copy = CopyEngine("pcie.h2d", LinkConfig(bandwidth_gbps=1.0, latency_us=0.0), instant=True)
+    copy = CopyEngine(LinkConfig(bandwidth_gbps=1.0, latency_us=0.0), instant=True)
     return cache, copy
 
 
@@ -73,7 +73,7 @@ def test_cannot_free_room_changes_nothing_and_says_so(name):
     assert (dict(cache.resident), cache.used, list(cache.policy.candidates())) == before
     # an in-flight entry is pinned too
     cache2, _ = make_cache(name, 1)
-    slow = CopyEngine("pcie.h2d", LinkConfig(bandwidth_gbps=1.0, latency_us=0.0))
+    slow = CopyEngine(LinkConfig(bandwidth_gbps=1.0, latency_us=0.0))
     tr = slow.submit(5, EB, DEMAND, 0.0)
     cache2.reserve(tr, True)
     assert cache2.make_room(EB, set()) is None
