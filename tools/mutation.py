@@ -51,6 +51,23 @@ EQUIVALENT: dict[str, str] = {
         "orders the other keys by a static key's count or recency",
     "simulator.cache.xǁExpertCacheǁreserve__mutmut_4":
         "`used >= max_used` for `used > max_used`: when equal it assigns the value max_used already has",
+    # copy engine
+    "simulator.copyengine.xǁCopyEngineǁ_project_demand__mutmut_15": "`prev >= issued` for `prev > issued`: when equal both pick the same value",
+    "simulator.copyengine.xǁCopyEngineǁadvance__mutmut_28": "`prev >= issued` for `prev > issued`: when equal both pick the same value",
+    "simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_37": "`prev >= now` for `prev > now`: when equal both pick the same value",
+    "simulator.copyengine.xǁCopyEngineǁpromote_many__mutmut_18": "`seq >= t.seq` for `seq > t.seq`: sequence numbers are unique, never equal",
+    "simulator.copyengine.xǁCopyEngineǁduration__mutmut_1": "the duration cache bypassed: copy_time is a pure function, recomputed equal",
+    "simulator.copyengine.xǁCopyEngineǁduration__mutmut_2": "the duration cache missed: copy_time is a pure function, recomputed equal",
+    "simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_1": "the duration cache bypassed: duration() computes the same value",
+    "simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_2": "the duration cache missed: duration() computes the same value",
+    "simulator.copyengine.xǁCopyEngineǁfinish__mutmut_4": "float('INF') is float('inf')",
+    "simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_25": "`started` of an instant (cache-only) transfer is never read: the caller completes it at once",
+    "simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_26": "`started` of an instant (cache-only) transfer is never read: the caller completes it at once",
+    "simulator.copyengine.xǁTransferǁ__init____mutmut_1": "the `dur` default is never used: every transfer is made by submit with its duration",
+    "simulator.copyengine.xǁTransferǁ__init____mutmut_11": "`cancelled` is only read for its truth value, and None is false",
+    "simulator.copyengine.xǁTransferǁ__init____mutmut_13": "`bypass` is only read for its truth value, and None is false",
+    "simulator.copyengine.xǁTransferǁ__init____mutmut_7": "`start` is set (submit, advance, promotion) before it is read",
+    "simulator.copyengine.xǁTransferǁ__init____mutmut_8": "`done` is set (submit, advance, promotion) before it is read",
 }
 
 
