@@ -99,3 +99,93 @@ def test_every_prefetcher_proposes_distinct_keys_of_later_layers(name):
             for k in props:
                 assert layer < ctx.layer_of(k) < model.num_layers, (name, p, layer, k)
                 assert ctx.precision_of(k) == ctx.default_precision
+
+
+@pytest.mark.parametrize(("spec", "error"), [
+    ({"name": "lookahead", "depth": 0}, "depth must be >= 1, got 0"),
+    ({"name": "score-percentile", "percentile": 100}, "percentile must be in [0, 100), got 100"),
+    ({"name": "score-percentile", "percentile": -0.5}, "percentile must be in [0, 100), got -0.5"),
+    ({"name": "next-gate-topk", "overfetch": 0}, "overfetch must be > 0, got 0"),
+    ({"name": "static-pin", "fraction": 0}, "fraction must be in (0, 1], got 0"),
+    ({"name": "static-pin", "fraction": 1.5}, "fraction must be in (0, 1], got 1.5"),
+    ({"name": "static-pin", "calibration": 0}, "calibration must be in (0, 1], got 0"),
+    ({"name": "static-pin", "calibration": 1.01}, "calibration must be in (0, 1], got 1.01"),
+])
+def test_prefetch_parameters_out_of_range_are_refused_with_the_range(spec, error):
+    from simulator.errors import MoesimError
+
+    with pytest.raises(MoesimError) as exc:
+        scenario(policies={"prefetch": spec})
+    assert error in str(exc.value)
+
+
+@pytest.mark.parametrize("spec", [
+    {"name": "lookahead", "depth": 1}, {"name": "score-percentile", "percentile": 0},
+    {"name": "score-percentile", "percentile": 99.9}, {"name": "next-gate-topk", "overfetch": 0.1},
+    {"name": "static-pin", "fraction": 1, "calibration": 1}, {"name": "static-pin", "fraction": 0.01, "calibration": 0.01},
+])
+def test_prefetch_parameters_at_the_edges_of_their_range_are_accepted(spec):
+    assert scenario(policies={"prefetch": spec}).policies.prefetch.name == spec["name"]
+
+
+def test_a_predictor_without_pred_next_names_the_fixes():
+    from simulator.errors import MoesimError
+
+    with pytest.raises(MoesimError) as exc:
+        policy(three_layer_trace(), "next-gate-topk")
+    assert str(exc.value) == (
+        "prefetch policy 'next-gate-topk' needs the trace's 'pred_next' column (the next layer's "
+        "router probabilities predicted from this layer's hidden state), and this trace has "
+        "none. Record it with `moesim capture --predict-next`, make a synthetic trace with "
+        "workload.trace.synth.pred_next: true, or use prefetch: previous-token, which needs "
+        "no hidden state.")
+
+
+def test_static_pin_pins_the_calibration_favourites():
+    """One layer, 8 experts, top-1, four decode tokens routed to experts 3, 5, 5, 5; room for
+    4 experts. calibration 0.25 -> the first ceil(4 x 0.25) = 1 pass: only expert 3 was used,
+    so only 3 is pinned (fraction 0.5 would allow 2). calibration 1 -> counts 5: 3, 3: 1:
+    both pinned, 5 first. With unlimited capacity and fraction 0.5 the slots are the 8
+    experts' half, 4: still only the 2 used experts."""
+    model = small_model(layers=1, experts=8, top_k=1)
+    t = trace_from_array(model, np.array([[[[3]], [[5]], [[5]], [[5]]]]))
+
+    def pins(cal: float, capacity: str = "4 experts") -> list[int]:
+        sim = Simulation(scenario(cache={"capacity": capacity},
+                                  policies={"prefetch": {"name": "static-pin", "fraction": 0.5, "calibration": cal}}),
+                         trace=t)
+        return sim.prefetch.static_pins
+
+    k = lambda e: key(0, e, experts=8)  # noqa: E731
+    assert pins(0.25) == [k(3)]
+    assert pins(1.0) == [k(5), k(3)]
+    assert pins(1.0, "inf") == [k(5), k(3)]
+
+
+def test_previous_token_stays_within_its_batch_group():
+    """Two requests of two decode tokens, batch 1: passes 0, 1 are request 0's, passes 2, 3
+    request 1's (layer 1 experts 6 then 7). Pass 2 has no previous pass in its group; pass 3
+    proposes pass 2's layer-1 expert, 6."""
+    model = small_model(layers=2, experts=8, top_k=1)
+    t = trace_from_array(model, np.array([[[[0], [1]], [[2], [3]]], [[[4], [6]], [[5], [7]]]]))
+    p = policy(t, "previous-token")
+    assert list(p.propose(2, 0)) == []
+    assert list(p.propose(3, 0)) == [key(1, 6, experts=8)]
+    assert list(p.propose(1, 0)) == [key(1, 1, experts=8)]
+
+
+def test_score_percentile_beyond_its_first_planning_chunk():
+    """The policy plans 256 passes at a time; at pass 270 (the second chunk) its proposals are
+    still the experts above the percentile of that pass's mean prediction, highest first (one
+    token per pass here, so the mean is the token's prediction), computed here with numpy."""
+    t = generate(small_model(layers=2, experts=8, top_k=2), requests=1, tokens=300, seed=9, pred_next=True)
+    p = policy(t, {"name": "score-percentile", "percentile": 60})
+    order = np.lexsort((t.layer, t.step))
+    for step in (0, 255, 256, 270, 299):
+        row = order[2 * step]  # layer 0 of that decode step
+        assert (int(t.step[row]), int(t.layer[row])) == (step, 0)
+        pred = t.pred_next[row].astype(np.float32)
+        thr = np.percentile(pred, 60)
+        above = sorted((e for e in range(8) if pred[e] > thr), key=lambda e: (-pred[e], e))
+        assert list(p.propose(step, 0)) == [key(1, e, experts=8) for e in above], step
+        assert list(p.propose(step, 1)) == []  # no layer after the last

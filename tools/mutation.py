@@ -68,6 +68,23 @@ EQUIVALENT: dict[str, str] = {
     "simulator.copyengine.xǁTransferǁ__init____mutmut_13": "`bypass` is only read for its truth value, and None is false",
     "simulator.copyengine.xǁTransferǁ__init____mutmut_7": "`start` is set (submit, advance, promotion) before it is read",
     "simulator.copyengine.xǁTransferǁ__init____mutmut_8": "`done` is set (submit, advance, promotion) before it is read",
+    # prefetch policies
+    'policies.prefetch.xǁNextGateTopKǁ__init____mutmut_1':
+        'self.params is not read after __init__ in this class (the local params is)',
+    'policies.prefetch.xǁNextGateTopKǁpropose__mutmut_45':
+        "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
+    'policies.prefetch.xǁScorePercentileǁ_plan__mutmut_84':
+        "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
+    'policies.prefetch.xǁScorePercentileǁ_plan__mutmut_94':
+        "zip's strict flag: the three sequences have equal lengths by construction",
+    'policies.prefetch.xǁScorePercentileǁ_plan__mutmut_98':
+        "zip's strict flag: the three sequences have equal lengths by construction",
+    'policies.prefetch.xǁScorePercentileǁ_plan__mutmut_99':
+        "zip's strict flag: the three sequences have equal lengths by construction",
+    'policies.prefetch.xǁStaticPinǁ__init____mutmut_1':
+        'self.params is not read after __init__ in this class (the local params is)',
+    'policies.prefetch.xǁStaticPinǁ__init____mutmut_46':
+        "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
 }
 
 
