@@ -31,12 +31,86 @@ from simulator.atomic import save_figure_atomic, write_atomic, write_text_atomic
 from simulator.errors import MoesimError
 
 
+class _DevicePool:
+    """The executor's memory: every expert's weights (gate, up, down) in host memory (pinned
+    on CUDA), a device pool of ``slots`` experts, a staging buffer for uncached fetches, and a
+    copy worker (a second CUDA stream's job on a GPU, a thread on the CPU) for prefetches."""
+
+    def __init__(self, torch: Any, experts: int, h: int, inter: int, slots: int, device: str, dt: Any,
+                 p_num: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.torch, self.device, self.p_num = torch, device, p_num
+        gen = torch.Generator().manual_seed(0)
+        host = torch.randn(experts, 3, h, inter, generator=gen, dtype=torch.float32).to(dt)
+        self.host = host.pin_memory() if device == "cuda" else host
+        self.pool = torch.empty(max(slots, 1), 3, h, inter, dtype=dt, device=device)
+        self.staging = torch.empty(3, h, inter, dtype=dt, device=device)
+        self.free = list(range(slots))
+        self.where: dict[int, int] = {}
+        self.copier = ThreadPoolExecutor(max_workers=1)  # the copy engine: one copy at a time, in order
+        self.landing: dict[int, Any] = {}
+        self.side = torch.cuda.Stream() if device == "cuda" else None
+        self.tally = {"hit": 0, "fetch": 0, "bypass": 0}
+
+    def _prefetch(self, key: int) -> None:
+        slot = self.free.pop()
+        self.where[key] = slot
+        dst, src, side = self.pool[slot], self.host[key // self.p_num], self.side
+
+        def job() -> None:
+            if side is None:
+                dst.copy_(src)
+                return
+            with self.torch.cuda.stream(side):
+                dst.copy_(src, non_blocking=True)
+            side.synchronize()
+
+        self.landing[key] = self.copier.submit(job)
+
+    def _landed(self, key: int) -> None:
+        fut = self.landing.pop(key, None)
+        if fut is not None:
+            fut.result()  # a prefetch still in flight: wait for it
+
+    def _ffn(self, x: Any, w3: Any, n: int) -> None:
+        """One expert FFN (gate, up, down) on ``n`` of the pass's tokens."""
+        xs = x[: max(1, min(n, x.shape[0]))]
+        _ = (self.torch.nn.functional.silu(xs @ w3[0]) * (xs @ w3[1])) @ w3[2].T
+
+    def perform(self, op: str, key: int, x: Any, needed: dict[int, Any], tokens: dict[int, int]) -> None:
+        """Carry out one recorded decision (``Simulation.decisions``) for the pass input ``x``."""
+        if op in self.tally:
+            self.tally[op] += 1
+        blocking = self.device == "cuda"
+        if op == "evict":
+            self._landed(key)
+            self.free.append(self.where.pop(key))
+        elif op == "hit":
+            self._landed(key)
+            needed[key] = self.pool[self.where[key]]
+        elif op == "fetch":
+            slot = self.free.pop()
+            self.where[key] = slot
+            self.pool[slot].copy_(self.host[key // self.p_num], non_blocking=blocking)
+            needed[key] = self.pool[slot]
+        elif op == "bypass":
+            self.staging.copy_(self.host[key // self.p_num], non_blocking=blocking)
+            self._ffn(x, self.staging, tokens.get(key, 1))
+        elif op == "prefetch":
+            self._prefetch(key)
+        elif key == -1:  # run: the layer's experts, all at once
+            for k, w3 in needed.items():
+                self._ffn(x, w3, tokens.get(k, 1))
+            needed.clear()
+        else:  # run: one expert
+            self._ffn(x, needed.pop(key), tokens.get(key, 1))
+
+
 def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
     """Replay ``trace`` under ``scenario`` on ``device``; per-pass times and the decisions.
     The decisions are the simulator's own (a cache-only run that records them), replayed op
-    by op: no second copy of the miss -> evict -> insert logic."""
-    from concurrent.futures import Future, ThreadPoolExecutor
-
+    by op (:class:`_DevicePool`): no second copy of the miss -> evict -> insert logic."""
     import torch
 
     from simulator.engine import Simulation
@@ -45,61 +119,27 @@ def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
     sim.run()
     assert sim.decisions is not None
     wl, model = sim.wl, sim.model
-    h, inter, num_l, num_e = model.hidden_size, model.expert_intermediate_size, model.num_layers, model.num_experts
+    h, num_l, num_e = model.hidden_size, model.num_layers, model.num_experts
     dt = torch.float32 if device == "cpu" else torch.bfloat16
-    gen = torch.Generator().manual_seed(0)
-    host = torch.randn(num_l * num_e, 3, h, inter, generator=gen, dtype=torch.float32).to(dt)
-    if device == "cuda":
-        host = host.pin_memory()
     slots = int(min(sim.capacity / sim.expert_bytes, num_l * num_e)) if np.isfinite(sim.capacity) else num_l * num_e
-    pool = torch.empty(max(slots, 1), 3, h, inter, dtype=dt, device=device)
-    staging = torch.empty(3, h, inter, dtype=dt, device=device)
-    free = list(range(slots))
-    where: dict[int, int] = {}
+    mem = _DevicePool(torch, num_l * num_e, h, model.expert_intermediate_size, slots, device, dt, sim.num_prec)
     attn = torch.randn(4, h, h, dtype=dt, device=device) / h ** 0.5
     router = torch.randn(h, num_e, dtype=dt, device=device)
-    p_num = sim.num_prec
-    hits = misses = 0
-    times = []
-    copier = ThreadPoolExecutor(max_workers=1)  # the copy engine: one copy at a time, in order
-    landing: dict[int, Future[Any]] = {}
-    side = torch.cuda.Stream() if device == "cuda" else None
-
-    def place(key: int, src: int) -> None:
-        slot = free.pop()
-        where[key] = slot
-        if device == "cuda":
-            def job(slot: int = slot, src: int = src) -> None:
-                assert side is not None
-                with torch.cuda.stream(side):
-                    pool[slot].copy_(host[src], non_blocking=True)
-                side.synchronize()
-        else:
-            def job(slot: int = slot, src: int = src) -> None:
-                pool[slot].copy_(host[src])
-        landing[key] = copier.submit(job)
-
-    def landed(key: int) -> None:
-        fut = landing.pop(key, None)
-        if fut is not None:
-            fut.result()  # a prefetch still in flight: wait for it
+    ops: dict[tuple[int, int], list[tuple[str, int]]] = {}
+    for p, layer, op, key in sim.decisions:
+        ops.setdefault((p, layer), []).append((op, key))
+    keys, acc_tokens, off = sim.acc_keys.tolist(), wl.acc_tokens.tolist(), wl.off.tolist()
+    counts = {b: dict(zip(keys[off[b]:off[b + 1]], acc_tokens[off[b]:off[b + 1]], strict=True))
+              for b in range(len(off) - 1)}  # tokens routed to each expert of a (pass, layer)
 
     def sync() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def run(x: Any, w3: Any, n: int) -> None:
-        """One expert FFN (gate, up, down) on ``n`` of the pass's tokens."""
-        xs = x[: max(1, min(n, x.shape[0]))]
-        _ = (torch.nn.functional.silu(xs @ w3[0]) * (xs @ w3[1])) @ w3[2].T
-
-    ops: dict[tuple[int, int], list[tuple[str, int]]] = {}
-    for p, layer, op, key in sim.decisions:
-        ops.setdefault((p, layer), []).append((op, key))
+    times = []
     with torch.no_grad():
         for p in range(wl.num_passes):
-            n_tok = int(wl.pass_tokens[p])
-            x = torch.randn(n_tok, h, dtype=dt, device=device)
+            x = torch.randn(int(wl.pass_tokens[p]), h, dtype=dt, device=device)
             sync()
             t0 = time.perf_counter()
             for layer in range(num_l):
@@ -107,41 +147,14 @@ def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
                 for w in attn:
                     y = y @ w
                 _ = y @ router
-                lo, hi = int(wl.off[p * num_l + layer]), int(wl.off[p * num_l + layer + 1])
-                tokens = {int(k) * p_num + sim.default_prec: int(n)
-                          for k, n in zip(wl.keys()[lo:hi], wl.acc_tokens[lo:hi], strict=True)}
                 needed: dict[int, Any] = {}
-
                 for op, key in ops.get((p, layer), []):
-                    if op == "evict":
-                        landed(key)
-                        free.append(where.pop(key))
-                    elif op == "hit":
-                        hits += 1
-                        landed(key)
-                        needed[key] = pool[where[key]]
-                    elif op == "fetch":
-                        misses += 1
-                        slot = free.pop()
-                        where[key] = slot
-                        pool[slot].copy_(host[key // p_num], non_blocking=device == "cuda")
-                        needed[key] = pool[slot]
-                    elif op == "bypass":
-                        misses += 1
-                        staging.copy_(host[key // p_num], non_blocking=device == "cuda")
-                        run(x, staging, tokens.get(key, 1))
-                    elif op == "prefetch":
-                        place(key, key // p_num)
-                    elif key == -1:  # run: the layer's experts, all at once
-                        for k, w3 in needed.items():
-                            run(x, w3, tokens.get(k, 1))
-                        needed.clear()
-                    else:  # run: one expert
-                        run(x, needed.pop(key), tokens.get(key, 1))
+                    mem.perform(op, key, x, needed, counts[p * num_l + layer])
             sync()
             times.append(time.perf_counter() - t0)
-    copier.shutdown(wait=True)
-    return {"pass_s": np.asarray(times), "hits": hits, "misses": misses, "workload": wl}
+    mem.copier.shutdown(wait=True)
+    return {"pass_s": np.asarray(times), "hits": mem.tally["hit"],
+            "misses": mem.tally["fetch"] + mem.tally["bypass"], "workload": wl}
 
 
 def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, device: str = "cpu",
