@@ -158,23 +158,7 @@ class Simulation:
         self.cost = CostModel(scenario.hardware, model, self.expert_bytes)
         self.progress = progress
         self.clock = Clock()
-        seed = scenario.seed
-
-        def ctx(family_index: int) -> PolicyContext:
-            return PolicyContext(num_layers=model.num_layers, num_experts=model.num_experts,
-                                 top_k=model.top_k, expert_bytes=self.expert_bytes,
-                                 capacity_bytes=self.capacity, precisions=self.precisions,
-                                 default_precision=self.default_prec,
-                                 precision_bytes=tuple(int(model.expert_bytes[q]) for q in self.precisions),
-                                 rng=np.random.default_rng([seed, family_index]),
-                                 clock=self.clock, workload=workload)
-
-        pol = scenario.policies
-        self.eviction = EVICTION.get(pol.eviction.name)(pol.eviction.params, ctx(0))
-        self.miss = MISS.get(pol.miss.name)(pol.miss.params, ctx(1))
-        self.prefetch = PREFETCH.get(pol.prefetch.name)(pol.prefetch.params, ctx(2))
-        self.routing = ROUTING.get(pol.routing.name)(pol.routing.params, ctx(3))
-        self.budget = BUDGET.get(pol.budget.name)(pol.budget.params, ctx(4))
+        self._make_policies(scenario, workload)
         self.cache = ExpertCache(self.capacity, self.eviction)
         hw = scenario.hardware
         self.link_name = f"{hw.host_link}.h2d"
@@ -196,15 +180,7 @@ class Simulation:
                        "prefetch_predicted", "prefetch_actual", "low_precision_experts",
                        "dropped_experts", "substituted_experts", "tokens_altered",
                        "prefetches_cancelled", "unique_computed")}
-        # prefetch (SpecMD A.3): proposals waiting for room, in order, as (key, target layer);
-        # admissions per target layer (pinned against later admissions for it); admitted
-        # transfers still queued on the copy engine, per target layer
-        self._waiting: deque[tuple[int, int]] = deque()
-        self._queued: set[int] = set()
-        self._admitted: dict[int, set[int]] = {}
-        self._pf_pending: dict[int, list[Transfer]] = {}
-        self._evicted: set[int] = set()  # keys evicted in the current pass
-        self.row = PassRow()
+        self._init_replay_state()
         # (pass, layer, op, key) in decision order, op in hit/fetch/bypass/evict/prefetch/run
         # (run: the expert ``key`` runs, or with key -1 all the layer's looked-up experts);
         # the calibration executor replays them on the device
@@ -220,9 +196,6 @@ class Simulation:
         self._ep_max_load = np.zeros(workload.num_passes)
         self._mass_total = workload.weight_total.astype(np.float64).copy()
         self._mass_kept = workload.weight_total.astype(np.float64).copy()
-        self.pf_unused: set[int] = set()  # prefetched keys not accessed yet
-        if self.prefetch.active:
-            self.cache.on_evict.append(self.pf_unused.difference_update)
         static = getattr(self.prefetch, "static_pins", None)
         self.preloaded = 0
         if static:
@@ -234,6 +207,41 @@ class Simulation:
         self.acc_keys = workload.keys() * self.num_prec + self.default_prec  # cache key per access
         self.acc_ffn = np.zeros(0)
         self._nonexp: list[float] = []
+
+    def _make_policies(self, scenario: Scenario, workload: Workload) -> None:
+        """One policy of each family, each with its own context and seeded generator."""
+        model = self.model
+
+        def ctx(family_index: int) -> PolicyContext:
+            return PolicyContext(num_layers=model.num_layers, num_experts=model.num_experts,
+                                 top_k=model.top_k, expert_bytes=self.expert_bytes,
+                                 capacity_bytes=self.capacity, precisions=self.precisions,
+                                 default_precision=self.default_prec,
+                                 precision_bytes=tuple(int(model.expert_bytes[q]) for q in self.precisions),
+                                 rng=np.random.default_rng([scenario.seed, family_index]),
+                                 clock=self.clock, workload=workload)
+
+        pol = scenario.policies
+        self.eviction = EVICTION.get(pol.eviction.name)(pol.eviction.params, ctx(0))
+        self.miss = MISS.get(pol.miss.name)(pol.miss.params, ctx(1))
+        self.prefetch = PREFETCH.get(pol.prefetch.name)(pol.prefetch.params, ctx(2))
+        self.routing = ROUTING.get(pol.routing.name)(pol.routing.params, ctx(3))
+        self.budget = BUDGET.get(pol.budget.name)(pol.budget.params, ctx(4))
+
+    def _init_replay_state(self) -> None:
+        """The compute process's state between routing points."""
+        # prefetch (SpecMD A.3): proposals waiting for room, in order, as (key, target layer);
+        # admissions per target layer (pinned against later admissions for it); admitted
+        # transfers still queued on the copy engine, per target layer
+        self._waiting: deque[tuple[int, int]] = deque()
+        self._queued: set[int] = set()
+        self._admitted: dict[int, set[int]] = {}
+        self._pf_pending: dict[int, list[Transfer]] = {}
+        self._evicted: set[int] = set()  # keys evicted in the current pass
+        self.row = PassRow()  # the pass being replayed
+        self.pf_unused: set[int] = set()  # prefetched keys not accessed yet
+        if self.prefetch.active:
+            self.cache.on_evict.append(self.pf_unused.difference_update)
 
     def _prepare_costs(self) -> None:
         """Compute time of every expert access and the non-expert time of every pass (zero in
