@@ -135,16 +135,3 @@ class Registry(Generic[P]):
     def items(self) -> list[tuple[str, type[P]]]:
         """(name, class) pairs."""
         return list(self._classes.items())
-
-
-def families() -> dict[str, Registry[Any]]:
-    """Every policy family's registry, by the scenario key under ``policies``."""
-    from policies import budget, eviction, miss, prefetch, routing
-
-    return {
-        "eviction": eviction.REGISTRY,
-        "miss": miss.REGISTRY,
-        "prefetch": prefetch.REGISTRY,
-        "routing": routing.REGISTRY,
-        "budget": budget.REGISTRY,
-    }

@@ -480,7 +480,7 @@ def policies_cmd() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from policies.registry import families
+    from policies import families
     from simulator.confload import describe_fields
 
     table = Table(header_style="bold")

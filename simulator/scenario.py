@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import yaml
 
-from policies.registry import families
+from policies import families
 from simulator.confload import ConfigError, build, to_plain
 from simulator.confload import read_yaml as read_yaml_file
 from simulator.errors import MoesimError

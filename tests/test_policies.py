@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from policies import families
 from policies.eviction import REGISTRY as EVICTION
-from policies.registry import PolicyContext, families
+from policies.registry import PolicyContext
 from simulator.cache import ExpertCache
 from simulator.copyengine import DEMAND, CopyEngine
 from simulator.errors import MoesimError
