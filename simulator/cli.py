@@ -270,7 +270,7 @@ def trace_synth(preset: str | None, fit: str | None, requests: int, prompt_token
     if (preset is None) == (fit is None):
         raise MoesimError("give exactly one of --preset and --fit.")
     if fit is not None:
-        from traces.fit import load_profile, synthesise
+        from traces.profile import load_profile, synthesise
 
         if tokens < 1 or requests < 1:
             raise MoesimError("--tokens and --requests must be >= 1.")

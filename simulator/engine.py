@@ -108,7 +108,7 @@ def load_trace(scenario: Scenario) -> Trace:
     s = src.synth
     assert s is not None
     if s.fit is not None:
-        from traces.fit import load_profile, synthesise
+        from traces.profile import load_profile, synthesise
 
         fp = Path(s.fit)
         if not fp.is_absolute() and (Path(scenario.base_dir) / fp).is_file():

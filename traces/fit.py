@@ -1,5 +1,5 @@
-"""Fit the synthetic routing model to a trace (``moesim trace fit``), and synthesise from a
-fitted profile (``moesim trace synth --fit``).
+"""Fit the synthetic routing model to a trace (``moesim trace fit``); profiles are read,
+written and synthesised from by :mod:`traces.profile` (re-exported here).
 
 What is estimated from the trace (decode rows when it has any, else all rows):
 
@@ -22,20 +22,22 @@ report of the fit (real and synthetic statistics and LRU curves).
 from __future__ import annotations
 
 import itertools
-import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from simulator.confload import read_yaml
 from simulator.errors import MoesimError
-from traces.schema import PHASE_CODES, ModelInfo
+from traces.profile import (
+    PROFILE_VERSION,
+    load_profile,
+    shipped_profiles,
+    synthesise,
+    write_profile,
+)
+from traces.schema import PHASE_CODES
 from traces.stats import trace_stats
-from traces.synth import RoutingParams, generate
 from traces.trace import Trace
 
-PROFILE_VERSION = 1
 GRID = {"reuse": (0.0, 0.5, 1.0, 1.5, 2.5), "corr": (0.0, 0.5, 1.0), "batch": (0.0, 0.5, 1.0, 2.0)}
 
 
@@ -101,26 +103,6 @@ def lru_curve(trace: Trace, fractions: list[float], batch: int) -> list[float]:
 FRACTIONS = [0.05, 0.1, 0.25, 0.5, 0.75]
 
 
-def synthesise(profile: dict[str, Any], *, requests: int | None = None, tokens: int | None = None,
-               seed: int = 0) -> Trace:
-    """A trace from a fitted profile (shape defaults to the fitted trace's)."""
-    model = ModelInfo.from_dict(profile["model"], "profile")
-    w = profile["weights"]
-    shape = profile["shape"]
-    return generate(model, requests=requests or shape["requests"], tokens=tokens or shape["tokens"],
-                 seed=seed, params=RoutingParams(skew=0.0, reuse=w["reuse"], corr=w["corr"]),
-                 popularity=np.asarray(profile["popularity"], dtype=np.float64),
-                 affinity=_dense_affinity(profile, model), batch_corr=w["batch"],
-                 capture={"source": "moesim trace synth --fit", "profile": profile.get("name")})
-
-
-def _dense_affinity(profile: dict[str, Any], model: ModelInfo) -> np.ndarray:
-    aff = np.zeros((model.num_layers, model.num_experts, model.num_experts))
-    for layer, rows in profile["affinity"].items():
-        aff[int(layer)] = np.asarray(rows, dtype=np.float64)
-    return aff
-
-
 def fit_profile(trace: Trace, batch: int = 1, name: str | None = None, seeds: int = 2,
                 progress: Any = None) -> dict[str, Any]:
     """Estimate a profile from ``trace`` (see the module docstring)."""
@@ -171,45 +153,6 @@ def fit_profile(trace: Trace, batch: int = 1, name: str | None = None, seeds: in
         "stats_synthetic": {k: round(v, 4) for k, v in best[3].items()},
     }
     return profile
-
-
-def write_profile(profile: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Write a fitted routing profile as YAML atomically."""
-    from simulator.atomic import write_yaml_atomic
-
-    return write_yaml_atomic(profile, path)
-
-
-PROFILES_DIR = Path(__file__).with_name("profiles")
-
-
-def shipped_profiles() -> list[str]:
-    """Names of the fitted profiles shipped with moesim."""
-    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
-
-
-def load_profile(name_or_path: str) -> dict[str, Any]:
-    """A profile from a path or a shipped name; errors name the file and the fix."""
-    p = Path(name_or_path)
-    if not p.is_file():
-        p = PROFILES_DIR / f"{name_or_path}.yaml"
-    if not p.is_file():
-        raise MoesimError(f"fitted profile '{name_or_path}': no such file or shipped profile "
-                          f"(shipped: {', '.join(shipped_profiles()) or 'none'}); make one with "
-                          "`moesim trace fit TRACE --out profile.yaml`.")
-    data = read_yaml(p, "fitted profile", "")
-    if not isinstance(data, dict) or data.get("profile_version") != PROFILE_VERSION:
-        raise MoesimError(f"fitted profile {p}: not a version-{PROFILE_VERSION} moesim profile; "
-                          "re-create it with `moesim trace fit`.")
-    for key in ("model", "shape", "weights", "popularity", "affinity"):
-        if key not in data:
-            raise MoesimError(f"fitted profile {p}: lacks '{key}'; re-create it with `moesim trace fit`.")
-    model = ModelInfo.from_dict(data["model"], f"fitted profile {p}")
-    pop = np.asarray(data["popularity"], dtype=np.float64)
-    if pop.shape != (model.num_layers, model.num_experts):
-        raise MoesimError(f"fitted profile {p}: popularity is {pop.shape}, expected "
-                          f"({model.num_layers}, {model.num_experts}).")
-    return data
 
 
 __all__ = ["fit_profile", "load_profile", "lru_curve", "shipped_profiles", "synthesise",
