@@ -20,15 +20,39 @@ unpinned victims; drop; substitute; speculate). It returns the expert computatio
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from policies.miss import MissInfo
-from simulator.copyengine import DEMAND, Transfer
+from policies.budget import BudgetPolicy
+from policies.eviction import EvictionPolicy
+from policies.miss import MissInfo, MissPolicy
+from policies.routing import RoutingPolicy
+from simulator.cache import ExpertCache
+from simulator.copyengine import DEMAND, CopyEngine, Transfer
+from simulator.cost import CostModel
+from simulator.workload import Workload
 
-if TYPE_CHECKING:
-    from simulator.engine import Simulation
+
+class Replay(Protocol):
+    """What the lookup path reads of the replay it serves (a
+    :class:`simulator.engine.Simulation`; named structurally so that this module does not
+    import the engine that imports it)."""
+
+    wl: Workload
+    eviction: EvictionPolicy
+    miss: MissPolicy
+    routing: RoutingPolicy
+    budget: BudgetPolicy
+    cache: ExpertCache
+    copy: CopyEngine
+    cost: CostModel
+    general: bool  # routing, budget or miss policy may change what a token computes
+    acc_ffn: np.ndarray  # compute seconds of every expert access
+    acc_keys: np.ndarray  # cache key of every expert access
+    ffn_scale: np.ndarray  # per pass: the expert-compute factor (sparse verification)
+    decisions: list[tuple[int, int, str, int]] | None  # the decision log, when recorded
+    pf_unused: set[int]  # prefetched keys not accessed yet
 
 
 @dataclass
@@ -77,7 +101,7 @@ class Run:
 class LayerLookup:
     """The lookups of one (pass, layer), planned at its routing point (module docstring)."""
 
-    def __init__(self, sim: Simulation, p: int, layer: int, lo: int, hi: int, row: PassRow,
+    def __init__(self, sim: Replay, p: int, layer: int, lo: int, hi: int, row: PassRow,
                  evicted: set[int]) -> None:
         self.sim = sim
         self.p = p
@@ -353,7 +377,7 @@ def token_mass(wl: Any, rows: np.ndarray, orig: np.ndarray,
     return total, kept, altered
 
 
-def _predicted(sim: Simulation, p: int, layer: int, rows: np.ndarray) -> list[list[int]]:
+def _predicted(sim: Replay, p: int, layer: int, rows: np.ndarray) -> list[list[int]]:
     """Per token of ``rows``: experts ordered by the previous layer's prediction (pred_next)."""
     wl = sim.wl
     trace = wl.trace

@@ -51,13 +51,31 @@ In cache-only replay (``timing: false``) the time metrics are ``null``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
 
-if TYPE_CHECKING:
-    from simulator.engine import Simulation
+from simulator.cache import ExpertCache
+from simulator.copyengine import CopyEngine
+from simulator.scenario import Scenario
+from traces.schema import ModelInfo
+
+
+class RunInfo(Protocol):
+    """What the summary reads of a finished replay besides its rows (a
+    :class:`simulator.engine.Simulation`; named structurally so that this module does not
+    import the engine that imports it)."""
+
+    scenario: Scenario
+    model: ModelInfo
+    cache: ExpertCache
+    copy: CopyEngine
+    capacity: float
+    expert_bytes: int
+    precision: str
+    preloaded: int
+    link_name: str
 
 TIME_METRICS = ("stall_s", "ttft_s", "tpot_s", "tokens_per_s", "total_time_s")
 
@@ -67,7 +85,7 @@ def _f(x: Any) -> float | None:
     return None if np.isnan(x) else x
 
 
-def summarise(sim: Simulation, steps: pd.DataFrame, requests: pd.DataFrame) -> dict[str, Any]:
+def summarise(sim: RunInfo, steps: pd.DataFrame, requests: pd.DataFrame) -> dict[str, Any]:
     """The summary dict written to ``summary.json``."""
     timing = sim.scenario.timing
     num_l = sim.model.num_layers
