@@ -119,9 +119,6 @@ class RefLeastStale(RefPolicy):
         self.counter += 1
         self.entries[key] = [self.pass_index, self.counter]
 
-    def new_pass(self, p: int) -> None:
-        super().new_pass(p)  # current entries become stale, keeping their order
-
     def insert(self, key: Key, demand: bool) -> None:
         self._touch(key)
 

@@ -69,20 +69,31 @@ def on_demand_case(capacity: int, mode: str):
     return res, wl, ffn, nonexp, copy, hits
 
 
+def expected_durations(wl, nonexp, layer_end) -> list[float]:
+    """Per pass of the 3-layer case, the duration the closed form gives: each layer starts
+    with its non-expert part, and ``layer_end(t, lo, hi)`` is when its experts (accesses
+    ``lo:hi``) are done from its routing point ``t``."""
+    out = []
+    for p in range(wl.num_passes):
+        t = 0.0
+        for layer in range(3):
+            b = p * 3 + layer
+            t = layer_end(t + nonexp[p], int(wl.off[b]), int(wl.off[b + 1]))
+        out.append(t)
+    return out
+
+
 @pytest.mark.parametrize("capacity", [0, 3, 10, 10_000])
 def test_on_demand_step_time_is_the_closed_form(capacity):
     """speculating-experts-prefetch.txt §5.1: T = sum over layers of (t_attn+gate + copy of the
     missed experts + expert compute). Hit/miss flags come from the independent reference
     replay (layer execution: the whole layer pinned)."""
     res, wl, ffn, nonexp, copy, hits = on_demand_case(capacity, "layer")
-    expected = []
-    for p in range(wl.num_passes):
-        total = 0.0
-        for layer in range(3):
-            lo, hi = wl.off[p * 3 + layer], wl.off[p * 3 + layer + 1]
-            missed = sum(not hits[i] for i in range(lo, hi))
-            total += nonexp[p] + missed * copy + ffn[lo:hi].sum()
-        expected.append(total)
+
+    def layer_end(t, lo, hi):
+        return t + sum(not hits[i] for i in range(lo, hi)) * copy + ffn[lo:hi].sum()
+
+    expected = expected_durations(wl, nonexp, layer_end)
     np.testing.assert_allclose(res.steps["duration_s"].to_numpy(), expected, rtol=1e-9, atol=1e-12)
     assert res.summary["misses"] == sum(not h for h in hits)
 
@@ -94,24 +105,18 @@ def test_on_arrival_step_time_is_the_closed_form(capacity):
     there at t. Each expert runs as soon as it has arrived, in arrival order (hits first, in
     router order): s = t, then s = max(s, a) + f; the layer ends at s."""
     res, wl, ffn, nonexp, copy, hits = on_demand_case(capacity, "on-arrival")
-    expected = []
-    for p in range(wl.num_passes):
-        total = 0.0
-        for layer in range(3):
-            lo, hi = wl.off[p * 3 + layer], wl.off[p * 3 + layer + 1]
-            t = total + nonexp[p]
-            arrivals, k = [], 0
-            for i in range(lo, hi):
-                if hits[i]:
-                    arrivals.append((t, ffn[i]))
-                else:
-                    k += 1
-                    arrivals.append((t + k * copy, ffn[i]))
-            s = t
-            for a, f in sorted(arrivals):
-                s = max(s, a) + f
-            total = s
-        expected.append(total)
+
+    def layer_end(t, lo, hi):
+        arrivals, k = [], 0
+        for i in range(lo, hi):
+            k += not hits[i]
+            arrivals.append((t if hits[i] else t + k * copy, ffn[i]))
+        s = t
+        for a, f in sorted(arrivals):
+            s = max(s, a) + f
+        return s
+
+    expected = expected_durations(wl, nonexp, layer_end)
     np.testing.assert_allclose(res.steps["duration_s"].to_numpy(), expected, rtol=1e-9, atol=1e-12)
 
 
@@ -124,16 +129,14 @@ def test_per_expert_step_time_is_the_closed_form(capacity):
     expert missing and equal f and c: c + (n - 1) max(c, f) + f. Hit flags from the
     independent reference replay in per-expert execution."""
     res, wl, ffn, nonexp, copy, hits = on_demand_case(capacity, "per-expert")
-    expected = []
-    for p in range(wl.num_passes):
-        total = 0.0
-        for layer in range(3):
-            lo, hi = wl.off[p * 3 + layer], wl.off[p * 3 + layer + 1]
-            start = total + nonexp[p] + (0.0 if hits[lo] else copy)
-            for i in range(lo + 1, hi):
-                start = max(start + ffn[i - 1], start + (0.0 if hits[i] else copy))
-            total = start + ffn[hi - 1]
-        expected.append(total)
+
+    def layer_end(t, lo, hi):
+        start = t + (0.0 if hits[lo] else copy)
+        for i in range(lo + 1, hi):
+            start = max(start + ffn[i - 1], start + (0.0 if hits[i] else copy))
+        return start + ffn[hi - 1]
+
+    expected = expected_durations(wl, nonexp, layer_end)
     np.testing.assert_allclose(res.steps["duration_s"].to_numpy(), expected, rtol=1e-9, atol=1e-12)
     assert res.summary["misses"] == sum(not h for h in hits)
     if capacity == 0:  # every expert missing: c + (n - 1) max(c, f) + f per layer

@@ -197,11 +197,12 @@ def least_stale(order: str = "relative", strict: bool = True):
 
 
 def test_least_stale_relative_order_by_hand():
-    """Keys (layer, expert). Pass 0 touches (0,0) (1,1) (2,2) (3,3) (3,0); pass 1, at layer 1
-    with (1,2) routed and not yet run, touches (0,1) and (1,2). Stale queue: (1,1) (2,2)
-    (3,3) (3,0) (0,0); current: (0,1) (1,2). Relative at layer 1: left first - layer 0, then
-    layer 1's experts not still to run ((1,1)) - then upcoming farthest first: layer 3 in
-    FIFO order, layer 2, and layer 1's expert still to run last."""
+    """Keys (layer, expert). Pass 0 touches (0,0) (1,1) (2,2) (3,3) (3,0), all stale in pass
+    1; pass 1 touches (0,1) at layer 0 and, at layer 1 with (1,2) routed and not yet run,
+    (1,2): both current. Relative order at layer 1, each queue: left first - layer 0, then
+    layer 1's experts not still to run - then upcoming layers farthest first (layer 3 in FIFO
+    order, layer 2), layer 1's expert still to run last. Stale: (0,0) (1,1) (3,3) (3,0)
+    (2,2); current: (0,1) (1,2)."""
     pol, clock, ctx = least_stale()
     for layer, e in [(0, 0), (1, 1), (2, 2), (3, 3), (3, 0)]:
         clock.layer = layer
