@@ -135,6 +135,36 @@ def speculate(trace: Trace, tree_size: int, depth: int, accept_prob: float,
     return out, produced
 
 
+def _generated(trace: Trace, order: np.ndarray, phase: np.ndarray, pass_of_row: np.ndarray, ridx: np.ndarray,
+               pos: np.ndarray, pass_phase: np.ndarray, pass_step: np.ndarray, pass_requests: np.ndarray,
+               pass_tokens: np.ndarray, req_ids: np.ndarray,
+               produced: dict[tuple[int, int], int] | None) -> np.ndarray:
+    """Tokens each pass generates: a prefill pass one per request, a decode pass one per
+    token; a verification pass what its requests produced: the accepted (request, position,
+    node) rows a captured trace records, or the counts ``produced`` by :func:`speculate`."""
+    n_pass = len(pass_phase)
+    generated = np.where(pass_phase == PREFILL, pass_requests, pass_tokens).astype(np.int64)
+    if produced is None and trace.accepted is not None and (pass_phase == VERIFY).any():
+        # verify steps recorded in the trace (moesim capture --speculative): a pass generates
+        # the accepted draft tokens (a rejected step is followed by a decode step)
+        acc_rows = trace.accepted[order] & (phase == VERIFY)
+        node = trace.node[order] if trace.node is not None else np.zeros(len(order), dtype=np.int64)
+        acc_key = np.unique(np.stack([pass_of_row[acc_rows], ridx[acc_rows], pos[acc_rows],
+                                      node[acc_rows].astype(np.int64)], axis=1), axis=0)
+        verify_gen = np.bincount(acc_key[:, 0], minlength=n_pass) if len(acc_key) else np.zeros(n_pass, np.int64)
+        generated = np.where(pass_phase == VERIFY, verify_gen, generated).astype(np.int64)
+    if produced is not None:
+        generated = np.zeros(n_pass, dtype=np.int64)
+        seen_pairs = np.unique(pass_of_row * (len(req_ids) + 1) + ridx)
+        for key in seen_pairs.tolist():
+            pidx, r = divmod(key, len(req_ids) + 1)
+            if pass_phase[pidx] == VERIFY:
+                generated[pidx] += produced.get((int(req_ids[r]), int(pass_step[pidx])), 0)
+            else:  # prefill: the first token; decode: one token
+                generated[pidx] += 1
+    return generated
+
+
 def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None = None,
                    speculative: Any = None, seed: int = 0) -> Workload:
     """Group the trace's rows into forward passes and list each pass's expert accesses.
@@ -207,25 +237,8 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
     first_pass = np.full(len(req_ids), np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(first_pass, ridx, pass_of_row)
     req_group = (np.arange(len(req_ids)) // batch_size).astype(np.int64)
-    generated = np.where(pass_phase == PREFILL, pass_requests, pass_tokens).astype(np.int64)
-    if produced is None and trace.accepted is not None and (pass_phase == VERIFY).any():
-        # verify steps recorded in the trace (moesim capture --speculative): a pass generates
-        # the accepted draft tokens (a rejected step is followed by a decode step)
-        acc_rows = trace.accepted[order] & (phase == VERIFY)
-        node = trace.node[order] if trace.node is not None else np.zeros(len(order), dtype=np.int64)
-        acc_key = np.unique(np.stack([pass_of_row[acc_rows], ridx[acc_rows], pos[acc_rows],
-                                      node[acc_rows].astype(np.int64)], axis=1), axis=0)
-        verify_gen = np.bincount(acc_key[:, 0], minlength=n_pass) if len(acc_key) else np.zeros(n_pass, np.int64)
-        generated = np.where(pass_phase == VERIFY, verify_gen, generated).astype(np.int64)
-    if produced is not None:
-        generated = np.zeros(n_pass, dtype=np.int64)
-        seen_pairs = np.unique(pass_of_row * (len(req_ids) + 1) + ridx)
-        for key in seen_pairs.tolist():
-            pidx, r = divmod(key, len(req_ids) + 1)
-            if pass_phase[pidx] == VERIFY:
-                generated[pidx] += produced.get((int(req_ids[r]), int(pass_step[pidx])), 0)
-            else:  # prefill: the first token; decode: one token
-                generated[pidx] += 1
+    generated = _generated(trace, order, phase, pass_of_row, ridx, pos, pass_phase, pass_step, pass_requests,
+                           pass_tokens, req_ids, produced)
     return Workload(
         model=model, batch_size=batch_size, pass_generated=generated, pass_group=pass_group, pass_step=pass_step,
         pass_phase=pass_phase, pass_tokens=pass_tokens, pass_context=pass_context,
