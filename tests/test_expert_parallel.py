@@ -54,3 +54,25 @@ def test_gate_mass_and_altered_tokens_mean_the_same_with_and_without_ep():
     assert ep["gate_mass_retained"] == pytest.approx(one["gate_mass_retained"], rel=1e-12)
     assert ep["tokens_altered"] == pytest.approx(one["tokens_altered"], rel=1e-12)
     assert 0 < one["tokens_altered"] <= 1
+
+
+@pytest.mark.parametrize(("placement", "expected_max"), [("contiguous", 1.75), ("round-robin", 1.25)])
+def test_max_experts_per_gpu_and_unique_experts_by_hand(placement, expected_max):
+    """2 GPUs, 2 layers, 4 experts, top-2, batch 2 (requests A and B, two decode steps each).
+    Routing (A, B): pass 0 layer 0 ({0,1}, {0,3}), layer 1 ({2,3}, {2,3}); pass 1 layer 0
+    ({0,1}, {0,1}), layer 1 ({1,2}, {1,2}).
+    Contiguous placement (experts 0, 1 on GPU 0; 2, 3 on GPU 1), experts per GPU:
+    p0 L0 {0,1} | {3} -> max 2; p0 L1 {} | {2,3} -> 2; p1 L0 {0,1} | {} -> 2; p1 L1 {1} | {2} -> 1.
+    max_experts_per_gpu = mean over passes of the per-layer mean = ((2+2)/2 + (2+1)/2) / 2 = 1.75.
+    Round-robin (0, 2 on GPU 0; 1, 3 on GPU 1): p0 L0 {0} | {1,3} -> 2; p0 L1 {2} | {3} -> 1;
+    p1 L0 {0} | {1} -> 1; p1 L1 {2} | {1} -> 1: ((2+1)/2 + (1+1)/2) / 2 = 1.25.
+    unique_experts_per_layer = (3 + 2 + 2 + 2) / (2 passes x 2 layers) = 2.25 either way."""
+    model = small_model(layers=2, experts=4, top_k=2)
+    ex = np.array([[[[0, 1], [2, 3]], [[0, 1], [1, 2]]],   # A: step 0 (L0, L1), step 1
+                   [[[0, 3], [2, 3]], [[0, 1], [1, 2]]]])  # B
+    t = trace_from_array(model, ex)
+    sc = scenario(hardware={"preset": "h100-sxm-nvlink-x2", "placement": placement}, workload={"batch_size": 2})
+    res = simulate(sc, trace=t)
+    assert res.summary["max_experts_per_gpu"] == expected_max
+    assert res.summary["unique_experts_per_layer"] == 2.25
+    assert res.summary["hits"] == 9  # every access is to an expert resident on its GPU

@@ -116,3 +116,67 @@ def test_a_cache_of_one_expert_evicts_rather_than_streams():
     s = simulate(scenario(timing=False, cache={"capacity": "1 experts"}), trace=t).summary
     assert (s["hits"], s["misses"], s["uncached_fetches"]) == (0, 3, 0)
     assert s["cache_peak_bytes"] == TINY_EXPERT
+
+
+def _nonexp(ctx: int) -> float:
+    """A tiny 8-expert model's layer non-expert time at total context ``ctx`` (memory bound:
+    the projections' 2 (4 H^2 + 8 H) = 528,384 bytes plus 4 H = 1,024 bytes of KV cache per context token)."""
+    return (528_384 + 1_024 * ctx) / HBM + 20e-6
+
+
+def test_speculative_verification_by_hand():
+    """One request decodes 4 tokens (positions 0-3, no prompt), 1 layer, top-1, routes experts
+    0, 1, 0, 1; no cache (every access copies to staging). Chains of 2 (tree_size 2) with
+    accept_prob 1: two verification passes, positions (0, 1) and (2, 3), each verifying 2
+    tokens and generating 2 (1 accepted draft + 1).
+    - each verify pass: context (p + 1) summed, experts {0, 1}: v0 = nonexp(1 + 2) + 2 copy +
+      2 FFN, v1 = nonexp(3 + 4) + 2 copy + 2 FFN;
+    - autoregressive: a_p = nonexp(p + 1) + copy + FFN for p = 0..3;
+    mean_accepted_tokens = 4 generated / 2 verification passes = 2; tokens_per_s = 4 / (v0 +
+    v1); tpot = (v0 + v1) / 4 (one request per pass); speedup_vs_autoregressive = (4 / (v0 +
+    v1)) / (4 / sum a_p)."""
+    model = small_model(layers=1, experts=8, top_k=1)
+    t = trace_from_array(model, np.array([[[[0]], [[1]], [[0]], [[1]]]]))
+    spec = {"tree_size": 2, "accept_prob": 1.0}
+    res = simulate(scenario(cache={"capacity": "0 experts"}, workload={"speculative": spec}), trace=t)
+    v = [_nonexp(1 + 2) + 2 * COPY + 2 * FFN, _nonexp(3 + 4) + 2 * COPY + 2 * FFN]
+    a = [_nonexp(p + 1) + COPY + FFN for p in range(4)]
+    st, s = res.steps, res.summary
+    assert st["phase"].tolist() == ["verify", "verify"]
+    assert st["tokens"].tolist() == [2, 2]
+    assert st["generated"].tolist() == [2, 2]
+    assert st["duration_s"].to_numpy() == pytest.approx(v, rel=1e-12)
+    assert s["mean_accepted_tokens"] == 2.0
+    assert s["tokens_per_s"] == pytest.approx(4 / sum(v), rel=1e-12)
+    assert s["tpot_s"] == pytest.approx(sum(v) / 4, rel=1e-12)
+    assert s["speedup_vs_autoregressive"] == pytest.approx(sum(a) / sum(v), rel=1e-12)
+    assert s["generated_tokens"] == 4
+    assert s["unique_experts_per_layer"] == 2.0  # two distinct experts per verification pass
+
+
+def test_speculative_batch_of_two_generates_what_each_request_accepted():
+    """Batch 2, accept_prob 0 (every draft rejected): each verification pass checks a chain of
+    3 tokens per request but generates 1 token per request. Request A has 2 decode tokens,
+    B 1: passes (A: 2 tokens, B: 1 token) then (A: 1 token). Generated 2 then 1;
+    mean_accepted_tokens = 3 generated / 3 (request, pass) pairs = 1; tpot shares each pass
+    among its requests: (2 d0 + d1) / 3."""
+    model = small_model(layers=1, experts=8, top_k=1)
+    a = trace_from_array(model, np.array([[[[0]], [[1]]]]))
+    from traces.trace import Trace
+
+    b_rows = a.take(a.step == 0)
+    b_rows.request = np.full(len(b_rows), 1, dtype=np.int32)
+    cols = {c: np.concatenate([getattr(a, c), getattr(b_rows, c)])
+            for c in ("request", "step", "position", "phase", "layer", "experts", "weights")}
+    t = Trace(model=model, **cols)
+    spec = {"tree_size": 3, "accept_prob": 0.0}
+    res = simulate(scenario(cache={"capacity": "0 experts"}, workload={"batch_size": 2, "speculative": spec}),
+                   trace=t)
+    st, s = res.steps, res.summary
+    assert st["tokens"].tolist() == [3, 1]  # A's positions 0, 1 + B's 0; then A's 1
+    assert st["requests"].tolist() == [2, 1]
+    assert st["generated"].tolist() == [2, 1]
+    assert s["mean_accepted_tokens"] == 1.0
+    d = st["duration_s"].to_numpy()
+    assert s["tpot_s"] == pytest.approx((2 * d[0] + d[1]) / 3, rel=1e-12)
+    assert s["tokens_per_s"] == pytest.approx(3 / d.sum(), rel=1e-12)
