@@ -37,7 +37,7 @@ TESTS: dict[str, list[str]] = {
     "simulator/lookup.py": ["tests/test_fidelity.py", "tests/test_miss_routing.py", "tests/test_engine.py"],
     "simulator/metrics.py": ["tests/test_metrics.py", "tests/test_engine.py", "tests/test_speculative.py",
                              "tests/test_expert_parallel.py"],
-    "policies/eviction.py": ["tests/test_eviction.py", "tests/test_fidelity.py", "tests/test_policies.py"],
+    "policies/eviction.py": ["tests/test_eviction_orders.py", "tests/test_eviction.py", "tests/test_fidelity.py", "tests/test_policies.py"],
     "policies/prefetch.py": ["tests/test_proposals.py", "tests/test_prefetch.py"],
     "policies/budget.py": ["tests/test_budget.py", "tests/test_budget_hand.py", "tests/test_expert_parallel.py"],
 }
@@ -85,6 +85,46 @@ EQUIVALENT: dict[str, str] = {
         'self.params is not read after __init__ in this class (the local params is)',
     'policies.prefetch.xǁStaticPinǁ__init____mutmut_46':
         "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
+    # eviction policies
+    **{f"policies.eviction.xǁ{cls}ǁ__init____mutmut_1":
+       "NoParams: this policy never reads self.params" for cls in ("LFU", "LeastHighPrecisionUsed", "Random", "Belady")},
+    "policies.eviction.xǁBeladyǁ__init____mutmut_18": "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
+    **{f"policies.eviction.xǁBeladyǁ__init____mutmut_{n}":
+       "zip's strict flag: starts and ends have equal lengths by construction" for n in (33, 36, 37)},
+    **{f"policies.eviction.xǁLeastStaleǁ_roll__mutmut_{n}":
+       "zip's strict flag: both queues have one bucket per layer" for n in (5, 8, 9)},
+    "policies.eviction.xǁBeladyǁ_next_use__mutmut_7": "float('INF') is float('inf')",
+    "policies.eviction.xǁBeladyǁ_next_use__mutmut_38": "float('INF') is float('inf')",
+    "policies.eviction.xǁLFUǁ_bump__mutmut_7":
+        "counts c -> c + 1 for used keys, 0 for never-used ones: a strictly increasing map of every count, "
+        "so the candidate order (the policy's only output) is the same",
+    "policies.eviction.xǁLFUǁ_bump__mutmut_8":
+        "counts c -> 2 c: a strictly increasing map of every count, so the candidate order is the same",
+    "policies.eviction.xǁLeastHighPrecisionUsedǁ_use__mutmut_11":
+        "high-precision uses c -> c + 1 for used keys, 0 for unused: strictly increasing, the same order",
+    "policies.eviction.xǁLeastHighPrecisionUsedǁ_use__mutmut_12":
+        "high-precision uses c -> 2 c: strictly increasing, the same order",
+    "policies.eviction.xǁLeastHighPrecisionUsedǁcandidates__mutmut_13":
+        "a low-precision key's high-precision use count is always 0 (_use counts precision 0 only)",
+    "policies.eviction.xǁLeastHighPrecisionUsedǁcandidates__mutmut_22":
+        "low-precision keys all get the same second sort element (0 or 1): their order is recency either way",
+    "policies.eviction.xǁLeastHighPrecisionUsedǁon_insert__mutmut_2":
+        "RecencyOrdered.on_insert does not read `demand`",
+    "policies.eviction.xǁLeastStaleǁ__init____mutmut_11":
+        "the first event rolls empty queues whatever the initial pass number, then sets it",
+    "policies.eviction.xǁLeastStaleǁ__init____mutmut_12":
+        "the first event rolls empty queues whatever the initial pass number, then sets it",
+    "policies.eviction.xǁLeastStaleǁ_touch__mutmut_7": "the queues are dicts used as ordered sets: values are never read",
+    "policies.eviction.xǁLFUǁ_place__mutmut_6": "the buckets are dicts used as ordered sets: values are never read",
+    "policies.eviction.xǁRandomǁon_insert__mutmut_1": "a dict used as an ordered set: values are never read",
+    "policies.eviction.xǁRecencyOrderedǁon_insert__mutmut_1": "a dict used as an ordered set: values are never read",
+    "policies.eviction.xǁLeastStaleǁon_access__mutmut_4":
+        "touching a key that is already current re-assigns its entry in place (dict order unchanged): "
+        "the same queues",
+    "policies.eviction.xǁScoreBasedǁ__init____mutmut_7": "the first credit finds no scores to decay",
+    "policies.eviction.xǁScoreBasedǁ__init____mutmut_8": "the first credit finds no scores to decay",
+    "policies.eviction.xǁScoreBasedǁ__init____mutmut_11": "the engine always gives the policy its workload",
+    "policies.eviction.xǁScoreBasedǁon_insert__mutmut_2": "RecencyOrdered.on_insert does not read `demand`",
 }
 
 
