@@ -7,6 +7,7 @@ without a traceback.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,72 @@ def plot_cmd(results: str, kind: str, metric: str | None, window: str | None, x:
     if metric is None:
         raise MoesimError(f"plot --kind {kind} needs --metric.")
     click.echo(f"wrote {plot(results, kind, out, metric, x, y, by, title)}")
+
+
+@cli.command("mrc")
+@click.argument("trace_file", metavar="TRACE")
+@click.option("--policy", "policies", default="lru,belady", show_default=True, metavar="P1,P2,...",
+              help="Eviction policies, comma-separated (belady is the bound, drawn dashed).")
+@click.option("--capacities", default=None, metavar="C1,C2,...",
+              help="Expert counts (1,8,64) or % of the model's experts (1%,5%); default: ~20 log-spaced "
+                   "counts from 1 expert to all.")
+@click.option("--expert-compute", type=click.Choice(["per-expert", "layer"]), default="per-expert", show_default=True,
+              help="per-expert: the sequential stream (LRU from stack distances); layer: a layer's experts pinned "
+                   "together (every point replayed).")
+@click.option("--batch", "batch_size", type=int, default=1, show_default=True, help="Requests per forward pass.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for mrc.parquet and mrc.png.")
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON instead of a table.")
+def mrc_cmd(trace_file: str, policies: str, capacities: str | None, expert_compute: str, batch_size: int,
+            out_dir: str, as_json: bool) -> None:
+    """Miss-ratio curves of TRACE: misses and hit rate over cache capacities for each eviction
+    policy, demand fetch only, cache-only replay. Writes OUT/mrc.parquet (capacity in experts,
+    bytes and % of the model; misses; hit rate; method) and OUT/mrc.png (log capacity axis,
+    Belady as the bound)."""
+    from policies.eviction import REGISTRY as EVICTION
+    from simulator.mrc import describe, mrc, parse_capacities, write_mrc
+    from traces.io import read_trace
+
+    if batch_size < 1:
+        raise MoesimError(f"--batch must be >= 1, got {batch_size}.")
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    for name in names:
+        EVICTION.get(name, "--policy")
+    trace = read_trace(trace_file)
+    total = trace.model.num_layers * trace.model.num_experts
+    caps = parse_capacities(capacities, total)
+    _check_writable_dir(Path(out_dir))
+    prog = _progress(sys.stderr.isatty(), "replays")
+    if prog is None:
+        df = mrc(trace, names, caps, expert_compute, batch_size)
+    else:
+        with prog:
+            task = prog.add_task("replays", total=None)
+            df = mrc(trace, names, caps, expert_compute, batch_size,
+                     progress=lambda d, n: prog.update(task, completed=d, total=n))
+    table, fig = write_mrc(df, out_dir, describe(trace, Path(trace_file).name, expert_compute, batch_size))
+    if as_json:
+        click.echo(df.to_json(orient="records", indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("policy", "capacity (experts)", "% of model", "misses", "hit rate", "method")
+    for row in df.itertuples():
+        t.add_row(row.policy, str(row.capacity_experts), f"{row.capacity_pct:.2f}", str(row.misses),
+                  f"{row.hit_rate:.4f}", row.method)
+    Console().print(t)
+    Console().print(f"wrote {table} and {fig}")
+
+
+def _check_writable_dir(path: Path) -> None:
+    """Refuse an output folder that cannot be written, before any work starts."""
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise MoesimError(f"--out {path}: {probe} is a file, not a folder; choose another --out.")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise MoesimError(f"--out {path}: {probe} is not writable; choose a folder you can write to.")
 
 
 @cli.group()
