@@ -235,8 +235,8 @@ def mrc_cmd(trace_file: str, policies: str, capacities: str | None, expert_compu
 
     t = Table("policy", "capacity (experts)", "% of model", "misses", "hit rate", "method")
     for row in df.itertuples():
-        t.add_row(row.policy, str(row.capacity_experts), f"{row.capacity_pct:.2f}", str(row.misses),
-                  f"{row.hit_rate:.4f}", row.method)
+        t.add_row(str(row.policy), str(row.capacity_experts), f"{row.capacity_pct:.2f}", str(row.misses),
+                  f"{row.hit_rate:.4f}", str(row.method))
     Console().print(t)
     Console().print(f"wrote {table} and {fig}")
 

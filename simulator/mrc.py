@@ -168,7 +168,13 @@ def figure(df: pd.DataFrame, title: str) -> Any:
     ax.set_ylabel("hit rate (hits / expert accesses)")
     ax.set_ylim(0, 1.02)
     pct = float(df["capacity_pct"].iloc[0] / df["capacity_experts"].iloc[0])
-    top = ax.secondary_xaxis("top", functions=(lambda x: x * pct, lambda p: p / pct))
+    def to_pct(x: Any) -> Any:
+        return np.asarray(x, dtype=np.float64) * pct
+
+    def from_pct(p: Any) -> Any:
+        return np.asarray(p, dtype=np.float64) / pct
+
+    top = ax.secondary_xaxis("top", functions=(to_pct, from_pct))
     top.set_xlabel("% of the model's experts")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(title="eviction")
