@@ -186,6 +186,53 @@ def plot_cmd(results: str, kind: str, metric: str | None, window: str | None, x:
     click.echo(f"wrote {plot(results, kind, out, metric, x, y, by, title)}")
 
 
+def _csv(value: str | None) -> list[str] | None:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+@cli.command("compare")
+@click.argument("scenario", required=False, default="quickstart")
+@click.option("--eviction", default=None, metavar="A,B,...", help="Eviction policies (default: lru,lfu,fld,least-stale).")
+@click.option("--prefetch", default=None, metavar="A,B,...",
+              help="Prefetch policies (default: none,previous-token, plus next-gate-topk,score-percentile when "
+                   "the trace has pred_next).")
+@click.option("--miss", default=None, metavar="A,B,...", help="Miss policies (default: the scenario's).")
+@click.option("--budget", default=None, metavar="A,B,...", help="Budget policies (default: the scenario's).")
+@click.option("--capacity", default=None, metavar="C1,C2,...", help="Cache capacities, e.g. 5%,25% (default: the scenario's).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a scenario key.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Folder (default: runs/compare-<scenario name>); rerunning resumes.")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True)
+@click.option("--workers", type=int, default=None, help="Worker processes (default: CPU count).")
+@click.option("--ray-address", default=None, help="With --executor ray: an existing cluster.")
+def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss: str | None, budget: str | None,
+                capacity: str | None, overrides: tuple[str, ...], out_dir: str | None, executor: str,
+                workers: int | None, ray_address: str | None) -> None:
+    """Rank policy combinations on SCENARIO: each candidate beside on-demand LRU (the baseline),
+    Belady with oracle prefetch (the bound) and an infinite cache, by TPOT (TTFT without decode
+    passes), with speedup over the baseline and the share of the baseline-to-bound gap closed.
+    Writes OUT/compare.parquet, OUT/compare.md and OUT/compare.png."""
+    from simulator.compare import compare
+    from simulator.scenario import resolve_path
+
+    n_workers = workers if workers is not None else (os.cpu_count() or 1)
+    if n_workers < 1:
+        raise MoesimError(f"--workers must be >= 1, got {n_workers}.")
+    target = Path(out_dir) if out_dir else Path("runs") / f"compare-{resolve_path(scenario).stem}"
+    _check_writable_dir(target)
+    prog = _progress(sys.stderr.isatty(), "compare")
+    args = (scenario, target, _csv(eviction), _csv(prefetch), _csv(miss), _csv(budget), _csv(capacity), overrides,
+            n_workers, executor, ray_address)
+    if prog is None:
+        compare(*args)
+    else:
+        with prog:
+            task = prog.add_task("compare", total=None)
+            compare(*args, progress=lambda d, f, n: prog.update(task, completed=d, total=n))
+    click.echo((target / "compare.md").read_text())
+    click.echo(f"wrote {target}/compare.parquet, compare.md and compare.png")
+
+
 @cli.command("mrc")
 @click.argument("trace_file", metavar="TRACE")
 @click.option("--policy", "policies", default="lru,belady", show_default=True, metavar="P1,P2,...",

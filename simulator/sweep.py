@@ -69,15 +69,37 @@ def parse_grid(items: tuple[str, ...] | list[str]) -> dict[str, list[Any]]:
     return axes
 
 
-def plan(scenario_path: str, grid: dict[str, list[Any]], overrides: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[Point], list[list[str]]]:
-    """The base scenario data (without ``sweep:``) and the points, validating every point's
-    scenario before anything runs (a bad axis value fails the sweep up front)."""
+def base_data(scenario_path: str, overrides: tuple[str, ...] = ()) -> tuple[Path, dict[str, Any], Any]:
+    """The scenario file, its data with ``overrides`` applied (without ``sweep:``), and its
+    ``sweep:`` section."""
     p = resolve_path(scenario_path)
     data = read_yaml(p) or {}
     if not isinstance(data, dict):
         raise MoesimError(f"{p}: a scenario must be a YAML mapping.")
     data = apply_overrides(data, parse_set(list(overrides)))
     section = data.pop("sweep", None) or {}
+    return p, data, section
+
+
+def make_points(p: Path, data: dict[str, Any], combos: list[dict[str, Any]]) -> list[Point]:
+    """A point per set of dotted-key overrides, each point's scenario validated before
+    anything runs (a bad value fails up front, naming the point); the id is a hash of the
+    overrides, so it does not depend on the order of the run."""
+    points = []
+    for chosen in combos:
+        pid = hashlib.sha1(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        point_data = apply_overrides(data, [(k.split("."), v) for k, v in chosen.items()])
+        scenario_from_dict(point_data, where=f"{p} (sweep point {chosen})", base_dir=str(p.parent))
+        points.append(Point(pid, chosen))
+    data["__base_dir__"] = str(p.parent)
+    data["__source__"] = str(p)
+    return points
+
+
+def plan(scenario_path: str, grid: dict[str, list[Any]], overrides: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[Point], list[list[str]]]:
+    """The base scenario data (without ``sweep:``) and the points, validating every point's
+    scenario before anything runs (a bad axis value fails the sweep up front)."""
+    p, data, section = base_data(scenario_path, overrides)
     if not isinstance(section, dict) or set(section) - {"axes", "zip"}:
         bad = sorted(set(section) - {"axes", "zip"}) if isinstance(section, dict) else [repr(section)]
         raise MoesimError(f"{p}: key 'sweep.{bad[0]}' is not a known key{did_you_mean(str(bad[0]), ['axes', 'zip'])}; "
@@ -104,18 +126,13 @@ def plan(scenario_path: str, grid: dict[str, list[Any]], overrides: tuple[str, .
     for key, values in axes.items():
         if key not in zipped:
             groups.append([{key: v} for v in values])
-    points = []
+    combos = []
     for combo in itertools.product(*groups):
         chosen: dict[str, Any] = {}
         for part in combo:
             chosen.update(part)
-        pid = hashlib.sha1(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:12]
-        point_data = apply_overrides(data, [(k.split("."), v) for k, v in chosen.items()])
-        scenario_from_dict(point_data, where=f"{p} (sweep point {chosen})", base_dir=str(p.parent))
-        points.append(Point(pid, chosen))
-    data["__base_dir__"] = str(p.parent)
-    data["__source__"] = str(p)
-    return data, points, zips
+        combos.append(chosen)
+    return data, make_points(p, data, combos), zips
 
 
 def run_point(data: dict[str, Any], point: Point, out_dir: str) -> tuple[str, str, float]:
@@ -199,6 +216,14 @@ def sweep(scenario_path: str, out_dir: str, grid: dict[str, list[Any]] | None = 
     (out / "sweep.yaml").write_text(yaml.safe_dump(
         {"scenario": str(scenario_path), "axes": sorted({k for p in points for k in p.values}),
          "zip": zips, "points": [{"id": p.pid, **p.values} for p in points]}, sort_keys=False))
+    run_points(data, points, out, workers, executor, ray_address, progress)
+    return collect(out, points)
+
+
+def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: int = 1, executor: str = "local",
+               ray_address: str | None = None, progress: Callable[[int, int, int], None] | None = None) -> None:
+    """Run every point whose folder is not complete yet (locally, one fresh process per
+    point, or on Ray); ``progress(finished, failed, total)`` after each."""
     todo = [p for p in points if p.pid not in done_points(out)]
     failed = 0
     finished = len(points) - len(todo)
@@ -226,11 +251,8 @@ def sweep(scenario_path: str, out_dir: str, grid: dict[str, list[Any]] | None = 
                     progress(finished, failed, len(points))
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-    elif executor == "local":
-        pass
-    else:
+    elif executor != "local":
         raise MoesimError(f"unknown executor '{executor}'; valid: local, ray.")
-    return collect(out, points)
 
 
 def _run_ray(data: dict[str, Any], todo: list[Point], out: Path, workers: int, address: str | None,

@@ -1,0 +1,158 @@
+"""``moesim compare``: the ranking arithmetic by hand, the reference rows against independent
+runs of the same scenario, the files it writes, and its refusals."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from simulator.cli import cli
+from simulator.compare import compare, plan_compare, rank
+from simulator.engine import simulate
+from simulator.scenario import scenario_from_dict
+
+SCENARIO = {
+    "seed": 0,
+    "hardware": {"preset": "a100-80g-pcie4"},
+    "workload": {"trace": {"synth": {"preset": "olmoe-1b-7b", "layers": 4, "requests": 1, "prompt_tokens": 8,
+                                     "tokens": 30}}, "batch_size": 1},
+    "cache": {"capacity": "10%"},
+    "policies": {"eviction": "lru", "miss": "fetch", "prefetch": "none"},
+}
+
+
+@pytest.fixture
+def scenario_file(tmp_path):
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(SCENARIO))
+    return path
+
+
+def row(point, role, label, tpot, cap="5%"):
+    return {"point": point, "role": role, "label": label, "capacity": cap, "tpot_s": tpot, "ttft_s": 0.5,
+            "status": "ok", "tokens_per_s": 1 / tpot, "hit_rate": 0.5, "collision_misses": 3,
+            "bytes_by_link.pcie.h2d": 2_000_000_000}
+
+
+def test_ranking_speedup_and_gap_closed_by_hand():
+    """Baseline 10 ms, bound 6 ms; candidates 8 ms and 5 ms and 11 ms.
+    Ranked: 5 (rank 1), 8 (2), 11 (3). speedup = 10 / t: 2.0, 1.25, 0.909...;
+    gap closed = (10 - t) / (10 - 6): 125% (better than the bound in time), 50%, -25%."""
+    results = pd.DataFrame([row("a", "", "", 0.008), row("b", "", "", 0.005), row("c", "", "", 0.011),
+                            row("base", "", "", 0.010), row("bnd", "", "", 0.006)])
+    plan = [{"role": "candidate", "label": "A", "capacity": "5%", "point": "a"},
+            {"role": "candidate", "label": "B", "capacity": "5%", "point": "b"},
+            {"role": "candidate", "label": "C", "capacity": "5%", "point": "c"},
+            {"role": "baseline", "label": "baseline", "capacity": "5%", "point": "base"},
+            {"role": "bound", "label": "bound", "capacity": "5%", "point": "bnd"}]
+    table, metric = rank(results.drop(columns=["role", "label", "capacity"]), plan)
+    assert metric == "tpot_s"
+    cands = table[table["role"] == "candidate"]
+    assert cands["label"].tolist() == ["B", "A", "C"]
+    assert cands["rank"].tolist() == [1, 2, 3]
+    assert cands["speedup"].tolist() == pytest.approx([2.0, 1.25, 10 / 11], rel=1e-12)
+    assert cands["gap_closed"].tolist() == pytest.approx([1.25, 0.5, -0.25], rel=1e-12)
+    assert cands["metric_ms"].tolist() == pytest.approx([5.0, 8.0, 11.0], rel=1e-12)
+    assert (table["bytes_moved"] == 2_000_000_000).all()
+    refs = table[table["role"] != "candidate"]
+    assert refs["gap_closed"].tolist() == pytest.approx([0.0, 1.0])
+
+
+def test_plan_shares_a_point_between_a_candidate_and_the_baseline(scenario_file):
+    """lru + no prefetch with the scenario's fetch and no budget is the baseline itself:
+    one run, two rows. 2 evictions x 2 prefetchers x 2 capacities + 2 x (baseline, bound)
+    + infinite = 13 rows on 11 points (lru + none at each capacity is the baseline)."""
+    _, points, rows = plan_compare(str(scenario_file), ["lru", "lfu"], ["none", "previous-token"],
+                                   capacity=["5%", "25%"])
+    assert len(rows) == 13
+    assert len(points) == 11
+    base = {r["capacity"]: r["point"] for r in rows if r["role"] == "baseline"}
+    lru_none = {r["capacity"]: r["point"] for r in rows if r["label"] == "lru + no prefetch"}
+    assert base == lru_none
+
+
+def test_reference_rows_equal_independent_runs_and_the_files_are_written(scenario_file, tmp_path):
+    out = tmp_path / "cmp"
+    table, metric = compare(str(scenario_file), out, ["lru", "least-stale"], ["none"], workers=2)
+    assert metric == "tpot_s"
+    data = yaml.safe_load(scenario_file.read_text())
+
+    def run(**pol):
+        d = {**data, "policies": {**data["policies"], **pol}}
+        return simulate(scenario_from_dict(d, where="test", base_dir=str(tmp_path))).summary
+
+    base = run(eviction="lru", prefetch="none")
+    bound = run(eviction="belady", prefetch="oracle")
+    ls = run(eviction="least-stale", prefetch="none")
+    by_role = table.set_index("label")
+    assert by_role.loc["on-demand LRU (baseline)", "tpot_s"] == base["tpot_s"]
+    assert by_role.loc["Belady + oracle prefetch (bound)", "tpot_s"] == bound["tpot_s"]
+    assert by_role.loc["least-stale + no prefetch", "tpot_s"] == ls["tpot_s"]
+    assert by_role.loc["least-stale + no prefetch", "gap_closed"] == pytest.approx(
+        (base["tpot_s"] - ls["tpot_s"]) / (base["tpot_s"] - bound["tpot_s"]), rel=1e-12)
+    inf = by_role.loc["all experts resident (infinite cache)"]
+    assert (inf["misses"], inf["late_prefetches"], inf["bytes_moved"]) == (0, 0, 0)
+    assert inf["tpot_s"] < bound["tpot_s"]
+    saved = pd.read_parquet(out / "compare.parquet")
+    assert saved["label"].tolist() == table["label"].tolist()
+    md = (out / "compare.md").read_text()
+    assert "| 1 | " in md
+    assert "on-demand LRU (baseline)" in md
+    assert (out / "compare.png").stat().st_size > 0
+
+
+def test_compare_command_prints_the_ranked_table(scenario_file, tmp_path):
+    out = tmp_path / "c"
+    r = CliRunner().invoke(cli, ["compare", str(scenario_file), "--eviction", "lru,fifo", "--prefetch", "none",
+                                 "--out", str(out), "--workers", "1"])
+    assert r.exit_code == 0, r.output
+    assert "Belady + oracle prefetch (bound)" in r.output
+    table = pd.read_parquet(out / "compare.parquet")
+    cands = table[table["role"] == "candidate"]
+    assert cands["tpot_s"].is_monotonic_increasing
+    assert set(cands["label"]) == {"lru + no prefetch", "fifo + no prefetch"}
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--eviction", "lru,lrv"], "lrv"),
+    (["--prefetch", "orakel"], "orakel"),
+    (["--capacity", "250%"], "250%"),
+])
+def test_compare_refuses_bad_policies_before_running(scenario_file, tmp_path, args, says):
+    out = tmp_path / "c"
+    r = CliRunner().invoke(cli, ["compare", str(scenario_file), "--out", str(out), *args])
+    assert r.exit_code == 2, r.output
+    assert says in r.output
+    assert "Traceback" not in r.output
+    assert not (out / "points").exists()
+
+
+def test_compare_refuses_an_output_folder_that_is_a_file(scenario_file, tmp_path):
+    target = tmp_path / "file"
+    target.write_text("x")
+    r = CliRunner().invoke(cli, ["compare", str(scenario_file), "--out", str(target / "sub")])
+    assert r.exit_code == 2
+    assert "is a file" in r.output
+
+
+def test_defaults_add_the_gate_predictors_when_the_trace_has_them(scenario_file):
+    _, _, rows = plan_compare(str(scenario_file))
+    labels = {r["label"] for r in rows if r["role"] == "candidate"}
+    assert labels == {f"{e} + {p}" for e in ("lru", "lfu", "fld", "least-stale")
+                      for p in ("no prefetch", "previous-token")}
+    _, _, rows = plan_compare(str(scenario_file), overrides=("workload.trace.synth.pred_next=true",))
+    prefetchers = {r["label"].split(" + ")[1] for r in rows if r["role"] == "candidate"}
+    assert prefetchers == {"no prefetch", "previous-token", "next-gate-topk", "score-percentile"}
+
+
+def test_failed_runs_exit_1_naming_the_first_and_its_error(scenario_file, tmp_path):
+    """next-gate-topk on a trace without pred_next fails inside its run (the scenario itself
+    is valid): compare finishes the other runs, then exits 1 naming the failed one."""
+    r = CliRunner().invoke(cli, ["compare", str(scenario_file), "--eviction", "lru", "--prefetch", "next-gate-topk",
+                                 "--out", str(tmp_path / "c"), "--workers", "1"])
+    assert r.exit_code == 1, r.output
+    assert "1 of 4 runs failed" in r.output
+    assert "lru + next-gate-topk" in r.output
+    assert "pred_next" in r.output
