@@ -163,12 +163,18 @@ def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], 
 @click.option("--x", "x", default=None, help="The axis on the horizontal axis (a results column).")
 @click.option("--y", "y", default=None, help="heatmap: the vertical axis.")
 @click.option("--by", "by", default=None, help="lines/bars: one line or bar group per value of this column.")
+@click.option("--facet", default=None, help="One panel per value of this column.")
+@click.option("--where", "where", multiple=True, metavar="KEY=VALUE",
+              help="Keep only the results with this axis value. Repeatable.")
 @click.option("--title", default=None)
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="FILE.png, .svg or .pdf")
 def plot_cmd(results: str, kind: str, metric: str | None, window: str | None, x: str | None, y: str | None,
-             by: str | None, title: str | None, out: str) -> None:
+             by: str | None, facet: str | None, where: tuple[str, ...], title: str | None, out: str) -> None:
     """Plot a sweep's RESULTS (folder or results.parquet) as heatmap, lines or bars, or a run's
-    events JSON (`moesim run --events`) as a timeline of the compute and copy streams."""
+    events JSON (`moesim run --events`) as a timeline of the compute and copy streams.
+
+    Every sweep axis a figure does not show (--x, --y, --by, --facet) must be fixed with
+    --where: plot refuses to average over it."""
     from simulator.plots import plot, plot_timeline
 
     if kind == "timeline":
@@ -183,7 +189,7 @@ def plot_cmd(results: str, kind: str, metric: str | None, window: str | None, x:
         return
     if metric is None:
         raise MoesimError(f"plot --kind {kind} needs --metric.")
-    click.echo(f"wrote {plot(results, kind, out, metric, x, y, by, title)}")
+    click.echo(f"wrote {plot(results, kind, out, metric, x, y, by, title, where, facet)}")
 
 
 def _csv(value: str | None) -> list[str] | None:

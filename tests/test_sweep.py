@@ -98,24 +98,76 @@ def test_plots_carry_the_swept_values(tmp_path):
     out = tmp_path / "s"
     sweep("quickstart", str(out), {**GRID, "policies.eviction": ["lru", "belady"]}, BASE, workers=2)
     df = load_results(str(out))
-    heat = figure(df, "heatmap", "tpot_s", x="cache.capacity", y="hardware.links.pcie.bandwidth_gbps")
+    assert df.attrs["axes"] == ["cache.capacity", "hardware.links.pcie.bandwidth_gbps", "policies.eviction"]
+    heat = figure(df, "heatmap", "tpot_s", x="cache.capacity", y="hardware.links.pcie.bandwidth_gbps",
+                  where=["policies.eviction=lru"])
     ax = heat.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["5%", "25%"]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["5", "32"]
-    lines = figure(df, "lines", "hit_rate", x="cache.capacity", by="policies.eviction")
+    assert ax.get_xlabel() == "cache capacity (% of all expert bytes)"
+    assert ax.get_ylabel() == "PCIe bandwidth (GB/s)"
+    assert "held fixed: eviction=lru" in heat._suptitle.get_text()
+    # each cell is that (capacity, bandwidth) point's TPOT in ms, not a mean over policies
+    lru = df[df["policies.eviction"] == "lru"]
+    cell = lru[(lru["cache.capacity"] == "5%") & (lru["hardware.links.pcie.bandwidth_gbps"] == 5)]["tpot_s"]
+    assert ax.texts[0].get_text() == f"{float(cell.iloc[0]) * 1e3:.3g}"
+    lines = figure(df, "lines", "hit_rate", x="cache.capacity", by="policies.eviction",
+                   facet="hardware.links.pcie.bandwidth_gbps")
+    assert len(lines.axes) == 2
     labels = [ln.get_label() for ln in lines.axes[0].get_lines()]
-    assert set(labels) == {"lru", "belady"}
-    assert next(ln for ln in lines.axes[0].get_lines() if ln.get_label() == "belady").get_linestyle() == "--"
-    bars = figure(df, "bars", "misses", x="policies.eviction", by="cache.capacity")
+    assert set(labels) == {"lru", "belady (bound)"}
+    bound = next(ln for ln in lines.axes[0].get_lines() if ln.get_label() == "belady (bound)")
+    assert bound.get_linestyle() == "--"
+    assert list(bound.get_xdata()) == [5.0, 25.0]  # a numeric capacity axis, not categories
+    bars = figure(df, "bars", "misses", x="policies.eviction", by="cache.capacity",
+                  where=["hardware.links.pcie.bandwidth_gbps=32"])
     assert [t.get_text() for t in bars.axes[0].get_xticklabels()] == ["belady", "lru"]
-    for kind, kw in [("heatmap", {"x": "cache.capacity", "y": "hardware.links.pcie.bandwidth_gbps"}),
-                     ("lines", {"x": "cache.capacity", "by": "policies.eviction"}),
-                     ("bars", {"x": "policies.eviction"})]:
+    for kind, kw in [("heatmap", {"x": "cache.capacity", "y": "hardware.links.pcie.bandwidth_gbps",
+                                  "where": ("policies.eviction=belady",)}),
+                     ("lines", {"x": "cache.capacity", "by": "policies.eviction",
+                                "facet": "hardware.links.pcie.bandwidth_gbps"}),
+                     ("bars", {"x": "policies.eviction", "by": "hardware.links.pcie.bandwidth_gbps",
+                               "where": ("cache.capacity=5%",)})]:
         f = plot(str(out), kind, str(tmp_path / f"{kind}.png"), "hit_rate", **kw)
         assert f.stat().st_size > 1000
     with pytest.raises(MoesimError, match=r"column 'tpot' .*is not in the results"):
         figure(df, "bars", "tpot", x="cache.capacity")
     assert json.loads((out / "points" / df["point"].iloc[0] / "point.json").read_text())["id"] == df["point"].iloc[0]
+
+
+def test_plot_refuses_to_average_over_an_axis_it_does_not_show(tmp_path):
+    """A heatmap of capacity x bandwidth over results that also vary the eviction policy
+    would mix LRU with the Belady bound in every cell: refused with exit 2, naming the
+    axis, its values and the three ways out; nothing is written."""
+    from click.testing import CliRunner
+
+    from simulator.cli import cli
+
+    out = tmp_path / "s"
+    sweep("quickstart", str(out), {**GRID, "policies.eviction": ["lru", "belady"]}, BASE, workers=2)
+    png = tmp_path / "h.png"
+    r = CliRunner().invoke(cli, ["plot", str(out), "--kind", "heatmap", "--metric", "tpot_s", "--x", "cache.capacity",
+                                 "--y", "hardware.links.pcie.bandwidth_gbps", "--out", str(png)])
+    assert r.exit_code == 2
+    assert "'policies.eviction' (belady, lru)" in r.output
+    assert "--by policies.eviction" in r.output
+    assert "--facet policies.eviction" in r.output
+    assert "--where policies.eviction=belady" in r.output
+    assert not png.exists()
+    r = CliRunner().invoke(cli, ["plot", str(out), "--kind", "lines", "--metric", "hit_rate", "--x", "cache.capacity",
+                                 "--out", str(png)])
+    assert r.exit_code == 2  # lines without --by would average the policies (and the bandwidths)
+    assert "'hardware.links.pcie.bandwidth_gbps' (5, 32), 'policies.eviction' (belady, lru)" in r.output
+    r = CliRunner().invoke(cli, ["plot", str(out), "--kind", "lines", "--metric", "hit_rate", "--x", "cache.capacity",
+                                 "--by", "policies.eviction", "--where", "hardware.links.pcie.bandwidth_gbps=32",
+                                 "--out", str(png)])
+    assert r.exit_code == 0, r.output
+    assert png.stat().st_size > 1000
+    r = CliRunner().invoke(cli, ["plot", str(out), "--kind", "lines", "--metric", "hit_rate", "--x", "cache.capacity",
+                                 "--by", "policies.eviction", "--where", "hardware.links.pcie.bandwidth_gbps=7",
+                                 "--out", str(png)])
+    assert r.exit_code == 2
+    assert "matches no results; values of hardware.links.pcie.bandwidth_gbps: 5, 32" in r.output
 
 
 def test_events_export_and_timeline(tmp_path):
