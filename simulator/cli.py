@@ -74,8 +74,10 @@ def _stderr_console() -> Any:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--events", "events", type=click.Path(dir_okay=False), default=None,
               help="Also write the run's timeline as a Chrome trace (JSON) that Perfetto opens.")
+@click.option("--events-passes", "events_passes", type=int, default=8, show_default=True,
+              help="Forward passes the timeline records, from the first (0: all; a whole long run is large).")
 def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write: bool,
-        as_json: bool, quiet: bool, events: str | None) -> None:
+        as_json: bool, quiet: bool, events: str | None, events_passes: int) -> None:
     """Replay SCENARIO (a YAML file or a shipped name; default: quickstart).
 
     Prints a summary table and writes DIR/summary.json, DIR/steps.parquet (one row per
@@ -89,7 +91,12 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
 
     sc = load_scenario(scenario, overrides)
     prog = _progress(not quiet and sys.stderr.isatty(), "simulating")
-    rec: dict[str, Any] = {"record_transfers": events is not None, "record_layers": events is not None}
+    if events_passes < 0:
+        raise MoesimError(f"--events-passes must be >= 0 (0: all passes), got {events_passes}.")
+    if events is not None:
+        _check_writable_dir(Path(events).parent if str(Path(events).parent) else Path("."))
+    rec: dict[str, Any] = {"record_transfers": events is not None, "record_layers": events is not None,
+                           "record_passes": events_passes or None}
     if prog is not None:
         with prog:
             task = prog.add_task("sim", total=None)
@@ -102,7 +109,10 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
         from simulator.events import chrome_trace, write_events
 
         write_events(chrome_trace(result, sim.link_name, sim.model.num_experts, sim.num_prec), events)
-        click.echo(f"timeline written to {events} (open it in Perfetto)", err=True)
+        n_pass = sim.wl.num_passes
+        shown = n_pass if not events_passes else min(events_passes, n_pass)
+        click.echo(f"timeline of passes 0-{shown - 1} of {n_pass} written to {events} (open it in Perfetto; "
+                   "--events-passes N records more, 0 all)", err=True)
     if as_json:
         click.echo(json.dumps(result.summary, indent=2))
     else:

@@ -32,8 +32,8 @@ class Transfer:
     """One copy of one expert. ``start``/``done`` are projections until :attr:`started`;
     a queued prefetch's are not kept up to date (they are set when it starts or is promoted)."""
 
-    __slots__ = ("bypass", "cancelled", "done", "dur", "issued", "key", "nbytes", "priority", "seq", "start",
-                 "started")
+    __slots__ = ("bypass", "cancelled", "done", "dur", "issued", "key", "nbytes", "priority", "promoted", "seq",
+                 "start", "started")
 
     def __init__(self, key: int, nbytes: int, priority: int, issued: float, seq: int, dur: float = 0.0) -> None:
         self.key = key
@@ -46,6 +46,7 @@ class Transfer:
         self.started = False
         self.cancelled = False
         self.bypass = False  # copied to a staging buffer, not kept in the cache
+        self.promoted = False  # a prefetch a layer needed while it was still queued
         self.dur = dur
 
 
@@ -119,6 +120,7 @@ class CopyEngine:
             return
         for t in moving:
             t.priority = DEMAND  # its entry in the prefetch queue becomes a tombstone
+            t.promoted = True
         demand = self._demand  # each goes in by issue order (seq), whatever the order of trs
         first = len(demand)
         for t in moving:

@@ -129,7 +129,7 @@ class Simulation:
     def __init__(self, scenario: Scenario, trace: Trace | None = None,
                  workload: Workload | None = None, progress: ProgressFn | None = None,
                  record_transfers: bool = False, record_layers: bool = False,
-                 record_decisions: bool = False) -> None:
+                 record_decisions: bool = False, record_passes: int | None = None) -> None:
         self.scenario = scenario
         self._trace = trace
         if workload is None:
@@ -164,14 +164,23 @@ class Simulation:
         self.link_name = f"{hw.host_link}.h2d"
         self.copy = CopyEngine(hw.h2d, instant=not scenario.timing)
         self.copy.on_complete.append(self.cache.complete_many)
+        # the timeline (``moesim run --events``), recorded for the passes before record_passes
+        # (all when None): transfers (key, priority, issued, start, done); copies (key, kind:
+        # demand | prefetch | promoted, issued, start, done, bytes); withdrawn prefetches (key,
+        # issued, withdrawn at, bytes); per layer (pass, layer, non-expert start, routing point, experts
+        # start, layer end) and the cache's bytes at the routing point; with expert parallelism
+        # per GPU (pass, layer, gpu, start, dispatch start, experts start, experts end, layer end)
+        self.record_passes = record_passes
         self.transfers: list[tuple[int, int, float, float, float]] | None = None
-        # (pass, layer, non-expert start, routing point, experts start, layer end)
+        self.copies: list[tuple[int, str, float, float, float, int]] | None = None
+        self.withdrawn: list[tuple[int, float, float, int]] | None = None
         self.layer_log: list[tuple[int, int, float, float, float, float]] | None = [] if record_layers else None
+        self.occupancy: list[tuple[float, int]] | None = [] if record_layers else None
+        self.ep_log: list[tuple[int, int, int, float, float, float, float, float]] | None = (
+            [] if record_layers else None)
         if record_transfers:
-            self.transfers = []
-            log = self.transfers
-            self.copy.on_complete.append(
-                lambda trs: log.extend((tr.key, tr.priority, tr.issued, tr.start, tr.done) for tr in trs))
+            self.transfers, self.copies, self.withdrawn = [], [], []
+            self.copy.on_complete.append(self._log_copies)
         self.env = simpy.Environment()
         n = workload.num_passes
         self._cols = {name: np.zeros(n, dtype=np.int64) for name in
@@ -207,6 +216,18 @@ class Simulation:
         self.acc_keys = workload.keys() * self.num_prec + self.default_prec  # cache key per access
         self.acc_ffn = np.zeros(0)
         self._nonexp: list[float] = []
+
+    def _recording(self) -> bool:
+        return self.record_passes is None or self.clock.pass_index < self.record_passes
+
+    def _log_copies(self, trs: list[Transfer]) -> None:
+        """Completed transfers, into the timeline (inside its window)."""
+        if self.transfers is None or self.copies is None or not self._recording():
+            return
+        for tr in trs:
+            self.transfers.append((tr.key, tr.priority, tr.issued, tr.start, tr.done))
+            kind = "promoted" if tr.promoted else ("demand" if tr.priority == DEMAND else "prefetch")
+            self.copies.append((tr.key, kind, tr.issued, tr.start, tr.done, tr.nbytes))
 
     def _make_policies(self, scenario: Scenario, workload: Workload) -> None:
         """One policy of each family, each with its own context and seeded generator."""
@@ -330,8 +351,10 @@ class Simulation:
                         clock.now = end
                         self._admit(end, _NO_PINS)
                 carry = end - now
-                if layer_log is not None:
+                if layer_log is not None and self._recording():
                     layer_log.append((p, layer, now - ne, now, now + row.stall - st0, end))
+                    assert self.occupancy is not None
+                    self.occupancy.append((now, self.cache.used))
             if carry > 0:
                 yield env.timeout(carry)
                 carry = 0.0
@@ -535,6 +558,8 @@ class Simulation:
             return
         gone = self.copy.cancel_many(stale)
         if gone:
+            if self.withdrawn is not None and self._recording():
+                self.withdrawn.extend((tr.key, tr.issued, self.clock.now, tr.nbytes) for tr in gone)
             self.cache.cancel_many(gone)
             self.pf_unused.difference_update([tr.key for tr in gone])
             self.row.pf_cancelled += len(gone)
@@ -598,6 +623,11 @@ class Simulation:
                     traffic = float(max(sent.max(), recv.max()))
                     a2a = link.copy_time(traffic) if traffic > 0 else 0.0
                     t_layer += 2 * a2a + expert_t
+                    if self.ep_log is not None and self._recording():
+                        t0, scale = env.now, float(self.ffn_scale[p])
+                        t_exp = t0 + nonexp[p] + a2a
+                        self.ep_log.extend((p, layer, g, t0, t0 + nonexp[p], t_exp, t_exp + per_gpu_time[g] * scale,
+                                            t0 + t_layer) for g in range(g_n))
                 yield env.timeout(t_layer)
             self._t_end[p] = env.now
             cols["hits"][p] = accesses
@@ -625,8 +655,15 @@ class Simulation:
             ar = replace(self.scenario, workload=replace(self.scenario.workload, speculative=None))
             ar_rate = Simulation(ar, trace=self._trace).run().summary["tokens_per_s"]
             summary["speedup_vs_autoregressive"] = (summary["tokens_per_s"] / ar_rate) if ar_rate else None
-        return Result(self.scenario, steps, requests, summary, self.transfers,
-                      extra={"layers": self.layer_log} if self.layer_log is not None else {})
+        extra: dict[str, Any] = {}
+        if self.layer_log is not None:
+            extra.update(layers=self.layer_log, occupancy=self.occupancy, ep_layers=self.ep_log,
+                         capacity=self.capacity)
+        if self.copies is not None:
+            extra.update(copies=self.copies, withdrawn=self.withdrawn)
+        if self.record_passes is not None:
+            extra["recorded_passes"] = min(self.record_passes, self.wl.num_passes)
+        return Result(self.scenario, steps, requests, summary, self.transfers, extra=extra)
 
     def _steps_frame(self) -> pd.DataFrame:
         wl = self.wl

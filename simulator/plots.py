@@ -278,9 +278,24 @@ def _series(ax: Any, df: pd.DataFrame, kind: str, metric: str, x: str, by: str |
     ax.grid(True, alpha=0.3)
 
 
+def _decimate(spans: list[tuple[float, float]], min_gap: float) -> list[tuple[float, float]]:
+    """Merge spans (start, duration) closer than ``min_gap``: at the figure's resolution they
+    are one bar, and drawing them one by one costs minutes on a long run."""
+    out: list[tuple[float, float]] = []
+    for start, dur in sorted(spans):
+        if out and start - (out[-1][0] + out[-1][1]) < min_gap:
+            s0, d0 = out[-1]
+            out[-1] = (s0, max(d0, start + dur - s0))
+        else:
+            out.append((start, dur))
+    return out
+
+
 def plot_timeline(events_path: str, out: str, window_ms: tuple[float, float] | None = None,
                   title: str | None = None) -> Path:
-    """A Gantt chart of a run's compute stream and copy engine from its events JSON."""
+    """A Gantt chart of a run's events JSON: one row per thread (each GPU's compute stream, the
+    copy engine), one colour per kind of span, withdrawn prefetches as ticks. Spans closer
+    than 1/2000 of the window are merged (decimation); the title states the window."""
     import json
 
     import matplotlib
@@ -291,27 +306,48 @@ def plot_timeline(events_path: str, out: str, window_ms: tuple[float, float] | N
     p = Path(events_path)
     try:
         doc = json.loads(p.read_text())
-        spans = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+        all_events = doc["traceEvents"]
+        spans = [e for e in all_events if e.get("ph") == "X"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise MoesimError(f"plot: {events_path} is not an events file from `moesim run --events` ({exc}).") from None
+    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in all_events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpus = {e["pid"]: e["args"]["name"] for e in all_events if e.get("ph") == "M" and e.get("name") == "process_name"}
     if window_ms is not None:
         lo, hi = window_ms[0] * 1e3, window_ms[1] * 1e3
         spans = [e for e in spans if e["ts"] + e["dur"] >= lo and e["ts"] <= hi]
     if not spans:
         raise MoesimError(f"plot: {events_path} has no events{' in that window' if window_ms else ''}.")
+    t_lo = min(e["ts"] for e in spans) / 1e3
+    t_hi = max(e["ts"] + e["dur"] for e in spans) / 1e3
+    min_gap = (t_hi - t_lo) / 2000
+    rows = sorted({(e["pid"], e["tid"]) for e in spans}, key=lambda r: (r[0], -r[1]))
     colours = {"attention+gate": "#9e9e9e", "wait for experts": "#d62728", "experts": "#1f77b4",
-               "demand fetch": "#ff7f0e", "prefetch": "#2ca02c"}
-    fig, ax = plt.subplots(figsize=(10, 3))
-    seen = set()
+               "demand fetch": "#ff7f0e", "prefetch": "#2ca02c", "promoted prefetch": "#8c564b",
+               "all-to-all dispatch": "#9467bd", "all-to-all combine": "#e377c2", "wait for slowest GPU": "#d62728"}
+    grouped: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for e in spans:
-        kind = e["name"].split(" ", 1)[1] if e["name"].startswith("L") else e["name"]
-        row = 1 - e["tid"]  # compute on top
-        label = kind if kind not in seen else None
+        kind = e["name"].split(" ", 1)[1] if e["name"].startswith("L") and " " in e["name"] else e["name"]
+        row = rows.index((e["pid"], e["tid"]))
+        grouped.setdefault((row, kind), []).append((e["ts"] / 1e3, e["dur"] / 1e3))
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.7 * len(rows)))
+    seen: set[str] = set()
+    for (row, kind), bars in sorted(grouped.items()):
+        ax.broken_barh(_decimate(bars, min_gap), (row - 0.4, 0.8), color=colours.get(kind, "k"),
+                       label=kind if kind not in seen else None)
         seen.add(kind)
-        ax.broken_barh([(e["ts"] / 1e3, e["dur"] / 1e3)], (row - 0.4, 0.8), color=colours.get(kind, "k"), label=label)
-    ax.set_yticks([0, 1], ["copy engine", "compute"])
+    withdrawn = [e["ts"] / 1e3 for e in all_events if e.get("ph") == "i" and e.get("name") == "withdrawn prefetch"
+                 and t_lo <= e["ts"] / 1e3 <= t_hi]
+    if withdrawn:
+        row = rows.index((0, 1)) if (0, 1) in rows else 0
+        ax.plot(withdrawn, [row + 0.45] * len(withdrawn), "v", color="black", markersize=4, label="withdrawn prefetch")
+    labels = [f"{gpus.get(pid, f'GPU {pid}')} {threads.get((pid, tid), str(tid))}" if len(gpus) > 1
+              else threads.get((pid, tid), str(tid)) for pid, tid in rows]
+    ax.set_yticks(range(len(rows)), labels)
     ax.set_xlabel("simulated time (ms)")
-    ax.legend(loc="upper right", fontsize=7, ncol=5)
-    ax.set_title(title or "timeline")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 3 else -0.15), fontsize=7, ncol=5)
+    recorded = (doc.get("otherData") or {}).get("recorded_passes")
+    what = f"{t_lo:.2f}-{t_hi:.2f} ms" + (f", the first {recorded} passes" if recorded else "")
+    ax.set_title(f"{title or 'timeline'} ({what})", fontsize=9)
     fig.tight_layout()
     return save_figure_atomic(fig, out)

@@ -1,0 +1,128 @@
+"""The run timeline (``moesim run --events``): copies told apart, withdrawn prefetches,
+counter tracks and flow arrows on a hand-made pass; the recorded window; one track per GPU
+with expert parallelism."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from simulator.cli import cli
+from simulator.engine import Simulation
+from simulator.events import chrome_trace
+from tests.helpers import scenario, small_model, trace_from_array
+from traces.synth import synth_from_preset
+
+TINY_EXPERT = 3 * 256 * 512 * 2  # small_model's bf16 expert: 786,432 bytes
+
+
+def timeline(sim: Simulation) -> tuple[dict, list[dict]]:
+    res = sim.run()
+    doc = chrome_trace(res, sim.link_name, sim.model.num_experts, sim.num_prec)
+    return doc, doc["traceEvents"]
+
+
+def test_demand_prefetch_and_promoted_copies_with_their_arrows_and_counters():
+    """One pass, 2 layers, top-2, oracle prefetch, unlimited cache, a 0.01 GB/s link (a copy
+    takes ~0.08 s). Layer 0 misses experts 0 and 1 (two demand fetches); at its routing point
+    the oracle queues layer 1's experts 2 and 3 behind them. When layer 1 is routed, the copy
+    of expert 2 is on the link (a late prefetch) and expert 3's is still queued: it is
+    promoted. Four copies, in that order: demand, demand, prefetch, promoted; each made a
+    layer wait: four arrows (two to layer 0, two to layer 1). The link is busy from the first
+    copy's start to the last one's end without a gap; 4 experts' bytes are in flight at most,
+    none at the end; the cache holds 4 experts at both routing points."""
+    model = small_model(layers=2, experts=8, top_k=2)
+    t = trace_from_array(model, np.array([[[[0, 1], [2, 3]]]]))
+    sc = scenario(cache={"capacity": "inf"}, policies={"prefetch": "oracle"},
+                  hardware={"links": {"pcie": {"bandwidth_gbps": 0.01}}})
+    sim = Simulation(sc, trace=t, record_transfers=True, record_layers=True)
+    _doc, ev = timeline(sim)
+    copies = sorted((e for e in ev if e["ph"] == "X" and e["tid"] == 1), key=lambda e: e["ts"])
+    assert [e["name"] for e in copies] == ["demand fetch", "demand fetch", "prefetch", "promoted prefetch"]
+    assert [(e["args"]["layer"], e["args"]["expert"]) for e in copies] == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    starts = [e for e in ev if e["ph"] == "s"]
+    ends = [e for e in ev if e["ph"] == "f"]
+    assert len(starts) == len(ends) == 4
+    experts = {e["args"]["layer"]: e["ts"] for e in ev if e["ph"] == "X" and e["name"].endswith(" experts")}
+    assert sorted(e["ts"] for e in ends) == [experts[0], experts[0], experts[1], experts[1]]
+    busy = [e["args"]["busy"] for e in ev if e["ph"] == "C" and e["name"] == "link busy"]
+    assert max(busy) == 1
+    assert busy[-1] == 0
+    busy_t = sorted(e["ts"] for e in ev if e["ph"] == "C" and e["name"] == "link busy")
+    assert busy_t[0] == copies[0]["ts"]
+    assert busy_t[-1] == pytest.approx(copies[-1]["ts"] + copies[-1]["dur"])
+    flight = [e["args"]["MB"] for e in ev if e["ph"] == "C" and e["name"] == "bytes in flight (MB)"]
+    assert max(flight) == pytest.approx(4 * TINY_EXPERT / 1e6)
+    assert flight[-1] == pytest.approx(0.0, abs=1e-12)
+    occ = [e["args"]["GB"] for e in ev if e["ph"] == "C" and e["name"] == "cache occupancy (GB)"]
+    assert occ == pytest.approx([4 * TINY_EXPERT / 1e9] * 2)
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in ev if e["ph"] == "M"}
+    assert names[(0, None)] == "GPU 0"
+    assert names[(0, 0)] == "compute stream"
+    assert names[(0, 1)] == "copy engine pcie.h2d"
+
+
+def test_withdrawn_prefetches_are_instant_events_on_the_copy_engine():
+    """2 layers, top-2, room for 2 experts, previous-token prefetch, a 0.01 GB/s link. Pass 0
+    routes (0, 1) then (2, 3); pass 1 routes (4, 5) then (6, 7). At pass 1 layer 0 the
+    previous token's layer-1 experts 2 and 3 are proposed; they wait for room until layer 0
+    has run (its experts are pinned), then go to the link: 2 starts, 3 queues. Layer 1 needs
+    6 and 7: the queued copy of 3 is withdrawn (2 is already moving). One instant event."""
+    model = small_model(layers=2, experts=8, top_k=2)
+    t = trace_from_array(model, np.array([[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]]))
+    sc = scenario(cache={"capacity": "2 experts"}, policies={"prefetch": "previous-token"},
+                  hardware={"links": {"pcie": {"bandwidth_gbps": 0.01}}})
+    sim = Simulation(sc, trace=t, record_transfers=True, record_layers=True)
+    res = sim.run()
+    ev = chrome_trace(res, sim.link_name, sim.model.num_experts, sim.num_prec)["traceEvents"]
+    withdrawn = [e for e in ev if e["ph"] == "i"]
+    assert res.summary["prefetches_cancelled"] == 1
+    assert [(e["name"], e["tid"], e["args"]["layer"], e["args"]["expert"]) for e in withdrawn] == \
+        [("withdrawn prefetch", 1, 1, 3)]
+    routing_l1 = next(e["ts"] + e["dur"] for e in ev if e["ph"] == "X" and e["args"].get("pass") == 1
+                      and e["name"] == "L1 attention+gate")
+    assert withdrawn[0]["ts"] == pytest.approx(routing_l1)
+    copies = [e for e in ev if e["ph"] == "X" and e["tid"] == 1]
+    assert [e["name"] for e in copies].count("prefetch") == 1
+
+
+def test_the_timeline_records_the_first_passes_only_and_says_so(tmp_path):
+    t = synth_from_preset("olmoe-1b-7b", layers=3, requests=1, tokens=20, seed=1)
+    sim = Simulation(scenario(), trace=t, record_transfers=True, record_layers=True, record_passes=3)
+    doc, ev = timeline(sim)
+    passes = {e["args"]["pass"] for e in ev if e["ph"] == "X" and e["tid"] == 0}
+    assert passes == {0, 1, 2}
+    assert doc["otherData"]["recorded_passes"] == 3
+    end_of_pass_2 = max(e["ts"] + e["dur"] for e in ev if e["ph"] == "X" and e["tid"] == 0)
+    assert all(e["ts"] <= end_of_pass_2 + 1e-6 for e in ev if e["ph"] == "X" and e["tid"] == 1)
+    out = tmp_path / "e.json"
+    r = CliRunner().invoke(cli, ["run", "quickstart", "--no-write", "--quiet", "--set", "workload.trace.synth.tokens=5",
+                                 "--set", "workload.trace.synth.requests=1", "--events", str(out),
+                                 "--events-passes", "2"])
+    assert r.exit_code == 0, r.output
+    assert "timeline of passes 0-1 of 6 written to" in r.output
+    assert {e["args"]["pass"] for e in json.loads(out.read_text())["traceEvents"]
+            if e["ph"] == "X" and e["tid"] == 0} == {0, 1}
+
+
+def test_expert_parallel_timeline_has_a_track_per_gpu_adding_up_to_each_layer():
+    """8 GPUs: a process per GPU; per layer each GPU's attention, dispatch, experts, wait for
+    the slowest GPU and combine add up to the layer's time, and the layers to the pass's."""
+    t = synth_from_preset("olmoe-1b-7b", layers=2, requests=8, tokens=3, seed=2)
+    sc = scenario(hardware={"preset": "h100-sxm-nvlink-x8"}, workload={"batch_size": 8})
+    sim = Simulation(sc, trace=t, record_transfers=True, record_layers=True)
+    res = sim.run()
+    ev = chrome_trace(res, sim.link_name, sim.model.num_experts, sim.num_prec)["traceEvents"]
+    spans = [e for e in ev if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(range(8))
+    assert sorted(e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name") == \
+        [f"GPU {g}" for g in range(8)]
+    for g in range(8):
+        mine = [e for e in spans if e["pid"] == g and e["args"]["pass"] == 1]
+        total = sum(e["dur"] for e in mine) / 1e6
+        assert total == pytest.approx(res.steps["duration_s"].iloc[1], rel=1e-9)
+    slowest = [e for e in spans if e["name"].endswith("wait for slowest GPU")]
+    assert slowest  # some GPU always waits for another here
