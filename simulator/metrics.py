@@ -1,4 +1,5 @@
-"""Summary metrics, derived from the per-pass rows (never from parallel counters).
+"""Summary metrics, derived from the per-pass rows — except ``link_utilisation`` (the copy
+engine's busy time) and ``cache_peak_bytes`` (the cache's high-water mark), which no pass owns.
 
 Definitions (names as in ``docs/design.md``; README "Metrics" repeats them):
 
@@ -120,8 +121,8 @@ def summarise(sim: RunInfo, steps: pd.DataFrame, requests: pd.DataFrame) -> dict
         "expert_accesses": accesses,
         "bytes_by_link": {sim.link_name: int(steps["bytes_h2d"].sum())},
         "stall_s": float(steps["stall_s"].sum()),
-        "ttft_s": _f(requests["ttft_s"].mean()) if len(requests) else None,
-        "tpot_s": _f(steps.loc[decode, "duration_s"].mean()) if decode.any() else None,
+        "ttft_s": _f(requests["ttft_s"].mean()),  # the mean of no requests is NaN: null
+        "tpot_s": None,  # below, from the decode and verify passes
         "tokens_per_s": None,
         "link_utilisation": {sim.link_name: sim.copy.busy_time / total_time if total_time > 0 else 0.0},
         "unique_experts_per_layer": (_f(steps.loc[decode_like, "unique_experts"].sum() / (decode_like.sum() * num_l))

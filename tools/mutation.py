@@ -35,11 +35,12 @@ TESTS: dict[str, list[str]] = {
     "simulator/copyengine.py": ["tests/test_copyengine.py", "tests/test_metrics.py", "tests/test_prefetch.py",
                                 "tests/test_engine.py"],
     "simulator/lookup.py": ["tests/test_fidelity.py", "tests/test_miss_routing.py", "tests/test_engine.py"],
-    "simulator/metrics.py": ["tests/test_metrics.py", "tests/test_engine.py", "tests/test_speculative.py",
-                             "tests/test_expert_parallel.py"],
+    "simulator/metrics.py": ["tests/test_metrics.py", "tests/test_summary.py", "tests/test_engine.py",
+                             "tests/test_speculative.py", "tests/test_expert_parallel.py"],
     "policies/eviction.py": ["tests/test_eviction_orders.py", "tests/test_eviction.py", "tests/test_fidelity.py", "tests/test_policies.py"],
     "policies/prefetch.py": ["tests/test_proposals.py", "tests/test_prefetch.py"],
-    "policies/budget.py": ["tests/test_budget.py", "tests/test_budget_hand.py", "tests/test_expert_parallel.py"],
+    "policies/budget.py": ["tests/test_budget.py", "tests/test_budget_hand.py", "tests/test_budget_exact.py",
+                           "tests/test_expert_parallel.py"],
 }
 
 # mutant name -> why no test can tell it from the original
@@ -125,6 +126,83 @@ EQUIVALENT: dict[str, str] = {
     "policies.eviction.xǁScoreBasedǁ__init____mutmut_8": "the first credit finds no scores to decay",
     "policies.eviction.xǁScoreBasedǁ__init____mutmut_11": "the engine always gives the policy its workload",
     "policies.eviction.xǁScoreBasedǁon_insert__mutmut_2": "RecencyOrdered.on_insert does not read `demand`",
+    # budget policies
+    'policies.budget.x__calibration_counts__mutmut_31':
+        'numpy reads any negative size as the inferred one',
+    'policies.budget.x__calibration_counts__mutmut_32':
+        "every count doubled: the ranking, the counts' only use, is the same",
+    'policies.budget.x_gpu_aware_greedy__mutmut_16':
+        "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
+    'policies.budget.x_gpu_aware_greedy__mutmut_21':
+        'None is false, like False',
+    'policies.budget.x_gpu_aware_greedy__mutmut_34':
+        "each expert occurs once in the sorted order (or its GPU's queue): `have` only matters for the warm-up set",
+    'policies.budget.x_greedy_select__mutmut_12':
+        'the sum over no experts is 0.0',
+    'policies.budget.x_greedy_select__mutmut_21':
+        "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
+    'policies.budget.x_greedy_select__mutmut_36':
+        "each expert occurs once in the sorted order (or its GPU's queue): `have` only matters for the warm-up set",
+    'policies.budget.x_placement_of__mutmut_39':
+        'a float mask in place of a boolean one: it is only read for its truth value',
+    'policies.budget.x_top_in__mutmut_14':
+        "argsort's default axis is the last, here 1",
+    'policies.budget.x_top_in__mutmut_19':
+        "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
+    'policies.budget.xǁBudgetPolicyǁscores__mutmut_15':
+        'astype(None) is astype(float64)',
+    'policies.budget.xǁBudgetPolicyǁscores__mutmut_3':
+        'astype(None) is astype(float64)',
+    'policies.budget.xǁDynamicSkipǁselect__mutmut_12':
+        "zip's strict flag: the sequences have equal lengths by construction",
+    'policies.budget.xǁDynamicSkipǁselect__mutmut_15':
+        "zip's strict flag: the sequences have equal lengths by construction",
+    'policies.budget.xǁDynamicSkipǁselect__mutmut_16':
+        "zip's strict flag: the sequences have equal lengths by construction",
+    'policies.budget.xǁDynamicSkipǁselect__mutmut_19':
+        "zip's strict flag: the sequences have equal lengths by construction",
+    'policies.budget.xǁDynamicSkipǁselect__mutmut_22':
+        "zip's strict flag: the sequences have equal lengths by construction",
+    'policies.budget.xǁDynamicSkipǁselect__mutmut_23':
+        "zip's strict flag: the sequences have equal lengths by construction",
+    'policies.budget.xǁLynxǁselect__mutmut_16':
+        'a float mask in place of a boolean one: it is only read for its truth value',
+    'policies.budget.xǁLynxǁselect__mutmut_18':
+        'a float mask in place of a boolean one: it is only read for its truth value',
+    'policies.budget.xǁLynxǁselect__mutmut_19':
+        'None stored into a boolean array is False',
+    'policies.budget.xǁMoESpecǁ__init____mutmut_21':
+        'the calibration counts are only read with ranking: static',
+    'policies.budget.xǁMoESpecǁselect__mutmut_19':
+        "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
+    'policies.budget.xǁMoESpecǁselect__mutmut_22':
+        'a float mask in place of a boolean one: it is only read for its truth value',
+    'policies.budget.xǁMoESpecǁselect__mutmut_24':
+        'a float mask in place of a boolean one: it is only read for its truth value',
+    'policies.budget.xǁSkipThresholdǁ__init____mutmut_23':
+        "np.sort's default axis is the last, here 1",
+    'policies.budget.xǁSkipThresholdǁ__init____mutmut_24':
+        'astype(None) is astype(float64)',
+    'policies.budget.xǁSkipThresholdǁ__init____mutmut_42':
+        'every layer has calibration rows (each token routes every layer): the fill value is never read',
+    'policies.budget.xǁSkipThresholdǁselect__mutmut_12':
+        "zip's strict flag: the sequences have equal lengths by construction",
+    'policies.budget.xǁSkipThresholdǁselect__mutmut_13':
+        "zip's strict flag: the sequences have equal lengths by construction",
+    'policies.budget.xǁSkipThresholdǁselect__mutmut_2':
+        'astype(None) is astype(float64)',
+    'policies.budget.xǁSkipThresholdǁselect__mutmut_47':
+        "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
+    'policies.budget.xǁSkipThresholdǁselect__mutmut_9':
+        "zip's strict flag: the sequences have equal lengths by construction",
+    'policies.budget.xǁXShareǁ__init____mutmut_7':
+        'the placement is only read with per_gpu',
+    'policies.budget.xǁXShareǁselect__mutmut_47':
+        "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
+    'policies.budget.xǁXShareǁselect__mutmut_81':
+        'a float mask in place of a boolean one: it is only read for its truth value',
+    'policies.budget.xǁXShareǁselect__mutmut_83':
+        'a float mask in place of a boolean one: it is only read for its truth value',
 }
 
 

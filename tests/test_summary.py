@@ -1,0 +1,121 @@
+"""summary.json: its exact key set (the documented metrics), and the counts, shapes and
+conditional metrics worked out by hand on small traces (issue 12)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from simulator.engine import simulate
+from tests.helpers import scenario, small_model, trace_from_array
+from tests.test_budget_hand import one_pass
+
+# the metrics docs/design.md and README "Metrics" list, written out here
+KEYS = {
+    "hits", "misses", "late_prefetches", "hit_rate", "collision_misses", "uncached_fetches", "prefetches_issued",
+    "prefetches_used", "prefetches_cancelled", "prefetch_precision", "prefetch_recall", "preloaded_experts",
+    "low_precision_experts", "dropped_experts", "substituted_experts", "expert_accesses", "bytes_by_link", "stall_s",
+    "ttft_s", "tpot_s", "tokens_per_s", "link_utilisation", "unique_experts_per_layer",
+    "unique_experts_per_layer_prefill", "gate_mass_retained", "tokens_altered", "total_time_s", "gpus",
+    "max_experts_per_gpu", "forward_passes", "tokens", "decode_tokens", "requests", "cache_capacity_bytes",
+    "cache_capacity_experts", "cache_peak_bytes", "expert_bytes", "precision", "model", "hardware_source",
+    "generated_tokens",
+}
+TINY_EXPERT = 3 * 256 * 512 * 2  # 786,432 bytes
+
+
+def prefill_decode_trace():
+    """One request, 2 layers, top-2 of 8: a prefill of 2 tokens, then 2 decode tokens.
+    Prefill: token 0 routes (0, 1) / (0, 1), token 1 (1, 2) / (2, 3): distinct experts per
+    layer 3 and 4. Decode: (0, 1) / (4, 5), then (6, 7) / (0, 1): 2 per layer."""
+    model = small_model(layers=2, experts=8, top_k=2)
+    ex = np.array([[[[0, 1], [0, 1]], [[1, 2], [2, 3]], [[0, 1], [4, 5]], [[6, 7], [0, 1]]]])
+    return trace_from_array(model, ex, prompt_tokens=2)
+
+
+def test_the_summary_has_exactly_the_documented_metrics():
+    s = simulate(scenario(cache={"capacity": "5 experts"}), trace=prefill_decode_trace()).summary
+    assert set(s) == KEYS
+
+
+def test_counts_shapes_and_time_metrics_by_hand():
+    """3 passes (prefill of 2 tokens, then 2 decode passes), 4 tokens, 2 decode tokens, 1
+    request; generated: 1 (the prefill's first token) + 2. Distinct experts per layer: 3.5
+    in the prefill ((3 + 4) / 2 layers), 2.0 in decode ((2 + 2 + 2 + 2) / (2 passes x 2
+    layers)). TTFT = the prefill pass's end; TPOT = (d1 + d2) / 2; tokens/s = 2 / (d1 + d2).
+    Capacity 5 experts = 5 x 786,432 bytes. A single GPU: max_experts_per_gpu is null."""
+    res = simulate(scenario(cache={"capacity": "5 experts"}), trace=prefill_decode_trace())
+    s, d = res.summary, res.steps["duration_s"].to_numpy()
+    assert (s["forward_passes"], s["tokens"], s["decode_tokens"], s["requests"], s["generated_tokens"]) == (3, 4, 2, 1, 3)
+    assert s["unique_experts_per_layer_prefill"] == 3.5
+    assert s["unique_experts_per_layer"] == 2.0
+    assert s["ttft_s"] == pytest.approx(d[0], rel=1e-12)
+    assert s["tpot_s"] == pytest.approx((d[1] + d[2]) / 2, rel=1e-12)
+    assert s["tokens_per_s"] == pytest.approx(2 / (d[1] + d[2]), rel=1e-12)
+    assert s["total_time_s"] == pytest.approx(d.sum(), rel=1e-12)
+    assert s["cache_capacity_bytes"] == 5 * TINY_EXPERT
+    assert s["cache_capacity_experts"] == 5.0
+    assert (s["expert_bytes"], s["precision"], s["model"], s["gpus"]) == (TINY_EXPERT, "bf16", "tiny", 1)
+    assert s["hardware_source"] == "datasheet"
+    assert s["max_experts_per_gpu"] is None
+    assert s["expert_accesses"] == s["hits"] + s["misses"] + s["late_prefetches"] == 2 * 2 * 3 + 2 + 1
+    assert "warning" not in s
+
+
+def test_without_decode_passes_throughput_is_all_tokens_over_all_time():
+    """Two one-token prefills in one pass (batch 2): no decode or verify pass, so tokens/s is
+    all tokens / total time = 2 / d0, TPOT and the decode-only metrics are null."""
+    t = one_pass([[0, 1], [2, 3]], [[0.5, 0.5], [0.5, 0.5]])
+    res = simulate(scenario(workload={"batch_size": 2}), trace=t)
+    s = res.summary
+    assert s["tokens_per_s"] == pytest.approx(2 / res.steps["duration_s"].iloc[0], rel=1e-12)
+    assert s["tpot_s"] is None
+    assert s["unique_experts_per_layer"] is None
+    assert s["unique_experts_per_layer_prefill"] == 4.0
+
+
+def test_a_single_decode_token_still_counts_as_decode_throughput():
+    """A prefill of one token, then one decode token: tokens/s = 1 / d1, TPOT = d1."""
+    model = small_model(layers=1, experts=8, top_k=2)
+    res = simulate(scenario(), trace=trace_from_array(model, np.array([[[[0, 1]], [[2, 3]]]]), prompt_tokens=1))
+    d = res.steps["duration_s"].to_numpy()
+    assert res.summary["tokens_per_s"] == pytest.approx(1 / d[1], rel=1e-12)
+    assert res.summary["tpot_s"] == pytest.approx(d[1], rel=1e-12)
+
+
+def test_an_unlimited_cache_has_no_capacity_figures():
+    s = simulate(scenario(cache={"capacity": "inf"}), trace=prefill_decode_trace()).summary
+    assert s["cache_capacity_bytes"] is None
+    assert s["cache_capacity_experts"] is None
+
+
+def test_cache_only_replay_has_no_time_metrics():
+    s = simulate(scenario(timing=False, cache={"capacity": "5 experts"}), trace=prefill_decode_trace()).summary
+    for key in ("stall_s", "ttft_s", "tpot_s", "tokens_per_s", "total_time_s"):
+        assert s[key] is None, key
+    assert s["link_utilisation"] == {"pcie.h2d": None}
+    assert s["misses"] == 15  # the same decisions: every access of this trace misses at 5 experts
+
+
+def test_a_cache_larger_than_the_gpu_warns_and_one_equal_to_it_does_not():
+    """Mixtral-8x7B: 32 layers x 8 experts x 3 x 4096 x 14336 x 2 bytes = 90,194,313,216
+    bytes. 100% of them on an 80 GB A100: "cache capacity 90.2 GB exceeds the GPU's 80 GB of
+    HBM". A cache of exactly 80 GB fits."""
+    from traces.synth import synth_from_preset
+
+    t = synth_from_preset("mixtral-8x7b", tokens=2, seed=0)
+    s = simulate(scenario(timing=False, cache={"capacity": "100%"}), trace=t).summary
+    assert s["warning"] == "cache capacity 90.2 GB exceeds the GPU's 80 GB of HBM"
+    s = simulate(scenario(timing=False, cache={"capacity": "80GB"}), trace=t).summary
+    assert "warning" not in s
+
+
+def test_gate_mass_retained_and_tokens_altered_by_hand():
+    """Dynamic skipping, beta 0.5, two tokens of top-2: (0.75, 0.25) skips its second expert
+    (0.25 < 0.375), (0.5, 0.5) keeps both. Mass kept (0.75 + 1.0) / 2.0 = 0.875; one of two
+    tokens altered: 0.5."""
+    t = one_pass([[0, 1], [2, 3]], [[0.75, 0.25], [0.5, 0.5]])
+    s = simulate(scenario(workload={"batch_size": 2}, policies={"budget": {"name": "dynamic-skip", "beta": 0.5}}),
+                 trace=t).summary
+    assert s["gate_mass_retained"] == pytest.approx(0.875, rel=1e-12)
+    assert s["tokens_altered"] == 0.5
