@@ -157,12 +157,12 @@ def markdown(table: pd.DataFrame, metric: str, title: str) -> str:
 
     lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table.to_dict("records"):
-        cells = ["" if r["rank"] is pd.NA else str(r["rank"]), str(r["label"]), str(r["capacity"]),
+        cells = ["" if pd.isna(r["rank"]) else str(int(r["rank"])), str(r["label"]), str(r["capacity"]),
                  num(r["metric_ms"], ".3f"), num(r["ttft_s"], ".1f", 1e3), num(r["tokens_per_s"], ".1f"),
                  num(r["hit_rate"], ".3f"), num(r["collision_misses"], ".0f"), num(r["bytes_moved"], ".2f", 1e-9),
                  num(r["speedup"], ".2f", 1.0, "x"), num(r["gap_closed"], ".0f", 100.0, "%")]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Ranked by {metric}, per capacity. speedup = baseline / policy; gap closed = "
+    lines += ["", f"Ranked by {'TPOT' if metric == 'tpot_s' else 'TTFT'}, per capacity. speedup = baseline / policy; gap closed = "
               "(baseline - policy) / (baseline - bound). The bound is Belady's MIN with oracle prefetch: "
               "optimal in misses, not in time, so a policy may close more than 100%."]
     return "\n".join(lines) + "\n"

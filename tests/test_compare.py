@@ -99,6 +99,8 @@ def test_reference_rows_equal_independent_runs_and_the_files_are_written(scenari
     assert saved["label"].tolist() == table["label"].tolist()
     md = (out / "compare.md").read_text()
     assert "| 1 | " in md
+    assert "| | on-demand LRU (baseline) |" in md.replace("|  |", "| |")  # references are not ranked
+    assert "None" not in md
     assert "on-demand LRU (baseline)" in md
     assert (out / "compare.png").stat().st_size > 0
 

@@ -210,3 +210,17 @@ def test_ray_executor_agrees_with_local(tmp_path):
     a = ray_df.sort_values("point")[cols].reset_index(drop=True)
     b = local.sort_values("point")[cols].reset_index(drop=True)
     pd.testing.assert_frame_equal(a, b)
+
+
+def test_shipped_sweep_sections_plan_the_papers_grids():
+    """The shipped scenarios with a sweep: section plan (every point's scenario validated)
+    into the grids their comments name: quickstart 4 capacities x 3 bandwidths x 3 evictions,
+    SpecMD Table 1's 3 cache sizes x {LRU, Least-Stale}, MoE-Spec's 7 OLMoE budgets."""
+    from simulator.sweep import plan
+
+    expected = {"quickstart": 36, "specmd/olmoe-config5": 6, "moe-spec/olmoe-tree63-budget32": 7}
+    for name, n in expected.items():
+        _, points, _ = plan(name, {})
+        assert len(points) == n, name
+    _, points, _ = plan("moe-spec/olmoe-tree63-budget32", {})
+    assert sorted(p.values["policies.budget.budget"] for p in points) == [8, 16, 24, 32, 40, 48, 56]
