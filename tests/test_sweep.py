@@ -21,7 +21,7 @@ from simulator.sweep import done_points, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = {"cache.capacity": ["5%", "25%"], "hardware.links.pcie.bandwidth_gbps": [5, 32]}
-BASE = ("workload.trace.synth.tokens=40", "workload.trace.synth.requests=2")
+BASE = ("workload.trace.synth.tokens=40", "workload.trace.synth.requests=2", "sweep=null")  # only the tests' axes
 
 
 def test_a_2x2_sweep_equals_four_single_runs(tmp_path):
@@ -69,7 +69,7 @@ def test_bad_axes_fail_before_running(tmp_path):
 def test_a_killed_sweep_leaves_no_half_written_point_and_resumes(tmp_path):
     out = tmp_path / "s"
     cmd = [sys.executable, "-m", "simulator.cli", "sweep", "quickstart", "--grid", "cache.capacity=1%,5%,10%,25%,50%,100%",
-           "--set", "workload.trace.synth.tokens=150", "--workers", "1", "--out", str(out)]
+           "--set", "workload.trace.synth.tokens=150", "--set", "sweep=null", "--workers", "1", "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 60
     while time.time() < deadline and len(done_points(out)) < 2:
