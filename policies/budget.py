@@ -355,7 +355,8 @@ class SkipThreshold(BudgetPolicy):
     eqs. (15)-(16) as written: with a token's weights sorted ascending w_1 <= ... <= w_k,
     r_m = sum_{j<=k-m} w_j / sum_j w_j; beta_m is the median of r_m over the calibration
     tokens of the layer; a token skips the i lowest-weight experts for the largest i <= m with
-    r_i < beta_m (none when there is no such i > 0)."""
+    r_i < beta_m (none when there is no such i > 0). As r_i falls with i, that i is m itself
+    when r_m < beta_m; for no smaller i can r_i < beta_m hold when r_m does not."""
 
     Params = SkipThresholdParams
 
@@ -384,12 +385,10 @@ class SkipThreshold(BudgetPolicy):
         for row, wt in zip(experts, w, strict=True):
             asc = np.sort(wt)
             total = max(float(asc.sum()), 1e-30)
-            skip = 0
-            if np.isfinite(beta):
-                for i in range(self.params.max_skip, 0, -1):
-                    if asc[: k - i].sum() / total < beta:
-                        skip = i
-                        break
+            # r_i = sum of the k - i lowest weights / total falls as i grows, so the largest
+            # i <= m with r_i < beta_m is m when r_m < beta_m, and no i otherwise
+            m = self.params.max_skip
+            skip = m if np.isfinite(beta) and asc[: k - m].sum() / total < beta else 0
             keep = np.argsort(-wt, kind="stable")[: k - skip]
             out.append([int(row[j]) for j in sorted(keep)])
         return out

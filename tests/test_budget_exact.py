@@ -98,8 +98,8 @@ def test_a_bad_placement_file_names_the_file_the_layer_and_the_rule(tmp_path, te
 def test_a_missing_placement_file_says_what_else_to_use(tmp_path):
     with pytest.raises(MoesimError) as exc:
         placement_of(str(tmp_path / "none.yaml"), 2, 4, 2)
-    assert "none.yaml" in str(exc.value)
-    assert "Use contiguous, round-robin or a placement YAML file." in str(exc.value)
+    assert str(exc.value) == (f"expert placement {tmp_path / 'none.yaml'}: no such file. "
+                              "Use contiguous, round-robin or a placement YAML file.")
 
 
 # ---------------------------------------------------------------- Lynx and dynamic skipping
@@ -228,6 +228,39 @@ def test_xshare_per_request_uses_each_requests_own_tokens():
     assert select(spec_batch(), {"name": "xshare", "per_request": 1}) == [[0, 1], [2], [4, 5]]
 
 
+def test_xshare_per_request_with_three_requests_keeps_each_to_its_own_tokens():
+    """m_r = 1, k0 = 1, one token per request: r0 (0, 1), r1 (2, 3), r2 (4, 5). Each request
+    adds its own second expert: the union is all six and every token keeps both experts
+    (pooling the other requests' tokens instead would leave expert 3 out)."""
+    t = one_pass([[0, 1], [2, 3], [4, 5]], [[0.625, 0.375], [0.75, 0.25], [0.5, 0.5]])
+    assert select(t, {"name": "xshare", "per_request": 1}) == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_xshare_per_request_adds_only_experts_its_tokens_scored():
+    """16 experts, k0 = 1, m_r = 2, budget 8. Request A, one token (8, 9): warm-up {8}, one
+    scored extra (9) — not two: a zero-score expert would take a place. Request B, three tokens
+    (3, 4) (0.5, 0.5), (5, 2) (0.75, 0.25), (7, 6) (0.875, 0.125): warm-up {3, 5, 7}, extras
+    4 (0.5) and 2 (0.25) (6, 0.125, is third). Union {2, 3, 4, 5, 7, 8, 9}: 7 < 8, so the
+    batch top-up adds the best remaining, 6. Token (7, 6) keeps both."""
+    model = small_model(layers=1, experts=16, top_k=2)
+    t = Trace(model=model, request=np.array([0, 1, 1, 1], dtype=np.int32), step=np.zeros(4, dtype=np.int32),
+              position=np.array([0, 0, 1, 2], dtype=np.int32), phase=np.full(4, PHASE_CODES["prefill"], dtype=np.int8),
+              layer=np.zeros(4, dtype=np.int16), experts=np.array([[8, 9], [3, 4], [5, 2], [7, 6]], dtype=np.int16),
+              weights=np.array([[0.625, 0.375], [0.5, 0.5], [0.75, 0.25], [0.875, 0.125]], dtype=np.float32))
+    assert select(t, {"name": "xshare", "per_request": 2, "budget": 8}) == [[8, 9], [3, 4], [5, 2], [7, 6]]
+
+
+def test_xshare_per_gpu_takes_each_gpus_best_expert_first():
+    """Algorithm 5, m_g = 1 on 2 GPUs, k0 = 0: batch scores e0 0.75, e1 0.25 (GPU 0), e2 0.375,
+    e3 0.625 (GPU 1): the set is {0, 3}; the tokens keep only those."""
+    model = small_model(layers=1, experts=4, top_k=2)
+    t = Trace(model=model, request=np.array([0, 1], dtype=np.int32), step=np.zeros(2, dtype=np.int32),
+              position=np.zeros(2, dtype=np.int32), phase=np.full(2, PHASE_CODES["prefill"], dtype=np.int8),
+              layer=np.zeros(2, dtype=np.int16), experts=np.array([[0, 1], [3, 2]], dtype=np.int16),
+              weights=np.array([[0.75, 0.25], [0.625, 0.375]], dtype=np.float32))
+    assert select(t, {"name": "xshare", "per_gpu": 1, "gpus": 2, "k0": 0}) == [[0], [3]]
+
+
 def test_xshare_per_request_zero_with_no_warm_up_selects_nothing():
     """k0 = 0, m_r = 0, no budget: the union is empty and Algorithm 4's top-up m is 0."""
     assert select(spec_batch(), {"name": "xshare", "per_request": 0, "k0": 0}) == [[], [], []]
@@ -264,3 +297,5 @@ def test_ties_go_to_the_lower_expert_index():
     assert select(t, {"name": "xshare", "budget": 4, "k0": 0}) == [[32, 33, 34, 35], *none]
     assert select(t, {"name": "moe-spec", "budget": 4, "coverage": "truncation"}) == [[32, 33, 34, 35], *none]
     assert select(t, {"name": "xshare", "per_gpu": 2, "gpus": 2, "k0": 0}) == [[32, 33], *none]
+    # per request (one token each): token 0's warm-up 32, then its two best tied extras 33, 34
+    assert select(t, {"name": "xshare", "per_request": 2, "k0": 1})[0] == [32, 33, 34]

@@ -70,6 +70,7 @@ def test_without_decode_passes_throughput_is_all_tokens_over_all_time():
     s = res.summary
     assert s["tokens_per_s"] == pytest.approx(2 / res.steps["duration_s"].iloc[0], rel=1e-12)
     assert s["tpot_s"] is None
+    assert s["decode_tokens"] == 0
     assert s["unique_experts_per_layer"] is None
     assert s["unique_experts_per_layer_prefill"] == 4.0
 
@@ -108,6 +109,8 @@ def test_a_cache_larger_than_the_gpu_warns_and_one_equal_to_it_does_not():
     assert s["warning"] == "cache capacity 90.2 GB exceeds the GPU's 80 GB of HBM"
     s = simulate(scenario(timing=False, cache={"capacity": "80GB"}), trace=t).summary
     assert "warning" not in s
+    s = simulate(scenario(timing=False, cache={"capacity": "80.00000004GB"}), trace=t).summary
+    assert s["warning"] == "cache capacity 80.0 GB exceeds the GPU's 80 GB of HBM"  # 40 bytes over
 
 
 def test_gate_mass_retained_and_tokens_altered_by_hand():

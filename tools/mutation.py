@@ -203,6 +203,27 @@ EQUIVALENT: dict[str, str] = {
         'a float mask in place of a boolean one: it is only read for its truth value',
     'policies.budget.xǁXShareǁselect__mutmut_83':
         'a float mask in place of a boolean one: it is only read for its truth value',
+    "policies.budget.x_gpu_aware_greedy__mutmut_38":
+        "the loop ends without additions only when every expert is chosen; `allowed[None] = True` then allows "
+        "every expert too",
+    "policies.budget.x_placement_of__mutmut_41": "GPU ids stored as floats: every reader compares them with ints",
+    # metrics
+    "simulator.metrics.x__f__mutmut_3":
+        "NaN reaches _f only as the mean over no requests, and a replay always has requests (the other "
+        "callers check their denominators first)",
+    "simulator.metrics.x_summarise__mutmut_159":
+        "a timed replay always takes time (> 0); a cache-only one replaces link_utilisation with null",
+    "simulator.metrics.x_summarise__mutmut_181": "every replay routes tokens: the total gate weight is > 0",
+    "simulator.metrics.x_summarise__mutmut_189": "every replay has tokens",
+    "simulator.metrics.x_summarise__mutmut_258":
+        "every decode or verify pass generates at least one token, so dec_gen > 0 whenever there is one",
+    "simulator.metrics.x_summarise__mutmut_309":
+        "a relative change of 1e-9 in the divisor does not change a size printed to 0.1 GB",
+    "simulator.metrics.x_summarise__mutmut_311":
+        "a relative change of 1e-9 in the divisor does not change a size printed to 1 GB",
+    "simulator.metrics.x_summarise__mutmut_40": "a replay always has passes",
+    "simulator.metrics.x_summarise__mutmut_44": "a replay always has passes",
+    "simulator.metrics.x_summarise__mutmut_63": "every replay has expert accesses",
 }
 
 
