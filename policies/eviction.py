@@ -206,7 +206,11 @@ class ScoreParams:
     """Parameters of score-based eviction."""
 
     decay: float = field(default=1.0, metadata={
-        "help": "multiply every accumulated score by this at each forward pass (1 = plain sum)"})
+        "help": "multiply every accumulated score by this at each forward pass, in (0, 1] (1 = plain sum)"})
+
+    def __post_init__(self) -> None:
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
 
 
 @REGISTRY.register("score")

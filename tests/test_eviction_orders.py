@@ -49,9 +49,9 @@ def test_lfu_counts_uses_not_prefetches_and_remembers_counts_after_eviction():
     p.on_insert(a, True)
     p.on_access(a)
     p.on_access(a)
-    p.on_insert(b, False)
     p.on_insert(c, True)
-    assert list(p.candidates()) == [b, c, a]
+    p.on_insert(b, False)
+    assert list(p.candidates()) == [b, c, a]  # b (0) before c (1) though inserted after it
     p.on_access(b)
     assert list(p.candidates()) == [c, b, a]
     p.on_remove(a)
@@ -205,13 +205,22 @@ def test_belady_prefetch_counts_the_next_use_after_this_layer():
 
 def test_belady_without_a_workload_says_what_it_needs():
     ctx = PolicyContext(num_layers=1, num_experts=4, top_k=1, expert_bytes=1, rng=np.random.default_rng(0))
-    with pytest.raises(ValueError, match="belady needs the workload to read future accesses"):
+    with pytest.raises(ValueError, match="^belady needs the workload to read future accesses$"):
         Belady(None, ctx)
 
 
 def test_least_stale_order_parameter_names_its_values():
     with pytest.raises(ValueError, match="order must be 'relative' or 'absolute', got 'newest'"):
         LeastStaleParams(order="newest")
+
+
+@pytest.mark.parametrize("decay", [0, -0.5, 1.5])
+def test_score_decay_outside_its_range_is_refused(decay):
+    from simulator.errors import MoesimError
+
+    with pytest.raises(MoesimError) as exc:
+        scenario(policies={"eviction": {"name": "score", "decay": decay}})
+    assert f"decay must be in (0, 1], got {decay}" in str(exc.value)
 
 
 def test_random_evicts_in_the_order_of_its_own_seeded_generator():
