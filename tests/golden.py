@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = sorted(str(p.relative_to(ROOT / "scenarios").with_suffix("")) for p in (ROOT / "scenarios").rglob("*.yaml"))
+SCENARIOS = sorted(str(p.relative_to(ROOT / "moesim" / "scenarios").with_suffix("")) for p in (ROOT / "moesim" / "scenarios").rglob("*.yaml"))
 INTS = ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches", "prefetches_issued",
         "prefetches_cancelled", "forward_passes", "tokens")
 FLOATS = ("total_time_s", "ttft_s", "tpot_s", "stall_s", "gate_mass_retained", "tokens_altered",
@@ -23,16 +23,16 @@ FLOATS = ("total_time_s", "ttft_s", "tpot_s", "stall_s", "gate_mass_retained", "
 
 def needs_real(name: str) -> bool:
     """Whether the scenario reads ../shared/traces/real."""
-    return "shared/traces/real" in (ROOT / "scenarios" / f"{name}.yaml").read_text()
+    return "shared/traces/real" in (ROOT / "moesim" / "scenarios" / f"{name}.yaml").read_text()
 
 
 def compute(name: str) -> dict[str, Any]:
     """The scenario's summary figures on its reduced length."""
-    from simulator.engine import Simulation
-    from simulator.scenario import load_scenario
-    from traces.synth import synth_from_preset
+    from moesim.simulator.engine import Simulation
+    from moesim.simulator.scenario import load_scenario
+    from moesim.traces.synth import synth_from_preset
 
-    path = ROOT / "scenarios" / f"{name}.yaml"
+    path = ROOT / "moesim" / "scenarios" / f"{name}.yaml"
     sc = load_scenario(path)
     src = sc.workload.trace
     sets: list[str] = []

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from simulator.hardware import deep_merge
-from simulator.scenario import Scenario, scenario_from_dict
-from traces.schema import PHASE_CODES, ModelInfo, expert_bytes_for
-from traces.synth import grid_index
-from traces.trace import Trace
+from moesim.simulator.hardware import deep_merge
+from moesim.simulator.scenario import Scenario, scenario_from_dict
+from moesim.traces.schema import PHASE_CODES, ModelInfo, expert_bytes_for
+from moesim.traces.synth import grid_index
+from moesim.traces.trace import Trace
 
 # ../shared beside the checkout; MOESIM_SHARED names it when the tests run from a copy (mutmut)
 REAL = Path(os.environ.get("MOESIM_SHARED") or Path(__file__).resolve().parents[2] / "shared") / "traces" / "real"
@@ -100,7 +100,7 @@ def group_counts(values: list[int]) -> dict[int, int]:
 def flame_decode_trace() -> Trace:
     """The real FLAME-MoE-290M decode trace (64 sequences x 10 decode positions x MoE layers
     2..9 as 0..7), through the flame-csv importer (tested against the traces' documented facts)."""
-    from traces.importers import import_trace
+    from moesim.traces.importers import import_trace
 
     return import_trace("flame-csv", [real_dir() / "flame-moe-290m" / "decode"])[0]
 

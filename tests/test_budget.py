@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.budget import REGISTRY as BUDGET
-from policies.budget import greedy_select
-from simulator.engine import Simulation, simulate
-from simulator.errors import MoesimError
+from moesim.policies.budget import REGISTRY as BUDGET
+from moesim.policies.budget import greedy_select
+from moesim.simulator.engine import Simulation, simulate
+from moesim.simulator.errors import MoesimError
+from moesim.traces.synth import synth_from_preset
 from tests.helpers import scenario
-from traces.synth import synth_from_preset
 
 
 def trace(batch=8, tokens=12, probs=True, seed=0, **kw):
@@ -181,7 +181,7 @@ def test_every_budget_composes_with_caching(name):
        st.sampled_from(["contiguous", "round-robin"]))
 def test_gpu_aware_greedy_keeps_the_load_balanced(gpus, per_gpu, tokens, seed, placement):
     """XShare Algorithm 5: MaxLoad(S) <= ceil(|S| / G) (from an empty warm-up)."""
-    from policies.budget import gpu_aware_greedy, placement_of
+    from moesim.policies.budget import gpu_aware_greedy, placement_of
 
     n = 32
     owner = placement_of(placement, 1, n, gpus)[0]

@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.budget import placement_of
-from simulator.engine import Simulation
-from simulator.errors import MoesimError
+from moesim.policies.budget import placement_of
+from moesim.simulator.engine import Simulation
+from moesim.simulator.errors import MoesimError
+from moesim.traces.schema import PHASE_CODES
+from moesim.traces.trace import Trace
 from tests.helpers import scenario, small_model
 from tests.test_budget_hand import one_pass, select
-from traces.schema import PHASE_CODES
-from traces.trace import Trace
 
 
 @pytest.mark.parametrize(("spec", "error"), [

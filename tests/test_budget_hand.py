@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from simulator.engine import Simulation
+from moesim.simulator.engine import Simulation
+from moesim.traces.schema import PHASE_CODES
+from moesim.traces.trace import Trace
 from tests.helpers import scenario, small_model
-from traces.schema import PHASE_CODES
-from traces.trace import Trace
 
 
 def one_pass(experts: list[list[int]], weights: list[list[float]], num_experts: int = 8) -> Trace:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.eviction import REGISTRY
-from policies.registry import PolicyContext
-from simulator.cache import ExpertCache
-from simulator.copyengine import DEMAND, PREFETCH, CopyEngine
+from moesim.policies.eviction import REGISTRY
+from moesim.policies.registry import PolicyContext
+from moesim.simulator.cache import ExpertCache
+from moesim.simulator.copyengine import DEMAND, PREFETCH, CopyEngine
 from tests.helpers import scenario
 
 EB = 786_432  # one bf16 expert of the tiny model

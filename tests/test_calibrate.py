@@ -11,12 +11,12 @@ import pandas as pd
 import pytest
 import yaml
 
-from simulator.calibrate import fit, load_profile, write_profile
-from simulator.cost import CostModel
-from simulator.engine import simulate
-from simulator.errors import MoesimError
-from simulator.scenario import load_scenario
-from traces.synth import PRESETS
+from moesim.simulator.calibrate import fit, load_profile, write_profile
+from moesim.simulator.cost import CostModel
+from moesim.simulator.engine import simulate
+from moesim.simulator.errors import MoesimError
+from moesim.simulator.scenario import load_scenario
+from moesim.traces.synth import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ def test_cpu_pipeline_measure_fit_and_a_scenario_using_the_profile(tmp_path):
     pytest.importorskip("torch")
     raw = tmp_path / "raw.parquet"
     prof = tmp_path / "cpu.yaml"
-    cmd = [sys.executable, "-m", "simulator.cli", "calibrate"]
+    cmd = [sys.executable, "-m", "moesim", "calibrate"]
     r = subprocess.run([*cmd, "measure", "--device", "cpu", "--quick", "--out", str(raw)], capture_output=True,
                        text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
@@ -97,10 +97,10 @@ def test_bad_profiles_are_rejected_with_the_key(tmp_path, mutate, message):
 
 def test_validate_pipeline_on_cpu_makes_the_simulators_decisions(tmp_path):
     pytest.importorskip("torch")
-    from simulator.calibrate import measure
+    from moesim.simulator.calibrate import measure
+    from moesim.traces.io import write_trace
+    from moesim.traces.synth import generate
     from tests.helpers import small_model
-    from traces.io import write_trace
-    from traces.synth import generate
 
     t = generate(small_model(layers=3, experts=8, top_k=2, hidden=128, inter=256), requests=2, prompt_tokens=4,
                  tokens=8, seed=2)
@@ -114,7 +114,7 @@ def test_validate_pipeline_on_cpu_makes_the_simulators_decisions(tmp_path):
         (tmp_path / f"s25{pf}.yaml").write_text(yaml.safe_dump(
             {"workload": {"trace": {"path": "t.parquet"}}, "cache": {"capacity": "25%"},
              "policies": {"eviction": "least-stale", "prefetch": pf}}))
-    r = subprocess.run([sys.executable, "-m", "simulator.cli", "calibrate", "validate", "--profile", str(tmp_path / "p.yaml"),
+    r = subprocess.run([sys.executable, "-m", "moesim", "calibrate", "validate", "--profile", str(tmp_path / "p.yaml"),
                         "--trace", str(tmp_path / "t.parquet"), "--scenarios", str(tmp_path / "s*.yaml"), "--device", "cpu",
                         "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
@@ -129,10 +129,10 @@ def test_validate_pipeline_on_cpu_makes_the_simulators_decisions(tmp_path):
 
 def test_executor_with_prefetch_makes_the_simulators_decisions():
     pytest.importorskip("torch")
-    from simulator.engine import simulate
-    from simulator.validate import execute
+    from moesim.simulator.engine import simulate
+    from moesim.simulator.validate import execute
+    from moesim.traces.synth import generate
     from tests.helpers import scenario, small_model
-    from traces.synth import generate
 
     t = generate(small_model(layers=3, experts=6, top_k=2, hidden=64, inter=128), requests=2, tokens=12, seed=3)
     sc = scenario(cache={"capacity": "8 experts"}, policies={"prefetch": "oracle", "eviction": "least-stale"})
@@ -143,7 +143,7 @@ def test_executor_with_prefetch_makes_the_simulators_decisions():
 
 
 def test_shipped_validation_set_covers_the_required_grid():
-    from simulator.scenario import shipped_scenarios
+    from moesim.simulator.scenario import shipped_scenarios
 
     names = [n for n in shipped_scenarios() if n.startswith("validation/")]
     assert len(names) == 16
@@ -165,7 +165,7 @@ def test_resolved_scenario_names_the_profile_not_its_tables(tmp_path):
 
 
 def test_broken_yaml_in_a_profile_or_a_placement_file_names_the_file_and_line(tmp_path):
-    from policies.budget import placement_of
+    from moesim.policies.budget import placement_of
 
     bad = tmp_path / "broken.yaml"
     bad.write_text("links: {h2d_pinned: [1, 2\n")

@@ -8,10 +8,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from simulator.errors import MoesimError  # noqa: E402
+from moesim.simulator.errors import MoesimError  # noqa: E402
+from moesim.traces.capture import capture, load_local, moe_layers, router_probs, supported_families  # noqa: E402
+from moesim.traces.io import read_trace, write_trace  # noqa: E402
 from tests.tiny_models import build, configs  # noqa: E402
-from traces.capture import capture, load_local, moe_layers, router_probs, supported_families  # noqa: E402
-from traces.io import read_trace, write_trace  # noqa: E402
 
 PROMPTS = ["w3 w4 w5 w6 w9", "w7 w8", "w10 w11 w12"]
 FAMILIES = [t for t in configs() if t in supported_families()]
@@ -104,19 +104,19 @@ def test_capture_cli(tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("w3 w4 w5\nw6 w7\n")
     out = tmp_path / "t.parquet"
-    r = subprocess.run([sys.executable, "-m", "simulator.cli", "capture", "--model", str(folder), "--prompts",
+    r = subprocess.run([sys.executable, "-m", "moesim", "capture", "--model", str(folder), "--prompts",
                         str(prompts), "--out", str(out), "--dtype", "float32", "--max-new-tokens", "3",
                         "--batch-size", "2", "--predict-next"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    info = json.loads(subprocess.run([sys.executable, "-m", "simulator.cli", "trace", "info", str(out), "--json"],
+    info = json.loads(subprocess.run([sys.executable, "-m", "moesim", "trace", "info", str(out), "--json"],
                                      capture_output=True, text=True).stdout)
     assert info["requests"] == 2
     assert "pred_next" in info["optional_columns"]
-    r = subprocess.run([sys.executable, "-m", "simulator.cli", "capture", "--model", str(folder), "--prompts",
+    r = subprocess.run([sys.executable, "-m", "moesim", "capture", "--model", str(folder), "--prompts",
                         str(prompts), "--out", str(out), "--dtype", "float32", "--max-new-tokens", "4",
                         "--speculative", "--tree-width", "2"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    info = json.loads(subprocess.run([sys.executable, "-m", "simulator.cli", "trace", "info", str(out), "--json"],
+    info = json.loads(subprocess.run([sys.executable, "-m", "moesim", "trace", "info", str(out), "--json"],
                                      capture_output=True, text=True).stdout)
     assert {"node", "parent", "accepted"} <= set(info["optional_columns"])
     assert "verify" in info["tokens_by_phase"]
@@ -124,7 +124,7 @@ def test_capture_cli(tmp_path):
 
 @pytest.mark.parametrize("with_draft", [False, True])
 def test_speculative_capture_verifies_depth1_trees(tmp_path, with_draft):
-    from traces.capture import capture_speculative
+    from moesim.traces.capture import capture_speculative
 
     target, tok = load_local(str(build("olmoe", tmp_path / "t")), "cpu", "float32")
     draft = load_local(str(build("mixtral", tmp_path / "d", seed=3)), "cpu", "float32")[0] if with_draft else None

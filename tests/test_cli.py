@@ -17,13 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def moesim(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "simulator.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "moesim", *args], capture_output=True,
                           text=True, cwd=cwd or ROOT, env=env, timeout=300)
 
 
 def test_run_quickstart_writes_results(tmp_path):
     out = tmp_path / "q"
-    r = moesim("run", "scenarios/quickstart.yaml", "--out", str(out), "--set", "workload.trace.synth.tokens=40")
+    r = moesim("run", "moesim/scenarios/quickstart.yaml", "--out", str(out), "--set", "workload.trace.synth.tokens=40")
     assert r.returncode == 0, r.stderr
     assert "hit_rate" in r.stdout
     assert "tpot_s" in r.stdout
@@ -171,8 +171,8 @@ def test_help_lists_commands():
 def test_out_of_range_expert_in_a_scenario_trace(tmp_path):
     import numpy as np
 
+    from moesim.traces.io import write_trace
     from tests.helpers import small_model, trace_from_array
-    from traces.io import write_trace
 
     t = trace_from_array(small_model(), np.zeros((1, 3, 2, 2), dtype=np.int64) + np.array([0, 1]))
     t.experts[3] = [2, 9]
@@ -197,8 +197,8 @@ def test_bad_synth_arguments_write_nothing(tmp_path, args):
 
 
 def test_import_formats_listed_by_the_cli_are_the_registered_ones():
-    from simulator.cli import IMPORT_FORMATS
-    from traces.importers import IMPORTERS
+    from moesim.simulator.cli import IMPORT_FORMATS
+    from moesim.traces.importers import IMPORTERS
 
     assert sorted(IMPORT_FORMATS) == sorted(IMPORTERS)
 

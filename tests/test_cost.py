@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from simulator.cost import CostModel
-from simulator.engine import simulate
+from moesim.simulator.cost import CostModel
+from moesim.simulator.engine import simulate
 from tests.helpers import scenario, small_model, trace_from_array
 
 HBM = 2039e9  # bytes/s
@@ -40,7 +40,7 @@ def test_a_copy_is_latency_plus_bytes_over_the_effective_bandwidth():
 def test_expert_time_is_the_roofline_of_the_datasheet(tokens, expected):
     """An expert FFN reads its 3*H*I bf16 weights (6*H*I bytes) and does 6*H*I FLOPs per token,
     so it is memory-bound below peak / HBM = 153.02 tokens and compute-bound above."""
-    from traces.synth import PRESETS
+    from moesim.traces.synth import PRESETS
 
     model = PRESETS["olmoe-1b-7b"].model
     assert model.expert_bytes["bf16"] == OLMOE_EXPERT

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from simulator.engine import Simulation, simulate
-from simulator.workload import build_workload
+from moesim.simulator.engine import Simulation, simulate
+from moesim.simulator.workload import build_workload
+from moesim.traces.synth import generate, synth_from_preset
 from tests import reference_replay as R
 from tests.helpers import (
     access_stream,
@@ -19,7 +20,6 @@ from tests.helpers import (
     small_model,
     trace_from_array,
 )
-from traces.synth import generate, synth_from_preset
 
 
 def lcs_lru_hits(stream: list[int], capacity: int) -> list[bool]:

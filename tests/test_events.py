@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from simulator.cli import cli
-from simulator.engine import Simulation
-from simulator.events import chrome_trace
+from moesim.simulator.cli import cli
+from moesim.simulator.engine import Simulation
+from moesim.simulator.events import chrome_trace
+from moesim.traces.synth import synth_from_preset
 from tests.helpers import scenario, small_model, trace_from_array
-from traces.synth import synth_from_preset
 
 TINY_EXPERT = 3 * 256 * 512 * 2  # small_model's bf16 expert: 786,432 bytes
 

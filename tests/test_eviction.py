@@ -11,8 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies.eviction import REGISTRY as EVICTION
-from simulator.engine import simulate
+from moesim.policies.eviction import REGISTRY as EVICTION
+from moesim.simulator.engine import simulate
+from moesim.traces.synth import generate, synth_from_preset
 from tests import reference_replay as R
 from tests.helpers import (
     access_stream,
@@ -23,7 +24,6 @@ from tests.helpers import (
     small_model,
     trace_from_array,
 )
-from traces.synth import generate, synth_from_preset
 
 
 def lcs_misses(stream: list[int], capacity: int, algo: str) -> int:

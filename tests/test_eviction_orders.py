@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.eviction import Belady, LeastStaleParams
-from policies.registry import PolicyContext
-from simulator.engine import Simulation
+from moesim.policies.eviction import Belady, LeastStaleParams
+from moesim.policies.registry import PolicyContext
+from moesim.simulator.engine import Simulation
+from moesim.traces.trace import Trace
 from tests.helpers import scenario, small_model, trace_from_array
-from traces.trace import Trace
 
 
 def key(layer: int, expert: int, q: int = 0, experts: int = 4) -> int:
@@ -205,7 +205,7 @@ def test_belady_prefetch_counts_the_next_use_after_this_layer():
 
 def test_belady_without_a_workload_says_what_it_needs():
     ctx = PolicyContext(num_layers=1, num_experts=4, top_k=1, expert_bytes=1, rng=np.random.default_rng(0))
-    with pytest.raises(ValueError, match="^belady needs the workload to read future accesses$"):
+    with pytest.raises(ValueError, match=r"^belady needs the workload to read future accesses$"):
         Belady(None, ctx)
 
 
@@ -216,7 +216,7 @@ def test_least_stale_order_parameter_names_its_values():
 
 @pytest.mark.parametrize("decay", [0, -0.5, 1.5])
 def test_score_decay_outside_its_range_is_refused(decay):
-    from simulator.errors import MoesimError
+    from moesim.simulator.errors import MoesimError
 
     with pytest.raises(MoesimError) as exc:
         scenario(policies={"eviction": {"name": "score", "decay": decay}})

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from simulator.cost import CostModel
-from simulator.engine import simulate
-from simulator.hardware import PRESETS
+from moesim.simulator.cost import CostModel
+from moesim.simulator.engine import simulate
+from moesim.simulator.hardware import PRESETS
+from moesim.traces.synth import synth_from_preset
 from tests.helpers import scenario, small_model, trace_from_array
-from traces.synth import synth_from_preset
 
 
 def test_layer_time_is_the_slowest_gpu_plus_all_to_all():

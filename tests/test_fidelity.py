@@ -13,12 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies.eviction import LeastStale, LeastStaleParams
-from policies.registry import Clock, PolicyContext
-from simulator.engine import Simulation, simulate
+from moesim.policies.eviction import LeastStale, LeastStaleParams
+from moesim.policies.registry import Clock, PolicyContext
+from moesim.simulator.engine import Simulation, simulate
+from moesim.traces.synth import generate, synth_from_preset
 from tests import reference_replay as R
 from tests.helpers import real_dir, scenario, small_model, trace_from_array
-from traces.synth import generate, synth_from_preset
 
 MOESIM_POLICY = {
     "lru": "lru",
@@ -71,7 +71,7 @@ def test_mixtral_oracle_equals_the_reference_replay(policy, capacity):
 
 @pytest.fixture(scope="module")
 def flame_prefill():
-    from traces.importers import import_trace
+    from moesim.traces.importers import import_trace
 
     folder = real_dir() / "flame-moe-290m" / "prefill"
     if not folder.is_dir():

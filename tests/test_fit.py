@@ -5,12 +5,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from simulator.engine import simulate
-from simulator.errors import MoesimError
+from moesim.simulator.engine import simulate
+from moesim.simulator.errors import MoesimError
+from moesim.traces.fit import (
+    FRACTIONS,
+    fit_profile,
+    load_profile,
+    lru_curve,
+    shipped_profiles,
+    synthesise,
+)
+from moesim.traces.importers import import_trace
+from moesim.traces.synth import generate
 from tests.helpers import real_dir
-from traces.fit import FRACTIONS, fit_profile, load_profile, lru_curve, shipped_profiles, synthesise
-from traces.importers import import_trace
-from traces.synth import generate
 
 
 def mixtral():
@@ -56,7 +63,7 @@ def test_shipped_profiles_load_and_drive_scenarios():
     assert t.model.name == "mixtral-8x7b"
     import copy
 
-    from simulator.scenario import scenario_from_dict
+    from moesim.simulator.scenario import scenario_from_dict
     from tests.helpers import BASE
 
     data = copy.deepcopy(BASE)

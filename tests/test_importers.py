@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from simulator.engine import simulate
-from simulator.errors import MoesimError
+from moesim.simulator.engine import simulate
+from moesim.simulator.errors import MoesimError
+from moesim.traces.importers import import_trace
+from moesim.traces.io import read_trace, write_trace
+from moesim.traces.stats import trace_stats
 from tests.helpers import mixtral_trace, real_dir
-from traces.importers import import_trace
-from traces.io import read_trace, write_trace
-from traces.stats import trace_stats
 
 
 @pytest.mark.real
@@ -57,7 +57,7 @@ def test_scenario_import_source(tmp_path):
     f.write_text("\n".join(lines) + "\n")
     import copy
 
-    from simulator.scenario import scenario_from_dict
+    from moesim.simulator.scenario import scenario_from_dict
     from tests.helpers import BASE
 
     data = copy.deepcopy(BASE)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from simulator.engine import simulate
+from moesim.simulator.engine import simulate
 from tests.helpers import scenario, small_model, trace_from_array
 
 HBM = 2039e9
@@ -41,7 +41,7 @@ def test_tpot_shares_a_pass_among_its_requests():
     pass duration (d0 + d1 + d2) / 3, nor unweighted (d0 + d1 + d2) / 4."""
     model = small_model(layers=1, experts=8, top_k=2)
     a = trace_from_array(model, np.array([[[[0, 1]], [[2, 3]], [[4, 5]]]]))
-    from traces.trace import Trace
+    from moesim.traces.trace import Trace
 
     b_rows = a.take(a.step == 0)
     b_rows.request = np.full(len(b_rows), 1, dtype=np.int32)
@@ -91,8 +91,8 @@ def test_fld_evicts_the_farthest_layer_first():
     """FLD at layer 1 of 4: distances |layer - 1| are 3 -> 2, 0 and 2 -> 1, 1 -> 0. Keys
     inserted in the order 2:0, 0:0, 1:0, 3:0 (LRU order): candidates 3:0 (farthest), then the
     distance-1 keys by recency, 2:0 then 0:0, then 1:0."""
-    from policies.eviction import REGISTRY
-    from policies.registry import Clock, PolicyContext
+    from moesim.policies.eviction import REGISTRY
+    from moesim.policies.registry import Clock, PolicyContext
 
     clock = Clock()
     ctx = PolicyContext(num_layers=4, num_experts=4, top_k=1, expert_bytes=1, rng=np.random.default_rng(0),
@@ -162,7 +162,7 @@ def test_speculative_batch_of_two_generates_what_each_request_accepted():
     among its requests: (2 d0 + d1) / 3."""
     model = small_model(layers=1, experts=8, top_k=1)
     a = trace_from_array(model, np.array([[[[0]], [[1]]]]))
-    from traces.trace import Trace
+    from moesim.traces.trace import Trace
 
     b_rows = a.take(a.step == 0)
     b_rows.request = np.full(len(b_rows), 1, dtype=np.int32)

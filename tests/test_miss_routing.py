@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.miss import REGISTRY as MISS
-from simulator.engine import Simulation, simulate
-from simulator.errors import MoesimError
+from moesim.policies.miss import REGISTRY as MISS
+from moesim.simulator.engine import Simulation, simulate
+from moesim.simulator.errors import MoesimError
+from moesim.traces.synth import synth_from_preset
 from tests.helpers import scenario, small_model, trace_from_array
-from traces.synth import synth_from_preset
 
 
 def tiny(experts_by_token: list[list[list[int]]], num_experts: int = 4, **probs):
@@ -109,8 +109,8 @@ def test_fetch_priority_degrades_low_ranks_and_cascades_when_short_of_room():
 
 
 def test_lhu_evicts_low_precision_copies_first():
-    from policies.eviction import REGISTRY as EVICTION
-    from policies.registry import PolicyContext
+    from moesim.policies.eviction import REGISTRY as EVICTION
+    from moesim.policies.registry import PolicyContext
 
     ctx = PolicyContext(num_layers=1, num_experts=4, top_k=1, expert_bytes=4,
                         rng=np.random.default_rng(0), precisions=("bf16", "int8"), precision_bytes=(4, 2))

@@ -11,13 +11,13 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from simulator.cli import cli
-from simulator.mrc import lru_stack_misses, mrc, parse_capacities
+from moesim.simulator.cli import cli
+from moesim.simulator.mrc import lru_stack_misses, mrc, parse_capacities
+from moesim.traces.io import write_trace
+from moesim.traces.synth import synth_from_preset
 from tests import reference_replay as R
 from tests.helpers import batch_access_stream, mixtral_trace, real_dir
 from tests.test_eviction import lcs_misses
-from traces.io import write_trace
-from traces.synth import synth_from_preset
 
 
 def test_stack_distances_by_hand():
@@ -130,7 +130,7 @@ def test_mrc_refuses_a_missing_trace(tmp_path):
 def test_mrc_stream_is_the_workload_order():
     """Guard for the stack pass: the stream it reads is the access order per-expert
     execution looks experts up in (the same as batch_access_stream's)."""
-    from simulator.workload import build_workload
+    from moesim.simulator.workload import build_workload
 
     trace = synth_from_preset("olmoe-1b-7b", layers=2, requests=3, tokens=5, seed=9)
     assert build_workload(trace, batch_size=3).keys().tolist() == batch_access_stream(trace, 3)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies import families
-from policies.eviction import REGISTRY as EVICTION
-from policies.registry import PolicyContext
-from simulator.cache import ExpertCache
-from simulator.copyengine import DEMAND, CopyEngine
-from simulator.errors import MoesimError
-from simulator.hardware import LinkConfig
-from simulator.workload import build_workload
+from moesim.policies import families
+from moesim.policies.eviction import REGISTRY as EVICTION
+from moesim.policies.registry import PolicyContext
+from moesim.simulator.cache import ExpertCache
+from moesim.simulator.copyengine import DEMAND, CopyEngine
+from moesim.simulator.errors import MoesimError
+from moesim.simulator.hardware import LinkConfig
+from moesim.simulator.workload import build_workload
+from moesim.traces.synth import generate
 from tests.helpers import small_model
-from traces.synth import generate
 
 EB = 100
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.prefetch import REGISTRY as PREFETCH
-from simulator.engine import Simulation
+from moesim.policies.prefetch import REGISTRY as PREFETCH
+from moesim.simulator.engine import Simulation
+from moesim.traces.synth import generate
+from moesim.traces.trace import Trace
 from tests.helpers import scenario, small_model, trace_from_array
-from traces.synth import generate
-from traces.trace import Trace
 
 
 def key(layer: int, expert: int, experts: int = 4) -> int:
@@ -112,7 +112,7 @@ def test_every_prefetcher_proposes_distinct_keys_of_later_layers(name):
     ({"name": "static-pin", "calibration": 1.01}, "calibration must be in (0, 1], got 1.01"),
 ])
 def test_prefetch_parameters_out_of_range_are_refused_with_the_range(spec, error):
-    from simulator.errors import MoesimError
+    from moesim.simulator.errors import MoesimError
 
     with pytest.raises(MoesimError) as exc:
         scenario(policies={"prefetch": spec})
@@ -129,7 +129,7 @@ def test_prefetch_parameters_at_the_edges_of_their_range_are_accepted(spec):
 
 
 def test_a_predictor_without_pred_next_names_the_fixes():
-    from simulator.errors import MoesimError
+    from moesim.simulator.errors import MoesimError
 
     with pytest.raises(MoesimError) as exc:
         policy(three_layer_trace(), "next-gate-topk")

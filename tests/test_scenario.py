@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from simulator.errors import MoesimError
-from simulator.hardware import PRESETS
-from simulator.scenario import (
+from moesim.simulator.errors import MoesimError
+from moesim.simulator.hardware import PRESETS
+from moesim.simulator.scenario import (
     apply_overrides,
     load_scenario,
     parse_capacity,
@@ -68,7 +68,7 @@ def test_shipped_quickstart_is_found_and_valid():
 
 
 def test_precision_must_exist_in_the_trace():
-    from simulator.engine import Simulation
+    from moesim.simulator.engine import Simulation
 
     sc = scenario(cache={"capacity": "5%", "precision": "fp8"})
     with pytest.raises(MoesimError, match=r"cache.precision' is 'fp8'.*bf16, int8, int4, int2"):

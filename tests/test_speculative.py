@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from simulator.engine import simulate
+from moesim.simulator.engine import simulate
+from moesim.traces.synth import synth_from_preset
 from tests.helpers import scenario
-from traces.synth import synth_from_preset
 
 
 def spec_run(t, batch, spec, timing=True, **kw):
@@ -55,7 +55,7 @@ def test_speedup_against_autoregressive_decoding():
 
 
 def test_verify_rows_carry_tree_nodes():
-    from simulator.engine import Simulation
+    from moesim.simulator.engine import Simulation
 
     t = synth_from_preset("olmoe-1b-7b", layers=2, requests=1, tokens=20, seed=4)
     sim = Simulation(scenario(workload={"speculative": {"tree_size": 4, "accept_prob": 0.6}}), trace=t)
@@ -67,7 +67,7 @@ def test_verify_rows_carry_tree_nodes():
 
 
 def test_recorded_verify_steps_count_accepted_tokens():
-    from simulator.workload import build_workload
+    from moesim.simulator.workload import build_workload
     from tests.helpers import small_model, trace_from_array
 
     model = small_model(layers=1, experts=4, top_k=1)
@@ -86,8 +86,8 @@ def test_recorded_verify_steps_count_accepted_tokens():
 def test_real_traces_show_the_budgeting_shapes():
     """MoE-Spec Fig. 2b/2c, XShare Fig. 1 on the real traces: unique experts per layer grow with
     the batch towards N, and the top-B experts of a batch capture most of its routing mass."""
+    from moesim.traces.importers import import_trace
     from tests.helpers import mixtral_trace, real_dir
-    from traces.importers import import_trace
 
     flame, _ = import_trace("flame-csv", [real_dir() / "flame-moe-290m" / "decode"])
     uniq = []
@@ -118,8 +118,8 @@ def test_real_traces_show_the_budgeting_shapes():
 def test_sparse_verification_factors_thin_attention_and_down_projections():
     """sparse-verification §3 / Table 1: in verification passes the attention reads a share
     (1 - s_a) of the KV cache and experts skip s_f of their down-projection (1/3 of an expert)."""
-    from simulator.cost import CostModel
-    from simulator.engine import Simulation
+    from moesim.simulator.cost import CostModel
+    from moesim.simulator.engine import Simulation
 
     t = synth_from_preset("olmoe-1b-7b", layers=2, requests=1, prompt_tokens=200, tokens=40, seed=5)
     base = {"tree_size": 4, "accept_prob": 0.5}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from simulator.engine import simulate
+from moesim.simulator.engine import simulate
 from tests.helpers import scenario, small_model, trace_from_array
 from tests.test_budget_hand import one_pass
 
@@ -102,7 +102,7 @@ def test_a_cache_larger_than_the_gpu_warns_and_one_equal_to_it_does_not():
     """Mixtral-8x7B: 32 layers x 8 experts x 3 x 4096 x 14336 x 2 bytes = 90,194,313,216
     bytes. 100% of them on an 80 GB A100: "cache capacity 90.2 GB exceeds the GPU's 80 GB of
     HBM". A cache of exactly 80 GB fits."""
-    from traces.synth import synth_from_preset
+    from moesim.traces.synth import synth_from_preset
 
     t = synth_from_preset("mixtral-8x7b", tokens=2, seed=0)
     s = simulate(scenario(timing=False, cache={"capacity": "100%"}), trace=t).summary

@@ -14,10 +14,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from simulator.engine import simulate
-from simulator.errors import MoesimError
-from simulator.scenario import load_scenario
-from simulator.sweep import done_points, sweep
+from moesim.simulator.engine import simulate
+from moesim.simulator.errors import MoesimError
+from moesim.simulator.scenario import load_scenario
+from moesim.simulator.sweep import done_points, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = {"cache.capacity": ["5%", "25%"], "hardware.links.pcie.bandwidth_gbps": [5, 32]}
@@ -68,7 +68,7 @@ def test_bad_axes_fail_before_running(tmp_path):
 
 def test_a_killed_sweep_leaves_no_half_written_point_and_resumes(tmp_path):
     out = tmp_path / "s"
-    cmd = [sys.executable, "-m", "simulator.cli", "sweep", "quickstart", "--grid", "cache.capacity=1%,5%,10%,25%,50%,100%",
+    cmd = [sys.executable, "-m", "moesim", "sweep", "quickstart", "--grid", "cache.capacity=1%,5%,10%,25%,50%,100%",
            "--set", "workload.trace.synth.tokens=150", "--set", "sweep=null", "--workers", "1", "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 60
@@ -93,7 +93,7 @@ def test_a_killed_sweep_leaves_no_half_written_point_and_resumes(tmp_path):
 
 
 def test_plots_carry_the_swept_values(tmp_path):
-    from simulator.plots import figure, load_results, plot
+    from moesim.simulator.plots import figure, load_results, plot
 
     out = tmp_path / "s"
     sweep("quickstart", str(out), {**GRID, "policies.eviction": ["lru", "belady"]}, BASE, workers=2)
@@ -141,7 +141,7 @@ def test_plot_refuses_to_average_over_an_axis_it_does_not_show(tmp_path):
     axis, its values and the three ways out; nothing is written."""
     from click.testing import CliRunner
 
-    from simulator.cli import cli
+    from moesim.simulator.cli import cli
 
     out = tmp_path / "s"
     sweep("quickstart", str(out), {**GRID, "policies.eviction": ["lru", "belady"]}, BASE, workers=2)
@@ -171,9 +171,9 @@ def test_plot_refuses_to_average_over_an_axis_it_does_not_show(tmp_path):
 
 
 def test_events_export_and_timeline(tmp_path):
-    from simulator.engine import Simulation
-    from simulator.events import chrome_trace, write_events
-    from simulator.plots import plot_timeline
+    from moesim.simulator.engine import Simulation
+    from moesim.simulator.events import chrome_trace, write_events
+    from moesim.simulator.plots import plot_timeline
 
     sc = load_scenario("quickstart", [*BASE, "policies.prefetch=oracle", "cache.capacity=25%"])
     sim = Simulation(sc, record_transfers=True, record_layers=True)
@@ -193,7 +193,7 @@ def test_events_export_and_timeline(tmp_path):
     path = write_events(doc, tmp_path / "ev.json")
     img = plot_timeline(str(path), str(tmp_path / "tl.png"), window_ms=(0, 50))
     assert img.stat().st_size > 1000
-    r = subprocess.run([sys.executable, "-m", "simulator.cli", "run", "quickstart", "--no-write", "--quiet", "--set",
+    r = subprocess.run([sys.executable, "-m", "moesim", "run", "quickstart", "--no-write", "--quiet", "--set",
                         "workload.trace.synth.tokens=5", "--events", str(tmp_path / "e2.json")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -216,7 +216,7 @@ def test_shipped_sweep_sections_plan_the_papers_grids():
     """The shipped scenarios with a sweep: section plan (every point's scenario validated)
     into the grids their comments name: quickstart 4 capacities x 3 bandwidths x 3 evictions,
     SpecMD Table 1's 3 cache sizes x {LRU, Least-Stale}, MoE-Spec's 7 OLMoE budgets."""
-    from simulator.sweep import plan
+    from moesim.simulator.sweep import plan
 
     expected = {"quickstart": 36, "specmd/olmoe-config5": 6, "moe-spec/olmoe-tree63-budget32": 7}
     for name, n in expected.items():

@@ -9,12 +9,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from simulator.errors import MoesimError
+from moesim.simulator.errors import MoesimError
+from moesim.traces.io import read_trace, trace_to_table, write_trace
+from moesim.traces.schema import METADATA_KEY
+from moesim.traces.stats import trace_stats
+from moesim.traces.synth import PRESETS, generate, synth_from_preset
 from tests.helpers import mixtral_trace, small_model, trace_from_array
-from traces.io import read_trace, trace_to_table, write_trace
-from traces.schema import METADATA_KEY
-from traces.stats import trace_stats
-from traces.synth import PRESETS, generate, synth_from_preset
 
 
 def test_round_trip_preserves_every_column(tmp_path):

@@ -38,11 +38,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from simulator.engine import Simulation, load_trace
-from simulator.scenario import load_scenario
+from moesim.simulator.engine import Simulation, load_trace
+from moesim.simulator.scenario import load_scenario
 
-ROOT = Path.cwd() if (Path.cwd() / "scenarios").is_dir() else Path.cwd().parent
-SPECMD = ROOT / "scenarios" / "specmd"
+ROOT = Path.cwd() if (Path.cwd() / "moesim").is_dir() else Path.cwd().parent
+SPECMD = ROOT / "moesim" / "scenarios" / "specmd"
 CAPACITIES = ["1%", "5%", "25%"]
 HAVE_REAL = (ROOT.parent / "shared" / "traces" / "real").is_dir()
 pd.set_option("display.width", 160)
@@ -309,8 +309,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from simulator.engine import Simulation
-from simulator.scenario import load_scenario
+from moesim.simulator.engine import Simulation
+from moesim.simulator.scenario import load_scenario
 
 OUT = Path(os.environ.get("MOESIM_NOTEBOOK_OUT", "../runs/notebooks"))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -343,8 +343,8 @@ TPOT heatmap and hit-rate curves with Belady's bound."""),
 import tempfile
 from pathlib import Path
 
-from simulator.plots import figure
-from simulator.sweep import sweep
+from moesim.simulator.plots import figure
+from moesim.simulator.sweep import sweep
 
 OUT = Path(os.environ.get("MOESIM_NOTEBOOK_OUT", "../runs/notebooks"))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -387,11 +387,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from simulator.engine import Simulation, load_trace
-from simulator.scenario import load_scenario
-from traces.importers import import_trace
+from moesim.simulator.engine import Simulation, load_trace
+from moesim.simulator.scenario import load_scenario
+from moesim.traces.importers import import_trace
 
-ROOT = Path.cwd() if (Path.cwd() / "scenarios").is_dir() else Path.cwd().parent
+ROOT = Path.cwd() if (Path.cwd() / "moesim").is_dir() else Path.cwd().parent
 REAL = ROOT.parent / "shared" / "traces" / "real"
 OUT = Path(os.environ.get("MOESIM_NOTEBOOK_OUT", ROOT / "runs" / "notebooks"))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -443,7 +443,7 @@ else:
 Synthetic OLMoE-like routing (4 layers for speed), one request, draft trees of M tokens
 (depth 7, acceptance 0.8 per draft), all experts resident; budget B = 32 with router ranking
 and substitution."""),
-    code("""spec = ROOT / "scenarios" / "moe-spec" / "olmoe-tree63-budget32.yaml"
+    code("""spec = ROOT / "moesim" / "scenarios" / "moe-spec" / "olmoe-tree63-budget32.yaml"
 base = ["workload.trace.synth.layers=4", "workload.trace.synth.tokens=160"]
 trace = load_trace(load_scenario(spec, base))
 rows = []
@@ -468,7 +468,7 @@ fig.tight_layout()
 fig.savefig(OUT / "budgets_moespec_fig4.png", dpi=100)
 fig4.pivot(index="tree", columns="policy", values=["unique", "speedup"]).round(2)"""),
     md("## XShare settings: batch 4, speculation length 3"),
-    code("""alg4 = ROOT / "scenarios" / "xshare" / "spec-batch4-alg4.yaml"
+    code("""alg4 = ROOT / "moesim" / "scenarios" / "xshare" / "spec-batch4-alg4.yaml"
 xtrace = load_trace(load_scenario(alg4))
 settings = {"baseline": "none",
             "Alg.2 (m=16, k0=1)": "{name: xshare, budget: 16, k0: 1}",
@@ -486,7 +486,7 @@ xs = pd.DataFrame(rows)
 xs["OTPS gain"] = xs["tokens_per_s"] / xs["tokens_per_s"].iloc[0] - 1
 xs.round(3)"""),
     md("## Expert parallelism: peak GPU load with and without Algorithm 6 (XShare Table 2)"),
-    code("""ep = ROOT / "scenarios" / "xshare" / "ep8-alg6.yaml"
+    code("""ep = ROOT / "moesim" / "scenarios" / "xshare" / "ep8-alg6.yaml"
 etrace = load_trace(load_scenario(ep))
 base = summary(ep, "policies.budget=none", trace=etrace)
 alg6 = summary(ep, trace=etrace)

@@ -31,204 +31,204 @@ NO_TESTS = {5, 33}
 
 # the tests that check each module (mutmut runs, per mutant, those of them that reach it)
 TESTS: dict[str, list[str]] = {
-    "simulator/cache.py": ["tests/test_cache.py", "tests/test_policies.py", "tests/test_metrics.py",
+    "moesim/simulator/cache.py": ["tests/test_cache.py", "tests/test_policies.py", "tests/test_metrics.py",
                            "tests/test_fidelity.py", "tests/test_eviction.py", "tests/test_prefetch.py"],
-    "simulator/copyengine.py": ["tests/test_copyengine.py", "tests/test_metrics.py", "tests/test_prefetch.py",
+    "moesim/simulator/copyengine.py": ["tests/test_copyengine.py", "tests/test_metrics.py", "tests/test_prefetch.py",
                                 "tests/test_engine.py"],
-    "simulator/lookup.py": ["tests/test_fidelity.py", "tests/test_miss_routing.py", "tests/test_engine.py"],
-    "simulator/metrics.py": ["tests/test_metrics.py", "tests/test_summary.py", "tests/test_engine.py",
+    "moesim/simulator/lookup.py": ["tests/test_fidelity.py", "tests/test_miss_routing.py", "tests/test_engine.py"],
+    "moesim/simulator/metrics.py": ["tests/test_metrics.py", "tests/test_summary.py", "tests/test_engine.py",
                              "tests/test_speculative.py", "tests/test_expert_parallel.py"],
-    "policies/eviction.py": ["tests/test_eviction_orders.py", "tests/test_eviction.py", "tests/test_fidelity.py", "tests/test_policies.py"],
-    "policies/prefetch.py": ["tests/test_proposals.py", "tests/test_prefetch.py"],
-    "policies/budget.py": ["tests/test_budget.py", "tests/test_budget_hand.py", "tests/test_budget_exact.py",
+    "moesim/policies/eviction.py": ["tests/test_eviction_orders.py", "tests/test_eviction.py", "tests/test_fidelity.py", "tests/test_policies.py"],
+    "moesim/policies/prefetch.py": ["tests/test_proposals.py", "tests/test_prefetch.py"],
+    "moesim/policies/budget.py": ["tests/test_budget.py", "tests/test_budget_hand.py", "tests/test_budget_exact.py",
                            "tests/test_expert_parallel.py"],
 }
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
-    "simulator.cache.xǁExpertCacheǁpreload__mutmut_13":
+    "moesim.simulator.cache.xǁExpertCacheǁpreload__mutmut_13":
         "on_insert(key, None) for on_insert(key, False): every policy only tests `if demand`, and None is false",
-    "simulator.cache.xǁExpertCacheǁpreload__mutmut_16":
+    "moesim.simulator.cache.xǁExpertCacheǁpreload__mutmut_16":
         "on_insert(key, True) for a preloaded key: a statically pinned key is never a victim, and no policy "
         "orders the other keys by a static key's count or recency",
-    "simulator.cache.xǁExpertCacheǁreserve__mutmut_4":
+    "moesim.simulator.cache.xǁExpertCacheǁreserve__mutmut_4":
         "`used >= max_used` for `used > max_used`: when equal it assigns the value max_used already has",
     # copy engine
-    "simulator.copyengine.xǁCopyEngineǁ_project_demand__mutmut_15": "`prev >= issued` for `prev > issued`: when equal both pick the same value",
-    "simulator.copyengine.xǁCopyEngineǁadvance__mutmut_28": "`prev >= issued` for `prev > issued`: when equal both pick the same value",
-    "simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_37": "`prev >= now` for `prev > now`: when equal both pick the same value",
-    "simulator.copyengine.xǁCopyEngineǁpromote_many__mutmut_18": "`seq >= t.seq` for `seq > t.seq`: sequence numbers are unique, never equal",
-    "simulator.copyengine.xǁCopyEngineǁduration__mutmut_1": "the duration cache bypassed: copy_time is a pure function, recomputed equal",
-    "simulator.copyengine.xǁCopyEngineǁduration__mutmut_2": "the duration cache missed: copy_time is a pure function, recomputed equal",
-    "simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_1": "the duration cache bypassed: duration() computes the same value",
-    "simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_2": "the duration cache missed: duration() computes the same value",
-    "simulator.copyengine.xǁCopyEngineǁfinish__mutmut_4": "float('INF') is float('inf')",
-    "simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_25": "`started` of an instant (cache-only) transfer is never read: the caller completes it at once",
-    "simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_26": "`started` of an instant (cache-only) transfer is never read: the caller completes it at once",
-    "simulator.copyengine.xǁTransferǁ__init____mutmut_1": "the `dur` default is never used: every transfer is made by submit with its duration",
-    "simulator.copyengine.xǁTransferǁ__init____mutmut_11": "`cancelled` is only read for its truth value, and None is false",
-    "simulator.copyengine.xǁTransferǁ__init____mutmut_13": "`bypass` is only read for its truth value, and None is false",
-    "simulator.copyengine.xǁTransferǁ__init____mutmut_7": "`start` is set (submit, advance, promotion) before it is read",
-    "simulator.copyengine.xǁTransferǁ__init____mutmut_8": "`done` is set (submit, advance, promotion) before it is read",
+    "moesim.simulator.copyengine.xǁCopyEngineǁ_project_demand__mutmut_15": "`prev >= issued` for `prev > issued`: when equal both pick the same value",
+    "moesim.simulator.copyengine.xǁCopyEngineǁadvance__mutmut_28": "`prev >= issued` for `prev > issued`: when equal both pick the same value",
+    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_37": "`prev >= now` for `prev > now`: when equal both pick the same value",
+    "moesim.simulator.copyengine.xǁCopyEngineǁpromote_many__mutmut_18": "`seq >= t.seq` for `seq > t.seq`: sequence numbers are unique, never equal",
+    "moesim.simulator.copyengine.xǁCopyEngineǁduration__mutmut_1": "the duration cache bypassed: copy_time is a pure function, recomputed equal",
+    "moesim.simulator.copyengine.xǁCopyEngineǁduration__mutmut_2": "the duration cache missed: copy_time is a pure function, recomputed equal",
+    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_1": "the duration cache bypassed: duration() computes the same value",
+    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_2": "the duration cache missed: duration() computes the same value",
+    "moesim.simulator.copyengine.xǁCopyEngineǁfinish__mutmut_4": "float('INF') is float('inf')",
+    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_25": "`started` of an instant (cache-only) transfer is never read: the caller completes it at once",
+    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_26": "`started` of an instant (cache-only) transfer is never read: the caller completes it at once",
+    "moesim.simulator.copyengine.xǁTransferǁ__init____mutmut_1": "the `dur` default is never used: every transfer is made by submit with its duration",
+    "moesim.simulator.copyengine.xǁTransferǁ__init____mutmut_11": "`cancelled` is only read for its truth value, and None is false",
+    "moesim.simulator.copyengine.xǁTransferǁ__init____mutmut_13": "`bypass` is only read for its truth value, and None is false",
+    "moesim.simulator.copyengine.xǁTransferǁ__init____mutmut_7": "`start` is set (submit, advance, promotion) before it is read",
+    "moesim.simulator.copyengine.xǁTransferǁ__init____mutmut_8": "`done` is set (submit, advance, promotion) before it is read",
     # prefetch policies
-    'policies.prefetch.xǁNextGateTopKǁ__init____mutmut_1':
+    'moesim.policies.prefetch.xǁNextGateTopKǁ__init____mutmut_1':
         'self.params is not read after __init__ in this class (the local params is)',
-    'policies.prefetch.xǁNextGateTopKǁpropose__mutmut_45':
+    'moesim.policies.prefetch.xǁNextGateTopKǁpropose__mutmut_45':
         "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
-    'policies.prefetch.xǁScorePercentileǁ_plan__mutmut_84':
+    'moesim.policies.prefetch.xǁScorePercentileǁ_plan__mutmut_84':
         "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
-    'policies.prefetch.xǁScorePercentileǁ_plan__mutmut_94':
+    'moesim.policies.prefetch.xǁScorePercentileǁ_plan__mutmut_94':
         "zip's strict flag: the three sequences have equal lengths by construction",
-    'policies.prefetch.xǁScorePercentileǁ_plan__mutmut_98':
+    'moesim.policies.prefetch.xǁScorePercentileǁ_plan__mutmut_98':
         "zip's strict flag: the three sequences have equal lengths by construction",
-    'policies.prefetch.xǁScorePercentileǁ_plan__mutmut_99':
+    'moesim.policies.prefetch.xǁScorePercentileǁ_plan__mutmut_99':
         "zip's strict flag: the three sequences have equal lengths by construction",
-    'policies.prefetch.xǁStaticPinǁ__init____mutmut_1':
+    'moesim.policies.prefetch.xǁStaticPinǁ__init____mutmut_1':
         'self.params is not read after __init__ in this class (the local params is)',
-    'policies.prefetch.xǁStaticPinǁ__init____mutmut_46':
+    'moesim.policies.prefetch.xǁStaticPinǁ__init____mutmut_46':
         "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
     # eviction policies
-    **{f"policies.eviction.xǁ{cls}ǁ__init____mutmut_1":
+    **{f"moesim.policies.eviction.xǁ{cls}ǁ__init____mutmut_1":
        "NoParams: this policy never reads self.params" for cls in ("LFU", "LeastHighPrecisionUsed", "Random", "Belady")},
-    "policies.eviction.xǁBeladyǁ__init____mutmut_18": "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
-    **{f"policies.eviction.xǁBeladyǁ__init____mutmut_{n}":
+    "moesim.policies.eviction.xǁBeladyǁ__init____mutmut_18": "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
+    **{f"moesim.policies.eviction.xǁBeladyǁ__init____mutmut_{n}":
        "zip's strict flag: starts and ends have equal lengths by construction" for n in (33, 36, 37)},
-    **{f"policies.eviction.xǁLeastStaleǁ_roll__mutmut_{n}":
+    **{f"moesim.policies.eviction.xǁLeastStaleǁ_roll__mutmut_{n}":
        "zip's strict flag: both queues have one bucket per layer" for n in (5, 8, 9)},
-    "policies.eviction.xǁBeladyǁ_next_use__mutmut_7": "float('INF') is float('inf')",
-    "policies.eviction.xǁBeladyǁ_next_use__mutmut_38": "float('INF') is float('inf')",
-    "policies.eviction.xǁLFUǁ_bump__mutmut_7":
+    "moesim.policies.eviction.xǁBeladyǁ_next_use__mutmut_7": "float('INF') is float('inf')",
+    "moesim.policies.eviction.xǁBeladyǁ_next_use__mutmut_38": "float('INF') is float('inf')",
+    "moesim.policies.eviction.xǁLFUǁ_bump__mutmut_7":
         "counts c -> c + 1 for used keys, 0 for never-used ones: a strictly increasing map of every count, "
         "so the candidate order (the policy's only output) is the same",
-    "policies.eviction.xǁLFUǁ_bump__mutmut_8":
+    "moesim.policies.eviction.xǁLFUǁ_bump__mutmut_8":
         "counts c -> 2 c: a strictly increasing map of every count, so the candidate order is the same",
-    "policies.eviction.xǁLeastHighPrecisionUsedǁ_use__mutmut_11":
+    "moesim.policies.eviction.xǁLeastHighPrecisionUsedǁ_use__mutmut_11":
         "high-precision uses c -> c + 1 for used keys, 0 for unused: strictly increasing, the same order",
-    "policies.eviction.xǁLeastHighPrecisionUsedǁ_use__mutmut_12":
+    "moesim.policies.eviction.xǁLeastHighPrecisionUsedǁ_use__mutmut_12":
         "high-precision uses c -> 2 c: strictly increasing, the same order",
-    "policies.eviction.xǁLeastHighPrecisionUsedǁcandidates__mutmut_13":
+    "moesim.policies.eviction.xǁLeastHighPrecisionUsedǁcandidates__mutmut_13":
         "a low-precision key's high-precision use count is always 0 (_use counts precision 0 only)",
-    "policies.eviction.xǁLeastHighPrecisionUsedǁcandidates__mutmut_22":
+    "moesim.policies.eviction.xǁLeastHighPrecisionUsedǁcandidates__mutmut_22":
         "low-precision keys all get the same second sort element (0 or 1): their order is recency either way",
-    "policies.eviction.xǁLeastHighPrecisionUsedǁon_insert__mutmut_2":
+    "moesim.policies.eviction.xǁLeastHighPrecisionUsedǁon_insert__mutmut_2":
         "RecencyOrdered.on_insert does not read `demand`",
-    "policies.eviction.xǁLeastStaleǁ__init____mutmut_11":
+    "moesim.policies.eviction.xǁLeastStaleǁ__init____mutmut_11":
         "the first event rolls empty queues whatever the initial pass number, then sets it",
-    "policies.eviction.xǁLeastStaleǁ__init____mutmut_12":
+    "moesim.policies.eviction.xǁLeastStaleǁ__init____mutmut_12":
         "the first event rolls empty queues whatever the initial pass number, then sets it",
-    "policies.eviction.xǁLeastStaleǁ_touch__mutmut_7": "the queues are dicts used as ordered sets: values are never read",
-    "policies.eviction.xǁLFUǁ_place__mutmut_6": "the buckets are dicts used as ordered sets: values are never read",
-    "policies.eviction.xǁRandomǁon_insert__mutmut_1": "a dict used as an ordered set: values are never read",
-    "policies.eviction.xǁRecencyOrderedǁon_insert__mutmut_1": "a dict used as an ordered set: values are never read",
-    "policies.eviction.xǁLeastStaleǁon_access__mutmut_4":
+    "moesim.policies.eviction.xǁLeastStaleǁ_touch__mutmut_7": "the queues are dicts used as ordered sets: values are never read",
+    "moesim.policies.eviction.xǁLFUǁ_place__mutmut_6": "the buckets are dicts used as ordered sets: values are never read",
+    "moesim.policies.eviction.xǁRandomǁon_insert__mutmut_1": "a dict used as an ordered set: values are never read",
+    "moesim.policies.eviction.xǁRecencyOrderedǁon_insert__mutmut_1": "a dict used as an ordered set: values are never read",
+    "moesim.policies.eviction.xǁLeastStaleǁon_access__mutmut_4":
         "touching a key that is already current re-assigns its entry in place (dict order unchanged): "
         "the same queues",
-    "policies.eviction.xǁScoreBasedǁ__init____mutmut_7": "the first credit finds no scores to decay",
-    "policies.eviction.xǁScoreBasedǁ__init____mutmut_8": "the first credit finds no scores to decay",
-    "policies.eviction.xǁScoreBasedǁ__init____mutmut_11": "the engine always gives the policy its workload",
-    "policies.eviction.xǁScoreBasedǁon_insert__mutmut_2": "RecencyOrdered.on_insert does not read `demand`",
+    "moesim.policies.eviction.xǁScoreBasedǁ__init____mutmut_7": "the first credit finds no scores to decay",
+    "moesim.policies.eviction.xǁScoreBasedǁ__init____mutmut_8": "the first credit finds no scores to decay",
+    "moesim.policies.eviction.xǁScoreBasedǁ__init____mutmut_11": "the engine always gives the policy its workload",
+    "moesim.policies.eviction.xǁScoreBasedǁon_insert__mutmut_2": "RecencyOrdered.on_insert does not read `demand`",
     # budget policies
-    'policies.budget.x__calibration_counts__mutmut_31':
+    'moesim.policies.budget.x__calibration_counts__mutmut_31':
         'numpy reads any negative size as the inferred one',
-    'policies.budget.x__calibration_counts__mutmut_32':
+    'moesim.policies.budget.x__calibration_counts__mutmut_32':
         "every count doubled: the ranking, the counts' only use, is the same",
-    'policies.budget.x_gpu_aware_greedy__mutmut_16':
+    'moesim.policies.budget.x_gpu_aware_greedy__mutmut_16':
         "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
-    'policies.budget.x_gpu_aware_greedy__mutmut_21':
+    'moesim.policies.budget.x_gpu_aware_greedy__mutmut_21':
         'None is false, like False',
-    'policies.budget.x_gpu_aware_greedy__mutmut_34':
+    'moesim.policies.budget.x_gpu_aware_greedy__mutmut_34':
         "each expert occurs once in the sorted order (or its GPU's queue): `have` only matters for the warm-up set",
-    'policies.budget.x_greedy_select__mutmut_12':
+    'moesim.policies.budget.x_greedy_select__mutmut_12':
         'the sum over no experts is 0.0',
-    'policies.budget.x_greedy_select__mutmut_21':
+    'moesim.policies.budget.x_greedy_select__mutmut_21':
         "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
-    'policies.budget.x_greedy_select__mutmut_36':
+    'moesim.policies.budget.x_greedy_select__mutmut_36':
         "each expert occurs once in the sorted order (or its GPU's queue): `have` only matters for the warm-up set",
-    'policies.budget.x_placement_of__mutmut_39':
+    'moesim.policies.budget.x_placement_of__mutmut_39':
         'a float mask in place of a boolean one: it is only read for its truth value',
-    'policies.budget.x_top_in__mutmut_14':
+    'moesim.policies.budget.x_top_in__mutmut_14':
         "argsort's default axis is the last, here 1",
-    'policies.budget.x_top_in__mutmut_19':
+    'moesim.policies.budget.x_top_in__mutmut_19':
         "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
-    'policies.budget.xǁBudgetPolicyǁscores__mutmut_15':
+    'moesim.policies.budget.xǁBudgetPolicyǁscores__mutmut_15':
         'astype(None) is astype(float64)',
-    'policies.budget.xǁBudgetPolicyǁscores__mutmut_3':
+    'moesim.policies.budget.xǁBudgetPolicyǁscores__mutmut_3':
         'astype(None) is astype(float64)',
-    'policies.budget.xǁDynamicSkipǁselect__mutmut_12':
+    'moesim.policies.budget.xǁDynamicSkipǁselect__mutmut_12':
         "zip's strict flag: the sequences have equal lengths by construction",
-    'policies.budget.xǁDynamicSkipǁselect__mutmut_15':
+    'moesim.policies.budget.xǁDynamicSkipǁselect__mutmut_15':
         "zip's strict flag: the sequences have equal lengths by construction",
-    'policies.budget.xǁDynamicSkipǁselect__mutmut_16':
+    'moesim.policies.budget.xǁDynamicSkipǁselect__mutmut_16':
         "zip's strict flag: the sequences have equal lengths by construction",
-    'policies.budget.xǁDynamicSkipǁselect__mutmut_19':
+    'moesim.policies.budget.xǁDynamicSkipǁselect__mutmut_19':
         "zip's strict flag: the sequences have equal lengths by construction",
-    'policies.budget.xǁDynamicSkipǁselect__mutmut_22':
+    'moesim.policies.budget.xǁDynamicSkipǁselect__mutmut_22':
         "zip's strict flag: the sequences have equal lengths by construction",
-    'policies.budget.xǁDynamicSkipǁselect__mutmut_23':
+    'moesim.policies.budget.xǁDynamicSkipǁselect__mutmut_23':
         "zip's strict flag: the sequences have equal lengths by construction",
-    'policies.budget.xǁLynxǁselect__mutmut_16':
+    'moesim.policies.budget.xǁLynxǁselect__mutmut_16':
         'a float mask in place of a boolean one: it is only read for its truth value',
-    'policies.budget.xǁLynxǁselect__mutmut_18':
+    'moesim.policies.budget.xǁLynxǁselect__mutmut_18':
         'a float mask in place of a boolean one: it is only read for its truth value',
-    'policies.budget.xǁLynxǁselect__mutmut_19':
+    'moesim.policies.budget.xǁLynxǁselect__mutmut_19':
         'None stored into a boolean array is False',
-    'policies.budget.xǁMoESpecǁ__init____mutmut_21':
+    'moesim.policies.budget.xǁMoESpecǁ__init____mutmut_21':
         'the calibration counts are only read with ranking: static',
-    'policies.budget.xǁMoESpecǁselect__mutmut_19':
+    'moesim.policies.budget.xǁMoESpecǁselect__mutmut_19':
         "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
-    'policies.budget.xǁMoESpecǁselect__mutmut_22':
+    'moesim.policies.budget.xǁMoESpecǁselect__mutmut_22':
         'a float mask in place of a boolean one: it is only read for its truth value',
-    'policies.budget.xǁMoESpecǁselect__mutmut_24':
+    'moesim.policies.budget.xǁMoESpecǁselect__mutmut_24':
         'a float mask in place of a boolean one: it is only read for its truth value',
-    'policies.budget.xǁSkipThresholdǁ__init____mutmut_23':
+    'moesim.policies.budget.xǁSkipThresholdǁ__init____mutmut_23':
         "np.sort's default axis is the last, here 1",
-    'policies.budget.xǁSkipThresholdǁ__init____mutmut_24':
+    'moesim.policies.budget.xǁSkipThresholdǁ__init____mutmut_24':
         'astype(None) is astype(float64)',
-    'policies.budget.xǁSkipThresholdǁ__init____mutmut_42':
+    'moesim.policies.budget.xǁSkipThresholdǁ__init____mutmut_42':
         'every layer has calibration rows (each token routes every layer): the fill value is never read',
-    'policies.budget.xǁSkipThresholdǁselect__mutmut_12':
+    'moesim.policies.budget.xǁSkipThresholdǁselect__mutmut_12':
         "zip's strict flag: the sequences have equal lengths by construction",
-    'policies.budget.xǁSkipThresholdǁselect__mutmut_13':
+    'moesim.policies.budget.xǁSkipThresholdǁselect__mutmut_13':
         "zip's strict flag: the sequences have equal lengths by construction",
-    'policies.budget.xǁSkipThresholdǁselect__mutmut_2':
+    'moesim.policies.budget.xǁSkipThresholdǁselect__mutmut_2':
         'astype(None) is astype(float64)',
-    'policies.budget.xǁSkipThresholdǁselect__mutmut_47':
+    'moesim.policies.budget.xǁSkipThresholdǁselect__mutmut_47':
         "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
-    'policies.budget.xǁSkipThresholdǁselect__mutmut_9':
+    'moesim.policies.budget.xǁSkipThresholdǁselect__mutmut_9':
         "zip's strict flag: the sequences have equal lengths by construction",
-    'policies.budget.xǁXShareǁ__init____mutmut_7':
+    'moesim.policies.budget.xǁXShareǁ__init____mutmut_7':
         'the placement is only read with per_gpu',
-    'policies.budget.xǁXShareǁselect__mutmut_47':
+    'moesim.policies.budget.xǁXShareǁselect__mutmut_47':
         "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
-    'policies.budget.xǁXShareǁselect__mutmut_81':
+    'moesim.policies.budget.xǁXShareǁselect__mutmut_81':
         'a float mask in place of a boolean one: it is only read for its truth value',
-    'policies.budget.xǁXShareǁselect__mutmut_83':
+    'moesim.policies.budget.xǁXShareǁselect__mutmut_83':
         'a float mask in place of a boolean one: it is only read for its truth value',
-    "policies.budget.x_gpu_aware_greedy__mutmut_38":
+    "moesim.policies.budget.x_gpu_aware_greedy__mutmut_38":
         "the loop ends without additions only when every expert is chosen; `allowed[None] = True` then allows "
         "every expert too",
-    "policies.budget.x_placement_of__mutmut_41": "GPU ids stored as floats: every reader compares them with ints",
+    "moesim.policies.budget.x_placement_of__mutmut_41": "GPU ids stored as floats: every reader compares them with ints",
     # metrics
-    "simulator.metrics.x__f__mutmut_3":
+    "moesim.simulator.metrics.x__f__mutmut_3":
         "NaN reaches _f only as the mean over no requests, and a replay always has requests (the other "
         "callers check their denominators first)",
-    "simulator.metrics.x_summarise__mutmut_159":
+    "moesim.simulator.metrics.x_summarise__mutmut_159":
         "a timed replay always takes time (> 0); a cache-only one replaces link_utilisation with null",
-    "simulator.metrics.x_summarise__mutmut_181": "every replay routes tokens: the total gate weight is > 0",
-    "simulator.metrics.x_summarise__mutmut_189": "every replay has tokens",
-    "simulator.metrics.x_summarise__mutmut_258":
+    "moesim.simulator.metrics.x_summarise__mutmut_181": "every replay routes tokens: the total gate weight is > 0",
+    "moesim.simulator.metrics.x_summarise__mutmut_189": "every replay has tokens",
+    "moesim.simulator.metrics.x_summarise__mutmut_258":
         "every decode or verify pass generates at least one token, so dec_gen > 0 whenever there is one",
-    "simulator.metrics.x_summarise__mutmut_309":
+    "moesim.simulator.metrics.x_summarise__mutmut_309":
         "a relative change of 1e-9 in the divisor does not change a size printed to 0.1 GB",
-    "simulator.metrics.x_summarise__mutmut_311":
+    "moesim.simulator.metrics.x_summarise__mutmut_311":
         "a relative change of 1e-9 in the divisor does not change a size printed to 1 GB",
-    "simulator.metrics.x_summarise__mutmut_40": "a replay always has passes",
-    "simulator.metrics.x_summarise__mutmut_44": "a replay always has passes",
-    "simulator.metrics.x_summarise__mutmut_63": "every replay has expert accesses",
-    "policies.eviction.xǁScoreBasedǁ_credit__mutmut_2": "with decay 1 the factor is 1: decaying leaves every score as it is",
-    "policies.eviction.xǁScoreBasedǁ_credit__mutmut_4":
+    "moesim.simulator.metrics.x_summarise__mutmut_40": "a replay always has passes",
+    "moesim.simulator.metrics.x_summarise__mutmut_44": "a replay always has passes",
+    "moesim.simulator.metrics.x_summarise__mutmut_63": "every replay has expert accesses",
+    "moesim.policies.eviction.xǁScoreBasedǁ_credit__mutmut_2": "with decay 1 the factor is 1: decaying leaves every score as it is",
+    "moesim.policies.eviction.xǁScoreBasedǁ_credit__mutmut_4":
         "decay is in (0, 1]: it is never 2, so `decay != 2.0` is always true, and with decay 1 the factor is 1",
-    **{f"policies.budget.xǁSkipThresholdǁselect__mutmut_{n}":
+    **{f"moesim.policies.budget.xǁSkipThresholdǁselect__mutmut_{n}":
        "a token's k <= 16 weights: numpy's default sort is an insertion sort there, which is stable "
        "(and reads 'STABLE' as 'stable')" for n in (35, 37, 40)},
 }

@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from traces.importers import import_trace
-from traces.stats import trace_stats
+from moesim.traces.importers import import_trace
+from moesim.traces.stats import trace_stats
 
 
 def main(root: str) -> None:

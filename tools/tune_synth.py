@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import itertools
 
-from traces.stats import trace_stats
-from traces.synth import RoutingParams, generate, get_preset
+from moesim.traces.stats import trace_stats
+from moesim.traces.synth import RoutingParams, generate, get_preset
 
 # Real statistics measured by tools/real_stats.py (docs/synthetic.md).
 TARGETS = {

@@ -1,0 +1,457 @@
+"""Eviction policies: pick victims, never remove them (style.md, libCacheSim's ``to_evict``).
+
+The cache (:class:`simulator.cache.ExpertCache`) owns the miss -> evict -> insert loop. It
+tells the policy about inserts, uses and removals, and asks for ``candidates()``: every
+cached key, most evictable first (``prefetch_candidates()`` when the room is for an optional
+prefetch: a policy may decline to evict some keys for one). The cache skips pinned keys
+(``docs/design.md`` step 7: the current layer's experts, or in ``per-expert`` execution the
+running one; transfers in flight) and evicts only when enough can be freed; otherwise it
+changes nothing and reports that it could not make room.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any, ClassVar
+
+import numpy as np
+
+from moesim.policies.registry import NoParams, PolicyContext, Registry
+
+
+class EvictionPolicy(ABC):
+    """Base class: observes cache events, orders keys for eviction."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[Any]] = NoParams
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        self.params = params
+        self.ctx = ctx
+
+    @abstractmethod
+    def on_insert(self, key: int, demand: bool) -> None:
+        """``key`` entered the cache (its transfer was issued). ``demand=True``: a miss fetched
+        for immediate use, which also counts as a use (no separate :meth:`on_access`)."""
+
+    @abstractmethod
+    def on_access(self, key: int) -> None:
+        """``key`` was used by a forward pass (a hit, or a late prefetch)."""
+
+    @abstractmethod
+    def on_remove(self, key: int) -> None:
+        """``key`` left the cache."""
+
+    @abstractmethod
+    def candidates(self) -> Iterator[int]:
+        """Every cached key, most evictable first (the cache filters pinned keys). The cache
+        walks the iterator before it tells the policy of any change, so it may be a view."""
+
+    def on_prefetch_select(self, key: int) -> None:  # noqa: B027 - optional hook
+        """The prefetcher selected ``key``, already cached (no transfer). Default: nothing
+        (recency policies do not count a selection as a use)."""
+
+    def prefetch_candidates(self) -> Iterator[int]:
+        """The keys this policy lets the cache evict to admit an optional prefetch, most
+        evictable first. Default: every candidate (:meth:`candidates`)."""
+        return self.candidates()
+
+
+REGISTRY: Registry[EvictionPolicy] = Registry("eviction")
+
+
+class RecencyOrdered(EvictionPolicy):
+    """Shared bookkeeping: cached keys in recency order (least recent first); inserts count
+    as uses. Subclasses order candidates from it (plain recency by default)."""
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        self._order[key] = None
+
+    def on_access(self, key: int) -> None:
+        self._order.move_to_end(key)
+
+    def on_remove(self, key: int) -> None:
+        del self._order[key]
+
+    def candidates(self) -> Iterator[int]:
+        return iter(self._order)
+
+    def _recency_rank(self) -> dict[int, int]:
+        return {k: i for i, k in enumerate(self._order)}
+
+
+@REGISTRY.register("lru")
+class LRU(RecencyOrdered):
+    """Least recently used: evict the expert whose last use is oldest.
+
+    An inserted expert counts as used at insertion (a demand fetch is used at once), as in
+    libCacheSim's LRU, so miss counts match it on the same access stream.
+    """
+
+
+@REGISTRY.register("fifo")
+class FIFO(RecencyOrdered):
+    """First in, first out: evict the expert inserted longest ago; uses do not reorder."""
+
+    def on_access(self, key: int) -> None:
+        pass
+
+
+@REGISTRY.register("lfu")
+class LFU(EvictionPolicy):
+    """Least frequently used (SpecMD appendix B): evict the expert with the lowest access
+    count over the whole inference history (counts survive eviction); ties go to the expert
+    that reached its count longest ago."""
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        self._count: dict[int, int] = {}
+        self._buckets: dict[int, OrderedDict[int, None]] = {}
+        self._where: dict[int, int] = {}
+
+    def _place(self, key: int, count: int) -> None:
+        old = self._where.get(key)
+        if old is not None:
+            bucket = self._buckets[old]
+            del bucket[key]
+            if not bucket:
+                del self._buckets[old]
+        self._buckets.setdefault(count, OrderedDict())[key] = None
+        self._where[key] = count
+
+    def _bump(self, key: int) -> None:
+        c = self._count.get(key, 0) + 1
+        self._count[key] = c
+        self._place(key, c)
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        if demand:
+            self._bump(key)
+        else:
+            self._place(key, self._count.get(key, 0))
+
+    def on_access(self, key: int) -> None:
+        self._bump(key)
+
+    def on_remove(self, key: int) -> None:
+        c = self._where.pop(key)
+        bucket = self._buckets[c]
+        del bucket[key]
+        if not bucket:
+            del self._buckets[c]
+
+    def candidates(self) -> Iterator[int]:
+        for c in sorted(self._buckets):
+            yield from list(self._buckets[c])
+
+
+@REGISTRY.register("random")
+class Random(EvictionPolicy):
+    """Evict uniformly at random (the policy's own seeded generator)."""
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        self._keys: dict[int, None] = {}
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        self._keys[key] = None
+
+    def on_access(self, key: int) -> None:
+        pass
+
+    def on_remove(self, key: int) -> None:
+        del self._keys[key]
+
+    def candidates(self) -> Iterator[int]:
+        keys = list(self._keys)
+        for i in self.ctx.rng.permutation(len(keys)):
+            yield keys[int(i)]
+
+
+@REGISTRY.register("fld")
+class FarthestLayerDistance(RecencyOrdered):
+    """Farthest layer distance (HOBBIT, Tang et al. 2024; SpecMD appendix B): evict experts
+    whose layer is farthest, |layer - current layer|, from the layer being executed; ties by
+    least recent use."""
+
+    def candidates(self) -> Iterator[int]:
+        cur = self.ctx.clock.layer
+        layer_of = self.ctx.layer_of
+        rank = self._recency_rank()
+        return iter(sorted(self._order, key=lambda k: (-abs(layer_of(k) - cur), rank[k])))
+
+
+def _access_index(ctx: PolicyContext, keys: list[int], key: int) -> int | None:
+    """Index of the access of ``key`` at the clock's (pass, layer), or None. ``keys`` are the
+    workload's accesses as cache keys (``ctx.cache_keys(workload.keys()).tolist()``)."""
+    wl = ctx.workload
+    base = ctx.clock.pass_index * ctx.num_layers + ctx.clock.layer
+    lo, hi = int(wl.off[base]), int(wl.off[base + 1])
+    try:
+        return int(keys.index(key, lo, hi))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class ScoreParams:
+    """Parameters of score-based eviction."""
+
+    decay: float = field(default=1.0, metadata={
+        "help": "multiply every accumulated score by this at each forward pass, in (0, 1] (1 = plain sum)"})
+
+    def __post_init__(self) -> None:
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+
+
+@REGISTRY.register("score")
+class ScoreBased(RecencyOrdered):
+    """Score-based eviction (Zhu et al. 2025; SpecMD appendix B): evict the expert with the
+    lowest accumulated gate score, the running sum of the router weights its tokens gave it;
+    ties by least recent use."""
+
+    Params = ScoreParams
+
+    def __init__(self, params: ScoreParams, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        self._score: dict[int, float] = {}
+        self._pass = -1
+        self._keys = ctx.cache_keys(ctx.workload.keys()).tolist() if ctx.workload is not None else []
+
+    def _credit(self, key: int) -> None:
+        ctx = self.ctx
+        if self.params.decay != 1.0 and ctx.clock.pass_index != self._pass:
+            steps = ctx.clock.pass_index - max(self._pass, 0)
+            f = self.params.decay ** steps
+            for k in self._score:
+                self._score[k] *= f
+            self._pass = ctx.clock.pass_index
+        w = 0.0
+        if ctx.workload is not None:
+            i = _access_index(ctx, self._keys, key)
+            if i is not None:
+                w = float(ctx.workload.acc_weight[i])
+        self._score[key] = self._score.get(key, 0.0) + w
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        super().on_insert(key, demand)
+        if demand:
+            self._credit(key)
+
+    def on_access(self, key: int) -> None:
+        super().on_access(key)
+        self._credit(key)
+
+    def candidates(self) -> Iterator[int]:
+        rank = self._recency_rank()
+        return iter(sorted(self._order, key=lambda k: (self._score.get(k, 0.0), rank[k])))
+
+
+@dataclass(frozen=True)
+class LeastStaleParams:
+    """Parameters of Least-Stale eviction."""
+
+    order: str = field(default="relative", metadata={
+        "help": "order within each queue: relative (layers already passed first, then upcoming "
+                "layers farthest first) or absolute (layer index, layer 0 first)"})
+    prefetch_evicts_current: bool = field(default=False, metadata={
+        "help": "let an optional prefetch evict current experts (false: only stale ones, the "
+                "paper's 'only to prevent out-of-memory errors')"})
+
+    def __post_init__(self) -> None:
+        if self.order not in ("relative", "absolute"):
+            raise ValueError(f"order must be 'relative' or 'absolute', got {self.order!r}")
+
+
+@REGISTRY.register("least-stale")
+class LeastStale(EvictionPolicy):
+    """Least-Stale (``specmd-expert-caching-least-stale.txt`` §4.2).
+
+    An expert is *current* if it was used in the ongoing forward pass or selected by the
+    prefetcher during it (:meth:`on_prefetch_select`, or admitted by a prefetch), *stale*
+    otherwise (last touched in an earlier pass). The stale queue is evicted first; the
+    current queue only when no stale expert is left (§4.2: "only to prevent out-of-memory
+    errors"). An optional prefetch never evicts a current expert (§4.2's reading that a
+    prefetch is never needed to prevent running out of memory), unless
+    ``prefetch_evicts_current`` is set; on the FLAME-MoE prefill trace in ``per-expert``
+    execution only this strict reading gives the large collision reductions of §5.2 / Fig. 8
+    (the permissive one ties LRU: a demand miss then evicts the admitted next-layer experts).
+
+    Within each queue (``order: relative``, the default) the order is relative to the
+    execution point: experts *left* of it first — layers already passed in this pass, and
+    the current layer's experts that are not among its routed experts still to run
+    (``Clock.pending``: in ``per-expert`` execution those that have run are left; an
+    expert the layer's routing did not pick is not needed again in this pass) — in layer
+    order (FIFO by layer position), then the *upcoming* layers, farthest first, the current
+    layer's experts still to run last; FIFO within a layer. This is what
+    §5.2 and the captions of Fig. 5 and 9 describe ("only evicts stale left-layer experts")
+    and what appendix A.3 says the policy protects ("experts needed for upcoming layers").
+    ``order: absolute`` keeps the plain layer index (layer 0 first), which among upcoming
+    layers evicts the nearest first, the LRU pathology of Fig. 3-top.
+
+    Both queues are kept as per-layer buckets (insertion-ordered dicts).
+    """
+
+    Params = LeastStaleParams
+
+    def __init__(self, params: LeastStaleParams, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        n = ctx.num_layers
+        # insertion-ordered dicts: a key only ever joins at the end or leaves
+        self._stale: list[dict[int, None]] = [{} for _ in range(n)]
+        self._current: list[dict[int, None]] = [{} for _ in range(n)]
+        self._is_current: dict[int, bool] = {}
+        self._pass = 0
+        self._div = ctx.num_experts * len(ctx.precisions)  # key // _div = layer
+        self._clock = ctx.clock
+        self._relative = params.order == "relative"
+
+    def _roll(self) -> None:
+        p = self._clock.pass_index
+        if p != self._pass:
+            for stale, cur in zip(self._stale, self._current, strict=True):
+                stale.update(cur)
+                cur.clear()
+            self._is_current = dict.fromkeys(self._is_current, False)
+            self._pass = p
+
+    def _touch(self, key: int) -> None:
+        if self._clock.pass_index != self._pass:
+            self._roll()
+        layer = key // self._div
+        if self._is_current.get(key) is False:
+            del self._stale[layer][key]
+        self._current[layer][key] = None
+        self._is_current[key] = True
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        self._touch(key)
+
+    def on_access(self, key: int) -> None:
+        if self._clock.pass_index != self._pass or not self._is_current.get(key):
+            self._touch(key)
+
+    def on_prefetch_select(self, key: int) -> None:
+        self.on_access(key)
+
+    def on_remove(self, key: int) -> None:
+        layer = key // self._div
+        if self._is_current.pop(key):
+            del self._current[layer][key]
+        else:
+            del self._stale[layer][key]
+
+    def _queue(self, buckets: list[dict[int, None]]) -> Iterator[int]:
+        """One queue's keys, most evictable first."""
+        if not self._relative:
+            return chain.from_iterable(buckets)
+        clock = self._clock
+        cur = clock.layer
+        here = buckets[cur]
+        pending = clock.pending
+        if not here:
+            left, upcoming_here = [], []
+        elif pending:
+            left = [k for k in here if k not in pending]
+            upcoming_here = [k for k in here if k in pending]
+        else:
+            left, upcoming_here = list(here), []
+        return chain(chain.from_iterable(buckets[:cur]), left,
+                     chain.from_iterable(reversed(buckets[cur + 1:])), upcoming_here)
+
+    def candidates(self) -> Iterator[int]:
+        # the cache does not change the policy while it walks the candidates, so the
+        # queues are iterated in place
+        if self._clock.pass_index != self._pass:
+            self._roll()
+        return chain(self._queue(self._stale), self._queue(self._current))
+
+    def prefetch_candidates(self) -> Iterator[int]:
+        if self.params.prefetch_evicts_current:
+            return self.candidates()
+        if self._clock.pass_index != self._pass:
+            self._roll()
+        return self._queue(self._stale)
+
+
+@REGISTRY.register("belady")
+class Belady(EvictionPolicy):
+    """Belady's MIN: evict the expert whose next use is furthest in the future (never used
+    again first), read from the trace. The optimal bound every other policy is measured
+    against (for the same pinning rules)."""
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        if ctx.workload is None:
+            raise ValueError("belady needs the workload to read future accesses")
+        keys = ctx.cache_keys(ctx.workload.keys())
+        self._keys = keys.tolist()
+        order = np.argsort(keys, kind="stable")
+        sk = keys[order]
+        starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
+        ends = np.r_[starts[1:], len(sk)]
+        self._positions = {int(sk[s]): order[s:e] for s, e in zip(starts, ends, strict=True)}
+        self._next: dict[int, float] = {}
+
+    def _next_use(self, key: int) -> float:
+        ctx = self.ctx
+        pos = self._positions.get(key)
+        if pos is None:
+            return float("inf")
+        i = _access_index(ctx, self._keys, key)
+        if i is None:
+            i = int(ctx.workload.off[ctx.clock.pass_index * ctx.num_layers + ctx.clock.layer]) - 1
+        j = int(np.searchsorted(pos, i, side="right"))
+        return float(pos[j]) if j < len(pos) else float("inf")
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        self._next[key] = self._next_use(key)
+
+    def on_access(self, key: int) -> None:
+        self._next[key] = self._next_use(key)
+
+    def on_remove(self, key: int) -> None:
+        del self._next[key]
+
+    def candidates(self) -> Iterator[int]:
+        return iter(sorted(self._next, key=lambda k: -self._next[k]))
+
+
+@REGISTRY.register("lhu")
+class LeastHighPrecisionUsed(RecencyOrdered):
+    """Least high-precision used (HOBBIT, Tang et al. 2024; SpecMD appendix B): lower-
+    precision copies go first (cheap to re-fetch, least recently used first); then
+    highest-precision experts by how often they were used at that precision (fewest first,
+    ties by least recent use). Pair it with a precision cascade miss policy."""
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        self._hp_uses: dict[int, int] = {}
+
+    def _use(self, key: int) -> None:
+        self._order.move_to_end(key)
+        if self.ctx.precision_of(key) == 0:
+            self._hp_uses[key] = self._hp_uses.get(key, 0) + 1
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        super().on_insert(key, demand)
+        if demand:
+            self._use(key)
+
+    def on_access(self, key: int) -> None:
+        self._use(key)
+
+    def candidates(self) -> Iterator[int]:
+        rank = self._recency_rank()
+        prec = self.ctx.precision_of
+        return iter(sorted(self._order, key=lambda k: (
+            prec(k) == 0, self._hp_uses.get(k, 0) if prec(k) == 0 else 0, rank[k])))

@@ -1,0 +1,282 @@
+"""Prefetch policies: propose experts for later layers at a layer's routing point.
+
+The engine calls :meth:`PrefetchPolicy.propose` after layer ``l``'s routing decision; the
+proposed cache keys (:meth:`PolicyContext.key`) are queued on the copy engine behind
+demand fetches. Policies with ``active = False`` are never called.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from moesim.policies.registry import NoParams, PolicyContext, Registry
+from moesim.simulator.errors import MoesimError
+
+
+class PrefetchPolicy(ABC):
+    """Base class of the prefetch family."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[Any]] = NoParams
+    active: ClassVar[bool] = True
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        self.params = params
+        self.ctx = ctx
+
+    @abstractmethod
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        """Cache keys to prefetch, most wanted first."""
+
+
+REGISTRY: Registry[PrefetchPolicy] = Registry("prefetch")
+
+
+@REGISTRY.register("none")
+class NoPrefetch(PrefetchPolicy):
+    """No prefetching: experts are loaded on demand only."""
+
+    active = False
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        return ()
+
+
+def _keys_of(ctx: PolicyContext, pass_index: int, layer: int) -> list[int]:
+    """Cache keys the workload accesses at (pass, layer), in access order."""
+    wl = ctx.workload
+    b = pass_index * ctx.num_layers + layer
+    return ctx.cache_keys(wl.acc_layer[wl.off[b]:wl.off[b + 1]] * ctx.num_experts
+                          + wl.acc_expert[wl.off[b]:wl.off[b + 1]]).tolist()
+
+
+def _previous_pass(ctx: PolicyContext, pass_index: int) -> int | None:
+    """The previous forward pass of the same batch group (the previous token), or None."""
+    wl = ctx.workload
+    if pass_index == 0 or wl.pass_group[pass_index - 1] != wl.pass_group[pass_index]:
+        return None
+    return pass_index - 1
+
+
+def _need_pred_next(ctx: PolicyContext, name: str) -> None:
+    if ctx.workload is None or ctx.workload.pred_next is None:
+        raise MoesimError(
+            f"prefetch policy '{name}' needs the trace's 'pred_next' column (the next layer's "
+            "router probabilities predicted from this layer's hidden state), and this trace has "
+            "none. Record it with `moesim capture --predict-next`, make a synthetic trace with "
+            "workload.trace.synth.pred_next: true, or use prefetch: previous-token, which needs "
+            "no hidden state.")
+
+
+@REGISTRY.register("oracle")
+class Oracle(PrefetchPolicy):
+    """The true experts of the next layer, read from the trace: an upper bound for any
+    next-layer predictor (``speculating-experts-prefetch.txt`` §5.1's perfect prefetch)."""
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        if layer + 1 >= self.ctx.num_layers:
+            return ()
+        return _keys_of(self.ctx, pass_index, layer + 1)
+
+
+@REGISTRY.register("previous-token")
+class PreviousToken(PrefetchPolicy):
+    """Prefetch for the next layer the experts that layer used for the previous token (the
+    previous decode pass of the same batch); needs no hidden state."""
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        prev = _previous_pass(self.ctx, pass_index)
+        if prev is None or layer + 1 >= self.ctx.num_layers:
+            return ()
+        return _keys_of(self.ctx, prev, layer + 1)
+
+
+@dataclass(frozen=True)
+class LookaheadParams:
+    """Parameters of lookahead prefetch."""
+
+    depth: int = field(default=2, metadata={"help": "number of layers ahead to prefetch (d >= 1)"})
+
+    def __post_init__(self) -> None:
+        if self.depth < 1:
+            raise ValueError(f"depth must be >= 1, got {self.depth}")
+
+
+@REGISTRY.register("lookahead")
+class Lookahead(PrefetchPolicy):
+    """Prefetch ``depth`` layers ahead: at layer l, the experts layers l+1 .. l+d used for the
+    previous token, nearest layer first (previous-token prediction extended d layers)."""
+
+    Params = LookaheadParams
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        prev = _previous_pass(self.ctx, pass_index)
+        if prev is None:
+            return ()
+        out: list[int] = []
+        for t in range(layer + 1, min(layer + 1 + self.params.depth, self.ctx.num_layers)):
+            out.extend(_keys_of(self.ctx, prev, t))
+        return out
+
+
+def _pred_scores(ctx: PolicyContext, pass_index: int, layer: int) -> np.ndarray | None:
+    """Predicted next-layer router probabilities of the pass's tokens at ``layer`` ([tokens, N])."""
+    rows = ctx.workload.rows(pass_index, layer)
+    if rows.size == 0:
+        return None
+    return ctx.workload.pred_next[rows]
+
+
+@dataclass(frozen=True)
+class TopKParams:
+    """Parameters of top-k next-gate prefetch."""
+
+    overfetch: float = field(default=1.0, metadata={
+        "help": "prefetch ceil(top_k * overfetch) experts per token (SpecMD §3.1.4)"})
+
+    def __post_init__(self) -> None:
+        if not self.overfetch > 0:
+            raise ValueError(f"overfetch must be > 0, got {self.overfetch}")
+
+
+@REGISTRY.register("next-gate-topk")
+class NextGateTopK(PrefetchPolicy):
+    """Speculative top-k prefetch (SpecMD §3.1.4; Eliseev & Mazur 2023): the next layer's
+    router applied to this layer's hidden state (the trace's ``pred_next``) gives predicted
+    probabilities; each token's top ``ceil(k * overfetch)`` experts are prefetched, the union
+    over the pass's tokens ordered by summed predicted probability."""
+
+    Params = TopKParams
+
+    def __init__(self, params: TopKParams, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        _need_pred_next(ctx, "next-gate-topk")
+        self.count = min(ctx.num_experts, math.ceil(ctx.top_k * params.overfetch))
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        if layer + 1 >= self.ctx.num_layers:
+            return ()
+        scores = _pred_scores(self.ctx, pass_index, layer)
+        if scores is None:
+            return ()
+        n = self.count
+        top = np.argpartition(-scores, n - 1, axis=1)[:, :n] if n < scores.shape[1] else None
+        total = scores.sum(axis=0)
+        chosen = np.unique(top) if top is not None else np.arange(scores.shape[1])
+        chosen = chosen[np.argsort(-total[chosen], kind="stable")]
+        return self.ctx.cache_keys(chosen + (layer + 1) * self.ctx.num_experts).tolist()
+
+
+@dataclass(frozen=True)
+class PercentileParams:
+    """Parameters of score-percentile prefetch."""
+
+    percentile: float = field(default=80.0, metadata={
+        "help": "prefetch every expert whose predicted score is above this percentile (0..100)"})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.percentile < 100:
+            raise ValueError(f"percentile must be in [0, 100), got {self.percentile}")
+
+
+@REGISTRY.register("score-percentile")
+class ScorePercentile(PrefetchPolicy):
+    """Score-based prefetch (SpecMD §3.1.4, after Zhu et al. 2025): every expert whose
+    predicted next-layer score (mean over the pass's tokens of ``pred_next``) is above the
+    p-th percentile of the layer's predicted scores, highest first. The count adapts to how
+    peaked the prediction is."""
+
+    Params = PercentileParams
+
+    def __init__(self, params: PercentileParams, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        _need_pred_next(ctx, "score-percentile")
+        self._lo = self._hi = 0
+        self._num_l = ctx.num_layers
+        self._props: list[Sequence[int]] = []
+
+    CHUNK = 256
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        if not self._lo <= pass_index < self._hi:
+            self._plan(pass_index)
+        return self._props[(pass_index - self._lo) * self._num_l + layer]
+
+    def _plan(self, first: int) -> None:
+        """Proposals for every (pass, layer) of passes ``first .. first + CHUNK`` at once:
+        mean predicted scores by ``reduceat``, thresholds by one percentile call."""
+        ctx = self.ctx
+        wl = ctx.workload
+        num_l = self._num_l
+        last = min(first + self.CHUNK, wl.num_passes)
+        self._lo, self._hi = first, last
+        props: list[Sequence[int]] = [()] * ((last - first) * num_l)
+        self._props = props
+        bounds = wl.row_off[first * num_l:last * num_l + 1]
+        lo = int(bounds[0])
+        counts = np.diff(bounds)
+        groups = np.flatnonzero(counts > 0)
+        if groups.size == 0:
+            return
+        pred = wl.pred_next[wl.row_order[lo:int(bounds[-1])]]
+        sums = np.add.reduceat(pred, (bounds[groups] - lo).astype(np.int64), axis=0)
+        means = sums / counts[groups][:, None]
+        thresholds = np.percentile(means, self.params.percentile, axis=1)
+        # highest score first, ties by expert index; the experts above the threshold are a
+        # prefix of that order. The last layer has no next layer to prefetch for.
+        layers = groups % num_l
+        n_above = np.where(layers + 1 < num_l, (means > thresholds[:, None]).sum(axis=1), 0)
+        width = int(n_above.max())
+        order = np.argsort(-means, axis=1, kind="stable")[:, :width]
+        keys = ctx.cache_keys(order + ((layers + 1) * ctx.num_experts)[:, None]).tolist()
+        for g, row, n in zip(groups.tolist(), keys, n_above.tolist(), strict=True):
+            if n:
+                props[g] = row[:n] if n < width else row
+
+
+@dataclass(frozen=True)
+class StaticPinParams:
+    """Parameters of static pinning."""
+
+    fraction: float = field(default=0.5, metadata={
+        "help": "share of the cache capacity given to pinned experts (0..1]"})
+    calibration: float = field(default=0.1, metadata={
+        "help": "leading share of the forward passes whose expert use decides what is pinned"})
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+        if not 0 < self.calibration <= 1:
+            raise ValueError(f"calibration must be in (0, 1], got {self.calibration}")
+
+
+@REGISTRY.register("static-pin")
+class StaticPin(PrefetchPolicy):
+    """Keep the most frequently used experts resident: the experts used most often in the
+    first ``calibration`` share of the forward passes fill ``fraction`` of the cache before
+    the replay starts (loaded at start-up, outside the timed passes) and are never evicted;
+    the rest of the cache works as usual. No per-layer prefetching."""
+
+    Params = StaticPinParams
+    active = False
+
+    def __init__(self, params: StaticPinParams, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        wl = ctx.workload
+        n_cal = max(1, math.ceil(wl.num_passes * params.calibration))
+        end = int(wl.off[n_cal * ctx.num_layers])
+        keys = wl.keys()[:end]
+        counts = np.bincount(keys, minlength=ctx.num_layers * ctx.num_experts)
+        slots = ctx.capacity_bytes / ctx.expert_bytes if math.isfinite(ctx.capacity_bytes) else len(counts)
+        n_pin = min(int(slots * params.fraction), int((counts > 0).sum()))
+        order = np.argsort(-counts, kind="stable")[:n_pin]
+        self.static_pins: list[int] = [int(k) for k in ctx.cache_keys(order)]
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        return ()

@@ -1,0 +1,137 @@
+"""Per-family policy registries keyed by the name used in scenario YAML.
+
+A policy class declares ``Params``, a frozen dataclass whose fields carry help text, and is
+registered with ``@REGISTRY.register("name")``. An unknown name is an error that lists the
+valid ones; contract tests are parametrised over each registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from moesim.simulator.errors import MoesimError, did_you_mean
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """A policy without parameters."""
+
+
+class Clock:
+    """Mutable view of where the simulation is, shared by the engine with every policy.
+
+    The engine updates ``now`` (seconds), ``pass_index`` (forward pass number), ``layer``
+    (the layer being executed) and ``pending`` (cache keys of that layer's routed experts that
+    have not run yet) before it consults a policy; policies read them and never write. The
+    execution point lies between the experts that have run and those in ``pending``:
+    ``expert_compute: per-expert`` runs a layer's experts one at a time, the other modes all
+    at once (``pending`` empties when the layer's experts have run).
+    """
+
+    __slots__ = ("layer", "now", "pass_index", "pending")
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.pass_index = 0
+        self.layer = 0
+        self.pending: set[int] = set()
+
+
+@dataclass
+class PolicyContext:
+    """What a policy may use, injected at construction (no global state).
+
+    ``rng`` is the policy's own generator, derived from the scenario seed; ``workload`` is
+    the :class:`simulator.workload.Workload` being replayed (for oracle-style policies that
+    read the future from the trace); ``expert_bytes`` is the size of one expert at the
+    scenario's precision; ``capacity_bytes`` is the cache's capacity.
+
+    Cache keys: an expert at a precision is ``(layer * num_experts + expert) * P + q`` where
+    ``precisions`` lists the model's precisions from largest to smallest (P of them) and
+    ``q`` indexes it; ``default_precision`` is the scenario's. Use :meth:`key`,
+    :meth:`layer_of`, :meth:`base_of` and :meth:`precision_of` rather than arithmetic.
+    """
+
+    num_layers: int
+    num_experts: int
+    top_k: int
+    expert_bytes: int
+    rng: np.random.Generator
+    clock: Clock = field(default_factory=Clock)
+    capacity_bytes: float = float("inf")
+    workload: Any = None
+    precisions: tuple[str, ...] = ("bf16",)
+    default_precision: int = 0
+    precision_bytes: tuple[int, ...] = ()
+
+    def key(self, layer: int, expert: int, precision: int | None = None) -> int:
+        """Cache key of ``expert`` of ``layer`` at ``precision`` (default: the scenario's)."""
+        q = self.default_precision if precision is None else precision
+        return (layer * self.num_experts + expert) * len(self.precisions) + q
+
+    def base_of(self, key: int) -> int:
+        """``layer * num_experts + expert`` of a cache key (the workload's key)."""
+        return key // len(self.precisions)
+
+    def layer_of(self, key: int) -> int:
+        """The layer of a cache key."""
+        return key // (len(self.precisions) * self.num_experts)
+
+    def precision_of(self, key: int) -> int:
+        """The precision index of a cache key."""
+        return key % len(self.precisions)
+
+    def cache_keys(self, base: Any) -> Any:
+        """Workload keys (numpy array or int) -> cache keys at the scenario's precision."""
+        return base * len(self.precisions) + self.default_precision
+
+
+P = TypeVar("P")
+
+
+class Registry(Generic[P]):
+    """Policies of one family by name."""
+
+    def __init__(self, family: str) -> None:
+        self.family = family
+        self._classes: dict[str, type[P]] = {}
+
+    def register(self, name: str) -> Any:
+        """Class decorator registering a policy under ``name``."""
+
+        def deco(cls: type[P]) -> type[P]:
+            if name in self._classes:
+                raise RuntimeError(f"{self.family} policy '{name}' registered twice")
+            params = getattr(cls, "Params", NoParams)
+            if not (dataclasses.is_dataclass(params) and params.__dataclass_params__.frozen):  # type: ignore[attr-defined]
+                raise TypeError(f"{cls.__name__}.Params must be a frozen dataclass")
+            cls.name = name  # type: ignore[attr-defined]
+            self._classes[name] = cls
+            return cls
+
+        return deco
+
+    def names(self) -> list[str]:
+        """Registered names in registration order."""
+        return list(self._classes)
+
+    def get(self, name: str, where: str = "") -> type[P]:
+        """The class registered as ``name``; unknown names list the valid ones."""
+        try:
+            return self._classes[name]
+        except KeyError:
+            loc = f"{where}: " if where else ""
+            raise MoesimError(
+                f"{loc}unknown {self.family} policy '{name}'{did_you_mean(name, self.names())}; "
+                f"valid {self.family} policies: {', '.join(self.names())}.") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._classes
+
+    def items(self) -> list[tuple[str, type[P]]]:
+        """(name, class) pairs."""
+        return list(self._classes.items())

@@ -1,0 +1,119 @@
+"""GPU expert cache: owns the miss -> evict -> insert loop (style.md #2).
+
+Entries are keyed by ``layer * num_experts + expert`` and hold bytes. An entry is either in
+flight (space reserved when its transfer is issued, pinned until it completes) or resident.
+The eviction policy only orders candidates; the cache skips pinned keys and evicts only when
+it can free enough room, otherwise it changes nothing and returns ``None``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container
+
+from moesim.policies.eviction import EvictionPolicy
+from moesim.simulator.copyengine import Transfer
+
+
+class ExpertCache:
+    """Byte-capacity cache of experts in HBM."""
+
+    def __init__(self, capacity_bytes: float, policy: EvictionPolicy) -> None:
+        self.capacity = capacity_bytes
+        self.policy = policy
+        self.used = 0
+        self.resident: dict[int, int] = {}
+        self.inflight: dict[int, Transfer] = {}
+        self.on_evict: list[Callable[[list[int]], None]] = []  # told the keys evicted
+        self.max_used = 0
+        self.static_pinned: set[int] = set()
+
+    def __contains__(self, key: int) -> bool:
+        """Whether ``key`` is resident or in flight."""
+        return key in self.resident or key in self.inflight
+
+    def make_room(self, nbytes: int, pinned: Container[int], for_prefetch: bool = False) -> list[int] | None:
+        """Evict what :meth:`victims_for` names; return the victims, or ``None`` (and change
+        nothing) when no room can be made."""
+        victims = self.victims_for(nbytes, pinned, for_prefetch)
+        if victims:
+            self.remove_many(victims)
+        return victims
+
+    def victims_for(self, nbytes: int, pinned: Container[int], for_prefetch: bool = False) -> list[int] | None:
+        """The victims, in the policy's eviction order, whose eviction makes room for one entry
+        of ``nbytes`` (empty when it fits already), or ``None`` when the entries that may be
+        evicted cannot free enough; evicts nothing. Entries in flight, the ``pinned`` keys and
+        statically pinned keys are never victims; ``for_prefetch`` walks the policy's
+        :meth:`prefetch_candidates` (it may decline to evict some keys for an optional
+        prefetch)."""
+        free = self.capacity - self.used
+        if nbytes <= free:
+            return []
+        if nbytes > self.capacity:
+            return None
+        victims: list[int] = []
+        resident = self.resident
+        static = self.static_pinned
+        walk = self.policy.prefetch_candidates() if for_prefetch else self.policy.candidates()
+        for key in walk:
+            # entries in flight are not resident
+            if key not in resident or key in pinned or (static and key in static):
+                continue
+            victims.append(key)
+            free += resident[key]
+            if nbytes <= free:
+                return victims
+        return None
+
+    def cancel_many(self, transfers: list[Transfer]) -> None:
+        """Drop the in-flight entries of withdrawn transfers."""
+        inflight, on_remove = self.inflight, self.policy.on_remove
+        for tr in transfers:
+            del inflight[tr.key]
+            self.used -= tr.nbytes
+            on_remove(tr.key)
+
+    def preload(self, keys: list[int], nbytes: int) -> int:
+        """Make ``keys`` resident before the replay and pin them for good (static pinning);
+        stops when the capacity is full. Returns how many were loaded."""
+        loaded = 0
+        for key in keys:
+            if key in self.resident or self.used + nbytes > self.capacity:
+                continue
+            self.resident[key] = nbytes
+            self.used += nbytes
+            self.static_pinned.add(key)
+            self.policy.on_insert(key, False)
+            loaded += 1
+        self.max_used = max(self.max_used, self.used)
+        return loaded
+
+    def remove_many(self, keys: list[int]) -> None:
+        """Evict resident entries (in this order)."""
+        resident, on_remove = self.resident, self.policy.on_remove
+        for key in keys:
+            self.used -= resident.pop(key)
+            on_remove(key)
+        for cb in self.on_evict:
+            cb(keys)
+
+    def reserve(self, tr: Transfer, demand: bool) -> None:
+        """Record an in-flight entry for ``tr`` (room must have been made); the policy is told
+        whether it is a demand fetch (a use) or a prefetch."""
+        self.inflight[tr.key] = tr
+        self.used += tr.nbytes
+        if self.used > self.max_used:
+            self.max_used = self.used
+        self.policy.on_insert(tr.key, demand)
+
+    def complete(self, tr: Transfer) -> None:
+        """``tr`` finished: its entry becomes resident."""
+        self.complete_many([tr])
+
+    def complete_many(self, transfers: list[Transfer]) -> None:
+        """:meth:`complete` for several finished transfers."""
+        inflight, resident = self.inflight, self.resident
+        for tr in transfers:
+            if not tr.bypass:
+                del inflight[tr.key]
+                resident[tr.key] = tr.nbytes

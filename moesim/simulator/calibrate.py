@@ -1,0 +1,274 @@
+"""Calibration: measure on the device, fit a hardware profile (``docs/design.md``:
+"Calibration").
+
+``measure`` runs PyTorch microbenchmarks — copies by size (host to device and back, pageable
+and, on CUDA, pinned; device to device), expert FFN time (gate, up and down projections with
+SiLU) by tokens and dtype for model shapes, attention (one query over a KV cache) by context
+length, and per-launch overhead — with warm-up and repeats, keeping medians and the 10th/90th
+percentiles. CUDA runs are timed with CUDA events; CPU runs with a monotonic clock. Every row
+records the device, driver, CUDA and torch versions. On the CPU the same code runs ("host" and
+"device" are both host memory there), to test the pipeline.
+
+``fit`` turns the raw rows into a profile: per copy kind an affine model
+``time = latency + bytes / bandwidth`` fitted by least squares, with its relative RMS residual;
+expert and attention time tables (medians) interpolated log-linearly by the cost model; the
+launch overhead. Scenarios use it with ``hardware: {profile: FILE}``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from moesim.simulator.atomic import write_atomic, write_yaml_atomic
+from moesim.simulator.confload import read_yaml
+from moesim.simulator.errors import MoesimError
+
+PROFILE_VERSION = 1
+SHAPES = {  # hidden, expert intermediate
+    "olmoe-1b-7b": (2048, 1024), "mixtral-8x7b": (4096, 14336), "qwen1.5-moe-a2.7b": (2048, 1408),
+    "qwen3-30b-a3b": (2048, 768), "phi-3.5-moe": (4096, 6400),
+}
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise MoesimError("calibrate needs PyTorch: pip install torch==2.13.0 (the capture extra).") from None
+    return torch
+
+
+def environment(device: str) -> dict[str, Any]:
+    """Device, driver, CUDA and torch versions for every row."""
+    torch = _torch()
+    env = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda or "none",
+           "driver": "none", "device_name": platform.processor() or platform.machine()}
+    if device == "cuda":
+        env["device_name"] = torch.cuda.get_device_name()
+        try:
+            import subprocess
+
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+        except (OSError, subprocess.SubprocessError):
+            env["driver"] = "unknown"
+    return env
+
+
+def _timer(device: str, fn: Any, warmup: int, repeats: int) -> list[float]:
+    torch = _torch()
+    for _ in range(warmup):
+        fn()
+    out = []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure(device: str = "cpu", shapes: list[str] | None = None, quick: bool = False,
+            progress: Any = None) -> pd.DataFrame:
+    """Run the microbenchmarks; one row per (kind, size) with median and spread."""
+    torch = _torch()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise MoesimError("calibrate measure: --device cuda but no CUDA device is available; use --device cpu.")
+    shapes = shapes or ["olmoe-1b-7b"]
+    dims: dict[str, tuple[int, int]] = {}
+    for name in shapes:
+        if name in SHAPES:
+            dims[name] = SHAPES[name]
+        elif "x" in name and all(part.isdigit() for part in name.split("x", 1)):
+            hh, ii = name.split("x", 1)
+            dims[name] = (int(hh), int(ii))
+        else:
+            raise MoesimError(f"calibrate measure: unknown model shape '{name}'; valid: {', '.join(SHAPES)}, "
+                              "or HIDDENxINTERMEDIATE (e.g. 256x512).")
+    env = environment(device)
+    warmup, repeats = (1, 5) if quick else (3, 15)
+    rows: list[dict[str, Any]] = []
+
+    def add(kind: str, times: list[float], **kw: Any) -> None:
+        arr = np.asarray(times)
+        rows.append({"kind": kind, "median_s": float(np.median(arr)), "p10_s": float(np.percentile(arr, 10)),
+                     "p90_s": float(np.percentile(arr, 90)), "repeats": len(arr), **kw, **env})
+
+    sizes = [2 ** e for e in range(10, 25 if quick else 31, 2)]  # 1 KiB .. 16 MiB (quick) / 1 GiB
+    kinds = ["pageable"] + (["pinned"] if device == "cuda" else [])
+    steps = len(sizes) * (2 * len(kinds) + 1) + len(shapes) * 2
+    done = 0
+    for n in sizes:
+        dev = torch.empty(n, dtype=torch.uint8, device=device)
+        for mem in kinds:
+            host = torch.empty(n, dtype=torch.uint8, pin_memory=(mem == "pinned"))
+            nb = mem == "pinned"
+            add("copy", _timer(device, lambda d=dev, h=host, nb=nb: d.copy_(h, non_blocking=nb), warmup, repeats),
+                direction="h2d", memory=mem, bytes=n)
+            add("copy", _timer(device, lambda d=dev, h=host, nb=nb: h.copy_(d, non_blocking=nb), warmup, repeats),
+                direction="d2h", memory=mem, bytes=n)
+            done += 2
+        other = torch.empty(n, dtype=torch.uint8, device=device)
+        add("copy", _timer(device, lambda o=other, d=dev: o.copy_(d), warmup, repeats), direction="d2d",
+            memory="device", bytes=n)
+        done += 1
+        if progress is not None:
+            progress(done, steps)
+    dtypes = ["float32"] if device == "cpu" else ["bfloat16", "float16"]
+    tokens = [1, 4, 16, 64] if quick else [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    for shape in shapes:
+        hidden, inter = dims[shape]
+        if quick and shape in SHAPES:  # CI-sized: shrink a named shape, keep the ratio
+            hidden, inter = max(64, hidden // 16), max(64, inter // 16)
+        for dt in dtypes:
+            tdt = getattr(torch, dt)
+            wg = torch.randn(hidden, inter, dtype=tdt, device=device)
+            wu = torch.randn(hidden, inter, dtype=tdt, device=device)
+            wd = torch.randn(inter, hidden, dtype=tdt, device=device)
+            for t in tokens:
+                x = torch.randn(t, hidden, dtype=tdt, device=device)
+                add("expert", _timer(device, lambda x=x, wg=wg, wu=wu, wd=wd: (torch.nn.functional.silu(x @ wg) * (x @ wu)) @ wd,
+                                     warmup, repeats), shape=shape, hidden=hidden, intermediate=inter, dtype=dt,
+                    tokens=t)
+            # the non-expert part of a layer: q, k, v, o projections and the router
+            proj = torch.randn(4, hidden, hidden, dtype=tdt, device=device) / hidden ** 0.5
+            rw = torch.randn(hidden, 64, dtype=tdt, device=device)
+
+            def dense(x: Any, proj: Any = proj, rw: Any = rw) -> Any:
+                y = x
+                for w in proj:
+                    y = y @ w
+                return y @ rw
+
+            for t in tokens:
+                x = torch.randn(t, hidden, dtype=tdt, device=device)
+                add("dense", _timer(device, lambda x=x: dense(x), warmup, repeats), shape=shape, hidden=hidden,
+                    dtype=dt, tokens=t)
+        done += 1
+        heads, hd = max(1, hidden // 128), 128 if not quick else 32
+        for ctx in ([128, 512, 2048] if quick else [128, 512, 2048, 8192, 32768]):
+            q = torch.randn(1, heads, 1, hd, device=device)
+            k = torch.randn(1, heads, ctx, hd, device=device)
+            v = torch.randn(1, heads, ctx, hd, device=device)
+            add("attention", _timer(device, lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                                    warmup, repeats), shape=shape, hidden=hidden, context=ctx, dtype="float32")
+        done += 1
+        if progress is not None:
+            progress(done, steps)
+    tiny = torch.zeros(1, device=device)
+    add("launch", _timer(device, lambda: tiny.add_(1), warmup, repeats * 4))
+    df = pd.DataFrame(rows)
+    df["measured_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return df
+
+
+def write_parquet_atomic(df: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
+    """Raw measurements as Parquet, atomically."""
+    return write_atomic(path, lambda tmp: df.to_parquet(tmp, index=False), suffix=".parquet")
+
+
+def fit_link(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float, float]:
+    """Least squares ``t = latency + bytes / bandwidth``: (bandwidth GB/s, latency us, rel. RMS)."""
+    a = np.stack([np.ones_like(sizes, dtype=float), sizes.astype(float)], axis=1)
+    w = 1.0 / np.maximum(seconds, 1e-12)  # relative error: small copies matter as much as large
+    coef, *_ = np.linalg.lstsq(a * w[:, None], seconds * w, rcond=None)
+    latency, inv_bw = float(coef[0]), float(coef[1])
+    if inv_bw <= 0:
+        raise MoesimError("calibrate fit: copy times do not grow with size; the measurements are unusable.")
+    pred = latency + inv_bw * sizes
+    rel = float(np.sqrt(np.mean(((pred - seconds) / seconds) ** 2)))
+    return 1.0 / inv_bw / 1e9, max(latency, 0.0) * 1e6, rel
+
+
+def fit(raw: pd.DataFrame, source: str = "<raw>") -> dict[str, Any]:
+    """A profile from raw measurements (see module docstring)."""
+    need = {"kind", "median_s"}
+    if not need <= set(raw.columns):
+        raise MoesimError(f"calibrate fit: {source} is not a `moesim calibrate measure` file (columns {sorted(need)}).")
+    copies = raw[raw["kind"] == "copy"]
+    if copies.empty:
+        raise MoesimError(f"calibrate fit: {source} has no copy measurements.")
+    links: dict[str, Any] = {}
+    for (direction, mem), grp in copies.groupby(["direction", "memory"]):
+        bw, lat, rel = fit_link(grp["bytes"].to_numpy(dtype=float), grp["median_s"].to_numpy(dtype=float))
+        links[f"{direction}_{mem}"] = {"bandwidth_gbps": round(bw, 4), "latency_us": round(lat, 4),
+                                       "rel_rms_residual": round(rel, 4), "points": len(grp)}
+    experts: dict[str, Any] = {}
+    exp_rows = raw[raw["kind"] == "expert"] if {"shape", "dtype", "tokens"} <= set(raw.columns) else raw.iloc[:0]
+    for (shape, dt), grp in (exp_rows.groupby(["shape", "dtype"]) if len(exp_rows) else []):
+        grp = grp.sort_values("tokens")
+        experts.setdefault(shape, {})[dt] = {
+            "hidden": int(grp["hidden"].iloc[0]), "intermediate": int(grp["intermediate"].iloc[0]),
+            "tokens": grp["tokens"].astype(int).tolist(), "seconds": grp["median_s"].round(9).tolist()}
+    dense: dict[str, Any] = {}
+    dense_rows = raw[raw["kind"] == "dense"] if {"shape", "dtype", "tokens"} <= set(raw.columns) else raw.iloc[:0]
+    for (shape, dt), grp in (dense_rows.groupby(["shape", "dtype"]) if len(dense_rows) else []):
+        grp = grp.sort_values("tokens")
+        dense.setdefault(shape, {})[dt] = {"hidden": int(grp["hidden"].iloc[0]),
+                                           "tokens": grp["tokens"].astype(int).tolist(),
+                                           "seconds": grp["median_s"].round(9).tolist()}
+    attention: dict[str, Any] = {}
+    att_rows = raw[raw["kind"] == "attention"] if {"shape", "context"} <= set(raw.columns) else raw.iloc[:0]
+    for shape, grp in (att_rows.groupby("shape") if len(att_rows) else []):
+        grp = grp.sort_values("context")
+        attention[shape] = {"context": grp["context"].astype(int).tolist(), "seconds": grp["median_s"].round(9).tolist()}
+    launch = raw[raw["kind"] == "launch"]["median_s"]
+    first = raw.iloc[0]
+    return {
+        "profile_version": PROFILE_VERSION,
+        "measured_on": {k: str(first.get(k, "")) for k in ("device", "device_name", "driver", "cuda", "torch", "measured_at")},
+        "links": links,
+        "expert_time": experts,
+        "nonexpert_time": dense,
+        "attention_time": attention,
+        "launch_overhead_us": round(float(launch.median()) * 1e6, 4) if len(launch) else None,
+    }
+
+
+def write_profile(profile: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write a hardware profile as YAML atomically."""
+    return write_yaml_atomic(profile, path)
+
+
+def load_profile(path: str, where: str) -> dict[str, Any]:
+    """A profile YAML, checked: version, links with positive bandwidth and non-negative latency,
+    monotone token tables with positive times. Errors name the file, key and fix."""
+    p = Path(path)
+    data = read_yaml(p, f"{where}: hardware profile", "Make one with `moesim calibrate fit`.")
+    if not isinstance(data, dict) or data.get("profile_version") != PROFILE_VERSION:
+        raise MoesimError(f"{where}: hardware profile {p}: not a version-{PROFILE_VERSION} profile (key "
+                          "'profile_version'); re-create it with `moesim calibrate fit`.")
+    links = data.get("links")
+    if not isinstance(links, dict) or ("h2d_pageable" not in links and "h2d_pinned" not in links):
+        raise MoesimError(f"{where}: hardware profile {p}: key 'links' needs h2d_pinned or h2d_pageable.")
+    for name, link in links.items():
+        bw, lat = (link or {}).get("bandwidth_gbps"), (link or {}).get("latency_us")
+        if not isinstance(bw, int | float) or not bw > 0 or not isinstance(lat, int | float) or lat < 0:
+            raise MoesimError(f"{where}: hardware profile {p}: key 'links.{name}' needs bandwidth_gbps > 0 and "
+                              f"latency_us >= 0 (got {bw!r}, {lat!r}).")
+    for shape, by_dtype in (data.get("expert_time") or {}).items():
+        for dt, tab in by_dtype.items():
+            toks, secs = tab.get("tokens"), tab.get("seconds")
+            if (not isinstance(toks, list) or not isinstance(secs, list) or len(toks) != len(secs) or not toks
+                    or any(b <= a for a, b in itertools.pairwise(toks)) or any(not s > 0 for s in secs)):
+                raise MoesimError(f"{where}: hardware profile {p}: key 'expert_time.{shape}.{dt}' needs increasing "
+                                  "tokens and positive seconds of the same length.")
+    return data

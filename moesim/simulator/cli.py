@@ -1,0 +1,670 @@
+"""The ``moesim`` command line.
+
+User errors (bad files, keys, values) print a one-paragraph message and exit with code 2,
+without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from moesim.simulator.errors import MoesimError
+
+IMPORT_FORMATS = ("vllm-routes-jsonl", "expert-jsonl", "flame-csv", "routed-experts-npy",
+                  "long-table")  # keep in step with traces.importers.IMPORTERS (tested)
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except MoesimError as exc:
+            click.echo(f"error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="moesim")
+def cli() -> None:
+    """moesim: trace-driven simulator of MoE expert caching, prefetch and budgeting.
+
+    \b
+    Typical use:
+      moesim trace synth --preset olmoe-1b-7b --tokens 2000 --out t.parquet
+      moesim trace info t.parquet
+      moesim run quickstart --set cache.capacity=25% --out runs/q
+    """
+
+
+def _progress(enabled: bool, label: str) -> Any:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    if not enabled:
+        return None
+    return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    transient=True, console=_stderr_console())
+
+
+def _stderr_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+@cli.command()
+@click.argument("scenario", required=False, default="quickstart")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a scenario key by its dotted path, e.g. --set cache.capacity=25%. Repeatable.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Results folder (default: runs/<scenario name>). Written atomically.")
+@click.option("--no-write", is_flag=True, help="Print the summary only; write no files.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of a table.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--events", "events", type=click.Path(dir_okay=False), default=None,
+              help="Also write the run's timeline as a Chrome trace (JSON) that Perfetto opens.")
+@click.option("--events-passes", "events_passes", type=int, default=8, show_default=True,
+              help="Forward passes the timeline records, from the first (0: all; a whole long run is large).")
+def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write: bool,
+        as_json: bool, quiet: bool, events: str | None, events_passes: int) -> None:
+    """Replay SCENARIO (a YAML file or a shipped name; default: quickstart).
+
+    Prints a summary table and writes DIR/summary.json, DIR/steps.parquet (one row per
+    forward pass) and DIR/scenario.resolved.yaml.
+    """
+    from rich.console import Console
+
+    from moesim.simulator.engine import Simulation
+    from moesim.simulator.results import summary_table, write_results
+    from moesim.simulator.scenario import load_scenario, resolve_path
+
+    sc = load_scenario(scenario, overrides)
+    prog = _progress(not quiet and sys.stderr.isatty(), "simulating")
+    if events_passes < 0:
+        raise MoesimError(f"--events-passes must be >= 0 (0: all passes), got {events_passes}.")
+    if events is not None:
+        _check_writable_dir(Path(events).parent if str(Path(events).parent) else Path("."))
+    rec: dict[str, Any] = {"record_transfers": events is not None, "record_layers": events is not None,
+                           "record_passes": events_passes or None}
+    if prog is not None:
+        with prog:
+            task = prog.add_task("sim", total=None)
+            sim = Simulation(sc, progress=lambda done, total: prog.update(task, completed=done, total=total), **rec)
+            result = sim.run()
+    else:
+        sim = Simulation(sc, **rec)
+        result = sim.run()
+    if events is not None:
+        from moesim.simulator.events import chrome_trace, write_events
+
+        write_events(chrome_trace(result, sim.link_name, sim.model.num_experts, sim.num_prec), events)
+        n_pass = sim.wl.num_passes
+        shown = n_pass if not events_passes else min(events_passes, n_pass)
+        click.echo(f"timeline of passes 0-{shown - 1} of {n_pass} written to {events} (open it in Perfetto; "
+                   "--events-passes N records more, 0 all)", err=True)
+    if as_json:
+        click.echo(json.dumps(result.summary, indent=2))
+    else:
+        Console().print(summary_table(result, f"moesim run {scenario}"))
+    if not no_write:
+        target = Path(out_dir) if out_dir else Path("runs") / resolve_path(scenario).stem
+        write_results(result, target)
+        click.echo(f"results written to {target}/ (summary.json, steps.parquet, scenario.resolved.yaml)",
+                   err=True)
+
+
+@cli.command("sweep")
+@click.argument("scenario")
+@click.option("--grid", "grid", multiple=True, metavar="KEY=V1,V2,...", help="An axis: dotted key and its values. Repeatable.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a base scenario key.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Sweep folder (default: runs/sweep-<scenario name>).")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True)
+@click.option("--workers", type=int, default=None, help="Worker processes (default: CPU count).")
+@click.option("--ray-address", default=None, help="With --executor ray: an existing cluster (default: a local instance).")
+def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], out_dir: str | None,
+              executor: str, workers: int | None, ray_address: str | None) -> None:
+    """Run SCENARIO over the cartesian product of its axes (--grid and the YAML 'sweep:' section),
+    one worker process per point; rerunning resumes. Writes DIR/points/<id>/ and DIR/results.parquet."""
+    import os as _os
+
+    from rich.console import Console
+
+    from moesim.simulator.scenario import resolve_path
+    from moesim.simulator.sweep import parse_grid, sweep
+
+    n_workers = workers if workers is not None else (_os.cpu_count() or 1)
+    if n_workers < 1:
+        raise MoesimError(f"--workers must be >= 1, got {n_workers}.")
+    target = Path(out_dir) if out_dir else Path("runs") / f"sweep-{resolve_path(scenario).stem}"
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    prog = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[failed]} failed"),
+                    TimeRemainingColumn(), console=_stderr_console(), disable=not sys.stderr.isatty())
+    with prog:
+        task = prog.add_task("sweep", total=None, failed=0)
+        df = sweep(scenario, str(target), parse_grid(grid), overrides, n_workers, executor, ray_address,
+                   progress=lambda d, f, n: prog.update(task, completed=d, total=n, failed=f))
+    ok = int((df["status"] == "ok").sum()) if len(df) else 0
+    Console().print(f"{len(df)} points ({ok} ok, {len(df) - ok} failed) -> {target}/results.parquet")
+
+
+@cli.command("plot")
+@click.argument("results")
+@click.option("--kind", type=click.Choice(["heatmap", "lines", "bars", "timeline"]), required=True)
+@click.option("--metric", default=None, help="A results column, e.g. tpot_s, hit_rate (not for timeline).")
+@click.option("--window", default=None, metavar="START:END", help="timeline: time window in ms.")
+@click.option("--x", "x", default=None, help="The axis on the horizontal axis (a results column).")
+@click.option("--y", "y", default=None, help="heatmap: the vertical axis.")
+@click.option("--by", "by", default=None, help="lines/bars: one line or bar group per value of this column.")
+@click.option("--facet", default=None, help="One panel per value of this column.")
+@click.option("--where", "where", multiple=True, metavar="KEY=VALUE",
+              help="Keep only the results with this axis value. Repeatable.")
+@click.option("--title", default=None)
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="FILE.png, .svg or .pdf")
+def plot_cmd(results: str, kind: str, metric: str | None, window: str | None, x: str | None, y: str | None,
+             by: str | None, facet: str | None, where: tuple[str, ...], title: str | None, out: str) -> None:
+    """Plot a sweep's RESULTS (folder or results.parquet) as heatmap, lines or bars, or a run's
+    events JSON (`moesim run --events`) as a timeline of the compute and copy streams.
+
+    Every sweep axis a figure does not show (--x, --y, --by, --facet) must be fixed with
+    --where: plot refuses to average over it."""
+    from moesim.simulator.plots import plot, plot_timeline
+
+    if kind == "timeline":
+        win = None
+        if window:
+            try:
+                a, b = (float(v) for v in window.split(":"))
+            except ValueError:
+                raise MoesimError(f"--window '{window}' must look like START:END (milliseconds).") from None
+            win = (a, b)
+        click.echo(f"wrote {plot_timeline(results, out, win, title)}")
+        return
+    if metric is None:
+        raise MoesimError(f"plot --kind {kind} needs --metric.")
+    click.echo(f"wrote {plot(results, kind, out, metric, x, y, by, title, where, facet)}")
+
+
+def _csv(value: str | None) -> list[str] | None:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+@cli.command("compare")
+@click.argument("scenario", required=False, default="quickstart")
+@click.option("--eviction", default=None, metavar="A,B,...", help="Eviction policies (default: lru,lfu,fld,least-stale).")
+@click.option("--prefetch", default=None, metavar="A,B,...",
+              help="Prefetch policies (default: none,previous-token, plus next-gate-topk,score-percentile when "
+                   "the trace has pred_next).")
+@click.option("--miss", default=None, metavar="A,B,...", help="Miss policies (default: the scenario's).")
+@click.option("--budget", default=None, metavar="A,B,...", help="Budget policies (default: the scenario's).")
+@click.option("--capacity", default=None, metavar="C1,C2,...", help="Cache capacities, e.g. 5%,25% (default: the scenario's).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a scenario key.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Folder (default: runs/compare-<scenario name>); rerunning resumes.")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True)
+@click.option("--workers", type=int, default=None, help="Worker processes (default: CPU count).")
+@click.option("--ray-address", default=None, help="With --executor ray: an existing cluster.")
+def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss: str | None, budget: str | None,
+                capacity: str | None, overrides: tuple[str, ...], out_dir: str | None, executor: str,
+                workers: int | None, ray_address: str | None) -> None:
+    """Rank policy combinations on SCENARIO: each candidate beside on-demand LRU (the baseline),
+    Belady with oracle prefetch (the bound) and an infinite cache, by TPOT (TTFT without decode
+    passes), with speedup over the baseline and the share of the baseline-to-bound gap closed.
+    Writes OUT/compare.parquet, OUT/compare.md and OUT/compare.png."""
+    from moesim.simulator.compare import compare
+    from moesim.simulator.scenario import resolve_path
+
+    n_workers = workers if workers is not None else (os.cpu_count() or 1)
+    if n_workers < 1:
+        raise MoesimError(f"--workers must be >= 1, got {n_workers}.")
+    target = Path(out_dir) if out_dir else Path("runs") / f"compare-{resolve_path(scenario).stem}"
+    _check_writable_dir(target)
+    prog = _progress(sys.stderr.isatty(), "compare")
+    args = (scenario, target, _csv(eviction), _csv(prefetch), _csv(miss), _csv(budget), _csv(capacity), overrides,
+            n_workers, executor, ray_address)
+    if prog is None:
+        compare(*args)
+    else:
+        with prog:
+            task = prog.add_task("compare", total=None)
+            compare(*args, progress=lambda d, f, n: prog.update(task, completed=d, total=n))
+    click.echo((target / "compare.md").read_text())
+    click.echo(f"wrote {target}/compare.parquet, compare.md and compare.png")
+
+
+@cli.command("mrc")
+@click.argument("trace_file", metavar="TRACE")
+@click.option("--policy", "policies", default="lru,belady", show_default=True, metavar="P1,P2,...",
+              help="Eviction policies, comma-separated (belady is the bound, drawn dashed).")
+@click.option("--capacities", default=None, metavar="C1,C2,...",
+              help="Expert counts (1,8,64) or % of the model's experts (1%,5%); default: ~20 log-spaced "
+                   "counts from 1 expert to all.")
+@click.option("--expert-compute", type=click.Choice(["per-expert", "layer"]), default="per-expert", show_default=True,
+              help="per-expert: the sequential stream (LRU from stack distances); layer: a layer's experts pinned "
+                   "together (every point replayed).")
+@click.option("--batch", "batch_size", type=int, default=1, show_default=True, help="Requests per forward pass.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for mrc.parquet and mrc.png.")
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON instead of a table.")
+def mrc_cmd(trace_file: str, policies: str, capacities: str | None, expert_compute: str, batch_size: int,
+            out_dir: str, as_json: bool) -> None:
+    """Miss-ratio curves of TRACE: misses and hit rate over cache capacities for each eviction
+    policy, demand fetch only, cache-only replay. Writes OUT/mrc.parquet (capacity in experts,
+    bytes and % of the model; misses; hit rate; method) and OUT/mrc.png (log capacity axis,
+    Belady as the bound)."""
+    from moesim.policies.eviction import REGISTRY as EVICTION
+    from moesim.simulator.mrc import describe, mrc, parse_capacities, write_mrc
+    from moesim.traces.io import read_trace
+
+    if batch_size < 1:
+        raise MoesimError(f"--batch must be >= 1, got {batch_size}.")
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    for name in names:
+        EVICTION.get(name, "--policy")
+    trace = read_trace(trace_file)
+    total = trace.model.num_layers * trace.model.num_experts
+    caps = parse_capacities(capacities, total)
+    _check_writable_dir(Path(out_dir))
+    prog = _progress(sys.stderr.isatty(), "replays")
+    if prog is None:
+        df = mrc(trace, names, caps, expert_compute, batch_size)
+    else:
+        with prog:
+            task = prog.add_task("replays", total=None)
+            df = mrc(trace, names, caps, expert_compute, batch_size,
+                     progress=lambda d, n: prog.update(task, completed=d, total=n))
+    table, fig = write_mrc(df, out_dir, describe(trace, Path(trace_file).name, expert_compute, batch_size))
+    if as_json:
+        click.echo(df.to_json(orient="records", indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("policy", "capacity (experts)", "% of model", "misses", "hit rate", "method")
+    for row in df.itertuples():
+        t.add_row(str(row.policy), str(row.capacity_experts), f"{row.capacity_pct:.2f}", str(row.misses),
+                  f"{row.hit_rate:.4f}", str(row.method))
+    Console().print(t)
+    Console().print(f"wrote {table} and {fig}")
+
+
+def _check_writable_dir(path: Path) -> None:
+    """Refuse an output folder that cannot be written, before any work starts."""
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise MoesimError(f"--out {path}: {probe} is a file, not a folder; choose another --out.")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise MoesimError(f"--out {path}: {probe} is not writable; choose a folder you can write to.")
+
+
+@cli.group()
+def trace() -> None:
+    """Make, inspect and validate routing traces (Parquet, schema v1)."""
+
+
+@trace.command("info")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the information as JSON.")
+def trace_info_cmd(file: str, as_json: bool) -> None:
+    """Validate FILE and print its model, counts, phases and per-layer expert popularity."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from moesim.traces.info import trace_info
+    from moesim.traces.io import read_trace
+
+    info = trace_info(read_trace(file))
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    con = Console()
+    m = info["model"]
+    con.print(f"[bold]{file}[/bold]  model [bold]{m['name']}[/bold]: {m['num_layers']} layers x "
+              f"{m['num_experts']} experts, top-{m['top_k']}, hidden {m['hidden_size']}, expert "
+              f"intermediate {m['expert_intermediate_size']}, renormalize={m['renormalize']}")
+    con.print("expert bytes: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in m["expert_bytes"].items()))
+    con.print(f"rows {info['rows']}  requests {info['requests']}  steps {info['steps']}  tokens "
+              f"{info['tokens']}  layers present {info['layers_present']}")
+    con.print("tokens by phase: " + (", ".join(f"{k} {v}" for k, v in info["tokens_by_phase"].items()) or "none"))
+    if info["optional_columns"]:
+        con.print("optional columns: " + ", ".join(info["optional_columns"]))
+    rs = info["routing_stats"]
+    con.print(f"routing ({'/'.join(rs['phases'])}): top-1 repeat {rs['top1_repeat']:.3f} (uniform "
+              f"{1 / m['num_experts']:.3f}), set overlap {rs['set_overlap']:.3f} (uniform "
+              f"{m['top_k'] / m['num_experts']:.3f}), popularity skew {rs['popularity_skew']:.3f}, "
+              f"layer MI {rs['layer_mi']:.3f}")
+    if info["capture"]:
+        con.print("capture: " + json.dumps(info["capture"]))
+    table = Table(title="expert popularity per layer", header_style="bold")
+    for col in ("layer", "selections", "experts used", "max share", "entropy", "top experts (share)"):
+        table.add_column(col, justify="right" if col != "top experts (share)" else "left")
+    for row in info["layers"]:
+        if not row["selections"]:
+            table.add_row(str(row["layer"]), "0", "-", "-", "-", "-")
+            continue
+        tops = "  ".join(f"{e}:{s:.3f}" for e, s in row["top_experts"])
+        table.add_row(str(row["layer"]), str(row["selections"]), str(row["experts_used"]),
+                      f"{row['max_share']:.3f}", f"{row['entropy']:.3f}", tops)
+    con.print(table)
+
+
+@trace.command("synth")
+@click.option("--preset", default=None, help="Model preset: olmoe-1b-7b, mixtral-8x7b, qwen1.5-moe-a2.7b, qwen3-30b-a3b, phi-3.5-moe.")
+@click.option("--fit", "fit", default=None, help="A fitted profile (file from `moesim trace fit`, or a shipped name) instead of --preset.")
+@click.option("--requests", default=1, show_default=True, type=int, help="Number of requests.")
+@click.option("--prompt-tokens", default=0, show_default=True, type=int, help="Prefill tokens per request (0: no prefill).")
+@click.option("--tokens", default=2000, show_default=True, type=int, help="Decode tokens per request.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
+@click.option("--routing", type=click.Choice(["realistic", "uniform"]), default="realistic", show_default=True,
+              help="realistic: popularity skew, token reuse, cross-layer correlation; uniform: independent uniform top-k.")
+@click.option("--layers", type=int, default=None, help="Override the preset's number of MoE layers.")
+@click.option("--experts", type=int, default=None, help="Override experts per layer.")
+@click.option("--top-k", type=int, default=None, help="Override top-k.")
+@click.option("--skew", type=float, default=None, help="Popularity skew parameter (logit scale).")
+@click.option("--reuse", type=float, default=None, help="Previous-token reuse bonus (logits).")
+@click.option("--corr", type=float, default=None, help="Cross-layer correlation scale (logits).")
+@click.option("--probs", is_flag=True, help="Record full router probabilities (for substitute, cache-aware routing).")
+@click.option("--pred-next", is_flag=True, help="Record a next-layer router predictor (for next-gate-topk, score-percentile, speculative).")
+@click.option("--pred-noise", type=float, default=1.0, show_default=True, help="Noise of that predictor (logit std; 0 = perfect).")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output Parquet file (written atomically).")
+def trace_synth(preset: str | None, fit: str | None, requests: int, prompt_tokens: int, tokens: int, seed: int, routing: str,
+                layers: int | None, experts: int | None, top_k: int | None, skew: float | None,
+                reuse: float | None, corr: float | None, probs: bool, pred_next: bool,
+                pred_noise: float, out: str) -> None:
+    """Write a synthetic trace: REQUESTS requests, each a prefill of PROMPT_TOKENS tokens then
+    TOKENS decode tokens, with the preset's shape and tuned routing statistics."""
+    from moesim.traces.io import write_trace
+    from moesim.traces.synth import synth_from_preset
+
+    for name, value in (("--layers", layers), ("--experts", experts), ("--top-k", top_k)):
+        if value is not None and value < 1:
+            raise MoesimError(f"{name} must be >= 1, got {value}.")
+    if (preset is None) == (fit is None):
+        raise MoesimError("give exactly one of --preset and --fit.")
+    if fit is not None:
+        from moesim.traces.profile import load_profile, synthesise
+
+        if tokens < 1 or requests < 1:
+            raise MoesimError("--tokens and --requests must be >= 1.")
+        t = synthesise(load_profile(fit), requests=requests, tokens=tokens, seed=seed)
+        write_trace(t, out)
+        click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens "
+                   f"from fitted profile {fit}")
+        return
+    assert preset is not None
+    t = synth_from_preset(preset, layers=layers, experts=experts, top_k=top_k, routing=routing,
+                          skew=skew, reuse=reuse, corr=corr, requests=requests,
+                          prompt_tokens=prompt_tokens, tokens=tokens, seed=seed, probs=probs,
+                          pred_next=pred_next, pred_noise=pred_noise)
+    write_trace(t, out)
+    click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens, "
+               f"{t.model.num_layers} layers x {t.model.num_experts} experts top-{t.model.top_k}")
+
+
+@trace.command("import")
+@click.option("--format", "fmt", required=True, type=click.Choice(sorted(IMPORT_FORMATS)),
+              help="Log layout: vllm-routes-jsonl (layer0-vllm/), expert-jsonl (mixtral-8x7b-vllm/), "
+                   "flame-csv (flame-moe-290m/), routed-experts-npy ([tokens, layers, k] arrays), "
+                   "long-table (CSV/Parquet, one row per token/layer/expert).")
+@click.argument("src", nargs=-1, required=True, type=click.Path())
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output Parquet file (written atomically).")
+@click.option("--model-preset", default=None, help="Synthetic preset giving the model shapes the log lacks (e.g. mixtral-8x7b).")
+@click.option("--drop-warmup", is_flag=True, help="vllm-routes-jsonl: drop vLLM warm-up dummy rows and report how many.")
+@click.option("--tokens-per-sequence", type=int, default=64, show_default=True, help="flame-csv: prefill tokens per sequence.")
+@click.option("--columns", default=None, metavar="KEY=COL,...",
+              help="long-table: map request, position, layer, expert (and weight, rank, step, phase) to column names.")
+def trace_import(fmt: str, src: tuple[str, ...], out: str, model_preset: str | None, drop_warmup: bool,
+                 tokens_per_sequence: int, columns: str | None) -> None:
+    """Convert routing logs (files or folders SRC...) written by other tools into a v1 trace."""
+    from moesim.traces.importers import import_trace
+    from moesim.traces.io import write_trace
+
+    mapping = None
+    if columns:
+        try:
+            mapping = dict(item.split("=", 1) for item in columns.split(","))
+        except ValueError:
+            raise MoesimError(f"--columns '{columns}' must look like request=req,position=pos,...") from None
+    t, report = import_trace(fmt, list(src), model_preset, drop_warmup=drop_warmup,
+                             tokens_per_sequence=tokens_per_sequence, columns=mapping)
+    write_trace(t, out)
+    click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens")
+    for note in report.notes:
+        click.echo(f"note: {note}")
+
+
+@trace.command("fit")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Profile YAML to write.")
+@click.option("--batch", type=int, default=1, show_default=True, help="Batch size the LRU curves are replayed with.")
+@click.option("--name", default=None, help="Profile name (default: the model's).")
+def trace_fit(file: str, out: str, batch: int, name: str | None) -> None:
+    """Estimate the synthetic routing model from trace FILE (per-layer popularity,
+    cross-layer affinity, reuse, batch correlation) and write a profile for `synth --fit`."""
+    from moesim.traces.fit import fit_profile, write_profile
+    from moesim.traces.io import read_trace
+
+    if batch < 1:
+        raise MoesimError(f"--batch must be >= 1, got {batch}.")
+    t = read_trace(file)
+    prog = _progress(sys.stderr.isatty(), "fitting")
+    if prog is not None:
+        with prog:
+            task = prog.add_task("fit", total=None)
+            profile = fit_profile(t, batch=batch, name=name,
+                                  progress=lambda d, n: prog.update(task, completed=d, total=n))
+    else:
+        profile = fit_profile(t, batch=batch, name=name)
+    write_profile(profile, out)
+    r = profile["report"]
+    click.echo(f"wrote {out}: weights {profile['weights']}")
+    click.echo(f"LRU hit rate at {r['cache_fractions']} of all experts: real {r['lru_hit_rate_real']}, "
+               f"synthetic {r['lru_hit_rate_synthetic']} (max gap {r['max_hit_rate_gap']})")
+
+
+@cli.command("capture")
+@click.option("--model", "model_path", required=True, type=click.Path(), help="Local folder of a Hugging Face MoE model (config.json + weights).")
+@click.option("--prompts", required=True, type=click.Path(dir_okay=False, exists=True), help="Text file, one prompt per line (token ids when the model has no tokenizer).")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output trace (Parquet, written atomically).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Greedy decode length per prompt.")
+@click.option("--batch-size", type=int, default=1, show_default=True, help="Prompts run together (left-padded).")
+@click.option("--predict-next", is_flag=True, help="Record the next layer's router applied to this layer's router input (pred_next).")
+@click.option("--quasi-hidden", is_flag=True, help="Record the quasi-hidden-state prediction (pred_quasi), speculating-experts §3.")
+@click.option("--speculative", is_flag=True, help="Decode by verifying depth-1 draft trees; records node, parent, accepted (batch size 1).")
+@click.option("--draft-model", type=click.Path(), default=None, help="With --speculative: local draft model folder (default: the target's own top candidates).")
+@click.option("--tree-width", type=int, default=4, show_default=True, help="With --speculative: candidates per draft tree.")
+def capture_cmd(model_path: str, prompts: str, out: str, device: str, dtype: str, max_new_tokens: int,
+                batch_size: int, predict_next: bool, quasi_hidden: bool, speculative: bool,
+                draft_model: str | None, tree_width: int) -> None:
+    """Run a Hugging Face MoE model (OLMoE, Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, Phi-MoE,
+    GPT-OSS) with hooks on its routers and write a v1 trace. Offline: local folders only."""
+    from moesim.traces.capture import capture, load_local
+    from moesim.traces.io import write_trace
+
+    if max_new_tokens < 1 or batch_size < 1:
+        raise MoesimError("--max-new-tokens and --batch-size must be >= 1.")
+    lines = [ln.strip() for ln in Path(prompts).read_text().splitlines() if ln.strip()]
+    if not lines:
+        raise MoesimError(f"capture: {prompts} has no prompts (one per line).")
+    if speculative and (batch_size != 1 or quasi_hidden):
+        raise MoesimError("--speculative runs one prompt at a time without --quasi-hidden: drop "
+                          "--batch-size / --quasi-hidden.")
+    if draft_model and not speculative:
+        raise MoesimError("--draft-model needs --speculative.")
+    if tree_width < 1:
+        raise MoesimError(f"--tree-width must be >= 1, got {tree_width}.")
+    model, tok = load_local(model_path, device, dtype)
+    prog = _progress(sys.stderr.isatty(), "capturing tokens")
+    src = {"model_path": model_path, "prompts_file": prompts}
+    if speculative:
+        from moesim.traces.capture import capture_speculative
+
+        draft = load_local(draft_model, device, dtype, any_causal_lm=True)[0] if draft_model else None
+
+        def run(progress: Any = None) -> Any:
+            return capture_speculative(model, tok, lines, max_new_tokens=max_new_tokens, width=tree_width,
+                                       draft=draft, predict_next=predict_next, progress=progress, source=src)
+    else:
+        def run(progress: Any = None) -> Any:
+            return capture(model, tok, lines, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                           predict_next=predict_next, quasi_hidden=quasi_hidden, progress=progress, source=src)
+    if prog is not None:
+        with prog:
+            task = prog.add_task("capture", total=None)
+            res = run(lambda d, n: prog.update(task, completed=d, total=n))
+    else:
+        res = run()
+    write_trace(res.trace, out)
+    t = res.trace
+    click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens, "
+               f"{t.model.num_layers} MoE layers x {t.model.num_experts} experts top-{t.model.top_k}")
+
+
+@cli.group()
+def calibrate() -> None:
+    """Measure the device, fit a hardware profile, validate the simulator against a reference executor."""
+
+
+@calibrate.command("measure")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
+@click.option("--model-shapes", default="olmoe-1b-7b", show_default=True, help="Comma-separated model shapes for the expert FFN tables.")
+@click.option("--quick", is_flag=True, help="Small sizes and few repeats (CI).")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Raw measurements (Parquet).")
+def calibrate_measure(device: str, model_shapes: str, quick: bool, out: str) -> None:
+    """Microbenchmarks with PyTorch: copies by size, expert FFN by tokens, attention by context, launch overhead."""
+    from moesim.simulator.calibrate import measure, write_parquet_atomic
+
+    prog = _progress(sys.stderr.isatty(), "measuring")
+    shapes = [s.strip() for s in model_shapes.split(",") if s.strip()]
+    if prog is not None:
+        with prog:
+            task = prog.add_task("m", total=None)
+            df = measure(device, shapes, quick, progress=lambda d, n: prog.update(task, completed=d, total=n))
+    else:
+        df = measure(device, shapes, quick)
+    write_parquet_atomic(df, out)
+    click.echo(f"wrote {out}: {len(df)} measurements on {df['device_name'].iloc[0]} ({device})")
+
+
+@calibrate.command("fit")
+@click.argument("raw", type=click.Path(dir_okay=False, exists=True))
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Profile YAML.")
+def calibrate_fit(raw: str, out: str) -> None:
+    """Fit RAW measurements into a hardware profile (links: affine latency + bytes/bandwidth;
+    compute tables; launch overhead), with fit residuals. Scenarios name it as hardware.profile."""
+    import pandas as pd
+
+    from moesim.simulator.calibrate import fit, write_profile
+
+    try:
+        df = pd.read_parquet(raw)
+    except Exception as exc:
+        raise MoesimError(f"calibrate fit: {raw} is not a readable Parquet file ({exc}).") from None
+    prof = fit(df, raw)
+    write_profile(prof, out)
+    for name, link in prof["links"].items():
+        click.echo(f"{name}: {link['bandwidth_gbps']:.2f} GB/s, {link['latency_us']:.2f} us "
+                   f"(relative RMS residual {link['rel_rms_residual']:.1%})")
+    click.echo(f"wrote {out}")
+
+
+@calibrate.command("validate")
+@click.option("--profile", required=True, type=click.Path(dir_okay=False, exists=True), help="Profile from `calibrate fit`.")
+@click.option("--trace", "trace_path", required=True, type=click.Path(dir_okay=False, exists=True), help="Trace replayed by both.")
+@click.option("--scenarios", multiple=True, required=True, help="Scenario files (glob patterns; repeatable).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Report folder.")
+def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], device: str, out_dir: str) -> None:
+    """Replay TRACE on the device with a reference executor (same policy decisions) and with
+    the simulator under PROFILE; write report.md, validation.parquet and a plot."""
+    from moesim.simulator.validate import expand, validate
+
+    df = validate(profile, trace_path, expand(list(scenarios)), out_dir, device)
+    click.echo(f"TPOT APE median {df['tpot_ape'].median():.1%}, p95 {df['tpot_ape'].quantile(0.95):.1%} over "
+               f"{len(df)} scenarios -> {out_dir}/report.md")
+
+
+@cli.command("policies")
+def policies_cmd() -> None:
+    """List every registered policy by family with its parameters and defaults."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from moesim.policies import families
+    from moesim.simulator.confload import describe_fields
+
+    table = Table(header_style="bold")
+    for col in ("family", "name", "parameters", "description"):
+        table.add_column(col)
+    from rich.markup import escape
+
+    for fam, reg in families().items():
+        for name, cls in reg.items():
+            params = describe_fields(cls.Params)
+            ptxt = "\n".join(f"{n}: {t} = {d!r}  {h}" for n, t, d, h in params) or "-"
+            doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+            table.add_row(fam, name, escape(ptxt), escape(doc))
+    Console().print(table)
+
+
+@cli.command("presets")
+def presets_cmd() -> None:
+    """List hardware presets (datasheet figures) and synthetic model presets."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from moesim.simulator.hardware import PRESETS as HW
+    from moesim.traces.synth import PRESETS as SY
+
+    con = Console()
+    t = Table(title="hardware presets (datasheet figures, not measurements)", header_style="bold")
+    for col in ("name", "gpu", "HBM GB", "HBM GB/s", "bf16 TFLOPS", "host link", "GB/s", "latency us"):
+        t.add_column(col)
+    for name, hw in HW.items():
+        link = hw["links"][hw["host_link"]]
+        g = hw["gpu"]
+        t.add_row(name, g["name"], str(g["memory_gb"]), str(g["hbm_bandwidth_gbps"]), str(g["peak_tflops"]),
+                  hw["host_link"], str(link["bandwidth_gbps"]), str(link["latency_us"]))
+    con.print(t)
+    s = Table(title="synthetic model presets", header_style="bold")
+    for col in ("name", "layers", "experts", "top-k", "expert MiB (bf16)", "routing (skew, reuse, corr)", "tuned on"):
+        s.add_column(col)
+    for name, p in SY.items():
+        m = p.model
+        s.add_row(name, str(m.num_layers), str(m.num_experts), str(m.top_k),
+                  f"{m.expert_bytes['bf16'] / 2**20:.1f}",
+                  f"{p.routing.skew}, {p.routing.reuse}, {p.routing.corr}", p.tuned_on)
+    con.print(s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point."""
+    try:
+        cli.main(args=argv, prog_name="moesim", standalone_mode=True)
+    except KeyboardInterrupt:  # pragma: no cover - interactive
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,231 @@
+"""``moesim compare``: rank policy combinations on one scenario, with their reference rows.
+
+The candidates are the product of the eviction, prefetch, miss and budget policies asked for
+(defaults drawn from the papers: LRU, LFU, FLD (HOBBIT), Least-Stale (SpecMD §4.2); no
+prefetch, previous-token, and the next-layer gate predictors when the trace records
+``pred_next``), at each cache capacity asked for. Beside them, per capacity:
+
+- ``baseline``: on-demand LRU — LRU eviction, no prefetch, blocking fetch, no budget;
+- ``bound``: Belady's MIN with oracle prefetch (the true next layer's experts), the
+  reference every policy is measured against. It is the optimum of misses for the same
+  pinning rules, not of time: a policy may beat it in time (a gap closed above 100%);
+- ``infinite`` (once, capacity-independent): every expert the trace uses preloaded before
+  the replay (``static-pin`` over all passes at 100% capacity) — no copies at all.
+
+Every row is a sweep point (``simulator.sweep``: parallel, resumable, Ray). The ranking
+metric (``tpot_s``, or ``ttft_s`` for a scenario without decode passes) orders the
+candidates; ``speedup`` is baseline / candidate and ``gap_closed`` the share of the
+baseline-to-bound difference a candidate closes: (baseline - candidate) / (baseline - bound).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from moesim.simulator.errors import MoesimError
+from moesim.simulator.sweep import Point, base_data, collect, make_points, run_points
+
+DEFAULT_EVICTION = ("lru", "lfu", "fld", "least-stale")
+DEFAULT_PREFETCH = ("none", "previous-token")
+PREDICTOR_PREFETCH = ("next-gate-topk", "score-percentile")  # need the trace's pred_next
+BASELINE = {"policies.eviction": "lru", "policies.prefetch": "none", "policies.miss": "fetch",
+            "policies.budget": "none"}
+BOUND = {"policies.eviction": "belady", "policies.prefetch": "oracle", "policies.miss": "fetch",
+         "policies.budget": "none"}
+INFINITE = {"cache.capacity": "100%", "policies.eviction": "lru", "policies.miss": "fetch",
+            "policies.budget": "none",
+            "policies.prefetch": {"name": "static-pin", "fraction": 1.0, "calibration": 1.0}}
+KEYS = ("policies.eviction", "policies.prefetch", "policies.miss", "policies.budget")
+SHOWN = ("role", "label", "capacity", "metric_ms", "tpot_s", "ttft_s", "tokens_per_s", "hit_rate",
+         "collision_misses", "bytes_moved", "speedup", "gap_closed")
+
+
+class RunsFailed(MoesimError):
+    """Some of the comparison's runs failed (exit 1: not a bad input; see their error.json)."""
+
+    exit_code = 1
+
+
+def _names(value: Any) -> str:
+    return value["name"] if isinstance(value, dict) else str(value)
+
+
+def _check_trace(data: dict[str, Any], base_dir: str, capacities: list[str], where: str) -> bool:
+    """Load the scenario's trace once: refuse capacities impossible for its model before
+    anything runs, and say whether it records ``pred_next`` (for the gate predictors)."""
+    from moesim.simulator.engine import load_trace
+    from moesim.simulator.scenario import parse_capacity, scenario_from_dict
+
+    sc = scenario_from_dict(data, where=where, base_dir=base_dir)
+    trace = load_trace(sc)
+    m = trace.model
+    per_expert = int(m.expert_bytes.get(sc.cache.precision or "bf16", next(iter(m.expert_bytes.values()))))
+    for cap in capacities:
+        parse_capacity(cap, per_expert, per_expert * m.num_layers * m.num_experts, f"{where} (--capacity)")
+    return trace.pred_next is not None
+
+
+def plan_compare(scenario_path: str, eviction: Sequence[str] | None = None, prefetch: Sequence[str] | None = None,
+                 miss: Sequence[str] | None = None, budget: Sequence[str] | None = None,
+                 capacity: Sequence[str] | None = None, overrides: tuple[str, ...] = ()
+                 ) -> tuple[dict[str, Any], list[Point], list[dict[str, Any]]]:
+    """The base scenario data, the points to run, and one row plan per table row (its role,
+    label, capacity and point id; a point that plays two roles runs once)."""
+    p, data, _ = base_data(scenario_path, overrides)
+    pol = data.get("policies") or {}
+    cache = data.get("cache") or {}
+    caps = list(capacity) if capacity else [str(cache.get("capacity", "5%"))]
+    evs = list(eviction) if eviction else list(DEFAULT_EVICTION)
+    has_pred_next = _check_trace(data, str(p.parent), caps, str(p))
+    pfs = list(prefetch) if prefetch else list(DEFAULT_PREFETCH) + (list(PREDICTOR_PREFETCH) if has_pred_next else [])
+    misses = list(miss) if miss else [_names(pol.get("miss", "fetch"))]
+    budgets = list(budget) if budget else [_names(pol.get("budget", "none"))]
+    rows: list[dict[str, Any]] = []
+    combos: dict[str, dict[str, Any]] = {}
+
+    def add(role: str, label: str, cap: str, values: dict[str, Any]) -> None:
+        key = repr(sorted(values.items(), key=lambda kv: kv[0]))
+        combos.setdefault(key, values)
+        rows.append({"role": role, "label": label, "capacity": cap, "key": key})
+
+    for cap in caps:
+        for ev, pf, ms, bd in itertools.product(evs, pfs, misses, budgets):
+            label = " + ".join(x for x in (ev, pf if pf != "none" else "no prefetch",
+                                           ms if ms != "fetch" else "", bd if bd != "none" else "") if x)
+            add("candidate", label, cap, {"cache.capacity": cap, **dict(zip(KEYS, (ev, pf, ms, bd), strict=True))})
+        add("baseline", "on-demand LRU (baseline)", cap, {"cache.capacity": cap, **BASELINE})
+        add("bound", "Belady + oracle prefetch (bound)", cap, {"cache.capacity": cap, **BOUND})
+    add("infinite", "all experts resident (infinite cache)", "all", dict(INFINITE))
+    points = make_points(p, data, list(combos.values()))
+    pid_of = {key: pt.pid for key, pt in zip(combos, points, strict=True)}
+    for r in rows:
+        r["point"] = pid_of[r.pop("key")]
+    return data, points, rows
+
+
+def rank(results: pd.DataFrame, rows: list[dict[str, Any]]) -> tuple[pd.DataFrame, str]:
+    """The comparison table from the sweep results and the row plan: per capacity, the
+    candidates ranked by the metric, then the references; and the metric's name."""
+    table = pd.DataFrame(rows).merge(results, on="point", how="left", suffixes=("", "_point"))
+    failed = table[table["status"] != "ok"]
+    if len(failed):
+        first = failed.iloc[0]
+        raise RunsFailed(f"compare: {len(failed)} of {len(table)} runs failed; the first, '{first['label']}' "
+                          f"at capacity {first['capacity']}: {first.get('error', '?')}")
+    metric = "tpot_s" if table["tpot_s"].notna().all() else "ttft_s"
+    if table[metric].isna().any():
+        raise MoesimError("compare: the scenario has no timed decode or prefill passes to rank by "
+                          "(set timing: true).")
+    link_cols = [c for c in table.columns if str(c).startswith("bytes_by_link.")]
+    table["bytes_moved"] = table[link_cols].sum(axis=1).astype(np.int64) if link_cols else 0
+    table["metric_ms"] = table[metric] * 1e3
+    inf_row = table[table["role"] == "infinite"]
+    parts = []
+    for cap in [c for c in dict.fromkeys(table["capacity"]) if c != "all"]:
+        here = table[table["capacity"] == cap].copy()
+        base = float(here.loc[here["role"] == "baseline", metric].iloc[0])
+        bound = float(here.loc[here["role"] == "bound", metric].iloc[0])
+        here["speedup"] = base / here[metric]
+        here["gap_closed"] = (base - here[metric]) / (base - bound) if base != bound else np.nan
+        cands = here[here["role"] == "candidate"].sort_values([metric, "label"], kind="stable")
+        cands.insert(0, "rank", np.arange(1, len(cands) + 1))
+        refs = here[here["role"] != "candidate"].assign(rank=pd.NA)
+        parts += [cands, refs]
+    if len(inf_row):
+        parts.append(inf_row.assign(rank=pd.NA, speedup=np.nan, gap_closed=np.nan))
+    out = pd.concat(parts, ignore_index=True)
+    first = ["rank", *SHOWN, "point"]
+    return out[first + [c for c in out.columns if c not in first]], metric
+
+
+def markdown(table: pd.DataFrame, metric: str, title: str) -> str:
+    """The table as GitHub Markdown (written by hand: pandas' to_markdown needs tabulate)."""
+    head = ["rank", "policy", "capacity", "TPOT (ms)" if metric == "tpot_s" else "TTFT (ms, ranked)", "TTFT (ms)", "tokens/s", "hit rate",
+            "collision misses", "bytes moved (GB)", "speedup", "gap closed"]
+
+    def num(v: Any, spec: str, scale: float = 1.0, unit: str = "") -> str:
+        if v is None or v is pd.NA:
+            return ""
+        x = float(v)
+        return "" if np.isnan(x) else format(x * scale, spec) + unit
+
+    lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in table.to_dict("records"):
+        cells = ["" if pd.isna(r["rank"]) else str(int(r["rank"])), str(r["label"]), str(r["capacity"]),
+                 num(r["metric_ms"], ".3f"), num(r["ttft_s"], ".1f", 1e3), num(r["tokens_per_s"], ".1f"),
+                 num(r["hit_rate"], ".3f"), num(r["collision_misses"], ".0f"), num(r["bytes_moved"], ".2f", 1e-9),
+                 num(r["speedup"], ".2f", 1.0, "x"), num(r["gap_closed"], ".0f", 100.0, "%")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Ranked by {'TPOT' if metric == 'tpot_s' else 'TTFT'}, per capacity. speedup = baseline / policy; gap closed = "
+              "(baseline - policy) / (baseline - bound). The bound is Belady's MIN with oracle prefetch: "
+              "optimal in misses, not in time, so a policy may close more than 100%."]
+    return "\n".join(lines) + "\n"
+
+
+def figure(table: pd.DataFrame, metric: str, title: str) -> Any:
+    """Horizontal bars of the metric per policy, one panel per capacity; the baseline, the
+    bound and the infinite cache drawn as vertical reference lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    caps = [c for c in dict.fromkeys(table["capacity"]) if c != "all"]
+    n = max(len(table[(table["capacity"] == c) & (table["role"] == "candidate")]) for c in caps)
+    fig, axes = plt.subplots(1, len(caps), figsize=(6 * len(caps), 2.2 + 0.35 * n), squeeze=False, sharex=True)
+    inf = table[table["role"] == "infinite"]
+    for ax, cap in zip(axes[0], caps, strict=True):
+        here = table[table["capacity"] == cap]
+        cands = here[here["role"] == "candidate"].iloc[::-1]
+        ax.barh(cands["label"], cands["metric_ms"], color="tab:blue")
+        styles = {"baseline": ("tab:red", "-"), "bound": ("black", "--")}
+        for role, (color, ls) in styles.items():
+            v = float(here.loc[here["role"] == role, "metric_ms"].iloc[0])
+            ax.axvline(v, color=color, linestyle=ls, label=f"{role}: {v:.2f} ms")
+        if len(inf):
+            v = float(inf["metric_ms"].iloc[0])
+            ax.axvline(v, color="tab:green", linestyle=":", label=f"infinite cache: {v:.2f} ms")
+        ax.set_xlabel("TPOT (ms per output token, lower is better)" if metric == "tpot_s"
+                      else "TTFT (ms, lower is better)")
+        ax.set_title(f"cache capacity {cap}", fontsize=9)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.6 / max(n, 1)), ncol=3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def compare(scenario_path: str, out_dir: str | Path, eviction: Sequence[str] | None = None,
+            prefetch: Sequence[str] | None = None, miss: Sequence[str] | None = None,
+            budget: Sequence[str] | None = None, capacity: Sequence[str] | None = None,
+            overrides: tuple[str, ...] = (), workers: int = 1, executor: str = "local",
+            ray_address: str | None = None,
+            progress: Callable[[int, int, int], None] | None = None) -> tuple[pd.DataFrame, str]:
+    """Run the comparison; write ``compare.parquet``, ``compare.md`` and ``compare.png`` in
+    ``out_dir`` (each atomically; the runs in ``out_dir/points``, resumable). Returns the
+    table and the ranking metric."""
+    from moesim.simulator.atomic import save_figure_atomic, write_atomic, write_text_atomic
+
+    data, points, rows = plan_compare(scenario_path, eviction, prefetch, miss, budget, capacity, overrides)
+    out = Path(out_dir)
+    run_points(data, points, out, workers, executor, ray_address, progress)
+    results = collect(out, points)
+    table, metric = rank(results, rows)
+    title = describe(scenario_path, data)
+    write_atomic(out / "compare.parquet", lambda tmp: table.to_parquet(tmp, index=False))
+    write_text_atomic(out / "compare.md", markdown(table, metric, title))
+    save_figure_atomic(figure(table, metric, title), out / "compare.png")
+    return table, metric
+
+
+def describe(scenario_path: str, data: dict[str, Any]) -> str:
+    """What is held fixed: the scenario, hardware, workload shape and execution mode."""
+    hw = (data.get("hardware") or {}).get("preset", "custom hardware")
+    wl = data.get("workload") or {}
+    return (f"moesim compare {scenario_path}: {hw}, batch {wl.get('batch_size', 1)}, "
+            f"{data.get('expert_compute', 'layer')} execution, seed {data.get('seed', 0)}")

@@ -1,0 +1,202 @@
+"""Copy engines: one per direction per link, serialising their transfers.
+
+Transfers are two-phase (issued, completed). A copy engine is a non-preemptive single
+server: demand fetches (priority 0) go before queued prefetches (priority 1), FIFO within a
+priority; a transfer that has started runs to completion. Service time is the link's
+``copy_time(bytes)``.
+
+Because service times are deterministic, the engine does not need its own SimPy process:
+it keeps its queue and computes when each queued transfer will finish *given what has been
+submitted so far*. :meth:`CopyEngine.advance` moves it to the simulation clock (starting
+queued transfers whose start time has passed and completing those whose finish time has
+passed, in time order, and telling observers which finished); a waiting process reads
+its transfer's projected ``done`` time (a process waits only on demand fetches, promoted
+prefetches and started transfers). Each GPU's compute process is the only
+submitter to its copy engines, so a projection made at a routing point is final for the
+transfers already queued (later submissions of the same process queue behind them or, for a
+demand fetch, ahead of prefetches that have not started). This keeps the replay to about one
+SimPy event per layer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from moesim.simulator.hardware import LinkConfig
+
+DEMAND, PREFETCH = 0, 1
+
+
+class Transfer:
+    """One copy of one expert. ``start``/``done`` are projections until :attr:`started`;
+    a queued prefetch's are not kept up to date (they are set when it starts or is promoted)."""
+
+    __slots__ = ("bypass", "cancelled", "done", "dur", "issued", "key", "nbytes", "priority", "promoted", "seq",
+                 "start", "started")
+
+    def __init__(self, key: int, nbytes: int, priority: int, issued: float, seq: int, dur: float = 0.0) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self.priority = priority
+        self.issued = issued
+        self.seq = seq
+        self.start = issued
+        self.done = issued
+        self.started = False
+        self.cancelled = False
+        self.bypass = False  # copied to a staging buffer, not kept in the cache
+        self.promoted = False  # a prefetch a layer needed while it was still queued
+        self.dur = dur
+
+
+class CopyEngine:
+    """A link direction's copy engine (see module docstring).
+
+    Queued transfers wait in two FIFO queues served demand first: ``_demand`` (demand
+    fetches and promoted prefetches, by issue order) and ``_pf`` (prefetches). The demand
+    queue's finish times are projected when it changes; a prefetch's only when
+    :meth:`advance` starts it or :meth:`promote_many` moves it to the demand queue, so
+    queuing, promoting and withdrawing prefetches costs no re-projection of the others. Promoted and withdrawn
+    prefetches stay in ``_pf`` as tombstones until they reach its head.
+
+    ``instant=True`` (cache-only replay): every transfer takes no time; the caller
+    completes it right after reserving its cache entry.
+    """
+
+    def __init__(self, link: LinkConfig, instant: bool = False) -> None:
+        self.link = link
+        self.instant = instant
+        self._demand: list[Transfer] = []  # queued demand, in service order
+        self._pf: deque[Transfer] = deque()  # queued prefetches in issue order (with tombstones)
+        self._running: deque[Transfer] = deque()  # started, not completed, in finish order
+        self._busy_until = 0.0
+        self._seq = 0
+        self._time_cache: dict[int, float] = {}
+        self.on_complete: list[Callable[[list[Transfer]], None]] = []  # told the finished, in order
+        self.bytes_moved = 0
+        self.busy_time = 0.0
+
+    def duration(self, nbytes: int) -> float:
+        """Service time of a copy of ``nbytes``."""
+        t = self._time_cache.get(nbytes)
+        if t is None:
+            t = self._time_cache[nbytes] = self.link.copy_time(nbytes)
+        return t
+
+    def submit(self, key: int, nbytes: int, priority: int, now: float) -> Transfer:
+        """Queue a transfer issued at ``now`` and return it. The caller must have called
+        :meth:`advance` with ``now`` (the engine does so at every routing point). A demand
+        transfer is projected at once (behind the queued demand ones); a prefetch gets its
+        times when :meth:`advance` starts it or it is promoted."""
+        dur = self._time_cache.get(nbytes)
+        if dur is None:
+            dur = self.duration(nbytes)
+        seq = self._seq
+        self._seq = seq + 1
+        self.bytes_moved += nbytes
+        tr = Transfer(key, nbytes, priority, now, seq, dur)
+        if self.instant:
+            tr.started = True  # the caller completes it at once (cache-only replay)
+        elif priority == DEMAND:
+            demand = self._demand
+            prev = demand[-1].done if demand else self._busy_until
+            tr.start = prev if prev > now else now
+            tr.done = tr.start + dur
+            demand.append(tr)
+        else:
+            self._pf.append(tr)
+        return tr
+
+    def promote(self, tr: Transfer) -> None:
+        """A queued prefetch is needed now: move it to demand priority (ahead of demand
+        fetches issued after it)."""
+        self.promote_many([tr])
+
+    def promote_many(self, trs: list[Transfer]) -> None:
+        """:meth:`promote` for several queued prefetches, re-projecting the demand queue once."""
+        moving = [t for t in dict.fromkeys(trs) if not t.started and t.priority != DEMAND and not t.cancelled]
+        if not moving:
+            return
+        for t in moving:
+            t.priority = DEMAND  # its entry in the prefetch queue becomes a tombstone
+            t.promoted = True
+        demand = self._demand  # each goes in by issue order (seq), whatever the order of trs
+        first = len(demand)
+        for t in moving:
+            i = len(demand)
+            while i > 0 and demand[i - 1].seq > t.seq:
+                i -= 1
+            demand.insert(i, t)
+            first = min(first, i)
+        self._project_demand(first)
+
+    def cancel_many(self, trs: list[Transfer]) -> list[Transfer]:
+        """Withdraw the queued (not started) transfers among ``trs``; returns those withdrawn."""
+        gone = []
+        for t in trs:
+            if not (t.started or t.cancelled):
+                t.cancelled = True
+                gone.append(t)
+        if not gone:
+            return gone
+        self.bytes_moved -= sum(t.nbytes for t in gone)
+        if any(t.priority == DEMAND for t in gone):
+            self._demand[:] = [t for t in self._demand if not t.cancelled]
+            self._project_demand(0)
+        return gone
+
+    def _project_demand(self, first: int) -> None:
+        """Re-project the demand queue from position ``first`` on."""
+        demand = self._demand
+        prev = demand[first - 1].done if first else self._busy_until
+        for i in range(first, len(demand)):
+            t = demand[i]
+            start = prev if prev > t.issued else t.issued
+            t.start = start
+            prev = t.done = start + t.dur
+
+    def advance(self, now: float) -> None:
+        """Start transfers whose start time is before ``now``; complete those finished by
+        ``now`` (observers see them in finish order)."""
+        running = self._running
+        demand = self._demand
+        pf = self._pf
+        prev = self._busy_until
+        started = 0
+        for tr in demand:
+            if tr.start >= now:
+                break
+            prev = tr.done
+            tr.started = True
+            running.append(tr)
+            self.busy_time += tr.done - tr.start
+            started += 1
+        if started:
+            del demand[:started]
+        if not demand:
+            while pf:
+                tr = pf[0]
+                if tr.cancelled or tr.priority == DEMAND:
+                    pf.popleft()
+                    continue
+                start = prev if prev > tr.issued else tr.issued
+                if start >= now:
+                    break
+                pf.popleft()
+                tr.start = start
+                prev = tr.done = start + tr.dur
+                tr.started = True
+                running.append(tr)
+                self.busy_time += prev - start
+        self._busy_until = prev
+        if running and running[0].done <= now:
+            finished = []
+            while running and running[0].done <= now:
+                finished.append(running.popleft())
+            for cb in self.on_complete:
+                cb(finished)
+
+    def finish(self) -> None:
+        """Complete all work (end of simulation), counting its busy time."""
+        self.advance(float("inf"))

@@ -1,0 +1,98 @@
+"""Roofline cost model (``docs/design.md``: "Hardware and cost model").
+
+Each kernel takes ``max(bytes / HBM bandwidth, FLOPs / peak) + launch overhead``:
+
+- non-expert part of a layer for a pass of ``n`` tokens whose attention contexts sum to
+  ``c``: weights ``W = H*(heads*hd) + 2*H*(kv*hd) + (heads*hd)*H + H*N`` (q, k, v, o
+  projections and the router) plus shared experts ``3*H*I_s`` each; bytes
+  ``2*W + 2*(kv*hd)*2*c`` (bf16 weights and the KV cache read); FLOPs ``2*W*n + 4*(heads*hd)*c``;
+- one expert FFN with ``n`` tokens routed: bytes = the expert's bytes at the scenario's
+  precision, FLOPs ``6*H*I*n`` (gate, up and down projections).
+
+Copy times come from the link model in :mod:`simulator.hardware`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moesim.simulator.hardware import HardwareConfig
+from moesim.traces.schema import ModelInfo
+
+BF16 = 2
+
+
+class CostModel:
+    """Compute times from hardware peak figures (roofline)."""
+
+    def __init__(self, hardware: HardwareConfig, model: ModelInfo, expert_bytes: int) -> None:
+        self.hw = hardware
+        self.model = model
+        self.expert_bytes = expert_bytes
+        self.hbm = hardware.gpu.hbm_bandwidth_gbps * 1e9
+        self.peak = hardware.gpu.peak_tflops * 1e12
+        h = model.hidden_size
+        q = model.heads * model.head_size
+        kv = model.kv_heads * model.head_size
+        self.kv_width = kv
+        self.q_width = q
+        shared = 3 * h * model.shared_expert_intermediate_size * model.shared_experts
+        self.nonexpert_weights = h * q + 2 * h * kv + q * h + h * model.num_experts + shared
+        self.expert_flops_per_token = 6 * h * model.expert_intermediate_size
+        self._table = self._measured()
+        self._dense = None
+        for by_dtype in (hardware.nonexpert_table or {}).values():
+            for tab in by_dtype.values():
+                if tab.get("hidden") == model.hidden_size:
+                    self._dense = (np.log(np.asarray(tab["tokens"], float)), np.log(np.asarray(tab["seconds"], float)))
+
+    @staticmethod
+    def _interp(tab: tuple[np.ndarray, np.ndarray], tokens: np.ndarray) -> np.ndarray:
+        lt, ls = tab
+        x = np.log(np.maximum(tokens, 1.0))
+        y = np.interp(x, lt, ls)
+        if len(lt) > 1:  # extrapolate with the end slopes (log-log)
+            y = np.where(x < lt[0], ls[0] + (ls[1] - ls[0]) / (lt[1] - lt[0]) * (x - lt[0]), y)
+            y = np.where(x > lt[-1], ls[-1] + (ls[-1] - ls[-2]) / (lt[-1] - lt[-2]) * (x - lt[-1]), y)
+        return np.asarray(np.exp(y))
+
+    def nonexpert_time(self, tokens: np.ndarray, context: np.ndarray) -> np.ndarray:
+        """Seconds of the non-expert part of one layer, per pass: the profile's measured
+        projection + router table when it has this hidden size (plus the KV-cache read), else
+        roofline."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        context = np.asarray(context, dtype=np.float64)
+        if self._dense is not None:
+            kv = 2 * self.kv_width * BF16 * context / self.hbm
+            return self._interp(self._dense, tokens) + kv + self.hw.layer_overhead_us * 1e-6
+        nbytes = BF16 * self.nonexpert_weights + 2 * self.kv_width * BF16 * context
+        flops = 2 * self.nonexpert_weights * tokens + 4 * self.q_width * context
+        return np.maximum(nbytes / self.hbm, flops / self.peak) + self.hw.layer_overhead_us * 1e-6
+
+    def _measured(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The profile's expert-time table for this model's (hidden, intermediate) shape."""
+        for by_dtype in (self.hw.expert_table or {}).values():
+            for tab in by_dtype.values():
+                if (tab.get("hidden"), tab.get("intermediate")) == (self.model.hidden_size,
+                                                                     self.model.expert_intermediate_size):
+                    return np.log(np.asarray(tab["tokens"], float)), np.log(np.asarray(tab["seconds"], float))
+        return None
+
+    def expert_time(self, tokens: np.ndarray) -> np.ndarray:
+        """Seconds of one expert FFN with ``tokens`` tokens routed to it: the calibration
+        profile's table (log-log interpolation) when it has this model's shape, else roofline."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        if self._table is not None:
+            return self._interp(self._table, tokens) + self.hw.expert_overhead_us * 1e-6
+        return (np.maximum(self.expert_bytes / self.hbm, self.expert_flops_per_token * tokens / self.peak)
+                + self.hw.expert_overhead_us * 1e-6)
+
+    def expert_time_at(self, tokens: int, nbytes: int) -> float:
+        """Seconds of one expert FFN with ``tokens`` tokens, its weights ``nbytes`` bytes (a
+        precision other than the scenario's)."""
+        return (max(nbytes / self.hbm, self.expert_flops_per_token * tokens / self.peak)
+                + self.hw.expert_overhead_us * 1e-6)
+
+    def copy_time(self, nbytes: float) -> float:
+        """Seconds to copy ``nbytes`` host-to-device (no queueing)."""
+        return self.hw.h2d.copy_time(nbytes)

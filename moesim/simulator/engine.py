@@ -1,0 +1,725 @@
+"""The SimPy model of one GPU (``docs/design.md``: "Simulation semantics"; ``docs/execution.md``).
+
+One SimPy process runs the forward passes on the compute stream. For each layer of a pass:
+
+1. non-expert compute (attention, gate) for the pass's tokens;
+2. at the routing point the layer's experts are looked up through the one lookup path
+   (:mod:`simulator.lookup`): a *hit* (resident), a *late prefetch* (its transfer is in
+   flight: wait for it) or a *miss* (absent: the miss policy decides; ``fetch`` makes room
+   through the cache and queues a demand transfer on the host link's copy engine), under one
+   pinning rule;
+3. the prefetch policy's proposals go into SpecMD A.3's asynchronous queue (selected,
+   waiting, admitted when room can be made, withdrawn at their target layer);
+4. expert compute: ``expert_compute: layer`` (default) once all of the layer's experts are
+   present; ``on-arrival`` each as soon as it has arrived; ``per-expert`` one after another
+   in router order, each looked up when the previous one starts.
+
+Time spent by the compute stream waiting for transfers is *stall*. A *collision miss* is a
+miss on an expert evicted earlier in the same forward pass. With no prefetch, in ``layer``
+execution, the step time is exactly ``sum over layers of (non-expert + copy of missed experts
++ expert compute)`` (``speculating-experts-prefetch.txt`` §5.1), which the tests check, as
+they check the ``per-expert`` recurrence of ``docs/execution.md``.
+
+Cache-only replay (``timing: false``) runs the same decisions with zero-cost compute and
+instant transfers, so no simulated time passes.
+"""
+
+from __future__ import annotations
+
+import time as _time
+from collections import deque
+from collections.abc import Callable, Generator
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import simpy
+
+from moesim.policies.budget import REGISTRY as BUDGET
+from moesim.policies.eviction import REGISTRY as EVICTION
+from moesim.policies.miss import REGISTRY as MISS
+from moesim.policies.prefetch import REGISTRY as PREFETCH
+from moesim.policies.registry import Clock, PolicyContext
+from moesim.policies.routing import REGISTRY as ROUTING
+from moesim.simulator.cache import ExpertCache
+from moesim.simulator.copyengine import DEMAND, CopyEngine, Transfer
+from moesim.simulator.copyengine import PREFETCH as PREFETCH_PRIORITY
+from moesim.simulator.cost import CostModel
+from moesim.simulator.errors import MoesimError
+from moesim.simulator.lookup import LayerLookup, PassRow, Run, token_mass
+from moesim.simulator.scenario import Scenario, parse_capacity
+from moesim.simulator.workload import DECODE, VERIFY, Workload, build_workload
+from moesim.traces.schema import PHASES
+from moesim.traces.trace import Trace
+
+ProgressFn = Callable[[int, int], None]
+_NO_PINS: frozenset[int] = frozenset()
+
+
+class _Either:
+    """Membership in either of two sets (the pins of a prefetch admission: the caller's and
+    the earlier admissions for the same target layer)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: AbstractSet[int], b: AbstractSet[int]) -> None:
+        self.a = a
+        self.b = b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.a or key in self.b
+
+
+@dataclass
+class Result:
+    """What a run produces: one row per forward pass, one per request, and the summary."""
+
+    scenario: Scenario
+    steps: pd.DataFrame
+    requests: pd.DataFrame
+    summary: dict[str, Any]
+    transfers: list[tuple[int, int, float, float, float]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def load_trace(scenario: Scenario) -> Trace:
+    """The scenario's trace: read from its path, or synthesised in-process."""
+    src = scenario.workload.trace
+    if src.import_ is not None:
+        from moesim.traces.importers import import_trace
+
+        imp = src.import_
+        ip = Path(imp.path)
+        if not ip.is_absolute():
+            ip = Path(scenario.base_dir) / ip
+        return import_trace(imp.format, [ip], imp.model_preset)[0]
+    if src.path is not None:
+        from moesim.traces.io import read_trace
+
+        p = Path(src.path)
+        if not p.is_absolute():
+            p = Path(scenario.base_dir) / p
+        return read_trace(p)
+    from moesim.traces.synth import synth_from_preset
+
+    s = src.synth
+    assert s is not None
+    if s.fit is not None:
+        from moesim.traces.profile import load_profile, synthesise
+
+        fp = Path(s.fit)
+        if not fp.is_absolute() and (Path(scenario.base_dir) / fp).is_file():
+            fp = Path(scenario.base_dir) / fp
+        return synthesise(load_profile(str(fp)), requests=s.requests, tokens=s.tokens,
+                          seed=scenario.seed if s.seed is None else s.seed)
+    assert s.preset is not None
+    return synth_from_preset(
+        s.preset, layers=s.layers, experts=s.experts, top_k=s.top_k, routing=s.routing,
+        requests=s.requests, prompt_tokens=s.prompt_tokens, tokens=s.tokens,
+        seed=scenario.seed if s.seed is None else s.seed, probs=s.probs, pred_next=s.pred_next,
+        pred_noise=s.pred_noise)
+
+
+class Simulation:
+    """Replays a workload under a scenario. Build once, call :meth:`run` once."""
+
+    def __init__(self, scenario: Scenario, trace: Trace | None = None,
+                 workload: Workload | None = None, progress: ProgressFn | None = None,
+                 record_transfers: bool = False, record_layers: bool = False,
+                 record_decisions: bool = False, record_passes: int | None = None) -> None:
+        self.scenario = scenario
+        self._trace = trace
+        if workload is None:
+            trace = trace if trace is not None else load_trace(scenario)
+            self._trace = trace
+            workload = build_workload(trace, scenario.workload.batch_size,
+                                      scenario.workload.max_requests, scenario.workload.speculative,
+                                      scenario.seed)
+        self.wl = workload
+        model = workload.model
+        self.model = model
+        precision = scenario.cache.precision or model.default_precision()
+        if precision not in model.expert_bytes:
+            raise MoesimError(
+                f"{scenario.source}: key 'cache.precision' is '{precision}', but the trace's model "
+                f"({model.name}) has expert sizes for {', '.join(model.expert_bytes)} only; pick one "
+                "of those.")
+        self.precision = precision
+        self.expert_bytes = int(model.expert_bytes[precision])
+        # precisions from largest to smallest; cache key = base * P + index
+        self.precisions = tuple(sorted(model.expert_bytes, key=lambda q: -model.expert_bytes[q]))
+        self.num_prec = len(self.precisions)
+        self.default_prec = self.precisions.index(precision)
+        total = model.num_layers * model.num_experts * self.expert_bytes
+        self.capacity = parse_capacity(scenario.cache.capacity, self.expert_bytes, total, scenario.source)
+        self.cost = CostModel(scenario.hardware, model, self.expert_bytes)
+        self.progress = progress
+        self.clock = Clock()
+        self._make_policies(scenario, workload)
+        self.cache = ExpertCache(self.capacity, self.eviction)
+        hw = scenario.hardware
+        self.link_name = f"{hw.host_link}.h2d"
+        self.copy = CopyEngine(hw.h2d, instant=not scenario.timing)
+        self.copy.on_complete.append(self.cache.complete_many)
+        # the timeline (``moesim run --events``), recorded for the passes before record_passes
+        # (all when None): transfers (key, priority, issued, start, done); copies (key, kind:
+        # demand | prefetch | promoted, issued, start, done, bytes); withdrawn prefetches (key,
+        # issued, withdrawn at, bytes); per layer (pass, layer, non-expert start, routing point, experts
+        # start, layer end) and the cache's bytes at the routing point; with expert parallelism
+        # per GPU (pass, layer, gpu, start, dispatch start, experts start, experts end, layer end)
+        self.record_passes = record_passes
+        self.transfers: list[tuple[int, int, float, float, float]] | None = None
+        self.copies: list[tuple[int, str, float, float, float, int]] | None = None
+        self.withdrawn: list[tuple[int, float, float, int]] | None = None
+        self.layer_log: list[tuple[int, int, float, float, float, float]] | None = [] if record_layers else None
+        self.occupancy: list[tuple[float, int]] | None = [] if record_layers else None
+        self.ep_log: list[tuple[int, int, int, float, float, float, float, float]] | None = (
+            [] if record_layers else None)
+        if record_transfers:
+            self.transfers, self.copies, self.withdrawn = [], [], []
+            self.copy.on_complete.append(self._log_copies)
+        self.env = simpy.Environment()
+        n = workload.num_passes
+        self._cols = {name: np.zeros(n, dtype=np.int64) for name in
+                      ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches",
+                       "bytes", "prefetches_issued", "prefetches_used", "prefetch_predicted_hits",
+                       "prefetch_predicted", "prefetch_actual", "low_precision_experts",
+                       "dropped_experts", "substituted_experts", "tokens_altered",
+                       "prefetches_cancelled", "unique_computed")}
+        self._init_replay_state()
+        # (pass, layer, op, key) in decision order, op in hit/fetch/bypass/evict/prefetch/run
+        # (run: the expert ``key`` runs, or with key -1 all the layer's looked-up experts);
+        # the calibration executor replays them on the device
+        self.decisions: list[tuple[int, int, str, int]] | None = [] if record_decisions else None
+        # sparse verification factors (sparse-verification-speculative-decoding.txt Table 1):
+        # attention context and expert down projections are thinned in verification passes
+        spec = scenario.workload.speculative
+        is_verify = workload.pass_phase == VERIFY
+        self.attn_scale = np.where(is_verify, 1.0 - (spec.sparse_attention if spec else 0.0), 1.0)
+        self.ffn_scale = np.where(is_verify, 1.0 - (spec.sparse_ffn if spec else 0.0) / 3.0, 1.0)
+        self.general = (self.routing.changes_routing or not self.miss.always_fetch or self.budget.restricts
+                        or scenario.hardware.gpus > 1)
+        self._ep_max_load = np.zeros(workload.num_passes)
+        self._mass_total = workload.weight_total.astype(np.float64).copy()
+        self._mass_kept = workload.weight_total.astype(np.float64).copy()
+        static = getattr(self.prefetch, "static_pins", None)
+        self.preloaded = 0
+        if static:
+            self.preloaded = self.cache.preload(static, self.expert_bytes)
+        self._t_start = np.zeros(n)
+        self._t_end = np.zeros(n)
+        self._stall = np.zeros(n)
+        self.wall_s = 0.0
+        self.acc_keys = workload.keys() * self.num_prec + self.default_prec  # cache key per access
+        self.acc_ffn = np.zeros(0)
+        self._nonexp: list[float] = []
+
+    def _recording(self) -> bool:
+        return self.record_passes is None or self.clock.pass_index < self.record_passes
+
+    def _log_copies(self, trs: list[Transfer]) -> None:
+        """Completed transfers, into the timeline (inside its window)."""
+        if self.transfers is None or self.copies is None or not self._recording():
+            return
+        for tr in trs:
+            self.transfers.append((tr.key, tr.priority, tr.issued, tr.start, tr.done))
+            kind = "promoted" if tr.promoted else ("demand" if tr.priority == DEMAND else "prefetch")
+            self.copies.append((tr.key, kind, tr.issued, tr.start, tr.done, tr.nbytes))
+
+    def _make_policies(self, scenario: Scenario, workload: Workload) -> None:
+        """One policy of each family, each with its own context and seeded generator."""
+        model = self.model
+
+        def ctx(family_index: int) -> PolicyContext:
+            return PolicyContext(num_layers=model.num_layers, num_experts=model.num_experts,
+                                 top_k=model.top_k, expert_bytes=self.expert_bytes,
+                                 capacity_bytes=self.capacity, precisions=self.precisions,
+                                 default_precision=self.default_prec,
+                                 precision_bytes=tuple(int(model.expert_bytes[q]) for q in self.precisions),
+                                 rng=np.random.default_rng([scenario.seed, family_index]),
+                                 clock=self.clock, workload=workload)
+
+        pol = scenario.policies
+        self.eviction = EVICTION.get(pol.eviction.name)(pol.eviction.params, ctx(0))
+        self.miss = MISS.get(pol.miss.name)(pol.miss.params, ctx(1))
+        self.prefetch = PREFETCH.get(pol.prefetch.name)(pol.prefetch.params, ctx(2))
+        self.routing = ROUTING.get(pol.routing.name)(pol.routing.params, ctx(3))
+        self.budget = BUDGET.get(pol.budget.name)(pol.budget.params, ctx(4))
+
+    def _init_replay_state(self) -> None:
+        """The compute process's state between routing points."""
+        # prefetch (SpecMD A.3): proposals waiting for room, in order, as (key, target layer);
+        # admissions per target layer (pinned against later admissions for it); admitted
+        # transfers still queued on the copy engine, per target layer
+        self._waiting: deque[tuple[int, int]] = deque()
+        self._queued: set[int] = set()
+        self._admitted: dict[int, set[int]] = {}
+        self._pf_pending: dict[int, list[Transfer]] = {}
+        self._evicted: set[int] = set()  # keys evicted in the current pass
+        self.row = PassRow()  # the pass being replayed
+        self.pf_unused: set[int] = set()  # prefetched keys not accessed yet
+        if self.prefetch.active:
+            self.cache.on_evict.append(self.pf_unused.difference_update)
+
+    def _prepare_costs(self) -> None:
+        """Compute time of every expert access and the non-expert time of every pass (zero in
+        cache-only replay)."""
+        wl = self.wl
+        num_l = self.model.num_layers
+        if self.scenario.timing:
+            self.acc_ffn = (self.cost.expert_time(wl.acc_tokens)
+                            * np.repeat(self.ffn_scale, np.diff(wl.off[::num_l])))
+            self._nonexp = self.cost.nonexpert_time(wl.pass_tokens, wl.pass_context * self.attn_scale).tolist()
+        else:
+            self.acc_ffn = np.zeros(wl.num_accesses)
+            self._nonexp = [0.0] * wl.num_passes
+
+    # -- the compute-stream process -------------------------------------------------------
+    def _run(self) -> Generator[simpy.Event, Any, None]:
+        """Forward passes on the compute stream. Per layer: non-expert compute; at the routing
+        point the experts are looked up (:class:`simulator.lookup.LayerLookup`, the one lookup
+        path) and the prefetcher's proposals are queued (:meth:`_propose`); the experts run as
+        ``expert_compute`` says. Cache-only replay makes the same decisions at zero cost."""
+        env = self.env
+        wl = self.wl
+        num_l = self.model.num_layers
+        mode = self.scenario.expert_compute
+        per_expert = mode == "per-expert"
+        on_arrival = mode == "on-arrival"
+        off = wl.off.tolist()
+        clock = self.clock
+        copy = self.copy
+        advance = copy.advance
+        prefetching = self.prefetch.active
+        cols = self._cols
+        layer_log = self.layer_log
+        progress = self.progress
+        general = self.general
+        evicted = self._evicted
+        self._prepare_costs()
+        n_pass = wl.num_passes
+        report_every = max(1, n_pass // 200)
+        nonexp = self._nonexp
+        carry = 0.0
+        for p in range(n_pass):
+            clock.pass_index = p
+            self._t_start[p] = env.now
+            evicted.clear()
+            row = PassRow()
+            self.row = row
+            bytes0 = copy.bytes_moved
+            base = p * num_l
+            ne = nonexp[p]
+            for layer in range(num_l):
+                delay = carry + ne
+                if delay > 0:
+                    yield env.timeout(delay)
+                carry = 0.0
+                lo = off[base + layer]
+                hi = off[base + layer + 1]
+                if lo == hi:
+                    continue  # no routing for this (pass, layer): the layer is skipped
+                now = env.now
+                advance(now)
+                clock.now = now
+                clock.layer = layer
+                look = LayerLookup(self, p, layer, lo, hi, row, evicted)
+                clock.pending = set(look.keys)
+                if self._pf_pending or self._waiting or self._admitted:
+                    self._withdraw(layer, look.keys)
+                st0 = row.stall
+                if per_expert:
+                    if prefetching:
+                        self._propose(p, layer, now)
+                    end = self._per_expert(look, now)
+                else:
+                    pinned = set(look.keys)
+                    runs: list[Run] = []
+                    for i in range(len(look)):
+                        runs.extend(look.lookup(i, pinned, now))
+                    if prefetching:
+                        self._propose(p, layer, now, pinned)
+                    end = self._compute(look.finish(runs), now, on_arrival)
+                    clock.pending = set()
+                    if self.decisions is not None:
+                        self.decisions.append((p, layer, "run", -1))
+                    if self._waiting:  # the layer's pins are released
+                        advance(end)
+                        clock.now = end
+                        self._admit(end, _NO_PINS)
+                carry = end - now
+                if layer_log is not None and self._recording():
+                    layer_log.append((p, layer, now - ne, now, now + row.stall - st0, end))
+                    assert self.occupancy is not None
+                    self.occupancy.append((now, self.cache.used))
+            if carry > 0:
+                yield env.timeout(carry)
+                carry = 0.0
+            advance(env.now)
+            self._t_end[p] = env.now
+            self._stall[p] = row.stall
+            for name, value in (("hits", row.hits), ("misses", row.misses), ("late_prefetches", row.late),
+                                ("collision_misses", row.collisions), ("uncached_fetches", row.uncached),
+                                ("bytes", copy.bytes_moved - bytes0), ("prefetches_issued", row.pf_issued),
+                                ("prefetches_used", row.pf_used), ("prefetch_predicted_hits", row.pred_hits),
+                                ("prefetch_predicted", row.pred_total), ("prefetch_actual", row.actual_total),
+                                ("prefetches_cancelled", row.pf_cancelled),
+                                ("low_precision_experts", row.low_precision),
+                                ("dropped_experts", row.dropped), ("substituted_experts", row.substituted),
+                                ("tokens_altered", len(row.altered)), ("unique_computed", row.unique)):
+                cols[name][p] = value
+            if general:
+                self._mass_total[p] = row.mass_total
+                self._mass_kept[p] = row.mass_kept
+            if progress is not None and (p + 1) % report_every == 0:
+                progress(p + 1, n_pass)
+        if progress is not None:
+            progress(n_pass, n_pass)
+
+    def _compute(self, runs: list[Run], now: float, on_arrival: bool) -> float:
+        """``layer`` execution: the experts run once all have arrived, back to back (a fused
+        kernel): end = max(arrivals) + sum(compute). ``on-arrival``: each as soon as it has
+        arrived, in arrival order: t = max(t, arrival) + compute. Stall is the time the
+        compute stream waits. Returns the layer's end."""
+        row = self.row
+        if not on_arrival:
+            ready = now
+            total = 0.0
+            for r in runs:
+                a = r.arrival(now)
+                if a > ready:
+                    ready = a
+                total += r.ffn
+            row.stall += ready - now
+            return ready + total
+        t = now
+        for a, f in sorted((r.arrival(now), r.ffn) for r in runs):
+            if a > t:
+                row.stall += a - t
+                t = a
+            t += f
+        return t
+
+    def _per_expert(self, look: LayerLookup, now: float) -> float:
+        """``per-expert`` execution (SpecMD Algorithm 1, appendix A.2: a Hugging Face-style
+        loop): the layer's experts run one after another in router order. Expert j+1 is
+        looked up when expert j starts to run, so its copy overlaps j's compute; pinned are
+        the running expert and the one looked up next (transfers in flight are never
+        evicted). When an expert has run its pin is released and the waiting prefetch
+        proposals are admitted (:meth:`_admit`). With compute f and copy c per expert and
+        every expert missing, n experts take c + (n - 1) * max(c, f) + f. Returns the
+        layer's end."""
+        clock = self.clock
+        advance = self.copy.advance
+        timing = self.scenario.timing
+        row = self.row
+        n = len(look)
+        t = now
+        cur = look.lookup(0, set(), t) if n else []
+        for i in range(n):
+            for r in cur:
+                a = r.arrival(t)
+                if a > t:
+                    row.stall += a - t
+                    t = a
+            if timing:
+                advance(t)
+                clock.now = t
+            pins = {r.key for r in cur}  # the running expert
+            nxt = look.lookup(i + 1, set(pins), t) if i + 1 < n else []
+            nxt_pins = {r.key for r in nxt}
+            for r in cur:
+                t += r.ffn
+            if timing:
+                advance(t)
+                clock.now = t
+            clock.pending.discard(look.keys[i])  # expert i has run
+            if self.decisions is not None:
+                self.decisions.extend((look.p, look.layer, "run", k) for k in pins)
+            if self._waiting:
+                self._admit(t, nxt_pins)
+            cur = nxt
+        look.finish([])
+        return t
+
+    # -- prefetch: SpecMD appendix A.3's asynchronous queue ---------------------------------
+    def _propose(self, p: int, layer: int, now: float, pinned: AbstractSet[int] | None = None) -> None:
+        """Take the prefetcher's proposals at ``layer``'s routing point: those resident or in
+        flight are *selected* (the eviction policy is told; nothing is pinned), the absent
+        ones join the waiting queue in order; then one admission round (:meth:`_admit`)
+        under ``pinned``. Counts prediction precision/recall against what each target layer
+        really needs in this pass."""
+        props = self.prefetch.propose(p, layer)
+        if not props:
+            if self._waiting:
+                self._admit(now, _NO_PINS if pinned is None else pinned)
+            return
+        cache = self.cache
+        resident, inflight = cache.resident, cache.inflight
+        select = self.eviction.on_prefetch_select
+        div = self.model.num_experts * self.num_prec  # key // div = layer
+        num_l = self.model.num_layers
+        lo_key, hi_key = (layer + 1) * div, num_l * div
+        waiting, queued = self._waiting, self._queued
+        targets: dict[int, list[int]] = {}
+        for key in dict.fromkeys(props):
+            if key < lo_key or key >= hi_key:
+                continue  # not a later layer
+            t = key // div
+            targets.setdefault(t, []).append(key)
+            if key in resident or key in inflight:
+                select(key)
+            elif key not in queued:
+                queued.add(key)
+                waiting.append((key, t))
+        if waiting:
+            self._admit(now, _NO_PINS if pinned is None else pinned)
+        row = self.row
+        wl = self.wl
+        base = p * num_l
+        keys = self.acc_keys
+        for target, keys_t in targets.items():
+            b = base + target
+            actual = set(keys[wl.off[b]:wl.off[b + 1]].tolist())
+            row.pred_hits += len(actual.intersection(keys_t))
+            row.pred_total += len(keys_t)
+            row.actual_total += len(actual)
+
+    def _admit(self, now: float, pinned: AbstractSet[int]) -> None:
+        """One admission round: admit waiting proposals from the head of the queue while room
+        can be made, each evicting an unpinned victim the eviction policy offers for a
+        prefetch (:meth:`EvictionPolicy.prefetch_candidates`) and entering as the newest
+        entry; earlier admissions for the same target layer stay pinned. Stops at the first
+        proposal for which no room can be made."""
+        waiting, queued = self._waiting, self._queued
+        cache = self.cache
+        nbytes = self.expert_bytes
+        copy = self.copy
+        row = self.row
+        rec = self.decisions
+        div = self.model.num_experts * self.num_prec
+        while waiting:
+            key, target = waiting[0]
+            if key in cache.resident or key in cache.inflight:
+                waiting.popleft()
+                queued.discard(key)
+                continue
+            mine = self._admitted.get(target)
+            victims = cache.make_room(nbytes, _Either(pinned, mine) if mine else pinned, for_prefetch=True)
+            if victims is None:
+                return
+            waiting.popleft()
+            queued.discard(key)
+            if victims:
+                self._evicted_by_prefetch(victims)
+                if rec is not None:
+                    rec.extend((self.clock.pass_index, self.clock.layer, "evict", v) for v in victims)
+            tr = copy.submit(key, nbytes, PREFETCH_PRIORITY, now)
+            cache.reserve(tr, False)
+            if rec is not None:
+                rec.append((self.clock.pass_index, self.clock.layer, "prefetch", key))
+            if copy.instant:
+                cache.complete(tr)
+            else:
+                self._pf_pending.setdefault(key // div, []).append(tr)
+            self._admitted.setdefault(target, set()).add(key)
+            self.pf_unused.add(key)
+            row.pf_issued += 1
+
+    def _evicted_by_prefetch(self, victims: list[int]) -> None:
+        self._evicted.update(victims)
+        for keys in self._admitted.values():
+            keys.difference_update(victims)
+
+    def _withdraw(self, layer: int, needed: list[int]) -> None:
+        """At ``layer``'s routing point: proposals for it (or earlier) still waiting are
+        withdrawn, its admissions are no longer pinned for it, and its prefetches still
+        queued on the copy engine that the layer does not need are withdrawn with their
+        room (``prefetches_cancelled``; no bytes move)."""
+        waiting = self._waiting
+        if waiting and any(t <= layer for _, t in waiting):
+            keep = [(k, t) for k, t in waiting if t > layer]
+            self._queued.difference_update(k for k, t in waiting if t <= layer)
+            waiting.clear()
+            waiting.extend(keep)
+        for t in [t for t in self._admitted if t <= layer]:
+            del self._admitted[t]
+        pending = self._pf_pending
+        if not pending:
+            return
+        need = set(needed)
+        stale: list[Transfer] = []
+        for target in [t for t in pending if t <= layer]:
+            stale.extend(tr for tr in pending.pop(target) if tr.priority != DEMAND and tr.key not in need)
+        if not stale:
+            return
+        gone = self.copy.cancel_many(stale)
+        if gone:
+            if self.withdrawn is not None and self._recording():
+                self.withdrawn.extend((tr.key, tr.issued, self.clock.now, tr.nbytes) for tr in gone)
+            self.cache.cancel_many(gone)
+            self.pf_unused.difference_update([tr.key for tr in gone])
+            self.row.pf_cancelled += len(gone)
+
+    def _run_ep(self) -> Generator[simpy.Event, Any, None]:
+        """Expert parallelism (G > 1 GPUs): experts stay resident on their GPU (no host
+        offload, so cache, eviction, miss and prefetch policies do not apply); attention runs
+        data-parallel with the pass's tokens split across GPUs; each (token, expert) pair on
+        another GPU sends the token's hidden state over the EP link and back (dispatch and
+        combine all-to-all, as long as the busiest GPU's traffic); a layer waits for the
+        slowest GPU's experts. Routing and budget policies apply (XShare Algorithm 6 balances
+        the per-GPU load)."""
+        from moesim.policies.budget import placement_of
+
+        env, wl, hw = self.env, self.wl, self.scenario.hardware
+        g_n = hw.gpus
+        num_l, num_e = self.model.num_layers, self.model.num_experts
+        owner = placement_of(hw.placement, num_l, num_e, g_n)
+        link = hw.links[hw.ep_link]
+        token_bytes = 2 * self.model.hidden_size
+        trace = wl.trace
+        assert trace is not None
+        cols = self._cols
+        mass_t, mass_k = self._mass_total, self._mass_kept
+        nonexp = self.cost.nonexpert_time(np.ceil(wl.pass_tokens / g_n),
+                                          np.ceil(wl.pass_context * self.attn_scale / g_n)).tolist()
+        for p in range(wl.num_passes):
+            self.clock.pass_index = p
+            self._t_start[p] = env.now
+            loads, uniq, accesses, mass_total, mass_kept = [], 0, 0, 0.0, 0.0
+            altered: set[tuple[int, int]] = set()
+            for layer in range(num_l):
+                self.clock.layer = layer
+                rows = wl.rows(p, layer)
+                t_layer = nonexp[p]
+                if rows.size:
+                    orig = trace.experts[rows].astype(np.int64)
+                    chosen = self.budget.select(p, layer, rows, orig) if self.budget.restricts else orig.tolist()
+                    tok_gpu = np.arange(len(rows)) % g_n
+                    per_gpu_tokens: list[dict[int, int]] = [{} for _ in range(g_n)]
+                    sent = np.zeros(g_n)
+                    recv = np.zeros(g_n)
+                    m_total, m_kept, changed = token_mass(wl, rows, orig, [set(c) for c in chosen])
+                    mass_total += m_total
+                    mass_kept += m_kept
+                    altered |= changed
+                    for t, experts in enumerate(chosen):
+                        for e in experts:
+                            gpu = int(owner[layer, e])
+                            per_gpu_tokens[gpu][e] = per_gpu_tokens[gpu].get(e, 0) + 1
+                            if gpu != tok_gpu[t]:
+                                sent[tok_gpu[t]] += token_bytes
+                                recv[gpu] += token_bytes
+                    load = [len(d) for d in per_gpu_tokens]
+                    loads.append(max(load))
+                    uniq += sum(load)
+                    accesses += sum(load)
+                    per_gpu_time = [float(self.cost.expert_time(np.asarray(list(d.values()))).sum()) if d else 0.0
+                                    for d in per_gpu_tokens]
+                    expert_t = max(per_gpu_time) * float(self.ffn_scale[p])
+                    traffic = float(max(sent.max(), recv.max()))
+                    a2a = link.copy_time(traffic) if traffic > 0 else 0.0
+                    t_layer += 2 * a2a + expert_t
+                    if self.ep_log is not None and self._recording():
+                        t0, scale = env.now, float(self.ffn_scale[p])
+                        t_exp = t0 + nonexp[p] + a2a
+                        self.ep_log.extend((p, layer, g, t0, t0 + nonexp[p], t_exp, t_exp + per_gpu_time[g] * scale,
+                                            t0 + t_layer) for g in range(g_n))
+                yield env.timeout(t_layer)
+            self._t_end[p] = env.now
+            cols["hits"][p] = accesses
+            cols["unique_computed"][p] = uniq
+            cols["tokens_altered"][p] = len(altered)
+            self._ep_max_load[p] = float(np.mean(loads)) if loads else 0.0
+            mass_t[p] = mass_total
+            mass_k[p] = mass_kept
+
+    def run(self) -> Result:
+        """Run the simulation to the end and derive the metrics."""
+        from moesim.simulator.metrics import summarise
+
+        t0 = _time.perf_counter()
+        self.env.process(self._run_ep() if self.scenario.hardware.gpus > 1 else self._run())
+        self.env.run()
+        self.copy.finish()
+        self.wall_s = _time.perf_counter() - t0
+        steps = self._steps_frame()
+        requests = self._requests_frame()
+        summary = summarise(self, steps, requests)
+        if self.scenario.workload.speculative is not None and self.scenario.timing and self._trace is not None:
+            from dataclasses import replace
+
+            ar = replace(self.scenario, workload=replace(self.scenario.workload, speculative=None))
+            ar_rate = Simulation(ar, trace=self._trace).run().summary["tokens_per_s"]
+            summary["speedup_vs_autoregressive"] = (summary["tokens_per_s"] / ar_rate) if ar_rate else None
+        extra: dict[str, Any] = {}
+        if self.layer_log is not None:
+            extra.update(layers=self.layer_log, occupancy=self.occupancy, ep_layers=self.ep_log,
+                         capacity=self.capacity)
+        if self.copies is not None:
+            extra.update(copies=self.copies, withdrawn=self.withdrawn)
+        if self.record_passes is not None:
+            extra["recorded_passes"] = min(self.record_passes, self.wl.num_passes)
+        return Result(self.scenario, steps, requests, summary, self.transfers, extra=extra)
+
+    def _steps_frame(self) -> pd.DataFrame:
+        wl = self.wl
+        num_l = self.model.num_layers
+        uniq = self._cols["unique_computed"]
+        layers_routed = np.diff(wl.off).reshape(-1, num_l) > 0 if wl.num_passes else np.zeros((0, num_l), bool)
+        return pd.DataFrame({
+            "pass": np.arange(wl.num_passes, dtype=np.int64),
+            "group": wl.pass_group,
+            "step": wl.pass_step,
+            "phase": pd.Categorical.from_codes(wl.pass_phase.astype(np.int64), categories=pd.Index(PHASES)),
+            "tokens": wl.pass_tokens,
+            "generated": wl.pass_generated if wl.pass_generated is not None else wl.pass_tokens,
+            "requests": wl.pass_requests,
+            "start_s": self._t_start,
+            "end_s": self._t_end,
+            "duration_s": self._t_end - self._t_start,
+            "stall_s": self._stall,
+            **{k: self._cols[k] for k in ("hits", "misses", "late_prefetches", "collision_misses",
+                                          "uncached_fetches")},
+            "bytes_h2d": self._cols["bytes"],
+            "unique_experts": uniq,
+            "layers_routed": layers_routed.sum(axis=1),
+            "prefetches_issued": self._cols["prefetches_issued"],
+            "prefetches_used": self._cols["prefetches_used"],
+            "prefetches_cancelled": self._cols["prefetches_cancelled"],
+            "prefetch_predicted_hits": self._cols["prefetch_predicted_hits"],
+            "prefetch_predicted": self._cols["prefetch_predicted"],
+            "prefetch_actual": self._cols["prefetch_actual"],
+            "low_precision_experts": self._cols["low_precision_experts"],
+            "dropped_experts": self._cols["dropped_experts"],
+            "substituted_experts": self._cols["substituted_experts"],
+            "gate_weight_total": self._mass_total,
+            "gate_weight_computed": self._mass_kept,
+            "tokens_altered": self._cols["tokens_altered"],
+            "max_experts_per_gpu": self._ep_max_load,
+        })
+
+    def _requests_frame(self) -> pd.DataFrame:
+        wl = self.wl
+        groups = wl.request_group
+        first = wl.request_first_pass
+        group_start = pd.Series(self._t_start).groupby(wl.pass_group).min()
+        start = group_start.reindex(groups).to_numpy() if len(groups) else np.zeros(0)
+        return pd.DataFrame({
+            "request": wl.request_ids,
+            "group": groups,
+            "first_pass": first,
+            "ttft_s": self._t_end[first] - start if len(first) else np.zeros(0),
+            "first_phase": [PHASES[int(c)] for c in wl.pass_phase[first]],
+        })
+
+
+def simulate(scenario: Scenario, trace: Trace | None = None, **kwargs: Any) -> Result:
+    """Build a :class:`Simulation` and run it."""
+    return Simulation(scenario, trace=trace, **kwargs).run()
+
+
+__all__ = ["DECODE", "VERIFY", "Result", "Simulation", "load_trace", "simulate"]

@@ -1,0 +1,395 @@
+"""The one lookup path (``docs/design.md`` steps 2-5 and 7): every routing, budget, batch and
+execution mode looks a layer's experts up here, one at a time, under the pinning rule the
+caller passes.
+
+:class:`LayerLookup` plans a (pass, layer) at its routing point: the experts the layer needs
+in router order (the order in which they first appear in the layer's routing, token by token
+and rank by rank), after the routing policy (dual-logit semantics: original weights mix) and
+the budget policy. When neither changes routing and the miss policy always fetches, the plan
+is read from the workload's flat arrays with no per-token work; otherwise each token's expert
+set is tracked so that ``gate_mass_retained`` and ``tokens_altered`` can be counted.
+
+:meth:`LayerLookup.lookup` looks one expert up: resident -> *hit*; its transfer in flight ->
+*late prefetch* (a queued prefetch is promoted to demand priority); absent -> *miss*, counted
+as a *collision miss* when the expert was evicted earlier in the same pass, and handled by the
+miss policy (fetch, at a precision with fallbacks, after the cache has made room by evicting
+unpinned victims; drop; substitute; speculate). It returns the expert computations
+(:class:`Run`) the lookup leads to. Every count lands in the pass's :class:`PassRow`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from moesim.policies.budget import BudgetPolicy
+from moesim.policies.eviction import EvictionPolicy
+from moesim.policies.miss import MissInfo, MissPolicy
+from moesim.policies.routing import RoutingPolicy
+from moesim.simulator.cache import ExpertCache
+from moesim.simulator.copyengine import DEMAND, CopyEngine, Transfer
+from moesim.simulator.cost import CostModel
+from moesim.simulator.workload import Workload
+
+
+class Replay(Protocol):
+    """What the lookup path reads of the replay it serves (a
+    :class:`simulator.engine.Simulation`; named structurally so that this module does not
+    import the engine that imports it)."""
+
+    wl: Workload
+    eviction: EvictionPolicy
+    miss: MissPolicy
+    routing: RoutingPolicy
+    budget: BudgetPolicy
+    cache: ExpertCache
+    copy: CopyEngine
+    cost: CostModel
+    general: bool  # routing, budget or miss policy may change what a token computes
+    acc_ffn: np.ndarray  # compute seconds of every expert access
+    acc_keys: np.ndarray  # cache key of every expert access
+    ffn_scale: np.ndarray  # per pass: the expert-compute factor (sparse verification)
+    decisions: list[tuple[int, int, str, int]] | None  # the decision log, when recorded
+    pf_unused: set[int]  # prefetched keys not accessed yet
+
+
+@dataclass
+class PassRow:
+    """Everything counted for one forward pass: the only place per-pass figures are kept
+    until the engine writes them to ``steps.parquet``."""
+
+    hits: int = 0
+    misses: int = 0
+    late: int = 0
+    collisions: int = 0
+    uncached: int = 0
+    low_precision: int = 0
+    dropped: int = 0
+    substituted: int = 0
+    pf_issued: int = 0
+    pf_used: int = 0
+    pf_cancelled: int = 0
+    pred_hits: int = 0
+    pred_total: int = 0
+    actual_total: int = 0
+    unique: int = 0
+    stall: float = 0.0
+    mass_total: float = 0.0
+    mass_kept: float = 0.0
+    altered: set[tuple[int, int]] = field(default_factory=set)
+
+
+class Run:
+    """One expert computation: its cache key, the transfer it waits for (None: resident
+    when looked up) and its compute time in seconds."""
+
+    __slots__ = ("ffn", "key", "tr")
+
+    def __init__(self, key: int, tr: Transfer | None, ffn: float) -> None:
+        self.key = key
+        self.tr = tr
+        self.ffn = ffn
+
+    def arrival(self, now: float) -> float:
+        """When the expert's weights are on the GPU (``now`` if already resident)."""
+        tr = self.tr
+        return now if tr is None or tr.done < now else tr.done
+
+
+class LayerLookup:
+    """The lookups of one (pass, layer), planned at its routing point (module docstring)."""
+
+    def __init__(self, sim: Replay, p: int, layer: int, lo: int, hi: int, row: PassRow,
+                 evicted: set[int]) -> None:
+        self.sim = sim
+        self.p = p
+        self.layer = layer
+        self.row = row
+        self.evicted = evicted
+        ctx = sim.eviction.ctx
+        self.ctx = ctx
+        self.plain = not sim.general
+        if self.plain:
+            self.experts: list[int] = sim.wl.acc_expert[lo:hi].tolist()
+            self.ranks: list[int] | None = None
+            self.toks: list[list[int]] | None = None
+            self.ffn: list[float] = sim.acc_ffn[lo:hi].tolist()
+            self.keys: list[int] = sim.acc_keys[lo:hi].tolist()
+            return
+        wl = sim.wl
+        trace = wl.trace
+        assert trace is not None
+        rows = wl.rows(p, layer)
+        self.rows = rows
+        cache = sim.cache
+
+        def cached(key: int) -> bool:
+            return key in cache.resident or key in cache.inflight
+
+        self.cached = cached
+        orig = trace.experts[rows].astype(np.int64)
+        self.orig = orig
+        routed_experts = (sim.routing.route(p, layer, rows, orig, cached)
+                          if sim.routing.changes_routing else orig)
+        chosen: list[list[int]] = (sim.budget.select(p, layer, rows, routed_experts)
+                                   if sim.budget.restricts else routed_experts.tolist())
+        first: dict[int, list[int]] = {}  # expert -> [best rank, token indices...]
+        for t, toks_t in enumerate(chosen):
+            for r, e in enumerate(toks_t):
+                ent = first.get(int(e))
+                if ent is None:
+                    first[int(e)] = [r, t]
+                else:
+                    if r < ent[0]:
+                        ent[0] = r
+                    ent.append(t)
+        self.experts = list(first)
+        self.ranks = [ent[0] for ent in first.values()]
+        self.toks = [ent[1:] for ent in first.values()]
+        self.keys = [ctx.key(layer, e) for e in self.experts]
+        self.routed = frozenset(first)
+        self.final = [set(map(int, c)) for c in chosen]
+        self.key_for: dict[int, int] = {}  # expert computed -> the cache key it computes from
+        self.pred_order: list[list[int]] | None = None
+        self.scale = float(sim.ffn_scale[p])
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+    # -- one lookup --------------------------------------------------------------------------
+    def lookup(self, i: int, pinned: set[int], now: float) -> list[Run]:
+        """Look up the layer's ``i``-th expert at time ``now``; ``pinned`` holds the keys that
+        must not be evicted (any key the expert is computed from is added: a fetched or
+        lower-precision copy, a substitute)."""
+        sim = self.sim
+        row = self.row
+        cache = sim.cache
+        policy = sim.eviction
+        key = self.keys[i]
+        rec = sim.decisions
+        if key in cache.resident:
+            row.hits += 1
+            policy.on_access(key)
+            self._used_prefetch(key)
+            if rec is not None:
+                rec.append((self.p, self.layer, "hit", key))
+            return [self._run(i, key, None)]
+        tr = cache.inflight.get(key)
+        if tr is not None:
+            row.late += 1
+            policy.on_access(key)
+            self._used_prefetch(key)
+            if tr.priority != DEMAND and not tr.started:
+                sim.copy.promote(tr)
+            if rec is not None:
+                rec.append((self.p, self.layer, "hit", key))
+            return [self._run(i, key, tr)]
+        ctx = self.ctx
+        miss = sim.miss
+        if not self.plain:
+            alt = miss.alternative(self.layer, self.experts[i], self.ranks[i], cache.resident.__contains__)  # type: ignore[index]
+            if alt is not None:
+                row.hits += 1
+                policy.on_access(alt)
+                pinned.add(alt)
+                row.low_precision += ctx.precision_of(alt) != ctx.default_precision
+                if rec is not None:
+                    rec.append((self.p, self.layer, "hit", alt))
+                return [self._run(i, alt, None)]
+        row.misses += 1
+        if key in self.evicted:
+            row.collisions += 1
+        if self.plain or miss.always_fetch:
+            return [self._fetch(i, (ctx.default_precision,), pinned, now)]
+        assert self.toks is not None
+        assert self.ranks is not None
+        e = self.experts[i]
+        toks = self.toks[i]
+        dec = miss.decide(MissInfo(self.p, self.layer, e, self.ranks[i], self.rows[toks], self.routed, self.cached))
+        if dec.action == "fetch":
+            return [self._fetch(i, dec.precisions or (ctx.default_precision,), pinned, now)]
+        if dec.action == "drop":
+            row.dropped += 1
+            for t in toks:
+                self.final[t].discard(e)
+            return []
+        if dec.action == "substitute":
+            assert dec.substitute is not None
+            e2 = dec.substitute
+            row.substituted += 1
+            for t in toks:
+                self.final[t].discard(e)
+                self.final[t].add(e2)
+            return self._use_other(e2, len(toks), pinned)
+        # speculate: each token takes its best-predicted expert that is cached
+        if self.pred_order is None:
+            self.pred_order = _predicted(sim, self.p, self.layer, self.rows)
+        row.substituted += 1
+        runs: list[Run] = []
+        counts: dict[int, int] = {}
+        for t in toks:
+            self.final[t].discard(e)
+            for cand in self.pred_order[t]:
+                if cand in self.final[t] or not self.cached(ctx.key(self.layer, cand)):
+                    continue
+                self.final[t].add(cand)
+                counts[cand] = counts.get(cand, 0) + 1
+                break
+        for cand, n in counts.items():
+            runs.extend(self._use_other(cand, n, pinned))
+        return runs
+
+    def _used_prefetch(self, key: int) -> None:
+        unused = self.sim.pf_unused
+        if unused and key in unused:
+            unused.discard(key)
+            self.row.pf_used += 1
+
+    def _run(self, i: int, key: int, tr: Transfer | None) -> Run:
+        if self.plain:
+            return Run(key, tr, self.ffn[i])
+        e = self.experts[i]
+        self.key_for[e] = key
+        assert self.toks is not None
+        nb = self.ctx.precision_bytes[self.ctx.precision_of(key)]
+        return Run(key, tr, self.sim.cost.expert_time_at(len(self.toks[i]), nb) * self.scale)
+
+    def _use_other(self, e2: int, n_tokens: int, pinned: set[int]) -> list[Run]:
+        """A resident or arriving expert computes tokens of a missed one (substitute or
+        speculate); a queued prefetch of it is promoted (it is needed now)."""
+        sim = self.sim
+        k2 = self.ctx.key(self.layer, e2)
+        tr = sim.cache.inflight.get(k2)
+        if tr is not None and tr.priority != DEMAND and not tr.started:
+            sim.copy.promote(tr)
+        if e2 not in self.key_for:
+            sim.eviction.on_access(k2)
+            self.key_for[e2] = k2
+        pinned.add(k2)
+        if sim.decisions is not None:
+            sim.decisions.append((self.p, self.layer, "hit", k2))
+        nb = self.ctx.precision_bytes[self.ctx.precision_of(k2)]
+        return [Run(k2, tr, sim.cost.expert_time_at(n_tokens, nb) * self.scale)]
+
+    def _fetch(self, i: int, levels: tuple[int, ...], pinned: set[int], now: float) -> Run:
+        """Fetch the ``i``-th expert at the first precision that is resident or for which
+        room can be made (evicting unpinned victims); when none, copy it to a staging buffer
+        that is not kept (an *uncached fetch*)."""
+        sim = self.sim
+        ctx = self.ctx
+        cache = sim.cache
+        copy = sim.copy
+        row = self.row
+        rec = sim.decisions
+        layer, e = self.layer, self.experts[i]
+        default = ctx.default_precision
+        for q in levels:
+            kq = self.keys[i] if q == default else ctx.key(layer, e, q)
+            if kq in cache.resident:
+                sim.eviction.on_access(kq)
+                pinned.add(kq)
+                row.low_precision += q != ctx.default_precision
+                if rec is not None:
+                    rec.append((self.p, layer, "hit", kq))
+                return self._run(i, kq, None)
+            nb = ctx.precision_bytes[q]
+            room = cache.make_room(nb, pinned)
+            if room is None:
+                continue
+            if room:
+                self.evicted.update(room)
+                if rec is not None:
+                    rec.extend((self.p, layer, "evict", v) for v in room)
+            pinned.add(kq)
+            tr = copy.submit(kq, nb, DEMAND, now)
+            cache.reserve(tr, True)
+            row.low_precision += q != default
+            if rec is not None:
+                rec.append((self.p, layer, "fetch", kq))
+            if copy.instant:
+                cache.complete(tr)
+                return self._run(i, kq, None)
+            return self._run(i, kq, tr)
+        q = levels[-1]
+        kq = ctx.key(layer, e, q)
+        tr = copy.submit(kq, ctx.precision_bytes[q], DEMAND, now)
+        tr.bypass = True
+        row.uncached += 1
+        row.low_precision += q != ctx.default_precision
+        if rec is not None:
+            rec.append((self.p, layer, "bypass", kq))
+        return self._run(i, kq, None if copy.instant else tr)
+
+    # -- after the lookups -------------------------------------------------------------------
+    def finish(self, runs: list[Run]) -> list[Run]:
+        """Count what the layer computed (unique experts, gate mass, altered tokens) and
+        return its expert computations for ``layer``/``on-arrival`` execution: ``runs`` as
+        looked up, or, when tokens were re-routed, one per expert finally computed with all
+        of its tokens (a fused kernel runs each expert once)."""
+        row = self.row
+        if self.plain:
+            row.unique += len(self.experts)
+            return runs
+        sim = self.sim
+        total, kept, altered = token_mass(sim.wl, self.rows, self.orig, self.final)
+        row.mass_total += total
+        row.mass_kept += kept
+        row.altered |= altered
+        tokens_of: dict[int, int] = {}
+        for fin in self.final:
+            for e in fin:
+                tokens_of[e] = tokens_of.get(e, 0) + 1
+        row.unique += len(tokens_of)
+        arrival = {r.key: r.tr for r in runs}
+        out = []
+        for e, n in tokens_of.items():
+            key = self.key_for[e]
+            nb = self.ctx.precision_bytes[self.ctx.precision_of(key)]
+            out.append(Run(key, arrival.get(key), sim.cost.expert_time_at(n, nb) * self.scale))
+        return out
+
+
+def token_mass(wl: Any, rows: np.ndarray, orig: np.ndarray,
+               final: list[set[int]]) -> tuple[float, float, set[tuple[int, int]]]:
+    """Gate mass of the original top-k, the mass of the experts each token finally computed,
+    and the (request, position) of tokens whose expert set changed. Mass is the router
+    probability when the trace has ``probs``, else the top-k weight (0 outside the top-k)."""
+    trace = wl.trace
+    probs = wl.probs[rows].astype(np.float64) if wl.probs is not None else None
+    weights = trace.weights[rows]
+    req = trace.request[rows]
+    pos = trace.position[rows]
+    total = kept = 0.0
+    altered: set[tuple[int, int]] = set()
+    for t in range(len(rows)):
+        o = orig[t].tolist()
+        if probs is not None:
+            total += float(probs[t, sorted(o)].sum())
+            kept += float(probs[t, sorted(final[t])].sum()) if final[t] else 0.0
+        else:
+            wmap = dict(zip(o, weights[t].tolist(), strict=True))
+            total += float(sum(wmap.values()))
+            kept += float(sum(wmap.get(e, 0.0) for e in final[t]))
+        if final[t] != set(o):
+            altered.add((int(req[t]), int(pos[t])))
+    return total, kept, altered
+
+
+def _predicted(sim: Replay, p: int, layer: int, rows: np.ndarray) -> list[list[int]]:
+    """Per token of ``rows``: experts ordered by the previous layer's prediction (pred_next)."""
+    wl = sim.wl
+    trace = wl.trace
+    assert trace is not None
+    assert wl.pred_next is not None
+    prev_rows = wl.rows(p, layer - 1)
+    where = {(int(trace.request[r]), int(trace.position[r])): r for r in prev_rows}
+    out: list[list[int]] = []
+    for r in rows:
+        src = where.get((int(trace.request[r]), int(trace.position[r])))
+        if src is None:
+            out.append([])
+            continue
+        out.append(np.argsort(-wl.pred_next[src], kind="stable").tolist())
+    return out

@@ -1,0 +1,81 @@
+"""Writing results atomically and printing the summary table."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moesim.simulator.engine import Result
+
+
+def write_results(result: Result, out_dir: str | os.PathLike[str], extra: dict[str, str] | None = None) -> Path:
+    """Write ``summary.json``, ``steps.parquet`` and ``scenario.resolved.yaml`` into
+    ``out_dir`` atomically: everything goes to a temporary sibling folder that then replaces
+    ``out_dir`` in one rename, so a failure leaves the old results (or nothing)."""
+    target = Path(out_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        (tmp / "summary.json").write_text(json.dumps(result.summary, indent=2, sort_keys=False) + "\n")
+        result.steps.to_parquet(tmp / "steps.parquet", index=False)
+        (tmp / "scenario.resolved.yaml").write_text(
+            yaml.safe_dump(result.scenario.to_dict(), sort_keys=False))
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
+        old = None
+        if target.exists():
+            old = target.parent / f".{target.name}.old-{os.getpid()}"
+            os.rename(target, old)
+        os.rename(tmp, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _fmt(value: Any, key: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_fmt(v, key)}" for k, v in value.items())
+    if isinstance(value, float):
+        if key.endswith("_s") and value < 1:
+            return f"{value * 1e3:.3f} ms"
+        if key.startswith("bytes"):
+            return f"{value / 1e9:.3f} GB"
+        return f"{value:.4g}"
+    if isinstance(value, int) and key.startswith("bytes"):
+        return f"{value / 1e9:.3f} GB"
+    return str(value)
+
+
+SUMMARY_ROWS = ("hits", "misses", "hit_rate", "collision_misses", "late_prefetches",
+                "prefetches_issued", "prefetches_used", "prefetch_precision", "prefetch_recall",
+                "uncached_fetches", "bytes_by_link", "stall_s", "ttft_s", "tpot_s",
+                "tokens_per_s", "mean_accepted_tokens", "speedup_vs_autoregressive", "link_utilisation", "unique_experts_per_layer",
+                "unique_experts_per_layer_prefill", "gate_mass_retained", "tokens_altered",
+                "low_precision_experts", "dropped_experts", "substituted_experts", "total_time_s",
+                "forward_passes", "tokens", "requests")
+
+
+def summary_table(result: Result, title: str) -> Any:
+    """A rich Table of the main metrics."""
+    from rich.table import Table
+
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in SUMMARY_ROWS:
+        if key in result.summary:
+            table.add_row(key, _fmt(result.summary[key], key))
+    if "warning" in result.summary:
+        table.add_row("warning", result.summary["warning"])
+    return table

@@ -1,0 +1,360 @@
+"""Scenario YAML -> typed, frozen config objects, in this one place.
+
+Keys (``docs/design.md``: "Scenario YAML")::
+
+    seed: 0
+    timing: true                   # false: cache-only replay (hit/miss decisions, no timeline)
+    expert_compute: layer          # or on-arrival (each expert as soon as it arrives) or per-expert
+                                   # (one at a time in router order, a Hugging Face-style loop)
+    hardware: {preset: a100-80g-pcie4, links: {pcie: {bandwidth_gbps: 5}}}
+    workload:
+      trace: {synth: {preset: olmoe-1b-7b, tokens: 2000}}   # or {path: trace.parquet}
+      batch_size: 1
+    cache: {capacity: 5%, precision: bf16}
+    policies: {eviction: lru, miss: fetch, prefetch: none, routing: standard, budget: none}
+
+Unknown keys and unknown policy names are errors naming the file, the key path and the valid
+choices. ``--set dotted.key=value`` overrides any key (values parsed as YAML).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from moesim.policies import families
+from moesim.simulator.confload import ConfigError, build, to_plain
+from moesim.simulator.confload import read_yaml as read_yaml_file
+from moesim.simulator.errors import MoesimError
+from moesim.simulator.hardware import HardwareConfig, expand_preset
+
+
+@dataclass(frozen=True)
+class SynthSource:
+    """An in-process synthetic trace (``moesim trace synth`` with the same options)."""
+
+    preset: str | None = field(default=None, metadata={"help": "model preset (olmoe-1b-7b, mixtral-8x7b, ...)"})
+    fit: str | None = field(default=None, metadata={
+        "help": "a fitted profile instead of a preset (file from `moesim trace fit`, or a shipped name)"})
+    requests: int = field(default=1, metadata={"help": "number of requests"})
+    prompt_tokens: int = field(default=0, metadata={"help": "prefill tokens per request (0: none)"})
+    tokens: int = field(default=2000, metadata={"help": "decode tokens per request"})
+    seed: int | None = field(default=None, metadata={"help": "trace seed (default: scenario seed)"})
+    routing: Literal["realistic", "uniform"] = field(default="realistic", metadata={"help": "routing model"})
+    layers: int | None = field(default=None, metadata={"help": "override the preset's layer count"})
+    experts: int | None = field(default=None, metadata={"help": "override experts per layer"})
+    top_k: int | None = field(default=None, metadata={"help": "override top-k"})
+    probs: bool = field(default=False, metadata={"help": "record full router probabilities"})
+    pred_next: bool = field(default=False, metadata={
+        "help": "record a predictor of the next layer's router probabilities (for prefetch)"})
+    pred_noise: float = field(default=1.0, metadata={
+        "help": "noise (logit std) of that predictor: 0 = perfect"})
+
+    def __post_init__(self) -> None:
+        from moesim.simulator.errors import did_you_mean
+        from moesim.traces.synth import PRESETS
+
+        if (self.preset is None) == (self.fit is None):
+            raise ValueError("give exactly one of 'preset' and 'fit'")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"preset '{self.preset}'{did_you_mean(self.preset, list(PRESETS))} is not a "
+                             f"synthetic preset; valid presets: {', '.join(PRESETS)}")
+        for key in ("requests", "layers", "experts", "top_k"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"{key} must be >= 1, got {value}")
+        for key in ("prompt_tokens", "tokens"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
+
+
+@dataclass(frozen=True)
+class ImportSource:
+    """A routing log converted in-process (``moesim trace import`` with the same options)."""
+
+    format: str = field(metadata={"help": "import format, e.g. expert-jsonl"})
+    path: str = field(metadata={"help": "file or folder (relative to the scenario file)"})
+    model_preset: str | None = field(default=None, metadata={
+        "help": "synthetic preset giving the model shapes the log lacks"})
+
+
+@dataclass(frozen=True)
+class TraceSource:
+    """Where the workload's trace comes from: exactly one of ``synth``, ``path``, ``import``."""
+
+    synth: SynthSource | None = field(default=None, metadata={"help": "synthetic trace options"})
+    path: str | None = field(default=None, metadata={"help": "a v1 Parquet trace (relative to the scenario file)"})
+    import_: ImportSource | None = field(default=None, metadata={
+        "help": "a routing log imported in-process (YAML key: import)", "yaml": "import"})
+
+    def __post_init__(self) -> None:
+        if sum(x is not None for x in (self.synth, self.path, self.import_)) != 1:
+            raise ValueError("give exactly one of 'synth', 'path' and 'import'")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative verification built from a decode trace (``docs/speculative.md``)."""
+
+    tree_size: int = field(metadata={
+        "help": "tokens verified per request per pass (a chain of s draft tokens: s + 1; an EAGLE tree: M)"})
+    depth: int | None = field(default=None, metadata={
+        "help": "longest acceptable draft path (default: tree_size - 1, a chain)"})
+    accept_prob: float = field(default=0.7, metadata={
+        "help": "each draft token on the path is accepted with this probability, until the first rejection"})
+    sparse_attention: float = field(default=0.0, metadata={
+        "help": "s_a (sparse verification §3, Table 1): share of KV blocks a verification pass skips"})
+    sparse_ffn: float = field(default=0.0, metadata={
+        "help": "s_f: share of the experts' down-projection channels a verification pass prunes"})
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.tree_size <= 1024:
+            raise ValueError(f"tree_size must be in 1..1024, got {self.tree_size}")
+        if self.depth is not None and not 0 <= self.depth < self.tree_size:
+            raise ValueError(f"depth must be in 0..tree_size-1, got {self.depth}")
+        if not 0 <= self.accept_prob <= 1:
+            raise ValueError(f"accept_prob must be in [0, 1], got {self.accept_prob}")
+        for key in ("sparse_attention", "sparse_ffn"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"{key} must be in [0, 1), got {getattr(self, key)}")
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """Which tokens go through each forward pass."""
+
+    trace: TraceSource = field(metadata={"help": "the routing trace"})
+    batch_size: int = field(default=1, metadata={
+        "help": "B requests decoded together: a decode step carries one token of each"})
+    max_requests: int | None = field(default=None, metadata={"help": "replay only the first N requests"})
+    speculative: SpeculativeConfig | None = field(default=None, metadata={
+        "help": "replace decode steps by speculative verification passes"})
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {self.max_requests}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The GPU expert cache."""
+
+    capacity: str = field(default="5%", metadata={
+        "help": "'5%' of all expert bytes, '0.6GB' / '600MiB', '64 experts', or 'inf'"})
+    precision: str | None = field(default=None, metadata={
+        "help": "precision experts are stored and fetched at (default: bf16 or the trace's first)"})
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A resolved policy choice: registered name plus its typed parameters."""
+
+    name: str
+    params: Any
+
+
+@dataclass(frozen=True)
+class PoliciesConfig:
+    """One policy per family."""
+
+    eviction: PolicySpec
+    miss: PolicySpec
+    prefetch: PolicySpec
+    routing: PolicySpec
+    budget: PolicySpec
+
+
+POLICY_DEFAULTS = {"eviction": "lru", "miss": "fetch", "prefetch": "none",
+                   "routing": "standard", "budget": "none"}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A whole scenario, resolved."""
+
+    hardware: HardwareConfig
+    workload: WorkloadConfig
+    cache: CacheConfig
+    policies: PoliciesConfig
+    seed: int = 0
+    timing: bool = True
+    expert_compute: Literal["layer", "on-arrival", "per-expert"] = "layer"
+    source: str = "<memory>"
+    base_dir: str = "."
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved scenario as plain data (what scenario.resolved.yaml holds)."""
+        pol = {fam: {"name": spec.name, **to_plain(spec.params)}
+               for fam, spec in vars(self.policies).items()}
+        hw = to_plain(self.hardware)  # the profile's tables stay out: 'profile' names their file
+        return {
+            "seed": self.seed, "timing": self.timing, "expert_compute": self.expert_compute,
+            "hardware": hw, "workload": to_plain(self.workload), "cache": to_plain(self.cache),
+            "policies": pol,
+        }
+
+
+@dataclass(frozen=True)
+class _TopLevel:
+    seed: int = 0
+    timing: bool = True
+    expert_compute: Literal["layer", "on-arrival", "per-expert"] = "layer"
+    hardware: Any = None
+    workload: Any = None
+    cache: Any = None
+    policies: Any = None
+    sweep: Any = None
+
+
+def _policy(family: str, value: Any, where: str) -> PolicySpec:
+    path = f"policies.{family}"
+    if isinstance(value, str):
+        name, params = value, {}
+    elif isinstance(value, dict):
+        if "name" not in value:
+            raise ConfigError(f"{where}: key '{path}' needs a 'name' (e.g. {{name: lru}}).")
+        params = {k: v for k, v in value.items() if k != "name"}
+        name = value["name"]
+    else:
+        raise ConfigError(f"{where}: key '{path}' must be a policy name or a mapping with 'name', "
+                          f"got {value!r}.")
+    cls = families()[family].get(str(name), where=f"{where}: key '{path}'")
+    return PolicySpec(str(name), build(cls.Params, params, path, where))
+
+
+def parse_set(assignments: list[str] | tuple[str, ...]) -> list[tuple[list[str], Any]]:
+    """``["a.b=1", ...]`` -> ``[(["a", "b"], 1), ...]`` (values parsed as YAML)."""
+    out = []
+    for item in assignments:
+        if "=" not in item:
+            raise MoesimError(f"--set '{item}' must look like dotted.key=value (e.g. cache.capacity=25%).")
+        key, raw = item.split("=", 1)
+        if not key or any(not part for part in key.split(".")):
+            raise MoesimError(f"--set '{item}': the key '{key}' is not a dotted key path.")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key.split("."), value))
+    return out
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[tuple[list[str], Any]]) -> dict[str, Any]:
+    """Set each dotted key in a copy of ``data``; a policy name becomes ``{name: ...}`` when a
+    parameter is set under it."""
+    data = copy.deepcopy(data)
+    for keys, value in overrides:
+        node = data
+        for i, key in enumerate(keys[:-1]):
+            nxt = node.get(key)
+            if isinstance(nxt, str) and i == 1 and keys[0] == "policies":
+                nxt = {"name": nxt}
+            if not isinstance(nxt, dict):
+                nxt = {}
+            node[key] = nxt
+            node = nxt
+        node[keys[-1]] = value
+    return data
+
+
+def scenario_from_dict(data: Any, where: str = "<scenario>", base_dir: str = ".") -> Scenario:
+    """Build a :class:`Scenario` from plain data; errors name ``where`` and the key path."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: a scenario must be a YAML mapping of keys (seed, hardware, "
+                          f"workload, cache, policies), got {type(data).__name__}.")
+    top = build(_TopLevel, data, "", where)
+    hw_raw = top.hardware if top.hardware is not None else {"preset": "a100-80g-pcie4"}
+    if not isinstance(hw_raw, dict):
+        raise ConfigError(f"{where}: key 'hardware' must be a mapping (e.g. {{preset: a100-80g-pcie4}}).")
+    hardware = build(HardwareConfig, expand_preset(hw_raw, where, base_dir), "hardware", where)
+    if top.workload is None:
+        raise ConfigError(f"{where}: key 'workload' is required, e.g. "
+                          "workload: {trace: {synth: {preset: olmoe-1b-7b, tokens: 2000}}}.")
+    workload = build(WorkloadConfig, top.workload, "workload", where)
+    cache = build(CacheConfig, top.cache, "cache", where)
+    pol_raw = top.policies or {}
+    if not isinstance(pol_raw, dict):
+        raise ConfigError(f"{where}: key 'policies' must be a mapping of family to policy.")
+    fams = families()
+    unknown = [k for k in pol_raw if k not in fams]
+    if unknown:
+        from moesim.simulator.errors import did_you_mean
+        raise ConfigError(f"{where}: key 'policies.{unknown[0]}' is not a policy family"
+                          f"{did_you_mean(str(unknown[0]), list(fams))}; valid families: {', '.join(fams)}.")
+    specs = {fam: _policy(fam, pol_raw.get(fam, POLICY_DEFAULTS[fam]), where) for fam in fams}
+    return Scenario(hardware=hardware, workload=workload, cache=cache,
+                    policies=PoliciesConfig(**specs), seed=top.seed, timing=top.timing,
+                    expert_compute=top.expert_compute, source=where, base_dir=base_dir)
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Parse a scenario YAML file; errors name the file and the line."""
+    return read_yaml_file(path, "scenario", f"Shipped scenarios: {', '.join(shipped_scenarios()) or 'none'}.")
+
+
+def shipped_dir() -> Path:
+    """Folder of the scenarios shipped with moesim (``moesim/scenarios/``)."""
+    import moesim.scenarios as pkg
+
+    return Path(next(iter(pkg.__path__)))
+
+
+def shipped_scenarios() -> list[str]:
+    """Names of shipped scenarios (usable as ``moesim run NAME``)."""
+    base = shipped_dir()
+    return sorted(str(p.relative_to(base).with_suffix("")) for p in base.rglob("*.yaml"))
+
+
+def resolve_path(name_or_path: str) -> Path:
+    """A scenario path, or the shipped scenario of that name."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    cand = shipped_dir() / f"{name_or_path}.yaml"
+    if re.fullmatch(r"[\w./-]+", name_or_path) and cand.is_file():
+        return cand
+    return p
+
+
+def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Scenario:
+    """Read a scenario file (or shipped name) and apply ``--set`` overrides."""
+    p = resolve_path(str(path))
+    data = read_yaml(p)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: a scenario must be a YAML mapping of keys, got {type(data).__name__}.")
+    data = apply_overrides(data, parse_set(overrides))
+    return scenario_from_dict(data, where=str(p), base_dir=str(p.parent))
+
+
+_SIZE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_capacity(text: str, expert_bytes: int, total_expert_bytes: int, where: str) -> float:
+    """Cache capacity in bytes from '5%', '0.6GB', '600MiB', '64 experts' or 'inf'."""
+    s = str(text).strip().lower()
+    fix = ("write it as a percentage of all expert bytes ('5%'), a size ('0.6GB', '600MiB'), "
+           "a count ('64 experts') or 'inf'")
+    if s in ("inf", "infinite", "unlimited"):
+        return float("inf")
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*(%|[kmgt]i?b|b|experts?)", s)
+    if not m:
+        raise ConfigError(f"{where}: key 'cache.capacity' is {text!r}; {fix}.")
+    value, unit = float(m.group(1)), m.group(2)
+    if unit == "%":
+        if value > 100:
+            raise ConfigError(f"{where}: key 'cache.capacity' is {text}, more than 100% of the "
+                              "experts; use at most 100% (or 'inf').")
+        return total_expert_bytes * value / 100.0
+    if unit.startswith("expert"):
+        return value * expert_bytes
+    return value * _SIZE_UNITS[unit]

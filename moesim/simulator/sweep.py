@@ -1,0 +1,284 @@
+"""Sweeps: the cartesian product of named axes, each point run in its own worker process.
+
+Axes come from ``--grid dotted.key=v1,v2,...`` and from the scenario's ``sweep:`` section::
+
+    sweep:
+      axes:
+        cache.capacity: [1%, 5%, 25%]
+        hardware.links.pcie.bandwidth_gbps: [5, 16, 32]
+        policies.eviction: [lru, least-stale]
+      zip: [[cache.capacity, policies.eviction]]   # optional: axes that advance together
+
+Each point writes ``DIR/points/<id>/`` (summary.json, steps.parquet, scenario.resolved.yaml,
+point.json) atomically, or ``error.json`` when it fails; the sweep goes on. A point whose
+folder exists is skipped, so rerunning resumes. ``DIR/results.parquet`` has one row per
+finished point: its axis values and every summary metric (nested ones flattened with dots).
+Point ids are a hash of the point's overrides, so they do not depend on the order of the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from moesim.simulator.atomic import write_atomic
+from moesim.simulator.errors import MoesimError, did_you_mean
+from moesim.simulator.scenario import (
+    apply_overrides,
+    parse_set,
+    read_yaml,
+    resolve_path,
+    scenario_from_dict,
+)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One grid point: its id and the dotted-key overrides that define it."""
+
+    pid: str
+    values: dict[str, Any]
+
+
+def parse_grid(items: tuple[str, ...] | list[str]) -> dict[str, list[Any]]:
+    """``["a.b=1,2", ...]`` -> ``{"a.b": [1, 2]}`` (each value parsed as YAML)."""
+    axes: dict[str, list[Any]] = {}
+    for item in items:
+        if "=" not in item:
+            raise MoesimError(f"--grid '{item}' must look like dotted.key=v1,v2,... (e.g. cache.capacity=1%,5%).")
+        key, raw = item.split("=", 1)
+        values = [v for v in raw.split(",") if v != ""]
+        if not values:
+            raise MoesimError(f"--grid '{item}' has no values.")
+        axes[key] = [parse_set([f"{key}={v}"])[0][1] for v in values]
+    return axes
+
+
+def base_data(scenario_path: str, overrides: tuple[str, ...] = ()) -> tuple[Path, dict[str, Any], Any]:
+    """The scenario file, its data with ``overrides`` applied (without ``sweep:``), and its
+    ``sweep:`` section."""
+    p = resolve_path(scenario_path)
+    data = read_yaml(p) or {}
+    if not isinstance(data, dict):
+        raise MoesimError(f"{p}: a scenario must be a YAML mapping.")
+    data = apply_overrides(data, parse_set(list(overrides)))
+    section = data.pop("sweep", None) or {}
+    return p, data, section
+
+
+def make_points(p: Path, data: dict[str, Any], combos: list[dict[str, Any]]) -> list[Point]:
+    """A point per set of dotted-key overrides, each point's scenario validated before
+    anything runs (a bad value fails up front, naming the point); the id is a hash of the
+    overrides, so it does not depend on the order of the run."""
+    points = []
+    for chosen in combos:
+        pid = hashlib.sha1(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        point_data = apply_overrides(data, [(k.split("."), v) for k, v in chosen.items()])
+        scenario_from_dict(point_data, where=f"{p} (sweep point {chosen})", base_dir=str(p.parent))
+        points.append(Point(pid, chosen))
+    data["__base_dir__"] = str(p.parent)
+    data["__source__"] = str(p)
+    return points
+
+
+def plan(scenario_path: str, grid: dict[str, list[Any]], overrides: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[Point], list[list[str]]]:
+    """The base scenario data (without ``sweep:``) and the points, validating every point's
+    scenario before anything runs (a bad axis value fails the sweep up front)."""
+    p, data, section = base_data(scenario_path, overrides)
+    if not isinstance(section, dict) or set(section) - {"axes", "zip"}:
+        bad = sorted(set(section) - {"axes", "zip"}) if isinstance(section, dict) else [repr(section)]
+        raise MoesimError(f"{p}: key 'sweep.{bad[0]}' is not a known key{did_you_mean(str(bad[0]), ['axes', 'zip'])}; "
+                          "valid keys here: axes, zip.")
+    axes: dict[str, list[Any]] = {}
+    for key, values in (section.get("axes") or {}).items():
+        if not isinstance(values, list) or not values:
+            raise MoesimError(f"{p}: key 'sweep.axes.{key}' must be a non-empty list of values.")
+        axes[str(key)] = values
+    axes.update(grid)
+    if not axes:
+        raise MoesimError(f"{p}: nothing to sweep: give --grid key=v1,v2 or a 'sweep: {{axes: ...}}' section.")
+    zips: list[list[str]] = [list(z) for z in (section.get("zip") or [])]
+    zipped = {k for z in zips for k in z}
+    for z in zips:
+        missing = [k for k in z if k not in axes]
+        if missing:
+            raise MoesimError(f"{p}: key 'sweep.zip' names {missing[0]}, which is not an axis; axes: {', '.join(axes)}.")
+        if len({len(axes[k]) for k in z}) != 1:
+            raise MoesimError(f"{p}: zipped axes {', '.join(z)} must have the same number of values.")
+    groups: list[list[dict[str, Any]]] = []
+    for z in zips:
+        groups.append([dict(zip(z, vals, strict=True)) for vals in zip(*(axes[k] for k in z), strict=True)])
+    for key, values in axes.items():
+        if key not in zipped:
+            groups.append([{key: v} for v in values])
+    combos = []
+    for combo in itertools.product(*groups):
+        chosen: dict[str, Any] = {}
+        for part in combo:
+            chosen.update(part)
+        combos.append(chosen)
+    return data, make_points(p, data, combos), zips
+
+
+def run_point(data: dict[str, Any], point: Point, out_dir: str) -> tuple[str, str, float]:
+    """Run one point in this (worker) process; write its folder atomically. Returns
+    (point id, 'ok' | 'error', seconds)."""
+    from moesim.simulator.engine import Simulation
+    from moesim.simulator.results import write_results
+
+    t0 = time.perf_counter()
+    target = Path(out_dir) / "points" / point.pid
+    base = dict(data)
+    base_dir = base.pop("__base_dir__", ".")
+    source = base.pop("__source__", "<sweep>")
+    try:
+        sc_data = apply_overrides(base, [(k.split("."), v) for k, v in point.values.items()])
+        sc = scenario_from_dict(sc_data, where=f"{source} (sweep point {point.values})", base_dir=base_dir)
+        result = Simulation(sc).run()
+        write_results(result, target, extra={"point.json": json.dumps({"id": point.pid, "values": point.values})})
+        return point.pid, "ok", time.perf_counter() - t0
+    except Exception as exc:
+        msg = str(exc) if isinstance(exc, MoesimError) else "".join(traceback.format_exception(exc))
+        _write_error(target, point, msg)
+        return point.pid, "error", time.perf_counter() - t0
+
+
+def _write_error(target: Path, point: Point, message: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    (tmp / "error.json").write_text(json.dumps({"id": point.pid, "values": point.values, "error": message}, indent=2))
+    (tmp / "point.json").write_text(json.dumps({"id": point.pid, "values": point.values}))
+    if target.exists():
+        shutil.rmtree(target)
+    os.rename(tmp, target)
+
+
+def done_points(out_dir: Path) -> set[str]:
+    """Ids of points with a complete folder (finished or failed)."""
+    base = out_dir / "points"
+    if not base.is_dir():
+        return set()
+    return {d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith(".")
+            and ((d / "summary.json").is_file() or (d / "error.json").is_file())}
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}" if prefix else str(k), v, out)
+    else:
+        out[prefix] = value
+
+
+def collect(out_dir: Path, points: list[Point]) -> pd.DataFrame:
+    """One row per finished point (axis values + summary metrics); written atomically."""
+    rows = []
+    for pt in points:
+        d = out_dir / "points" / pt.pid
+        row: dict[str, Any] = {"point": pt.pid}
+        row.update({k: v if not isinstance(v, list | dict) else json.dumps(v) for k, v in pt.values.items()})
+        if (d / "summary.json").is_file():
+            row["status"] = "ok"
+            _flatten("", json.loads((d / "summary.json").read_text()), row)
+        elif (d / "error.json").is_file():
+            row["status"] = "error"
+            row["error"] = json.loads((d / "error.json").read_text())["error"].splitlines()[0][:300]
+        else:
+            continue
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    write_atomic(out_dir / "results.parquet", lambda tmp: df.to_parquet(tmp, index=False))
+    return df
+
+
+def sweep(scenario_path: str, out_dir: str, grid: dict[str, list[Any]] | None = None,
+          overrides: tuple[str, ...] = (), workers: int = 1, executor: str = "local",
+          ray_address: str | None = None, progress: Callable[[int, int, int], None] | None = None) -> pd.DataFrame:
+    """Run every point not yet done; return the results table (see module docstring)."""
+    data, points, zips = plan(scenario_path, grid or {}, overrides)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.yaml").write_text(yaml.safe_dump(
+        {"scenario": str(scenario_path), "axes": sorted({k for p in points for k in p.values}),
+         "zip": zips, "points": [{"id": p.pid, **p.values} for p in points]}, sort_keys=False))
+    run_points(data, points, out, workers, executor, ray_address, progress)
+    return collect(out, points)
+
+
+def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: int = 1, executor: str = "local",
+               ray_address: str | None = None, progress: Callable[[int, int, int], None] | None = None) -> None:
+    """Run every point whose folder is not complete yet (locally, one fresh process per
+    point, or on Ray); ``progress(finished, failed, total)`` after each."""
+    todo = [p for p in points if p.pid not in done_points(out)]
+    failed = 0
+    finished = len(points) - len(todo)
+    if progress is not None:
+        progress(finished, failed, len(points))
+    if executor == "ray":
+        failed = _run_ray(data, todo, out, workers, ray_address, progress, finished, len(points))
+    elif executor == "local" and todo:
+        import multiprocessing
+
+        # one fresh process per point, forked from a server that has the heavy modules loaded
+        # (plain spawn would re-import numpy/pandas/pyarrow for every point)
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["numpy", "pandas", "pyarrow", "simpy", "moesim.simulator.engine",
+                                    "moesim.simulator.results", "moesim.simulator.sweep"])
+        fresh: dict[str, Any] = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
+        pool = ProcessPoolExecutor(workers, ctx, **fresh)  # Python 3.10 reuses worker processes
+        try:
+            futures = [pool.submit(run_point, data, p, str(out)) for p in todo]
+            for fut in as_completed(futures):
+                _, status, _ = fut.result()
+                finished += 1
+                failed += status == "error"
+                if progress is not None:
+                    progress(finished, failed, len(points))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+    elif executor != "local":
+        raise MoesimError(f"unknown executor '{executor}'; valid: local, ray.")
+
+
+def _run_ray(data: dict[str, Any], todo: list[Point], out: Path, workers: int, address: str | None,
+             progress: Callable[[int, int, int], None] | None, finished: int, total: int) -> int:
+    try:
+        import ray
+    except ImportError:
+        raise MoesimError("--executor ray needs Ray: pip install -e '.[ray]'.") from None
+    started = False
+    if not ray.is_initialized():
+        ray.init(address=address, num_cpus=None if address else max(workers, 1), include_dashboard=False,
+                 log_to_driver=False)
+        started = True
+    try:
+        remote = ray.remote(num_cpus=1)(run_point)
+        refs = [remote.remote(data, p, str(out)) for p in todo]
+        failed = 0
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            _, status, _ = ray.get(ready[0])
+            finished += 1
+            failed += status == "error"
+            if progress is not None:
+                progress(finished, failed, total)
+        return failed
+    finally:
+        if started:
+            ray.shutdown()

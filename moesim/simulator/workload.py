@@ -1,0 +1,252 @@
+"""Trace -> forward passes (``docs/design.md``: "Data flow", Workload).
+
+Static batching: requests, ordered by id, are taken in groups of ``batch_size``. A group runs
+its passes back to back: pass ``s`` of the group carries step ``s`` of each of its requests
+that has one (step 0 is the prefill when the trace has one, so the group's prompts are
+prefilled together; each decode step then carries one token of each request). Groups run one
+after another.
+
+For each (pass, layer) the workload lists the *expert accesses*: the distinct experts the
+pass's tokens routed to at that layer, in order of first appearance (tokens by request then
+position, experts in rank order), with the number of tokens routed to each and the sum of
+their mixing weights. A batch-1 decode trace therefore gives the access stream "by step, by
+layer, by rank" that libCacheSim is fed in the differential tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from moesim.traces.schema import PHASE_CODES, ModelInfo
+from moesim.traces.trace import Trace
+
+PREFILL, DECODE, VERIFY = PHASE_CODES["prefill"], PHASE_CODES["decode"], PHASE_CODES["verify"]
+
+
+@dataclass
+class Workload:
+    """Forward passes and their expert accesses as flat numpy arrays.
+
+    Per pass ``p`` (in execution order): ``pass_group``, ``pass_step``, ``pass_phase``
+    (phase code: prefill if any prefill token, else verify if any, else decode),
+    ``pass_tokens`` (token occurrences), ``pass_context`` (sum over tokens of position + 1,
+    the attention context), ``pass_requests``.
+
+    Accesses of (pass ``p``, layer ``l``) are ``acc_*[off[p * L + l] : off[p * L + l + 1]]``:
+    ``acc_layer``, ``acc_expert``, ``acc_rank`` (best router rank among the tokens),
+    ``acc_tokens`` (tokens routed), ``acc_weight`` (sum of their mixing weights).
+
+    ``request_ids`` lists requests in order; ``request_group`` their group;
+    ``request_first_pass`` the pass that produced their first token.
+    """
+
+    model: ModelInfo
+    batch_size: int
+    pass_group: np.ndarray
+    pass_step: np.ndarray
+    pass_phase: np.ndarray
+    pass_tokens: np.ndarray
+    pass_context: np.ndarray
+    pass_requests: np.ndarray
+    off: np.ndarray
+    acc_layer: np.ndarray
+    acc_expert: np.ndarray
+    acc_rank: np.ndarray
+    acc_tokens: np.ndarray
+    acc_weight: np.ndarray
+    request_ids: np.ndarray
+    request_group: np.ndarray
+    request_first_pass: np.ndarray
+    weight_total: np.ndarray
+    row_order: np.ndarray | None = None
+    row_off: np.ndarray | None = None
+    probs: np.ndarray | None = None
+    pred_next: np.ndarray | None = None
+    trace: Trace | None = None
+    pass_generated: np.ndarray | None = None  # tokens each pass produces (verify: accepted + 1)
+
+    def rows(self, pass_index: int, layer: int) -> np.ndarray:
+        """Indices into the trace's row arrays (``probs``, ``pred_next``) of the tokens of
+        (pass, layer), ordered by request then position."""
+        assert self.row_order is not None
+        assert self.row_off is not None
+        b = pass_index * self.model.num_layers + layer
+        return self.row_order[int(self.row_off[b]):int(self.row_off[b + 1])]
+
+    @property
+    def num_passes(self) -> int:
+        return int(self.pass_group.shape[0])
+
+    @property
+    def num_accesses(self) -> int:
+        return int(self.acc_expert.shape[0])
+
+    def keys(self) -> np.ndarray:
+        """Cache key of every access: ``layer * num_experts + expert``."""
+        return self.acc_layer.astype(np.int64) * self.model.num_experts + self.acc_expert
+
+
+def speculate(trace: Trace, tree_size: int, depth: int, accept_prob: float,
+              rng: np.random.Generator) -> tuple[Trace, dict[tuple[int, int], int]]:
+    """Decode rows -> verification rows (see ``docs/speculative.md``). Returns the new trace
+    and the tokens each (request, verify step) produces."""
+    dec = trace.phase == PHASE_CODES["decode"]
+    keep = trace.take(~dec)
+    parts = [keep]
+    produced: dict[tuple[int, int], int] = {}
+    d = trace.take(dec)
+    first_step = 1 if (trace.phase == PHASE_CODES["prefill"]).any() else 0
+    for r in np.unique(d.request):
+        sel = np.flatnonzero(d.request == r)
+        pos = d.position[sel]
+        upos = np.unique(pos)
+        by_pos = {int(q): sel[pos == q] for q in upos}
+        c = 0
+        step = first_step
+        while c < len(upos):
+            window = upos[c:c + tree_size]
+            a = 0
+            while a < min(depth, len(window) - 1) and rng.random() < accept_prob:
+                a += 1
+            idx = np.concatenate([by_pos[int(q)] for q in window])
+            piece = d.take(idx)
+            piece.step = np.full(len(idx), step, dtype=np.int32)
+            piece.phase = np.full(len(idx), PHASE_CODES["verify"], dtype=np.int8)
+            piece.node = np.repeat(np.arange(len(window), dtype=np.int16),
+                                   [len(by_pos[int(q)]) for q in window])
+            piece.parent = np.where(piece.node > 0, piece.node - 1, -1).astype(np.int16)
+            piece.accepted = piece.node <= a
+            parts.append(piece)
+            produced[(int(r), step)] = a + 1
+            c += a + 1
+            step += 1
+    keep.node = np.zeros(len(keep), dtype=np.int16)
+    keep.parent = np.full(len(keep), -1, dtype=np.int16)
+    keep.accepted = np.ones(len(keep), dtype=bool)
+    merged: dict[str, Any] = {}
+    for col in ("request", "step", "position", "phase", "layer", "experts", "weights", "probs", "pred_next",
+                "node", "parent", "accepted"):
+        arrs = [getattr(part, col) for part in parts]
+        merged[col] = None if any(arr is None for arr in arrs) else np.concatenate(arrs)
+    out = Trace(model=trace.model, capture=trace.capture, source=trace.source, **merged)
+    return out, produced
+
+
+def _generated(trace: Trace, order: np.ndarray, phase: np.ndarray, pass_of_row: np.ndarray, ridx: np.ndarray,
+               pos: np.ndarray, pass_phase: np.ndarray, pass_step: np.ndarray, pass_requests: np.ndarray,
+               pass_tokens: np.ndarray, req_ids: np.ndarray,
+               produced: dict[tuple[int, int], int] | None) -> np.ndarray:
+    """Tokens each pass generates: a prefill pass one per request, a decode pass one per
+    token; a verification pass what its requests produced: the accepted (request, position,
+    node) rows a captured trace records, or the counts ``produced`` by :func:`speculate`."""
+    n_pass = len(pass_phase)
+    generated = np.where(pass_phase == PREFILL, pass_requests, pass_tokens).astype(np.int64)
+    if produced is None and trace.accepted is not None and (pass_phase == VERIFY).any():
+        # verify steps recorded in the trace (moesim capture --speculative): a pass generates
+        # the accepted draft tokens (a rejected step is followed by a decode step)
+        acc_rows = trace.accepted[order] & (phase == VERIFY)
+        node = trace.node[order] if trace.node is not None else np.zeros(len(order), dtype=np.int64)
+        acc_key = np.unique(np.stack([pass_of_row[acc_rows], ridx[acc_rows], pos[acc_rows],
+                                      node[acc_rows].astype(np.int64)], axis=1), axis=0)
+        verify_gen = np.bincount(acc_key[:, 0], minlength=n_pass) if len(acc_key) else np.zeros(n_pass, np.int64)
+        generated = np.where(pass_phase == VERIFY, verify_gen, generated).astype(np.int64)
+    if produced is not None:
+        generated = np.zeros(n_pass, dtype=np.int64)
+        seen_pairs = np.unique(pass_of_row * (len(req_ids) + 1) + ridx)
+        for key in seen_pairs.tolist():
+            pidx, r = divmod(key, len(req_ids) + 1)
+            if pass_phase[pidx] == VERIFY:
+                generated[pidx] += produced.get((int(req_ids[r]), int(pass_step[pidx])), 0)
+            else:  # prefill: the first token; decode: one token
+                generated[pidx] += 1
+    return generated
+
+
+def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None = None,
+                   speculative: Any = None, seed: int = 0) -> Workload:
+    """Group the trace's rows into forward passes and list each pass's expert accesses.
+    ``speculative`` (a :class:`simulator.scenario.SpeculativeConfig`) turns decode steps into
+    verification passes first."""
+    produced: dict[tuple[int, int], int] | None = None
+    if speculative is not None:
+        depth = speculative.depth if speculative.depth is not None else speculative.tree_size - 1
+        trace, produced = speculate(trace, speculative.tree_size, depth, speculative.accept_prob,
+                                    np.random.default_rng([seed, 99]))
+    model = trace.model
+    num_l, num_e, k = model.num_layers, model.num_experts, model.top_k
+    req_ids, req_idx = np.unique(trace.request, return_inverse=True)
+    if max_requests is not None and max_requests < len(req_ids):
+        keep = req_idx < max_requests
+        trace = trace.take(keep)
+        req_idx = req_idx[keep]
+        req_ids = req_ids[:max_requests]
+    group = (req_idx // batch_size).astype(np.int64)
+    step = trace.step.astype(np.int64)
+    layer = trace.layer.astype(np.int64)
+    pos = trace.position.astype(np.int64)
+    order = np.lexsort((pos, req_idx, layer, step, group))
+    group, step, layer, pos = group[order], step[order], layer[order], pos[order]
+    ridx = req_idx[order]
+    phase = trace.phase[order]
+    experts = trace.experts[order].astype(np.int64)
+    weights = trace.weights[order].astype(np.float64)
+
+    # passes: distinct (group, step), already in execution order
+    pass_key = group * (int(step.max(initial=0)) + 1) + step
+    change = np.r_[True, pass_key[1:] != pass_key[:-1]] if len(pass_key) else np.zeros(0, bool)
+    pass_of_row = np.cumsum(change) - 1
+    n_pass = int(pass_of_row[-1] + 1) if len(pass_of_row) else 0
+    starts = np.flatnonzero(change)
+    pass_group = group[starts]
+    pass_step = step[starts]
+    # phase: prefill > verify > decode
+    rank_of_phase = np.array([3, 1, 2])[phase]  # prefill=3, decode=1, verify=2
+    best = np.zeros(n_pass, dtype=np.int64)
+    np.maximum.at(best, pass_of_row, rank_of_phase)
+    pass_phase = np.array([0, DECODE, VERIFY, PREFILL], dtype=np.int8)[best]
+    # tokens per pass: distinct (request, position)
+    tok_key = (pass_of_row * (len(req_ids) + 1) + ridx) * (int(pos.max(initial=0)) + 2) + pos
+    _tok_unique, tok_first = np.unique(tok_key, return_index=True)
+    tok_pass = pass_of_row[tok_first]
+    pass_tokens = np.bincount(tok_pass, minlength=n_pass).astype(np.int64)
+    pass_context = np.bincount(tok_pass, weights=pos[tok_first] + 1, minlength=n_pass).astype(np.int64)
+    req_pass_key = np.unique(pass_of_row * (len(req_ids) + 1) + ridx)
+    pass_requests = np.bincount(req_pass_key // (len(req_ids) + 1), minlength=n_pass).astype(np.int64)
+
+    # accesses: distinct experts per (pass, layer) in order of first appearance
+    pl = pass_of_row * num_l + layer  # (pass, layer) id per row, non-decreasing
+    flat_pl = np.repeat(pl, k)
+    flat_e = experts.reshape(-1)
+    flat_w = weights.reshape(-1)
+    flat_rank = np.tile(np.arange(k), len(pl))
+    combo = flat_pl * num_e + flat_e
+    uniq, first, inverse, counts = np.unique(combo, return_index=True, return_inverse=True,
+                                             return_counts=True)
+    wsum = np.bincount(inverse, weights=flat_w, minlength=len(uniq))
+    best_rank = np.full(len(uniq), k, dtype=np.int64)
+    np.minimum.at(best_rank, inverse, flat_rank)
+    appearance = np.argsort(first, kind="stable")
+    acc_pl = (uniq // num_e)[appearance]
+    acc_expert = (uniq % num_e)[appearance]
+    off = np.searchsorted(acc_pl, np.arange(n_pass * num_l + 1), side="left")
+    weight_total = np.bincount(pass_of_row, weights=weights.sum(axis=1), minlength=n_pass)
+
+    first_pass = np.full(len(req_ids), np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(first_pass, ridx, pass_of_row)
+    req_group = (np.arange(len(req_ids)) // batch_size).astype(np.int64)
+    generated = _generated(trace, order, phase, pass_of_row, ridx, pos, pass_phase, pass_step, pass_requests,
+                           pass_tokens, req_ids, produced)
+    return Workload(
+        model=model, batch_size=batch_size, pass_generated=generated, pass_group=pass_group, pass_step=pass_step,
+        pass_phase=pass_phase, pass_tokens=pass_tokens, pass_context=pass_context,
+        pass_requests=pass_requests, off=off.astype(np.int64),
+        acc_layer=(acc_pl % num_l).astype(np.int64), acc_expert=acc_expert.astype(np.int64),
+        acc_rank=best_rank[appearance], acc_tokens=counts[appearance].astype(np.int64),
+        acc_weight=wsum[appearance], request_ids=req_ids, request_group=req_group,
+        request_first_pass=first_pass, weight_total=weight_total,
+        row_order=order, row_off=np.searchsorted(pl, np.arange(n_pass * num_l + 1), side="left"),
+        probs=trace.probs, pred_next=trace.pred_next, trace=trace,
+    )

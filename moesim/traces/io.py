@@ -1,0 +1,228 @@
+"""Read, write and validate v1 Parquet traces (``docs/design.md``: "Trace format").
+
+Loading validates the schema and the values (ids in range, k consistent, weights finite) and
+fails with a :class:`~simulator.errors.MoesimError` that names the file, the column and the
+first bad row. Writing is atomic: a temporary file in the same folder is renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from moesim.simulator.errors import MoesimError
+from moesim.traces.schema import (
+    METADATA_KEY,
+    OPTIONAL_COLUMNS,
+    PHASE_CODES,
+    PHASES,
+    REQUIRED_COLUMNS,
+    SCHEMA_VERSION,
+    ModelInfo,
+)
+from moesim.traces.trace import Trace
+
+
+def _list_column(values: np.ndarray, width: int, value_type: pa.DataType) -> pa.Array:
+    flat = pa.array(values.reshape(-1), type=value_type)
+    offsets = pa.array(np.arange(0, values.shape[0] * width + 1, width, dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, flat)
+
+
+def trace_to_table(trace: Trace) -> pa.Table:
+    """Arrow table with the v1 columns and the ``moesim`` metadata."""
+    k = trace.experts.shape[1]
+    cols: dict[str, pa.Array] = {
+        "request": pa.array(trace.request.astype(np.int32)),
+        "step": pa.array(trace.step.astype(np.int32)),
+        "position": pa.array(trace.position.astype(np.int32)),
+        "phase": pa.array(np.asarray(PHASES, dtype=object)[trace.phase.astype(np.int64)]
+                          if len(trace) else np.asarray([], dtype=object), type=pa.string()),
+        "layer": pa.array(trace.layer.astype(np.int16)),
+        "experts": _list_column(trace.experts.astype(np.int16), k, pa.int16()),
+        "weights": _list_column(trace.weights.astype(np.float32), k, pa.float32()),
+    }
+    if trace.node is not None:
+        cols["node"] = pa.array(trace.node.astype(np.int16))
+    if trace.parent is not None:
+        cols["parent"] = pa.array(trace.parent.astype(np.int16))
+    if trace.accepted is not None:
+        cols["accepted"] = pa.array(trace.accepted.astype(bool))
+    for name in ("probs", "pred_next", "pred_quasi"):
+        arr = getattr(trace, name)
+        if arr is not None:
+            dtype = pa.float16() if arr.dtype == np.float16 else pa.float32()
+            cols[name] = _list_column(arr, arr.shape[1], dtype)
+    meta = {
+        "schema_version": SCHEMA_VERSION,
+        "model": trace.model.to_dict(),
+        "capture": trace.capture,
+    }
+    table = pa.table(cols)
+    return table.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()})
+
+
+def write_trace(trace: Trace, path: str | os.PathLike[str]) -> Path:
+    """Write ``trace`` to ``path`` atomically (temporary file + rename)."""
+    from moesim.simulator.atomic import write_atomic
+
+    table = trace_to_table(trace)
+    return write_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"), suffix=".tmp")
+
+
+def _fail(path: str, message: str) -> MoesimError:
+    return MoesimError(f"trace {path}: {message}")
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``moesim`` metadata object of a trace file, validated for schema version."""
+    p = str(path)
+    if not Path(p).is_file():
+        raise _fail(p, "no such file. Check the path, or make one with `moesim trace synth`.")
+    try:
+        schema = pq.read_schema(p)
+    except (pa.ArrowException, OSError) as exc:
+        raise _fail(p, f"is not a readable Parquet file ({exc}). The file is corrupt or not a "
+                    "trace; regenerate it (`moesim trace synth`, `moesim capture`, "
+                    "`moesim trace import`).") from None
+    raw = (schema.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise _fail(p, "has no 'moesim' key in its Parquet metadata, so it is not a moesim v1 "
+                    "trace. Convert it with `moesim trace import`.")
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise _fail(p, f"its 'moesim' metadata is not valid JSON ({exc}).") from None
+    version = meta.get("schema_version") if isinstance(meta, dict) else None
+    if version != SCHEMA_VERSION:
+        hint = ("an older moesim wrote it: re-create it" if isinstance(version, int) and version < SCHEMA_VERSION
+                else "a newer moesim wrote it: upgrade moesim")
+        raise _fail(p, f"schema_version is {version!r}, this moesim reads version {SCHEMA_VERSION} "
+                    f"only ({hint}).")
+    return meta
+
+
+def _fixed_lists(path: str, table: pa.Table, name: str, width: int | None) -> np.ndarray:
+    col = table.column(name).combine_chunks()
+    if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+        raise _fail(path, f"column '{name}' must be a list column, found {col.type}.")
+    if col.null_count:
+        row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+        raise _fail(path, f"column '{name}' is null at row {row}.")
+    offsets = col.offsets.to_numpy()
+    lengths = np.diff(offsets)
+    if len(lengths) == 0:
+        return np.zeros((0, width or 0), dtype=np.float32)
+    expect = width if width is not None else int(lengths[0])
+    bad = np.flatnonzero(lengths != expect)
+    if bad.size:
+        row = int(bad[0])
+        raise _fail(path, f"column '{name}' has {int(lengths[row])} entries at row {row}, expected "
+                    f"{expect} (model top_k / num_experts). Every row must have the same length.")
+    values = col.flatten().to_numpy(zero_copy_only=False)
+    start = int(offsets[0])
+    return values[start:start + len(lengths) * expect].reshape(len(lengths), expect)
+
+
+def _int_column(path: str, table: pa.Table, name: str, dtype: type[np.integer]) -> np.ndarray:
+    col = table.column(name).combine_chunks()
+    if not pa.types.is_integer(col.type):
+        raise _fail(path, f"column '{name}' must hold integers, found {col.type}.")
+    if col.null_count:
+        row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+        raise _fail(path, f"column '{name}' is null at row {row}.")
+    arr = col.to_numpy()
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(dtype).max):
+        row = int(np.flatnonzero((arr < 0) | (arr > np.iinfo(dtype).max))[0])
+        raise _fail(path, f"column '{name}' has value {int(arr[row])} at row {row}; values must be "
+                    f"between 0 and {np.iinfo(dtype).max}.")
+    return arr.astype(dtype)
+
+
+def read_trace(path: str | os.PathLike[str]) -> Trace:
+    """Load and validate a v1 trace; raise :class:`MoesimError` naming file, column and row."""
+    p = str(path)
+    meta = read_metadata(p)
+    model = ModelInfo.from_dict(meta.get("model"), f"trace {p}")  # type: ignore[arg-type]
+    try:
+        table = pq.read_table(p)
+    except (pa.ArrowException, OSError) as exc:
+        raise _fail(p, f"could not be read ({exc}). The file is corrupt; regenerate it.") from None
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise _fail(p, f"lacks required column(s) {', '.join(missing)}; schema v1 requires "
+                    f"{', '.join(REQUIRED_COLUMNS)}.")
+    unknown = [c for c in table.column_names if c not in REQUIRED_COLUMNS + OPTIONAL_COLUMNS]
+    if unknown:
+        raise _fail(p, f"has unknown column(s) {', '.join(unknown)}; valid columns are "
+                    f"{', '.join(REQUIRED_COLUMNS + OPTIONAL_COLUMNS)}.")
+    request = _int_column(p, table, "request", np.int32)
+    step = _int_column(p, table, "step", np.int32)
+    position = _int_column(p, table, "position", np.int32)
+    layer = _int_column(p, table, "layer", np.int16)
+    bad = np.flatnonzero(layer >= model.num_layers)
+    if bad.size:
+        r = int(bad[0])
+        raise _fail(p, f"column 'layer' has {int(layer[r])} at row {r}, but the model has "
+                    f"{model.num_layers} layers (valid: 0..{model.num_layers - 1}).")
+    phase_col = table.column("phase").combine_chunks()
+    if not (pa.types.is_string(phase_col.type) or pa.types.is_large_string(phase_col.type)
+            or pa.types.is_dictionary(phase_col.type)):
+        raise _fail(p, f"column 'phase' must hold strings ({', '.join(PHASES)}), found {phase_col.type}.")
+    phase_str = np.asarray(phase_col.to_pylist(), dtype=object)
+    phase = np.full(len(phase_str), -1, dtype=np.int8)
+    for name, code in PHASE_CODES.items():
+        phase[phase_str == name] = code
+    bad = np.flatnonzero(phase < 0)
+    if bad.size:
+        r = int(bad[0])
+        raise _fail(p, f"column 'phase' has {phase_str[r]!r} at row {r}; valid phases are "
+                    f"{', '.join(PHASES)}.")
+    experts = _fixed_lists(p, table, "experts", model.top_k)
+    if experts.dtype.kind not in "iu":
+        raise _fail(p, "column 'experts' must hold integer expert ids.")
+    bad_rows = np.flatnonzero(((experts < 0) | (experts >= model.num_experts)).any(axis=1))
+    if bad_rows.size:
+        r = int(bad_rows[0])
+        raise _fail(p, f"column 'experts' has expert id(s) {experts[r].tolist()} at row {r}; ids must "
+                    f"be 0..{model.num_experts - 1} (model {model.name} has {model.num_experts} "
+                    "experts per layer). Check --model-preset or the trace's metadata.")
+    experts = experts.astype(np.int16)
+    if model.top_k > 1 and len(experts):
+        srt = np.sort(experts, axis=1)
+        dup = np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))
+        if dup.size:
+            r = int(dup[0])
+            raise _fail(p, f"column 'experts' repeats an expert at row {r} ({experts[r].tolist()}); "
+                        "top-k ids must be distinct.")
+    weights = _fixed_lists(p, table, "weights", model.top_k).astype(np.float32)
+    bad_rows = np.flatnonzero((~np.isfinite(weights) | (weights < 0)).any(axis=1))
+    if bad_rows.size:
+        r = int(bad_rows[0])
+        raise _fail(p, f"column 'weights' has non-finite or negative values at row {r} "
+                    f"({weights[r].tolist()}).")
+    optional: dict[str, np.ndarray | None] = {}
+    for name in ("node", "parent"):
+        optional[name] = (table.column(name).to_numpy().astype(np.int16)
+                          if name in table.column_names else None)
+    optional["accepted"] = (table.column("accepted").to_numpy(zero_copy_only=False).astype(bool)
+                            if "accepted" in table.column_names else None)
+    for name in ("probs", "pred_next", "pred_quasi"):
+        if name in table.column_names:
+            arr = _fixed_lists(p, table, name, model.num_experts).astype(np.float32)
+            bad_rows = np.flatnonzero(~np.isfinite(arr).all(axis=1))
+            if bad_rows.size:
+                raise _fail(p, f"column '{name}' has non-finite values at row {int(bad_rows[0])}.")
+            optional[name] = arr
+        else:
+            optional[name] = None
+    capture = meta.get("capture") or {}
+    return Trace(model=model, request=request, step=step, position=position, phase=phase,
+                 layer=layer, experts=experts, weights=weights, capture=capture, source=p,
+                 **optional)
