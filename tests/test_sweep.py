@@ -60,6 +60,40 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert "cache.precision' is 'fp8'" in err["error"]
 
 
+def test_a_sweep_with_failed_points_exits_1_naming_each_and_retries_them(tmp_path):
+    """The command exits 1 and names each failed point with its values and error; a rerun
+    keeps the finished point and runs the failed one again (here it fails again)."""
+    out = tmp_path / "s"
+    cmd = [sys.executable, "-m", "moesim", "sweep", "quickstart", "--grid", "cache.precision=bf16,fp8",
+           *[a for b in BASE for a in ("--set", b)], "--workers", "1", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "failed point" in r.stderr
+    assert "(cache.precision=fp8)" in r.stderr
+    assert "key 'cache.precision' is 'fp8'" in r.stderr
+    assert "1 of 2 points failed" in r.stderr
+    ok_point = next(d for d in (out / "points").iterdir() if (d / "summary.json").is_file())
+    stamp = (ok_point / "summary.json").stat().st_mtime_ns
+    (out / "points" / ".leftover.tmp-x").mkdir()  # what a killed sweep leaves behind
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    assert (ok_point / "summary.json").stat().st_mtime_ns == stamp
+    assert not (out / "points" / ".leftover.tmp-x").exists()
+
+
+def test_sweep_from_a_script_without_a_main_guard(tmp_path):
+    """The worker processes do not import the calling script (which would rerun its
+    top-level sweep and break the pool)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("import moesim\n"
+                      f"df = moesim.sweep('quickstart', {str(tmp_path / 's')!r}, {{'cache.capacity': ['5%', '25%']}}, "
+                      f"{BASE!r}, workers=2)\n"
+                      "print('statuses', sorted(df['status']))\n")
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "statuses ['ok', 'ok']" in r.stdout
+
+
 def test_bad_axes_fail_before_running(tmp_path):
     with pytest.raises(MoesimError, match=r"key 'cache\.capacty' is not a known key"):
         sweep("quickstart", str(tmp_path / "s"), {"cache.capacty": ["5%"]}, BASE)

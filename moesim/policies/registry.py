@@ -105,7 +105,8 @@ class Registry(Generic[P]):
 
         def deco(cls: type[P]) -> type[P]:
             if name in self._classes:
-                raise RuntimeError(f"{self.family} policy '{name}' registered twice")
+                raise MoesimError(f"{self.family} policy '{name}' is registered twice ({self._classes[name].__module__} "
+                                  f"and {cls.__module__}); give the new one another name.")
             params = getattr(cls, "Params", NoParams)
             if not (dataclasses.is_dataclass(params) and params.__dataclass_params__.frozen):  # type: ignore[attr-defined]
                 raise TypeError(f"{cls.__name__}.Params must be a frozen dataclass")

@@ -40,6 +40,10 @@ def cli() -> None:
       moesim trace info t.parquet
       moesim run quickstart --set cache.capacity=25% --out runs/q
     """
+    from moesim.policies.plugins import load_plugins
+
+    load_plugins(installed=True)
+
 
 
 def _progress(enabled: bool, label: str) -> Any:
@@ -63,7 +67,22 @@ def _stderr_console() -> Any:
     return Console(stderr=True)
 
 
+def _load_plugins(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> None:
+    if value:
+        from moesim.policies.plugins import load_plugins
+
+        load_plugins(value, installed=False)
+
+
+plugin_option = click.option(
+    "--plugin", "plugins", multiple=True, metavar="FILE_OR_MODULE", is_eager=True, expose_value=False,
+    callback=_load_plugins,
+    help="Load policies from a Python file or an importable module (repeatable). Installed plugins "
+         "(entry-point group moesim.plugins) load by themselves.")
+
+
 @cli.command()
+@plugin_option
 @click.argument("scenario", required=False, default="quickstart")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a scenario key by its dotted path, e.g. --set cache.capacity=25%. Repeatable.")
@@ -125,6 +144,7 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
 
 
 @cli.command("sweep")
+@plugin_option
 @click.argument("scenario")
 @click.option("--grid", "grid", multiple=True, metavar="KEY=V1,V2,...", help="An axis: dotted key and its values. Repeatable.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a base scenario key.")
@@ -163,6 +183,17 @@ def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], 
                    progress=lambda d, f, n: prog.update(task, completed=d, total=n, failed=f))
     ok = int((df["status"] == "ok").sum()) if len(df) else 0
     Console().print(f"{len(df)} points ({ok} ok, {len(df) - ok} failed) -> {target}/results.parquet")
+    if ok < len(df):
+        bad = df[df["status"] != "ok"]
+        import yaml
+
+        axes = (yaml.safe_load((target / "sweep.yaml").read_text()) or {}).get("axes") or []
+        for row in bad.to_dict("records"):
+            where = ", ".join(f"{a}={row[a]}" for a in axes if a in row and row[a] is not None)
+            click.echo(f"failed point {row['point']} ({where}): {row.get('error', '?')}", err=True)
+        click.echo(f"{len(bad)} of {len(df)} points failed; each has DIR/points/<id>/error.json. Fix the cause and "
+                   "rerun the same command: finished points are kept, failed ones run again.", err=True)
+        raise SystemExit(1)
 
 
 @cli.command("plot")
@@ -207,6 +238,7 @@ def _csv(value: str | None) -> list[str] | None:
 
 
 @cli.command("compare")
+@plugin_option
 @click.argument("scenario", required=False, default="quickstart")
 @click.option("--eviction", default=None, metavar="A,B,...", help="Eviction policies (default: lru,lfu,fld,least-stale).")
 @click.option("--prefetch", default=None, metavar="A,B,...",
@@ -250,6 +282,7 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
 
 
 @cli.command("mrc")
+@plugin_option
 @click.argument("trace_file", metavar="TRACE")
 @click.option("--policy", "policies", default="lru,belady", show_default=True, metavar="P1,P2,...",
               help="Eviction policies, comma-separated (belady is the bound, drawn dashed).")
@@ -605,6 +638,7 @@ def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...]
 
 
 @cli.command("policies")
+@plugin_option
 def policies_cmd() -> None:
     """List every registered policy by family with its parameters and defaults."""
     from rich.console import Console

@@ -27,7 +27,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,8 +92,11 @@ def make_points(p: Path, data: dict[str, Any], combos: list[dict[str, Any]]) -> 
         point_data = apply_overrides(data, [(k.split("."), v) for k, v in chosen.items()])
         scenario_from_dict(point_data, where=f"{p} (sweep point {chosen})", base_dir=str(p.parent))
         points.append(Point(pid, chosen))
+    from moesim.policies.plugins import loaded_plugins
+
     data["__base_dir__"] = str(p.parent)
     data["__source__"] = str(p)
+    data["__plugins__"] = loaded_plugins()  # a worker loads them before it builds its scenario
     return points
 
 
@@ -146,7 +150,12 @@ def run_point(data: dict[str, Any], point: Point, out_dir: str) -> tuple[str, st
     base = dict(data)
     base_dir = base.pop("__base_dir__", ".")
     source = base.pop("__source__", "<sweep>")
+    plugins = base.pop("__plugins__", [])
     try:
+        if plugins:
+            from moesim.policies.plugins import load_plugins
+
+            load_plugins(plugins, installed=False)
         sc_data = apply_overrides(base, [(k.split("."), v) for k, v in point.values.items()])
         sc = scenario_from_dict(sc_data, where=f"{source} (sweep point {point.values})", base_dir=base_dir)
         result = Simulation(sc).run()
@@ -169,12 +178,22 @@ def _write_error(target: Path, point: Point, message: str) -> None:
 
 
 def done_points(out_dir: Path) -> set[str]:
-    """Ids of points with a complete folder (finished or failed)."""
+    """Ids of finished points (a failed point runs again when the sweep is rerun)."""
     base = out_dir / "points"
     if not base.is_dir():
         return set()
     return {d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith(".")
-            and ((d / "summary.json").is_file() or (d / "error.json").is_file())}
+            and (d / "summary.json").is_file()}
+
+
+def clean_partial(out_dir: Path) -> list[Path]:
+    """Remove the hidden temporary folders a killed sweep left in ``points/`` (a point is
+    written to one, then renamed into place); returns those removed."""
+    base = out_dir / "points"
+    gone = [d for d in base.iterdir() if d.is_dir() and d.name.startswith(".")] if base.is_dir() else []
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    return gone
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
@@ -220,10 +239,29 @@ def sweep(scenario_path: str, out_dir: str, grid: dict[str, list[Any]] | None = 
     return collect(out, points)
 
 
+@contextmanager
+def _main_not_reimported() -> Iterator[None]:
+    """Workers run moesim code only: hide the caller's main script from multiprocessing, which
+    would otherwise import it in every worker ("__mp_main__") and so rerun a sweep() called at
+    a script's top level without an ``if __name__ == "__main__"`` guard (BrokenProcessPool)."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
+
+
 def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: int = 1, executor: str = "local",
                ray_address: str | None = None, progress: Callable[[int, int, int], None] | None = None) -> None:
     """Run every point whose folder is not complete yet (locally, one fresh process per
     point, or on Ray); ``progress(finished, failed, total)`` after each."""
+    clean_partial(out)
     todo = [p for p in points if p.pid not in done_points(out)]
     failed = 0
     finished = len(points) - len(todo)
@@ -240,17 +278,18 @@ def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: in
         ctx.set_forkserver_preload(["numpy", "pandas", "pyarrow", "simpy", "moesim.simulator.engine",
                                     "moesim.simulator.results", "moesim.simulator.sweep"])
         fresh: dict[str, Any] = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
-        pool = ProcessPoolExecutor(workers, ctx, **fresh)  # Python 3.10 reuses worker processes
-        try:
-            futures = [pool.submit(run_point, data, p, str(out)) for p in todo]
-            for fut in as_completed(futures):
-                _, status, _ = fut.result()
-                finished += 1
-                failed += status == "error"
-                if progress is not None:
-                    progress(finished, failed, len(points))
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+        with _main_not_reimported():
+            pool = ProcessPoolExecutor(workers, ctx, **fresh)  # Python 3.10 reuses worker processes
+            try:
+                futures = [pool.submit(run_point, data, p, str(out)) for p in todo]
+                for fut in as_completed(futures):
+                    _, status, _ = fut.result()
+                    finished += 1
+                    failed += status == "error"
+                    if progress is not None:
+                        progress(finished, failed, len(points))
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
     elif executor != "local":
         raise MoesimError(f"unknown executor '{executor}'; valid: local, ray.")
 
