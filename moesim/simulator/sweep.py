@@ -28,8 +28,8 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -245,7 +245,8 @@ def _main_not_reimported() -> Iterator[None]:
     would otherwise import it in every worker ("__mp_main__") and so rerun a sweep() called at
     a script's top level without an ``if __name__ == "__main__"`` guard (BrokenProcessPool)."""
     main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    saved: dict[str, Any] = {k: main.__dict__[k] for k in ("__file__", "__spec__")
+                             if main is not None and k in main.__dict__}
     try:
         if main is not None:
             main.__dict__.pop("__file__", None)
