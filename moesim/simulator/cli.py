@@ -91,12 +91,14 @@ plugin_option = click.option(
 @click.option("--no-write", is_flag=True, help="Print the summary only; write no files.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of a table.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
+              help="Replay this trace file instead of the scenario's (same as --set workload.trace={path: FILE}).")
 @click.option("--events", "events", type=click.Path(dir_okay=False), default=None,
               help="Also write the run's timeline as a Chrome trace (JSON) that Perfetto opens.")
 @click.option("--events-passes", "events_passes", type=int, default=8, show_default=True,
               help="Forward passes the timeline records, from the first (0: all; a whole long run is large).")
 def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write: bool,
-        as_json: bool, quiet: bool, events: str | None, events_passes: int) -> None:
+        as_json: bool, quiet: bool, trace_file: str | None, events: str | None, events_passes: int) -> None:
     """Replay SCENARIO (a YAML file or a shipped name; default: quickstart).
 
     Prints a summary table and writes DIR/summary.json, DIR/steps.parquet (one row per
@@ -108,6 +110,8 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
     from moesim.simulator.results import summary_table, write_results
     from moesim.simulator.scenario import load_scenario, resolve_path
 
+    if trace_file is not None:
+        overrides = (f"workload.trace={{path: {json.dumps(trace_file)}}}", *overrides)
     sc = load_scenario(scenario, overrides)
     prog = _progress(not quiet and sys.stderr.isatty(), "simulating")
     if events_passes < 0:

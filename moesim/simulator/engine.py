@@ -85,6 +85,23 @@ class Result:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _trace_file(scenario: Scenario, key: str, raw: str) -> Path:
+    """The scenario's trace file (relative to the scenario's folder), or an error naming the
+    key to set — saying so when a shipped scenario reads data moesim does not ship."""
+    from moesim.simulator.scenario import shipped_dir
+
+    p = Path(raw)
+    if not p.is_absolute():
+        p = Path(scenario.base_dir) / p
+    if p.exists():
+        return p
+    shipped = Path(scenario.base_dir).resolve().is_relative_to(shipped_dir().resolve())
+    why = (" This shipped scenario reads data moesim does not ship (the real routing traces of "
+           "../shared/traces/real beside a source checkout)." if shipped else "")
+    raise MoesimError(f"{scenario.source}: key '{key}' is {raw!r}, which resolves to {p}: no such file or "
+                      f"folder.{why} Set it to your copy: --set {key}=FILE (relative to the working directory).")
+
+
 def load_trace(scenario: Scenario) -> Trace:
     """The scenario's trace: read from its path, or synthesised in-process."""
     src = scenario.workload.trace
@@ -92,17 +109,12 @@ def load_trace(scenario: Scenario) -> Trace:
         from moesim.traces.importers import import_trace
 
         imp = src.import_
-        ip = Path(imp.path)
-        if not ip.is_absolute():
-            ip = Path(scenario.base_dir) / ip
+        ip = _trace_file(scenario, "workload.trace.import.path", imp.path)
         return import_trace(imp.format, [ip], imp.model_preset)[0]
     if src.path is not None:
         from moesim.traces.io import read_trace
 
-        p = Path(src.path)
-        if not p.is_absolute():
-            p = Path(scenario.base_dir) / p
-        return read_trace(p)
+        return read_trace(_trace_file(scenario, "workload.trace.path", src.path))
     from moesim.traces.synth import synth_from_preset
 
     s = src.synth

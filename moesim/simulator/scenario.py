@@ -331,8 +331,32 @@ def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: a scenario must be a YAML mapping of keys, got {type(data).__name__}.")
-    data = apply_overrides(data, parse_set(overrides))
+    data = apply_overrides(data, cli_paths(parse_set(overrides)))
     return scenario_from_dict(data, where=str(p), base_dir=str(p.parent))
+
+
+# keys whose values are files: given on the command line they are relative to the working
+# directory, not to the scenario's folder (which YAML-written values are relative to)
+PATH_KEYS = ("workload.trace.path", "workload.trace.import.path", "workload.trace.synth.fit",
+             "hardware.profile", "hardware.placement")
+
+
+def cli_paths(overrides: list[tuple[list[str], Any]]) -> list[tuple[list[str], Any]]:
+    """Make the relative file paths in ``--set`` overrides absolute against the working
+    directory (also inside a mapping value such as ``workload.trace={path: t.parquet}``)."""
+
+    def fix(prefix: str, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: fix(f"{prefix}.{k}", v) for k, v in value.items()}
+        if prefix in PATH_KEYS and isinstance(value, str) and value and not Path(value).is_absolute():
+            if prefix == "hardware.placement" and value in ("contiguous", "round-robin"):
+                return value
+            if prefix == "workload.trace.synth.fit" and not (Path.cwd() / value).is_file():
+                return value  # a shipped profile's name
+            return str((Path.cwd() / value).resolve())
+        return value
+
+    return [(keys, fix(".".join(keys), value)) for keys, value in overrides]
 
 
 _SIZE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
