@@ -198,11 +198,34 @@ def fit_link(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float, floa
     return 1.0 / inv_bw / 1e9, max(latency, 0.0) * 1e6, rel
 
 
+# the columns each kind of measurement needs (besides kind and median_s)
+RAW_COLUMNS = {"copy": ("direction", "memory", "bytes"), "expert": ("shape", "dtype", "tokens", "hidden", "intermediate"),
+               "dense": ("shape", "dtype", "tokens", "hidden"), "attention": ("shape", "context")}
+
+
+def _check_raw(raw: pd.DataFrame, source: str) -> None:
+    """Refuse a raw file with missing columns or unusable times, naming the column or row."""
+    missing = [c for c in ("kind", "median_s") if c not in raw.columns]
+    if missing:
+        raise MoesimError(f"calibrate fit: {source} lacks column(s) {', '.join(missing)}, so it is not a "
+                          "`moesim calibrate measure` file; measure again with `moesim calibrate measure`.")
+    for kind, cols in RAW_COLUMNS.items():
+        lack = [c for c in cols if c not in raw.columns]
+        if (raw["kind"] == kind).any() and lack:
+            raise MoesimError(f"calibrate fit: {source}: its {kind} rows need column(s) {', '.join(lack)}; "
+                              "measure again with `moesim calibrate measure`.")
+    t = pd.to_numeric(raw["median_s"], errors="coerce").to_numpy(dtype=float)
+    bad = np.flatnonzero(~np.isfinite(t) | (t <= 0))
+    if bad.size:
+        i = int(bad[0])
+        what = "NaN" if np.isnan(t[i]) else repr(raw["median_s"].iloc[i])
+        raise MoesimError(f"calibrate fit: {source}: row {i} ({raw['kind'].iloc[i]}) has median_s {what}; every "
+                          f"time must be a positive number ({bad.size} row(s) are not). Drop those rows or measure again.")
+
+
 def fit(raw: pd.DataFrame, source: str = "<raw>") -> dict[str, Any]:
     """A profile from raw measurements (see module docstring)."""
-    need = {"kind", "median_s"}
-    if not need <= set(raw.columns):
-        raise MoesimError(f"calibrate fit: {source} is not a `moesim calibrate measure` file (columns {sorted(need)}).")
+    _check_raw(raw, source)
     copies = raw[raw["kind"] == "copy"]
     if copies.empty:
         raise MoesimError(f"calibrate fit: {source} has no copy measurements.")

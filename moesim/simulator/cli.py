@@ -67,6 +67,37 @@ def _stderr_console() -> Any:
     return Console(stderr=True)
 
 
+class _OutPath(click.ParamType):
+    """An output location, checked when the command line is read — before any work — so that
+    a run never ends by failing to write: a folder (``dir``) or a file (``file``) whose
+    nearest existing ancestor is a writable folder, and which is not a file where a folder is
+    wanted (or the reverse)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.name = "folder" if kind == "dir" else "file"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        p = Path(value)
+        opt = f"{param.opts[0] if param is not None else 'output'} {value}"
+        if self.kind == "dir" and p.exists() and not p.is_dir():
+            raise MoesimError(f"{opt}: {p} is a file, not a folder; choose another folder.")
+        if self.kind == "file" and p.is_dir():
+            raise MoesimError(f"{opt}: {p} is a folder, not a file; name a file.")
+        probe = p if self.kind == "dir" else p.parent
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not probe.is_dir():
+            raise MoesimError(f"{opt}: {probe} is a file, not a folder; choose another location.")
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise MoesimError(f"{opt}: {probe} is not writable; choose a location you can write to.")
+        return str(value)
+
+
+OUT_DIR = _OutPath("dir")
+OUT_FILE = _OutPath("file")
+
+
 def _load_plugins(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> None:
     if value:
         from moesim.policies.plugins import load_plugins
@@ -86,14 +117,14 @@ plugin_option = click.option(
 @click.argument("scenario", required=False, default="quickstart")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a scenario key by its dotted path, e.g. --set cache.capacity=25%. Repeatable.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+@click.option("--out", "out_dir", type=OUT_DIR, default=None,
               help="Results folder (default: runs/<scenario name>). Written atomically.")
 @click.option("--no-write", is_flag=True, help="Print the summary only; write no files.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of a table.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
               help="Replay this trace file instead of the scenario's (same as --set workload.trace={path: FILE}).")
-@click.option("--events", "events", type=click.Path(dir_okay=False), default=None,
+@click.option("--events", "events", type=OUT_FILE, default=None,
               help="Also write the run's timeline as a Chrome trace (JSON) that Perfetto opens.")
 @click.option("--events-passes", "events_passes", type=int, default=8, show_default=True,
               help="Forward passes the timeline records, from the first (0: all; a whole long run is large).")
@@ -116,8 +147,6 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
     prog = _progress(not quiet and sys.stderr.isatty(), "simulating")
     if events_passes < 0:
         raise MoesimError(f"--events-passes must be >= 0 (0: all passes), got {events_passes}.")
-    if events is not None:
-        _check_writable_dir(Path(events).parent if str(Path(events).parent) else Path("."))
     rec: dict[str, Any] = {"record_transfers": events is not None, "record_layers": events is not None,
                            "record_passes": events_passes or None}
     if prog is not None:
@@ -152,7 +181,7 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
 @click.argument("scenario")
 @click.option("--grid", "grid", multiple=True, metavar="KEY=V1,V2,...", help="An axis: dotted key and its values. Repeatable.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a base scenario key.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None, help="Sweep folder (default: runs/sweep-<scenario name>).")
+@click.option("--out", "out_dir", type=OUT_DIR, default=None, help="Sweep folder (default: runs/sweep-<scenario name>).")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True)
 @click.option("--workers", type=int, default=None, help="Worker processes (default: CPU count).")
 @click.option("--ray-address", default=None, help="With --executor ray: an existing cluster (default: a local instance).")
@@ -171,6 +200,7 @@ def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], 
     if n_workers < 1:
         raise MoesimError(f"--workers must be >= 1, got {n_workers}.")
     target = Path(out_dir) if out_dir else Path("runs") / f"sweep-{resolve_path(scenario).stem}"
+    OUT_DIR.convert(str(target), None, None)  # the default folder, checked as --out is
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -212,7 +242,7 @@ def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], 
 @click.option("--where", "where", multiple=True, metavar="KEY=VALUE",
               help="Keep only the results with this axis value. Repeatable.")
 @click.option("--title", default=None)
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="FILE.png, .svg or .pdf")
+@click.option("--out", "out", required=True, type=OUT_FILE, help="FILE.png, .svg or .pdf")
 def plot_cmd(results: str, kind: str, metric: str | None, window: str | None, x: str | None, y: str | None,
              by: str | None, facet: str | None, where: tuple[str, ...], title: str | None, out: str) -> None:
     """Plot a sweep's RESULTS (folder or results.parquet) as heatmap, lines or bars, or a run's
@@ -252,7 +282,7 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--budget", default=None, metavar="A,B,...", help="Budget policies (default: the scenario's).")
 @click.option("--capacity", default=None, metavar="C1,C2,...", help="Cache capacities, e.g. 5%,25% (default: the scenario's).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a scenario key.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+@click.option("--out", "out_dir", type=OUT_DIR, default=None,
               help="Folder (default: runs/compare-<scenario name>); rerunning resumes.")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True)
 @click.option("--workers", type=int, default=None, help="Worker processes (default: CPU count).")
@@ -271,7 +301,7 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
     if n_workers < 1:
         raise MoesimError(f"--workers must be >= 1, got {n_workers}.")
     target = Path(out_dir) if out_dir else Path("runs") / f"compare-{resolve_path(scenario).stem}"
-    _check_writable_dir(target)
+    OUT_DIR.convert(str(target), None, None)  # the default folder, checked as --out is
     prog = _progress(sys.stderr.isatty(), "compare")
     args = (scenario, target, _csv(eviction), _csv(prefetch), _csv(miss), _csv(budget), _csv(capacity), overrides,
             n_workers, executor, ray_address)
@@ -297,7 +327,7 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
               help="per-expert: the sequential stream (LRU from stack distances); layer: a layer's experts pinned "
                    "together (every point replayed).")
 @click.option("--batch", "batch_size", type=int, default=1, show_default=True, help="Requests per forward pass.")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for mrc.parquet and mrc.png.")
+@click.option("--out", "out_dir", required=True, type=OUT_DIR, help="Folder for mrc.parquet and mrc.png.")
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON instead of a table.")
 def mrc_cmd(trace_file: str, policies: str, capacities: str | None, expert_compute: str, batch_size: int,
             out_dir: str, as_json: bool) -> None:
@@ -317,7 +347,6 @@ def mrc_cmd(trace_file: str, policies: str, capacities: str | None, expert_compu
     trace = read_trace(trace_file)
     total = trace.model.num_layers * trace.model.num_experts
     caps = parse_capacities(capacities, total)
-    _check_writable_dir(Path(out_dir))
     prog = _progress(sys.stderr.isatty(), "replays")
     if prog is None:
         df = mrc(trace, names, caps, expert_compute, batch_size)
@@ -339,17 +368,6 @@ def mrc_cmd(trace_file: str, policies: str, capacities: str | None, expert_compu
                   f"{row.hit_rate:.4f}", str(row.method))
     Console().print(t)
     Console().print(f"wrote {table} and {fig}")
-
-
-def _check_writable_dir(path: Path) -> None:
-    """Refuse an output folder that cannot be written, before any work starts."""
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise MoesimError(f"--out {path}: {probe} is a file, not a folder; choose another --out.")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise MoesimError(f"--out {path}: {probe} is not writable; choose a folder you can write to.")
 
 
 @cli.group()
@@ -421,7 +439,7 @@ def trace_info_cmd(file: str, as_json: bool) -> None:
 @click.option("--probs", is_flag=True, help="Record full router probabilities (for substitute, cache-aware routing).")
 @click.option("--pred-next", is_flag=True, help="Record a next-layer router predictor (for next-gate-topk, score-percentile, speculative).")
 @click.option("--pred-noise", type=float, default=1.0, show_default=True, help="Noise of that predictor (logit std; 0 = perfect).")
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output Parquet file (written atomically).")
+@click.option("--out", "out", required=True, type=OUT_FILE, help="Output Parquet file (written atomically).")
 def trace_synth(preset: str | None, fit: str | None, requests: int, prompt_tokens: int, tokens: int, seed: int, routing: str,
                 layers: int | None, experts: int | None, top_k: int | None, skew: float | None,
                 reuse: float | None, corr: float | None, probs: bool, pred_next: bool,
@@ -462,7 +480,7 @@ def trace_synth(preset: str | None, fit: str | None, requests: int, prompt_token
                    "flame-csv (flame-moe-290m/), routed-experts-npy ([tokens, layers, k] arrays), "
                    "long-table (CSV/Parquet, one row per token/layer/expert).")
 @click.argument("src", nargs=-1, required=True, type=click.Path())
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output Parquet file (written atomically).")
+@click.option("--out", "out", required=True, type=OUT_FILE, help="Output Parquet file (written atomically).")
 @click.option("--model-preset", default=None, help="Synthetic preset giving the model shapes the log lacks (e.g. mixtral-8x7b).")
 @click.option("--drop-warmup", is_flag=True, help="vllm-routes-jsonl: drop vLLM warm-up dummy rows and report how many.")
 @click.option("--tokens-per-sequence", type=int, default=64, show_default=True, help="flame-csv: prefill tokens per sequence.")
@@ -490,7 +508,7 @@ def trace_import(fmt: str, src: tuple[str, ...], out: str, model_preset: str | N
 
 @trace.command("fit")
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Profile YAML to write.")
+@click.option("--out", "out", required=True, type=OUT_FILE, help="Profile YAML to write.")
 @click.option("--batch", type=int, default=1, show_default=True, help="Batch size the LRU curves are replayed with.")
 @click.option("--name", default=None, help="Profile name (default: the model's).")
 def trace_fit(file: str, out: str, batch: int, name: str | None) -> None:
@@ -520,7 +538,7 @@ def trace_fit(file: str, out: str, batch: int, name: str | None) -> None:
 @cli.command("capture")
 @click.option("--model", "model_path", required=True, type=click.Path(), help="Local folder of a Hugging Face MoE model (config.json + weights).")
 @click.option("--prompts", required=True, type=click.Path(dir_okay=False, exists=True), help="Text file, one prompt per line (token ids when the model has no tokenizer).")
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Output trace (Parquet, written atomically).")
+@click.option("--out", "out", required=True, type=OUT_FILE, help="Output trace (Parquet, written atomically).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Greedy decode length per prompt.")
@@ -586,7 +604,7 @@ def calibrate() -> None:
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
 @click.option("--model-shapes", default="olmoe-1b-7b", show_default=True, help="Comma-separated model shapes for the expert FFN tables.")
 @click.option("--quick", is_flag=True, help="Small sizes and few repeats (CI).")
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Raw measurements (Parquet).")
+@click.option("--out", "out", required=True, type=OUT_FILE, help="Raw measurements (Parquet).")
 def calibrate_measure(device: str, model_shapes: str, quick: bool, out: str) -> None:
     """Microbenchmarks with PyTorch: copies by size, expert FFN by tokens, attention by context, launch overhead."""
     from moesim.simulator.calibrate import measure, write_parquet_atomic
@@ -605,7 +623,7 @@ def calibrate_measure(device: str, model_shapes: str, quick: bool, out: str) -> 
 
 @calibrate.command("fit")
 @click.argument("raw", type=click.Path(dir_okay=False, exists=True))
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Profile YAML.")
+@click.option("--out", "out", required=True, type=OUT_FILE, help="Profile YAML.")
 def calibrate_fit(raw: str, out: str) -> None:
     """Fit RAW measurements into a hardware profile (links: affine latency + bytes/bandwidth;
     compute tables; launch overhead), with fit residuals. Scenarios name it as hardware.profile."""
@@ -630,7 +648,7 @@ def calibrate_fit(raw: str, out: str) -> None:
 @click.option("--trace", "trace_path", required=True, type=click.Path(dir_okay=False, exists=True), help="Trace replayed by both.")
 @click.option("--scenarios", multiple=True, required=True, help="Scenario files (glob patterns; repeatable).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Report folder.")
+@click.option("--out", "out_dir", required=True, type=OUT_DIR, help="Report folder.")
 def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], device: str, out_dir: str) -> None:
     """Replay TRACE on the device with a reference executor (same policy decisions) and with
     the simulator under PROFILE; write report.md, validation.parquet and a plot."""

@@ -74,6 +74,12 @@ def _files(src: Path, pattern: str) -> list[Path]:
     return [src]
 
 
+def _names(sources: list[Path]) -> str:
+    """The import's sources for a message: up to three, then how many more."""
+    names = [str(s) for s in sources]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def import_expert_jsonl(sources: list[Path], model_preset: str | None, **_: Any) -> tuple[Trace, ImportReport]:
     """Read expert-jsonl logs (see module docstring)."""
     model = _model(model_preset, "expert-jsonl")
@@ -90,7 +96,8 @@ def import_expert_jsonl(sources: list[Path], model_preset: str | None, **_: Any)
         _check_row(model, where, key[2], experts, weights)
         rows[key] = (experts, weights)
     if not rows:
-        raise MoesimError("import: no expert-jsonl records found.")
+        raise MoesimError(f"import {_names(sources)}: no expert-jsonl records found (lines with problem_id, "
+                          "token_idx, layer, experts and gating_probs); check --format and the files.")
     keys = sorted(rows)
     tokens = {(p, t) for p, t, _ in keys}
     report.rows = len(keys)
@@ -175,7 +182,8 @@ def import_vllm_routes(sources: list[Path], model_preset: str | None, drop_warmu
         _check_row(model, where, rec[1], rec[2], rec[3])
         records.append(rec)
     if not records:
-        raise MoesimError("import: no vLLM route records found.")
+        raise MoesimError(f"import {_names(sources)}: no vLLM route records found (lines with "
+                          '"type": "route"); check --format and the files.')
     if meta.get("top_k") not in (None, model.top_k) or meta.get("num_experts") not in (None, model.num_experts):
         raise MoesimError(f"import: the log's meta line says top_k={meta.get('top_k')}, "
                           f"num_experts={meta.get('num_experts')}, but --model-preset {model.name} has "

@@ -78,8 +78,20 @@ class ModelInfo:
                 problems.append(f"model.{key} must be a positive integer, got {value!r}")
         if isinstance(self.top_k, int) and isinstance(self.num_experts, int) and self.top_k > self.num_experts:
             problems.append(f"model.top_k ({self.top_k}) exceeds model.num_experts ({self.num_experts})")
-        if not self.expert_bytes:
-            problems.append("model.expert_bytes must map at least one precision (e.g. bf16) to bytes")
+        if not isinstance(self.expert_bytes, dict) or not self.expert_bytes:
+            problems.append("model.expert_bytes must map at least one precision (e.g. bf16) to bytes, "
+                            f"got {self.expert_bytes!r}")
+            raise ValueError("; ".join(problems))
+        for key in ("shared_experts", "shared_expert_intermediate_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                problems.append(f"model.{key} must be a non-negative integer, got {value!r}")
+        for key in ("num_attention_heads", "num_key_value_heads", "head_dim"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                problems.append(f"model.{key} must be a positive integer or absent, got {value!r}")
+        if not isinstance(self.renormalize, bool):
+            problems.append(f"model.renormalize must be true or false, got {self.renormalize!r}")
         for prec, nbytes in self.expert_bytes.items():
             if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
                 problems.append(f"model.expert_bytes.{prec} must be a positive integer, got {nbytes!r}")
