@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -230,3 +231,36 @@ def test_fit_then_synth_from_the_profile(tmp_path):
     r = moesim("trace", "synth", "--preset", "mixtral-8x7b", "--fit", str(prof), "--out", str(out))
     assert r.returncode == 2
     assert "exactly one of --preset and --fit" in r.stderr
+
+
+def test_listings_fit_80_columns_without_cutting_names():
+    import os
+
+    from moesim.policies import families
+    from moesim.simulator.hardware import PRESETS as HW
+    from moesim.traces.synth import PRESETS as SY
+
+    env = {**os.environ, "COLUMNS": "80"}
+    pres = subprocess.run([sys.executable, "-m", "moesim", "presets"], capture_output=True, text=True, env=env)
+    pol = subprocess.run([sys.executable, "-m", "moesim", "policies"], capture_output=True, text=True, env=env)
+    for out in (pres.stdout, pol.stdout):
+        assert max(len(line) for line in out.splitlines()) <= 80
+    for name in [*HW, *SY]:
+        assert re.search(rf"│{re.escape(name)}\s", pres.stdout), name
+    for reg in families().values():
+        for name in reg.names():
+            assert re.search(rf"│{re.escape(name)}\s", pol.stdout), name
+    assert "``" not in pol.stdout  # no raw reStructuredText
+
+
+def test_policies_by_family_and_as_json():
+    r = moesim("policies", "--family", "eviction", "--json")
+    doc = json.loads(r.stdout)
+    assert list(doc) == ["eviction"]
+    ls = doc["eviction"]["least-stale"]
+    assert [p["name"] for p in ls["parameters"]] == ["order", "prefetch_evicts_current"]
+    assert ls["parameters"][0]["default"] == "relative"
+    r = moesim("presets", "--json")
+    doc = json.loads(r.stdout)
+    assert doc["hardware"]["h100-sxm-pcie5"]["gpu"]["name"]
+    assert doc["models"]["olmoe-1b-7b"]["model"]["num_experts"] == 64

@@ -659,58 +659,90 @@ def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...]
                f"{len(df)} scenarios -> {out_dir}/report.md")
 
 
+def _plain(text: str) -> str:
+    """A docstring's first paragraph as plain text (reStructuredText roles and literals dropped)."""
+    import re
+
+    first = " ".join((text or "").strip().split("\n\n")[0].split())
+    first = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", first)
+    return first.replace("``", "")
+
+
+def _table(title: str, columns: list[str], rows: list[list[str]], wide: tuple[str, ...] = ()) -> Any:
+    """A table that fits the terminal (80 columns if unknown) without cutting the first
+    column (the name people copy): other columns wrap."""
+    from rich.table import Table
+
+    t = Table(title=title, header_style="bold", title_justify="left", pad_edge=False)
+    for k, col in enumerate(columns):
+        if k == 0:
+            t.add_column(col, no_wrap=True, min_width=max([len(col)] + [len(r[0]) for r in rows]))
+        else:
+            t.add_column(col, overflow="fold", ratio=3 if col in wide else None)
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
 @cli.command("policies")
 @plugin_option
-def policies_cmd() -> None:
-    """List every registered policy by family with its parameters and defaults."""
+@click.option("--family", type=click.Choice(["eviction", "miss", "prefetch", "routing", "budget"]), default=None,
+              help="Only this family.")
+@click.option("--json", "as_json", is_flag=True, help="Every policy with its parameters (type, default, help) as JSON.")
+def policies_cmd(family: str | None, as_json: bool) -> None:
+    """List the registered policies (your plugins' too) by family: name, parameters with their
+    defaults, and what each does."""
     from rich.console import Console
-    from rich.table import Table
 
     from moesim.policies import families
     from moesim.simulator.confload import describe_fields
 
-    table = Table(header_style="bold")
-    for col in ("family", "name", "parameters", "description"):
-        table.add_column(col)
-    from rich.markup import escape
-
-    for fam, reg in families().items():
-        for name, cls in reg.items():
-            params = describe_fields(cls.Params)
-            ptxt = "\n".join(f"{n}: {t} = {d!r}  {h}" for n, t, d, h in params) or "-"
-            doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
-            table.add_row(fam, name, escape(ptxt), escape(doc))
-    Console().print(table)
+    fams = {f: r for f, r in families().items() if family in (None, f)}
+    if as_json:
+        doc = {f: {name: {"description": _plain(cls.__doc__ or ""), "parameters": [
+            {"name": n, "type": t, "default": d, "help": h} for n, t, d, h in describe_fields(cls.Params)]}
+            for name, cls in reg.items()} for f, reg in fams.items()}
+        click.echo(json.dumps(doc, indent=1, default=str))
+        return
+    con = Console()
+    for fam, reg in fams.items():
+        rows = [[name, ", ".join(f"{n}={d!r}" for n, _t, d, _h in describe_fields(cls.Params)) or "-",
+                 _plain(cls.__doc__ or "")] for name, cls in reg.items()]
+        con.print(_table(f"{fam} policies", ["name", "parameters (default)", "what it does"], rows,
+                         wide=("what it does",)))
+    con.print("moesim policies --json lists each parameter's type and meaning.")
 
 
 @cli.command("presets")
-def presets_cmd() -> None:
+@click.option("--json", "as_json", is_flag=True, help="Every figure of every preset as JSON.")
+def presets_cmd(as_json: bool) -> None:
     """List hardware presets (datasheet figures) and synthetic model presets."""
     from rich.console import Console
-    from rich.table import Table
 
     from moesim.simulator.hardware import PRESETS as HW
     from moesim.traces.synth import PRESETS as SY
 
+    if as_json:
+        models = {name: {"model": p.model.to_dict(), "routing": {"skew": p.routing.skew, "reuse": p.routing.reuse,
+                                                                  "corr": p.routing.corr}, "tuned_on": p.tuned_on}
+                  for name, p in SY.items()}
+        click.echo(json.dumps({"hardware": HW, "models": models}, indent=1, default=str))
+        return
     con = Console()
-    t = Table(title="hardware presets (datasheet figures, not measurements)", header_style="bold")
-    for col in ("name", "gpu", "HBM GB", "HBM GB/s", "bf16 TFLOPS", "host link", "GB/s", "latency us"):
-        t.add_column(col)
+    rows = []
     for name, hw in HW.items():
         link = hw["links"][hw["host_link"]]
         g = hw["gpu"]
-        t.add_row(name, g["name"], str(g["memory_gb"]), str(g["hbm_bandwidth_gbps"]), str(g["peak_tflops"]),
-                  hw["host_link"], str(link["bandwidth_gbps"]), str(link["latency_us"]))
-    con.print(t)
-    s = Table(title="synthetic model presets", header_style="bold")
-    for col in ("name", "layers", "experts", "top-k", "expert MiB (bf16)", "routing (skew, reuse, corr)", "tuned on"):
-        s.add_column(col)
+        rows.append([name, str(g["memory_gb"]), str(g["hbm_bandwidth_gbps"]), str(g["peak_tflops"]),
+                     f"{hw['host_link']} {link['bandwidth_gbps']:g}", f"{link['latency_us']:g}"])
+    con.print(_table("hardware presets (datasheet figures, not measurements)",
+                     ["name", "HBM GB", "HBM GB/s", "bf16 TFLOPS", "host link GB/s", "latency us"], rows))
+    rows = []
     for name, p in SY.items():
         m = p.model
-        s.add_row(name, str(m.num_layers), str(m.num_experts), str(m.top_k),
-                  f"{m.expert_bytes['bf16'] / 2**20:.1f}",
-                  f"{p.routing.skew}, {p.routing.reuse}, {p.routing.corr}", p.tuned_on)
-    con.print(s)
+        rows.append([name, str(m.num_layers), str(m.num_experts), str(m.top_k), f"{m.expert_bytes['bf16'] / 2**20:.1f}"])
+    con.print(_table("synthetic model presets", ["name", "layers", "experts", "top-k", "expert MiB (bf16)"], rows))
+    con.print("moesim presets --json adds the GPU names, every link, and each model's routing parameters.")
 
 
 def main(argv: list[str] | None = None) -> None:
