@@ -27,6 +27,28 @@ def test_layer_time_is_the_slowest_gpu_plus_all_to_all():
     a2a = sc.hardware.links["nvlink"].copy_time(2 * model.hidden_size)
     assert res.summary["total_time_s"] == pytest.approx(nonexp + 2 * a2a + max(gpu0, gpu1), rel=1e-9)
     assert res.steps["max_experts_per_gpu"].iloc[0] == 2
+    # one hidden state (2 H bf16 bytes) crosses to another GPU, and its result comes back
+    assert res.summary["bytes_by_link"] == {"pcie.h2d": 0, "nvlink": 2 * 2 * model.hidden_size}
+
+
+def test_the_expert_parallel_summary_table_shows_its_metrics():
+    """The run's table shows the GPUs, the peak experts per GPU and the NVLink bytes, with
+    every time in ms."""
+    from rich.console import Console
+
+    from moesim.simulator.results import summary_table
+
+    t = synth_from_preset("olmoe-1b-7b", layers=2, requests=8, tokens=3, seed=2)
+    res = simulate(scenario(hardware={"preset": "h100-sxm-nvlink-x8"}, workload={"batch_size": 8}), trace=t)
+    con = Console(width=120, record=True)
+    con.print(summary_table(res, "ep"))
+    text = con.export_text()
+    assert "max_experts_per_gpu" in text
+    assert "nvlink:" in text
+    assert "│ gpus" in text
+    for line in text.splitlines():
+        if "_s " in line and "tokens_per_s" not in line:
+            assert line.rstrip(" │").endswith("ms"), line
 
 
 @pytest.mark.parametrize("gpus", [2, 4, 8])

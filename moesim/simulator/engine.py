@@ -197,7 +197,7 @@ class Simulation:
         n = workload.num_passes
         self._cols = {name: np.zeros(n, dtype=np.int64) for name in
                       ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches",
-                       "bytes", "prefetches_issued", "prefetches_used", "prefetch_predicted_hits",
+                       "bytes", "bytes_ep", "prefetches_issued", "prefetches_used", "prefetch_predicted_hits",
                        "prefetch_predicted", "prefetch_actual", "low_precision_experts",
                        "dropped_experts", "substituted_experts", "tokens_altered",
                        "prefetches_cancelled", "unique_computed")}
@@ -634,6 +634,7 @@ class Simulation:
                     expert_t = max(per_gpu_time) * float(self.ffn_scale[p])
                     traffic = float(max(sent.max(), recv.max()))
                     a2a = link.copy_time(traffic) if traffic > 0 else 0.0
+                    cols["bytes_ep"][p] += int(2 * sent.sum())  # dispatch, then combine back
                     t_layer += 2 * a2a + expert_t
                     if self.ep_log is not None and self._recording():
                         t0, scale = env.now, float(self.ffn_scale[p])
@@ -697,6 +698,7 @@ class Simulation:
             **{k: self._cols[k] for k in ("hits", "misses", "late_prefetches", "collision_misses",
                                           "uncached_fetches")},
             "bytes_h2d": self._cols["bytes"],
+            "bytes_ep": self._cols["bytes_ep"],  # expert parallelism: all-to-all bytes over hardware.ep_link
             "unique_experts": uniq,
             "layers_routed": layers_routed.sum(axis=1),
             "prefetches_issued": self._cols["prefetches_issued"],

@@ -23,7 +23,9 @@ Definitions (names as in ``docs/design.md``; README "Metrics" repeats them):
   replaced by another expert (substitute, speculative), per (pass, layer).
 - ``uncached_fetches``: misses fetched to a staging buffer because the cache could not make
   room (every entry pinned, or capacity below one expert).
-- ``bytes_by_link``: bytes copied per link direction (e.g. ``pcie.h2d``).
+- ``bytes_by_link``: bytes copied per link direction (e.g. ``pcie.h2d``); with expert
+  parallelism also the all-to-all bytes over ``hardware.ep_link`` (e.g. ``nvlink``: each
+  hidden state sent to another GPU's expert and back).
 - ``stall_s``: total time the compute stream waited for transfers.
 - ``ttft_s``: mean over requests of the time from the start of the request's batch to the end
   of its first forward pass (its prefill when the trace has one).
@@ -119,7 +121,9 @@ def summarise(sim: RunInfo, steps: pd.DataFrame, requests: pd.DataFrame) -> dict
         "dropped_experts": int(steps["dropped_experts"].sum()),
         "substituted_experts": int(steps["substituted_experts"].sum()),
         "expert_accesses": accesses,
-        "bytes_by_link": {sim.link_name: int(steps["bytes_h2d"].sum())},
+        "bytes_by_link": {sim.link_name: int(steps["bytes_h2d"].sum()),
+                          **({sim.scenario.hardware.ep_link: int(steps["bytes_ep"].sum())}
+                             if sim.scenario.hardware.gpus > 1 else {})},
         "stall_s": float(steps["stall_s"].sum()),
         "ttft_s": _f(requests["ttft_s"].mean()),  # the mean of no requests is NaN: null
         "tpot_s": None,  # below, from the decode and verify passes

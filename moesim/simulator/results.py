@@ -42,18 +42,17 @@ def write_results(result: Result, out_dir: str | os.PathLike[str], extra: dict[s
 
 
 def _fmt(value: Any, key: str) -> str:
+    """One unit per kind of figure: times in ms, bytes in GB, rates and counts as they are."""
     if value is None:
         return "-"
     if isinstance(value, dict):
         return ", ".join(f"{k}: {_fmt(v, key)}" for k, v in value.items())
+    if key.endswith("_s") and key != "tokens_per_s" and isinstance(value, int | float):
+        return f"{value * 1e3:,.3f} ms"
+    if key.startswith("bytes") and isinstance(value, int | float):
+        return f"{value / 1e9:,.3f} GB"
     if isinstance(value, float):
-        if key.endswith("_s") and value < 1:
-            return f"{value * 1e3:.3f} ms"
-        if key.startswith("bytes"):
-            return f"{value / 1e9:.3f} GB"
-        return f"{value:.4g}"
-    if isinstance(value, int) and key.startswith("bytes"):
-        return f"{value / 1e9:.3f} GB"
+        return f"{value:,.1f}" if abs(value) >= 1000 else f"{value:.4g}"
     return str(value)
 
 
@@ -62,8 +61,8 @@ SUMMARY_ROWS = ("hits", "misses", "hit_rate", "collision_misses", "late_prefetch
                 "uncached_fetches", "bytes_by_link", "stall_s", "ttft_s", "tpot_s",
                 "tokens_per_s", "mean_accepted_tokens", "speedup_vs_autoregressive", "link_utilisation", "unique_experts_per_layer",
                 "unique_experts_per_layer_prefill", "gate_mass_retained", "tokens_altered",
-                "low_precision_experts", "dropped_experts", "substituted_experts", "total_time_s",
-                "forward_passes", "tokens", "requests")
+                "low_precision_experts", "dropped_experts", "substituted_experts", "gpus", "max_experts_per_gpu",
+                "total_time_s", "forward_passes", "tokens", "requests")
 
 
 def summary_table(result: Result, title: str) -> Any:
@@ -74,7 +73,7 @@ def summary_table(result: Result, title: str) -> Any:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key in SUMMARY_ROWS:
-        if key in result.summary:
+        if key in result.summary and not (key in ("gpus", "max_experts_per_gpu") and result.summary.get("gpus", 1) == 1):
             table.add_row(key, _fmt(result.summary[key], key))
     if "warning" in result.summary:
         table.add_row("warning", result.summary["warning"])
