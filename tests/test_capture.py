@@ -105,7 +105,7 @@ def test_capture_cli(tmp_path):
     prompts.write_text("w3 w4 w5\nw6 w7\n")
     out = tmp_path / "t.parquet"
     r = subprocess.run([sys.executable, "-m", "moesim", "capture", "--model", str(folder), "--prompts",
-                        str(prompts), "--out", str(out), "--dtype", "float32", "--max-new-tokens", "3",
+                        str(prompts), "--out", str(out), "--precision", "fp32", "--max-new-tokens", "3",
                         "--batch-size", "2", "--predict-next"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     info = json.loads(subprocess.run([sys.executable, "-m", "moesim", "trace", "info", str(out), "--json"],
@@ -113,7 +113,7 @@ def test_capture_cli(tmp_path):
     assert info["requests"] == 2
     assert "pred_next" in info["optional_columns"]
     r = subprocess.run([sys.executable, "-m", "moesim", "capture", "--model", str(folder), "--prompts",
-                        str(prompts), "--out", str(out), "--dtype", "float32", "--max-new-tokens", "4",
+                        str(prompts), "--out", str(out), "--precision", "fp32", "--max-new-tokens", "4",
                         "--speculative", "--tree-width", "2"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     info = json.loads(subprocess.run([sys.executable, "-m", "moesim", "trace", "info", str(out), "--json"],

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -264,3 +265,20 @@ def test_policies_by_family_and_as_json():
     doc = json.loads(r.stdout)
     assert doc["hardware"]["h100-sxm-pcie5"]["gpu"]["name"]
     assert doc["models"]["olmoe-1b-7b"]["model"]["num_experts"] == 64
+
+
+def test_old_spellings_still_work_with_a_note(tmp_path):
+    """--model-preset (trace import) and --batch (mrc) are accepted and say what replaces them."""
+    from click.testing import CliRunner
+
+    from moesim.simulator.cli import cli
+
+    np.save(tmp_path / "r.npy", np.zeros((3, 16, 8), dtype=np.int64) + np.arange(8))
+    r = CliRunner().invoke(cli, ["trace", "import", "--format", "routed-experts-npy", str(tmp_path / "r.npy"),
+                                 "--model-preset", "olmoe-1b-7b", "--out", str(tmp_path / "t.parquet")])
+    assert r.exit_code == 0, r.output
+    assert "note: --model-preset is deprecated; use --preset." in r.output
+    r = CliRunner().invoke(cli, ["mrc", str(tmp_path / "t.parquet"), "--batch", "1", "--capacities", "8,64",
+                                 "--out", str(tmp_path / "m"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert "note: --batch is deprecated; use --batch-size." in r.output

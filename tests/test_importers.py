@@ -44,7 +44,7 @@ def test_bad_lines_and_shapes_are_named(tmp_path):
                              "gating_probs": [0.6, 0.4]}) + "\n")
     with pytest.raises(MoesimError, match=r"line 1: layer 0 / experts \[1, 9\] out of range for mixtral-8x7b"):
         import_trace("expert-jsonl", [f], "mixtral-8x7b")
-    with pytest.raises(MoesimError, match="records no model shapes; name one with --model-preset"):
+    with pytest.raises(MoesimError, match="records no model shapes; name one with --preset"):
         import_trace("expert-jsonl", [f], None)
     with pytest.raises(MoesimError, match="unknown import format 'expert-json'"):
         import_trace("expert-json", [f], "mixtral-8x7b")

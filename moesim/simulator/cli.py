@@ -97,6 +97,28 @@ class _OutPath(click.ParamType):
 OUT_DIR = _OutPath("dir")
 OUT_FILE = _OutPath("file")
 
+device_option = click.option(
+    "--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+    help="Where to run: auto picks cuda when torch sees a GPU, else cpu.")
+
+
+def _device(device: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``."""
+    if device != "auto":
+        return device
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _deprecated(old: str, new: str, value: Any) -> Any:
+    """An old spelling still accepted: say what replaces it."""
+    if value is not None:
+        click.echo(f"note: {old} is deprecated; use {new}.", err=True)
+    return value
+
 
 def _load_plugins(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> None:
     if value:
@@ -326,11 +348,12 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
 @click.option("--expert-compute", type=click.Choice(["per-expert", "layer"]), default="per-expert", show_default=True,
               help="per-expert: the sequential stream (LRU from stack distances); layer: a layer's experts pinned "
                    "together (every point replayed).")
-@click.option("--batch", "batch_size", type=int, default=1, show_default=True, help="Requests per forward pass.")
+@click.option("--batch-size", "batch_size", type=int, default=1, show_default=True, help="Requests per forward pass.")
+@click.option("--batch", "batch_old", type=int, default=None, hidden=True)
 @click.option("--out", "out_dir", required=True, type=OUT_DIR, help="Folder for mrc.parquet and mrc.png.")
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON instead of a table.")
 def mrc_cmd(trace_file: str, policies: str, capacities: str | None, expert_compute: str, batch_size: int,
-            out_dir: str, as_json: bool) -> None:
+            batch_old: int | None, out_dir: str, as_json: bool) -> None:
     """Miss-ratio curves of TRACE: misses and hit rate over cache capacities for each eviction
     policy, demand fetch only, cache-only replay. Writes OUT/mrc.parquet (capacity in experts,
     bytes and % of the model; misses; hit rate; method) and OUT/mrc.png (log capacity axis,
@@ -339,8 +362,9 @@ def mrc_cmd(trace_file: str, policies: str, capacities: str | None, expert_compu
     from moesim.simulator.mrc import describe, mrc, parse_capacities, write_mrc
     from moesim.traces.io import read_trace
 
+    batch_size = _deprecated("--batch", "--batch-size", batch_old) or batch_size
     if batch_size < 1:
-        raise MoesimError(f"--batch must be >= 1, got {batch_size}.")
+        raise MoesimError(f"--batch-size must be >= 1, got {batch_size}.")
     names = [p.strip() for p in policies.split(",") if p.strip()]
     for name in names:
         EVICTION.get(name, "--policy")
@@ -481,14 +505,16 @@ def trace_synth(preset: str | None, fit: str | None, requests: int, prompt_token
                    "long-table (CSV/Parquet, one row per token/layer/expert).")
 @click.argument("src", nargs=-1, required=True, type=click.Path())
 @click.option("--out", "out", required=True, type=OUT_FILE, help="Output Parquet file (written atomically).")
-@click.option("--model-preset", default=None, help="Synthetic preset giving the model shapes the log lacks (e.g. mixtral-8x7b).")
+@click.option("--preset", "model_preset", default=None, help="Model preset giving the shapes the log lacks (e.g. mixtral-8x7b).")
+@click.option("--model-preset", "model_preset_old", default=None, hidden=True)
 @click.option("--drop-warmup", is_flag=True, help="vllm-routes-jsonl: drop vLLM warm-up dummy rows and report how many.")
 @click.option("--tokens-per-sequence", type=int, default=64, show_default=True, help="flame-csv: prefill tokens per sequence.")
 @click.option("--columns", default=None, metavar="KEY=COL,...",
               help="long-table: map request, position, layer, expert (and weight, rank, step, phase) to column names.")
-def trace_import(fmt: str, src: tuple[str, ...], out: str, model_preset: str | None, drop_warmup: bool,
-                 tokens_per_sequence: int, columns: str | None) -> None:
+def trace_import(fmt: str, src: tuple[str, ...], out: str, model_preset: str | None, model_preset_old: str | None,
+                 drop_warmup: bool, tokens_per_sequence: int, columns: str | None) -> None:
     """Convert routing logs (files or folders SRC...) written by other tools into a v1 trace."""
+    model_preset = _deprecated("--model-preset", "--preset", model_preset_old) or model_preset
     from moesim.traces.importers import import_trace
     from moesim.traces.io import write_trace
 
@@ -509,16 +535,19 @@ def trace_import(fmt: str, src: tuple[str, ...], out: str, model_preset: str | N
 @trace.command("fit")
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--out", "out", required=True, type=OUT_FILE, help="Profile YAML to write.")
-@click.option("--batch", type=int, default=1, show_default=True, help="Batch size the LRU curves are replayed with.")
+@click.option("--batch-size", "batch", type=int, default=1, show_default=True,
+              help="Requests per forward pass the LRU curves are replayed with.")
+@click.option("--batch", "batch_old", type=int, default=None, hidden=True)
 @click.option("--name", default=None, help="Profile name (default: the model's).")
-def trace_fit(file: str, out: str, batch: int, name: str | None) -> None:
+def trace_fit(file: str, out: str, batch: int, batch_old: int | None, name: str | None) -> None:
     """Estimate the synthetic routing model from trace FILE (per-layer popularity,
     cross-layer affinity, reuse, batch correlation) and write a profile for `synth --fit`."""
     from moesim.traces.fit import fit_profile, write_profile
     from moesim.traces.io import read_trace
 
+    batch = _deprecated("--batch", "--batch-size", batch_old) or batch
     if batch < 1:
-        raise MoesimError(f"--batch must be >= 1, got {batch}.")
+        raise MoesimError(f"--batch-size must be >= 1, got {batch}.")
     t = read_trace(file)
     prog = _progress(sys.stderr.isatty(), "fitting")
     if prog is not None:
@@ -539,8 +568,10 @@ def trace_fit(file: str, out: str, batch: int, name: str | None) -> None:
 @click.option("--model", "model_path", required=True, type=click.Path(), help="Local folder of a Hugging Face MoE model (config.json + weights).")
 @click.option("--prompts", required=True, type=click.Path(dir_okay=False, exists=True), help="Text file, one prompt per line (token ids when the model has no tokenizer).")
 @click.option("--out", "out", required=True, type=OUT_FILE, help="Output trace (Parquet, written atomically).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@device_option
+@click.option("--precision", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
+              help="Weights and activations (as cache.precision names them).")
+@click.option("--dtype", "dtype_old", type=click.Choice(["bfloat16", "float16", "float32"]), default=None, hidden=True)
 @click.option("--max-new-tokens", type=int, default=32, show_default=True, help="Greedy decode length per prompt.")
 @click.option("--batch-size", type=int, default=1, show_default=True, help="Prompts run together (left-padded).")
 @click.option("--predict-next", is_flag=True, help="Record the next layer's router applied to this layer's router input (pred_next).")
@@ -548,7 +579,8 @@ def trace_fit(file: str, out: str, batch: int, name: str | None) -> None:
 @click.option("--speculative", is_flag=True, help="Decode by verifying depth-1 draft trees; records node, parent, accepted (batch size 1).")
 @click.option("--draft-model", type=click.Path(), default=None, help="With --speculative: local draft model folder (default: the target's own top candidates).")
 @click.option("--tree-width", type=int, default=4, show_default=True, help="With --speculative: candidates per draft tree.")
-def capture_cmd(model_path: str, prompts: str, out: str, device: str, dtype: str, max_new_tokens: int,
+def capture_cmd(model_path: str, prompts: str, out: str, device: str, precision: str, dtype_old: str | None,
+                max_new_tokens: int,
                 batch_size: int, predict_next: bool, quasi_hidden: bool, speculative: bool,
                 draft_model: str | None, tree_width: int) -> None:
     """Run a Hugging Face MoE model (OLMoE, Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, Phi-MoE,
@@ -558,6 +590,9 @@ def capture_cmd(model_path: str, prompts: str, out: str, device: str, dtype: str
 
     if max_new_tokens < 1 or batch_size < 1:
         raise MoesimError("--max-new-tokens and --batch-size must be >= 1.")
+    dtype = _deprecated("--dtype", "--precision", dtype_old) or {"bf16": "bfloat16", "fp16": "float16",
+                                                                   "fp32": "float32"}[precision]
+    device = _device(device)
     lines = [ln.strip() for ln in Path(prompts).read_text().splitlines() if ln.strip()]
     if not lines:
         raise MoesimError(f"capture: {prompts} has no prompts (one per line).")
@@ -601,7 +636,7 @@ def calibrate() -> None:
 
 
 @calibrate.command("measure")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
+@device_option
 @click.option("--model-shapes", default="olmoe-1b-7b", show_default=True, help="Comma-separated model shapes for the expert FFN tables.")
 @click.option("--quick", is_flag=True, help="Small sizes and few repeats (CI).")
 @click.option("--out", "out", required=True, type=OUT_FILE, help="Raw measurements (Parquet).")
@@ -609,6 +644,7 @@ def calibrate_measure(device: str, model_shapes: str, quick: bool, out: str) -> 
     """Microbenchmarks with PyTorch: copies by size, expert FFN by tokens, attention by context, launch overhead."""
     from moesim.simulator.calibrate import measure, write_parquet_atomic
 
+    device = _device(device)
     prog = _progress(sys.stderr.isatty(), "measuring")
     shapes = [s.strip() for s in model_shapes.split(",") if s.strip()]
     if prog is not None:
@@ -647,14 +683,14 @@ def calibrate_fit(raw: str, out: str) -> None:
 @click.option("--profile", required=True, type=click.Path(dir_okay=False, exists=True), help="Profile from `calibrate fit`.")
 @click.option("--trace", "trace_path", required=True, type=click.Path(dir_okay=False, exists=True), help="Trace replayed by both.")
 @click.option("--scenarios", multiple=True, required=True, help="Scenario files (glob patterns; repeatable).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True)
+@device_option
 @click.option("--out", "out_dir", required=True, type=OUT_DIR, help="Report folder.")
 def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], device: str, out_dir: str) -> None:
     """Replay TRACE on the device with a reference executor (same policy decisions) and with
     the simulator under PROFILE; write report.md, validation.parquet and a plot."""
     from moesim.simulator.validate import expand, validate
 
-    df = validate(profile, trace_path, expand(list(scenarios)), out_dir, device)
+    df = validate(profile, trace_path, expand(list(scenarios)), out_dir, _device(device))
     click.echo(f"TPOT APE median {df['tpot_ape'].median():.1%}, p95 {df['tpot_ape'].quantile(0.95):.1%} over "
                f"{len(df)} scenarios -> {out_dir}/report.md")
 

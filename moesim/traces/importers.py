@@ -27,7 +27,7 @@ Formats (``moesim trace import --format F``):
 weights), as in ``../shared/traces/real/mixtral-8x7b-vllm/``. Each problem becomes a
 request, each token a decode step (``step = position = token_idx``: the logs do not record
 the prompt length). (token, layer) cells missing from the log are reported, not invented.
-Model shapes come from a synthetic preset (``--model-preset``), since the logs lack them.
+Model shapes come from a synthetic preset (``--preset``), since the logs lack them.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _model(preset: str | None, fmt: str) -> ModelInfo:
 
     if preset is None:
         raise MoesimError(f"import format '{fmt}' records no model shapes; name one with "
-                          f"--model-preset (valid: {', '.join(PRESETS)}).")
+                          f"--preset (valid: {', '.join(PRESETS)}).")
     return get_preset(preset).model
 
 
@@ -153,11 +153,11 @@ def _check_row(model: ModelInfo, where: str, layer: int, experts: list[int],
                weights: list[float] | None = None) -> None:
     if len(experts) != model.top_k or (weights is not None and len(weights) != model.top_k):
         raise MoesimError(f"import {where}: {len(experts)} experts, but model {model.name} has "
-                          f"top-{model.top_k}; pick the right --model-preset.")
+                          f"top-{model.top_k}; pick the right --preset.")
     if not 0 <= layer < model.num_layers or not all(0 <= e < model.num_experts for e in experts):
         raise MoesimError(f"import {where}: layer {layer} / experts {experts} out of range for "
                           f"{model.name} ({model.num_layers} layers, {model.num_experts} experts); "
-                          "pick the right --model-preset.")
+                          "pick the right --preset.")
 
 
 def import_vllm_routes(sources: list[Path], model_preset: str | None, drop_warmup: bool = False,
@@ -186,7 +186,7 @@ def import_vllm_routes(sources: list[Path], model_preset: str | None, drop_warmu
                           '"type": "route"); check --format and the files.')
     if meta.get("top_k") not in (None, model.top_k) or meta.get("num_experts") not in (None, model.num_experts):
         raise MoesimError(f"import: the log's meta line says top_k={meta.get('top_k')}, "
-                          f"num_experts={meta.get('num_experts')}, but --model-preset {model.name} has "
+                          f"num_experts={meta.get('num_experts')}, but --preset {model.name} has "
                           f"top-{model.top_k} of {model.num_experts}; pick the matching preset.")
     if drop_warmup:
         from collections import Counter

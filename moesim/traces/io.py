@@ -192,7 +192,7 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
         r = int(bad_rows[0])
         raise _fail(p, f"column 'experts' has expert id(s) {experts[r].tolist()} at row {r}; ids must "
                     f"be 0..{model.num_experts - 1} (model {model.name} has {model.num_experts} "
-                    "experts per layer). Check --model-preset or the trace's metadata.")
+                    "experts per layer). Check --preset or the trace's metadata.")
     experts = experts.astype(np.int16)
     if model.top_k > 1 and len(experts):
         srt = np.sort(experts, axis=1)
