@@ -175,3 +175,48 @@ def test_broken_yaml_in_a_profile_or_a_placement_file_names_the_file_and_line(tm
         placement_of(str(bad), 2, 4, 2)
     with pytest.raises(MoesimError, match=r"expert placement .*nowhere.yaml: no such file. Use contiguous"):
         placement_of(str(tmp_path / "nowhere.yaml"), 2, 4, 2)
+
+
+def test_a_profile_of_other_shapes_is_flagged_for_validation(tmp_path):
+    """The trace's model (hidden 128, intermediate 256) against a profile measured on 256x512:
+    the warning names both shapes and the measure command; a matching profile gives none."""
+    from moesim.simulator.validate import shape_warnings
+    from moesim.traces.synth import generate
+    from tests.helpers import small_model
+
+    t = generate(small_model(layers=2, experts=8, top_k=2, hidden=128, inter=256), requests=1, tokens=4, seed=1)
+    base = {"profile_version": 1, "links": {"h2d_pageable": {"bandwidth_gbps": 10.0, "latency_us": 5.0,
+                                                            "rel_rms_residual": 0.01, "points": 5}}}
+
+    def profile(h, i):
+        doc = {**base, "expert_time": {f"{h}x{i}": {"bf16": {"hidden": h, "intermediate": i, "tokens": [1, 2],
+                                                              "seconds": [1e-5, 2e-5]}}}}
+        path = tmp_path / f"p{h}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return str(path)
+
+    (w,) = shape_warnings(profile(256, 512), t)
+    assert "(128x256; it has 256x512)" in w
+    assert "moesim calibrate measure --model-shapes 128x256" in w
+    assert shape_warnings(profile(128, 256), t) == []
+
+
+def test_fit_flags_a_link_fit_with_large_residuals(tmp_path):
+    """Copy times that an affine model cannot follow (a step at 1 MiB): the fit's relative RMS
+    residual exceeds 10% and calibrate fit warns, naming the link."""
+    from click.testing import CliRunner
+
+    from moesim.simulator.cli import cli
+
+    sizes = [2 ** e for e in range(10, 25, 2)]
+    times = [1e-5 + n / 2e10 * (1 if n < 2**20 else 4) for n in sizes]
+    raw = pd.DataFrame({"kind": "copy", "direction": "h2d", "memory": "pageable", "bytes": sizes, "median_s": times,
+                        "device": "cpu"})
+    raw.to_parquet(tmp_path / "raw.parquet")
+    r = CliRunner().invoke(cli, ["calibrate", "fit", str(tmp_path / "raw.parquet"), "--out", str(tmp_path / "p.yaml")])
+    assert r.exit_code == 0, r.output
+    assert "warning: link h2d_pageable: the affine fit misses the measurements by" in r.output
+    clean = raw.assign(median_s=[1e-5 + n / 2e10 for n in sizes])
+    clean.to_parquet(tmp_path / "clean.parquet")
+    r = CliRunner().invoke(cli, ["calibrate", "fit", str(tmp_path / "clean.parquet"), "--out", str(tmp_path / "q.yaml")])
+    assert "warning" not in r.output

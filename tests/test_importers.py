@@ -79,8 +79,10 @@ def test_vllm_route_logs_drop_warmup():
     assert len(t) == 6519 - 2048  # the first 2048 rows are vLLM warm-up dummies
     assert any("dropped 2048 warm-up rows" in n for n in report.notes)
     assert set(t.layer.tolist()) == {0}
-    kept, _ = import_trace("vllm-routes-jsonl", [base / "olmoe-1b-7b" / "moe_routes.jsonl"], "olmoe-1b-7b")
+    kept, kept_report = import_trace("vllm-routes-jsonl", [base / "olmoe-1b-7b" / "moe_routes.jsonl"], "olmoe-1b-7b")
     assert len(kept) == 6519
+    assert any("kept 2048 of 6519 rows that look like vLLM warm-up dummies" in n and "--drop-warmup" in n
+               for n in kept_report.notes)  # said, not silently kept
     q, _rq = import_trace("vllm-routes-jsonl", [base / "qwen1.5-moe-a2.7b-chat"], "qwen1.5-moe-a2.7b",
                          drop_warmup=True)
     assert not any(tuple(row) == (43, 5, 7, 58) for row in q.experts.tolist())

@@ -266,6 +266,23 @@ def fit(raw: pd.DataFrame, source: str = "<raw>") -> dict[str, Any]:
     }
 
 
+RESIDUAL_LIMIT = 0.10  # a link fit whose relative RMS residual exceeds this is flagged
+
+
+def fit_warnings(profile: dict[str, Any]) -> list[str]:
+    """What in a fitted profile a person should not trust blindly: link fits that miss their
+    points by more than 10% RMS (an affine latency + bytes/bandwidth model does not describe
+    the measurements; often pageable copies with a staging buffer, or noise)."""
+    out = []
+    for name, link in profile["links"].items():
+        if link["rel_rms_residual"] > RESIDUAL_LIMIT:
+            out.append(f"link {name}: the affine fit misses the measurements by {link['rel_rms_residual']:.0%} "
+                       f"(relative RMS over {link['points']} sizes), more than {RESIDUAL_LIMIT:.0%}; its bandwidth and "
+                       "latency are rough. Measure again (pinned memory on a GPU, fewer other jobs), or check the "
+                       "raw times by size.")
+    return out
+
+
 def write_profile(profile: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write a hardware profile as YAML atomically."""
     return write_yaml_atomic(profile, path)

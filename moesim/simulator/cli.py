@@ -665,7 +665,7 @@ def calibrate_fit(raw: str, out: str) -> None:
     compute tables; launch overhead), with fit residuals. Scenarios name it as hardware.profile."""
     import pandas as pd
 
-    from moesim.simulator.calibrate import fit, write_profile
+    from moesim.simulator.calibrate import fit, fit_warnings, write_profile
 
     try:
         df = pd.read_parquet(raw)
@@ -676,6 +676,8 @@ def calibrate_fit(raw: str, out: str) -> None:
     for name, link in prof["links"].items():
         click.echo(f"{name}: {link['bandwidth_gbps']:.2f} GB/s, {link['latency_us']:.2f} us "
                    f"(relative RMS residual {link['rel_rms_residual']:.1%})")
+    for warning in fit_warnings(prof):
+        click.echo(f"warning: {warning}", err=True)
     click.echo(f"wrote {out}")
 
 
@@ -688,8 +690,11 @@ def calibrate_fit(raw: str, out: str) -> None:
 def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], device: str, out_dir: str) -> None:
     """Replay TRACE on the device with a reference executor (same policy decisions) and with
     the simulator under PROFILE; write report.md, validation.parquet and a plot."""
-    from moesim.simulator.validate import expand, validate
+    from moesim.simulator.validate import expand, shape_warnings, validate
+    from moesim.traces.io import read_trace
 
+    for warning in shape_warnings(profile, read_trace(trace_path)):
+        click.echo(f"warning: {warning}", err=True)
     df = validate(profile, trace_path, expand(list(scenarios)), out_dir, _device(device))
     click.echo(f"TPOT APE median {df['tpot_ape'].median():.1%}, p95 {df['tpot_ape'].quantile(0.95):.1%} over "
                f"{len(df)} scenarios -> {out_dir}/report.md")

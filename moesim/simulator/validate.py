@@ -165,6 +165,7 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     from moesim.traces.io import read_trace
 
     trace = read_trace(trace_path)
+    warnings = shape_warnings(profile, trace)
     rows = []
     for path in scenarios:
         sc = load_scenario(path, [f"hardware.profile={profile}", f"workload.trace.path={Path(trace_path).resolve()}"])
@@ -189,11 +190,31 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     df = pd.DataFrame(rows)
     out = Path(out_dir)
     write_atomic(out / "validation.parquet", lambda tmp: df.to_parquet(tmp, index=False))
-    _report(df, out, profile, device)
+    _report(df, out, profile, device, warnings)
+    df.attrs["warnings"] = warnings
     return df
 
 
-def _report(df: pd.DataFrame, out: Path, profile: str, device: str) -> None:
+def shape_warnings(profile: str, trace: Any) -> list[str]:
+    """A profile measured on other model shapes than the trace's predicts the trace's expert
+    compute from the roofline, not from measurements: say so (the prediction error then says
+    little about the profile)."""
+    from moesim.simulator.calibrate import load_profile
+
+    prof = load_profile(profile, "calibrate validate")
+    m = trace.model
+    shapes = {(int(t.get("hidden", 0)), int(t.get("intermediate", 0)))
+              for by_dtype in (prof.get("expert_time") or {}).values() for t in by_dtype.values()}
+    if (m.hidden_size, m.expert_intermediate_size) in shapes:
+        return []
+    have = ", ".join(f"{h}x{i}" for h, i in sorted(shapes)) or "none"
+    return [f"profile {profile} has no expert FFN measurements for the trace's model {m.name} "
+            f"({m.hidden_size}x{m.expert_intermediate_size}; it has {have}): the simulator predicts its expert "
+            f"compute from the datasheet roofline. Measure that shape: moesim calibrate measure --model-shapes "
+            f"{m.hidden_size}x{m.expert_intermediate_size}."]
+
+
+def _report(df: pd.DataFrame, out: Path, profile: str, device: str, warnings: list[str] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,6 +231,7 @@ def _report(df: pd.DataFrame, out: Path, profile: str, device: str) -> None:
     fig.tight_layout()
     save_figure_atomic(fig, out / "predicted_vs_measured.png", dpi=100)
     lines = [f"# Validation on {device} with profile `{profile}`", "",
+             *[f"**Warning:** {w}\n" for w in warnings or []],
              f"TPOT absolute percentage error: median {df['tpot_ape'].median():.1%}, "
              f"p95 {df['tpot_ape'].quantile(0.95):.1%} over {len(df)} scenarios.",
              f"TTFT absolute percentage error: median {df['ttft_ape'].median():.1%}, "

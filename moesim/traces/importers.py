@@ -188,16 +188,19 @@ def import_vllm_routes(sources: list[Path], model_preset: str | None, drop_warmu
         raise MoesimError(f"import: the log's meta line says top_k={meta.get('top_k')}, "
                           f"num_experts={meta.get('num_experts')}, but --preset {model.name} has "
                           f"top-{model.top_k} of {model.num_experts}; pick the matching preset.")
-    if drop_warmup:
-        from collections import Counter
+    from collections import Counter
 
-        tuples = Counter(tuple(r[2]) for r in records)
-        common = {t for t, c in tuples.items() if c >= 0.1 * len(records)}
-        keep = [r for r in records
-                if not (max(r[3]) - min(r[3]) < 1e-9 or tuple(r[2]) in common)]
-        report.notes.append(f"dropped {len(records) - len(keep)} warm-up rows (equal weights or a "
-                            "dominant repeated id tuple)")
+    # vLLM's warm-up dummies: equal weights, or one id tuple repeated across a tenth of the log
+    tuples = Counter(tuple(r[2]) for r in records)
+    common = {t for t, c in tuples.items() if c >= 0.1 * len(records)}
+    keep = [r for r in records if not (max(r[3]) - min(r[3]) < 1e-9 or tuple(r[2]) in common)]
+    warmup = len(records) - len(keep)
+    if drop_warmup:
+        report.notes.append(f"dropped {warmup} warm-up rows (equal weights or a dominant repeated id tuple)")
         records = keep
+    elif warmup:
+        report.notes.append(f"kept {warmup} of {len(records)} rows that look like vLLM warm-up dummies (equal "
+                            "weights or a dominant repeated id tuple); --drop-warmup drops them")
     req_ids: dict[str, int] = {}
     counter: dict[tuple[int, int], int] = {}
     cols: dict[str, list[Any]] = {k: [] for k in ("r", "s", "l", "e", "w")}
