@@ -695,7 +695,15 @@ def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...]
 
     for warning in shape_warnings(profile, read_trace(trace_path)):
         click.echo(f"warning: {warning}", err=True)
-    df = validate(profile, trace_path, expand(list(scenarios)), out_dir, _device(device))
+    paths = expand(list(scenarios))
+    prog = _progress(sys.stderr.isatty(), "validating scenarios")
+    if prog is None:
+        df = validate(profile, trace_path, paths, out_dir, _device(device))
+    else:
+        with prog:
+            task = prog.add_task("validate", total=len(paths))
+            df = validate(profile, trace_path, paths, out_dir, _device(device),
+                          progress=lambda d, n: prog.update(task, completed=d, total=n))
     click.echo(f"TPOT APE median {df['tpot_ape'].median():.1%}, p95 {df['tpot_ape'].quantile(0.95):.1%} over "
                f"{len(df)} scenarios -> {out_dir}/report.md")
 

@@ -158,7 +158,7 @@ def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
 
 
 def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, device: str = "cpu",
-             max_passes: int | None = None) -> pd.DataFrame:
+             max_passes: int | None = None, progress: Any = None) -> pd.DataFrame:
     """Measure and predict every scenario; write report.md, validation.parquet and a plot."""
     from moesim.simulator.engine import Simulation
     from moesim.simulator.scenario import load_scenario
@@ -167,7 +167,9 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     trace = read_trace(trace_path)
     warnings = shape_warnings(profile, trace)
     rows = []
-    for path in scenarios:
+    for done, path in enumerate(scenarios):
+        if progress is not None:
+            progress(done, len(scenarios))
         sc = load_scenario(path, [f"hardware.profile={profile}", f"workload.trace.path={Path(trace_path).resolve()}"])
         pred = Simulation(sc, trace=trace).run()
         meas = execute(sc, trace, device)
