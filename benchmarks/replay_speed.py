@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moesim.config.scenario import load_scenario
 from moesim.simulator.engine import Simulation
-from moesim.simulator.scenario import load_scenario
 
 
 def lcs_python(keys: list[int], capacity: int) -> tuple[int, float]:

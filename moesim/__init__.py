@@ -40,9 +40,9 @@ __all__ = [
 
 _LAZY = {
     "simulate": ("moesim.simulator.engine", "simulate"),
-    "Result": ("moesim.simulator.engine", "Result"),
-    "load_scenario": ("moesim.simulator.scenario", "load_scenario"),
-    "write_results": ("moesim.simulator.results", "write_results"),
+    "Result": ("moesim.output.results", "Result"),
+    "load_scenario": ("moesim.config.scenario", "load_scenario"),
+    "write_results": ("moesim.output.results", "write_results"),
     "sweep": ("moesim.simulator.sweep", "sweep"),
     "compare": ("moesim.simulator.compare", "compare"),
     "mrc": ("moesim.simulator.mrc", "mrc"),

@@ -1,5 +1,5 @@
 """``python -m moesim``: the command line."""
 
-from moesim.simulator.cli import main
+from moesim.cli import main
 
 main()

@@ -28,8 +28,8 @@ def needs_real(name: str) -> bool:
 
 def compute(name: str) -> dict[str, Any]:
     """The scenario's summary figures on its reduced length."""
+    from moesim.config.scenario import load_scenario
     from moesim.simulator.engine import Simulation
-    from moesim.simulator.scenario import load_scenario
     from moesim.traces.synth import synth_from_preset
 
     path = ROOT / "moesim" / "scenarios" / f"{name}.yaml"

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from moesim.simulator.hardware import deep_merge
-from moesim.simulator.scenario import Scenario, scenario_from_dict
+from moesim.config.hardware import deep_merge
+from moesim.config.scenario import Scenario, scenario_from_dict
 from moesim.traces.schema import PHASE_CODES, ModelInfo, expert_bytes_for
 from moesim.traces.synth import grid_index
 from moesim.traces.trace import Trace

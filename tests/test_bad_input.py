@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from moesim.simulator.cli import cli
+from moesim.cli import cli
 from moesim.traces.io import write_trace
 from moesim.traces.synth import synth_from_preset
 

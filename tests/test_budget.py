@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moesim.errors import MoesimError
 from moesim.policies.budget import REGISTRY as BUDGET
 from moesim.policies.budget import greedy_select
 from moesim.simulator.engine import Simulation, simulate
-from moesim.simulator.errors import MoesimError
 from moesim.traces.synth import synth_from_preset
 from tests.helpers import scenario
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moesim.errors import MoesimError
 from moesim.policies.budget import placement_of
 from moesim.simulator.engine import Simulation
-from moesim.simulator.errors import MoesimError
 from moesim.traces.schema import PHASE_CODES
 from moesim.traces.trace import Trace
 from tests.helpers import scenario, small_model

@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 import yaml
 
-from moesim.simulator.calibrate import fit, load_profile, write_profile
+from moesim.calibration.calibrate import fit, load_profile, write_profile
+from moesim.config.scenario import load_scenario
+from moesim.errors import MoesimError
 from moesim.simulator.cost import CostModel
 from moesim.simulator.engine import simulate
-from moesim.simulator.errors import MoesimError
-from moesim.simulator.scenario import load_scenario
 from moesim.traces.synth import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +97,7 @@ def test_bad_profiles_are_rejected_with_the_key(tmp_path, mutate, message):
 
 def test_validate_pipeline_on_cpu_makes_the_simulators_decisions(tmp_path):
     pytest.importorskip("torch")
-    from moesim.simulator.calibrate import measure
+    from moesim.calibration.calibrate import measure
     from moesim.traces.io import write_trace
     from moesim.traces.synth import generate
     from tests.helpers import small_model
@@ -129,8 +129,8 @@ def test_validate_pipeline_on_cpu_makes_the_simulators_decisions(tmp_path):
 
 def test_executor_with_prefetch_makes_the_simulators_decisions():
     pytest.importorskip("torch")
+    from moesim.calibration.validate import execute
     from moesim.simulator.engine import simulate
-    from moesim.simulator.validate import execute
     from moesim.traces.synth import generate
     from tests.helpers import scenario, small_model
 
@@ -143,7 +143,7 @@ def test_executor_with_prefetch_makes_the_simulators_decisions():
 
 
 def test_shipped_validation_set_covers_the_required_grid():
-    from moesim.simulator.scenario import shipped_scenarios
+    from moesim.config.scenario import shipped_scenarios
 
     names = [n for n in shipped_scenarios() if n.startswith("validation/")]
     assert len(names) == 16
@@ -180,7 +180,7 @@ def test_broken_yaml_in_a_profile_or_a_placement_file_names_the_file_and_line(tm
 def test_a_profile_of_other_shapes_is_flagged_for_validation(tmp_path):
     """The trace's model (hidden 128, intermediate 256) against a profile measured on 256x512:
     the warning names both shapes and the measure command; a matching profile gives none."""
-    from moesim.simulator.validate import shape_warnings
+    from moesim.calibration.validate import shape_warnings
     from moesim.traces.synth import generate
     from tests.helpers import small_model
 
@@ -206,7 +206,7 @@ def test_fit_flags_a_link_fit_with_large_residuals(tmp_path):
     residual exceeds 10% and calibrate fit warns, naming the link."""
     from click.testing import CliRunner
 
-    from moesim.simulator.cli import cli
+    from moesim.cli import cli
 
     sizes = [2 ** e for e in range(10, 25, 2)]
     times = [1e-5 + n / 2e10 * (1 if n < 2**20 else 4) for n in sizes]

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from moesim.simulator.errors import MoesimError  # noqa: E402
+from moesim.errors import MoesimError  # noqa: E402
 from moesim.traces.capture import capture, load_local, moe_layers, router_probs, supported_families  # noqa: E402
 from moesim.traces.io import read_trace, write_trace  # noqa: E402
 from tests.tiny_models import build, configs  # noqa: E402

@@ -199,7 +199,7 @@ def test_bad_synth_arguments_write_nothing(tmp_path, args):
 
 
 def test_import_formats_listed_by_the_cli_are_the_registered_ones():
-    from moesim.simulator.cli import IMPORT_FORMATS
+    from moesim.cli import IMPORT_FORMATS
     from moesim.traces.importers import IMPORTERS
 
     assert sorted(IMPORT_FORMATS) == sorted(IMPORTERS)
@@ -237,8 +237,8 @@ def test_fit_then_synth_from_the_profile(tmp_path):
 def test_listings_fit_80_columns_without_cutting_names():
     import os
 
+    from moesim.config.hardware import PRESETS as HW
     from moesim.policies import families
-    from moesim.simulator.hardware import PRESETS as HW
     from moesim.traces.synth import PRESETS as SY
 
     env = {**os.environ, "COLUMNS": "80"}
@@ -271,7 +271,7 @@ def test_old_spellings_still_work_with_a_note(tmp_path):
     """--model-preset (trace import) and --batch (mrc) are accepted and say what replaces them."""
     from click.testing import CliRunner
 
-    from moesim.simulator.cli import cli
+    from moesim.cli import cli
 
     np.save(tmp_path / "r.npy", np.zeros((3, 16, 8), dtype=np.int64) + np.arange(8))
     r = CliRunner().invoke(cli, ["trace", "import", "--format", "routed-experts-npy", str(tmp_path / "r.npy"),

@@ -8,10 +8,10 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from moesim.simulator.cli import cli
+from moesim.cli import cli
+from moesim.config.scenario import scenario_from_dict
 from moesim.simulator.compare import compare, plan_compare, rank
 from moesim.simulator.engine import simulate
-from moesim.simulator.scenario import scenario_from_dict
 
 SCENARIO = {
     "seed": 0,

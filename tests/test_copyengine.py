@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moesim.config.hardware import LinkConfig
 from moesim.simulator.copyengine import DEMAND, PREFETCH, CopyEngine
-from moesim.simulator.hardware import LinkConfig
 
 LINK = LinkConfig(bandwidth_gbps=1.0, latency_us=3.0)
 SIZES = (1_000, 5_000, 20_000)
@@ -130,7 +130,7 @@ def test_boundaries_of_a_demand_copy_and_a_queued_prefetch_by_hand():
     At exactly d, D has finished (its observers are told) and P has not started yet (it
     starts at d, which is not before now), so it can still be withdrawn. Otherwise P runs
     [d, 2d]; the engine is then busy 2 d."""
-    from moesim.simulator.hardware import LinkConfig
+    from moesim.config.hardware import LinkConfig
 
     link = LinkConfig(bandwidth_gbps=1.0, latency_us=0.0, efficiency=1.0, half_efficiency_bytes=0)
     d = 786_432 / 1e9

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from moesim.simulator.cli import cli
+from moesim.cli import cli
+from moesim.output.events import chrome_trace
 from moesim.simulator.engine import Simulation
-from moesim.simulator.events import chrome_trace
 from moesim.traces.synth import synth_from_preset
 from tests.helpers import scenario, small_model, trace_from_array
 

@@ -216,7 +216,7 @@ def test_least_stale_order_parameter_names_its_values():
 
 @pytest.mark.parametrize("decay", [0, -0.5, 1.5])
 def test_score_decay_outside_its_range_is_refused(decay):
-    from moesim.simulator.errors import MoesimError
+    from moesim.errors import MoesimError
 
     with pytest.raises(MoesimError) as exc:
         scenario(policies={"eviction": {"name": "score", "decay": decay}})

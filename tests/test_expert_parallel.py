@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moesim.config.hardware import PRESETS
 from moesim.simulator.cost import CostModel
 from moesim.simulator.engine import simulate
-from moesim.simulator.hardware import PRESETS
 from moesim.traces.synth import synth_from_preset
 from tests.helpers import scenario, small_model, trace_from_array
 
@@ -36,7 +36,7 @@ def test_the_expert_parallel_summary_table_shows_its_metrics():
     every time in ms."""
     from rich.console import Console
 
-    from moesim.simulator.results import summary_table
+    from moesim.output.results import summary_table
 
     t = synth_from_preset("olmoe-1b-7b", layers=2, requests=8, tokens=3, seed=2)
     res = simulate(scenario(hardware={"preset": "h100-sxm-nvlink-x8"}, workload={"batch_size": 8}), trace=t)

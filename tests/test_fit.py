@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moesim.errors import MoesimError
 from moesim.simulator.engine import simulate
-from moesim.simulator.errors import MoesimError
+from moesim.simulator.mrc import lru_curve
 from moesim.traces.fit import (
     FRACTIONS,
     fit_profile,
     load_profile,
-    lru_curve,
     shipped_profiles,
     synthesise,
 )
@@ -34,7 +34,7 @@ def synth_curve(profile, seeds=3):
 def test_mixtral_fit_reproduces_the_lru_curve_where_uniform_does_not():
     t = mixtral()
     real = np.array(lru_curve(t, FRACTIONS, 1))
-    profile = fit_profile(t, batch=1)
+    profile = fit_profile(t, lru_curve, batch=1)
     fitted = synth_curve(profile)
     assert np.abs(fitted - real).max() <= 0.03  # within 3 points of hit rate at 5 capacities
     uniform = np.mean([lru_curve(generate(t.model, requests=2, tokens=124, seed=s, routing="uniform"),
@@ -63,7 +63,7 @@ def test_shipped_profiles_load_and_drive_scenarios():
     assert t.model.name == "mixtral-8x7b"
     import copy
 
-    from moesim.simulator.scenario import scenario_from_dict
+    from moesim.config.scenario import scenario_from_dict
     from tests.helpers import BASE
 
     data = copy.deepcopy(BASE)

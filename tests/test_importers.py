@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
+from moesim.errors import MoesimError
 from moesim.simulator.engine import simulate
-from moesim.simulator.errors import MoesimError
 from moesim.traces.importers import import_trace
 from moesim.traces.io import read_trace, write_trace
 from moesim.traces.stats import trace_stats
@@ -57,7 +57,7 @@ def test_scenario_import_source(tmp_path):
     f.write_text("\n".join(lines) + "\n")
     import copy
 
-    from moesim.simulator.scenario import scenario_from_dict
+    from moesim.config.scenario import scenario_from_dict
     from tests.helpers import BASE
 
     data = copy.deepcopy(BASE)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moesim.errors import MoesimError
 from moesim.policies.miss import REGISTRY as MISS
 from moesim.simulator.engine import Simulation, simulate
-from moesim.simulator.errors import MoesimError
 from moesim.traces.synth import synth_from_preset
 from tests.helpers import scenario, small_model, trace_from_array
 

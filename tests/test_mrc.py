@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from moesim.simulator.cli import cli
+from moesim.cli import cli
 from moesim.simulator.mrc import lru_stack_misses, mrc, parse_capacities
 from moesim.traces.io import write_trace
 from moesim.traces.synth import synth_from_preset

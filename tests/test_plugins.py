@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from moesim.simulator.cli import cli
+from moesim.cli import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--set", "workload.trace.synth.tokens=20", "--set", "workload.trace.synth.requests=1"]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moesim.config.hardware import LinkConfig
+from moesim.errors import MoesimError
 from moesim.policies import families
 from moesim.policies.eviction import REGISTRY as EVICTION
 from moesim.policies.registry import PolicyContext
 from moesim.simulator.cache import ExpertCache
 from moesim.simulator.copyengine import DEMAND, CopyEngine
-from moesim.simulator.errors import MoesimError
-from moesim.simulator.hardware import LinkConfig
 from moesim.simulator.workload import build_workload
 from moesim.traces.synth import generate
 from tests.helpers import small_model

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moesim.errors import MoesimError
 from moesim.simulator.engine import Simulation, simulate
-from moesim.simulator.errors import MoesimError
 from moesim.simulator.workload import build_workload
 from moesim.traces.synth import generate, synth_from_preset
 from tests.helpers import datasheet_times, scenario, small_model, trace_from_array

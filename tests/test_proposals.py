@@ -112,7 +112,7 @@ def test_every_prefetcher_proposes_distinct_keys_of_later_layers(name):
     ({"name": "static-pin", "calibration": 1.01}, "calibration must be in (0, 1], got 1.01"),
 ])
 def test_prefetch_parameters_out_of_range_are_refused_with_the_range(spec, error):
-    from moesim.simulator.errors import MoesimError
+    from moesim.errors import MoesimError
 
     with pytest.raises(MoesimError) as exc:
         scenario(policies={"prefetch": spec})
@@ -129,7 +129,7 @@ def test_prefetch_parameters_at_the_edges_of_their_range_are_accepted(spec):
 
 
 def test_a_predictor_without_pred_next_names_the_fixes():
-    from moesim.simulator.errors import MoesimError
+    from moesim.errors import MoesimError
 
     with pytest.raises(MoesimError) as exc:
         policy(three_layer_trace(), "next-gate-topk")

@@ -6,15 +6,15 @@ import math
 
 import pytest
 
-from moesim.simulator.errors import MoesimError
-from moesim.simulator.hardware import PRESETS
-from moesim.simulator.scenario import (
+from moesim.config.hardware import PRESETS
+from moesim.config.scenario import (
     apply_overrides,
     load_scenario,
     parse_capacity,
     parse_set,
     shipped_scenarios,
 )
+from moesim.errors import MoesimError
 from tests.helpers import scenario
 
 EB = 12_582_912

@@ -14,9 +14,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from moesim.config.scenario import load_scenario
+from moesim.errors import MoesimError
 from moesim.simulator.engine import simulate
-from moesim.simulator.errors import MoesimError
-from moesim.simulator.scenario import load_scenario
 from moesim.simulator.sweep import done_points, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +127,7 @@ def test_a_killed_sweep_leaves_no_half_written_point_and_resumes(tmp_path):
 
 
 def test_plots_carry_the_swept_values(tmp_path):
-    from moesim.simulator.plots import figure, load_results, plot
+    from moesim.output.plots import figure, load_results, plot
 
     out = tmp_path / "s"
     sweep("quickstart", str(out), {**GRID, "policies.eviction": ["lru", "belady"]}, BASE, workers=2)
@@ -175,7 +175,7 @@ def test_plot_refuses_to_average_over_an_axis_it_does_not_show(tmp_path):
     axis, its values and the three ways out; nothing is written."""
     from click.testing import CliRunner
 
-    from moesim.simulator.cli import cli
+    from moesim.cli import cli
 
     out = tmp_path / "s"
     sweep("quickstart", str(out), {**GRID, "policies.eviction": ["lru", "belady"]}, BASE, workers=2)
@@ -205,9 +205,9 @@ def test_plot_refuses_to_average_over_an_axis_it_does_not_show(tmp_path):
 
 
 def test_events_export_and_timeline(tmp_path):
+    from moesim.output.events import chrome_trace, write_events
+    from moesim.output.plots import plot_timeline
     from moesim.simulator.engine import Simulation
-    from moesim.simulator.events import chrome_trace, write_events
-    from moesim.simulator.plots import plot_timeline
 
     sc = load_scenario("quickstart", [*BASE, "policies.prefetch=oracle", "cache.capacity=25%"])
     sim = Simulation(sc, record_transfers=True, record_layers=True)

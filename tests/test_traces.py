@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from moesim.simulator.errors import MoesimError
+from moesim.errors import MoesimError
 from moesim.traces.io import read_trace, trace_to_table, write_trace
 from moesim.traces.schema import METADATA_KEY
 from moesim.traces.stats import trace_stats

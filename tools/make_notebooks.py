@@ -39,7 +39,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from moesim.simulator.engine import Simulation, load_trace
-from moesim.simulator.scenario import load_scenario
+from moesim.config.scenario import load_scenario
 
 ROOT = Path.cwd() if (Path.cwd() / "moesim").is_dir() else Path.cwd().parent
 SPECMD = ROOT / "moesim" / "scenarios" / "specmd"
@@ -310,7 +310,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from moesim.simulator.engine import Simulation
-from moesim.simulator.scenario import load_scenario
+from moesim.config.scenario import load_scenario
 
 OUT = Path(os.environ.get("MOESIM_NOTEBOOK_OUT", "../runs/notebooks"))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -343,7 +343,7 @@ TPOT heatmap and hit-rate curves with Belady's bound."""),
 import tempfile
 from pathlib import Path
 
-from moesim.simulator.plots import figure
+from moesim.output.plots import figure
 from moesim.simulator.sweep import sweep
 
 OUT = Path(os.environ.get("MOESIM_NOTEBOOK_OUT", "../runs/notebooks"))
@@ -388,7 +388,7 @@ import numpy as np
 import pandas as pd
 
 from moesim.simulator.engine import Simulation, load_trace
-from moesim.simulator.scenario import load_scenario
+from moesim.config.scenario import load_scenario
 from moesim.traces.importers import import_trace
 
 ROOT = Path.cwd() if (Path.cwd() / "moesim").is_dir() else Path.cwd().parent

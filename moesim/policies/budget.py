@@ -18,8 +18,8 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from moesim.errors import MoesimError
 from moesim.policies.registry import NoParams, PolicyContext, Registry
-from moesim.simulator.errors import MoesimError
 
 
 class BudgetPolicy(ABC):
@@ -202,7 +202,7 @@ def placement_of(spec: str, num_layers: int, num_experts: int, gpus: int) -> np.
         return np.tile(np.arange(num_experts) % gpus, (num_layers, 1))
     from pathlib import Path
 
-    from moesim.simulator.confload import read_yaml
+    from moesim.files import read_yaml
 
     path = Path(spec)
     data = read_yaml(path, "expert placement", "Use contiguous, round-robin or a placement YAML file.")

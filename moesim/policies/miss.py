@@ -22,8 +22,8 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from moesim.errors import MoesimError
 from moesim.policies.registry import NoParams, PolicyContext, Registry
-from moesim.simulator.errors import MoesimError
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from moesim.simulator.errors import MoesimError
+from moesim.errors import MoesimError
 
 GROUP = "moesim.plugins"
 _loaded: list[str] = []  # the specs loaded in this process, in order (handed to sweep workers)

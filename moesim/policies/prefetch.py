@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from moesim.errors import MoesimError
 from moesim.policies.registry import NoParams, PolicyContext, Registry
-from moesim.simulator.errors import MoesimError
 
 
 class PrefetchPolicy(ABC):

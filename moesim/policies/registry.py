@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from moesim.simulator.errors import MoesimError, did_you_mean
+from moesim.errors import MoesimError, did_you_mean
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from moesim.simulator.errors import MoesimError
+from moesim.errors import MoesimError
 from moesim.simulator.sweep import Point, base_data, collect, make_points, run_points
 
 DEFAULT_EVICTION = ("lru", "lfu", "fld", "least-stale")
@@ -59,8 +59,8 @@ def _names(value: Any) -> str:
 def _check_trace(data: dict[str, Any], base_dir: str, capacities: list[str], where: str) -> bool:
     """Load the scenario's trace once: refuse capacities impossible for its model before
     anything runs, and say whether it records ``pred_next`` (for the gate predictors)."""
+    from moesim.config.scenario import parse_capacity, scenario_from_dict
     from moesim.simulator.engine import load_trace
-    from moesim.simulator.scenario import parse_capacity, scenario_from_dict
 
     sc = scenario_from_dict(data, where=where, base_dir=base_dir)
     trace = load_trace(sc)
@@ -209,7 +209,7 @@ def compare(scenario_path: str, out_dir: str | Path, eviction: Sequence[str] | N
     """Run the comparison; write ``compare.parquet``, ``compare.md`` and ``compare.png`` in
     ``out_dir`` (each atomically; the runs in ``out_dir/points``, resumable). Returns the
     table and the ranking metric."""
-    from moesim.simulator.atomic import save_figure_atomic, write_atomic, write_text_atomic
+    from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
     data, points, rows = plan_compare(scenario_path, eviction, prefetch, miss, budget, capacity, overrides)
     out = Path(out_dir)

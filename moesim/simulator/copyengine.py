@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from moesim.simulator.hardware import LinkConfig
+from moesim.config.hardware import LinkConfig
 
 DEMAND, PREFETCH = 0, 1
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moesim.simulator.hardware import HardwareConfig
+from moesim.config.hardware import HardwareConfig
 from moesim.traces.schema import ModelInfo
 
 BF16 = 2

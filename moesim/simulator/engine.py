@@ -30,7 +30,6 @@ import time as _time
 from collections import deque
 from collections.abc import Callable, Generator
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,9 @@ import numpy as np
 import pandas as pd
 import simpy
 
+from moesim.config.scenario import Scenario, parse_capacity
+from moesim.errors import MoesimError
+from moesim.output.results import Result
 from moesim.policies.budget import REGISTRY as BUDGET
 from moesim.policies.eviction import REGISTRY as EVICTION
 from moesim.policies.miss import REGISTRY as MISS
@@ -48,9 +50,7 @@ from moesim.simulator.cache import ExpertCache
 from moesim.simulator.copyengine import DEMAND, CopyEngine, Transfer
 from moesim.simulator.copyengine import PREFETCH as PREFETCH_PRIORITY
 from moesim.simulator.cost import CostModel
-from moesim.simulator.errors import MoesimError
 from moesim.simulator.lookup import LayerLookup, PassRow, Run, token_mass
-from moesim.simulator.scenario import Scenario, parse_capacity
 from moesim.simulator.workload import DECODE, VERIFY, Workload, build_workload
 from moesim.traces.schema import PHASES
 from moesim.traces.trace import Trace
@@ -73,22 +73,10 @@ class _Either:
         return key in self.a or key in self.b
 
 
-@dataclass
-class Result:
-    """What a run produces: one row per forward pass, one per request, and the summary."""
-
-    scenario: Scenario
-    steps: pd.DataFrame
-    requests: pd.DataFrame
-    summary: dict[str, Any]
-    transfers: list[tuple[int, int, float, float, float]] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 def _trace_file(scenario: Scenario, key: str, raw: str) -> Path:
     """The scenario's trace file (relative to the scenario's folder), or an error naming the
     key to set — saying so when a shipped scenario reads data moesim does not ship."""
-    from moesim.simulator.scenario import shipped_dir
+    from moesim.config.scenario import shipped_dir
 
     p = Path(raw)
     if not p.is_absolute():

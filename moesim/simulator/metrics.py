@@ -59,9 +59,9 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
+from moesim.config.scenario import Scenario
 from moesim.simulator.cache import ExpertCache
 from moesim.simulator.copyengine import CopyEngine
-from moesim.simulator.scenario import Scenario
 from moesim.traces.schema import ModelInfo
 
 

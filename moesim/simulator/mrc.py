@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from moesim.simulator.errors import MoesimError
+from moesim.errors import MoesimError
 from moesim.traces.trace import Trace
 
 MRC_COLUMNS = ("policy", "capacity_experts", "capacity_bytes", "capacity_pct", "misses", "accesses",
@@ -90,8 +90,8 @@ def parse_capacities(text: str | None, total: int) -> list[int]:
 
 
 def _replay(trace: Trace, policy: str, capacity: int, mode: str, batch_size: int, seed: int) -> tuple[int, int]:
+    from moesim.config.scenario import scenario_from_dict
     from moesim.simulator.engine import Simulation
-    from moesim.simulator.scenario import scenario_from_dict
 
     data: dict[str, Any] = {
         "seed": seed, "timing": False, "expert_compute": mode,
@@ -185,7 +185,7 @@ def figure(df: pd.DataFrame, title: str) -> Any:
 
 def write_mrc(df: pd.DataFrame, out_dir: str | Path, title: str) -> tuple[Path, Path]:
     """``mrc.parquet`` and ``mrc.png`` in ``out_dir``, each written atomically."""
-    from moesim.simulator.atomic import save_figure_atomic, write_atomic
+    from moesim.files import save_figure_atomic, write_atomic
 
     out = Path(out_dir)
     table = write_atomic(out / "mrc.parquet", lambda tmp: df.to_parquet(tmp, index=False))
@@ -200,4 +200,20 @@ def describe(trace: Trace, source: str, expert_compute: str, batch_size: int) ->
             f"{expert_compute} execution, batch {batch_size}, demand fetch (no prefetch), cache-only replay")
 
 
-__all__ = ["lru_stack_misses", "mrc", "parse_capacities", "write_mrc"]
+__all__ = ["lru_curve", "lru_stack_misses", "mrc", "parse_capacities", "write_mrc"]
+
+
+def lru_curve(trace: Trace, fractions: list[float], batch: int) -> list[float]:
+    """LRU hit rate at cache sizes given as fractions of all experts (cache-only replay in
+    layer execution, the scenario default): what ``moesim trace fit`` matches."""
+    from moesim.config.scenario import scenario_from_dict
+    from moesim.simulator.engine import simulate
+
+    total = trace.model.num_layers * trace.model.num_experts
+    out = []
+    for f in fractions:
+        sc = scenario_from_dict({
+            "timing": False, "workload": {"trace": {"path": "<in-memory>"}, "batch_size": batch},
+            "cache": {"capacity": f"{max(1, round(f * total))} experts"}}, where="<fit>")
+        out.append(float(simulate(sc, trace=trace).summary["hit_rate"] or 0.0))
+    return out

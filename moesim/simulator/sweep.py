@@ -37,15 +37,15 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from moesim.simulator.atomic import write_atomic
-from moesim.simulator.errors import MoesimError, did_you_mean
-from moesim.simulator.scenario import (
+from moesim.config.scenario import (
     apply_overrides,
     parse_set,
     read_yaml,
     resolve_path,
     scenario_from_dict,
 )
+from moesim.errors import MoesimError, did_you_mean
+from moesim.files import write_atomic
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,8 @@ def plan(scenario_path: str, grid: dict[str, list[Any]], overrides: tuple[str, .
 def run_point(data: dict[str, Any], point: Point, out_dir: str) -> tuple[str, str, float]:
     """Run one point in this (worker) process; write its folder atomically. Returns
     (point id, 'ok' | 'error', seconds)."""
+    from moesim.output.results import write_results
     from moesim.simulator.engine import Simulation
-    from moesim.simulator.results import write_results
 
     t0 = time.perf_counter()
     target = Path(out_dir) / "points" / point.pid
@@ -277,7 +277,7 @@ def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: in
         # (plain spawn would re-import numpy/pandas/pyarrow for every point)
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["numpy", "pandas", "pyarrow", "simpy", "moesim.simulator.engine",
-                                    "moesim.simulator.results", "moesim.simulator.sweep"])
+                                    "moesim.output.results", "moesim.simulator.sweep"])
         fresh: dict[str, Any] = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
         with _main_not_reimported():
             pool = ProcessPoolExecutor(workers, ctx, **fresh)  # Python 3.10 reuses worker processes

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from moesim.simulator.errors import MoesimError
+from moesim.errors import MoesimError
 from moesim.traces.schema import PHASE_CODES, ModelInfo
 from moesim.traces.trace import Trace
 

@@ -22,11 +22,12 @@ report of the fit (real and synthetic statistics and LRU curves).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from moesim.simulator.errors import MoesimError
+from moesim.errors import MoesimError
 from moesim.traces.profile import (
     PROFILE_VERSION,
     load_profile,
@@ -85,27 +86,14 @@ def _shape(trace: Trace) -> dict[str, int]:
     return {"requests": len(reqs), "tokens": round(float(np.mean(toks))) if toks else 0}
 
 
-def lru_curve(trace: Trace, fractions: list[float], batch: int) -> list[float]:
-    """LRU hit rate at cache sizes given as fractions of all experts (cache-only replay)."""
-    from moesim.simulator.engine import simulate
-    from moesim.simulator.scenario import scenario_from_dict
-
-    total = trace.model.num_layers * trace.model.num_experts
-    out = []
-    for f in fractions:
-        sc = scenario_from_dict({
-            "timing": False, "workload": {"trace": {"path": "<in-memory>"}, "batch_size": batch},
-            "cache": {"capacity": f"{max(1, round(f * total))} experts"}}, where="<fit>")
-        out.append(float(simulate(sc, trace=trace).summary["hit_rate"] or 0.0))
-    return out
-
-
 FRACTIONS = [0.05, 0.1, 0.25, 0.5, 0.75]
 
 
-def fit_profile(trace: Trace, batch: int = 1, name: str | None = None, seeds: int = 2,
-                progress: Any = None) -> dict[str, Any]:
-    """Estimate a profile from ``trace`` (see the module docstring)."""
+def fit_profile(trace: Trace, hit_curve: Callable[[Trace, list[float], int], list[float]], batch: int = 1,
+                name: str | None = None, seeds: int = 2, progress: Any = None) -> dict[str, Any]:
+    """Estimate a profile from ``trace`` (see the module docstring). ``hit_curve(trace, fractions,
+    batch)`` gives the LRU hit rates the fit matches (``moesim.simulator.mrc.lru_curve``, a
+    replay: this package does not import the engine)."""
     body, phases = _decode_or_all(trace)
     if len(body) == 0:
         raise MoesimError(f"trace {trace.source}: no rows to fit.")
@@ -114,7 +102,7 @@ def fit_profile(trace: Trace, batch: int = 1, name: str | None = None, seeds: in
     aff = affinity_table(body)
     shape = _shape(body)
     real_stats = trace_stats(body, ("decode",) if phases == ("decode",) else ("prefill",))
-    real_curve = lru_curve(body, FRACTIONS, batch)
+    real_curve = hit_curve(body, FRACTIONS, batch)
     profile: dict[str, Any] = {
         "profile_version": PROFILE_VERSION, "name": name or model.name,
         "model": model.to_dict(), "shape": shape, "batch": batch,
@@ -129,7 +117,7 @@ def fit_profile(trace: Trace, batch: int = 1, name: str | None = None, seeds: in
         curves, stats = [], []
         for seed in range(seeds):
             synth = synthesise(profile, seed=seed)
-            curves.append(lru_curve(synth, FRACTIONS, batch))
+            curves.append(hit_curve(synth, FRACTIONS, batch))
             stats.append(trace_stats(synth))
         curve = np.mean(curves, axis=0)
         st = {k: float(np.mean([s[k] for s in stats])) for k in ("top1_repeat", "set_overlap")}
@@ -155,5 +143,5 @@ def fit_profile(trace: Trace, batch: int = 1, name: str | None = None, seeds: in
     return profile
 
 
-__all__ = ["fit_profile", "load_profile", "lru_curve", "shipped_profiles", "synthesise",
+__all__ = ["fit_profile", "load_profile", "shipped_profiles", "synthesise",
            "write_profile"]

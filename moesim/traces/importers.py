@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from moesim.simulator.errors import MoesimError, did_you_mean
+from moesim.errors import MoesimError, did_you_mean
 from moesim.traces.schema import PHASE_CODES, ModelInfo
 from moesim.traces.trace import Trace
 

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from moesim.simulator.errors import MoesimError
+from moesim.errors import MoesimError
 from moesim.traces.schema import (
     METADATA_KEY,
     OPTIONAL_COLUMNS,
@@ -70,7 +70,7 @@ def trace_to_table(trace: Trace) -> pa.Table:
 
 def write_trace(trace: Trace, path: str | os.PathLike[str]) -> Path:
     """Write ``trace`` to ``path`` atomically (temporary file + rename)."""
-    from moesim.simulator.atomic import write_atomic
+    from moesim.files import write_atomic
 
     table = trace_to_table(trace)
     return write_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"), suffix=".tmp")

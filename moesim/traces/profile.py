@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from moesim.simulator.confload import read_yaml
-from moesim.simulator.errors import MoesimError
+from moesim.errors import MoesimError
+from moesim.files import read_yaml
 from moesim.traces.schema import ModelInfo
 from moesim.traces.synth import RoutingParams, generate
 from moesim.traces.trace import Trace
@@ -44,7 +44,7 @@ def _dense_affinity(profile: dict[str, Any], model: ModelInfo) -> np.ndarray:
 
 def write_profile(profile: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write a fitted routing profile as YAML atomically."""
-    from moesim.simulator.atomic import write_yaml_atomic
+    from moesim.files import write_yaml_atomic
 
     return write_yaml_atomic(profile, path)
 

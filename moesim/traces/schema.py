@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from moesim.simulator.errors import MoesimError
+from moesim.errors import MoesimError
 
 SCHEMA_VERSION = 1
 METADATA_KEY = b"moesim"

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from moesim.simulator.errors import MoesimError, did_you_mean
+from moesim.errors import MoesimError, did_you_mean
 from moesim.traces.schema import PHASE_CODES, ModelInfo, expert_bytes_for
 from moesim.traces.trace import Trace
 

@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from moesim.simulator.engine import Result
+from moesim.output.results import Result
 
 NAMES = {"demand": "demand fetch", "prefetch": "prefetch", "promoted": "promoted prefetch"}
 
@@ -135,7 +135,7 @@ def _flows(layers: list[tuple[int, int, float, float, float, float]],
 
 def write_events(doc: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write the trace JSON atomically."""
-    from moesim.simulator.atomic import write_atomic
+    from moesim.files import write_atomic
 
     def dump(tmp: str) -> None:
         with open(tmp, "w") as fh:

@@ -6,12 +6,28 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import yaml
 
-from moesim.simulator.engine import Result
+from moesim.config.scenario import Scenario
+
+
+@dataclass
+class Result:
+    """What a run produces: one row per forward pass, one per request, and the summary
+    (``moesim.simulator.engine.Simulation.run``); ``transfers`` and ``extra`` carry the
+    timeline when it was recorded."""
+
+    scenario: Scenario
+    steps: pd.DataFrame
+    requests: pd.DataFrame
+    summary: dict[str, Any]
+    transfers: list[tuple[int, int, float, float, float]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def write_results(result: Result, out_dir: str | os.PathLike[str], extra: dict[str, str] | None = None) -> Path:

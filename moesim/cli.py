@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from moesim.simulator.errors import MoesimError
+from moesim.errors import MoesimError
 
 IMPORT_FORMATS = ("vllm-routes-jsonl", "expert-jsonl", "flame-csv", "routed-experts-npy",
                   "long-table")  # keep in step with traces.importers.IMPORTERS (tested)
@@ -159,9 +159,9 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
     """
     from rich.console import Console
 
+    from moesim.config.scenario import load_scenario, resolve_path
+    from moesim.output.results import summary_table, write_results
     from moesim.simulator.engine import Simulation
-    from moesim.simulator.results import summary_table, write_results
-    from moesim.simulator.scenario import load_scenario, resolve_path
 
     if trace_file is not None:
         overrides = (f"workload.trace={{path: {json.dumps(trace_file)}}}", *overrides)
@@ -180,7 +180,7 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
         sim = Simulation(sc, **rec)
         result = sim.run()
     if events is not None:
-        from moesim.simulator.events import chrome_trace, write_events
+        from moesim.output.events import chrome_trace, write_events
 
         write_events(chrome_trace(result, sim.link_name, sim.model.num_experts, sim.num_prec), events)
         n_pass = sim.wl.num_passes
@@ -215,7 +215,7 @@ def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], 
 
     from rich.console import Console
 
-    from moesim.simulator.scenario import resolve_path
+    from moesim.config.scenario import resolve_path
     from moesim.simulator.sweep import parse_grid, sweep
 
     n_workers = workers if workers is not None else (_os.cpu_count() or 1)
@@ -272,7 +272,7 @@ def plot_cmd(results: str, kind: str, metric: str | None, window: str | None, x:
 
     Every sweep axis a figure does not show (--x, --y, --by, --facet) must be fixed with
     --where: plot refuses to average over it."""
-    from moesim.simulator.plots import plot, plot_timeline
+    from moesim.output.plots import plot, plot_timeline
 
     if kind == "timeline":
         win = None
@@ -316,8 +316,8 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
     Belady with oracle prefetch (the bound) and an infinite cache, by TPOT (TTFT without decode
     passes), with speedup over the baseline and the share of the baseline-to-bound gap closed.
     Writes OUT/compare.parquet, OUT/compare.md and OUT/compare.png."""
+    from moesim.config.scenario import resolve_path
     from moesim.simulator.compare import compare
-    from moesim.simulator.scenario import resolve_path
 
     n_workers = workers if workers is not None else (os.cpu_count() or 1)
     if n_workers < 1:
@@ -542,6 +542,7 @@ def trace_import(fmt: str, src: tuple[str, ...], out: str, model_preset: str | N
 def trace_fit(file: str, out: str, batch: int, batch_old: int | None, name: str | None) -> None:
     """Estimate the synthetic routing model from trace FILE (per-layer popularity,
     cross-layer affinity, reuse, batch correlation) and write a profile for `synth --fit`."""
+    from moesim.simulator.mrc import lru_curve
     from moesim.traces.fit import fit_profile, write_profile
     from moesim.traces.io import read_trace
 
@@ -553,10 +554,10 @@ def trace_fit(file: str, out: str, batch: int, batch_old: int | None, name: str 
     if prog is not None:
         with prog:
             task = prog.add_task("fit", total=None)
-            profile = fit_profile(t, batch=batch, name=name,
+            profile = fit_profile(t, lru_curve, batch=batch, name=name,
                                   progress=lambda d, n: prog.update(task, completed=d, total=n))
     else:
-        profile = fit_profile(t, batch=batch, name=name)
+        profile = fit_profile(t, lru_curve, batch=batch, name=name)
     write_profile(profile, out)
     r = profile["report"]
     click.echo(f"wrote {out}: weights {profile['weights']}")
@@ -642,7 +643,7 @@ def calibrate() -> None:
 @click.option("--out", "out", required=True, type=OUT_FILE, help="Raw measurements (Parquet).")
 def calibrate_measure(device: str, model_shapes: str, quick: bool, out: str) -> None:
     """Microbenchmarks with PyTorch: copies by size, expert FFN by tokens, attention by context, launch overhead."""
-    from moesim.simulator.calibrate import measure, write_parquet_atomic
+    from moesim.calibration.calibrate import measure, write_parquet_atomic
 
     device = _device(device)
     prog = _progress(sys.stderr.isatty(), "measuring")
@@ -665,7 +666,7 @@ def calibrate_fit(raw: str, out: str) -> None:
     compute tables; launch overhead), with fit residuals. Scenarios name it as hardware.profile."""
     import pandas as pd
 
-    from moesim.simulator.calibrate import fit, fit_warnings, write_profile
+    from moesim.calibration.calibrate import fit, fit_warnings, write_profile
 
     try:
         df = pd.read_parquet(raw)
@@ -690,7 +691,7 @@ def calibrate_fit(raw: str, out: str) -> None:
 def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], device: str, out_dir: str) -> None:
     """Replay TRACE on the device with a reference executor (same policy decisions) and with
     the simulator under PROFILE; write report.md, validation.parquet and a plot."""
-    from moesim.simulator.validate import expand, shape_warnings, validate
+    from moesim.calibration.validate import expand, shape_warnings, validate
     from moesim.traces.io import read_trace
 
     for warning in shape_warnings(profile, read_trace(trace_path)):
@@ -743,8 +744,8 @@ def policies_cmd(family: str | None, as_json: bool) -> None:
     defaults, and what each does."""
     from rich.console import Console
 
+    from moesim.config.confload import describe_fields
     from moesim.policies import families
-    from moesim.simulator.confload import describe_fields
 
     fams = {f: r for f, r in families().items() if family in (None, f)}
     if as_json:
@@ -768,7 +769,7 @@ def presets_cmd(as_json: bool) -> None:
     """List hardware presets (datasheet figures) and synthetic model presets."""
     from rich.console import Console
 
-    from moesim.simulator.hardware import PRESETS as HW
+    from moesim.config.hardware import PRESETS as HW
     from moesim.traces.synth import PRESETS as SY
 
     if as_json:

@@ -14,8 +14,8 @@ from typing import Any
 
 import pandas as pd
 
-from moesim.simulator.atomic import save_figure_atomic
-from moesim.simulator.errors import MoesimError, did_you_mean
+from moesim.errors import MoesimError, did_you_mean
+from moesim.files import save_figure_atomic
 
 KINDS = ("heatmap", "lines", "bars")  # plus "timeline", from a run's events (plot_timeline)
 

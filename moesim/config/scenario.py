@@ -27,11 +27,11 @@ from typing import Any, Literal
 
 import yaml
 
+from moesim.config.confload import ConfigError, build, to_plain
+from moesim.config.hardware import HardwareConfig, expand_preset
+from moesim.errors import MoesimError
+from moesim.files import read_yaml as read_yaml_file
 from moesim.policies import families
-from moesim.simulator.confload import ConfigError, build, to_plain
-from moesim.simulator.confload import read_yaml as read_yaml_file
-from moesim.simulator.errors import MoesimError
-from moesim.simulator.hardware import HardwareConfig, expand_preset
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class SynthSource:
         "help": "noise (logit std) of that predictor: 0 = perfect"})
 
     def __post_init__(self) -> None:
-        from moesim.simulator.errors import did_you_mean
+        from moesim.errors import did_you_mean
         from moesim.traces.synth import PRESETS
 
         if (self.preset is None) == (self.fit is None):
@@ -285,7 +285,7 @@ def scenario_from_dict(data: Any, where: str = "<scenario>", base_dir: str = "."
     fams = families()
     unknown = [k for k in pol_raw if k not in fams]
     if unknown:
-        from moesim.simulator.errors import did_you_mean
+        from moesim.errors import did_you_mean
         raise ConfigError(f"{where}: key 'policies.{unknown[0]}' is not a policy family"
                           f"{did_you_mean(str(unknown[0]), list(fams))}; valid families: {', '.join(fams)}.")
     specs = {fam: _policy(fam, pol_raw.get(fam, POLICY_DEFAULTS[fam]), where) for fam in fams}

@@ -11,31 +11,13 @@ import dataclasses
 import math
 import types
 import typing
-from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from moesim.simulator.errors import MoesimError, did_you_mean
+from moesim.errors import MoesimError, did_you_mean
 
 T = TypeVar("T")
 
 
-
-def read_yaml(path: str | Path, what: str, missing: str) -> Any:
-    """Parse a YAML file. Errors name ``what`` it is (e.g. "scenario"), the file and, for
-    broken YAML, the line; ``missing`` is the fix to offer when the file does not exist."""
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise MoesimError(f"{what} {p}: no such file. {missing}")
-    try:
-        return yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise MoesimError(f"{what} {p}: broken YAML{line}: {problem}. Fix the syntax "
-                          "(indentation, a missing ':' or an unclosed bracket).") from None
 
 def yaml_name(f: dataclasses.Field[Any]) -> str:
     """The key a field has in YAML (``metadata['yaml']``, e.g. ``import``; else its name)."""

@@ -18,7 +18,6 @@ launch overhead. Scenarios use it with ``hardware: {profile: FILE}``.
 from __future__ import annotations
 
 import datetime
-import itertools
 import os
 import platform
 import time
@@ -28,11 +27,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from moesim.simulator.atomic import write_atomic, write_yaml_atomic
-from moesim.simulator.confload import read_yaml
-from moesim.simulator.errors import MoesimError
+from moesim.config.profile import PROFILE_VERSION, load_profile  # noqa: F401 - re-exported
+from moesim.errors import MoesimError
+from moesim.files import write_atomic, write_yaml_atomic
 
-PROFILE_VERSION = 1
 SHAPES = {  # hidden, expert intermediate
     "olmoe-1b-7b": (2048, 1024), "mixtral-8x7b": (4096, 14336), "qwen1.5-moe-a2.7b": (2048, 1408),
     "qwen3-30b-a3b": (2048, 768), "phi-3.5-moe": (4096, 6400),
@@ -286,29 +284,3 @@ def fit_warnings(profile: dict[str, Any]) -> list[str]:
 def write_profile(profile: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write a hardware profile as YAML atomically."""
     return write_yaml_atomic(profile, path)
-
-
-def load_profile(path: str, where: str) -> dict[str, Any]:
-    """A profile YAML, checked: version, links with positive bandwidth and non-negative latency,
-    monotone token tables with positive times. Errors name the file, key and fix."""
-    p = Path(path)
-    data = read_yaml(p, f"{where}: hardware profile", "Make one with `moesim calibrate fit`.")
-    if not isinstance(data, dict) or data.get("profile_version") != PROFILE_VERSION:
-        raise MoesimError(f"{where}: hardware profile {p}: not a version-{PROFILE_VERSION} profile (key "
-                          "'profile_version'); re-create it with `moesim calibrate fit`.")
-    links = data.get("links")
-    if not isinstance(links, dict) or ("h2d_pageable" not in links and "h2d_pinned" not in links):
-        raise MoesimError(f"{where}: hardware profile {p}: key 'links' needs h2d_pinned or h2d_pageable.")
-    for name, link in links.items():
-        bw, lat = (link or {}).get("bandwidth_gbps"), (link or {}).get("latency_us")
-        if not isinstance(bw, int | float) or not bw > 0 or not isinstance(lat, int | float) or lat < 0:
-            raise MoesimError(f"{where}: hardware profile {p}: key 'links.{name}' needs bandwidth_gbps > 0 and "
-                              f"latency_us >= 0 (got {bw!r}, {lat!r}).")
-    for shape, by_dtype in (data.get("expert_time") or {}).items():
-        for dt, tab in by_dtype.items():
-            toks, secs = tab.get("tokens"), tab.get("seconds")
-            if (not isinstance(toks, list) or not isinstance(secs, list) or len(toks) != len(secs) or not toks
-                    or any(b <= a for a, b in itertools.pairwise(toks)) or any(not s > 0 for s in secs)):
-                raise MoesimError(f"{where}: hardware profile {p}: key 'expert_time.{shape}.{dt}' needs increasing "
-                                  "tokens and positive seconds of the same length.")
-    return data

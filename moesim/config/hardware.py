@@ -16,7 +16,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from moesim.simulator.errors import MoesimError, did_you_mean
+from moesim.errors import MoesimError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ def expand_preset(data: dict[str, Any], where: str, base_dir: str = ".") -> dict
     data = dict(data)
     prof_path = data.get("profile")
     if prof_path is not None:
-        from moesim.simulator.calibrate import load_profile
+        from moesim.config.profile import load_profile
 
         p = Path(str(prof_path))
         if not p.is_absolute() and (Path(base_dir) / p).is_file():

@@ -1,5 +1,6 @@
-"""Atomic file writes: write a temporary file beside the target, then rename it into place,
-so a crash or a kill never leaves a half-written result (readable: mode 0644)."""
+"""Files: YAML reading with errors that name the file and line, and atomic writes (write a
+temporary file beside the target, then rename it into place, so a crash or a kill never
+leaves a half-written result; readable: mode 0644)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from moesim.errors import MoesimError
 
 
 def write_atomic(path: str | os.PathLike[str], write: Callable[[str], Any], suffix: str = "") -> Path:
@@ -50,3 +53,21 @@ def save_figure_atomic(fig: Any, path: str | os.PathLike[str], dpi: int = 110) -
         return write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi))
     finally:
         plt.close(fig)
+
+
+def read_yaml(path: str | Path, what: str, missing: str) -> Any:
+    """Parse a YAML file. Errors name ``what`` it is (e.g. "scenario"), the file and, for
+    broken YAML, the line; ``missing`` is the fix to offer when the file does not exist."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise MoesimError(f"{what} {p}: no such file. {missing}")
+    try:
+        return yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise MoesimError(f"{what} {p}: broken YAML{line}: {problem}. Fix the syntax "
+                          "(indentation, a missing ':' or an unclosed bracket).") from None

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from moesim.simulator.atomic import save_figure_atomic, write_atomic, write_text_atomic
-from moesim.simulator.errors import MoesimError
+from moesim.errors import MoesimError
+from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
 
 class _DevicePool:
@@ -160,8 +160,8 @@ def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
 def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, device: str = "cpu",
              max_passes: int | None = None, progress: Any = None) -> pd.DataFrame:
     """Measure and predict every scenario; write report.md, validation.parquet and a plot."""
+    from moesim.config.scenario import load_scenario
     from moesim.simulator.engine import Simulation
-    from moesim.simulator.scenario import load_scenario
     from moesim.traces.io import read_trace
 
     trace = read_trace(trace_path)
@@ -201,7 +201,7 @@ def shape_warnings(profile: str, trace: Any) -> list[str]:
     """A profile measured on other model shapes than the trace's predicts the trace's expert
     compute from the roofline, not from measurements: say so (the prediction error then says
     little about the profile)."""
-    from moesim.simulator.calibrate import load_profile
+    from moesim.calibration.calibrate import load_profile
 
     prof = load_profile(profile, "calibrate validate")
     m = trace.model
