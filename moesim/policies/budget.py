@@ -19,19 +19,13 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from moesim.errors import MoesimError
-from moesim.policies.registry import NoParams, PolicyContext, Registry
+from moesim.policies.registry import Policy, PolicyContext, Registry
 
 
-class BudgetPolicy(ABC):
+class BudgetPolicy(Policy, ABC):
     """Base class of the budget family; ``restricts = False`` means no budget."""
 
-    name: ClassVar[str]
-    Params: ClassVar[type[Any]] = NoParams
     restricts: ClassVar[bool] = True
-
-    def __init__(self, params: Any, ctx: PolicyContext) -> None:
-        self.params = params
-        self.ctx = ctx
 
     @abstractmethod
     def select(self, pass_index: int, layer: int, rows: np.ndarray, experts: np.ndarray) -> list[list[int]]:

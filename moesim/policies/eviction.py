@@ -16,22 +16,15 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
-from moesim.policies.registry import NoParams, PolicyContext, Registry
+from moesim.policies.registry import Policy, PolicyContext, Registry
 
 
-class EvictionPolicy(ABC):
+class EvictionPolicy(Policy, ABC):
     """Base class: observes cache events, orders keys for eviction."""
-
-    name: ClassVar[str]
-    Params: ClassVar[type[Any]] = NoParams
-
-    def __init__(self, params: Any, ctx: PolicyContext) -> None:
-        self.params = params
-        self.ctx = ctx
 
     @abstractmethod
     def on_insert(self, key: int, demand: bool) -> None:
@@ -51,7 +44,7 @@ class EvictionPolicy(ABC):
         """Every cached key, most evictable first (the cache filters pinned keys). The cache
         walks the iterator before it tells the policy of any change, so it may be a view."""
 
-    def on_prefetch_select(self, key: int) -> None:  # noqa: B027 - optional hook
+    def on_prefetch_select(self, key: int) -> None:
         """The prefetcher selected ``key``, already cached (no transfer). Default: nothing
         (recency policies do not count a selection as a use)."""
 

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from moesim.errors import MoesimError
-from moesim.policies.registry import NoParams, PolicyContext, Registry
+from moesim.policies.registry import Policy, PolicyContext, Registry
 
 
 @dataclass(frozen=True)
@@ -50,18 +50,12 @@ class MissDecision:
     substitute: int | None = None  # substitute: the expert id to run instead
 
 
-class MissPolicy(ABC):
+class MissPolicy(Policy, ABC):
     """Base class of the miss family. ``always_fetch = True`` tells the engine that every
     decision is a plain fetch at the scenario's precision and no alternative is accepted,
     so it may use its fast path."""
 
-    name: ClassVar[str]
-    Params: ClassVar[type[Any]] = NoParams
     always_fetch: ClassVar[bool] = False
-
-    def __init__(self, params: Any, ctx: PolicyContext) -> None:
-        self.params = params
-        self.ctx = ctx
 
     def alternative(self, layer: int, expert: int, rank: int, resident: Any) -> int | None:
         """A resident cache key to use instead of the expert at the scenario's precision

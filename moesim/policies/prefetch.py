@@ -11,24 +11,18 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
 from moesim.errors import MoesimError
-from moesim.policies.registry import NoParams, PolicyContext, Registry
+from moesim.policies.registry import Policy, PolicyContext, Registry
 
 
-class PrefetchPolicy(ABC):
+class PrefetchPolicy(Policy, ABC):
     """Base class of the prefetch family."""
 
-    name: ClassVar[str]
-    Params: ClassVar[type[Any]] = NoParams
     active: ClassVar[bool] = True
-
-    def __init__(self, params: Any, ctx: PolicyContext) -> None:
-        self.params = params
-        self.ctx = ctx
 
     @abstractmethod
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:

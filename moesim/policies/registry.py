@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
@@ -91,6 +91,20 @@ class PolicyContext:
 
 
 P = TypeVar("P")
+
+
+class Policy:
+    """What every policy of every family has: its registered ``name``, its ``Params`` (a
+    frozen dataclass; :class:`NoParams` when it takes none), and, once built, its typed
+    ``params`` and its :class:`PolicyContext`. The family base classes (eviction, miss,
+    prefetch, routing, budget) add their own hooks."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type[Any]] = NoParams
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        self.params = params
+        self.ctx = ctx
 
 
 class Registry(Generic[P]):

@@ -14,19 +14,13 @@ from typing import Any, ClassVar
 import numpy as np
 
 from moesim.errors import MoesimError
-from moesim.policies.registry import NoParams, PolicyContext, Registry
+from moesim.policies.registry import Policy, PolicyContext, Registry
 
 
-class RoutingPolicy(ABC):
+class RoutingPolicy(Policy, ABC):
     """Base class of the routing family; ``changes_routing = False`` means identity."""
 
-    name: ClassVar[str]
-    Params: ClassVar[type[Any]] = NoParams
     changes_routing: ClassVar[bool] = True
-
-    def __init__(self, params: Any, ctx: PolicyContext) -> None:
-        self.params = params
-        self.ctx = ctx
 
     def route(self, pass_index: int, layer: int, rows: np.ndarray, experts: np.ndarray,
               cached: Any) -> np.ndarray:

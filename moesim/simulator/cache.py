@@ -1,6 +1,7 @@
 """GPU expert cache: owns the miss -> evict -> insert loop (style.md #2).
 
-Entries are keyed by ``layer * num_experts + expert`` and hold bytes. An entry is either in
+Entries are keyed by the policies' cache keys (an expert at a precision, see
+:class:`moesim.policies.registry.PolicyContext`) and hold bytes. An entry is either in
 flight (space reserved when its transfer is issued, pinned until it completes) or resident.
 The eviction policy only orders candidates; the cache skips pinned keys and evicts only when
 it can free enough room, otherwise it changes nothing and returns ``None``.

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from moesim.traces.schema import PHASES, ModelInfo
+from moesim.traces.schema import ModelInfo
 
 
 @dataclass
@@ -56,10 +56,6 @@ class Trace:
             return 0
         keys = np.stack([self.request, self.step], axis=1)
         return int(np.unique(keys, axis=0).shape[0])
-
-    def phase_names(self) -> list[str]:
-        """Phase of each row as strings (slow: for display)."""
-        return [PHASES[int(c)] for c in self.phase]
 
     def take(self, mask: np.ndarray) -> Trace:
         """A new trace with the rows selected by a boolean mask or index array."""
