@@ -72,3 +72,15 @@ def test_no_cycles_between_subpackages_and_the_layering_holds():
     assert "simulator" not in pkgs["policies"] | pkgs["traces"]
     assert "calibration" not in pkgs["config"]
     assert pkgs["errors"] == set()
+
+
+def test_no_function_is_longer_than_100_lines():
+    """A function a reader cannot take in at once is split (issue 13)."""
+    long = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > 100:
+                    long.append(f"{path.relative_to(ROOT.parent)}:{node.name} ({length} lines)")
+    assert long == []

@@ -200,6 +200,17 @@ class _Recorder:
         self.calls.append({})
         self.residual.append({})
 
+    def forward(self, model: Any, **kwargs: Any) -> Any:
+        """One forward pass of ``model`` with the hooks recording into a fresh ``calls[-1]``
+        (earlier calls are dropped)."""
+        self.calls.clear()
+        self.new_call()
+        self.on = True
+        try:
+            return model(**kwargs)
+        finally:
+            self.on = False
+
     def close(self) -> None:
         for h in self.handles:
             h.remove()
@@ -385,6 +396,22 @@ def _tokenize(tokenizer: Any, prompt: str, i: int) -> list[int]:
     return list(ids)
 
 
+def _record_tree(cols: dict[str, list[Any]], call: dict[int, Any], layers: list[MoELayer], mt: str,
+                 flags: tuple[bool, bool], rows: list[int], where: tuple[int, int, int, str], nodes: list[int],
+                 accepted: list[bool]) -> None:
+    """Append one forward pass's routing for ``rows`` (request, step, position, phase in
+    ``where``) with each row's tree node, parent (0, or -1 for none) and acceptance."""
+    req, step, pos, phase = where
+    for row, node, acc in zip(rows, nodes, accepted, strict=True):
+        before = len(cols["req"])
+        _emit(cols, call, {}, layers, None, mt, row, req, step, pos, flags[0], flags[1])
+        added = len(cols["req"]) - before
+        cols["phase"][before:] = [PHASE_CODES[phase]] * added
+        cols["node"].extend([node] * added)
+        cols["parent"].extend([0 if node > 0 else -1] * added)
+        cols["acc"].extend([acc] * added)
+
+
 def capture_speculative(model: Any, tokenizer: Any, prompts: list[str], *, max_new_tokens: int = 16,
                         width: int = 4, draft: Any = None, predict_next: bool = False,
                         keep_hidden: bool = False, progress: Any = None,
@@ -416,14 +443,8 @@ def capture_speculative(model: Any, tokenizer: Any, prompts: list[str], *, max_n
 
     def record(call: dict[int, Any], rows: list[int], req: int, step: int, pos: int, phase: str,
                nodes: list[int], accepted: list[bool]) -> None:
-        for row, node, acc in zip(rows, nodes, accepted, strict=True):
-            before = len(cols["req"])
-            _emit(cols, call, {}, layers, None, mt, row, req, step, pos, predict_next, keep_hidden)
-            added = len(cols["req"]) - before
-            cols["phase"][before:] = [PHASE_CODES[phase]] * added
-            cols["node"].extend([node] * added)
-            cols["parent"].extend([0 if node > 0 else -1] * added)
-            cols["acc"].extend([acc] * added)
+        _record_tree(cols, call, layers, mt, (predict_next, keep_hidden), rows, (req, step, pos, phase), nodes,
+                     accepted)
 
     total = sum(len(_tokenize(tokenizer, p, i)) for i, p in enumerate(prompts)) + len(prompts) * max_new_tokens
     done = 0
@@ -433,11 +454,7 @@ def capture_speculative(model: Any, tokenizer: Any, prompts: list[str], *, max_n
                 ids = torch.tensor([_tokenize(tokenizer, prompt, req)], device=device)
                 plen = ids.shape[1]
                 cache = DynamicCache(config=model.config)
-                rec.calls.clear()
-                rec.new_call()
-                rec.on = True
-                out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-                rec.on = False
+                out = rec.forward(model, input_ids=ids, past_key_values=cache, use_cache=True)
                 record(rec.calls[-1], list(range(plen)), req, 0, 0, "prefill", [0] * plen, [True] * plen)
                 for i in range(plen):  # prefill positions are 0..plen-1
                     for j in range(len(layers)):
@@ -458,12 +475,8 @@ def capture_speculative(model: Any, tokenizer: Any, prompts: list[str], *, max_n
                     cands = torch.topk(source_logits.float(), width).indices.tolist()
                     n0 = cache.get_seq_length()
                     cache.batch_repeat_interleave(width)
-                    rec.calls.clear()
-                    rec.new_call()
-                    rec.on = True
-                    vout = model(input_ids=torch.tensor(cands, device=device)[:, None], past_key_values=cache,
-                                 use_cache=True)
-                    rec.on = False
+                    vout = rec.forward(model, input_ids=torch.tensor(cands, device=device)[:, None],
+                                       past_key_values=cache, use_cache=True)
                     acc = [c == target_tok for c in cands]
                     record(rec.calls[-1], list(range(width)), req, step, pos, "verify",
                            list(range(1, width + 1)), acc)
@@ -476,12 +489,8 @@ def capture_speculative(model: Any, tokenizer: Any, prompts: list[str], *, max_n
                     else:
                         cache.batch_select_indices(torch.tensor([0], device=device))
                         cache.crop(n0 - cache.get_seq_length())  # drop the rejected candidate
-                        rec.calls.clear()
-                        rec.new_call()
-                        rec.on = True
-                        dout = model(input_ids=torch.tensor([[target_tok]], device=device), past_key_values=cache,
-                                     use_cache=True)
-                        rec.on = False
+                        dout = rec.forward(model, input_ids=torch.tensor([[target_tok]], device=device),
+                                           past_key_values=cache, use_cache=True)
                         step += 1
                         record(rec.calls[-1], [0], req, step, pos, "decode", [0], [True])
                         done += 1
@@ -499,12 +508,20 @@ def capture_speculative(model: Any, tokenizer: Any, prompts: list[str], *, max_n
                         break
     finally:
         rec.close()
-    trace = _recorded_trace(info, cols, predict_next, {
-        "source": "moesim capture --speculative", "model_type": mt, "tree": f"depth 1, width {width}",
-        "draft": "target's own top candidates" if draft is None else "draft model",
-        "prompts": len(prompts), "max_new_tokens": max_new_tokens, **(source or {})},
-        node=np.asarray(cols["node"], dtype=np.int16), parent=np.asarray(cols["parent"], dtype=np.int16),
-        accepted=np.asarray(cols["acc"], dtype=bool))
+    capture_info = {"source": "moesim capture --speculative", "model_type": mt, "tree": f"depth 1, width {width}",
+                    "draft": "target's own top candidates" if draft is None else "draft model",
+                    "prompts": len(prompts), "max_new_tokens": max_new_tokens, **(source or {})}
+    return _speculative_result(info, cols, predict_next, keep_hidden, capture_info)
+
+
+def _speculative_result(info: ModelInfo, cols: dict[str, list[Any]], predict_next: bool, keep_hidden: bool,
+                        capture_info: dict[str, Any]) -> CaptureResult:
+    """The recorded columns of a speculative capture as a trace, rows in (request, step,
+    position, node, layer) order."""
+    trace = _recorded_trace(info, cols, predict_next, capture_info,
+                            node=np.asarray(cols["node"], dtype=np.int16),
+                            parent=np.asarray(cols["parent"], dtype=np.int16),
+                            accepted=np.asarray(cols["acc"], dtype=bool))
     assert trace.node is not None
     order = np.lexsort((trace.layer, trace.node, trace.position, trace.step, trace.request))
     hidden = np.asarray(cols["hidden"], dtype=np.float32)[order] if keep_hidden else None

@@ -106,6 +106,33 @@ def reshape_model(model: ModelInfo, layers: int | None = None, experts: int | No
         raise MoesimError(f"synthetic trace: {exc}.") from None
 
 
+def _check_sizes(requests: int, prompt_tokens: int, tokens: int, routing: str) -> None:
+    for label, value, low in (("requests", requests, 1), ("prompt tokens", prompt_tokens, 0),
+                              ("tokens", tokens, 0)):
+        if value < low:
+            raise MoesimError(f"synthetic trace: {label} must be >= {low}, got {value}.")
+    if prompt_tokens + tokens == 0:
+        raise MoesimError("synthetic trace: prompt tokens and decode tokens are both 0; ask for "
+                          "at least one token.")
+    if routing not in ("realistic", "uniform"):
+        raise MoesimError(f"unknown routing model '{routing}'; valid: realistic, uniform.")
+
+
+def _route(z: np.ndarray, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Router logits ``z`` [requests, N] -> each token's top-k experts (by logit, descending),
+    their softmax weights and the full softmax."""
+    requests, num_e = z.shape
+    top = np.argpartition(-z, k - 1, axis=1)[:, :k] if k < num_e else np.tile(np.arange(num_e), (requests, 1))
+    ztop = z[rows, top]
+    order = np.argsort(-ztop, axis=1)
+    top = top[rows, order]
+    ztop = ztop[rows, order]
+    zmax = z.max(axis=1, keepdims=True)
+    ez = np.exp(z - zmax)
+    denom = ez.sum(axis=1, keepdims=True)
+    return top, np.exp(ztop - zmax) / denom, ez / denom
+
+
 def generate(model: ModelInfo, *, requests: int = 1, prompt_tokens: int = 0, tokens: int = 100,
              seed: int = 0, routing: str = "realistic", params: RoutingParams | None = None,
              capture: dict[str, object] | None = None, probs: bool = False,
@@ -128,15 +155,7 @@ def generate(model: ModelInfo, *, requests: int = 1, prompt_tokens: int = 0, tok
     vector shared by every request at the same token index and layer (requests decoded
     together route alike).
     """
-    for label, value, low in (("requests", requests, 1), ("prompt tokens", prompt_tokens, 0),
-                              ("tokens", tokens, 0)):
-        if value < low:
-            raise MoesimError(f"synthetic trace: {label} must be >= {low}, got {value}.")
-    if prompt_tokens + tokens == 0:
-        raise MoesimError("synthetic trace: prompt tokens and decode tokens are both 0; ask for "
-                          "at least one token.")
-    if routing not in ("realistic", "uniform"):
-        raise MoesimError(f"unknown routing model '{routing}'; valid: realistic, uniform.")
+    _check_sizes(requests, prompt_tokens, tokens, routing)
     p = params or RoutingParams()
     if routing == "uniform":
         p = RoutingParams(skew=0.0, reuse=0.0, corr=0.0)
@@ -170,17 +189,9 @@ def generate(model: ModelInfo, *, requests: int = 1, prompt_tokens: int = 0, tok
                 z = z + p.reuse * prev[layer]
             if (p.corr or affinity is not None) and top1_prev_layer is not None:
                 z = z + aff[layer][top1_prev_layer]
-            top = np.argpartition(-z, k - 1, axis=1)[:, :k] if k < num_e else np.tile(np.arange(num_e), (requests, 1))
-            ztop = z[rows, top]
-            order = np.argsort(-ztop, axis=1)
-            top = top[rows, order]
-            ztop = ztop[rows, order]
-            zmax = z.max(axis=1, keepdims=True)
-            ez = np.exp(z - zmax)
-            denom = ez.sum(axis=1, keepdims=True)
-            w = np.exp(ztop - zmax) / denom
+            top, w, p_all = _route(z, k, rows)
             if probs_arr is not None:
-                probs_arr[t, layer] = ez / denom
+                probs_arr[t, layer] = p_all
             if pred_arr is not None and layer > 0:
                 zp = z + pred_noise * pred_rng.standard_normal(z.shape)
                 ep = np.exp(zp - zp.max(axis=1, keepdims=True))
