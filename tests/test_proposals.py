@@ -189,3 +189,70 @@ def test_score_percentile_beyond_its_first_planning_chunk():
         above = sorted((e for e in range(8) if pred[e] > thr), key=lambda e: (-pred[e], e))
         assert list(p.propose(step, 0)) == [key(1, e, experts=8) for e in above], step
         assert list(p.propose(step, 1)) == []  # no layer after the last
+
+
+def wide_predicted_trace(pred_row: np.ndarray):
+    """One token (a one-token prefill), 2 layers, 64 experts, top-2, with ``pred_row`` as the
+    layer-0 prediction of layer 1's router."""
+    model = small_model(layers=2, experts=64, top_k=2)
+    base = trace_from_array(model, np.array([[[[0, 1], [2, 3]]]]), prompt_tokens=1)
+    pred = np.full((len(base), 64), 1 / 64, dtype=np.float32)
+    pred[int(np.flatnonzero(base.layer == 0)[0])] = pred_row
+    cols = {c: getattr(base, c) for c in ("request", "step", "position", "phase", "layer", "experts", "weights")}
+    return Trace(model=model, pred_next=pred, **cols)
+
+
+def test_next_gate_topk_overfetching_every_expert_orders_all_by_prediction_ties_by_id():
+    """overfetch 32 -> ceil(2 x 32) = 64 = every expert. The prediction gives the odd experts
+    0.02 and the even ones 0.01125 (they sum to 1): the 32 odd experts first, in id order, then
+    the 32 even ones, in id order (a stable order over 64 tied values)."""
+    row = np.where(np.arange(64) % 2 == 1, 0.02, 0.01125).astype(np.float32)
+    t = wide_predicted_trace(row)
+    got = list(policy(t, {"name": "next-gate-topk", "overfetch": 32.0}).propose(0, 0))
+    assert got == [key(1, e, experts=64) for e in [*range(1, 64, 2), *range(0, 64, 2)]]
+
+
+def reference_percentile(trace, batch: int, percentile: float) -> dict[tuple[int, int], list[int]]:
+    """Score-percentile written from its definition, pass by pass and layer by layer: the
+    mean of the pass's pred_next rows at that layer; the experts strictly above the
+    percentile of those means, highest first, ties by expert id; none for the last layer."""
+    from moesim.simulator.workload import build_workload
+
+    wl = build_workload(trace, batch_size=batch)
+    n_l, n_e = trace.model.num_layers, trace.model.num_experts
+    out = {}
+    for p in range(wl.num_passes):
+        for layer in range(n_l):
+            rows = wl.row_order[wl.row_off[p * n_l + layer]:wl.row_off[p * n_l + layer + 1]]
+            if len(rows) == 0 or layer + 1 == n_l:
+                out[(p, layer)] = []
+                continue
+            mean = trace.pred_next[rows].astype(np.float64).mean(axis=0)
+            cut = np.percentile(mean, percentile)
+            above = sorted((e for e in range(n_e) if mean[e] > cut), key=lambda e: (-mean[e], e))
+            out[(p, layer)] = [key(layer + 1, e, experts=n_e) for e in above]
+    return out
+
+
+def test_score_percentile_equals_its_definition_across_plan_chunks(monkeypatch):
+    """Batch 2, 5 passes, 3 layers, 64 experts, random predictions rounded to a few levels
+    (ties), and the last pass routed at layer 0 only. Plans of 2 passes (CHUNK = 2, and 1):
+    every (pass, layer), asked for out of order, equals the reference."""
+    from moesim.policies.prefetch import ScorePercentile
+
+    rng = np.random.default_rng(5)
+    model = small_model(layers=3, experts=64, top_k=2)
+    ex = rng.integers(0, 32, size=(2, 5, 3, 1)) * 2 + np.array([0, 1])  # two distinct experts per row
+    base = trace_from_array(model, ex)
+    keep = ~((base.step == 4) & (base.layer > 0))
+    base = base.take(keep)
+    pred = (np.round(rng.random((len(base), 64)) * 4) / 4).astype(np.float32)
+    cols = {c: getattr(base, c) for c in ("request", "step", "position", "phase", "layer", "experts", "weights")}
+    t = Trace(model=model, pred_next=pred, **cols)
+    expected = reference_percentile(t, 2, 70.0)
+    assert any(len(v) for v in expected.values())
+    for chunk in (2, 1):
+        monkeypatch.setattr(ScorePercentile, "CHUNK", chunk)
+        p = policy(t, {"name": "score-percentile", "percentile": 70.0}, batch=2)
+        asked = sorted(expected, key=lambda pl: (-pl[0], pl[1]))  # the last pass first
+        assert {pl: list(p.propose(*pl)) for pl in asked} == expected
