@@ -158,3 +158,12 @@ def test_failed_runs_exit_1_naming_the_first_and_its_error(scenario_file, tmp_pa
     assert "1 of 4 runs failed" in r.output
     assert "lru + next-gate-topk" in r.output
     assert "pred_next" in r.output
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::ResourceWarning")
+def test_compare_on_ray_equals_the_local_executor(scenario_file, tmp_path):
+    pytest.importorskip("ray", reason="Ray is the optional extra 'ray' (CI installs it)")
+    local, _ = compare(str(scenario_file), tmp_path / "l", ["lru", "fifo"], ["none"], workers=2)
+    ray, _ = compare(str(scenario_file), tmp_path / "r", ["lru", "fifo"], ["none"], workers=2, executor="ray")
+    cols = ["label", "tpot_s", "hits", "misses", "gap_closed"]
+    pd.testing.assert_frame_equal(local[cols], ray[cols])
