@@ -256,3 +256,14 @@ def test_score_percentile_equals_its_definition_across_plan_chunks(monkeypatch):
         p = policy(t, {"name": "score-percentile", "percentile": 70.0}, batch=2)
         asked = sorted(expected, key=lambda pl: (-pl[0], pl[1]))  # the last pass first
         assert {pl: list(p.propose(*pl)) for pl in asked} == expected
+
+
+def test_static_pin_breaks_ties_in_use_by_expert_id():
+    """One layer, 64 experts, top-2; 20 tokens route (0, 1), (2, 3), ..., (38, 39): 40 experts
+    used once each. Room for 8, fraction 1, calibration on every pass: the 8 lowest ids."""
+    model = small_model(layers=1, experts=64, top_k=2)
+    t = trace_from_array(model, np.array([[[[2 * i, 2 * i + 1]] for i in range(20)]]))
+    sim = Simulation(scenario(cache={"capacity": "8 experts"},
+                              policies={"prefetch": {"name": "static-pin", "fraction": 1.0, "calibration": 1.0}}),
+                     trace=t)
+    assert sim.prefetch.static_pins == [key(0, e, experts=64) for e in range(8)]

@@ -253,6 +253,11 @@ EQUIVALENT: dict[str, str] = {
     "moesim.policies.prefetch.xǁScorePercentileǁ_plan__mutmut_103": "row[:n] is row when n equals the width",
     "moesim.policies.prefetch.xǁStaticPinǁ__init____mutmut_22":
         "n_pin is capped at the number of used experts, which a count array ending at the last used key still holds",
+    "moesim.policies.prefetch.xǁScorePercentileǁ_plan__mutmut_47":
+        "each (pass, layer) row scaled by a positive constant (count squared): its order and which experts lie "
+        "above its own percentile are unchanged",
+    "moesim.policies.prefetch.xǁScorePercentileǁpropose__mutmut_2":
+        "asking for the first pass of the planned range plans it again: the same proposals",
 }
 
 
