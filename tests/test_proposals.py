@@ -259,11 +259,12 @@ def test_score_percentile_equals_its_definition_across_plan_chunks(monkeypatch):
 
 
 def test_static_pin_breaks_ties_in_use_by_expert_id():
-    """One layer, 64 experts, top-2; 20 tokens route (0, 1), (2, 3), ..., (38, 39): 40 experts
-    used once each. Room for 8, fraction 1, calibration on every pass: the 8 lowest ids."""
+    """One layer, 64 experts, top-2; 16 tokens route (0, 2), (4, 6), ..., (60, 62): the 32 even
+    experts used once each, the odd ones never. Room for 8, fraction 1, calibration on every
+    pass: the 8 lowest even ids, in id order."""
     model = small_model(layers=1, experts=64, top_k=2)
-    t = trace_from_array(model, np.array([[[[2 * i, 2 * i + 1]] for i in range(20)]]))
+    t = trace_from_array(model, np.array([[[[4 * i, 4 * i + 2]] for i in range(16)]]))
     sim = Simulation(scenario(cache={"capacity": "8 experts"},
                               policies={"prefetch": {"name": "static-pin", "fraction": 1.0, "calibration": 1.0}}),
                      trace=t)
-    assert sim.prefetch.static_pins == [key(0, e, experts=64) for e in range(8)]
+    assert sim.prefetch.static_pins == [key(0, e, experts=64) for e in range(0, 16, 2)]
