@@ -36,9 +36,13 @@ def cli() -> None:
 
     \b
     Typical use:
-      moesim trace synth --preset olmoe-1b-7b --tokens 2000 --out t.parquet
-      moesim trace info t.parquet
+      moesim compare                      rank policies on the quickstart scenario
       moesim run quickstart --set cache.capacity=25% --out runs/q
+      moesim sweep quickstart --out runs/sq
+      moesim plot runs/sq --kind lines --metric tpot_s --x cache.capacity --by policies.eviction \\
+          --facet hardware.links.pcie.bandwidth_gbps --out tpot.png
+      moesim trace synth --preset olmoe-1b-7b --tokens 2000 --out t.parquet
+      moesim mrc t.parquet --policy lru,belady --out mrc
     """
     from moesim.policies.plugins import load_plugins
 
