@@ -268,3 +268,23 @@ def test_static_pin_breaks_ties_in_use_by_expert_id():
                               policies={"prefetch": {"name": "static-pin", "fraction": 1.0, "calibration": 1.0}}),
                      trace=t)
     assert sim.prefetch.static_pins == [key(0, e, experts=64) for e in range(0, 16, 2)]
+
+
+@pytest.mark.parametrize("name", PREFETCH.names())
+def test_only_static_pin_admits_experts_before_the_replay(name):
+    """The prefetch family's admission rule (``pinned``): static-pin's calibration choice,
+    nothing for the per-layer prefetchers; the engine preloads exactly those."""
+    t = three_layer_trace()
+    spec = {"name": name, "fraction": 1.0, "calibration": 1.0} if name == "static-pin" else name
+    if name in ("next-gate-topk", "score-percentile"):
+        pred = np.full((len(t), 4), 0.25, dtype=np.float32)
+        cols = {c: getattr(t, c) for c in ("request", "step", "position", "phase", "layer", "experts", "weights")}
+        t = Trace(model=t.model, pred_next=pred, **cols)
+    sim = Simulation(scenario(cache={"capacity": "100%"}, policies={"prefetch": spec}), trace=t)
+    pinned = list(sim.prefetch.pinned())
+    if name == "static-pin":
+        # used experts: layer 0 {0, 3}, layer 1 {1, 2}, layer 2 {2, 1}: 6, each once, by key
+        assert pinned == sorted(key(layer, e) for layer, es in ((0, (0, 3)), (1, (1, 2)), (2, (1, 2))) for e in es)
+    else:
+        assert pinned == []
+    assert sim.preloaded == len(pinned)

@@ -20,13 +20,19 @@ from moesim.policies.registry import Policy, PolicyContext, Registry
 
 
 class PrefetchPolicy(Policy, ABC):
-    """Base class of the prefetch family."""
+    """Base class of the prefetch family: per-layer proposals (``propose``; ``active = False``
+    when there are none) and an admission rule (``pinned``: experts loaded before the replay
+    and never evicted)."""
 
     active: ClassVar[bool] = True
 
     @abstractmethod
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:
         """Cache keys to prefetch, most wanted first."""
+
+    def pinned(self) -> Sequence[int]:
+        """Cache keys admitted before the replay starts (untimed) and never evicted. Default: none."""
+        return ()
 
 
 REGISTRY: Registry[PrefetchPolicy] = Registry("prefetch")
@@ -274,3 +280,6 @@ class StaticPin(PrefetchPolicy):
 
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:
         return ()
+
+    def pinned(self) -> Sequence[int]:
+        return self.static_pins

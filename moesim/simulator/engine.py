@@ -205,10 +205,9 @@ class Simulation:
         self._ep_max_load = np.zeros(workload.num_passes)
         self._mass_total = workload.weight_total.astype(np.float64).copy()
         self._mass_kept = workload.weight_total.astype(np.float64).copy()
-        static = getattr(self.prefetch, "static_pins", None)
-        self.preloaded = 0
-        if static:
-            self.preloaded = self.cache.preload(static, self.expert_bytes)
+        # the prefetch family's admission rule: experts resident before the replay, never evicted
+        pinned = self.prefetch.pinned()
+        self.preloaded = self.cache.preload(list(pinned), self.expert_bytes) if pinned else 0
         self._t_start = np.zeros(n)
         self._t_end = np.zeros(n)
         self._stall = np.zeros(n)
