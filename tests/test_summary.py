@@ -58,6 +58,7 @@ def test_counts_shapes_and_time_metrics_by_hand():
     assert (s["expert_bytes"], s["precision"], s["model"], s["gpus"]) == (TINY_EXPERT, "bf16", "tiny", 1)
     assert s["hardware_source"] == "datasheet"
     assert s["max_experts_per_gpu"] is None
+    assert s["bytes_by_link"] == {"pcie.h2d": int(res.steps["bytes_h2d"].sum())}  # no all-to-all on one GPU
     assert s["expert_accesses"] == s["hits"] + s["misses"] + s["late_prefetches"] == 2 * 2 * 3 + 2 + 1
     assert "warning" not in s
 

@@ -212,15 +212,15 @@ EQUIVALENT: dict[str, str] = {
     "moesim.simulator.metrics.x__f__mutmut_3":
         "NaN reaches _f only as the mean over no requests, and a replay always has requests (the other "
         "callers check their denominators first)",
-    "moesim.simulator.metrics.x_summarise__mutmut_159":
+    "moesim.simulator.metrics.x_summarise__mutmut_166":
         "a timed replay always takes time (> 0); a cache-only one replaces link_utilisation with null",
-    "moesim.simulator.metrics.x_summarise__mutmut_181": "every replay routes tokens: the total gate weight is > 0",
-    "moesim.simulator.metrics.x_summarise__mutmut_189": "every replay has tokens",
-    "moesim.simulator.metrics.x_summarise__mutmut_258":
+    "moesim.simulator.metrics.x_summarise__mutmut_188": "every replay routes tokens: the total gate weight is > 0",
+    "moesim.simulator.metrics.x_summarise__mutmut_196": "every replay has tokens",
+    "moesim.simulator.metrics.x_summarise__mutmut_265":
         "every decode or verify pass generates at least one token, so dec_gen > 0 whenever there is one",
-    "moesim.simulator.metrics.x_summarise__mutmut_309":
+    "moesim.simulator.metrics.x_summarise__mutmut_316":
         "a relative change of 1e-9 in the divisor does not change a size printed to 0.1 GB",
-    "moesim.simulator.metrics.x_summarise__mutmut_311":
+    "moesim.simulator.metrics.x_summarise__mutmut_318":
         "a relative change of 1e-9 in the divisor does not change a size printed to 1 GB",
     "moesim.simulator.metrics.x_summarise__mutmut_40": "a replay always has passes",
     "moesim.simulator.metrics.x_summarise__mutmut_44": "a replay always has passes",
