@@ -34,7 +34,7 @@ TESTS: dict[str, list[str]] = {
     "moesim/simulator/cache.py": ["tests/test_cache.py", "tests/test_policies.py", "tests/test_metrics.py",
                            "tests/test_fidelity.py", "tests/test_eviction.py", "tests/test_prefetch.py"],
     "moesim/simulator/copyengine.py": ["tests/test_copyengine.py", "tests/test_metrics.py", "tests/test_prefetch.py",
-                                "tests/test_engine.py"],
+                                       "tests/test_engine.py", "tests/test_events.py"],
     "moesim/simulator/lookup.py": ["tests/test_fidelity.py", "tests/test_miss_routing.py", "tests/test_engine.py"],
     "moesim/simulator/metrics.py": ["tests/test_metrics.py", "tests/test_summary.py", "tests/test_engine.py",
                              "tests/test_speculative.py", "tests/test_expert_parallel.py"],
@@ -57,7 +57,7 @@ EQUIVALENT: dict[str, str] = {
     "moesim.simulator.copyengine.xǁCopyEngineǁ_project_demand__mutmut_15": "`prev >= issued` for `prev > issued`: when equal both pick the same value",
     "moesim.simulator.copyengine.xǁCopyEngineǁadvance__mutmut_28": "`prev >= issued` for `prev > issued`: when equal both pick the same value",
     "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_37": "`prev >= now` for `prev > now`: when equal both pick the same value",
-    "moesim.simulator.copyengine.xǁCopyEngineǁpromote_many__mutmut_18": "`seq >= t.seq` for `seq > t.seq`: sequence numbers are unique, never equal",
+    "moesim.simulator.copyengine.xǁCopyEngineǁpromote_many__mutmut_20": "`seq >= t.seq` for `seq > t.seq`: sequence numbers are unique, never equal",
     "moesim.simulator.copyengine.xǁCopyEngineǁduration__mutmut_1": "the duration cache bypassed: copy_time is a pure function, recomputed equal",
     "moesim.simulator.copyengine.xǁCopyEngineǁduration__mutmut_2": "the duration cache missed: copy_time is a pure function, recomputed equal",
     "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_1": "the duration cache bypassed: duration() computes the same value",
@@ -70,6 +70,7 @@ EQUIVALENT: dict[str, str] = {
     "moesim.simulator.copyengine.xǁTransferǁ__init____mutmut_13": "`bypass` is only read for its truth value, and None is false",
     "moesim.simulator.copyengine.xǁTransferǁ__init____mutmut_7": "`start` is set (submit, advance, promotion) before it is read",
     "moesim.simulator.copyengine.xǁTransferǁ__init____mutmut_8": "`done` is set (submit, advance, promotion) before it is read",
+    "moesim.simulator.copyengine.xǁTransferǁ__init____mutmut_15": "`promoted` is only read for its truth value, and None is false",
     # prefetch policies
     'moesim.policies.prefetch.xǁNextGateTopKǁ__init____mutmut_1':
         'self.params is not read after __init__ in this class (the local params is)',
