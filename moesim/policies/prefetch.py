@@ -52,7 +52,7 @@ def _keys_of(ctx: PolicyContext, pass_index: int, layer: int) -> list[int]:
     """Cache keys the workload accesses at (pass, layer), in access order."""
     wl = ctx.workload
     b = pass_index * ctx.num_layers + layer
-    return ctx.cache_keys(wl.acc_layer[wl.off[b]:wl.off[b + 1]] * ctx.num_experts
+    return ctx.cache_keys(wl.acc_layer[wl.off[b]:wl.off[b + 1]].astype(np.int64) * ctx.num_experts
                           + wl.acc_expert[wl.off[b]:wl.off[b + 1]]).tolist()
 
 

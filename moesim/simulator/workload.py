@@ -165,6 +165,50 @@ def _generated(trace: Trace, order: np.ndarray, phase: np.ndarray, pass_of_row: 
     return generated
 
 
+def _accesses(pl: np.ndarray, experts: np.ndarray, weights: np.ndarray,
+              num_e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each (pass, layer)'s distinct experts in order of first appearance, from the rows'
+    (pass, layer) ids ``pl`` (non-decreasing) and their top-k ``experts`` and ``weights``:
+    (pass-layer id, expert, best rank, tokens routed to it, summed weight in float64) per
+    access. The (pass-layer, expert) combinations are numbered in int32 when they fit and
+    sorted stably, so the first occurrence of each is known (as np.unique does it) without
+    np.unique's int64 copies; the temporaries end with this function."""
+    k = experts.shape[1] if experts.ndim == 2 else 1
+    span = (int(pl[-1]) + 1) * num_e if len(pl) else 0
+    dt = np.int32 if span < 2**31 else np.int64
+    combo = np.repeat(pl.astype(dt), k)
+    combo *= dt(num_e)
+    combo += experts.reshape(-1)
+    o = np.argsort(combo, kind="stable")
+    sc = combo[o]
+    del combo
+    n = len(sc)
+    head = np.empty(n, dtype=bool)
+    head[:1] = True
+    np.not_equal(sc[1:], sc[:-1], out=head[1:])
+    starts = np.flatnonzero(head)
+    uniq = sc[starts]
+    del sc
+    first = o[starts]
+    counts = np.diff(starts.astype(dt), append=dt(n))
+    del starts
+    ids = np.int32 if n < 2**31 else np.int64
+    gid = np.cumsum(head, dtype=ids)
+    gid -= 1
+    del head
+    inverse = np.empty(n, dtype=ids)
+    inverse[o] = gid
+    del gid, o
+    wsum = np.bincount(inverse, weights=weights.reshape(-1), minlength=len(uniq))  # float32 -> float64 sums
+    best_rank = np.full(len(uniq), k, dtype=np.int8)
+    np.minimum.at(best_rank, inverse, np.tile(np.arange(k, dtype=np.int8), len(pl)))
+    del inverse
+    appearance = np.argsort(first, kind="stable")
+    del first
+    return ((uniq // dt(num_e))[appearance], (uniq % dt(num_e))[appearance], best_rank[appearance],
+            counts[appearance], wsum[appearance])
+
+
 def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None = None,
                    speculative: Any = None, seed: int = 0) -> Workload:
     """Group the trace's rows into forward passes and list each pass's expert accesses.
@@ -176,7 +220,7 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
         trace, produced = speculate(trace, speculative.tree_size, depth, speculative.accept_prob,
                                     np.random.default_rng([seed, 99]))
     model = trace.model
-    num_l, num_e, k = model.num_layers, model.num_experts, model.top_k
+    num_l, num_e = model.num_layers, model.num_experts
     req_ids, req_idx = np.unique(trace.request, return_inverse=True)
     if max_requests is not None and max_requests < len(req_ids):
         keep = req_idx < max_requests
@@ -191,8 +235,8 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
     group, step, layer, pos = group[order], step[order], layer[order], pos[order]
     ridx = req_idx[order]
     phase = trace.phase[order]
-    experts = trace.experts[order].astype(np.int64)
-    weights = trace.weights[order].astype(np.float64)
+    experts = trace.experts[order]
+    weights = trace.weights[order]  # float32: every sum below is taken in float64
 
     # passes: distinct (group, step), already in execution order
     pass_key = group * (int(step.max(initial=0)) + 1) + step
@@ -216,23 +260,11 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
     req_pass_key = np.unique(pass_of_row * (len(req_ids) + 1) + ridx)
     pass_requests = np.bincount(req_pass_key // (len(req_ids) + 1), minlength=n_pass).astype(np.int64)
 
+    weight_total = np.bincount(pass_of_row, weights=weights.astype(np.float64).sum(axis=1), minlength=n_pass)
     # accesses: distinct experts per (pass, layer) in order of first appearance
     pl = pass_of_row * num_l + layer  # (pass, layer) id per row, non-decreasing
-    flat_pl = np.repeat(pl, k)
-    flat_e = experts.reshape(-1)
-    flat_w = weights.reshape(-1)
-    flat_rank = np.tile(np.arange(k), len(pl))
-    combo = flat_pl * num_e + flat_e
-    uniq, first, inverse, counts = np.unique(combo, return_index=True, return_inverse=True,
-                                             return_counts=True)
-    wsum = np.bincount(inverse, weights=flat_w, minlength=len(uniq))
-    best_rank = np.full(len(uniq), k, dtype=np.int64)
-    np.minimum.at(best_rank, inverse, flat_rank)
-    appearance = np.argsort(first, kind="stable")
-    acc_pl = (uniq // num_e)[appearance]
-    acc_expert = (uniq % num_e)[appearance]
+    acc_pl, acc_expert, acc_rank, acc_tokens, acc_weight = _accesses(pl, experts, weights, num_e)
     off = np.searchsorted(acc_pl, np.arange(n_pass * num_l + 1), side="left")
-    weight_total = np.bincount(pass_of_row, weights=weights.sum(axis=1), minlength=n_pass)
 
     first_pass = np.full(len(req_ids), np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(first_pass, ridx, pass_of_row)
@@ -243,9 +275,10 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
         model=model, batch_size=batch_size, pass_generated=generated, pass_group=pass_group, pass_step=pass_step,
         pass_phase=pass_phase, pass_tokens=pass_tokens, pass_context=pass_context,
         pass_requests=pass_requests, off=off.astype(np.int64),
-        acc_layer=(acc_pl % num_l).astype(np.int64), acc_expert=acc_expert.astype(np.int64),
-        acc_rank=best_rank[appearance], acc_tokens=counts[appearance].astype(np.int64),
-        acc_weight=wsum[appearance], request_ids=req_ids, request_group=req_group,
+        acc_layer=(acc_pl % num_l).astype(np.int32), acc_expert=acc_expert.astype(np.int32),
+        acc_rank=acc_rank.astype(np.int8), acc_tokens=acc_tokens.astype(np.int32), acc_weight=acc_weight,
+        request_ids=req_ids,
+        request_group=req_group,
         request_first_pass=first_pass, weight_total=weight_total,
         row_order=order, row_off=np.searchsorted(pl, np.arange(n_pass * num_l + 1), side="left"),
         probs=trace.probs, pred_next=trace.pred_next, trace=trace,
