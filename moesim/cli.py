@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
 from moesim.errors import MoesimError
+
+T = TypeVar("T")
 
 IMPORT_FORMATS = ("vllm-routes-jsonl", "expert-jsonl", "flame-csv", "routed-experts-npy",
                   "long-table")  # keep in step with traces.importers.IMPORTERS (tested)
@@ -63,6 +66,17 @@ def _progress(enabled: bool, label: str) -> Any:
         return None
     return Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                     transient=True, console=_stderr_console())
+
+
+def _with_progress(label: str, run: Callable[[Callable[[int, int], None] | None], T], enabled: bool = True) -> T:
+    """``run(progress)`` with a progress bar on stderr when it is a terminal (``progress(done,
+    total)`` moves it), else ``run(None)``."""
+    prog = _progress(enabled and sys.stderr.isatty(), label)
+    if prog is None:
+        return run(None)
+    with prog:
+        task = prog.add_task(label, total=None)
+        return run(lambda done, total: prog.update(task, completed=done, total=total))
 
 
 def _stderr_console() -> Any:
@@ -170,19 +184,16 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
     if trace_file is not None:
         overrides = (f"workload.trace={{path: {json.dumps(trace_file)}}}", *overrides)
     sc = load_scenario(scenario, overrides)
-    prog = _progress(not quiet and sys.stderr.isatty(), "simulating")
     if events_passes < 0:
         raise MoesimError(f"--events-passes must be >= 0 (0: all passes), got {events_passes}.")
     rec: dict[str, Any] = {"record_transfers": events is not None, "record_layers": events is not None,
                            "record_passes": events_passes or None}
-    if prog is not None:
-        with prog:
-            task = prog.add_task("sim", total=None)
-            sim = Simulation(sc, progress=lambda done, total: prog.update(task, completed=done, total=total), **rec)
-            result = sim.run()
-    else:
-        sim = Simulation(sc, **rec)
-        result = sim.run()
+
+    def replay(progress: Any) -> tuple[Simulation, Any]:
+        sim = Simulation(sc, progress=progress, **rec)
+        return sim, sim.run()
+
+    sim, result = _with_progress("simulating", replay, not quiet)
     if events is not None:
         from moesim.output.events import chrome_trace, write_events
 
@@ -328,15 +339,10 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
         raise MoesimError(f"--workers must be >= 1, got {n_workers}.")
     target = Path(out_dir) if out_dir else Path("runs") / f"compare-{resolve_path(scenario).stem}"
     OUT_DIR.convert(str(target), None, None)  # the default folder, checked as --out is
-    prog = _progress(sys.stderr.isatty(), "compare")
     args = (scenario, target, _csv(eviction), _csv(prefetch), _csv(miss), _csv(budget), _csv(capacity), overrides,
             n_workers, executor, ray_address)
-    if prog is None:
-        compare(*args)
-    else:
-        with prog:
-            task = prog.add_task("compare", total=None)
-            compare(*args, progress=lambda d, f, n: prog.update(task, completed=d, total=n))
+    _with_progress("compare", lambda progress: compare(
+        *args, progress=(lambda done, _failed, total: progress(done, total)) if progress else None))
     click.echo((target / "compare.md").read_text())
     click.echo(f"wrote {target}/compare.parquet, compare.md and compare.png")
 
@@ -375,14 +381,8 @@ def mrc_cmd(trace_file: str, policies: str, capacities: str | None, expert_compu
     trace = read_trace(trace_file)
     total = trace.model.num_layers * trace.model.num_experts
     caps = parse_capacities(capacities, total)
-    prog = _progress(sys.stderr.isatty(), "replays")
-    if prog is None:
-        df = mrc(trace, names, caps, expert_compute, batch_size)
-    else:
-        with prog:
-            task = prog.add_task("replays", total=None)
-            df = mrc(trace, names, caps, expert_compute, batch_size,
-                     progress=lambda d, n: prog.update(task, completed=d, total=n))
+    df = _with_progress("replays", lambda progress: mrc(trace, names, caps, expert_compute, batch_size,
+                                                        progress=progress))
     table, fig = write_mrc(df, out_dir, describe(trace, Path(trace_file).name, expert_compute, batch_size))
     if as_json:
         click.echo(df.to_json(orient="records", indent=1))
@@ -554,14 +554,8 @@ def trace_fit(file: str, out: str, batch: int, batch_old: int | None, name: str 
     if batch < 1:
         raise MoesimError(f"--batch-size must be >= 1, got {batch}.")
     t = read_trace(file)
-    prog = _progress(sys.stderr.isatty(), "fitting")
-    if prog is not None:
-        with prog:
-            task = prog.add_task("fit", total=None)
-            profile = fit_profile(t, lru_curve, batch=batch, name=name,
-                                  progress=lambda d, n: prog.update(task, completed=d, total=n))
-    else:
-        profile = fit_profile(t, lru_curve, batch=batch, name=name)
+    profile = _with_progress("fitting", lambda progress: fit_profile(t, lru_curve, batch=batch, name=name,
+                                                                     progress=progress))
     write_profile(profile, out)
     r = profile["report"]
     click.echo(f"wrote {out}: weights {profile['weights']}")
@@ -609,7 +603,6 @@ def capture_cmd(model_path: str, prompts: str, out: str, device: str, precision:
     if tree_width < 1:
         raise MoesimError(f"--tree-width must be >= 1, got {tree_width}.")
     model, tok = load_local(model_path, device, dtype)
-    prog = _progress(sys.stderr.isatty(), "capturing tokens")
     src = {"model_path": model_path, "prompts_file": prompts}
     if speculative:
         from moesim.traces.capture import capture_speculative
@@ -623,12 +616,7 @@ def capture_cmd(model_path: str, prompts: str, out: str, device: str, precision:
         def run(progress: Any = None) -> Any:
             return capture(model, tok, lines, max_new_tokens=max_new_tokens, batch_size=batch_size,
                            predict_next=predict_next, quasi_hidden=quasi_hidden, progress=progress, source=src)
-    if prog is not None:
-        with prog:
-            task = prog.add_task("capture", total=None)
-            res = run(lambda d, n: prog.update(task, completed=d, total=n))
-    else:
-        res = run()
+    res = _with_progress("capturing tokens", run)
     write_trace(res.trace, out)
     t = res.trace
     click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens, "
@@ -650,14 +638,8 @@ def calibrate_measure(device: str, model_shapes: str, quick: bool, out: str) -> 
     from moesim.calibration.calibrate import measure, write_parquet_atomic
 
     device = _device(device)
-    prog = _progress(sys.stderr.isatty(), "measuring")
     shapes = [s.strip() for s in model_shapes.split(",") if s.strip()]
-    if prog is not None:
-        with prog:
-            task = prog.add_task("m", total=None)
-            df = measure(device, shapes, quick, progress=lambda d, n: prog.update(task, completed=d, total=n))
-    else:
-        df = measure(device, shapes, quick)
+    df = _with_progress("measuring", lambda progress: measure(device, shapes, quick, progress=progress))
     write_parquet_atomic(df, out)
     click.echo(f"wrote {out}: {len(df)} measurements on {df['device_name'].iloc[0]} ({device})")
 
@@ -701,14 +683,8 @@ def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...]
     for warning in shape_warnings(profile, read_trace(trace_path)):
         click.echo(f"warning: {warning}", err=True)
     paths = expand(list(scenarios))
-    prog = _progress(sys.stderr.isatty(), "validating scenarios")
-    if prog is None:
-        df = validate(profile, trace_path, paths, out_dir, _device(device))
-    else:
-        with prog:
-            task = prog.add_task("validate", total=len(paths))
-            df = validate(profile, trace_path, paths, out_dir, _device(device),
-                          progress=lambda d, n: prog.update(task, completed=d, total=n))
+    df = _with_progress("validating scenarios", lambda progress: validate(
+        profile, trace_path, paths, out_dir, _device(device), progress=progress))
     click.echo(f"TPOT APE median {df['tpot_ape'].median():.1%}, p95 {df['tpot_ape'].quantile(0.95):.1%} over "
                f"{len(df)} scenarios -> {out_dir}/report.md")
 
