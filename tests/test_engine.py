@@ -258,9 +258,9 @@ def test_invariants(params, batch, compute, timing):
     assert (end >= start).all()
     assert (start[1:] >= end[:-1]).all()
     if timing:
-        for _key, _prio, issued, begin, done in res.transfers or []:
+        for _key, _kind, issued, begin, done, _nbytes in res.transfers or []:
             assert issued <= begin <= done
-        begins = [b for _, _, _, b, _ in res.transfers or []]
+        begins = [b for _, _, _, b, _, _ in res.transfers or []]
         assert begins == sorted(begins)
     other = simulate(scenario(timing=not timing, expert_compute=compute,
                               cache={"capacity": f"{cap} experts"}, workload={"batch_size": batch}),

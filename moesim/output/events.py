@@ -71,7 +71,7 @@ def chrome_trace(result: Result, link: str, num_experts: int, num_precisions: in
         span(f"L{layer} experts", g, 0, t_exp, t_gpu_end, args)
         span(f"L{layer} wait for slowest GPU", g, 0, t_gpu_end, t_end - a2a, args)
         span(f"L{layer} all-to-all combine", g, 0, t_end - a2a, t_end, args)
-    copies = extra.get("copies") or []
+    copies = result.transfers or []
     for key, kind, issued, start, done, nbytes in copies:
         span(NAMES[kind], 0, 1, start, done, {**where(key), "kind": kind, "issued_us": issued * 1e6,
                                               "MB": nbytes / 1e6})

@@ -26,7 +26,7 @@ class Result:
     steps: pd.DataFrame
     requests: pd.DataFrame
     summary: dict[str, Any]
-    transfers: list[tuple[int, int, float, float, float]] | None = None
+    transfers: list[tuple[int, str, float, float, float, int]] | None = None  # key, kind, issued, start, done, bytes
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -165,22 +165,21 @@ class Simulation:
         self.copy = CopyEngine(hw.h2d, instant=not scenario.timing)
         self.copy.on_complete.append(self.cache.complete_many)
         # the timeline (``moesim run --events``), recorded for the passes before record_passes
-        # (all when None): transfers (key, priority, issued, start, done); copies (key, kind:
-        # demand | prefetch | promoted, issued, start, done, bytes); withdrawn prefetches (key,
+        # (all when None): transfers (key, kind: demand | prefetch | promoted, issued, start,
+        # done, bytes); withdrawn prefetches (key,
         # issued, withdrawn at, bytes); per layer (pass, layer, non-expert start, routing point, experts
         # start, layer end) and the cache's bytes at the routing point; with expert parallelism
         # per GPU (pass, layer, gpu, start, dispatch start, experts start, experts end, layer end)
         self.record_passes = record_passes
-        self.transfers: list[tuple[int, int, float, float, float]] | None = None
-        self.copies: list[tuple[int, str, float, float, float, int]] | None = None
+        self.transfers: list[tuple[int, str, float, float, float, int]] | None = None
         self.withdrawn: list[tuple[int, float, float, int]] | None = None
         self.layer_log: list[tuple[int, int, float, float, float, float]] | None = [] if record_layers else None
         self.occupancy: list[tuple[float, int]] | None = [] if record_layers else None
         self.ep_log: list[tuple[int, int, int, float, float, float, float, float]] | None = (
             [] if record_layers else None)
         if record_transfers:
-            self.transfers, self.copies, self.withdrawn = [], [], []
-            self.copy.on_complete.append(self._log_copies)
+            self.transfers, self.withdrawn = [], []
+            self.copy.on_complete.append(self._log_transfers)
         self.env = simpy.Environment()
         n = workload.num_passes
         self._cols = {name: np.zeros(n, dtype=np.int64) for name in
@@ -219,14 +218,13 @@ class Simulation:
     def _recording(self) -> bool:
         return self.record_passes is None or self.clock.pass_index < self.record_passes
 
-    def _log_copies(self, trs: list[Transfer]) -> None:
+    def _log_transfers(self, trs: list[Transfer]) -> None:
         """Completed transfers, into the timeline (inside its window)."""
-        if self.transfers is None or self.copies is None or not self._recording():
+        if self.transfers is None or not self._recording():
             return
         for tr in trs:
-            self.transfers.append((tr.key, tr.priority, tr.issued, tr.start, tr.done))
             kind = "promoted" if tr.promoted else ("demand" if tr.priority == DEMAND else "prefetch")
-            self.copies.append((tr.key, kind, tr.issued, tr.start, tr.done, tr.nbytes))
+            self.transfers.append((tr.key, kind, tr.issued, tr.start, tr.done, tr.nbytes))
 
     def _make_policies(self, scenario: Scenario, workload: Workload) -> None:
         """One policy of each family, each with its own context and seeded generator."""
@@ -657,10 +655,9 @@ class Simulation:
             summary["speedup_vs_autoregressive"] = (summary["tokens_per_s"] / ar_rate) if ar_rate else None
         extra: dict[str, Any] = {}
         if self.layer_log is not None:
-            extra.update(layers=self.layer_log, occupancy=self.occupancy, ep_layers=self.ep_log,
-                         capacity=self.capacity)
-        if self.copies is not None:
-            extra.update(copies=self.copies, withdrawn=self.withdrawn)
+            extra.update(layers=self.layer_log, occupancy=self.occupancy, ep_layers=self.ep_log)
+        if self.withdrawn is not None:
+            extra["withdrawn"] = self.withdrawn
         if self.record_passes is not None:
             extra["recorded_passes"] = min(self.record_passes, self.wl.num_passes)
         return Result(self.scenario, steps, requests, summary, self.transfers, extra=extra)
