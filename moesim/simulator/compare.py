@@ -65,7 +65,8 @@ def _check_trace(data: dict[str, Any], base_dir: str, capacities: list[str], whe
     sc = scenario_from_dict(data, where=where, base_dir=base_dir)
     trace = load_trace(sc)
     m = trace.model
-    per_expert = int(m.expert_bytes.get(sc.cache.precision or "bf16", next(iter(m.expert_bytes.values()))))
+    per_expert = int(m.expert_bytes.get(sc.cache.precision or m.default_precision(),
+                                        m.expert_bytes[m.default_precision()]))
     for cap in capacities:
         parse_capacity(cap, per_expert, per_expert * m.num_layers * m.num_experts, f"{where} (--capacity)")
     return trace.pred_next is not None
@@ -150,10 +151,7 @@ def markdown(table: pd.DataFrame, metric: str, title: str) -> str:
             "collision misses", "bytes moved (GB)", "speedup", "gap closed"]
 
     def num(v: Any, spec: str, scale: float = 1.0, unit: str = "") -> str:
-        if v is None or v is pd.NA:
-            return ""
-        x = float(v)
-        return "" if np.isnan(x) else format(x * scale, spec) + unit
+        return "" if pd.isna(v) else format(float(v) * scale, spec) + unit
 
     lines = [f"# {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table.to_dict("records"):

@@ -119,19 +119,17 @@ def mrc(trace: Trace, policies: Sequence[str] = ("lru", "belady"), capacities: S
     model = trace.model
     total = model.num_layers * model.num_experts
     caps = list(capacities) if capacities is not None else parse_capacities(None, total)
-    expert_bytes = int(model.expert_bytes["bf16"])
-    wl = build_workload(trace, batch_size=batch_size)
-    stream = wl.keys()
-    n_acc = len(stream)
-    jobs = [(p, c) for p in policies for c in caps
-            if not (p == "lru" and expert_compute == "per-expert" and c >= 2)]
-    done = 0
+    expert_bytes = int(model.expert_bytes[model.default_precision()])
+    # LRU points where stack distances are exact: per-expert execution, 2 experts and up
+    stack_caps = [c for c in caps if c >= 2] if "lru" in policies and expert_compute == "per-expert" else []
+    jobs = [(p, c) for p in policies for c in caps if not (p == "lru" and c in stack_caps)]
     rows: list[dict[str, Any]] = []
-    if "lru" in policies and expert_compute == "per-expert":
-        stack_caps = [c for c in caps if c >= 2]
+    if stack_caps:
+        stream = build_workload(trace, batch_size=batch_size).keys()
         for c, m in zip(stack_caps, lru_stack_misses(stream, stack_caps), strict=True):
-            rows.append({"policy": "lru", "capacity_experts": c, "misses": m, "accesses": n_acc,
+            rows.append({"policy": "lru", "capacity_experts": c, "misses": m, "accesses": len(stream),
                          "method": "stack-distance"})
+    done = 0
     if progress is not None:
         progress(done, len(jobs))
     for p, c in jobs:
@@ -206,14 +204,9 @@ __all__ = ["lru_curve", "lru_stack_misses", "mrc", "parse_capacities", "write_mr
 def lru_curve(trace: Trace, fractions: list[float], batch: int) -> list[float]:
     """LRU hit rate at cache sizes given as fractions of all experts (cache-only replay in
     layer execution, the scenario default): what ``moesim trace fit`` matches."""
-    from moesim.config.scenario import scenario_from_dict
-    from moesim.simulator.engine import simulate
-
     total = trace.model.num_layers * trace.model.num_experts
     out = []
     for f in fractions:
-        sc = scenario_from_dict({
-            "timing": False, "workload": {"trace": {"path": "<in-memory>"}, "batch_size": batch},
-            "cache": {"capacity": f"{max(1, round(f * total))} experts"}}, where="<fit>")
-        out.append(float(simulate(sc, trace=trace).summary["hit_rate"] or 0.0))
+        misses, accesses = _replay(trace, "lru", max(1, round(f * total)), "layer", batch, 0)
+        out.append((accesses - misses) / accesses if accesses else 0.0)  # no prefetch: no late hits
     return out
