@@ -256,11 +256,8 @@ def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], 
     Console().print(f"{len(df)} points ({ok} ok, {len(df) - ok} failed) -> {target}/results.parquet")
     if ok < len(df):
         bad = df[df["status"] != "ok"]
-        import yaml
-
-        axes = (yaml.safe_load((target / "sweep.yaml").read_text()) or {}).get("axes") or []
         for row in bad.to_dict("records"):
-            where = ", ".join(f"{a}={row[a]}" for a in axes if a in row and row[a] is not None)
+            where = ", ".join(f"{a}={row[a]}" for a in df.attrs["axes"] if row.get(a) is not None)
             click.echo(f"failed point {row['point']} ({where}): {row.get('error', '?')}", err=True)
         click.echo(f"{len(bad)} of {len(df)} points failed; each has DIR/points/<id>/error.json. Fix the cause and "
                    "rerun the same command: finished points are kept, failed ones run again.", err=True)

@@ -222,6 +222,7 @@ def collect(out_dir: Path, points: list[Point]) -> pd.DataFrame:
         rows.append(row)
     df = pd.DataFrame(rows)
     write_atomic(out_dir / "results.parquet", lambda tmp: df.to_parquet(tmp, index=False))
+    df.attrs["axes"] = sorted({k for pt in points for k in pt.values})  # as sweep.yaml lists them
     return df
 
 
@@ -233,7 +234,7 @@ def sweep(scenario_path: str, out_dir: str, grid: dict[str, list[Any]] | None = 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.yaml").write_text(yaml.safe_dump(
-        {"scenario": str(scenario_path), "axes": sorted({k for p in points for k in p.values}),
+        {"scenario": str(scenario_path), "axes": sorted({k for pt in points for k in pt.values}),
          "zip": zips, "points": [{"id": p.pid, **p.values} for p in points]}, sort_keys=False))
     run_points(data, points, out, workers, executor, ray_address, progress)
     return collect(out, points)
