@@ -674,14 +674,12 @@ def calibrate_fit(raw: str, out: str) -> None:
 def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], device: str, out_dir: str) -> None:
     """Replay TRACE on the device with a reference executor (same policy decisions) and with
     the simulator under PROFILE; write report.md, validation.parquet and a plot."""
-    from moesim.calibration.validate import expand, shape_warnings, validate
-    from moesim.traces.io import read_trace
+    from moesim.calibration.validate import expand, validate
 
-    for warning in shape_warnings(profile, read_trace(trace_path)):
-        click.echo(f"warning: {warning}", err=True)
     paths = expand(list(scenarios))
     df = _with_progress("validating scenarios", lambda progress: validate(
-        profile, trace_path, paths, out_dir, _device(device), progress=progress))
+        profile, trace_path, paths, out_dir, _device(device), progress=progress,
+        warn=lambda w: click.echo(f"warning: {w}", err=True)))
     click.echo(f"TPOT APE median {df['tpot_ape'].median():.1%}, p95 {df['tpot_ape'].quantile(0.95):.1%} over "
                f"{len(df)} scenarios -> {out_dir}/report.md")
 

@@ -220,3 +220,29 @@ def test_fit_flags_a_link_fit_with_large_residuals(tmp_path):
     clean.to_parquet(tmp_path / "clean.parquet")
     r = CliRunner().invoke(cli, ["calibrate", "fit", str(tmp_path / "clean.parquet"), "--out", str(tmp_path / "q.yaml")])
     assert "warning" not in r.output
+
+
+def test_validate_warns_on_the_command_line_and_in_the_report(tmp_path):
+    """The shape warning reaches the user before the measurements and lands in report.md."""
+    pytest.importorskip("torch")
+    from moesim.traces.io import write_trace
+    from moesim.traces.synth import generate
+    from tests.helpers import small_model
+
+    t = generate(small_model(layers=2, experts=8, top_k=2, hidden=128, inter=256), requests=1, tokens=4, seed=1)
+    write_trace(t, tmp_path / "t.parquet")
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump({
+        "profile_version": 1, "links": {"h2d_pageable": {"bandwidth_gbps": 10.0, "latency_us": 5.0,
+                                                         "rel_rms_residual": 0.01, "points": 5}},
+        "expert_time": {"256x512": {"bf16": {"hidden": 256, "intermediate": 512, "tokens": [1, 2],
+                                             "seconds": [1e-5, 2e-5]}}}}))
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump({"workload": {"trace": {"path": "t.parquet"}},
+                                                     "cache": {"capacity": "50%"}}))
+    r = subprocess.run([sys.executable, "-m", "moesim", "calibrate", "validate", "--profile", str(tmp_path / "p.yaml"),
+                        "--trace", str(tmp_path / "t.parquet"), "--scenarios", str(tmp_path / "s.yaml"),
+                        "--device", "cpu", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "warning: profile" in r.stderr
+    assert "(128x256; it has 256x512)" in r.stderr
+    assert "**Warning:** profile" in (tmp_path / "out" / "report.md").read_text()

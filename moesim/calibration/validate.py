@@ -20,6 +20,7 @@ from __future__ import annotations
 import glob
 import json
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -158,14 +159,20 @@ def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
 
 
 def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, device: str = "cpu",
-             max_passes: int | None = None, progress: Any = None) -> pd.DataFrame:
-    """Measure and predict every scenario; write report.md, validation.parquet and a plot."""
+             max_passes: int | None = None, progress: Any = None,
+             warn: Callable[[str], None] | None = None) -> pd.DataFrame:
+    """Measure and predict every scenario; write report.md, validation.parquet and a plot.
+    ``warn`` hears each :func:`shape_warnings` message before the measurements start (they
+    also go into the report)."""
     from moesim.config.scenario import load_scenario
     from moesim.simulator.engine import Simulation
     from moesim.traces.io import read_trace
 
     trace = read_trace(trace_path)
     warnings = shape_warnings(profile, trace)
+    if warn is not None:
+        for w in warnings:
+            warn(w)
     rows = []
     for done, path in enumerate(scenarios):
         if progress is not None:

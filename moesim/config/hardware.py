@@ -181,7 +181,7 @@ def expand_preset(data: dict[str, Any], where: str, base_dir: str = ".") -> dict
         link = prof["links"].get("h2d_pinned") or prof["links"]["h2d_pageable"]
         host = data.get("host_link", "pcie")
         measured: dict[str, Any] = {
-            "source": f"profile {p} ({prof['measured_on'].get('device_name', '')})",
+            "source": f"profile {p} ({(prof.get('measured_on') or {}).get('device_name', '')})",
             "links": {host: {"bandwidth_gbps": link["bandwidth_gbps"], "latency_us": link["latency_us"],
                              "efficiency": 1.0, "half_efficiency_bytes": 0.0}},
             "expert_table": prof.get("expert_time") or {},
