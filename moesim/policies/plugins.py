@@ -49,10 +49,11 @@ def load_plugin(spec: str) -> None:
     """Import one plugin: a ``.py`` file (relative to the working directory) or a module name.
     Loading the same plugin again does nothing."""
     path = Path(spec)
-    key = str(path.resolve()) if spec.endswith(".py") or path.is_file() else spec
+    is_file = spec.endswith(".py") or path.is_file()
+    key = str(path.resolve()) if is_file else spec
     if key in _loaded:
         return
-    if spec.endswith(".py") or path.is_file():
+    if is_file:
         if not path.is_file():
             raise MoesimError(f"plugin {spec}: no such file; give a .py file or an importable module name.")
         _import_file(path.resolve())
