@@ -34,6 +34,18 @@ class PrefetchPolicy(Policy, ABC):
         """Cache keys admitted before the replay starts (untimed) and never evicted. Default: none."""
         return ()
 
+    def proposals(self, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
+        """The proposals of every (pass, layer) of passes ``first .. last`` as arrays (what
+        the compiled replay kernel reads): offsets (``(last - first) * num_layers + 1``; the
+        proposals of (pass p, layer l) are ``keys[off[i]:off[i + 1]]`` with
+        ``i = (p - first) * num_layers + l``) and int64 cache keys. Default: :meth:`propose`
+        for each."""
+        lists = [self.propose(p, layer) for p in range(first, last) for layer in range(self.ctx.num_layers)]
+        off = np.zeros(len(lists) + 1, dtype=np.int64)
+        np.cumsum([len(x) for x in lists], out=off[1:])
+        keys = np.fromiter((k for x in lists for k in x), dtype=np.int64, count=int(off[-1]))
+        return off, keys
+
 
 REGISTRY: Registry[PrefetchPolicy] = Registry("prefetch")
 
@@ -199,31 +211,31 @@ class ScorePercentile(PrefetchPolicy):
         _need_pred_next(ctx, "score-percentile")
         self._lo = self._hi = 0
         self._num_l = ctx.num_layers
-        self._props: list[Sequence[int]] = []
+        self._off = np.zeros(1, dtype=np.int64)
+        self._keys = np.zeros(0, dtype=np.int64)
 
     CHUNK = 256
 
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:
         if not self._lo <= pass_index < self._hi:
-            self._plan(pass_index)
-        return self._props[(pass_index - self._lo) * self._num_l + layer]
+            self._lo, self._hi = pass_index, min(pass_index + self.CHUNK, self.ctx.workload.num_passes)
+            self._off, self._keys = self.proposals(self._lo, self._hi)
+        i = (pass_index - self._lo) * self._num_l + layer
+        return self._keys[self._off[i]:self._off[i + 1]].tolist()
 
-    def _plan(self, first: int) -> None:
-        """Proposals for every (pass, layer) of passes ``first .. first + CHUNK`` at once:
-        mean predicted scores by ``reduceat``, thresholds by one percentile call."""
+    def proposals(self, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
+        """Proposals of every (pass, layer) of passes ``first .. last`` at once: mean
+        predicted scores by ``reduceat``, thresholds by one percentile call."""
         ctx = self.ctx
         wl = ctx.workload
         num_l = self._num_l
-        last = min(first + self.CHUNK, wl.num_passes)
-        self._lo, self._hi = first, last
-        props: list[Sequence[int]] = [()] * ((last - first) * num_l)
-        self._props = props
+        counts_out = np.zeros((last - first) * num_l, dtype=np.int64)
         bounds = wl.row_off[first * num_l:last * num_l + 1]
         lo = int(bounds[0])
         counts = np.diff(bounds)
         groups = np.flatnonzero(counts > 0)
         if groups.size == 0:
-            return
+            return np.zeros(len(counts_out) + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
         pred = wl.pred_next[wl.row_order[lo:int(bounds[-1])]]
         sums = np.add.reduceat(pred, (bounds[groups] - lo).astype(np.int64), axis=0)
         means = sums / counts[groups][:, None]
@@ -234,10 +246,12 @@ class ScorePercentile(PrefetchPolicy):
         n_above = np.where(layers + 1 < num_l, (means > thresholds[:, None]).sum(axis=1), 0)
         width = int(n_above.max())
         order = np.argsort(-means, axis=1, kind="stable")[:, :width]
-        keys = ctx.cache_keys(order + ((layers + 1) * ctx.num_experts)[:, None]).tolist()
-        for g, row, n in zip(groups.tolist(), keys, n_above.tolist(), strict=True):
-            if n:
-                props[g] = row[:n] if n < width else row
+        keys = ctx.cache_keys(order + ((layers + 1) * ctx.num_experts)[:, None])
+        counts_out[groups] = n_above
+        off = np.zeros(len(counts_out) + 1, dtype=np.int64)
+        np.cumsum(counts_out, out=off[1:])
+        take = np.arange(width)[None, :] < n_above[:, None]
+        return off, keys[take].astype(np.int64)
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,7 @@ class Simulation:
         self._t_end = np.zeros(n)
         self._stall = np.zeros(n)
         self.wall_s = 0.0
+        self.simpy_reason: str | None = None  # why the SimPy path ran (None: the kernel did)
         self.acc_keys = workload.keys() * self.num_prec + self.default_prec  # cache key per access
         self.acc_ffn = np.zeros(0)
         self._nonexp: list[float] = []
@@ -639,10 +640,16 @@ class Simulation:
         """Run the simulation to the end and derive the metrics."""
         from moesim.simulator.metrics import summarise
 
+        from moesim.simulator import kernel
+
         t0 = _time.perf_counter()
-        self.env.process(self._run_ep() if self.scenario.hardware.gpus > 1 else self._run())
-        self.env.run()
-        self.copy.finish()
+        self.simpy_reason = kernel.kernel_form(self)
+        if self.simpy_reason is None:
+            kernel.replay(self)
+        else:
+            self.env.process(self._run_ep() if self.scenario.hardware.gpus > 1 else self._run())
+            self.env.run()
+            self.copy.finish()
         self.wall_s = _time.perf_counter() - t0
         steps = self._steps_frame()
         requests = self._requests_frame()

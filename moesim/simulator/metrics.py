@@ -48,6 +48,8 @@ Definitions (names as in ``docs/design.md``; README "Metrics" repeats them):
 - ``max_experts_per_gpu``: expert parallelism: experts active on the busiest GPU, per layer,
   mean over decode and verify passes (the peak GPU load of XShare §5).
 - ``total_time_s``: simulated time of the whole replay.
+- ``replay_path``: ``kernel`` (the compiled replay, :mod:`simulator.kernel`) or ``simpy``
+  (the reference SimPy process), with ``replay_path_reason`` saying why SimPy ran.
 
 In cache-only replay (``timing: false``) the time metrics are ``null``.
 """
@@ -79,6 +81,7 @@ class RunInfo(Protocol):
     precision: str
     preloaded: int
     link_name: str
+    simpy_reason: str | None
 
 TIME_METRICS = ("stall_s", "ttft_s", "tpot_s", "tokens_per_s", "total_time_s")
 
@@ -150,6 +153,8 @@ def summarise(sim: RunInfo, steps: pd.DataFrame, requests: pd.DataFrame) -> dict
         "precision": sim.precision,
         "model": sim.model.name,
         "hardware_source": sim.scenario.hardware.source,
+        "replay_path": "kernel" if sim.simpy_reason is None else "simpy",
+        "replay_path_reason": sim.simpy_reason,
     }
     gen = steps["generated"].to_numpy()
     dec_time = float(steps.loc[decode_like, "duration_s"].sum())
