@@ -1,0 +1,222 @@
+"""The compiled replay kernel against the SimPy process, the reference semantics: every
+per-pass column and every summary figure bit-identical, on a golden grid covering every
+eviction and prefetch policy with a kernel form, the three execution modes, timed and
+cache-only replay and batch 1 and 8, on hypothesis-generated scenarios, and on a real trace;
+and the dispatch rule (which path runs, and why)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moesim.simulator.engine import Simulation
+from moesim.traces.synth import generate, synth_from_preset
+from tests.helpers import scenario, small_model
+
+EVICTIONS = ["lru", "fifo", "lfu", "fld", "score", "least-stale", "belady", "lhu"]
+PREFETCHERS = ["none", "static-pin", "oracle", "previous-token", "lookahead", "next-gate-topk",
+               "score-percentile"]
+MODES = ["layer", "on-arrival", "per-expert"]
+PATH_KEYS = ("replay_path", "replay_path_reason")
+
+
+@pytest.fixture(scope="module")
+def olmoe_trace():
+    """An OLMoE-shaped trace (16 layers, 64 experts, top-8) with next-layer predictions,
+    8 requests of 8 prompt and 24 decode tokens."""
+    return synth_from_preset("olmoe-1b-7b", requests=8, prompt_tokens=8, tokens=24, seed=3, pred_next=True)
+
+
+def both_paths(sc: Any, trace: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """(kernel result, SimPy result) of one scenario."""
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    fast = Simulation(sc, trace=trace).run()
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+    ref = Simulation(sc, trace=trace).run()
+    monkeypatch.delenv("MOESIM_NO_KERNEL")
+    return fast, ref
+
+
+def assert_identical(fast: Any, ref: Any) -> None:
+    assert fast.summary["replay_path"] == "kernel", fast.summary["replay_path_reason"]
+    assert ref.summary["replay_path"] == "simpy"
+    pd.testing.assert_frame_equal(fast.steps, ref.steps, check_exact=True)
+    pd.testing.assert_frame_equal(fast.requests, ref.requests, check_exact=True)
+    a = {k: v for k, v in fast.summary.items() if k not in PATH_KEYS}
+    b = {k: v for k, v in ref.summary.items() if k not in PATH_KEYS}
+    assert a == b
+
+
+def golden_grid() -> list[tuple[str, str, str, bool, int]]:
+    """Every eviction x prefetch pair; mode, timing and batch cycle so that every combination
+    of the three appears with several policies."""
+    cases = []
+    for i, (ev, pf) in enumerate((ev, pf) for ev in EVICTIONS for pf in PREFETCHERS):
+        cases.append((ev, pf, MODES[i % 3], (i // 3) % 2 == 0, (1, 8)[(i // 6) % 2]))
+    return cases
+
+
+@pytest.mark.parametrize(("eviction", "prefetch", "mode", "timing", "batch"), golden_grid())
+def test_kernel_equals_simpy_on_the_golden_grid(olmoe_trace, monkeypatch, eviction, prefetch, mode, timing, batch):
+    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch}, expert_compute=mode, timing=timing,
+                  workload={"batch_size": batch}, cache={"capacity": "5%"})
+    fast, ref = both_paths(sc, olmoe_trace, monkeypatch)
+    assert_identical(fast, ref)
+    if prefetch in ("oracle", "score-percentile") and timing:
+        assert ref.summary["prefetches_issued"] > 0  # the queue was exercised
+
+
+@pytest.mark.parametrize("policies", [
+    {"eviction": {"name": "score", "decay": 0.9}, "prefetch": "oracle"},
+    {"eviction": {"name": "least-stale", "order": "absolute"}, "prefetch": "score-percentile"},
+    {"eviction": {"name": "least-stale", "prefetch_evicts_current": True}, "prefetch": "next-gate-topk"},
+    {"eviction": "lru", "prefetch": {"name": "lookahead", "depth": 3}},
+    {"eviction": "lfu", "prefetch": {"name": "next-gate-topk", "overfetch": 2.0}},
+    {"eviction": "belady", "prefetch": {"name": "score-percentile", "percentile": 50}},
+    {"eviction": "fld", "prefetch": {"name": "static-pin", "fraction": 0.8, "calibration": 0.3}},
+])
+@pytest.mark.parametrize("mode", MODES)
+def test_kernel_equals_simpy_with_policy_parameters(olmoe_trace, monkeypatch, policies, mode):
+    sc = scenario(policies=policies, expert_compute=mode, workload={"batch_size": 4}, cache={"capacity": "8%"})
+    assert_identical(*both_paths(sc, olmoe_trace, monkeypatch))
+
+
+@pytest.mark.parametrize("capacity", ["0 experts", "3 experts", "1%", "25%", "100%"])
+@pytest.mark.parametrize("prefetch", ["none", "oracle"])
+def test_kernel_equals_simpy_at_the_capacity_limits(olmoe_trace, monkeypatch, capacity, prefetch):
+    """Below one layer's experts every fetch is uncached; at 100% only cold misses."""
+    sc = scenario(policies={"eviction": "lru", "prefetch": prefetch}, cache={"capacity": capacity},
+                  workload={"batch_size": 2})
+    fast, ref = both_paths(sc, olmoe_trace, monkeypatch)
+    assert_identical(fast, ref)
+    if capacity == "0 experts":
+        assert ref.summary["uncached_fetches"] == ref.summary["misses"] > 0
+
+
+def test_kernel_equals_simpy_on_a_speculative_replay(olmoe_trace, monkeypatch):
+    sc = scenario(workload={"batch_size": 2, "speculative": {"tree_size": 4, "accept_prob": 0.6}},
+                  policies={"eviction": "least-stale", "prefetch": "oracle"})
+    fast, ref = both_paths(sc, olmoe_trace, monkeypatch)
+    assert_identical(fast, ref)
+    assert ref.summary["mean_accepted_tokens"] > 1
+
+
+settings_kw: dict[str, Any] = dict(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@settings(**settings_kw)
+@given(layers=st.integers(1, 4), experts=st.integers(2, 12), k=st.integers(1, 3), tokens=st.integers(1, 12),
+       prompt=st.integers(0, 4), requests=st.integers(1, 4), batch=st.integers(1, 4), cap=st.integers(0, 20),
+       eviction=st.sampled_from(EVICTIONS), prefetch=st.sampled_from(PREFETCHERS), mode=st.sampled_from(MODES),
+       timing=st.booleans(), seed=st.integers(0, 10_000), bandwidth=st.sampled_from([4.0, 32.0, 400.0]))
+def test_kernel_equals_simpy_on_generated_scenarios(layers, experts, k, tokens, prompt, requests, batch, cap,
+                                                    eviction, prefetch, mode, timing, seed, bandwidth):
+    model = small_model(layers, experts, min(k, experts))
+    trace = generate(model, requests=requests, prompt_tokens=prompt, tokens=tokens, seed=seed, pred_next=True)
+    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch}, expert_compute=mode, timing=timing,
+                  workload={"batch_size": batch}, cache={"capacity": f"{cap} experts"},
+                  hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": bandwidth}}})
+    with pytest.MonkeyPatch.context() as mp:
+        assert_identical(*both_paths(sc, trace, mp))
+
+
+def test_kernel_equals_simpy_on_the_real_mixtral_trace(monkeypatch):
+    from tests.helpers import mixtral_trace
+
+    trace = mixtral_trace()
+    for ev, pf in (("lru", "none"), ("least-stale", "previous-token"), ("belady", "none")):
+        sc = scenario(policies={"eviction": ev, "prefetch": pf}, cache={"capacity": "25%"},
+                      workload={"max_requests": 20})
+        assert_identical(*both_paths(sc, trace, monkeypatch))
+
+
+# -- dispatch ------------------------------------------------------------------------------------
+
+def path_of(sc: Any, trace: Any, **kwargs: Any) -> tuple[str, str | None]:
+    s = Simulation(sc, trace=trace, **kwargs).run().summary
+    return s["replay_path"], s["replay_path_reason"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return generate(small_model(2, 8, 2), requests=2, tokens=6, seed=1, pred_next=True, probs=True)
+
+
+def test_the_kernel_runs_when_every_policy_has_a_kernel_form(tiny, monkeypatch):
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    assert path_of(scenario(), tiny) == ("kernel", None)
+
+
+@pytest.mark.parametrize(("over", "kwargs", "why"), [
+    ({"policies": {"eviction": "random"}}, {}, "eviction policy 'random' has no kernel form"),
+    ({"policies": {"miss": "drop"}}, {}, "a routing, budget or miss policy that changes what tokens compute"),
+    ({"policies": {"budget": {"name": "lynx", "drop": 1}}}, {},
+     "a routing, budget or miss policy that changes what tokens compute"),
+    ({"policies": {"routing": "cache-aware"}}, {}, "a routing, budget or miss policy that changes what tokens compute"),
+    ({"hardware": {"preset": "h100-sxm-nvlink-x2"}}, {}, "expert parallelism"),
+    ({}, {"record_transfers": True}, "the replay records its timeline or decisions"),
+    ({}, {"record_decisions": True}, "the replay records its timeline or decisions"),
+])
+def test_the_simpy_path_runs_and_says_why(tiny, monkeypatch, over, kwargs, why):
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    assert path_of(scenario(**over), tiny, **kwargs) == ("simpy", why)
+
+
+def test_moesim_no_kernel_forces_the_simpy_path(tiny, monkeypatch):
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+    assert path_of(scenario(), tiny) == ("simpy", "MOESIM_NO_KERNEL is set")
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "0")
+    assert path_of(scenario(), tiny)[0] == "kernel"
+
+
+def test_a_users_own_policy_runs_on_the_simpy_path(tiny, monkeypatch):
+    """A subclass of a built-in policy is the user's code: only the built-in classes
+    themselves have kernel forms."""
+    from moesim.policies.eviction import LRU, REGISTRY
+
+    class MyLRU(LRU):
+        def on_access(self, key: int) -> None:  # a user's change the kernel cannot know of
+            pass
+
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    monkeypatch.setitem(REGISTRY._classes, "my-lru", MyLRU)
+    assert path_of(scenario(policies={"eviction": "my-lru"}), tiny) == (
+        "simpy", "eviction policy 'my-lru' has no kernel form")
+
+
+def test_the_kernel_source_runs_as_plain_python(tmp_path):
+    """Without numba's compiler (NUMBA_DISABLE_JIT=1 stands in for a Python without numba
+    wheels) the same functions run as plain Python and give the same answer."""
+    code = (
+        "from moesim.simulator.engine import Simulation\n"
+        "from moesim.traces.synth import generate\n"
+        "from tests.helpers import scenario, small_model\n"
+        "import os, json\n"
+        "tr = generate(small_model(3, 8, 2), requests=3, tokens=8, seed=2, pred_next=True)\n"
+        "sc = scenario(policies={'eviction': 'least-stale', 'prefetch': 'score-percentile'}, "
+        "cache={'capacity': '5 experts'}, workload={'batch_size': 2})\n"
+        "r = Simulation(sc, trace=tr).run()\n"
+        "print(json.dumps([r.summary['replay_path'], r.steps['end_s'].tolist(), r.steps['misses'].tolist()]))\n")
+    env = {**os.environ, "NUMBA_DISABLE_JIT": "1"}
+    env.pop("MOESIM_NO_KERNEL", None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    plain = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                           check=True).stdout
+    env["MOESIM_NO_KERNEL"] = "1"
+    env.pop("NUMBA_DISABLE_JIT")
+    ref = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                         check=True).stdout
+    import json
+
+    p, r = json.loads(plain), json.loads(ref)
+    assert p[0] == "kernel" and r[0] == "simpy"
+    assert p[1:] == r[1:]
+    assert np.sum(p[2]) > 0
