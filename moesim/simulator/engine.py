@@ -29,6 +29,7 @@ from __future__ import annotations
 import time as _time
 from collections import deque
 from collections.abc import Callable, Generator
+from functools import cached_property
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
@@ -212,9 +213,13 @@ class Simulation:
         self._stall = np.zeros(n)
         self.wall_s = 0.0
         self.simpy_reason: str | None = None  # why the SimPy path ran (None: the kernel did)
-        self.acc_keys = workload.keys() * self.num_prec + self.default_prec  # cache key per access
         self.acc_ffn = np.zeros(0)
         self._nonexp: list[float] = []
+
+    @cached_property
+    def acc_keys(self) -> np.ndarray:
+        """The cache key of every access (the SimPy path's lookups; made when first read)."""
+        return self.wl.keys() * self.num_prec + self.default_prec
 
     def _recording(self) -> bool:
         return self.record_passes is None or self.clock.pass_index < self.record_passes
@@ -262,18 +267,30 @@ class Simulation:
         if self.prefetch.active:
             self.cache.on_evict.append(self.pf_unused.difference_update)
 
-    def _prepare_costs(self) -> None:
-        """Compute time of every expert access and the non-expert time of every pass (zero in
-        cache-only replay)."""
+    def ffn_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Expert compute seconds by the number of tokens routed (index 0 unused) and the
+        per-pass factor: an access's compute time is ``table[tokens] * factor[pass]`` on both
+        replay paths (zero in cache-only replay)."""
+        n = int(self.wl.acc_tokens.max(initial=0))
+        table = np.zeros(n + 1)
+        if self.scenario.timing and n:
+            table[1:] = self.cost.expert_time(np.arange(1, n + 1))
+        return table, np.ascontiguousarray(self.ffn_scale, dtype=np.float64)
+
+    def nonexpert_times(self) -> np.ndarray:
+        """Non-expert (attention, gate) seconds of every pass (zero in cache-only replay)."""
         wl = self.wl
-        num_l = self.model.num_layers
         if self.scenario.timing:
-            self.acc_ffn = (self.cost.expert_time(wl.acc_tokens)
-                            * np.repeat(self.ffn_scale, np.diff(wl.off[::num_l])))
-            self._nonexp = self.cost.nonexpert_time(wl.pass_tokens, wl.pass_context * self.attn_scale).tolist()
-        else:
-            self.acc_ffn = np.zeros(wl.num_accesses)
-            self._nonexp = [0.0] * wl.num_passes
+            return np.ascontiguousarray(self.cost.nonexpert_time(wl.pass_tokens, wl.pass_context * self.attn_scale),
+                                        dtype=np.float64)
+        return np.zeros(wl.num_passes)
+
+    def _prepare_costs(self) -> None:
+        """Compute time of every expert access and the non-expert time of every pass."""
+        wl = self.wl
+        table, scale = self.ffn_table()
+        self.acc_ffn = table[wl.acc_tokens] * np.repeat(scale, np.diff(wl.off[::self.model.num_layers]))
+        self._nonexp = self.nonexpert_times().tolist()
 
     # -- the compute-stream process -------------------------------------------------------
     def _run(self) -> Generator[simpy.Event, Any, None]:

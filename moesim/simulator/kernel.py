@@ -98,12 +98,12 @@ F_SCORE, F_NEXTUSE, F_NKF = range(3)
  S_FREEN, S_WH, S_WN, S_PENDN, S_MEMBN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
  S_SCOREPASS,
  C_EV, C_LS_REL, C_LS_PFCUR, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_PREC0,
- C_PFACTIVE, C_MAXN,
+ C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE,
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
- H_KF, H_TF, H_SCR, H_OFF, H_DKEY, H_GROUP, H_KPOSOFF, H_KPOS, H_DW, H_DFFN, H_POOL, H_NKEYS,
- H_PENDMAX, I_HEADER) = range(76)
+ H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
+ H_PENDMAX, I_HEADER) = range(77)
 R_FIRST, R_COUNT = R_HITS, R_UNIQUE + 1 - R_HITS
 # The float state F: scalars, configuration, then per-key fields, transfer times, scratch.
 SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, CF_CAP, CF_DUR, CF_DECAY, F_HEADER = range(9)
@@ -116,9 +116,23 @@ COLUMNS = ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fe
            "prefetch_actual", "prefetches_cancelled", "unique_computed")
 
 
+# -- the workload's accesses ----------------------------------------------------------------
+@njit(cache=True)
+def _key(j, I, A):  # type: ignore[no-untyped-def]
+    """The cache key of access ``j`` (layer, expert, the scenario's precision)."""
+    return np.int64(A[0][j])
+
+
+@njit(cache=True)
+def _ffn(j, p, I, DF, A):  # type: ignore[no-untyped-def]
+    """Compute seconds of access ``j`` in pass ``p``: the expert time of its token count
+    times the pass's factor (as the engine's ``_prepare_costs``)."""
+    return DF[I[H_TTAB] + A[1][j]] * DF[I[H_SCALE] + p]
+
+
 # -- eviction policies ----------------------------------------------------------------------
 @njit(cache=True)
-def _next_use(key, ai, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _next_use(key, ai, I, DI, A):  # type: ignore[no-untyped-def]
     """Belady: the next access index of ``key`` after the current one (``ai``, or the
     current (pass, layer)'s access of it, or just before the layer), as a float (inf: none)."""
     a, b = DI[I[H_KPOSOFF] + key], DI[I[H_KPOSOFF] + key + 1]
@@ -130,7 +144,7 @@ def _next_use(key, ai, I, F, DI, DF):  # type: ignore[no-untyped-def]
         lo, hi = DI[I[H_OFF] + base], DI[I[H_OFF] + base + 1]
         i = lo - 1
         for j in range(lo, hi):
-            if DI[I[H_DKEY] + j] == key:
+            if _key(j, I, A) == key:
                 i = j
                 break
     # first position > i (searchsorted right)
@@ -144,7 +158,7 @@ def _next_use(key, ai, I, F, DI, DF):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _credit(key, ai, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _credit(key, ai, I, F, A):  # type: ignore[no-untyped-def]
     """Score eviction: add the access's gate weight (after the per-pass decay)."""
     p = I[S_PASS]
     if F[CF_DECAY] != 1.0 and p != I[S_SCOREPASS]:
@@ -152,12 +166,12 @@ def _credit(key, ai, I, F, DI, DF):  # type: ignore[no-untyped-def]
         for k in range(I[H_NKEYS]):
             F[I[H_KF] + k * F_NKF + F_SCORE] *= f
         I[S_SCOREPASS] = p
-    w = DF[I[H_DW] + ai] if ai >= 0 else 0.0
+    w = A[2][ai] if ai >= 0 else 0.0
     F[I[H_KF] + key * F_NKF + F_SCORE] = F[I[H_KF] + key * F_NKF + F_SCORE] + w
 
 
 @njit(cache=True)
-def _list_append(key, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _list_append(key, I):  # type: ignore[no-untyped-def]
     tail = I[S_TAIL]
     I[I[H_KI] + key * K_NKI + K_PREV] = tail
     I[I[H_KI] + key * K_NKI + K_NEXT] = -1
@@ -169,7 +183,7 @@ def _list_append(key, I, F, DI, DF):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _list_unlink(key, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _list_unlink(key, I):  # type: ignore[no-untyped-def]
     prv, nxt = I[I[H_KI] + key * K_NKI + K_PREV], I[I[H_KI] + key * K_NKI + K_NEXT]
     if prv == -1:
         I[S_HEAD] = nxt
@@ -182,30 +196,30 @@ def _list_unlink(key, I, F, DI, DF):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _stamp(key, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _stamp(key, I):  # type: ignore[no-untyped-def]
     I[S_SEQ] += 1
     I[I[H_KI] + key * K_NKI + K_STAMP] = I[S_SEQ]
 
 
 @njit(cache=True)
-def _on_insert(key, demand, ai, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _on_insert(key, demand, ai, I, F, DI, A):  # type: ignore[no-untyped-def]
     """The policy's ``on_insert``: ``key`` entered the cache (``demand``: a use)."""
     n = I[S_MEMBN]
     I[I[H_MEMB] + n] = key
     I[I[H_KI] + key * K_NKI + K_MEMB] = n
     I[S_MEMBN] = n + 1
     ev = I[C_EV]
-    _stamp(key, I, F, DI, DF)
+    _stamp(key, I)
     if ev == EV_LRU or ev == EV_FIFO:
-        _list_append(key, I, F, DI, DF)
+        _list_append(key, I)
     elif ev == EV_LFU:
         if demand:
             I[I[H_KI] + key * K_NKI + K_COUNT] += 1
     elif ev == EV_SCORE:
         if demand:
-            _credit(key, ai, I, F, DI, DF)
+            _credit(key, ai, I, F, A)
     elif ev == EV_BELADY:
-        F[I[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, I, F, DI, DF)
+        F[I[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, I, DI, A)
     elif ev == EV_LS:
         I[I[H_KI] + key * K_NKI + K_CURPASS] = I[S_PASS]
     elif ev == EV_LHU:
@@ -214,36 +228,36 @@ def _on_insert(key, demand, ai, I, F, DI, DF):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _on_access(key, ai, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _on_access(key, ai, I, F, DI, A):  # type: ignore[no-untyped-def]
     """The policy's ``on_access``: a hit or a late prefetch used ``key``."""
     ev = I[C_EV]
     if ev == EV_LRU:
-        _list_unlink(key, I, F, DI, DF)
-        _list_append(key, I, F, DI, DF)
+        _list_unlink(key, I)
+        _list_append(key, I)
     elif ev == EV_FIFO:
         return
     elif ev == EV_LFU:
         I[I[H_KI] + key * K_NKI + K_COUNT] += 1
-        _stamp(key, I, F, DI, DF)
+        _stamp(key, I)
     elif ev == EV_FLD:
-        _stamp(key, I, F, DI, DF)
+        _stamp(key, I)
     elif ev == EV_SCORE:
-        _stamp(key, I, F, DI, DF)
-        _credit(key, ai, I, F, DI, DF)
+        _stamp(key, I)
+        _credit(key, ai, I, F, A)
     elif ev == EV_LHU:
-        _stamp(key, I, F, DI, DF)
+        _stamp(key, I)
         if I[C_PREC0]:
             I[I[H_KI] + key * K_NKI + K_COUNT] += 1
     elif ev == EV_BELADY:
-        F[I[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, I, F, DI, DF)
+        F[I[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, I, DI, A)
     elif ev == EV_LS:
         if I[I[H_KI] + key * K_NKI + K_CURPASS] != I[S_PASS]:
             I[I[H_KI] + key * K_NKI + K_CURPASS] = I[S_PASS]
-            _stamp(key, I, F, DI, DF)
+            _stamp(key, I)
 
 
 @njit(cache=True)
-def _on_remove(key, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _on_remove(key, I):  # type: ignore[no-untyped-def]
     i = I[I[H_KI] + key * K_NKI + K_MEMB]
     last = I[I[H_MEMB] + I[S_MEMBN] - 1]
     I[I[H_MEMB] + i] = last
@@ -251,11 +265,11 @@ def _on_remove(key, I, F, DI, DF):  # type: ignore[no-untyped-def]
     I[S_MEMBN] -= 1
     I[I[H_KI] + key * K_NKI + K_MEMB] = -1
     if I[C_EV] == EV_LRU or I[C_EV] == EV_FIFO:
-        _list_unlink(key, I, F, DI, DF)
+        _list_unlink(key, I)
 
 
 @njit(cache=True)
-def _order(key, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _order(key, I, F):  # type: ignore[no-untyped-def]
     """The policy's candidate order of ``key`` as (float, int, stamp): smaller goes first."""
     ev = I[C_EV]
     stamp = I[I[H_KI] + key * K_NKI + K_STAMP]
@@ -289,7 +303,7 @@ def _order(key, I, F, DI, DF):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _eligible(key, pin_gen, adm_layer, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _eligible(key, pin_gen, adm_layer, I):  # type: ignore[no-untyped-def]
     if I[I[H_KI] + key * K_NKI + K_STATE] != RESIDENT or I[I[H_KI] + key * K_NKI + K_PIN] == pin_gen or I[I[H_KI] + key * K_NKI + K_STATIC]:
         return False
     if adm_layer >= 0 and key // I[C_DIV] == adm_layer and I[I[H_KI] + key * K_NKI + K_ADM] == I[I[H_LGEN] + adm_layer]:
@@ -298,14 +312,14 @@ def _eligible(key, pin_gen, adm_layer, I, F, DI, DF):  # type: ignore[no-untyped
 
 
 @njit(cache=True)
-def _victim(for_prefetch, pin_gen, adm_layer, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _victim(for_prefetch, pin_gen, adm_layer, I, F):  # type: ignore[no-untyped-def]
     """The first candidate, in the policy's order, that the cache may evict (resident, not
     pinned, not statically pinned, not an earlier admission for ``adm_layer``), or -1."""
     ev = I[C_EV]
     if ev == EV_LRU or ev == EV_FIFO:
         key = I[S_HEAD]
         while key != -1:
-            if _eligible(key, pin_gen, adm_layer, I, F, DI, DF):
+            if _eligible(key, pin_gen, adm_layer, I):
                 return key
             key = I[I[H_KI] + key * K_NKI + K_NEXT]
         return -1
@@ -314,11 +328,11 @@ def _victim(for_prefetch, pin_gen, adm_layer, I, F, DI, DF):  # type: ignore[no-
     bf, bi, bs = 0.0, 0, 0
     for j in range(I[S_MEMBN]):
         key = I[I[H_MEMB] + j]
-        if not _eligible(key, pin_gen, adm_layer, I, F, DI, DF):
+        if not _eligible(key, pin_gen, adm_layer, I):
             continue
         if stale_only and I[I[H_KI] + key * K_NKI + K_CURPASS] == I[S_PASS]:
             continue
-        f, i, s = _order(key, I, F, DI, DF)
+        f, i, s = _order(key, I, F)
         if best == -1 or f < bf or (f == bf and (i < bi or (i == bi and s < bs))):
             best, bf, bi, bs = key, f, i, s
     return best
@@ -326,16 +340,16 @@ def _victim(for_prefetch, pin_gen, adm_layer, I, F, DI, DF):  # type: ignore[no-
 
 # -- the cache and the copy engine ------------------------------------------------------------
 @njit(cache=True)
-def _evict(key, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _evict(key, I):  # type: ignore[no-untyped-def]
     I[I[H_KI] + key * K_NKI + K_STATE] = ABSENT
     I[S_USED] -= I[C_NBYTES]
-    _on_remove(key, I, F, DI, DF)
+    _on_remove(key, I)
     I[I[H_KI] + key * K_NKI + K_UNUSED] = 0
     I[I[H_KI] + key * K_NKI + K_EVICTED] = I[S_PASS]
 
 
 @njit(cache=True)
-def _room(for_prefetch, pin_gen, adm_layer, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _room(for_prefetch, pin_gen, adm_layer, I, F):  # type: ignore[no-untyped-def]
     """Make room for one expert (every entry of the kernel's scope has the same size, so one
     victim is enough): -2 (it fits), the victim evicted, or -1 (no room; nothing changed)."""
     nb = I[C_NBYTES]
@@ -343,15 +357,15 @@ def _room(for_prefetch, pin_gen, adm_layer, I, F, DI, DF):  # type: ignore[no-un
         return -2
     if nb > F[CF_CAP]:
         return -1
-    v = _victim(for_prefetch, pin_gen, adm_layer, I, F, DI, DF)
+    v = _victim(for_prefetch, pin_gen, adm_layer, I, F)
     if v == -1:
         return -1
-    _evict(v, I, F, DI, DF)
+    _evict(v, I)
     return v
 
 
 @njit(cache=True)
-def _submit(key, prio, now, bypass, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _submit(key, prio, now, bypass, I, F):  # type: ignore[no-untyped-def]
     """Queue a transfer on the copy engine; returns its slot."""
     if I[S_FREEN] == 0:
         raise RuntimeError("moesim kernel: transfer slots exhausted")
@@ -405,13 +419,13 @@ def _submit(key, prio, now, bypass, I, F, DI, DF):  # type: ignore[no-untyped-de
 
 
 @njit(cache=True)
-def _free(tid, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _free(tid, I):  # type: ignore[no-untyped-def]
     I[I[H_FREE] + I[S_FREEN]] = tid
     I[S_FREEN] += 1
 
 
 @njit(cache=True)
-def _project(first, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _project(first, I, F):  # type: ignore[no-untyped-def]
     prev = F[I[H_TF] + (I[I[H_DQ] + first - 1]) * T_NTF + T_DONE] if first else F[SF_BUSY_UNTIL]
     for i in range(first, I[S_DQN]):
         t = I[I[H_DQ] + i]
@@ -423,7 +437,7 @@ def _project(first, I, F, DI, DF):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _promote(tid, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _promote(tid, I, F):  # type: ignore[no-untyped-def]
     """A queued prefetch is needed now: it joins the demand queue by issue order."""
     if I[I[H_TI] + tid * T_NTI + T_STARTED] or I[I[H_TI] + tid * T_NTI + T_PRIO] == DEMAND or I[I[H_TI] + tid * T_NTI + T_CANCELLED]:
         return
@@ -437,20 +451,20 @@ def _promote(tid, I, F, DI, DF):  # type: ignore[no-untyped-def]
         i -= 1
     I[I[H_DQ] + i] = tid
     I[S_DQN] = n + 1
-    _project(i, I, F, DI, DF)
+    _project(i, I, F)
 
 
 @njit(cache=True)
-def _complete(tid, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _complete(tid, I):  # type: ignore[no-untyped-def]
     if not I[I[H_TI] + tid * T_NTI + T_BYPASS]:
         key = I[I[H_TI] + tid * T_NTI + T_KEY]
         I[I[H_KI] + key * K_NKI + K_STATE] = RESIDENT
         I[I[H_KI] + key * K_NKI + K_TID] = -1
-    _free(tid, I, F, DI, DF)
+    _free(tid, I)
 
 
 @njit(cache=True)
-def _advance(now, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _advance(now, I, F):  # type: ignore[no-untyped-def]
     """Start the transfers whose start time is before ``now``; complete those done by it."""
     size = I[H_POOL]
     prev = F[SF_BUSY_UNTIL]
@@ -496,11 +510,11 @@ def _advance(now, I, F, DI, DF):  # type: ignore[no-untyped-def]
         t = I[I[H_RQ] + I[S_RH]]
         I[S_RH] = (I[S_RH] + 1) % size
         I[S_RN] -= 1
-        _complete(t, I, F, DI, DF)
+        _complete(t, I)
 
 
 @njit(cache=True)
-def _arrival(tid, seq, now, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _arrival(tid, seq, now, I, F):  # type: ignore[no-untyped-def]
     """When a run's expert is on the GPU (``now`` if it was resident or its transfer is done)."""
     if tid < 0 or I[I[H_TI] + tid * T_NTI + T_SEQ] != seq:
         return now
@@ -509,64 +523,64 @@ def _arrival(tid, seq, now, I, F, DI, DF):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _insert(key, tid, demand, ai, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _insert(key, tid, demand, ai, I, F, DI, A):  # type: ignore[no-untyped-def]
     """The cache's ``reserve``: an in-flight entry for ``key`` (room was made)."""
     I[I[H_KI] + key * K_NKI + K_STATE] = INFLIGHT
     I[I[H_KI] + key * K_NKI + K_TID] = tid
     I[S_USED] += I[C_NBYTES]
     if I[S_USED] > I[S_MAXUSED]:
         I[S_MAXUSED] = I[S_USED]
-    _on_insert(key, demand, ai, I, F, DI, DF)
+    _on_insert(key, demand, ai, I, F, DI, A)
     if I[C_INSTANT]:
-        _complete(tid, I, F, DI, DF)
+        _complete(tid, I)
 
 
 # -- the lookup path ---------------------------------------------------------------------------
 @njit(cache=True)
-def _used_prefetch(key, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _used_prefetch(key, I):  # type: ignore[no-untyped-def]
     if I[I[H_KI] + key * K_NKI + K_UNUSED]:
         I[I[H_KI] + key * K_NKI + K_UNUSED] = 0
         I[R_PFUSED] += 1
 
 
 @njit(cache=True)
-def _lookup(ai, now, pin_gen, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _lookup(ai, now, pin_gen, I, F, DI, A):  # type: ignore[no-untyped-def]
     """Look access ``ai`` up (engine's ``LayerLookup.lookup``, plain path); returns the slot
     of the transfer its run waits for, or -1."""
-    key = DI[I[H_DKEY] + ai]
+    key = _key(ai, I, A)
     state = I[I[H_KI] + key * K_NKI + K_STATE]
     if state == RESIDENT:
         I[R_HITS] += 1
-        _on_access(key, ai, I, F, DI, DF)
-        _used_prefetch(key, I, F, DI, DF)
+        _on_access(key, ai, I, F, DI, A)
+        _used_prefetch(key, I)
         return -1
     if state == INFLIGHT:
         I[R_LATE] += 1
-        _on_access(key, ai, I, F, DI, DF)
-        _used_prefetch(key, I, F, DI, DF)
+        _on_access(key, ai, I, F, DI, A)
+        _used_prefetch(key, I)
         tid = I[I[H_KI] + key * K_NKI + K_TID]
         if I[I[H_TI] + tid * T_NTI + T_PRIO] != DEMAND and not I[I[H_TI] + tid * T_NTI + T_STARTED]:
-            _promote(tid, I, F, DI, DF)
+            _promote(tid, I, F)
         return tid
     I[R_MISSES] += 1
     if I[I[H_KI] + key * K_NKI + K_EVICTED] == I[S_PASS]:
         I[R_COLL] += 1
-    if _room(False, pin_gen, -1, I, F, DI, DF) != -1:
+    if _room(False, pin_gen, -1, I, F) != -1:
         I[I[H_KI] + key * K_NKI + K_PIN] = pin_gen
-        tid = _submit(key, DEMAND, now, 0, I, F, DI, DF)
-        _insert(key, tid, True, ai, I, F, DI, DF)
+        tid = _submit(key, DEMAND, now, 0, I, F)
+        _insert(key, tid, True, ai, I, F, DI, A)
         return -1 if I[C_INSTANT] else tid
-    tid = _submit(key, DEMAND, now, 1, I, F, DI, DF)
+    tid = _submit(key, DEMAND, now, 1, I, F)
     I[R_UNCACHED] += 1
     if I[C_INSTANT]:
-        _free(tid, I, F, DI, DF)
+        _free(tid, I)
         return -1
     return tid
 
 
 # -- prefetch: SpecMD appendix A.3's queue ------------------------------------------------------
 @njit(cache=True)
-def _admit(now, pin_gen, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _admit(now, pin_gen, I, F, DI, A):  # type: ignore[no-untyped-def]
     """One admission round (engine's ``_admit``)."""
     size = I[H_NKEYS]
     while I[S_WN]:
@@ -577,7 +591,7 @@ def _admit(now, pin_gen, I, F, DI, DF):  # type: ignore[no-untyped-def]
             I[I[H_KI] + key * K_NKI + K_QUEUED] = 0
             continue
         target = key // I[C_DIV]
-        v = _room(True, pin_gen, target, I, F, DI, DF)
+        v = _room(True, pin_gen, target, I, F)
         if v == -1:
             return
         I[S_WH] = (I[S_WH] + 1) % size
@@ -585,12 +599,12 @@ def _admit(now, pin_gen, I, F, DI, DF):  # type: ignore[no-untyped-def]
         I[I[H_KI] + key * K_NKI + K_QUEUED] = 0
         if v >= 0:  # no longer an admission of its target layer
             I[I[H_KI] + v * K_NKI + K_ADM] = 0
-        tid = _submit(key, PREFETCH, now, 0, I, F, DI, DF)
-        _insert(key, tid, False, -1, I, F, DI, DF)
+        tid = _submit(key, PREFETCH, now, 0, I, F)
+        _insert(key, tid, False, -1, I, F, DI, A)
         if not I[C_INSTANT]:
             n = I[S_PENDN]
             if n == I[H_PENDMAX]:
-                n = _compact_pending(I, F, DI, DF)
+                n = _compact_pending(I)
             I[I[H_PENDA] + n * 3 + 0] = tid
             I[I[H_PENDA] + n * 3 + 1] = I[I[H_TI] + tid * T_NTI + T_SEQ]
             I[I[H_PENDA] + n * 3 + 2] = key
@@ -602,7 +616,7 @@ def _admit(now, pin_gen, I, F, DI, DF):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _compact_pending(I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _compact_pending(I):  # type: ignore[no-untyped-def]
     """Drop the pending entries whose transfer has started (a withdrawal skips them)."""
     keep = 0
     for j in range(I[S_PENDN]):
@@ -620,7 +634,7 @@ def _compact_pending(I, F, DI, DF):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _withdraw(layer, lo, hi, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _withdraw(layer, lo, hi, I, A):  # type: ignore[no-untyped-def]
     """At ``layer``'s routing point (engine's ``_withdraw``): proposals for it or earlier still
     waiting are withdrawn, its admissions stop being pinned, and its queued prefetches the
     layer does not need are withdrawn with their room."""
@@ -648,7 +662,7 @@ def _withdraw(layer, lo, hi, I, F, DI, DF):  # type: ignore[no-untyped-def]
     I[S_MARKGEN] += 1
     gen = I[S_MARKGEN]
     for j in range(lo, hi):
-        I[I[H_KI] + (DI[I[H_DKEY] + j]) * K_NKI + K_MARK] = gen
+        I[I[H_KI] + _key(j, I, A) * K_NKI + K_MARK] = gen
     keep = 0
     for j in range(n):
         tid, seq, key = I[I[H_PENDA] + j * 3 + 0], I[I[H_PENDA] + j * 3 + 1], I[I[H_PENDA] + j * 3 + 2]
@@ -668,15 +682,15 @@ def _withdraw(layer, lo, hi, I, F, DI, DF):  # type: ignore[no-untyped-def]
         I[I[H_KI] + key * K_NKI + K_STATE] = ABSENT
         I[I[H_KI] + key * K_NKI + K_TID] = -1
         I[S_USED] -= I[C_NBYTES]
-        _on_remove(key, I, F, DI, DF)
+        _on_remove(key, I)
         I[I[H_KI] + key * K_NKI + K_UNUSED] = 0
         I[R_PFCANCEL] += 1
-        _free(tid, I, F, DI, DF)
+        _free(tid, I)
     I[S_PENDN] = keep
 
 
 @njit(cache=True)
-def _propose_key(key, p, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _propose_key(key, p, I, F, DI, A):  # type: ignore[no-untyped-def]
     """One proposal (engine's ``_propose``): counted against what its target layer needs,
     selected when cached, else queued."""
     gen = I[S_MARKGEN]
@@ -696,7 +710,7 @@ def _propose_key(key, p, I, F, DI, DF):  # type: ignore[no-untyped-def]
         I[R_ACTUAL] += DI[I[H_OFF] + b + 1] - DI[I[H_OFF] + b]
     if I[I[H_KI] + key * K_NKI + K_STATE] != ABSENT:
         if I[C_EV] == EV_LS:  # a selection is a use for least-stale only
-            _on_access(key, -1, I, F, DI, DF)
+            _on_access(key, -1, I, F, DI, A)
     elif not I[I[H_KI] + key * K_NKI + K_QUEUED]:
         I[I[H_KI] + key * K_NKI + K_QUEUED] = 1
         size = I[H_NKEYS]
@@ -705,7 +719,7 @@ def _propose_key(key, p, I, F, DI, DF):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _propose(p, layer, p0, now, pin_gen, I, F, DI, DF, P):  # type: ignore[no-untyped-def]
+def _propose(p, layer, p0, now, pin_gen, I, F, DI, A, P):  # type: ignore[no-untyped-def]
     """The prefetcher's proposals at ``layer``'s routing point, then one admission round."""
     num_l = I[C_L]
     kind = I[C_PF]
@@ -714,7 +728,7 @@ def _propose(p, layer, p0, now, pin_gen, I, F, DI, DF, P):  # type: ignore[no-un
         poff, pkeys = P
         g = (p - p0) * num_l + layer
         for j in range(poff[g], poff[g + 1]):
-            _propose_key(pkeys[j], p, I, F, DI, DF)
+            _propose_key(pkeys[j], p, I, F, DI, A)
     else:
         src = p
         if kind != PF_ORACLE:
@@ -726,51 +740,51 @@ def _propose(p, layer, p0, now, pin_gen, I, F, DI, DF, P):  # type: ignore[no-un
             for t in range(layer + 1, last):
                 b = src * num_l + t
                 for j in range(DI[I[H_OFF] + b], DI[I[H_OFF] + b + 1]):
-                    _propose_key(DI[I[H_DKEY] + j], p, I, F, DI, DF)
+                    _propose_key(_key(j, I, A), p, I, F, DI, A)
     if I[S_WN]:
-        _admit(now, pin_gen, I, F, DI, DF)
+        _admit(now, pin_gen, I, F, DI, A)
 
 
 # -- the compute stream ---------------------------------------------------------------------------
 @njit(cache=True)
-def _new_gen(I, F, DI, DF, which):  # type: ignore[no-untyped-def]
+def _new_gen(I, which):  # type: ignore[no-untyped-def]
     I[which] += 1
     return I[which]
 
 
 @njit(cache=True)
-def _layer(p, layer, lo, hi, now, p0, I, F, DI, DF, P):  # type: ignore[no-untyped-def]
+def _layer(p, layer, lo, hi, now, p0, I, F, DI, DF, A, P):  # type: ignore[no-untyped-def]
     """``layer`` and ``on-arrival`` execution of one layer (engine's ``_run`` body and
     ``_compute``); returns the layer's end. Stall accumulates in ``F[SF_STALL]``."""
-    pend = _new_gen(I, F, DI, DF, S_PENDGEN)
+    pend = _new_gen(I, S_PENDGEN)
     for j in range(lo, hi):
-        I[I[H_KI] + (DI[I[H_DKEY] + j]) * K_NKI + K_PEND] = pend
+        I[I[H_KI] + _key(j, I, A) * K_NKI + K_PEND] = pend
     if I[C_PFACTIVE]:
-        _withdraw(layer, lo, hi, I, F, DI, DF)
-    pins = _new_gen(I, F, DI, DF, S_PINGEN)
+        _withdraw(layer, lo, hi, I, A)
+    pins = _new_gen(I, S_PINGEN)
     for j in range(lo, hi):
-        I[I[H_KI] + (DI[I[H_DKEY] + j]) * K_NKI + K_PIN] = pins
+        I[I[H_KI] + _key(j, I, A) * K_NKI + K_PIN] = pins
     n = hi - lo
     for i in range(n):
-        tid = _lookup(lo + i, now, pins, I, F, DI, DF)
+        tid = _lookup(lo + i, now, pins, I, F, DI, A)
         I[I[H_RUNS] + i * 2 + 0] = tid
         I[I[H_RUNS] + i * 2 + 1] = I[I[H_TI] + tid * T_NTI + T_SEQ] if tid >= 0 else -1
     if I[C_PFACTIVE]:
-        _propose(p, layer, p0, now, pins, I, F, DI, DF, P)
+        _propose(p, layer, p0, now, pins, I, F, DI, A, P)
     if I[C_MODE] == MODE_LAYER:
         ready = now
         total = 0.0
         for i in range(n):
-            a = _arrival(I[I[H_RUNS] + i * 2 + 0], I[I[H_RUNS] + i * 2 + 1], now, I, F, DI, DF)
+            a = _arrival(I[I[H_RUNS] + i * 2 + 0], I[I[H_RUNS] + i * 2 + 1], now, I, F)
             if a > ready:
                 ready = a
-            total += DF[I[H_DFFN] + lo + i]
+            total += _ffn(lo + i, p, I, DF, A)
         F[SF_STALL] += ready - now
         end = ready + total
     else:  # on-arrival: in arrival order (ties by compute time), each when it has arrived
         for i in range(n):
-            a = _arrival(I[I[H_RUNS] + i * 2 + 0], I[I[H_RUNS] + i * 2 + 1], now, I, F, DI, DF)
-            f = DF[I[H_DFFN] + lo + i]
+            a = _arrival(I[I[H_RUNS] + i * 2 + 0], I[I[H_RUNS] + i * 2 + 1], now, I, F)
+            f = _ffn(lo + i, p, I, DF, A)
             j = i
             while j > 0 and (F[I[H_SCR] + j - 1] > a or (F[I[H_SCR] + j - 1] == a and F[I[H_SCR] + I[C_MAXN] + j - 1] > f)):
                 F[I[H_SCR] + j] = F[I[H_SCR] + j - 1]
@@ -785,65 +799,66 @@ def _layer(p, layer, lo, hi, now, p0, I, F, DI, DF, P):  # type: ignore[no-untyp
                 t = F[I[H_SCR] + i]
             t += F[I[H_SCR] + I[C_MAXN] + i]
         end = t
-    _new_gen(I, F, DI, DF, S_PENDGEN)  # the layer's experts have run
+    _new_gen(I, S_PENDGEN)  # the layer's experts have run
     if I[S_WN]:
-        _advance(end, I, F, DI, DF)
-        _admit(end, _new_gen(I, F, DI, DF, S_PINGEN), I, F, DI, DF)
+        _advance(end, I, F)
+        _admit(end, _new_gen(I, S_PINGEN), I, F, DI, A)
     I[R_UNIQUE] += n
     return end
 
 
 @njit(cache=True)
-def _per_expert(p, layer, lo, hi, now, p0, I, F, DI, DF, P):  # type: ignore[no-untyped-def]
+def _per_expert(p, layer, lo, hi, now, p0, I, F, DI, DF, A, P):  # type: ignore[no-untyped-def]
     """``per-expert`` execution of one layer (engine's ``_per_expert``): the experts run one
     after another in router order, expert j+1 looked up when expert j starts."""
     timed = not I[C_INSTANT]
-    pend = _new_gen(I, F, DI, DF, S_PENDGEN)
+    pend = _new_gen(I, S_PENDGEN)
     for j in range(lo, hi):
-        I[I[H_KI] + (DI[I[H_DKEY] + j]) * K_NKI + K_PEND] = pend
+        I[I[H_KI] + _key(j, I, A) * K_NKI + K_PEND] = pend
     if I[C_PFACTIVE]:
-        _withdraw(layer, lo, hi, I, F, DI, DF)
-        _propose(p, layer, p0, now, _new_gen(I, F, DI, DF, S_PINGEN), I, F, DI, DF, P)
+        _withdraw(layer, lo, hi, I, A)
+        _propose(p, layer, p0, now, _new_gen(I, S_PINGEN), I, F, DI, A, P)
     n = hi - lo
     t = now
     cur = -1
     cur_seq = -1
     if n:
-        cur = _lookup(lo, t, _new_gen(I, F, DI, DF, S_PINGEN), I, F, DI, DF)
+        cur = _lookup(lo, t, _new_gen(I, S_PINGEN), I, F, DI, A)
         cur_seq = I[I[H_TI] + cur * T_NTI + T_SEQ] if cur >= 0 else -1
     for i in range(n):
-        a = _arrival(cur, cur_seq, t, I, F, DI, DF)
+        a = _arrival(cur, cur_seq, t, I, F)
         if a > t:
             F[SF_STALL] += a - t
             t = a
         if timed:
-            _advance(t, I, F, DI, DF)
+            _advance(t, I, F)
         nxt = -1
         nxt_seq = -1
         if i + 1 < n:
-            pins = _new_gen(I, F, DI, DF, S_PINGEN)
-            I[I[H_KI] + (DI[I[H_DKEY] + lo + i]) * K_NKI + K_PIN] = pins  # the running expert
-            nxt = _lookup(lo + i + 1, t, pins, I, F, DI, DF)
+            pins = _new_gen(I, S_PINGEN)
+            I[I[H_KI] + _key(lo + i, I, A) * K_NKI + K_PIN] = pins  # the running expert
+            nxt = _lookup(lo + i + 1, t, pins, I, F, DI, A)
             nxt_seq = I[I[H_TI] + nxt * T_NTI + T_SEQ] if nxt >= 0 else -1
-        t += DF[I[H_DFFN] + lo + i]
+        t += _ffn(lo + i, p, I, DF, A)
         if timed:
-            _advance(t, I, F, DI, DF)
-        I[I[H_KI] + (DI[I[H_DKEY] + lo + i]) * K_NKI + K_PEND] = 0  # expert i has run
+            _advance(t, I, F)
+        I[I[H_KI] + _key(lo + i, I, A) * K_NKI + K_PEND] = 0  # expert i has run
         if I[S_WN]:
-            pins = _new_gen(I, F, DI, DF, S_PINGEN)
+            pins = _new_gen(I, S_PINGEN)
             if i + 1 < n:
-                I[I[H_KI] + (DI[I[H_DKEY] + lo + i + 1]) * K_NKI + K_PIN] = pins
-            _admit(t, pins, I, F, DI, DF)
+                I[I[H_KI] + _key(lo + i + 1, I, A) * K_NKI + K_PIN] = pins
+            _admit(t, pins, I, F, DI, A)
         cur, cur_seq = nxt, nxt_seq
     I[R_UNIQUE] += n
     return t
 
 
 @njit(cache=True)
-def replay_passes(p0, p1, I, F, DI, DF, P, nonexp, cols, t_start, t_end, stall):  # type: ignore[no-untyped-def]
+def replay_passes(p0, p1, I, F, DI, DF, A, P, nonexp, cols, t_start, t_end, stall):  # type: ignore[no-untyped-def]
     """Replay forward passes ``p0 .. p1`` (engine's ``_run``): per layer, non-expert compute,
     the routing point's lookups and proposals, expert compute; per pass, one row."""
     I, F, DI, DF = _borrow(I), _borrow(F), _borrow(DI), _borrow(DF)
+    A = (_borrow(A[0]), _borrow(A[1]), _borrow(A[2]))
     num_l = I[C_L]
     now = F[SF_NOW]
     carry = F[SF_CARRY]
@@ -858,7 +873,7 @@ def replay_passes(p0, p1, I, F, DI, DF, P, nonexp, cols, t_start, t_end, stall):
         base = p * num_l
         if I[C_PFACTIVE]:
             for j in range(DI[I[H_OFF] + base], DI[I[H_OFF] + base + num_l]):
-                I[I[H_KI] + (DI[I[H_DKEY] + j]) * K_NKI + K_ACCPASS] = p
+                I[I[H_KI] + _key(j, I, A) * K_NKI + K_ACCPASS] = p
         for layer in range(num_l):
             delay = carry + ne
             if delay > 0:
@@ -867,17 +882,17 @@ def replay_passes(p0, p1, I, F, DI, DF, P, nonexp, cols, t_start, t_end, stall):
             lo, hi = DI[I[H_OFF] + base + layer], DI[I[H_OFF] + base + layer + 1]
             if lo == hi:
                 continue  # no routing for this (pass, layer): the layer is skipped
-            _advance(now, I, F, DI, DF)
+            _advance(now, I, F)
             I[S_LAYER] = layer
             if I[C_MODE] == MODE_PER_EXPERT:
-                end = _per_expert(p, layer, lo, hi, now, p0, I, F, DI, DF, P)
+                end = _per_expert(p, layer, lo, hi, now, p0, I, F, DI, DF, A, P)
             else:
-                end = _layer(p, layer, lo, hi, now, p0, I, F, DI, DF, P)
+                end = _layer(p, layer, lo, hi, now, p0, I, F, DI, DF, A, P)
             carry = end - now
         if carry > 0:
             now = now + carry
             carry = 0.0
-        _advance(now, I, F, DI, DF)
+        _advance(now, I, F)
         t_end[p] = now
         stall[p] = F[SF_STALL]
         I[R_BYTES] = I[S_BYTES] - bytes0
@@ -888,7 +903,7 @@ def replay_passes(p0, p1, I, F, DI, DF, P, nonexp, cols, t_start, t_end, stall):
 
 
 @njit(cache=True)
-def _preload(keys, I, F, DI, DF):  # type: ignore[no-untyped-def]
+def _preload(keys, I, F, DI, DF, A):  # type: ignore[no-untyped-def]
     """Static pinning (the cache's ``preload``): resident before the replay, never evicted."""
     nb = I[C_NBYTES]
     loaded = 0
@@ -898,7 +913,7 @@ def _preload(keys, I, F, DI, DF):  # type: ignore[no-untyped-def]
         I[I[H_KI] + key * K_NKI + K_STATE] = RESIDENT
         I[S_USED] += nb
         I[I[H_KI] + key * K_NKI + K_STATIC] = 1
-        _on_insert(key, False, -1, I, F, DI, DF)
+        _on_insert(key, False, -1, I, F, DI, A)
         loaded += 1
     if I[S_USED] > I[S_MAXUSED]:
         I[S_MAXUSED] = I[S_USED]
@@ -906,8 +921,8 @@ def _preload(keys, I, F, DI, DF):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True)
-def _finish(I, F, DI, DF):  # type: ignore[no-untyped-def]
-    _advance(math.inf, I, F, DI, DF)
+def _finish(I, F, DI, DF, A):  # type: ignore[no-untyped-def]
+    _advance(math.inf, I, F)
 
 
 # -- dispatch --------------------------------------------------------------------------------------
@@ -946,6 +961,15 @@ def kernel_form(sim: Any) -> str | None:
 
 
 CHUNK = 256  # passes per kernel call (progress is reported between calls)
+
+
+def _keys32(wl: Any, div: int, num_prec: int, default_prec: int) -> np.ndarray:
+    """Every access's cache key as int32, made in place (4 bytes per access)."""
+    keys = wl.acc_layer.astype(np.int32)
+    keys *= np.int32(div)
+    keys += wl.acc_expert.astype(np.int32) * np.int32(num_prec)
+    keys += np.int32(default_prec)
+    return keys
 
 
 def _belady_positions(keys: np.ndarray, num_keys: int) -> tuple[np.ndarray, np.ndarray]:
@@ -997,8 +1021,6 @@ def replay(sim: Any) -> None:
     num_l = model.num_layers
     div = model.num_experts * sim.num_prec
     num_keys = num_l * div
-    sim._prepare_costs()
-    acc_key = np.ascontiguousarray(sim.acc_keys, dtype=np.int64)
     off = np.ascontiguousarray(wl.off, dtype=np.int64)
     maxn = int(np.diff(off).max(initial=0))
     ev = evictions[type(sim.eviction)]
@@ -1024,33 +1046,39 @@ def replay(sim: Any) -> None:
     F[CF_CAP] = float(sim.capacity)
     F[CF_DUR] = sim.copy.duration(sim.expert_bytes)
     F[CF_DECAY] = params.decay if isinstance(sim.eviction, ScoreBased) else 1.0
-    # read-only data: DI = off | access keys | pass groups | (belady) each key's access indices
-    parts = [off, acc_key, np.asarray(wl.pass_group, np.int64)]
+    I[C_NPREC] = sim.num_prec
+    I[C_DPREC] = sim.default_prec
+    # read-only data: DI = off | pass groups | (belady) each key's access indices; DF = expert
+    # seconds by token count | per-pass factor; A = per access: cache key (int32), tokens and
+    # summed gate weight (the workload's own arrays)
+    A = (_keys32(wl, div, sim.num_prec, sim.default_prec), wl.acc_tokens, wl.acc_weight)
+    parts = [off, np.asarray(wl.pass_group, np.int64)]
     if ev == EV_BELADY:
-        parts.extend(_belady_positions(acc_key, num_keys))
+        parts.extend(_belady_positions(sim.acc_keys, num_keys))
     starts = np.cumsum([0] + [len(x) for x in parts])
     DI = np.concatenate(parts)
     del parts
-    I[H_OFF], I[H_DKEY], I[H_GROUP] = starts[0], starts[1], starts[2]
+    I[H_OFF], I[H_GROUP] = starts[0], starts[1]
     if ev == EV_BELADY:
-        I[H_KPOSOFF], I[H_KPOS] = starts[3], starts[4]
-    DF = np.concatenate([np.asarray(wl.acc_weight, np.float64), np.asarray(sim.acc_ffn, np.float64)])
-    I[H_DW], I[H_DFFN] = 0, wl.num_accesses
+        I[H_KPOSOFF], I[H_KPOS] = starts[2], starts[3]
+    table, scale = sim.ffn_table()
+    DF = np.concatenate([table, scale])
+    I[H_TTAB], I[H_SCALE] = 0, len(table)
     pinned = [int(k) for k in sim.prefetch.pinned()]
     if pinned:
-        _preload(np.asarray(pinned, np.int64), I, F, DI, DF)
+        _preload(np.asarray(pinned, np.int64), I, F, DI, DF, A)
     n_pass = wl.num_passes
-    nonexp = np.asarray(sim._nonexp, dtype=np.float64)
+    nonexp = sim.nonexpert_times()
     cols = np.zeros((n_pass, R_COUNT), np.int64)
     t_start, t_end, stall = np.zeros(n_pass), np.zeros(n_pass), np.zeros(n_pass)
     no_props = (np.zeros(1, np.int64), np.zeros(0, np.int64))
     for p0 in range(0, n_pass, CHUNK):
         p1 = min(p0 + CHUNK, n_pass)
         P = sim.prefetch.proposals(p0, p1) if pf == PF_ARRAY else no_props
-        replay_passes(p0, p1, I, F, DI, DF, P, nonexp, cols[p0:p1], t_start, t_end, stall)
+        replay_passes(p0, p1, I, F, DI, DF, A, P, nonexp, cols[p0:p1], t_start, t_end, stall)
         if sim.progress is not None:
             sim.progress(p1, n_pass)
-    _finish(I, F, DI, DF)
+    _finish(I, F, DI, DF, A)
     for i, name in enumerate(COLUMNS):
         sim._cols[name][:] = cols[:, i]
     sim._t_start[:] = t_start
