@@ -109,7 +109,7 @@ def test_kernel_equals_simpy_on_a_speculative_replay(olmoe_trace, monkeypatch):
     assert ref.summary["mean_accepted_tokens"] > 1
 
 
-settings_kw: dict[str, Any] = dict(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings_kw: dict[str, Any] = {"max_examples": 60, "deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 
 
 @settings(**settings_kw)
@@ -217,6 +217,7 @@ def test_the_kernel_source_runs_as_plain_python(tmp_path):
     import json
 
     p, r = json.loads(plain), json.loads(ref)
-    assert p[0] == "kernel" and r[0] == "simpy"
+    assert p[0] == "kernel"
+    assert r[0] == "simpy"
     assert p[1:] == r[1:]
     assert np.sum(p[2]) > 0

@@ -29,8 +29,8 @@ from __future__ import annotations
 import time as _time
 from collections import deque
 from collections.abc import Callable, Generator
-from functools import cached_property
 from collections.abc import Set as AbstractSet
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -655,9 +655,8 @@ class Simulation:
 
     def run(self) -> Result:
         """Run the simulation to the end and derive the metrics."""
-        from moesim.simulator.metrics import summarise
-
         from moesim.simulator import kernel
+        from moesim.simulator.metrics import summarise
 
         t0 = _time.perf_counter()
         self.simpy_reason = kernel.kernel_form(self)

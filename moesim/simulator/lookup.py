@@ -49,10 +49,13 @@ class Replay(Protocol):
     cost: CostModel
     general: bool  # routing, budget or miss policy may change what a token computes
     acc_ffn: np.ndarray  # compute seconds of every expert access
-    acc_keys: np.ndarray  # cache key of every expert access
     ffn_scale: np.ndarray  # per pass: the expert-compute factor (sparse verification)
     decisions: list[tuple[int, int, str, int]] | None  # the decision log, when recorded
     pf_unused: set[int]  # prefetched keys not accessed yet
+
+    @property
+    def acc_keys(self) -> np.ndarray:
+        """The cache key of every expert access."""
 
 
 @dataclass
