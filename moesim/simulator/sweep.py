@@ -274,11 +274,13 @@ def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: in
     elif executor == "local" and todo:
         import multiprocessing
 
-        # one fresh process per point, forked from a server that has the heavy modules loaded
-        # (plain spawn would re-import numpy/pandas/pyarrow for every point)
+        # one fresh process per point, forked from a server that has the heavy modules and the
+        # compiled kernel loaded (plain spawn would re-import numpy/pandas/pyarrow and reload
+        # the kernel for every point)
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["numpy", "pandas", "pyarrow", "simpy", "moesim.simulator.engine",
-                                    "moesim.output.results", "moesim.simulator.sweep"])
+                                    "moesim.output.results", "moesim.simulator.sweep",
+                                    "moesim.simulator._kernel_loaded"])
         fresh: dict[str, Any] = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
         with _main_not_reimported():
             pool = ProcessPoolExecutor(workers, ctx, **fresh)  # Python 3.10 reuses worker processes
