@@ -119,14 +119,14 @@ COLUMNS = ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fe
 @njit(cache=True)
 def _key(j, IS, A):
     """The cache key of access ``j`` (layer, expert, the scenario's precision)."""
-    return np.int64(A[0][j])
+    return np.int64(A[0][j]) * IS[C_DIV] + np.int64(A[1][j]) * IS[C_NPREC] + IS[C_DPREC]
 
 
 @njit(cache=True)
 def _ffn(j, p, IS, DF, A):
     """Compute seconds of access ``j`` in pass ``p``: the expert time of its token count
     times the pass's factor (as the engine's ``_prepare_costs``)."""
-    return DF[IS[H_TTAB] + A[1][j]] * DF[IS[H_SCALE] + p]
+    return DF[IS[H_TTAB] + A[2][j]] * DF[IS[H_SCALE] + p]
 
 
 # -- eviction policies ----------------------------------------------------------------------
@@ -165,7 +165,7 @@ def _credit(key, ai, IS, FS, A):
         for k in range(IS[H_NKEYS]):
             FS[IS[H_KF] + k * F_NKF + F_SCORE] *= f
         IS[S_SCOREPASS] = p
-    w = A[2][ai] if ai >= 0 else 0.0
+    w = A[3][ai] if ai >= 0 else 0.0
     FS[IS[H_KF] + key * F_NKF + F_SCORE] = FS[IS[H_KF] + key * F_NKF + F_SCORE] + w
 
 
@@ -853,7 +853,7 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, nonexp, cols, t_start, t_end, st
     """Replay forward passes ``p0 .. p1`` (engine's ``_run``): per layer, non-expert compute,
     the routing point's lookups and proposals, expert compute; per pass, one row."""
     IS, FS, DI, DF = _borrow(IS), _borrow(FS), _borrow(DI), _borrow(DF)
-    A = (_borrow(A[0]), _borrow(A[1]), _borrow(A[2]))
+    A = (_borrow(A[0]), _borrow(A[1]), _borrow(A[2]), _borrow(A[3]))
     num_l = IS[C_L]
     now = FS[SF_NOW]
     carry = FS[SF_CARRY]
@@ -958,15 +958,6 @@ def kernel_form(sim: Any) -> str | None:
 CHUNK = 256  # passes per kernel call (progress is reported between calls)
 
 
-def _keys32(wl: Any, div: int, num_prec: int, default_prec: int) -> np.ndarray:
-    """Every access's cache key as int32, made in place (4 bytes per access)."""
-    keys = wl.acc_layer.astype(np.int32)
-    keys *= np.int32(div)
-    keys += wl.acc_expert.astype(np.int32) * np.int32(num_prec)
-    keys += np.int32(default_prec)
-    return keys
-
-
 def _belady_positions(keys: np.ndarray, num_keys: int) -> tuple[np.ndarray, np.ndarray]:
     """Every key's access indices, ascending, as CSR arrays."""
     order = np.argsort(keys, kind="stable").astype(np.int64)
@@ -1044,9 +1035,9 @@ def replay(sim: Any) -> None:
     IS[C_NPREC] = sim.num_prec
     IS[C_DPREC] = sim.default_prec
     # read-only data: DI = off | pass groups | (belady) each key's access indices; DF = expert
-    # seconds by token count | per-pass factor; A = per access: cache key (int32), tokens and
-    # summed gate weight (the workload's own arrays)
-    A = (_keys32(wl, div, sim.num_prec, sim.default_prec), wl.acc_tokens, wl.acc_weight)
+    # seconds by token count | per-pass factor; A = the workload's own per-access arrays: layer,
+    # expert, tokens routed, summed gate weight
+    A = (wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight)
     parts = [off, np.asarray(wl.pass_group, np.int64)]
     if ev == EV_BELADY:
         parts.extend(_belady_positions(sim.acc_keys, num_keys))

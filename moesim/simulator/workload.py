@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from moesim.simulator.kernel import njit
 from moesim.traces.schema import PHASE_CODES, ModelInfo
 from moesim.traces.trace import Trace
 
@@ -165,48 +166,73 @@ def _generated(trace: Trace, order: np.ndarray, phase: np.ndarray, pass_of_row: 
     return generated
 
 
-def _accesses(pl: np.ndarray, experts: np.ndarray, weights: np.ndarray,
-              num_e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Each (pass, layer)'s distinct experts in order of first appearance, from the rows'
-    (pass, layer) ids ``pl`` (non-decreasing) and their top-k ``experts`` and ``weights``:
-    (pass-layer id, expert, best rank, tokens routed to it, summed weight in float64) per
-    access. The (pass-layer, expert) combinations are numbered in int32 when they fit and
-    sorted stably, so the first occurrence of each is known (as np.unique does it) without
-    np.unique's int64 copies; the temporaries end with this function."""
-    k = experts.shape[1] if experts.ndim == 2 else 1
-    span = (int(pl[-1]) + 1) * num_e if len(pl) else 0
-    dt = np.int32 if span < 2**31 else np.int64
-    combo = np.repeat(pl.astype(dt), k)
-    combo *= dt(num_e)
-    combo += experts.reshape(-1)
-    o = np.argsort(combo, kind="stable")
-    sc = combo[o]
-    del combo
-    n = len(sc)
-    head = np.empty(n, dtype=bool)
-    head[:1] = True
-    np.not_equal(sc[1:], sc[:-1], out=head[1:])
-    starts = np.flatnonzero(head)
-    uniq = sc[starts]
-    del sc
-    first = o[starts]
-    counts = np.diff(starts.astype(dt), append=dt(n))
-    del starts
-    ids = np.int32 if n < 2**31 else np.int64
-    gid = np.cumsum(head, dtype=ids)
-    gid -= 1
-    del head
-    inverse = np.empty(n, dtype=ids)
-    inverse[o] = gid
-    del gid, o
-    wsum = np.bincount(inverse, weights=weights.reshape(-1), minlength=len(uniq))  # float32 -> float64 sums
-    best_rank = np.full(len(uniq), k, dtype=np.int8)
-    np.minimum.at(best_rank, inverse, np.tile(np.arange(k, dtype=np.int8), len(pl)))
-    del inverse
-    appearance = np.argsort(first, kind="stable")
-    del first
-    return ((uniq // dt(num_e))[appearance], (uniq % dt(num_e))[appearance], best_rank[appearance],
-            counts[appearance], wsum[appearance])
+@njit(cache=True)
+def _count_distinct(pl, experts, order, num_e, n_groups):  # type: ignore[no-untyped-def]
+    """The number of distinct experts of each (pass, layer) id ``g`` of ``pl`` (the ids of
+    the rows ``experts[order]``, non-decreasing)."""
+    counts = np.zeros(n_groups, np.int64)
+    seen = np.full(num_e, -1, np.int64)
+    for r in range(order.shape[0]):
+        g = pl[r]
+        for j in range(experts.shape[1]):
+            e = experts[order[r], j]
+            if seen[e] != g:
+                seen[e] = g
+                counts[g] += 1
+    return counts
+
+
+@njit(cache=True)
+def _fill_distinct(pl, experts, weights, order, num_e, num_l, off, out_layer, out_expert, out_rank, out_tokens,
+                   out_weight):  # type: ignore[no-untyped-def]
+    """Each (pass, layer)'s distinct experts at ``off[g]`` on, in order of first appearance
+    (rows in order, ranks in order): layer, expert, best rank, tokens routed and summed weight
+    (float64, summed in row order as ``np.bincount`` sums)."""
+    seen = np.full(num_e, -1, np.int64)
+    slot = np.zeros(num_e, np.int64)
+    fill = 0
+    for r in range(order.shape[0]):
+        g = pl[r]
+        if r == 0 or g != pl[r - 1]:
+            fill = 0
+        row = order[r]
+        for j in range(experts.shape[1]):
+            e = experts[row, j]
+            w = np.float64(weights[row, j])
+            if seen[e] != g:
+                seen[e] = g
+                i = off[g] + fill
+                fill += 1
+                slot[e] = i
+                out_layer[i] = g % num_l
+                out_expert[i] = e
+                out_rank[i] = j
+                out_tokens[i] = 1
+                out_weight[i] = w
+            else:
+                i = slot[e]
+                if j < out_rank[i]:
+                    out_rank[i] = j
+                out_tokens[i] += 1
+                out_weight[i] += w
+
+
+def _accesses(pl: np.ndarray, trace: Trace, order: np.ndarray, num_e: int, num_l: int,
+              n_groups: int) -> tuple[np.ndarray, ...]:
+    """(off, layer, expert, best rank, tokens, summed weight) of every access, from the
+    trace's rows in execution ``order`` and their (pass, layer) ids ``pl``: ``off`` has one
+    entry per (pass, layer) + 1 (see :class:`Workload`); the per-access arrays take the
+    narrowest types that hold them and are written in place by two compiled passes over the
+    rows (no per-access temporaries, no reordered copy of the trace)."""
+    ex = trace.experts.reshape(len(trace.experts), -1)
+    w = trace.weights.reshape(len(trace.weights), -1)
+    off = np.zeros(n_groups + 1, np.int64)
+    np.cumsum(_count_distinct(pl, ex, order, num_e, n_groups), out=off[1:])
+    n = int(off[-1])
+    out = (np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int8), np.empty(n, np.int32),
+           np.empty(n, np.float64))
+    _fill_distinct(pl, ex, w, order, num_e, num_l, off, *out)
+    return (off, *out)
 
 
 def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None = None,
@@ -235,8 +261,6 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
     group, step, layer, pos = group[order], step[order], layer[order], pos[order]
     ridx = req_idx[order]
     phase = trace.phase[order]
-    experts = trace.experts[order]
-    weights = trace.weights[order]  # float32: every sum below is taken in float64
 
     # passes: distinct (group, step), already in execution order
     pass_key = group * (int(step.max(initial=0)) + 1) + step
@@ -260,11 +284,18 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
     req_pass_key = np.unique(pass_of_row * (len(req_ids) + 1) + ridx)
     pass_requests = np.bincount(req_pass_key // (len(req_ids) + 1), minlength=n_pass).astype(np.int64)
 
-    weight_total = np.bincount(pass_of_row, weights=weights.astype(np.float64).sum(axis=1), minlength=n_pass)
+    del group, step, pass_key, change, rank_of_phase, tok_key, _tok_unique, tok_first, tok_pass, req_pass_key
+    # the gate weight of each pass: rows summed in float64 (a chunk of rows at a time)
+    row_weight = np.empty(len(order))
+    for c in range(0, len(order), 1 << 16):
+        row_weight[c:c + (1 << 16)] = trace.weights[order[c:c + (1 << 16)]].astype(np.float64).sum(axis=1)
+    weight_total = np.bincount(pass_of_row, weights=row_weight, minlength=n_pass)
+    del row_weight
     # accesses: distinct experts per (pass, layer) in order of first appearance
     pl = pass_of_row * num_l + layer  # (pass, layer) id per row, non-decreasing
-    acc_pl, acc_expert, acc_rank, acc_tokens, acc_weight = _accesses(pl, experts, weights, num_e)
-    off = np.searchsorted(acc_pl, np.arange(n_pass * num_l + 1), side="left")
+    del layer
+    off, acc_layer, acc_expert, acc_rank, acc_tokens, acc_weight = _accesses(pl, trace, order, num_e, num_l,
+                                                                            n_pass * num_l)
 
     first_pass = np.full(len(req_ids), np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(first_pass, ridx, pass_of_row)
@@ -274,9 +305,8 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
     return Workload(
         model=model, batch_size=batch_size, pass_generated=generated, pass_group=pass_group, pass_step=pass_step,
         pass_phase=pass_phase, pass_tokens=pass_tokens, pass_context=pass_context,
-        pass_requests=pass_requests, off=off.astype(np.int64),
-        acc_layer=(acc_pl % num_l).astype(np.int32), acc_expert=acc_expert.astype(np.int32),
-        acc_rank=acc_rank.astype(np.int8), acc_tokens=acc_tokens.astype(np.int32), acc_weight=acc_weight,
+        pass_requests=pass_requests, off=off,
+        acc_layer=acc_layer, acc_expert=acc_expert, acc_rank=acc_rank, acc_tokens=acc_tokens, acc_weight=acc_weight,
         request_ids=req_ids,
         request_group=req_group,
         request_first_pass=first_pass, weight_total=weight_total,
