@@ -1074,19 +1074,3 @@ def replay(sim: Any) -> None:
     sim.copy.bytes_moved = int(IS[S_BYTES])
     sim.cache.max_used = int(IS[S_MAXUSED])
 
-
-def warm() -> None:
-    """Load the compiled kernel into this process (from numba's cache; compiling it the first
-    time after an installation): a tiny replay with every argument type the kernel takes.
-    The sweep's fork server calls it once, so that no point's process loads it again."""
-    from moesim.config.scenario import scenario_from_dict
-    from moesim.simulator.engine import Simulation
-    from moesim.traces.synth import synth_from_preset
-
-    trace = synth_from_preset("olmoe-1b-7b", layers=2, experts=8, top_k=2, requests=1, tokens=2, seed=0,
-                              pred_next=True)
-    for prefetch in ("static-pin", "score-percentile"):
-        sc = scenario_from_dict({"hardware": {"preset": "a100-80g-pcie4"}, "cache": {"capacity": "50%"},
-                                 "workload": {"trace": {"synth": {"preset": "olmoe-1b-7b"}}},
-                                 "policies": {"prefetch": prefetch}}, where="<kernel warm-up>")
-        Simulation(sc, trace=trace).run()

@@ -167,7 +167,7 @@ def _generated(trace: Trace, order: np.ndarray, phase: np.ndarray, pass_of_row: 
 
 
 @njit(cache=True)
-def _count_distinct(pl, experts, order, num_e, n_groups):  # type: ignore[no-untyped-def]
+def _count_distinct(pl, experts, order, num_e, n_groups):
     """The number of distinct experts of each (pass, layer) id ``g`` of ``pl`` (the ids of
     the rows ``experts[order]``, non-decreasing)."""
     counts = np.zeros(n_groups, np.int64)
@@ -184,7 +184,7 @@ def _count_distinct(pl, experts, order, num_e, n_groups):  # type: ignore[no-unt
 
 @njit(cache=True)
 def _fill_distinct(pl, experts, weights, order, num_e, num_l, off, out_layer, out_expert, out_rank, out_tokens,
-                   out_weight):  # type: ignore[no-untyped-def]
+                   out_weight):
     """Each (pass, layer)'s distinct experts at ``off[g]`` on, in order of first appearance
     (rows in order, ranks in order): layer, expert, best rank, tokens routed and summed weight
     (float64, summed in row order as ``np.bincount`` sums)."""
