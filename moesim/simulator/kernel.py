@@ -202,16 +202,18 @@ def _stamp(key, IS):
 
 @njit(cache=True)
 def _on_insert(key, demand, ai, IS, FS, DI, A):
-    """The policy's ``on_insert``: ``key`` entered the cache (``demand``: a use)."""
+    """The policy's ``on_insert``: ``key`` entered the cache (``demand``: a use). Recency
+    policies keep a list in order; the others the members their victim search scans."""
+    ev = IS[C_EV]
+    if ev in (EV_LRU, EV_FIFO):
+        _list_append(key, IS)
+        return
     n = IS[S_MEMBN]
     IS[IS[H_MEMB] + n] = key
     IS[IS[H_KI] + key * K_NKI + K_MEMB] = n
     IS[S_MEMBN] = n + 1
-    ev = IS[C_EV]
     _stamp(key, IS)
-    if ev in (EV_LRU, EV_FIFO):
-        _list_append(key, IS)
-    elif ev == EV_LFU:
+    if ev == EV_LFU:
         if demand:
             IS[IS[H_KI] + key * K_NKI + K_COUNT] += 1
     elif ev == EV_SCORE:
@@ -255,14 +257,15 @@ def _on_access(key, ai, IS, FS, DI, A):
 
 @njit(cache=True)
 def _on_remove(key, IS):
+    if IS[C_EV] in (EV_LRU, EV_FIFO):
+        _list_unlink(key, IS)
+        return
     i = IS[IS[H_KI] + key * K_NKI + K_MEMB]
     last = IS[IS[H_MEMB] + IS[S_MEMBN] - 1]
     IS[IS[H_MEMB] + i] = last
     IS[IS[H_KI] + last * K_NKI + K_MEMB] = i
     IS[S_MEMBN] -= 1
     IS[IS[H_KI] + key * K_NKI + K_MEMB] = -1
-    if IS[C_EV] == EV_LRU or IS[C_EV] == EV_FIFO:
-        _list_unlink(key, IS)
 
 
 @njit(cache=True)
@@ -748,12 +751,20 @@ def _new_gen(IS, which):
 
 
 @njit(cache=True)
+def _mark_pending(lo, hi, IS, A):
+    """The layer's experts are pending until they run (``Clock.pending``; only least-stale
+    reads it)."""
+    pend = _new_gen(IS, S_PENDGEN)
+    if IS[C_EV] == EV_LS:
+        for j in range(lo, hi):
+            IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_PEND] = pend
+
+
+@njit(cache=True)
 def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
     """``layer`` and ``on-arrival`` execution of one layer (engine's ``_run`` body and
     ``_compute``); returns the layer's end. Stall accumulates in ``FS[SF_STALL]``."""
-    pend = _new_gen(IS, S_PENDGEN)
-    for j in range(lo, hi):
-        IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_PEND] = pend
+    _mark_pending(lo, hi, IS, A)
     if IS[C_PFACTIVE]:
         _withdraw(layer, lo, hi, IS, A)
     pins = _new_gen(IS, S_PINGEN)
@@ -807,9 +818,7 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
     """``per-expert`` execution of one layer (engine's ``_per_expert``): the experts run one
     after another in router order, expert j+1 looked up when expert j starts."""
     timed = not IS[C_INSTANT]
-    pend = _new_gen(IS, S_PENDGEN)
-    for j in range(lo, hi):
-        IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_PEND] = pend
+    _mark_pending(lo, hi, IS, A)
     if IS[C_PFACTIVE]:
         _withdraw(layer, lo, hi, IS, A)
         _propose(p, layer, p0, now, _new_gen(IS, S_PINGEN), IS, FS, DI, A, P)
@@ -837,7 +846,8 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
         t += _ffn(lo + i, p, IS, DF, A)
         if timed:
             _advance(t, IS, FS)
-        IS[IS[H_KI] + _key(lo + i, IS, A) * K_NKI + K_PEND] = 0  # expert i has run
+        if IS[C_EV] == EV_LS:
+            IS[IS[H_KI] + _key(lo + i, IS, A) * K_NKI + K_PEND] = 0  # expert i has run
         if IS[S_WN]:
             pins = _new_gen(IS, S_PINGEN)
             if i + 1 < n:
