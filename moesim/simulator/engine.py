@@ -294,105 +294,105 @@ class Simulation:
 
     # -- the compute-stream process -------------------------------------------------------
     def _run(self) -> Generator[simpy.Event, Any, None]:
-        """Forward passes on the compute stream. Per layer: non-expert compute; at the routing
-        point the experts are looked up (:class:`simulator.lookup.LayerLookup`, the one lookup
-        path) and the prefetcher's proposals are queued (:meth:`_propose`); the experts run as
-        ``expert_compute`` says. Cache-only replay makes the same decisions at zero cost."""
-        env = self.env
-        wl = self.wl
+        """Forward passes on the compute stream. Per layer: non-expert compute, then from the
+        routing point :meth:`_layer` (lookups, proposals, expert compute); per pass one row
+        (:meth:`_end_pass`). Cache-only replay makes the same decisions at zero cost."""
+        env, clock = self.env, self.clock
         num_l = self.model.num_layers
-        mode = self.scenario.expert_compute
-        per_expert = mode == "per-expert"
-        on_arrival = mode == "on-arrival"
-        off = wl.off.tolist()
-        clock = self.clock
-        copy = self.copy
-        advance = copy.advance
-        prefetching = self.prefetch.active
-        cols = self._cols
-        layer_log = self.layer_log
-        progress = self.progress
-        general = self.general
-        evicted = self._evicted
+        off = self.wl.off.tolist()
         self._prepare_costs()
-        n_pass = wl.num_passes
+        n_pass = self.wl.num_passes
         report_every = max(1, n_pass // 200)
-        nonexp = self._nonexp
         carry = 0.0
         for p in range(n_pass):
             clock.pass_index = p
             self._t_start[p] = env.now
-            evicted.clear()
-            row = PassRow()
-            self.row = row
-            bytes0 = copy.bytes_moved
-            base = p * num_l
-            ne = nonexp[p]
+            self._evicted.clear()
+            self.row = PassRow()
+            bytes0 = self.copy.bytes_moved
+            ne = self._nonexp[p]
             for layer in range(num_l):
-                delay = carry + ne
+                delay = carry + ne  # the previous layer's experts, then this one's attention
                 if delay > 0:
                     yield env.timeout(delay)
                 carry = 0.0
-                lo = off[base + layer]
-                hi = off[base + layer + 1]
-                if lo == hi:
-                    continue  # no routing for this (pass, layer): the layer is skipped
-                now = env.now
-                advance(now)
-                clock.now = now
-                clock.layer = layer
-                look = LayerLookup(self, p, layer, lo, hi, row, evicted)
-                clock.pending = set(look.keys)
-                if self._pf_pending or self._waiting or self._admitted:
-                    self._withdraw(layer, look.keys)
-                st0 = row.stall
-                if per_expert:
-                    if prefetching:
-                        self._propose(p, layer, now)
-                    end = self._per_expert(look, now)
-                else:
-                    pinned = set(look.keys)
-                    runs: list[Run] = []
-                    for i in range(len(look)):
-                        runs.extend(look.lookup(i, pinned, now))
-                    if prefetching:
-                        self._propose(p, layer, now, pinned)
-                    end = self._compute(look.finish(runs), now, on_arrival)
-                    clock.pending = set()
-                    if self.decisions is not None:
-                        self.decisions.append((p, layer, "run", -1))
-                    if self._waiting:  # the layer's pins are released
-                        advance(end)
-                        clock.now = end
-                        self._admit(end, _NO_PINS)
-                carry = end - now
-                if layer_log is not None and self._recording():
-                    layer_log.append((p, layer, now - ne, now, now + row.stall - st0, end))
-                    assert self.occupancy is not None
-                    self.occupancy.append((now, self.cache.used))
+                lo, hi = off[p * num_l + layer], off[p * num_l + layer + 1]
+                if lo < hi:  # else no routing for this (pass, layer): the layer is skipped
+                    carry = self._layer(p, layer, lo, hi, env.now, ne) - env.now
             if carry > 0:
                 yield env.timeout(carry)
                 carry = 0.0
-            advance(env.now)
-            self._t_end[p] = env.now
-            self._stall[p] = row.stall
-            for name, value in (("hits", row.hits), ("misses", row.misses), ("late_prefetches", row.late),
-                                ("collision_misses", row.collisions), ("uncached_fetches", row.uncached),
-                                ("bytes", copy.bytes_moved - bytes0), ("prefetches_issued", row.pf_issued),
-                                ("prefetches_used", row.pf_used), ("prefetch_predicted_hits", row.pred_hits),
-                                ("prefetch_predicted", row.pred_total), ("prefetch_actual", row.actual_total),
-                                ("prefetches_cancelled", row.pf_cancelled),
-                                ("low_precision_experts", row.low_precision),
-                                ("dropped_experts", row.dropped), ("substituted_experts", row.substituted),
-                                ("tokens_altered", len(row.altered)), ("unique_computed", row.unique)):
-                cols[name][p] = value
-            if general:
-                self._mass_total[p] = row.mass_total
-                self._mass_kept[p] = row.mass_kept
-            if progress is not None and (p + 1) % report_every == 0:
-                progress(p + 1, n_pass)
-        if progress is not None:
-            progress(n_pass, n_pass)
+            self._end_pass(p, bytes0)
+            if self.progress is not None and (p + 1) % report_every == 0:
+                self.progress(p + 1, n_pass)
+        if self.progress is not None:
+            self.progress(n_pass, n_pass)
+
+    def _layer(self, p: int, layer: int, lo: int, hi: int, now: float, ne: float) -> float:
+        """One layer from its routing point ``now``: the experts are looked up
+        (:class:`simulator.lookup.LayerLookup`, the one lookup path), proposals for it still
+        waiting or queued are withdrawn, the prefetcher's proposals are queued
+        (:meth:`_propose`) and the experts run as ``expert_compute`` says. Returns the layer's
+        end."""
+        clock, row = self.clock, self.row
+        self.copy.advance(now)
+        clock.now = now
+        clock.layer = layer
+        look = LayerLookup(self, p, layer, lo, hi, row, self._evicted)
+        clock.pending = set(look.keys)
+        if self._pf_pending or self._waiting or self._admitted:
+            self._withdraw(layer, look.keys)
+        st0 = row.stall
+        if self.scenario.expert_compute == "per-expert":
+            if self.prefetch.active:
+                self._propose(p, layer, now)
+            end = self._per_expert(look, now)
+        else:
+            end = self._fused(look, p, layer, now)
+        if self.layer_log is not None and self._recording():
+            self.layer_log.append((p, layer, now - ne, now, now + row.stall - st0, end))
+            assert self.occupancy is not None
+            self.occupancy.append((now, self.cache.used))
+        return end
+
+    def _fused(self, look: LayerLookup, p: int, layer: int, now: float) -> float:
+        """``layer`` and ``on-arrival`` execution: every expert looked up under the layer's
+        pins, the proposals queued, the experts run (:meth:`_compute`); then the pins are
+        released and waiting proposals admitted. Returns the layer's end."""
+        pinned = set(look.keys)
+        runs: list[Run] = []
+        for i in range(len(look)):
+            runs.extend(look.lookup(i, pinned, now))
+        if self.prefetch.active:
+            self._propose(p, layer, now, pinned)
+        end = self._compute(look.finish(runs), now, self.scenario.expert_compute == "on-arrival")
+        self.clock.pending = set()
+        if self.decisions is not None:
+            self.decisions.append((p, layer, "run", -1))
+        if self._waiting:  # the layer's pins are released
+            self.copy.advance(end)
+            self.clock.now = end
+            self._admit(end, _NO_PINS)
+        return end
+
+    def _end_pass(self, p: int, bytes0: int) -> None:
+        """The pass's row: its end, stall and counts (the only place they are written)."""
+        row = self.row
+        self.copy.advance(self.env.now)
+        self._t_end[p] = self.env.now
+        self._stall[p] = row.stall
+        for name, value in (("hits", row.hits), ("misses", row.misses), ("late_prefetches", row.late),
+                            ("collision_misses", row.collisions), ("uncached_fetches", row.uncached),
+                            ("bytes", self.copy.bytes_moved - bytes0), ("prefetches_issued", row.pf_issued),
+                            ("prefetches_used", row.pf_used), ("prefetch_predicted_hits", row.pred_hits),
+                            ("prefetch_predicted", row.pred_total), ("prefetch_actual", row.actual_total),
+                            ("prefetches_cancelled", row.pf_cancelled), ("low_precision_experts", row.low_precision),
+                            ("dropped_experts", row.dropped), ("substituted_experts", row.substituted),
+                            ("tokens_altered", len(row.altered)), ("unique_computed", row.unique)):
+            self._cols[name][p] = value
+        if self.general:
+            self._mass_total[p] = row.mass_total
+            self._mass_kept[p] = row.mass_kept
 
     def _compute(self, runs: list[Run], now: float, on_arrival: bool) -> float:
         """``layer`` execution: the experts run once all have arrived, back to back (a fused
