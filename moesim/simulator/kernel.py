@@ -102,7 +102,7 @@ F_SCORE, F_NEXTUSE, F_NKF = range(3)
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE,
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
- H_PENDMAX, I_HEADER) = range(77)
+ H_PENDMAX, H_LSQ, I_HEADER) = range(78)
 R_FIRST, R_COUNT = R_HITS, R_UNIQUE + 1 - R_HITS
 # The float state FS: scalars, configuration, then per-key fields, transfer times, scratch.
 SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, CF_CAP, CF_DUR, CF_DECAY, F_HEADER = range(9)
@@ -170,28 +170,105 @@ def _credit(key, ai, IS, FS, A):
 
 
 @njit(cache=True)
-def _list_append(key, IS):
-    tail = IS[S_TAIL]
+def _list_append(key, head, IS):
+    """Append ``key`` to the list whose head and tail are ``IS[head]``, ``IS[head + 1]``."""
+    tail = IS[head + 1]
     IS[IS[H_KI] + key * K_NKI + K_PREV] = tail
     IS[IS[H_KI] + key * K_NKI + K_NEXT] = -1
     if tail == -1:
-        IS[S_HEAD] = key
+        IS[head] = key
     else:
         IS[IS[H_KI] + tail * K_NKI + K_NEXT] = key
-    IS[S_TAIL] = key
+    IS[head + 1] = key
 
 
 @njit(cache=True)
-def _list_unlink(key, IS):
+def _list_unlink(key, head, IS):
     prv, nxt = IS[IS[H_KI] + key * K_NKI + K_PREV], IS[IS[H_KI] + key * K_NKI + K_NEXT]
     if prv == -1:
-        IS[S_HEAD] = nxt
+        IS[head] = nxt
     else:
         IS[IS[H_KI] + prv * K_NKI + K_NEXT] = nxt
     if nxt == -1:
-        IS[S_TAIL] = prv
+        IS[head + 1] = prv
     else:
         IS[IS[H_KI] + nxt * K_NKI + K_PREV] = prv
+
+
+@njit(cache=True)
+def _ls_list(key, IS):
+    """Least-stale: the head slot of ``key``'s queue (current if touched in this pass, else
+    stale) for its layer; each such list is in insertion order."""
+    current = IS[IS[H_KI] + key * K_NKI + K_CURPASS] == IS[S_PASS]
+    return IS[H_LSQ] + 2 * (current * IS[C_L] + key // IS[C_DIV])
+
+
+@njit(cache=True)
+def _ls_roll(IS):
+    """Least-stale, at a new pass: every layer's current list joins the end of its stale
+    list (the SimPy policy's ``_roll``)."""
+    num_l = IS[C_L]
+    for layer in range(num_l):
+        stale = IS[H_LSQ] + 2 * layer
+        cur = IS[H_LSQ] + 2 * (num_l + layer)
+        first = IS[cur]
+        if first == -1:
+            continue
+        if IS[stale + 1] == -1:
+            IS[stale] = first
+        else:
+            IS[IS[H_KI] + IS[stale + 1] * K_NKI + K_NEXT] = first
+            IS[IS[H_KI] + first * K_NKI + K_PREV] = IS[stale + 1]
+        IS[stale + 1] = IS[cur + 1]
+        IS[cur] = -1
+        IS[cur + 1] = -1
+
+
+@njit(cache=True)
+def _ls_first(head, pin_gen, adm_layer, pending, IS):
+    """The first eligible key of a least-stale list; ``pending``: 0 only keys not pending,
+    1 only pending keys, 2 any."""
+    key = IS[head]
+    while key != -1:
+        if _eligible(key, pin_gen, adm_layer, IS) and (
+                pending == 2 or (IS[IS[H_KI] + key * K_NKI + K_PEND] == IS[S_PENDGEN]) == (pending == 1)):
+            return key
+        key = IS[IS[H_KI] + key * K_NKI + K_NEXT]
+    return -1
+
+
+@njit(cache=True)
+def _ls_victim(for_prefetch, pin_gen, adm_layer, IS):
+    """Least-stale's victim: the stale queue, then (unless an optional prefetch may not evict
+    current experts) the current one; per queue the layers in the policy's order (relative:
+    layers already passed, the current layer's experts not pending, upcoming layers farthest
+    first, the current layer's pending experts; absolute: layer 0 first), FIFO within."""
+    num_l = IS[C_L]
+    cur = IS[S_LAYER]
+    queues = 1 if for_prefetch and not IS[C_LS_PFCUR] else 2
+    for q in range(queues):
+        base = IS[H_LSQ] + 2 * q * num_l
+        if not IS[C_LS_REL]:
+            for layer in range(num_l):
+                v = _ls_first(base + 2 * layer, pin_gen, adm_layer, 2, IS)
+                if v != -1:
+                    return v
+            continue
+        for layer in range(cur):
+            v = _ls_first(base + 2 * layer, pin_gen, adm_layer, 2, IS)
+            if v != -1:
+                return v
+        v = _ls_first(base + 2 * cur, pin_gen, adm_layer, 0, IS)
+        if v != -1:
+            return v
+        for layer in range(num_l - 1, cur, -1):
+            v = _ls_first(base + 2 * layer, pin_gen, adm_layer, 2, IS)
+            if v != -1:
+                return v
+        v = _ls_first(base + 2 * cur, pin_gen, adm_layer, 1, IS)
+        if v != -1:
+            return v
+    return -1
 
 
 @njit(cache=True)
@@ -206,7 +283,11 @@ def _on_insert(key, demand, ai, IS, FS, DI, A):
     policies keep a list in order; the others the members their victim search scans."""
     ev = IS[C_EV]
     if ev in (EV_LRU, EV_FIFO):
-        _list_append(key, IS)
+        _list_append(key, S_HEAD, IS)
+        return
+    if ev == EV_LS:
+        IS[IS[H_KI] + key * K_NKI + K_CURPASS] = IS[S_PASS]
+        _list_append(key, _ls_list(key, IS), IS)
         return
     n = IS[S_MEMBN]
     IS[IS[H_MEMB] + n] = key
@@ -221,8 +302,6 @@ def _on_insert(key, demand, ai, IS, FS, DI, A):
             _credit(key, ai, IS, FS, A)
     elif ev == EV_BELADY:
         FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
-    elif ev == EV_LS:
-        IS[IS[H_KI] + key * K_NKI + K_CURPASS] = IS[S_PASS]
     elif ev == EV_LHU and demand and IS[C_PREC0]:
         IS[IS[H_KI] + key * K_NKI + K_COUNT] += 1
 
@@ -232,8 +311,8 @@ def _on_access(key, ai, IS, FS, DI, A):
     """The policy's ``on_access``: a hit or a late prefetch used ``key``."""
     ev = IS[C_EV]
     if ev == EV_LRU:
-        _list_unlink(key, IS)
-        _list_append(key, IS)
+        _list_unlink(key, S_HEAD, IS)
+        _list_append(key, S_HEAD, IS)
     elif ev == EV_FIFO:
         return
     elif ev == EV_LFU:
@@ -251,14 +330,18 @@ def _on_access(key, ai, IS, FS, DI, A):
     elif ev == EV_BELADY:
         FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
     elif ev == EV_LS and IS[IS[H_KI] + key * K_NKI + K_CURPASS] != IS[S_PASS]:
+        _list_unlink(key, _ls_list(key, IS), IS)  # stale -> current
         IS[IS[H_KI] + key * K_NKI + K_CURPASS] = IS[S_PASS]
-        _stamp(key, IS)
+        _list_append(key, _ls_list(key, IS), IS)
 
 
 @njit(cache=True)
 def _on_remove(key, IS):
     if IS[C_EV] in (EV_LRU, EV_FIFO):
-        _list_unlink(key, IS)
+        _list_unlink(key, S_HEAD, IS)
+        return
+    if IS[C_EV] == EV_LS:
+        _list_unlink(key, _ls_list(key, IS), IS)
         return
     i = IS[IS[H_KI] + key * K_NKI + K_MEMB]
     last = IS[IS[H_MEMB] + IS[S_MEMBN] - 1]
@@ -321,14 +404,13 @@ def _victim(for_prefetch, pin_gen, adm_layer, IS, FS):
                 return key
             key = IS[IS[H_KI] + key * K_NKI + K_NEXT]
         return -1
-    stale_only = ev == EV_LS and for_prefetch and not IS[C_LS_PFCUR]
+    if ev == EV_LS:
+        return _ls_victim(for_prefetch, pin_gen, adm_layer, IS)
     best = -1
     bf, bi, bs = 0.0, 0, 0
     for j in range(IS[S_MEMBN]):
         key = IS[IS[H_MEMB] + j]
         if not _eligible(key, pin_gen, adm_layer, IS):
-            continue
-        if stale_only and IS[IS[H_KI] + key * K_NKI + K_CURPASS] == IS[S_PASS]:
             continue
         f, i, s = _order(key, IS, FS)
         if best == -1 or f < bf or (f == bf and (i < bi or (i == bi and s < bs))):
@@ -868,6 +950,8 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, nonexp, cols, t_start, t_end, st
     now = FS[SF_NOW]
     carry = FS[SF_CARRY]
     for p in range(p0, p1):
+        if p > 0 and IS[C_EV] == EV_LS:
+            _ls_roll(IS)
         IS[S_PASS] = p
         t_start[p] = now
         bytes0 = IS[S_BYTES]
@@ -981,7 +1065,8 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int) -> tuple[np.ndar
     """The state arrays, initialised: regions after the headers, their offsets in ``IS``."""
     i_sizes = ((H_KI, num_keys * K_NKI), (H_TI, pool * T_NTI), (H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
                (H_FREE, pool), (H_WQ, num_keys), (H_PENDA, pend_max * 3), (H_MEMB, num_keys),
-               (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys), (H_RUNS, 2 * max(1, maxn)))
+               (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys), (H_RUNS, 2 * max(1, maxn)),
+               (H_LSQ, 4 * num_keys))
     f_sizes = ((H_KF, num_keys * F_NKF), (H_TF, pool * T_NTF), (H_SCR, 2 * max(1, maxn)))
     n_i, n_f = I_HEADER, F_HEADER
     offsets = {}
@@ -1003,6 +1088,7 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int) -> tuple[np.ndar
         ki[:, col] = -1
     IS[IS[H_FREE]:IS[H_FREE] + pool] = np.arange(pool - 1, -1, -1)
     IS[IS[H_LGEN]:IS[H_LGEN] + num_keys] = 1
+    IS[IS[H_LSQ]:IS[H_LSQ] + 4 * num_keys] = -1
     return IS, FS
 
 
