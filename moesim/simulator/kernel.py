@@ -946,6 +946,7 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, nonexp, cols, t_start, t_end, st
     the routing point's lookups and proposals, expert compute; per pass, one row."""
     IS, FS, DI, DF = _borrow(IS), _borrow(FS), _borrow(DI), _borrow(DF)
     A = (_borrow(A[0]), _borrow(A[1]), _borrow(A[2]), _borrow(A[3]))
+    P = (_borrow(P[0]), _borrow(P[1]))
     num_l = IS[C_L]
     now = FS[SF_NOW]
     carry = FS[SF_CARRY]
