@@ -288,3 +288,35 @@ def test_only_static_pin_admits_experts_before_the_replay(name):
     else:
         assert pinned == []
     assert sim.preloaded == len(pinned)
+
+
+def test_proposal_arrays_equal_the_proposals_of_every_pass_and_layer():
+    """What the compiled kernel reads (``PrefetchPolicy.proposals``): int64 offsets, one per
+    (pass, layer) of the range + 1, and int64 keys, for ranges starting at 0, inside the
+    trace and empty. Score-percentile against its pass-by-pass definition; next-gate-topk
+    (the default, from ``propose``) against its proposals."""
+    from moesim.policies.prefetch import ScorePercentile
+
+    rng = np.random.default_rng(7)
+    model = small_model(layers=3, experts=64, top_k=2)
+    ex = rng.integers(0, 32, size=(2, 6, 3, 1)) * 2 + np.array([0, 1])
+    base = trace_from_array(model, ex)
+    pred = (np.round(rng.random((len(base), 64)) * 4) / 4).astype(np.float32)
+    cols = {c: getattr(base, c) for c in ("request", "step", "position", "phase", "layer", "experts", "weights")}
+    t = Trace(model=model, pred_next=pred, **cols)
+    expected = reference_percentile(t, 2, 70.0)
+    sp = policy(t, {"name": "score-percentile", "percentile": 70.0}, batch=2)
+    topk = policy(t, {"name": "next-gate-topk", "overfetch": 1.5}, batch=2)
+    assert isinstance(sp, ScorePercentile)
+    for first, last in ((0, 4), (2, 6), (3, 3), (6, 6)):
+        for pol, want in ((sp, lambda p, layer: expected[(p, layer)]), (topk, lambda p, layer: list(topk.propose(p, layer)))):
+            off, keys = pol.proposals(first, last)
+            assert off.dtype == np.int64
+            assert keys.dtype == np.int64
+            assert off.shape == ((last - first) * 3 + 1,)
+            assert off[0] == 0
+            assert off[-1] == len(keys)
+            got = {(p, layer): keys[off[(p - first) * 3 + layer]:off[(p - first) * 3 + layer + 1]].tolist()
+                   for p in range(first, last) for layer in range(3)}
+            assert got == {(p, layer): want(p, layer) for p in range(first, last) for layer in range(3)}
+    assert sum(len(v) for v in expected.values()) > 0

@@ -52,6 +52,31 @@ TESTS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
+    # prefetch proposals as arrays (the compiled kernel's)
+    'moesim.policies.prefetch.xǁScorePercentileǁ__init____mutmut_16':
+        'the initial arrays are never read: the planned range starts empty, so the first proposal plans before reading them',
+    'moesim.policies.prefetch.xǁScorePercentileǁ__init____mutmut_18':
+        'the initial arrays are never read: the planned range starts empty, so the first proposal plans before reading them',
+    'moesim.policies.prefetch.xǁScorePercentileǁ__init____mutmut_19':
+        'the initial arrays are never read: the planned range starts empty, so the first proposal plans before reading them',
+    'moesim.policies.prefetch.xǁScorePercentileǁ__init____mutmut_20':
+        'the initial arrays are never read: the planned range starts empty, so the first proposal plans before reading them',
+    'moesim.policies.prefetch.xǁScorePercentileǁ__init____mutmut_22':
+        'the initial arrays are never read: the planned range starts empty, so the first proposal plans before reading them',
+    'moesim.policies.prefetch.xǁScorePercentileǁ__init____mutmut_24':
+        'the initial arrays are never read: the planned range starts empty, so the first proposal plans before reading them',
+    'moesim.policies.prefetch.xǁScorePercentileǁ__init____mutmut_25':
+        'the initial arrays are never read: the planned range starts empty, so the first proposal plans before reading them',
+    'moesim.policies.prefetch.xǁScorePercentileǁproposals__mutmut_48':
+        "reduceat's default axis is 0",
+    'moesim.policies.prefetch.xǁScorePercentileǁproposals__mutmut_53':
+        "scores multiplied instead of divided by the (pass, layer)'s token count: one positive factor per row keeps the scores' order and the percentile threshold's place among them",
+    'moesim.policies.prefetch.xǁScorePercentileǁproposals__mutmut_85':
+        "argsort's default axis is the last, here 1",
+    'moesim.policies.prefetch.xǁScorePercentileǁproposals__mutmut_90':
+        "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
+    'moesim.policies.prefetch.xǁPrefetchPolicyǁproposals__mutmut_29':
+        "fromiter's count only preallocates: without it the same keys come out",
     "moesim.simulator.cache.xǁExpertCacheǁpreload__mutmut_13":
         "on_insert(key, None) for on_insert(key, False): every policy only tests `if demand`, and None is false",
     "moesim.simulator.cache.xǁExpertCacheǁpreload__mutmut_16":
