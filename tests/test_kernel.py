@@ -221,3 +221,13 @@ def test_the_kernel_source_runs_as_plain_python(tmp_path):
     assert r[0] == "simpy"
     assert p[1:] == r[1:]
     assert np.sum(p[2]) > 0
+
+
+def test_without_numba_the_simpy_path_runs(tiny, monkeypatch):
+    """The kernel's source as plain Python is slower than the SimPy path, so a Python without
+    numba wheels replays on SimPy and says so."""
+    from moesim.simulator import kernel
+
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    monkeypatch.setattr(kernel, "HAVE_NUMBA", False)
+    assert path_of(scenario(), tiny) == ("simpy", "numba is not installed")
