@@ -53,6 +53,10 @@ TESTS: dict[str, list[str]] = {
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
     # prefetch proposals as arrays (the compiled kernel's)
+    'moesim.policies.prefetch.xǁScorePercentileǁproposals__mutmut_6':
+        "per-(pass, layer) counts as float64 instead of int64: small integers, held exactly, and cumsum writes them into the int64 offsets",
+    'moesim.policies.prefetch.xǁScorePercentileǁproposals__mutmut_8':
+        "per-(pass, layer) counts as float64 instead of int64: small integers, held exactly, and cumsum writes them into the int64 offsets",
     'moesim.policies.prefetch.xǁScorePercentileǁ__init____mutmut_16':
         'the initial arrays are never read: the planned range starts empty, so the first proposal plans before reading them',
     'moesim.policies.prefetch.xǁScorePercentileǁ__init____mutmut_18':
