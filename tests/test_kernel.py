@@ -231,3 +231,20 @@ def test_without_numba_the_simpy_path_runs(tiny, monkeypatch):
     monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
     monkeypatch.setattr(kernel, "HAVE_NUMBA", False)
     assert path_of(scenario(), tiny) == ("simpy", "numba is not installed")
+
+
+def test_the_run_summary_names_the_replay_path(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from moesim.cli import cli
+
+    runner = CliRunner()
+    args = ["run", "quickstart", "--set", "workload.trace.synth.tokens=5", "--out"]
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    fast = runner.invoke(cli, [*args, str(tmp_path / "a")])
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+    slow = runner.invoke(cli, [*args, str(tmp_path / "b")])
+    assert fast.exit_code == slow.exit_code == 0, fast.output + slow.output
+    assert "│ replay_path" in fast.output
+    assert "kernel" in fast.output.split("│ replay_path")[1].splitlines()[0]
+    assert "simpy (MOESIM_NO_KERNEL is set)" in slow.output.split("│ replay_path")[1].splitlines()[0]

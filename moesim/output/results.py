@@ -91,6 +91,9 @@ def summary_table(result: Result, title: str) -> Any:
     for key in SUMMARY_ROWS:
         if key in result.summary and not (key in ("gpus", "max_experts_per_gpu") and result.summary.get("gpus", 1) == 1):
             table.add_row(key, _fmt(result.summary[key], key))
+    if "replay_path" in result.summary:  # which replay ran: the compiled kernel, or SimPy and why
+        why = result.summary.get("replay_path_reason")
+        table.add_row("replay_path", result.summary["replay_path"] + (f" ({why})" if why else ""))
     if "warning" in result.summary:
         table.add_row("warning", result.summary["warning"])
     return table
