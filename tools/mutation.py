@@ -52,6 +52,11 @@ TESTS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
+    # the workload's distinct experts per (pass, layer)
+    'moesim.simulator.workload.x__accesses__mutmut_7': "reshape's -2 is read as the unknown dimension, like -1",
+    'moesim.simulator.workload.x__accesses__mutmut_14': "reshape's -2 is read as the unknown dimension, like -1",
+    'moesim.simulator.workload.x__accesses__mutmut_59': "np.empty's default dtype is float64",
+    'moesim.simulator.workload.x__accesses__mutmut_61': "np.empty's default dtype is float64",
     # prefetch proposals as arrays (the compiled kernel's)
     'moesim.policies.prefetch.xǁScorePercentileǁproposals__mutmut_6':
         "per-(pass, layer) counts as float64 instead of int64: small integers, held exactly, and cumsum writes them into the int64 offsets",
