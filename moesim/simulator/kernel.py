@@ -364,7 +364,8 @@ def _on_remove(key, IS):
 
 @njit(cache=True)
 def _order(key, IS, FS):
-    """The policy's candidate order of ``key`` as (float, int, stamp): smaller goes first."""
+    """The candidate order of ``key`` for the policies whose victim is the smallest over the
+    cached experts (lfu, fld, score, lhu, belady), as (float, int, stamp)."""
     ev = IS[C_EV]
     stamp = IS[IS[H_KI] + key * K_NKI + K_STAMP]
     if ev == EV_LFU:
@@ -375,25 +376,8 @@ def _order(key, IS, FS):
         return FS[IS[H_KF] + key * F_NKF + F_SCORE], 0, stamp
     if ev == EV_LHU:
         return 0.0, (IS[IS[H_KI] + key * K_NKI + K_COUNT] + 1) if IS[C_PREC0] else 0, stamp
-    if ev == EV_BELADY:
-        return -FS[IS[H_KF] + key * F_NKF + F_NEXTUSE], 0, stamp
-    # least-stale: stale queue, then current; per queue the layer order, then FIFO
-    num_l = IS[C_L]
-    layer = key // IS[C_DIV]
-    queue = 1 if IS[IS[H_KI] + key * K_NKI + K_CURPASS] == IS[S_PASS] else 0
-    if IS[C_LS_REL]:
-        cur = IS[S_LAYER]
-        if layer < cur:
-            rank = layer
-        elif layer > cur:
-            rank = cur + num_l - layer
-        elif IS[IS[H_KI] + key * K_NKI + K_PEND] == IS[S_PENDGEN]:
-            rank = num_l + 1
-        else:
-            rank = cur
-    else:
-        rank = layer
-    return 0.0, queue * (num_l + 2) + rank, stamp
+    # belady (least-stale and the recency policies walk their lists instead)
+    return -FS[IS[H_KF] + key * F_NKF + F_NEXTUSE], 0, stamp
 
 
 @njit(cache=True)
