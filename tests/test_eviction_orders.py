@@ -233,3 +233,46 @@ def test_random_evicts_in_the_order_of_its_own_seeded_generator():
     rng = np.random.default_rng([0, 0])
     assert list(p.candidates()) == [keys[i] for i in rng.permutation(4)]
     assert list(p.candidates()) == [keys[i] for i in rng.permutation(4)]
+
+
+def three_layer_trace(passes: int = 4):
+    model = small_model(layers=3, experts=4, top_k=1)
+    return trace_from_array(model, np.zeros((1, passes, 3, 1), dtype=np.int64))
+
+
+def test_least_stale_rolls_the_current_queue_when_a_new_pass_asks_first():
+    """z (layer 2) enters in pass 0; y (layer 0) in pass 1, which makes z stale. In pass 2
+    at layer 1, before any other event, both are stale: layers already passed first (y),
+    then the upcoming ones farthest first (z). An optional prefetch may evict both (both
+    stale). Without the roll y would still be current: evicted after z, and never for a
+    prefetch."""
+    pol, clock = policy_for(three_layer_trace(), "least-stale")
+    y, z = key(0, 1), key(2, 3)
+    at(clock, 0, 2)
+    pol.on_insert(z, True)
+    at(clock, 1, 0)
+    pol.on_insert(y, True)
+    at(clock, 2, 1)
+    assert list(pol.prefetch_candidates()) == [y, z]
+    pol2, clock2 = policy_for(three_layer_trace(), "least-stale")
+    at(clock2, 0, 2)
+    pol2.on_insert(z, True)
+    at(clock2, 1, 0)
+    pol2.on_insert(y, True)
+    at(clock2, 2, 1)
+    assert list(pol2.candidates()) == [y, z]
+
+
+def test_least_stale_puts_the_current_layers_pending_experts_last():
+    """per-expert execution at layer 1: a and b are layer 1's experts (a still to run, b
+    has run), c is at layer 0 and d at layer 2, all stale. Relative order: layers passed (c),
+    the current layer's experts that have run (b), upcoming layers farthest first (d), the
+    current layer's experts still to run (a)."""
+    pol, clock = policy_for(three_layer_trace(), "least-stale")
+    a, b, c, d = key(1, 0), key(1, 1), key(0, 2), key(2, 3)
+    at(clock, 0, 0)
+    for k in (a, b, c, d):
+        pol.on_insert(k, True)
+    at(clock, 1, 1)
+    clock.pending = {a}
+    assert list(pol.candidates()) == [c, b, d, a]
