@@ -276,3 +276,19 @@ def test_least_stale_puts_the_current_layers_pending_experts_last():
     at(clock, 1, 1)
     clock.pending = {a}
     assert list(pol.candidates()) == [c, b, d, a]
+
+
+def test_least_stale_makes_a_use_in_a_new_pass_current():
+    """a then b enter layer 0's current queue in pass 0. The first event of pass 1 is a use
+    of a: the queues roll (both stale), then a becomes current again. At layer 1 the stale b
+    goes first, then a. (Were the use ignored because a was current in pass 0, both would
+    be stale after the roll: a first.)"""
+    pol, clock = policy_for(three_layer_trace(), "least-stale")
+    a, b = key(0, 0), key(0, 1)
+    at(clock, 0, 0)
+    pol.on_insert(a, True)
+    pol.on_insert(b, True)
+    at(clock, 1, 0)
+    pol.on_access(a)
+    at(clock, 1, 1)
+    assert list(pol.candidates()) == [b, a]
