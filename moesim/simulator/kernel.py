@@ -256,29 +256,21 @@ def _ls_victim(for_prefetch, pin_gen, adm_layer, IS):
     first, the current layer's pending experts; absolute: layer 0 first), FIFO within."""
     num_l = IS[C_L]
     cur = IS[S_LAYER]
+    relative = IS[C_LS_REL]
     queues = 1 if for_prefetch and not IS[C_LS_PFCUR] else 2
     for q in range(queues):
         base = IS[H_LSQ] + 2 * q * num_l
-        if not IS[C_LS_REL]:
-            for layer in range(num_l):
-                v = _ls_first(base + 2 * layer, pin_gen, adm_layer, 2, IS)
-                if v != -1:
-                    return v
-            continue
-        for layer in range(cur):
-            v = _ls_first(base + 2 * layer, pin_gen, adm_layer, 2, IS)
+        for step in range(num_l + 1 if relative else num_l):
+            layer, pending = step, 2  # absolute, and relative before the current layer
+            if relative and step == cur:
+                pending = 0  # the current layer's experts that have run
+            elif relative and step == num_l:
+                layer, pending = cur, 1  # ... and last those still to run
+            elif relative and step > cur:
+                layer = num_l + cur - step  # upcoming layers, farthest first
+            v = _ls_first(base + 2 * layer, pin_gen, adm_layer, pending, IS)
             if v != -1:
                 return v
-        v = _ls_first(base + 2 * cur, pin_gen, adm_layer, 0, IS)
-        if v != -1:
-            return v
-        for layer in range(num_l - 1, cur, -1):
-            v = _ls_first(base + 2 * layer, pin_gen, adm_layer, 2, IS)
-            if v != -1:
-                return v
-        v = _ls_first(base + 2 * cur, pin_gen, adm_layer, 1, IS)
-        if v != -1:
-            return v
     return -1
 
 
