@@ -246,21 +246,19 @@ def test_least_stale_rolls_the_current_queue_when_a_new_pass_asks_first():
     then the upcoming ones farthest first (z). An optional prefetch may evict both (both
     stale). Without the roll y would still be current: evicted after z, and never for a
     prefetch."""
-    pol, clock = policy_for(three_layer_trace(), "least-stale")
     y, z = key(0, 1), key(2, 3)
-    at(clock, 0, 2)
-    pol.on_insert(z, True)
-    at(clock, 1, 0)
-    pol.on_insert(y, True)
-    at(clock, 2, 1)
-    assert list(pol.prefetch_candidates()) == [y, z]
-    pol2, clock2 = policy_for(three_layer_trace(), "least-stale")
-    at(clock2, 0, 2)
-    pol2.on_insert(z, True)
-    at(clock2, 1, 0)
-    pol2.on_insert(y, True)
-    at(clock2, 2, 1)
-    assert list(pol2.candidates()) == [y, z]
+
+    def z_then_y():
+        pol, clock = policy_for(three_layer_trace(), "least-stale")
+        at(clock, 0, 2)
+        pol.on_insert(z, True)
+        at(clock, 1, 0)
+        pol.on_insert(y, True)
+        at(clock, 2, 1)
+        return pol
+
+    assert list(z_then_y().prefetch_candidates()) == [y, z]
+    assert list(z_then_y().candidates()) == [y, z]
 
 
 def test_least_stale_puts_the_current_layers_pending_experts_last():
