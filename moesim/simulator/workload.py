@@ -64,8 +64,6 @@ class Workload:
     weight_total: np.ndarray
     row_order: np.ndarray | None = None
     row_off: np.ndarray | None = None
-    probs: np.ndarray | None = None
-    pred_next: np.ndarray | None = None
     trace: Trace | None = None
     pass_generated: np.ndarray | None = None  # tokens each pass produces (verify: accepted + 1)
 
@@ -76,6 +74,16 @@ class Workload:
         assert self.row_off is not None
         b = pass_index * self.model.num_layers + layer
         return self.row_order[int(self.row_off[b]):int(self.row_off[b + 1])]
+
+    @property
+    def probs(self) -> np.ndarray | None:
+        """The trace's full router probabilities per row, when it has them."""
+        return self.trace.probs if self.trace is not None else None
+
+    @property
+    def pred_next(self) -> np.ndarray | None:
+        """The trace's predicted next-layer router probabilities per row, when it has them."""
+        return self.trace.pred_next if self.trace is not None else None
 
     @property
     def num_passes(self) -> int:
@@ -311,5 +319,5 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
         request_group=req_group,
         request_first_pass=first_pass, weight_total=weight_total,
         row_order=order, row_off=np.searchsorted(pl, np.arange(n_pass * num_l + 1), side="left"),
-        probs=trace.probs, pred_next=trace.pred_next, trace=trace,
+        trace=trace,
     )
