@@ -43,6 +43,7 @@ atomic reference counting of array arguments took half of the run time.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any
@@ -1003,7 +1004,9 @@ def _finish(IS, FS, DI, DF, A):
 
 
 # -- dispatch --------------------------------------------------------------------------------------
+@functools.cache
 def _policy_codes() -> tuple[dict[Any, int], dict[Any, int]]:
+    """The built-in policy classes with a kernel form, and their codes (made once)."""
     from moesim.policies import eviction as ev
     from moesim.policies import prefetch as pf
 
