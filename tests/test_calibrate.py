@@ -75,6 +75,13 @@ def test_profile_expert_table_drives_the_cost_model(tmp_path):
     cost = CostModel(sc.hardware, m, m.expert_bytes["bf16"])
     got = cost.expert_time(np.array([1, 2, 4, 64, 256]))
     np.testing.assert_allclose(got, [1e-5, 1e-5 * 2 ** 0.5, 2e-5, 8e-5, 16e-5], rtol=1e-9)  # log-log
+    # the scenario's precision costs the same when a routing, budget or miss policy asks
+    # (expert_time_at); another precision stays on the roofline
+    assert cost.expert_time_at(2, m.expert_bytes["bf16"]) == got[1]
+    int4 = m.expert_bytes["int4"]
+    assert cost.expert_time_at(2, int4) == pytest.approx(
+        max(int4 / cost.hbm, cost.expert_flops_per_token * 2 / cost.peak) + sc.hardware.expert_overhead_us * 1e-6,
+        rel=1e-12)
 
 
 @pytest.mark.parametrize(("mutate", "message"), [

@@ -88,8 +88,11 @@ class CostModel:
                 + self.hw.expert_overhead_us * 1e-6)
 
     def expert_time_at(self, tokens: int, nbytes: int) -> float:
-        """Seconds of one expert FFN with ``tokens`` tokens, its weights ``nbytes`` bytes (a
-        precision other than the scenario's)."""
+        """Seconds of one expert FFN with ``tokens`` tokens, its weights ``nbytes`` bytes: at
+        the scenario's precision :meth:`expert_time` (the profile's table when it has one),
+        at another precision the roofline."""
+        if nbytes == self.expert_bytes:
+            return float(self.expert_time(np.array([tokens]))[0])
         return (max(nbytes / self.hbm, self.expert_flops_per_token * tokens / self.peak)
                 + self.hw.expert_overhead_us * 1e-6)
 
