@@ -36,9 +36,12 @@ Transfer slots are reused; a slot kept past a layer is checked against its trans
 sequence number. Sets the SimPy path rebuilds (pins, pending experts, keys evicted in this
 pass) are generation marks. Read-only data: ``DI`` (offsets of each (pass, layer)'s accesses,
 pass groups, Belady's access positions), ``DF`` (expert seconds by token count, per-pass
-factor), ``A`` (the workload's own per-access arrays) and ``P`` (proposal arrays). Inside
-the replay the arrays are borrowed without reference counts (:func:`_borrow`): numba's
-atomic reference counting of array arguments took half of the run time.
+factor), ``A`` (the workload's own per-access arrays) and ``P`` (proposal arrays). The kernel
+allocates nothing, so it is compiled without numba's runtime (``_nrt=False``): its
+reference counting of the array arguments took 40% of the run time. The lookup path's functions
+are always inlined by LLVM (``forceinline``): passing a dozen arrays to each call cost more
+than half of what was left (LRU full timing went from 13 to 30M accesses/s, the one-off
+compile from 12.6 to 13.2 s).
 """
 
 from __future__ import annotations
@@ -50,45 +53,9 @@ from typing import Any
 
 import numpy as np
 
-
-def _borrow(a: np.ndarray) -> np.ndarray:
-    """``a`` itself in plain Python; compiled, a view of it that carries no reference count,
-    so that passing the state arrays between the kernel's functions costs no atomic
-    reference-count traffic (half the run time otherwise). ``a`` must outlive the view: the
-    kernel only borrows its arguments for the duration of a call."""
-    return a
-
-
-try:
-    from numba import njit
-    from numba.core import cgutils
-    from numba.extending import intrinsic, overload
-
-    HAVE_NUMBA = True
-
-    @intrinsic
-    def _unowned(typingctx: Any, arr: Any) -> Any:
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            src = context.make_array(arr)(context, builder, value=args[0])
-            out = context.make_array(arr)(context, builder, value=args[0])
-            out.meminfo = cgutils.get_null_value(src.meminfo.type)
-            out.parent = cgutils.get_null_value(src.parent.type)
-            return out._getvalue()
-
-        return arr(arr), codegen
-
-    @overload(_borrow)
-    def _borrow_compiled(a):  # (untyped: numba compares the signatures)
-        return lambda a: _unowned(a)  # type: ignore[call-arg]
-
-except ImportError:  # pragma: no cover - exercised where numba has no wheel
-    HAVE_NUMBA = False
-
-    def njit(*args: Any, **kwargs: Any) -> Any:  # type: ignore[no-redef]
-        """Without numba the kernel runs as plain Python."""
-        if args and callable(args[0]):
-            return args[0]
-        return lambda f: f
+from moesim.jit import HAVE_NUMBA
+from moesim.jit import inline as _inline
+from moesim.jit import jit as _jit
 
 # eviction policies with a kernel form
 EV_LRU, EV_FIFO, EV_LFU, EV_FLD, EV_SCORE, EV_LS, EV_BELADY, EV_LHU = range(8)
@@ -114,7 +81,7 @@ F_SCORE, F_NEXTUSE, F_NKF = range(3)
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE,
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
- H_PENDMAX, H_LSQ, I_HEADER) = range(78)
+ H_PENDMAX, H_LSQ, H_PFTMP, I_HEADER) = range(79)
 R_FIRST, R_COUNT = R_HITS, R_UNIQUE + 1 - R_HITS
 # The float state FS: scalars, configuration, then per-key fields, transfer times, scratch.
 SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, CF_CAP, CF_DUR, CF_DECAY, F_HEADER = range(9)
@@ -128,13 +95,13 @@ COLUMNS = ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fe
 
 
 # -- the workload's accesses ----------------------------------------------------------------
-@njit(cache=True)
+@_jit
 def _key(j, IS, A):
     """The cache key of access ``j`` (layer, expert, the scenario's precision)."""
     return np.int64(A[0][j]) * IS[C_DIV] + np.int64(A[1][j]) * IS[C_NPREC] + IS[C_DPREC]
 
 
-@njit(cache=True)
+@_jit
 def _ffn(j, p, IS, DF, A):
     """Compute seconds of access ``j`` in pass ``p``: the expert time of its token count
     times the pass's factor (as the engine's ``_prepare_costs``)."""
@@ -142,7 +109,7 @@ def _ffn(j, p, IS, DF, A):
 
 
 # -- eviction policies ----------------------------------------------------------------------
-@njit(cache=True)
+@_jit
 def _next_use(key, ai, IS, DI, A):
     """Belady: the next access index of ``key`` after the current one (``ai``, or the
     current (pass, layer)'s access of it, or just before the layer), as a float (inf: none)."""
@@ -168,7 +135,7 @@ def _next_use(key, ai, IS, DI, A):
     return math.inf if a == DI[IS[H_KPOSOFF] + key + 1] else float(DI[IS[H_KPOS] + a])
 
 
-@njit(cache=True)
+@_jit
 def _credit(key, ai, IS, FS, A):
     """Score eviction: add the access's gate weight (after the per-pass decay)."""
     p = IS[S_PASS]
@@ -181,33 +148,35 @@ def _credit(key, ai, IS, FS, A):
     FS[IS[H_KF] + key * F_NKF + F_SCORE] = FS[IS[H_KF] + key * F_NKF + F_SCORE] + w
 
 
-@njit(cache=True)
+@_inline
 def _list_append(key, head, IS):
     """Append ``key`` to the list whose head and tail are ``IS[head]``, ``IS[head + 1]``."""
+    ki = IS[H_KI]
     tail = IS[head + 1]
-    IS[IS[H_KI] + key * K_NKI + K_PREV] = tail
-    IS[IS[H_KI] + key * K_NKI + K_NEXT] = -1
+    IS[ki + key * K_NKI + K_PREV] = tail
+    IS[ki + key * K_NKI + K_NEXT] = -1
     if tail == -1:
         IS[head] = key
     else:
-        IS[IS[H_KI] + tail * K_NKI + K_NEXT] = key
+        IS[ki + tail * K_NKI + K_NEXT] = key
     IS[head + 1] = key
 
 
-@njit(cache=True)
+@_inline
 def _list_unlink(key, head, IS):
-    prv, nxt = IS[IS[H_KI] + key * K_NKI + K_PREV], IS[IS[H_KI] + key * K_NKI + K_NEXT]
+    ki = IS[H_KI]
+    prv, nxt = IS[ki + key * K_NKI + K_PREV], IS[ki + key * K_NKI + K_NEXT]
     if prv == -1:
         IS[head] = nxt
     else:
-        IS[IS[H_KI] + prv * K_NKI + K_NEXT] = nxt
+        IS[ki + prv * K_NKI + K_NEXT] = nxt
     if nxt == -1:
         IS[head + 1] = prv
     else:
-        IS[IS[H_KI] + nxt * K_NKI + K_PREV] = prv
+        IS[ki + nxt * K_NKI + K_PREV] = prv
 
 
-@njit(cache=True)
+@_jit
 def _ls_list(key, IS):
     """Least-stale: the head slot of ``key``'s queue (current if touched in this pass, else
     stale) for its layer; each such list is in insertion order."""
@@ -215,7 +184,7 @@ def _ls_list(key, IS):
     return IS[H_LSQ] + 2 * (current * IS[C_L] + key // IS[C_DIV])
 
 
-@njit(cache=True)
+@_jit
 def _ls_roll(IS):
     """Least-stale, at a new pass: every layer's current list joins the end of its stale
     list (the SimPy policy's ``_roll``)."""
@@ -236,7 +205,7 @@ def _ls_roll(IS):
         IS[cur + 1] = -1
 
 
-@njit(cache=True)
+@_jit
 def _ls_first(head, pin_gen, adm_layer, pending, IS):
     """The first eligible key of a least-stale list; ``pending``: 0 only keys not pending,
     1 only pending keys, 2 any."""
@@ -249,7 +218,7 @@ def _ls_first(head, pin_gen, adm_layer, pending, IS):
     return -1
 
 
-@njit(cache=True)
+@_jit
 def _ls_victim(for_prefetch, pin_gen, adm_layer, IS):
     """Least-stale's victim: the stale queue, then (unless an optional prefetch may not evict
     current experts) the current one; per queue the layers in the policy's order (relative:
@@ -275,13 +244,13 @@ def _ls_victim(for_prefetch, pin_gen, adm_layer, IS):
     return -1
 
 
-@njit(cache=True)
+@_jit
 def _stamp(key, IS):
     IS[S_SEQ] += 1
     IS[IS[H_KI] + key * K_NKI + K_STAMP] = IS[S_SEQ]
 
 
-@njit(cache=True)
+@_inline
 def _on_insert(key, demand, ai, IS, FS, DI, A):
     """The policy's ``on_insert``: ``key`` entered the cache (``demand``: a use). Recency
     policies keep a list in order; the others the members their victim search scans."""
@@ -310,7 +279,7 @@ def _on_insert(key, demand, ai, IS, FS, DI, A):
         IS[IS[H_KI] + key * K_NKI + K_COUNT] += 1
 
 
-@njit(cache=True)
+@_inline
 def _on_access(key, ai, IS, FS, DI, A):
     """The policy's ``on_access``: a hit or a late prefetch used ``key``."""
     ev = IS[C_EV]
@@ -339,7 +308,7 @@ def _on_access(key, ai, IS, FS, DI, A):
         _list_append(key, _ls_list(key, IS), IS)
 
 
-@njit(cache=True)
+@_inline
 def _on_remove(key, IS):
     if IS[C_EV] in (EV_LRU, EV_FIFO):
         _list_unlink(key, S_HEAD, IS)
@@ -355,7 +324,7 @@ def _on_remove(key, IS):
     IS[IS[H_KI] + key * K_NKI + K_MEMB] = -1
 
 
-@njit(cache=True)
+@_jit
 def _order(key, IS, FS):
     """The candidate order of ``key`` for the policies whose victim is the smallest over the
     cached experts (lfu, fld, score, lhu, belady), as (float, int, stamp)."""
@@ -373,14 +342,15 @@ def _order(key, IS, FS):
     return -FS[IS[H_KF] + key * F_NKF + F_NEXTUSE], 0, stamp
 
 
-@njit(cache=True)
+@_inline
 def _eligible(key, pin_gen, adm_layer, IS):
-    if IS[IS[H_KI] + key * K_NKI + K_STATE] != RESIDENT or IS[IS[H_KI] + key * K_NKI + K_PIN] == pin_gen or IS[IS[H_KI] + key * K_NKI + K_STATIC]:
+    k = IS[H_KI] + key * K_NKI
+    if IS[k + K_STATE] != RESIDENT or IS[k + K_PIN] == pin_gen or IS[k + K_STATIC]:
         return False
-    return not (adm_layer >= 0 and key // IS[C_DIV] == adm_layer and IS[IS[H_KI] + key * K_NKI + K_ADM] == IS[IS[H_LGEN] + adm_layer])
+    return not (adm_layer >= 0 and key // IS[C_DIV] == adm_layer and IS[k + K_ADM] == IS[IS[H_LGEN] + adm_layer])
 
 
-@njit(cache=True)
+@_jit
 def _victim(for_prefetch, pin_gen, adm_layer, IS, FS):
     """The first candidate, in the policy's order, that the cache may evict (resident, not
     pinned, not statically pinned, not an earlier admission for ``adm_layer``), or -1."""
@@ -407,16 +377,17 @@ def _victim(for_prefetch, pin_gen, adm_layer, IS, FS):
 
 
 # -- the cache and the copy engine ------------------------------------------------------------
-@njit(cache=True)
+@_inline
 def _evict(key, IS):
-    IS[IS[H_KI] + key * K_NKI + K_STATE] = ABSENT
+    k = IS[H_KI] + key * K_NKI
+    IS[k + K_STATE] = ABSENT
     IS[S_USED] -= IS[C_NBYTES]
     _on_remove(key, IS)
-    IS[IS[H_KI] + key * K_NKI + K_UNUSED] = 0
-    IS[IS[H_KI] + key * K_NKI + K_EVICTED] = IS[S_PASS]
+    IS[k + K_UNUSED] = 0
+    IS[k + K_EVICTED] = IS[S_PASS]
 
 
-@njit(cache=True)
+@_inline
 def _room(for_prefetch, pin_gen, adm_layer, IS, FS):
     """Make room for one expert (every entry of the kernel's scope has the same size, so one
     victim is enough): -2 (it fits), the victim evicted, or -1 (no room; nothing changed)."""
@@ -432,49 +403,51 @@ def _room(for_prefetch, pin_gen, adm_layer, IS, FS):
     return v
 
 
-@njit(cache=True)
+@_jit
 def _submit(key, prio, now, bypass, IS, FS):
     """Queue a transfer on the copy engine; returns its slot."""
     if IS[S_FREEN] == 0:
         raise RuntimeError("moesim kernel: transfer slots exhausted")
     IS[S_FREEN] -= 1
     tid = IS[IS[H_FREE] + IS[S_FREEN]]
-    IS[IS[H_TI] + tid * T_NTI + T_KEY] = key
-    IS[IS[H_TI] + tid * T_NTI + T_PRIO] = prio
-    IS[IS[H_TI] + tid * T_NTI + T_SEQ] = IS[S_TSEQ]
+    ti, tf = IS[H_TI] + tid * T_NTI, IS[H_TF] + tid * T_NTF
+    IS[ti + T_KEY] = key
+    IS[ti + T_PRIO] = prio
+    IS[ti + T_SEQ] = IS[S_TSEQ]
     IS[S_TSEQ] += 1
-    IS[IS[H_TI] + tid * T_NTI + T_STARTED] = 0
-    IS[IS[H_TI] + tid * T_NTI + T_CANCELLED] = 0
-    IS[IS[H_TI] + tid * T_NTI + T_BYPASS] = bypass
-    IS[IS[H_TI] + tid * T_NTI + T_PFSLOT] = -1
-    FS[IS[H_TF] + tid * T_NTF + T_ISSUED] = now
-    FS[IS[H_TF] + tid * T_NTF + T_START] = now
-    FS[IS[H_TF] + tid * T_NTF + T_DONE] = now
+    IS[ti + T_STARTED] = 0
+    IS[ti + T_CANCELLED] = 0
+    IS[ti + T_BYPASS] = bypass
+    IS[ti + T_PFSLOT] = -1
+    FS[tf + T_ISSUED] = now
+    FS[tf + T_START] = now
+    FS[tf + T_DONE] = now
     IS[S_BYTES] += IS[C_NBYTES]
     if IS[C_INSTANT]:
-        IS[IS[H_TI] + tid * T_NTI + T_STARTED] = 1
+        IS[ti + T_STARTED] = 1
     elif prio == DEMAND:
         n = IS[S_DQN]
         prev = FS[IS[H_TF] + (IS[IS[H_DQ] + n - 1]) * T_NTF + T_DONE] if n else FS[SF_BUSY_UNTIL]
         start = prev if prev > now else now
-        FS[IS[H_TF] + tid * T_NTF + T_START] = start
-        FS[IS[H_TF] + tid * T_NTF + T_DONE] = start + FS[CF_DUR]
+        FS[tf + T_START] = start
+        FS[tf + T_DONE] = start + FS[CF_DUR]
         IS[IS[H_DQ] + n] = tid
         IS[S_DQN] = n + 1
     else:
         size = IS[H_POOL]
         if IS[S_PFN] == size:  # drop the tombstones
             h, n = IS[S_PFH], IS[S_PFN]
-            keep = np.empty(size, np.int64)
+            keep = IS[H_PFTMP]
             m = 0
             for j in range(n):
                 t = IS[IS[H_PFQ] + (h + j) % size]
                 if t != -1:
-                    keep[m] = t
+                    IS[keep + m] = t
                     m += 1
             for j in range(m):
-                IS[IS[H_PFQ] + j] = keep[j]
-                IS[IS[H_TI] + (keep[j]) * T_NTI + T_PFSLOT] = j
+                t = IS[keep + j]
+                IS[IS[H_PFQ] + j] = t
+                IS[IS[H_TI] + t * T_NTI + T_PFSLOT] = j
             IS[S_PFH] = 0
             IS[S_PFN] = m
             if m == size:
@@ -486,13 +459,13 @@ def _submit(key, prio, now, bypass, IS, FS):
     return tid
 
 
-@njit(cache=True)
+@_jit
 def _free(tid, IS):
     IS[IS[H_FREE] + IS[S_FREEN]] = tid
     IS[S_FREEN] += 1
 
 
-@njit(cache=True)
+@_jit
 def _project(first, IS, FS):
     prev = FS[IS[H_TF] + (IS[IS[H_DQ] + first - 1]) * T_NTF + T_DONE] if first else FS[SF_BUSY_UNTIL]
     for i in range(first, IS[S_DQN]):
@@ -504,7 +477,7 @@ def _project(first, IS, FS):
         FS[IS[H_TF] + t * T_NTF + T_DONE] = prev
 
 
-@njit(cache=True)
+@_jit
 def _promote(tid, IS, FS):
     """A queued prefetch is needed now: it joins the demand queue by issue order."""
     if IS[IS[H_TI] + tid * T_NTI + T_STARTED] or IS[IS[H_TI] + tid * T_NTI + T_PRIO] == DEMAND or IS[IS[H_TI] + tid * T_NTI + T_CANCELLED]:
@@ -522,66 +495,67 @@ def _promote(tid, IS, FS):
     _project(i, IS, FS)
 
 
-@njit(cache=True)
+@_jit
 def _complete(tid, IS):
-    if not IS[IS[H_TI] + tid * T_NTI + T_BYPASS]:
-        key = IS[IS[H_TI] + tid * T_NTI + T_KEY]
-        IS[IS[H_KI] + key * K_NKI + K_STATE] = RESIDENT
-        IS[IS[H_KI] + key * K_NKI + K_TID] = -1
+    ti = IS[H_TI] + tid * T_NTI
+    if not IS[ti + T_BYPASS]:
+        k = IS[H_KI] + IS[ti + T_KEY] * K_NKI
+        IS[k + K_STATE] = RESIDENT
+        IS[k + K_TID] = -1
     _free(tid, IS)
 
 
-@njit(cache=True)
+@_jit
 def _advance(now, IS, FS):
     """Start the transfers whose start time is before ``now``; complete those done by it."""
     size = IS[H_POOL]
+    ti, tf, dq, rq, pfq = IS[H_TI], IS[H_TF], IS[H_DQ], IS[H_RQ], IS[H_PFQ]
     prev = FS[SF_BUSY_UNTIL]
     n = IS[S_DQN]
     started = 0
     while started < n:
-        t = IS[IS[H_DQ] + started]
-        if FS[IS[H_TF] + t * T_NTF + T_START] >= now:
+        t = IS[dq + started]
+        if FS[tf + t * T_NTF + T_START] >= now:
             break
-        prev = FS[IS[H_TF] + t * T_NTF + T_DONE]
-        IS[IS[H_TI] + t * T_NTI + T_STARTED] = 1
-        IS[IS[H_RQ] + (IS[S_RH] + IS[S_RN]) % size] = t
+        prev = FS[tf + t * T_NTF + T_DONE]
+        IS[ti + t * T_NTI + T_STARTED] = 1
+        IS[rq + (IS[S_RH] + IS[S_RN]) % size] = t
         IS[S_RN] += 1
-        FS[SF_BUSY] += FS[IS[H_TF] + t * T_NTF + T_DONE] - FS[IS[H_TF] + t * T_NTF + T_START]
+        FS[SF_BUSY] += prev - FS[tf + t * T_NTF + T_START]
         started += 1
     if started:
         for i in range(started, n):
-            IS[IS[H_DQ] + i - started] = IS[IS[H_DQ] + i]
+            IS[dq + i - started] = IS[dq + i]
         IS[S_DQN] = n - started
     if IS[S_DQN] == 0:
-        psize = IS[H_POOL]
         while IS[S_PFN]:
-            t = IS[IS[H_PFQ] + IS[S_PFH]]
+            t = IS[pfq + IS[S_PFH]]
             if t == -1:
-                IS[S_PFH] = (IS[S_PFH] + 1) % psize
+                IS[S_PFH] = (IS[S_PFH] + 1) % size
                 IS[S_PFN] -= 1
                 continue
-            issued = FS[IS[H_TF] + t * T_NTF + T_ISSUED]
+            issued = FS[tf + t * T_NTF + T_ISSUED]
             start = prev if prev > issued else issued
             if start >= now:
                 break
-            IS[S_PFH] = (IS[S_PFH] + 1) % psize
+            IS[S_PFH] = (IS[S_PFH] + 1) % size
             IS[S_PFN] -= 1
-            FS[IS[H_TF] + t * T_NTF + T_START] = start
+            FS[tf + t * T_NTF + T_START] = start
             prev = start + FS[CF_DUR]
-            FS[IS[H_TF] + t * T_NTF + T_DONE] = prev
-            IS[IS[H_TI] + t * T_NTI + T_STARTED] = 1
-            IS[IS[H_RQ] + (IS[S_RH] + IS[S_RN]) % size] = t
+            FS[tf + t * T_NTF + T_DONE] = prev
+            IS[ti + t * T_NTI + T_STARTED] = 1
+            IS[rq + (IS[S_RH] + IS[S_RN]) % size] = t
             IS[S_RN] += 1
             FS[SF_BUSY] += prev - start
     FS[SF_BUSY_UNTIL] = prev
-    while IS[S_RN] and FS[IS[H_TF] + (IS[IS[H_RQ] + IS[S_RH]]) * T_NTF + T_DONE] <= now:
-        t = IS[IS[H_RQ] + IS[S_RH]]
+    while IS[S_RN] and FS[tf + IS[rq + IS[S_RH]] * T_NTF + T_DONE] <= now:
+        t = IS[rq + IS[S_RH]]
         IS[S_RH] = (IS[S_RH] + 1) % size
         IS[S_RN] -= 1
         _complete(t, IS)
 
 
-@njit(cache=True)
+@_jit
 def _arrival(tid, seq, now, IS, FS):
     """When a run's expert is on the GPU (``now`` if it was resident or its transfer is done)."""
     if tid < 0 or IS[IS[H_TI] + tid * T_NTI + T_SEQ] != seq:
@@ -590,11 +564,12 @@ def _arrival(tid, seq, now, IS, FS):
     return now if done < now else done
 
 
-@njit(cache=True)
+@_inline
 def _insert(key, tid, demand, ai, IS, FS, DI, A):
     """The cache's ``reserve``: an in-flight entry for ``key`` (room was made)."""
-    IS[IS[H_KI] + key * K_NKI + K_STATE] = INFLIGHT
-    IS[IS[H_KI] + key * K_NKI + K_TID] = tid
+    k = IS[H_KI] + key * K_NKI
+    IS[k + K_STATE] = INFLIGHT
+    IS[k + K_TID] = tid
     IS[S_USED] += IS[C_NBYTES]
     if IS[S_USED] > IS[S_MAXUSED]:
         IS[S_MAXUSED] = IS[S_USED]
@@ -604,19 +579,20 @@ def _insert(key, tid, demand, ai, IS, FS, DI, A):
 
 
 # -- the lookup path ---------------------------------------------------------------------------
-@njit(cache=True)
+@_jit
 def _used_prefetch(key, IS):
     if IS[IS[H_KI] + key * K_NKI + K_UNUSED]:
         IS[IS[H_KI] + key * K_NKI + K_UNUSED] = 0
         IS[R_PFUSED] += 1
 
 
-@njit(cache=True)
+@_inline
 def _lookup(ai, now, pin_gen, IS, FS, DI, A):
     """Look access ``ai`` up (engine's ``LayerLookup.lookup``, plain path); returns the slot
     of the transfer its run waits for, or -1."""
     key = _key(ai, IS, A)
-    state = IS[IS[H_KI] + key * K_NKI + K_STATE]
+    k = IS[H_KI] + key * K_NKI
+    state = IS[k + K_STATE]
     if state == RESIDENT:
         IS[R_HITS] += 1
         _on_access(key, ai, IS, FS, DI, A)
@@ -626,15 +602,16 @@ def _lookup(ai, now, pin_gen, IS, FS, DI, A):
         IS[R_LATE] += 1
         _on_access(key, ai, IS, FS, DI, A)
         _used_prefetch(key, IS)
-        tid = IS[IS[H_KI] + key * K_NKI + K_TID]
-        if IS[IS[H_TI] + tid * T_NTI + T_PRIO] != DEMAND and not IS[IS[H_TI] + tid * T_NTI + T_STARTED]:
+        tid = IS[k + K_TID]
+        ti = IS[H_TI] + tid * T_NTI
+        if IS[ti + T_PRIO] != DEMAND and not IS[ti + T_STARTED]:
             _promote(tid, IS, FS)
         return tid
     IS[R_MISSES] += 1
-    if IS[IS[H_KI] + key * K_NKI + K_EVICTED] == IS[S_PASS]:
+    if IS[k + K_EVICTED] == IS[S_PASS]:
         IS[R_COLL] += 1
     if _room(False, pin_gen, -1, IS, FS) != -1:
-        IS[IS[H_KI] + key * K_NKI + K_PIN] = pin_gen
+        IS[k + K_PIN] = pin_gen
         tid = _submit(key, DEMAND, now, 0, IS, FS)
         _insert(key, tid, True, ai, IS, FS, DI, A)
         return -1 if IS[C_INSTANT] else tid
@@ -647,7 +624,7 @@ def _lookup(ai, now, pin_gen, IS, FS, DI, A):
 
 
 # -- prefetch: SpecMD appendix A.3's queue ------------------------------------------------------
-@njit(cache=True)
+@_jit
 def _admit(now, pin_gen, IS, FS, DI, A):
     """One admission round (engine's ``_admit``)."""
     size = IS[H_NKEYS]
@@ -683,7 +660,7 @@ def _admit(now, pin_gen, IS, FS, DI, A):
         IS[R_PFISSUED] += 1
 
 
-@njit(cache=True)
+@_jit
 def _compact_pending(IS):
     """Drop the pending entries whose transfer has started (a withdrawal skips them)."""
     keep = 0
@@ -701,7 +678,7 @@ def _compact_pending(IS):
     return keep
 
 
-@njit(cache=True)
+@_jit
 def _withdraw(layer, lo, hi, IS, A):
     """At ``layer``'s routing point (engine's ``_withdraw``): proposals for it or earlier still
     waiting are withdrawn, its admissions stop being pinned, and its queued prefetches the
@@ -757,7 +734,7 @@ def _withdraw(layer, lo, hi, IS, A):
     IS[S_PENDN] = keep
 
 
-@njit(cache=True)
+@_jit
 def _propose_key(key, p, IS, FS, DI, A):
     """One proposal (engine's ``_propose``): counted against what its target layer needs,
     selected when cached, else queued."""
@@ -786,7 +763,7 @@ def _propose_key(key, p, IS, FS, DI, A):
         IS[S_WN] += 1
 
 
-@njit(cache=True)
+@_jit
 def _propose(p, layer, p0, now, pin_gen, IS, FS, DI, A, P):
     """The prefetcher's proposals at ``layer``'s routing point, then one admission round."""
     num_l = IS[C_L]
@@ -814,13 +791,13 @@ def _propose(p, layer, p0, now, pin_gen, IS, FS, DI, A, P):
 
 
 # -- the compute stream ---------------------------------------------------------------------------
-@njit(cache=True)
+@_jit
 def _new_gen(IS, which):
     IS[which] += 1
     return IS[which]
 
 
-@njit(cache=True)
+@_jit
 def _mark_pending(lo, hi, IS, A):
     """The layer's experts are pending until they run (``Clock.pending``; only least-stale
     reads it)."""
@@ -830,7 +807,7 @@ def _mark_pending(lo, hi, IS, A):
             IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_PEND] = pend
 
 
-@njit(cache=True)
+@_jit
 def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
     """``layer`` and ``on-arrival`` execution of one layer (engine's ``_run`` body and
     ``_compute``); returns the layer's end. Stall accumulates in ``FS[SF_STALL]``."""
@@ -883,7 +860,7 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
     return end
 
 
-@njit(cache=True)
+@_jit
 def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
     """``per-expert`` execution of one layer (engine's ``_per_expert``): the experts run one
     after another in router order, expert j+1 looked up when expert j starts."""
@@ -928,13 +905,10 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
     return t
 
 
-@njit(cache=True)
+@_jit
 def replay_passes(p0, p1, IS, FS, DI, DF, A, P, nonexp, cols, t_start, t_end, stall):
     """Replay forward passes ``p0 .. p1`` (engine's ``_run``): per layer, non-expert compute,
     the routing point's lookups and proposals, expert compute; per pass, one row."""
-    IS, FS, DI, DF = _borrow(IS), _borrow(FS), _borrow(DI), _borrow(DF)
-    A = (_borrow(A[0]), _borrow(A[1]), _borrow(A[2]), _borrow(A[3]))
-    P = (_borrow(P[0]), _borrow(P[1]))
     num_l = IS[C_L]
     now = FS[SF_NOW]
     carry = FS[SF_CARRY]
@@ -980,7 +954,7 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, nonexp, cols, t_start, t_end, st
     FS[SF_CARRY] = carry
 
 
-@njit(cache=True)
+@_jit
 def _preload(keys, IS, FS, DI, DF, A):
     """Static pinning (the cache's ``preload``): resident before the replay, never evicted."""
     nb = IS[C_NBYTES]
@@ -998,7 +972,7 @@ def _preload(keys, IS, FS, DI, DF, A):
     return loaded
 
 
-@njit(cache=True)
+@_jit
 def _finish(IS, FS, DI, DF, A):
     _advance(math.inf, IS, FS)
 
@@ -1059,7 +1033,7 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int) -> tuple[np.ndar
     i_sizes = ((H_KI, num_keys * K_NKI), (H_TI, pool * T_NTI), (H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
                (H_FREE, pool), (H_WQ, num_keys), (H_PENDA, pend_max * 3), (H_MEMB, num_keys),
                (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys), (H_RUNS, 2 * max(1, maxn)),
-               (H_LSQ, 4 * num_keys))
+               (H_LSQ, 4 * num_keys), (H_PFTMP, pool))
     f_sizes = ((H_KF, num_keys * F_NKF), (H_TF, pool * T_NTF), (H_SCR, 2 * max(1, maxn)))
     n_i, n_f = I_HEADER, F_HEADER
     offsets = {}

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from moesim.simulator.kernel import njit
+from moesim.jit import njit
 from moesim.traces.schema import PHASE_CODES, ModelInfo
 from moesim.traces.trace import Trace
 
