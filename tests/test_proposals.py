@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moesim.policies.prefetch import REGISTRY as PREFETCH
 from moesim.simulator.engine import Simulation
@@ -320,3 +322,52 @@ def test_proposal_arrays_equal_the_proposals_of_every_pass_and_layer():
                    for p in range(first, last) for layer in range(3)}
             assert got == {(p, layer): want(p, layer) for p in range(first, last) for layer in range(3)}
     assert sum(len(v) for v in expected.values()) > 0
+
+
+def numpy_percentile_proposals(pred, row_order, bounds, g0, num_l, percentile):
+    """Score-percentile by numpy, group by group: the float32 rows added one after another
+    (in float32) and divided by their count in float64, the threshold by ``np.percentile``,
+    the order by a stable argsort of the negated means."""
+    off, out = [0], []
+    for g in range(len(bounds) - 1):
+        r0, r1 = int(bounds[g]), int(bounds[g + 1])
+        layer = (g0 + g) % num_l
+        if r0 < r1 and layer + 1 < num_l:
+            total = pred[row_order[r0]].copy()
+            for r in row_order[r0 + 1:r1]:
+                total = total + pred[r]
+            means = total.astype(np.float64) / (r1 - r0)
+            cut = np.percentile(means, percentile)
+            order = np.argsort(-means, kind="stable")
+            out.extend(int((layer + 1) * pred.shape[1] + e) for e in order if means[e] > cut)
+        off.append(len(out))
+    return np.array(off), np.array(out, dtype=np.int64)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_compiled_percentile_proposals_equal_numpys_reduceat_percentile_and_stable_sort(data):
+    """The compiled proposals against numpy on random float32 predictions (on a few levels, so
+    that means tie and the percentile lands on tied values), 1-70 experts, 0-4 rows per
+    (pass, layer), rows out of order, any percentile in [0, 100)."""
+    from moesim.policies.prefetch import _percentile_proposals
+
+    n_e = data.draw(st.integers(1, 70))
+    num_l = data.draw(st.integers(1, 4))
+    counts = data.draw(st.lists(st.integers(0, 4), min_size=1, max_size=12))
+    levels = data.draw(st.sampled_from([3, 16, 2 ** 20]))
+    pct = data.draw(st.one_of(st.sampled_from([0.0, 20.0, 50.0, 80.0, 99.0]), st.floats(0, 100, exclude_max=True)))
+    g0 = data.draw(st.integers(0, 5))
+    seed = data.draw(st.integers(0, 2 ** 16))
+    rng = np.random.default_rng(seed)
+    n_rows = sum(counts)
+    pred = (np.floor(rng.random((n_rows + 3, n_e)) * levels) / levels * rng.random()).astype(np.float32)
+    row_order = rng.permutation(n_rows + 3)[:n_rows].astype(np.int64)
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    off = np.zeros(len(counts) + 1, np.int64)
+    out = np.empty(len(counts) * n_e, np.int64)
+    _percentile_proposals(pred, row_order, bounds, g0, num_l, n_e, pct / 100, np.empty(n_e, np.float32),
+                          np.empty(n_e), np.empty(n_e, np.int64), off, out)
+    ref_off, ref_out = numpy_percentile_proposals(pred, row_order, bounds, g0, num_l, pct)
+    assert off.tolist() == ref_off.tolist()
+    assert out[:off[-1]].tolist() == ref_out.tolist()

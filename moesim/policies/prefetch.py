@@ -16,6 +16,7 @@ from typing import ClassVar
 import numpy as np
 
 from moesim.errors import MoesimError
+from moesim.jit import jit
 from moesim.policies.registry import Policy, PolicyContext, Registry
 
 
@@ -224,34 +225,86 @@ class ScorePercentile(PrefetchPolicy):
         return self._keys[self._off[i]:self._off[i + 1]].tolist()
 
     def proposals(self, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
-        """Proposals of every (pass, layer) of passes ``first .. last`` at once: mean
-        predicted scores by ``reduceat``, thresholds by one percentile call."""
+        """Proposals of every (pass, layer) of passes ``first .. last`` at once (compiled,
+        :func:`_percentile_proposals`)."""
         ctx = self.ctx
         wl = ctx.workload
-        num_l = self._num_l
-        counts_out = np.zeros((last - first) * num_l, dtype=np.int64)
-        bounds = wl.row_off[first * num_l:last * num_l + 1]
-        lo = int(bounds[0])
-        counts = np.diff(bounds)
-        groups = np.flatnonzero(counts > 0)
-        if groups.size == 0:
-            return np.zeros(len(counts_out) + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        pred = wl.pred_next[wl.row_order[lo:int(bounds[-1])]]
-        sums = np.add.reduceat(pred, (bounds[groups] - lo).astype(np.int64), axis=0)
-        means = sums / counts[groups][:, None]
-        thresholds = np.percentile(means, self.params.percentile, axis=1)
-        # highest score first, ties by expert index; the experts above the threshold are a
-        # prefix of that order. The last layer has no next layer to prefetch for.
-        layers = groups % num_l
-        n_above = np.where(layers + 1 < num_l, (means > thresholds[:, None]).sum(axis=1), 0)
-        width = int(n_above.max())
-        order = np.argsort(-means, axis=1, kind="stable")[:, :width]
-        keys = ctx.cache_keys(order + ((layers + 1) * ctx.num_experts)[:, None])
-        counts_out[groups] = n_above
-        off = np.zeros(len(counts_out) + 1, dtype=np.int64)
-        np.cumsum(counts_out, out=off[1:])
-        take = np.arange(width)[None, :] < n_above[:, None]
-        return off, keys[take].astype(np.int64)
+        num_l, num_e = self._num_l, ctx.num_experts
+        bounds = np.ascontiguousarray(wl.row_off[first * num_l:last * num_l + 1], dtype=np.int64)
+        groups = len(bounds) - 1
+        off = np.zeros(groups + 1, dtype=np.int64)
+        out = np.empty(groups * num_e, dtype=np.int64)
+        sums = np.empty(num_e, dtype=wl.pred_next.dtype)
+        vals, idx = np.empty(num_e), np.empty(num_e, dtype=np.int64)
+        _percentile_proposals(wl.pred_next, wl.row_order, bounds, first * num_l, num_l, num_e,
+                              self.params.percentile / 100, sums, vals, idx, off, out)
+        return off, ctx.cache_keys(out[:off[-1]])
+
+
+@jit
+def _percentile_proposals(pred, row_order, bounds, g0, num_l, num_e, q, sums, vals, idx, off, out):
+    """Score-percentile's proposals for the (pass, layer) groups ``g0 + g`` whose trace rows
+    are ``row_order[bounds[g]:bounds[g + 1]]``: each group's mean predicted next-layer score
+    per expert (summed in row order in the predictions' own precision, float32 for a
+    trace read from disk, then divided by the row count in float64), the ``q`` quantile of the means (numpy's default
+    ``linear`` method: ``(n - 1) * q``, interpolated as ``np.percentile`` does), and the
+    experts above it, highest mean first, ties by expert index (a stable sort of the negated
+    means). The last layer proposes nothing. Offsets go to ``off`` (``off[0]`` = 0), the next
+    layer's flat expert ids (``layer * num_e + e``) to ``out``.
+
+    The order statistics come from the top ``m = n - floor((n - 1) q)`` means kept in order
+    (``vals``/``idx``): every mean above the quantile is among them, unless rounding puts
+    the quantile below its lower neighbour, where all ``n`` are ordered instead."""
+    n = num_e
+    v = (n - 1) * q
+    lo_rank = n - 1 if v >= n - 1 else math.floor(v)
+    gamma = v - lo_rank
+    for g in range(bounds.shape[0] - 1):
+        off[g + 1] = off[g]
+        layer = (g0 + g) % num_l
+        r0, r1 = bounds[g], bounds[g + 1]
+        if r0 == r1 or layer + 1 >= num_l:
+            continue
+        for e in range(n):
+            sums[e] = pred[row_order[r0], e]
+        for r in range(r0 + 1, r1):
+            for e in range(n):
+                sums[e] += pred[row_order[r], e]
+        m = n - lo_rank
+        _keep_top(sums, r1 - r0, m, vals, idx)
+        a = vals[m - 1]  # the quantile's neighbours: ranks lo_rank and lo_rank + 1
+        b = vals[m - 2] if lo_rank < n - 1 else a
+        d = b - a
+        threshold = b - d * (1 - gamma) if gamma >= 0.5 else a + d * gamma
+        if m < n and a > threshold:
+            m = n
+            _keep_top(sums, r1 - r0, m, vals, idx)
+        k = 0
+        while k < m and vals[k] > threshold:
+            out[off[g + 1]] = (layer + 1) * num_e + idx[k]
+            off[g + 1] += 1
+            k += 1
+
+
+@jit
+def _keep_top(sums, count, m, vals, idx):
+    """The ``m`` largest of the means ``sums / count`` in ``vals[:m]`` in descending order,
+    ties by index (each inserted after the kept means that are >= it), their indices in
+    ``idx``."""
+    size = 0
+    for e in range(sums.shape[0]):
+        x = np.float64(sums[e]) / np.float64(count)
+        if size == m and not x > vals[m - 1]:
+            continue
+        j = size if size < m else m - 1
+        while j > 0 and vals[j - 1] < x:
+            vals[j] = vals[j - 1]
+            idx[j] = idx[j - 1]
+            j -= 1
+        vals[j] = x
+        idx[j] = e
+        if size < m:
+            size += 1
 
 
 @dataclass(frozen=True)
