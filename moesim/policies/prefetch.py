@@ -245,19 +245,22 @@ class ScorePercentile(PrefetchPolicy):
 def _percentile_proposals(pred, row_order, bounds, g0, num_l, num_e, q, sums, vals, idx, off, out):
     """Score-percentile's proposals for the (pass, layer) groups ``g0 + g`` whose trace rows
     are ``row_order[bounds[g]:bounds[g + 1]]``: each group's mean predicted next-layer score
-    per expert (summed in row order in the predictions' own precision, float32 for a
-    trace read from disk, then divided by the row count in float64), the ``q`` quantile of the means (numpy's default
-    ``linear`` method: ``(n - 1) * q``, interpolated as ``np.percentile`` does), and the
+    per expert (summed in row order in the predictions' own precision, float32 for a trace
+    read from disk, then divided by the row count in float64), the ``q`` quantile of the
+    means (numpy's default ``linear`` method: ``(n - 1) * q``, interpolated as
+    ``np.percentile`` does), and the
     experts above it, highest mean first, ties by expert index (a stable sort of the negated
     means). The last layer proposes nothing. Offsets go to ``off`` (``off[0]`` = 0), the next
     layer's flat expert ids (``layer * num_e + e``) to ``out``.
 
     The order statistics come from the top ``m = n - floor((n - 1) q)`` means kept in order
-    (``vals``/``idx``): every mean above the quantile is among them, unless rounding puts
-    the quantile below its lower neighbour, where all ``n`` are ordered instead."""
+    (``vals``/``idx``). Every mean above the quantile is among them: numpy's interpolation
+    never rounds below its lower neighbour ``a`` (``a + d * gamma`` adds a non-negative term;
+    ``b - d * (1 - gamma)`` with ``gamma >= 0.5`` subtracts at most ``d / 2``), so a mean
+    outside them (at most ``a``) is never above it."""
     n = num_e
     v = (n - 1) * q
-    lo_rank = n - 1 if v >= n - 1 else math.floor(v)
+    lo_rank = math.floor(v)  # q < 1: lo_rank < n - 1, or 0 = n - 1 for one expert
     gamma = v - lo_rank
     for g in range(bounds.shape[0] - 1):
         off[g + 1] = off[g]
@@ -273,12 +276,9 @@ def _percentile_proposals(pred, row_order, bounds, g0, num_l, num_e, q, sums, va
         m = n - lo_rank
         _keep_top(sums, r1 - r0, m, vals, idx)
         a = vals[m - 1]  # the quantile's neighbours: ranks lo_rank and lo_rank + 1
-        b = vals[m - 2] if lo_rank < n - 1 else a
+        b = vals[m - 2] if m > 1 else a
         d = b - a
         threshold = b - d * (1 - gamma) if gamma >= 0.5 else a + d * gamma
-        if m < n and a > threshold:
-            m = n
-            _keep_top(sums, r1 - r0, m, vals, idx)
         k = 0
         while k < m and vals[k] > threshold:
             out[off[g + 1]] = (layer + 1) * num_e + idx[k]
