@@ -346,7 +346,7 @@ def numpy_percentile_proposals(pred, row_order, bounds, g0, num_l, percentile):
 
 @settings(max_examples=300, deadline=None)
 @given(st.data())
-def test_compiled_percentile_proposals_equal_numpys_reduceat_percentile_and_stable_sort(data):
+def test_compiled_percentile_proposals_equal_numpys_percentile_and_stable_sort(data):
     """The compiled proposals against numpy on random float32 predictions (on a few levels, so
     that means tie and the percentile lands on tied values), 1-70 experts, 0-4 rows per
     (pass, layer), rows out of order, any percentile in [0, 100)."""
