@@ -40,6 +40,7 @@ class CostModel:
         self.nonexpert_weights = h * q + 2 * h * kv + q * h + h * model.num_experts + shared
         self.expert_flops_per_token = 6 * h * model.expert_intermediate_size
         self._table = self._measured()
+        self._time_at: dict[tuple[int, int], float] = {}
         self._dense = None
         for by_dtype in (hardware.nonexpert_table or {}).values():
             for tab in by_dtype.values():
@@ -91,10 +92,15 @@ class CostModel:
         """Seconds of one expert FFN with ``tokens`` tokens, its weights ``nbytes`` bytes: at
         the scenario's precision :meth:`expert_time` (the profile's table when it has one),
         at another precision the roofline."""
-        if nbytes == self.expert_bytes:
-            return float(self.expert_time(np.array([tokens]))[0])
-        return (max(nbytes / self.hbm, self.expert_flops_per_token * tokens / self.peak)
-                + self.hw.expert_overhead_us * 1e-6)
+        seconds = self._time_at.get((tokens, nbytes))
+        if seconds is None:  # made once per (tokens, size): the per-token lookup path asks often
+            if nbytes == self.expert_bytes:
+                seconds = float(self.expert_time(np.array([tokens]))[0])
+            else:
+                seconds = (max(nbytes / self.hbm, self.expert_flops_per_token * tokens / self.peak)
+                           + self.hw.expert_overhead_us * 1e-6)
+            self._time_at[(tokens, nbytes)] = seconds
+        return seconds
 
     def copy_time(self, nbytes: float) -> float:
         """Seconds to copy ``nbytes`` host-to-device (no queueing)."""
