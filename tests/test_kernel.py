@@ -251,3 +251,33 @@ def test_the_run_summary_names_the_replay_path(tmp_path, monkeypatch):
     assert "│ replay_path" in fast.output
     assert "kernel" in fast.output.split("│ replay_path")[1].splitlines()[0]
     assert "simpy (MOESIM_NO_KERNEL is set)" in slow.output.split("│ replay_path")[1].splitlines()[0]
+
+
+def test_the_prefetch_ring_drops_its_tombstones_when_full():
+    """The copy engine's prefetch queue is a ring whose withdrawn entries are -1. When it is
+    full, the next prefetch first drops the tombstones: the queued transfers keep their FIFO
+    order from slot 0 on, each knowing its slot, and the new one comes last. (No replay in
+    the tests fills the ring, so the kernel's functions are driven directly: 6 prefetches
+    queued on a 6-slot pool behind a busy link, the 2nd and 5th withdrawn, one more queued.)"""
+    from moesim.simulator import kernel as K
+
+    pool = 6
+    IS, FS = K._layout(num_keys=8, pool=pool, pend_max=8, maxn=1)
+    IS[K.C_NBYTES] = 1
+    FS[K.CF_DUR] = 1.0
+    tids = [K._submit(key, K.PREFETCH, 0.0, 0, IS, FS) for key in range(pool)]
+    for tid in (tids[1], tids[4]):  # withdrawn (the engine's _withdraw): tombstone, slot freed
+        IS[IS[K.H_PFQ] + IS[IS[K.H_TI] + tid * K.T_NTI + K.T_PFSLOT]] = -1
+        K._free(tid, IS)
+    ring = IS[IS[K.H_PFQ]:IS[K.H_PFQ] + pool].copy()
+    queued = [t for t in ring.tolist() if t != -1]  # in FIFO order
+    IS[IS[K.H_PFQ]:IS[K.H_PFQ] + pool] = np.roll(ring, 2)  # the same queue with its head at slot 2 (it wraps)
+    IS[K.S_PFH] = 2
+    for slot, t in enumerate(np.roll(ring, 2).tolist()):
+        if t != -1:
+            IS[IS[K.H_TI] + t * K.T_NTI + K.T_PFSLOT] = slot
+    new = K._submit(6, K.PREFETCH, 0.0, 0, IS, FS)
+    assert IS[K.S_PFH] == 0
+    assert IS[K.S_PFN] == len(queued) + 1 == 5
+    assert IS[IS[K.H_PFQ]:IS[K.H_PFQ] + 5].tolist() == [*queued, new]
+    assert [IS[IS[K.H_TI] + t * K.T_NTI + K.T_PFSLOT] for t in [*queued, new]] == list(range(5))

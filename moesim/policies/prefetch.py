@@ -248,9 +248,8 @@ def _percentile_proposals(pred, row_order, bounds, g0, num_l, num_e, q, sums, va
     per expert (summed in row order in the predictions' own precision, float32 for a trace
     read from disk, then divided by the row count in float64), the ``q`` quantile of the
     means (numpy's default ``linear`` method: ``(n - 1) * q``, interpolated as
-    ``np.percentile`` does), and the
-    experts above it, highest mean first, ties by expert index (a stable sort of the negated
-    means). The last layer proposes nothing. Offsets go to ``off`` (``off[0]`` = 0), the next
+    ``np.percentile`` does), and the experts above it, highest mean first, ties by expert
+    index (a stable sort of the negated means). The last layer proposes nothing. Offsets go to ``off`` (``off[0]`` = 0), the next
     layer's flat expert ids (``layer * num_e + e``) to ``out``.
 
     The order statistics come from the top ``m = n - floor((n - 1) q)`` means kept in order
