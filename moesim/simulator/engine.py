@@ -51,7 +51,7 @@ from moesim.simulator.cache import ExpertCache
 from moesim.simulator.copyengine import DEMAND, CopyEngine, Transfer
 from moesim.simulator.copyengine import PREFETCH as PREFETCH_PRIORITY
 from moesim.simulator.cost import CostModel
-from moesim.simulator.lookup import LayerLookup, PassRow, Run, token_mass
+from moesim.simulator.lookup import LayerLookup, PassRow, Run, plan
 from moesim.simulator.workload import DECODE, VERIFY, Workload, build_workload
 from moesim.traces.schema import PHASES
 from moesim.traces.trace import Trace
@@ -297,7 +297,7 @@ class Simulation:
         """Forward passes on the compute stream. Per layer: non-expert compute, then from the
         routing point :meth:`_layer` (lookups, proposals, expert compute); per pass one row
         (:meth:`_end_pass`). Cache-only replay makes the same decisions at zero cost."""
-        env, clock = self.env, self.clock
+        env = self.env
         num_l = self.model.num_layers
         off = self.wl.off.tolist()
         self._prepare_costs()
@@ -305,10 +305,7 @@ class Simulation:
         report_every = max(1, n_pass // 200)
         carry = 0.0
         for p in range(n_pass):
-            clock.pass_index = p
-            self._t_start[p] = env.now
-            self._evicted.clear()
-            self.row = PassRow()
+            self._begin_pass(p)
             bytes0 = self.copy.bytes_moved
             ne = self._nonexp[p]
             for layer in range(num_l):
@@ -375,6 +372,12 @@ class Simulation:
             self._admit(end, _NO_PINS)
         return end
 
+    def _begin_pass(self, p: int) -> None:
+        self.clock.pass_index = p
+        self._t_start[p] = self.env.now
+        self._evicted.clear()
+        self.row = PassRow()
+
     def _end_pass(self, p: int, bytes0: int) -> None:
         """The pass's row: its end, stall and counts (the only place they are written)."""
         row = self.row
@@ -388,8 +391,10 @@ class Simulation:
                             ("prefetch_predicted", row.pred_total), ("prefetch_actual", row.actual_total),
                             ("prefetches_cancelled", row.pf_cancelled), ("low_precision_experts", row.low_precision),
                             ("dropped_experts", row.dropped), ("substituted_experts", row.substituted),
-                            ("tokens_altered", len(row.altered)), ("unique_computed", row.unique)):
+                            ("tokens_altered", len(row.altered)), ("unique_computed", row.unique),
+                            ("bytes_ep", row.ep_bytes)):
             self._cols[name][p] = value
+        self._ep_max_load[p] = float(np.mean(row.ep_loads)) if row.ep_loads else 0.0
         if self.general:
             self._mass_total[p] = row.mass_total
             self._mass_kept[p] = row.mass_kept
@@ -581,77 +586,71 @@ class Simulation:
 
     def _run_ep(self) -> Generator[simpy.Event, Any, None]:
         """Expert parallelism (G > 1 GPUs): experts stay resident on their GPU (no host
-        offload, so cache, eviction, miss and prefetch policies do not apply); attention runs
-        data-parallel with the pass's tokens split across GPUs; each (token, expert) pair on
-        another GPU sends the token's hidden state over the EP link and back (dispatch and
-        combine all-to-all, as long as the busiest GPU's traffic); a layer waits for the
-        slowest GPU's experts. Routing and budget policies apply (XShare Algorithm 6 balances
-        the per-GPU load)."""
-        from moesim.policies.budget import placement_of
-
-        env, wl, hw = self.env, self.wl, self.scenario.hardware
-        g_n = hw.gpus
-        num_l, num_e = self.model.num_layers, self.model.num_experts
-        owner = placement_of(hw.placement, num_l, num_e, g_n)
-        link = hw.links[hw.ep_link]
-        token_bytes = 2 * self.model.hidden_size
-        trace = wl.trace
-        assert trace is not None
-        cols = self._cols
-        mass_t, mass_k = self._mass_total, self._mass_kept
+        offload, so cache, eviction, miss, prefetch and routing policies do not apply);
+        attention runs data-parallel with the pass's tokens split across GPUs; the budget
+        policy plans each layer as on one GPU (:func:`simulator.lookup.plan`; XShare
+        Algorithm 6 balances the per-GPU load) and the pass's row counts it as on one GPU
+        (:meth:`PassRow.count_tokens`); the layer then takes :meth:`_ep_layer`'s time, in one
+        step with its non-expert compute."""
+        env, wl, g_n = self.env, self.wl, self.scenario.hardware.gpus
         nonexp = self.cost.nonexpert_time(np.ceil(wl.pass_tokens / g_n),
                                           np.ceil(wl.pass_context * self.attn_scale / g_n)).tolist()
         for p in range(wl.num_passes):
-            self.clock.pass_index = p
-            self._t_start[p] = env.now
-            loads, uniq, accesses, mass_total, mass_kept = [], 0, 0, 0.0, 0.0
-            altered: set[tuple[int, int]] = set()
-            for layer in range(num_l):
+            self._begin_pass(p)
+            for layer in range(self.model.num_layers):
                 self.clock.layer = layer
                 rows = wl.rows(p, layer)
                 t_layer = nonexp[p]
                 if rows.size:
-                    orig = trace.experts[rows].astype(np.int64)
-                    chosen = self.budget.select(p, layer, rows, orig) if self.budget.restricts else orig.tolist()
-                    tok_gpu = np.arange(len(rows)) % g_n
-                    per_gpu_tokens: list[dict[int, int]] = [{} for _ in range(g_n)]
-                    sent = np.zeros(g_n)
-                    recv = np.zeros(g_n)
-                    m_total, m_kept, changed = token_mass(wl, rows, orig, [set(c) for c in chosen])
-                    mass_total += m_total
-                    mass_kept += m_kept
-                    altered |= changed
-                    for t, experts in enumerate(chosen):
-                        for e in experts:
-                            gpu = int(owner[layer, e])
-                            per_gpu_tokens[gpu][e] = per_gpu_tokens[gpu].get(e, 0) + 1
-                            if gpu != tok_gpu[t]:
-                                sent[tok_gpu[t]] += token_bytes
-                                recv[gpu] += token_bytes
-                    load = [len(d) for d in per_gpu_tokens]
-                    loads.append(max(load))
-                    uniq += sum(load)
-                    accesses += sum(load)
-                    per_gpu_time = [float(self.cost.expert_time(np.asarray(list(d.values()))).sum()) if d else 0.0
-                                    for d in per_gpu_tokens]
-                    expert_t = max(per_gpu_time) * float(self.ffn_scale[p])
-                    traffic = float(max(sent.max(), recv.max()))
-                    a2a = link.copy_time(traffic) if traffic > 0 else 0.0
-                    cols["bytes_ep"][p] += int(2 * sent.sum())  # dispatch, then combine back
-                    t_layer += 2 * a2a + expert_t
-                    if self.ep_log is not None and self._recording():
-                        t0, scale = env.now, float(self.ffn_scale[p])
-                        t_exp = t0 + nonexp[p] + a2a
-                        self.ep_log.extend((p, layer, g, t0, t0 + nonexp[p], t_exp, t_exp + per_gpu_time[g] * scale,
-                                            t0 + t_layer) for g in range(g_n))
+                    orig, chosen = plan(self, p, layer, rows, None)
+                    self.row.count_tokens(wl, rows, orig, [set(c) for c in chosen])
+                    t_layer += self._ep_layer(p, layer, chosen, nonexp[p])
                 yield env.timeout(t_layer)
-            self._t_end[p] = env.now
-            cols["hits"][p] = accesses
-            cols["unique_computed"][p] = uniq
-            cols["tokens_altered"][p] = len(altered)
-            self._ep_max_load[p] = float(np.mean(loads)) if loads else 0.0
-            mass_t[p] = mass_total
-            mass_k[p] = mass_kept
+            self.row.hits = self.row.unique  # every expert is resident on its GPU
+            self._end_pass(p, 0)
+
+    @cached_property
+    def _ep_owner(self) -> np.ndarray:
+        from moesim.policies.budget import placement_of
+
+        hw = self.scenario.hardware
+        return placement_of(hw.placement, self.model.num_layers, self.model.num_experts, hw.gpus)
+
+    def _ep_layer(self, p: int, layer: int, chosen: list[list[int]], nonexp: float) -> float:
+        """One layer's time from its routing point under expert parallelism: each (token,
+        expert) pair on another GPU than the token's sends the token's hidden state over the
+        EP link and back (dispatch and combine all-to-all, as long as the busiest GPU's
+        traffic); the layer waits for the slowest GPU's experts."""
+        hw = self.scenario.hardware
+        g_n = hw.gpus
+        owner = self._ep_owner
+        token_bytes = 2 * self.model.hidden_size
+        tok_gpu = np.arange(len(chosen)) % g_n
+        per_gpu_tokens: list[dict[int, int]] = [{} for _ in range(g_n)]
+        sent = np.zeros(g_n)
+        recv = np.zeros(g_n)
+        for t, experts in enumerate(chosen):
+            for e in experts:
+                gpu = int(owner[layer, e])
+                per_gpu_tokens[gpu][e] = per_gpu_tokens[gpu].get(e, 0) + 1
+                if gpu != tok_gpu[t]:
+                    sent[tok_gpu[t]] += token_bytes
+                    recv[gpu] += token_bytes
+        self.row.ep_loads.append(max(len(d) for d in per_gpu_tokens))
+        per_gpu_time = [float(self.cost.expert_time(np.asarray(list(d.values()))).sum()) if d else 0.0
+                        for d in per_gpu_tokens]
+        scale = float(self.ffn_scale[p])
+        expert_t = max(per_gpu_time) * scale
+        traffic = float(max(sent.max(), recv.max()))
+        a2a = hw.links[hw.ep_link].copy_time(traffic) if traffic > 0 else 0.0
+        self.row.ep_bytes += int(2 * sent.sum())  # dispatch, then combine back
+        t_layer = 2 * a2a + expert_t
+        if self.ep_log is not None and self._recording():
+            t0 = self.env.now
+            t_exp = t0 + nonexp + a2a
+            self.ep_log.extend((p, layer, g, t0, t0 + nonexp, t_exp, t_exp + per_gpu_time[g] * scale,
+                                t0 + (nonexp + t_layer)) for g in range(g_n))
+        return t_layer
 
     def run(self) -> Result:
         """Run the simulation to the end and derive the metrics."""

@@ -82,6 +82,22 @@ class PassRow:
     mass_total: float = 0.0
     mass_kept: float = 0.0
     altered: set[tuple[int, int]] = field(default_factory=set)
+    ep_bytes: int = 0  # expert parallelism: all-to-all bytes (dispatch and combine)
+    ep_loads: list[int] = field(default_factory=list)  # expert parallelism: per layer, the busiest GPU's experts
+
+    def count_tokens(self, wl: Workload, rows: np.ndarray, orig: np.ndarray, final: list[set[int]]) -> dict[int, int]:
+        """Count a layer's computed experts (``unique``), gate mass and altered tokens from
+        what each token of ``rows`` finally computes; returns the tokens of each expert."""
+        total, kept, altered = token_mass(wl, rows, orig, final)
+        self.mass_total += total
+        self.mass_kept += kept
+        self.altered |= altered
+        tokens_of: dict[int, int] = {}
+        for fin in final:
+            for e in fin:
+                tokens_of[e] = tokens_of.get(e, 0) + 1
+        self.unique += len(tokens_of)
+        return tokens_of
 
 
 class Run:
@@ -121,10 +137,7 @@ class LayerLookup:
             self.ffn: list[float] = sim.acc_ffn[lo:hi].tolist()
             self.keys: list[int] = sim.acc_keys[lo:hi].tolist()
             return
-        wl = sim.wl
-        trace = wl.trace
-        assert trace is not None
-        rows = wl.rows(p, layer)
+        rows = sim.wl.rows(p, layer)
         self.rows = rows
         cache = sim.cache
 
@@ -132,12 +145,7 @@ class LayerLookup:
             return key in cache.resident or key in cache.inflight
 
         self.cached = cached
-        orig = trace.experts[rows].astype(np.int64)
-        self.orig = orig
-        routed_experts = (sim.routing.route(p, layer, rows, orig, cached)
-                          if sim.routing.changes_routing else orig)
-        chosen: list[list[int]] = (sim.budget.select(p, layer, rows, routed_experts)
-                                   if sim.budget.restricts else routed_experts.tolist())
+        self.orig, chosen = plan(sim, p, layer, rows, cached)
         first: dict[int, list[int]] = {}  # expert -> [best rank, token indices...]
         for t, toks_t in enumerate(chosen):
             for r, e in enumerate(toks_t):
@@ -336,15 +344,7 @@ class LayerLookup:
             row.unique += len(self.experts)
             return runs
         sim = self.sim
-        total, kept, altered = token_mass(sim.wl, self.rows, self.orig, self.final)
-        row.mass_total += total
-        row.mass_kept += kept
-        row.altered |= altered
-        tokens_of: dict[int, int] = {}
-        for fin in self.final:
-            for e in fin:
-                tokens_of[e] = tokens_of.get(e, 0) + 1
-        row.unique += len(tokens_of)
+        tokens_of = row.count_tokens(sim.wl, self.rows, self.orig, self.final)
         arrival = {r.key: r.tr for r in runs}
         out = []
         for e, n in tokens_of.items():
@@ -352,6 +352,18 @@ class LayerLookup:
             nb = self.ctx.precision_bytes[self.ctx.precision_of(key)]
             out.append(Run(key, arrival.get(key), sim.cost.expert_time_at(n, nb) * self.scale))
         return out
+
+
+def plan(sim: Replay, p: int, layer: int, rows: np.ndarray,
+         cached: Any | None) -> tuple[np.ndarray, list[list[int]]]:
+    """A layer's routing as the trace has it (``[tokens, k]``) and each token's experts after
+    the routing policy (when ``cached`` is given: it reads residency) and the budget policy,
+    in rank order."""
+    trace = sim.wl.trace
+    assert trace is not None
+    orig = trace.experts[rows].astype(np.int64)
+    routed = sim.routing.route(p, layer, rows, orig, cached) if cached is not None and sim.routing.changes_routing else orig
+    return orig, (sim.budget.select(p, layer, rows, routed) if sim.budget.restricts else routed.tolist())
 
 
 def token_mass(wl: Any, rows: np.ndarray, orig: np.ndarray,
