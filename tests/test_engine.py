@@ -292,3 +292,57 @@ def test_collision_misses_counted_within_a_pass():
     # layer 1's keys, which layer 1 then misses on: evicted earlier in the same pass -> 2 collisions.
     assert res.steps["misses"].tolist() == [4, 4]
     assert res.steps["collision_misses"].tolist() == [0, 2]
+
+
+# -- cache-only replay -------------------------------------------------------------------------
+@pytest.mark.parametrize("over", [
+    {"policies": {"miss": {"name": "drop", "rank": 1}}},
+    {"policies": {"miss": "substitute"}},
+    {"policies": {"miss": "speculative", "prefetch": "next-gate-topk"}},
+    {"policies": {"miss": "fetch-priority"}},
+    {"policies": {"budget": "lynx"}},
+    {"policies": {"routing": "cache-aware"}},
+    {"policies": {"budget": "moe-spec"}, "hardware": {"preset": "h100-sxm-nvlink-x4"}},
+    {"policies": {"prefetch": "oracle"}},
+])
+@pytest.mark.parametrize("mode", ["layer", "on-arrival", "per-expert"])
+def test_cache_only_replay_passes_no_time_on_any_path(over, mode):
+    """docs/design.md: cache-only replay makes the decisions at zero cost, so no simulated
+    time passes — also on the per-token lookup path and with expert parallelism (both charged
+    expert compute time before; tests/golden_grid_results.py's CHANGED)."""
+    trace = synth_from_preset("olmoe-1b-7b", layers=4, experts=16, top_k=4, requests=4, prompt_tokens=3,
+                              tokens=5, seed=2, probs=True, pred_next=True)
+    sc = scenario(timing=False, expert_compute=mode, workload={"batch_size": 4}, cache={"capacity": "20%"},
+                  **over)
+    res = simulate(sc, trace=trace)
+    steps = res.steps
+    assert (steps.end_s == 0).all()
+    assert (steps.stall_s == 0).all()
+    timed = simulate(scenario(expert_compute=mode, workload={"batch_size": 4}, cache={"capacity": "20%"}, **over),
+                     trace=trace).steps
+    assert timed.end_s.iloc[-1] > 0  # the same scenario timed does take time
+    assert steps.hits.sum() + steps.misses.sum() + steps.late_prefetches.sum() > 0
+
+
+def test_the_per_token_path_runs_a_layer_in_router_order():
+    """``LayerLookup.finish`` returns the layer's expert computations in the order they were
+    looked up (router order: token by token, rank by rank), not in the order a Python set of
+    expert ids iterates: here the token routes to 5, 2 and 9 (the set the layer kept of them
+    iterates 2 first); with drop, 9 (rank 2) is dropped."""
+    from moesim.simulator.lookup import LayerLookup, PassRow
+
+    model = small_model(layers=1, experts=16, top_k=3)
+    tr = trace_from_array(model, np.array([[[[5, 2, 9]]]]))
+    sim = Simulation(scenario(cache={"capacity": "0 experts"}, policies={"miss": {"name": "drop", "rank": 2}}),
+                     trace=tr)
+    sim._prepare_costs()
+    look = LayerLookup(sim, 0, 0, 0, 3, PassRow(), set())
+    assert look.experts == [5, 2, 9]
+    assert list({5, 2, 9} - {9}) == [2, 5]
+    runs = []
+    for i in range(len(look)):
+        runs.extend(look.lookup(i, set(look.keys), 0.0))
+    out = look.finish(runs)
+    assert [sim.eviction.ctx.base_of(r.key) for r in out] == [5, 2]
+    assert look.row.dropped == 1
+    assert look.row.unique == 2

@@ -200,6 +200,7 @@ class Simulation:
         is_verify = workload.pass_phase == VERIFY
         self.attn_scale = np.where(is_verify, 1.0 - (spec.sparse_attention if spec else 0.0), 1.0)
         self.ffn_scale = np.where(is_verify, 1.0 - (spec.sparse_ffn if spec else 0.0) / 3.0, 1.0)
+        self.timing = scenario.timing
         self.general = (self.routing.changes_routing or not self.miss.always_fetch or self.budget.restricts
                         or scenario.hardware.gpus > 1)
         self._ep_max_load = np.zeros(workload.num_passes)
@@ -595,6 +596,8 @@ class Simulation:
         env, wl, g_n = self.env, self.wl, self.scenario.hardware.gpus
         nonexp = self.cost.nonexpert_time(np.ceil(wl.pass_tokens / g_n),
                                           np.ceil(wl.pass_context * self.attn_scale / g_n)).tolist()
+        if not self.timing:  # cache-only: no time passes
+            nonexp = [0.0] * wl.num_passes
         for p in range(wl.num_passes):
             self._begin_pass(p)
             for layer in range(self.model.num_layers):
@@ -637,13 +640,15 @@ class Simulation:
                     sent[tok_gpu[t]] += token_bytes
                     recv[gpu] += token_bytes
         self.row.ep_loads.append(max(len(d) for d in per_gpu_tokens))
+        self.row.ep_bytes += int(2 * sent.sum())  # dispatch, then combine back
+        if not self.timing:
+            return 0.0
         per_gpu_time = [float(self.cost.expert_time(np.asarray(list(d.values()))).sum()) if d else 0.0
                         for d in per_gpu_tokens]
         scale = float(self.ffn_scale[p])
         expert_t = max(per_gpu_time) * scale
         traffic = float(max(sent.max(), recv.max()))
         a2a = hw.links[hw.ep_link].copy_time(traffic) if traffic > 0 else 0.0
-        self.row.ep_bytes += int(2 * sent.sum())  # dispatch, then combine back
         t_layer = 2 * a2a + expert_t
         if self.ep_log is not None and self._recording():
             t0 = self.env.now

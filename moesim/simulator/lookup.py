@@ -48,6 +48,7 @@ class Replay(Protocol):
     copy: CopyEngine
     cost: CostModel
     general: bool  # routing, budget or miss policy may change what a token computes
+    timing: bool  # False: cache-only replay (zero-cost compute, instant transfers)
     acc_ffn: np.ndarray  # compute seconds of every expert access
     ffn_scale: np.ndarray  # per pass: the expert-compute factor (sparse verification)
     decisions: list[tuple[int, int, str, int]] | None  # the decision log, when recorded
@@ -164,7 +165,7 @@ class LayerLookup:
         self.final = [set(map(int, c)) for c in chosen]
         self.key_for: dict[int, int] = {}  # expert computed -> the cache key it computes from
         self.pred_order: list[list[int]] | None = None
-        self.scale = float(sim.ffn_scale[p])
+        self.scale = float(sim.ffn_scale[p]) if sim.timing else 0.0  # cache-only: compute is free
 
     def __len__(self) -> int:
         return len(self.experts)
@@ -338,7 +339,9 @@ class LayerLookup:
         """Count what the layer computed (unique experts, gate mass, altered tokens) and
         return its expert computations for ``layer``/``on-arrival`` execution: ``runs`` as
         looked up, or, when tokens were re-routed, one per expert finally computed with all
-        of its tokens (a fused kernel runs each expert once)."""
+        of its tokens (a fused kernel runs each expert once), in the order the lookups decided
+        them (router order, a substitute where it was chosen): ``layer`` execution sums their
+        compute times in this order, which the compiled kernel reproduces."""
         row = self.row
         if self.plain:
             row.unique += len(self.experts)
@@ -347,8 +350,10 @@ class LayerLookup:
         tokens_of = row.count_tokens(sim.wl, self.rows, self.orig, self.final)
         arrival = {r.key: r.tr for r in runs}
         out = []
-        for e, n in tokens_of.items():
-            key = self.key_for[e]
+        for e, key in self.key_for.items():
+            n = tokens_of.get(e, 0)
+            if not n:
+                continue
             nb = self.ctx.precision_bytes[self.ctx.precision_of(key)]
             out.append(Run(key, arrival.get(key), sim.cost.expert_time_at(n, nb) * self.scale))
         return out
@@ -370,7 +375,10 @@ def token_mass(wl: Any, rows: np.ndarray, orig: np.ndarray,
                final: list[set[int]]) -> tuple[float, float, set[tuple[int, int]]]:
     """Gate mass of the original top-k, the mass of the experts each token finally computed,
     and the (request, position) of tokens whose expert set changed. Mass is the router
-    probability when the trace has ``probs``, else the top-k weight (0 outside the top-k)."""
+    probability when the trace has ``probs``, else the top-k weight (0 outside the top-k).
+    Per token, probabilities are summed as numpy sums them at ascending expert ids (pairwise
+    with eight accumulators from eight terms), weights one after another in rank order; the
+    compiled kernel sums in these orders too."""
     trace = wl.trace
     probs = wl.probs[rows].astype(np.float64) if wl.probs is not None else None
     weights = trace.weights[rows]
@@ -384,9 +392,9 @@ def token_mass(wl: Any, rows: np.ndarray, orig: np.ndarray,
             total += float(probs[t, sorted(o)].sum())
             kept += float(probs[t, sorted(final[t])].sum()) if final[t] else 0.0
         else:
-            wmap = dict(zip(o, weights[t].tolist(), strict=True))
-            total += float(sum(wmap.values()))
-            kept += float(sum(wmap.get(e, 0.0) for e in final[t]))
+            w = weights[t].tolist()  # summed in rank order
+            total += float(sum(w))
+            kept += float(sum(w[r] for r, e in enumerate(o) if e in final[t]))
         if final[t] != set(o):
             altered.add((int(req[t]), int(pos[t])))
     return total, kept, altered
