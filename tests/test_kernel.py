@@ -6,6 +6,7 @@ and the dispatch rule (which path runs, and why)."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -109,6 +110,29 @@ def test_kernel_equals_simpy_on_a_speculative_replay(olmoe_trace, monkeypatch):
     assert ref.summary["mean_accepted_tokens"] > 1
 
 
+@pytest.mark.parametrize("probs", [True, False])
+@pytest.mark.parametrize(("eviction", "prefetch", "rank"), [
+    ("lru", "none", 2), ("least-stale", "score-percentile", 1), ("belady", "oracle", 0), ("lfu", "next-gate-topk", 4)])
+@pytest.mark.parametrize(("mode", "timing", "batch"), [
+    ("layer", True, 1), ("layer", True, 8), ("on-arrival", True, 8), ("per-expert", True, 4), ("layer", False, 8),
+    ("per-expert", False, 1)])
+def test_kernel_equals_simpy_with_the_drop_miss_policy(monkeypatch, probs, eviction, prefetch, rank, mode, timing,
+                                                       batch):
+    """``drop`` on the kernel: misses of router rank >= ``rank`` skipped, the layer's
+    computations, unique experts, gate mass (router probabilities, or top-k weights when the
+    trace has none) and altered tokens as the per-token SimPy path counts them."""
+    trace = synth_from_preset("olmoe-1b-7b", layers=6, requests=8, prompt_tokens=4, tokens=12, seed=5,
+                              pred_next=True, probs=probs)
+    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": {"name": "drop", "rank": rank}},
+                  expert_compute=mode, timing=timing, workload={"batch_size": batch}, cache={"capacity": "8%"})
+    fast, ref = both_paths(sc, trace, monkeypatch)
+    assert_identical(fast, ref)
+    steps = ref.steps
+    assert steps.dropped_experts.sum() > 0
+    assert steps.tokens_altered.sum() > 0
+    assert (steps.gate_weight_computed < steps.gate_weight_total).any()
+
+
 settings_kw: dict[str, Any] = {"max_examples": 60, "deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 
 
@@ -157,10 +181,11 @@ def test_the_kernel_runs_when_every_policy_has_a_kernel_form(tiny, monkeypatch):
 
 @pytest.mark.parametrize(("over", "kwargs", "why"), [
     ({"policies": {"eviction": "random"}}, {}, "eviction policy 'random' has no kernel form"),
-    ({"policies": {"miss": "drop"}}, {}, "a routing, budget or miss policy that changes what tokens compute"),
+    ({"policies": {"miss": "substitute"}}, {}, "miss policy 'substitute' has no kernel form"),
+    ({"policies": {"miss": "fetch-priority"}}, {}, "miss policy 'fetch-priority' has no kernel form"),
     ({"policies": {"budget": {"name": "lynx", "drop": 1}}}, {},
-     "a routing, budget or miss policy that changes what tokens compute"),
-    ({"policies": {"routing": "cache-aware"}}, {}, "a routing, budget or miss policy that changes what tokens compute"),
+     "a routing or budget policy that changes what tokens compute"),
+    ({"policies": {"routing": "cache-aware"}}, {}, "a routing or budget policy that changes what tokens compute"),
     ({"hardware": {"preset": "h100-sxm-nvlink-x2"}}, {}, "expert parallelism"),
     ({}, {"record_transfers": True}, "the replay records its timeline or decisions"),
     ({}, {"record_decisions": True}, "the replay records its timeline or decisions"),
@@ -262,7 +287,7 @@ def test_the_prefetch_ring_drops_its_tombstones_when_full():
     from moesim.simulator import kernel as K
 
     pool = 6
-    IS, FS = K._layout(num_keys=8, pool=pool, pend_max=8, maxn=1)
+    IS, FS = K._layout(num_keys=8, pool=pool, pend_max=8, maxn=1, top_k=1)
     IS[K.C_NBYTES] = 1
     FS[K.CF_DUR] = 1.0
     tids = [K._submit(key, K.PREFETCH, 0.0, 0, IS, FS) for key in range(pool)]
@@ -281,3 +306,18 @@ def test_the_prefetch_ring_drops_its_tombstones_when_full():
     assert IS[K.S_PFN] == len(queued) + 1 == 5
     assert IS[IS[K.H_PFQ]:IS[K.H_PFQ] + 5].tolist() == [*queued, new]
     assert [IS[IS[K.H_TI] + t * K.T_NTI + K.T_PFSLOT] for t in [*queued, new]] == list(range(5))
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(st.floats(0, 1e3, allow_subnormal=False) | st.floats(0, 1e-3), min_size=0, max_size=128),
+       offset=st.integers(0, 3))
+def test_the_kernels_pairwise_sum_is_numpys(values, offset):
+    """``_pairwise_sum`` adds as numpy's ``sum`` adds a float64 array (tested bit for bit
+    from 0 to 128 terms, where numpy switches from one loop to eight accumulators at 8)."""
+    from moesim.simulator import kernel as K
+
+    FS = np.full(offset + len(values) + 1, 12345.0)  # a term read outside the range shows
+    FS[offset:offset + len(values)] = values
+    got = K._pairwise_sum(FS, offset, len(values))
+    want = float(np.asarray(values, dtype=np.float64).sum())
+    assert got == want or (math.isnan(got) and math.isnan(want))

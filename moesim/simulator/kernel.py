@@ -67,31 +67,33 @@ DEMAND, PREFETCH = 0, 1
 
 # per-key integer fields (KI)
 (K_STATE, K_TID, K_STATIC, K_STAMP, K_COUNT, K_CURPASS, K_PREV, K_NEXT, K_MEMB, K_PIN, K_PEND,
- K_EVICTED, K_UNUSED, K_ADM, K_QUEUED, K_MARK, K_ACCPASS, K_NKI) = range(18)
+ K_EVICTED, K_UNUSED, K_ADM, K_QUEUED, K_MARK, K_ACCPASS, K_DROP, K_NKI) = range(19)
 # per-key float fields (KF)
 F_SCORE, F_NEXTUSE, F_NKF = range(3)
 # The integer state IS: scalars (S_*), configuration (C_*), the pass's row (R_*), region
 # offsets (H_*), then the regions (per-key fields, transfer slots, queues, scratch).
 (S_SEQ, S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_HEAD, S_TAIL, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
  S_FREEN, S_WH, S_WN, S_PENDN, S_MEMBN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
- S_SCOREPASS,
+ S_SCOREPASS, S_DROPGEN,
  C_EV, C_LS_REL, C_LS_PFCUR, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_PREC0,
- C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC,
+ C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_DROPRANK, C_PROBS, C_K,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
- R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE,
+ R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED,
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
- H_PENDMAX, H_LSQ, H_PFTMP, I_HEADER) = range(79)
-R_FIRST, R_COUNT = R_HITS, R_UNIQUE + 1 - R_HITS
+ H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, I_HEADER) = range(86)
+R_FIRST, R_COUNT = R_HITS, R_ALTERED + 1 - R_HITS
 # The float state FS: scalars, configuration, then per-key fields, transfer times, scratch.
-SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, CF_CAP, CF_DUR, CF_DECAY, F_HEADER = range(9)
+(SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, CF_CAP, CF_DUR, CF_DECAY,
+ F_HEADER) = range(11)
 # transfer slots
 T_KEY, T_PRIO, T_SEQ, T_STARTED, T_CANCELLED, T_BYPASS, T_PFSLOT, T_NTI = range(8)
 T_ISSUED, T_START, T_DONE, T_NTF = range(4)
 # per-pass columns, in engine order
 COLUMNS = ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches", "bytes",
            "prefetches_issued", "prefetches_used", "prefetch_predicted_hits", "prefetch_predicted",
-           "prefetch_actual", "prefetches_cancelled", "unique_computed")
+           "prefetch_actual", "prefetches_cancelled", "unique_computed", "dropped_experts", "tokens_altered")
+NOT_COMPUTED = -2  # _lookup: the access's expert is not computed (dropped)
 
 
 # -- the workload's accesses ----------------------------------------------------------------
@@ -588,8 +590,9 @@ def _used_prefetch(key, IS):
 
 @_inline
 def _lookup(ai, now, pin_gen, IS, FS, DI, A):
-    """Look access ``ai`` up (engine's ``LayerLookup.lookup``, plain path); returns the slot
-    of the transfer its run waits for, or -1."""
+    """Look access ``ai`` up (engine's ``LayerLookup.lookup``); returns the slot of the
+    transfer its run waits for, -1 (none), or ``NOT_COMPUTED`` when the ``drop`` miss policy
+    skips the expert (router rank >= its ``rank``)."""
     key = _key(ai, IS, A)
     k = IS[H_KI] + key * K_NKI
     state = IS[k + K_STATE]
@@ -610,6 +613,10 @@ def _lookup(ai, now, pin_gen, IS, FS, DI, A):
     IS[R_MISSES] += 1
     if IS[k + K_EVICTED] == IS[S_PASS]:
         IS[R_COLL] += 1
+    if IS[C_DROPRANK] >= 0 and A[4][ai] >= IS[C_DROPRANK]:  # drop (SpecMD §3.1.2)
+        IS[R_DROPPED] += 1
+        IS[k + K_DROP] = IS[S_DROPGEN]
+        return NOT_COMPUTED
     if _room(False, pin_gen, -1, IS, FS) != -1:
         IS[k + K_PIN] = pin_gen
         tid = _submit(key, DEMAND, now, 0, IS, FS)
@@ -824,10 +831,14 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
         IS[IS[H_RUNS] + i * 2 + 1] = IS[IS[H_TI] + tid * T_NTI + T_SEQ] if tid >= 0 else -1
     if IS[C_PFACTIVE]:
         _propose(p, layer, p0, now, pins, IS, FS, DI, A, P)
+    computed = 0
     if IS[C_MODE] == MODE_LAYER:
         ready = now
         total = 0.0
         for i in range(n):
+            if IS[IS[H_RUNS] + i * 2 + 0] == NOT_COMPUTED:
+                continue
+            computed += 1
             a = _arrival(IS[IS[H_RUNS] + i * 2 + 0], IS[IS[H_RUNS] + i * 2 + 1], now, IS, FS)
             if a > ready:
                 ready = a
@@ -836,9 +847,12 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
         end = ready + total
     else:  # on-arrival: in arrival order (ties by compute time), each when it has arrived
         for i in range(n):
+            if IS[IS[H_RUNS] + i * 2 + 0] == NOT_COMPUTED:
+                continue
             a = _arrival(IS[IS[H_RUNS] + i * 2 + 0], IS[IS[H_RUNS] + i * 2 + 1], now, IS, FS)
             f = _ffn(lo + i, p, IS, DF, A)
-            j = i
+            j = computed
+            computed += 1
             while j > 0 and (FS[IS[H_SCR] + j - 1] > a or (FS[IS[H_SCR] + j - 1] == a and FS[IS[H_SCR] + IS[C_MAXN] + j - 1] > f)):
                 FS[IS[H_SCR] + j] = FS[IS[H_SCR] + j - 1]
                 FS[IS[H_SCR] + IS[C_MAXN] + j] = FS[IS[H_SCR] + IS[C_MAXN] + j - 1]
@@ -846,7 +860,7 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
             FS[IS[H_SCR] + j] = a
             FS[IS[H_SCR] + IS[C_MAXN] + j] = f
         t = now
-        for i in range(n):
+        for i in range(computed):
             if FS[IS[H_SCR] + i] > t:
                 FS[SF_STALL] += FS[IS[H_SCR] + i] - t
                 t = FS[IS[H_SCR] + i]
@@ -856,7 +870,7 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
     if IS[S_WN]:
         _advance(end, IS, FS)
         _admit(end, _new_gen(IS, S_PINGEN), IS, FS, DI, A)
-    IS[R_UNIQUE] += n
+    IS[R_UNIQUE] += computed
     return end
 
 
@@ -873,6 +887,7 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
     t = now
     cur = -1
     cur_seq = -1
+    computed = 0
     if n:
         cur = _lookup(lo, t, _new_gen(IS, S_PINGEN), IS, FS, DI, A)
         cur_seq = IS[IS[H_TI] + cur * T_NTI + T_SEQ] if cur >= 0 else -1
@@ -890,7 +905,9 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
             IS[IS[H_KI] + _key(lo + i, IS, A) * K_NKI + K_PIN] = pins  # the running expert
             nxt = _lookup(lo + i + 1, t, pins, IS, FS, DI, A)
             nxt_seq = IS[IS[H_TI] + nxt * T_NTI + T_SEQ] if nxt >= 0 else -1
-        t += _ffn(lo + i, p, IS, DF, A)
+        if cur != NOT_COMPUTED:
+            t += _ffn(lo + i, p, IS, DF, A)
+            computed += 1
         if timed:
             _advance(t, IS, FS)
         if IS[C_EV] == EV_LS:
@@ -901,12 +918,95 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
                 IS[IS[H_KI] + _key(lo + i + 1, IS, A) * K_NKI + K_PIN] = pins
             _admit(t, pins, IS, FS, DI, A)
         cur, cur_seq = nxt, nxt_seq
-    IS[R_UNIQUE] += n
+    IS[R_UNIQUE] += computed
     return t
 
 
 @_jit
-def replay_passes(p0, p1, IS, FS, DI, DF, A, P, nonexp, cols, t_start, t_end, stall):
+def _pairwise_sum(FS, a, n):
+    """``FS[a:a + n]`` summed as numpy sums a float64 array of up to 128 terms: one after
+    another below eight, else in eight accumulators combined as a tree, then the rest."""
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += FS[a + i]
+        return res
+    r0, r1, r2, r3 = FS[a], FS[a + 1], FS[a + 2], FS[a + 3]
+    r4, r5, r6, r7 = FS[a + 4], FS[a + 5], FS[a + 6], FS[a + 7]
+    i = 8
+    while i < n - n % 8:
+        r0 += FS[a + i]
+        r1 += FS[a + i + 1]
+        r2 += FS[a + i + 2]
+        r3 += FS[a + i + 3]
+        r4 += FS[a + i + 4]
+        r5 += FS[a + i + 5]
+        r6 += FS[a + i + 6]
+        r7 += FS[a + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += FS[a + i]
+        i += 1
+    return res
+
+
+@_jit
+def _token_mass(p, layer, IS, FS, M):
+    """With the ``drop`` miss policy: the layer's gate mass (original top-k and computed) and
+    the pass's altered tokens, as the engine's ``token_mass``: per token, probabilities at
+    ascending expert ids summed as numpy sums them, or top-k weights in rank order."""
+    row_order, row_off, experts, mass, token, mark = M
+    b = p * IS[C_L] + layer
+    k = IS[C_K]
+    scr = IS[H_MSCR]
+    total = 0.0
+    kept = 0.0
+    for ri in range(row_off[b], row_off[b + 1]):
+        r = row_order[ri]
+        n_kept = 0
+        t_total = 0.0
+        t_kept = 0.0
+        for j in range(k):
+            e = np.int64(experts[r, j])
+            key = np.int64(layer) * IS[C_DIV] + e * IS[C_NPREC] + IS[C_DPREC]
+            dropped = IS[IS[H_KI] + key * K_NKI + K_DROP] == IS[S_DROPGEN]
+            if IS[C_PROBS]:  # insert e into the ascending ids at FS[scr], its flag after them
+                i = j
+                while i > 0 and FS[scr + i - 1] > e:
+                    FS[scr + i] = FS[scr + i - 1]
+                    FS[scr + k + i] = FS[scr + k + i - 1]
+                    i -= 1
+                FS[scr + i] = e
+                FS[scr + k + i] = 0.0 if dropped else 1.0
+            else:
+                w = np.float64(mass[r, j])
+                t_total += w
+                if not dropped:
+                    t_kept += w
+            n_kept += not dropped
+        if IS[C_PROBS]:
+            for i in range(k):  # ids -> probabilities; kept ones packed after them
+                e = np.int64(FS[scr + i])
+                FS[scr + i] = np.float64(mass[r, e])
+            m = 0
+            for i in range(k):
+                if FS[scr + k + i] != 0.0:
+                    FS[scr + k + m] = FS[scr + i]
+                    m += 1
+            t_total = _pairwise_sum(FS, scr, k)
+            t_kept = _pairwise_sum(FS, scr + k, m) if m else 0.0
+        total += t_total
+        kept += t_kept
+        if n_kept < k and mark[token[r]] != p:
+            mark[token[r]] = p
+            IS[R_ALTERED] += 1
+    FS[SF_MTOTAL] += total
+    FS[SF_MKEPT] += kept
+
+
+@_jit
+def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, nonexp, cols, t_start, t_end, stall, m_total, m_kept):
     """Replay forward passes ``p0 .. p1`` (engine's ``_run``): per layer, non-expert compute,
     the routing point's lookups and proposals, expert compute; per pass, one row."""
     num_l = IS[C_L]
@@ -921,6 +1021,8 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, nonexp, cols, t_start, t_end, st
         for r in range(R_FIRST, R_FIRST + R_COUNT):
             IS[r] = 0
         FS[SF_STALL] = 0.0
+        FS[SF_MTOTAL] = 0.0
+        FS[SF_MKEPT] = 0.0
         ne = nonexp[p]
         base = p * num_l
         if IS[C_PFACTIVE]:
@@ -936,10 +1038,13 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, nonexp, cols, t_start, t_end, st
                 continue  # no routing for this (pass, layer): the layer is skipped
             _advance(now, IS, FS)
             IS[S_LAYER] = layer
+            IS[S_DROPGEN] += 1
             if IS[C_MODE] == MODE_PER_EXPERT:
                 end = _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P)
             else:
                 end = _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P)
+            if IS[C_DROPRANK] >= 0:
+                _token_mass(p, layer, IS, FS, M)
             carry = end - now
         if carry > 0:
             now = now + carry
@@ -947,6 +1052,8 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, nonexp, cols, t_start, t_end, st
         _advance(now, IS, FS)
         t_end[p] = now
         stall[p] = FS[SF_STALL]
+        m_total[p] = FS[SF_MTOTAL]
+        m_kept[p] = FS[SF_MKEPT]
         IS[R_BYTES] = IS[S_BYTES] - bytes0
         for r in range(R_COUNT):
             cols[p - p0, r] = IS[R_FIRST + r]
@@ -996,7 +1103,7 @@ def _policy_codes() -> tuple[dict[Any, int], dict[Any, int]]:
 def kernel_form(sim: Any) -> str | None:
     """Why ``sim`` (a :class:`simulator.engine.Simulation`) replays on the SimPy path, or
     None when the kernel has a form for every one of its policies."""
-    from moesim.policies.miss import Fetch
+    from moesim.policies.miss import Drop, Fetch
 
     if os.environ.get("MOESIM_NO_KERNEL", "") not in ("", "0"):
         return "MOESIM_NO_KERNEL is set"
@@ -1006,8 +1113,12 @@ def kernel_form(sim: Any) -> str | None:
         return "the replay records its timeline or decisions"
     if sim.scenario.hardware.gpus > 1:
         return "expert parallelism"
-    if sim.routing.changes_routing or sim.budget.restricts or type(sim.miss) is not Fetch:
-        return "a routing, budget or miss policy that changes what tokens compute"
+    if sim.routing.changes_routing or sim.budget.restricts:
+        return "a routing or budget policy that changes what tokens compute"
+    if type(sim.miss) not in (Fetch, Drop):
+        return f"miss policy '{sim.scenario.policies.miss.name}' has no kernel form"
+    if sim.model.top_k > 128:
+        return "top-k above 128 (the kernel sums a token's gate mass as numpy does up to 128 terms)"
     evictions, prefetchers = _policy_codes()
     if type(sim.eviction) not in evictions:
         return f"eviction policy '{sim.scenario.policies.eviction.name}' has no kernel form"
@@ -1028,13 +1139,13 @@ def _belady_positions(keys: np.ndarray, num_keys: int) -> tuple[np.ndarray, np.n
     return kpos_off, order
 
 
-def _layout(num_keys: int, pool: int, pend_max: int, maxn: int) -> tuple[np.ndarray, np.ndarray]:
+def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """The state arrays, initialised: regions after the headers, their offsets in ``IS``."""
     i_sizes = ((H_KI, num_keys * K_NKI), (H_TI, pool * T_NTI), (H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
                (H_FREE, pool), (H_WQ, num_keys), (H_PENDA, pend_max * 3), (H_MEMB, num_keys),
                (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys), (H_RUNS, 2 * max(1, maxn)),
                (H_LSQ, 4 * num_keys), (H_PFTMP, pool))
-    f_sizes = ((H_KF, num_keys * F_NKF), (H_TF, pool * T_NTF), (H_SCR, 2 * max(1, maxn)))
+    f_sizes = ((H_KF, num_keys * F_NKF), (H_TF, pool * T_NTF), (H_SCR, 2 * max(1, maxn)), (H_MSCR, 2 * top_k))
     n_i, n_f = I_HEADER, F_HEADER
     offsets = {}
     for h, size in i_sizes:
@@ -1059,10 +1170,30 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int) -> tuple[np.ndar
     return IS, FS
 
 
+_NO_MASS = (np.zeros(1, np.int64), np.zeros(2, np.int64), np.zeros((1, 1), np.int16),
+            np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64))
+
+
+def _mass_arrays(sim: Any) -> tuple[np.ndarray, ...]:
+    """What ``_token_mass`` reads: the trace's rows of each (pass, layer) in order (CSR), its
+    experts, the mass per row (router probabilities when the trace has them, else the top-k
+    weights), each row's token (request, position) numbered, and a mark per token."""
+    wl = sim.wl
+    trace = wl.trace
+    assert trace is not None and wl.row_order is not None and wl.row_off is not None
+    mass = wl.probs if wl.probs is not None else trace.weights
+    tok = trace.request.astype(np.int64) * (int(trace.position.max(initial=0)) + 1) + trace.position
+    _, token = np.unique(tok, return_inverse=True)
+    return (np.ascontiguousarray(wl.row_order, np.int64), np.ascontiguousarray(wl.row_off, np.int64),
+            np.ascontiguousarray(trace.experts, np.int16), np.ascontiguousarray(mass, np.float32),
+            token.astype(np.int64), np.full(int(token.max(initial=0)) + 1, -1, np.int64))
+
+
 def replay(sim: Any) -> None:
     """Replay ``sim`` with the kernel, filling its per-pass arrays, the copy engine's busy
     time and bytes, and the cache's high-water mark, as its SimPy process would."""
     from moesim.policies.eviction import LeastStale, ScoreBased
+    from moesim.policies.miss import Drop
     from moesim.policies.prefetch import Lookahead
 
     evictions, prefetchers = _policy_codes()
@@ -1077,7 +1208,7 @@ def replay(sim: Any) -> None:
     params = sim.eviction.params
     pool = num_keys + maxn + 16
     pend_max = num_keys + 16
-    IS, FS = _layout(num_keys, pool, pend_max, maxn)
+    IS, FS = _layout(num_keys, pool, pend_max, maxn, model.top_k)
     IS[C_EV] = ev
     IS[C_LS_REL] = isinstance(sim.eviction, LeastStale) and params.order == "relative"
     IS[C_LS_PFCUR] = isinstance(sim.eviction, LeastStale) and params.prefetch_evicts_current
@@ -1097,10 +1228,14 @@ def replay(sim: Any) -> None:
     FS[CF_DECAY] = params.decay if isinstance(sim.eviction, ScoreBased) else 1.0
     IS[C_NPREC] = sim.num_prec
     IS[C_DPREC] = sim.default_prec
+    IS[C_DROPRANK] = sim.miss.params.rank if isinstance(sim.miss, Drop) else -1
+    IS[C_K] = model.top_k
+    M = _mass_arrays(sim) if IS[C_DROPRANK] >= 0 else _NO_MASS
+    IS[C_PROBS] = IS[C_DROPRANK] >= 0 and wl.probs is not None
     # read-only data: DI = off | pass groups | (belady) each key's access indices; DF = expert
     # seconds by token count | per-pass factor; A = the workload's own per-access arrays: layer,
-    # expert, tokens routed, summed gate weight
-    A = (wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight)
+    # expert, tokens routed, summed gate weight, best router rank
+    A = (wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight, wl.acc_rank)
     parts = [off, np.asarray(wl.pass_group, np.int64)]
     if ev == EV_BELADY:
         parts.extend(_belady_positions(sim.acc_keys, num_keys))
@@ -1120,11 +1255,12 @@ def replay(sim: Any) -> None:
     nonexp = sim.nonexpert_times()
     cols = np.zeros((n_pass, R_COUNT), np.int64)
     t_start, t_end, stall = np.zeros(n_pass), np.zeros(n_pass), np.zeros(n_pass)
+    m_total, m_kept = np.zeros(n_pass), np.zeros(n_pass)
     no_props = (np.zeros(1, np.int64), np.zeros(0, np.int64))
     for p0 in range(0, n_pass, CHUNK):
         p1 = min(p0 + CHUNK, n_pass)
         P = sim.prefetch.proposals(p0, p1) if pf == PF_ARRAY else no_props
-        replay_passes(p0, p1, IS, FS, DI, DF, A, P, nonexp, cols[p0:p1], t_start, t_end, stall)
+        replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, nonexp, cols[p0:p1], t_start, t_end, stall, m_total, m_kept)
         if sim.progress is not None:
             sim.progress(p1, n_pass)
     _finish(IS, FS, DI, DF, A)
@@ -1133,6 +1269,9 @@ def replay(sim: Any) -> None:
     sim._t_start[:] = t_start
     sim._t_end[:] = t_end
     sim._stall[:] = stall
+    if IS[C_DROPRANK] >= 0:  # the per-token path's gate mass (else the workload's, as there)
+        sim._mass_total[:] = m_total
+        sim._mass_kept[:] = m_kept
     sim.copy.busy_time = float(FS[SF_BUSY])
     sim.copy.bytes_moved = int(IS[S_BYTES])
     sim.cache.max_used = int(IS[S_MAXUSED])
