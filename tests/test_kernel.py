@@ -111,42 +111,50 @@ def test_kernel_equals_simpy_on_a_speculative_replay(olmoe_trace, monkeypatch):
 
 
 @pytest.mark.parametrize("probs", [True, False])
-@pytest.mark.parametrize(("eviction", "prefetch", "rank"), [
-    ("lru", "none", 2), ("least-stale", "score-percentile", 1), ("belady", "oracle", 0), ("lfu", "next-gate-topk", 4)])
+@pytest.mark.parametrize(("eviction", "prefetch", "rank", "capacity"), [
+    ("lru", "none", 2, "8%"), ("least-stale", "score-percentile", 1, "8%"), ("belady", "oracle", 0, "30%"),
+    ("lfu", "next-gate-topk", 4, "70%")])
 @pytest.mark.parametrize(("mode", "timing", "batch"), [
     ("layer", True, 1), ("layer", True, 8), ("on-arrival", True, 8), ("per-expert", True, 4), ("layer", False, 8),
     ("per-expert", False, 1)])
-def test_kernel_equals_simpy_with_the_drop_miss_policy(monkeypatch, probs, eviction, prefetch, rank, mode, timing,
-                                                       batch):
+def test_kernel_equals_simpy_with_the_drop_miss_policy(monkeypatch, probs, eviction, prefetch, rank, capacity, mode,
+                                                       timing, batch):
     """``drop`` on the kernel: misses of router rank >= ``rank`` skipped, the layer's
     computations, unique experts, gate mass (router probabilities, or top-k weights when the
     trace has none) and altered tokens as the per-token SimPy path counts them."""
     trace = synth_from_preset("olmoe-1b-7b", layers=6, requests=8, prompt_tokens=4, tokens=12, seed=5,
                               pred_next=True, probs=probs)
     sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": {"name": "drop", "rank": rank}},
-                  expert_compute=mode, timing=timing, workload={"batch_size": batch}, cache={"capacity": "8%"})
+                  expert_compute=mode, timing=timing, workload={"batch_size": batch}, cache={"capacity": capacity})
     fast, ref = both_paths(sc, trace, monkeypatch)
     assert_identical(fast, ref)
     steps = ref.steps
     assert steps.dropped_experts.sum() > 0
     assert steps.tokens_altered.sum() > 0
+    if capacity == "70%":  # and some tokens keep all their experts
+        assert (steps.tokens_altered < steps.tokens).any()
     assert (steps.gate_weight_computed < steps.gate_weight_total).any()
 
 
-settings_kw: dict[str, Any] = {"max_examples": 60, "deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings_kw: dict[str, Any] = {"max_examples": 100, "deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 
 
 @settings(**settings_kw)
 @given(layers=st.integers(1, 4), experts=st.integers(2, 12), k=st.integers(1, 3), tokens=st.integers(1, 12),
        prompt=st.integers(0, 4), requests=st.integers(1, 4), batch=st.integers(1, 4), cap=st.integers(0, 20),
        eviction=st.sampled_from(EVICTIONS), prefetch=st.sampled_from(PREFETCHERS), mode=st.sampled_from(MODES),
-       timing=st.booleans(), seed=st.integers(0, 10_000), bandwidth=st.sampled_from([4.0, 32.0, 400.0]))
+       timing=st.booleans(), seed=st.integers(0, 10_000), bandwidth=st.sampled_from([4.0, 32.0, 400.0]),
+       drop=st.sampled_from([None, 0, 1, 2]), probs=st.booleans(), precision=st.sampled_from([None, "int8"]))
 def test_kernel_equals_simpy_on_generated_scenarios(layers, experts, k, tokens, prompt, requests, batch, cap,
-                                                    eviction, prefetch, mode, timing, seed, bandwidth):
+                                                    eviction, prefetch, mode, timing, seed, bandwidth, drop, probs,
+                                                    precision):
     model = small_model(layers, experts, min(k, experts))
-    trace = generate(model, requests=requests, prompt_tokens=prompt, tokens=tokens, seed=seed, pred_next=True)
-    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch}, expert_compute=mode, timing=timing,
-                  workload={"batch_size": batch}, cache={"capacity": f"{cap} experts"},
+    trace = generate(model, requests=requests, prompt_tokens=prompt, tokens=tokens, seed=seed, pred_next=True,
+                     probs=probs)
+    miss = "fetch" if drop is None else {"name": "drop", "rank": drop}
+    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": miss}, expert_compute=mode,
+                  timing=timing, cache={"capacity": f"{cap} experts", **({"precision": precision} if precision else {})},
+                  workload={"batch_size": batch},
                   hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": bandwidth}}})
     with pytest.MonkeyPatch.context() as mp:
         assert_identical(*both_paths(sc, trace, mp))
