@@ -329,3 +329,41 @@ def test_the_kernels_pairwise_sum_is_numpys(values, offset):
     got = K._pairwise_sum(FS, offset, len(values))
     want = float(np.asarray(values, dtype=np.float64).sum())
     assert got == want or (math.isnan(got) and math.isnan(want))
+
+
+def test_the_pending_prefetch_list_keeps_only_live_transfers_when_compacted():
+    """The pending-prefetch list (per target layer, for withdrawal) is compacted when full:
+    entries whose slot was reused (sequence changed), whose transfer has started or was
+    withdrawn go; the rest keep their order and fields. A list full of live entries is an
+    error. (No replay in the tests fills it, so the function is driven directly.)"""
+    from moesim.simulator import kernel as K
+
+    IS, FS = K._layout(num_keys=8, pool=16, pend_max=6, maxn=1, top_k=1)
+    IS[K.C_NBYTES] = 1
+    FS[K.CF_DUR] = 1.0
+    earlier = [K._submit(key, K.PREFETCH, 0.0, 0, IS, FS) for key in range(5)]
+    for t in earlier[::2]:  # slots reused: slots, sequence numbers and keys all differ
+        K._free(t, IS)
+    tids = [K._submit(key, K.PREFETCH, 0.0, 0, IS, FS) for key in range(6)]
+
+    def ti(t: int, field: int) -> int:
+        return IS[K.H_TI] + t * K.T_NTI + field
+
+    assert all(t != IS[ti(t, K.T_SEQ)] for t in tids)
+    for j, t in enumerate(tids):  # (slot, sequence, key) as _admit records them
+        IS[IS[K.H_PENDA] + 3 * j:IS[K.H_PENDA] + 3 * j + 3] = (t, IS[ti(t, K.T_SEQ)], 10 + j)
+    IS[K.S_PENDN] = 6
+    IS[ti(tids[0], K.T_SEQ)] += 1  # the slot now holds another transfer
+    IS[ti(tids[2], K.T_STARTED)] = 1
+    IS[ti(tids[3], K.T_CANCELLED)] = 1
+    assert K._compact_pending(IS) == 3
+    assert IS[K.S_PENDN] == 3
+    kept = IS[IS[K.H_PENDA]:IS[K.H_PENDA] + 9].reshape(3, 3).tolist()
+    assert kept == [[t, IS[ti(t, K.T_SEQ)], 10 + j] for j, t in ((1, tids[1]), (4, tids[4]), (5, tids[5]))]
+    # full of live entries: nothing can go
+    for j, t in enumerate(tids):
+        IS[ti(t, K.T_STARTED)] = IS[ti(t, K.T_CANCELLED)] = 0
+        IS[IS[K.H_PENDA] + 3 * j:IS[K.H_PENDA] + 3 * j + 3] = (t, IS[ti(t, K.T_SEQ)], 10 + j)
+    IS[K.S_PENDN] = 6
+    with pytest.raises(RuntimeError, match="pending prefetch list full"):
+        K._compact_pending(IS)
