@@ -367,3 +367,39 @@ def test_the_pending_prefetch_list_keeps_only_live_transfers_when_compacted():
     IS[K.S_PENDN] = 6
     with pytest.raises(RuntimeError, match="pending prefetch list full"):
         K._compact_pending(IS)
+
+
+@pytest.mark.parametrize("probs", [True, False])
+def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
+    """``_token_mass`` on one token routed to experts 7, 1, 3 (rank order) with mass 1, 2^-53,
+    2^-53, where the order of the sum decides the last bit: router probabilities add at
+    ascending ids (numpy's order: 2^-53 + 2^-53 + 1 = 1 + 2^-52), top-k weights in rank order
+    (1 + 2^-53 + 2^-53 = 1). Dropping expert 3 leaves the kept mass of 7 and 1 and alters
+    the token (counted once per pass)."""
+    from moesim.simulator import kernel as K
+
+    tiny = 2.0 ** -53
+    IS, FS = K._layout(num_keys=8, pool=4, pend_max=4, maxn=3, top_k=3)
+    IS[K.C_L], IS[K.C_K], IS[K.C_DIV], IS[K.C_NPREC], IS[K.C_DPREC] = 1, 3, 8, 1, 0
+    IS[K.C_PROBS] = probs
+    IS[K.S_DROPGEN] = 5
+    FS[IS[K.H_MSCR] - 1] = 1e9  # what lies before the scratch is never read
+    experts = np.array([[7, 1, 3]], np.int16)
+    if probs:
+        mass = np.zeros((1, 8), np.float32)
+        mass[0, [7, 1, 3]] = (1.0, tiny, tiny)
+        want_total, want_kept = float(np.sum(np.array([tiny, tiny, 1.0]))), float(np.sum(np.array([tiny, 1.0])))
+        assert want_total == 1.0 + 2.0 ** -52
+    else:
+        mass = np.array([[1.0, tiny, tiny]], np.float32)
+        want_total, want_kept = 1.0, 1.0
+    M = (np.array([0], np.int64), np.array([0, 1], np.int64), experts, mass, np.array([0], np.int64),
+         np.array([-1], np.int64))
+    K._token_mass(0, 0, IS, FS, M)
+    assert (FS[K.SF_MTOTAL], FS[K.SF_MKEPT], IS[K.R_ALTERED]) == (want_total, want_total, 0)
+    IS[IS[K.H_KI] + 3 * K.K_NKI + K.K_DROP] = 5  # expert 3 dropped in this layer
+    FS[K.SF_MTOTAL] = FS[K.SF_MKEPT] = 0.0
+    K._token_mass(0, 0, IS, FS, M)
+    K._token_mass(0, 0, IS, FS, M)  # the same token again in the pass: altered once
+    assert (FS[K.SF_MTOTAL], FS[K.SF_MKEPT], IS[K.R_ALTERED]) == (2 * want_total, 2 * want_kept, 1)
+    assert M[5][0] == 0  # marked in pass 0
