@@ -136,6 +136,29 @@ def test_kernel_equals_simpy_with_the_drop_miss_policy(monkeypatch, probs, evict
     assert (steps.gate_weight_computed < steps.gate_weight_total).any()
 
 
+@pytest.mark.parametrize(("eviction", "prefetch", "capacity"), [
+    ("lru", "none", "60%"), ("least-stale", "score-percentile", "60%"), ("belady", "oracle", "60%"),
+    ("score", "next-gate-topk", "40%"), ("fld", "lookahead", "40%")])
+@pytest.mark.parametrize(("mode", "timing", "batch"), [
+    ("layer", True, 1), ("layer", True, 8), ("on-arrival", True, 8), ("per-expert", True, 4), ("layer", False, 8),
+    ("per-expert", False, 1)])
+def test_kernel_equals_simpy_with_the_substitute_miss_policy(monkeypatch, eviction, prefetch, capacity, mode, timing,
+                                                             batch):
+    """``substitute`` on the kernel: a missed expert's tokens compute the resident or arriving
+    unrouted expert of nearest mean router probability (float32, as numpy's mean), promoted
+    when queued, pinned, counted once per layer; its compute time from the tokens that finally
+    compute it; gate mass and altered tokens as the per-token SimPy path counts them."""
+    trace = synth_from_preset("olmoe-1b-7b", layers=6, requests=8, prompt_tokens=4, tokens=12, seed=5,
+                              pred_next=True, probs=True)
+    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": "substitute"},
+                  expert_compute=mode, timing=timing, workload={"batch_size": batch}, cache={"capacity": capacity})
+    fast, ref = both_paths(sc, trace, monkeypatch)
+    assert_identical(fast, ref)
+    steps = ref.steps
+    assert steps.substituted_experts.sum() > 0
+    assert (steps.gate_weight_computed != steps.gate_weight_total).any()
+
+
 settings_kw: dict[str, Any] = {"max_examples": 100, "deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 
 
@@ -144,14 +167,15 @@ settings_kw: dict[str, Any] = {"max_examples": 100, "deadline": None, "suppress_
        prompt=st.integers(0, 4), requests=st.integers(1, 4), batch=st.integers(1, 4), cap=st.integers(0, 20),
        eviction=st.sampled_from(EVICTIONS), prefetch=st.sampled_from(PREFETCHERS), mode=st.sampled_from(MODES),
        timing=st.booleans(), seed=st.integers(0, 10_000), bandwidth=st.sampled_from([4.0, 32.0, 400.0]),
-       drop=st.sampled_from([None, 0, 1, 2]), probs=st.booleans(), precision=st.sampled_from([None, "int8"]))
+       drop=st.sampled_from([None, 0, 1, 2, "substitute"]), probs=st.booleans(),
+       precision=st.sampled_from([None, "int8"]))
 def test_kernel_equals_simpy_on_generated_scenarios(layers, experts, k, tokens, prompt, requests, batch, cap,
                                                     eviction, prefetch, mode, timing, seed, bandwidth, drop, probs,
                                                     precision):
     model = small_model(layers, experts, min(k, experts))
     trace = generate(model, requests=requests, prompt_tokens=prompt, tokens=tokens, seed=seed, pred_next=True,
-                     probs=probs)
-    miss = "fetch" if drop is None else {"name": "drop", "rank": drop}
+                     probs=probs or drop == "substitute")
+    miss = "fetch" if drop is None else "substitute" if drop == "substitute" else {"name": "drop", "rank": drop}
     sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": miss}, expert_compute=mode,
                   timing=timing, cache={"capacity": f"{cap} experts", **({"precision": precision} if precision else {})},
                   workload={"batch_size": batch},
@@ -189,7 +213,7 @@ def test_the_kernel_runs_when_every_policy_has_a_kernel_form(tiny, monkeypatch):
 
 @pytest.mark.parametrize(("over", "kwargs", "why"), [
     ({"policies": {"eviction": "random"}}, {}, "eviction policy 'random' has no kernel form"),
-    ({"policies": {"miss": "substitute"}}, {}, "miss policy 'substitute' has no kernel form"),
+    ({"policies": {"miss": "speculative"}}, {}, "miss policy 'speculative' has no kernel form"),
     ({"policies": {"miss": "fetch-priority"}}, {}, "miss policy 'fetch-priority' has no kernel form"),
     ({"policies": {"budget": {"name": "lynx", "drop": 1}}}, {},
      "a routing or budget policy that changes what tokens compute"),
@@ -375,31 +399,37 @@ def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
     2^-53, where the order of the sum decides the last bit: router probabilities add at
     ascending ids (numpy's order: 2^-53 + 2^-53 + 1 = 1 + 2^-52), top-k weights in rank order
     (1 + 2^-53 + 2^-53 = 1). Dropping expert 3 leaves the kept mass of 7 and 1 and alters
-    the token (counted once per pass)."""
+    the token (counted once per pass); substituting 0 (probability 2^-53) for 3 keeps the
+    probabilities of 0, 1 and 7, or only the weights of 7 and 1."""
     from moesim.simulator import kernel as K
 
     tiny = 2.0 ** -53
-    IS, FS = K._layout(num_keys=8, pool=4, pend_max=4, maxn=3, top_k=3)
+    IS, FS = K._layout(num_keys=8, pool=4, pend_max=4, maxn=3, top_k=3, fin=3)
     IS[K.C_L], IS[K.C_K], IS[K.C_DIV], IS[K.C_NPREC], IS[K.C_DPREC] = 1, 3, 8, 1, 0
     IS[K.C_PROBS] = probs
-    IS[K.S_DROPGEN] = 5
     FS[IS[K.H_MSCR] - 1] = 1e9  # what lies before the scratch is never read
     experts = np.array([[7, 1, 3]], np.int16)
     if probs:
         mass = np.zeros((1, 8), np.float32)
-        mass[0, [7, 1, 3]] = (1.0, tiny, tiny)
+        mass[0, [7, 1, 3, 0]] = (1.0, tiny, tiny, tiny)
         want_total, want_kept = float(np.sum(np.array([tiny, tiny, 1.0]))), float(np.sum(np.array([tiny, 1.0])))
+        want_sub = want_total
         assert want_total == 1.0 + 2.0 ** -52
     else:
         mass = np.array([[1.0, tiny, tiny]], np.float32)
-        want_total, want_kept = 1.0, 1.0
+        want_total = want_kept = want_sub = 1.0
     M = (np.array([0], np.int64), np.array([0, 1], np.int64), experts, mass, np.array([0], np.int64),
          np.array([-1], np.int64))
-    K._token_mass(0, 0, IS, FS, M)
-    assert (FS[K.SF_MTOTAL], FS[K.SF_MKEPT], IS[K.R_ALTERED]) == (want_total, want_total, 0)
-    IS[IS[K.H_KI] + 3 * K.K_NKI + K.K_DROP] = 5  # expert 3 dropped in this layer
-    FS[K.SF_MTOTAL] = FS[K.SF_MKEPT] = 0.0
-    K._token_mass(0, 0, IS, FS, M)
-    K._token_mass(0, 0, IS, FS, M)  # the same token again in the pass: altered once
-    assert (FS[K.SF_MTOTAL], FS[K.SF_MKEPT], IS[K.R_ALTERED]) == (2 * want_total, 2 * want_kept, 1)
+
+    def mass_with(final: list[int]) -> tuple[float, float, int]:
+        IS[IS[K.H_FIN]:IS[K.H_FIN] + 3] = final
+        FS[K.SF_MTOTAL] = FS[K.SF_MKEPT] = 0.0
+        K._token_mass(0, 0, IS, FS, M)
+        return FS[K.SF_MTOTAL], FS[K.SF_MKEPT], IS[K.R_ALTERED]
+
+    assert mass_with([7, 1, 3]) == (want_total, want_total, 0)
+    assert mass_with([7, 1, -1]) == (want_total, want_kept, 1)  # expert 3 dropped
+    assert mass_with([7, 1, -1])[2] == 1  # the same token again in the pass: altered once
     assert M[5][0] == 0  # marked in pass 0
+    M[5][0] = -1  # a new pass
+    assert mass_with([7, 1, 0]) == (want_total, want_sub, 2)  # expert 0 computes for 3

@@ -268,11 +268,12 @@ class Simulation:
         if self.prefetch.active:
             self.cache.on_evict.append(self.pf_unused.difference_update)
 
-    def ffn_table(self) -> tuple[np.ndarray, np.ndarray]:
-        """Expert compute seconds by the number of tokens routed (index 0 unused) and the
-        per-pass factor: an access's compute time is ``table[tokens] * factor[pass]`` on both
-        replay paths (zero in cache-only replay)."""
-        n = int(self.wl.acc_tokens.max(initial=0))
+    def ffn_table(self, at_least: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Expert compute seconds by the number of tokens routed (index 0 unused; up to the
+        most any access has, or ``at_least``) and the per-pass factor: an access's compute
+        time is ``table[tokens] * factor[pass]`` on both replay paths (zero in cache-only
+        replay)."""
+        n = max(int(self.wl.acc_tokens.max(initial=0)), at_least)
         table = np.zeros(n + 1)
         if self.scenario.timing and n:
             table[1:] = self.cost.expert_time(np.arange(1, n + 1))

@@ -69,22 +69,22 @@ DEMAND, PREFETCH = 0, 1
 
 # per-key integer fields (KI)
 (K_STATE, K_TID, K_STATIC, K_STAMP, K_COUNT, K_CURPASS, K_PREV, K_NEXT, K_MEMB, K_PIN, K_PEND,
- K_EVICTED, K_UNUSED, K_ADM, K_QUEUED, K_MARK, K_ACCPASS, K_DROP, K_NKI) = range(19)
+ K_EVICTED, K_UNUSED, K_ADM, K_QUEUED, K_MARK, K_ACCPASS, K_ROUTED, K_SUBUSED, K_NKI) = range(20)
 # per-key float fields (KF)
 F_SCORE, F_NEXTUSE, F_NKF = range(3)
 # The integer state IS: scalars (S_*), configuration (C_*), the pass's row (R_*), region
 # offsets (H_*), then the regions (per-key fields, transfer slots, queues, scratch).
 (S_SEQ, S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_HEAD, S_TAIL, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
  S_FREEN, S_WH, S_WN, S_PENDN, S_MEMBN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
- S_SCOREPASS, S_DROPGEN,
+ S_SCOREPASS, S_LAYERGEN, S_RUNKEY, S_RUNSUB,
  C_EV, C_LS_REL, C_LS_PFCUR, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_PREC0,
- C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_DROPRANK, C_PROBS, C_K,
+ C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
- R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED,
+ R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST,
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
- H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, I_HEADER) = range(86)
-R_FIRST, R_COUNT = R_HITS, R_ALTERED + 1 - R_HITS
+ H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, I_HEADER) = range(92)
+R_FIRST, R_COUNT = R_HITS, R_SUBST + 1 - R_HITS
 # The float state FS: scalars, configuration, then per-key fields, transfer times, scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, CF_CAP, CF_DUR, CF_DECAY,
  F_HEADER) = range(11)
@@ -94,8 +94,11 @@ T_ISSUED, T_START, T_DONE, T_NTF = range(4)
 # per-pass columns, in engine order
 COLUMNS = ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches", "bytes",
            "prefetches_issued", "prefetches_used", "prefetch_predicted_hits", "prefetch_predicted",
-           "prefetch_actual", "prefetches_cancelled", "unique_computed", "dropped_experts", "tokens_altered")
+           "prefetch_actual", "prefetches_cancelled", "unique_computed", "dropped_experts", "tokens_altered",
+           "substituted_experts")
 NOT_COMPUTED = -2  # _lookup: the access's expert is not computed (dropped)
+# miss policies with a kernel form
+MISS_FETCH, MISS_DROP, MISS_SUBSTITUTE = range(3)
 
 
 # -- the workload's accesses ----------------------------------------------------------------
@@ -590,14 +593,105 @@ def _used_prefetch(key, IS):
         IS[R_PFUSED] += 1
 
 
+@_jit
+def _fin_replace(e, e2, IS, M):
+    """The layer's tokens computing ``e`` compute ``e2`` instead (-1: nothing; a token that
+    already computes ``e2`` computes it once)."""
+    k = IS[C_K]
+    fin = IS[H_FIN]
+    row_off = M[1]
+    b = IS[S_PASS] * IS[C_L] + IS[S_LAYER]
+    for i in range(row_off[b + 1] - row_off[b]):
+        slot = -1
+        has = False
+        for j in range(k):
+            f = IS[fin + i * k + j]
+            if f == e:
+                slot = j
+            elif f == e2 and e2 >= 0:
+                has = True
+        if slot >= 0:
+            IS[fin + i * k + slot] = -1 if has else e2
+
+
+@_jit
+def _substitute(e, IS, M):
+    """Substitution (the engine's ``Substitute.decide``, SpecMD §3.1.2): among the layer's
+    experts that are not routed and are resident or in flight, the one whose router score
+    (mean probability over ``e``'s tokens, in float32 as numpy's ``mean``) is nearest to
+    ``e``'s; the lowest id on a tie; -1 when there is none."""
+    base = IS[S_LAYER] * IS[C_DIV] + IS[C_DPREC]
+    score_e = _mean_prob(e, e, IS, M)
+    best = -1
+    best_d = 0.0
+    for c in range(IS[C_NE]):
+        key = base + c * IS[C_NPREC]
+        if IS[IS[H_KI] + key * K_NKI + K_ROUTED] == IS[S_LAYERGEN] or \
+                IS[IS[H_KI] + key * K_NKI + K_STATE] == ABSENT:
+            continue
+        d = abs(np.float64(_mean_prob(e, c, IS, M)) - np.float64(score_e))
+        if best < 0 or d < best_d:
+            best = c
+            best_d = d
+    return best
+
+
+@_jit
+def _mean_prob(e, c, IS, M):
+    """Mean router probability of expert ``c`` over the layer's tokens computing ``e``,
+    summed row by row in float32 and divided in float32 (numpy's ``mean(axis=0)``)."""
+    row_order, row_off, mass = M[0], M[1], M[3]
+    k = IS[C_K]
+    fin = IS[H_FIN]
+    b = IS[S_PASS] * IS[C_L] + IS[S_LAYER]
+    total = np.float32(0.0)
+    n = 0
+    for i in range(row_off[b + 1] - row_off[b]):
+        for j in range(k):
+            if IS[fin + i * k + j] == e:
+                v = mass[row_order[row_off[b] + i], c]
+                total = v if n == 0 else np.float32(total + v)
+                n += 1
+    return np.float32(total / np.float32(n))
+
+
+@_jit
+def _use_substitute(e, e2, pin_gen, IS, FS, DI, A, M):
+    """The missed expert ``e``'s tokens compute the resident or arriving ``e2`` (the engine's
+    ``_use_other``): a queued prefetch of it is promoted, the eviction policy told once per
+    layer, its key pinned. Returns the slot of the transfer the run waits for, or -1."""
+    IS[R_SUBST] += 1
+    _fin_replace(e, e2, IS, M)
+    k2 = IS[S_LAYER] * IS[C_DIV] + e2 * IS[C_NPREC] + IS[C_DPREC]
+    k = IS[H_KI] + k2 * K_NKI
+    tid = -1
+    if IS[k + K_STATE] == INFLIGHT:
+        tid = IS[k + K_TID]
+        ti = IS[H_TI] + tid * T_NTI
+        if IS[ti + T_PRIO] != DEMAND and not IS[ti + T_STARTED]:
+            _promote(tid, IS, FS)
+    IS[S_RUNSUB] = 2
+    if IS[k + K_SUBUSED] != IS[S_LAYERGEN]:
+        IS[k + K_SUBUSED] = IS[S_LAYERGEN]
+        _on_access(k2, -1, IS, FS, DI, A)
+        IS[S_RUNSUB] = 1
+    IS[k + K_PIN] = pin_gen
+    IS[S_RUNKEY] = k2
+    return tid
+
+
 @_inline
-def _lookup(ai, now, pin_gen, IS, FS, DI, A):
+def _lookup(ai, now, pin_gen, IS, FS, DI, A, M):
     """Look access ``ai`` up (engine's ``LayerLookup.lookup``); returns the slot of the
     transfer its run waits for, -1 (none), or ``NOT_COMPUTED`` when the ``drop`` miss policy
-    skips the expert (router rank >= its ``rank``)."""
+    skips the expert (router rank >= its ``rank``). ``IS[S_RUNKEY]`` is then the key the run
+    computes from (-1: none) and ``IS[S_RUNSUB]`` 1 when it is a substitute chosen for the
+    first time in the layer, 2 when chosen again."""
     key = _key(ai, IS, A)
     k = IS[H_KI] + key * K_NKI
     state = IS[k + K_STATE]
+    IS[S_RUNKEY] = key
+    IS[S_RUNSUB] = 0
     if state == RESIDENT:
         IS[R_HITS] += 1
         _on_access(key, ai, IS, FS, DI, A)
@@ -615,10 +709,15 @@ def _lookup(ai, now, pin_gen, IS, FS, DI, A):
     IS[R_MISSES] += 1
     if IS[k + K_EVICTED] == IS[S_PASS]:
         IS[R_COLL] += 1
-    if IS[C_DROPRANK] >= 0 and A[4][ai] >= IS[C_DROPRANK]:  # drop (SpecMD §3.1.2)
+    if IS[C_MISS] == MISS_DROP and A[4][ai] >= IS[C_DROPRANK]:  # drop (SpecMD §3.1.2)
         IS[R_DROPPED] += 1
-        IS[k + K_DROP] = IS[S_DROPGEN]
+        _fin_replace(np.int64(A[1][ai]), -1, IS, M)
+        IS[S_RUNKEY] = -1
         return NOT_COMPUTED
+    if IS[C_MISS] == MISS_SUBSTITUTE:
+        e2 = _substitute(np.int64(A[1][ai]), IS, M)
+        if e2 >= 0:
+            return _use_substitute(np.int64(A[1][ai]), e2, pin_gen, IS, FS, DI, A, M)
     if _room(False, pin_gen, -1, IS, FS) != -1:
         IS[k + K_PIN] = pin_gen
         tid = _submit(key, DEMAND, now, 0, IS, FS)
@@ -817,7 +916,38 @@ def _mark_pending(lo, hi, IS, A):
 
 
 @_jit
-def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
+def _record(m, ai, tid, IS):
+    """After a lookup: the layer's ``m``-th computation, unless nothing is computed or it is
+    a substitute already recorded (runs as ``(slot, sequence, access or -1, key)``, in the
+    order the lookups decided them); returns the number recorded."""
+    if tid == NOT_COMPUTED or IS[S_RUNSUB] == 2:
+        return m
+    r = IS[H_RUNS] + m * 4
+    IS[r] = tid
+    IS[r + 1] = IS[IS[H_TI] + tid * T_NTI + T_SEQ] if tid >= 0 else -1
+    IS[r + 2] = ai if IS[S_RUNSUB] == 0 else -1
+    IS[r + 3] = IS[S_RUNKEY]
+    return m + 1
+
+
+@_jit
+def _run_ffn(m, p, IS, DF, A, M):
+    """Compute seconds of the layer's ``m``-th computation: its access's, or for a substitute
+    that of the tokens that finally compute it."""
+    r = IS[H_RUNS] + m * 4
+    if IS[r + 2] >= 0:
+        return _ffn(IS[r + 2], p, IS, DF, A)
+    e = (IS[r + 3] % IS[C_DIV]) // IS[C_NPREC]
+    k = IS[C_K]
+    b = p * IS[C_L] + IS[S_LAYER]
+    n = 0
+    for i in range((M[1][b + 1] - M[1][b]) * k):
+        n += IS[IS[H_FIN] + i] == e
+    return DF[IS[H_TTAB] + n] * DF[IS[H_SCALE] + p]
+
+
+@_jit
+def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     """``layer`` and ``on-arrival`` execution of one layer (engine's ``_run`` body and
     ``_compute``); returns the layer's end. Stall accumulates in ``FS[SF_STALL]``."""
     _mark_pending(lo, hi, IS, A)
@@ -826,35 +956,26 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
     pins = _new_gen(IS, S_PINGEN)
     for j in range(lo, hi):
         IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_PIN] = pins
-    n = hi - lo
-    for i in range(n):
-        tid = _lookup(lo + i, now, pins, IS, FS, DI, A)
-        IS[IS[H_RUNS] + i * 2 + 0] = tid
-        IS[IS[H_RUNS] + i * 2 + 1] = IS[IS[H_TI] + tid * T_NTI + T_SEQ] if tid >= 0 else -1
+    computed = 0
+    for i in range(hi - lo):
+        computed = _record(computed, lo + i, _lookup(lo + i, now, pins, IS, FS, DI, A, M), IS)
     if IS[C_PFACTIVE]:
         _propose(p, layer, p0, now, pins, IS, FS, DI, A, P)
-    computed = 0
     if IS[C_MODE] == MODE_LAYER:
         ready = now
         total = 0.0
-        for i in range(n):
-            if IS[IS[H_RUNS] + i * 2 + 0] == NOT_COMPUTED:
-                continue
-            computed += 1
-            a = _arrival(IS[IS[H_RUNS] + i * 2 + 0], IS[IS[H_RUNS] + i * 2 + 1], now, IS, FS)
+        for i in range(computed):
+            a = _arrival(IS[IS[H_RUNS] + i * 4], IS[IS[H_RUNS] + i * 4 + 1], now, IS, FS)
             if a > ready:
                 ready = a
-            total += _ffn(lo + i, p, IS, DF, A)
+            total += _run_ffn(i, p, IS, DF, A, M)
         FS[SF_STALL] += ready - now
         end = ready + total
     else:  # on-arrival: in arrival order (ties by compute time), each when it has arrived
-        for i in range(n):
-            if IS[IS[H_RUNS] + i * 2 + 0] == NOT_COMPUTED:
-                continue
-            a = _arrival(IS[IS[H_RUNS] + i * 2 + 0], IS[IS[H_RUNS] + i * 2 + 1], now, IS, FS)
-            f = _ffn(lo + i, p, IS, DF, A)
-            j = computed
-            computed += 1
+        for i in range(computed):
+            a = _arrival(IS[IS[H_RUNS] + i * 4], IS[IS[H_RUNS] + i * 4 + 1], now, IS, FS)
+            f = _run_ffn(i, p, IS, DF, A, M)
+            j = i
             while j > 0 and (FS[IS[H_SCR] + j - 1] > a or (FS[IS[H_SCR] + j - 1] == a and FS[IS[H_SCR] + IS[C_MAXN] + j - 1] > f)):
                 FS[IS[H_SCR] + j] = FS[IS[H_SCR] + j - 1]
                 FS[IS[H_SCR] + IS[C_MAXN] + j] = FS[IS[H_SCR] + IS[C_MAXN] + j - 1]
@@ -877,7 +998,7 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
 
 
 @_jit
-def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
+def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     """``per-expert`` execution of one layer (engine's ``_per_expert``): the experts run one
     after another in router order, expert j+1 looked up when expert j starts."""
     timed = not IS[C_INSTANT]
@@ -889,10 +1010,13 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
     t = now
     cur = -1
     cur_seq = -1
+    cur_key = -1
     computed = 0
     if n:
-        cur = _lookup(lo, t, _new_gen(IS, S_PINGEN), IS, FS, DI, A)
+        cur = _lookup(lo, t, _new_gen(IS, S_PINGEN), IS, FS, DI, A, M)
         cur_seq = IS[IS[H_TI] + cur * T_NTI + T_SEQ] if cur >= 0 else -1
+        cur_key = IS[S_RUNKEY]
+        computed = _record(computed, lo, cur, IS)
     for i in range(n):
         a = _arrival(cur, cur_seq, t, IS, FS)
         if a > t:
@@ -902,24 +1026,27 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P):
             _advance(t, IS, FS)
         nxt = -1
         nxt_seq = -1
+        nxt_key = -1
         if i + 1 < n:
             pins = _new_gen(IS, S_PINGEN)
-            IS[IS[H_KI] + _key(lo + i, IS, A) * K_NKI + K_PIN] = pins  # the running expert
-            nxt = _lookup(lo + i + 1, t, pins, IS, FS, DI, A)
+            if cur_key >= 0:
+                IS[IS[H_KI] + cur_key * K_NKI + K_PIN] = pins  # the running expert
+            nxt = _lookup(lo + i + 1, t, pins, IS, FS, DI, A, M)
             nxt_seq = IS[IS[H_TI] + nxt * T_NTI + T_SEQ] if nxt >= 0 else -1
+            nxt_key = IS[S_RUNKEY]
+            computed = _record(computed, lo + i + 1, nxt, IS)
         if cur != NOT_COMPUTED:
             t += _ffn(lo + i, p, IS, DF, A)
-            computed += 1
         if timed:
             _advance(t, IS, FS)
         if IS[C_EV] == EV_LS:
             IS[IS[H_KI] + _key(lo + i, IS, A) * K_NKI + K_PEND] = 0  # expert i has run
         if IS[S_WN]:
             pins = _new_gen(IS, S_PINGEN)
-            if i + 1 < n:
-                IS[IS[H_KI] + _key(lo + i + 1, IS, A) * K_NKI + K_PIN] = pins
+            if nxt_key >= 0:
+                IS[IS[H_KI] + nxt_key * K_NKI + K_PIN] = pins
             _admit(t, pins, IS, FS, DI, A)
-        cur, cur_seq = nxt, nxt_seq
+        cur, cur_seq, cur_key = nxt, nxt_seq, nxt_key
     IS[R_UNIQUE] += computed
     return t
 
@@ -954,57 +1081,76 @@ def _pairwise_sum(FS, a, n):
 
 
 @_jit
+def _insert_sorted(FS, at, n, v):
+    """Insert ``v`` into the ascending ``FS[at:at + n]``."""
+    i = n
+    while i > 0 and FS[at + i - 1] > v:
+        FS[at + i] = FS[at + i - 1]
+        i -= 1
+    FS[at + i] = v
+
+
+@_jit
 def _token_mass(p, layer, IS, FS, M):
-    """With the ``drop`` miss policy: the layer's gate mass (original top-k and computed) and
-    the pass's altered tokens, as the engine's ``token_mass``: per token, probabilities at
-    ascending expert ids summed as numpy sums them, or top-k weights in rank order."""
+    """With a miss policy that changes what tokens compute: the layer's gate mass (original
+    top-k, and what each token finally computes, ``IS[H_FIN]``) and the pass's altered tokens,
+    as the engine's ``token_mass``: per token, probabilities at ascending expert ids summed as
+    numpy sums them, or top-k weights in rank order (a weight counts while its expert stays)."""
     row_order, row_off, experts, mass, token, mark = M
     b = p * IS[C_L] + layer
     k = IS[C_K]
     scr = IS[H_MSCR]
+    fin = IS[H_FIN]
     total = 0.0
     kept = 0.0
-    for ri in range(row_off[b], row_off[b + 1]):
-        r = row_order[ri]
-        n_kept = 0
+    for i in range(row_off[b + 1] - row_off[b]):
+        r = row_order[row_off[b] + i]
+        changed = False
+        n_fin = 0
         t_total = 0.0
         t_kept = 0.0
         for j in range(k):
             e = np.int64(experts[r, j])
-            key = np.int64(layer) * IS[C_DIV] + e * IS[C_NPREC] + IS[C_DPREC]
-            dropped = IS[IS[H_KI] + key * K_NKI + K_DROP] == IS[S_DROPGEN]
-            if IS[C_PROBS]:  # insert e into the ascending ids at FS[scr], its flag after them
-                i = j
-                while i > 0 and FS[scr + i - 1] > e:
-                    FS[scr + i] = FS[scr + i - 1]
-                    FS[scr + k + i] = FS[scr + k + i - 1]
-                    i -= 1
-                FS[scr + i] = e
-                FS[scr + k + i] = 0.0 if dropped else 1.0
+            f = IS[fin + i * k + j]
+            changed |= f != e
+            if IS[C_PROBS]:  # ids, ascending: the original at FS[scr], the final after them
+                _insert_sorted(FS, scr, j, e)
+                if f >= 0:
+                    _insert_sorted(FS, scr + k, n_fin, f)
+                    n_fin += 1
             else:
                 w = np.float64(mass[r, j])
                 t_total += w
-                if not dropped:
+                if f == e:
                     t_kept += w
-            n_kept += not dropped
         if IS[C_PROBS]:
-            for i in range(k):  # ids -> probabilities; kept ones packed after them
-                e = np.int64(FS[scr + i])
-                FS[scr + i] = np.float64(mass[r, e])
-            m = 0
-            for i in range(k):
-                if FS[scr + k + i] != 0.0:
-                    FS[scr + k + m] = FS[scr + i]
-                    m += 1
+            for j in range(k):
+                FS[scr + j] = np.float64(mass[r, np.int64(FS[scr + j])])
+            for j in range(n_fin):
+                FS[scr + k + j] = np.float64(mass[r, np.int64(FS[scr + k + j])])
             t_total = _pairwise_sum(FS, scr, k)
-            t_kept = _pairwise_sum(FS, scr + k, m) if m else 0.0
+            t_kept = _pairwise_sum(FS, scr + k, n_fin) if n_fin else 0.0
         total += t_total
         kept += t_kept
-        if n_kept < k and mark[token[r]] != p:
+        if changed and mark[token[r]] != p:
             mark[token[r]] = p
             IS[R_ALTERED] += 1
     FS[SF_MTOTAL] += total
     FS[SF_MKEPT] += kept
+
+
+@_jit
+def _fin_init(p, layer, lo, hi, IS, A, M):
+    """At the layer's routing point: each token computes its routed experts, and the
+    layer's routed experts are marked (a substitute is never one of them)."""
+    row_order, row_off, experts = M[0], M[1], M[2]
+    b = p * IS[C_L] + layer
+    k = IS[C_K]
+    for i in range(row_off[b + 1] - row_off[b]):
+        for j in range(k):
+            IS[IS[H_FIN] + i * k + j] = experts[row_order[row_off[b] + i], j]
+    for j in range(lo, hi):
+        IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_ROUTED] = IS[S_LAYERGEN]
 
 
 @_jit
@@ -1040,12 +1186,14 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, nonexp, cols, t_start, t_end,
                 continue  # no routing for this (pass, layer): the layer is skipped
             _advance(now, IS, FS)
             IS[S_LAYER] = layer
-            IS[S_DROPGEN] += 1
+            IS[S_LAYERGEN] += 1
+            if IS[C_MISS] != MISS_FETCH:
+                _fin_init(p, layer, lo, hi, IS, A, M)
             if IS[C_MODE] == MODE_PER_EXPERT:
-                end = _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P)
+                end = _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M)
             else:
-                end = _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P)
-            if IS[C_DROPRANK] >= 0:
+                end = _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M)
+            if IS[C_MISS] != MISS_FETCH:
                 _token_mass(p, layer, IS, FS, M)
             carry = end - now
         if carry > 0:
@@ -1105,7 +1253,7 @@ def _policy_codes() -> tuple[dict[Any, int], dict[Any, int]]:
 def kernel_form(sim: Any) -> str | None:
     """Why ``sim`` (a :class:`simulator.engine.Simulation`) replays on the SimPy path, or
     None when the kernel has a form for every one of its policies."""
-    from moesim.policies.miss import Drop, Fetch
+    from moesim.policies.miss import Drop, Fetch, Substitute
 
     if os.environ.get("MOESIM_NO_KERNEL", "") not in ("", "0"):
         return "MOESIM_NO_KERNEL is set"
@@ -1117,7 +1265,7 @@ def kernel_form(sim: Any) -> str | None:
         return "expert parallelism"
     if sim.routing.changes_routing or sim.budget.restricts:
         return "a routing or budget policy that changes what tokens compute"
-    if type(sim.miss) not in (Fetch, Drop):
+    if type(sim.miss) not in (Fetch, Drop, Substitute):
         return f"miss policy '{sim.scenario.policies.miss.name}' has no kernel form"
     if sim.model.top_k > 128:
         return "top-k above 128 (the kernel sums a token's gate mass as numpy does up to 128 terms)"
@@ -1141,12 +1289,13 @@ def _belady_positions(keys: np.ndarray, num_keys: int) -> tuple[np.ndarray, np.n
     return kpos_off, order
 
 
-def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1,
+            fin: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """The state arrays, initialised: regions after the headers, their offsets in ``IS``."""
     i_sizes = ((H_KI, num_keys * K_NKI), (H_TI, pool * T_NTI), (H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
                (H_FREE, pool), (H_WQ, num_keys), (H_PENDA, pend_max * 3), (H_MEMB, num_keys),
-               (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys), (H_RUNS, 2 * max(1, maxn)),
-               (H_LSQ, 4 * num_keys), (H_PFTMP, pool))
+               (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys), (H_RUNS, 4 * max(1, maxn)),
+               (H_LSQ, 4 * num_keys), (H_PFTMP, pool), (H_FIN, fin))
     f_sizes = ((H_KF, num_keys * F_NKF), (H_TF, pool * T_NTF), (H_SCR, 2 * max(1, maxn)), (H_MSCR, 2 * top_k))
     n_i, n_f = I_HEADER, F_HEADER
     offsets = {}
@@ -1182,7 +1331,9 @@ def _mass_arrays(sim: Any) -> tuple[np.ndarray, ...]:
     weights), each row's token (request, position) numbered, and a mark per token."""
     wl = sim.wl
     trace = wl.trace
-    assert trace is not None and wl.row_order is not None and wl.row_off is not None
+    assert trace is not None
+    assert wl.row_order is not None
+    assert wl.row_off is not None
     mass = wl.probs if wl.probs is not None else trace.weights
     tok = trace.request.astype(np.int64) * (int(trace.position.max(initial=0)) + 1) + trace.position
     _, token = np.unique(tok, return_inverse=True)
@@ -1195,7 +1346,7 @@ def replay(sim: Any) -> None:
     """Replay ``sim`` with the kernel, filling its per-pass arrays, the copy engine's busy
     time and bytes, and the cache's high-water mark, as its SimPy process would."""
     from moesim.policies.eviction import LeastStale, ScoreBased
-    from moesim.policies.miss import Drop
+    from moesim.policies.miss import Drop, Substitute
     from moesim.policies.prefetch import Lookahead
 
     evictions, prefetchers = _policy_codes()
@@ -1210,7 +1361,9 @@ def replay(sim: Any) -> None:
     params = sim.eviction.params
     pool = num_keys + maxn + 16
     pend_max = num_keys + 16
-    IS, FS = _layout(num_keys, pool, pend_max, maxn, model.top_k)
+    miss = {Drop: MISS_DROP, Substitute: MISS_SUBSTITUTE}.get(type(sim.miss), MISS_FETCH)
+    max_rows = int(np.diff(wl.row_off).max(initial=0)) if miss != MISS_FETCH and wl.row_off is not None else 0
+    IS, FS = _layout(num_keys, pool, pend_max, maxn, model.top_k, max(1, max_rows * model.top_k))
     IS[C_EV] = ev
     IS[C_LS_REL] = isinstance(sim.eviction, LeastStale) and params.order == "relative"
     IS[C_LS_PFCUR] = isinstance(sim.eviction, LeastStale) and params.prefetch_evicts_current
@@ -1230,10 +1383,12 @@ def replay(sim: Any) -> None:
     FS[CF_DECAY] = params.decay if isinstance(sim.eviction, ScoreBased) else 1.0
     IS[C_NPREC] = sim.num_prec
     IS[C_DPREC] = sim.default_prec
-    IS[C_DROPRANK] = sim.miss.params.rank if isinstance(sim.miss, Drop) else -1
+    IS[C_MISS] = miss
+    IS[C_DROPRANK] = sim.miss.params.rank if miss == MISS_DROP else -1
     IS[C_K] = model.top_k
-    M = _mass_arrays(sim) if IS[C_DROPRANK] >= 0 else _NO_MASS
-    IS[C_PROBS] = IS[C_DROPRANK] >= 0 and wl.probs is not None
+    IS[C_NE] = model.num_experts
+    M = _mass_arrays(sim) if miss != MISS_FETCH else _NO_MASS
+    IS[C_PROBS] = miss != MISS_FETCH and wl.probs is not None
     # read-only data: DI = off | pass groups | (belady) each key's access indices; DF = expert
     # seconds by token count | per-pass factor; A = the workload's own per-access arrays: layer,
     # expert, tokens routed, summed gate weight, best router rank
@@ -1247,7 +1402,7 @@ def replay(sim: Any) -> None:
     IS[H_OFF], IS[H_GROUP] = starts[0], starts[1]
     if ev == EV_BELADY:
         IS[H_KPOSOFF], IS[H_KPOS] = starts[2], starts[3]
-    table, scale = sim.ffn_table()
+    table, scale = sim.ffn_table(max_rows)  # a substitute computes up to all of a layer's tokens
     DF = np.concatenate([table, scale])
     IS[H_TTAB], IS[H_SCALE] = 0, len(table)
     pinned = [int(k) for k in sim.prefetch.pinned()]
@@ -1271,7 +1426,7 @@ def replay(sim: Any) -> None:
     sim._t_start[:] = t_start
     sim._t_end[:] = t_end
     sim._stall[:] = stall
-    if IS[C_DROPRANK] >= 0:  # the per-token path's gate mass (else the workload's, as there)
+    if miss != MISS_FETCH:  # the per-token path's gate mass (else the workload's, as there)
         sim._mass_total[:] = m_total
         sim._mass_kept[:] = m_kept
     sim.copy.busy_time = float(FS[SF_BUSY])
