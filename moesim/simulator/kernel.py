@@ -10,14 +10,15 @@ modes — as numba-compiled loops over the workload's arrays, with no per-access
 per-transfer Python objects. It is bit-identical to the SimPy path on every per-pass column
 (``tests/test_kernel.py`` checks a grid and hypothesis-generated scenarios).
 
-Scope (:func:`kernel_form`): one GPU, standard routing, no budget, the ``fetch`` and ``drop``
-miss policies (drop with the per-token path's gate mass and altered tokens); eviction ``lru``, ``fifo``, ``lfu``, ``fld``, ``score``, ``least-stale`` (both
+Scope (:func:`kernel_form`): one GPU, standard routing, no budget, the ``fetch``, ``drop`` and
+``substitute`` miss policies (the last two with the per-token path's gate mass and altered
+tokens: what each token of the layer computes is kept in ``IS[H_FIN]``); eviction ``lru``, ``fifo``, ``lfu``, ``fld``, ``score``, ``least-stale`` (both
 orders), ``belady``, ``lhu``; prefetch ``none``, ``static-pin``, ``oracle``,
 ``previous-token``, ``lookahead``, ``next-gate-topk``, ``score-percentile`` (the last two's
 proposals come as arrays, :meth:`PrefetchPolicy.proposals`). Everything else — a routing or
 budget policy that changes what a token computes, the miss policies that keep several sizes
-(``fetch-lowest-bit``, ``fetch-priority``) or re-route tokens (``substitute``,
-``speculative``), random eviction (it draws from numpy's ``Generator``), expert parallelism, a
+(``fetch-lowest-bit``, ``fetch-priority``) or run several experts for one miss
+(``speculative``), random eviction (it draws from numpy's ``Generator``), expert parallelism, a
 user's own policy, and a replay that records its timeline or decisions — runs on the SimPy
 path.
 
