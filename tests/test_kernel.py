@@ -27,6 +27,10 @@ PREFETCHERS = ["none", "static-pin", "oracle", "previous-token", "lookahead", "n
                "score-percentile"]
 MODES = ["layer", "on-arrival", "per-expert"]
 PATH_KEYS = ("replay_path", "replay_path_reason")
+# a GPU slow enough that an expert's compute time grows with every token routed to it (on the
+# A100 preset it is memory-bound, the same for 1 token as for 40), so that a wrong token count
+# shows in the times
+COMPUTE_BOUND = {"preset": "a100-80g-pcie4", "gpu": {"peak_tflops": 2.0}}
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +129,8 @@ def test_kernel_equals_simpy_with_the_drop_miss_policy(monkeypatch, probs, evict
     trace = synth_from_preset("olmoe-1b-7b", layers=6, requests=8, prompt_tokens=4, tokens=12, seed=5,
                               pred_next=True, probs=probs)
     sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": {"name": "drop", "rank": rank}},
-                  expert_compute=mode, timing=timing, workload={"batch_size": batch}, cache={"capacity": capacity})
+                  expert_compute=mode, timing=timing, workload={"batch_size": batch}, cache={"capacity": capacity},
+                  hardware=COMPUTE_BOUND)
     fast, ref = both_paths(sc, trace, monkeypatch)
     assert_identical(fast, ref)
     steps = ref.steps
@@ -151,7 +156,8 @@ def test_kernel_equals_simpy_with_the_substitute_miss_policy(monkeypatch, evicti
     trace = synth_from_preset("olmoe-1b-7b", layers=6, requests=8, prompt_tokens=4, tokens=12, seed=5,
                               pred_next=True, probs=True)
     sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": "substitute"},
-                  expert_compute=mode, timing=timing, workload={"batch_size": batch}, cache={"capacity": capacity})
+                  expert_compute=mode, timing=timing, workload={"batch_size": batch}, cache={"capacity": capacity},
+                  hardware=COMPUTE_BOUND)
     fast, ref = both_paths(sc, trace, monkeypatch)
     assert_identical(fast, ref)
     steps = ref.steps
@@ -433,3 +439,71 @@ def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
     assert M[5][0] == 0  # marked in pass 0
     M[5][0] = -1  # a new pass
     assert mass_with([7, 1, 0]) == (want_total, want_sub, 2)  # expert 0 computes for 3
+
+
+def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_on_a_tie():
+    """``_substitute`` by hand (SpecMD §3.1.2, as ``Substitute.decide``): expert 0 misses for
+    both tokens; its mean probability is 0.5. Experts 1 and 2 are routed and 6 is absent
+    (each scores 0.5, distance 0): not candidates. Of the cached 3 (0.25), 4 (0.0) and 5
+    (0.75), 3 and 5 are equally near: the lower id wins. With 3 gone, 5."""
+    from moesim.simulator import kernel as K
+
+    E = 7
+    IS, _ = K._layout(num_keys=E, pool=4, pend_max=4, maxn=3, top_k=2, fin=4)
+    IS[K.C_L], IS[K.C_K], IS[K.C_DIV], IS[K.C_NPREC], IS[K.C_DPREC], IS[K.C_NE] = 1, 2, E, 1, 0, E
+    IS[K.S_LAYERGEN] = 3
+    experts = np.array([[0, 1], [0, 2]], np.int16)
+    probs = np.zeros((2, E), np.float32)
+    probs[:, 0] = (0.25, 0.75)  # mean 0.5
+    probs[:, 1] = probs[:, 2] = probs[:, 6] = 0.5
+    probs[:, 3] = (0.5, 0.0)  # mean 0.25
+    probs[:, 5] = (1.0, 0.5)  # mean 0.75
+    M = (np.array([0, 1], np.int64), np.array([0, 2], np.int64), experts, probs, np.array([0, 1], np.int64),
+         np.array([-1, -1], np.int64))
+    K._fin_init(0, 0, 0, 0, IS, (np.zeros(0, np.int32),) * 5, M)
+    for e in (0, 1, 2):
+        IS[IS[K.H_KI] + e * K.K_NKI + K.K_ROUTED] = 3
+    for e, state in ((1, K.RESIDENT), (2, K.RESIDENT), (3, K.RESIDENT), (4, K.INFLIGHT), (5, K.RESIDENT)):
+        IS[IS[K.H_KI] + e * K.K_NKI + K.K_STATE] = state
+    assert K._substitute(0, IS, M) == 3
+    IS[IS[K.H_KI] + 3 * K.K_NKI + K.K_STATE] = K.ABSENT
+    assert K._substitute(0, IS, M) == 5
+    for e in (4, 5):
+        IS[IS[K.H_KI] + e * K.K_NKI + K.K_STATE] = K.ABSENT
+    assert K._substitute(0, IS, M) == -1  # none cached: the miss is fetched
+
+
+def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
+    """``_use_substitute`` by hand (the engine's ``_use_other``): a substitute whose prefetch
+    is still queued is promoted to demand priority and its run waits for that transfer; one
+    resident runs at once. It is pinned, counted as a substitution each time and told to the
+    eviction policy once per layer (``S_RUNSUB`` 1, then 2); the tokens that computed the
+    missed expert compute it."""
+    from moesim.simulator import kernel as K
+
+    E = 4
+    IS, FS = K._layout(num_keys=E, pool=4, pend_max=4, maxn=2, top_k=2, fin=2)
+    IS[K.C_L], IS[K.C_K], IS[K.C_DIV], IS[K.C_NPREC], IS[K.C_DPREC], IS[K.C_NE] = 1, 2, E, 1, 0, E
+    IS[K.C_NBYTES] = 1
+    FS[K.CF_DUR] = 1.0
+    IS[K.C_EV] = K.EV_FIFO
+    IS[K.S_LAYERGEN] = 1
+    M = (np.array([0], np.int64), np.array([0, 1], np.int64), np.array([[0, 1]], np.int16),
+         np.zeros((1, E), np.float32), np.array([0], np.int64), np.array([-1], np.int64))
+    IS[IS[K.H_FIN]:IS[K.H_FIN] + 2] = (0, 1)
+    K._submit(3, K.DEMAND, 0.0, 0, IS, FS)  # the link is busy until t = 1
+    tid = K._submit(2, K.PREFETCH, 0.0, 0, IS, FS)
+    IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_STATE] = K.INFLIGHT
+    IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_TID] = tid
+    assert IS[IS[K.H_TI] + tid * K.T_NTI + K.T_PRIO] == K.PREFETCH
+    got = K._use_substitute(0, 2, 7, IS, FS, np.zeros(1, np.int64), (np.zeros(1, np.int32),) * 5, M)
+    assert got == tid
+    assert IS[IS[K.H_TI] + tid * K.T_NTI + K.T_PRIO] == K.DEMAND  # promoted
+    assert (IS[K.S_RUNKEY], IS[K.S_RUNSUB], IS[K.R_SUBST]) == (2, 1, 1)
+    assert IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_PIN] == 7
+    assert IS[IS[K.H_FIN]:IS[K.H_FIN] + 2].tolist() == [2, 1]
+    assert K._use_substitute(1, 2, 8, IS, FS, np.zeros(1, np.int64), (np.zeros(1, np.int32),) * 5, M) == tid
+    assert (IS[K.S_RUNSUB], IS[K.R_SUBST]) == (2, 2)  # the same substitute again in the layer
+    assert IS[IS[K.H_FIN]:IS[K.H_FIN] + 2].tolist() == [2, -1]  # the token computes 2 once
+    IS[IS[K.H_KI] + 3 * K.K_NKI + K.K_STATE] = K.RESIDENT
+    assert K._use_substitute(2, 3, 9, IS, FS, np.zeros(1, np.int64), (np.zeros(1, np.int32),) * 5, M) == -1
