@@ -165,6 +165,32 @@ def test_kernel_equals_simpy_with_the_substitute_miss_policy(monkeypatch, evicti
     assert (steps.gate_weight_computed != steps.gate_weight_total).any()
 
 
+@pytest.mark.parametrize(("eviction", "prefetch", "capacity"), [
+    ("lru", "next-gate-topk", "20%"), ("least-stale", "next-gate-topk", "30%"), ("belady", "previous-token", "20%"),
+    ("lfu", "none", "40%"), ("fifo", "score-percentile", "20%"), ("score", "next-gate-topk", "30%")])
+@pytest.mark.parametrize(("mode", "timing", "batch"), [
+    ("layer", True, 1), ("layer", True, 8), ("on-arrival", True, 8), ("per-expert", True, 4), ("layer", False, 8),
+    ("per-expert", False, 1)])
+@pytest.mark.parametrize("probs", [True, False])
+def test_kernel_equals_simpy_with_the_speculative_miss_policy(monkeypatch, eviction, prefetch, capacity, mode, timing,
+                                                              batch, probs):
+    """``speculative`` on the kernel: each token routed to a missed expert computes its
+    best-predicted cached expert not already in its set (the previous layer's pred_next),
+    several experts per miss, routed ones among them; compute times from the tokens that
+    finally compute each expert; gate mass (probabilities, or top-k weights) and altered
+    tokens as the per-token SimPy path counts them."""
+    trace = synth_from_preset("olmoe-1b-7b", layers=6, requests=8, prompt_tokens=4, tokens=12, seed=5,
+                              pred_next=True, probs=probs)
+    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": "speculative"},
+                  expert_compute=mode, timing=timing, workload={"batch_size": batch}, cache={"capacity": capacity},
+                  hardware=COMPUTE_BOUND)
+    fast, ref = both_paths(sc, trace, monkeypatch)
+    assert_identical(fast, ref)
+    steps = ref.steps
+    assert steps.substituted_experts.sum() > 0
+    assert (steps.gate_weight_computed != steps.gate_weight_total).any()
+
+
 settings_kw: dict[str, Any] = {"max_examples": 100, "deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 
 
@@ -173,7 +199,7 @@ settings_kw: dict[str, Any] = {"max_examples": 100, "deadline": None, "suppress_
        prompt=st.integers(0, 4), requests=st.integers(1, 4), batch=st.integers(1, 4), cap=st.integers(0, 20),
        eviction=st.sampled_from(EVICTIONS), prefetch=st.sampled_from(PREFETCHERS), mode=st.sampled_from(MODES),
        timing=st.booleans(), seed=st.integers(0, 10_000), bandwidth=st.sampled_from([4.0, 32.0, 400.0]),
-       drop=st.sampled_from([None, 0, 1, 2, "substitute"]), probs=st.booleans(),
+       drop=st.sampled_from([None, 0, 1, 2, "substitute", "speculative"]), probs=st.booleans(),
        precision=st.sampled_from([None, "int8"]))
 def test_kernel_equals_simpy_on_generated_scenarios(layers, experts, k, tokens, prompt, requests, batch, cap,
                                                     eviction, prefetch, mode, timing, seed, bandwidth, drop, probs,
@@ -181,7 +207,7 @@ def test_kernel_equals_simpy_on_generated_scenarios(layers, experts, k, tokens, 
     model = small_model(layers, experts, min(k, experts))
     trace = generate(model, requests=requests, prompt_tokens=prompt, tokens=tokens, seed=seed, pred_next=True,
                      probs=probs or drop == "substitute")
-    miss = "fetch" if drop is None else "substitute" if drop == "substitute" else {"name": "drop", "rank": drop}
+    miss = "fetch" if drop is None else drop if isinstance(drop, str) else {"name": "drop", "rank": drop}
     sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": miss}, expert_compute=mode,
                   timing=timing, cache={"capacity": f"{cap} experts", **({"precision": precision} if precision else {})},
                   workload={"batch_size": batch},
@@ -219,7 +245,6 @@ def test_the_kernel_runs_when_every_policy_has_a_kernel_form(tiny, monkeypatch):
 
 @pytest.mark.parametrize(("over", "kwargs", "why"), [
     ({"policies": {"eviction": "random"}}, {}, "eviction policy 'random' has no kernel form"),
-    ({"policies": {"miss": "speculative"}}, {}, "miss policy 'speculative' has no kernel form"),
     ({"policies": {"miss": "fetch-priority"}}, {}, "miss policy 'fetch-priority' has no kernel form"),
     ({"policies": {"budget": {"name": "lynx", "drop": 1}}}, {},
      "a routing or budget policy that changes what tokens compute"),
@@ -425,7 +450,7 @@ def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
         mass = np.array([[1.0, tiny, tiny]], np.float32)
         want_total = want_kept = want_sub = 1.0
     M = (np.array([0], np.int64), np.array([0, 1], np.int64), experts, mass, np.array([0], np.int64),
-         np.array([-1], np.int64))
+         np.array([-1], np.int64), np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64))
 
     def mass_with(final: list[int]) -> tuple[float, float, int]:
         IS[IS[K.H_FIN]:IS[K.H_FIN] + 3] = final
@@ -459,7 +484,7 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
     probs[:, 3] = (0.5, 0.0)  # mean 0.25
     probs[:, 5] = (1.0, 0.5)  # mean 0.75
     M = (np.array([0, 1], np.int64), np.array([0, 2], np.int64), experts, probs, np.array([0, 1], np.int64),
-         np.array([-1, -1], np.int64))
+         np.array([-1, -1], np.int64), np.zeros((1, 1), np.float32), np.zeros(2, np.int64), np.zeros(2, np.int64))
     K._fin_init(0, 0, 0, 0, IS, (np.zeros(0, np.int32),) * 5, M)
     for e in (0, 1, 2):
         IS[IS[K.H_KI] + e * K.K_NKI + K.K_ROUTED] = 3
@@ -474,36 +499,39 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
 
 
 def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
-    """``_use_substitute`` by hand (the engine's ``_use_other``): a substitute whose prefetch
-    is still queued is promoted to demand priority and its run waits for that transfer; one
-    resident runs at once. It is pinned, counted as a substitution each time and told to the
-    eviction policy once per layer (``S_RUNSUB`` 1, then 2); the tokens that computed the
-    missed expert compute it."""
+    """``_use_other`` by hand (the engine's ``_use_other``, for substitute and speculative): an
+    expert whose prefetch is still queued is promoted to demand priority and the computation
+    waits for that transfer; one resident runs at once. It is pinned each time and is new in
+    the layer (told to the eviction policy) only the first time."""
     from moesim.simulator import kernel as K
 
     E = 4
-    IS, FS = K._layout(num_keys=E, pool=4, pend_max=4, maxn=2, top_k=2, fin=2)
+    IS, FS = K._layout(num_keys=E, pool=4, pend_max=4, maxn=2, top_k=2, fin=2, lrun=2)
     IS[K.C_L], IS[K.C_K], IS[K.C_DIV], IS[K.C_NPREC], IS[K.C_DPREC], IS[K.C_NE] = 1, 2, E, 1, 0, E
     IS[K.C_NBYTES] = 1
     FS[K.CF_DUR] = 1.0
     IS[K.C_EV] = K.EV_FIFO
     IS[K.S_LAYERGEN] = 1
-    M = (np.array([0], np.int64), np.array([0, 1], np.int64), np.array([[0, 1]], np.int16),
-         np.zeros((1, E), np.float32), np.array([0], np.int64), np.array([-1], np.int64))
-    IS[IS[K.H_FIN]:IS[K.H_FIN] + 2] = (0, 1)
+    A = (np.zeros(1, np.int32),) * 5
     K._submit(3, K.DEMAND, 0.0, 0, IS, FS)  # the link is busy until t = 1
     tid = K._submit(2, K.PREFETCH, 0.0, 0, IS, FS)
     IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_STATE] = K.INFLIGHT
     IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_TID] = tid
     assert IS[IS[K.H_TI] + tid * K.T_NTI + K.T_PRIO] == K.PREFETCH
-    got = K._use_substitute(0, 2, 7, IS, FS, np.zeros(1, np.int64), (np.zeros(1, np.int32),) * 5, M)
-    assert got == tid
+
+    def runs(buf: int) -> list[list[int]]:
+        at = IS[K.H_LRUN] + buf * 2 * 5
+        return IS[at:at + 5 * IS[K.S_LRUNN + buf]].reshape(-1, 5).tolist()
+
+    seq = IS[IS[K.H_TI] + tid * K.T_NTI + K.T_SEQ]
+    K._use_other(2, 3, 7, 0, IS, FS, np.zeros(1, np.int64), A)
     assert IS[IS[K.H_TI] + tid * K.T_NTI + K.T_PRIO] == K.DEMAND  # promoted
-    assert (IS[K.S_RUNKEY], IS[K.S_RUNSUB], IS[K.R_SUBST]) == (2, 1, 1)
+    assert runs(0) == [[tid, seq, 2, 3, 1]]  # (slot, sequence, key, tokens, new in the layer)
     assert IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_PIN] == 7
-    assert IS[IS[K.H_FIN]:IS[K.H_FIN] + 2].tolist() == [2, 1]
-    assert K._use_substitute(1, 2, 8, IS, FS, np.zeros(1, np.int64), (np.zeros(1, np.int32),) * 5, M) == tid
-    assert (IS[K.S_RUNSUB], IS[K.R_SUBST]) == (2, 2)  # the same substitute again in the layer
-    assert IS[IS[K.H_FIN]:IS[K.H_FIN] + 2].tolist() == [2, -1]  # the token computes 2 once
+    K._use_other(2, 1, 8, 0, IS, FS, np.zeros(1, np.int64), A)
+    assert runs(0)[1] == [tid, seq, 2, 1, 0]  # the same expert again in the layer
+    assert IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_PIN] == 8
     IS[IS[K.H_KI] + 3 * K.K_NKI + K.K_STATE] = K.RESIDENT
-    assert K._use_substitute(2, 3, 9, IS, FS, np.zeros(1, np.int64), (np.zeros(1, np.int32),) * 5, M) == -1
+    IS[K.S_LRUNN + 1] = 0
+    K._use_other(3, 2, 9, 1, IS, FS, np.zeros(1, np.int64), A)
+    assert runs(1) == [[-1, -1, 3, 2, 1]]  # resident: nothing to wait for

@@ -10,15 +10,15 @@ modes — as numba-compiled loops over the workload's arrays, with no per-access
 per-transfer Python objects. It is bit-identical to the SimPy path on every per-pass column
 (``tests/test_kernel.py`` checks a grid and hypothesis-generated scenarios).
 
-Scope (:func:`kernel_form`): one GPU, standard routing, no budget, the ``fetch``, ``drop`` and
-``substitute`` miss policies (the last two with the per-token path's gate mass and altered
-tokens: what each token of the layer computes is kept in ``IS[H_FIN]``); eviction ``lru``, ``fifo``, ``lfu``, ``fld``, ``score``, ``least-stale`` (both
+Scope (:func:`kernel_form`): one GPU, standard routing, no budget, the ``fetch``, ``drop``,
+``substitute`` and ``speculative`` miss policies (the last three with the per-token path's gate
+mass and altered tokens: what each token of the layer computes is kept in ``IS[H_FIN]``; a
+lookup's computations, none to several, go into a lookup buffer); eviction ``lru``, ``fifo``, ``lfu``, ``fld``, ``score``, ``least-stale`` (both
 orders), ``belady``, ``lhu``; prefetch ``none``, ``static-pin``, ``oracle``,
 ``previous-token``, ``lookahead``, ``next-gate-topk``, ``score-percentile`` (the last two's
 proposals come as arrays, :meth:`PrefetchPolicy.proposals`). Everything else — a routing or
-budget policy that changes what a token computes, the miss policies that keep several sizes
-(``fetch-lowest-bit``, ``fetch-priority``) or run several experts for one miss
-(``speculative``), random eviction (it draws from numpy's ``Generator``), expert parallelism, a
+budget policy that changes what a token computes, the miss policies that keep entries of
+several sizes (``fetch-lowest-bit``, ``fetch-priority``), random eviction (it draws from numpy's ``Generator``), expert parallelism, a
 user's own policy, and a replay that records its timeline or decisions — runs on the SimPy
 path.
 
@@ -70,21 +70,21 @@ DEMAND, PREFETCH = 0, 1
 
 # per-key integer fields (KI)
 (K_STATE, K_TID, K_STATIC, K_STAMP, K_COUNT, K_CURPASS, K_PREV, K_NEXT, K_MEMB, K_PIN, K_PEND,
- K_EVICTED, K_UNUSED, K_ADM, K_QUEUED, K_MARK, K_ACCPASS, K_ROUTED, K_SUBUSED, K_NKI) = range(20)
+ K_EVICTED, K_UNUSED, K_ADM, K_QUEUED, K_MARK, K_ACCPASS, K_ROUTED, K_COMPUTED, K_NKI) = range(20)
 # per-key float fields (KF)
 F_SCORE, F_NEXTUSE, F_NKF = range(3)
 # The integer state IS: scalars (S_*), configuration (C_*), the pass's row (R_*), region
 # offsets (H_*), then the regions (per-key fields, transfer slots, queues, scratch).
 (S_SEQ, S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_HEAD, S_TAIL, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
  S_FREEN, S_WH, S_WN, S_PENDN, S_MEMBN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
- S_SCOREPASS, S_LAYERGEN, S_RUNKEY, S_RUNSUB,
+ S_SCOREPASS, S_LAYERGEN, S_LRUNN, S_LRUNN1,
  C_EV, C_LS_REL, C_LS_PFCUR, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_PREC0,
- C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE,
+ C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE, C_LRUNCAP,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST,
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
- H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, I_HEADER) = range(92)
+ H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, I_HEADER) = range(95)
 R_FIRST, R_COUNT = R_HITS, R_SUBST + 1 - R_HITS
 # The float state FS: scalars, configuration, then per-key fields, transfer times, scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, CF_CAP, CF_DUR, CF_DECAY,
@@ -97,9 +97,8 @@ COLUMNS = ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fe
            "prefetches_issued", "prefetches_used", "prefetch_predicted_hits", "prefetch_predicted",
            "prefetch_actual", "prefetches_cancelled", "unique_computed", "dropped_experts", "tokens_altered",
            "substituted_experts")
-NOT_COMPUTED = -2  # _lookup: the access's expert is not computed (dropped)
 # miss policies with a kernel form
-MISS_FETCH, MISS_DROP, MISS_SUBSTITUTE = range(3)
+MISS_FETCH, MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE = range(4)
 
 
 # -- the workload's accesses ----------------------------------------------------------------
@@ -107,13 +106,6 @@ MISS_FETCH, MISS_DROP, MISS_SUBSTITUTE = range(3)
 def _key(j, IS, A):
     """The cache key of access ``j`` (layer, expert, the scenario's precision)."""
     return np.int64(A[0][j]) * IS[C_DIV] + np.int64(A[1][j]) * IS[C_NPREC] + IS[C_DPREC]
-
-
-@_jit
-def _ffn(j, p, IS, DF, A):
-    """Compute seconds of access ``j`` in pass ``p``: the expert time of its token count
-    times the pass's factor (as the engine's ``_prepare_costs``)."""
-    return DF[IS[H_TTAB] + A[2][j]] * DF[IS[H_SCALE] + p]
 
 
 # -- eviction policies ----------------------------------------------------------------------
@@ -144,14 +136,21 @@ def _next_use(key, ai, IS, DI, A):
 
 
 @_jit
-def _credit(key, ai, IS, FS, A):
-    """Score eviction: add the access's gate weight (after the per-pass decay)."""
+def _credit(key, ai, IS, FS, DI, A):
+    """Score eviction: add the gate weight of access ``ai`` (-1: of the current (pass,
+    layer)'s access of ``key``, none when it has none) after the per-pass decay."""
     p = IS[S_PASS]
     if FS[CF_DECAY] != 1.0 and p != IS[S_SCOREPASS]:
         f = math.pow(FS[CF_DECAY], float(p - max(IS[S_SCOREPASS], 0)))
         for k in range(IS[H_NKEYS]):
             FS[IS[H_KF] + k * F_NKF + F_SCORE] *= f
         IS[S_SCOREPASS] = p
+    if ai < 0:  # a speculative run of an expert the layer routes has its access's weight
+        base = p * IS[C_L] + IS[S_LAYER]
+        for j in range(DI[IS[H_OFF] + base], DI[IS[H_OFF] + base + 1]):
+            if _key(j, IS, A) == key:
+                ai = j
+                break
     w = A[3][ai] if ai >= 0 else 0.0
     FS[IS[H_KF] + key * F_NKF + F_SCORE] = FS[IS[H_KF] + key * F_NKF + F_SCORE] + w
 
@@ -280,7 +279,7 @@ def _on_insert(key, demand, ai, IS, FS, DI, A):
             IS[IS[H_KI] + key * K_NKI + K_COUNT] += 1
     elif ev == EV_SCORE:
         if demand:
-            _credit(key, ai, IS, FS, A)
+            _credit(key, ai, IS, FS, DI, A)
     elif ev == EV_BELADY:
         FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
     elif ev == EV_LHU and demand and IS[C_PREC0]:
@@ -303,7 +302,7 @@ def _on_access(key, ai, IS, FS, DI, A):
         _stamp(key, IS)
     elif ev == EV_SCORE:
         _stamp(key, IS)
-        _credit(key, ai, IS, FS, A)
+        _credit(key, ai, IS, FS, DI, A)
     elif ev == EV_LHU:
         _stamp(key, IS)
         if IS[C_PREC0]:
@@ -596,23 +595,20 @@ def _used_prefetch(key, IS):
 
 @_jit
 def _fin_replace(e, e2, IS, M):
-    """The layer's tokens computing ``e`` compute ``e2`` instead (-1: nothing; a token that
-    already computes ``e2`` computes it once)."""
+    """The layer's tokens routed to ``e`` compute ``e2`` in its place (-1: nothing; a token
+    that already computes ``e2`` computes it once)."""
     k = IS[C_K]
     fin = IS[H_FIN]
-    row_off = M[1]
+    row_order, row_off, experts = M[0], M[1], M[2]
     b = IS[S_PASS] * IS[C_L] + IS[S_LAYER]
     for i in range(row_off[b + 1] - row_off[b]):
-        slot = -1
-        has = False
+        r = row_order[row_off[b] + i]
         for j in range(k):
-            f = IS[fin + i * k + j]
-            if f == e:
-                slot = j
-            elif f == e2 and e2 >= 0:
-                has = True
-        if slot >= 0:
-            IS[fin + i * k + slot] = -1 if has else e2
+            if experts[r, j] == e:
+                has = False
+                for jj in range(k):
+                    has |= e2 >= 0 and IS[fin + i * k + jj] == e2
+                IS[fin + i * k + j] = -1 if has else e2
 
 
 @_jit
@@ -639,30 +635,45 @@ def _substitute(e, IS, M):
 
 @_jit
 def _mean_prob(e, c, IS, M):
-    """Mean router probability of expert ``c`` over the layer's tokens computing ``e``,
+    """Mean router probability of expert ``c`` over the layer's tokens routed to ``e``,
     summed row by row in float32 and divided in float32 (numpy's ``mean(axis=0)``)."""
-    row_order, row_off, mass = M[0], M[1], M[3]
+    row_order, row_off, experts, mass = M[0], M[1], M[2], M[3]
     k = IS[C_K]
-    fin = IS[H_FIN]
     b = IS[S_PASS] * IS[C_L] + IS[S_LAYER]
     total = np.float32(0.0)
     n = 0
     for i in range(row_off[b + 1] - row_off[b]):
+        r = row_order[row_off[b] + i]
         for j in range(k):
-            if IS[fin + i * k + j] == e:
-                v = mass[row_order[row_off[b] + i], c]
+            if experts[r, j] == e:
+                v = mass[r, c]
                 total = v if n == 0 else np.float32(total + v)
                 n += 1
     return np.float32(total / np.float32(n))
 
 
+@_inline
+def _add_run(buf, tid, key, ntok, IS):
+    """One computation a lookup leads to, into lookup buffer ``buf`` (0 or 1): the transfer
+    it waits for (slot and sequence; -1: none), its key, its tokens, and whether the key is
+    computed for the first time in the layer (the engine's ``key_for``)."""
+    n = IS[S_LRUNN + buf]
+    r = IS[H_LRUN] + (buf * IS[C_LRUNCAP] + n) * 5
+    IS[r] = tid
+    IS[r + 1] = IS[IS[H_TI] + tid * T_NTI + T_SEQ] if tid >= 0 else -1
+    IS[r + 2] = key
+    IS[r + 3] = ntok
+    k = IS[H_KI] + key * K_NKI
+    IS[r + 4] = IS[k + K_COMPUTED] != IS[S_LAYERGEN]
+    IS[k + K_COMPUTED] = IS[S_LAYERGEN]
+    IS[S_LRUNN + buf] = n + 1
+
+
 @_jit
-def _use_substitute(e, e2, pin_gen, IS, FS, DI, A, M):
-    """The missed expert ``e``'s tokens compute the resident or arriving ``e2`` (the engine's
-    ``_use_other``): a queued prefetch of it is promoted, the eviction policy told once per
-    layer, its key pinned. Returns the slot of the transfer the run waits for, or -1."""
-    IS[R_SUBST] += 1
-    _fin_replace(e, e2, IS, M)
+def _use_other(e2, ntok, pin_gen, buf, IS, FS, DI, A):
+    """A resident or arriving expert ``e2`` computes ``ntok`` tokens of a missed one (the
+    engine's ``_use_other``; substitute, speculative): a queued prefetch of it is promoted,
+    the eviction policy told when it is first computed in the layer, its key pinned."""
     k2 = IS[S_LAYER] * IS[C_DIV] + e2 * IS[C_NPREC] + IS[C_DPREC]
     k = IS[H_KI] + k2 * K_NKI
     tid = -1
@@ -671,33 +682,81 @@ def _use_substitute(e, e2, pin_gen, IS, FS, DI, A, M):
         ti = IS[H_TI] + tid * T_NTI
         if IS[ti + T_PRIO] != DEMAND and not IS[ti + T_STARTED]:
             _promote(tid, IS, FS)
-    IS[S_RUNSUB] = 2
-    if IS[k + K_SUBUSED] != IS[S_LAYERGEN]:
-        IS[k + K_SUBUSED] = IS[S_LAYERGEN]
+    if IS[k + K_COMPUTED] != IS[S_LAYERGEN]:
         _on_access(k2, -1, IS, FS, DI, A)
-        IS[S_RUNSUB] = 1
     IS[k + K_PIN] = pin_gen
-    IS[S_RUNKEY] = k2
-    return tid
+    _add_run(buf, tid, k2, ntok, IS)
+
+
+@_jit
+def _speculate(e, pin_gen, buf, IS, FS, DI, A, M):
+    """Speculative execution (the engine's speculate branch,
+    ``speculating-experts-prefetch.txt`` §4): each token routed to the missed ``e`` computes,
+    in its place, its highest-predicted expert (the previous layer's ``pred_next`` for the
+    same token; the lowest id on a tie, as a stable sort) that is resident or in flight and
+    not already computed by the token, or nothing; each expert chosen then computes its
+    tokens (:func:`_use_other`), in the order first chosen."""
+    IS[R_SUBST] += 1
+    row_order, row_off, experts, token, pred, prev_row, prev_stamp = M[0], M[1], M[2], M[4], M[6], M[7], M[8]
+    k = IS[C_K]
+    fin = IS[H_FIN]
+    b = IS[S_PASS] * IS[C_L] + IS[S_LAYER]
+    base = IS[S_LAYER] * IS[C_DIV] + IS[C_DPREC]
+    spec = IS[H_SPEC]
+    n_spec = 0
+    for i in range(row_off[b + 1] - row_off[b]):
+        r = row_order[row_off[b] + i]
+        for j in range(k):
+            if experts[r, j] != e:
+                continue
+            IS[fin + i * k + j] = -1
+            t = token[r]
+            if prev_stamp[t] != b - 1:
+                continue  # no prediction for this token
+            src = prev_row[t]
+            best = -1
+            for c in range(IS[C_NE]):
+                if best >= 0 and not pred[src, c] > pred[src, best]:
+                    continue
+                if IS[IS[H_KI] + (base + c * IS[C_NPREC]) * K_NKI + K_STATE] == ABSENT:
+                    continue
+                dup = False
+                for jj in range(k):
+                    dup |= IS[fin + i * k + jj] == c
+                if not dup:
+                    best = c
+            if best < 0:
+                continue
+            IS[fin + i * k + j] = best
+            s = 0
+            while s < n_spec and IS[spec + 2 * s] != best:
+                s += 1
+            if s == n_spec:
+                IS[spec + 2 * s] = best
+                IS[spec + 2 * s + 1] = 0
+                n_spec += 1
+            IS[spec + 2 * s + 1] += 1
+    for s in range(n_spec):
+        _use_other(IS[spec + 2 * s], IS[spec + 2 * s + 1], pin_gen, buf, IS, FS, DI, A)
 
 
 @_inline
-def _lookup(ai, now, pin_gen, IS, FS, DI, A, M):
-    """Look access ``ai`` up (engine's ``LayerLookup.lookup``); returns the slot of the
-    transfer its run waits for, -1 (none), or ``NOT_COMPUTED`` when the ``drop`` miss policy
-    skips the expert (router rank >= its ``rank``). ``IS[S_RUNKEY]`` is then the key the run
-    computes from (-1: none) and ``IS[S_RUNSUB]`` 1 when it is a substitute chosen for the
-    first time in the layer, 2 when chosen again."""
+def _lookup(ai, now, pin_gen, buf, IS, FS, DI, A, M):
+    """Look access ``ai`` up (engine's ``LayerLookup.lookup``): the computations it leads to
+    go into lookup buffer ``buf`` (:func:`_add_run`): one for a hit, a late prefetch or a
+    fetch; none when the ``drop`` miss policy skips the expert (router rank >= its
+    ``rank``); the substitute; each expert the tokens speculate on."""
     key = _key(ai, IS, A)
     k = IS[H_KI] + key * K_NKI
     state = IS[k + K_STATE]
-    IS[S_RUNKEY] = key
-    IS[S_RUNSUB] = 0
+    IS[S_LRUNN + buf] = 0
+    ntok = np.int64(A[2][ai])
     if state == RESIDENT:
         IS[R_HITS] += 1
         _on_access(key, ai, IS, FS, DI, A)
         _used_prefetch(key, IS)
-        return -1
+        _add_run(buf, -1, key, ntok, IS)
+        return
     if state == INFLIGHT:
         IS[R_LATE] += 1
         _on_access(key, ai, IS, FS, DI, A)
@@ -706,30 +765,38 @@ def _lookup(ai, now, pin_gen, IS, FS, DI, A, M):
         ti = IS[H_TI] + tid * T_NTI
         if IS[ti + T_PRIO] != DEMAND and not IS[ti + T_STARTED]:
             _promote(tid, IS, FS)
-        return tid
+        _add_run(buf, tid, key, ntok, IS)
+        return
     IS[R_MISSES] += 1
     if IS[k + K_EVICTED] == IS[S_PASS]:
         IS[R_COLL] += 1
-    if IS[C_MISS] == MISS_DROP and A[4][ai] >= IS[C_DROPRANK]:  # drop (SpecMD §3.1.2)
+    miss = IS[C_MISS]
+    if miss == MISS_DROP and A[4][ai] >= IS[C_DROPRANK]:  # drop (SpecMD §3.1.2)
         IS[R_DROPPED] += 1
         _fin_replace(np.int64(A[1][ai]), -1, IS, M)
-        IS[S_RUNKEY] = -1
-        return NOT_COMPUTED
-    if IS[C_MISS] == MISS_SUBSTITUTE:
+        return
+    if miss == MISS_SUBSTITUTE:
         e2 = _substitute(np.int64(A[1][ai]), IS, M)
         if e2 >= 0:
-            return _use_substitute(np.int64(A[1][ai]), e2, pin_gen, IS, FS, DI, A, M)
+            IS[R_SUBST] += 1
+            _fin_replace(np.int64(A[1][ai]), e2, IS, M)
+            _use_other(e2, ntok, pin_gen, buf, IS, FS, DI, A)
+            return
+    if miss == MISS_SPECULATIVE and IS[S_LAYER] > 0:  # layer 0 has no prediction: fetch
+        _speculate(np.int64(A[1][ai]), pin_gen, buf, IS, FS, DI, A, M)
+        return
     if _room(False, pin_gen, -1, IS, FS) != -1:
         IS[k + K_PIN] = pin_gen
         tid = _submit(key, DEMAND, now, 0, IS, FS)
         _insert(key, tid, True, ai, IS, FS, DI, A)
-        return -1 if IS[C_INSTANT] else tid
+        _add_run(buf, -1 if IS[C_INSTANT] else tid, key, ntok, IS)
+        return
     tid = _submit(key, DEMAND, now, 1, IS, FS)
     IS[R_UNCACHED] += 1
     if IS[C_INSTANT]:
         _free(tid, IS)
-        return -1
-    return tid
+        tid = -1
+    _add_run(buf, tid, key, ntok, IS)
 
 
 # -- prefetch: SpecMD appendix A.3's queue ------------------------------------------------------
@@ -916,41 +983,42 @@ def _mark_pending(lo, hi, IS, A):
             IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_PEND] = pend
 
 
-@_jit
-def _record(m, ai, tid, IS):
-    """After a lookup: the layer's ``m``-th computation, unless nothing is computed or it is
-    a substitute already recorded (runs as ``(slot, sequence, access or -1, key)``, in the
-    order the lookups decided them); returns the number recorded."""
-    if tid == NOT_COMPUTED or IS[S_RUNSUB] == 2:
-        return m
-    r = IS[H_RUNS] + m * 4
-    IS[r] = tid
-    IS[r + 1] = IS[IS[H_TI] + tid * T_NTI + T_SEQ] if tid >= 0 else -1
-    IS[r + 2] = ai if IS[S_RUNSUB] == 0 else -1
-    IS[r + 3] = IS[S_RUNKEY]
-    return m + 1
+@_inline
+def _record(m, buf, IS):
+    """After a lookup: its computations of keys new in the layer become the layer's
+    ``m``-th, ... (``(slot, sequence, key, tokens)``, in the order the lookups decided them);
+    returns how many the layer has."""
+    for x in range(IS[S_LRUNN + buf]):
+        r = IS[H_LRUN] + (buf * IS[C_LRUNCAP] + x) * 5
+        if IS[r + 4]:
+            w = IS[H_RUNS] + m * 4
+            IS[w] = IS[r]
+            IS[w + 1] = IS[r + 1]
+            IS[w + 2] = IS[r + 2]
+            IS[w + 3] = IS[r + 3]
+            m += 1
+    return m
 
 
-@_jit
-def _run_ffn(m, p, IS, DF, A, M):
-    """Compute seconds of the layer's ``m``-th computation: its access's, or for a substitute
-    that of the tokens that finally compute it."""
-    r = IS[H_RUNS] + m * 4
-    if IS[r + 2] >= 0:
-        return _ffn(IS[r + 2], p, IS, DF, A)
-    e = (IS[r + 3] % IS[C_DIV]) // IS[C_NPREC]
-    k = IS[C_K]
+@_inline
+def _tokens_of(key, tokens, p, IS, M):
+    """How many of the layer's tokens finally compute ``key``: ``tokens`` when no miss
+    policy changes what tokens compute, else counted in ``IS[H_FIN]``."""
+    if IS[C_MISS] == MISS_FETCH:
+        return tokens
+    e = (key % IS[C_DIV]) // IS[C_NPREC]
     b = p * IS[C_L] + IS[S_LAYER]
     n = 0
-    for i in range((M[1][b + 1] - M[1][b]) * k):
+    for i in range((M[1][b + 1] - M[1][b]) * IS[C_K]):
         n += IS[IS[H_FIN] + i] == e
-    return DF[IS[H_TTAB] + n] * DF[IS[H_SCALE] + p]
+    return n
 
 
 @_jit
 def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
-    """``layer`` and ``on-arrival`` execution of one layer (engine's ``_run`` body and
-    ``_compute``); returns the layer's end. Stall accumulates in ``FS[SF_STALL]``."""
+    """``layer`` and ``on-arrival`` execution of one layer (engine's ``_run`` body,
+    ``LayerLookup.finish`` and ``_compute``); returns the layer's end. Stall accumulates in
+    ``FS[SF_STALL]``."""
     _mark_pending(lo, hi, IS, A)
     if IS[C_PFACTIVE]:
         _withdraw(layer, lo, hi, IS, A)
@@ -959,23 +1027,27 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
         IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_PIN] = pins
     computed = 0
     for i in range(hi - lo):
-        computed = _record(computed, lo + i, _lookup(lo + i, now, pins, IS, FS, DI, A, M), IS)
+        _lookup(lo + i, now, pins, 0, IS, FS, DI, A, M)
+        computed = _record(computed, 0, IS)
     if IS[C_PFACTIVE]:
         _propose(p, layer, p0, now, pins, IS, FS, DI, A, P)
+    scale = DF[IS[H_SCALE] + p]
     if IS[C_MODE] == MODE_LAYER:
         ready = now
         total = 0.0
         for i in range(computed):
-            a = _arrival(IS[IS[H_RUNS] + i * 4], IS[IS[H_RUNS] + i * 4 + 1], now, IS, FS)
+            r = IS[H_RUNS] + i * 4
+            a = _arrival(IS[r], IS[r + 1], now, IS, FS)
             if a > ready:
                 ready = a
-            total += _run_ffn(i, p, IS, DF, A, M)
+            total += DF[IS[H_TTAB] + _tokens_of(IS[r + 2], IS[r + 3], p, IS, M)] * scale
         FS[SF_STALL] += ready - now
         end = ready + total
     else:  # on-arrival: in arrival order (ties by compute time), each when it has arrived
         for i in range(computed):
-            a = _arrival(IS[IS[H_RUNS] + i * 4], IS[IS[H_RUNS] + i * 4 + 1], now, IS, FS)
-            f = _run_ffn(i, p, IS, DF, A, M)
+            r = IS[H_RUNS] + i * 4
+            a = _arrival(IS[r], IS[r + 1], now, IS, FS)
+            f = DF[IS[H_TTAB] + _tokens_of(IS[r + 2], IS[r + 3], p, IS, M)] * scale
             j = i
             while j > 0 and (FS[IS[H_SCR] + j - 1] > a or (FS[IS[H_SCR] + j - 1] == a and FS[IS[H_SCR] + IS[C_MAXN] + j - 1] > f)):
                 FS[IS[H_SCR] + j] = FS[IS[H_SCR] + j - 1]
@@ -1001,7 +1073,8 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
 @_jit
 def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     """``per-expert`` execution of one layer (engine's ``_per_expert``): the experts run one
-    after another in router order, expert j+1 looked up when expert j starts."""
+    after another in router order, expert j+1 looked up when expert j starts (its
+    computations go into the other lookup buffer)."""
     timed = not IS[C_INSTANT]
     _mark_pending(lo, hi, IS, A)
     if IS[C_PFACTIVE]:
@@ -1009,45 +1082,43 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
         _propose(p, layer, p0, now, _new_gen(IS, S_PINGEN), IS, FS, DI, A, P)
     n = hi - lo
     t = now
-    cur = -1
-    cur_seq = -1
-    cur_key = -1
+    cur = 0
     computed = 0
+    scale = DF[IS[H_SCALE] + p]
+    IS[S_LRUNN] = IS[S_LRUNN + 1] = 0
     if n:
-        cur = _lookup(lo, t, _new_gen(IS, S_PINGEN), IS, FS, DI, A, M)
-        cur_seq = IS[IS[H_TI] + cur * T_NTI + T_SEQ] if cur >= 0 else -1
-        cur_key = IS[S_RUNKEY]
-        computed = _record(computed, lo, cur, IS)
+        _lookup(lo, t, _new_gen(IS, S_PINGEN), cur, IS, FS, DI, A, M)
+        computed = _record(computed, cur, IS)
     for i in range(n):
-        a = _arrival(cur, cur_seq, t, IS, FS)
-        if a > t:
-            FS[SF_STALL] += a - t
-            t = a
+        base = IS[H_LRUN] + cur * IS[C_LRUNCAP] * 5
+        for x in range(IS[S_LRUNN + cur]):
+            a = _arrival(IS[base + x * 5], IS[base + x * 5 + 1], t, IS, FS)
+            if a > t:
+                FS[SF_STALL] += a - t
+                t = a
         if timed:
             _advance(t, IS, FS)
-        nxt = -1
-        nxt_seq = -1
-        nxt_key = -1
+        nxt = 1 - cur
+        IS[S_LRUNN + nxt] = 0
         if i + 1 < n:
             pins = _new_gen(IS, S_PINGEN)
-            if cur_key >= 0:
-                IS[IS[H_KI] + cur_key * K_NKI + K_PIN] = pins  # the running expert
-            nxt = _lookup(lo + i + 1, t, pins, IS, FS, DI, A, M)
-            nxt_seq = IS[IS[H_TI] + nxt * T_NTI + T_SEQ] if nxt >= 0 else -1
-            nxt_key = IS[S_RUNKEY]
-            computed = _record(computed, lo + i + 1, nxt, IS)
-        if cur != NOT_COMPUTED:
-            t += _ffn(lo + i, p, IS, DF, A)
+            for x in range(IS[S_LRUNN + cur]):  # the running expert
+                IS[IS[H_KI] + IS[base + x * 5 + 2] * K_NKI + K_PIN] = pins
+            _lookup(lo + i + 1, t, pins, nxt, IS, FS, DI, A, M)
+            computed = _record(computed, nxt, IS)
+        for x in range(IS[S_LRUNN + cur]):
+            t += DF[IS[H_TTAB] + IS[base + x * 5 + 3]] * scale
         if timed:
             _advance(t, IS, FS)
         if IS[C_EV] == EV_LS:
             IS[IS[H_KI] + _key(lo + i, IS, A) * K_NKI + K_PEND] = 0  # expert i has run
         if IS[S_WN]:
             pins = _new_gen(IS, S_PINGEN)
-            if nxt_key >= 0:
-                IS[IS[H_KI] + nxt_key * K_NKI + K_PIN] = pins
+            nb = IS[H_LRUN] + nxt * IS[C_LRUNCAP] * 5
+            for x in range(IS[S_LRUNN + nxt]):
+                IS[IS[H_KI] + IS[nb + x * 5 + 2] * K_NKI + K_PIN] = pins
             _admit(t, pins, IS, FS, DI, A)
-        cur, cur_seq, cur_key = nxt, nxt_seq, nxt_key
+        cur = nxt
     IS[R_UNIQUE] += computed
     return t
 
@@ -1097,7 +1168,7 @@ def _token_mass(p, layer, IS, FS, M):
     top-k, and what each token finally computes, ``IS[H_FIN]``) and the pass's altered tokens,
     as the engine's ``token_mass``: per token, probabilities at ascending expert ids summed as
     numpy sums them, or top-k weights in rank order (a weight counts while its expert stays)."""
-    row_order, row_off, experts, mass, token, mark = M
+    row_order, row_off, experts, mass, token, mark = M[0], M[1], M[2], M[3], M[4], M[5]
     b = p * IS[C_L] + layer
     k = IS[C_K]
     scr = IS[H_MSCR]
@@ -1136,6 +1207,8 @@ def _token_mass(p, layer, IS, FS, M):
         if changed and mark[token[r]] != p:
             mark[token[r]] = p
             IS[R_ALTERED] += 1
+        M[7][token[r]] = r  # the token's row in the latest layer (speculative reads it)
+        M[8][token[r]] = b
     FS[SF_MTOTAL] += total
     FS[SF_MKEPT] += kept
 
@@ -1254,7 +1327,7 @@ def _policy_codes() -> tuple[dict[Any, int], dict[Any, int]]:
 def kernel_form(sim: Any) -> str | None:
     """Why ``sim`` (a :class:`simulator.engine.Simulation`) replays on the SimPy path, or
     None when the kernel has a form for every one of its policies."""
-    from moesim.policies.miss import Drop, Fetch, Substitute
+    from moesim.policies.miss import Drop, Fetch, Speculative, Substitute
 
     if os.environ.get("MOESIM_NO_KERNEL", "") not in ("", "0"):
         return "MOESIM_NO_KERNEL is set"
@@ -1266,7 +1339,7 @@ def kernel_form(sim: Any) -> str | None:
         return "expert parallelism"
     if sim.routing.changes_routing or sim.budget.restricts:
         return "a routing or budget policy that changes what tokens compute"
-    if type(sim.miss) not in (Fetch, Drop, Substitute):
+    if type(sim.miss) not in (Fetch, Drop, Substitute, Speculative):
         return f"miss policy '{sim.scenario.policies.miss.name}' has no kernel form"
     if sim.model.top_k > 128:
         return "top-k above 128 (the kernel sums a token's gate mass as numpy does up to 128 terms)"
@@ -1290,12 +1363,13 @@ def _belady_positions(keys: np.ndarray, num_keys: int) -> tuple[np.ndarray, np.n
     return kpos_off, order
 
 
-def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1,
-            fin: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, fin: int = 1,
+            lrun: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """The state arrays, initialised: regions after the headers, their offsets in ``IS``."""
     i_sizes = ((H_KI, num_keys * K_NKI), (H_TI, pool * T_NTI), (H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
                (H_FREE, pool), (H_WQ, num_keys), (H_PENDA, pend_max * 3), (H_MEMB, num_keys),
-               (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys), (H_RUNS, 4 * max(1, maxn)),
+               (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys), (H_RUNS, 4 * max(1, maxn)), (H_LRUN, 2 * 5 * lrun),
+               (H_SPEC, 2 * lrun),
                (H_LSQ, 4 * num_keys), (H_PFTMP, pool), (H_FIN, fin))
     f_sizes = ((H_KF, num_keys * F_NKF), (H_TF, pool * T_NTF), (H_SCR, 2 * max(1, maxn)), (H_MSCR, 2 * top_k))
     n_i, n_f = I_HEADER, F_HEADER
@@ -1310,6 +1384,7 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1,
         IS[h] = o
     IS[H_POOL], IS[H_NKEYS], IS[H_PENDMAX] = pool, num_keys, pend_max
     IS[S_HEAD] = IS[S_TAIL] = -1
+    IS[C_LRUNCAP] = lrun
     IS[S_PINGEN] = IS[S_PENDGEN] = IS[S_MARKGEN] = 1
     IS[S_SCOREPASS] = -1
     IS[S_FREEN] = pool
@@ -1323,13 +1398,16 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1,
 
 
 _NO_MASS = (np.zeros(1, np.int64), np.zeros(2, np.int64), np.zeros((1, 1), np.int16),
+            np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64),
             np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64))
 
 
 def _mass_arrays(sim: Any) -> tuple[np.ndarray, ...]:
-    """What ``_token_mass`` reads: the trace's rows of each (pass, layer) in order (CSR), its
-    experts, the mass per row (router probabilities when the trace has them, else the top-k
-    weights), each row's token (request, position) numbered, and a mark per token."""
+    """What the per-token functions read: the trace's rows of each (pass, layer) in order
+    (CSR), its experts, the mass per row (router probabilities when the trace has them, else
+    the top-k weights), each row's token (request, position) numbered, a mark per token, the
+    next-layer predictions (speculative) and per token its row in the latest layer replayed
+    and that layer's (pass, layer) index."""
     wl = sim.wl
     trace = wl.trace
     assert trace is not None
@@ -1340,14 +1418,16 @@ def _mass_arrays(sim: Any) -> tuple[np.ndarray, ...]:
     _, token = np.unique(tok, return_inverse=True)
     return (np.ascontiguousarray(wl.row_order, np.int64), np.ascontiguousarray(wl.row_off, np.int64),
             np.ascontiguousarray(trace.experts, np.int16), np.ascontiguousarray(mass, np.float32),
-            token.astype(np.int64), np.full(int(token.max(initial=0)) + 1, -1, np.int64))
+            token.astype(np.int64), np.full(int(token.max(initial=0)) + 1, -1, np.int64),
+            np.ascontiguousarray(wl.pred_next, np.float32) if wl.pred_next is not None else _NO_MASS[6],
+            np.zeros(int(token.max(initial=0)) + 1, np.int64), np.full(int(token.max(initial=0)) + 1, -1, np.int64))
 
 
 def replay(sim: Any) -> None:
     """Replay ``sim`` with the kernel, filling its per-pass arrays, the copy engine's busy
     time and bytes, and the cache's high-water mark, as its SimPy process would."""
     from moesim.policies.eviction import LeastStale, ScoreBased
-    from moesim.policies.miss import Drop, Substitute
+    from moesim.policies.miss import Drop, Speculative, Substitute
     from moesim.policies.prefetch import Lookahead
 
     evictions, prefetchers = _policy_codes()
@@ -1362,9 +1442,13 @@ def replay(sim: Any) -> None:
     params = sim.eviction.params
     pool = num_keys + maxn + 16
     pend_max = num_keys + 16
-    miss = {Drop: MISS_DROP, Substitute: MISS_SUBSTITUTE}.get(type(sim.miss), MISS_FETCH)
+    miss = {Drop: MISS_DROP, Substitute: MISS_SUBSTITUTE, Speculative: MISS_SPECULATIVE}.get(
+        type(sim.miss), MISS_FETCH)
     max_rows = int(np.diff(wl.row_off).max(initial=0)) if miss != MISS_FETCH and wl.row_off is not None else 0
-    IS, FS = _layout(num_keys, pool, pend_max, maxn, model.top_k, max(1, max_rows * model.top_k))
+    # a layer computes its routed experts and, for a miss policy that re-routes, others
+    max_runs = maxn + (model.num_experts if miss != MISS_FETCH else 0)
+    IS, FS = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
+                     max(1, max_rows))
     IS[C_EV] = ev
     IS[C_LS_REL] = isinstance(sim.eviction, LeastStale) and params.order == "relative"
     IS[C_LS_PFCUR] = isinstance(sim.eviction, LeastStale) and params.prefetch_evicts_current
@@ -1378,7 +1462,7 @@ def replay(sim: Any) -> None:
     IS[C_DIV] = div
     IS[C_PREC0] = sim.default_prec == 0
     IS[C_PFACTIVE] = sim.prefetch.active
-    IS[C_MAXN] = maxn
+    IS[C_MAXN] = max_runs
     FS[CF_CAP] = float(sim.capacity)
     FS[CF_DUR] = sim.copy.duration(sim.expert_bytes)
     FS[CF_DECAY] = params.decay if isinstance(sim.eviction, ScoreBased) else 1.0
