@@ -487,7 +487,7 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
          np.array([-1, -1], np.int64), np.zeros((1, 1), np.float32), np.zeros(2, np.int64), np.zeros(2, np.int64))
     K._fin_init(0, 0, 0, 0, IS, (np.zeros(0, np.int32),) * 5, M)
     for e in (0, 1, 2):
-        IS[IS[K.H_KI] + e * K.K_NKI + K.K_ROUTED] = 3
+        IS[IS[K.H_ROUTED] + e] = 3  # routed in this layer
     for e, state in ((1, K.RESIDENT), (2, K.RESIDENT), (3, K.RESIDENT), (4, K.INFLIGHT), (5, K.RESIDENT)):
         IS[IS[K.H_KI] + e * K.K_NKI + K.K_STATE] = state
     assert K._substitute(0, IS, M) == 3
@@ -520,18 +520,19 @@ def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
     assert IS[IS[K.H_TI] + tid * K.T_NTI + K.T_PRIO] == K.PREFETCH
 
     def runs(buf: int) -> list[list[int]]:
-        at = IS[K.H_LRUN] + buf * 2 * 5
-        return IS[at:at + 5 * IS[K.S_LRUNN + buf]].reshape(-1, 5).tolist()
+        at = IS[K.H_LRUN] + buf * 2 * 4
+        return IS[at:at + 4 * IS[K.S_LRUNN + buf]].reshape(-1, 4).tolist()
 
     seq = IS[IS[K.H_TI] + tid * K.T_NTI + K.T_SEQ]
     K._use_other(2, 3, 7, 0, IS, FS, np.zeros(1, np.int64), A)
     assert IS[IS[K.H_TI] + tid * K.T_NTI + K.T_PRIO] == K.DEMAND  # promoted
-    assert runs(0) == [[tid, seq, 2, 3, 1]]  # (slot, sequence, key, tokens, new in the layer)
-    assert IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_PIN] == 7
+    assert runs(0) == [[tid, seq, 2, 3]]  # (slot, sequence, key, tokens)
+    assert (IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_PIN], IS[K.S_NCOMP]) == (7, 1)
     K._use_other(2, 1, 8, 0, IS, FS, np.zeros(1, np.int64), A)
-    assert runs(0)[1] == [tid, seq, 2, 1, 0]  # the same expert again in the layer
-    assert IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_PIN] == 8
+    assert runs(0)[1] == [tid, seq, 2, 1]  # the same expert again in the layer: not new
+    assert (IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_PIN], IS[K.S_NCOMP]) == (8, 1)
     IS[IS[K.H_KI] + 3 * K.K_NKI + K.K_STATE] = K.RESIDENT
     IS[K.S_LRUNN + 1] = 0
-    K._use_other(3, 2, 9, 1, IS, FS, np.zeros(1, np.int64), A)
-    assert runs(1) == [[-1, -1, 3, 2, 1]]  # resident: nothing to wait for
+    K._use_other(3, 2, 9, -1, IS, FS, np.zeros(1, np.int64), A)  # layer execution: the layer's list
+    assert IS[IS[K.H_RUNS] + 4:IS[K.H_RUNS] + 8].tolist() == [-1, -1, 3, 2]  # resident: no wait
+    assert IS[K.S_NCOMP] == 2

@@ -69,22 +69,22 @@ ABSENT, INFLIGHT, RESIDENT = 0, 1, 2
 DEMAND, PREFETCH = 0, 1
 
 # per-key integer fields (KI)
-(K_STATE, K_TID, K_STATIC, K_STAMP, K_COUNT, K_CURPASS, K_PREV, K_NEXT, K_MEMB, K_PIN, K_PEND,
- K_EVICTED, K_UNUSED, K_ADM, K_QUEUED, K_MARK, K_ACCPASS, K_ROUTED, K_COMPUTED, K_NKI) = range(20)
+(K_STATE, K_COMPUTED, K_TID, K_PIN, K_STATIC, K_STAMP, K_COUNT, K_CURPASS, K_PREV, K_NEXT, K_MEMB,
+ K_PEND, K_EVICTED, K_UNUSED, K_ADM, K_QUEUED, K_MARK, K_ACCPASS, K_NKI) = range(19)
 # per-key float fields (KF)
 F_SCORE, F_NEXTUSE, F_NKF = range(3)
 # The integer state IS: scalars (S_*), configuration (C_*), the pass's row (R_*), region
 # offsets (H_*), then the regions (per-key fields, transfer slots, queues, scratch).
 (S_SEQ, S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_HEAD, S_TAIL, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
  S_FREEN, S_WH, S_WN, S_PENDN, S_MEMBN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
- S_SCOREPASS, S_LAYERGEN, S_LRUNN, S_LRUNN1,
+ S_SCOREPASS, S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP,
  C_EV, C_LS_REL, C_LS_PFCUR, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_PREC0,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE, C_LRUNCAP,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST,
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
- H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, I_HEADER) = range(95)
+ H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, I_HEADER) = range(97)
 R_FIRST, R_COUNT = R_HITS, R_SUBST + 1 - R_HITS
 # The float state FS: scalars, configuration, then per-key fields, transfer times, scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, CF_CAP, CF_DUR, CF_DECAY,
@@ -623,7 +623,7 @@ def _substitute(e, IS, M):
     best_d = 0.0
     for c in range(IS[C_NE]):
         key = base + c * IS[C_NPREC]
-        if IS[IS[H_KI] + key * K_NKI + K_ROUTED] == IS[S_LAYERGEN] or \
+        if IS[IS[H_ROUTED] + key] == IS[S_LAYERGEN] or \
                 IS[IS[H_KI] + key * K_NKI + K_STATE] == ABSENT:
             continue
         d = abs(np.float64(_mean_prob(e, c, IS, M)) - np.float64(score_e))
@@ -654,19 +654,27 @@ def _mean_prob(e, c, IS, M):
 
 @_inline
 def _add_run(buf, tid, key, ntok, IS):
-    """One computation a lookup leads to, into lookup buffer ``buf`` (0 or 1): the transfer
-    it waits for (slot and sequence; -1: none), its key, its tokens, and whether the key is
-    computed for the first time in the layer (the engine's ``key_for``)."""
-    n = IS[S_LRUNN + buf]
-    r = IS[H_LRUN] + (buf * IS[C_LRUNCAP] + n) * 5
+    """One computation a lookup leads to: the transfer it waits for (slot and sequence; -1:
+    none), its key and its tokens. A key computed for the first time in the layer (the
+    engine's ``key_for``) is counted (``S_NCOMP``); with ``buf`` -1 (``layer`` and
+    ``on-arrival`` execution) such a computation is appended to the layer's (``H_RUNS``),
+    with ``buf`` 0 or 1 (``per-expert``) every computation goes into that lookup buffer."""
+    k = IS[H_KI] + key * K_NKI
+    new = IS[k + K_COMPUTED] != IS[S_LAYERGEN]
+    IS[k + K_COMPUTED] = IS[S_LAYERGEN]
+    if buf < 0:
+        if not new:
+            return
+        r = IS[H_RUNS] + IS[S_NCOMP] * 4
+    else:
+        n = IS[S_LRUNN + buf]
+        r = IS[H_LRUN] + (buf * IS[C_LRUNCAP] + n) * 4
+        IS[S_LRUNN + buf] = n + 1
+    IS[S_NCOMP] += new
     IS[r] = tid
     IS[r + 1] = IS[IS[H_TI] + tid * T_NTI + T_SEQ] if tid >= 0 else -1
     IS[r + 2] = key
     IS[r + 3] = ntok
-    k = IS[H_KI] + key * K_NKI
-    IS[r + 4] = IS[k + K_COMPUTED] != IS[S_LAYERGEN]
-    IS[k + K_COMPUTED] = IS[S_LAYERGEN]
-    IS[S_LRUNN + buf] = n + 1
 
 
 @_jit
@@ -749,7 +757,8 @@ def _lookup(ai, now, pin_gen, buf, IS, FS, DI, A, M):
     key = _key(ai, IS, A)
     k = IS[H_KI] + key * K_NKI
     state = IS[k + K_STATE]
-    IS[S_LRUNN + buf] = 0
+    if buf >= 0:
+        IS[S_LRUNN + buf] = 0
     ntok = np.int64(A[2][ai])
     if state == RESIDENT:
         IS[R_HITS] += 1
@@ -984,23 +993,6 @@ def _mark_pending(lo, hi, IS, A):
 
 
 @_inline
-def _record(m, buf, IS):
-    """After a lookup: its computations of keys new in the layer become the layer's
-    ``m``-th, ... (``(slot, sequence, key, tokens)``, in the order the lookups decided them);
-    returns how many the layer has."""
-    for x in range(IS[S_LRUNN + buf]):
-        r = IS[H_LRUN] + (buf * IS[C_LRUNCAP] + x) * 5
-        if IS[r + 4]:
-            w = IS[H_RUNS] + m * 4
-            IS[w] = IS[r]
-            IS[w + 1] = IS[r + 1]
-            IS[w + 2] = IS[r + 2]
-            IS[w + 3] = IS[r + 3]
-            m += 1
-    return m
-
-
-@_inline
 def _tokens_of(key, tokens, p, IS, M):
     """How many of the layer's tokens finally compute ``key``: ``tokens`` when no miss
     policy changes what tokens compute, else counted in ``IS[H_FIN]``."""
@@ -1025,10 +1017,10 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     pins = _new_gen(IS, S_PINGEN)
     for j in range(lo, hi):
         IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_PIN] = pins
-    computed = 0
+    IS[S_NCOMP] = 0
     for i in range(hi - lo):
-        _lookup(lo + i, now, pins, 0, IS, FS, DI, A, M)
-        computed = _record(computed, 0, IS)
+        _lookup(lo + i, now, pins, -1, IS, FS, DI, A, M)
+    computed = IS[S_NCOMP]
     if IS[C_PFACTIVE]:
         _propose(p, layer, p0, now, pins, IS, FS, DI, A, P)
     scale = DF[IS[H_SCALE] + p]
@@ -1083,16 +1075,14 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     n = hi - lo
     t = now
     cur = 0
-    computed = 0
     scale = DF[IS[H_SCALE] + p]
-    IS[S_LRUNN] = IS[S_LRUNN + 1] = 0
+    IS[S_LRUNN] = IS[S_LRUNN + 1] = IS[S_NCOMP] = 0
     if n:
         _lookup(lo, t, _new_gen(IS, S_PINGEN), cur, IS, FS, DI, A, M)
-        computed = _record(computed, cur, IS)
     for i in range(n):
-        base = IS[H_LRUN] + cur * IS[C_LRUNCAP] * 5
+        base = IS[H_LRUN] + cur * IS[C_LRUNCAP] * 4
         for x in range(IS[S_LRUNN + cur]):
-            a = _arrival(IS[base + x * 5], IS[base + x * 5 + 1], t, IS, FS)
+            a = _arrival(IS[base + x * 4], IS[base + x * 4 + 1], t, IS, FS)
             if a > t:
                 FS[SF_STALL] += a - t
                 t = a
@@ -1103,23 +1093,22 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
         if i + 1 < n:
             pins = _new_gen(IS, S_PINGEN)
             for x in range(IS[S_LRUNN + cur]):  # the running expert
-                IS[IS[H_KI] + IS[base + x * 5 + 2] * K_NKI + K_PIN] = pins
+                IS[IS[H_KI] + IS[base + x * 4 + 2] * K_NKI + K_PIN] = pins
             _lookup(lo + i + 1, t, pins, nxt, IS, FS, DI, A, M)
-            computed = _record(computed, nxt, IS)
         for x in range(IS[S_LRUNN + cur]):
-            t += DF[IS[H_TTAB] + IS[base + x * 5 + 3]] * scale
+            t += DF[IS[H_TTAB] + IS[base + x * 4 + 3]] * scale
         if timed:
             _advance(t, IS, FS)
         if IS[C_EV] == EV_LS:
             IS[IS[H_KI] + _key(lo + i, IS, A) * K_NKI + K_PEND] = 0  # expert i has run
         if IS[S_WN]:
             pins = _new_gen(IS, S_PINGEN)
-            nb = IS[H_LRUN] + nxt * IS[C_LRUNCAP] * 5
+            nb = IS[H_LRUN] + nxt * IS[C_LRUNCAP] * 4
             for x in range(IS[S_LRUNN + nxt]):
-                IS[IS[H_KI] + IS[nb + x * 5 + 2] * K_NKI + K_PIN] = pins
+                IS[IS[H_KI] + IS[nb + x * 4 + 2] * K_NKI + K_PIN] = pins
             _admit(t, pins, IS, FS, DI, A)
         cur = nxt
-    IS[R_UNIQUE] += computed
+    IS[R_UNIQUE] += IS[S_NCOMP]
     return t
 
 
@@ -1224,7 +1213,7 @@ def _fin_init(p, layer, lo, hi, IS, A, M):
         for j in range(k):
             IS[IS[H_FIN] + i * k + j] = experts[row_order[row_off[b] + i], j]
     for j in range(lo, hi):
-        IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_ROUTED] = IS[S_LAYERGEN]
+        IS[IS[H_ROUTED] + _key(j, IS, A)] = IS[S_LAYERGEN]
 
 
 @_jit
@@ -1368,8 +1357,8 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
     """The state arrays, initialised: regions after the headers, their offsets in ``IS``."""
     i_sizes = ((H_KI, num_keys * K_NKI), (H_TI, pool * T_NTI), (H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
                (H_FREE, pool), (H_WQ, num_keys), (H_PENDA, pend_max * 3), (H_MEMB, num_keys),
-               (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys), (H_RUNS, 4 * max(1, maxn)), (H_LRUN, 2 * 5 * lrun),
-               (H_SPEC, 2 * lrun),
+               (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys), (H_RUNS, 4 * max(1, maxn)), (H_LRUN, 2 * 4 * lrun),
+               (H_SPEC, 2 * lrun), (H_ROUTED, num_keys),
                (H_LSQ, 4 * num_keys), (H_PFTMP, pool), (H_FIN, fin))
     f_sizes = ((H_KF, num_keys * F_NKF), (H_TF, pool * T_NTF), (H_SCR, 2 * max(1, maxn)), (H_MSCR, 2 * top_k))
     n_i, n_f = I_HEADER, F_HEADER
