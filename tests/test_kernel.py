@@ -536,3 +536,38 @@ def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
     K._use_other(3, 2, 9, -1, IS, FS, np.zeros(1, np.int64), A)  # layer execution: the layer's list
     assert IS[IS[K.H_RUNS] + 4:IS[K.H_RUNS] + 8].tolist() == [-1, -1, 3, 2]  # resident: no wait
     assert IS[K.S_NCOMP] == 2
+
+
+def test_the_kernels_speculation_by_hand():
+    """``_speculate`` (speculating-experts-prefetch.txt §4, as the engine's speculate branch):
+    expert 0 misses for three tokens. Token 0's previous-layer prediction ranks 5 and 3 equal
+    first (the lower id, 3, wins, as a stable sort), token 1's ranks 1 first but already
+    computes 1, then 3 and 5 equal again, and 6 (uncached) above them all; token 2 has no row in
+    the previous layer (no prediction) and loses expert 0. Expert 3 computes two tokens, one
+    substitution is counted."""
+    from moesim.simulator import kernel as K
+
+    E = 8
+    IS, FS = K._layout(num_keys=2 * E, pool=4, pend_max=4, maxn=3, top_k=2, fin=6, lrun=3)
+    IS[K.C_L], IS[K.C_K], IS[K.C_DIV], IS[K.C_NPREC], IS[K.C_DPREC], IS[K.C_NE] = 2, 2, E, 1, 0, E
+    IS[K.C_EV] = K.EV_FIFO
+    IS[K.S_LAYER], IS[K.S_LAYERGEN] = 1, 4
+    experts = np.array([[0, 0], [0, 0], [0, 0], [0, 2], [0, 1], [0, 4]], np.int16)  # rows 3-5: layer 1
+    pred = np.zeros((6, E), np.float32)
+    pred[0, [5, 3]] = 0.5
+    pred[1, [1, 3, 5, 6]] = (0.9, 0.4, 0.4, 1.0)
+    prev_row = np.array([0, 1, 0], np.int64)
+    prev_stamp = np.array([0, 0, -1], np.int64)  # token 2 has no row in (pass 0, layer 0)
+    M = (np.array([0, 1, 2, 3, 4, 5], np.int64), np.array([0, 3, 6], np.int64), experts,
+         np.zeros((6, E), np.float32), np.array([0, 1, 2, 0, 1, 2], np.int64), np.full(3, -1, np.int64),
+         pred, prev_row, prev_stamp)
+    IS[IS[K.H_FIN]:IS[K.H_FIN] + 6] = (0, 2, 0, 1, 0, 4)
+    for e in (1, 2, 3, 4, 5):
+        IS[IS[K.H_KI] + (E + e) * K.K_NKI + K.K_STATE] = K.RESIDENT
+    A = (np.zeros(1, np.int32),) * 5
+    IS[K.S_LRUNN] = 0
+    K._speculate(0, 9, 0, IS, FS, np.zeros(1, np.int64), A, M)
+    assert IS[IS[K.H_FIN]:IS[K.H_FIN] + 6].tolist() == [3, 2, 3, 1, -1, 4]
+    assert IS[K.R_SUBST] == 1
+    runs = IS[IS[K.H_LRUN]:IS[K.H_LRUN] + 4 * IS[K.S_LRUNN]].reshape(-1, 4).tolist()
+    assert runs == [[-1, -1, E + 3, 2]]  # (slot, sequence, key, tokens): resident, two tokens
