@@ -191,6 +191,21 @@ def test_kernel_equals_simpy_with_the_speculative_miss_policy(monkeypatch, evict
     assert (steps.gate_weight_computed != steps.gate_weight_total).any()
 
 
+@pytest.mark.parametrize("miss", [{"name": "drop", "rank": 1}, "substitute", "speculative"])
+@pytest.mark.parametrize("mode", ["layer", "per-expert"])
+def test_kernel_equals_simpy_with_a_miss_policy_at_a_lower_precision(monkeypatch, miss, mode):
+    """The re-routing miss policies with ``cache.precision: int8`` (cache keys carry the
+    precision index 1, not 0)."""
+    trace = synth_from_preset("olmoe-1b-7b", layers=6, requests=8, prompt_tokens=4, tokens=12, seed=5,
+                              pred_next=True, probs=True)
+    sc = scenario(policies={"eviction": "lru", "prefetch": "next-gate-topk", "miss": miss}, expert_compute=mode,
+                  workload={"batch_size": 4}, cache={"capacity": "40%", "precision": "int8"}, hardware=COMPUTE_BOUND)
+    fast, ref = both_paths(sc, trace, monkeypatch)
+    assert_identical(fast, ref)
+    steps = ref.steps
+    assert steps.dropped_experts.sum() + steps.substituted_experts.sum() > 0
+
+
 settings_kw: dict[str, Any] = {"max_examples": 100, "deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 
 
