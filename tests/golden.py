@@ -44,6 +44,10 @@ def compute(name: str) -> dict[str, Any]:
                  f"workload.trace.synth.prompt_tokens={min(s.prompt_tokens, 16)}"]
     elif src.import_ is not None:
         sets.append("workload.max_requests=1")
+        if "shared/traces/real/" in src.import_.path:  # the real traces where the tests find them
+            from tests.helpers import REAL  # (MOESIM_SHARED in a copy of the tree, e.g. mutmut's)
+
+            sets.append(f"workload.trace.import.path={REAL / src.import_.path.split('shared/traces/real/')[1]}")
     else:
         trace = synth_from_preset("olmoe-1b-7b", layers=4, requests=2, prompt_tokens=8, tokens=12, seed=0,
                                   probs=True, pred_next=True)
