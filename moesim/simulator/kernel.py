@@ -11,16 +11,18 @@ per-transfer Python objects. It is bit-identical to the SimPy path on every per-
 (``tests/test_kernel.py`` checks a grid and hypothesis-generated scenarios).
 
 Scope (:func:`kernel_form`): one GPU, standard routing, no budget, the ``fetch``, ``drop``,
-``substitute`` and ``speculative`` miss policies (the last three with the per-token path's gate
-mass and altered tokens: what each token of the layer computes is kept in ``IS[H_FIN]``; a
-lookup's computations, none to several, go into a lookup buffer); eviction ``lru``, ``fifo``, ``lfu``, ``fld``, ``score``, ``least-stale`` (both
-orders), ``belady``, ``lhu``; prefetch ``none``, ``static-pin``, ``oracle``,
-``previous-token``, ``lookahead``, ``next-gate-topk``, ``score-percentile`` (the last two's
-proposals come as arrays, :meth:`PrefetchPolicy.proposals`). Everything else — a routing or
-budget policy that changes what a token computes, the miss policies that keep entries of
-several sizes (``fetch-lowest-bit``, ``fetch-priority``), random eviction (it draws from numpy's ``Generator``), expert parallelism, a
-user's own policy, and a replay that records its timeline or decisions — runs on the SimPy
-path.
+``substitute`` and ``speculative`` miss policies (the last three with the per-token path's
+gate mass and altered tokens: what each token of the layer computes is kept in
+``IS[H_FIN]``; a lookup's computations, none to several, go to the layer's list or, in
+``per-expert`` execution, a lookup buffer); eviction ``lru``, ``fifo``, ``lfu``, ``fld``,
+``score``, ``least-stale`` (both orders), ``belady``, ``lhu``; prefetch ``none``,
+``static-pin``, ``oracle``, ``previous-token``, ``lookahead``, ``next-gate-topk``,
+``score-percentile`` (the last two's proposals come as arrays,
+:meth:`PrefetchPolicy.proposals`). Everything else — a routing or budget policy that changes
+what a token computes, the miss policies that keep entries of several sizes
+(``fetch-lowest-bit``, ``fetch-priority``), random eviction (it draws from numpy's
+``Generator``), expert parallelism, a user's own policy, and a replay that records its
+timeline or decisions — runs on the SimPy path.
 
 The same functions run as plain Python under ``NUMBA_DISABLE_JIT=1`` (the tests check that
 they give the same answer), at about a third of the SimPy path's speed; so where numba is not
@@ -41,8 +43,8 @@ pass) are generation marks. Read-only data: ``DI`` (offsets of each (pass, layer
 pass groups, Belady's access positions), ``DF`` (expert seconds by token count, per-pass
 factor), ``A`` (the workload's own per-access arrays) and ``P`` (proposal arrays). The kernel
 allocates nothing, so it is compiled without numba's runtime (``_nrt=False``): its
-reference counting of the array arguments took 40% of the run time. The lookup path's functions
-are always inlined by LLVM (``forceinline``): passing a dozen arrays to each call cost more
+reference counting of the array arguments took 40% of the run time. The lookup path's
+functions are always inlined by LLVM (``forceinline``): passing a dozen arrays to each call cost more
 than half of what was left (LRU full timing went from 13 to 30M accesses/s, the one-off
 compile from 12.6 to 13.2 s).
 """
@@ -102,10 +104,16 @@ MISS_FETCH, MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE = range(4)
 
 
 # -- the workload's accesses ----------------------------------------------------------------
+@_inline
+def _key_at(layer, e, IS):
+    """The cache key of expert ``e`` of ``layer`` at the scenario's precision."""
+    return np.int64(layer) * IS[C_DIV] + np.int64(e) * IS[C_NPREC] + IS[C_DPREC]
+
+
 @_jit
 def _key(j, IS, A):
-    """The cache key of access ``j`` (layer, expert, the scenario's precision)."""
-    return np.int64(A[0][j]) * IS[C_DIV] + np.int64(A[1][j]) * IS[C_NPREC] + IS[C_DPREC]
+    """The cache key of access ``j``."""
+    return _key_at(A[0][j], A[1][j], IS)
 
 
 # -- eviction policies ----------------------------------------------------------------------
@@ -617,14 +625,12 @@ def _substitute(e, IS, M):
     experts that are not routed and are resident or in flight, the one whose router score
     (mean probability over ``e``'s tokens, in float32 as numpy's ``mean``) is nearest to
     ``e``'s; the lowest id on a tie; -1 when there is none."""
-    base = IS[S_LAYER] * IS[C_DIV] + IS[C_DPREC]
     score_e = _mean_prob(e, e, IS, M)
     best = -1
     best_d = 0.0
     for c in range(IS[C_NE]):
-        key = base + c * IS[C_NPREC]
-        if IS[IS[H_ROUTED] + key] == IS[S_LAYERGEN] or \
-                IS[IS[H_KI] + key * K_NKI + K_STATE] == ABSENT:
+        key = _key_at(IS[S_LAYER], c, IS)
+        if IS[IS[H_ROUTED] + key] == IS[S_LAYERGEN] or IS[IS[H_KI] + key * K_NKI + K_STATE] == ABSENT:
             continue
         d = abs(np.float64(_mean_prob(e, c, IS, M)) - np.float64(score_e))
         if best < 0 or d < best_d:
@@ -677,19 +683,25 @@ def _add_run(buf, tid, key, ntok, IS):
     IS[r + 3] = ntok
 
 
+@_inline
+def _needed_now(k, IS, FS):
+    """The transfer of an in-flight key (its record at ``k``), needed now: a queued prefetch
+    is promoted to demand priority. Returns its slot."""
+    tid = IS[k + K_TID]
+    ti = IS[H_TI] + tid * T_NTI
+    if IS[ti + T_PRIO] != DEMAND and not IS[ti + T_STARTED]:
+        _promote(tid, IS, FS)
+    return tid
+
+
 @_jit
 def _use_other(e2, ntok, pin_gen, buf, IS, FS, DI, A):
     """A resident or arriving expert ``e2`` computes ``ntok`` tokens of a missed one (the
     engine's ``_use_other``; substitute, speculative): a queued prefetch of it is promoted,
     the eviction policy told when it is first computed in the layer, its key pinned."""
-    k2 = IS[S_LAYER] * IS[C_DIV] + e2 * IS[C_NPREC] + IS[C_DPREC]
+    k2 = _key_at(IS[S_LAYER], e2, IS)
     k = IS[H_KI] + k2 * K_NKI
-    tid = -1
-    if IS[k + K_STATE] == INFLIGHT:
-        tid = IS[k + K_TID]
-        ti = IS[H_TI] + tid * T_NTI
-        if IS[ti + T_PRIO] != DEMAND and not IS[ti + T_STARTED]:
-            _promote(tid, IS, FS)
+    tid = _needed_now(k, IS, FS) if IS[k + K_STATE] == INFLIGHT else -1
     if IS[k + K_COMPUTED] != IS[S_LAYERGEN]:
         _on_access(k2, -1, IS, FS, DI, A)
     IS[k + K_PIN] = pin_gen
@@ -709,7 +721,6 @@ def _speculate(e, pin_gen, buf, IS, FS, DI, A, M):
     k = IS[C_K]
     fin = IS[H_FIN]
     b = IS[S_PASS] * IS[C_L] + IS[S_LAYER]
-    base = IS[S_LAYER] * IS[C_DIV] + IS[C_DPREC]
     spec = IS[H_SPEC]
     n_spec = 0
     for i in range(row_off[b + 1] - row_off[b]):
@@ -726,7 +737,7 @@ def _speculate(e, pin_gen, buf, IS, FS, DI, A, M):
             for c in range(IS[C_NE]):
                 if best >= 0 and not pred[src, c] > pred[src, best]:
                     continue
-                if IS[IS[H_KI] + (base + c * IS[C_NPREC]) * K_NKI + K_STATE] == ABSENT:
+                if IS[IS[H_KI] + _key_at(IS[S_LAYER], c, IS) * K_NKI + K_STATE] == ABSENT:
                     continue
                 dup = False
                 for jj in range(k):
@@ -770,11 +781,7 @@ def _lookup(ai, now, pin_gen, buf, IS, FS, DI, A, M):
         IS[R_LATE] += 1
         _on_access(key, ai, IS, FS, DI, A)
         _used_prefetch(key, IS)
-        tid = IS[k + K_TID]
-        ti = IS[H_TI] + tid * T_NTI
-        if IS[ti + T_PRIO] != DEMAND and not IS[ti + T_STARTED]:
-            _promote(tid, IS, FS)
-        _add_run(buf, tid, key, ntok, IS)
+        _add_run(buf, _needed_now(k, IS, FS), key, ntok, IS)
         return
     IS[R_MISSES] += 1
     if IS[k + K_EVICTED] == IS[S_PASS]:
@@ -1330,7 +1337,7 @@ def kernel_form(sim: Any) -> str | None:
         return "a routing or budget policy that changes what tokens compute"
     if type(sim.miss) not in (Fetch, Drop, Substitute, Speculative):
         return f"miss policy '{sim.scenario.policies.miss.name}' has no kernel form"
-    if sim.model.top_k > 128:
+    if type(sim.miss) is not Fetch and sim.model.top_k > 128:
         return "top-k above 128 (the kernel sums a token's gate mass as numpy does up to 128 terms)"
     evictions, prefetchers = _policy_codes()
     if type(sim.eviction) not in evictions:
@@ -1357,9 +1364,9 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
     """The state arrays, initialised: regions after the headers, their offsets in ``IS``."""
     i_sizes = ((H_KI, num_keys * K_NKI), (H_TI, pool * T_NTI), (H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
                (H_FREE, pool), (H_WQ, num_keys), (H_PENDA, pend_max * 3), (H_MEMB, num_keys),
-               (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys), (H_RUNS, 4 * max(1, maxn)), (H_LRUN, 2 * 4 * lrun),
-               (H_SPEC, 2 * lrun), (H_ROUTED, num_keys),
-               (H_LSQ, 4 * num_keys), (H_PFTMP, pool), (H_FIN, fin))
+               (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys), (H_RUNS, 4 * max(1, maxn)),
+               (H_LRUN, 2 * 4 * lrun), (H_SPEC, 2 * lrun), (H_ROUTED, num_keys), (H_LSQ, 4 * num_keys),
+               (H_PFTMP, pool), (H_FIN, fin))
     f_sizes = ((H_KF, num_keys * F_NKF), (H_TF, pool * T_NTF), (H_SCR, 2 * max(1, maxn)), (H_MSCR, 2 * top_k))
     n_i, n_f = I_HEADER, F_HEADER
     offsets = {}
@@ -1405,11 +1412,12 @@ def _mass_arrays(sim: Any) -> tuple[np.ndarray, ...]:
     mass = wl.probs if wl.probs is not None else trace.weights
     tok = trace.request.astype(np.int64) * (int(trace.position.max(initial=0)) + 1) + trace.position
     _, token = np.unique(tok, return_inverse=True)
+    n_tok = int(token.max(initial=0)) + 1
     return (np.ascontiguousarray(wl.row_order, np.int64), np.ascontiguousarray(wl.row_off, np.int64),
             np.ascontiguousarray(trace.experts, np.int16), np.ascontiguousarray(mass, np.float32),
-            token.astype(np.int64), np.full(int(token.max(initial=0)) + 1, -1, np.int64),
+            token.astype(np.int64), np.full(n_tok, -1, np.int64),
             np.ascontiguousarray(wl.pred_next, np.float32) if wl.pred_next is not None else _NO_MASS[6],
-            np.zeros(int(token.max(initial=0)) + 1, np.int64), np.full(int(token.max(initial=0)) + 1, -1, np.int64))
+            np.zeros(n_tok, np.int64), np.full(n_tok, -1, np.int64))
 
 
 def replay(sim: Any) -> None:
