@@ -95,7 +95,8 @@ def digest(steps: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def compute(name: str, over: dict[str, Any], tr: Any) -> str:
+def compute(over: dict[str, Any], tr: Any) -> str:
+    """The digest of one case's replay."""
     return digest(simulate(scenario(**over), trace=tr).steps)
 
 
@@ -106,7 +107,7 @@ def main() -> None:
     print("GOLDEN_GRID = {")
     all_cases = cases()
     for n, (name, over) in enumerate(all_cases.items()):
-        print(f"    {name!r}: {compute(name, over, tr)!r},")
+        print(f"    {name!r}: {compute(over, tr)!r},")
         if n % 100 == 0:
             print(f"{n}/{len(all_cases)}", file=sys.stderr)
     print("}")

@@ -6,6 +6,7 @@ and the dispatch rule (which path runs, and why)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import subprocess
@@ -114,6 +115,24 @@ def test_kernel_equals_simpy_on_a_speculative_replay(olmoe_trace, monkeypatch):
     assert ref.summary["mean_accepted_tokens"] > 1
 
 
+@functools.cache
+def miss_trace(probs: bool) -> Any:
+    """The miss-policy tests' trace: OLMoE-shaped, 6 layers, 8 requests of 4 prompt and 12
+    decode tokens, with next-layer predictions (made once per ``probs``)."""
+    return synth_from_preset("olmoe-1b-7b", layers=6, requests=8, prompt_tokens=4, tokens=12, seed=5,
+                             pred_next=True, probs=probs)
+
+
+def miss_replay(monkeypatch: pytest.MonkeyPatch, miss: Any, probs: bool = True, **over: Any) -> pd.DataFrame:
+    """A miss-policy scenario on :func:`miss_trace`, compute-bound, replayed on both paths and
+    checked bit-identical; the per-pass rows."""
+    policies = {"prefetch": "none", **over.pop("policies", {}), "miss": miss}
+    sc = scenario(policies=policies, hardware=COMPUTE_BOUND, **over)
+    fast, ref = both_paths(sc, miss_trace(probs), monkeypatch)
+    assert_identical(fast, ref)
+    return ref.steps
+
+
 @pytest.mark.parametrize("probs", [True, False])
 @pytest.mark.parametrize(("eviction", "prefetch", "rank", "capacity"), [
     ("lru", "none", 2, "8%"), ("least-stale", "score-percentile", 1, "8%"), ("belady", "oracle", 0, "30%"),
@@ -126,14 +145,9 @@ def test_kernel_equals_simpy_with_the_drop_miss_policy(monkeypatch, probs, evict
     """``drop`` on the kernel: misses of router rank >= ``rank`` skipped, the layer's
     computations, unique experts, gate mass (router probabilities, or top-k weights when the
     trace has none) and altered tokens as the per-token SimPy path counts them."""
-    trace = synth_from_preset("olmoe-1b-7b", layers=6, requests=8, prompt_tokens=4, tokens=12, seed=5,
-                              pred_next=True, probs=probs)
-    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": {"name": "drop", "rank": rank}},
-                  expert_compute=mode, timing=timing, workload={"batch_size": batch}, cache={"capacity": capacity},
-                  hardware=COMPUTE_BOUND)
-    fast, ref = both_paths(sc, trace, monkeypatch)
-    assert_identical(fast, ref)
-    steps = ref.steps
+    steps = miss_replay(monkeypatch, {"name": "drop", "rank": rank}, probs,
+                        policies={"eviction": eviction, "prefetch": prefetch}, expert_compute=mode, timing=timing,
+                        workload={"batch_size": batch}, cache={"capacity": capacity})
     assert steps.dropped_experts.sum() > 0
     assert steps.tokens_altered.sum() > 0
     if capacity == "70%":  # and some tokens keep all their experts
@@ -153,14 +167,9 @@ def test_kernel_equals_simpy_with_the_substitute_miss_policy(monkeypatch, evicti
     unrouted expert of nearest mean router probability (float32, as numpy's mean), promoted
     when queued, pinned, counted once per layer; its compute time from the tokens that finally
     compute it; gate mass and altered tokens as the per-token SimPy path counts them."""
-    trace = synth_from_preset("olmoe-1b-7b", layers=6, requests=8, prompt_tokens=4, tokens=12, seed=5,
-                              pred_next=True, probs=True)
-    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": "substitute"},
-                  expert_compute=mode, timing=timing, workload={"batch_size": batch}, cache={"capacity": capacity},
-                  hardware=COMPUTE_BOUND)
-    fast, ref = both_paths(sc, trace, monkeypatch)
-    assert_identical(fast, ref)
-    steps = ref.steps
+    steps = miss_replay(monkeypatch, "substitute", policies={"eviction": eviction, "prefetch": prefetch},
+                        expert_compute=mode, timing=timing, workload={"batch_size": batch},
+                        cache={"capacity": capacity})
     assert steps.substituted_experts.sum() > 0
     assert (steps.gate_weight_computed != steps.gate_weight_total).any()
 
@@ -179,14 +188,9 @@ def test_kernel_equals_simpy_with_the_speculative_miss_policy(monkeypatch, evict
     several experts per miss, routed ones among them; compute times from the tokens that
     finally compute each expert; gate mass (probabilities, or top-k weights) and altered
     tokens as the per-token SimPy path counts them."""
-    trace = synth_from_preset("olmoe-1b-7b", layers=6, requests=8, prompt_tokens=4, tokens=12, seed=5,
-                              pred_next=True, probs=probs)
-    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": "speculative"},
-                  expert_compute=mode, timing=timing, workload={"batch_size": batch}, cache={"capacity": capacity},
-                  hardware=COMPUTE_BOUND)
-    fast, ref = both_paths(sc, trace, monkeypatch)
-    assert_identical(fast, ref)
-    steps = ref.steps
+    steps = miss_replay(monkeypatch, "speculative", probs, policies={"eviction": eviction, "prefetch": prefetch},
+                        expert_compute=mode, timing=timing, workload={"batch_size": batch},
+                        cache={"capacity": capacity})
     assert steps.substituted_experts.sum() > 0
     assert (steps.gate_weight_computed != steps.gate_weight_total).any()
 
@@ -196,13 +200,8 @@ def test_kernel_equals_simpy_with_the_speculative_miss_policy(monkeypatch, evict
 def test_kernel_equals_simpy_with_a_miss_policy_at_a_lower_precision(monkeypatch, miss, mode):
     """The re-routing miss policies with ``cache.precision: int8`` (cache keys carry the
     precision index 1, not 0)."""
-    trace = synth_from_preset("olmoe-1b-7b", layers=6, requests=8, prompt_tokens=4, tokens=12, seed=5,
-                              pred_next=True, probs=True)
-    sc = scenario(policies={"eviction": "lru", "prefetch": "next-gate-topk", "miss": miss}, expert_compute=mode,
-                  workload={"batch_size": 4}, cache={"capacity": "40%", "precision": "int8"}, hardware=COMPUTE_BOUND)
-    fast, ref = both_paths(sc, trace, monkeypatch)
-    assert_identical(fast, ref)
-    steps = ref.steps
+    steps = miss_replay(monkeypatch, miss, policies={"eviction": "lru", "prefetch": "next-gate-topk"},
+                        expert_compute=mode, workload={"batch_size": 4}, cache={"capacity": "40%", "precision": "int8"})
     assert steps.dropped_experts.sum() + steps.substituted_experts.sum() > 0
 
 
@@ -214,16 +213,16 @@ settings_kw: dict[str, Any] = {"max_examples": 100, "deadline": None, "suppress_
        prompt=st.integers(0, 4), requests=st.integers(1, 4), batch=st.integers(1, 4), cap=st.integers(0, 20),
        eviction=st.sampled_from(EVICTIONS), prefetch=st.sampled_from(PREFETCHERS), mode=st.sampled_from(MODES),
        timing=st.booleans(), seed=st.integers(0, 10_000), bandwidth=st.sampled_from([4.0, 32.0, 400.0]),
-       drop=st.sampled_from([None, 0, 1, 2, "substitute", "speculative"]), probs=st.booleans(),
+       miss=st.sampled_from([None, 0, 1, 2, "substitute", "speculative"]), probs=st.booleans(),
        precision=st.sampled_from([None, "int8"]))
 def test_kernel_equals_simpy_on_generated_scenarios(layers, experts, k, tokens, prompt, requests, batch, cap,
-                                                    eviction, prefetch, mode, timing, seed, bandwidth, drop, probs,
+                                                    eviction, prefetch, mode, timing, seed, bandwidth, miss, probs,
                                                     precision):
     model = small_model(layers, experts, min(k, experts))
     trace = generate(model, requests=requests, prompt_tokens=prompt, tokens=tokens, seed=seed, pred_next=True,
-                     probs=probs or drop == "substitute")
-    miss = "fetch" if drop is None else drop if isinstance(drop, str) else {"name": "drop", "rank": drop}
-    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": miss}, expert_compute=mode,
+                     probs=probs or miss == "substitute")
+    policy = "fetch" if miss is None else miss if isinstance(miss, str) else {"name": "drop", "rank": miss}
+    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": policy}, expert_compute=mode,
                   timing=timing, cache={"capacity": f"{cap} experts", **({"precision": precision} if precision else {})},
                   workload={"batch_size": batch},
                   hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": bandwidth}}})

@@ -595,10 +595,9 @@ class Simulation:
         (:meth:`PassRow.count_tokens`); the layer then takes :meth:`_ep_layer`'s time, in one
         step with its non-expert compute."""
         env, wl, g_n = self.env, self.wl, self.scenario.hardware.gpus
-        nonexp = self.cost.nonexpert_time(np.ceil(wl.pass_tokens / g_n),
-                                          np.ceil(wl.pass_context * self.attn_scale / g_n)).tolist()
-        if not self.timing:  # cache-only: no time passes
-            nonexp = [0.0] * wl.num_passes
+        nonexp = (self.cost.nonexpert_time(np.ceil(wl.pass_tokens / g_n),
+                                           np.ceil(wl.pass_context * self.attn_scale / g_n)).tolist()
+                  if self.timing else [0.0] * wl.num_passes)  # cache-only: no time passes
         for p in range(wl.num_passes):
             self._begin_pass(p)
             for layer in range(self.model.num_layers):
