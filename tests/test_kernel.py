@@ -195,6 +195,38 @@ def test_kernel_equals_simpy_with_the_speculative_miss_policy(monkeypatch, evict
     assert (steps.gate_weight_computed != steps.gate_weight_total).any()
 
 
+CASCADES = [  # (miss policy, eviction, prefetch, capacity, the cache's precision)
+    ("fetch-lowest-bit", "lru", "score-percentile", "8%", None),
+    ({"name": "fetch-lowest-bit", "precisions": ["bf16", "int4"]}, "lhu", "next-gate-topk", "20%", None),
+    ("fetch-priority", "lhu", "oracle", "8%", None),
+    ({"name": "fetch-priority", "precisions": ["int8", "int4", "int2"], "degrade_fraction": 0.3}, "least-stale",
+     "score-percentile", "20%", "int8"),
+    ({"name": "fetch-priority", "degrade_fraction": 1.0}, "belady", "none", "30%", None),
+    ("fetch-lowest-bit", "score", "lookahead", "30%", "int8"),
+    ({"name": "fetch-priority", "precisions": ["bf16"]}, "lfu", "previous-token", "5%", None),
+]
+
+
+@pytest.mark.parametrize(("miss", "eviction", "prefetch", "capacity", "precision"), CASCADES)
+@pytest.mark.parametrize(("mode", "timing", "batch"), [
+    ("layer", True, 1), ("layer", True, 8), ("on-arrival", True, 8), ("per-expert", True, 4), ("layer", False, 8),
+    ("per-expert", False, 1)])
+def test_kernel_equals_simpy_with_a_precision_cascade(monkeypatch, miss, eviction, prefetch, capacity, precision,
+                                                      mode, timing, batch):
+    """``fetch-lowest-bit`` and ``fetch-priority`` on the kernel: cache entries of several
+    sizes (room made by as many victims as it takes, or none when they cannot free enough),
+    a resident copy at another precision used in place of a miss, the fetch cascade with its
+    uncached fallback at the last precision, compute and copy times at each entry's
+    precision, and ``low_precision_experts``, as the SimPy path has them."""
+    steps = miss_replay(monkeypatch, miss, policies={"eviction": eviction, "prefetch": prefetch},
+                        expert_compute=mode, timing=timing, workload={"batch_size": batch},
+                        cache={"capacity": capacity, **({"precision": precision} if precision else {})})
+    if miss == {"name": "fetch-priority", "precisions": ["bf16"]}:  # one level: plain fetches
+        assert steps.low_precision_experts.sum() == 0
+    else:
+        assert steps.low_precision_experts.sum() > 0
+    assert steps.misses.sum() > 0
+
 @pytest.mark.parametrize("miss", [{"name": "drop", "rank": 1}, "substitute", "speculative"])
 @pytest.mark.parametrize("mode", ["layer", "per-expert"])
 def test_kernel_equals_simpy_with_a_miss_policy_at_a_lower_precision(monkeypatch, miss, mode):
@@ -213,7 +245,10 @@ settings_kw: dict[str, Any] = {"max_examples": 100, "deadline": None, "suppress_
        prompt=st.integers(0, 4), requests=st.integers(1, 4), batch=st.integers(1, 4), cap=st.integers(0, 20),
        eviction=st.sampled_from(EVICTIONS), prefetch=st.sampled_from(PREFETCHERS), mode=st.sampled_from(MODES),
        timing=st.booleans(), seed=st.integers(0, 10_000), bandwidth=st.sampled_from([4.0, 32.0, 400.0]),
-       miss=st.sampled_from([None, 0, 1, 2, "substitute", "speculative"]), probs=st.booleans(),
+       miss=st.sampled_from([None, 0, 1, 2, "substitute", "speculative", "fetch-lowest-bit", "fetch-priority",
+                             {"name": "fetch-priority", "degrade_fraction": 0.0},
+                             {"name": "fetch-priority", "precisions": ["int8", "int2"], "degrade_fraction": 1.0}]),
+       probs=st.booleans(),
        precision=st.sampled_from([None, "int8"]))
 def test_kernel_equals_simpy_on_generated_scenarios(layers, experts, k, tokens, prompt, requests, batch, cap,
                                                     eviction, prefetch, mode, timing, seed, bandwidth, miss, probs,
@@ -221,7 +256,7 @@ def test_kernel_equals_simpy_on_generated_scenarios(layers, experts, k, tokens, 
     model = small_model(layers, experts, min(k, experts))
     trace = generate(model, requests=requests, prompt_tokens=prompt, tokens=tokens, seed=seed, pred_next=True,
                      probs=probs or miss == "substitute")
-    policy = "fetch" if miss is None else miss if isinstance(miss, str) else {"name": "drop", "rank": miss}
+    policy = "fetch" if miss is None else {"name": "drop", "rank": miss} if isinstance(miss, int) else miss
     sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": policy}, expert_compute=mode,
                   timing=timing, cache={"capacity": f"{cap} experts", **({"precision": precision} if precision else {})},
                   workload={"batch_size": batch},
@@ -259,7 +294,6 @@ def test_the_kernel_runs_when_every_policy_has_a_kernel_form(tiny, monkeypatch):
 
 @pytest.mark.parametrize(("over", "kwargs", "why"), [
     ({"policies": {"eviction": "random"}}, {}, "eviction policy 'random' has no kernel form"),
-    ({"policies": {"miss": "fetch-priority"}}, {}, "miss policy 'fetch-priority' has no kernel form"),
     ({"policies": {"budget": {"name": "lynx", "drop": 1}}}, {},
      "a routing or budget policy that changes what tokens compute"),
     ({"policies": {"routing": "cache-aware"}}, {}, "a routing or budget policy that changes what tokens compute"),
@@ -270,6 +304,17 @@ def test_the_kernel_runs_when_every_policy_has_a_kernel_form(tiny, monkeypatch):
 def test_the_simpy_path_runs_and_says_why(tiny, monkeypatch, over, kwargs, why):
     monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
     assert path_of(scenario(**over), tiny, **kwargs) == ("simpy", why)
+
+
+def test_a_users_own_miss_policy_runs_on_the_simpy_path(tiny, monkeypatch):
+    """Every built-in miss policy has a kernel form; a user's own (here a subclass of
+    ``fetch`` registered as a plugin would) runs on the SimPy path, and says so."""
+    from moesim.policies.miss import REGISTRY, Fetch
+
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    monkeypatch.setitem(REGISTRY._classes, "my-fetch", type("MyFetch", (Fetch,), {}))
+    assert path_of(scenario(policies={"miss": "my-fetch"}), tiny) == (
+        "simpy", "miss policy 'my-fetch' has no kernel form")
 
 
 def test_moesim_no_kernel_forces_the_simpy_path(tiny, monkeypatch):
@@ -365,8 +410,6 @@ def test_the_prefetch_ring_drops_its_tombstones_when_full():
 
     pool = 6
     IS, FS = K._layout(num_keys=8, pool=pool, pend_max=8, maxn=1, top_k=1)
-    IS[K.C_NBYTES] = 1
-    FS[K.CF_DUR] = 1.0
     tids = [K._submit(key, K.PREFETCH, 0.0, 0, IS, FS) for key in range(pool)]
     for tid in (tids[1], tids[4]):  # withdrawn (the engine's _withdraw): tombstone, slot freed
         IS[IS[K.H_PFQ] + IS[IS[K.H_TI] + tid * K.T_NTI + K.T_PFSLOT]] = -1
@@ -400,6 +443,57 @@ def test_the_kernels_pairwise_sum_is_numpys(values, offset):
     assert got == want or (math.isnan(got) and math.isnan(want))
 
 
+def test_the_kernels_room_takes_as_many_victims_as_it_needs_or_changes_nothing():
+    """``_room`` by hand (the cache's ``make_room``, entries of two sizes): victims in LRU
+    order, pinned entries passed over, until the request fits; when the evictable entries
+    cannot free enough, nothing is evicted and every pin is as it was; a request larger
+    than the cache never fits; an eviction for a prefetch ends the victim's admission."""
+    from moesim.simulator import kernel as K
+
+    IS, FS = K._layout(num_keys=8, pool=8, pend_max=4, maxn=1, nprec=2)
+    IS[K.C_L], IS[K.C_DIV], IS[K.C_EV], IS[K.C_INSTANT] = 1, 8, K.EV_LRU, 1
+    IS[IS[K.H_PBYTES]:IS[K.H_PBYTES] + 2] = [4, 1]  # key % 2 == 0: 4 bytes, else 1 byte
+    FS[K.CF_CAP] = 8.0
+    DI, A = np.zeros(1, np.int64), (np.zeros(1, np.int64),) * 5
+    for key in (1, 3, 4, 7):  # least recently used first; 7 bytes in all
+        K._insert(key, K._submit(key, K.DEMAND, 0.0, 0, IS, FS), True, -1, IS, FS, DI, A)
+    assert IS[K.S_USED] == 7
+
+    def field(key: int, f: int) -> int:
+        return int(IS[IS[K.H_KI] + key * K.K_NKI + f])
+
+    def set_field(key: int, f: int, v: int) -> None:
+        IS[IS[K.H_KI] + key * K.K_NKI + f] = v
+
+    def lru() -> list[int]:
+        out, key = [], IS[K.S_HEAD]
+        while key != -1:
+            out.append(int(key))
+            key = field(key, K.K_NEXT)
+        return out
+
+    pins = {1: 2, 3: 9, 4: 3, 7: 9}  # 3 and 7 pinned in generation 9
+    for key, gen in pins.items():
+        set_field(key, K.K_PIN, gen)
+    assert K._room(1, False, 9, -1, IS, FS) == 0  # it fits: nothing evicted
+    assert K._room(9, False, 9, -1, IS, FS) == -1  # larger than the cache
+    assert K._room(8, False, 9, -1, IS, FS) == -1  # 1 free + 1 + 4 evictable < 8
+    assert IS[K.S_USED] == 7
+    assert lru() == [1, 3, 4, 7]
+    assert {key: field(key, K.K_PIN) for key in pins} == pins
+    assert all(field(key, K.K_STATE) == K.RESIDENT for key in pins)
+    for key in (1, 4):
+        set_field(key, K.K_ADM, 5)
+    IS[K.S_PASS] = 6
+    assert K._room(4, True, 9, -1, IS, FS) == 2  # 1 free + 1 (key 1) + 4 (key 4; 3 is pinned)
+    assert IS[K.S_USED] == 2
+    assert lru() == [3, 7]
+    assert [field(key, K.K_STATE) for key in (1, 3, 4, 7)] == [K.ABSENT, K.RESIDENT, K.ABSENT, K.RESIDENT]
+    assert [field(key, K.K_EVICTED) for key in (1, 4)] == [6, 6]
+    assert [field(key, K.K_ADM) for key in (1, 4)] == [0, 0]  # no longer admissions
+    assert field(3, K.K_PIN) == field(7, K.K_PIN) == 9
+
+
 def test_the_pending_prefetch_list_keeps_only_live_transfers_when_compacted():
     """The pending-prefetch list (per target layer, for withdrawal) is compacted when full:
     entries whose slot was reused (sequence changed), whose transfer has started or was
@@ -408,8 +502,6 @@ def test_the_pending_prefetch_list_keeps_only_live_transfers_when_compacted():
     from moesim.simulator import kernel as K
 
     IS, FS = K._layout(num_keys=8, pool=16, pend_max=6, maxn=1, top_k=1)
-    IS[K.C_NBYTES] = 1
-    FS[K.CF_DUR] = 1.0
     earlier = [K._submit(key, K.PREFETCH, 0.0, 0, IS, FS) for key in range(5)]
     for t in earlier[::2]:  # slots reused: slots, sequence numbers and keys all differ
         K._free(t, IS)
@@ -522,8 +614,6 @@ def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
     E = 4
     IS, FS = K._layout(num_keys=E, pool=4, pend_max=4, maxn=2, top_k=2, fin=2, lrun=2)
     IS[K.C_L], IS[K.C_K], IS[K.C_DIV], IS[K.C_NPREC], IS[K.C_DPREC], IS[K.C_NE] = 1, 2, E, 1, 0, E
-    IS[K.C_NBYTES] = 1
-    FS[K.CF_DUR] = 1.0
     IS[K.C_EV] = K.EV_FIFO
     IS[K.S_LAYERGEN] = 1
     A = (np.zeros(1, np.int32),) * 5

@@ -80,27 +80,29 @@ F_SCORE, F_NEXTUSE, F_NKF = range(3)
 (S_SEQ, S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_HEAD, S_TAIL, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
  S_FREEN, S_WH, S_WN, S_PENDN, S_MEMBN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
  S_SCOREPASS, S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP,
- C_EV, C_LS_REL, C_LS_PFCUR, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_PREC0,
+ C_EV, C_LS_REL, C_LS_PFCUR, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE, C_LRUNCAP,
+ C_NLEV, C_IMPORTANT,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
- R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST,
+ R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
- H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, I_HEADER) = range(97)
-R_FIRST, R_COUNT = R_HITS, R_SUBST + 1 - R_HITS
+ H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
+ H_PDUR, I_HEADER) = range(104)
+R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then per-key fields, transfer times, scratch.
-(SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, CF_CAP, CF_DUR, CF_DECAY,
- F_HEADER) = range(11)
+(SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, CF_CAP, CF_DECAY,
+ F_HEADER) = range(10)
 # transfer slots
 T_KEY, T_PRIO, T_SEQ, T_STARTED, T_CANCELLED, T_BYPASS, T_PFSLOT, T_NTI = range(8)
-T_ISSUED, T_START, T_DONE, T_NTF = range(4)
+T_ISSUED, T_START, T_DONE, T_DUR, T_NTF = range(5)
 # per-pass columns, in engine order
 COLUMNS = ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches", "bytes",
            "prefetches_issued", "prefetches_used", "prefetch_predicted_hits", "prefetch_predicted",
            "prefetch_actual", "prefetches_cancelled", "unique_computed", "dropped_experts", "tokens_altered",
-           "substituted_experts")
+           "substituted_experts", "low_precision_experts")
 # miss policies with a kernel form
-MISS_FETCH, MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE = range(4)
+MISS_FETCH, MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE, MISS_LOWEST_BIT, MISS_PRIORITY = range(6)
 
 
 # -- the workload's accesses ----------------------------------------------------------------
@@ -114,6 +116,19 @@ def _key_at(layer, e, IS):
 def _key(j, IS, A):
     """The cache key of access ``j``."""
     return _key_at(A[0][j], A[1][j], IS)
+
+
+@_inline
+def _nbytes(key, IS):
+    """The size of ``key``'s entry: its precision's expert bytes."""
+    return IS[IS[H_PBYTES] + key % IS[C_NPREC]]
+
+
+@_inline
+def _ffn(key, tokens, DF, IS):
+    """Compute seconds of expert ``key`` (at its precision) with ``tokens`` tokens, before
+    the pass's factor."""
+    return DF[IS[H_TTAB] + (key % IS[C_NPREC]) * IS[C_TLEN] + tokens]
 
 
 # -- eviction policies ----------------------------------------------------------------------
@@ -290,7 +305,7 @@ def _on_insert(key, demand, ai, IS, FS, DI, A):
             _credit(key, ai, IS, FS, DI, A)
     elif ev == EV_BELADY:
         FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
-    elif ev == EV_LHU and demand and IS[C_PREC0]:
+    elif ev == EV_LHU and demand and key % IS[C_NPREC] == 0:
         IS[IS[H_KI] + key * K_NKI + K_COUNT] += 1
 
 
@@ -313,7 +328,7 @@ def _on_access(key, ai, IS, FS, DI, A):
         _credit(key, ai, IS, FS, DI, A)
     elif ev == EV_LHU:
         _stamp(key, IS)
-        if IS[C_PREC0]:
+        if key % IS[C_NPREC] == 0:  # a use at the highest precision
             IS[IS[H_KI] + key * K_NKI + K_COUNT] += 1
     elif ev == EV_BELADY:
         FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
@@ -352,7 +367,8 @@ def _order(key, IS, FS):
     if ev == EV_SCORE:
         return FS[IS[H_KF] + key * F_NKF + F_SCORE], 0, stamp
     if ev == EV_LHU:
-        return 0.0, (IS[IS[H_KI] + key * K_NKI + K_COUNT] + 1) if IS[C_PREC0] else 0, stamp
+        # lower precisions first, then highest-precision uses (fewest first)
+        return 0.0, (IS[IS[H_KI] + key * K_NKI + K_COUNT] + 1) if key % IS[C_NPREC] == 0 else 0, stamp
     # belady (least-stale and the recency policies walk their lists instead)
     return -FS[IS[H_KF] + key * F_NKF + F_NEXTUSE], 0, stamp
 
@@ -396,26 +412,51 @@ def _victim(for_prefetch, pin_gen, adm_layer, IS, FS):
 def _evict(key, IS):
     k = IS[H_KI] + key * K_NKI
     IS[k + K_STATE] = ABSENT
-    IS[S_USED] -= IS[C_NBYTES]
+    IS[S_USED] -= _nbytes(key, IS)
     _on_remove(key, IS)
     IS[k + K_UNUSED] = 0
     IS[k + K_EVICTED] = IS[S_PASS]
 
 
-@_inline
-def _room(for_prefetch, pin_gen, adm_layer, IS, FS):
-    """Make room for one expert (every entry of the kernel's scope has the same size, so one
-    victim is enough): -2 (it fits), the victim evicted, or -1 (no room; nothing changed)."""
-    nb = IS[C_NBYTES]
-    if nb <= FS[CF_CAP] - IS[S_USED]:
-        return -2
+@_jit
+def _room(nb, for_prefetch, pin_gen, adm_layer, IS, FS):
+    """Make room for an entry of ``nb`` bytes (the cache's ``make_room``/``victims_for``):
+    the victims, in the policy's order, until enough is free; each victim found is pinned
+    for the search of the next (its pin restored after). Returns how many were evicted (0: it
+    fits), or -1 when the entries that may be evicted cannot free enough (nothing changed).
+    An eviction made for a prefetch (``for_prefetch``) ends the victim's standing as an
+    admission. With entries of one size one victim is always enough."""
+    free = FS[CF_CAP] - IS[S_USED]
+    if nb <= free:
+        return 0
     if nb > FS[CF_CAP]:
         return -1
-    v = _victim(for_prefetch, pin_gen, adm_layer, IS, FS)
-    if v == -1:
+    vict = IS[H_VICT]
+    n = 0
+    found = False
+    while True:
+        v = _victim(for_prefetch, pin_gen, adm_layer, IS, FS)
+        if v == -1:
+            break
+        k = IS[H_KI] + v * K_NKI
+        IS[vict + 2 * n] = v
+        IS[vict + 2 * n + 1] = IS[k + K_PIN]
+        IS[k + K_PIN] = pin_gen
+        n += 1
+        free += _nbytes(v, IS)
+        if nb <= free:
+            found = True
+            break
+    for j in range(n):  # the pins as they were
+        IS[IS[H_KI] + IS[vict + 2 * j] * K_NKI + K_PIN] = IS[vict + 2 * j + 1]
+    if not found:
         return -1
-    _evict(v, IS)
-    return v
+    for j in range(n):
+        v = IS[vict + 2 * j]
+        _evict(v, IS)
+        if for_prefetch:
+            IS[IS[H_KI] + v * K_NKI + K_ADM] = 0
+    return n
 
 
 @_jit
@@ -434,10 +475,12 @@ def _submit(key, prio, now, bypass, IS, FS):
     IS[ti + T_CANCELLED] = 0
     IS[ti + T_BYPASS] = bypass
     IS[ti + T_PFSLOT] = -1
+    dur = FS[IS[H_PDUR] + key % IS[C_NPREC]]
     FS[tf + T_ISSUED] = now
     FS[tf + T_START] = now
     FS[tf + T_DONE] = now
-    IS[S_BYTES] += IS[C_NBYTES]
+    FS[tf + T_DUR] = dur
+    IS[S_BYTES] += _nbytes(key, IS)
     if IS[C_INSTANT]:
         IS[ti + T_STARTED] = 1
     elif prio == DEMAND:
@@ -445,7 +488,7 @@ def _submit(key, prio, now, bypass, IS, FS):
         prev = FS[IS[H_TF] + (IS[IS[H_DQ] + n - 1]) * T_NTF + T_DONE] if n else FS[SF_BUSY_UNTIL]
         start = prev if prev > now else now
         FS[tf + T_START] = start
-        FS[tf + T_DONE] = start + FS[CF_DUR]
+        FS[tf + T_DONE] = start + dur
         IS[IS[H_DQ] + n] = tid
         IS[S_DQN] = n + 1
     else:
@@ -488,7 +531,7 @@ def _project(first, IS, FS):
         issued = FS[IS[H_TF] + t * T_NTF + T_ISSUED]
         start = prev if prev > issued else issued
         FS[IS[H_TF] + t * T_NTF + T_START] = start
-        prev = start + FS[CF_DUR]
+        prev = start + FS[IS[H_TF] + t * T_NTF + T_DUR]
         FS[IS[H_TF] + t * T_NTF + T_DONE] = prev
 
 
@@ -556,7 +599,7 @@ def _advance(now, IS, FS):
             IS[S_PFH] = (IS[S_PFH] + 1) % size
             IS[S_PFN] -= 1
             FS[tf + t * T_NTF + T_START] = start
-            prev = start + FS[CF_DUR]
+            prev = start + FS[tf + t * T_NTF + T_DUR]
             FS[tf + t * T_NTF + T_DONE] = prev
             IS[ti + t * T_NTI + T_STARTED] = 1
             IS[rq + (IS[S_RH] + IS[S_RN]) % size] = t
@@ -585,7 +628,7 @@ def _insert(key, tid, demand, ai, IS, FS, DI, A):
     k = IS[H_KI] + key * K_NKI
     IS[k + K_STATE] = INFLIGHT
     IS[k + K_TID] = tid
-    IS[S_USED] += IS[C_NBYTES]
+    IS[S_USED] += _nbytes(key, IS)
     if IS[S_USED] > IS[S_MAXUSED]:
         IS[S_MAXUSED] = IS[S_USED]
     _on_insert(key, demand, ai, IS, FS, DI, A)
@@ -783,10 +826,20 @@ def _lookup(ai, now, pin_gen, buf, IS, FS, DI, A, M):
         _used_prefetch(key, IS)
         _add_run(buf, _needed_now(k, IS, FS), key, ntok, IS)
         return
+    miss = IS[C_MISS]
+    alo, ahi, flo, fhi = _levels(A[4][ai], IS)
+    for li in range(alo, ahi):  # a resident copy at another precision (the policy's ``alternative``)
+        kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
+        if IS[IS[H_KI] + kq * K_NKI + K_STATE] == RESIDENT:  # (never the absent ``key``)
+            IS[R_HITS] += 1
+            _on_access(kq, -1, IS, FS, DI, A)  # no access of the layer has this key
+            IS[IS[H_KI] + kq * K_NKI + K_PIN] = pin_gen
+            IS[R_LOWPREC] += kq != key
+            _add_run(buf, -1, kq, ntok, IS)
+            return
     IS[R_MISSES] += 1
     if IS[k + K_EVICTED] == IS[S_PASS]:
         IS[R_COLL] += 1
-    miss = IS[C_MISS]
     if miss == MISS_DROP and A[4][ai] >= IS[C_DROPRANK]:  # drop (SpecMD §3.1.2)
         IS[R_DROPPED] += 1
         _fin_replace(np.int64(A[1][ai]), -1, IS, M)
@@ -801,18 +854,53 @@ def _lookup(ai, now, pin_gen, buf, IS, FS, DI, A, M):
     if miss == MISS_SPECULATIVE and IS[S_LAYER] > 0:  # layer 0 has no prediction: fetch
         _speculate(np.int64(A[1][ai]), pin_gen, buf, IS, FS, DI, A, M)
         return
-    if _room(False, pin_gen, -1, IS, FS) != -1:
-        IS[k + K_PIN] = pin_gen
-        tid = _submit(key, DEMAND, now, 0, IS, FS)
-        _insert(key, tid, True, ai, IS, FS, DI, A)
-        _add_run(buf, -1 if IS[C_INSTANT] else tid, key, ntok, IS)
-        return
-    tid = _submit(key, DEMAND, now, 1, IS, FS)
+    # fetch (the engine's ``_fetch``): at the first precision of levels[flo:fhi] that is
+    # resident or for which room can be made, else uncached at the last
+    for li in range(flo, fhi):
+        kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
+        kk = IS[H_KI] + kq * K_NKI
+        aq = ai if kq == key else -1  # the policies find no access of another precision's key
+        if IS[kk + K_STATE] == RESIDENT:
+            _on_access(kq, aq, IS, FS, DI, A)
+            IS[kk + K_PIN] = pin_gen
+            IS[R_LOWPREC] += kq != key
+            _add_run(buf, -1, kq, ntok, IS)
+            return
+        if _room(_nbytes(kq, IS), False, pin_gen, -1, IS, FS) != -1:
+            IS[kk + K_PIN] = pin_gen
+            tid = _submit(kq, DEMAND, now, 0, IS, FS)
+            _insert(kq, tid, True, aq, IS, FS, DI, A)
+            IS[R_LOWPREC] += kq != key
+            _add_run(buf, -1 if IS[C_INSTANT] else tid, kq, ntok, IS)
+            return
+    kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + fhi - 1]
+    tid = _submit(kq, DEMAND, now, 1, IS, FS)
     IS[R_UNCACHED] += 1
+    IS[R_LOWPREC] += kq != key
     if IS[C_INSTANT]:
         _free(tid, IS)
         tid = -1
-    _add_run(buf, tid, key, ntok, IS)
+    _add_run(buf, tid, kq, ntok, IS)
+
+
+@_inline
+def _levels(rank, IS):
+    """For a missed expert of best router rank ``rank``: the range of ``IS[H_LEVELS]`` (its
+    precision indices) searched for a resident copy, and the range to fetch from. The
+    ``fetch-lowest-bit`` policy (SpecMD §3.1.2) uses a copy at any of its precisions
+    (highest first) and fetches the lowest; ``fetch-priority`` (§3.1.2, §5.4) uses for an
+    important expert (rank below ``C_IMPORTANT``) its first precision only and fetches from
+    it down the cascade, for the others any copy below the first and fetches from the second
+    down; the other policies fetch at the scenario's precision (the only level)."""
+    n = IS[C_NLEV]
+    miss = IS[C_MISS]
+    if miss == MISS_LOWEST_BIT:
+        return 0, n, n - 1, n
+    if miss == MISS_PRIORITY:
+        if rank < IS[C_IMPORTANT]:
+            return 0, 1, 0, n
+        return 1, n, 1 if n > 1 else 0, n
+    return 0, 0, 0, 1
 
 
 # -- prefetch: SpecMD appendix A.3's queue ------------------------------------------------------
@@ -828,14 +916,11 @@ def _admit(now, pin_gen, IS, FS, DI, A):
             IS[IS[H_KI] + key * K_NKI + K_QUEUED] = 0
             continue
         target = key // IS[C_DIV]
-        v = _room(True, pin_gen, target, IS, FS)
-        if v == -1:
+        if _room(_nbytes(key, IS), True, pin_gen, target, IS, FS) == -1:
             return
         IS[S_WH] = (IS[S_WH] + 1) % size
         IS[S_WN] -= 1
         IS[IS[H_KI] + key * K_NKI + K_QUEUED] = 0
-        if v >= 0:  # no longer an admission of its target layer
-            IS[IS[H_KI] + v * K_NKI + K_ADM] = 0
         tid = _submit(key, PREFETCH, now, 0, IS, FS)
         _insert(key, tid, False, -1, IS, FS, DI, A)
         if not IS[C_INSTANT]:
@@ -915,10 +1000,10 @@ def _withdraw(layer, lo, hi, IS, A):
         # withdrawn: no bytes move, its room is given back
         IS[IS[H_TI] + tid * T_NTI + T_CANCELLED] = 1
         IS[IS[H_PFQ] + IS[IS[H_TI] + tid * T_NTI + T_PFSLOT]] = -1
-        IS[S_BYTES] -= IS[C_NBYTES]
+        IS[S_BYTES] -= _nbytes(key, IS)
         IS[IS[H_KI] + key * K_NKI + K_STATE] = ABSENT
         IS[IS[H_KI] + key * K_NKI + K_TID] = -1
-        IS[S_USED] -= IS[C_NBYTES]
+        IS[S_USED] -= _nbytes(key, IS)
         _on_remove(key, IS)
         IS[IS[H_KI] + key * K_NKI + K_UNUSED] = 0
         IS[R_PFCANCEL] += 1
@@ -1039,14 +1124,14 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
             a = _arrival(IS[r], IS[r + 1], now, IS, FS)
             if a > ready:
                 ready = a
-            total += DF[IS[H_TTAB] + _tokens_of(IS[r + 2], IS[r + 3], p, IS, M)] * scale
+            total += _ffn(IS[r + 2], _tokens_of(IS[r + 2], IS[r + 3], p, IS, M), DF, IS) * scale
         FS[SF_STALL] += ready - now
         end = ready + total
     else:  # on-arrival: in arrival order (ties by compute time), each when it has arrived
         for i in range(computed):
             r = IS[H_RUNS] + i * 4
             a = _arrival(IS[r], IS[r + 1], now, IS, FS)
-            f = DF[IS[H_TTAB] + _tokens_of(IS[r + 2], IS[r + 3], p, IS, M)] * scale
+            f = _ffn(IS[r + 2], _tokens_of(IS[r + 2], IS[r + 3], p, IS, M), DF, IS) * scale
             j = i
             while j > 0 and (FS[IS[H_SCR] + j - 1] > a or (FS[IS[H_SCR] + j - 1] == a and FS[IS[H_SCR] + IS[C_MAXN] + j - 1] > f)):
                 FS[IS[H_SCR] + j] = FS[IS[H_SCR] + j - 1]
@@ -1103,7 +1188,7 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
                 IS[IS[H_KI] + IS[base + x * 4 + 2] * K_NKI + K_PIN] = pins
             _lookup(lo + i + 1, t, pins, nxt, IS, FS, DI, A, M)
         for x in range(IS[S_LRUNN + cur]):
-            t += DF[IS[H_TTAB] + IS[base + x * 4 + 3]] * scale
+            t += _ffn(IS[base + x * 4 + 2], IS[base + x * 4 + 3], DF, IS) * scale
         if timed:
             _advance(t, IS, FS)
         if IS[C_EV] == EV_LS:
@@ -1323,7 +1408,14 @@ def _policy_codes() -> tuple[dict[Any, int], dict[Any, int]]:
 def kernel_form(sim: Any) -> str | None:
     """Why ``sim`` (a :class:`simulator.engine.Simulation`) replays on the SimPy path, or
     None when the kernel has a form for every one of its policies."""
-    from moesim.policies.miss import Drop, Fetch, Speculative, Substitute
+    from moesim.policies.miss import (
+        Drop,
+        Fetch,
+        FetchLowestBit,
+        FetchPriority,
+        Speculative,
+        Substitute,
+    )
 
     if os.environ.get("MOESIM_NO_KERNEL", "") not in ("", "0"):
         return "MOESIM_NO_KERNEL is set"
@@ -1335,7 +1427,7 @@ def kernel_form(sim: Any) -> str | None:
         return "expert parallelism"
     if sim.routing.changes_routing or sim.budget.restricts:
         return "a routing or budget policy that changes what tokens compute"
-    if type(sim.miss) not in (Fetch, Drop, Substitute, Speculative):
+    if type(sim.miss) not in (Fetch, Drop, Substitute, Speculative, FetchLowestBit, FetchPriority):
         return f"miss policy '{sim.scenario.policies.miss.name}' has no kernel form"
     if type(sim.miss) is not Fetch and sim.model.top_k > 128:
         return "top-k above 128 (the kernel sums a token's gate mass as numpy does up to 128 terms)"
@@ -1360,14 +1452,17 @@ def _belady_positions(keys: np.ndarray, num_keys: int) -> tuple[np.ndarray, np.n
 
 
 def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, fin: int = 1,
-            lrun: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """The state arrays, initialised: regions after the headers, their offsets in ``IS``."""
+            lrun: int = 1, nprec: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The state arrays, initialised: regions after the headers, their offsets in ``IS``.
+    Every precision (``nprec``) is one byte and takes one second to copy until set
+    (``H_PBYTES``, ``H_PDUR``); the only precision level is the default, 0."""
     i_sizes = ((H_KI, num_keys * K_NKI), (H_TI, pool * T_NTI), (H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
                (H_FREE, pool), (H_WQ, num_keys), (H_PENDA, pend_max * 3), (H_MEMB, num_keys),
                (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys), (H_RUNS, 4 * max(1, maxn)),
                (H_LRUN, 2 * 4 * lrun), (H_SPEC, 2 * lrun), (H_ROUTED, num_keys), (H_LSQ, 4 * num_keys),
-               (H_PFTMP, pool), (H_FIN, fin))
-    f_sizes = ((H_KF, num_keys * F_NKF), (H_TF, pool * T_NTF), (H_SCR, 2 * max(1, maxn)), (H_MSCR, 2 * top_k))
+               (H_PFTMP, pool), (H_FIN, fin), (H_LEVELS, nprec), (H_PBYTES, nprec), (H_VICT, 2 * num_keys))
+    f_sizes = ((H_KF, num_keys * F_NKF), (H_TF, pool * T_NTF), (H_SCR, 2 * max(1, maxn)), (H_MSCR, 2 * top_k),
+               (H_PDUR, nprec))
     n_i, n_f = I_HEADER, F_HEADER
     offsets = {}
     for h, size in i_sizes:
@@ -1390,6 +1485,10 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
     IS[IS[H_FREE]:IS[H_FREE] + pool] = np.arange(pool - 1, -1, -1)
     IS[IS[H_LGEN]:IS[H_LGEN] + num_keys] = 1
     IS[IS[H_LSQ]:IS[H_LSQ] + 4 * num_keys] = -1
+    IS[C_NPREC] = nprec
+    IS[C_NLEV] = 1
+    IS[IS[H_PBYTES]:IS[H_PBYTES] + nprec] = 1
+    FS[IS[H_PDUR]:IS[H_PDUR] + nprec] = 1.0
     return IS, FS
 
 
@@ -1424,7 +1523,7 @@ def replay(sim: Any) -> None:
     """Replay ``sim`` with the kernel, filling its per-pass arrays, the copy engine's busy
     time and bytes, and the cache's high-water mark, as its SimPy process would."""
     from moesim.policies.eviction import LeastStale, ScoreBased
-    from moesim.policies.miss import Drop, Speculative, Substitute
+    from moesim.policies.miss import Drop, FetchLowestBit, FetchPriority, Speculative, Substitute
     from moesim.policies.prefetch import Lookahead
 
     evictions, prefetchers = _policy_codes()
@@ -1439,13 +1538,13 @@ def replay(sim: Any) -> None:
     params = sim.eviction.params
     pool = num_keys + maxn + 16
     pend_max = num_keys + 16
-    miss = {Drop: MISS_DROP, Substitute: MISS_SUBSTITUTE, Speculative: MISS_SPECULATIVE}.get(
-        type(sim.miss), MISS_FETCH)
+    miss = {Drop: MISS_DROP, Substitute: MISS_SUBSTITUTE, Speculative: MISS_SPECULATIVE,
+            FetchLowestBit: MISS_LOWEST_BIT, FetchPriority: MISS_PRIORITY}.get(type(sim.miss), MISS_FETCH)
     max_rows = int(np.diff(wl.row_off).max(initial=0)) if miss != MISS_FETCH and wl.row_off is not None else 0
     # a layer computes its routed experts and, for a miss policy that re-routes, others
     max_runs = maxn + (model.num_experts if miss != MISS_FETCH else 0)
     IS, FS = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
-                     max(1, max_rows))
+                     max(1, max_rows), sim.num_prec)
     IS[C_EV] = ev
     IS[C_LS_REL] = isinstance(sim.eviction, LeastStale) and params.order == "relative"
     IS[C_LS_PFCUR] = isinstance(sim.eviction, LeastStale) and params.prefetch_evicts_current
@@ -1457,11 +1556,18 @@ def replay(sim: Any) -> None:
     IS[C_NBYTES] = sim.expert_bytes
     IS[C_L] = num_l
     IS[C_DIV] = div
-    IS[C_PREC0] = sim.default_prec == 0
     IS[C_PFACTIVE] = sim.prefetch.active
     IS[C_MAXN] = max_runs
     FS[CF_CAP] = float(sim.capacity)
-    FS[CF_DUR] = sim.copy.duration(sim.expert_bytes)
+    # per precision (largest first): entry bytes and copy seconds; the precisions a miss
+    # policy uses (a precision cascade), else the scenario's
+    sizes = [int(model.expert_bytes[q]) for q in sim.precisions]
+    IS[IS[H_PBYTES]:IS[H_PBYTES] + sim.num_prec] = sizes
+    FS[IS[H_PDUR]:IS[H_PDUR] + sim.num_prec] = [sim.copy.duration(nb) for nb in sizes]
+    levels = list(sim.miss.levels) if miss in (MISS_LOWEST_BIT, MISS_PRIORITY) else [sim.default_prec]
+    IS[IS[H_LEVELS]:IS[H_LEVELS] + len(levels)] = levels
+    IS[C_NLEV] = len(levels)
+    IS[C_IMPORTANT] = sim.miss.important_ranks if miss == MISS_PRIORITY else 0
     FS[CF_DECAY] = params.decay if isinstance(sim.eviction, ScoreBased) else 1.0
     IS[C_NPREC] = sim.num_prec
     IS[C_DPREC] = sim.default_prec
@@ -1485,8 +1591,16 @@ def replay(sim: Any) -> None:
     if ev == EV_BELADY:
         IS[H_KPOSOFF], IS[H_KPOS] = starts[2], starts[3]
     table, scale = sim.ffn_table(max_rows)  # a substitute computes up to all of a layer's tokens
-    DF = np.concatenate([table, scale])
-    IS[H_TTAB], IS[H_SCALE] = 0, len(table)
+    # expert seconds by token count, one row per precision (another precision's as the
+    # per-token lookup path computes it; only a precision cascade reads those rows)
+    rows = np.zeros((sim.num_prec, len(table)))
+    for q, nb in enumerate(sizes):
+        if q == sim.default_prec:
+            rows[q] = table
+        elif miss in (MISS_LOWEST_BIT, MISS_PRIORITY) and sim.scenario.timing:
+            rows[q, 1:] = [sim.cost.expert_time_at(n, nb) for n in range(1, len(table))]
+    DF = np.concatenate([rows.ravel(), scale])
+    IS[H_TTAB], IS[H_SCALE], IS[C_TLEN] = 0, rows.size, len(table)
     pinned = [int(k) for k in sim.prefetch.pinned()]
     if pinned:
         _preload(np.asarray(pinned, np.int64), IS, FS, DI, DF, A)
