@@ -1538,8 +1538,9 @@ def replay(sim: Any) -> None:
     params = sim.eviction.params
     pool = num_keys + maxn + 16
     pend_max = num_keys + 16
-    miss = {Drop: MISS_DROP, Substitute: MISS_SUBSTITUTE, Speculative: MISS_SPECULATIVE,
-            FetchLowestBit: MISS_LOWEST_BIT, FetchPriority: MISS_PRIORITY}.get(type(sim.miss), MISS_FETCH)
+    codes: dict[type, int] = {Drop: MISS_DROP, Substitute: MISS_SUBSTITUTE, Speculative: MISS_SPECULATIVE,
+                              FetchLowestBit: MISS_LOWEST_BIT, FetchPriority: MISS_PRIORITY}
+    miss = codes.get(type(sim.miss), MISS_FETCH)
     max_rows = int(np.diff(wl.row_off).max(initial=0)) if miss != MISS_FETCH and wl.row_off is not None else 0
     # a layer computes its routed experts and, for a miss policy that re-routes, others
     max_runs = maxn + (model.num_experts if miss != MISS_FETCH else 0)
