@@ -451,7 +451,7 @@ def test_the_kernels_room_takes_as_many_victims_as_it_needs_or_changes_nothing()
     from moesim.simulator import kernel as K
 
     IS, FS = K._layout(num_keys=8, pool=8, pend_max=4, maxn=1, nprec=2)
-    IS[K.C_L], IS[K.C_DIV], IS[K.C_EV], IS[K.C_INSTANT] = 1, 8, K.EV_LRU, 1
+    IS[K.C_L], IS[K.C_DIV], IS[K.C_EV], IS[K.C_INSTANT], IS[K.C_MULTI] = 1, 8, K.EV_LRU, 1, 1
     IS[IS[K.H_PBYTES]:IS[K.H_PBYTES] + 2] = [4, 1]  # key % 2 == 0: 4 bytes, else 1 byte
     FS[K.CF_CAP] = 8.0
     DI, A = np.zeros(1, np.int64), (np.zeros(1, np.int64),) * 5

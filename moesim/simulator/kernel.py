@@ -82,13 +82,13 @@ F_SCORE, F_NEXTUSE, F_NKF = range(3)
  S_SCOREPASS, S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP,
  C_EV, C_LS_REL, C_LS_PFCUR, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE, C_LRUNCAP,
- C_NLEV, C_IMPORTANT,
+ C_NLEV, C_IMPORTANT, C_MULTI,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
  H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, I_HEADER) = range(104)
+ H_PDUR, I_HEADER) = range(105)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then per-key fields, transfer times, scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, CF_CAP, CF_DECAY,
@@ -119,16 +119,23 @@ def _key(j, IS, A):
 
 
 @_inline
+def _prec(key, IS):
+    """The precision index of ``key``: the scenario's unless a precision cascade may cache
+    others (``C_MULTI``; this spares the lookup path a division per key)."""
+    return key % IS[C_NPREC] if IS[C_MULTI] else IS[C_DPREC]
+
+
+@_inline
 def _nbytes(key, IS):
     """The size of ``key``'s entry: its precision's expert bytes."""
-    return IS[IS[H_PBYTES] + key % IS[C_NPREC]]
+    return IS[IS[H_PBYTES] + _prec(key, IS)]
 
 
 @_inline
 def _ffn(key, tokens, DF, IS):
     """Compute seconds of expert ``key`` (at its precision) with ``tokens`` tokens, before
     the pass's factor."""
-    return DF[IS[H_TTAB] + (key % IS[C_NPREC]) * IS[C_TLEN] + tokens]
+    return DF[IS[H_TTAB] + _prec(key, IS) * IS[C_TLEN] + tokens]
 
 
 # -- eviction policies ----------------------------------------------------------------------
@@ -305,7 +312,7 @@ def _on_insert(key, demand, ai, IS, FS, DI, A):
             _credit(key, ai, IS, FS, DI, A)
     elif ev == EV_BELADY:
         FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
-    elif ev == EV_LHU and demand and key % IS[C_NPREC] == 0:
+    elif ev == EV_LHU and demand and _prec(key, IS) == 0:
         IS[IS[H_KI] + key * K_NKI + K_COUNT] += 1
 
 
@@ -328,7 +335,7 @@ def _on_access(key, ai, IS, FS, DI, A):
         _credit(key, ai, IS, FS, DI, A)
     elif ev == EV_LHU:
         _stamp(key, IS)
-        if key % IS[C_NPREC] == 0:  # a use at the highest precision
+        if _prec(key, IS) == 0:  # a use at the highest precision
             IS[IS[H_KI] + key * K_NKI + K_COUNT] += 1
     elif ev == EV_BELADY:
         FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
@@ -368,7 +375,7 @@ def _order(key, IS, FS):
         return FS[IS[H_KF] + key * F_NKF + F_SCORE], 0, stamp
     if ev == EV_LHU:
         # lower precisions first, then highest-precision uses (fewest first)
-        return 0.0, (IS[IS[H_KI] + key * K_NKI + K_COUNT] + 1) if key % IS[C_NPREC] == 0 else 0, stamp
+        return 0.0, (IS[IS[H_KI] + key * K_NKI + K_COUNT] + 1) if _prec(key, IS) == 0 else 0, stamp
     # belady (least-stale and the recency policies walk their lists instead)
     return -FS[IS[H_KF] + key * F_NKF + F_NEXTUSE], 0, stamp
 
@@ -418,26 +425,43 @@ def _evict(key, IS):
     IS[k + K_EVICTED] = IS[S_PASS]
 
 
-@_jit
+@_inline
+def _evict_for(key, for_prefetch, IS):
+    """Evict a victim; one evicted for a prefetch is no longer an admission."""
+    _evict(key, IS)
+    if for_prefetch:
+        IS[IS[H_KI] + key * K_NKI + K_ADM] = 0
+
+
+@_inline
 def _room(nb, for_prefetch, pin_gen, adm_layer, IS, FS):
     """Make room for an entry of ``nb`` bytes (the cache's ``make_room``/``victims_for``):
-    the victims, in the policy's order, until enough is free; each victim found is pinned
-    for the search of the next (its pin restored after). Returns how many were evicted (0: it
-    fits), or -1 when the entries that may be evicted cannot free enough (nothing changed).
-    An eviction made for a prefetch (``for_prefetch``) ends the victim's standing as an
-    admission. With entries of one size one victim is always enough."""
+    evict victims in the policy's order until enough is free. Returns how many were evicted
+    (0: it fits), or -1 when the entries that may be evicted cannot free enough (nothing
+    changed). With entries of one size one victim is always enough; several are
+    :func:`_victims`'s."""
     free = FS[CF_CAP] - IS[S_USED]
     if nb <= free:
         return 0
     if nb > FS[CF_CAP]:
         return -1
+    v = _victim(for_prefetch, pin_gen, adm_layer, IS, FS)
+    if v == -1:
+        return -1
+    if nb > free + _nbytes(v, IS):
+        return _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, FS)
+    _evict_for(v, for_prefetch, IS)
+    return 1
+
+
+@_jit
+def _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, FS):
+    """:func:`_room` when the first victim ``v`` is not enough: each victim found is pinned
+    for the search of the next (its pin restored after); all are evicted once they free
+    enough, none when the search runs out."""
     vict = IS[H_VICT]
     n = 0
-    found = False
-    while True:
-        v = _victim(for_prefetch, pin_gen, adm_layer, IS, FS)
-        if v == -1:
-            break
+    while v != -1:
         k = IS[H_KI] + v * K_NKI
         IS[vict + 2 * n] = v
         IS[vict + 2 * n + 1] = IS[k + K_PIN]
@@ -445,17 +469,14 @@ def _room(nb, for_prefetch, pin_gen, adm_layer, IS, FS):
         n += 1
         free += _nbytes(v, IS)
         if nb <= free:
-            found = True
             break
+        v = _victim(for_prefetch, pin_gen, adm_layer, IS, FS)
     for j in range(n):  # the pins as they were
         IS[IS[H_KI] + IS[vict + 2 * j] * K_NKI + K_PIN] = IS[vict + 2 * j + 1]
-    if not found:
+    if v == -1:
         return -1
     for j in range(n):
-        v = IS[vict + 2 * j]
-        _evict(v, IS)
-        if for_prefetch:
-            IS[IS[H_KI] + v * K_NKI + K_ADM] = 0
+        _evict_for(IS[vict + 2 * j], for_prefetch, IS)
     return n
 
 
@@ -475,7 +496,7 @@ def _submit(key, prio, now, bypass, IS, FS):
     IS[ti + T_CANCELLED] = 0
     IS[ti + T_BYPASS] = bypass
     IS[ti + T_PFSLOT] = -1
-    dur = FS[IS[H_PDUR] + key % IS[C_NPREC]]
+    dur = FS[IS[H_PDUR] + _prec(key, IS)]
     FS[tf + T_ISSUED] = now
     FS[tf + T_START] = now
     FS[tf + T_DONE] = now
@@ -826,17 +847,9 @@ def _lookup(ai, now, pin_gen, buf, IS, FS, DI, A, M):
         _used_prefetch(key, IS)
         _add_run(buf, _needed_now(k, IS, FS), key, ntok, IS)
         return
+    if IS[C_MULTI] and _alternative(key, A[4][ai], ntok, pin_gen, buf, IS, FS, DI, A):
+        return
     miss = IS[C_MISS]
-    alo, ahi, flo, fhi = _levels(A[4][ai], IS)
-    for li in range(alo, ahi):  # a resident copy at another precision (the policy's ``alternative``)
-        kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
-        if IS[IS[H_KI] + kq * K_NKI + K_STATE] == RESIDENT:  # (never the absent ``key``)
-            IS[R_HITS] += 1
-            _on_access(kq, -1, IS, FS, DI, A)  # no access of the layer has this key
-            IS[IS[H_KI] + kq * K_NKI + K_PIN] = pin_gen
-            IS[R_LOWPREC] += kq != key
-            _add_run(buf, -1, kq, ntok, IS)
-            return
     IS[R_MISSES] += 1
     if IS[k + K_EVICTED] == IS[S_PASS]:
         IS[R_COLL] += 1
@@ -854,33 +867,74 @@ def _lookup(ai, now, pin_gen, buf, IS, FS, DI, A, M):
     if miss == MISS_SPECULATIVE and IS[S_LAYER] > 0:  # layer 0 has no prediction: fetch
         _speculate(np.int64(A[1][ai]), pin_gen, buf, IS, FS, DI, A, M)
         return
-    # fetch (the engine's ``_fetch``): at the first precision of levels[flo:fhi] that is
-    # resident or for which room can be made, else uncached at the last
-    for li in range(flo, fhi):
-        kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
-        kk = IS[H_KI] + kq * K_NKI
-        aq = ai if kq == key else -1  # the policies find no access of another precision's key
-        if IS[kk + K_STATE] == RESIDENT:
-            _on_access(kq, aq, IS, FS, DI, A)
-            IS[kk + K_PIN] = pin_gen
-            IS[R_LOWPREC] += kq != key
-            _add_run(buf, -1, kq, ntok, IS)
-            return
-        if _room(_nbytes(kq, IS), False, pin_gen, -1, IS, FS) != -1:
-            IS[kk + K_PIN] = pin_gen
-            tid = _submit(kq, DEMAND, now, 0, IS, FS)
-            _insert(kq, tid, True, aq, IS, FS, DI, A)
-            IS[R_LOWPREC] += kq != key
-            _add_run(buf, -1 if IS[C_INSTANT] else tid, kq, ntok, IS)
-            return
-    kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + fhi - 1]
+    # fetch (the engine's ``_fetch``): at the scenario's precision or down a precision
+    # cascade; when no room can be made, an uncached fetch (at the cascade's last precision)
+    if IS[C_MULTI]:
+        kq = _cascade(key, A[4][ai], ai, ntok, now, pin_gen, buf, IS, FS, DI, A)
+    else:
+        kq = -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A) else key
+    if kq < 0:
+        return
     tid = _submit(kq, DEMAND, now, 1, IS, FS)
     IS[R_UNCACHED] += 1
-    IS[R_LOWPREC] += kq != key
+    IS[R_LOWPREC] += _prec(kq, IS) != IS[C_DPREC]
     if IS[C_INSTANT]:
         _free(tid, IS)
         tid = -1
     _add_run(buf, tid, kq, ntok, IS)
+
+
+@_inline
+def _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, FS, DI, A):
+    """Fetch ``kq`` (a cache key of the missed expert, ``aq`` its access or -1) when room
+    can be made for it: pinned, a demand transfer, an in-flight entry. Returns whether it
+    was."""
+    if _room(_nbytes(kq, IS), False, pin_gen, -1, IS, FS) == -1:
+        return False
+    IS[IS[H_KI] + kq * K_NKI + K_PIN] = pin_gen
+    tid = _submit(kq, DEMAND, now, 0, IS, FS)
+    _insert(kq, tid, True, aq, IS, FS, DI, A)
+    IS[R_LOWPREC] += _prec(kq, IS) != IS[C_DPREC]
+    _add_run(buf, -1 if IS[C_INSTANT] else tid, kq, ntok, IS)
+    return True
+
+
+@_jit
+def _alternative(key, rank, ntok, pin_gen, buf, IS, FS, DI, A):
+    """A precision cascade's resident copy of the missed ``key`` at another precision (the
+    policy's ``alternative``), used as a hit: returns whether there was one."""
+    alo, ahi, _, _ = _levels(rank, IS)
+    for li in range(alo, ahi):
+        kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
+        if IS[IS[H_KI] + kq * K_NKI + K_STATE] == RESIDENT:  # (never the absent ``key``)
+            IS[R_HITS] += 1
+            _on_access(kq, -1, IS, FS, DI, A)  # no access of the layer has this key
+            IS[IS[H_KI] + kq * K_NKI + K_PIN] = pin_gen
+            IS[R_LOWPREC] += 1
+            _add_run(buf, -1, kq, ntok, IS)
+            return True
+    return False
+
+
+@_jit
+def _cascade(key, rank, ai, ntok, now, pin_gen, buf, IS, FS, DI, A):
+    """A precision cascade's fetch of the missed ``key`` (the engine's ``_fetch`` with
+    several precisions): the first of its precisions that is resident is used, or fetched
+    when room can be made for it. Returns -1, or the key of the last precision when none
+    could be (for an uncached fetch)."""
+    _, _, flo, fhi = _levels(rank, IS)
+    for li in range(flo, fhi):
+        kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
+        aq = ai if kq == key else -1  # the policies find no access of another precision's key
+        if IS[IS[H_KI] + kq * K_NKI + K_STATE] == RESIDENT:
+            _on_access(kq, aq, IS, FS, DI, A)
+            IS[IS[H_KI] + kq * K_NKI + K_PIN] = pin_gen
+            IS[R_LOWPREC] += kq != key
+            _add_run(buf, -1, kq, ntok, IS)
+            return -1
+        if _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, FS, DI, A):
+            return -1
+    return key - IS[C_DPREC] + IS[IS[H_LEVELS] + fhi - 1]
 
 
 @_inline
@@ -891,16 +945,14 @@ def _levels(rank, IS):
     (highest first) and fetches the lowest; ``fetch-priority`` (§3.1.2, §5.4) uses for an
     important expert (rank below ``C_IMPORTANT``) its first precision only and fetches from
     it down the cascade, for the others any copy below the first and fetches from the second
-    down; the other policies fetch at the scenario's precision (the only level)."""
+    down."""
     n = IS[C_NLEV]
     miss = IS[C_MISS]
     if miss == MISS_LOWEST_BIT:
         return 0, n, n - 1, n
-    if miss == MISS_PRIORITY:
-        if rank < IS[C_IMPORTANT]:
-            return 0, 1, 0, n
-        return 1, n, 1 if n > 1 else 0, n
-    return 0, 0, 0, 1
+    if rank < IS[C_IMPORTANT]:  # fetch-priority
+        return 0, 1, 0, n
+    return 1, n, 1 if n > 1 else 0, n
 
 
 # -- prefetch: SpecMD appendix A.3's queue ------------------------------------------------------
@@ -1569,6 +1621,7 @@ def replay(sim: Any) -> None:
     IS[IS[H_LEVELS]:IS[H_LEVELS] + len(levels)] = levels
     IS[C_NLEV] = len(levels)
     IS[C_IMPORTANT] = sim.miss.important_ranks if miss == MISS_PRIORITY else 0
+    IS[C_MULTI] = miss in (MISS_LOWEST_BIT, MISS_PRIORITY)  # only these cache other precisions
     FS[CF_DECAY] = params.decay if isinstance(sim.eviction, ScoreBased) else 1.0
     IS[C_NPREC] = sim.num_prec
     IS[C_DPREC] = sim.default_prec
