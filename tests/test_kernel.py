@@ -341,20 +341,23 @@ def test_a_users_own_policy_runs_on_the_simpy_path(tiny, monkeypatch):
 
 def test_the_kernel_source_runs_as_plain_python(tmp_path):
     """Without numba's compiler (NUMBA_DISABLE_JIT=1 stands in for a Python without numba
-    wheels) the same functions run as plain Python and give the same answer."""
+    wheels) the same functions run as plain Python and give the same answer (with a plain
+    fetch and with a precision cascade)."""
     code = (
         "from moesim.simulator.engine import Simulation\n"
         "from moesim.traces.synth import generate\n"
         "from tests.helpers import scenario, small_model\n"
         "import os, json\n"
         "tr = generate(small_model(3, 8, 2), requests=3, tokens=8, seed=2, pred_next=True)\n"
-        "sc = scenario(policies={'eviction': 'least-stale', 'prefetch': 'score-percentile'}, "
+        "out = []\n"
+        "for miss in ('fetch', 'fetch-priority'):\n"
+        "    sc = scenario(policies={'eviction': 'least-stale', 'prefetch': 'score-percentile', 'miss': miss}, "
         "cache={'capacity': '5 experts'}, workload={'batch_size': 2})\n"
-        "r = Simulation(sc, trace=tr).run()\n"
+        "    r = Simulation(sc, trace=tr).run()\n"
+        "    out += [r.steps['end_s'].tolist(), r.steps['misses'].tolist(), r.steps['low_precision_experts'].tolist()]\n"
         "from moesim.simulator import kernel\n"
         "compiled = hasattr(kernel.replay_passes, 'signatures')\n"
-        "print(json.dumps([r.summary['replay_path'], compiled, r.steps['end_s'].tolist(), "
-        "r.steps['misses'].tolist()]))\n")
+        "print(json.dumps([r.summary['replay_path'], compiled, *out]))\n")
     env = {**os.environ, "NUMBA_DISABLE_JIT": "1"}
     env.pop("MOESIM_NO_KERNEL", None)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -371,6 +374,7 @@ def test_the_kernel_source_runs_as_plain_python(tmp_path):
     assert r[0] == "simpy"
     assert p[2:] == r[2:]
     assert np.sum(p[3]) > 0
+    assert np.sum(p[7]) > 0  # the precision cascade used lower precisions
 
 
 def test_without_numba_the_simpy_path_runs(tiny, monkeypatch):

@@ -10,19 +10,22 @@ modes — as numba-compiled loops over the workload's arrays, with no per-access
 per-transfer Python objects. It is bit-identical to the SimPy path on every per-pass column
 (``tests/test_kernel.py`` checks a grid and hypothesis-generated scenarios).
 
-Scope (:func:`kernel_form`): one GPU, standard routing, no budget, the ``fetch``, ``drop``,
-``substitute`` and ``speculative`` miss policies (the last three with the per-token path's
-gate mass and altered tokens: what each token of the layer computes is kept in
+Scope (:func:`kernel_form`): one GPU, standard routing, no budget, every built-in miss
+policy: ``fetch``; ``drop``, ``substitute`` and ``speculative`` with the per-token path's
+gate mass and altered tokens (what each token of the layer computes is kept in
 ``IS[H_FIN]``; a lookup's computations, none to several, go to the layer's list or, in
-``per-expert`` execution, a lookup buffer); eviction ``lru``, ``fifo``, ``lfu``, ``fld``,
-``score``, ``least-stale`` (both orders), ``belady``, ``lhu``; prefetch ``none``,
-``static-pin``, ``oracle``, ``previous-token``, ``lookahead``, ``next-gate-topk``,
-``score-percentile`` (the last two's proposals come as arrays,
-:meth:`PrefetchPolicy.proposals`). Everything else — a routing or budget policy that changes
-what a token computes, the miss policies that keep entries of several sizes
-(``fetch-lowest-bit``, ``fetch-priority``), random eviction (it draws from numpy's
-``Generator``), expert parallelism, a user's own policy, and a replay that records its
-timeline or decisions — runs on the SimPy path.
+``per-expert`` execution, a lookup buffer); the precision cascades ``fetch-lowest-bit`` and
+``fetch-priority``, whose cache entries have several sizes (a key's precision gives its
+bytes, copy and compute seconds; room is made by as many victims as it takes, in
+:func:`_victims`). Eviction ``lru``, ``fifo``, ``lfu``, ``fld``, ``score``, ``least-stale``
+(both orders), ``belady``, ``lhu``; prefetch ``none``, ``static-pin``, ``oracle``,
+``previous-token``, ``lookahead``, ``next-gate-topk``, ``score-percentile`` (the last two's
+proposals come as arrays, :meth:`PrefetchPolicy.proposals`). Everything else — a routing or
+budget policy that changes what a token computes (each is its own Python/numpy selection:
+XShare's greedy, MoE-Spec's rankings, dual-logit routing; a compiled copy would be a second
+implementation of each decision), random eviction (it draws from numpy's ``Generator``),
+expert parallelism, a user's own policy, and a replay that records its timeline or
+decisions — runs on the SimPy path.
 
 The same functions run as plain Python under ``NUMBA_DISABLE_JIT=1`` (the tests check that
 they give the same answer), at about a third of the SimPy path's speed; so where numba is not
@@ -826,9 +829,10 @@ def _speculate(e, pin_gen, buf, IS, FS, DI, A, M):
 @_inline
 def _lookup(ai, now, pin_gen, buf, IS, FS, DI, A, M):
     """Look access ``ai`` up (engine's ``LayerLookup.lookup``): the computations it leads to
-    go into lookup buffer ``buf`` (:func:`_add_run`): one for a hit, a late prefetch or a
-    fetch; none when the ``drop`` miss policy skips the expert (router rank >= its
-    ``rank``); the substitute; each expert the tokens speculate on."""
+    go into lookup buffer ``buf`` (:func:`_add_run`): one for a hit, a late prefetch, a
+    resident copy at another precision or a fetch; none when the ``drop`` miss policy skips
+    the expert (router rank >= its ``rank``); the substitute; each expert the tokens
+    speculate on."""
     key = _key(ai, IS, A)
     k = IS[H_KI] + key * K_NKI
     state = IS[k + K_STATE]
