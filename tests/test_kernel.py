@@ -227,6 +227,34 @@ def test_kernel_equals_simpy_with_a_precision_cascade(monkeypatch, miss, evictio
         assert steps.low_precision_experts.sum() > 0
     assert steps.misses.sum() > 0
 
+@pytest.mark.parametrize("timing", [True, False])
+def test_a_cascade_falls_back_to_a_resident_lower_copy_when_no_room_can_be_made(monkeypatch, timing):
+    """fetch-priority by hand (SpecMD §3.1.2), one layer, top-3, degrade_fraction 0.7 (rank
+    0 important), room for 1.5 bf16 experts (int8 is half, int4 a quarter, int2 an eighth).
+    Token 1 routes A, X, C: A (important) is fetched at bf16; X and C (unimportant) at int8,
+    X fits, C finds no room at int8, int4 or int2 (A and X are pinned): an uncached int2
+    fetch. Token 2 routes X, A, B: X is now important, so its int8 copy is no alternative;
+    bf16 needs room and only X's own int8 copy (half an expert) may be evicted, so the
+    cascade goes on to int8, where X is resident: used, a low-precision miss with no
+    transfer. A hits; B finds no room: uncached at int2."""
+    from tests.helpers import trace_from_array
+
+    A, X, B, C = 0, 1, 2, 3
+    trace = trace_from_array(small_model(1, 4, 3), np.array([[[[A, X, C]], [[X, A, B]]]]))
+    sc = scenario(policies={"eviction": "lru", "prefetch": "none",
+                            "miss": {"name": "fetch-priority", "degrade_fraction": 0.7}},
+                  cache={"capacity": "1.5 experts"}, timing=timing)
+    fast, ref = both_paths(sc, trace, monkeypatch)
+    assert_identical(fast, ref)
+    steps = ref.steps
+    assert steps.hits.tolist() == [0, 1]
+    assert steps.misses.tolist() == [3, 2]
+    assert steps.uncached_fetches.tolist() == [1, 1]
+    assert steps.low_precision_experts.tolist() == [2, 2]
+    eb = small_model(1, 4, 3).expert_bytes
+    assert steps.bytes_h2d.tolist() == [eb["bf16"] + eb["int8"] + eb["int2"], eb["int2"]]
+
+
 @pytest.mark.parametrize("miss", [{"name": "drop", "rank": 1}, "substitute", "speculative"])
 @pytest.mark.parametrize("mode", ["layer", "per-expert"])
 def test_kernel_equals_simpy_with_a_miss_policy_at_a_lower_precision(monkeypatch, miss, mode):
@@ -489,13 +517,16 @@ def test_the_kernels_room_takes_as_many_victims_as_it_needs_or_changes_nothing()
     for key in (1, 4):
         set_field(key, K.K_ADM, 5)
     IS[K.S_PASS] = 6
-    assert K._room(4, True, 9, -1, IS, FS) == 2  # 1 free + 1 (key 1) + 4 (key 4; 3 is pinned)
+    assert K._room(6, True, 9, -1, IS, FS) == 2  # exactly 1 free + 1 (key 1) + 4 (key 4; 3 is pinned)
     assert IS[K.S_USED] == 2
     assert lru() == [3, 7]
     assert [field(key, K.K_STATE) for key in (1, 3, 4, 7)] == [K.ABSENT, K.RESIDENT, K.ABSENT, K.RESIDENT]
     assert [field(key, K.K_EVICTED) for key in (1, 4)] == [6, 6]
     assert [field(key, K.K_ADM) for key in (1, 4)] == [0, 0]  # no longer admissions
     assert field(3, K.K_PIN) == field(7, K.K_PIN) == 9
+    assert K._room(8, False, 10, -1, IS, FS) == 2  # as large as the cache: everything goes
+    assert IS[K.S_USED] == 0
+    assert lru() == []
 
 
 def test_the_pending_prefetch_list_keeps_only_live_transfers_when_compacted():
