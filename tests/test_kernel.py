@@ -527,6 +527,10 @@ def test_the_kernels_room_takes_as_many_victims_as_it_needs_or_changes_nothing()
     assert K._room(8, False, 10, -1, IS, FS) == 2  # as large as the cache: everything goes
     assert IS[K.S_USED] == 0
     assert lru() == []
+    for key in (5, 6):  # 5 bytes: 3 free
+        K._insert(key, K._submit(key, K.DEMAND, 0.0, 0, IS, FS), True, -1, IS, FS, DI, A)
+    assert K._room(4, False, 11, -1, IS, FS) == 1  # one victim (key 5) is enough
+    assert lru() == [6]
 
 
 def test_the_pending_prefetch_list_keeps_only_live_transfers_when_compacted():
