@@ -204,6 +204,7 @@ CASCADES = [  # (miss policy, eviction, prefetch, capacity, the cache's precisio
     ({"name": "fetch-priority", "degrade_fraction": 1.0}, "belady", "none", "30%", None),
     ("fetch-lowest-bit", "score", "lookahead", "30%", "int8"),
     ({"name": "fetch-priority", "precisions": ["bf16"]}, "lfu", "previous-token", "5%", None),
+    ({"name": "fetch-priority", "precisions": ["int8", "int4"]}, "lru", "next-gate-topk", "10%", None),
 ]
 
 
