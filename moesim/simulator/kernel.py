@@ -130,15 +130,19 @@ def _prec(key, IS):
 
 @_inline
 def _nbytes(key, IS):
-    """The size of ``key``'s entry: its precision's expert bytes."""
-    return IS[IS[H_PBYTES] + _prec(key, IS)]
+    """The size of ``key``'s entry: its precision's expert bytes (``C_NBYTES``, the
+    scenario's, unless a precision cascade may cache others)."""
+    return IS[IS[H_PBYTES] + key % IS[C_NPREC]] if IS[C_MULTI] else IS[C_NBYTES]
 
 
 @_inline
 def _ffn(key, tokens, DF, IS):
     """Compute seconds of expert ``key`` (at its precision) with ``tokens`` tokens, before
-    the pass's factor."""
-    return DF[IS[H_TTAB] + _prec(key, IS) * IS[C_TLEN] + tokens]
+    the pass's factor: ``H_TTAB`` is the scenario's precision's row of the table, the
+    other precisions' rows lie ``C_TLEN`` apart around it."""
+    if IS[C_MULTI]:
+        return DF[IS[H_TTAB] + (key % IS[C_NPREC] - IS[C_DPREC]) * IS[C_TLEN] + tokens]
+    return DF[IS[H_TTAB] + tokens]
 
 
 # -- eviction policies ----------------------------------------------------------------------
@@ -898,7 +902,8 @@ def _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, FS, DI, A):
     IS[IS[H_KI] + kq * K_NKI + K_PIN] = pin_gen
     tid = _submit(kq, DEMAND, now, 0, IS, FS)
     _insert(kq, tid, True, aq, IS, FS, DI, A)
-    IS[R_LOWPREC] += _prec(kq, IS) != IS[C_DPREC]
+    if IS[C_MULTI]:
+        IS[R_LOWPREC] += _prec(kq, IS) != IS[C_DPREC]
     _add_run(buf, -1 if IS[C_INSTANT] else tid, kq, ntok, IS)
     return True
 
@@ -1543,6 +1548,7 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
     IS[IS[H_LSQ]:IS[H_LSQ] + 4 * num_keys] = -1
     IS[C_NPREC] = nprec
     IS[C_NLEV] = 1
+    IS[C_NBYTES] = 1
     IS[IS[H_PBYTES]:IS[H_PBYTES] + nprec] = 1
     FS[IS[H_PDUR]:IS[H_PDUR] + nprec] = 1.0
     return IS, FS
@@ -1658,7 +1664,7 @@ def replay(sim: Any) -> None:
         elif miss in (MISS_LOWEST_BIT, MISS_PRIORITY) and sim.scenario.timing:
             rows[q, 1:] = [sim.cost.expert_time_at(n, nb) for n in range(1, len(table))]
     DF = np.concatenate([rows.ravel(), scale])
-    IS[H_TTAB], IS[H_SCALE], IS[C_TLEN] = 0, rows.size, len(table)
+    IS[H_TTAB], IS[H_SCALE], IS[C_TLEN] = sim.default_prec * len(table), rows.size, len(table)
     pinned = [int(k) for k in sim.prefetch.pinned()]
     if pinned:
         _preload(np.asarray(pinned, np.int64), IS, FS, DI, DF, A)
