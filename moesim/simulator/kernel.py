@@ -1581,6 +1581,33 @@ def _mass_arrays(sim: Any) -> tuple[np.ndarray, ...]:
             np.zeros(n_tok, np.int64), np.full(n_tok, -1, np.int64))
 
 
+def _precisions(sim: Any, miss: int, max_rows: int, IS: np.ndarray, FS: np.ndarray) -> np.ndarray:
+    """Per precision (largest first): entry bytes, copy seconds and the expert seconds by
+    token count (another precision's as the per-token lookup path computes it; only a
+    precision cascade reads those rows); the precisions the miss policy fetches at (a
+    cascade's, else the scenario's). Returns ``DF``: the seconds table, then the per-pass
+    factor."""
+    sizes = [int(sim.model.expert_bytes[q]) for q in sim.precisions]
+    cascade = miss in (MISS_LOWEST_BIT, MISS_PRIORITY)
+    IS[C_NPREC], IS[C_DPREC], IS[C_NBYTES] = sim.num_prec, sim.default_prec, sim.expert_bytes
+    IS[IS[H_PBYTES]:IS[H_PBYTES] + sim.num_prec] = sizes
+    FS[IS[H_PDUR]:IS[H_PDUR] + sim.num_prec] = [sim.copy.duration(nb) for nb in sizes]
+    levels = list(sim.miss.levels) if cascade else [sim.default_prec]
+    IS[IS[H_LEVELS]:IS[H_LEVELS] + len(levels)] = levels
+    IS[C_NLEV] = len(levels)
+    IS[C_IMPORTANT] = sim.miss.important_ranks if miss == MISS_PRIORITY else 0
+    IS[C_MULTI] = cascade  # only a cascade caches other precisions
+    table, scale = sim.ffn_table(max_rows)  # a substitute computes up to all of a layer's tokens
+    rows = np.zeros((sim.num_prec, len(table)))
+    for q, nb in enumerate(sizes):
+        if q == sim.default_prec:
+            rows[q] = table
+        elif cascade and sim.scenario.timing:
+            rows[q, 1:] = [sim.cost.expert_time_at(n, nb) for n in range(1, len(table))]
+    IS[H_TTAB], IS[H_SCALE], IS[C_TLEN] = sim.default_prec * len(table), rows.size, len(table)
+    return np.concatenate([rows.ravel(), scale])
+
+
 def replay(sim: Any) -> None:
     """Replay ``sim`` with the kernel, filling its per-pass arrays, the copy engine's busy
     time and bytes, and the cache's high-water mark, as its SimPy process would."""
@@ -1616,25 +1643,12 @@ def replay(sim: Any) -> None:
     IS[C_MODE] = {"layer": MODE_LAYER, "on-arrival": MODE_ARRIVAL, "per-expert": MODE_PER_EXPERT}[
         sim.scenario.expert_compute]
     IS[C_INSTANT] = not sim.scenario.timing
-    IS[C_NBYTES] = sim.expert_bytes
     IS[C_L] = num_l
     IS[C_DIV] = div
     IS[C_PFACTIVE] = sim.prefetch.active
     IS[C_MAXN] = max_runs
     FS[CF_CAP] = float(sim.capacity)
-    # per precision (largest first): entry bytes and copy seconds; the precisions a miss
-    # policy uses (a precision cascade), else the scenario's
-    sizes = [int(model.expert_bytes[q]) for q in sim.precisions]
-    IS[IS[H_PBYTES]:IS[H_PBYTES] + sim.num_prec] = sizes
-    FS[IS[H_PDUR]:IS[H_PDUR] + sim.num_prec] = [sim.copy.duration(nb) for nb in sizes]
-    levels = list(sim.miss.levels) if miss in (MISS_LOWEST_BIT, MISS_PRIORITY) else [sim.default_prec]
-    IS[IS[H_LEVELS]:IS[H_LEVELS] + len(levels)] = levels
-    IS[C_NLEV] = len(levels)
-    IS[C_IMPORTANT] = sim.miss.important_ranks if miss == MISS_PRIORITY else 0
-    IS[C_MULTI] = miss in (MISS_LOWEST_BIT, MISS_PRIORITY)  # only these cache other precisions
     FS[CF_DECAY] = params.decay if isinstance(sim.eviction, ScoreBased) else 1.0
-    IS[C_NPREC] = sim.num_prec
-    IS[C_DPREC] = sim.default_prec
     IS[C_MISS] = miss
     IS[C_DROPRANK] = sim.miss.params.rank if miss == MISS_DROP else -1
     IS[C_K] = model.top_k
@@ -1654,17 +1668,7 @@ def replay(sim: Any) -> None:
     IS[H_OFF], IS[H_GROUP] = starts[0], starts[1]
     if ev == EV_BELADY:
         IS[H_KPOSOFF], IS[H_KPOS] = starts[2], starts[3]
-    table, scale = sim.ffn_table(max_rows)  # a substitute computes up to all of a layer's tokens
-    # expert seconds by token count, one row per precision (another precision's as the
-    # per-token lookup path computes it; only a precision cascade reads those rows)
-    rows = np.zeros((sim.num_prec, len(table)))
-    for q, nb in enumerate(sizes):
-        if q == sim.default_prec:
-            rows[q] = table
-        elif miss in (MISS_LOWEST_BIT, MISS_PRIORITY) and sim.scenario.timing:
-            rows[q, 1:] = [sim.cost.expert_time_at(n, nb) for n in range(1, len(table))]
-    DF = np.concatenate([rows.ravel(), scale])
-    IS[H_TTAB], IS[H_SCALE], IS[C_TLEN] = sim.default_prec * len(table), rows.size, len(table)
+    DF = _precisions(sim, miss, max_rows, IS, FS)
     pinned = [int(k) for k in sim.prefetch.pinned()]
     if pinned:
         _preload(np.asarray(pinned, np.int64), IS, FS, DI, DF, A)
