@@ -32,6 +32,10 @@ PATH_KEYS = ("replay_path", "replay_path_reason")
 # A100 preset it is memory-bound, the same for 1 token as for 40), so that a wrong token count
 # shows in the times
 COMPUTE_BOUND = {"preset": "a100-80g-pcie4", "gpu": {"peak_tflops": 2.0}}
+# a GPU on which an OLMoE expert's time depends on both its token count and its weights' size
+# (memory-bound below about 10 tokens at bf16, 3 at int4), so that a compute time taken at the
+# wrong precision shows
+BALANCED = {"preset": "a100-80g-pcie4", "gpu": {"peak_tflops": 20.0}}
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +127,12 @@ def miss_trace(probs: bool) -> Any:
                              pred_next=True, probs=probs)
 
 
-def miss_replay(monkeypatch: pytest.MonkeyPatch, miss: Any, probs: bool = True, **over: Any) -> pd.DataFrame:
-    """A miss-policy scenario on :func:`miss_trace`, compute-bound, replayed on both paths and
-    checked bit-identical; the per-pass rows."""
+def miss_replay(monkeypatch: pytest.MonkeyPatch, miss: Any, probs: bool = True, hardware: Any = None,
+                **over: Any) -> pd.DataFrame:
+    """A miss-policy scenario on :func:`miss_trace` (on ``hardware``, by default compute-bound),
+    replayed on both paths and checked bit-identical; the per-pass rows."""
     policies = {"prefetch": "none", **over.pop("policies", {}), "miss": miss}
-    sc = scenario(policies=policies, hardware=COMPUTE_BOUND, **over)
+    sc = scenario(policies=policies, hardware=hardware or COMPUTE_BOUND, **over)
     fast, ref = both_paths(sc, miss_trace(probs), monkeypatch)
     assert_identical(fast, ref)
     return ref.steps
@@ -218,8 +223,9 @@ def test_kernel_equals_simpy_with_a_precision_cascade(monkeypatch, miss, evictio
     sizes (room made by as many victims as it takes, or none when they cannot free enough),
     a resident copy at another precision used in place of a miss, the fetch cascade with its
     uncached fallback at the last precision, compute and copy times at each entry's
-    precision, and ``low_precision_experts``, as the SimPy path has them."""
-    steps = miss_replay(monkeypatch, miss, policies={"eviction": eviction, "prefetch": prefetch},
+    precision (on a GPU where an expert's time depends on its size), and
+    ``low_precision_experts``, as the SimPy path has them."""
+    steps = miss_replay(monkeypatch, miss, hardware=BALANCED, policies={"eviction": eviction, "prefetch": prefetch},
                         expert_compute=mode, timing=timing, workload={"batch_size": batch},
                         cache={"capacity": capacity, **({"precision": precision} if precision else {})})
     if miss == {"name": "fetch-priority", "precisions": ["bf16"]}:  # one level: plain fetches
@@ -227,6 +233,7 @@ def test_kernel_equals_simpy_with_a_precision_cascade(monkeypatch, miss, evictio
     else:
         assert steps.low_precision_experts.sum() > 0
     assert steps.misses.sum() > 0
+
 
 @pytest.mark.parametrize("timing", [True, False])
 def test_a_cascade_falls_back_to_a_resident_lower_copy_when_no_room_can_be_made(monkeypatch, timing):
