@@ -1452,9 +1452,11 @@ def _finish(IS, FS, DI, DF, A):
 
 # -- dispatch --------------------------------------------------------------------------------------
 @functools.cache
-def _policy_codes() -> tuple[dict[Any, int], dict[Any, int]]:
-    """The built-in policy classes with a kernel form, and their codes (made once)."""
+def _policy_codes() -> tuple[dict[Any, int], dict[Any, int], dict[Any, int]]:
+    """The built-in policy classes with a kernel form, and their codes (made once):
+    eviction, prefetch, miss."""
     from moesim.policies import eviction as ev
+    from moesim.policies import miss as ms
     from moesim.policies import prefetch as pf
 
     evictions = {ev.LRU: EV_LRU, ev.FIFO: EV_FIFO, ev.LFU: EV_LFU, ev.FarthestLayerDistance: EV_FLD,
@@ -1463,21 +1465,14 @@ def _policy_codes() -> tuple[dict[Any, int], dict[Any, int]]:
     prefetchers = {pf.NoPrefetch: PF_NONE, pf.StaticPin: PF_NONE, pf.Oracle: PF_ORACLE,
                    pf.PreviousToken: PF_PREV, pf.Lookahead: PF_LOOKAHEAD, pf.NextGateTopK: PF_ARRAY,
                    pf.ScorePercentile: PF_ARRAY}
-    return evictions, prefetchers
+    misses = {ms.Fetch: MISS_FETCH, ms.Drop: MISS_DROP, ms.Substitute: MISS_SUBSTITUTE,
+              ms.Speculative: MISS_SPECULATIVE, ms.FetchLowestBit: MISS_LOWEST_BIT, ms.FetchPriority: MISS_PRIORITY}
+    return evictions, prefetchers, misses
 
 
 def kernel_form(sim: Any) -> str | None:
     """Why ``sim`` (a :class:`simulator.engine.Simulation`) replays on the SimPy path, or
     None when the kernel has a form for every one of its policies."""
-    from moesim.policies.miss import (
-        Drop,
-        Fetch,
-        FetchLowestBit,
-        FetchPriority,
-        Speculative,
-        Substitute,
-    )
-
     if os.environ.get("MOESIM_NO_KERNEL", "") not in ("", "0"):
         return "MOESIM_NO_KERNEL is set"
     if not HAVE_NUMBA:  # the kernel's source as plain Python is slower than the SimPy path
@@ -1488,11 +1483,11 @@ def kernel_form(sim: Any) -> str | None:
         return "expert parallelism"
     if sim.routing.changes_routing or sim.budget.restricts:
         return "a routing or budget policy that changes what tokens compute"
-    if type(sim.miss) not in (Fetch, Drop, Substitute, Speculative, FetchLowestBit, FetchPriority):
+    evictions, prefetchers, misses = _policy_codes()
+    if type(sim.miss) not in misses:
         return f"miss policy '{sim.scenario.policies.miss.name}' has no kernel form"
-    if type(sim.miss) is not Fetch and sim.model.top_k > 128:
+    if misses[type(sim.miss)] != MISS_FETCH and sim.model.top_k > 128:
         return "top-k above 128 (the kernel sums a token's gate mass as numpy does up to 128 terms)"
-    evictions, prefetchers = _policy_codes()
     if type(sim.eviction) not in evictions:
         return f"eviction policy '{sim.scenario.policies.eviction.name}' has no kernel form"
     if type(sim.prefetch) not in prefetchers:
@@ -1612,10 +1607,9 @@ def replay(sim: Any) -> None:
     """Replay ``sim`` with the kernel, filling its per-pass arrays, the copy engine's busy
     time and bytes, and the cache's high-water mark, as its SimPy process would."""
     from moesim.policies.eviction import LeastStale, ScoreBased
-    from moesim.policies.miss import Drop, FetchLowestBit, FetchPriority, Speculative, Substitute
     from moesim.policies.prefetch import Lookahead
 
-    evictions, prefetchers = _policy_codes()
+    evictions, prefetchers, misses = _policy_codes()
     wl, model = sim.wl, sim.model
     num_l = model.num_layers
     div = model.num_experts * sim.num_prec
@@ -1627,9 +1621,7 @@ def replay(sim: Any) -> None:
     params = sim.eviction.params
     pool = num_keys + maxn + 16
     pend_max = num_keys + 16
-    codes: dict[type, int] = {Drop: MISS_DROP, Substitute: MISS_SUBSTITUTE, Speculative: MISS_SPECULATIVE,
-                              FetchLowestBit: MISS_LOWEST_BIT, FetchPriority: MISS_PRIORITY}
-    miss = codes.get(type(sim.miss), MISS_FETCH)
+    miss = misses[type(sim.miss)]
     max_rows = int(np.diff(wl.row_off).max(initial=0)) if miss != MISS_FETCH and wl.row_off is not None else 0
     # a layer computes its routed experts and, for a miss policy that re-routes, others
     max_runs = maxn + (model.num_experts if miss != MISS_FETCH else 0)
