@@ -908,6 +908,16 @@ def _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, FS, DI, A):
     return True
 
 
+@_inline
+def _use_copy(kq, ntok, pin_gen, buf, IS, FS, DI, A):
+    """The missed expert computes from its resident copy ``kq`` at another precision (the
+    absent key is never resident): a use, pinned, a low-precision computation."""
+    _on_access(kq, -1, IS, FS, DI, A)  # no access of the layer has this key
+    IS[IS[H_KI] + kq * K_NKI + K_PIN] = pin_gen
+    IS[R_LOWPREC] += 1
+    _add_run(buf, -1, kq, ntok, IS)
+
+
 @_jit
 def _alternative(key, rank, ntok, pin_gen, buf, IS, FS, DI, A):
     """A precision cascade's resident copy of the missed ``key`` at another precision (the
@@ -915,12 +925,9 @@ def _alternative(key, rank, ntok, pin_gen, buf, IS, FS, DI, A):
     alo, ahi, _, _ = _levels(rank, IS)
     for li in range(alo, ahi):
         kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
-        if IS[IS[H_KI] + kq * K_NKI + K_STATE] == RESIDENT:  # (never the absent ``key``)
+        if IS[IS[H_KI] + kq * K_NKI + K_STATE] == RESIDENT:
             IS[R_HITS] += 1
-            _on_access(kq, -1, IS, FS, DI, A)  # no access of the layer has this key
-            IS[IS[H_KI] + kq * K_NKI + K_PIN] = pin_gen
-            IS[R_LOWPREC] += 1
-            _add_run(buf, -1, kq, ntok, IS)
+            _use_copy(kq, ntok, pin_gen, buf, IS, FS, DI, A)
             return True
     return False
 
@@ -934,13 +941,10 @@ def _cascade(key, rank, ai, ntok, now, pin_gen, buf, IS, FS, DI, A):
     _, _, flo, fhi = _levels(rank, IS)
     for li in range(flo, fhi):
         kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
-        aq = ai if kq == key else -1  # the policies find no access of another precision's key
         if IS[IS[H_KI] + kq * K_NKI + K_STATE] == RESIDENT:
-            _on_access(kq, aq, IS, FS, DI, A)
-            IS[IS[H_KI] + kq * K_NKI + K_PIN] = pin_gen
-            IS[R_LOWPREC] += kq != key
-            _add_run(buf, -1, kq, ntok, IS)
+            _use_copy(kq, ntok, pin_gen, buf, IS, FS, DI, A)
             return -1
+        aq = ai if kq == key else -1  # the policies find no access of another precision's key
         if _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, FS, DI, A):
             return -1
     return key - IS[C_DPREC] + IS[IS[H_LEVELS] + fhi - 1]
