@@ -85,13 +85,13 @@ F_SCORE, F_NEXTUSE, F_NKF = range(3)
  S_SCOREPASS, S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP,
  C_EV, C_LS_REL, C_LS_PFCUR, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE, C_LRUNCAP,
- C_NLEV, C_IMPORTANT, C_MULTI,
+ C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
  H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, I_HEADER) = range(105)
+ H_PDUR, I_HEADER) = range(106)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then per-key fields, transfer times, scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, CF_CAP, CF_DECAY,
@@ -1151,9 +1151,10 @@ def _mark_pending(lo, hi, IS, A):
 
 @_inline
 def _tokens_of(key, tokens, p, IS, M):
-    """How many of the layer's tokens finally compute ``key``: ``tokens`` when no miss
-    policy changes what tokens compute, else counted in ``IS[H_FIN]``."""
-    if IS[C_MISS] == MISS_FETCH:
+    """How many of the layer's tokens finally compute ``key``: ``tokens`` unless the miss
+    policy re-routes tokens (``C_REROUTE``: drop, substitute, speculative), else counted in
+    ``IS[H_FIN]``."""
+    if not IS[C_REROUTE]:
         return tokens
     e = (key % IS[C_DIV]) // IS[C_NPREC]
     b = p * IS[C_L] + IS[S_LAYER]
@@ -1627,8 +1628,9 @@ def replay(sim: Any) -> None:
     pend_max = num_keys + 16
     miss = misses[type(sim.miss)]
     max_rows = int(np.diff(wl.row_off).max(initial=0)) if miss != MISS_FETCH and wl.row_off is not None else 0
+    reroute = miss in (MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE)
     # a layer computes its routed experts and, for a miss policy that re-routes, others
-    max_runs = maxn + (model.num_experts if miss != MISS_FETCH else 0)
+    max_runs = maxn + (model.num_experts if reroute else 0)
     IS, FS = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
                      max(1, max_rows), sim.num_prec)
     IS[C_EV] = ev
@@ -1646,6 +1648,7 @@ def replay(sim: Any) -> None:
     FS[CF_CAP] = float(sim.capacity)
     FS[CF_DECAY] = params.decay if isinstance(sim.eviction, ScoreBased) else 1.0
     IS[C_MISS] = miss
+    IS[C_REROUTE] = reroute
     IS[C_DROPRANK] = sim.miss.params.rank if miss == MISS_DROP else -1
     IS[C_K] = model.top_k
     IS[C_NE] = model.num_experts
