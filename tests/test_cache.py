@@ -9,7 +9,7 @@ import numpy as np
 from moesim.policies.eviction import REGISTRY
 from moesim.policies.registry import PolicyContext
 from moesim.simulator.cache import ExpertCache
-from moesim.simulator.copyengine import DEMAND, PREFETCH, CopyEngine
+from moesim.simulator.copyengine import PREFETCH, CopyEngine
 from tests.helpers import scenario
 
 EB = 786_432  # one bf16 expert of the tiny model
@@ -18,14 +18,13 @@ EB = 786_432  # one bf16 expert of the tiny model
 def make(capacity: float, policy: str = "lru") -> tuple[ExpertCache, CopyEngine]:
     ctx = PolicyContext(num_layers=1, num_experts=16, top_k=1, expert_bytes=EB, rng=np.random.default_rng(0))
     cls = REGISTRY.get(policy)
-    return ExpertCache(capacity, cls(cls.Params(), ctx)), CopyEngine(scenario().hardware.h2d, instant=True)
+    copy = CopyEngine(scenario().hardware.h2d, instant=True)
+    return ExpertCache(capacity, cls(cls.Params(), ctx), copy), copy
 
 
 def put(cache: ExpertCache, copy: CopyEngine, key: int, nbytes: int = EB, demand: bool = True) -> None:
-    """Admit ``key`` as the engine does in cache-only replay: reserve, then complete."""
-    tr = copy.submit(key, nbytes, DEMAND if demand else PREFETCH, 0.0)
-    cache.reserve(tr, demand)
-    cache.complete(tr)
+    """Admit ``key`` as the engine does in cache-only replay (resident at once)."""
+    assert cache.fetch(key, nbytes, set(), demand, 0.0) is not None
 
 
 def balanced(cache: ExpertCache) -> bool:
@@ -53,8 +52,11 @@ def test_static_pins_are_skipped_but_others_are_victims():
     put(cache, copy, 1)
     put(cache, copy, 2)
     assert cache.victims_for(EB, set()) == [1]
-    assert cache.make_room(EB, set()) == [1]
-    assert cache.used == 2 * EB
+    got = cache.fetch(3, EB, set(), True, 0.0)
+    assert got is not None
+    assert got[0] == [1]
+    assert set(cache.resident) == {5, 2, 3}
+    assert cache.used == 3 * EB
     assert balanced(cache)
 
 
@@ -79,14 +81,17 @@ def test_a_withdrawn_prefetch_frees_exactly_its_bytes():
     evicting anything; the copy engine no longer counts its bytes."""
     cache, _ = make(3 * EB)
     copy = CopyEngine(scenario().hardware.h2d)
-    copy.on_complete.append(cache.complete_many)  # as the engine wires them
+    cache = ExpertCache(3 * EB, cache.policy, copy)  # a timed engine: entries in flight until done
     for key in (1, 2):
-        cache.reserve(copy.submit(key, EB, DEMAND, 0.0), True)
+        cache.fetch(key, EB, set(), True, 0.0)
+    assert set(cache.inflight) == {1, 2}
     copy.advance(1.0)  # both demand copies (43.28 us each) have landed
     assert set(cache.resident) == {1, 2}
     assert cache.used == 2 * EB
-    pf = copy.submit(3, EB, PREFETCH, 1.0)
-    cache.reserve(pf, False)
+    got = cache.fetch(3, EB, set(), False, 1.0)
+    assert got is not None
+    pf = got[1]
+    assert pf.priority == PREFETCH
     assert cache.used == 3 * EB
     assert cache.victims_for(EB, {1, 2}) is None
     gone = copy.cancel_many([pf])
@@ -114,5 +119,6 @@ def test_a_prefetch_may_find_no_victim_where_a_demand_fetch_does():
     put(cache, copy, 1)
     assert cache.victims_for(EB, set()) == [1]
     assert cache.victims_for(EB, set(), for_prefetch=True) is None
-    assert cache.make_room(EB, set(), for_prefetch=True) is None
+    assert cache.fetch(2, EB, set(), False, 0.0) is None
     assert set(cache.resident) == {1}
+    assert copy.bytes_moved == EB  # nothing was queued for the refused prefetch

@@ -343,6 +343,6 @@ def test_the_per_token_path_runs_a_layer_in_router_order():
     for i in range(len(look)):
         runs.extend(look.lookup(i, set(look.keys), 0.0))
     out = look.finish(runs)
-    assert [sim.eviction.ctx.base_of(r.key) for r in out] == [5, 2]
+    assert [sim.eviction.ctx.base_of(key) for key, _, _ in out] == [5, 2]
     assert look.row.dropped == 1
     assert look.row.unique == 2

@@ -11,7 +11,7 @@ from moesim.policies import families
 from moesim.policies.eviction import REGISTRY as EVICTION
 from moesim.policies.registry import PolicyContext
 from moesim.simulator.cache import ExpertCache
-from moesim.simulator.copyengine import DEMAND, CopyEngine
+from moesim.simulator.copyengine import CopyEngine
 from moesim.simulator.workload import build_workload
 from moesim.traces.synth import generate
 from tests.helpers import small_model
@@ -25,19 +25,14 @@ def make_cache(name: str, capacity_experts: int) -> tuple[ExpertCache, CopyEngin
     wl = build_workload(generate(model, requests=1, tokens=30, seed=0), 1)
     ctx = PolicyContext(num_layers=4, num_experts=8, top_k=2, expert_bytes=EB,
                         rng=np.random.default_rng(0), workload=wl)
-    cache = ExpertCache(capacity_experts * EB, cls(cls.Params(), ctx))
     copy = CopyEngine(LinkConfig(bandwidth_gbps=1.0, latency_us=0.0), instant=True)
+    cache = ExpertCache(capacity_experts * EB, cls(cls.Params(), ctx), copy)
     return cache, copy
 
 
 def insert(cache: ExpertCache, copy: CopyEngine, key: int, pinned: set[int]) -> list[int] | None:
-    victims = cache.make_room(EB, pinned)
-    if victims is None:
-        return None
-    tr = copy.submit(key, EB, DEMAND, 0.0)
-    cache.reserve(tr, True)
-    cache.complete(tr)
-    return victims
+    got = cache.fetch(key, EB, pinned, True, 0.0)
+    return None if got is None else got[0]
 
 
 @pytest.mark.parametrize("name", EVICTION.names())
@@ -70,14 +65,15 @@ def test_cannot_free_room_changes_nothing_and_says_so(name):
     insert(cache, copy, 0, set())
     insert(cache, copy, 1, set())
     before = (dict(cache.resident), cache.used, list(cache.policy.candidates()))
-    assert cache.make_room(EB, {0, 1}) is None
+    assert cache.fetch(2, EB, {0, 1}, True, 0.0) is None
     assert (dict(cache.resident), cache.used, list(cache.policy.candidates())) == before
+    assert copy.bytes_moved == 2 * EB  # no copy queued for the refused fetch
     # an in-flight entry is pinned too
     cache2, _ = make_cache(name, 1)
     slow = CopyEngine(LinkConfig(bandwidth_gbps=1.0, latency_us=0.0))
-    tr = slow.submit(5, EB, DEMAND, 0.0)
-    cache2.reserve(tr, True)
-    assert cache2.make_room(EB, set()) is None
+    cache2 = ExpertCache(EB, cache2.policy, slow)
+    assert cache2.fetch(5, EB, set(), True, 0.0) is not None
+    assert cache2.fetch(6, EB, set(), True, 0.0) is None
     assert 5 in cache2.inflight
 
 

@@ -1,4 +1,5 @@
-"""GPU expert cache: owns the miss -> evict -> insert loop (style.md #2).
+"""GPU expert cache: owns the miss -> evict -> insert loop (style.md #2) in one method,
+:meth:`ExpertCache.fetch`, for demand fetches and prefetches alike.
 
 Entries are keyed by the policies' cache keys (an expert at a precision, see
 :class:`moesim.policies.registry.PolicyContext`) and hold bytes. An entry is either in
@@ -12,15 +13,18 @@ from __future__ import annotations
 from collections.abc import Callable, Container
 
 from moesim.policies.eviction import EvictionPolicy
-from moesim.simulator.copyengine import Transfer
+from moesim.simulator.copyengine import DEMAND, PREFETCH, CopyEngine, Transfer
 
 
 class ExpertCache:
-    """Byte-capacity cache of experts in HBM."""
+    """Byte-capacity cache of experts in HBM, filled through the host link's copy engine
+    ``copy`` (whose completions it listens to)."""
 
-    def __init__(self, capacity_bytes: float, policy: EvictionPolicy) -> None:
+    def __init__(self, capacity_bytes: float, policy: EvictionPolicy, copy: CopyEngine) -> None:
         self.capacity = capacity_bytes
         self.policy = policy
+        self.copy = copy
+        copy.on_complete.append(self.complete_many)
         self.used = 0
         self.resident: dict[int, int] = {}
         self.inflight: dict[int, Transfer] = {}
@@ -32,13 +36,38 @@ class ExpertCache:
         """Whether ``key`` is resident or in flight."""
         return key in self.resident or key in self.inflight
 
-    def make_room(self, nbytes: int, pinned: Container[int], for_prefetch: bool = False) -> list[int] | None:
-        """Evict what :meth:`victims_for` names; return the victims, or ``None`` (and change
-        nothing) when no room can be made."""
-        victims = self.victims_for(nbytes, pinned, for_prefetch)
+    def fetch(self, key: int, nbytes: int, pinned: Container[int], demand: bool,
+              now: float) -> tuple[list[int], Transfer] | None:
+        """The miss -> evict -> insert loop, for a demand fetch and a prefetch alike: make room
+        for ``key`` (``nbytes``) by evicting the victims :meth:`victims_for` names (a
+        prefetch walks the policy's prefetch candidates), queue its copy issued at ``now``
+        (demand or prefetch priority) and record its entry: in flight until the copy engine
+        completes it, resident at once in cache-only replay (an instant engine). The policy
+        is told whether the insert is a demand fetch (a use) or a prefetch. Returns the
+        victims, in eviction order, and the transfer; or ``None``, changing nothing, when no
+        room can be made."""
+        victims = self.victims_for(nbytes, pinned, not demand)
+        if victims is None:
+            return None
+        policy = self.policy
         if victims:
-            self.remove_many(victims)
-        return victims
+            resident, on_remove = self.resident, policy.on_remove
+            for v in victims:
+                self.used -= resident.pop(v)
+                on_remove(v)
+            for cb in self.on_evict:
+                cb(victims)
+        copy = self.copy
+        tr = copy.submit(key, nbytes, DEMAND if demand else PREFETCH, now)
+        if copy.instant:
+            self.resident[key] = nbytes
+        else:
+            self.inflight[key] = tr
+        self.used += nbytes
+        if self.used > self.max_used:
+            self.max_used = self.used
+        policy.on_insert(key, demand)
+        return victims, tr
 
     def victims_for(self, nbytes: int, pinned: Container[int], for_prefetch: bool = False) -> list[int] | None:
         """The victims, in the policy's eviction order, whose eviction makes room for one entry
@@ -89,30 +118,9 @@ class ExpertCache:
         self.max_used = max(self.max_used, self.used)
         return loaded
 
-    def remove_many(self, keys: list[int]) -> None:
-        """Evict resident entries (in this order)."""
-        resident, on_remove = self.resident, self.policy.on_remove
-        for key in keys:
-            self.used -= resident.pop(key)
-            on_remove(key)
-        for cb in self.on_evict:
-            cb(keys)
-
-    def reserve(self, tr: Transfer, demand: bool) -> None:
-        """Record an in-flight entry for ``tr`` (room must have been made); the policy is told
-        whether it is a demand fetch (a use) or a prefetch."""
-        self.inflight[tr.key] = tr
-        self.used += tr.nbytes
-        if self.used > self.max_used:
-            self.max_used = self.used
-        self.policy.on_insert(tr.key, demand)
-
-    def complete(self, tr: Transfer) -> None:
-        """``tr`` finished: its entry becomes resident."""
-        self.complete_many([tr])
-
     def complete_many(self, transfers: list[Transfer]) -> None:
-        """:meth:`complete` for several finished transfers."""
+        """Finished transfers (in finish order): their entries become resident (an uncached
+        fetch's copy is not kept)."""
         inflight, resident = self.inflight, self.resident
         for tr in transfers:
             if not tr.bypass:

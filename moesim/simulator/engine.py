@@ -49,7 +49,6 @@ from moesim.policies.registry import Clock, PolicyContext
 from moesim.policies.routing import REGISTRY as ROUTING
 from moesim.simulator.cache import ExpertCache
 from moesim.simulator.copyengine import DEMAND, CopyEngine, Transfer
-from moesim.simulator.copyengine import PREFETCH as PREFETCH_PRIORITY
 from moesim.simulator.cost import CostModel
 from moesim.simulator.lookup import LayerLookup, PassRow, Run, plan
 from moesim.simulator.workload import DECODE, VERIFY, Workload, build_workload
@@ -160,11 +159,10 @@ class Simulation:
         self.progress = progress
         self.clock = Clock()
         self._make_policies(scenario, workload)
-        self.cache = ExpertCache(self.capacity, self.eviction)
         hw = scenario.hardware
         self.link_name = f"{hw.host_link}.h2d"
         self.copy = CopyEngine(hw.h2d, instant=not scenario.timing)
-        self.copy.on_complete.append(self.cache.complete_many)
+        self.cache = ExpertCache(self.capacity, self.eviction, self.copy)
         # the timeline (``moesim run --events``), recorded for the passes before record_passes
         # (all when None): transfers (key, kind: demand | prefetch | promoted, issued, start,
         # done, bytes); withdrawn prefetches (key,
@@ -410,15 +408,14 @@ class Simulation:
         if not on_arrival:
             ready = now
             total = 0.0
-            for r in runs:
-                a = r.arrival(now)
-                if a > ready:
-                    ready = a
-                total += r.ffn
+            for _, tr, f in runs:
+                if tr is not None and tr.done > ready:
+                    ready = tr.done
+                total += f
             row.stall += ready - now
             return ready + total
         t = now
-        for a, f in sorted((r.arrival(now), r.ffn) for r in runs):
+        for a, f in sorted((tr.done if tr is not None and tr.done > now else now, f) for _, tr, f in runs):
             if a > t:
                 row.stall += a - t
                 t = a
@@ -442,19 +439,18 @@ class Simulation:
         t = now
         cur = look.lookup(0, set(), t) if n else []
         for i in range(n):
-            for r in cur:
-                a = r.arrival(t)
-                if a > t:
-                    row.stall += a - t
-                    t = a
+            for _, tr, _ in cur:
+                if tr is not None and tr.done > t:
+                    row.stall += tr.done - t
+                    t = tr.done
             if timing:
                 advance(t)
                 clock.now = t
-            pins = {r.key for r in cur}  # the running expert
+            pins = {r[0] for r in cur}  # the running expert
             nxt = look.lookup(i + 1, set(pins), t) if i + 1 < n else []
-            nxt_pins = {r.key for r in nxt}
+            nxt_pins = {r[0] for r in nxt}
             for r in cur:
-                t += r.ffn
+                t += r[2]
             if timing:
                 advance(t)
                 clock.now = t
@@ -530,22 +526,18 @@ class Simulation:
                 queued.discard(key)
                 continue
             mine = self._admitted.get(target)
-            victims = cache.make_room(nbytes, _Either(pinned, mine) if mine else pinned, for_prefetch=True)
-            if victims is None:
+            got = cache.fetch(key, nbytes, _Either(pinned, mine) if mine else pinned, False, now)
+            if got is None:
                 return
+            victims, tr = got
             waiting.popleft()
             queued.discard(key)
             if victims:
                 self._evicted_by_prefetch(victims)
-                if rec is not None:
-                    rec.extend((self.clock.pass_index, self.clock.layer, "evict", v) for v in victims)
-            tr = copy.submit(key, nbytes, PREFETCH_PRIORITY, now)
-            cache.reserve(tr, False)
             if rec is not None:
+                rec.extend((self.clock.pass_index, self.clock.layer, "evict", v) for v in victims)
                 rec.append((self.clock.pass_index, self.clock.layer, "prefetch", key))
-            if copy.instant:
-                cache.complete(tr)
-            else:
+            if not copy.instant:
                 self._pf_pending.setdefault(key // div, []).append(tr)
             self._admitted.setdefault(target, set()).add(key)
             self.pf_unused.add(key)

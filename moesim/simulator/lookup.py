@@ -101,21 +101,10 @@ class PassRow:
         return tokens_of
 
 
-class Run:
-    """One expert computation: its cache key, the transfer it waits for (None: resident
-    when looked up) and its compute time in seconds."""
-
-    __slots__ = ("ffn", "key", "tr")
-
-    def __init__(self, key: int, tr: Transfer | None, ffn: float) -> None:
-        self.key = key
-        self.tr = tr
-        self.ffn = ffn
-
-    def arrival(self, now: float) -> float:
-        """When the expert's weights are on the GPU (``now`` if already resident)."""
-        tr = self.tr
-        return now if tr is None or tr.done < now else tr.done
+Run = tuple[int, "Transfer | None", float]
+"""One expert computation: its cache key, the transfer it waits for (None: resident when
+looked up; it has arrived once ``done``) and its compute time in seconds. A plain tuple: the
+SimPy path makes one per expert access."""
 
 
 class LayerLookup:
@@ -261,12 +250,12 @@ class LayerLookup:
 
     def _run(self, i: int, key: int, tr: Transfer | None) -> Run:
         if self.plain:
-            return Run(key, tr, self.ffn[i])
+            return (key, tr, self.ffn[i])
         e = self.experts[i]
         self.key_for[e] = key
         assert self.toks is not None
         nb = self.ctx.precision_bytes[self.ctx.precision_of(key)]
-        return Run(key, tr, self.sim.cost.expert_time_at(len(self.toks[i]), nb) * self.scale)
+        return (key, tr, self.sim.cost.expert_time_at(len(self.toks[i]), nb) * self.scale)
 
     def _use_other(self, e2: int, n_tokens: int, pinned: set[int]) -> list[Run]:
         """A resident or arriving expert computes tokens of a missed one (substitute or
@@ -283,7 +272,7 @@ class LayerLookup:
         if sim.decisions is not None:
             sim.decisions.append((self.p, self.layer, "hit", k2))
         nb = self.ctx.precision_bytes[self.ctx.precision_of(k2)]
-        return [Run(k2, tr, sim.cost.expert_time_at(n_tokens, nb) * self.scale)]
+        return [(k2, tr, sim.cost.expert_time_at(n_tokens, nb) * self.scale)]
 
     def _fetch(self, i: int, levels: tuple[int, ...], pinned: set[int], now: float) -> Run:
         """Fetch the ``i``-th expert at the first precision that is resident or for which
@@ -306,24 +295,18 @@ class LayerLookup:
                 if rec is not None:
                     rec.append((self.p, layer, "hit", kq))
                 return self._run(i, kq, None)
-            nb = ctx.precision_bytes[q]
-            room = cache.make_room(nb, pinned)
-            if room is None:
+            got = cache.fetch(kq, ctx.precision_bytes[q], pinned, True, now)
+            if got is None:
                 continue
+            room, tr = got
             if room:
                 self.evicted.update(room)
-                if rec is not None:
-                    rec.extend((self.p, layer, "evict", v) for v in room)
             pinned.add(kq)
-            tr = copy.submit(kq, nb, DEMAND, now)
-            cache.reserve(tr, True)
             row.low_precision += q != default
             if rec is not None:
+                rec.extend((self.p, layer, "evict", v) for v in room)
                 rec.append((self.p, layer, "fetch", kq))
-            if copy.instant:
-                cache.complete(tr)
-                return self._run(i, kq, None)
-            return self._run(i, kq, tr)
+            return self._run(i, kq, None if copy.instant else tr)
         q = levels[-1]
         kq = ctx.key(layer, e, q)
         tr = copy.submit(kq, ctx.precision_bytes[q], DEMAND, now)
@@ -348,14 +331,14 @@ class LayerLookup:
             return runs
         sim = self.sim
         tokens_of = row.count_tokens(sim.wl, self.rows, self.orig, self.final)
-        arrival = {r.key: r.tr for r in runs}
+        arrival = {key: tr for key, tr, _ in runs}
         out = []
         for e, key in self.key_for.items():
             n = tokens_of.get(e, 0)
             if not n:
                 continue
             nb = self.ctx.precision_bytes[self.ctx.precision_of(key)]
-            out.append(Run(key, arrival.get(key), sim.cost.expert_time_at(n, nb) * self.scale))
+            out.append((key, arrival.get(key), sim.cost.expert_time_at(n, nb) * self.scale))
         return out
 
 
