@@ -295,20 +295,29 @@ class Simulation:
     # -- the compute-stream process -------------------------------------------------------
     def _run(self) -> Generator[simpy.Event, Any, None]:
         """Forward passes on the compute stream. Per layer: non-expert compute, then from the
-        routing point :meth:`_layer` (lookups, proposals, expert compute); per pass one row
-        (:meth:`_end_pass`). Cache-only replay makes the same decisions at zero cost."""
+        routing point :meth:`_layer` (lookups, proposals, expert compute) or, under expert
+        parallelism, :meth:`_ep_step`; per pass one row (:meth:`_end_pass`). Cache-only
+        replay makes the same decisions at zero cost."""
         env = self.env
         num_l = self.model.num_layers
         off = self.wl.off.tolist()
-        self._prepare_costs()
+        ep = self.scenario.hardware.gpus > 1
+        if ep:
+            nonexp = self._ep_nonexpert_times()
+        else:
+            self._prepare_costs()
+            nonexp = self._nonexp
         n_pass = self.wl.num_passes
         report_every = max(1, n_pass // 200)
         carry = 0.0
         for p in range(n_pass):
             self._begin_pass(p)
             bytes0 = self.copy.bytes_moved
-            ne = self._nonexp[p]
+            ne = nonexp[p]
             for layer in range(num_l):
+                if ep:  # the layer in one step with its non-expert compute
+                    yield env.timeout(self._ep_step(p, layer, ne))
+                    continue
                 delay = carry + ne  # the previous layer's experts, then this one's attention
                 if delay > 0:
                     yield env.timeout(delay)
@@ -319,6 +328,8 @@ class Simulation:
             if carry > 0:
                 yield env.timeout(carry)
                 carry = 0.0
+            if ep:
+                self.row.hits = self.row.unique  # every expert is resident on its GPU
             self._end_pass(p, bytes0)
             if self.progress is not None and (p + 1) % report_every == 0:
                 self.progress(p + 1, n_pass)
@@ -578,31 +589,31 @@ class Simulation:
             self.pf_unused.difference_update([tr.key for tr in gone])
             self.row.pf_cancelled += len(gone)
 
-    def _run_ep(self) -> Generator[simpy.Event, Any, None]:
+    # -- expert parallelism --------------------------------------------------------------
+    def _ep_nonexpert_times(self) -> list[float]:
         """Expert parallelism (G > 1 GPUs): experts stay resident on their GPU (no host
         offload, so cache, eviction, miss, prefetch and routing policies do not apply);
-        attention runs data-parallel with the pass's tokens split across GPUs; the budget
-        policy plans each layer as on one GPU (:func:`simulator.lookup.plan`; XShare
-        Algorithm 6 balances the per-GPU load) and the pass's row counts it as on one GPU
-        (:meth:`PassRow.count_tokens`); the layer then takes :meth:`_ep_layer`'s time, in one
-        step with its non-expert compute."""
-        env, wl, g_n = self.env, self.wl, self.scenario.hardware.gpus
-        nonexp = (self.cost.nonexpert_time(np.ceil(wl.pass_tokens / g_n),
-                                           np.ceil(wl.pass_context * self.attn_scale / g_n)).tolist()
-                  if self.timing else [0.0] * wl.num_passes)  # cache-only: no time passes
-        for p in range(wl.num_passes):
-            self._begin_pass(p)
-            for layer in range(self.model.num_layers):
-                self.clock.layer = layer
-                rows = wl.rows(p, layer)
-                t_layer = nonexp[p]
-                if rows.size:
-                    orig, chosen = plan(self, p, layer, rows, None)
-                    self.row.count_tokens(wl, rows, orig, [set(c) for c in chosen])
-                    t_layer += self._ep_layer(p, layer, chosen, nonexp[p])
-                yield env.timeout(t_layer)
-            self.row.hits = self.row.unique  # every expert is resident on its GPU
-            self._end_pass(p, 0)
+        attention runs data-parallel with the pass's tokens split across GPUs: each pass's
+        non-expert seconds (zero in cache-only replay, where no time passes)."""
+        wl, g_n = self.wl, self.scenario.hardware.gpus
+        if not self.timing:
+            return [0.0] * wl.num_passes
+        return self.cost.nonexpert_time(np.ceil(wl.pass_tokens / g_n),
+                                        np.ceil(wl.pass_context * self.attn_scale / g_n)).tolist()
+
+    def _ep_step(self, p: int, layer: int, nonexp: float) -> float:
+        """One layer under expert parallelism, from its start: the budget policy plans it as
+        on one GPU (:func:`simulator.lookup.plan`; XShare Algorithm 6 balances the per-GPU
+        load) and the pass's row counts it as on one GPU (:meth:`PassRow.count_tokens`);
+        returns its non-expert seconds plus :meth:`_ep_layer`'s time."""
+        self.clock.layer = layer
+        rows = self.wl.rows(p, layer)
+        t_layer = nonexp
+        if rows.size:
+            orig, chosen = plan(self, p, layer, rows, None)
+            self.row.count_tokens(self.wl, rows, orig, [set(c) for c in chosen])
+            t_layer += self._ep_layer(p, layer, chosen, nonexp)
+        return t_layer
 
     @cached_property
     def _ep_owner(self) -> np.ndarray:
@@ -659,7 +670,7 @@ class Simulation:
         if self.simpy_reason is None:
             kernel.replay(self)
         else:
-            self.env.process(self._run_ep() if self.scenario.hardware.gpus > 1 else self._run())
+            self.env.process(self._run())
             self.env.run()
             self.copy.finish()
         self.wall_s = _time.perf_counter() - t0
