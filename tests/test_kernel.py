@@ -451,7 +451,7 @@ def test_the_prefetch_ring_drops_its_tombstones_when_full():
     pool = 6
     IS, FS = K._layout(num_keys=8, pool=pool, pend_max=8, maxn=1, top_k=1)
     tids = [K._submit(key, K.PREFETCH, 0.0, 0, IS, FS) for key in range(pool)]
-    for tid in (tids[1], tids[4]):  # withdrawn (the engine's _withdraw): tombstone, slot freed
+    for tid in (tids[1], tids[4]):  # withdrawn (PrefetchQueue.withdraw): tombstone, slot freed
         IS[IS[K.H_PFQ] + IS[IS[K.H_TI] + tid * K.T_NTI + K.T_PFSLOT]] = -1
         K._free(tid, IS)
     ring = IS[IS[K.H_PFQ]:IS[K.H_PFQ] + pool].copy()

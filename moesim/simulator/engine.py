@@ -27,9 +27,7 @@ instant transfers, so no simulated time passes.
 from __future__ import annotations
 
 import time as _time
-from collections import deque
 from collections.abc import Callable, Generator
-from collections.abc import Set as AbstractSet
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -51,26 +49,12 @@ from moesim.simulator.cache import ExpertCache
 from moesim.simulator.copyengine import DEMAND, CopyEngine, Transfer
 from moesim.simulator.cost import CostModel
 from moesim.simulator.lookup import LayerLookup, PassRow, Run, plan
+from moesim.simulator.prefetchq import NO_PINS, PrefetchQueue
 from moesim.simulator.workload import DECODE, VERIFY, Workload, build_workload
 from moesim.traces.schema import PHASES
 from moesim.traces.trace import Trace
 
 ProgressFn = Callable[[int, int], None]
-_NO_PINS: frozenset[int] = frozenset()
-
-
-class _Either:
-    """Membership in either of two sets (the pins of a prefetch admission: the caller's and
-    the earlier admissions for the same target layer)."""
-
-    __slots__ = ("a", "b")
-
-    def __init__(self, a: AbstractSet[int], b: AbstractSet[int]) -> None:
-        self.a = a
-        self.b = b
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.a or key in self.b
 
 
 def _trace_file(scenario: Scenario, key: str, raw: str) -> Path:
@@ -187,11 +171,11 @@ class Simulation:
                        "prefetch_predicted", "prefetch_actual", "low_precision_experts",
                        "dropped_experts", "substituted_experts", "tokens_altered",
                        "prefetches_cancelled", "unique_computed")}
-        self._init_replay_state()
         # (pass, layer, op, key) in decision order, op in hit/fetch/bypass/evict/prefetch/run
         # (run: the expert ``key`` runs, or with key -1 all the layer's looked-up experts);
         # the calibration executor replays them on the device
         self.decisions: list[tuple[int, int, str, int]] | None = [] if record_decisions else None
+        self._init_replay_state()
         # sparse verification factors (sparse-verification-speculative-decoding.txt Table 1):
         # attention context and expert down projections are thinned in verification passes
         spec = scenario.workload.speculative
@@ -252,19 +236,27 @@ class Simulation:
         self.budget = BUDGET.get(pol.budget.name)(pol.budget.params, ctx(4))
 
     def _init_replay_state(self) -> None:
-        """The compute process's state between routing points."""
-        # prefetch (SpecMD A.3): proposals waiting for room, in order, as (key, target layer);
-        # admissions per target layer (pinned against later admissions for it); admitted
-        # transfers still queued on the copy engine, per target layer
-        self._waiting: deque[tuple[int, int]] = deque()
-        self._queued: set[int] = set()
-        self._admitted: dict[int, set[int]] = {}
-        self._pf_pending: dict[int, list[Transfer]] = {}
+        """The compute process's state between routing points: the pass's row and evicted
+        keys, and the prefetch queue (:class:`simulator.prefetchq.PrefetchQueue`)."""
         self._evicted: set[int] = set()  # keys evicted in the current pass
         self.row = PassRow()  # the pass being replayed
-        self.pf_unused: set[int] = set()  # prefetched keys not accessed yet
-        if self.prefetch.active:
-            self.cache.on_evict.append(self.pf_unused.difference_update)
+        self.pfq = PrefetchQueue(self.prefetch, self.eviction, self.cache, self.clock, self.model.num_layers,
+                                 self.model.num_experts * self.num_prec, self.expert_bytes, self._evicted,
+                                 self._needed, self.decisions)
+        self.pf_unused = self.pfq.unused  # prefetched keys not accessed yet
+        if self.withdrawn is not None:
+            self.pfq.on_withdrawn.append(self._log_withdrawn)
+
+    def _needed(self, p: int, layer: int) -> set[int]:
+        """The cache keys pass ``p``'s ``layer`` looks up (the trace's routing)."""
+        b = p * self.model.num_layers + layer
+        off = self.wl.off
+        return set(self.acc_keys[off[b]:off[b + 1]].tolist())
+
+    def _log_withdrawn(self, gone: list[Transfer]) -> None:
+        """Withdrawn prefetches, into the timeline (inside its window)."""
+        if self.withdrawn is not None and self._recording():
+            self.withdrawn.extend((tr.key, tr.issued, self.clock.now, tr.nbytes) for tr in gone)
 
     def ffn_table(self, at_least: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Expert compute seconds by the number of tokens routed (index 0 unused; up to the
@@ -340,7 +332,7 @@ class Simulation:
         """One layer from its routing point ``now``: the experts are looked up
         (:class:`simulator.lookup.LayerLookup`, the one lookup path), proposals for it still
         waiting or queued are withdrawn, the prefetcher's proposals are queued
-        (:meth:`_propose`) and the experts run as ``expert_compute`` says. Returns the layer's
+        (:meth:`PrefetchQueue.propose`) and the experts run as ``expert_compute`` says. Returns the layer's
         end."""
         clock, row = self.clock, self.row
         self.copy.advance(now)
@@ -348,12 +340,13 @@ class Simulation:
         clock.layer = layer
         look = LayerLookup(self, p, layer, lo, hi, row, self._evicted)
         clock.pending = set(look.keys)
-        if self._pf_pending or self._waiting or self._admitted:
-            self._withdraw(layer, look.keys)
+        q = self.pfq
+        if q.pending or q.waiting or q.admitted:
+            q.withdraw(layer, look.keys, row)
         st0 = row.stall
         if self.scenario.expert_compute == "per-expert":
             if self.prefetch.active:
-                self._propose(p, layer, now)
+                q.propose(p, layer, now, row)
             end = self._per_expert(look, now)
         else:
             end = self._fused(look, p, layer, now)
@@ -372,15 +365,15 @@ class Simulation:
         for i in range(len(look)):
             runs.extend(look.lookup(i, pinned, now))
         if self.prefetch.active:
-            self._propose(p, layer, now, pinned)
+            self.pfq.propose(p, layer, now, self.row, pinned)
         end = self._compute(look.finish(runs), now, self.scenario.expert_compute == "on-arrival")
         self.clock.pending = set()
         if self.decisions is not None:
             self.decisions.append((p, layer, "run", -1))
-        if self._waiting:  # the layer's pins are released
+        if self.pfq.waiting:  # the layer's pins are released
             self.copy.advance(end)
             self.clock.now = end
-            self._admit(end, _NO_PINS)
+            self.pfq.admit(end, NO_PINS, self.row)
         return end
 
     def _begin_pass(self, p: int) -> None:
@@ -439,7 +432,7 @@ class Simulation:
         looked up when expert j starts to run, so its copy overlaps j's compute; pinned are
         the running expert and the one looked up next (transfers in flight are never
         evicted). When an expert has run its pin is released and the waiting prefetch
-        proposals are admitted (:meth:`_admit`). With compute f and copy c per expert and
+        proposals are admitted (:meth:`PrefetchQueue.admit`). With compute f and copy c per expert and
         every expert missing, n experts take c + (n - 1) * max(c, f) + f. Returns the
         layer's end."""
         clock = self.clock
@@ -468,126 +461,11 @@ class Simulation:
             clock.pending.discard(look.keys[i])  # expert i has run
             if self.decisions is not None:
                 self.decisions.extend((look.p, look.layer, "run", k) for k in pins)
-            if self._waiting:
-                self._admit(t, nxt_pins)
+            if self.pfq.waiting:
+                self.pfq.admit(t, nxt_pins, row)
             cur = nxt
         look.finish([])
         return t
-
-    # -- prefetch: SpecMD appendix A.3's asynchronous queue ---------------------------------
-    def _propose(self, p: int, layer: int, now: float, pinned: AbstractSet[int] | None = None) -> None:
-        """Take the prefetcher's proposals at ``layer``'s routing point: those resident or in
-        flight are *selected* (the eviction policy is told; nothing is pinned), the absent
-        ones join the waiting queue in order; then one admission round (:meth:`_admit`)
-        under ``pinned``. Counts prediction precision/recall against what each target layer
-        really needs in this pass."""
-        props = self.prefetch.propose(p, layer)
-        if not props:
-            if self._waiting:
-                self._admit(now, _NO_PINS if pinned is None else pinned)
-            return
-        cache = self.cache
-        resident, inflight = cache.resident, cache.inflight
-        select = self.eviction.on_prefetch_select
-        div = self.model.num_experts * self.num_prec  # key // div = layer
-        num_l = self.model.num_layers
-        lo_key, hi_key = (layer + 1) * div, num_l * div
-        waiting, queued = self._waiting, self._queued
-        targets: dict[int, list[int]] = {}
-        for key in dict.fromkeys(props):
-            if key < lo_key or key >= hi_key:
-                continue  # not a later layer
-            t = key // div
-            targets.setdefault(t, []).append(key)
-            if key in resident or key in inflight:
-                select(key)
-            elif key not in queued:
-                queued.add(key)
-                waiting.append((key, t))
-        if waiting:
-            self._admit(now, _NO_PINS if pinned is None else pinned)
-        row = self.row
-        wl = self.wl
-        base = p * num_l
-        keys = self.acc_keys
-        for target, keys_t in targets.items():
-            b = base + target
-            actual = set(keys[wl.off[b]:wl.off[b + 1]].tolist())
-            row.pred_hits += len(actual.intersection(keys_t))
-            row.pred_total += len(keys_t)
-            row.actual_total += len(actual)
-
-    def _admit(self, now: float, pinned: AbstractSet[int]) -> None:
-        """One admission round: admit waiting proposals from the head of the queue while room
-        can be made, each evicting an unpinned victim the eviction policy offers for a
-        prefetch (:meth:`EvictionPolicy.prefetch_candidates`) and entering as the newest
-        entry; earlier admissions for the same target layer stay pinned. Stops at the first
-        proposal for which no room can be made."""
-        waiting, queued = self._waiting, self._queued
-        cache = self.cache
-        nbytes = self.expert_bytes
-        copy = self.copy
-        row = self.row
-        rec = self.decisions
-        div = self.model.num_experts * self.num_prec
-        while waiting:
-            key, target = waiting[0]
-            if key in cache.resident or key in cache.inflight:
-                waiting.popleft()
-                queued.discard(key)
-                continue
-            mine = self._admitted.get(target)
-            got = cache.fetch(key, nbytes, _Either(pinned, mine) if mine else pinned, False, now)
-            if got is None:
-                return
-            victims, tr = got
-            waiting.popleft()
-            queued.discard(key)
-            if victims:
-                self._evicted_by_prefetch(victims)
-            if rec is not None:
-                rec.extend((self.clock.pass_index, self.clock.layer, "evict", v) for v in victims)
-                rec.append((self.clock.pass_index, self.clock.layer, "prefetch", key))
-            if not copy.instant:
-                self._pf_pending.setdefault(key // div, []).append(tr)
-            self._admitted.setdefault(target, set()).add(key)
-            self.pf_unused.add(key)
-            row.pf_issued += 1
-
-    def _evicted_by_prefetch(self, victims: list[int]) -> None:
-        self._evicted.update(victims)
-        for keys in self._admitted.values():
-            keys.difference_update(victims)
-
-    def _withdraw(self, layer: int, needed: list[int]) -> None:
-        """At ``layer``'s routing point: proposals for it (or earlier) still waiting are
-        withdrawn, its admissions are no longer pinned for it, and its prefetches still
-        queued on the copy engine that the layer does not need are withdrawn with their
-        room (``prefetches_cancelled``; no bytes move)."""
-        waiting = self._waiting
-        if waiting and any(t <= layer for _, t in waiting):
-            keep = [(k, t) for k, t in waiting if t > layer]
-            self._queued.difference_update(k for k, t in waiting if t <= layer)
-            waiting.clear()
-            waiting.extend(keep)
-        for t in [t for t in self._admitted if t <= layer]:
-            del self._admitted[t]
-        pending = self._pf_pending
-        if not pending:
-            return
-        need = set(needed)
-        stale: list[Transfer] = []
-        for target in [t for t in pending if t <= layer]:
-            stale.extend(tr for tr in pending.pop(target) if tr.priority != DEMAND and tr.key not in need)
-        if not stale:
-            return
-        gone = self.copy.cancel_many(stale)
-        if gone:
-            if self.withdrawn is not None and self._recording():
-                self.withdrawn.extend((tr.key, tr.issued, self.clock.now, tr.nbytes) for tr in gone)
-            self.cache.cancel_many(gone)
-            self.pf_unused.difference_update([tr.key for tr in gone])
-            self.row.pf_cancelled += len(gone)
 
     # -- expert parallelism --------------------------------------------------------------
     def _ep_nonexpert_times(self) -> list[float]:

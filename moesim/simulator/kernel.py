@@ -971,7 +971,7 @@ def _levels(rank, IS):
 # -- prefetch: SpecMD appendix A.3's queue ------------------------------------------------------
 @_jit
 def _admit(now, pin_gen, IS, FS, DI, A):
-    """One admission round (engine's ``_admit``)."""
+    """One admission round (``PrefetchQueue.admit``)."""
     size = IS[H_NKEYS]
     while IS[S_WN]:
         key = IS[IS[H_WQ] + IS[S_WH]]
@@ -1022,7 +1022,7 @@ def _compact_pending(IS):
 
 @_jit
 def _withdraw(layer, lo, hi, IS, A):
-    """At ``layer``'s routing point (engine's ``_withdraw``): proposals for it or earlier still
+    """At ``layer``'s routing point (``PrefetchQueue.withdraw``): proposals for it or earlier still
     waiting are withdrawn, its admissions stop being pinned, and its queued prefetches the
     layer does not need are withdrawn with their room."""
     div = IS[C_DIV]
@@ -1078,7 +1078,7 @@ def _withdraw(layer, lo, hi, IS, A):
 
 @_jit
 def _propose_key(key, p, IS, FS, DI, A):
-    """One proposal (engine's ``_propose``): counted against what its target layer needs,
+    """One proposal (``PrefetchQueue.propose``): counted against what its target layer needs,
     selected when cached, else queued."""
     gen = IS[S_MARKGEN]
     if IS[IS[H_KI] + key * K_NKI + K_MARK] == gen:
