@@ -91,7 +91,7 @@ EQUIVALENT: dict[str, str] = {
     "moesim.simulator.cache.xǁExpertCacheǁpreload__mutmut_16":
         "on_insert(key, True) for a preloaded key: a statically pinned key is never a victim, and no policy "
         "orders the other keys by a static key's count or recency",
-    "moesim.simulator.cache.xǁExpertCacheǁreserve__mutmut_4":
+    "moesim.simulator.cache.xǁExpertCacheǁfetch__mutmut_33":
         "`used >= max_used` for `used > max_used`: when equal it assigns the value max_used already has",
     # copy engine
     "moesim.simulator.copyengine.xǁCopyEngineǁ_project_demand__mutmut_15": "`prev >= issued` for `prev > issued`: when equal both pick the same value",
