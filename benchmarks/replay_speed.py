@@ -77,7 +77,7 @@ def peak_bytes_per_access(sets: list[str]) -> float:
     expert access."""
     import tracemalloc
 
-    from moesim.simulator.engine import load_trace
+    from moesim.simulator.build import load_trace
 
     small = [s if not s.startswith("workload.trace.synth.requests=") else "workload.trace.synth.requests=4"
              for s in sets]
@@ -125,7 +125,7 @@ def startup() -> dict[str, float]:
 def sweep_64() -> dict[str, Any]:
     """64 points (capacity x link bandwidth x eviction) over a 10k-token OLMoE-shaped trace
     file, 2 local workers."""
-    from moesim.simulator.engine import load_trace
+    from moesim.simulator.build import load_trace
     from moesim.simulator.sweep import sweep
     from moesim.traces.io import write_trace
 

@@ -38,7 +38,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from moesim.simulator.engine import Simulation, load_trace
+from moesim.simulator.build import load_trace
+from moesim.simulator.engine import Simulation
 from moesim.config.scenario import load_scenario
 
 ROOT = Path.cwd() if (Path.cwd() / "moesim").is_dir() else Path.cwd().parent
@@ -387,7 +388,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from moesim.simulator.engine import Simulation, load_trace
+from moesim.simulator.build import load_trace
+from moesim.simulator.engine import Simulation
 from moesim.config.scenario import load_scenario
 from moesim.traces.importers import import_trace
 

@@ -60,7 +60,7 @@ def _check_trace(data: dict[str, Any], base_dir: str, capacities: list[str], whe
     """Load the scenario's trace once: refuse capacities impossible for its model before
     anything runs, and say whether it records ``pred_next`` (for the gate predictors)."""
     from moesim.config.scenario import parse_capacity, scenario_from_dict
-    from moesim.simulator.engine import load_trace
+    from moesim.simulator.build import load_trace
 
     sc = scenario_from_dict(data, where=where, base_dir=base_dir)
     trace = load_trace(sc)

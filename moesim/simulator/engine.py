@@ -29,22 +29,16 @@ from __future__ import annotations
 import time as _time
 from collections.abc import Callable, Generator
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import simpy
 
-from moesim.config.scenario import Scenario, parse_capacity
-from moesim.errors import MoesimError
+from moesim.config.scenario import Scenario
 from moesim.output.results import Result
-from moesim.policies.budget import REGISTRY as BUDGET
-from moesim.policies.eviction import REGISTRY as EVICTION
-from moesim.policies.miss import REGISTRY as MISS
-from moesim.policies.prefetch import REGISTRY as PREFETCH
-from moesim.policies.registry import Clock, PolicyContext
-from moesim.policies.routing import REGISTRY as ROUTING
+from moesim.policies.registry import Clock
+from moesim.simulator.build import cache_sizing, load_trace, make_policies
 from moesim.simulator.cache import ExpertCache
 from moesim.simulator.copyengine import DEMAND, CopyEngine, Transfer
 from moesim.simulator.cost import CostModel
@@ -55,56 +49,6 @@ from moesim.traces.schema import PHASES
 from moesim.traces.trace import Trace
 
 ProgressFn = Callable[[int, int], None]
-
-
-def _trace_file(scenario: Scenario, key: str, raw: str) -> Path:
-    """The scenario's trace file (relative to the scenario's folder), or an error naming the
-    key to set — saying so when a shipped scenario reads data moesim does not ship."""
-    from moesim.config.scenario import shipped_dir
-
-    p = Path(raw)
-    if not p.is_absolute():
-        p = Path(scenario.base_dir) / p
-    if p.exists():
-        return p
-    shipped = Path(scenario.base_dir).resolve().is_relative_to(shipped_dir().resolve())
-    why = (" This shipped scenario reads data moesim does not ship (the real routing traces of "
-           "../shared/traces/real beside a source checkout)." if shipped else "")
-    raise MoesimError(f"{scenario.source}: key '{key}' is {raw!r}, which resolves to {p}: no such file or "
-                      f"folder.{why} Set it to your copy: --set {key}=FILE (relative to the working directory).")
-
-
-def load_trace(scenario: Scenario) -> Trace:
-    """The scenario's trace: read from its path, or synthesised in-process."""
-    src = scenario.workload.trace
-    if src.import_ is not None:
-        from moesim.traces.importers import import_trace
-
-        imp = src.import_
-        ip = _trace_file(scenario, "workload.trace.import.path", imp.path)
-        return import_trace(imp.format, [ip], imp.model_preset)[0]
-    if src.path is not None:
-        from moesim.traces.io import read_trace
-
-        return read_trace(_trace_file(scenario, "workload.trace.path", src.path))
-    from moesim.traces.synth import synth_from_preset
-
-    s = src.synth
-    assert s is not None
-    if s.fit is not None:
-        from moesim.traces.profile import load_profile, synthesise
-
-        fp = Path(s.fit)
-        if not fp.is_absolute() and (Path(scenario.base_dir) / fp).is_file():
-            fp = Path(scenario.base_dir) / fp
-        return synthesise(load_profile(str(fp)), requests=s.requests, tokens=s.tokens,
-                          seed=scenario.seed if s.seed is None else s.seed)
-    assert s.preset is not None
-    return synth_from_preset(
-        s.preset, layers=s.layers, experts=s.experts, top_k=s.top_k, routing=s.routing,
-        requests=s.requests, prompt_tokens=s.prompt_tokens, tokens=s.tokens,
-        seed=scenario.seed if s.seed is None else s.seed, probs=s.probs, pred_next=s.pred_next,
-        pred_noise=s.pred_noise)
 
 
 class Simulation:
@@ -125,24 +69,19 @@ class Simulation:
         self.wl = workload
         model = workload.model
         self.model = model
-        precision = scenario.cache.precision or model.default_precision()
-        if precision not in model.expert_bytes:
-            raise MoesimError(
-                f"{scenario.source}: key 'cache.precision' is '{precision}', but the trace's model "
-                f"({model.name}) has expert sizes for {', '.join(model.expert_bytes)} only; pick one "
-                "of those.")
-        self.precision = precision
-        self.expert_bytes = int(model.expert_bytes[precision])
-        # precisions from largest to smallest; cache key = base * P + index
-        self.precisions = tuple(sorted(model.expert_bytes, key=lambda q: -model.expert_bytes[q]))
-        self.num_prec = len(self.precisions)
-        self.default_prec = self.precisions.index(precision)
-        total = model.num_layers * model.num_experts * self.expert_bytes
-        self.capacity = parse_capacity(scenario.cache.capacity, self.expert_bytes, total, scenario.source)
+        size = cache_sizing(scenario, model)
+        self.precision = size.precision
+        self.expert_bytes = size.expert_bytes
+        self.precisions = size.precisions  # largest first; cache key = base * P + index
+        self.num_prec = len(size.precisions)
+        self.default_prec = size.default_prec
+        self.capacity = size.capacity
         self.cost = CostModel(scenario.hardware, model, self.expert_bytes)
         self.progress = progress
         self.clock = Clock()
-        self._make_policies(scenario, workload)
+        pol = make_policies(scenario, workload, size, self.clock)
+        self.eviction, self.miss, self.prefetch = pol.eviction, pol.miss, pol.prefetch
+        self.routing, self.budget = pol.routing, pol.budget
         hw = scenario.hardware
         self.link_name = f"{hw.host_link}.h2d"
         self.copy = CopyEngine(hw.h2d, instant=not scenario.timing)
@@ -214,26 +153,6 @@ class Simulation:
         for tr in trs:
             kind = "promoted" if tr.promoted else ("demand" if tr.priority == DEMAND else "prefetch")
             self.transfers.append((tr.key, kind, tr.issued, tr.start, tr.done, tr.nbytes))
-
-    def _make_policies(self, scenario: Scenario, workload: Workload) -> None:
-        """One policy of each family, each with its own context and seeded generator."""
-        model = self.model
-
-        def ctx(family_index: int) -> PolicyContext:
-            return PolicyContext(num_layers=model.num_layers, num_experts=model.num_experts,
-                                 top_k=model.top_k, expert_bytes=self.expert_bytes,
-                                 capacity_bytes=self.capacity, precisions=self.precisions,
-                                 default_precision=self.default_prec,
-                                 precision_bytes=tuple(int(model.expert_bytes[q]) for q in self.precisions),
-                                 rng=np.random.default_rng([scenario.seed, family_index]),
-                                 clock=self.clock, workload=workload)
-
-        pol = scenario.policies
-        self.eviction = EVICTION.get(pol.eviction.name)(pol.eviction.params, ctx(0))
-        self.miss = MISS.get(pol.miss.name)(pol.miss.params, ctx(1))
-        self.prefetch = PREFETCH.get(pol.prefetch.name)(pol.prefetch.params, ctx(2))
-        self.routing = ROUTING.get(pol.routing.name)(pol.routing.params, ctx(3))
-        self.budget = BUDGET.get(pol.budget.name)(pol.budget.params, ctx(4))
 
     def _init_replay_state(self) -> None:
         """The compute process's state between routing points: the pass's row and evicted
@@ -628,4 +547,4 @@ def simulate(scenario: Scenario, trace: Trace | None = None, **kwargs: Any) -> R
     return Simulation(scenario, trace=trace, **kwargs).run()
 
 
-__all__ = ["DECODE", "VERIFY", "Result", "Simulation", "load_trace", "simulate"]
+__all__ = ["DECODE", "VERIFY", "Result", "Simulation", "simulate"]
