@@ -38,6 +38,8 @@ TESTS: dict[str, list[str]] = {
                                        "tests/test_engine.py", "tests/test_events.py", "tests/test_kernel.py"],
     "moesim/simulator/lookup.py": ["tests/test_fidelity.py", "tests/test_miss_routing.py", "tests/test_engine.py",
                                    "tests/test_kernel.py"],
+    "moesim/simulator/prefetchq.py": ["tests/test_prefetch.py", "tests/test_fidelity.py", "tests/test_events.py",
+                                      "tests/test_engine.py", "tests/test_kernel.py"],
     "moesim/simulator/workload.py": ["tests/test_engine.py", "tests/test_workload_arrays.py", "tests/test_kernel.py",
                                      "tests/test_speculative.py", "tests/test_fidelity.py"],
     "moesim/simulator/metrics.py": ["tests/test_metrics.py", "tests/test_summary.py", "tests/test_engine.py",

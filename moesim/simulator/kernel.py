@@ -974,12 +974,7 @@ def _admit(now, pin_gen, IS, FS, DI, A):
     """One admission round (``PrefetchQueue.admit``)."""
     size = IS[H_NKEYS]
     while IS[S_WN]:
-        key = IS[IS[H_WQ] + IS[S_WH]]
-        if IS[IS[H_KI] + key * K_NKI + K_STATE] != ABSENT:
-            IS[S_WH] = (IS[S_WH] + 1) % size
-            IS[S_WN] -= 1
-            IS[IS[H_KI] + key * K_NKI + K_QUEUED] = 0
-            continue
+        key = IS[IS[H_WQ] + IS[S_WH]]  # absent (PrefetchQueue.admit)
         target = key // IS[C_DIV]
         if _room(_nbytes(key, IS), True, pin_gen, target, IS, FS) == -1:
             return

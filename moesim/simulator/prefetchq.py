@@ -122,12 +122,10 @@ class PrefetchQueue:
         instant = cache.copy.instant
         rec = self.decisions
         div = self.div
+        # a waiting key is absent: it was absent when it joined the queue, and only its own
+        # admission brings it in before its target layer's routing point withdraws it
         while waiting:
             key, target = waiting[0]
-            if key in cache.resident or key in cache.inflight:
-                waiting.popleft()
-                queued.discard(key)
-                continue
             mine = self.admitted.get(target)
             got = cache.fetch(key, nbytes, _Either(pinned, mine) if mine else pinned, False, now)
             if got is None:

@@ -1,0 +1,132 @@
+"""The prefetch queue (``simulator/prefetchq.py``; SpecMD appendix A.3) by hand, driven by a
+scripted prefetcher (a user's own policy: it runs on the SimPy path): proposals outside the
+later layers are ignored, and a routing point where the prefetcher proposes nothing still runs
+an admission round for the proposals waiting from earlier layers. Found missing by mutation
+testing of ``prefetchq.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from moesim.policies.prefetch import REGISTRY, PrefetchPolicy
+from moesim.simulator.engine import Simulation
+from moesim.simulator.workload import build_workload
+from tests.helpers import datasheet_times, scenario, small_model, trace_from_array
+
+L, E = 4, 4  # layers, experts; one token, top-1: layer l routes to expert l
+GBPS = 128  # the host link: a copy is shorter than a layer (checked where it matters)
+
+
+def scripted(proposals: dict[int, list[tuple[int, int]]], pinned: Sequence[tuple[int, int]] = (),
+             raw: dict[int, list[int]] | None = None) -> type[PrefetchPolicy]:
+    """A prefetcher proposing, at each layer of every pass, the (layer, expert) pairs of
+    ``proposals`` as cache keys, followed by the raw keys of ``raw``; ``pinned`` loaded
+    before the replay (the static-pin admission rule)."""
+
+    class Scripted(PrefetchPolicy):
+        def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+            keys = [self.ctx.key(t, e) for t, e in proposals.get(layer, [])]
+            return keys + (raw or {}).get(layer, [])
+
+        def pinned(self) -> Sequence[int]:
+            return [self.ctx.key(t, e) for t, e in pinned]
+
+    return Scripted
+
+
+def run(monkeypatch: pytest.MonkeyPatch, policy: type[PrefetchPolicy], capacity: str,
+        gbps: int = GBPS) -> tuple[Simulation, object]:
+    monkeypatch.setitem(REGISTRY._classes, "scripted", policy)
+    model = small_model(layers=L, experts=E, top_k=1)
+    trace = trace_from_array(model, np.arange(L).reshape(1, 1, L, 1))
+    sc = scenario(cache={"capacity": capacity}, policies={"prefetch": "scripted"},
+                  hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": gbps}}})
+    sim = Simulation(sc, trace=trace, record_transfers=True, record_layers=True)
+    return sim, sim.run()
+
+
+def times(sim: Simulation, gbps: int) -> tuple[float, float, float]:
+    """Expert compute f, non-expert a (datasheet figures) and one copy c over PCIe at
+    ``gbps`` (the datasheet's 80% efficiency and 10 us latency)."""
+    ffn, nonexp, _ = datasheet_times(sim.model, build_workload(sim._trace, 1))
+    h, i = sim.model.hidden_size, sim.model.expert_intermediate_size
+    return float(ffn[0]), float(nonexp[0]), 10e-6 + (6 * h * i + 65_536) / (gbps * 1e9 * 0.8)
+
+
+def test_proposals_outside_the_later_layers_are_ignored(monkeypatch):
+    """At layer 1 the prefetcher proposes an expert of layer 0 (earlier), one of layer 1
+    (this layer), the key one past the last layer's last key (no layer) and then expert 2 of
+    layer 2. Only the last is a later layer's: one prefetch issued, one predicted, and it is
+    the expert layer 2 routes to (a predicted hit, used). Layers 0, 1 and 3 miss; layer 2
+    hits its prefetched copy (landed: the copy is shorter than a layer)."""
+    sim, res = run(monkeypatch, scripted({1: [(0, 1), (1, 2)]}, raw={1: [-1]}), "inf")
+    ctx = sim.eviction.ctx
+    past_the_end = L * E * len(ctx.precisions)
+    sim2, res2 = run(monkeypatch, scripted({1: [(0, 1), (1, 2)]}, raw={1: [past_the_end, ctx.key(2, 2)]}), "inf")
+    row = res2.steps.iloc[0]
+    assert (row.prefetches_issued, row.prefetch_predicted, row.prefetch_predicted_hits, row.prefetch_actual) == (1, 1, 1, 1)
+    assert (row.prefetches_used, row.hits, row.misses) == (1, 1, 3)
+    assert [(k, kind) for k, kind, *_ in res2.transfers] == [
+        (ctx.key(0, 0), "demand"), (ctx.key(1, 1), "demand"), (ctx.key(2, 2), "prefetch"), (ctx.key(3, 3), "demand")]
+    # the first replay's proposals are all outside the later layers (-1 is below any layer)
+    row = res.steps.iloc[0]
+    assert (row.prefetches_issued, row.prefetch_predicted, row.misses) == (0, 0, 4)
+
+
+def test_a_routing_point_without_proposals_still_admits_what_is_waiting(monkeypatch):
+    """Capacity 3 experts; experts 0:0 and 1:1 statically pinned (one slot free). Per
+    layer: non-expert a, expert compute f, one copy c, with f < c < f + a (checked; PCIe at
+    128 GB/s).
+
+    Layer 0 (routing point t0): 0:0 hits. Proposals 3:3 then 2:2: 3:3 takes the free slot
+    (issued t0, lands t0 + c); 2:2 finds no victim (two static pins, 3:3 in flight) and
+    waits, also at the layer's end t0 + f (3:3 still in flight). Layer 1 (t1 = t0 + f + a):
+    3:3 has landed; 1:1 hits; the prefetcher proposes nothing, yet the admission round runs
+    under the layer's pin (1:1): 2:2 evicts 3:3 (no longer in flight, admitted for layer 3,
+    not layer 2) and is issued at t1, not at the layer's end t1 + f. Layer 2 (t1 + f + a):
+    2:2 has landed, a hit of a used prefetch. Layer 3: 3:3 misses, a collision miss (evicted
+    in this pass), fetched in place of 2:2. Hits 3, misses 1, prefetches issued 2, used 1."""
+    policy = scripted({0: [(3, 3), (2, 2)]}, pinned=[(0, 0), (1, 1)])
+    sim, res = run(monkeypatch, policy, "3 experts")
+    f, a, c = times(sim, GBPS)
+    assert f < c < f + a
+    ctx = sim.eviction.ctx
+    layers = {layer: (routing, end) for _, layer, _, routing, _, end in res.extra["layers"]}
+    t0, t1 = layers[0][0], layers[1][0]
+    assert t1 == pytest.approx(t0 + f + a, rel=1e-9)
+    issued = {(k, kind): at for k, kind, at, *_ in res.transfers}
+    assert issued[(ctx.key(3, 3), "prefetch")] == t0
+    assert issued[(ctx.key(2, 2), "prefetch")] == t1
+    assert issued[(ctx.key(3, 3), "demand")] == layers[3][0]
+    row = res.steps.iloc[0]
+    assert (row.hits, row.misses, row.collision_misses, row.late_prefetches) == (3, 1, 1, 0)
+    assert (row.prefetches_issued, row.prefetches_used, row.prefetches_cancelled) == (2, 1, 0)
+
+
+def test_a_key_proposed_again_while_it_waits_is_queued_once(monkeypatch):
+    """Capacity 4 experts; 0:0 and 1:1 statically pinned; PCIe at 512 GB/s, so that two copies
+    take less than a layer (2 c < f + a, checked). Layer 0: 0:0 hits; proposals 3:3, 3:0,
+    2:2: the first two take the free slots, 2:2 waits (two static pins, two copies in
+    flight). Layer 1: both have landed; 1:1 hits; the prefetcher proposes 2:2 again, which
+    is still waiting, so it is not queued a second time: the round admits it once, evicting
+    3:3 (the least recent that is not pinned), and 3:0 stays. Layer 2: 2:2 hits. Layer 3:
+    3:3 misses (a collision: evicted in this pass) and evicts 3:0. Prefetches issued 3
+    (3:3, 3:0, 2:2), used 1; predicted 4 (three at layer 0, one at layer 1), of which the
+    layers really needed 3 (3:3, 2:2, 2:2 again), out of 3 actual (layer 3 once, layer 2
+    twice)."""
+    policy = scripted({0: [(3, 3), (3, 0), (2, 2)], 1: [(2, 2)]}, pinned=[(0, 0), (1, 1)])
+    sim, res = run(monkeypatch, policy, "4 experts", gbps=512)
+    f, a, c = times(sim, 512)
+    assert 2 * c < f + a
+    ctx = sim.eviction.ctx
+    assert [(k, kind) for k, kind, *_ in res.transfers] == [
+        (ctx.key(3, 3), "prefetch"), (ctx.key(3, 0), "prefetch"), (ctx.key(2, 2), "prefetch"),
+        (ctx.key(3, 3), "demand")]
+    row = res.steps.iloc[0]
+    assert (row.hits, row.misses, row.collision_misses, row.late_prefetches) == (3, 1, 1, 0)
+    assert (row.prefetches_issued, row.prefetches_used) == (3, 1)
+    assert (row.prefetch_predicted, row.prefetch_predicted_hits, row.prefetch_actual) == (4, 3, 3)
+    assert set(sim.cache.resident) == {ctx.key(0, 0), ctx.key(1, 1), ctx.key(2, 2), ctx.key(3, 3)}
