@@ -65,7 +65,7 @@ def test_proposals_outside_the_later_layers_are_ignored(monkeypatch):
     sim, res = run(monkeypatch, scripted({1: [(0, 1), (1, 2)]}, raw={1: [-1]}), "inf")
     ctx = sim.eviction.ctx
     past_the_end = L * E * len(ctx.precisions)
-    sim2, res2 = run(monkeypatch, scripted({1: [(0, 1), (1, 2)]}, raw={1: [past_the_end, ctx.key(2, 2)]}), "inf")
+    _, res2 = run(monkeypatch, scripted({1: [(0, 1), (1, 2)]}, raw={1: [past_the_end, ctx.key(2, 2)]}), "inf")
     row = res2.steps.iloc[0]
     assert (row.prefetches_issued, row.prefetch_predicted, row.prefetch_predicted_hits, row.prefetch_actual) == (1, 1, 1, 1)
     assert (row.prefetches_used, row.hits, row.misses) == (1, 1, 3)

@@ -95,6 +95,10 @@ EQUIVALENT: dict[str, str] = {
         "orders the other keys by a static key's count or recency",
     "moesim.simulator.cache.xǁExpertCacheǁfetch__mutmut_33":
         "`used >= max_used` for `used > max_used`: when equal it assigns the value max_used already has",
+    # prefetch queue
+    "moesim.simulator.prefetchq.xǁPrefetchQueueǁadmit__mutmut_20":
+        "cache.fetch(..., demand=None) for demand=False: the cache and every policy only test `if demand` "
+        "or `not demand`, and None is false",
     # copy engine
     "moesim.simulator.copyengine.xǁCopyEngineǁ_project_demand__mutmut_15": "`prev >= issued` for `prev > issued`: when equal both pick the same value",
     "moesim.simulator.copyengine.xǁCopyEngineǁadvance__mutmut_28": "`prev >= issued` for `prev > issued`: when equal both pick the same value",
