@@ -44,7 +44,7 @@ def run(monkeypatch: pytest.MonkeyPatch, policy: type[PrefetchPolicy], capacity:
     trace = trace_from_array(model, np.arange(L).reshape(1, 1, L, 1))
     sc = scenario(cache={"capacity": capacity}, policies={"prefetch": "scripted"},
                   hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": gbps}}})
-    sim = Simulation(sc, trace=trace, record_transfers=True, record_layers=True)
+    sim = Simulation(sc, trace=trace, record_transfers=True, record_layers=True, record_decisions=True)
     return sim, sim.run()
 
 
@@ -104,6 +104,14 @@ def test_a_routing_point_without_proposals_still_admits_what_is_waiting(monkeypa
     row = res.steps.iloc[0]
     assert (row.hits, row.misses, row.collision_misses, row.late_prefetches) == (3, 1, 1, 0)
     assert (row.prefetches_issued, row.prefetches_used, row.prefetches_cancelled) == (2, 1, 0)
+    # the decision log the calibration executor replays; layer 3's fetch evicts 2:2, the
+    # least recent entry that is not statically pinned
+    k = ctx.key
+    assert sim.decisions == [
+        (0, 0, "hit", k(0, 0)), (0, 0, "prefetch", k(3, 3)), (0, 0, "run", -1),
+        (0, 1, "hit", k(1, 1)), (0, 1, "evict", k(3, 3)), (0, 1, "prefetch", k(2, 2)), (0, 1, "run", -1),
+        (0, 2, "hit", k(2, 2)), (0, 2, "run", -1),
+        (0, 3, "evict", k(2, 2)), (0, 3, "fetch", k(3, 3)), (0, 3, "run", -1)]
 
 
 def test_a_key_proposed_again_while_it_waits_is_queued_once(monkeypatch):

@@ -99,6 +99,9 @@ EQUIVALENT: dict[str, str] = {
     "moesim.simulator.prefetchq.xǁPrefetchQueueǁadmit__mutmut_20":
         "cache.fetch(..., demand=None) for demand=False: the cache and every policy only test `if demand` "
         "or `not demand`, and None is false",
+    "moesim.simulator.prefetchq.xǁPrefetchQueueǁwithdraw__mutmut_2":
+        "`waiting or any(...)` for `waiting and any(...)`: with nothing waiting any() is false; with proposals "
+        "waiting but none for this layer or earlier, the queue is rebuilt from all of them in order, unchanged",
     # copy engine
     "moesim.simulator.copyengine.xǁCopyEngineǁ_project_demand__mutmut_15": "`prev >= issued` for `prev > issued`: when equal both pick the same value",
     "moesim.simulator.copyengine.xǁCopyEngineǁadvance__mutmut_28": "`prev >= issued` for `prev > issued`: when equal both pick the same value",
