@@ -71,10 +71,10 @@ def lcs_native(keys: np.ndarray, capacity: int) -> tuple[int, float]:
     return round(miss_ratio * len(keys)), dt
 
 
-def peak_bytes_per_access(sets: list[str]) -> float:
+def peak_bytes_per_access(sets: list[str], simpy: bool = False) -> float:
     """Peak memory (tracemalloc: Python objects and numpy buffers) of building and running a
     full-timing decode replay of a tenth of the trace, from the trace in memory on, per
-    expert access."""
+    expert access, on the kernel or (``simpy``) the SimPy path."""
     import tracemalloc
 
     from moesim.simulator.build import load_trace
@@ -85,18 +85,18 @@ def peak_bytes_per_access(sets: list[str]) -> float:
     trace = load_trace(sc)
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    res = Simulation(sc, trace=trace).run()
+    res = rate(sc, simpy=simpy, trace=trace)[1]
     peak = tracemalloc.get_traced_memory()[1] - base
     tracemalloc.stop()
     return peak / res.summary["expert_accesses"]
 
 
-def rate(sc: Any, workload: Any = None, simpy: bool = False) -> tuple[Any, Any]:
+def rate(sc: Any, workload: Any = None, simpy: bool = False, trace: Any = None) -> tuple[Any, Any]:
     """(simulation, result) of one replay on the kernel or (``simpy``) the SimPy path."""
     if simpy:
         os.environ["MOESIM_NO_KERNEL"] = "1"
     try:
-        sim = Simulation(sc, workload=workload)
+        sim = Simulation(sc, trace=trace, workload=workload)
         res = sim.run()
     finally:
         os.environ.pop("MOESIM_NO_KERNEL", None)
@@ -206,6 +206,7 @@ def main() -> None:
     out["ratio_least_stale_score_percentile_vs_libcachesim_native"] = {
         k: v["accesses_per_s"] / native for k, v in out["least_stale_score_percentile"].items()}
     out["peak_bytes_per_access"] = peak_bytes_per_access(sets)
+    out["peak_bytes_per_access_simpy"] = peak_bytes_per_access(sets, simpy=True)
     out["startup_s"] = startup()
     if args.sweep:
         out["sweep_64_points"] = sweep_64()

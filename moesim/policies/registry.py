@@ -73,6 +73,12 @@ class PolicyContext:
         q = self.default_precision if precision is None else precision
         return (layer * self.num_experts + expert) * len(self.precisions) + q
 
+    def layer_keys(self, layer: int, experts: list[int]) -> list[int]:
+        """:meth:`key` of each of ``experts`` of ``layer`` at the scenario's precision."""
+        num_p = len(self.precisions)
+        base = layer * self.num_experts * num_p + self.default_precision
+        return [base + e * num_p for e in experts]
+
     def base_of(self, key: int) -> int:
         """``layer * num_experts + expert`` of a cache key (the workload's key)."""
         return key // len(self.precisions)

@@ -135,13 +135,19 @@ class Simulation:
         self._stall = np.zeros(n)
         self.wall_s = 0.0
         self.simpy_reason: str | None = None  # why the SimPy path ran (None: the kernel did)
-        self.acc_ffn = np.zeros(0)
+        self.ffn_by_tokens: list[float] = []  # expert compute seconds by tokens (_prepare_costs)
+        self.ffn_factor: list[float] = []  # and the per-pass factor: an access takes their product
         self._nonexp: list[float] = []
 
     @cached_property
     def acc_keys(self) -> np.ndarray:
-        """The cache key of every access (the SimPy path's lookups; made when first read)."""
-        return self.wl.keys() * self.num_prec + self.default_prec
+        """The cache key of every access (made when first read, in place: Belady's next uses
+        on the kernel and the calibration executor; the SimPy path's lookups make each
+        layer's keys with ``PolicyContext.layer_keys``)."""
+        keys = self.wl.keys()
+        keys *= self.num_prec
+        keys += self.default_prec
+        return keys
 
     def _recording(self) -> bool:
         return self.record_passes is None or self.clock.pass_index < self.record_passes
@@ -170,7 +176,7 @@ class Simulation:
         """The cache keys pass ``p``'s ``layer`` looks up (the trace's routing)."""
         b = p * self.model.num_layers + layer
         off = self.wl.off
-        return set(self.acc_keys[off[b]:off[b + 1]].tolist())
+        return set(self.eviction.ctx.layer_keys(layer, self.wl.acc_expert[off[b]:off[b + 1]].tolist()))
 
     def _log_withdrawn(self, gone: list[Transfer]) -> None:
         """Withdrawn prefetches, into the timeline (inside its window)."""
@@ -197,10 +203,11 @@ class Simulation:
         return np.zeros(wl.num_passes)
 
     def _prepare_costs(self) -> None:
-        """Compute time of every expert access and the non-expert time of every pass."""
-        wl = self.wl
+        """Expert compute seconds by tokens and per-pass factor (an access's time is their
+        product, read per layer) and the non-expert time of every pass."""
         table, scale = self.ffn_table()
-        self.acc_ffn = table[wl.acc_tokens] * np.repeat(scale, np.diff(wl.off[::self.model.num_layers]))
+        self.ffn_by_tokens = table.tolist()
+        self.ffn_factor = scale.tolist()
         self._nonexp = self.nonexpert_times().tolist()
 
     # -- the compute-stream process -------------------------------------------------------

@@ -49,8 +49,8 @@ class Replay(Protocol):
     cost: CostModel
     general: bool  # routing, budget or miss policy may change what a token computes
     timing: bool  # False: cache-only replay (zero-cost compute, instant transfers)
-    acc_ffn: np.ndarray  # compute seconds of every expert access
-    ffn_scale: np.ndarray  # per pass: the expert-compute factor (sparse verification)
+    ffn_by_tokens: list[float]  # expert compute seconds by the tokens routed to it (``ffn_table``)
+    ffn_factor: list[float]  # per pass: the expert-compute factor (sparse verification)
     decisions: list[tuple[int, int, str, int]] | None  # the decision log, when recorded
     pf_unused: set[int]  # prefetched keys not accessed yet
 
@@ -124,8 +124,9 @@ class LayerLookup:
             self.experts: list[int] = sim.wl.acc_expert[lo:hi].tolist()
             self.ranks: list[int] | None = None
             self.toks: list[list[int]] | None = None
-            self.ffn: list[float] = sim.acc_ffn[lo:hi].tolist()
-            self.keys: list[int] = sim.acc_keys[lo:hi].tolist()
+            table, factor = sim.ffn_by_tokens, sim.ffn_factor[p]
+            self.ffn: list[float] = [table[n] * factor for n in sim.wl.acc_tokens[lo:hi].tolist()]
+            self.keys: list[int] = ctx.layer_keys(layer, self.experts)
             return
         rows = sim.wl.rows(p, layer)
         self.rows = rows
@@ -149,12 +150,12 @@ class LayerLookup:
         self.experts = list(first)
         self.ranks = [ent[0] for ent in first.values()]
         self.toks = [ent[1:] for ent in first.values()]
-        self.keys = [ctx.key(layer, e) for e in self.experts]
+        self.keys = ctx.layer_keys(layer, self.experts)
         self.routed = frozenset(first)
         self.final = [set(map(int, c)) for c in chosen]
         self.key_for: dict[int, int] = {}  # expert computed -> the cache key it computes from
         self.pred_order: list[list[int]] | None = None
-        self.scale = float(sim.ffn_scale[p]) if sim.timing else 0.0  # cache-only: compute is free
+        self.scale = sim.ffn_factor[p] if sim.timing else 0.0  # cache-only: compute is free
 
     def __len__(self) -> int:
         return len(self.experts)

@@ -94,8 +94,12 @@ class Workload:
         return int(self.acc_expert.shape[0])
 
     def keys(self) -> np.ndarray:
-        """Cache key of every access: ``layer * num_experts + expert``."""
-        return self.acc_layer.astype(np.int64) * self.model.num_experts + self.acc_expert
+        """Cache key of every access: ``layer * num_experts + expert`` (int64, made in place:
+        no temporaries of the access count)."""
+        keys = self.acc_layer.astype(np.int64)
+        keys *= self.model.num_experts
+        keys += self.acc_expert
+        return keys
 
 
 def speculate(trace: Trace, tree_size: int, depth: int, accept_prob: float,
