@@ -4,6 +4,7 @@ gate_mass_retained, tokens_altered, bytes and precision."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from moesim.errors import MoesimError
@@ -153,3 +154,119 @@ def test_every_miss_policy_keeps_the_invariants(name):
         assert 0 <= s["tokens_altered"] <= 1
         assert s["cache_peak_bytes"] <= 30 * t.model.expert_bytes["bf16"]
         assert s["hits"] + s["misses"] + s["late_prefetches"] == s["expert_accesses"]
+
+
+def pins(pairs: list[tuple[int, int]]) -> type:
+    """A prefetcher (a user's own: the SimPy path) that proposes nothing and loads the
+    (layer, expert) pairs before the replay (static pinning)."""
+    from moesim.policies.prefetch import PrefetchPolicy
+
+    class Pins(PrefetchPolicy):
+        def propose(self, pass_index: int, layer: int) -> list[int]:
+            return []
+
+        def pinned(self) -> list[int]:
+            return [self.ctx.key(layer, e) for layer, e in pairs]
+
+    return Pins
+
+
+SPEC_PROBS = [[0.1, 0.6, 0.1, 0.05, 0.05, 0.05, 0.05, 0.0], [0.0, 0.0, 0.0, 0.0, 0.1, 0.2, 0.3, 0.4]]
+SPEC_PRED = [[0.0, 0.1, 0.1, 0.2, 0.2, 0.2, 0.2, 0.2], [0.125] * 8]
+
+
+def test_speculation_takes_the_first_cached_expert_in_stable_prediction_order(monkeypatch):
+    """One token: layer 0 routes to e1, layer 1 to e7. Experts 4, 5 and 6 of layer 1 are
+    resident (statically pinned). Layer 0: e1 misses and is fetched (speculation starts at
+    layer 1). Layer 1: e7 misses; layer 0's prediction ties e3..e7 at 0.2, so in stable
+    order (ascending id among ties) the candidates are 3, 4, 5, 6, 7, ...: e3 is not cached,
+    e4 is: the token computes e4 in place of e7 (numpy's default sort puts e6 before e4
+    here). Gate mass kept (0.6 + 0.1) of (0.6 + 0.4); one substitution, one token altered;
+    the decision log records e4 used as a hit."""
+    from moesim.policies.prefetch import REGISTRY as PREFETCH
+
+    monkeypatch.setitem(PREFETCH._classes, "pins", pins([(1, 4), (1, 5), (1, 6)]))
+    t = tiny([[[1], [7]]], num_experts=8, probs=SPEC_PROBS, pred_next=SPEC_PRED)
+    sim = Simulation(scenario(cache={"capacity": "inf"}, policies={"miss": "speculative", "prefetch": "pins"}),
+                     trace=t, record_decisions=True)
+    s = sim.run().summary
+    k = sim.eviction.ctx.key
+    assert sim.decisions == [(0, 0, "fetch", k(0, 1)), (0, 0, "run", -1), (0, 1, "hit", k(1, 4)), (0, 1, "run", -1)]
+    assert s["gate_mass_retained"] == pytest.approx((0.6 + 0.1) / (0.6 + 0.4))
+    assert (s["substituted_experts"], s["tokens_altered"], s["misses"]) == (1, 1.0, 2)
+
+
+def test_speculation_without_a_previous_layer_row_computes_nothing(monkeypatch):
+    """Two requests of the token above in one pass (batch 2), the first with its layer-0 row
+    removed. Layer 0: the second token's e1 is fetched. Layer 1: e7 misses for both; the
+    first token has no prediction (no row at layer 0), so its e7 is replaced by nothing; the
+    second takes e4 as above. Gate mass kept 0 + (0.6 + 0.1) of 0.4 + (0.6 + 0.4); one
+    substitution (the one missed expert), both tokens altered, two misses."""
+    from moesim.policies.prefetch import REGISTRY as PREFETCH
+
+    monkeypatch.setitem(PREFETCH._classes, "pins", pins([(1, 4), (1, 5), (1, 6)]))
+    ex = np.array([[[[1], [7]]], [[[1], [7]]]])  # [requests, tokens, layers, k]
+    t = trace_from_array(small_model(layers=2, experts=8, top_k=1), ex)
+    t.probs = np.asarray(SPEC_PROBS * 2, dtype=np.float32)  # rows by request, then layer
+    t.pred_next = np.asarray(SPEC_PRED * 2, dtype=np.float32)
+    t = t.take(~((t.request == 0) & (t.layer == 0)))
+    sc = scenario(cache={"capacity": "inf"}, policies={"miss": "speculative", "prefetch": "pins"},
+                  workload={"batch_size": 2})
+    sim = Simulation(sc, trace=t, record_decisions=True)
+    s = sim.run().summary
+    k = sim.eviction.ctx.key
+    assert sim.decisions == [(0, 0, "fetch", k(0, 1)), (0, 0, "run", -1), (0, 1, "hit", k(1, 4)), (0, 1, "run", -1)]
+    assert s["gate_mass_retained"] == pytest.approx((0.6 + 0.1) / (0.4 + 0.6 + 0.4))
+    assert (s["substituted_experts"], s["tokens_altered"], s["misses"]) == (1, 1.0, 2)
+
+
+def test_fetch_priority_falls_back_to_resident_lower_copies_twice_in_a_pass():
+    """fetch-priority over bf16 and int4, degrade_fraction 0.5, top-4: ranks 0-1 important,
+    2-3 degraded; capacity 2 bf16 + 2 int4 experts. Pass 0 routes 4, 5, 0, 2: 4 and 5 at
+    bf16, 0 and 2 at int4 (two low-precision experts): full. Pass 1 routes 0, 2, 4, 5 (the
+    layer pins the bf16 keys of all four): 0 is important, its bf16 copy absent (a miss);
+    room for bf16 would need both int4 copies evicted, which frees only half an expert, so
+    the cascade falls to int4, resident: used. The same for 2. Then 4 and 5 hit. Pass 1:
+    2 misses, 2 hits, 2 low-precision experts, nothing copied. The kernel agrees."""
+    t = tiny([[[4, 5, 0, 2]], [[0, 2, 4, 5]]], num_experts=6)
+    eb = t.model.expert_bytes
+    pol = {"miss": {"name": "fetch-priority", "precisions": ["bf16", "int4"], "degrade_fraction": 0.5}}
+    sc = scenario(cache={"capacity": f"{2 * eb['bf16'] + 2 * eb['int4']}b"}, policies=pol)
+    sim = Simulation(sc, trace=t, record_decisions=True)
+    res = sim.run()
+    steps = res.steps
+    assert steps["low_precision_experts"].tolist() == [2, 2]
+    assert (steps["misses"].tolist(), steps["hits"].tolist()) == ([4, 2], [0, 2])
+    assert steps["bytes_h2d"].tolist() == [2 * eb["bf16"] + 2 * eb["int4"], 0]
+    ctx = sim.eviction.ctx
+    k, int4 = ctx.key, ctx.precisions.index("int4")
+    assert [d for d in sim.decisions if d[0] == 1] == [
+        (1, 0, "hit", k(0, 0, int4)), (1, 0, "hit", k(0, 2, int4)), (1, 0, "hit", k(0, 4)), (1, 0, "hit", k(0, 5)),
+        (1, 0, "run", -1)]
+    kernel = simulate(sc, trace=t)
+    assert kernel.summary["replay_path"] == "kernel"
+    pd.testing.assert_frame_equal(kernel.steps, steps, check_exact=True)
+
+
+def test_substitute_is_logged_as_a_hit_on_the_expert_that_runs():
+    """The substitute example above, its decision log: token 0 fetches e0; token 1's e2 is
+    replaced by the resident e0, logged as a hit on e0 (what the calibration executor runs)."""
+    probs = [[0.5, 0.3, 0.15, 0.05], [0.2, 0.25, 0.5, 0.05]]
+    t = tiny([[[0]], [[2]]], probs=probs)
+    sim = Simulation(scenario(cache={"capacity": "1 expert"}, policies={"miss": "substitute"}), trace=t,
+                     record_decisions=True)
+    sim.run()
+    k = sim.eviction.ctx.key
+    assert sim.decisions == [(0, 0, "fetch", k(0, 0)), (0, 0, "run", -1), (1, 0, "hit", k(0, 0)), (1, 0, "run", -1)]
+
+
+def test_routing_policies_do_not_apply_under_expert_parallelism():
+    """Under expert parallelism experts stay resident on their GPU and no routing policy
+    applies: cache-aware routing with a strong pull changes no token (the example above
+    alters one on a single GPU)."""
+    probs = [[0.6, 0.3, 0.05, 0.05], [0.3, 0.4, 0.2, 0.1]]
+    t = tiny([[[0]], [[1]]], probs=probs)
+    s = simulate(scenario(cache={"capacity": "inf"}, hardware={"preset": "h100-sxm-nvlink-x2"},
+                          policies={"routing": {"name": "cache-aware", "lam": 0.3}}), trace=t).summary
+    assert s["tokens_altered"] == 0.0
+    assert s["gate_mass_retained"] == 1.0
