@@ -52,7 +52,15 @@ ProgressFn = Callable[[int, int], None]
 
 
 class Simulation:
-    """Replays a workload under a scenario. Build once, call :meth:`run` once."""
+    """Replays a workload under a scenario. Build once, call :meth:`run` once.
+
+    It puts the parts together: the trace, cache sizing and policies from the builder
+    (:mod:`simulator.build`), the host link's copy engine, the cache that fetches through it
+    (:class:`simulator.cache.ExpertCache`), the prefetch queue
+    (:class:`simulator.prefetchq.PrefetchQueue`) and the cost model; :meth:`run` replays on
+    the compiled kernel when every policy has a kernel form, else on the SimPy compute
+    process (:meth:`_run`, whose layers go through the one lookup path), and derives the
+    metrics. :func:`simulate` is the facade."""
 
     def __init__(self, scenario: Scenario, trace: Trace | None = None,
                  workload: Workload | None = None, progress: ProgressFn | None = None,
