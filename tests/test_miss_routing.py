@@ -270,3 +270,16 @@ def test_routing_policies_do_not_apply_under_expert_parallelism():
                           policies={"routing": {"name": "cache-aware", "lam": 0.3}}), trace=t).summary
     assert s["tokens_altered"] == 0.0
     assert s["gate_mass_retained"] == 1.0
+
+
+def test_an_uncached_fetch_copies_the_missed_expert():
+    """No room at all (capacity 0): every missed expert is copied to a staging buffer and not
+    kept (an uncached fetch), one demand copy of that expert per access, in lookup order."""
+    t = tiny([[[0, 1]], [[2, 1]]])
+    sim = Simulation(scenario(cache={"capacity": "0 experts"}), trace=t, record_transfers=True)
+    res = sim.run()
+    k = sim.eviction.ctx.key
+    assert [(key, kind) for key, kind, *_ in res.transfers] == [
+        (k(0, 0), "demand"), (k(0, 1), "demand"), (k(0, 2), "demand"), (k(0, 1), "demand")]
+    assert res.steps["uncached_fetches"].tolist() == [2, 2]
+    assert not sim.cache.resident

@@ -115,19 +115,24 @@ def test_real_traces_show_the_budgeting_shapes():
     assert unique_by_window[-1] < 8 * (1 - (1 - 2 / 8) ** 8)  # consecutive tokens share experts
 
 
-def test_sparse_verification_factors_thin_attention_and_down_projections():
+@pytest.mark.parametrize("path", ["kernel", "simpy"])
+def test_sparse_verification_factors_thin_attention_and_down_projections(path, monkeypatch):
     """sparse-verification §3 / Table 1: in verification passes the attention reads a share
-    (1 - s_a) of the KV cache and experts skip s_f of their down-projection (1/3 of an expert)."""
+    (1 - s_a) of the KV cache and experts skip s_f of their down-projection (1/3 of an expert).
+    On both replay paths."""
     from moesim.simulator.cost import CostModel
     from moesim.simulator.engine import Simulation
 
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "1" if path == "simpy" else "0")
     t = synth_from_preset("olmoe-1b-7b", layers=2, requests=1, prompt_tokens=200, tokens=40, seed=5)
     base = {"tree_size": 4, "accept_prob": 0.5}
     dense = Simulation(scenario(cache={"capacity": "inf"}, workload={"speculative": base}), trace=t)
     sparse = Simulation(scenario(cache={"capacity": "inf"},
                                  workload={"speculative": {**base, "sparse_attention": 0.6, "sparse_ffn": 0.3}}),
                         trace=t)
-    a, b = dense.run().steps, sparse.run().steps
+    ra, rb = dense.run(), sparse.run()
+    assert ra.summary["replay_path"] == rb.summary["replay_path"] == path
+    a, b = ra.steps, rb.steps
     wl = dense.wl
     cost = CostModel(dense.scenario.hardware, t.model, t.model.expert_bytes["bf16"])
     ffn = cost.expert_time(wl.acc_tokens)
