@@ -93,6 +93,18 @@ def test_fetch_lowest_bit_moves_the_smallest_copies():
     assert s["gate_mass_retained"] == 1.0  # precision changes no routing
     plain = simulate(scenario(cache={"capacity": "inf"}), trace=t).summary
     assert s["total_time_s"] < plain["total_time_s"]
+    # the decision log: every use of a resident int4 copy (the policy's alternative) is a hit
+    # on that copy, every miss a fetch of one
+    sim = Simulation(scenario(cache={"capacity": "inf"},
+                              policies={"miss": {"name": "fetch-lowest-bit", "precisions": ["bf16", "int4"]}}),
+                     trace=t, record_decisions=True)
+    sim.run()
+    ctx = sim.eviction.ctx
+    int4 = ctx.precisions.index("int4")
+    ops = [(op, ctx.precision_of(key)) for _, _, op, key in sim.decisions if op != "run"]
+    assert ops.count(("hit", int4)) == s["hits"] > 0
+    assert ops.count(("fetch", int4)) == s["misses"]
+    assert len(ops) == s["hits"] + s["misses"]
 
 
 def test_fetch_priority_degrades_low_ranks_and_cascades_when_short_of_room():

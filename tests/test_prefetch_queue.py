@@ -138,3 +138,21 @@ def test_a_key_proposed_again_while_it_waits_is_queued_once(monkeypatch):
     assert (row.prefetches_issued, row.prefetches_used) == (3, 1)
     assert (row.prefetch_predicted, row.prefetch_predicted_hits, row.prefetch_actual) == (4, 3, 3)
     assert set(sim.cache.resident) == {ctx.key(0, 0), ctx.key(1, 1), ctx.key(2, 2), ctx.key(3, 3)}
+
+
+def test_a_late_prefetch_is_waited_for_and_logged_as_a_hit(monkeypatch):
+    """PCIe at 32 GB/s: a copy c is longer than a layer (c > f + a, checked). Layer 0: 0:0
+    misses and is fetched; the proposal 1:1 is admitted and queued behind that demand copy,
+    so it lands at t0 + 2c, after layer 1's routing point t0 + c + f + a: a late prefetch,
+    used, and in the decision log a hit. Layers 2 and 3 miss."""
+    sim, res = run(monkeypatch, scripted({0: [(1, 1)]}), "inf", gbps=32)
+    f, a, c = times(sim, 32)
+    assert c > f + a
+    row = res.steps.iloc[0]
+    assert (row.hits, row.late_prefetches, row.misses, row.prefetches_used) == (0, 1, 3, 1)
+    k = sim.eviction.ctx.key
+    assert sim.decisions == [
+        (0, 0, "fetch", k(0, 0)), (0, 0, "prefetch", k(1, 1)), (0, 0, "run", -1),
+        (0, 1, "hit", k(1, 1)), (0, 1, "run", -1),
+        (0, 2, "fetch", k(2, 2)), (0, 2, "run", -1),
+        (0, 3, "fetch", k(3, 3)), (0, 3, "run", -1)]

@@ -97,8 +97,37 @@ EQUIVALENT: dict[str, str] = {
         "orders the other keys by a static key's count or recency",
     "moesim.simulator.cache.xǁExpertCacheǁfetch__mutmut_33":
         "`used >= max_used` for `used > max_used`: when equal it assigns the value max_used already has",
+    # the one lookup path
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_8":
+        "every layer planned per token: with standard routing, no budget and an always-fetch miss policy the "
+        "per-token plan is the flat arrays' (the same experts in router order, keys and compute times: "
+        "expert_time_at at the scenario's entry size is the table's entry), only slower",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_11": "ranks are read only off the plain path, which sets them",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_12": "toks are read only off the plain path, which sets them",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_34": "no built-in routing or budget policy reads the pass index argument",
+    "moesim.simulator.lookup.x_plan__mutmut_8": "no built-in routing policy reads the pass index argument",
+    "moesim.simulator.lookup.x_plan__mutmut_22": "no built-in budget policy reads the pass index argument",
+    "moesim.simulator.lookup.x_plan__mutmut_21": "NoBudget.select returns the routed experts as lists, as the else branch does",
+    "moesim.simulator.lookup.xǁLayerLookupǁ_fetch__mutmut_10": "self.keys[i] is ctx.key(layer, e) at the scenario's precision: the same key",
+    "moesim.simulator.lookup.xǁLayerLookupǁ_fetch__mutmut_67":
+        "in cache-only replay an instant copy is done when issued, at now: waiting for it waits for nothing",
+    "moesim.simulator.lookup.xǁLayerLookupǁ_fetch__mutmut_106":
+        "in cache-only replay an instant copy is done when issued, at now: waiting for it waits for nothing",
+    "moesim.simulator.lookup.x_token_mass__mutmut_5": "astype(None) is astype(float64)",
+    "moesim.simulator.lookup.x_token_mass__mutmut_23": "numpy's sum over no experts is 0.0, the else branch's value",
+    "moesim.simulator.lookup.x__predicted__mutmut_30": "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_52": "`r <= best` for `r < best`: an equal rank leaves the best rank as it is",
+    "moesim.simulator.lookup.xǁLayerLookupǁlookup__mutmut_30":
+        "promote is called more often (`or`): CopyEngine.promote_many moves only unstarted prefetches, as the guard does",
+    "moesim.simulator.lookup.xǁLayerLookupǁlookup__mutmut_82":
+        "a non-plain layer with an always-fetch miss policy asks it to decide: Fetch.decide says fetch at the "
+        "scenario's precision, what the shortcut does",
+    "moesim.simulator.lookup.xǁLayerLookupǁlookup__mutmut_97": "no built-in miss policy reads MissInfo.pass_index",
     # prefetch queue
-    "moesim.simulator.prefetchq.xǁPrefetchQueueǁadmit__mutmut_20":
+    "moesim.simulator.prefetchq.xǁPrefetchQueueǁadmit__mutmut_4":
+        "instant = None: in cache-only replay the admitted copies are then also listed as pending; they have "
+        "started (an instant copy starts when submitted), so the withdrawal that reads the list cancels none of them",
+    "moesim.simulator.prefetchq.xǁPrefetchQueueǁadmit__mutmut_15":
         "cache.fetch(..., demand=None) for demand=False: the cache and every policy only test `if demand` "
         "or `not demand`, and None is false",
     "moesim.simulator.prefetchq.xǁPrefetchQueueǁwithdraw__mutmut_2":
