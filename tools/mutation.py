@@ -38,7 +38,7 @@ TESTS: dict[str, list[str]] = {
                                        "tests/test_engine.py", "tests/test_events.py", "tests/test_kernel.py"],
     "moesim/simulator/lookup.py": ["tests/test_fidelity.py", "tests/test_miss_routing.py", "tests/test_engine.py",
                                    "tests/test_kernel.py", "tests/test_budget_hand.py", "tests/test_expert_parallel.py",
-                                   "tests/test_speculative.py"],
+                                   "tests/test_speculative.py", "tests/test_prefetch_queue.py"],
     "moesim/simulator/prefetchq.py": ["tests/test_prefetch.py", "tests/test_prefetch_queue.py", "tests/test_fidelity.py",
                                       "tests/test_events.py",
                                       "tests/test_engine.py", "tests/test_kernel.py"],
