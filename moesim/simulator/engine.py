@@ -42,7 +42,7 @@ from moesim.simulator.build import cache_sizing, load_trace, make_policies
 from moesim.simulator.cache import ExpertCache
 from moesim.simulator.copyengine import DEMAND, CopyEngine, Transfer
 from moesim.simulator.cost import CostModel
-from moesim.simulator.lookup import LayerLookup, PassRow, Run, plan
+from moesim.simulator.lookup import LayerLookup, PassRow, Run, arrival, plan
 from moesim.simulator.prefetchq import NO_PINS, PrefetchQueue
 from moesim.simulator.workload import DECODE, VERIFY, Workload, build_workload
 from moesim.traces.schema import PHASES
@@ -173,18 +173,10 @@ class Simulation:
         keys, and the prefetch queue (:class:`simulator.prefetchq.PrefetchQueue`)."""
         self._evicted: set[int] = set()  # keys evicted in the current pass
         self.row = PassRow()  # the pass being replayed
-        self.pfq = PrefetchQueue(self.prefetch, self.eviction, self.cache, self.clock, self.model.num_layers,
-                                 self.model.num_experts * self.num_prec, self.expert_bytes, self._evicted,
-                                 self._needed, self.decisions)
+        self.pfq = PrefetchQueue(self.prefetch, self.eviction, self.cache, self._evicted, self.decisions)
         self.pf_unused = self.pfq.unused  # prefetched keys not accessed yet
         if self.withdrawn is not None:
             self.pfq.on_withdrawn.append(self._log_withdrawn)
-
-    def _needed(self, p: int, layer: int) -> set[int]:
-        """The cache keys pass ``p``'s ``layer`` looks up (the trace's routing)."""
-        b = p * self.model.num_layers + layer
-        off = self.wl.off
-        return set(self.eviction.ctx.layer_keys(layer, self.wl.acc_expert[off[b]:off[b + 1]].tolist()))
 
     def _log_withdrawn(self, gone: list[Transfer]) -> None:
         """Withdrawn prefetches, into the timeline (inside its window)."""
@@ -275,7 +267,7 @@ class Simulation:
         look = LayerLookup(self, p, layer, lo, hi, row, self._evicted)
         clock.pending = set(look.keys)
         q = self.pfq
-        if q.pending or q.waiting or q.admitted:
+        if self.prefetch.active:  # else the queue stays empty
             q.withdraw(layer, look.keys, row)
         st0 = row.stall
         if self.scenario.expert_compute == "per-expert":
@@ -347,13 +339,14 @@ class Simulation:
             ready = now
             total = 0.0
             for _, tr, f in runs:
-                if tr is not None and tr.done > ready:
-                    ready = tr.done
+                a = arrival(tr, now)
+                if a > ready:
+                    ready = a
                 total += f
             row.stall += ready - now
             return ready + total
         t = now
-        for a, f in sorted((tr.done if tr is not None and tr.done > now else now, f) for _, tr, f in runs):
+        for a, f in sorted((arrival(tr, now), f) for _, tr, f in runs):
             if a > t:
                 row.stall += a - t
                 t = a
@@ -378,17 +371,18 @@ class Simulation:
         cur = look.lookup(0, set(), t) if n else []
         for i in range(n):
             for _, tr, _ in cur:
-                if tr is not None and tr.done > t:
-                    row.stall += tr.done - t
-                    t = tr.done
+                a = arrival(tr, t)
+                if a > t:
+                    row.stall += a - t
+                    t = a
             if timing:
                 advance(t)
                 clock.now = t
-            pins = {r[0] for r in cur}  # the running expert
+            pins = {key for key, _, _ in cur}  # the running expert
             nxt = look.lookup(i + 1, set(pins), t) if i + 1 < n else []
-            nxt_pins = {r[0] for r in nxt}
-            for r in cur:
-                t += r[2]
+            nxt_pins = {key for key, _, _ in nxt}
+            for _, _, f in cur:
+                t += f
             if timing:
                 advance(t)
                 clock.now = t

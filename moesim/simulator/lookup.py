@@ -107,6 +107,12 @@ looked up; it has arrived once ``done``) and its compute time in seconds. A plai
 SimPy path makes one per expert access."""
 
 
+def arrival(tr: Transfer | None, now: float) -> float:
+    """When a computation's weights are on the GPU: ``now`` if they were resident when looked
+    up or have landed by ``now``, else when its transfer ends."""
+    return now if tr is None or tr.done < now else tr.done
+
+
 class LayerLookup:
     """The lookups of one (pass, layer), planned at its routing point (module docstring)."""
 

@@ -23,7 +23,6 @@ from collections.abc import Set as AbstractSet
 
 from moesim.policies.eviction import EvictionPolicy
 from moesim.policies.prefetch import PrefetchPolicy
-from moesim.policies.registry import Clock
 from moesim.simulator.cache import ExpertCache
 from moesim.simulator.copyengine import DEMAND, Transfer
 from moesim.simulator.lookup import PassRow
@@ -46,25 +45,23 @@ class _Either:
 
 
 class PrefetchQueue:
-    """One GPU's prefetch queue (module docstring). ``needed(p, layer)`` gives the cache keys
-    that pass ``p``'s ``layer`` really looks up (for prediction precision and recall);
-    ``evicted`` is the pass's set of evicted keys (collision misses), which admissions add
-    to; ``decisions`` the decision log, when recorded; ``div`` the keys per layer (``key //
-    div`` is the key's layer)."""
+    """One GPU's prefetch queue (module docstring) for ``policy``, whose context gives the
+    model's dimensions, the entry size, the replay's clock and workload. ``evicted`` is the
+    pass's set of evicted keys (collision misses), which admissions add to; ``decisions``
+    the decision log, when recorded."""
 
-    def __init__(self, policy: PrefetchPolicy, eviction: EvictionPolicy, cache: ExpertCache, clock: Clock,
-                 num_layers: int, div: int, expert_bytes: int, evicted: set[int],
-                 needed: Callable[[int, int], set[int]],
+    def __init__(self, policy: PrefetchPolicy, eviction: EvictionPolicy, cache: ExpertCache, evicted: set[int],
                  decisions: list[tuple[int, int, str, int]] | None) -> None:
+        ctx = policy.ctx
         self.policy = policy
         self.eviction = eviction
         self.cache = cache
-        self.clock = clock
-        self.num_layers = num_layers
-        self.div = div
-        self.expert_bytes = expert_bytes
+        self.ctx = ctx
+        self.clock = ctx.clock
+        self.num_layers = ctx.num_layers
+        self.div = ctx.num_experts * len(ctx.precisions)  # key // div = the key's layer
+        self.expert_bytes = ctx.expert_bytes
         self.evicted = evicted
-        self.needed = needed
         self.decisions = decisions
         self.waiting: deque[tuple[int, int]] = deque()  # (key, target layer), in order
         self.queued: set[int] = set()  # the waiting keys
@@ -105,8 +102,11 @@ class PrefetchQueue:
                 waiting.append((key, t))
         if waiting:
             self.admit(now, pins, row)
-        for target, keys_t in targets.items():
-            actual = self.needed(p, target)
+        wl = self.ctx.workload
+        base = p * self.num_layers
+        for target, keys_t in targets.items():  # against the keys the target layer looks up
+            b = base + target
+            actual = set(self.ctx.layer_keys(target, wl.acc_expert[wl.off[b]:wl.off[b + 1]].tolist()))
             row.pred_hits += len(actual.intersection(keys_t))
             row.pred_total += len(keys_t)
             row.actual_total += len(actual)
