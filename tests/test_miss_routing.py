@@ -192,8 +192,8 @@ def test_speculation_takes_the_first_cached_expert_in_stable_prediction_order(mo
     resident (statically pinned). Layer 0: e1 misses and is fetched (speculation starts at
     layer 1). Layer 1: e7 misses; layer 0's prediction ties e3..e7 at 0.2, so in stable
     order (ascending id among ties) the candidates are 3, 4, 5, 6, 7, ...: e3 is not cached,
-    e4 is: the token computes e4 in place of e7 (numpy's default sort puts e6 before e4
-    here). Gate mass kept (0.6 + 0.1) of (0.6 + 0.4); one substitution, one token altered;
+    e4 is: the token computes e4 in place of e7 (numpy's default, unstable sort put e6 before e4
+    on the machine this was written on). Gate mass kept (0.6 + 0.1) of (0.6 + 0.4); one substitution, one token altered;
     the decision log records e4 used as a hit."""
     from moesim.policies.prefetch import REGISTRY as PREFETCH
 

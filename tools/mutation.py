@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -388,7 +389,7 @@ def run(module: str) -> dict[str, object]:
 
 def reclassify(results: dict[str, dict[str, object]]) -> None:
     """Re-read the recorded survivors against ``EQUIVALENT`` (after adding a judgement)
-    without running the mutants again."""
+    without running the mutants again: the results file and the survivors' diffs."""
     for r in results.values():
         alive = [str(k) for k in r["alive"]]  # type: ignore[attr-defined]
         now_eq = [k for k in alive if k in EQUIVALENT]
@@ -398,6 +399,12 @@ def reclassify(results: dict[str, dict[str, object]]) -> None:
         r["alive"] = [k for k in alive if k not in EQUIVALENT]
         judged = int(r["killed"]) + len(r["alive"])  # type: ignore[call-overload, arg-type]
         r["kill_rate"] = int(r["killed"]) / judged if judged else None  # type: ignore[call-overload]
+    for path in SURVIVORS.glob("*.txt"):
+        # each alive mutant's block begins "# NAME" on a line of its own; drop those judged since
+        parts = re.split(r"(?m)^# (\S+)\n", path.read_text())
+        kept = [f"# {name}\n{body}" for name, body in zip(parts[1::2], parts[2::2], strict=True)
+                if name not in EQUIVALENT]
+        path.write_text(parts[0] + "".join(kept))
 
 
 def main(modules: list[str]) -> None:
