@@ -51,6 +51,10 @@ TESTS: dict[str, list[str]] = {
                                     "tests/test_policies.py", "tests/test_kernel.py"],
     "moesim/policies/prefetch.py": ["tests/test_proposals.py", "tests/test_prefetch.py", "tests/test_summary.py",
                                     "tests/test_kernel.py"],
+    "moesim/simulator/engine.py": ["tests/test_engine.py", "tests/test_fidelity.py", "tests/test_miss_routing.py",
+                                   "tests/test_prefetch_queue.py", "tests/test_expert_parallel.py", "tests/test_events.py",
+                                   "tests/test_speculative.py", "tests/test_kernel.py", "tests/test_prefetch.py",
+                                   "tests/test_metrics.py"],
     "moesim/policies/budget.py": ["tests/test_budget.py", "tests/test_budget_hand.py", "tests/test_budget_exact.py",
                            "tests/test_expert_parallel.py"],
 }
