@@ -346,3 +346,26 @@ def test_the_per_token_path_runs_a_layer_in_router_order():
     assert [sim.eviction.ctx.base_of(key) for key, _, _ in out] == [5, 2]
     assert look.row.dropped == 1
     assert look.row.unique == 2
+
+
+@pytest.mark.parametrize(("passes", "expected"), [
+    (3, [1, 2, 3, 3]),  # fewer than 400 passes: every pass
+    (401, [*range(2, 401, 2), 401]),  # every floor(401 / 200) = 2 passes, then the end
+    (600, [*range(3, 601, 3), 600]),  # every 3
+])
+def test_the_simpy_path_reports_progress_about_200_times(monkeypatch, passes, expected):
+    """``simulate(..., progress=f)`` calls ``f(done, total)`` every ``max(1, passes // 200)``
+    passes and once at the end (the CLI's progress bar). One request, one prompt token and
+    ``passes - 1`` decode tokens make ``passes`` passes. Found missing by mutation testing of
+    engine.py (the keyword arguments were not passed on, the period was not checked)."""
+    from tests.helpers import small_model, trace_from_array
+
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+    model = small_model(layers=2, experts=4, top_k=1)
+    trace = trace_from_array(model, np.zeros((1, passes, 2, 1), dtype=np.int64), prompt_tokens=1)
+    calls: list[tuple[int, int]] = []
+    res = simulate(scenario(cache={"capacity": "2 experts"}), trace=trace,
+                   progress=lambda done, total: calls.append((done, total)))
+    assert res.summary["replay_path"] == "simpy"
+    assert len(res.steps) == passes
+    assert calls == [(d, passes) for d in expected]

@@ -98,3 +98,59 @@ def test_max_experts_per_gpu_and_unique_experts_by_hand(placement, expected_max)
     assert res.summary["max_experts_per_gpu"] == expected_max
     assert res.summary["unique_experts_per_layer"] == 2.25
     assert res.summary["hits"] == 9  # every access is to an expert resident on its GPU
+
+
+def test_two_layers_by_hand_one_gpu_idle_then_no_traffic():
+    """Two GPUs (experts 0, 1 on GPU 0; 2, 3 on GPU 1), one prefill pass of N = 1000 tokens,
+    token t on GPU t mod 2, top-2. The tokens are many so that the experts' time grows with
+    their tokens (compute-bound, checked; the attention's is bound by its KV-cache read here).
+    Found missing by mutation testing of engine.py: the small hand test above is memory-bound
+    and has one crossing.
+
+    Layer 0: every token routes to experts 0 and 1, both on GPU 0; GPU 1 computes nothing.
+    The 500 tokens of GPU 1 send 2 hidden states each: GPU 1 sends and GPU 0 receives 1000 of
+    them, so the all-to-all lasts copy_time(1000 * 2H), once to dispatch and once to combine.
+    Layer 1: each token routes to its own GPU's two experts (500 tokens each): no traffic,
+    no all-to-all. Each layer first runs the attention on ceil(N / 2) tokens and context
+    ceil(N (N + 1) / 2 / 2) per GPU. Bytes over NVLink: 2 x 1000 x 2H, all in layer 0."""
+    n = 1000
+    model = small_model(layers=2, experts=4, top_k=2)
+    ex = np.zeros((1, n, 2, 2), dtype=np.int64)
+    ex[0, :, 0] = [0, 1]
+    ex[0, 0::2, 1] = [0, 1]
+    ex[0, 1::2, 1] = [2, 3]
+    sc = scenario(hardware={"preset": "h100-sxm-nvlink-x2"})
+    res = simulate(sc, trace=trace_from_array(model, ex, prompt_tokens=n))
+    cost = CostModel(sc.hardware, model, model.expert_bytes["bf16"])
+
+    def expert(tokens: int) -> float:
+        return float(cost.expert_time(np.array([tokens]))[0])
+
+    assert expert(n) > expert(n - 1) > expert(1)  # compute-bound
+    nonexp = float(cost.nonexpert_time(np.array([n // 2]), np.array([np.ceil(n * (n + 1) / 2 / 2)]))[0])
+    hb = 2 * model.hidden_size
+    a2a = sc.hardware.links["nvlink"].copy_time(n * hb)
+    layer0 = nonexp + 2 * a2a + 2 * expert(n)
+    layer1 = nonexp + 2 * expert(n // 2)
+    assert res.summary["total_time_s"] == pytest.approx(layer0 + layer1, rel=1e-9)
+    assert res.summary["bytes_by_link"] == {"pcie.h2d": 0, "nvlink": 2 * n * hb}
+    assert res.steps["max_experts_per_gpu"].iloc[0] == 2
+
+
+def test_the_all_to_all_lasts_as_long_as_the_busiest_receiver():
+    """Four GPUs, expert e on GPU e, one prefill pass of 4 tokens (token t on GPU t), all
+    routed to expert 0: GPUs 1, 2 and 3 each send one hidden state (2H bytes) and GPU 0
+    receives three, so each all-to-all lasts copy_time(3 x 2H), not copy_time(2H). Attention
+    on ceil(4 / 4) = 1 token and context ceil((1 + 2 + 3 + 4) / 4) = 3 per GPU."""
+    model = small_model(layers=1, experts=4, top_k=1)
+    ex = np.zeros((1, 4, 1, 1), dtype=np.int64)
+    sc = scenario(hardware={"preset": "h100-sxm-nvlink-x4"})
+    res = simulate(sc, trace=trace_from_array(model, ex, prompt_tokens=4))
+    cost = CostModel(sc.hardware, model, model.expert_bytes["bf16"])
+    hb = 2 * model.hidden_size
+    link = sc.hardware.links["nvlink"]
+    assert link.copy_time(3 * hb) > link.copy_time(hb)
+    nonexp = float(cost.nonexpert_time(np.array([1]), np.array([3]))[0])
+    expected = nonexp + 2 * link.copy_time(3 * hb) + float(cost.expert_time(np.array([4]))[0])
+    assert res.summary["total_time_s"] == pytest.approx(expected, rel=1e-9)
+    assert res.summary["bytes_by_link"] == {"pcie.h2d": 0, "nvlink": 2 * 3 * hb}
