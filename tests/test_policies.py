@@ -94,3 +94,13 @@ def test_every_family_has_its_default_and_unknown_names_list_valid_ones():
         assert default in fams[fam]
     with pytest.raises(MoesimError, match=r"unknown miss policy 'fetchh' .*valid miss policies: fetch"):
         fams["miss"].get("fetchh")
+
+
+def test_a_layers_cache_keys_are_one_contiguous_range():
+    """Four experts a layer at three precisions: 12 keys a layer; layer 2's keys are 24 to
+    35, by hand from the layout (layer * E + e) * P + q."""
+    ctx = PolicyContext(num_layers=3, num_experts=4, top_k=1, expert_bytes=EB, rng=np.random.default_rng(0),
+                        precisions=("bf16", "int8", "int4"))
+    assert ctx.keys_per_layer == 12
+    assert (ctx.key(2, 0, 0), ctx.key(2, 3, 2)) == (24, 35)
+    assert [ctx.layer_of(k) for k in (23, 24, 35, 36)] == [1, 2, 2, 3]

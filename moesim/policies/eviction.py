@@ -304,7 +304,7 @@ class LeastStale(EvictionPolicy):
         self._current: list[dict[int, None]] = [{} for _ in range(n)]
         self._is_current: dict[int, bool] = {}
         self._pass = 0
-        self._div = ctx.num_experts * len(ctx.precisions)  # key // _div = layer
+        self._div = ctx.keys_per_layer  # key // _div = layer
         self._clock = ctx.clock
         self._relative = params.order == "relative"
 

@@ -83,9 +83,16 @@ class PolicyContext:
         """``layer * num_experts + expert`` of a cache key (the workload's key)."""
         return key // len(self.precisions)
 
+    @property
+    def keys_per_layer(self) -> int:
+        """How many cache keys a layer has: its keys are ``layer * keys_per_layer`` up to
+        ``(layer + 1) * keys_per_layer`` (exclusive), so a key's layer is ``key //
+        keys_per_layer`` (for loops that cannot afford a call per key)."""
+        return len(self.precisions) * self.num_experts
+
     def layer_of(self, key: int) -> int:
         """The layer of a cache key."""
-        return key // (len(self.precisions) * self.num_experts)
+        return key // self.keys_per_layer
 
     def precision_of(self, key: int) -> int:
         """The precision index of a cache key."""

@@ -338,12 +338,12 @@ class LayerLookup:
             return runs
         sim = self.sim
         tokens_of = row.count_tokens(sim.wl, self.rows, self.orig, self.final)
-        arrival = {key: tr for key, tr, _ in runs}
+        transfer_of = {key: tr for key, tr, _ in runs}
         out = []
         for e, key in self.key_for.items():  # each keeps a token: lookups only add tokens to it
             n = tokens_of[e]
             nb = self.ctx.precision_bytes[self.ctx.precision_of(key)]
-            out.append((key, arrival.get(key), sim.cost.expert_time_at(n, nb) * self.scale))
+            out.append((key, transfer_of.get(key), sim.cost.expert_time_at(n, nb) * self.scale))
         return out
 
 

@@ -59,7 +59,7 @@ class PrefetchQueue:
         self.ctx = ctx
         self.clock = ctx.clock
         self.num_layers = ctx.num_layers
-        self.div = ctx.num_experts * len(ctx.precisions)  # key // div = the key's layer
+        self.div = ctx.keys_per_layer  # key // div = the key's layer
         self.expert_bytes = ctx.expert_bytes
         self.evicted = evicted
         self.decisions = decisions
