@@ -62,8 +62,6 @@ TESTS: dict[str, list[str]] = {
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
     # the engine (a partial run: 445 of 996 mutants)
-    'moesim.simulator.engine.xǁSimulationǁ_log_withdrawn__mutmut_1':
-        "it is a listener only when the timeline records withdrawals, so withdrawn is a list whenever it is called",
     'moesim.simulator.engine.xǁSimulationǁ_run__mutmut_35':
         "a timeout of zero seconds leaves the clock where it is (the compute process is the only process)",
     'moesim.simulator.engine.xǁSimulationǁ_run__mutmut_62':

@@ -179,8 +179,10 @@ class Simulation:
             self.pfq.on_withdrawn.append(self._log_withdrawn)
 
     def _log_withdrawn(self, gone: list[Transfer]) -> None:
-        """Withdrawn prefetches, into the timeline (inside its window)."""
-        if self.withdrawn is not None and self._recording():
+        """Withdrawn prefetches, into the timeline (inside its window). A listener only when
+        the timeline records withdrawals."""
+        assert self.withdrawn is not None
+        if self._recording():
             self.withdrawn.extend((tr.key, tr.issued, self.clock.now, tr.nbytes) for tr in gone)
 
     def ffn_table(self, at_least: int = 0) -> tuple[np.ndarray, np.ndarray]:
