@@ -669,17 +669,27 @@ def calibrate_fit(raw: str, out: str) -> None:
 @click.option("--profile", required=True, type=click.Path(dir_okay=False, exists=True), help="Profile from `calibrate fit`.")
 @click.option("--trace", "trace_path", required=True, type=click.Path(dir_okay=False, exists=True), help="Trace replayed by both.")
 @click.option("--scenarios", multiple=True, required=True, help="Scenario files (glob patterns; repeatable).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a key in every scenario, e.g. --set expert_compute=per-expert. Repeatable.")
 @device_option
 @click.option("--out", "out_dir", required=True, type=OUT_DIR, help="Report folder.")
-def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], device: str, out_dir: str) -> None:
+def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], overrides: tuple[str, ...],
+                       device: str, out_dir: str) -> None:
     """Replay TRACE on the device with a reference executor (same policy decisions) and with
-    the simulator under PROFILE; write report.md, validation.parquet and a plot."""
+    the simulator under PROFILE; write report.md, validation.parquet (a row per scenario),
+    passes.parquet (a row per forward pass) and a plot. Prints a line per scenario as it ends."""
     from moesim.calibration.validate import expand, validate
+
+    def done(r: dict[str, Any]) -> None:
+        click.echo(f"{r['scenario']}: TPOT measured {r['tpot_measured_s'] * 1e3:.3f} ms, predicted "
+                   f"{r['tpot_predicted_s'] * 1e3:.3f} ms ({r['tpot_ape']:.1%}); TTFT measured "
+                   f"{r['ttft_measured_s'] * 1e3:.3f} ms, predicted {r['ttft_predicted_s'] * 1e3:.3f} ms "
+                   f"({r['ttft_ape']:.1%})", err=True)
 
     paths = expand(list(scenarios))
     df = _with_progress("validating scenarios", lambda progress: validate(
         profile, trace_path, paths, out_dir, _device(device), progress=progress,
-        warn=lambda w: click.echo(f"warning: {w}", err=True)))
+        warn=lambda w: click.echo(f"warning: {w}", err=True), overrides=list(overrides), done=done))
     click.echo(f"TPOT APE median {df['tpot_ape'].median():.1%}, p95 {df['tpot_ape'].quantile(0.95):.1%} over "
                f"{len(df)} scenarios -> {out_dir}/report.md")
 

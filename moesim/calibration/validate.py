@@ -3,16 +3,19 @@ simulator predicts the same scenarios with a calibration profile; the report giv
 
 The executor holds real-shaped expert weights (gate, up, down) for every expert in host
 memory (pinned on CUDA) and a device cache pool of the scenario's capacity. Its decisions are
-the simulator's: a cache-only run records them (hit, fetch, evict, prefetch, run, in order)
-and the executor performs them, so both make identical hits and misses; a miss copies the
+the simulator's: the timed replay whose times it predicts records them (hit, fetch, bypass,
+evict, prefetch, run, in order) and the executor performs them, so both make identical hits
+and misses; a miss copies the
 expert's weights host -> device (into a free or evicted slot), then each layer computes the
 non-expert part (q/k/v/o projections and router as matmuls over the pass's tokens) and every
 needed expert's FFN on its tokens. Prefetches proposed by the scenario's prefetcher are
 copied by a background copy worker (a second CUDA stream's job on a GPU, a thread on the CPU)
 that overlaps compute; an access to an expert whose copy has not landed waits for it. Each
-forward pass is timed (CUDA synchronisation on CUDA, a monotonic clock on the CPU). The
-decisions are the simulator's cache-only decisions: misses and hits + late prefetches are
-identical; whether a prefetch was late depends on the real timing.
+forward pass is timed (CUDA synchronisation on CUDA, a monotonic clock on the CPU). Misses
+and hits + late prefetches are identical; whether a prefetch was late depends on the real
+timing. (A cache-only run's decisions would not do: with prefetch, which proposals are
+admitted depends on when pins are released, so its hits and misses can differ from the
+timed replay's.)
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import glob
 import json
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +36,16 @@ from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
 class _DevicePool:
     """The executor's memory: every expert's weights (gate, up, down) in host memory (pinned
-    on CUDA), a device pool of ``slots`` experts, a staging buffer for uncached fetches, and a
+    on CUDA), a device pool of ``slots`` experts (an uncached fetch gets a buffer of its own), and a
     copy worker (a second CUDA stream's job on a GPU, a thread on the CPU) for prefetches."""
 
-    def __init__(self, torch: Any, experts: int, h: int, inter: int, slots: int, device: str, dt: Any,
-                 p_num: int) -> None:
+    def __init__(self, torch: Any, host: Any, slots: int, device: str, p_num: int) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self.torch, self.device, self.p_num = torch, device, p_num
-        gen = torch.Generator().manual_seed(0)
-        host = torch.randn(experts, 3, h, inter, generator=gen, dtype=torch.float32).to(dt)
-        self.host = host.pin_memory() if device == "cuda" else host
+        self.torch, self.device, self.p_num, self.host = torch, device, p_num, host
+        _, _, h, inter = host.shape
+        dt = host.dtype
         self.pool = torch.empty(max(slots, 1), 3, h, inter, dtype=dt, device=device)
-        self.staging = torch.empty(3, h, inter, dtype=dt, device=device)
         self.free = list(range(slots))
         self.where: dict[int, int] = {}
         self.copier = ThreadPoolExecutor(max_workers=1)  # the copy engine: one copy at a time, in order
@@ -95,9 +94,10 @@ class _DevicePool:
             self.where[key] = slot
             self.pool[slot].copy_(self.host[key // self.p_num], non_blocking=blocking)
             needed[key] = self.pool[slot]
-        elif op == "bypass":
-            self.staging.copy_(self.host[key // self.p_num], non_blocking=blocking)
-            self._ffn(x, self.staging, tokens.get(key, 1))
+        elif op == "bypass":  # an uncached fetch: a buffer of its own until the expert has run
+            buf = self.torch.empty_like(self.pool[0])
+            buf.copy_(self.host[key // self.p_num], non_blocking=blocking)
+            needed[key] = buf
         elif op == "prefetch":
             self._prefetch(key)
         elif key == -1:  # run: the layer's experts, all at once
@@ -108,22 +108,42 @@ class _DevicePool:
             self._ffn(x, needed.pop(key), tokens.get(key, 1))
 
 
-def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
+def host_weights(torch: Any, experts: int, h: int, inter: int, device: str) -> Any:
+    """Every expert's gate, up and down weights in host memory (pinned on CUDA; bf16 on a GPU,
+    float32 on the CPU), made once per validation run and shared by its scenarios. The values
+    are random normal (never zeros, which can run faster than real weights); to keep a
+    13-GB model's set-up in seconds, up to 8 distinct random experts are drawn on the device
+    and repeated (an expert's values do not change what copying or multiplying it costs)."""
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    host = torch.empty(experts, 3, h, inter, dtype=dt, pin_memory=device == "cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    distinct = [torch.randn(3, h, inter, generator=gen, dtype=torch.float32, device=device).to(dt)
+                for _ in range(min(experts, 8))]
+    for e in range(experts):
+        host[e].copy_(distinct[e % len(distinct)])
+    return host
+
+
+def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None) -> dict[str, Any]:
     """Replay ``trace`` under ``scenario`` on ``device``; per-pass times and the decisions.
-    The decisions are the simulator's own (a cache-only run that records them), replayed op
-    by op (:class:`_DevicePool`): no second copy of the miss -> evict -> insert logic."""
+    The decisions are the simulator's own (the timed replay records them; its result is
+    returned as ``predicted``), replayed op by op (:class:`_DevicePool`): no second copy of the
+    miss -> evict -> insert logic.
+    ``host`` is :func:`host_weights` for the trace's model (made here when not given)."""
     import torch
 
     from moesim.simulator.engine import Simulation
 
-    sim = Simulation(replace(scenario, timing=False), trace=trace, record_decisions=True)
-    sim.run()
+    sim = Simulation(scenario, trace=trace, record_decisions=True)
+    predicted = sim.run()
     assert sim.decisions is not None
     wl, model = sim.wl, sim.model
     h, num_l, num_e = model.hidden_size, model.num_layers, model.num_experts
-    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    if host is None:
+        host = host_weights(torch, num_l * num_e, h, model.expert_intermediate_size, device)
+    dt = host.dtype
     slots = int(min(sim.capacity / sim.expert_bytes, num_l * num_e)) if np.isfinite(sim.capacity) else num_l * num_e
-    mem = _DevicePool(torch, num_l * num_e, h, model.expert_intermediate_size, slots, device, dt, sim.num_prec)
+    mem = _DevicePool(torch, host, slots, device, sim.num_prec)
     attn = torch.randn(4, h, h, dtype=dt, device=device) / h ** 0.5
     router = torch.randn(h, num_e, dtype=dt, device=device)
     ops: dict[tuple[int, int], list[tuple[str, int]]] = {}
@@ -155,17 +175,22 @@ def execute(scenario: Any, trace: Any, device: str = "cpu") -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
     mem.copier.shutdown(wait=True)
     return {"pass_s": np.asarray(times), "hits": mem.tally["hit"],
-            "misses": mem.tally["fetch"] + mem.tally["bypass"], "workload": wl}
+            "misses": mem.tally["fetch"] + mem.tally["bypass"], "workload": wl, "predicted": predicted}
 
 
 def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, device: str = "cpu",
              max_passes: int | None = None, progress: Any = None,
-             warn: Callable[[str], None] | None = None) -> pd.DataFrame:
-    """Measure and predict every scenario; write report.md, validation.parquet and a plot.
-    ``warn`` hears each :func:`shape_warnings` message before the measurements start (they
-    also go into the report)."""
+             warn: Callable[[str], None] | None = None, overrides: list[str] | None = None,
+             done: Callable[[dict[str, Any]], None] | None = None) -> pd.DataFrame:
+    """Measure and predict every scenario; write report.md, validation.parquet (a row per
+    scenario), passes.parquet (a row per forward pass: measured and predicted seconds, so the
+    error can be studied pass by pass) and a plot. ``overrides`` (``KEY=VALUE``) apply to every
+    scenario (e.g. ``expert_compute=per-expert``). ``warn`` hears each :func:`shape_warnings`
+    message before the measurements start (they also go into the report); ``done`` hears each
+    scenario's row as it is finished."""
+    import torch
+
     from moesim.config.scenario import load_scenario
-    from moesim.simulator.engine import Simulation
     from moesim.traces.io import read_trace
 
     trace = read_trace(trace_path)
@@ -173,19 +198,23 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     if warn is not None:
         for w in warnings:
             warn(w)
-    rows = []
-    for done, path in enumerate(scenarios):
+    sets = [f"hardware.profile={profile}", f"workload.trace.path={Path(trace_path).resolve()}", *(overrides or [])]
+    loaded = [load_scenario(path, sets) for path in scenarios]  # every scenario checked before any is measured
+    m_info = trace.model
+    host = host_weights(torch, m_info.num_layers * m_info.num_experts, m_info.hidden_size,
+                        m_info.expert_intermediate_size, device)
+    rows, passes = [], []
+    for i, (path, sc) in enumerate(zip(scenarios, loaded, strict=True)):
         if progress is not None:
-            progress(done, len(scenarios))
-        sc = load_scenario(path, [f"hardware.profile={profile}", f"workload.trace.path={Path(trace_path).resolve()}"])
-        pred = Simulation(sc, trace=trace).run()
-        meas = execute(sc, trace, device)
+            progress(i, len(scenarios))
+        meas = execute(sc, trace, device, host)
+        pred = meas["predicted"]
         steps = pred.steps
         dec = (steps["phase"] == "decode").to_numpy()
         first = (steps["phase"] != "decode").to_numpy()
         m = meas["pass_s"]
         row = {"scenario": Path(path).stem, "capacity": sc.cache.capacity, "eviction": sc.policies.eviction.name,
-               "model": pred.summary["model"],
+               "model": pred.summary["model"], "expert_compute": sc.expert_compute,
                "prefetch": sc.policies.prefetch.name,
                "hits_sim": pred.summary["hits"] + pred.summary["late_prefetches"], "misses_sim": pred.summary["misses"],
                "hits_exec": meas["hits"], "misses_exec": meas["misses"],
@@ -196,9 +225,15 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
         for k in ("tpot", "ttft"):
             row[f"{k}_ape"] = abs(row[f"{k}_predicted_s"] - row[f"{k}_measured_s"]) / row[f"{k}_measured_s"]
         rows.append(row)
+        passes.append(pd.DataFrame({"scenario": row["scenario"], "pass": np.arange(len(m)),
+                                    "phase": steps["phase"].to_numpy(), "tokens": meas["workload"].pass_tokens,
+                                    "measured_s": m, "predicted_s": steps["duration_s"].to_numpy()}))
+        if done is not None:
+            done(row)
     df = pd.DataFrame(rows)
     out = Path(out_dir)
     write_atomic(out / "validation.parquet", lambda tmp: df.to_parquet(tmp, index=False))
+    write_atomic(out / "passes.parquet", lambda tmp: pd.concat(passes).to_parquet(tmp, index=False))
     _report(df, out, profile, device, warnings)
     df.attrs["warnings"] = warnings
     return df
