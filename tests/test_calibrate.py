@@ -253,3 +253,33 @@ def test_validate_warns_on_the_command_line_and_in_the_report(tmp_path):
     assert "warning: profile" in r.stderr
     assert "(128x256; it has 256x512)" in r.stderr
     assert "**Warning:** profile" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_the_executor_performs_withdrawn_prefetches_of_the_timed_replay():
+    """A timed replay whose prefetches queue behind a slow link withdraws some at their target
+    layer, freeing their room without an eviction; the decision log records each as
+    ``withdraw``. Replaying the log with a slot count (written here from the contract: fetch and
+    prefetch take a slot, evict and withdraw give one back) never overfills the cache, and the
+    executor performs it with the replay's own hits and misses (it ran out of slots before)."""
+    pytest.importorskip("torch")
+    from moesim.calibration.validate import execute
+    from moesim.simulator.engine import Simulation
+    from moesim.traces.synth import generate
+    from tests.helpers import scenario, small_model
+
+    t = generate(small_model(layers=4, experts=8, top_k=2, hidden=64, inter=128), requests=1, prompt_tokens=0,
+                 tokens=40, seed=5)
+    sc = scenario(cache={"capacity": "4 experts"}, policies={"prefetch": "previous-token", "eviction": "lru"},
+                  hardware={"links": {"pcie": {"bandwidth_gbps": 0.05}}})
+    sim = Simulation(sc, trace=t, record_decisions=True)
+    res = sim.run()
+    assert sim.decisions is not None
+    ops = [op for _, _, op, _ in sim.decisions]
+    assert ops.count("withdraw") == res.summary["prefetches_cancelled"] > 0
+    used, top = 0, 0
+    for op in ops:
+        used += (op in ("fetch", "prefetch")) - (op in ("evict", "withdraw"))
+        top = max(top, used)
+    assert top <= 4
+    ex = execute(sc, t)
+    assert (ex["misses"], ex["hits"]) == (res.summary["misses"], res.summary["hits"] + res.summary["late_prefetches"])

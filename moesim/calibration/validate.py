@@ -4,7 +4,7 @@ simulator predicts the same scenarios with a calibration profile; the report giv
 The executor holds real-shaped expert weights (gate, up, down) for every expert in host
 memory (pinned on CUDA) and a device cache pool of the scenario's capacity. Its decisions are
 the simulator's: the timed replay whose times it predicts records them (hit, fetch, bypass,
-evict, prefetch, run, in order) and the executor performs them, so both make identical hits
+evict, prefetch, withdraw, run, in order) and the executor performs them, so both make identical hits
 and misses; a miss copies the
 expert's weights host -> device (into a free or evicted slot), then each layer computes the
 non-expert part (q/k/v/o projections and router as matmuls over the pass's tokens) and every
@@ -100,6 +100,11 @@ class _DevicePool:
             needed[key] = buf
         elif op == "prefetch":
             self._prefetch(key)
+        elif op == "withdraw":  # a queued prefetch withdrawn with its room: drop it if not begun
+            fut = self.landing.pop(key)
+            if not fut.cancel():
+                fut.result()
+            self.free.append(self.where.pop(key))
         elif key == -1:  # run: the layer's experts, all at once
             for k, w3 in needed.items():
                 self._ffn(x, w3, tokens.get(k, 1))

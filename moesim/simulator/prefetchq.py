@@ -174,4 +174,7 @@ class PrefetchQueue:
                 cb(gone)
             self.cache.cancel_many(gone)
             self.unused.difference_update([tr.key for tr in gone])
+            if self.decisions is not None:
+                clock = self.clock
+                self.decisions.extend((clock.pass_index, clock.layer, "withdraw", tr.key) for tr in gone)
             row.pf_cancelled += len(gone)
