@@ -42,10 +42,11 @@ class CostModel:
         self._table = self._measured()
         self._time_at: dict[tuple[int, int], float] = {}
         self._dense = None
-        for by_dtype in (hardware.nonexpert_table or {}).values():
-            for tab in by_dtype.values():
-                if tab.get("hidden") == model.hidden_size:
-                    self._dense = (np.log(np.asarray(tab["tokens"], float)), np.log(np.asarray(tab["seconds"], float)))
+        dense = [tab for by_dtype in (hardware.nonexpert_table or {}).values()
+                 for _, tab in sorted(by_dtype.items(), key=lambda kv: kv[0] != "bfloat16")
+                 if tab.get("hidden") == model.hidden_size]
+        if dense:  # the first table of this hidden size, bf16 (the weights' precision) first
+            self._dense = (np.log(np.asarray(dense[0]["tokens"], float)), np.log(np.asarray(dense[0]["seconds"], float)))
 
     @staticmethod
     def _interp(tab: tuple[np.ndarray, np.ndarray], tokens: np.ndarray) -> np.ndarray:
@@ -73,7 +74,7 @@ class CostModel:
     def _measured(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The profile's expert-time table for this model's (hidden, intermediate) shape."""
         for by_dtype in (self.hw.expert_table or {}).values():
-            for tab in by_dtype.values():
+            for _, tab in sorted(by_dtype.items(), key=lambda kv: kv[0] != "bfloat16"):
                 if (tab.get("hidden"), tab.get("intermediate")) == (self.model.hidden_size,
                                                                      self.model.expert_intermediate_size):
                     return np.log(np.asarray(tab["tokens"], float)), np.log(np.asarray(tab["seconds"], float))
