@@ -42,11 +42,11 @@ class _DevicePool:
 
     A buffer is named by an int: ``0 .. slots-1`` the pool's slots, ``slots + j`` spare ``j``.
     :meth:`perform` first runs over a scenario's decisions in ``plan`` mode (no copies, no
-    kernels), which finds every (buffer, tokens) FFN and non-expert size the replay will run and
-    how many spares it needs; :meth:`prepare` then makes the spares and, on CUDA, captures each
-    of those kernels as a CUDA graph, so that the timed replay launches one graph per expert
-    instead of five kernels from Python (on the H100 Python's dispatch took 55-90 us per OLMoE
-    FFN, the GPU 19 us)."""
+    kernels), which finds every launch the replay will make (:meth:`run`: a layer's non-expert
+    part, one expert, or a layer's experts together) and how many spares it needs;
+    :meth:`prepare` then makes the spares and, on CUDA, captures each launch as a CUDA graph, so
+    that the timed replay launches graphs instead of five kernels per expert from Python (on
+    the H100 Python's dispatch took 55-90 us per OLMoE FFN, the GPU 19 us)."""
 
     def __init__(self, torch: Any, host: Any, slots: int, device: str, p_num: int, tokens: int,
                  num_experts: int) -> None:
@@ -62,9 +62,10 @@ class _DevicePool:
         self.router = torch.randn(h, num_experts, generator=gen, dtype=torch.float32, device=device).to(dt)
         self.spares: list[Any] = []
         self.copier = ThreadPoolExecutor(max_workers=1)  # the copy engine: one copy at a time, in order
-        self.side = torch.cuda.Stream() if device == "cuda" else None
-        self.graphs: dict[tuple[int, int], Any] = {}  # (buffer or -1 for non-expert, tokens) -> replay
-        self.kernels: set[tuple[int, int]] = set()  # what the plan found the replay runs
+        self.side: Any = torch.cuda.Stream() if device == "cuda" else None  # prefetch copies
+        self.demand: Any = torch.cuda.Stream() if device == "cuda" else None  # demand copies
+        self.graphs: dict[tuple[tuple[int, int], ...], Any] = {}  # a launch (see run) -> its graph's replay
+        self.launches: set[tuple[tuple[int, int], ...]] = set()  # what the plan found the replay launches
         self.plan = True
         self.most_spares = 0
         self.reset()
@@ -76,6 +77,7 @@ class _DevicePool:
         self.spare_used = 0
         self.where: dict[int, int] = {}
         self.landing: dict[int, Any] = {}
+        self.arrived: dict[int, Any] = {}  # buffer -> CUDA event of its demand copy
         self.tally = {"hit": 0, "fetch": 0, "bypass": 0}
 
     def buffer(self, b: int) -> Any:
@@ -92,24 +94,39 @@ class _DevicePool:
             y = y @ w
         _ = y @ self.router
 
-    def run(self, b: int, n: int) -> None:
-        """A kernel: buffer ``b``'s expert FFN on ``n`` tokens, or (``b`` = -1) the layer's
-        non-expert projections and router on ``n`` tokens."""
-        n = max(1, min(n, self.x.shape[0]))
-        if self.plan:
-            self.kernels.add((b, n))
+    def run(self, kernels: tuple[tuple[int, int], ...]) -> None:
+        """One launch: for each ``(b, n)`` buffer ``b``'s expert FFN on ``n`` tokens, or (``b``
+        = -1) the layer's non-expert projections and router on ``n`` tokens; in the plan, noted;
+        in the replay, after the demand copies of its buffers, as one CUDA graph on a GPU (a
+        layer's experts in ``layer`` execution: one launch instead of one per expert; at 100%
+        capacity OLMoE took twice the GPU's time with a graph per expert, Python's launches
+        being the bottleneck)."""
+        if not kernels:
             return
-        graph = self.graphs.get((b, n))
+        if self.plan:
+            self.launches.add(kernels)
+            return
+        for b, _ in kernels:
+            arrived = self.arrived.pop(b, None)
+            if arrived is not None:
+                self.torch.cuda.current_stream().wait_event(arrived)
+        graph = self.graphs.get(kernels)
         if graph is not None:
             graph()
-        elif b < 0:
-            self._dense_eager(n)
-        else:
-            self._ffn_eager(b, n)
+            return
+        for b, n in kernels:
+            if b < 0:
+                self._dense_eager(n)
+            else:
+                self._ffn_eager(b, n)
+
+    def size(self, n: int) -> int:
+        """Tokens a kernel runs on: at least one, at most the static input's rows."""
+        return max(1, min(n, self.x.shape[0]))
 
     def prepare(self) -> None:
-        """After the plan: make the spares it needs and, on CUDA, capture its kernels as graphs
-        (each warmed up on a side stream, as capture requires)."""
+        """After the plan: make the spares it needs and, on CUDA, capture each of its launches
+        as a CUDA graph (warmed up on a side stream first, as capture requires)."""
         torch = self.torch
         self.spares = [torch.empty_like(self.pool[0]) for _ in range(self.most_spares)]
         self.plan = False
@@ -118,30 +135,48 @@ class _DevicePool:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for b, n in sorted(self.kernels):
-                    self.run(b, n)
+                for kernel in sorted({k for launch in self.launches for k in launch}):
+                    self.run((kernel,))
             torch.cuda.current_stream().wait_stream(side)
-            for b, n in sorted(self.kernels):
+            for launch in sorted(self.launches):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=mempool):
-                    self.run(b, n)
-                self.graphs[(b, n)] = graph.replay
+                    self.run(launch)
+                self.graphs[launch] = graph.replay
             torch.cuda.synchronize()
         self.reset()
 
     def _copy(self, b: int, key: int, background: bool) -> None:
+        """Copy ``key``'s weights into buffer ``b``. On CUDA a copy starts once the compute
+        stream has done what was launched before it (the buffer's previous expert may still be
+        running; the simulator's copy starts at the decision's time, after that work):
+        a demand copy on the demand-copy stream, whose event the expert's kernel waits for, so
+        the next expert's copy overlaps this one's compute in per-expert execution (on one
+        stream it could not); a prefetch on the copy worker's stream."""
         if self.plan:
             return
-        dst, src, side = self.buffer(b), self.host[key // self.p_num], self.side
-        if not background:
-            dst.copy_(src, non_blocking=side is not None)
+        dst, src, torch = self.buffer(b), self.host[key // self.p_num], self.torch
+        if self.device != "cuda":
+            if background:
+                self.landing[key] = self.copier.submit(dst.copy_, src)
+            else:
+                dst.copy_(src)
             return
+        after = torch.cuda.Event()
+        after.record()  # the compute stream's work so far
+        if not background:
+            with torch.cuda.stream(self.demand):
+                self.demand.wait_event(after)
+                dst.copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            self.arrived[b] = done
+            return
+        side = self.side
 
         def job() -> None:
-            if side is None:
-                dst.copy_(src)
-                return
-            with self.torch.cuda.stream(side):
+            with torch.cuda.stream(side):
+                side.wait_event(after)
                 dst.copy_(src, non_blocking=True)
             side.synchronize()
 
@@ -186,13 +221,13 @@ class _DevicePool:
                 fut.result()
             self.free.append(self.where.pop(key))
         elif key == -1:  # run: the layer's experts, all at once
-            for k, b in needed.items():
-                self.run(b, tokens.get(k, 1))
+            self.run(tuple((b, self.size(tokens.get(k, 1))) for k, b in needed.items()))
+            for b in needed.values():
                 self._ran(b)
             needed.clear()
         else:  # run: one expert
             b = needed.pop(key)
-            self.run(b, tokens.get(key, 1))
+            self.run(((b, self.size(tokens.get(key, 1))),))
             self._ran(b)
 
 
@@ -240,7 +275,7 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None) ->
 
     def forward(p: int) -> None:
         for layer in range(num_l):
-            mem.run(-1, int(wl.pass_tokens[p]))
+            mem.run(((-1, mem.size(int(wl.pass_tokens[p]))),))
             needed: dict[int, int] = {}
             for op, key in ops.get((p, layer), []):
                 mem.perform(op, key, needed, counts[p * num_l + layer])
@@ -254,6 +289,11 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None) ->
         for p in range(wl.num_passes):  # the plan: which kernels and how many spares
             forward(p)
         mem.prepare()
+        forward(0)  # a warm-up pass, untimed: first touches of the pool and the kernels
+        for fut in mem.landing.values():
+            fut.result()
+        sync()
+        mem.reset()
         for p in range(wl.num_passes):
             sync()
             t0 = time.perf_counter()
