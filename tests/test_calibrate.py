@@ -319,3 +319,29 @@ def test_the_cost_model_reads_the_bf16_tables_whatever_their_order(tmp_path):
     assert cost.expert_time(np.array([2]))[0] == pytest.approx(2e-5, rel=1e-12)
     kv = 2 * cost.kv_width * 2 * 100 / cost.hbm
     assert cost.nonexpert_time(np.array([2]), np.array([100]))[0] == pytest.approx(3e-5 + kv, rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["layer", "per-expert"])
+def test_the_executor_plans_its_launches_and_spare_buffers_from_the_decisions(mode):
+    """With room for no expert every fetch is uncached, so the spare buffers the plan makes are
+    the experts held at once (docs/execution.md's pinning): all of a layer's distinct routed
+    experts in ``layer`` execution, the running one and the one looked up next in
+    ``per-expert``. A layer's experts are one launch in ``layer`` execution (one CUDA graph on a
+    GPU) and one launch each in ``per-expert``; every layer starts with its non-expert launch."""
+    pytest.importorskip("torch")
+    from moesim.calibration.validate import execute
+    from tests.helpers import scenario, small_model, trace_from_array
+
+    rng = np.random.default_rng(4)
+    experts = np.stack([rng.choice(8, size=(3, 2), replace=False) for _ in range(2 * 6)]).reshape(2, 6, 3, 2)
+    t = trace_from_array(small_model(layers=3, experts=8, top_k=2, hidden=64, inter=128), experts, prompt_tokens=2)
+    sc = scenario(cache={"capacity": "0.5 experts"}, expert_compute=mode, workload={"batch_size": 2})
+    ex = execute(sc, t)
+    wl = ex["workload"]
+    keys, off = wl.keys(), wl.off
+    distinct = [len(set(keys[off[b]:off[b + 1]].tolist())) for b in range(len(off) - 1)]
+    assert ex["spares"] == (max(distinct) if mode == "layer" else 2)
+    expert_launches = [launch for launch in ex["launches"] if launch[0][0] >= 0]
+    assert {len(launch) for launch in expert_launches} == ({d for d in distinct if d} if mode == "layer" else {1})
+    assert {launch[0][1] for launch in ex["launches"] if launch[0][0] < 0} == set(wl.pass_tokens.tolist())
+    assert ex["misses"] == sum(distinct)

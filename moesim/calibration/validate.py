@@ -302,7 +302,8 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None) ->
             times.append(time.perf_counter() - t0)
     mem.copier.shutdown(wait=True)
     return {"pass_s": np.asarray(times), "hits": mem.tally["hit"],
-            "misses": mem.tally["fetch"] + mem.tally["bypass"], "workload": wl, "predicted": predicted}
+            "misses": mem.tally["fetch"] + mem.tally["bypass"], "workload": wl, "predicted": predicted,
+            "launches": mem.launches, "spares": mem.most_spares}
 
 
 def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, device: str = "cpu",
