@@ -1,0 +1,60 @@
+"""The committed H100 calibration (``profiles/h100.yaml``, ``validation/h100/``) stays what
+the code makes of its raw data: the profile is the fit of the raw measurements, and every
+prediction in the validation table is what the simulator predicts today for that scenario,
+trace and profile. If a change to the simulator moves a prediction, the README's measured
+error no longer describes it: re-run the validation on a GPU (README "Calibration")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from moesim.calibration.calibrate import fit
+from moesim.config.scenario import load_scenario
+from moesim.simulator.engine import Simulation
+from moesim.traces.io import write_trace
+from moesim.traces.synth import synth_from_preset
+
+ROOT = Path(__file__).resolve().parents[1]
+VALIDATION = ROOT / "validation" / "h100"
+PROFILE = ROOT / "profiles" / "h100.yaml"
+
+
+def test_the_h100_profile_is_the_fit_of_its_raw_measurements():
+    raw = pd.read_parquet(VALIDATION / "raw.parquet")
+    assert fit(raw, "raw.parquet") == yaml.safe_load(PROFILE.read_text())
+    assert set(raw.loc[raw["kind"].isin(["expert", "dense", "attention"]), "timing"]) == {"cuda-graph"}
+    assert (raw["device_name"] == "NVIDIA H100 80GB HBM3").all()
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    """The validation traces, regenerated (synthetic traces are deterministic for a seed)."""
+    d = tmp_path_factory.mktemp("h100")
+    out = {}
+    for name, layers in (("olmoe-1b-7b", None), ("mixtral-8x7b", 4)):  # as tools/gpu_calibrate.sh makes them
+        path = d / f"{name}.parquet"
+        write_trace(synth_from_preset(name, layers=layers, requests=1, prompt_tokens=64, tokens=128, seed=0), path)
+        out[name] = path
+    return out
+
+
+def test_every_recorded_prediction_is_what_the_simulator_predicts_today(traces):
+    table = pd.read_parquet(VALIDATION / "validation.parquet")
+    assert len(table) == 64
+    assert set(table["expert_compute"]) == {"layer", "per-expert"}
+    for r in table.itertuples():
+        sc = load_scenario(f"validation/{r.scenario}", [f"hardware.profile={PROFILE}", f"workload.trace.path={traces[r.model]}",
+                                                        f"expert_compute={r.expert_compute}"])
+        res = Simulation(sc).run()
+        steps = res.steps
+        dec = steps["phase"] == "decode"
+        where = f"{r.model} {r.expert_compute} {r.scenario}"
+        assert steps.loc[dec, "duration_s"].mean() == pytest.approx(r.tpot_predicted_s, rel=1e-9), where
+        assert steps.loc[~dec, "duration_s"].mean() == pytest.approx(r.ttft_predicted_s, rel=1e-9), where
+        assert (res.summary["misses"], res.summary["hits"] + res.summary["late_prefetches"]) == (
+            r.misses_sim, r.hits_sim), where
+        assert (r.misses_exec, r.hits_exec) == (r.misses_sim, r.hits_sim), where
