@@ -55,6 +55,7 @@ TESTS: dict[str, list[str]] = {
                                    "tests/test_prefetch_queue.py", "tests/test_expert_parallel.py", "tests/test_events.py",
                                    "tests/test_speculative.py", "tests/test_kernel.py", "tests/test_prefetch.py",
                                    "tests/test_metrics.py"],
+    "moesim/calibration/calibrate.py": ["tests/test_calibrate.py", "tests/test_h100_calibration.py"],
     "moesim/policies/budget.py": ["tests/test_budget.py", "tests/test_budget_hand.py", "tests/test_budget_exact.py",
                            "tests/test_expert_parallel.py"],
 }
