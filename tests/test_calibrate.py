@@ -345,3 +345,16 @@ def test_the_executor_plans_its_launches_and_spare_buffers_from_the_decisions(mo
     assert {len(launch) for launch in expert_launches} == ({d for d in distinct if d} if mode == "layer" else {1})
     assert {launch[0][1] for launch in ex["launches"] if launch[0][0] < 0} == set(wl.pass_tokens.tolist())
     assert ex["misses"] == sum(distinct)
+
+
+def test_fit_warns_only_above_the_residual_limit_and_says_what_to_do():
+    """A link fit warns when its residual exceeds 10% (not at exactly 10%), with the whole
+    message: the link, the residual, the sizes, and what to do."""
+    from moesim.calibration.calibrate import fit_warnings
+
+    link = {"bandwidth_gbps": 50.0, "latency_us": 5.0, "points": 6}
+    assert fit_warnings({"links": {"h2d_pinned": {**link, "rel_rms_residual": 0.10}}}) == []
+    assert fit_warnings({"links": {"h2d_pinned": {**link, "rel_rms_residual": 0.125}}}) == [
+        "link h2d_pinned: the affine fit misses the measurements by 12% (relative RMS over 6 sizes), more than "
+        "10%; its bandwidth and latency are rough. Measure again (pinned memory on a GPU, fewer other jobs), or "
+        "check the raw times by size."]
