@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from moesim.policies.eviction import LRU
+from moesim.policies.eviction import REGISTRY as EVICTION
 from moesim.policies.prefetch import REGISTRY, PrefetchPolicy
 from moesim.simulator.engine import Simulation
 from moesim.simulator.workload import build_workload
@@ -156,3 +158,51 @@ def test_a_late_prefetch_is_waited_for_and_logged_as_a_hit(monkeypatch):
         (0, 1, "hit", k(1, 1)), (0, 1, "run", -1),
         (0, 2, "fetch", k(2, 2)), (0, 2, "run", -1),
         (0, 3, "fetch", k(3, 3)), (0, 3, "run", -1)]
+
+
+@pytest.mark.parametrize("mode", ["layer", "per-expert"])
+def test_the_clock_a_policy_reads_at_each_admission(monkeypatch, mode):
+    """An eviction policy that records the clock (now, pass, layer, pending) each time an
+    admission walks its prefetch candidates. Capacity 1 expert, PCIe at 128 GB/s (f < c < a,
+    checked); the prefetcher proposes 1:1 then 2:2 at layer 0; layer l routes to expert l.
+
+    ``layer``: at layer 0's routing point a, 0:0 misses and is pinned in flight, so 1:1 waits
+    (record 1: a, pending {0:0}); at the layer's end a + c + f the pins are released: 1:1
+    evicts 0:0 (record 2) and 2:2 finds 1:1 in flight (record 3), both with nothing pending.
+    Layer 1 routes at 2a + c + f, hits 1:1 (landed at a + 2c + f) and 2:2 fails under its pin
+    (record 4: pending {1:1}); at its end 2a + c + 2f, 2:2 evicts 1:1 (record 5).
+
+    ``per-expert``: at a, 1:1 takes the empty slot and 2:2 fails (record 1: pending {0:0});
+    0:0 is fetched uncached (the demand copy goes first), runs, and at a + c + f, with
+    nothing pending, 2:2 finds 1:1 in flight (record 2). At layer 1's routing point
+    2a + c + f, 2:2 evicts 1:1 (record 3: pending {1:1}).
+
+    Found missing by mutation testing of ``engine.py``: a clock left at the routing point or
+    still holding the layer's pending experts at the layer-end admission went unnoticed."""
+    seen: list[tuple[float, int, int, frozenset[int]]] = []
+
+    class Recording(LRU):
+        def prefetch_candidates(self):
+            c = self.ctx.clock
+            seen.append((c.now, c.pass_index, c.layer, frozenset(c.pending)))
+            return super().prefetch_candidates()
+
+    monkeypatch.setitem(REGISTRY._classes, "scripted", scripted({0: [(1, 1), (2, 2)]}))
+    monkeypatch.setitem(EVICTION._classes, "recording", Recording)
+    model = small_model(layers=L, experts=E, top_k=1)
+    trace = trace_from_array(model, np.arange(L).reshape(1, 1, L, 1))
+    sc = scenario(cache={"capacity": "1 experts"}, expert_compute=mode,
+                  policies={"prefetch": "scripted", "eviction": "recording"},
+                  hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": GBPS}}})
+    sim = Simulation(sc, trace=trace)
+    sim.run()
+    f, a, c = times(sim, GBPS)
+    assert f < c < a
+    k = sim.eviction.ctx.key
+    if mode == "layer":
+        want = [(a, 0, 0, {k(0, 0)}), (a + c + f, 0, 0, set()), (a + c + f, 0, 0, set()),
+                (2 * a + c + f, 0, 1, {k(1, 1)}), (2 * a + c + 2 * f, 0, 1, set())]
+    else:
+        want = [(a, 0, 0, {k(0, 0)}), (a + c + f, 0, 0, set()), (2 * a + c + f, 0, 1, {k(1, 1)})]
+    assert [(p, layer, set(pending)) for _, p, layer, pending in seen] == [(p, la, s) for _, p, la, s in want]
+    assert [now for now, *_ in seen] == pytest.approx([t for t, *_ in want], rel=1e-12)
