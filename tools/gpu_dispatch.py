@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from moesim.calibration.calibrate import cuda_graph, expert_ffn, warm_up
+
 SHAPES = {"olmoe-1b-7b": (2048, 1024), "mixtral-8x7b": (4096, 14336)}
 
 
@@ -41,20 +43,11 @@ def main(out: str) -> None:
             x = torch.randn(n, h, dtype=torch.bfloat16, device="cuda")
 
             def ffn(x=x, wg=wg, wu=wu, wd=wd):
-                return (torch.nn.functional.silu(x @ wg) * (x @ wu)) @ wd
+                return expert_ffn(x, wg, wu, wd)
 
-            for _ in range(3):
-                ffn()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    ffn()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                ffn()
-            iso, b2b, gr = _events(ffn, 1), _events(ffn, 50), _events(g.replay, 50)
+            warm_up(ffn)
+            replay = cuda_graph(ffn)
+            iso, b2b, gr = _events(ffn, 1), _events(ffn, 50), _events(replay, 50)
             rows.append(f"{shape},{n},{iso * 1e6:.1f},{b2b * 1e6:.1f},{gr * 1e6:.1f}")
             print(rows[-1], flush=True)
     with open(out, "w") as f:

@@ -7,7 +7,7 @@ SiLU) by tokens and dtype for model shapes, attention (one query over a KV cache
 length, and per-launch overhead — with warm-up and repeats, keeping medians and the 10th/90th
 percentiles. CUDA runs are timed with CUDA events, the compute kernels (expert FFN, non-expert
 projections, attention) as CUDA graphs so that the time is the GPU's work and not the host's
-dispatch of its kernels (on the H100 an OLMoE expert FFN took 19 us as a graph and 65-90 us
+dispatch of its kernels (on the H100 an OLMoE expert FFN took 19 us as a graph and 65-91 us
 dispatched from Python); CPU runs with a monotonic clock. Every row
 records the device, driver, CUDA and torch versions. On the CPU the same code runs ("host" and
 "device" are both host memory there), to test the pipeline.
@@ -66,18 +66,32 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
-def _graphed(fn: Any) -> Any:
-    """``fn`` captured as a CUDA graph; returns its replay. Warmed up on a side stream first, as
-    capture requires (cuBLAS picks its kernels and workspace there)."""
+def expert_ffn(x: Any, gate: Any, up: Any, down: Any) -> Any:
+    """One expert FFN on the tokens ``x``: ``(silu(x @ gate) * (x @ up)) @ down`` (gate and up
+    ``hidden x intermediate``, down ``intermediate x hidden``). What :func:`measure` times and
+    the validation executor runs."""
+    torch = _torch()
+    return (torch.nn.functional.silu(x @ gate) * (x @ up)) @ down
+
+
+def warm_up(fn: Any, times: int = 3) -> None:
+    """Run ``fn`` ``times`` times on a side stream joined to the current one, as a CUDA graph
+    capture of it requires first (cuBLAS picks its kernels and workspace outside the capture)."""
     torch = _torch()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(times):
             fn()
     torch.cuda.current_stream().wait_stream(side)
+
+
+def cuda_graph(fn: Any, pool: Any = None) -> Any:
+    """``fn`` (warmed up: :func:`warm_up`) captured as a CUDA graph, its memory from ``pool``
+    when given (graphs replayed one after another may share one); returns its replay."""
+    torch = _torch()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         fn()
     return graph.replay
 
@@ -88,7 +102,8 @@ def _timer(device: str, fn: Any, warmup: int, repeats: int, graph: bool = False)
     dispatch between kernels), a monotonic clock on the CPU."""
     torch = _torch()
     if graph and device == "cuda":
-        fn = _graphed(fn)
+        warm_up(fn)
+        fn = cuda_graph(fn)
     for _ in range(warmup):
         fn()
     out = []
@@ -169,7 +184,7 @@ def measure(device: str = "cpu", shapes: list[str] | None = None, quick: bool = 
             wd = torch.randn(inter, hidden, dtype=tdt, device=device)
             for t in tokens:
                 x = torch.randn(t, hidden, dtype=tdt, device=device)
-                add("expert", _timer(device, lambda x=x, wg=wg, wu=wu, wd=wd: (torch.nn.functional.silu(x @ wg) * (x @ wu)) @ wd,
+                add("expert", _timer(device, lambda x=x, wg=wg, wu=wu, wd=wd: expert_ffn(x, wg, wu, wd),
                                      warmup, repeats, graph=True), shape=shape, hidden=hidden, intermediate=inter, dtype=dt,
                     tokens=t)
             # the non-expert part of a layer: q, k, v, o projections and the router

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from moesim.calibration.calibrate import cuda_graph, expert_ffn, warm_up
 from moesim.errors import MoesimError
 from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
@@ -46,7 +47,7 @@ class _DevicePool:
     part, one expert, or a layer's experts together) and how many spares it needs;
     :meth:`prepare` then makes the spares and, on CUDA, captures each launch as a CUDA graph, so
     that the timed replay launches graphs instead of five kernels per expert from Python (on
-    the H100 Python's dispatch took 55-90 us per OLMoE FFN, the GPU 19 us)."""
+    the H100 Python's dispatch took 53-91 us per OLMoE FFN, the GPU 19 us)."""
 
     def __init__(self, torch: Any, host: Any, slots: int, device: str, p_num: int, tokens: int,
                  num_experts: int) -> None:
@@ -85,8 +86,7 @@ class _DevicePool:
 
     def _ffn_eager(self, b: int, n: int) -> None:
         w3 = self.buffer(b)
-        xs = self.x[:n]
-        _ = (self.torch.nn.functional.silu(xs @ w3[0]) * (xs @ w3[1])) @ w3[2].T
+        expert_ffn(self.x[:n], w3[0], w3[1], w3[2].T)
 
     def _dense_eager(self, n: int) -> None:
         y = self.x[:n]
@@ -131,18 +131,16 @@ class _DevicePool:
         self.spares = [torch.empty_like(self.pool[0]) for _ in range(self.most_spares)]
         self.plan = False
         if self.device == "cuda":
+            kernels = sorted({k for launch in self.launches for k in launch})
+
+            def each_kernel() -> None:
+                for k in kernels:
+                    self.run((k,))
+
+            warm_up(each_kernel, times=1)
             mempool = torch.cuda.graph_pool_handle()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for kernel in sorted({k for launch in self.launches for k in launch}):
-                    self.run((kernel,))
-            torch.cuda.current_stream().wait_stream(side)
             for launch in sorted(self.launches):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool):
-                    self.run(launch)
-                self.graphs[launch] = graph.replay
+                self.graphs[launch] = cuda_graph(lambda launch=launch: self.run(launch), mempool)
             torch.cuda.synchronize()
         self.reset()
 
