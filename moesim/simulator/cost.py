@@ -22,6 +22,13 @@ from moesim.traces.schema import ModelInfo
 BF16 = 2
 
 
+def _bf16_first(tables: dict[str, dict[str, dict]] | None) -> list[dict]:
+    """A profile's time tables (shape -> dtype -> table), each shape's bf16 table before its
+    others: the weights the scenarios and the calibration executor use are bf16."""
+    return [tab for by_dtype in (tables or {}).values()
+            for _, tab in sorted(by_dtype.items(), key=lambda kv: kv[0] != "bfloat16")]
+
+
 class CostModel:
     """Compute times from hardware peak figures (roofline)."""
 
@@ -42,11 +49,10 @@ class CostModel:
         self._table = self._measured()
         self._time_at: dict[tuple[int, int], float] = {}
         self._dense = None
-        dense = [tab for by_dtype in (hardware.nonexpert_table or {}).values()
-                 for _, tab in sorted(by_dtype.items(), key=lambda kv: kv[0] != "bfloat16")
-                 if tab.get("hidden") == model.hidden_size]
-        if dense:  # the first table of this hidden size, bf16 (the weights' precision) first
-            self._dense = (np.log(np.asarray(dense[0]["tokens"], float)), np.log(np.asarray(dense[0]["seconds"], float)))
+        for tab in _bf16_first(hardware.nonexpert_table):
+            if tab.get("hidden") == model.hidden_size:
+                self._dense = (np.log(np.asarray(tab["tokens"], float)), np.log(np.asarray(tab["seconds"], float)))
+                break
 
     @staticmethod
     def _interp(tab: tuple[np.ndarray, np.ndarray], tokens: np.ndarray) -> np.ndarray:
@@ -73,11 +79,10 @@ class CostModel:
 
     def _measured(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The profile's expert-time table for this model's (hidden, intermediate) shape."""
-        for by_dtype in (self.hw.expert_table or {}).values():
-            for _, tab in sorted(by_dtype.items(), key=lambda kv: kv[0] != "bfloat16"):
-                if (tab.get("hidden"), tab.get("intermediate")) == (self.model.hidden_size,
-                                                                     self.model.expert_intermediate_size):
-                    return np.log(np.asarray(tab["tokens"], float)), np.log(np.asarray(tab["seconds"], float))
+        for tab in _bf16_first(self.hw.expert_table):
+            if (tab.get("hidden"), tab.get("intermediate")) == (self.model.hidden_size,
+                                                                 self.model.expert_intermediate_size):
+                return np.log(np.asarray(tab["tokens"], float)), np.log(np.asarray(tab["seconds"], float))
         return None
 
     def expert_time(self, tokens: np.ndarray) -> np.ndarray:
