@@ -305,7 +305,7 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None) ->
 
 
 def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, device: str = "cpu",
-             max_passes: int | None = None, progress: Any = None,
+             progress: Any = None,
              warn: Callable[[str], None] | None = None, overrides: list[str] | None = None,
              done: Callable[[dict[str, Any]], None] | None = None) -> pd.DataFrame:
     """Measure and predict every scenario; write report.md, validation.parquet (a row per
@@ -351,7 +351,8 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
         for k in ("tpot", "ttft"):
             row[f"{k}_ape"] = abs(row[f"{k}_predicted_s"] - row[f"{k}_measured_s"]) / row[f"{k}_measured_s"]
         rows.append(row)
-        passes.append(pd.DataFrame({"scenario": row["scenario"], "pass": np.arange(len(m)),
+        passes.append(pd.DataFrame({"scenario": row["scenario"], "model": row["model"],
+                                    "expert_compute": sc.expert_compute, "pass": np.arange(len(m)),
                                     "phase": steps["phase"].to_numpy(), "tokens": meas["workload"].pass_tokens,
                                     "measured_s": m, "predicted_s": steps["duration_s"].to_numpy()}))
         if done is not None:
@@ -360,7 +361,7 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     out = Path(out_dir)
     write_atomic(out / "validation.parquet", lambda tmp: df.to_parquet(tmp, index=False))
     write_atomic(out / "passes.parquet", lambda tmp: pd.concat(passes).to_parquet(tmp, index=False))
-    _report(df, out, profile, device, warnings)
+    write_report(df, out, profile, device, warnings)
     df.attrs["warnings"] = warnings
     return df
 
@@ -384,38 +385,71 @@ def shape_warnings(profile: str, trace: Any) -> list[str]:
             f"{m.hidden_size}x{m.expert_intermediate_size}."]
 
 
-def _report(df: pd.DataFrame, out: Path, profile: str, device: str, warnings: list[str] | None = None) -> None:
+def _plot(df: pd.DataFrame, out: Path, device: str) -> None:
+    """Predicted against measured per pass (TPOT and TTFT), a panel per model and execution,
+    log axes, the ±10% band shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 5))
-    for k, marker in (("tpot", "o"), ("ttft", "s")):
-        ax.scatter(df[f"{k}_measured_s"] * 1e3, df[f"{k}_predicted_s"] * 1e3, marker=marker, label=k.upper())
-    lim = [0, float(np.nanmax(df[[c for c in df.columns if c.endswith("_s")]].to_numpy())) * 1.1e3]
-    ax.plot(lim, lim, "k--", lw=0.8)
-    ax.set_xlabel("measured (ms)")
-    ax.set_ylabel("predicted (ms)")
-    ax.legend()
+    groups = list(df.groupby(["model", "expert_compute"], sort=True))
+    cols = 2 if len(groups) > 1 else 1
+    rows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.8 * rows), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    for ax, ((model, mode), g) in zip(axes.flat, groups, strict=False):
+        for k, marker in (("tpot", "o"), ("ttft", "s")):
+            ax.scatter(g[f"{k}_measured_s"] * 1e3, g[f"{k}_predicted_s"] * 1e3, marker=marker, s=22, label=k.upper())
+        vals = g[[c for c in g.columns if c.endswith(("_measured_s", "_predicted_s"))]].to_numpy() * 1e3
+        lo, hi = float(np.nanmin(vals)) / 1.3, float(np.nanmax(vals)) * 1.3
+        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="exact")
+        ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="0.88", zorder=0, label="±10%")
+        ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured (ms per pass)",
+               ylabel="predicted (ms per pass)", title=f"{model}, {mode} execution")
+        ax.legend(fontsize=8, loc="upper left")
+    def order(value: Any) -> tuple[float, str]:  # capacities by their number ("5%" before "25%"), names by name
+        head = str(value).rstrip("%").split(" ")[0]
+        return (float(head), "") if head.replace(".", "", 1).isdigit() else (float("inf"), str(value))
+
+    varied = "; ".join(f"{col} {'/'.join(str(v) for v in sorted(df[col].unique(), key=order))}"
+                       for col in ("capacity", "prefetch", "eviction"))
+    fig.suptitle(f"moesim vs the reference executor on {device}\n{len(df) // len(groups)} scenarios per panel "
+                 f"({varied})", fontsize=10)
     fig.tight_layout()
     save_figure_atomic(fig, out / "predicted_vs_measured.png", dpi=100)
+
+
+def write_report(df: pd.DataFrame, out: Path, profile: str, device: str, warnings: list[str] | None = None,
+                 notes: str = "") -> None:
+    """``report.md`` (the error over all scenarios, then per model and execution, ``notes``,
+    then every scenario, largest TPOT error first), ``summary.json`` and the plot, for the rows
+    of one validation run or of several put together (``tools/validation_summary.py``)."""
+    _plot(df, out, device)
+
+    def same(g: pd.DataFrame) -> bool:
+        return bool(((g.hits_sim == g.hits_exec) & (g.misses_sim == g.misses_exec)).all())
+
     lines = [f"# Validation on {device} with profile `{profile}`", "",
              *[f"**Warning:** {w}\n" for w in warnings or []],
              f"TPOT absolute percentage error: median {df['tpot_ape'].median():.1%}, "
              f"p95 {df['tpot_ape'].quantile(0.95):.1%} over {len(df)} scenarios.",
              f"TTFT absolute percentage error: median {df['ttft_ape'].median():.1%}, "
              f"p95 {df['ttft_ape'].quantile(0.95):.1%}.", "",
-             "Hits and misses: executor == simulator in every scenario: "
-             f"{bool(((df.hits_sim == df.hits_exec) & (df.misses_sim == df.misses_exec)).all())}.", "",
-             "| scenario | capacity | eviction | TPOT measured ms | predicted ms | APE | TTFT measured ms | predicted ms | APE |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"Hits and misses: executor == simulator in every scenario: {same(df)}.", "",
+             "| model | execution | scenarios | TPOT APE median | TPOT APE p95 | TTFT APE median | TTFT APE p95 | "
+             "hits and misses identical |", "|---|---|---|---|---|---|---|---|"]
+    for (model, mode), g in df.groupby(["model", "expert_compute"], sort=True):
+        lines.append(f"| {model} | {mode} | {len(g)} | {g.tpot_ape.median():.1%} | {g.tpot_ape.quantile(0.95):.1%} | "
+                     f"{g.ttft_ape.median():.1%} | {g.ttft_ape.quantile(0.95):.1%} | {same(g)} |")
+    lines += ["", notes.strip(), "", "## Every scenario, largest TPOT error first", "",
+              "| model | execution | scenario | capacity | eviction | TPOT measured ms | predicted ms | APE | "
+              "TTFT measured ms | predicted ms | APE |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in df.sort_values("tpot_ape", ascending=False).iterrows():
-        lines.append(f"| {r.scenario} | {r.capacity} | {r.eviction} | {1e3 * r.tpot_measured_s:.3f} | "
-                     f"{1e3 * r.tpot_predicted_s:.3f} | {r.tpot_ape:.1%} | {1e3 * r.ttft_measured_s:.3f} | "
-                     f"{1e3 * r.ttft_predicted_s:.3f} | {r.ttft_ape:.1%} |")
-    lines += ["", "Largest errors first. On the CPU the figures test the pipeline; the simulator's roofline "
-              "non-expert model is not calibrated against the executor's projection matmuls."]
+        lines.append(f"| {r.model} | {r.expert_compute} | {r.scenario} | {r.capacity} | {r.eviction} | "
+                     f"{1e3 * r.tpot_measured_s:.3f} | {1e3 * r.tpot_predicted_s:.3f} | {r.tpot_ape:.1%} | "
+                     f"{1e3 * r.ttft_measured_s:.2f} | {1e3 * r.ttft_predicted_s:.2f} | {r.ttft_ape:.1%} |")
     write_text_atomic(out / "report.md", "\n".join(lines) + "\n")
     write_text_atomic(out / "summary.json", json.dumps({
         "tpot_median_ape": float(df["tpot_ape"].median()), "tpot_p95_ape": float(df["tpot_ape"].quantile(0.95)),
