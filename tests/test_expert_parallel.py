@@ -154,3 +154,78 @@ def test_the_all_to_all_lasts_as_long_as_the_busiest_receiver():
     expected = nonexp + 2 * link.copy_time(3 * hb) + float(cost.expert_time(np.array([4]))[0])
     assert res.summary["total_time_s"] == pytest.approx(expected, rel=1e-9)
     assert res.summary["bytes_by_link"] == {"pcie.h2d": 0, "nvlink": 2 * 3 * hb}
+
+
+def test_a_budget_policy_reads_the_pass_and_layer_it_plans(monkeypatch):
+    """A user's budget policy (the plugin registry) that records, each time it plans a layer
+    under expert parallelism, the pass and layer it is given and the clock's: two passes of
+    a two-layer model give (0, 0), (0, 1), (1, 0), (1, 1) for both, in that order. Found
+    missing by mutation testing of engine.py: the expert-parallel step left the clock's
+    layer unset and could hand the budget another pass index unnoticed."""
+    from moesim.policies.budget import REGISTRY, BudgetPolicy
+
+    seen: list[tuple[int, int, int, int]] = []
+
+    class Recording(BudgetPolicy):
+        def select(self, pass_index, layer, rows, experts):
+            clock = self.ctx.clock
+            seen.append((pass_index, layer, clock.pass_index, clock.layer))
+            return experts.tolist()
+
+    monkeypatch.setitem(REGISTRY._classes, "recording", Recording)
+    model = small_model(layers=2, experts=4, top_k=2)
+    ex = np.array([[[[0, 1], [2, 3]], [[0, 2], [1, 3]]]])  # one request: prompt token, decode token
+    res = simulate(scenario(hardware={"preset": "h100-sxm-nvlink-x2"}, policies={"budget": "recording"}),
+                   trace=trace_from_array(model, ex, prompt_tokens=1))
+    assert res.summary["replay_path"] == "simpy"
+    assert seen == [(0, 0, 0, 0), (0, 1, 0, 1), (1, 0, 1, 0), (1, 1, 1, 1)]
+
+
+def test_sparse_verification_under_expert_parallelism_by_hand():
+    """Speculative verification (sparse-verification §3 / Table 1) on two GPUs: in a
+    verification pass the attention reads a share 1 - s_a of the KV cache and each expert
+    skips s_f of its down-projection (1/3 of an expert), as on one GPU, with the attention's
+    tokens and context split over the GPUs. 64 requests decoded as a batch, tree of 4,
+    s_a = 0.6, s_f = 0.3; one layer, every token routed to expert 0 (GPU 0), so GPU 1 sends
+    its tokens' hidden states (the odd ones: floor(T / 2) x 2H bytes) to GPU 0 and back.
+    Per pass of T tokens and context C (the workload's; a factor a = 0.4, f = 0.9 in
+    verification passes, 1 in the prefill):
+    nonexpert(ceil(T / 2), ceil(a C / 2)) + 2 copy_time(floor(T / 2) 2H) + f expert(T);
+    the timeline's GPU 0 experts last f expert(T), GPU 1's nothing. The attention's time
+    depends on its tokens and on its context here (checked). Found missing by mutation
+    testing of engine.py: the factors under expert parallelism, and the split of the
+    attention's tokens, could be inverted unnoticed."""
+    from moesim.simulator.engine import Simulation
+
+    model = small_model(layers=1, experts=4, top_k=1, hidden=1024, inter=512)
+    requests = 64
+    t = trace_from_array(model, np.zeros((requests, 6, 1, 1), dtype=np.int64), prompt_tokens=1)
+    spec = {"tree_size": 4, "accept_prob": 0.5, "sparse_attention": 0.6, "sparse_ffn": 0.3}
+    sc = scenario(hardware={"preset": "h100-sxm-nvlink-x2"}, workload={"batch_size": requests, "speculative": spec})
+    sim = Simulation(sc, trace=t, record_layers=True)
+    res = sim.run()
+    wl = sim.wl
+    cost = CostModel(sc.hardware, model, model.expert_bytes["bf16"])
+    link = sc.hardware.links["nvlink"]
+    hb = 2 * model.hidden_size
+    verify = wl.pass_phase == 2
+    assert verify.sum() >= 4
+    assert not verify[0]
+    ep = {(p, g): row for p, _, g, *row in res.extra["ep_layers"]}
+    for p in range(wl.num_passes):
+        tok, ctx = int(wl.pass_tokens[p]), float(wl.pass_context[p])
+        a, f = (0.4, 0.9) if verify[p] else (1.0, 1.0)
+        nonexp = float(cost.nonexpert_time(np.array([np.ceil(tok / 2)]), np.array([np.ceil(a * ctx / 2)]))[0])
+        experts = float(cost.expert_time(np.array([tok]))[0]) * f
+        a2a = link.copy_time((tok // 2) * hb)
+        assert res.steps["duration_s"].iloc[p] == pytest.approx(nonexp + 2 * a2a + experts, rel=1e-12)
+        t0, t_dispatch, t_exp, t_gpu_end, t_end = ep[p, 0]
+        assert (t_dispatch - t0, t_exp - t_dispatch, t_gpu_end - t_exp, t_end - t_gpu_end) == pytest.approx(
+            (nonexp, a2a, experts, a2a), rel=1e-9)
+        assert ep[p, 1][3] == ep[p, 1][2]  # GPU 1 computes nothing
+    tok, ctx = int(wl.pass_tokens[1]), float(wl.pass_context[1])
+    attention = [float(cost.nonexpert_time(np.array([x]), np.array([c]))[0])
+                 for x, c in [(np.ceil(tok / 2), np.ceil(0.4 * ctx / 2)), (2 * tok, np.ceil(0.4 * ctx / 2)),
+                              (np.ceil(tok / 2), np.ceil(ctx / 0.4 / 2))]]
+    assert attention[0] < attention[1]
+    assert attention[0] < attention[2]
