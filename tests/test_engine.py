@@ -369,3 +369,30 @@ def test_the_simpy_path_reports_progress_about_200_times(monkeypatch, passes, ex
     assert res.summary["replay_path"] == "simpy"
     assert len(res.steps) == passes
     assert calls == [(d, passes) for d in expected]
+
+
+@pytest.mark.parametrize("mode", ["layer", "on-arrival", "per-expert"])
+def test_a_layer_whose_budget_keeps_no_expert_costs_only_its_attention(monkeypatch, mode):
+    """A user's budget policy that keeps no expert at layer 1 (every token computes nothing
+    there). One prompt token, top-1, routed to expert 0 at layer 0 and expert 1 at layer 1,
+    A100 + PCIe 4 datasheet times (attention a, expert f, copy c): layer 0 misses its expert
+    (cold cache) and computes it once arrived, layer 1 runs its attention only. The pass lasts
+    a + c + f + a in every execution mode, with one miss, one expert computed and the token
+    altered. Found missing by mutation testing of engine.py: per-expert execution's guard for
+    a layer with no expert to look up."""
+    from moesim.policies.budget import REGISTRY, BudgetPolicy
+
+    class NoneAtLayer1(BudgetPolicy):
+        def select(self, pass_index, layer, rows, experts):
+            return [[] for _ in rows] if layer == 1 else experts.tolist()
+
+    monkeypatch.setitem(REGISTRY._classes, "none-at-1", NoneAtLayer1)
+    model = small_model(layers=2, experts=4, top_k=1)
+    t = trace_from_array(model, np.array([[[[0], [1]]]]), prompt_tokens=1)
+    sim = Simulation(scenario(cache={"capacity": "inf"}, expert_compute=mode,
+                              policies={"budget": "none-at-1"}), trace=t)
+    res = sim.run()
+    ffn, nonexp, copy = datasheet_times(model, sim.wl)
+    assert res.summary["total_time_s"] == pytest.approx(2 * nonexp[0] + copy + ffn[0], rel=1e-9)
+    row = res.steps.iloc[0]
+    assert (row["hits"], row["misses"], row["unique_experts"], row["tokens_altered"]) == (0, 1, 1, 1)
