@@ -396,3 +396,37 @@ def test_a_layer_whose_budget_keeps_no_expert_costs_only_its_attention(monkeypat
     assert res.summary["total_time_s"] == pytest.approx(2 * nonexp[0] + copy + ffn[0], rel=1e-9)
     row = res.steps.iloc[0]
     assert (row["hits"], row["misses"], row["unique_experts"], row["tokens_altered"]) == (0, 1, 1, 1)
+
+
+def test_the_clock_an_eviction_policy_reads_when_a_demand_fetch_walks_for_victims(monkeypatch):
+    """``per-expert`` execution looks expert j+1 up when expert j starts to run; the eviction
+    policy asked for victims then reads that time from the clock. One prompt token, one
+    layer, top-2 (experts 0 and 1), capacity 1 expert, A100 + PCIe 4 datasheet times
+    (attention a, expert f, copy c > f, checked): expert 0 misses at a and lands at a + c;
+    then expert 1 misses and the cache walks the policy's candidates (expert 0 is running,
+    pinned: an uncached fetch) at a + c, the only walk; the pass ends at a + 2c + f. Found
+    missing by mutation testing of engine.py: the clock left unset there went unnoticed."""
+    from moesim.policies.eviction import LRU
+    from moesim.policies.eviction import REGISTRY as EVICTION
+
+    seen: list[tuple[float, int, int]] = []
+
+    class Recording(LRU):
+        def candidates(self):
+            c = self.ctx.clock
+            seen.append((c.now, c.pass_index, c.layer))
+            return super().candidates()
+
+    monkeypatch.setitem(EVICTION._classes, "recording", Recording)
+    model = small_model(layers=1, experts=4, top_k=2)
+    t = trace_from_array(model, np.array([[[[0, 1]]]]), prompt_tokens=1)
+    sim = Simulation(scenario(cache={"capacity": "1 experts"}, expert_compute="per-expert",
+                              policies={"eviction": "recording"}), trace=t)
+    res = sim.run()
+    ffn, nonexp, c = datasheet_times(model, sim.wl)
+    a, f = nonexp[0], ffn[0]
+    assert c > f
+    assert [(p, layer) for _, p, layer in seen] == [(0, 0)]
+    assert seen[0][0] == pytest.approx(a + c, rel=1e-12)
+    assert res.summary["total_time_s"] == pytest.approx(a + 2 * c + f, rel=1e-9)
+    assert res.steps["uncached_fetches"].iloc[0] == 1
