@@ -108,6 +108,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str, str | None]] = [
     ("missing trace", lambda d: ["trace", "info", str(d / "none.parquet")], "none.parquet", None),
     ("trace missing a column", lambda d: ["trace", "info", str(tampered_trace(d, lambda t: t.drop_columns(["layer"])))],
      "layer", None),
+    ("trace with no rows", lambda d: ["run", "quickstart", "--trace", str(tampered_trace(d, lambda t: t.slice(0, 0))),
+     "--out", str(d / "o")], "has no rows", "o"),
     ("trace metadata num_layers negative", lambda d: ["trace", "info", str(tampered_trace(
         d, lambda t: with_meta(t, "num_layers", -2)))], "num_layers", None),
     ("trace metadata top_k not a number", lambda d: ["trace", "info", str(tampered_trace(

@@ -430,3 +430,17 @@ def test_the_clock_an_eviction_policy_reads_when_a_demand_fetch_walks_for_victim
     assert seen[0][0] == pytest.approx(a + c, rel=1e-12)
     assert res.summary["total_time_s"] == pytest.approx(a + 2 * c + f, rel=1e-9)
     assert res.steps["uncached_fetches"].iloc[0] == 1
+
+
+def test_a_trace_with_no_rows_is_refused_by_name():
+    """A trace in memory with no rows (the trace reader refuses such a file) cannot be
+    replayed: a MoesimError naming it, not numpy's reshape error."""
+    from moesim.errors import MoesimError
+    from moesim.traces.trace import Trace
+
+    model = small_model(layers=2, experts=4, top_k=1)
+    empty = Trace(model=model, request=np.zeros(0, np.int32), step=np.zeros(0, np.int32),
+                  position=np.zeros(0, np.int32), phase=np.zeros(0, np.int8), layer=np.zeros(0, np.int16),
+                  experts=np.zeros((0, 1), np.int16), weights=np.zeros((0, 1), np.float32), source="empty.parquet")
+    with pytest.raises(MoesimError, match=r"trace empty.parquet: has no rows"):
+        simulate(scenario(), trace=empty)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from moesim.errors import MoesimError
 from moesim.jit import njit
 from moesim.traces.schema import PHASE_CODES, ModelInfo
 from moesim.traces.trace import Trace
@@ -252,6 +253,8 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
     """Group the trace's rows into forward passes and list each pass's expert accesses.
     ``speculative`` (a :class:`simulator.scenario.SpeculativeConfig`) turns decode steps into
     verification passes first."""
+    if len(trace) == 0:
+        raise MoesimError(f"trace {trace.source}: has no rows; a replay needs at least one routed token.")
     produced: dict[tuple[int, int], int] | None = None
     if speculative is not None:
         depth = speculative.depth if speculative.depth is not None else speculative.tree_size - 1

@@ -162,6 +162,9 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
     if unknown:
         raise _fail(p, f"has unknown column(s) {', '.join(unknown)}; valid columns are "
                     f"{', '.join(REQUIRED_COLUMNS + OPTIONAL_COLUMNS)}.")
+    if table.num_rows == 0:
+        raise _fail(p, "has no rows: a trace holds one row per (token, layer) routed. Record it again "
+                    "(moesim capture, moesim trace import) or check the program that wrote it.")
     request = _int_column(p, table, "request", np.int32)
     step = _int_column(p, table, "step", np.int32)
     position = _int_column(p, table, "position", np.int32)
