@@ -444,3 +444,20 @@ def test_a_trace_with_no_rows_is_refused_by_name():
                   experts=np.zeros((0, 1), np.int16), weights=np.zeros((0, 1), np.float32), source="empty.parquet")
     with pytest.raises(MoesimError, match=r"trace empty.parquet: has no rows"):
         simulate(scenario(), trace=empty)
+
+
+def test_layers_routed_counts_the_layers_a_pass_routes_tokens_through():
+    """``steps.parquet``'s ``layers_routed``: per pass, the layers with at least one routed
+    token. A three-layer model; the prompt token is routed at layers 0 and 2 only (top-1,
+    one access each; layer 1 has no row), the decode token at all three: 2 then 3. Found
+    missing by mutation testing of engine.py (the column had no test)."""
+    from moesim.traces.trace import Trace
+
+    model = small_model(layers=3, experts=4, top_k=1)
+    t = Trace(model=model, request=np.zeros(5, np.int32), step=np.array([0, 0, 1, 1, 1], np.int32),
+              position=np.array([0, 0, 1, 1, 1], np.int32), phase=np.array([0, 0, 1, 1, 1], np.int8),
+              layer=np.array([0, 2, 0, 1, 2], np.int16), experts=np.array([[1], [2], [1], [3], [0]], np.int16),
+              weights=np.ones((5, 1), np.float32))
+    res = simulate(scenario(cache={"capacity": "inf"}), trace=t)
+    assert res.steps["layers_routed"].tolist() == [2, 3]
+    assert res.steps["unique_experts"].tolist() == [2, 3]

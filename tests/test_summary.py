@@ -38,6 +38,20 @@ def test_the_summary_has_exactly_the_documented_metrics():
     assert set(s) == KEYS
 
 
+def test_the_readme_lists_exactly_the_steps_columns():
+    """README's ``steps.parquet`` paragraph names every column of the per-pass table, in order
+    (it had fallen behind: 11 columns were missing)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("`steps.parquet` has one row per forward pass")
+    para = text[start:text.index("Summaries are derived", start)]
+    names = [n.strip() for part in re.findall(r"`([^`]*)`", para)[1:] for n in part.split(",") if n.strip()]
+    steps = simulate(scenario(cache={"capacity": "5 experts"}), trace=prefill_decode_trace()).steps
+    assert names == list(steps.columns)
+
+
 def test_counts_shapes_and_time_metrics_by_hand():
     """3 passes (prefill of 2 tokens, then 2 decode passes), 4 tokens, 2 decode tokens, 1
     request; generated: 1 (the prefill's first token) + 2. Distinct experts per layer: 3.5
