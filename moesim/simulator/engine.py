@@ -190,18 +190,17 @@ class Simulation:
         most any access has, or ``at_least``) and the per-pass factor: an access's compute
         time is ``table[tokens] * factor[pass]`` on both replay paths (zero in cache-only
         replay)."""
-        n = max(int(self.wl.acc_tokens.max(initial=0)), at_least)
+        n = max(int(self.wl.acc_tokens.max()), at_least)  # a workload has an access (no empty trace)
         table = np.zeros(n + 1)
-        if self.scenario.timing and n:
+        if self.scenario.timing:
             table[1:] = self.cost.expert_time(np.arange(1, n + 1))
-        return table, np.ascontiguousarray(self.ffn_scale, dtype=np.float64)
+        return table, self.ffn_scale
 
     def nonexpert_times(self) -> np.ndarray:
         """Non-expert (attention, gate) seconds of every pass (zero in cache-only replay)."""
         wl = self.wl
         if self.scenario.timing:
-            return np.ascontiguousarray(self.cost.nonexpert_time(wl.pass_tokens, wl.pass_context * self.attn_scale),
-                                        dtype=np.float64)
+            return self.cost.nonexpert_time(wl.pass_tokens, wl.pass_context * self.attn_scale)
         return np.zeros(wl.num_passes)
 
     def _prepare_costs(self) -> None:
@@ -504,14 +503,14 @@ class Simulation:
         wl = self.wl
         num_l = self.model.num_layers
         uniq = self._cols["unique_computed"]
-        layers_routed = np.diff(wl.off).reshape(-1, num_l) > 0 if wl.num_passes else np.zeros((0, num_l), bool)
+        layers_routed = np.diff(wl.off).reshape(-1, num_l) > 0  # a workload has a pass (no empty trace)
         return pd.DataFrame({
             "pass": np.arange(wl.num_passes, dtype=np.int64),
             "group": wl.pass_group,
             "step": wl.pass_step,
             "phase": pd.Categorical.from_codes(wl.pass_phase.astype(np.int64), categories=pd.Index(PHASES)),
             "tokens": wl.pass_tokens,
-            "generated": wl.pass_generated if wl.pass_generated is not None else wl.pass_tokens,
+            "generated": wl.pass_generated,
             "requests": wl.pass_requests,
             "start_s": self._t_start,
             "end_s": self._t_end,
@@ -543,7 +542,7 @@ class Simulation:
         groups = wl.request_group
         first = wl.request_first_pass
         group_start = pd.Series(self._t_start).groupby(wl.pass_group).min()
-        start = group_start.reindex(groups).to_numpy() if len(groups) else np.zeros(0)
+        start = group_start.reindex(groups).to_numpy()
         return pd.DataFrame({
             "request": wl.request_ids,
             "group": groups,

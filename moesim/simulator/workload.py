@@ -53,6 +53,7 @@ class Workload:
     pass_tokens: np.ndarray
     pass_context: np.ndarray
     pass_requests: np.ndarray
+    pass_generated: np.ndarray  # tokens each pass produces (prefill: one per request; verify: accepted + 1)
     off: np.ndarray
     acc_layer: np.ndarray
     acc_expert: np.ndarray
@@ -66,7 +67,6 @@ class Workload:
     row_order: np.ndarray | None = None
     row_off: np.ndarray | None = None
     trace: Trace | None = None
-    pass_generated: np.ndarray | None = None  # tokens each pass produces (verify: accepted + 1)
 
     def rows(self, pass_index: int, layer: int) -> np.ndarray:
         """Indices into the trace's row arrays (``probs``, ``pred_next``) of the tokens of
