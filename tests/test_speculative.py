@@ -54,6 +54,25 @@ def test_speedup_against_autoregressive_decoding():
     assert good["tpot_s"] < bad["tpot_s"]
 
 
+def test_a_prebuilt_workload_with_its_trace_gives_the_same_summary():
+    """``Simulation(scenario, trace=t, workload=w)`` with ``w`` built from ``t`` (as the
+    benchmarks do, to build it once) replays as ``Simulation(scenario, trace=t)``, the
+    speed-up against autoregressive decoding included (it replays ``t`` without drafts).
+    Found missing by mutation testing of engine.py: the trace passed beside a workload could
+    be dropped unnoticed (and the speed-up with it)."""
+    from moesim.simulator.engine import Simulation
+    from moesim.simulator.workload import build_workload
+
+    t = synth_from_preset("mixtral-8x7b", layers=2, tokens=20, seed=3)
+    sc = scenario(cache={"capacity": "inf"}, workload={"speculative": {"tree_size": 4, "accept_prob": 0.7}})
+    spec = sc.workload.speculative
+    wl = build_workload(t, 1, None, spec, sc.seed)
+    alone = Simulation(sc, trace=t).run().summary
+    given = Simulation(sc, trace=t, workload=wl).run().summary
+    assert given["speedup_vs_autoregressive"] is not None
+    assert given == alone
+
+
 def test_verify_rows_carry_tree_nodes():
     from moesim.simulator.engine import Simulation
 
