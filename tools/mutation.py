@@ -103,8 +103,6 @@ EQUIVALENT: dict[str, str] = {
         "expert parallelism without a budget changes no routing: the pass's gate mass is the workload's "
         "weight_total, which the row's count equals",
     'moesim.simulator.engine.xǁSimulationǁ_init_replay_state__mutmut_2': "_begin_pass makes each pass's row before anything reads it",
-    **{'moesim.simulator.engine.xǁSimulationǁ_requests_frame__mutmut_' + str(n):
-       "a workload has a request (an empty trace is refused): the else branch never runs" for n in (19, 21, 22)},
     'moesim.simulator.engine.xǁSimulationǁ_steps_frame__mutmut_13': "numpy reads any negative size as the inferred one",
     **{'moesim.simulator.engine.xǁSimulationǁ_steps_frame__mutmut_' + str(n): "np.arange of a Python int is int64 already" for n in (20, 22)},
     'moesim.simulator.engine.xǁSimulationǁffn_table__mutmut_1':

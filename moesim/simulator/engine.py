@@ -547,7 +547,7 @@ class Simulation:
             "request": wl.request_ids,
             "group": groups,
             "first_pass": first,
-            "ttft_s": self._t_end[first] - start if len(first) else np.zeros(0),
+            "ttft_s": self._t_end[first] - start,  # a workload has a request (no empty trace)
             "first_phase": [PHASES[int(c)] for c in wl.pass_phase[first]],
         })
 

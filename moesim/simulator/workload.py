@@ -278,10 +278,10 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
     phase = trace.phase[order]
 
     # passes: distinct (group, step), already in execution order
-    pass_key = group * (int(step.max(initial=0)) + 1) + step
-    change = np.r_[True, pass_key[1:] != pass_key[:-1]] if len(pass_key) else np.zeros(0, bool)
+    pass_key = group * (int(step.max()) + 1) + step  # the trace has a row (checked above)
+    change = np.r_[True, pass_key[1:] != pass_key[:-1]]
     pass_of_row = np.cumsum(change) - 1
-    n_pass = int(pass_of_row[-1] + 1) if len(pass_of_row) else 0
+    n_pass = int(pass_of_row[-1] + 1)
     starts = np.flatnonzero(change)
     pass_group = group[starts]
     pass_step = step[starts]
@@ -291,7 +291,7 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
     np.maximum.at(best, pass_of_row, rank_of_phase)
     pass_phase = np.array([0, DECODE, VERIFY, PREFILL], dtype=np.int8)[best]
     # tokens per pass: distinct (request, position)
-    tok_key = (pass_of_row * (len(req_ids) + 1) + ridx) * (int(pos.max(initial=0)) + 2) + pos
+    tok_key = (pass_of_row * (len(req_ids) + 1) + ridx) * (int(pos.max()) + 2) + pos
     _tok_unique, tok_first = np.unique(tok_key, return_index=True)
     tok_pass = pass_of_row[tok_first]
     pass_tokens = np.bincount(tok_pass, minlength=n_pass).astype(np.int64)
