@@ -385,6 +385,12 @@ def shape_warnings(profile: str, trace: Any) -> list[str]:
             f"{m.hidden_size}x{m.expert_intermediate_size}."]
 
 
+def _setting_order(value: Any) -> tuple[float, str]:
+    """Sort key of a scenario setting: capacities by their number ("5%" before "25%"), names by name."""
+    head = str(value).rstrip("%").split(" ")[0]
+    return (float(head), "") if head.replace(".", "", 1).isdigit() else (float("inf"), str(value))
+
+
 def _plot(df: pd.DataFrame, out: Path, device: str) -> None:
     """Predicted against measured per pass (TPOT and TTFT), a panel per model and execution,
     log axes, the ±10% band shaded."""
@@ -409,11 +415,7 @@ def _plot(df: pd.DataFrame, out: Path, device: str) -> None:
         ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured (ms per pass)",
                ylabel="predicted (ms per pass)", title=f"{model}, {mode} execution")
         ax.legend(fontsize=8, loc="upper left")
-    def order(value: Any) -> tuple[float, str]:  # capacities by their number ("5%" before "25%"), names by name
-        head = str(value).rstrip("%").split(" ")[0]
-        return (float(head), "") if head.replace(".", "", 1).isdigit() else (float("inf"), str(value))
-
-    varied = "; ".join(f"{col} {'/'.join(str(v) for v in sorted(df[col].unique(), key=order))}"
+    varied = "; ".join(f"{col} {'/'.join(str(v) for v in sorted(df[col].unique(), key=_setting_order))}"
                        for col in ("capacity", "prefetch", "eviction"))
     fig.suptitle(f"moesim vs the reference executor on {device}\n{len(df) // len(groups)} scenarios per panel "
                  f"({varied})", fontsize=10)
