@@ -38,7 +38,7 @@ from typing import Any
 os.environ["MOESIM_NO_KERNEL"] = "1"
 
 from moesim.config.scenario import load_scenario
-from moesim.simulator.copyengine import DEMAND
+from moesim.simulator.copyengine import BYPASS, DEMAND, DONE
 from moesim.simulator.engine import Simulation
 
 
@@ -103,16 +103,16 @@ def cache_copy(sc: Any, wl: Any) -> tuple[int, float]:
             elif key in inflight:
                 on_access(key)
                 tr = inflight[key]
-                a = tr.done if tr.done >= now else now
+                a = tr[DONE] if tr[DONE] >= now else now
             else:
                 misses += 1
                 got = cache.fetch(key, nbytes, pinned, True, now)
                 if got is None:  # no room: a staging copy
                     tr = copy.submit(key, nbytes, DEMAND, now)
-                    tr.bypass = True
+                    tr[BYPASS] = True
                 else:
                     tr = got[1]
-                a = tr.done if tr.done >= now else now
+                a = tr[DONE] if tr[DONE] >= now else now
             if a > ready:
                 ready = a
             total += f

@@ -9,7 +9,7 @@ import numpy as np
 from moesim.policies.eviction import REGISTRY
 from moesim.policies.registry import PolicyContext
 from moesim.simulator.cache import ExpertCache
-from moesim.simulator.copyengine import PREFETCH, CopyEngine
+from moesim.simulator.copyengine import NBYTES, PREFETCH, PRIORITY, CopyEngine
 from tests.helpers import scenario
 
 EB = 786_432  # one bf16 expert of the tiny model
@@ -28,7 +28,7 @@ def put(cache: ExpertCache, copy: CopyEngine, key: int, nbytes: int = EB, demand
 
 
 def balanced(cache: ExpertCache) -> bool:
-    return cache.used == sum(cache.resident.values()) + sum(tr.nbytes for tr in cache.inflight.values())
+    return cache.used == sum(cache.resident.values()) + sum(tr[NBYTES] for tr in cache.inflight.values())
 
 
 def test_preload_fills_the_cache_once_per_key_and_pins_for_good():
@@ -91,7 +91,7 @@ def test_a_withdrawn_prefetch_frees_exactly_its_bytes():
     got = cache.fetch(3, EB, set(), False, 1.0)
     assert got is not None
     pf = got[1]
-    assert pf.priority == PREFETCH
+    assert pf[PRIORITY] == PREFETCH
     assert cache.used == 3 * EB
     assert cache.victims_for(EB, {1, 2}) is None
     gone = copy.cancel_many([pf])

@@ -13,7 +13,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moesim.config.hardware import LinkConfig
-from moesim.simulator.copyengine import DEMAND, PREFETCH, CopyEngine
+from moesim.simulator.copyengine import (
+    DEMAND,
+    DONE,
+    KEY,
+    NBYTES,
+    PREFETCH,
+    PRIORITY,
+    SEQ,
+    START,
+    STARTED,
+    CopyEngine,
+)
 
 LINK = LinkConfig(bandwidth_gbps=1.0, latency_us=3.0)
 SIZES = (1_000, 5_000, 20_000)
@@ -78,7 +89,7 @@ ops = st.lists(st.tuples(st.sampled_from(["demand", "prefetch", "promote", "canc
 def test_copy_engine_matches_reference_server(script: list[tuple[str, int, float, int]]) -> None:
     eng = CopyEngine(LINK)
     done_order: list[int] = []
-    eng.on_complete.append(lambda trs: done_order.extend(tr.seq for tr in trs))
+    eng.on_complete.append(lambda trs: done_order.extend(tr[SEQ] for tr in trs))
     ref = RefServer()
     trs = []
     now = 0.0
@@ -88,40 +99,40 @@ def test_copy_engine_matches_reference_server(script: list[tuple[str, int, float
             eng.advance(now)
             ref.advance(now)
             for tr in trs:
-                r = ref.items[tr.seq]
-                assert tr.started == (r.start is not None), (tr.seq, op)
-                if tr.started:
-                    assert (tr.start, tr.done) == (r.start, r.done)
+                r = ref.items[tr[SEQ]]
+                assert tr[STARTED] == (r.start is not None), (tr[SEQ], op)
+                if tr[STARTED]:
+                    assert (tr[START], tr[DONE]) == (r.start, r.done)
             assert done_order == ref.completed
         elif op in ("demand", "prefetch"):
             prio = DEMAND if op == "demand" else PREFETCH
             new = [eng.submit(k, SIZES[size], prio, now) for k in range(n)]
             for tr in new:
-                ref.items.append(Ref(tr.seq, prio, now, eng.duration(SIZES[size])))
+                ref.items.append(Ref(tr[SEQ], prio, now, eng.duration(SIZES[size])))
             trs.extend(new)
         elif op == "promote" and trs:
             pick = [trs[(size * 7 + i * 3) % len(trs)] for i in range(n)]
             eng.promote_many(pick)
             for tr in pick:
-                r = ref.items[tr.seq]
+                r = ref.items[tr[SEQ]]
                 if r.start is None and not r.cancelled:
                     r.priority = DEMAND
         elif op == "cancel" and trs:
             pick = [trs[(size * 5 + i * 11) % len(trs)] for i in range(n)]
             gone = eng.cancel_many(pick)
-            expect = {tr.seq for tr in pick if ref.items[tr.seq].start is None and not ref.items[tr.seq].cancelled}
-            assert {tr.seq for tr in gone} == expect
+            expect = {tr[SEQ] for tr in pick if ref.items[tr[SEQ]].start is None and not ref.items[tr[SEQ]].cancelled}
+            assert {tr[SEQ] for tr in gone} == expect
             for s in expect:
                 ref.items[s].cancelled = True
         # queued demand work is always projected
         proj = ref.projection()
         for tr in trs:
-            if tr.seq in proj and tr.priority == DEMAND:
-                assert tr.done == proj[tr.seq], (tr.seq, op)
+            if tr[SEQ] in proj and tr[PRIORITY] == DEMAND:
+                assert tr[DONE] == proj[tr[SEQ]], (tr[SEQ], op)
     eng.finish()
     ref.advance(float("inf"))
     assert done_order == ref.completed
-    assert eng.bytes_moved == sum(tr.nbytes for tr in trs if not ref.items[tr.seq].cancelled)
+    assert eng.bytes_moved == sum(tr[NBYTES] for tr in trs if not ref.items[tr[SEQ]].cancelled)
 
 
 def test_boundaries_of_a_demand_copy_and_a_queued_prefetch_by_hand():
@@ -137,13 +148,13 @@ def test_boundaries_of_a_demand_copy_and_a_queued_prefetch_by_hand():
     for withdraw in (True, False):
         eng = CopyEngine(link)
         told: list[list[int]] = []
-        eng.on_complete.append(lambda trs, told=told: told.append([t.key for t in trs]))
+        eng.on_complete.append(lambda trs, told=told: told.append([t[KEY] for t in trs]))
         dem = eng.submit(1, 786_432, DEMAND, 0.0)
         pf = eng.submit(2, 786_432, PREFETCH, 0.0)
-        assert (dem.start, dem.done) == (0.0, d)
+        assert (dem[START], dem[DONE]) == (0.0, d)
         eng.advance(d)
         assert told == [[1]]
-        assert not pf.started
+        assert not pf[STARTED]
         if withdraw:
             assert eng.cancel_many([pf]) == [pf]
             eng.finish()
@@ -151,7 +162,7 @@ def test_boundaries_of_a_demand_copy_and_a_queued_prefetch_by_hand():
             assert eng.bytes_moved == 786_432
         else:
             eng.finish()
-            assert (pf.start, pf.done) == (d, 2 * d)
+            assert (pf[START], pf[DONE]) == (d, 2 * d)
             assert told == [[1], [2]]
             assert eng.busy_time == 2 * d
             assert eng.bytes_moved == 2 * 786_432

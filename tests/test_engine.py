@@ -336,12 +336,13 @@ def test_the_per_token_path_runs_a_layer_in_router_order():
     sim = Simulation(scenario(cache={"capacity": "0 experts"}, policies={"miss": {"name": "drop", "rank": 2}}),
                      trace=tr)
     sim._prepare_costs()
-    look = LayerLookup(sim, 0, 0, 0, 3, PassRow(), set())
+    look = LayerLookup(sim, set())
+    look.plan(0, 0, 0, 3, PassRow())
     assert look.experts == [5, 2, 9]
     assert list({5, 2, 9} - {9}) == [2, 5]
-    runs = []
+    runs: list = []
     for i in range(len(look)):
-        runs.extend(look.lookup(i, set(look.keys), 0.0))
+        look.lookup(i, set(look.keys), 0.0, runs)
     out = look.finish(runs)
     assert [sim.eviction.ctx.base_of(key) for key, _, _ in out] == [5, 2]
     assert look.row.dropped == 1

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from moesim.policies.eviction import LeastStale, LeastStaleParams
 from moesim.policies.registry import Clock, PolicyContext
+from moesim.simulator.copyengine import NBYTES
 from moesim.simulator.engine import Simulation, simulate
 from moesim.traces.synth import generate, synth_from_preset
 from tests import reference_replay as R
@@ -184,7 +185,7 @@ def test_pinning_properties(layers, experts, k, tokens, seed, cap, batch, mode, 
     assert collisions == s["collision_misses"]
     assert res.steps["collision_misses"].sum() == s["collision_misses"]
     cache = sim.cache  # bytes in use are those of the resident and in-flight entries
-    assert cache.used == sum(cache.resident.values()) + sum(tr.nbytes for tr in cache.inflight.values())
+    assert cache.used == sum(cache.resident.values()) + sum(tr[NBYTES] for tr in cache.inflight.values())
 
 
 # -- Least-Stale's orders, by hand -----------------------------------------------------------

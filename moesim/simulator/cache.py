@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container
 
 from moesim.policies.eviction import EvictionPolicy
-from moesim.simulator.copyengine import DEMAND, PREFETCH, CopyEngine, Transfer
+from moesim.simulator.copyengine import BYPASS, DEMAND, KEY, NBYTES, PREFETCH, CopyEngine, Transfer
 
 
 class ExpertCache:
@@ -50,10 +50,11 @@ class ExpertCache:
         if victims is None:
             return None
         policy = self.policy
+        used = self.used
         if victims:
             resident, on_remove = self.resident, policy.on_remove
             for v in victims:
-                self.used -= resident.pop(v)
+                used -= resident.pop(v)
                 on_remove(v)
             for cb in self.on_evict:
                 cb(victims)
@@ -63,9 +64,10 @@ class ExpertCache:
             self.resident[key] = nbytes
         else:
             self.inflight[key] = tr
-        self.used += nbytes
-        if self.used > self.max_used:
-            self.max_used = self.used
+        used += nbytes
+        self.used = used
+        if used > self.max_used:
+            self.max_used = used
         policy.on_insert(key, demand)
         return victims, tr
 
@@ -99,9 +101,10 @@ class ExpertCache:
         """Drop the in-flight entries of withdrawn transfers."""
         inflight, on_remove = self.inflight, self.policy.on_remove
         for tr in transfers:
-            del inflight[tr.key]
-            self.used -= tr.nbytes
-            on_remove(tr.key)
+            key = tr[KEY]
+            del inflight[key]
+            self.used -= tr[NBYTES]
+            on_remove(key)
 
     def preload(self, keys: list[int], nbytes: int) -> int:
         """Make ``keys`` resident before the replay and pin them for good (static pinning);
@@ -123,6 +126,7 @@ class ExpertCache:
         fetch's copy is not kept)."""
         inflight, resident = self.inflight, self.resident
         for tr in transfers:
-            if not tr.bypass:
-                del inflight[tr.key]
-                resident[tr.key] = tr.nbytes
+            if not tr[BYPASS]:
+                key = tr[KEY]
+                del inflight[key]
+                resident[key] = tr[NBYTES]

@@ -28,26 +28,14 @@ from moesim.config.hardware import LinkConfig
 DEMAND, PREFETCH = 0, 1
 
 
-class Transfer:
-    """One copy of one expert. ``start``/``done`` are projections until :attr:`started`;
-    a queued prefetch's are not kept up to date (they are set when it starts or is promoted)."""
+Transfer = list
+"""One copy of one expert: a flat record (a plain list, not an object: the SimPy path makes
+one per miss) read and written through the field indices below. ``START``/``DONE`` are
+projections until ``STARTED``; a queued prefetch's are not kept up to date (they are set
+when it starts or is promoted). ``BYPASS``: copied to a staging buffer, not kept in the
+cache; ``PROMOTED``: a prefetch a layer needed while it was still queued."""
 
-    __slots__ = ("bypass", "cancelled", "done", "dur", "issued", "key", "nbytes", "priority", "promoted", "seq",
-                 "start", "started")
-
-    def __init__(self, key: int, nbytes: int, priority: int, issued: float, seq: int, dur: float = 0.0) -> None:
-        self.key = key
-        self.nbytes = nbytes
-        self.priority = priority
-        self.issued = issued
-        self.seq = seq
-        self.start = issued
-        self.done = issued
-        self.started = False
-        self.cancelled = False
-        self.bypass = False  # copied to a staging buffer, not kept in the cache
-        self.promoted = False  # a prefetch a layer needed while it was still queued
-        self.dur = dur
+DONE, START, ISSUED, DUR, KEY, NBYTES, SEQ, PRIORITY, STARTED, CANCELLED, BYPASS, PROMOTED = range(12)
 
 
 class CopyEngine:
@@ -95,17 +83,17 @@ class CopyEngine:
         seq = self._seq
         self._seq = seq + 1
         self.bytes_moved += nbytes
-        tr = Transfer(key, nbytes, priority, now, seq, dur)
-        if self.instant:
-            tr.started = True  # the caller completes it at once (cache-only replay)
-        elif priority == DEMAND:
+        if self.instant:  # started: the caller completes it at once (cache-only replay)
+            return [now, now, now, dur, key, nbytes, seq, priority, True, False, False, False]
+        if priority == DEMAND:
             demand = self._demand
-            prev = demand[-1].done if demand else self._busy_until
-            tr.start = prev if prev > now else now
-            tr.done = tr.start + dur
+            prev = demand[-1][DONE] if demand else self._busy_until
+            start = prev if prev > now else now
+            tr = [start + dur, start, now, dur, key, nbytes, seq, DEMAND, False, False, False, False]
             demand.append(tr)
-        else:
-            self._pf.append(tr)
+            return tr
+        tr = [now, now, now, dur, key, nbytes, seq, priority, False, False, False, False]
+        self._pf.append(tr)
         return tr
 
     def promote(self, tr: Transfer) -> None:
@@ -115,17 +103,18 @@ class CopyEngine:
 
     def promote_many(self, trs: list[Transfer]) -> None:
         """:meth:`promote` for several queued prefetches, re-projecting the demand queue once."""
-        moving = [t for t in dict.fromkeys(trs) if not t.started and t.priority != DEMAND and not t.cancelled]
+        once = {t[SEQ]: t for t in trs}  # each once, in first-named order
+        moving = [t for t in once.values() if not t[STARTED] and t[PRIORITY] != DEMAND and not t[CANCELLED]]
         if not moving:
             return
         for t in moving:
-            t.priority = DEMAND  # its entry in the prefetch queue becomes a tombstone
-            t.promoted = True
+            t[PRIORITY] = DEMAND  # its entry in the prefetch queue becomes a tombstone
+            t[PROMOTED] = True
         demand = self._demand  # each goes in by issue order (seq), whatever the order of trs
         first = len(demand)
         for t in moving:
             i = len(demand)
-            while i > 0 and demand[i - 1].seq > t.seq:
+            while i > 0 and demand[i - 1][SEQ] > t[SEQ]:
                 i -= 1
             demand.insert(i, t)
             first = min(first, i)
@@ -135,64 +124,69 @@ class CopyEngine:
         """Withdraw the queued (not started) transfers among ``trs``; returns those withdrawn."""
         gone = []
         for t in trs:
-            if not (t.started or t.cancelled):
-                t.cancelled = True
+            if not (t[STARTED] or t[CANCELLED]):
+                t[CANCELLED] = True
                 gone.append(t)
         if not gone:
             return gone
-        self.bytes_moved -= sum(t.nbytes for t in gone)
-        if any(t.priority == DEMAND for t in gone):
-            self._demand[:] = [t for t in self._demand if not t.cancelled]
+        self.bytes_moved -= sum(t[NBYTES] for t in gone)
+        if any(t[PRIORITY] == DEMAND for t in gone):
+            self._demand[:] = [t for t in self._demand if not t[CANCELLED]]
             self._project_demand(0)
         return gone
 
     def _project_demand(self, first: int) -> None:
         """Re-project the demand queue from position ``first`` on."""
         demand = self._demand
-        prev = demand[first - 1].done if first else self._busy_until
+        prev = demand[first - 1][DONE] if first else self._busy_until
         for i in range(first, len(demand)):
             t = demand[i]
-            start = prev if prev > t.issued else t.issued
-            t.start = start
-            prev = t.done = start + t.dur
+            start = prev if prev > t[ISSUED] else t[ISSUED]
+            t[START] = start
+            prev = t[DONE] = start + t[DUR]
 
     def advance(self, now: float) -> None:
         """Start transfers whose start time is before ``now``; complete those finished by
         ``now`` (observers see them in finish order)."""
         running = self._running
         demand = self._demand
-        pf = self._pf
         prev = self._busy_until
-        started = 0
-        for tr in demand:
-            if tr.start >= now:
-                break
-            prev = tr.done
-            tr.started = True
-            running.append(tr)
-            self.busy_time += tr.done - tr.start
-            started += 1
-        if started:
-            del demand[:started]
+        busy = self.busy_time
+        if demand:
+            started = 0
+            for tr in demand:
+                start = tr[START]
+                if start >= now:
+                    break
+                prev = tr[DONE]
+                tr[STARTED] = True
+                running.append(tr)
+                busy += prev - start
+                started += 1
+            if started:
+                del demand[:started]
         if not demand:
+            pf = self._pf
             while pf:
                 tr = pf[0]
-                if tr.cancelled or tr.priority == DEMAND:
+                if tr[CANCELLED] or tr[PRIORITY] == DEMAND:
                     pf.popleft()
                     continue
-                start = prev if prev > tr.issued else tr.issued
+                issued = tr[ISSUED]
+                start = prev if prev > issued else issued
                 if start >= now:
                     break
                 pf.popleft()
-                tr.start = start
-                prev = tr.done = start + tr.dur
-                tr.started = True
+                tr[START] = start
+                prev = tr[DONE] = start + tr[DUR]
+                tr[STARTED] = True
                 running.append(tr)
-                self.busy_time += prev - start
+                busy += prev - start
         self._busy_until = prev
-        if running and running[0].done <= now:
+        self.busy_time = busy
+        if running and running[0][DONE] <= now:
             finished = []
-            while running and running[0].done <= now:
+            while running and running[0][DONE] <= now:
                 finished.append(running.popleft())
             for cb in self.on_complete:
                 cb(finished)

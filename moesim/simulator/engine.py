@@ -40,7 +40,18 @@ from moesim.output.results import Result
 from moesim.policies.registry import Clock
 from moesim.simulator.build import cache_sizing, load_trace, make_policies
 from moesim.simulator.cache import ExpertCache
-from moesim.simulator.copyengine import DEMAND, CopyEngine, Transfer
+from moesim.simulator.copyengine import (
+    DEMAND,
+    DONE,
+    ISSUED,
+    KEY,
+    NBYTES,
+    PRIORITY,
+    PROMOTED,
+    START,
+    CopyEngine,
+    Transfer,
+)
 from moesim.simulator.cost import CostModel
 from moesim.simulator.lookup import LayerLookup, PassRow, Run, arrival, plan
 from moesim.simulator.prefetchq import NO_PINS, PrefetchQueue
@@ -165,8 +176,8 @@ class Simulation:
         if self.transfers is None or not self._recording():
             return
         for tr in trs:
-            kind = "promoted" if tr.promoted else ("demand" if tr.priority == DEMAND else "prefetch")
-            self.transfers.append((tr.key, kind, tr.issued, tr.start, tr.done, tr.nbytes))
+            kind = "promoted" if tr[PROMOTED] else ("demand" if tr[PRIORITY] == DEMAND else "prefetch")
+            self.transfers.append((tr[KEY], kind, tr[ISSUED], tr[START], tr[DONE], tr[NBYTES]))
 
     def _init_replay_state(self) -> None:
         """The compute process's state between routing points: the pass's row and evicted
@@ -183,7 +194,7 @@ class Simulation:
         the timeline records withdrawals."""
         assert self.withdrawn is not None
         if self._recording():
-            self.withdrawn.extend((tr.key, tr.issued, self.clock.now, tr.nbytes) for tr in gone)
+            self.withdrawn.extend((tr[KEY], tr[ISSUED], self.clock.now, tr[NBYTES]) for tr in gone)
 
     def ffn_table(self, at_least: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Expert compute seconds by the number of tokens routed (index 0 unused; up to the
@@ -220,6 +231,7 @@ class Simulation:
         env = self.env
         num_l = self.model.num_layers
         off = self.wl.off.tolist()
+        self.look = LayerLookup(self, self._evicted)
         ep = self.scenario.hardware.gpus > 1
         if ep:
             nonexp = self._ep_nonexpert_times()
@@ -265,7 +277,8 @@ class Simulation:
         self.copy.advance(now)
         clock.now = now
         clock.layer = layer
-        look = LayerLookup(self, p, layer, lo, hi, row, self._evicted)
+        look = self.look
+        look.plan(p, layer, lo, hi, row)
         clock.pending = set(look.keys)
         q = self.pfq
         if self.prefetch.active:  # else the queue stays empty
@@ -289,8 +302,9 @@ class Simulation:
         released and waiting proposals admitted. Returns the layer's end."""
         pinned = set(look.keys)
         runs: list[Run] = []
+        lookup = look.lookup
         for i in range(len(look)):
-            runs.extend(look.lookup(i, pinned, now))
+            lookup(i, pinned, now, runs)
         if self.prefetch.active:
             self.pfq.propose(p, layer, now, self.row, pinned)
         end = self._compute(look.finish(runs), now, self.scenario.expert_compute == "on-arrival")
@@ -340,9 +354,8 @@ class Simulation:
             ready = now
             total = 0.0
             for _, tr, f in runs:
-                a = arrival(tr, now)
-                if a > ready:
-                    ready = a
+                if tr is not None and tr[DONE] > ready:  # arrives after the others so far
+                    ready = tr[DONE]
                 total += f
             row.stall += ready - now
             return ready + total
@@ -369,7 +382,9 @@ class Simulation:
         row = self.row
         n = len(look)
         t = now
-        cur = look.lookup(0, set(), t) if n else []
+        cur: list[Run] = []
+        if n:
+            look.lookup(0, set(), t, cur)
         for i in range(n):
             for _, tr, _ in cur:
                 a = arrival(tr, t)
@@ -380,7 +395,9 @@ class Simulation:
                 advance(t)
                 clock.now = t
             pins = {key for key, _, _ in cur}  # the running expert
-            nxt = look.lookup(i + 1, set(pins), t) if i + 1 < n else []
+            nxt: list[Run] = []
+            if i + 1 < n:
+                look.lookup(i + 1, set(pins), t, nxt)
             nxt_pins = {key for key, _, _ in nxt}
             for _, _, f in cur:
                 t += f

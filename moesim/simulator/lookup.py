@@ -29,7 +29,15 @@ from moesim.policies.eviction import EvictionPolicy
 from moesim.policies.miss import MissInfo, MissPolicy
 from moesim.policies.routing import RoutingPolicy
 from moesim.simulator.cache import ExpertCache
-from moesim.simulator.copyengine import DEMAND, CopyEngine, Transfer
+from moesim.simulator.copyengine import (
+    BYPASS,
+    DEMAND,
+    DONE,
+    PRIORITY,
+    STARTED,
+    CopyEngine,
+    Transfer,
+)
 from moesim.simulator.cost import CostModel
 from moesim.simulator.workload import Workload
 
@@ -110,39 +118,51 @@ SimPy path makes one per expert access."""
 def arrival(tr: Transfer | None, now: float) -> float:
     """When a computation's weights are on the GPU: ``now`` if they were resident when looked
     up or have landed by ``now``, else when its transfer ends."""
-    return now if tr is None or tr.done < now else tr.done
+    return now if tr is None or tr[DONE] < now else tr[DONE]
 
 
 class LayerLookup:
-    """The lookups of one (pass, layer), planned at its routing point (module docstring)."""
+    """The lookups of a replay's layers, one (pass, layer) at a time (module docstring): made
+    once per replay, planned by :meth:`plan` at each layer's routing point."""
 
-    def __init__(self, sim: Replay, p: int, layer: int, lo: int, hi: int, row: PassRow,
-                 evicted: set[int]) -> None:
+    def __init__(self, sim: Replay, evicted: set[int]) -> None:
         self.sim = sim
-        self.p = p
-        self.layer = layer
-        self.row = row
-        self.evicted = evicted
+        self.evicted = evicted  # keys evicted in the current pass (the replay clears it)
         ctx = sim.eviction.ctx
         self.ctx = ctx
         self.plain = not sim.general
+        cache = sim.cache
+        self.cache = cache
+        self.resident = cache.resident
+        self.inflight = cache.inflight
+        self.on_access = sim.eviction.on_access
+        self.default_levels = (ctx.default_precision,)
+        self.p = self.layer = 0
+        self.row = PassRow()
+        self.experts: list[int] = []
+        self.keys: list[int] = []
+        self.ffn: list[float] = []
+        self.ranks: list[int] | None = None
+        self.toks: list[list[int]] | None = None
+
+    def plan(self, p: int, layer: int, lo: int, hi: int, row: PassRow) -> None:
+        """Plan (pass ``p``, ``layer``), whose accesses are ``lo:hi`` of the workload, at its
+        routing point; its counts go to ``row``."""
+        sim = self.sim
+        self.p = p
+        self.layer = layer
+        self.row = row
+        ctx = self.ctx
         if self.plain:
-            self.experts: list[int] = sim.wl.acc_expert[lo:hi].tolist()
-            self.ranks: list[int] | None = None
-            self.toks: list[list[int]] | None = None
+            experts = sim.wl.acc_expert[lo:hi].tolist()
+            self.experts = experts
             table, factor = sim.ffn_by_tokens, sim.ffn_factor[p]
-            self.ffn: list[float] = [table[n] * factor for n in sim.wl.acc_tokens[lo:hi].tolist()]
-            self.keys: list[int] = ctx.layer_keys(layer, self.experts)
+            self.ffn = [table[n] * factor for n in sim.wl.acc_tokens[lo:hi].tolist()]
+            self.keys = ctx.layer_keys(layer, experts)
             return
         rows = sim.wl.rows(p, layer)
         self.rows = rows
-        cache = sim.cache
-
-        def cached(key: int) -> bool:
-            return key in cache.resident or key in cache.inflight
-
-        self.cached = cached
-        self.orig, chosen = plan(sim, p, layer, rows, cached)
+        self.orig, chosen = plan(sim, p, layer, rows, self.cached)
         first: dict[int, list[int]] = {}  # expert -> [best rank, token indices...]
         for t, toks_t in enumerate(chosen):
             for r, e in enumerate(toks_t):
@@ -163,66 +183,90 @@ class LayerLookup:
         self.pred_order: list[list[int]] | None = None
         self.scale = sim.ffn_factor[p] if sim.timing else 0.0  # cache-only: compute is free
 
+    def cached(self, key: int) -> bool:
+        """Whether ``key`` is resident or in flight."""
+        return key in self.resident or key in self.inflight
+
     def __len__(self) -> int:
         return len(self.experts)
 
     # -- one lookup --------------------------------------------------------------------------
-    def lookup(self, i: int, pinned: set[int], now: float) -> list[Run]:
-        """Look up the layer's ``i``-th expert at time ``now``; ``pinned`` holds the keys that
-        must not be evicted (any key the expert is computed from is added: a fetched or
-        lower-precision copy, a substitute)."""
-        sim = self.sim
-        row = self.row
-        cache = sim.cache
-        policy = sim.eviction
+    def lookup(self, i: int, pinned: set[int], now: float, runs: list[Run]) -> None:
+        """Look up the layer's ``i``-th expert at time ``now`` and append the expert
+        computations it leads to to ``runs``; ``pinned`` holds the keys that must not be
+        evicted (any key the expert is computed from is added: a fetched or lower-precision
+        copy, a substitute)."""
         key = self.keys[i]
-        rec = sim.decisions
-        if key in cache.resident:
+        row = self.row
+        if key in self.resident:
             row.hits += 1
-            policy.on_access(key)
-            self._used_prefetch(key)
+            self.on_access(key)
+            if self.sim.pf_unused:
+                self._used_prefetch(key)
+            rec = self.sim.decisions
             if rec is not None:
                 rec.append((self.p, self.layer, "hit", key))
-            return [self._run(i, key, None)]
-        tr = cache.inflight.get(key)
+            runs.append(self._run(i, key, None))
+            return
+        tr = self.inflight.get(key)
         if tr is not None:
             row.late += 1
-            policy.on_access(key)
-            self._used_prefetch(key)
-            if tr.priority != DEMAND and not tr.started:
-                sim.copy.promote(tr)
+            self.on_access(key)
+            if self.sim.pf_unused:
+                self._used_prefetch(key)
+            if tr[PRIORITY] != DEMAND and not tr[STARTED]:
+                self.sim.copy.promote(tr)
+            rec = self.sim.decisions
             if rec is not None:
                 rec.append((self.p, self.layer, "hit", key))
-            return [self._run(i, key, tr)]
+            runs.append(self._run(i, key, tr))
+            return
+        if self.plain:
+            row.misses += 1
+            if key in self.evicted:
+                row.collisions += 1
+            runs.append(self._fetch(i, self.default_levels, pinned, now))
+            return
+        self._miss(i, key, pinned, now, runs)
+
+    def _miss(self, i: int, key: int, pinned: set[int], now: float, runs: list[Run]) -> None:
+        """A miss on a layer planned per token: the miss policy's alternative when it has one
+        (a lower-precision copy that is resident: a hit), else a miss it decides (fetch,
+        drop, substitute, speculate)."""
+        sim = self.sim
+        row = self.row
         ctx = self.ctx
         miss = sim.miss
-        if not self.plain:
-            alt = miss.alternative(self.layer, self.experts[i], self.ranks[i], cache.resident.__contains__)  # type: ignore[index]
-            if alt is not None:
-                row.hits += 1
-                policy.on_access(alt)
-                pinned.add(alt)
-                row.low_precision += ctx.precision_of(alt) != ctx.default_precision
-                if rec is not None:
-                    rec.append((self.p, self.layer, "hit", alt))
-                return [self._run(i, alt, None)]
+        rec = sim.decisions
+        assert self.toks is not None
+        assert self.ranks is not None
+        alt = miss.alternative(self.layer, self.experts[i], self.ranks[i], self.resident.__contains__)
+        if alt is not None:
+            row.hits += 1
+            self.on_access(alt)
+            pinned.add(alt)
+            row.low_precision += ctx.precision_of(alt) != ctx.default_precision
+            if rec is not None:
+                rec.append((self.p, self.layer, "hit", alt))
+            runs.append(self._run(i, alt, None))
+            return
         row.misses += 1
         if key in self.evicted:
             row.collisions += 1
-        if self.plain or miss.always_fetch:
-            return [self._fetch(i, (ctx.default_precision,), pinned, now)]
-        assert self.toks is not None
-        assert self.ranks is not None
+        if miss.always_fetch:
+            runs.append(self._fetch(i, self.default_levels, pinned, now))
+            return
         e = self.experts[i]
         toks = self.toks[i]
         dec = miss.decide(MissInfo(self.p, self.layer, e, self.ranks[i], self.rows[toks], self.routed, self.cached))
         if dec.action == "fetch":
-            return [self._fetch(i, dec.precisions or (ctx.default_precision,), pinned, now)]
+            runs.append(self._fetch(i, dec.precisions or self.default_levels, pinned, now))
+            return
         if dec.action == "drop":
             row.dropped += 1
             for t in toks:
                 self.final[t].discard(e)
-            return []
+            return
         if dec.action == "substitute":
             assert dec.substitute is not None
             e2 = dec.substitute
@@ -230,12 +274,12 @@ class LayerLookup:
             for t in toks:
                 self.final[t].discard(e)
                 self.final[t].add(e2)
-            return self._use_other(e2, len(toks), pinned)
+            runs.append(self._use_other(e2, len(toks), pinned))
+            return
         # speculate: each token takes its best-predicted expert that is cached
         if self.pred_order is None:
             self.pred_order = _predicted(sim, self.p, self.layer, self.rows)
         row.substituted += 1
-        runs: list[Run] = []
         counts: dict[int, int] = {}
         for t in toks:
             self.final[t].discard(e)
@@ -246,12 +290,11 @@ class LayerLookup:
                 counts[cand] = counts.get(cand, 0) + 1
                 break
         for cand, n in counts.items():
-            runs.extend(self._use_other(cand, n, pinned))
-        return runs
+            runs.append(self._use_other(cand, n, pinned))
 
     def _used_prefetch(self, key: int) -> None:
         unused = self.sim.pf_unused
-        if unused and key in unused:
+        if key in unused:
             unused.discard(key)
             self.row.pf_used += 1
 
@@ -264,22 +307,22 @@ class LayerLookup:
         nb = self.ctx.precision_bytes[self.ctx.precision_of(key)]
         return (key, tr, self.sim.cost.expert_time_at(len(self.toks[i]), nb) * self.scale)
 
-    def _use_other(self, e2: int, n_tokens: int, pinned: set[int]) -> list[Run]:
+    def _use_other(self, e2: int, n_tokens: int, pinned: set[int]) -> Run:
         """A resident or arriving expert computes tokens of a missed one (substitute or
         speculate); a queued prefetch of it is promoted (it is needed now)."""
         sim = self.sim
         k2 = self.ctx.key(self.layer, e2)
-        tr = sim.cache.inflight.get(k2)
-        if tr is not None and tr.priority != DEMAND and not tr.started:
+        tr = self.inflight.get(k2)
+        if tr is not None and tr[PRIORITY] != DEMAND and not tr[STARTED]:
             sim.copy.promote(tr)
         if e2 not in self.key_for:
-            sim.eviction.on_access(k2)
+            self.on_access(k2)
             self.key_for[e2] = k2
         pinned.add(k2)
         if sim.decisions is not None:
             sim.decisions.append((self.p, self.layer, "hit", k2))
         nb = self.ctx.precision_bytes[self.ctx.precision_of(k2)]
-        return [(k2, tr, sim.cost.expert_time_at(n_tokens, nb) * self.scale)]
+        return (k2, tr, sim.cost.expert_time_at(n_tokens, nb) * self.scale)
 
     def _fetch(self, i: int, levels: tuple[int, ...], pinned: set[int], now: float) -> Run:
         """Fetch the ``i``-th expert at the first precision that is resident or for which
@@ -287,18 +330,17 @@ class LayerLookup:
         that is not kept (an *uncached fetch*)."""
         sim = self.sim
         ctx = self.ctx
-        cache = sim.cache
-        copy = sim.copy
+        cache = self.cache
         row = self.row
         rec = sim.decisions
-        layer, e = self.layer, self.experts[i]
+        layer = self.layer
         default = ctx.default_precision
         for q in levels:
-            kq = self.keys[i] if q == default else ctx.key(layer, e, q)
-            if kq in cache.resident:
-                sim.eviction.on_access(kq)
+            kq = self.keys[i] if q == default else ctx.key(layer, self.experts[i], q)
+            if kq in self.resident:
+                self.on_access(kq)
                 pinned.add(kq)
-                row.low_precision += q != ctx.default_precision
+                row.low_precision += q != default
                 if rec is not None:
                     rec.append((self.p, layer, "hit", kq))
                 return self._run(i, kq, None)
@@ -313,13 +355,14 @@ class LayerLookup:
             if rec is not None:
                 rec.extend((self.p, layer, "evict", v) for v in room)
                 rec.append((self.p, layer, "fetch", kq))
-            return self._run(i, kq, None if copy.instant else tr)
+            return self._run(i, kq, None if cache.copy.instant else tr)
         q = levels[-1]
-        kq = ctx.key(layer, e, q)
+        kq = ctx.key(layer, self.experts[i], q)
+        copy = cache.copy
         tr = copy.submit(kq, ctx.precision_bytes[q], DEMAND, now)
-        tr.bypass = True
+        tr[BYPASS] = True
         row.uncached += 1
-        row.low_precision += q != ctx.default_precision
+        row.low_precision += q != default
         if rec is not None:
             rec.append((self.p, layer, "bypass", kq))
         return self._run(i, kq, None if copy.instant else tr)

@@ -24,7 +24,7 @@ from collections.abc import Set as AbstractSet
 from moesim.policies.eviction import EvictionPolicy
 from moesim.policies.prefetch import PrefetchPolicy
 from moesim.simulator.cache import ExpertCache
-from moesim.simulator.copyengine import DEMAND, Transfer
+from moesim.simulator.copyengine import DEMAND, KEY, PRIORITY, Transfer
 from moesim.simulator.lookup import PassRow
 
 NO_PINS: frozenset[int] = frozenset()
@@ -165,7 +165,7 @@ class PrefetchQueue:
         need = set(needed)
         stale: list[Transfer] = []
         for target in [t for t in pending if t <= layer]:
-            stale.extend(tr for tr in pending.pop(target) if tr.priority != DEMAND and tr.key not in need)
+            stale.extend(tr for tr in pending.pop(target) if tr[PRIORITY] != DEMAND and tr[KEY] not in need)
         if not stale:
             return
         gone = self.cache.copy.cancel_many(stale)
@@ -173,8 +173,8 @@ class PrefetchQueue:
             for cb in self.on_withdrawn:
                 cb(gone)
             self.cache.cancel_many(gone)
-            self.unused.difference_update([tr.key for tr in gone])
+            self.unused.difference_update([tr[KEY] for tr in gone])
             if self.decisions is not None:
                 clock = self.clock
-                self.decisions.extend((clock.pass_index, clock.layer, "withdraw", tr.key) for tr in gone)
+                self.decisions.extend((clock.pass_index, clock.layer, "withdraw", tr[KEY]) for tr in gone)
             row.pf_cancelled += len(gone)
