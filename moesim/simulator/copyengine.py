@@ -152,6 +152,7 @@ class CopyEngine:
         demand = self._demand
         prev = self._busy_until
         busy = self.busy_time
+        finished = []  # one server: transfers finish in the order they start
         if demand:
             started = 0
             for tr in demand:
@@ -160,7 +161,10 @@ class CopyEngine:
                     break
                 prev = tr[DONE]
                 tr[STARTED] = True
-                running.append(tr)
+                if prev <= now and not running:
+                    finished.append(tr)
+                else:
+                    running.append(tr)
                 busy += prev - start
                 started += 1
             if started:
@@ -184,10 +188,9 @@ class CopyEngine:
                 busy += prev - start
         self._busy_until = prev
         self.busy_time = busy
-        if running and running[0][DONE] <= now:
-            finished = []
-            while running and running[0][DONE] <= now:
-                finished.append(running.popleft())
+        while running and running[0][DONE] <= now:
+            finished.append(running.popleft())
+        if finished:
             for cb in self.on_complete:
                 cb(finished)
 

@@ -182,9 +182,10 @@ class Simulation:
     def _init_replay_state(self) -> None:
         """The compute process's state between routing points: the pass's row and evicted
         keys, and the prefetch queue (:class:`simulator.prefetchq.PrefetchQueue`)."""
-        self._evicted: set[int] = set()  # keys evicted in the current pass
+        self._evicted: set[int] = set()  # keys evicted in the current pass (collision misses)
+        self.cache.on_evict.append(self._evicted.update)
         self.row = PassRow()  # the pass being replayed
-        self.pfq = PrefetchQueue(self.prefetch, self.eviction, self.cache, self._evicted, self.decisions)
+        self.pfq = PrefetchQueue(self.prefetch, self.eviction, self.cache, self.decisions)
         self.pf_unused = self.pfq.unused  # prefetched keys not accessed yet
         if self.withdrawn is not None:
             self.pfq.on_withdrawn.append(self._log_withdrawn)

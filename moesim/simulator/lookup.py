@@ -127,7 +127,7 @@ class LayerLookup:
 
     def __init__(self, sim: Replay, evicted: set[int]) -> None:
         self.sim = sim
-        self.evicted = evicted  # keys evicted in the current pass (the replay clears it)
+        self.evicted = evicted  # keys evicted in the current pass (the replay keeps it)
         ctx = sim.eviction.ctx
         self.ctx = ctx
         self.plain = not sim.general
@@ -136,6 +136,8 @@ class LayerLookup:
         self.resident = cache.resident
         self.inflight = cache.inflight
         self.on_access = sim.eviction.on_access
+        self.instant = sim.copy.instant
+        self.pf_unused = sim.pf_unused  # prefetched keys not accessed yet
         self.default_levels = (ctx.default_precision,)
         self.p = self.layer = 0
         self.row = PassRow()
@@ -201,7 +203,7 @@ class LayerLookup:
         if key in self.resident:
             row.hits += 1
             self.on_access(key)
-            if self.sim.pf_unused:
+            if self.pf_unused:
                 self._used_prefetch(key)
             rec = self.sim.decisions
             if rec is not None:
@@ -212,7 +214,7 @@ class LayerLookup:
         if tr is not None:
             row.late += 1
             self.on_access(key)
-            if self.sim.pf_unused:
+            if self.pf_unused:
                 self._used_prefetch(key)
             if tr[PRIORITY] != DEMAND and not tr[STARTED]:
                 self.sim.copy.promote(tr)
@@ -293,7 +295,7 @@ class LayerLookup:
             runs.append(self._use_other(cand, n, pinned))
 
     def _used_prefetch(self, key: int) -> None:
-        unused = self.sim.pf_unused
+        unused = self.pf_unused
         if key in unused:
             unused.discard(key)
             self.row.pf_used += 1
@@ -340,32 +342,32 @@ class LayerLookup:
             if kq in self.resident:
                 self.on_access(kq)
                 pinned.add(kq)
-                row.low_precision += q != default
+                if q != default:
+                    row.low_precision += 1
                 if rec is not None:
                     rec.append((self.p, layer, "hit", kq))
                 return self._run(i, kq, None)
             got = cache.fetch(kq, ctx.precision_bytes[q], pinned, True, now)
             if got is None:
                 continue
-            room, tr = got
-            if room:
-                self.evicted.update(room)
             pinned.add(kq)
-            row.low_precision += q != default
+            if q != default:
+                row.low_precision += 1
             if rec is not None:
-                rec.extend((self.p, layer, "evict", v) for v in room)
+                rec.extend((self.p, layer, "evict", v) for v in got[0])
                 rec.append((self.p, layer, "fetch", kq))
-            return self._run(i, kq, None if cache.copy.instant else tr)
+            return self._run(i, kq, None if self.instant else got[1])
         q = levels[-1]
         kq = ctx.key(layer, self.experts[i], q)
         copy = cache.copy
         tr = copy.submit(kq, ctx.precision_bytes[q], DEMAND, now)
         tr[BYPASS] = True
         row.uncached += 1
-        row.low_precision += q != default
+        if q != default:
+            row.low_precision += 1
         if rec is not None:
             rec.append((self.p, layer, "bypass", kq))
-        return self._run(i, kq, None if copy.instant else tr)
+        return self._run(i, kq, None if self.instant else tr)
 
     # -- after the lookups -------------------------------------------------------------------
     def finish(self, runs: list[Run]) -> list[Run]:

@@ -46,11 +46,10 @@ class _Either:
 
 class PrefetchQueue:
     """One GPU's prefetch queue (module docstring) for ``policy``, whose context gives the
-    model's dimensions, the entry size, the replay's clock and workload. ``evicted`` is the
-    pass's set of evicted keys (collision misses), which admissions add to; ``decisions``
-    the decision log, when recorded."""
+    model's dimensions, the entry size, the replay's clock and workload; ``decisions`` the
+    decision log, when recorded."""
 
-    def __init__(self, policy: PrefetchPolicy, eviction: EvictionPolicy, cache: ExpertCache, evicted: set[int],
+    def __init__(self, policy: PrefetchPolicy, eviction: EvictionPolicy, cache: ExpertCache,
                  decisions: list[tuple[int, int, str, int]] | None) -> None:
         ctx = policy.ctx
         self.policy = policy
@@ -61,7 +60,6 @@ class PrefetchQueue:
         self.num_layers = ctx.num_layers
         self.div = ctx.keys_per_layer  # key // div = the key's layer
         self.expert_bytes = ctx.expert_bytes
-        self.evicted = evicted
         self.decisions = decisions
         self.waiting: deque[tuple[int, int]] = deque()  # (key, target layer), in order
         self.queued: set[int] = set()  # the waiting keys
@@ -134,7 +132,6 @@ class PrefetchQueue:
             waiting.popleft()
             queued.discard(key)
             if victims:
-                self.evicted.update(victims)
                 for keys in self.admitted.values():
                     keys.difference_update(victims)
             if rec is not None:
