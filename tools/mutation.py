@@ -143,67 +143,9 @@ EQUIVALENT: dict[str, str] = {
         "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
     'moesim.policies.prefetch.xǁPrefetchPolicyǁproposals__mutmut_29':
         "fromiter's count only preallocates: without it the same keys come out",
-    "moesim.simulator.cache.xǁExpertCacheǁpreload__mutmut_13":
-        "on_insert(key, None) for on_insert(key, False): every policy only tests `if demand`, and None is false",
-    "moesim.simulator.cache.xǁExpertCacheǁpreload__mutmut_16":
-        "on_insert(key, True) for a preloaded key: a statically pinned key is never a victim, and no policy "
-        "orders the other keys by a static key's count or recency",
-    "moesim.simulator.cache.xǁExpertCacheǁfetch__mutmut_33":
-        "`used >= max_used` for `used > max_used`: when equal it assigns the value max_used already has",
     # the one lookup path
-    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_8":
-        "every layer planned per token: with standard routing, no budget and an always-fetch miss policy the "
-        "per-token plan is the flat arrays' (the same experts in router order, keys and compute times: "
-        "expert_time_at at the scenario's entry size is the table's entry), only slower",
-    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_11": "ranks are read only off the plain path, which sets them",
-    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_12": "toks are read only off the plain path, which sets them",
-    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_34": "no built-in routing or budget policy reads the pass index argument",
-    "moesim.simulator.lookup.x_plan__mutmut_8": "no built-in routing policy reads the pass index argument",
-    "moesim.simulator.lookup.x_plan__mutmut_22": "no built-in budget policy reads the pass index argument",
-    "moesim.simulator.lookup.x_plan__mutmut_21": "NoBudget.select returns the routed experts as lists, as the else branch does",
-    "moesim.simulator.lookup.xǁLayerLookupǁ_fetch__mutmut_10": "self.keys[i] is ctx.key(layer, e) at the scenario's precision: the same key",
-    "moesim.simulator.lookup.xǁLayerLookupǁ_fetch__mutmut_67":
-        "in cache-only replay an instant copy is done when issued, at now: waiting for it waits for nothing",
-    "moesim.simulator.lookup.xǁLayerLookupǁ_fetch__mutmut_106":
-        "in cache-only replay an instant copy is done when issued, at now: waiting for it waits for nothing",
-    "moesim.simulator.lookup.x_token_mass__mutmut_5": "astype(None) is astype(float64)",
-    "moesim.simulator.lookup.x_token_mass__mutmut_23": "numpy's sum over no experts is 0.0, the else branch's value",
-    "moesim.simulator.lookup.x__predicted__mutmut_30": "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
-    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_52": "`r <= best` for `r < best`: an equal rank leaves the best rank as it is",
-    "moesim.simulator.lookup.xǁLayerLookupǁlookup__mutmut_30":
-        "promote is called more often (`or`): CopyEngine.promote_many moves only unstarted prefetches, as the guard does",
-    "moesim.simulator.lookup.xǁLayerLookupǁlookup__mutmut_82":
-        "a non-plain layer with an always-fetch miss policy asks it to decide: Fetch.decide says fetch at the "
-        "scenario's precision, what the shortcut does",
-    "moesim.simulator.lookup.xǁLayerLookupǁlookup__mutmut_97": "no built-in miss policy reads MissInfo.pass_index",
     # prefetch queue
-    "moesim.simulator.prefetchq.xǁPrefetchQueueǁadmit__mutmut_4":
-        "instant = None: in cache-only replay the admitted copies are then also listed as pending; they have "
-        "started (an instant copy starts when submitted), so the withdrawal that reads the list cancels none of them",
-    "moesim.simulator.prefetchq.xǁPrefetchQueueǁadmit__mutmut_15":
-        "cache.fetch(..., demand=None) for demand=False: the cache and every policy only test `if demand` "
-        "or `not demand`, and None is false",
-    "moesim.simulator.prefetchq.xǁPrefetchQueueǁwithdraw__mutmut_2":
-        "`waiting or any(...)` for `waiting and any(...)`: with nothing waiting any() is false; with proposals "
-        "waiting but none for this layer or earlier, the queue is rebuilt from all of them in order, unchanged",
     # copy engine
-    "moesim.simulator.copyengine.xǁCopyEngineǁ_project_demand__mutmut_15": "`prev >= issued` for `prev > issued`: when equal both pick the same value",
-    "moesim.simulator.copyengine.xǁCopyEngineǁadvance__mutmut_28": "`prev >= issued` for `prev > issued`: when equal both pick the same value",
-    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_37": "`prev >= now` for `prev > now`: when equal both pick the same value",
-    "moesim.simulator.copyengine.xǁCopyEngineǁpromote_many__mutmut_20": "`seq >= t.seq` for `seq > t.seq`: sequence numbers are unique, never equal",
-    "moesim.simulator.copyengine.xǁCopyEngineǁduration__mutmut_1": "the duration cache bypassed: copy_time is a pure function, recomputed equal",
-    "moesim.simulator.copyengine.xǁCopyEngineǁduration__mutmut_2": "the duration cache missed: copy_time is a pure function, recomputed equal",
-    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_1": "the duration cache bypassed: duration() computes the same value",
-    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_2": "the duration cache missed: duration() computes the same value",
-    "moesim.simulator.copyengine.xǁCopyEngineǁfinish__mutmut_4": "float('INF') is float('inf')",
-    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_25": "`started` of an instant (cache-only) transfer is never read: the caller completes it at once",
-    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_26": "`started` of an instant (cache-only) transfer is never read: the caller completes it at once",
-    "moesim.simulator.copyengine.xǁTransferǁ__init____mutmut_1": "the `dur` default is never used: every transfer is made by submit with its duration",
-    "moesim.simulator.copyengine.xǁTransferǁ__init____mutmut_11": "`cancelled` is only read for its truth value, and None is false",
-    "moesim.simulator.copyengine.xǁTransferǁ__init____mutmut_13": "`bypass` is only read for its truth value, and None is false",
-    "moesim.simulator.copyengine.xǁTransferǁ__init____mutmut_7": "`start` is set (submit, advance, promotion) before it is read",
-    "moesim.simulator.copyengine.xǁTransferǁ__init____mutmut_8": "`done` is set (submit, advance, promotion) before it is read",
-    "moesim.simulator.copyengine.xǁTransferǁ__init____mutmut_15": "`promoted` is only read for its truth value, and None is false",
     # prefetch policies
     'moesim.policies.prefetch.xǁNextGateTopKǁ__init____mutmut_1':
         'self.params is not read after __init__ in this class (the local params is)',
@@ -472,6 +414,11 @@ def main(modules: list[str]) -> None:
         r = results[module]
         print(f"{module}: {r['killed']} killed of {r['mutants']}, {len(r['alive'])} alive "
               f"(kill rate {r['kill_rate']:.1%})" if r["kill_rate"] is not None else f"{module}: no mutants")
+        _write(results)  # after each module: a long run stopped later keeps the modules done
+    _write(results)
+
+
+def _write(results: dict[str, dict[str, object]]) -> None:
     tmp = RESULTS.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     tmp.replace(RESULTS)
