@@ -42,7 +42,7 @@ TESTS: dict[str, list[str]] = {
                                    "tests/test_kernel.py", "tests/test_budget_hand.py", "tests/test_expert_parallel.py",
                                    "tests/test_speculative.py", "tests/test_prefetch_queue.py"],
     "moesim/simulator/prefetchq.py": ["tests/test_prefetch.py", "tests/test_prefetch_queue.py", "tests/test_fidelity.py",
-                                      "tests/test_events.py",
+                                      "tests/test_events.py", "tests/test_calibrate.py",
                                       "tests/test_engine.py", "tests/test_kernel.py"],
     "moesim/simulator/workload.py": ["tests/test_engine.py", "tests/test_workload_arrays.py", "tests/test_kernel.py",
                                      "tests/test_speculative.py", "tests/test_fidelity.py"],
@@ -143,9 +143,48 @@ EQUIVALENT: dict[str, str] = {
         "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
     'moesim.policies.prefetch.xǁPrefetchPolicyǁproposals__mutmut_29':
         "fromiter's count only preallocates: without it the same keys come out",
+    "moesim.simulator.cache.xǁExpertCacheǁpreload__mutmut_13":
+        "on_insert(key, None) for on_insert(key, False): every policy only tests `if demand`, and None is false",
+    "moesim.simulator.cache.xǁExpertCacheǁpreload__mutmut_16":
+        "on_insert(key, True) for a preloaded key: a statically pinned key is never a victim, and no policy "
+        "orders the other keys by a static key's count or recency",
+    "moesim.simulator.cache.xǁExpertCacheǁfetch__mutmut_35":
+        "`used >= max_used` for `used > max_used`: when equal it assigns the value max_used already has",
     # the one lookup path
     # prefetch queue
+    "moesim.simulator.prefetchq.xǁPrefetchQueueǁadmit__mutmut_4":
+        "instant = None: in cache-only replay the admitted copies are then also listed as pending; they have "
+        "started (an instant copy starts when submitted), so the withdrawal that reads the list cancels none of them",
+    "moesim.simulator.prefetchq.xǁPrefetchQueueǁadmit__mutmut_15":
+        "cache.fetch(..., demand=None) for demand=False: the cache and every policy only test `if demand` "
+        "or `not demand`, and None is false",
+    "moesim.simulator.prefetchq.xǁPrefetchQueueǁwithdraw__mutmut_2":
+        "`waiting or any(...)` for `waiting and any(...)`: with nothing waiting any() is false; with proposals "
+        "waiting but none for this layer or earlier, the queue is rebuilt from all of them in order, unchanged",
     # copy engine
+    "moesim.simulator.copyengine.xǁCopyEngineǁ_project_demand__mutmut_15":
+        "`prev >= issued` for `prev > issued`: when equal both pick the same value",
+    "moesim.simulator.copyengine.xǁCopyEngineǁadvance__mutmut_36":
+        "`prev >= issued` for `prev > issued`: when equal both pick the same value",
+    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_26":
+        "`prev >= now` for `prev > now`: when equal both pick the same value",
+    "moesim.simulator.copyengine.xǁCopyEngineǁadvance__mutmut_15":
+        "a demand transfer ending exactly at now queued as running instead of finished at once: the completion "
+        "loop below pops it first (it is the running queue's head), so observers see the same transfers in the "
+        "same order",
+    "moesim.simulator.copyengine.xǁCopyEngineǁpromote_many__mutmut_20":
+        "`seq >= t.seq` for `seq > t.seq`: sequence numbers are unique, never equal",
+    "moesim.simulator.copyengine.xǁCopyEngineǁduration__mutmut_1":
+        "the duration cache bypassed: copy_time is a pure function, recomputed equal",
+    "moesim.simulator.copyengine.xǁCopyEngineǁduration__mutmut_2":
+        "the duration cache missed: copy_time is a pure function, recomputed equal",
+    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_1": "the duration cache bypassed: duration() computes the same value",
+    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_2": "the duration cache missed: duration() computes the same value",
+    "moesim.simulator.copyengine.xǁCopyEngineǁfinish__mutmut_4": "float('INF') is float('inf')",
+    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_12": "STARTED: a field of an instant (cache-only) transfer record, never read: the cache makes its entry resident at once, the lookup and the prefetch queue keep no reference to it and it never reaches the running queue or a completion listener",
+    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_13": "CANCELLED: a field of an instant (cache-only) transfer record, never read: the cache makes its entry resident at once, the lookup and the prefetch queue keep no reference to it and it never reaches the running queue or a completion listener",
+    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_14": "BYPASS: a field of an instant (cache-only) transfer record, never read: the cache makes its entry resident at once, the lookup and the prefetch queue keep no reference to it and it never reaches the running queue or a completion listener",
+    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_15": "PROMOTED: a field of an instant (cache-only) transfer record, never read: the cache makes its entry resident at once, the lookup and the prefetch queue keep no reference to it and it never reaches the running queue or a completion listener",
     # prefetch policies
     'moesim.policies.prefetch.xǁNextGateTopKǁ__init____mutmut_1':
         'self.params is not read after __init__ in this class (the local params is)',
