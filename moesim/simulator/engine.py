@@ -355,8 +355,9 @@ class Simulation:
             ready = now
             total = 0.0
             for _, tr, f in runs:
-                if tr is not None and tr[DONE] > ready:  # arrives after the others so far
-                    ready = tr[DONE]
+                a = arrival(tr, now)
+                if a > ready:
+                    ready = a
                 total += f
             row.stall += ready - now
             return ready + total

@@ -135,6 +135,7 @@ class LayerLookup:
         self.cache = cache
         self.resident = cache.resident
         self.inflight = cache.inflight
+        self.cached = cache.__contains__  # whether a key is resident or in flight
         self.on_access = sim.eviction.on_access
         self.instant = sim.copy.instant
         self.pf_unused = sim.pf_unused  # prefetched keys not accessed yet
@@ -184,10 +185,6 @@ class LayerLookup:
         self.key_for: dict[int, int] = {}  # expert computed -> the cache key it computes from
         self.pred_order: list[list[int]] | None = None
         self.scale = sim.ffn_factor[p] if sim.timing else 0.0  # cache-only: compute is free
-
-    def cached(self, key: int) -> bool:
-        """Whether ``key`` is resident or in flight."""
-        return key in self.resident or key in self.inflight
 
     def __len__(self) -> int:
         return len(self.experts)
