@@ -1,26 +1,30 @@
-"""How fast could a pure-Python replay go? The SimPy path against two minimal loops over the
+"""How fast could a pure-Python replay go? The SimPy path against minimal replays of the
 same access stream (not a test; a measurement for the engine-core issue's 2x target).
 
 The setup is ``simpy_rate.py``'s LRU one: the quickstart scenario (OLMoE-like, 16 layers x 64
 experts, top-8, 5% capacity, A100 + PCIe 4), LRU, fetch on a miss, no prefetch, ``layer``
-execution, batch 1, full timing. Three replays of it, each timed after one warm-up:
+execution, batch 1, full timing. Five replays of it, each timed after one warm-up:
 
 - ``engine``: the SimPy path (``Simulation.run`` with ``MOESIM_NO_KERNEL=1``).
 - ``cache+copy``: one flat loop that keeps the engine's cache and copy engine: it calls
   ``ExpertCache.fetch`` on a miss and ``CopyEngine.advance`` at each routing point, and
   replaces everything above them (the SimPy process, ``LayerLookup``, the pass rows, the
   decision-log and prefetch hooks) with local variables.
+- ``structured``: the engine-core issue's structure at its leanest: a SimPy process, a lookup
+  object (one call per expert, or ``structured/layer``: one per layer) calling a cache whose
+  one method owns evict -> insert -> submit, a copy engine object, a per-pass row, with no
+  transfer records and none of the engine's hooks (decision log, prefetch, timeline).
 - ``dicts``: the same loop with the cache and the copy engine as plain dicts and one float
   (when the link is next free), calling the LRU policy object (``candidates``,
   ``on_insert``, ``on_remove``, ``on_access``) as the engine does.
 
-The two loops are written from the replay contract (design.md: a layer's experts are looked
+The other replays are written from the replay contract (design.md: a layer's experts are looked
 up at its routing point under the layer's pins, a miss evicts unpinned resident victims in
 the policy's order or, when none can make room, is copied to a staging buffer, copies are
 served one at a time in issue order, the layer's experts run once all have arrived), not
 from the engine's code; the script checks that each gives the engine's misses and the
-engine's end time bit for bit, so the three time the same replay. What the loops leave out is
-what the engine's structure costs. The three run in turn ``--repeat`` times; each one's best
+engine's end time bit for bit, so all five time the same replay. What the others leave out
+is what the engine's structure costs. The five run in turn ``--repeat`` times; each one's best
 rate is printed.
 
     python benchmarks/simpy_ceiling.py [--tokens 300] [--repeat 3]
@@ -33,6 +37,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 os.environ["MOESIM_NO_KERNEL"] = "1"
@@ -185,6 +190,168 @@ def dicts(sc: Any, wl: Any) -> tuple[int, float]:
     return misses, end
 
 
+class _Link:
+    """A copy engine at its least: one server, transfers as (done, key) in issue order."""
+
+    def __init__(self, dur: float) -> None:
+        self.dur = dur
+        self.free = 0.0  # when the link is next free
+        self.landing: deque[tuple[float, int]] = deque()
+        self.on_complete: Callable[[int], None] = lambda key: None
+
+    def submit(self, key: int, now: float, keep: bool) -> float:
+        start = self.free if self.free > now else now
+        done = self.free = start + self.dur
+        if keep:
+            self.landing.append((done, key))
+        return done
+
+    def advance(self, now: float) -> None:
+        landing = self.landing
+        while landing and landing[0][0] <= now:
+            self.on_complete(landing.popleft()[1])
+
+
+class _Cache:
+    """A cache at its least, owning miss -> evict -> insert in one method."""
+
+    def __init__(self, capacity: float, policy: Any, link: _Link) -> None:
+        self.capacity, self.policy, self.link = capacity, policy, link
+        self.resident: dict[int, int] = {}
+        self.inflight: dict[int, float] = {}  # key -> when its copy lands
+        self.used_by: dict[int, int] = {}  # in flight: key -> bytes
+        self.used = 0
+        link.on_complete = self.complete
+
+    def complete(self, key: int) -> None:
+        del self.inflight[key]
+        self.resident[key] = self.used_by.pop(key)
+
+    def fetch(self, key: int, nbytes: int, pinned: set[int], now: float) -> float:
+        """Evict, insert, submit: when ``key`` lands (a staging copy when no room)."""
+        free = self.capacity - self.used
+        resident = self.resident
+        victims = []
+        if nbytes > free:
+            for v in self.policy.candidates():
+                if v in resident and v not in pinned:
+                    victims.append(v)
+                    free += resident[v]
+                    if nbytes <= free:
+                        break
+            else:
+                return self.link.submit(key, now, False)
+        on_remove = self.policy.on_remove
+        for v in victims:
+            self.used -= resident.pop(v)
+            on_remove(v)
+        done = self.inflight[key] = self.link.submit(key, now, True)
+        self.used_by[key] = nbytes
+        self.used += nbytes
+        self.policy.on_insert(key, True)
+        return done
+
+
+class _Row:
+    __slots__ = ("hits", "late", "misses")
+
+    def __init__(self) -> None:
+        self.hits = self.late = self.misses = 0
+
+
+def structured(sc: Any, wl: Any, per_layer: bool = False) -> tuple[int, float]:
+    """The engine-core issue's structure with nothing else: a SimPy process of one timeout per
+    layer, a lookup object whose method (called per expert, or with ``per_layer`` once per
+    layer) calls the cache's one fetch method (evict, insert, submit) on a miss, a copy engine
+    object, a per-pass row object; each as lean as the replay contract allows (no transfer
+    records, no decision log, no prefetch or timeline hooks, no list of computations)."""
+    import simpy
+
+    sim, s = _setup(sc, wl)
+    policy = sim.eviction
+    link = _Link(sim.copy.duration(s["nbytes"]))
+    cache = _Cache(sim.cache.capacity, policy, link)
+    nbytes, off, num_l, ctx = s["nbytes"], s["off"], s["layers"], s["ctx"]
+    rows: list[_Row] = []
+
+    class Lookup:
+        def __init__(self) -> None:
+            self.row = _Row()
+            self.keys: list[int] = []
+
+        def lookup(self, i: int, pinned: set[int], now: float) -> float:
+            key = self.keys[i]
+            if key in cache.resident:
+                self.row.hits += 1
+                policy.on_access(key)
+                return now
+            done = cache.inflight.get(key)
+            if done is not None:
+                self.row.late += 1
+                policy.on_access(key)
+                return done if done > now else now
+            self.row.misses += 1
+            done = cache.fetch(key, nbytes, pinned, now)
+            return done if done > now else now
+
+        def lookup_all(self, pinned: set[int], now: float) -> float:
+            ready = now
+            resident, inflight, on_access, row = cache.resident, cache.inflight, policy.on_access, self.row
+            for key in self.keys:
+                if key in resident:
+                    row.hits += 1
+                    on_access(key)
+                    continue
+                done = inflight.get(key)
+                if done is not None:
+                    row.late += 1
+                    on_access(key)
+                else:
+                    row.misses += 1
+                    done = cache.fetch(key, nbytes, pinned, now)
+                if done > ready:
+                    ready = done
+            return ready
+
+    look = Lookup()
+    env = simpy.Environment()
+
+    def process() -> Any:
+        carry = 0.0
+        for p in range(s["passes"]):
+            look.row = row = _Row()
+            fac, ne = s["factor"][p], s["nonexp"][p]
+            for layer in range(num_l):
+                delay = carry + ne
+                if delay > 0:
+                    yield env.timeout(delay)
+                carry = 0.0
+                lo, hi = off[p * num_l + layer], off[p * num_l + layer + 1]
+                if lo < hi:
+                    now = env.now
+                    link.advance(now)
+                    look.keys = keys = ctx.layer_keys(layer, s["experts"][lo:hi].tolist())
+                    ffn = [s["table"][n] * fac for n in s["tokens"][lo:hi].tolist()]
+                    pinned = set(keys)
+                    if per_layer:
+                        ready = look.lookup_all(pinned, now)
+                    else:
+                        ready = now
+                        for i in range(len(keys)):
+                            a = look.lookup(i, pinned, now)
+                            if a > ready:
+                                ready = a
+                    carry = ready + sum(ffn) - now
+            if carry > 0:
+                yield env.timeout(carry)
+                carry = 0.0
+            rows.append(row)
+
+    env.process(process())
+    env.run()
+    return sum(r.misses for r in rows), env.now
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=300, help="decode tokens per request (4 requests)")
@@ -194,7 +361,8 @@ def main() -> None:
                                       "policies.prefetch=none"])
     wl = Simulation(sc).wl
     accesses = int(wl.off[-1])
-    replays = {"engine": engine, "cache+copy": cache_copy, "dicts": dicts}
+    replays: dict[str, Callable[[Any, Any], tuple[int, float]]] = {"engine": engine, "cache+copy": cache_copy, "structured": structured,
+               "structured/layer": partial(structured, per_layer=True), "dicts": dicts}
     ref = engine(sc, wl)  # also the warm-up
     best = dict.fromkeys(replays, 0.0)
     for _ in range(args.repeat):
@@ -205,7 +373,7 @@ def main() -> None:
             assert got == ref, f"{name} replays something else: (misses, end) {got} != engine's {ref}"
     print(f"{accesses} accesses, {ref[0]} misses, end {ref[1]!r} s; best of {args.repeat}:")
     for name, rate in best.items():
-        print(f"{name:>10}: {rate / 1e3:6.0f} k accesses/s  ({rate / best['engine']:.2f}x the engine)")
+        print(f"{name:>16}: {rate / 1e3:6.0f} k accesses/s  ({rate / best['engine']:.2f}x the engine)")
 
 
 if __name__ == "__main__":
