@@ -3,7 +3,7 @@ same access stream (not a test; a measurement for the engine-core issue's 2x tar
 
 The setup is ``simpy_rate.py``'s LRU one: the quickstart scenario (OLMoE-like, 16 layers x 64
 experts, top-8, 5% capacity, A100 + PCIe 4), LRU, fetch on a miss, no prefetch, ``layer``
-execution, batch 1, full timing. Five replays of it, each timed after one warm-up:
+execution, batch 1, full timing. Seven replays of it, each timed after one warm-up:
 
 - ``engine``: the SimPy path (``Simulation.run`` with ``MOESIM_NO_KERNEL=1``).
 - ``cache+copy``: one flat loop that keeps the engine's cache and copy engine: it calls
@@ -13,8 +13,11 @@ execution, batch 1, full timing. Five replays of it, each timed after one warm-u
 - ``structured``: the engine-core issue's structure at its leanest: a SimPy process, a lookup
   object (one call per expert, or ``structured/layer``: one per layer) calling a cache whose
   one method owns evict -> insert -> submit, a copy engine object, a per-pass row, with no
-  transfer records and none of the engine's hooks (decision log, prefetch, timeline).
-- ``dicts``: the same loop with the cache and the copy engine as plain dicts and one float
+  transfer records and none of the engine's hooks (decision log, prefetch, timeline);
+  ``+engine copy``: ``structured/layer`` with the engine's copy engine under its cache;
+  ``+engine cache``: with the engine's cache and copy engine (what the engine adds above them
+  is the rest of the distance to ``engine``).
+- ``dicts``: the ``cache+copy`` loop with the cache and the copy engine as plain dicts and one float
   (when the link is next free), calling the LRU policy object (``candidates``,
   ``on_insert``, ``on_remove``, ``on_access``) as the engine does.
 
@@ -23,8 +26,8 @@ up at its routing point under the layer's pins, a miss evicts unpinned resident 
 the policy's order or, when none can make room, is copied to a staging buffer, copies are
 served one at a time in issue order, the layer's experts run once all have arrived), not
 from the engine's code; the script checks that each gives the engine's misses and the
-engine's end time bit for bit, so all five time the same replay. What the others leave out
-is what the engine's structure costs. The five run in turn ``--repeat`` times; each one's best
+engine's end time bit for bit, so all seven time the same replay. What the others leave out
+is what the engine's structure costs. The seven run in turn ``--repeat`` times; each one's best
 rate is printed.
 
     python benchmarks/simpy_ceiling.py [--tokens 300] [--repeat 3]
@@ -43,7 +46,7 @@ from typing import Any
 os.environ["MOESIM_NO_KERNEL"] = "1"
 
 from moesim.config.scenario import load_scenario
-from moesim.simulator.copyengine import BYPASS, DEMAND, DONE
+from moesim.simulator.copyengine import BYPASS, DEMAND, DONE, KEY, NBYTES, CopyEngine
 from moesim.simulator.engine import Simulation
 
 
@@ -252,6 +255,69 @@ class _Cache:
         return done
 
 
+class _CacheOverEngineCopy(_Cache):
+    """The lean cache over the engine's copy engine (a record per transfer, its queues and
+    completion listeners)."""
+
+    def __init__(self, capacity: float, policy: Any, copy: Any) -> None:
+        self.capacity, self.policy, self.copy = capacity, policy, copy
+        self.resident = {}
+        self.inflight: dict[int, Any] = {}  # key -> its transfer
+        self.used = 0
+        copy.on_complete.append(self.complete_many)
+        self.advance = copy.advance
+
+    def complete_many(self, trs: list[Any]) -> None:
+        inflight, resident = self.inflight, self.resident
+        for tr in trs:
+            if not tr[BYPASS]:
+                key = tr[KEY]
+                del inflight[key]
+                resident[key] = tr[NBYTES]
+
+    def fetch(self, key: int, nbytes: int, pinned: set[int], now: float) -> float:
+        free = self.capacity - self.used
+        resident = self.resident
+        victims = []
+        if nbytes > free:
+            for v in self.policy.candidates():
+                if v in resident and v not in pinned:
+                    victims.append(v)
+                    free += resident[v]
+                    if nbytes <= free:
+                        break
+            else:
+                tr = self.copy.submit(key, nbytes, DEMAND, now)
+                tr[BYPASS] = True
+                return float(tr[DONE])
+        on_remove = self.policy.on_remove
+        for v in victims:
+            self.used -= resident.pop(v)
+            on_remove(v)
+        tr = self.inflight[key] = self.copy.submit(key, nbytes, DEMAND, now)
+        self.used += nbytes
+        self.policy.on_insert(key, True)
+        return float(tr[DONE])
+
+
+class _EngineCache:
+    """The engine's cache and copy engine behind the lean cache's interface."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache, self.copy = cache, cache.copy
+        self.resident, self.inflight = cache.resident, cache.inflight
+        self.advance = cache.copy.advance
+
+    def fetch(self, key: int, nbytes: int, pinned: set[int], now: float) -> float:
+        got = self.cache.fetch(key, nbytes, pinned, True, now)
+        if got is None:  # no room: a staging copy
+            tr = self.copy.submit(key, nbytes, DEMAND, now)
+            tr[BYPASS] = True
+        else:
+            tr = got[1]
+        return float(tr[DONE])
+
+
 class _Row:
     __slots__ = ("hits", "late", "misses")
 
@@ -259,18 +325,28 @@ class _Row:
         self.hits = self.late = self.misses = 0
 
 
-def structured(sc: Any, wl: Any, per_layer: bool = False) -> tuple[int, float]:
+def structured(sc: Any, wl: Any, per_layer: bool = False, pieces: str = "lean") -> tuple[int, float]:
     """The engine-core issue's structure with nothing else: a SimPy process of one timeout per
     layer, a lookup object whose method (called per expert, or with ``per_layer`` once per
     layer) calls the cache's one fetch method (evict, insert, submit) on a miss, a copy engine
     object, a per-pass row object; each as lean as the replay contract allows (no transfer
-    records, no decision log, no prefetch or timeline hooks, no list of computations)."""
+    records, no decision log, no prefetch or timeline hooks, no list of computations).
+    ``pieces``: ``copy`` puts the engine's copy engine under the lean cache, ``cache`` the
+    engine's cache and copy engine under the lean lookup."""
     import simpy
 
     sim, s = _setup(sc, wl)
     policy = sim.eviction
-    link = _Link(sim.copy.duration(s["nbytes"]))
-    cache = _Cache(sim.cache.capacity, policy, link)
+    cache: Any
+    if pieces == "lean":
+        link = _Link(sim.copy.duration(s["nbytes"]))
+        cache = _Cache(sim.cache.capacity, policy, link)
+        advance = link.advance
+    else:
+        cache = (_CacheOverEngineCopy(sim.cache.capacity, policy, CopyEngine(sim.copy.link)) if pieces == "copy"
+                 else _EngineCache(sim.cache))
+        advance = cache.advance
+    records = pieces != "lean"  # in-flight entries are transfer records
     nbytes, off, num_l, ctx = s["nbytes"], s["off"], s["layers"], s["ctx"]
     rows: list[_Row] = []
 
@@ -289,6 +365,8 @@ def structured(sc: Any, wl: Any, per_layer: bool = False) -> tuple[int, float]:
             if done is not None:
                 self.row.late += 1
                 policy.on_access(key)
+                if records:
+                    done = done[DONE]
                 return done if done > now else now
             self.row.misses += 1
             done = cache.fetch(key, nbytes, pinned, now)
@@ -306,6 +384,8 @@ def structured(sc: Any, wl: Any, per_layer: bool = False) -> tuple[int, float]:
                 if done is not None:
                     row.late += 1
                     on_access(key)
+                    if records:
+                        done = done[DONE]
                 else:
                     row.misses += 1
                     done = cache.fetch(key, nbytes, pinned, now)
@@ -329,7 +409,7 @@ def structured(sc: Any, wl: Any, per_layer: bool = False) -> tuple[int, float]:
                 lo, hi = off[p * num_l + layer], off[p * num_l + layer + 1]
                 if lo < hi:
                     now = env.now
-                    link.advance(now)
+                    advance(now)
                     look.keys = keys = ctx.layer_keys(layer, s["experts"][lo:hi].tolist())
                     ffn = [s["table"][n] * fac for n in s["tokens"][lo:hi].tolist()]
                     pinned = set(keys)
@@ -362,7 +442,9 @@ def main() -> None:
     wl = Simulation(sc).wl
     accesses = int(wl.off[-1])
     replays: dict[str, Callable[[Any, Any], tuple[int, float]]] = {"engine": engine, "cache+copy": cache_copy, "structured": structured,
-               "structured/layer": partial(structured, per_layer=True), "dicts": dicts}
+               "structured/layer": partial(structured, per_layer=True),
+               "+engine copy": partial(structured, per_layer=True, pieces="copy"),
+               "+engine cache": partial(structured, per_layer=True, pieces="cache"), "dicts": dicts}
     ref = engine(sc, wl)  # also the warm-up
     best = dict.fromkeys(replays, 0.0)
     for _ in range(args.repeat):
