@@ -485,3 +485,48 @@ def test_the_scenario_s_max_requests_and_seed_shape_the_workload():
     t0 = time.perf_counter()
     sims[0].run()
     assert 0 < sims[0].wall_s <= time.perf_counter() - t0
+
+
+def test_routing_budget_and_miss_policies_are_told_the_pass_and_layer(monkeypatch):
+    """User routing, budget and miss policies (the plugin registries) that record the pass
+    and layer they are given, on one GPU. Two passes (a prompt token, a decode token) of a
+    two-layer model, top-2, capacity 0 experts, so that every expert misses: routing and
+    budget see (0, 0), (0, 1), (1, 0), (1, 1) in that order; the miss policy sees each of
+    them twice (two missed experts per layer). Found missing by mutation testing of
+    lookup.py: the lookup could hand these policies another pass index unnoticed."""
+    from moesim.policies.budget import REGISTRY as BUDGET
+    from moesim.policies.budget import BudgetPolicy
+    from moesim.policies.miss import REGISTRY as MISS
+    from moesim.policies.miss import MissDecision, MissPolicy
+    from moesim.policies.routing import REGISTRY as ROUTING
+    from moesim.policies.routing import RoutingPolicy
+
+    seen: dict[str, list[tuple[int, int]]] = {"routing": [], "budget": [], "miss": []}
+
+    class RecordingRouting(RoutingPolicy):
+        def route(self, pass_index, layer, rows, experts, cached):
+            seen["routing"].append((pass_index, layer))
+            return experts
+
+    class RecordingBudget(BudgetPolicy):
+        def select(self, pass_index, layer, rows, experts):
+            seen["budget"].append((pass_index, layer))
+            return experts.tolist()
+
+    class RecordingMiss(MissPolicy):
+        def decide(self, info):
+            seen["miss"].append((info.pass_index, info.layer))
+            return MissDecision("fetch")
+
+    monkeypatch.setitem(ROUTING._classes, "recording", RecordingRouting)
+    monkeypatch.setitem(BUDGET._classes, "recording", RecordingBudget)
+    monkeypatch.setitem(MISS._classes, "recording", RecordingMiss)
+    model = small_model(layers=2, experts=4, top_k=2)
+    ex = np.array([[[[0, 1], [2, 3]], [[0, 2], [1, 3]]]])  # one request: prompt token, decode token
+    res = simulate(scenario(cache={"capacity": "0 experts"},
+                            policies={"routing": "recording", "budget": "recording", "miss": "recording"}),
+                   trace=trace_from_array(model, ex, prompt_tokens=1))
+    assert res.summary["replay_path"] == "simpy"
+    order = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert seen == {"routing": order, "budget": order, "miss": [pl for pl in order for _ in range(2)]}
+    assert int(res.steps["misses"].sum()) == 8

@@ -151,6 +151,46 @@ EQUIVALENT: dict[str, str] = {
     "moesim.simulator.cache.xǁExpertCacheǁfetch__mutmut_35":
         "`used >= max_used` for `used > max_used`: when equal it assigns the value max_used already has",
     # the one lookup path
+    "moesim.simulator.lookup.x_arrival__mutmut_5":
+        "`tr[DONE] <= now` for `<`: when equal it returns tr[DONE], which is now",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_5":
+        "plain = None sends every layer down the per-token path, which replays as the plain one when no policy changes routing (same keys in router order, the same expert times from the cost model, unique experts counted per token)",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_13":
+        "instant = None: in cache-only replay a fetch then returns its instant transfer record, which landed at its issue time: arrival() gives now either way",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_16":
+        "plan() sets it before any lookup reads it",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_17":
+        "plan() sets it before any lookup reads it",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_18":
+        "plan() sets it before any lookup reads it",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_19":
+        "plan() sets it before any lookup reads it",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_20":
+        "plan() sets it before any lookup reads it",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_21":
+        "plan() sets it before any lookup reads it",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_22":
+        "read only on the per-token path, whose plan() sets it first",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_23":
+        "read only on the per-token path, whose plan() sets it first",
+    "moesim.simulator.lookup.xǁLayerLookupǁplan__mutmut_42":
+        "`r <= ent[0]` for `<`: when equal it assigns the rank the entry has",
+    "moesim.simulator.lookup.xǁLayerLookupǁlookup__mutmut_28":
+        "`or` for `and`: promote() of a demand or started transfer changes nothing (promote_many moves only queued prefetches)",
+    "moesim.simulator.lookup.xǁLayerLookupǁ_fetch__mutmut_9":
+        "ctx.key at the default precision is the key layer_keys gave the expert",
+    "moesim.simulator.lookup.xǁLayerLookupǁ_fetch__mutmut_67":
+        "in cache-only replay the transfer record is instant, landed at its issue time: arrival() gives now either way",
+    "moesim.simulator.lookup.xǁLayerLookupǁ_fetch__mutmut_109":
+        "in cache-only replay the transfer record is instant, landed at its issue time: arrival() gives now either way",
+    "moesim.simulator.lookup.x_plan__mutmut_21":
+        "the budget policy that does not restrict (none) selects each token's routed experts unchanged, as routed.tolist()",
+    "moesim.simulator.lookup.x_token_mass__mutmut_5":
+        "astype(None) is astype(float64)",
+    "moesim.simulator.lookup.x_token_mass__mutmut_23":
+        "a sum over no experts is 0.0, the else branch's value",
+    "moesim.simulator.lookup.x__predicted__mutmut_30":
+        "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
     # prefetch queue
     "moesim.simulator.prefetchq.xǁPrefetchQueueǁadmit__mutmut_4":
         "instant = None: in cache-only replay the admitted copies are then also listed as pending; they have "
