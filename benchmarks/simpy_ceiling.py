@@ -3,7 +3,7 @@ same access stream (not a test; a measurement for the engine-core issue's 2x tar
 
 The setup is ``simpy_rate.py``'s LRU one: the quickstart scenario (OLMoE-like, 16 layers x 64
 experts, top-8, 5% capacity, A100 + PCIe 4), LRU, fetch on a miss, no prefetch, ``layer``
-execution, batch 1, full timing. Seven replays of it, each timed after one warm-up:
+execution, batch 1, full timing. Six replays of it, each timed after one warm-up:
 
 - ``engine``: the SimPy path (``Simulation.run`` with ``MOESIM_NO_KERNEL=1``).
 - ``cache+copy``: one flat loop that keeps the engine's cache and copy engine: it calls
@@ -11,12 +11,12 @@ execution, batch 1, full timing. Seven replays of it, each timed after one warm-
   replaces everything above them (the SimPy process, ``LayerLookup``, the pass rows, the
   decision-log and prefetch hooks) with local variables.
 - ``structured``: the engine-core issue's structure at its leanest: a SimPy process, a lookup
-  object (one call per expert, or ``structured/layer``: one per layer) calling a cache whose
-  one method owns evict -> insert -> submit, a copy engine object, a per-pass row, with no
-  transfer records and none of the engine's hooks (decision log, prefetch, timeline);
-  ``+engine copy``: ``structured/layer`` with the engine's copy engine under its cache;
-  ``+engine cache``: with the engine's cache and copy engine (what the engine adds above them
-  is the rest of the distance to ``engine``).
+  object called once per expert (as the engine's) calling a cache whose one method owns
+  evict -> insert -> submit, a copy engine object, a per-pass row, with no transfer records
+  and none of the engine's hooks (decision log, prefetch, timeline); ``+engine copy``: the
+  same with the engine's copy engine under its cache; ``+engine cache``: with the engine's
+  cache and copy engine (each through an adapter: one call more per miss; what the engine
+  adds above them is the rest of the distance to ``engine``).
 - ``dicts``: the ``cache+copy`` loop with the cache and the copy engine as plain dicts and one float
   (when the link is next free), calling the LRU policy object (``candidates``,
   ``on_insert``, ``on_remove``, ``on_access``) as the engine does.
@@ -26,8 +26,8 @@ up at its routing point under the layer's pins, a miss evicts unpinned resident 
 the policy's order or, when none can make room, is copied to a staging buffer, copies are
 served one at a time in issue order, the layer's experts run once all have arrived), not
 from the engine's code; the script checks that each gives the engine's misses and the
-engine's end time bit for bit, so all seven time the same replay. What the others leave out
-is what the engine's structure costs. The seven run in turn ``--repeat`` times; each one's best
+engine's end time bit for bit, so all six time the same replay. What the others leave out
+is what the engine's structure costs. The six run in turn ``--repeat`` times; each one's best
 rate is printed.
 
     python benchmarks/simpy_ceiling.py [--tokens 300] [--repeat 3]
@@ -194,44 +194,69 @@ def dicts(sc: Any, wl: Any) -> tuple[int, float]:
 
 
 class _Link:
-    """A copy engine at its least: one server, transfers as (done, key) in issue order."""
+    """A copy engine at its least: one server, transfers as (done, key, bytes) in issue order;
+    a copy lands as ``done``, a float."""
 
     def __init__(self, dur: float) -> None:
         self.dur = dur
         self.free = 0.0  # when the link is next free
-        self.landing: deque[tuple[float, int]] = deque()
-        self.on_complete: Callable[[int], None] = lambda key: None
+        self.landing: deque[tuple[float, int, int]] = deque()
+        self.on_complete: Callable[[int, int], None] = lambda key, nbytes: None
 
-    def submit(self, key: int, now: float, keep: bool) -> float:
+    def submit(self, key: int, nbytes: int, now: float, keep: bool) -> float:
         start = self.free if self.free > now else now
         done = self.free = start + self.dur
         if keep:
-            self.landing.append((done, key))
+            self.landing.append((done, key, nbytes))
         return done
 
     def advance(self, now: float) -> None:
         landing = self.landing
         while landing and landing[0][0] <= now:
-            self.on_complete(landing.popleft()[1])
+            _, key, nbytes = landing.popleft()
+            self.on_complete(key, nbytes)
+
+
+class _EngineLink:
+    """The engine's copy engine behind the lean link's interface: a copy is its transfer
+    record (one call more per copy, this adapter's)."""
+
+    def __init__(self, copy: CopyEngine) -> None:
+        self.copy = copy
+        self.advance = copy.advance
+        self.on_complete: Callable[[int, int], None] = lambda key, nbytes: None
+        copy.on_complete.append(self._completed)
+
+    def submit(self, key: int, nbytes: int, now: float, keep: bool) -> Any:
+        tr = self.copy.submit(key, nbytes, DEMAND, now)
+        if not keep:  # a staging copy
+            tr[BYPASS] = True
+        return tr
+
+    def _completed(self, trs: list[Any]) -> None:
+        for tr in trs:
+            if not tr[BYPASS]:
+                self.on_complete(tr[KEY], tr[NBYTES])
 
 
 class _Cache:
-    """A cache at its least, owning miss -> evict -> insert in one method."""
+    """A cache at its least, owning miss -> evict -> insert in one method; ``fetch`` returns
+    what the link's ``submit`` gives (a copy's landing time, or its record)."""
 
-    def __init__(self, capacity: float, policy: Any, link: _Link) -> None:
+    def __init__(self, capacity: float, policy: Any, link: Any) -> None:
         self.capacity, self.policy, self.link = capacity, policy, link
         self.resident: dict[int, int] = {}
-        self.inflight: dict[int, float] = {}  # key -> when its copy lands
-        self.used_by: dict[int, int] = {}  # in flight: key -> bytes
+        self.inflight: dict[int, Any] = {}  # key -> its copy, as the link gives it
         self.used = 0
+        self.advance = link.advance
         link.on_complete = self.complete
 
-    def complete(self, key: int) -> None:
+    def complete(self, key: int, nbytes: int) -> None:
         del self.inflight[key]
-        self.resident[key] = self.used_by.pop(key)
+        self.resident[key] = nbytes
 
-    def fetch(self, key: int, nbytes: int, pinned: set[int], now: float) -> float:
-        """Evict, insert, submit: when ``key`` lands (a staging copy when no room)."""
+    def fetch(self, key: int, nbytes: int, pinned: set[int], now: float) -> Any:
+        """Evict, insert, submit (a staging copy when no room)."""
         free = self.capacity - self.used
         resident = self.resident
         victims = []
@@ -243,79 +268,33 @@ class _Cache:
                     if nbytes <= free:
                         break
             else:
-                return self.link.submit(key, now, False)
+                return self.link.submit(key, nbytes, now, False)
         on_remove = self.policy.on_remove
         for v in victims:
             self.used -= resident.pop(v)
             on_remove(v)
-        done = self.inflight[key] = self.link.submit(key, now, True)
-        self.used_by[key] = nbytes
+        got = self.inflight[key] = self.link.submit(key, nbytes, now, True)
         self.used += nbytes
         self.policy.on_insert(key, True)
-        return done
-
-
-class _CacheOverEngineCopy(_Cache):
-    """The lean cache over the engine's copy engine (a record per transfer, its queues and
-    completion listeners)."""
-
-    def __init__(self, capacity: float, policy: Any, copy: Any) -> None:
-        self.capacity, self.policy, self.copy = capacity, policy, copy
-        self.resident = {}
-        self.inflight: dict[int, Any] = {}  # key -> its transfer
-        self.used = 0
-        copy.on_complete.append(self.complete_many)
-        self.advance = copy.advance
-
-    def complete_many(self, trs: list[Any]) -> None:
-        inflight, resident = self.inflight, self.resident
-        for tr in trs:
-            if not tr[BYPASS]:
-                key = tr[KEY]
-                del inflight[key]
-                resident[key] = tr[NBYTES]
-
-    def fetch(self, key: int, nbytes: int, pinned: set[int], now: float) -> float:
-        free = self.capacity - self.used
-        resident = self.resident
-        victims = []
-        if nbytes > free:
-            for v in self.policy.candidates():
-                if v in resident and v not in pinned:
-                    victims.append(v)
-                    free += resident[v]
-                    if nbytes <= free:
-                        break
-            else:
-                tr = self.copy.submit(key, nbytes, DEMAND, now)
-                tr[BYPASS] = True
-                return float(tr[DONE])
-        on_remove = self.policy.on_remove
-        for v in victims:
-            self.used -= resident.pop(v)
-            on_remove(v)
-        tr = self.inflight[key] = self.copy.submit(key, nbytes, DEMAND, now)
-        self.used += nbytes
-        self.policy.on_insert(key, True)
-        return float(tr[DONE])
+        return got
 
 
 class _EngineCache:
-    """The engine's cache and copy engine behind the lean cache's interface."""
+    """The engine's cache and copy engine behind the lean cache's interface (one call more per
+    miss, this adapter's)."""
 
     def __init__(self, cache: Any) -> None:
         self.cache, self.copy = cache, cache.copy
         self.resident, self.inflight = cache.resident, cache.inflight
         self.advance = cache.copy.advance
 
-    def fetch(self, key: int, nbytes: int, pinned: set[int], now: float) -> float:
+    def fetch(self, key: int, nbytes: int, pinned: set[int], now: float) -> Any:
         got = self.cache.fetch(key, nbytes, pinned, True, now)
-        if got is None:  # no room: a staging copy
-            tr = self.copy.submit(key, nbytes, DEMAND, now)
-            tr[BYPASS] = True
-        else:
-            tr = got[1]
-        return float(tr[DONE])
+        if got is not None:
+            return got[1]
+        tr = self.copy.submit(key, nbytes, DEMAND, now)  # no room: a staging copy
+        tr[BYPASS] = True
+        return tr
 
 
 class _Row:
@@ -325,28 +304,25 @@ class _Row:
         self.hits = self.late = self.misses = 0
 
 
-def structured(sc: Any, wl: Any, per_layer: bool = False, pieces: str = "lean") -> tuple[int, float]:
+def structured(sc: Any, wl: Any, pieces: str = "lean") -> tuple[int, float]:
     """The engine-core issue's structure with nothing else: a SimPy process of one timeout per
-    layer, a lookup object whose method (called per expert, or with ``per_layer`` once per
-    layer) calls the cache's one fetch method (evict, insert, submit) on a miss, a copy engine
-    object, a per-pass row object; each as lean as the replay contract allows (no transfer
-    records, no decision log, no prefetch or timeline hooks, no list of computations).
-    ``pieces``: ``copy`` puts the engine's copy engine under the lean cache, ``cache`` the
-    engine's cache and copy engine under the lean lookup."""
+    layer, a lookup object whose method (called per expert, as the engine's) calls the cache's
+    one fetch method (evict, insert, submit) on a miss, a copy engine object, a per-pass row
+    object; each as lean as the replay contract allows (no transfer records, no decision log,
+    no prefetch or timeline hooks, no list of computations). ``pieces``: ``copy`` puts the
+    engine's copy engine under the lean cache, ``cache`` the engine's cache and copy engine
+    under the lean lookup."""
     import simpy
 
     sim, s = _setup(sc, wl)
     policy = sim.eviction
     cache: Any
-    if pieces == "lean":
-        link = _Link(sim.copy.duration(s["nbytes"]))
-        cache = _Cache(sim.cache.capacity, policy, link)
-        advance = link.advance
+    if pieces == "cache":
+        cache = _EngineCache(sim.cache)
     else:
-        cache = (_CacheOverEngineCopy(sim.cache.capacity, policy, CopyEngine(sim.copy.link)) if pieces == "copy"
-                 else _EngineCache(sim.cache))
-        advance = cache.advance
-    records = pieces != "lean"  # in-flight entries are transfer records
+        link = _Link(sim.copy.duration(s["nbytes"])) if pieces == "lean" else _EngineLink(CopyEngine(sim.copy.link))
+        cache = _Cache(sim.cache.capacity, policy, link)
+    records = pieces != "lean"  # a copy is its transfer record, landing at DONE
     nbytes, off, num_l, ctx = s["nbytes"], s["off"], s["layers"], s["ctx"]
     rows: list[_Row] = []
 
@@ -356,42 +332,21 @@ def structured(sc: Any, wl: Any, per_layer: bool = False, pieces: str = "lean") 
             self.keys: list[int] = []
 
         def lookup(self, i: int, pinned: set[int], now: float) -> float:
+            """When the layer's ``i``-th expert is on the GPU."""
             key = self.keys[i]
             if key in cache.resident:
                 self.row.hits += 1
                 policy.on_access(key)
                 return now
-            done = cache.inflight.get(key)
-            if done is not None:
+            got = cache.inflight.get(key)
+            if got is not None:
                 self.row.late += 1
                 policy.on_access(key)
-                if records:
-                    done = done[DONE]
-                return done if done > now else now
-            self.row.misses += 1
-            done = cache.fetch(key, nbytes, pinned, now)
+            else:
+                self.row.misses += 1
+                got = cache.fetch(key, nbytes, pinned, now)
+            done = got[DONE] if records else got
             return done if done > now else now
-
-        def lookup_all(self, pinned: set[int], now: float) -> float:
-            ready = now
-            resident, inflight, on_access, row = cache.resident, cache.inflight, policy.on_access, self.row
-            for key in self.keys:
-                if key in resident:
-                    row.hits += 1
-                    on_access(key)
-                    continue
-                done = inflight.get(key)
-                if done is not None:
-                    row.late += 1
-                    on_access(key)
-                    if records:
-                        done = done[DONE]
-                else:
-                    row.misses += 1
-                    done = cache.fetch(key, nbytes, pinned, now)
-                if done > ready:
-                    ready = done
-            return ready
 
     look = Lookup()
     env = simpy.Environment()
@@ -409,18 +364,15 @@ def structured(sc: Any, wl: Any, per_layer: bool = False, pieces: str = "lean") 
                 lo, hi = off[p * num_l + layer], off[p * num_l + layer + 1]
                 if lo < hi:
                     now = env.now
-                    advance(now)
+                    cache.advance(now)
                     look.keys = keys = ctx.layer_keys(layer, s["experts"][lo:hi].tolist())
                     ffn = [s["table"][n] * fac for n in s["tokens"][lo:hi].tolist()]
                     pinned = set(keys)
-                    if per_layer:
-                        ready = look.lookup_all(pinned, now)
-                    else:
-                        ready = now
-                        for i in range(len(keys)):
-                            a = look.lookup(i, pinned, now)
-                            if a > ready:
-                                ready = a
+                    ready = now
+                    for i in range(len(keys)):
+                        a = look.lookup(i, pinned, now)
+                        if a > ready:
+                            ready = a
                     carry = ready + sum(ffn) - now
             if carry > 0:
                 yield env.timeout(carry)
@@ -441,10 +393,11 @@ def main() -> None:
                                       "policies.prefetch=none"])
     wl = Simulation(sc).wl
     accesses = int(wl.off[-1])
-    replays: dict[str, Callable[[Any, Any], tuple[int, float]]] = {"engine": engine, "cache+copy": cache_copy, "structured": structured,
-               "structured/layer": partial(structured, per_layer=True),
-               "+engine copy": partial(structured, per_layer=True, pieces="copy"),
-               "+engine cache": partial(structured, per_layer=True, pieces="cache"), "dicts": dicts}
+    replays: dict[str, Callable[[Any, Any], tuple[int, float]]] = {
+        "engine": engine, "cache+copy": cache_copy, "structured": structured,
+        "+engine copy": partial(structured, pieces="copy"), "+engine cache": partial(structured, pieces="cache"),
+        "dicts": dicts,
+    }
     ref = engine(sc, wl)  # also the warm-up
     best = dict.fromkeys(replays, 0.0)
     for _ in range(args.repeat):

@@ -157,32 +157,16 @@ EQUIVALENT: dict[str, str] = {
         "plain = None sends every layer down the per-token path, which replays as the plain one when no policy changes routing (same keys in router order, the same expert times from the cost model, unique experts counted per token)",
     "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_13":
         "instant = None: in cache-only replay a fetch then returns its instant transfer record, which landed at its issue time: arrival() gives now either way",
-    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_16":
-        "plan() sets it before any lookup reads it",
-    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_17":
-        "plan() sets it before any lookup reads it",
-    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_18":
-        "plan() sets it before any lookup reads it",
-    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_19":
-        "plan() sets it before any lookup reads it",
-    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_20":
-        "plan() sets it before any lookup reads it",
-    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_21":
-        "plan() sets it before any lookup reads it",
-    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_22":
-        "read only on the per-token path, whose plan() sets it first",
-    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_23":
-        "read only on the per-token path, whose plan() sets it first",
+    **{"moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_" + str(n): "plan() sets it before any lookup reads it" for n in (16, 17, 18, 19, 20, 21)},
+    **{"moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_" + str(n): "read only on the per-token path, whose plan() sets it first" for n in (22, 23)},
     "moesim.simulator.lookup.xǁLayerLookupǁplan__mutmut_42":
         "`r <= ent[0]` for `<`: when equal it assigns the rank the entry has",
     "moesim.simulator.lookup.xǁLayerLookupǁlookup__mutmut_28":
         "`or` for `and`: promote() of a demand or started transfer changes nothing (promote_many moves only queued prefetches)",
     "moesim.simulator.lookup.xǁLayerLookupǁ_fetch__mutmut_9":
         "ctx.key at the default precision is the key layer_keys gave the expert",
-    "moesim.simulator.lookup.xǁLayerLookupǁ_fetch__mutmut_67":
-        "in cache-only replay the transfer record is instant, landed at its issue time: arrival() gives now either way",
-    "moesim.simulator.lookup.xǁLayerLookupǁ_fetch__mutmut_109":
-        "in cache-only replay the transfer record is instant, landed at its issue time: arrival() gives now either way",
+    **{"moesim.simulator.lookup.xǁLayerLookupǁ_fetch__mutmut_" + str(n): "in cache-only replay the transfer record is instant, landed at its issue time: "
+       "arrival() gives now either way" for n in (67, 109)},
     "moesim.simulator.lookup.x_plan__mutmut_21":
         "the budget policy that does not restrict (none) selects each token's routed experts unchanged, as routed.tolist()",
     "moesim.simulator.lookup.x_token_mass__mutmut_5":
@@ -487,14 +471,14 @@ def main(modules: list[str]) -> None:
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     if modules == ["--reclassify"]:
         reclassify(results)
-        modules = []
+        _write(results)
+        return
     for module in modules:
         results[module] = run(module)
         r = results[module]
         print(f"{module}: {r['killed']} killed of {r['mutants']}, {len(r['alive'])} alive "
               f"(kill rate {r['kill_rate']:.1%})" if r["kill_rate"] is not None else f"{module}: no mutants")
         _write(results)  # after each module: a long run stopped later keeps the modules done
-    _write(results)
 
 
 def _write(results: dict[str, dict[str, object]]) -> None:
