@@ -41,7 +41,10 @@ def test_preload_fills_the_cache_once_per_key_and_pins_for_good():
     assert balanced(cache)
     assert cache.static_pinned == {5, 6, 7}
     assert cache.max_used == 3 * EB
-    assert cache.victims_for(EB, set()) is None  # nothing may be evicted
+    assert cache.fetch(9, EB, set(), True, 0.0) is None  # nothing may be evicted
+    assert cache.resident == {5: EB, 6: EB, 7: EB}
+    assert cache.used == 3 * EB
+    assert cache.copy.bytes_moved == 0  # nothing was queued
 
 
 def test_static_pins_are_skipped_but_others_are_victims():
@@ -51,7 +54,6 @@ def test_static_pins_are_skipped_but_others_are_victims():
     cache.preload([5], EB)
     put(cache, copy, 1)
     put(cache, copy, 2)
-    assert cache.victims_for(EB, set()) == [1]
     got = cache.fetch(3, EB, set(), True, 0.0)
     assert got is not None
     assert got[0] == [1]
@@ -65,14 +67,32 @@ def test_victims_free_enough_bytes_for_a_larger_entry():
     196,608 bytes each and one bf16 expert: 1,179,648 in use, 393,216 free. A bf16 expert
     needs 786,432: evicting the first int4 copy frees 589,824, the second 786,432: enough,
     so the victims are the two int4 copies and the bf16 expert stays."""
-    cache, copy = make(2 * EB)
-    put(cache, copy, 10, EB // 4)
-    put(cache, copy, 11, EB // 4)
-    put(cache, copy, 12, EB)
+    def three() -> ExpertCache:
+        cache, copy = make(2 * EB)
+        put(cache, copy, 10, EB // 4)
+        put(cache, copy, 11, EB // 4)
+        put(cache, copy, 12, EB)
+        assert cache.used == 1_179_648
+        return cache
+
+    cache = three()
+    got = cache.fetch(13, EB, set(), True, 0.0)
+    assert got is not None
+    assert got[0] == [10, 11]
+    assert cache.resident == {12: EB, 13: EB}
+    assert cache.used == 2 * EB
+    assert cache.evicted == {10, 11}
+    cache = three()
+    got = cache.fetch(13, EB, {10}, True, 0.0)  # 10 pinned: 11 frees 589,824, then 12
+    assert got is not None
+    assert got[0] == [11, 12]
+    assert cache.resident == {10: EB // 4, 13: EB}
+    assert cache.used == EB // 4 + EB
+    cache = three()
+    assert cache.fetch(13, 2 * EB + 1, set(), True, 0.0) is None  # larger than the whole cache
+    assert cache.resident == {10: EB // 4, 11: EB // 4, 12: EB}
     assert cache.used == 1_179_648
-    assert cache.victims_for(EB, set()) == [10, 11]
-    assert cache.victims_for(EB, {10}) == [11, 12]  # 10 pinned: 11 frees 589,824, then 12
-    assert cache.victims_for(2 * EB + 1, set()) is None  # larger than the whole cache
+    assert cache.evicted == set()
 
 
 def test_a_withdrawn_prefetch_frees_exactly_its_bytes():
@@ -93,14 +113,18 @@ def test_a_withdrawn_prefetch_frees_exactly_its_bytes():
     pf = got[1]
     assert pf[PRIORITY] == PREFETCH
     assert cache.used == 3 * EB
-    assert cache.victims_for(EB, {1, 2}) is None
+    assert cache.fetch(4, EB, {1, 2}, True, 1.0) is None  # 3 is in flight, 1 and 2 pinned
+    assert cache.used == 3 * EB
     gone = copy.cancel_many([pf])
     cache.cancel_many(gone)
     assert gone == [pf]
     assert cache.used == 2 * EB
     assert balanced(cache)
-    assert cache.victims_for(EB, {1, 2}) == []
     assert copy.bytes_moved == 2 * EB
+    got = cache.fetch(4, EB, {1, 2}, True, 1.0)
+    assert got is not None
+    assert got[0] == []
+    assert cache.used == 3 * EB
 
 
 def test_the_policy_is_told_whether_an_insert_is_a_demand_fetch():
@@ -117,8 +141,10 @@ def test_a_prefetch_may_find_no_victim_where_a_demand_fetch_does():
     a demand miss may evict it, an optional prefetch may not (only stale experts)."""
     cache, copy = make(EB, "least-stale")
     put(cache, copy, 1)
-    assert cache.victims_for(EB, set()) == [1]
-    assert cache.victims_for(EB, set(), for_prefetch=True) is None
     assert cache.fetch(2, EB, set(), False, 0.0) is None
     assert set(cache.resident) == {1}
     assert copy.bytes_moved == EB  # nothing was queued for the refused prefetch
+    got = cache.fetch(2, EB, set(), True, 0.0)
+    assert got is not None
+    assert got[0] == [1]
+    assert set(cache.resident) == {2}

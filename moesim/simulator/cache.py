@@ -28,6 +28,7 @@ class ExpertCache:
         self.used = 0
         self.resident: dict[int, int] = {}
         self.inflight: dict[int, Transfer] = {}
+        self.evicted: set[int] = set()  # keys evicted since the owner last cleared it
         self.on_evict: list[Callable[[list[int]], None]] = []  # told the keys evicted
         self.max_used = 0
         self.static_pinned: set[int] = set()
@@ -39,29 +40,46 @@ class ExpertCache:
     def fetch(self, key: int, nbytes: int, pinned: Container[int], demand: bool,
               now: float) -> tuple[list[int], Transfer] | None:
         """The miss -> evict -> insert loop, for a demand fetch and a prefetch alike: make room
-        for ``key`` (``nbytes``) by evicting the victims :meth:`victims_for` names (a
-        prefetch walks the policy's prefetch candidates), queue its copy issued at ``now``
-        (demand or prefetch priority) and record its entry: in flight until the copy engine
-        completes it, resident at once in cache-only replay (an instant engine). The policy
-        is told whether the insert is a demand fetch (a use) or a prefetch. Returns the
-        victims, in eviction order, and the transfer; or ``None``, changing nothing, when no
-        room can be made."""
-        victims = self.victims_for(nbytes, pinned, not demand)
-        if victims is None:
-            return None
+        for ``key`` (``nbytes``) by evicting victims in the policy's eviction order (a
+        prefetch walks the policy's :meth:`prefetch_candidates`: it may decline to evict some
+        keys for an optional prefetch), queue its copy issued at ``now`` (demand or prefetch
+        priority) and record its entry: in flight until the copy engine completes it,
+        resident at once in cache-only replay (an instant engine). Entries in flight, the
+        ``pinned`` keys and statically pinned keys are never victims, and victims are evicted
+        only when together they free enough room. The policy is told whether the insert is
+        a demand fetch (a use) or a prefetch. Returns the victims, in eviction order (empty
+        when the entry fits), and the transfer; or ``None``, changing nothing, when no room
+        can be made."""
         policy = self.policy
+        resident = self.resident
         used = self.used
-        if victims:
-            resident, on_remove = self.resident, policy.on_remove
+        free = self.capacity - used
+        victims: list[int] = []
+        if nbytes > free:
+            if nbytes > self.capacity:
+                return None
+            static = self.static_pinned
+            for v in (policy.candidates() if demand else policy.prefetch_candidates()):
+                # entries in flight are not resident
+                if v not in resident or v in pinned or (static and v in static):
+                    continue
+                victims.append(v)
+                free += resident[v]
+                if nbytes <= free:
+                    break
+            else:
+                return None  # the walk may be a view of the policy: nothing changed during it
+            on_remove = policy.on_remove
             for v in victims:
                 used -= resident.pop(v)
                 on_remove(v)
+            self.evicted.update(victims)
             for cb in self.on_evict:
                 cb(victims)
         copy = self.copy
         tr = copy.submit(key, nbytes, DEMAND if demand else PREFETCH, now)
         if copy.instant:
-            self.resident[key] = nbytes
+            resident[key] = nbytes
         else:
             self.inflight[key] = tr
         used += nbytes
@@ -70,32 +88,6 @@ class ExpertCache:
             self.max_used = used
         policy.on_insert(key, demand)
         return victims, tr
-
-    def victims_for(self, nbytes: int, pinned: Container[int], for_prefetch: bool = False) -> list[int] | None:
-        """The victims, in the policy's eviction order, whose eviction makes room for one entry
-        of ``nbytes`` (empty when it fits already), or ``None`` when the entries that may be
-        evicted cannot free enough; evicts nothing. Entries in flight, the ``pinned`` keys and
-        statically pinned keys are never victims; ``for_prefetch`` walks the policy's
-        :meth:`prefetch_candidates` (it may decline to evict some keys for an optional
-        prefetch)."""
-        free = self.capacity - self.used
-        if nbytes <= free:
-            return []
-        if nbytes > self.capacity:
-            return None
-        victims: list[int] = []
-        resident = self.resident
-        static = self.static_pinned
-        walk = self.policy.prefetch_candidates() if for_prefetch else self.policy.candidates()
-        for key in walk:
-            # entries in flight are not resident
-            if key not in resident or key in pinned or (static and key in static):
-                continue
-            victims.append(key)
-            free += resident[key]
-            if nbytes <= free:
-                return victims
-        return None
 
     def cancel_many(self, transfers: list[Transfer]) -> None:
         """Drop the in-flight entries of withdrawn transfers."""

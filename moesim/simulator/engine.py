@@ -182,8 +182,7 @@ class Simulation:
     def _init_replay_state(self) -> None:
         """The compute process's state between routing points: the pass's row and evicted
         keys, and the prefetch queue (:class:`simulator.prefetchq.PrefetchQueue`)."""
-        self._evicted: set[int] = set()  # keys evicted in the current pass (collision misses)
-        self.cache.on_evict.append(self._evicted.update)
+        self._evicted = self.cache.evicted  # keys evicted in the current pass (collision misses)
         self.row = PassRow()  # the pass being replayed
         self.pfq = PrefetchQueue(self.prefetch, self.eviction, self.cache, self.decisions)
         self.pf_unused = self.pfq.unused  # prefetched keys not accessed yet
@@ -354,10 +353,9 @@ class Simulation:
         if not on_arrival:
             ready = now
             total = 0.0
-            for _, tr, f in runs:
-                a = arrival(tr, now)
-                if a > ready:
-                    ready = a
+            for _, tr, f in runs:  # ready >= now: a transfer done by now cannot raise it
+                if tr is not None and tr[DONE] > ready:
+                    ready = tr[DONE]
                 total += f
             row.stall += ready - now
             return ready + total

@@ -442,7 +442,7 @@ def _evict_for(key, for_prefetch, IS):
 
 @_inline
 def _room(nb, for_prefetch, pin_gen, adm_layer, IS, FS):
-    """Make room for an entry of ``nb`` bytes (the cache's ``make_room``/``victims_for``):
+    """Make room for an entry of ``nb`` bytes (the victim walk of ``ExpertCache.fetch``):
     evict victims in the policy's order until enough is free. Returns how many were evicted
     (0: it fits), or -1 when the entries that may be evicted cannot free enough (nothing
     changed). With entries of one size one victim is always enough; several are
@@ -875,7 +875,7 @@ def _lookup(ai, now, pin_gen, buf, IS, FS, DI, A, M):
     if miss == MISS_SPECULATIVE and IS[S_LAYER] > 0:  # layer 0 has no prediction: fetch
         _speculate(np.int64(A[1][ai]), pin_gen, buf, IS, FS, DI, A, M)
         return
-    # fetch (the engine's ``_fetch``): at the scenario's precision or down a precision
+    # fetch (the fetch in the engine's ``LayerLookup.lookup``): at the scenario's precision or down a precision
     # cascade; when no room can be made, an uncached fetch (at the cascade's last precision)
     if IS[C_MULTI]:
         kq = _cascade(key, A[4][ai], ai, ntok, now, pin_gen, buf, IS, FS, DI, A)
@@ -934,7 +934,7 @@ def _alternative(key, rank, ntok, pin_gen, buf, IS, FS, DI, A):
 
 @_jit
 def _cascade(key, rank, ai, ntok, now, pin_gen, buf, IS, FS, DI, A):
-    """A precision cascade's fetch of the missed ``key`` (the engine's ``_fetch`` with
+    """A precision cascade's fetch of the missed ``key`` (the fetch in the engine's ``LayerLookup.lookup`` with
     several precisions): the first of its precisions that is resident is used, or fetched
     when room can be made for it. Returns -1, or the key of the last precision when none
     could be (for an uncached fetch)."""

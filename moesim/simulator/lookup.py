@@ -139,7 +139,10 @@ class LayerLookup:
         self.on_access = sim.eviction.on_access
         self.instant = sim.copy.instant
         self.pf_unused = sim.pf_unused  # prefetched keys not accessed yet
+        self.default = ctx.default_precision
         self.default_levels = (ctx.default_precision,)
+        self.rec = sim.decisions  # the decision log, when recorded
+        self.always_fetch = sim.miss.always_fetch  # a miss is fetched at the default precision
         self.p = self.layer = 0
         self.row = PassRow()
         self.experts: list[int] = []
@@ -202,10 +205,9 @@ class LayerLookup:
             self.on_access(key)
             if self.pf_unused:
                 self._used_prefetch(key)
-            rec = self.sim.decisions
-            if rec is not None:
-                rec.append((self.p, self.layer, "hit", key))
-            runs.append(self._run(i, key, None))
+            if self.rec is not None:
+                self.rec.append((self.p, self.layer, "hit", key))
+            runs.append((key, None, self.ffn[i]) if self.plain else self._run(i, key, None))
             return
         tr = self.inflight.get(key)
         if tr is not None:
@@ -215,57 +217,83 @@ class LayerLookup:
                 self._used_prefetch(key)
             if tr[PRIORITY] != DEMAND and not tr[STARTED]:
                 self.sim.copy.promote(tr)
-            rec = self.sim.decisions
-            if rec is not None:
-                rec.append((self.p, self.layer, "hit", key))
-            runs.append(self._run(i, key, tr))
+            if self.rec is not None:
+                self.rec.append((self.p, self.layer, "hit", key))
+            runs.append((key, tr, self.ffn[i]) if self.plain else self._run(i, key, tr))
             return
-        if self.plain:
-            row.misses += 1
-            if key in self.evicted:
-                row.collisions += 1
-            runs.append(self._fetch(i, self.default_levels, pinned, now))
-            return
-        self._miss(i, key, pinned, now, runs)
-
-    def _miss(self, i: int, key: int, pinned: set[int], now: float, runs: list[Run]) -> None:
-        """A miss on a layer planned per token: the miss policy's alternative when it has one
-        (a lower-precision copy that is resident: a hit), else a miss it decides (fetch,
-        drop, substitute, speculate)."""
-        sim = self.sim
-        row = self.row
-        ctx = self.ctx
-        miss = sim.miss
-        rec = sim.decisions
-        assert self.toks is not None
-        assert self.ranks is not None
-        alt = miss.alternative(self.layer, self.experts[i], self.ranks[i], self.resident.__contains__)
-        if alt is not None:
-            row.hits += 1
-            self.on_access(alt)
-            pinned.add(alt)
-            row.low_precision += ctx.precision_of(alt) != ctx.default_precision
-            if rec is not None:
-                rec.append((self.p, self.layer, "hit", alt))
-            runs.append(self._run(i, alt, None))
+        if not self.plain and self._alternative(i, pinned, runs):
             return
         row.misses += 1
         if key in self.evicted:
             row.collisions += 1
-        if miss.always_fetch:
-            runs.append(self._fetch(i, self.default_levels, pinned, now))
+        levels = self.default_levels if self.always_fetch else self._decide(i, pinned, runs)
+        if levels is None:  # dropped, or computed by other experts
             return
+        # fetch at the first precision that is resident or for which room can be made
+        default = self.default
+        for q in levels:
+            if q == default:  # the key looked up: neither resident nor in flight
+                kq = key
+            else:
+                kq = self.ctx.key(self.layer, self.experts[i], q)
+                if kq in self.resident:
+                    self.on_access(kq)
+                    pinned.add(kq)
+                    row.low_precision += 1
+                    if self.rec is not None:
+                        self.rec.append((self.p, self.layer, "hit", kq))
+                    runs.append(self._run(i, kq, None))
+                    return
+            got = self.cache.fetch(kq, self.ctx.precision_bytes[q], pinned, True, now)
+            if got is None:
+                continue
+            pinned.add(kq)
+            if q != default:
+                row.low_precision += 1
+            if self.rec is not None:
+                self.rec.extend((self.p, self.layer, "evict", v) for v in got[0])
+                self.rec.append((self.p, self.layer, "fetch", kq))
+            tr = None if self.instant else got[1]
+            runs.append((kq, tr, self.ffn[i]) if self.plain else self._run(i, kq, tr))
+            return
+        runs.append(self._uncached(i, levels[-1], now))
+
+    def _alternative(self, i: int, pinned: set[int], runs: list[Run]) -> bool:
+        """A miss on a layer planned per token: the miss policy's alternative when it has one
+        (a lower-precision copy that is resident: a hit); whether there was one."""
+        ctx = self.ctx
+        assert self.ranks is not None
+        alt = self.sim.miss.alternative(self.layer, self.experts[i], self.ranks[i], self.resident.__contains__)
+        if alt is None:
+            return False
+        self.row.hits += 1
+        self.on_access(alt)
+        pinned.add(alt)
+        self.row.low_precision += ctx.precision_of(alt) != ctx.default_precision
+        if self.rec is not None:
+            self.rec.append((self.p, self.layer, "hit", alt))
+        runs.append(self._run(i, alt, None))
+        return True
+
+    def _decide(self, i: int, pinned: set[int], runs: list[Run]) -> tuple[int, ...] | None:
+        """A miss the miss policy decides: the precisions to fetch at, in order; or ``None``
+        when it drops the expert or has its tokens computed by other experts (substitute,
+        speculate), whose computations go to ``runs``."""
+        sim = self.sim
+        row = self.row
+        ctx = self.ctx
+        assert self.toks is not None
+        assert self.ranks is not None
         e = self.experts[i]
         toks = self.toks[i]
-        dec = miss.decide(MissInfo(self.p, self.layer, e, self.ranks[i], self.rows[toks], self.routed, self.cached))
+        dec = sim.miss.decide(MissInfo(self.p, self.layer, e, self.ranks[i], self.rows[toks], self.routed, self.cached))
         if dec.action == "fetch":
-            runs.append(self._fetch(i, dec.precisions or self.default_levels, pinned, now))
-            return
+            return dec.precisions or self.default_levels
         if dec.action == "drop":
             row.dropped += 1
             for t in toks:
                 self.final[t].discard(e)
-            return
+            return None
         if dec.action == "substitute":
             assert dec.substitute is not None
             e2 = dec.substitute
@@ -274,7 +302,7 @@ class LayerLookup:
                 self.final[t].discard(e)
                 self.final[t].add(e2)
             runs.append(self._use_other(e2, len(toks), pinned))
-            return
+            return None
         # speculate: each token takes its best-predicted expert that is cached
         if self.pred_order is None:
             self.pred_order = _predicted(sim, self.p, self.layer, self.rows)
@@ -290,6 +318,7 @@ class LayerLookup:
                 break
         for cand, n in counts.items():
             runs.append(self._use_other(cand, n, pinned))
+        return None
 
     def _used_prefetch(self, key: int) -> None:
         unused = self.pf_unused
@@ -298,8 +327,8 @@ class LayerLookup:
             self.row.pf_used += 1
 
     def _run(self, i: int, key: int, tr: Transfer | None) -> Run:
-        if self.plain:
-            return (key, tr, self.ffn[i])
+        """The computation of the ``i``-th expert from ``key`` on a layer planned per token
+        (a plain layer's is ``(key, tr, self.ffn[i])``, its compute time read from the plan)."""
         e = self.experts[i]
         self.key_for[e] = key
         assert self.toks is not None
@@ -318,53 +347,26 @@ class LayerLookup:
             self.on_access(k2)
             self.key_for[e2] = k2
         pinned.add(k2)
-        if sim.decisions is not None:
-            sim.decisions.append((self.p, self.layer, "hit", k2))
+        if self.rec is not None:
+            self.rec.append((self.p, self.layer, "hit", k2))
         nb = self.ctx.precision_bytes[self.ctx.precision_of(k2)]
         return (k2, tr, sim.cost.expert_time_at(n_tokens, nb) * self.scale)
 
-    def _fetch(self, i: int, levels: tuple[int, ...], pinned: set[int], now: float) -> Run:
-        """Fetch the ``i``-th expert at the first precision that is resident or for which
-        room can be made (evicting unpinned victims); when none, copy it to a staging buffer
-        that is not kept (an *uncached fetch*)."""
-        sim = self.sim
+    def _uncached(self, i: int, q: int, now: float) -> Run:
+        """No room at any precision: copy the ``i``-th expert at precision ``q`` to a staging
+        buffer that is not kept (an *uncached fetch*)."""
         ctx = self.ctx
-        cache = self.cache
         row = self.row
-        rec = sim.decisions
-        layer = self.layer
-        default = ctx.default_precision
-        for q in levels:
-            kq = self.keys[i] if q == default else ctx.key(layer, self.experts[i], q)
-            if kq in self.resident:
-                self.on_access(kq)
-                pinned.add(kq)
-                if q != default:
-                    row.low_precision += 1
-                if rec is not None:
-                    rec.append((self.p, layer, "hit", kq))
-                return self._run(i, kq, None)
-            got = cache.fetch(kq, ctx.precision_bytes[q], pinned, True, now)
-            if got is None:
-                continue
-            pinned.add(kq)
-            if q != default:
-                row.low_precision += 1
-            if rec is not None:
-                rec.extend((self.p, layer, "evict", v) for v in got[0])
-                rec.append((self.p, layer, "fetch", kq))
-            return self._run(i, kq, None if self.instant else got[1])
-        q = levels[-1]
-        kq = ctx.key(layer, self.experts[i], q)
-        copy = cache.copy
-        tr = copy.submit(kq, ctx.precision_bytes[q], DEMAND, now)
+        kq = ctx.key(self.layer, self.experts[i], q)
+        tr = self.cache.copy.submit(kq, ctx.precision_bytes[q], DEMAND, now)
         tr[BYPASS] = True
         row.uncached += 1
-        if q != default:
+        if q != self.default:
             row.low_precision += 1
-        if rec is not None:
-            rec.append((self.p, layer, "bypass", kq))
-        return self._run(i, kq, None if self.instant else tr)
+        if self.rec is not None:
+            self.rec.append((self.p, self.layer, "bypass", kq))
+        done = None if self.instant else tr
+        return (kq, done, self.ffn[i]) if self.plain else self._run(i, kq, done)
 
     # -- after the lookups -------------------------------------------------------------------
     def finish(self, runs: list[Run]) -> list[Run]:
