@@ -75,10 +75,6 @@ EQUIVALENT: dict[str, str] = {
         "a timeout of zero seconds leaves the clock where it is (the compute process is the only process)",
     'moesim.simulator.engine.xǁSimulationǁ_run__mutmut_62':
         "a timeout of zero seconds leaves the clock where it is (the compute process is the only process)",
-    'moesim.simulator.engine.xǁSimulationǁ_compute__mutmut_11':
-        "a >= ready sets ready to the value it has",
-    'moesim.simulator.engine.xǁSimulationǁ_compute__mutmut_25':
-        "a >= t adds a stall of zero and sets t to the value it has",
     'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_23':
         "a >= t adds a stall of zero and sets t to the value it has",
     'moesim.simulator.engine.xǁSimulationǁ_ep_layer__mutmut_43':
@@ -102,7 +98,6 @@ EQUIVALENT: dict[str, str] = {
     'moesim.simulator.engine.xǁSimulationǁ__init____mutmut_171':
         "expert parallelism without a budget changes no routing: the pass's gate mass is the workload's "
         "weight_total, which the row's count equals",
-    'moesim.simulator.engine.xǁSimulationǁ_init_replay_state__mutmut_2': "_begin_pass makes each pass's row before anything reads it",
     'moesim.simulator.engine.xǁSimulationǁ_steps_frame__mutmut_13': "numpy reads any negative size as the inferred one",
     **{'moesim.simulator.engine.xǁSimulationǁ_steps_frame__mutmut_' + str(n): "np.arange of a Python int is int64 already" for n in (20, 22)},
     'moesim.simulator.engine.xǁSimulationǁffn_table__mutmut_1':
@@ -148,25 +143,11 @@ EQUIVALENT: dict[str, str] = {
     "moesim.simulator.cache.xǁExpertCacheǁpreload__mutmut_16":
         "on_insert(key, True) for a preloaded key: a statically pinned key is never a victim, and no policy "
         "orders the other keys by a static key's count or recency",
-    "moesim.simulator.cache.xǁExpertCacheǁfetch__mutmut_35":
-        "`used >= max_used` for `used > max_used`: when equal it assigns the value max_used already has",
     # the one lookup path
     "moesim.simulator.lookup.x_arrival__mutmut_5":
         "`tr[DONE] <= now` for `<`: when equal it returns tr[DONE], which is now",
-    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_5":
-        "plain = None sends every layer down the per-token path, which replays as the plain one when no policy changes routing (same keys in router order, the same expert times from the cost model, unique experts counted per token)",
-    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_13":
-        "instant = None: in cache-only replay a fetch then returns its instant transfer record, which landed at its issue time: arrival() gives now either way",
-    **{"moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_" + str(n): "plan() sets it before any lookup reads it" for n in (16, 17, 18, 19, 20, 21)},
-    **{"moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_" + str(n): "read only on the per-token path, whose plan() sets it first" for n in (22, 23)},
     "moesim.simulator.lookup.xǁLayerLookupǁplan__mutmut_42":
         "`r <= ent[0]` for `<`: when equal it assigns the rank the entry has",
-    "moesim.simulator.lookup.xǁLayerLookupǁlookup__mutmut_28":
-        "`or` for `and`: promote() of a demand or started transfer changes nothing (promote_many moves only queued prefetches)",
-    "moesim.simulator.lookup.xǁLayerLookupǁ_fetch__mutmut_9":
-        "ctx.key at the default precision is the key layer_keys gave the expert",
-    **{"moesim.simulator.lookup.xǁLayerLookupǁ_fetch__mutmut_" + str(n): "in cache-only replay the transfer record is instant, landed at its issue time: "
-       "arrival() gives now either way" for n in (67, 109)},
     "moesim.simulator.lookup.x_plan__mutmut_21":
         "the budget policy that does not restrict (none) selects each token's routed experts unchanged, as routed.tolist()",
     "moesim.simulator.lookup.x_token_mass__mutmut_5":
