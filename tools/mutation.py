@@ -71,10 +71,15 @@ FUNCTIONS: dict[str, list[str]] = {
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
     # the engine
-    'moesim.simulator.engine.xǁSimulationǁ_run__mutmut_35':
+    'moesim.simulator.engine.xǁSimulationǁ_run__mutmut_40':
         "a timeout of zero seconds leaves the clock where it is (the compute process is the only process)",
-    'moesim.simulator.engine.xǁSimulationǁ_run__mutmut_62':
+    'moesim.simulator.engine.xǁSimulationǁ_run__mutmut_67':
         "a timeout of zero seconds leaves the clock where it is (the compute process is the only process)",
+    'moesim.simulator.engine.xǁSimulationǁ_compute__mutmut_8':
+        "`tr[DONE] >= ready` for `>`: when equal it sets ready to the value it has",
+    'moesim.simulator.engine.xǁSimulationǁ_compute__mutmut_22':
+        "a >= t adds a stall of zero and sets t to the value it has",
+    'moesim.simulator.engine.xǁSimulationǁ_init_replay_state__mutmut_2': "_begin_pass makes each pass's row before anything reads it",
     'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_23':
         "a >= t adds a stall of zero and sets t to the value it has",
     'moesim.simulator.engine.xǁSimulationǁ_ep_layer__mutmut_43':
@@ -138,6 +143,8 @@ EQUIVALENT: dict[str, str] = {
         "numpy reads the sort kind case-insensitively: 'STABLE' is 'stable'",
     'moesim.policies.prefetch.xǁPrefetchPolicyǁproposals__mutmut_29':
         "fromiter's count only preallocates: without it the same keys come out",
+    "moesim.simulator.cache.xǁExpertCacheǁfetch__mutmut_48":
+        "`used >= max_used` for `used > max_used`: when equal it assigns the value max_used already has",
     "moesim.simulator.cache.xǁExpertCacheǁpreload__mutmut_13":
         "on_insert(key, None) for on_insert(key, False): every policy only tests `if demand`, and None is false",
     "moesim.simulator.cache.xǁExpertCacheǁpreload__mutmut_16":
@@ -146,6 +153,18 @@ EQUIVALENT: dict[str, str] = {
     # the one lookup path
     "moesim.simulator.lookup.x_arrival__mutmut_5":
         "`tr[DONE] <= now` for `<`: when equal it returns tr[DONE], which is now",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_5":
+        "plain = None sends every layer down the per-token path, which replays as the plain one when no policy changes routing (same keys in router order, the same expert times from the cost model, unique experts counted per token; the plain fetch policy offers no alternative)",
+    "moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_13":
+        "instant = None: in cache-only replay a fetch then hands on its instant transfer record, which landed at its issue time: the layer's compute and arrival() give now either way",
+    **{"moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_" + str(n): "plan() sets it before any lookup reads it" for n in (19, 20, 21, 22, 23, 24)},
+    **{"moesim.simulator.lookup.xǁLayerLookupǁ__init____mutmut_" + str(n): "read only on the per-token path, whose plan() sets it first" for n in (25, 26)},
+    "moesim.simulator.lookup.xǁLayerLookupǁlookup__mutmut_29":
+        "`or` for `and`: promote() of a demand or started transfer changes nothing (promote_many moves only queued prefetches)",
+    **dict.fromkeys(("moesim.simulator.lookup.xǁLayerLookupǁlookup__mutmut_125",
+                     "moesim.simulator.lookup.xǁLayerLookupǁ_uncached__mutmut_33"),
+                    "in cache-only replay the transfer record is instant, landed at its issue time: the layer's "
+                    "compute and arrival() give now either way"),
     "moesim.simulator.lookup.xǁLayerLookupǁplan__mutmut_42":
         "`r <= ent[0]` for `<`: when equal it assigns the rank the entry has",
     "moesim.simulator.lookup.x_plan__mutmut_21":
