@@ -190,8 +190,6 @@ EQUIVALENT: dict[str, str] = {
         "`prev >= issued` for `prev > issued`: when equal both pick the same value",
     "moesim.simulator.copyengine.xǁCopyEngineǁadvance__mutmut_36":
         "`prev >= issued` for `prev > issued`: when equal both pick the same value",
-    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_26":
-        "`prev >= now` for `prev > now`: when equal both pick the same value",
     "moesim.simulator.copyengine.xǁCopyEngineǁadvance__mutmut_15":
         "a demand transfer ending exactly at now queued as running instead of finished at once: the completion "
         "loop below pops it first (it is the running queue's head), so observers see the same transfers in the "
@@ -202,13 +200,7 @@ EQUIVALENT: dict[str, str] = {
         "the duration cache bypassed: copy_time is a pure function, recomputed equal",
     "moesim.simulator.copyengine.xǁCopyEngineǁduration__mutmut_2":
         "the duration cache missed: copy_time is a pure function, recomputed equal",
-    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_1": "the duration cache bypassed: duration() computes the same value",
-    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_2": "the duration cache missed: duration() computes the same value",
     "moesim.simulator.copyengine.xǁCopyEngineǁfinish__mutmut_4": "float('INF') is float('inf')",
-    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_12": "STARTED: a field of an instant (cache-only) transfer record, never read: the cache makes its entry resident at once, the lookup and the prefetch queue keep no reference to it and it never reaches the running queue or a completion listener",
-    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_13": "CANCELLED: a field of an instant (cache-only) transfer record, never read: the cache makes its entry resident at once, the lookup and the prefetch queue keep no reference to it and it never reaches the running queue or a completion listener",
-    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_14": "BYPASS: a field of an instant (cache-only) transfer record, never read: the cache makes its entry resident at once, the lookup and the prefetch queue keep no reference to it and it never reaches the running queue or a completion listener",
-    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_15": "PROMOTED: a field of an instant (cache-only) transfer record, never read: the cache makes its entry resident at once, the lookup and the prefetch queue keep no reference to it and it never reaches the running queue or a completion listener",
     # prefetch policies
     'moesim.policies.prefetch.xǁNextGateTopKǁ__init____mutmut_1':
         'self.params is not read after __init__ in this class (the local params is)',

@@ -83,17 +83,16 @@ class CopyEngine:
         seq = self._seq
         self._seq = seq + 1
         self.bytes_moved += nbytes
-        if self.instant:  # started: the caller completes it at once (cache-only replay)
-            return [now, now, now, dur, key, nbytes, seq, priority, True, False, False, False]
-        if priority == DEMAND:
+        instant = self.instant  # started: the caller completes it at once (cache-only replay)
+        start = done = now  # a prefetch's are set when it starts or is promoted
+        if priority == DEMAND and not instant:
             demand = self._demand
             prev = demand[-1][DONE] if demand else self._busy_until
             start = prev if prev > now else now
-            tr = [start + dur, start, now, dur, key, nbytes, seq, DEMAND, False, False, False, False]
-            demand.append(tr)
-            return tr
-        tr = [now, now, now, dur, key, nbytes, seq, priority, False, False, False, False]
-        self._pf.append(tr)
+            done = start + dur
+        tr = [done, start, now, dur, key, nbytes, seq, priority, instant, False, False, False]
+        if not instant:
+            (self._demand if priority == DEMAND else self._pf).append(tr)
         return tr
 
     def promote(self, tr: Transfer) -> None:
