@@ -190,6 +190,16 @@ EQUIVALENT: dict[str, str] = {
         "`prev >= issued` for `prev > issued`: when equal both pick the same value",
     "moesim.simulator.copyengine.xǁCopyEngineǁadvance__mutmut_36":
         "`prev >= issued` for `prev > issued`: when equal both pick the same value",
+    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_1": "the duration cache bypassed: duration() computes the same value",
+    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_2": "the duration cache missed: duration() computes the same value",
+    "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_26":
+        "`prev >= now` for `prev > now`: when equal both pick the same value",
+    **dict.fromkeys(("moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_13",
+                     "moesim.simulator.copyengine.xǁCopyEngineǁsubmit__mutmut_14"),
+                    "other start and end times in the records the projection leaves alone: a queued prefetch's are set "
+                    "when advance() starts it or promote_many() projects it, before anything reads them, and an "
+                    "instant (cache-only) record is read by nobody (it joins no queue, the cache makes its entry "
+                    "resident at once and the lookup and the prefetch queue keep no reference to it)"),
     "moesim.simulator.copyengine.xǁCopyEngineǁadvance__mutmut_15":
         "a demand transfer ending exactly at now queued as running instead of finished at once: the completion "
         "loop below pops it first (it is the running queue's head), so observers see the same transfers in the "
