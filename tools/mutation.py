@@ -79,7 +79,7 @@ EQUIVALENT: dict[str, str] = {
         "`tr[DONE] >= ready` for `>`: when equal it sets ready to the value it has",
     'moesim.simulator.engine.xǁSimulationǁ_compute__mutmut_22':
         "a >= t adds a stall of zero and sets t to the value it has",
-    'moesim.simulator.engine.xǁSimulationǁ_init_replay_state__mutmut_2': "_begin_pass makes each pass's row before anything reads it",
+    'moesim.simulator.engine.xǁSimulationǁ_init_replay_state__mutmut_1': "_begin_pass makes each pass's row before anything reads it",
     'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_23':
         "a >= t adds a stall of zero and sets t to the value it has",
     'moesim.simulator.engine.xǁSimulationǁ_ep_layer__mutmut_43':

@@ -180,9 +180,9 @@ class Simulation:
             self.transfers.append((tr[KEY], kind, tr[ISSUED], tr[START], tr[DONE], tr[NBYTES]))
 
     def _init_replay_state(self) -> None:
-        """The compute process's state between routing points: the pass's row and evicted
-        keys, and the prefetch queue (:class:`simulator.prefetchq.PrefetchQueue`)."""
-        self._evicted = self.cache.evicted  # keys evicted in the current pass (collision misses)
+        """The compute process's state between routing points: the pass's row and the
+        prefetch queue (:class:`simulator.prefetchq.PrefetchQueue`); the keys evicted in the
+        pass (collision misses) are the cache's ``evicted``, cleared at each pass."""
         self.row = PassRow()  # the pass being replayed
         self.pfq = PrefetchQueue(self.prefetch, self.eviction, self.cache, self.decisions)
         self.pf_unused = self.pfq.unused  # prefetched keys not accessed yet
@@ -231,7 +231,7 @@ class Simulation:
         env = self.env
         num_l = self.model.num_layers
         off = self.wl.off.tolist()
-        self.look = LayerLookup(self, self._evicted)
+        self.look = LayerLookup(self, self.cache.evicted)
         ep = self.scenario.hardware.gpus > 1
         if ep:
             nonexp = self._ep_nonexpert_times()
@@ -320,7 +320,7 @@ class Simulation:
     def _begin_pass(self, p: int) -> None:
         self.clock.pass_index = p
         self._t_start[p] = self.env.now
-        self._evicted.clear()
+        self.cache.evicted.clear()
         self.row = PassRow()
 
     def _end_pass(self, p: int, bytes0: int) -> None:

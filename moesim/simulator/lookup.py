@@ -127,7 +127,7 @@ class LayerLookup:
 
     def __init__(self, sim: Replay, evicted: set[int]) -> None:
         self.sim = sim
-        self.evicted = evicted  # keys evicted in the current pass (the replay keeps it)
+        self.evicted = evicted  # keys evicted in the current pass (the cache's; the replay clears it)
         ctx = sim.eviction.ctx
         self.ctx = ctx
         self.plain = not sim.general
