@@ -142,6 +142,23 @@ def measure(device: str = "cpu", shapes: list[str] | None = None, quick: bool = 
             raise MoesimError(f"calibrate measure: unknown model shape '{name}'; valid: {', '.join(SHAPES)}, "
                               "or HIDDENxINTERMEDIATE (e.g. 256x512).")
     env = environment(device)
+    if device == "cpu":
+        # one intra-op thread: a copy split over threads waits at its join for the slowest, and
+        # on a shared machine a descheduled thread costs a whole scheduler tick (~8 ms, seen
+        # as the median of a 64 KiB copy), so the times would be the machine's load, not the copy
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _measure(torch, device, dims, env, quick, progress)
+        finally:
+            torch.set_num_threads(threads)
+    return _measure(torch, device, dims, env, quick, progress)
+
+
+def _measure(torch: Any, device: str, dims: dict[str, tuple[int, int]], env: dict[str, Any], quick: bool,
+             progress: Any) -> pd.DataFrame:
+    """:func:`measure`'s microbenchmarks over the model shapes ``dims``."""
+    shapes = list(dims)
     warmup, repeats = (1, 5) if quick else (3, 15)
     rows: list[dict[str, Any]] = []
 

@@ -57,6 +57,16 @@ def _need_torch() -> Any:
     return torch
 
 
+def _kv(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword that hands ``cache`` to ``model``'s forward: ``cache`` from transformers
+    5.24 on (where ``past_key_values`` warns that it is deprecated), ``past_key_values``
+    before (the capture extra allows transformers 5.0 and newer)."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
+
+
 def supported_families() -> list[str]:
     """Supported model types that the installed transformers provides."""
     import importlib.util
@@ -454,7 +464,7 @@ def capture_speculative(model: Any, tokenizer: Any, prompts: list[str], *, max_n
                 ids = torch.tensor([_tokenize(tokenizer, prompt, req)], device=device)
                 plen = ids.shape[1]
                 cache = DynamicCache(config=model.config)
-                out = rec.forward(model, input_ids=ids, past_key_values=cache, use_cache=True)
+                out = rec.forward(model, input_ids=ids, **_kv(model, cache))
                 record(rec.calls[-1], list(range(plen)), req, 0, 0, "prefill", [0] * plen, [True] * plen)
                 for i in range(plen):  # prefill positions are 0..plen-1
                     for j in range(len(layers)):
@@ -465,7 +475,7 @@ def capture_speculative(model: Any, tokenizer: Any, prompts: list[str], *, max_n
                 dlogits = None
                 if draft is not None:
                     dcache = DynamicCache(config=draft.config)
-                    dlogits = draft(input_ids=ids, past_key_values=dcache, use_cache=True).logits[0, -1]
+                    dlogits = draft(input_ids=ids, **_kv(draft, dcache)).logits[0, -1]
                 pos = plen
                 step = 1
                 produced = 0
@@ -476,7 +486,7 @@ def capture_speculative(model: Any, tokenizer: Any, prompts: list[str], *, max_n
                     n0 = cache.get_seq_length()
                     cache.batch_repeat_interleave(width)
                     vout = rec.forward(model, input_ids=torch.tensor(cands, device=device)[:, None],
-                                       past_key_values=cache, use_cache=True)
+                                       **_kv(model, cache))
                     acc = [c == target_tok for c in cands]
                     record(rec.calls[-1], list(range(width)), req, step, pos, "verify",
                            list(range(1, width + 1)), acc)
@@ -490,15 +500,15 @@ def capture_speculative(model: Any, tokenizer: Any, prompts: list[str], *, max_n
                         cache.batch_select_indices(torch.tensor([0], device=device))
                         cache.crop(n0 - cache.get_seq_length())  # drop the rejected candidate
                         dout = rec.forward(model, input_ids=torch.tensor([[target_tok]], device=device),
-                                           past_key_values=cache, use_cache=True)
+                                           **_kv(model, cache))
                         step += 1
                         record(rec.calls[-1], [0], req, step, pos, "decode", [0], [True])
                         done += 1
                         logits = dout.logits[0, -1]
                         fed = target_tok
                     if dcache is not None:
-                        dlogits = draft(input_ids=torch.tensor([[fed]], device=device), past_key_values=dcache,
-                                        use_cache=True).logits[0, -1]
+                        dlogits = draft(input_ids=torch.tensor([[fed]], device=device),
+                                        **_kv(draft, dcache)).logits[0, -1]
                     pos += 1
                     step += 1
                     produced += 1
