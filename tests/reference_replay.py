@@ -12,16 +12,21 @@ Contract, as replayed here (every expert has the same size; capacity in experts)
   prefetcher's proposals are handled; after the layer's experts have run, its pins are
   released and the waiting proposals are admitted again.
 - ``per-expert`` execution: the proposals are handled at the routing point, before the first
-  expert runs, with none of the layer's experts pinned; expert j+1 is looked up when expert j
-  starts to run (pinned: expert j, the running one); when expert j has run, its pin is
-  released (expert j+1, now running, is pinned) and the waiting proposals are admitted again.
+  expert runs, with none of the layer's experts pinned. ``pipelined`` fetch: expert j+1 is
+  looked up when expert j starts to run (pinned: expert j, the running one); when expert j
+  has run, expert j+1 starts (in a cache-only replay it has always arrived), so j+2's
+  lookup comes first (pinned: j+1), then the admission round with j+1 and j+2 pinned: a
+  freed slot goes to demand first. ``blocking`` fetch: expert j+1 is looked up when j has
+  run (nothing pinned), then the admission round with j+1 pinned.
 - proposals (SpecMD A.3's asynchronous queue): a proposal already resident is *selected* (the
   policy is told: least-stale marks it current; LRU, FIFO, FLD do not change); an absent one
   waits in the queue in order; at every admission round the queue is admitted from its head
   while room can be made, each admission evicting an unpinned victim (the policy may decline:
-  strict least-stale never evicts a current expert for a prefetch) and entering as the newest
-  entry; admissions for the same target layer stay pinned against later admissions; at the
-  target layer's routing point the proposals still waiting are withdrawn.
+  least-stale evicts for a prefetch only a stale expert or a current one left of the
+  execution point, never a current-layer expert still to run nor a current expert of a
+  later layer) and entering as the newest entry; admissions for the same target layer stay
+  pinned against later admissions; at the target layer's routing point the proposals still
+  waiting are withdrawn.
 - a collision miss is a miss on an expert evicted earlier in the same pass.
 """
 
@@ -103,11 +108,9 @@ class RefLeastStale(RefPolicy):
     other than its routed experts still to run) first, by layer, then upcoming layers
     farthest first; ``absolute``: layer index ascending. FIFO within a layer (order of joining the queue)."""
 
-    def __init__(self, num_layers: int, order: str = "relative", strict: bool = True,
-                 left_order: str = "ascending") -> None:
+    def __init__(self, num_layers: int, order: str = "relative", left_order: str = "ascending") -> None:
         super().__init__(num_layers)
         self.mode = order
-        self.strict = strict
         self.left_order = left_order
         self.entries: dict[Key, list[int]] = {}  # key -> [pass touched, join counter]
         self.counter = 0
@@ -140,14 +143,19 @@ class RefLeastStale(RefPolicy):
             return (0, layer if self.left_order == "ascending" else -layer)
         return (1, -(layer - self.layer))
 
+    def _upcoming(self, key: Key, stale: bool) -> bool:
+        """Still needed in this pass after the execution point: a current-layer expert yet
+        to run, or a current expert of a later layer (used, selected or admitted)."""
+        layer = key[0]
+        return (layer == self.layer and key in self.pending) or (not stale and layer > self.layer)
+
     def order(self, for_prefetch: bool) -> list[Key]:
         out = []
         for want_stale in (True, False):
-            if not want_stale and for_prefetch and self.strict:
-                break
             # stale entries: those touched in an earlier pass; among them the pass roll keeps
             # the join order (current entries became stale in their order)
-            group = [k for k, (p, _c) in self.entries.items() if (p < self.pass_index) == want_stale]
+            group = [k for k, (p, _c) in self.entries.items() if (p < self.pass_index) == want_stale
+                     and not (for_prefetch and self._upcoming(k, want_stale))]
             group.sort(key=lambda k: (*self._place(k), self._join(k)))
             out.extend(group)
         return out
@@ -161,9 +169,8 @@ POLICIES: dict[str, Callable[[int], RefPolicy]] = {
     "lru": RefLRU,
     "fifo": RefFIFO,
     "fld": RefFLD,
-    "least-stale": lambda n: RefLeastStale(n, "relative", True),
-    "least-stale-permissive": lambda n: RefLeastStale(n, "relative", False),
-    "least-stale-absolute": lambda n: RefLeastStale(n, "absolute", True),
+    "least-stale": lambda n: RefLeastStale(n, "relative"),
+    "least-stale-absolute": lambda n: RefLeastStale(n, "absolute"),
 }
 
 
@@ -181,7 +188,7 @@ class Counts:
 
 
 def replay(passes: list[Pass], capacity: int, policy: RefPolicy, mode: str = "layer",
-           proposals: Callable[[int, int], list[Key]] | None = None) -> Counts:
+           proposals: Callable[[int, int], list[Key]] | None = None, fetch: str = "pipelined") -> Counts:
     """Cache-only replay of ``passes`` (see the module docstring)."""
     cache: set[Key] = set()
     c = Counts()
@@ -269,12 +276,27 @@ def replay(passes: list[Pass], capacity: int, policy: RefPolicy, mode: str = "la
             else:
                 propose(p, layer)
                 admit_round(set())
+                n = len(keys)
                 lookup(keys[0], set())
+                looked = 1
                 for j, key in enumerate(keys):
-                    if j + 1 < len(keys):
-                        lookup(keys[j + 1], {key})
-                    policy.pending.discard(key)
-                    admit_round({keys[j + 1]} if j + 1 < len(keys) else set())
+                    if fetch == "pipelined" and looked == j + 1 and looked < n:
+                        lookup(keys[looked], {key})  # when expert j starts
+                        looked += 1
+                    policy.pending.discard(key)  # expert j has run
+                    if fetch == "blocking":
+                        held: set[Key] = set()
+                        if looked < n:
+                            lookup(keys[looked], set())
+                            held = {keys[looked]}
+                            looked += 1
+                        admit_round(held)
+                    elif looked == j + 2 and looked < n:  # j+1 starts now: j+2's lookup first
+                        lookup(keys[looked], {keys[j + 1]})
+                        looked += 1
+                        admit_round({keys[j + 1], keys[j + 2]})
+                    else:
+                        admit_round({keys[j + 1]} if looked == j + 2 else set())
     return c
 
 

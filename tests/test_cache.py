@@ -137,10 +137,14 @@ def test_the_policy_is_told_whether_an_insert_is_a_demand_fetch():
 
 
 def test_a_prefetch_may_find_no_victim_where_a_demand_fetch_does():
-    """Least-Stale (strict), room for one expert, 1 cached on demand in this pass (current):
-    a demand miss may evict it, an optional prefetch may not (only stale experts)."""
+    """Least-Stale, room for one expert, 1 cached on demand in this pass (current) and still
+    to run in the current layer (pending): a demand miss may evict it, an optional prefetch
+    may not (issue 33: never an expert still upcoming in this pass). Once it has run it is
+    left of the execution point, and a prefetch may evict it."""
     cache, copy = make(EB, "least-stale")
     put(cache, copy, 1)
+    clock = cache.policy.ctx.clock
+    clock.pending = {1}
     assert cache.fetch(2, EB, set(), False, 0.0) is None
     assert set(cache.resident) == {1}
     assert copy.bytes_moved == EB  # nothing was queued for the refused prefetch
@@ -148,3 +152,8 @@ def test_a_prefetch_may_find_no_victim_where_a_demand_fetch_does():
     assert got is not None
     assert got[0] == [1]
     assert set(cache.resident) == {2}
+    clock.pending = set()  # 2 has run: left of the execution point
+    got = cache.fetch(3, EB, set(), False, 0.0)
+    assert got is not None
+    assert got[0] == [2]
+    assert set(cache.resident) == {3}

@@ -259,7 +259,7 @@ def test_policies_by_family_and_as_json():
     doc = json.loads(r.stdout)
     assert list(doc) == ["eviction"]
     ls = doc["eviction"]["least-stale"]
-    assert [p["name"] for p in ls["parameters"]] == ["order", "prefetch_evicts_current"]
+    assert [p["name"] for p in ls["parameters"]] == ["order"]
     assert ls["parameters"][0]["default"] == "relative"
     r = moesim("presets", "--json")
     doc = json.loads(r.stdout)

@@ -47,7 +47,7 @@ def lcs_misses(stream: list[int], capacity: int, algo: str = "LRU") -> int:
 
 # -- closed forms ----------------------------------------------------------------------------
 
-def on_demand_case(capacity: int, mode: str):
+def on_demand_case(capacity: int, mode: str, fetch: str = "pipelined"):
     """A 3-layer no-prefetch replay in ``mode`` and what its closed form needs: the result,
     the workload, per-access compute and per-pass non-expert times and the copy time of one
     expert, all written from the A100 + PCIe 4.0 datasheet figures (tests/test_cost.py: HBM
@@ -59,13 +59,13 @@ def on_demand_case(capacity: int, mode: str):
     token."""
     model = small_model(layers=3, experts=8, top_k=2)
     trace = generate(model, requests=1, prompt_tokens=4, tokens=30, seed=2)
-    sc = scenario(cache={"capacity": f"{capacity} experts"}, expert_compute=mode)
+    sc = scenario(cache={"capacity": f"{capacity} experts"}, expert_compute=mode, expert_fetch=fetch)
     res = simulate(sc, trace=trace)
     wl = build_workload(trace, 1)
     ffn, nonexp, copy = datasheet_times(model, wl)
     assert copy == pytest.approx(10e-6 + (786_432 + 65_536) / (32e9 * 0.8), rel=1e-15)
     ref_mode = "per-expert" if mode == "per-expert" else "layer"  # on-arrival pins as layer does
-    hits = R.replay(R.trace_passes(trace), capacity, R.RefLRU(3), ref_mode).outcomes
+    hits = R.replay(R.trace_passes(trace), capacity, R.RefLRU(3), ref_mode, fetch=fetch).outcomes
     return res, wl, ffn, nonexp, copy, hits
 
 
@@ -144,6 +144,37 @@ def test_per_expert_step_time_is_the_closed_form(capacity):
         f = [ffn[wl.off[i]] for i in range(3)]
         assert all(ffn[wl.off[i]:wl.off[i + 1]].max() == f[i] for i in range(3))
         first = sum(nonexp[0] + copy + (n[i] - 1) * max(copy, f[i]) + f[i] for i in range(3))
+        assert res.steps["duration_s"].iloc[0] == pytest.approx(first, rel=1e-12)
+
+
+@pytest.mark.parametrize("path", ["kernel", "simpy"])
+@pytest.mark.parametrize("capacity", [0, 3, 10, 48])
+def test_blocking_per_expert_step_time_is_the_closed_form(capacity, path, monkeypatch):
+    """``per-expert`` execution with ``expert_fetch: blocking`` (SpecMD A.2: the fetch
+    blocks until the expert has loaded): expert j+1 is looked up when expert j has run, so
+    its copy never overlaps j's compute: start_1 = t + c_1, start_{j+1} = start_j + f_j +
+    c_{j+1} (c: the copy time of a miss, 0 for a hit; f: the expert's compute); the layer
+    ends at start_n + f_n. With every expert missing: n (c + f) per layer. Hit flags from
+    the independent reference replay in blocking per-expert execution; on both replay
+    paths."""
+    if path == "simpy":
+        monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+    res, wl, ffn, nonexp, copy, hits = on_demand_case(capacity, "per-expert", "blocking")
+    assert res.summary["replay_path"] == path
+
+    def layer_end(t, lo, hi):
+        start = t + (0.0 if hits[lo] else copy)
+        for i in range(lo + 1, hi):
+            start = start + ffn[i - 1] + (0.0 if hits[i] else copy)
+        return start + ffn[hi - 1]
+
+    expected = expected_durations(wl, nonexp, layer_end)
+    np.testing.assert_allclose(res.steps["duration_s"].to_numpy(), expected, rtol=1e-9, atol=1e-12)
+    assert res.summary["misses"] == sum(not h for h in hits)
+    if capacity == 0:  # every expert missing: n (c + f) per layer
+        n = np.diff(wl.off[:4])
+        f = [ffn[wl.off[i]] for i in range(3)]
+        first = sum(nonexp[0] + n[i] * (copy + f[i]) for i in range(3))
         assert res.steps["duration_s"].iloc[0] == pytest.approx(first, rel=1e-12)
 
 

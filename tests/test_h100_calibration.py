@@ -42,10 +42,23 @@ def traces(tmp_path_factory):
     return out
 
 
+# Measured before issue 33 changed Least-Stale's prefetch victims (and gave a freed slot to
+# demand first): in these rows the simulator now makes other decisions than the ones the
+# executor performed on the H100, so their recorded predictions describe the old rule and
+# they need a new GPU run (validation/h100/report.md, "Rows measured under the old rule").
+OLD_RULE_ROWS = {(model, mode, f"cap{cap}-pf-least-stale") for model in ("olmoe-1b-7b", "mixtral-8x7b")
+                 for mode in ("layer", "per-expert") for cap in (1, 5, 25)} - {("mixtral-8x7b", mode, "cap1-pf-least-stale")
+                                                                             for mode in ("layer", "per-expert")}
+
+
 def test_every_recorded_prediction_is_what_the_simulator_predicts_today(traces):
+    """Every row but the ones measured under the old Least-Stale rule: today's prediction is
+    the recorded one. Those rows: the executor performed the decisions the simulator made
+    then (its counts equal the recorded simulator's), and today's decisions differ."""
     table = pd.read_parquet(VALIDATION / "validation.parquet")
     assert len(table) == 64
     assert set(table["expert_compute"]) == {"layer", "per-expert"}
+    moved = set()
     for r in table.itertuples():
         sc = load_scenario(f"validation/{r.scenario}", [f"hardware.profile={PROFILE}", f"workload.trace.path={traces[r.model]}",
                                                         f"expert_compute={r.expert_compute}"])
@@ -53,8 +66,13 @@ def test_every_recorded_prediction_is_what_the_simulator_predicts_today(traces):
         steps = res.steps
         dec = steps["phase"] == "decode"
         where = f"{r.model} {r.expert_compute} {r.scenario}"
+        assert (r.misses_exec, r.hits_exec) == (r.misses_sim, r.hits_sim), where
+        counts = (res.summary["misses"], res.summary["hits"] + res.summary["late_prefetches"])
+        if (r.model, r.expert_compute, r.scenario) in OLD_RULE_ROWS:
+            assert counts != (r.misses_sim, r.hits_sim), where
+            moved.add(where)
+            continue
         assert steps.loc[dec, "duration_s"].mean() == pytest.approx(r.tpot_predicted_s, rel=1e-9), where
         assert steps.loc[~dec, "duration_s"].mean() == pytest.approx(r.ttft_predicted_s, rel=1e-9), where
-        assert (res.summary["misses"], res.summary["hits"] + res.summary["late_prefetches"]) == (
-            r.misses_sim, r.hits_sim), where
-        assert (r.misses_exec, r.hits_exec) == (r.misses_sim, r.hits_sim), where
+        assert counts == (r.misses_sim, r.hits_sim), where
+    assert len(moved) == len(OLD_RULE_ROWS) == 10

@@ -84,10 +84,24 @@ def test_kernel_equals_simpy_on_the_golden_grid(olmoe_trace, monkeypatch, evicti
         assert ref.summary["prefetches_issued"] > 0  # the queue was exercised
 
 
+@pytest.mark.parametrize("timing", [True, False])
+@pytest.mark.parametrize("fetch", ["pipelined", "blocking"])
+@pytest.mark.parametrize(("eviction", "prefetch"), [
+    ("lru", "oracle"), ("least-stale", "oracle"), ("least-stale", "score-percentile"), ("fld", "next-gate-topk"),
+    ("belady", "lookahead"), ("lfu", "none"), ({"name": "least-stale", "order": "absolute"}, "oracle")])
+def test_kernel_equals_simpy_in_both_per_expert_fetch_disciplines(olmoe_trace, monkeypatch, eviction, prefetch,
+                                                                   fetch, timing):
+    """``expert_fetch: pipelined | blocking`` (per-expert execution) on both paths."""
+    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch}, expert_compute="per-expert",
+                  expert_fetch=fetch, timing=timing, workload={"batch_size": 2}, cache={"capacity": "5%"})
+    fast, ref = both_paths(sc, olmoe_trace, monkeypatch)
+    assert_identical(fast, ref)
+
+
 @pytest.mark.parametrize("policies", [
     {"eviction": {"name": "score", "decay": 0.9}, "prefetch": "oracle"},
     {"eviction": {"name": "least-stale", "order": "absolute"}, "prefetch": "score-percentile"},
-    {"eviction": {"name": "least-stale", "prefetch_evicts_current": True}, "prefetch": "next-gate-topk"},
+    {"eviction": "least-stale", "prefetch": "next-gate-topk"},
     {"eviction": "lru", "prefetch": {"name": "lookahead", "depth": 3}},
     {"eviction": "lfu", "prefetch": {"name": "next-gate-topk", "overfetch": 2.0}},
     {"eviction": "belady", "prefetch": {"name": "score-percentile", "percentile": 50}},

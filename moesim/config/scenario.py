@@ -6,6 +6,8 @@ Keys (``docs/design.md``: "Scenario YAML")::
     timing: true                   # false: cache-only replay (hit/miss decisions, no timeline)
     expert_compute: layer          # or on-arrival (each expert as soon as it arrives) or per-expert
                                    # (one at a time in router order, a Hugging Face-style loop)
+    expert_fetch: pipelined        # per-expert only: expert j+1 looked up when j starts (its copy
+                                   # overlaps j's compute), or blocking (looked up when j ends)
     hardware: {preset: a100-80g-pcie4, links: {pcie: {bandwidth_gbps: 5}}}
     workload:
       trace: {synth: {preset: olmoe-1b-7b, tokens: 2000}}   # or {path: trace.parquet}
@@ -186,6 +188,7 @@ class Scenario:
     seed: int = 0
     timing: bool = True
     expert_compute: Literal["layer", "on-arrival", "per-expert"] = "layer"
+    expert_fetch: Literal["pipelined", "blocking"] = "pipelined"
     source: str = "<memory>"
     base_dir: str = "."
 
@@ -196,6 +199,7 @@ class Scenario:
         hw = to_plain(self.hardware)  # the profile's tables stay out: 'profile' names their file
         return {
             "seed": self.seed, "timing": self.timing, "expert_compute": self.expert_compute,
+            "expert_fetch": self.expert_fetch,
             "hardware": hw, "workload": to_plain(self.workload), "cache": to_plain(self.cache),
             "policies": pol,
         }
@@ -206,6 +210,7 @@ class _TopLevel:
     seed: int = 0
     timing: bool = True
     expert_compute: Literal["layer", "on-arrival", "per-expert"] = "layer"
+    expert_fetch: Literal["pipelined", "blocking"] = "pipelined"
     hardware: Any = None
     workload: Any = None
     cache: Any = None
@@ -291,7 +296,8 @@ def scenario_from_dict(data: Any, where: str = "<scenario>", base_dir: str = "."
     specs = {fam: _policy(fam, pol_raw.get(fam, POLICY_DEFAULTS[fam]), where) for fam in fams}
     return Scenario(hardware=hardware, workload=workload, cache=cache,
                     policies=PoliciesConfig(**specs), seed=top.seed, timing=top.timing,
-                    expert_compute=top.expert_compute, source=where, base_dir=base_dir)
+                    expert_compute=top.expert_compute, expert_fetch=top.expert_fetch, source=where,
+                    base_dir=base_dir)
 
 
 def read_yaml(path: str | Path) -> Any:

@@ -21,7 +21,7 @@ KINDS = ("heatmap", "lines", "bars")  # plus "timeline", from a run's events (pl
 
 
 SCENARIO_SECTIONS = ("hardware", "cache", "policies", "workload", "sweep")
-SCENARIO_KEYS = ("seed", "timing", "expert_compute", "name")
+SCENARIO_KEYS = ("seed", "timing", "expert_compute", "expert_fetch", "name")
 # metric -> (label with unit, scale applied to the values)
 METRIC_LABELS: dict[str, tuple[str, float]] = {
     "tpot_s": ("TPOT (ms per output token)", 1e3), "ttft_s": ("TTFT (ms)", 1e3),
@@ -34,7 +34,7 @@ AXIS_LABELS = {"cache.capacity": "cache capacity", "policies.eviction": "evictio
                "policies.prefetch": "prefetch policy", "policies.miss": "miss policy",
                "policies.budget": "budget policy", "policies.routing": "routing policy",
                "workload.batch_size": "batch size (requests per pass)", "expert_compute": "expert compute",
-               "hardware.gpus": "GPUs"}
+               "expert_fetch": "per-expert fetch", "hardware.gpus": "GPUs"}
 LINK_NAMES = {"pcie": "PCIe", "nvlink": "NVLink"}
 _NUM = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*(%|experts?|[kmgt]i?b|b)?\s*$", re.IGNORECASE)
 

@@ -256,9 +256,6 @@ class LeastStaleParams:
     order: str = field(default="relative", metadata={
         "help": "order within each queue: relative (layers already passed first, then upcoming "
                 "layers farthest first) or absolute (layer index, layer 0 first)"})
-    prefetch_evicts_current: bool = field(default=False, metadata={
-        "help": "let an optional prefetch evict current experts (false: only stale ones, the "
-                "paper's 'only to prevent out-of-memory errors')"})
 
     def __post_init__(self) -> None:
         if self.order not in ("relative", "absolute"):
@@ -267,17 +264,13 @@ class LeastStaleParams:
 
 @REGISTRY.register("least-stale")
 class LeastStale(EvictionPolicy):
-    """Least-Stale (``specmd-expert-caching-least-stale.txt`` §4.2).
+    """Least-Stale (``specmd-expert-caching-least-stale.txt`` §4.2, appendix A.3).
 
     An expert is *current* if it was used in the ongoing forward pass or selected by the
     prefetcher during it (:meth:`on_prefetch_select`, or admitted by a prefetch), *stale*
-    otherwise (last touched in an earlier pass). The stale queue is evicted first; the
-    current queue only when no stale expert is left (§4.2: "only to prevent out-of-memory
-    errors"). An optional prefetch never evicts a current expert (§4.2's reading that a
-    prefetch is never needed to prevent running out of memory), unless
-    ``prefetch_evicts_current`` is set; on the FLAME-MoE prefill trace in ``per-expert``
-    execution only this strict reading gives the large collision reductions of §5.2 / Fig. 8
-    (the permissive one ties LRU: a demand miss then evicts the admitted next-layer experts).
+    otherwise (last touched in an earlier pass). A demand fetch evicts from the stale queue
+    first and from the current one only when no stale expert is left (§4.2: "only to
+    prevent out-of-memory errors").
 
     Within each queue (``order: relative``, the default) the order is relative to the
     execution point: experts *left* of it first — layers already passed in this pass, and
@@ -286,10 +279,22 @@ class LeastStale(EvictionPolicy):
     expert the layer's routing did not pick is not needed again in this pass) — in layer
     order (FIFO by layer position), then the *upcoming* layers, farthest first, the current
     layer's experts still to run last; FIFO within a layer. This is what
-    §5.2 and the captions of Fig. 5 and 9 describe ("only evicts stale left-layer experts")
-    and what appendix A.3 says the policy protects ("experts needed for upcoming layers").
+    §5.2 and the captions of Fig. 5 and 9 describe ("only evicts stale left-layer experts").
     ``order: absolute`` keeps the plain layer index (layer 0 first), which among upcoming
     layers evicts the nearest first, the LRU pathology of Fig. 3-top.
+
+    Victims for an optional prefetch (:meth:`prefetch_candidates`, A.3: the policy
+    "prioritizes removing experts from already-processed layers while protecting experts
+    needed for upcoming layers"): in the same order, a stale expert or a current expert left
+    of the execution point (a layer already passed, or a current-layer expert that has run
+    or is not routed in this pass); never an expert still upcoming in this pass — a
+    current-layer expert yet to run (in either queue: one left from an earlier pass is
+    still needed by this layer), or a later-layer expert used, selected or admitted in this
+    pass. With no such victim the proposal waits in the prefetch queue until room appears or
+    its target layer's routing point withdraws it. (Refusing every current expert — the
+    reading moesim had before — refuses every prefetch once no stale expert is left, so the
+    later layers of a pass ran on demand misses that evicted the same experts; letting a
+    prefetch evict any current expert evicts current-layer experts still to run.)
 
     Both queues are kept as per-layer buckets (insertion-ordered dicts).
     """
@@ -343,37 +348,42 @@ class LeastStale(EvictionPolicy):
         else:
             del self._stale[layer][key]
 
-    def _queue(self, buckets: list[dict[int, None]]) -> Iterator[int]:
-        """One queue's keys, most evictable first."""
-        if not self._relative:
-            return chain.from_iterable(buckets)
-        clock = self._clock
-        cur = clock.layer
-        here = buckets[cur]
-        pending = clock.pending
+    def _here(self, buckets: list[dict[int, None]]) -> tuple[list[int], list[int]]:
+        """The current layer's keys of one queue: (left of the execution point, still to run)."""
+        here = buckets[self._clock.layer]
+        pending = self._clock.pending
         if not here:
-            left, upcoming_here = [], []
-        elif pending:
-            left = [k for k in here if k not in pending]
-            upcoming_here = [k for k in here if k in pending]
-        else:
-            left, upcoming_here = list(here), []
+            return [], []
+        if not pending:
+            return list(here), []
+        return [k for k in here if k not in pending], [k for k in here if k in pending]
+
+    def _queue(self, buckets: list[dict[int, None]], upcoming: bool) -> Iterator[int]:
+        """One queue's keys, most evictable first; ``upcoming=False`` leaves out the current
+        layer's experts still to run (and nothing else: the caller drops later layers)."""
+        cur = self._clock.layer
+        if not self._relative:
+            if upcoming:
+                return chain.from_iterable(buckets)
+            return chain(chain.from_iterable(buckets[:cur]), self._here(buckets)[0],
+                         chain.from_iterable(buckets[cur + 1:]))
+        left, upcoming_here = self._here(buckets)
         return chain(chain.from_iterable(buckets[:cur]), left,
-                     chain.from_iterable(reversed(buckets[cur + 1:])), upcoming_here)
+                     chain.from_iterable(reversed(buckets[cur + 1:])), upcoming_here if upcoming else ())
 
     def candidates(self) -> Iterator[int]:
         # the cache does not change the policy while it walks the candidates, so the
         # queues are iterated in place
         if self._clock.pass_index != self._pass:
             self._roll()
-        return chain(self._queue(self._stale), self._queue(self._current))
+        return chain(self._queue(self._stale, True), self._queue(self._current, True))
 
     def prefetch_candidates(self) -> Iterator[int]:
-        if self.params.prefetch_evicts_current:
-            return self.candidates()
         if self._clock.pass_index != self._pass:
             self._roll()
-        return self._queue(self._stale)
+        cur = self._current
+        return chain(self._queue(self._stale, False), chain.from_iterable(cur[:self._clock.layer]),
+                     self._here(cur)[0])
 
 
 @REGISTRY.register("belady")

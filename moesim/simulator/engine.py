@@ -369,22 +369,37 @@ class Simulation:
 
     def _per_expert(self, look: LayerLookup, now: float) -> float:
         """``per-expert`` execution (SpecMD Algorithm 1, appendix A.2: a Hugging Face-style
-        loop): the layer's experts run one after another in router order. Expert j+1 is
-        looked up when expert j starts to run, so its copy overlaps j's compute; pinned are
-        the running expert and the one looked up next (transfers in flight are never
-        evicted). When an expert has run its pin is released and the waiting prefetch
-        proposals are admitted (:meth:`PrefetchQueue.admit`). With compute f and copy c per expert and
-        every expert missing, n experts take c + (n - 1) * max(c, f) + f. Returns the
-        layer's end."""
+        loop): the layer's experts run one after another in router order. Pinned are the
+        running expert and the one looked up next (transfers in flight are never evicted).
+        When an expert has run its pin is released and the waiting prefetch proposals are
+        admitted (:meth:`PrefetchQueue.admit`) — after the demand lookup made at that same
+        instant, if any: a freed slot goes to demand first. ``expert_fetch``:
+
+        - ``pipelined``: expert j+1 is looked up when expert j starts to run, so its copy
+          overlaps j's compute. When j ends and j+1 has arrived (j+1 starts at once), j+2's
+          lookup comes first, then the admission round with j+1 and j+2 pinned; when j+1 is
+          still in flight, the round (j+1 pinned) comes first and j+2 is looked up when j+1
+          starts. With compute f and copy c per expert and every expert missing, n experts
+          take c + (n - 1) * max(c, f) + f.
+        - ``blocking`` (A.2: "fetch blocks until the expert loads from CPU"): expert j+1 is
+          looked up when j ends, before the admission round, which then pins j+1; its copy
+          does not overlap j's compute: n missing experts take n * (c + f).
+
+        Returns the layer's end."""
         clock = self.clock
         advance = self.copy.advance
         timing = self.scenario.timing
+        blocking = self.scenario.expert_fetch == "blocking"
         row = self.row
+        pfq = self.pfq
         n = len(look)
         t = now
         cur: list[Run] = []
+        nxt: list[Run] = []
+        looked = 0  # experts looked up so far
         if n:
             look.lookup(0, set(), t, cur)
+            looked = 1
         for i in range(n):
             for _, tr, _ in cur:
                 a = arrival(tr, t)
@@ -395,10 +410,10 @@ class Simulation:
                 advance(t)
                 clock.now = t
             pins = {key for key, _, _ in cur}  # the running expert
-            nxt: list[Run] = []
-            if i + 1 < n:
-                look.lookup(i + 1, set(pins), t, nxt)
-            nxt_pins = {key for key, _, _ in nxt}
+            if not blocking and looked == i + 1 and looked < n:
+                nxt = []
+                look.lookup(looked, set(pins), t, nxt)
+                looked += 1
             for _, _, f in cur:
                 t += f
             if timing:
@@ -407,9 +422,26 @@ class Simulation:
             clock.pending.discard(look.keys[i])  # expert i has run
             if self.decisions is not None:
                 self.decisions.extend((look.p, look.layer, "run", k) for k in pins)
-            if self.pfq.waiting:
-                self.pfq.admit(t, nxt_pins, row)
+            if blocking:
+                nxt = []
+                if looked < n:
+                    look.lookup(looked, set(), t, nxt)
+                    looked += 1
+                held = {key for key, _, _ in nxt}
+            else:
+                held = {key for key, _, _ in nxt} if looked == i + 2 else set()
+                if looked == i + 2 and looked < n and all(arrival(tr, t) <= t for _, tr, _ in nxt):
+                    after: list[Run] = []  # expert i+1 starts now: i+2's lookup comes first
+                    look.lookup(looked, set(held), t, after)
+                    looked += 1
+                    if pfq.waiting:
+                        pfq.admit(t, held | {key for key, _, _ in after}, row)
+                    cur, nxt = nxt, after
+                    continue
+            if pfq.waiting:
+                pfq.admit(t, held, row)
             cur = nxt
+            nxt = []
         look.finish([])
         return t
 

@@ -83,9 +83,9 @@ F_SCORE, F_NEXTUSE, F_NKF = range(3)
 (S_SEQ, S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_HEAD, S_TAIL, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
  S_FREEN, S_WH, S_WN, S_PENDN, S_MEMBN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
  S_SCOREPASS, S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP,
- C_EV, C_LS_REL, C_LS_PFCUR, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
+ C_EV, C_LS_REL, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE, C_LRUNCAP,
- C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE,
+ C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE, C_BLOCKING,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
@@ -264,15 +264,16 @@ def _ls_first(head, pin_gen, adm_layer, pending, IS):
 
 @_jit
 def _ls_victim(for_prefetch, pin_gen, adm_layer, IS):
-    """Least-stale's victim: the stale queue, then (unless an optional prefetch may not evict
-    current experts) the current one; per queue the layers in the policy's order (relative:
-    layers already passed, the current layer's experts not pending, upcoming layers farthest
-    first, the current layer's pending experts; absolute: layer 0 first), FIFO within."""
+    """Least-stale's victim (the SimPy policy's ``candidates``, or ``prefetch_candidates``
+    for an optional prefetch): the stale queue, then the current one; per queue the layers in
+    the policy's order (relative: layers already passed, the current layer's experts not
+    pending, upcoming layers farthest first, the current layer's pending experts; absolute:
+    layer 0 first), FIFO within. A prefetch takes no pending expert of the current layer and
+    no current expert of a later layer."""
     num_l = IS[C_L]
     cur = IS[S_LAYER]
     relative = IS[C_LS_REL]
-    queues = 1 if for_prefetch and not IS[C_LS_PFCUR] else 2
-    for q in range(queues):
+    for q in range(2):
         base = IS[H_LSQ] + 2 * q * num_l
         for step in range(num_l + 1 if relative else num_l):
             layer, pending = step, 2  # absolute, and relative before the current layer
@@ -282,6 +283,13 @@ def _ls_victim(for_prefetch, pin_gen, adm_layer, IS):
                 layer, pending = cur, 1  # ... and last those still to run
             elif relative and step > cur:
                 layer = num_l + cur - step  # upcoming layers, farthest first
+            if for_prefetch:
+                if layer == cur:
+                    if pending == 1:
+                        continue  # still to run: upcoming
+                    pending = 0
+                elif q == 1 and layer > cur:
+                    continue  # a later layer's current expert: upcoming
             v = _ls_first(base + 2 * layer, pin_gen, adm_layer, pending, IS)
             if v != -1:
                 return v
@@ -1216,11 +1224,31 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
 
 
 @_jit
+def _pin_buffer(buf, pins, IS):
+    """Pin the keys of lookup buffer ``buf``'s computations with generation ``pins``."""
+    b = IS[H_LRUN] + buf * IS[C_LRUNCAP] * 4
+    for x in range(IS[S_LRUNN + buf]):
+        IS[IS[H_KI] + IS[b + x * 4 + 2] * K_NKI + K_PIN] = pins
+
+
+@_jit
+def _buffer_arrived(buf, t, IS, FS):
+    """Whether every computation of lookup buffer ``buf`` has its expert on the GPU by ``t``."""
+    b = IS[H_LRUN] + buf * IS[C_LRUNCAP] * 4
+    for x in range(IS[S_LRUNN + buf]):
+        if _arrival(IS[b + x * 4], IS[b + x * 4 + 1], t, IS, FS) > t:
+            return False
+    return True
+
+
+@_jit
 def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
-    """``per-expert`` execution of one layer (engine's ``_per_expert``): the experts run one
-    after another in router order, expert j+1 looked up when expert j starts (its
-    computations go into the other lookup buffer)."""
+    """``per-expert`` execution of one layer (engine's ``_per_expert``, both ``expert_fetch``
+    disciplines): the experts run one after another in router order; the running expert's
+    computations are in lookup buffer ``cur``, the next one's in the other (a lookup made
+    when an expert ends reuses the ended expert's buffer)."""
     timed = not IS[C_INSTANT]
+    blocking = IS[C_BLOCKING]
     _mark_pending(lo, hi, IS, A)
     if IS[C_PFACTIVE]:
         _withdraw(layer, lo, hi, IS, A)
@@ -1228,10 +1256,12 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     n = hi - lo
     t = now
     cur = 0
+    looked = 0
     scale = DF[IS[H_SCALE] + p]
     IS[S_LRUNN] = IS[S_LRUNN + 1] = IS[S_NCOMP] = 0
     if n:
         _lookup(lo, t, _new_gen(IS, S_PINGEN), cur, IS, FS, DI, A, M)
+        looked = 1
     for i in range(n):
         base = IS[H_LRUN] + cur * IS[C_LRUNCAP] * 4
         for x in range(IS[S_LRUNN + cur]):
@@ -1242,23 +1272,42 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
         if timed:
             _advance(t, IS, FS)
         nxt = 1 - cur
-        IS[S_LRUNN + nxt] = 0
-        if i + 1 < n:
+        if not blocking and looked == i + 1 and looked < n:
+            IS[S_LRUNN + nxt] = 0
             pins = _new_gen(IS, S_PINGEN)
-            for x in range(IS[S_LRUNN + cur]):  # the running expert
-                IS[IS[H_KI] + IS[base + x * 4 + 2] * K_NKI + K_PIN] = pins
-            _lookup(lo + i + 1, t, pins, nxt, IS, FS, DI, A, M)
+            _pin_buffer(cur, pins, IS)  # the running expert
+            _lookup(lo + looked, t, pins, nxt, IS, FS, DI, A, M)
+            looked += 1
         for x in range(IS[S_LRUNN + cur]):
             t += _ffn(IS[base + x * 4 + 2], IS[base + x * 4 + 3], DF, IS) * scale
         if timed:
             _advance(t, IS, FS)
         if IS[C_EV] == EV_LS:
             IS[IS[H_KI] + _key(lo + i, IS, A) * K_NKI + K_PEND] = 0  # expert i has run
+        if blocking:
+            IS[S_LRUNN + nxt] = 0
+            if looked < n:
+                _lookup(lo + looked, t, _new_gen(IS, S_PINGEN), nxt, IS, FS, DI, A, M)
+                looked += 1
+        elif looked == i + 2 and looked < n and _buffer_arrived(nxt, t, IS, FS):
+            # expert i+1 starts now: i+2's lookup (into the ended expert's buffer) comes first
+            IS[S_LRUNN + cur] = 0
+            pins = _new_gen(IS, S_PINGEN)
+            _pin_buffer(nxt, pins, IS)
+            _lookup(lo + looked, t, pins, cur, IS, FS, DI, A, M)
+            looked += 1
+            if IS[S_WN]:
+                pins = _new_gen(IS, S_PINGEN)
+                _pin_buffer(nxt, pins, IS)
+                _pin_buffer(cur, pins, IS)
+                _admit(t, pins, IS, FS, DI, A)
+            cur = nxt
+            continue
+        elif looked != i + 2:
+            IS[S_LRUNN + nxt] = 0  # nothing looked up next: nothing held
         if IS[S_WN]:
             pins = _new_gen(IS, S_PINGEN)
-            nb = IS[H_LRUN] + nxt * IS[C_LRUNCAP] * 4
-            for x in range(IS[S_LRUNN + nxt]):
-                IS[IS[H_KI] + IS[nb + x * 4 + 2] * K_NKI + K_PIN] = pins
+            _pin_buffer(nxt, pins, IS)
             _admit(t, pins, IS, FS, DI, A)
         cur = nxt
     IS[R_UNIQUE] += IS[S_NCOMP]
@@ -1630,9 +1679,9 @@ def replay(sim: Any) -> None:
                      max(1, max_rows), sim.num_prec)
     IS[C_EV] = ev
     IS[C_LS_REL] = isinstance(sim.eviction, LeastStale) and params.order == "relative"
-    IS[C_LS_PFCUR] = isinstance(sim.eviction, LeastStale) and params.prefetch_evicts_current
     IS[C_PF] = pf
     IS[C_DEPTH] = sim.prefetch.params.depth if isinstance(sim.prefetch, Lookahead) else 0
+    IS[C_BLOCKING] = sim.scenario.expert_fetch == "blocking"
     IS[C_MODE] = {"layer": MODE_LAYER, "on-arrival": MODE_ARRIVAL, "per-expert": MODE_PER_EXPERT}[
         sim.scenario.expert_compute]
     IS[C_INSTANT] = not sim.scenario.timing
