@@ -271,10 +271,12 @@ ones this notebook computes).
 * **Layer execution.** At 1% and 5% a prefill layer needs more experts than the cache holds
   and all of them are pinned together: the uncached fetches are the same for every policy
   (the uncached table), and LRU and Least-Stale take the same collision misses.
-* **Timing.** The TTFT table is a timed replay at 5 GB/s with the GPU-side cost model only:
-  the host thread that issues copies and kernels is not modelled yet, and SpecMD's TTFTs are
-  mostly per-expert host work (issue 37). The collision counts above are the decisions; how
-  much time they buy is not established by this notebook.
+* **Timing.** The TTFT table is a timed replay at 5 GB/s with the GPU-side cost model only
+  (the host thread that issues copies and kernels is not modelled yet: issue 37). In pipelined
+  fetch every policy takes about the same TTFT on FLAME-MoE (about 410 ms: the link is busy
+  the whole prefill). In blocking fetch (SpecMD A.2) a demand miss's copy and the expert's
+  compute no longer overlap, and Least-Stale's TTFT is about half of LRU's at 1% and 5% on
+  both traces. Which share of SpecMD's 10.7-34.7% this accounts for is not established here.
 * **Score-percentile vs top-k prefetch (§5.3)**: in the Table 1 configuration both reach a
   hit rate of 0 at 1% and 5% (every access is a miss or a late prefetch on the saturated
   link) and top-k is marginally ahead at 25%: the second finding does not hold here.
