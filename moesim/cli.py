@@ -158,7 +158,8 @@ plugin_option = click.option(
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a scenario key by its dotted path, e.g. --set cache.capacity=25%. Repeatable.")
 @click.option("--out", "out_dir", type=OUT_DIR, default=None,
-              help="Results folder (default: runs/<scenario name>). Written atomically.")
+              help="Results folder (default: runs/<scenario name>). Written atomically; results already there are "
+                   "replaced, and the command says so.")
 @click.option("--no-write", is_flag=True, help="Print the summary only; write no files.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of a table.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
@@ -208,9 +209,10 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
         Console().print(summary_table(result, f"moesim run {scenario}"))
     if not no_write:
         target = Path(out_dir) if out_dir else Path("runs") / resolve_path(scenario).stem
+        replaced = target.exists()
         write_results(result, target)
-        click.echo(f"results written to {target}/ (summary.json, steps.parquet, scenario.resolved.yaml)",
-                   err=True)
+        click.echo(f"results written to {target}/ (summary.json, steps.parquet, scenario.resolved.yaml)"
+                   + ("; they replace the results that were there" if replaced else ""), err=True)
 
 
 @cli.command("sweep")
@@ -254,6 +256,7 @@ def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], 
                    progress=lambda d, f, n: prog.update(task, completed=d, total=n, failed=f))
     ok = int((df["status"] == "ok").sum()) if len(df) else 0
     Console().print(f"{len(df)} points ({ok} ok, {len(df) - ok} failed) -> {target}/results.parquet")
+    click.echo(_reuse_note(df.attrs.get("reused", 0), len(df)), err=True)
     if ok < len(df):
         bad = df[df["status"] != "ok"]
         for row in bad.to_dict("records"):
@@ -301,6 +304,12 @@ def plot_cmd(results: str, kind: str, metric: str | None, window: str | None, x:
     click.echo(f"wrote {plot(results, kind, out, metric, x, y, by, title, where, facet)}")
 
 
+def _reuse_note(reused: int, total: int) -> str:
+    """The line that says how many finished points a sweep or compare reused."""
+    return (f"{reused} of {total} points reused from the folder (same resolved scenario, input files, plugins "
+            f"and moesim code); {total - reused} run now.")
+
+
 def _csv(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
@@ -338,9 +347,10 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
     OUT_DIR.convert(str(target), None, None)  # the default folder, checked as --out is
     args = (scenario, target, _csv(eviction), _csv(prefetch), _csv(miss), _csv(budget), _csv(capacity), overrides,
             n_workers, executor, ray_address)
-    _with_progress("compare", lambda progress: compare(
+    table, _ = _with_progress("compare", lambda progress: compare(
         *args, progress=(lambda done, _failed, total: progress(done, total)) if progress else None))
     click.echo((target / "compare.md").read_text())
+    click.echo(_reuse_note(table.attrs.get("reused", 0), table.attrs.get("points", 0)), err=True)
     click.echo(f"wrote {target}/compare.parquet, compare.md and compare.png")
 
 

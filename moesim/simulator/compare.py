@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from moesim.errors import MoesimError
-from moesim.simulator.sweep import Point, base_data, collect, make_points, run_points
+from moesim.simulator.sweep import Point, base_data, collect, folder_lock, make_points, run_points
 
 DEFAULT_EVICTION = ("lru", "lfu", "fld", "least-stale")
 DEFAULT_PREFETCH = ("none", "previous-token")
@@ -173,10 +173,12 @@ def figure(table: pd.DataFrame, metric: str, title: str) -> Any:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.transforms import ScaledTranslation
 
     caps = [c for c in dict.fromkeys(table["capacity"]) if c != "all"]
     n = max(len(table[(table["capacity"] == c) & (table["role"] == "candidate")]) for c in caps)
-    fig, axes = plt.subplots(1, len(caps), figsize=(6 * len(caps), 2.2 + 0.35 * n), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(1, len(caps), figsize=(6 * len(caps), 2.6 + 0.35 * n), squeeze=False, sharex=True,
+                             layout="constrained")  # makes room for the legends below the panels
     inf = table[table["role"] == "infinite"]
     for ax, cap in zip(axes[0], caps, strict=True):
         here = table[table["capacity"] == cap]
@@ -192,9 +194,9 @@ def figure(table: pd.DataFrame, metric: str, title: str) -> Any:
         ax.set_xlabel("TPOT (ms per output token, lower is better)" if metric == "tpot_s"
                       else "TTFT (ms, lower is better)")
         ax.set_title(f"cache capacity {cap}", fontsize=9)
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.6 / max(n, 1)), ncol=3)
+        below = ax.transAxes + ScaledTranslation(0, -0.5, fig.dpi_scale_trans)  # under the axis label
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0), bbox_transform=below, ncol=2)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
     return fig
 
 
@@ -211,13 +213,16 @@ def compare(scenario_path: str, out_dir: str | Path, eviction: Sequence[str] | N
 
     data, points, rows = plan_compare(scenario_path, eviction, prefetch, miss, budget, capacity, overrides)
     out = Path(out_dir)
-    run_points(data, points, out, workers, executor, ray_address, progress)
-    results = collect(out, points)
-    table, metric = rank(results, rows)
-    title = describe(scenario_path, data)
-    write_atomic(out / "compare.parquet", lambda tmp: table.to_parquet(tmp, index=False))
-    write_text_atomic(out / "compare.md", markdown(table, metric, title))
-    save_figure_atomic(figure(table, metric, title), out / "compare.png")
+    with folder_lock(out):
+        reused = run_points(data, points, out, workers, executor, ray_address, progress)
+        results = collect(out, points)
+        table, metric = rank(results, rows)
+        title = describe(scenario_path, data)
+        write_atomic(out / "compare.parquet", lambda tmp: table.to_parquet(tmp, index=False))
+        write_text_atomic(out / "compare.md", markdown(table, metric, title))
+        save_figure_atomic(figure(table, metric, title), out / "compare.png")
+    table.attrs["reused"] = reused
+    table.attrs["points"] = len(points)
     return table, metric
 
 
@@ -225,5 +230,8 @@ def describe(scenario_path: str, data: dict[str, Any]) -> str:
     """What is held fixed: the scenario, hardware, workload shape and execution mode."""
     hw = (data.get("hardware") or {}).get("preset", "custom hardware")
     wl = data.get("workload") or {}
+    mode = data.get("expert_compute", "layer")
+    if mode == "per-expert":
+        mode = f"per-expert ({data.get('expert_fetch', 'pipelined')} fetch)"
     return (f"moesim compare {scenario_path}: {hw}, batch {wl.get('batch_size', 1)}, "
-            f"{data.get('expert_compute', 'layer')} execution, seed {data.get('seed', 0)}")
+            f"{mode} execution, seed {data.get('seed', 0)}")

@@ -10,10 +10,16 @@ Axes come from ``--grid dotted.key=v1,v2,...`` and from the scenario's ``sweep:`
       zip: [[cache.capacity, policies.eviction]]   # optional: axes that advance together
 
 Each point writes ``DIR/points/<id>/`` (summary.json, steps.parquet, scenario.resolved.yaml,
-point.json) atomically, or ``error.json`` when it fails; the sweep goes on. A point whose
-folder exists is skipped, so rerunning resumes. ``DIR/results.parquet`` has one row per
-finished point: its axis values and every summary metric (nested ones flattened with dots).
-Point ids are a hash of the point's overrides, so they do not depend on the order of the run.
+point.json) atomically, or ``error.json`` when it fails; the sweep goes on. Point ids are a
+hash of the point's overrides, so they do not depend on the order of the run. A finished
+point is reused on a rerun only when its fingerprint (:func:`moesim.fingerprint.scenario_fingerprint`:
+the fully resolved scenario, the content of the trace and other input files, the loaded
+plugins' sources, the hardware as built from its profile, and moesim's code) equals the one
+recorded in its ``point.json``; otherwise it runs again and replaces the folder. So rerunning
+resumes an interrupted sweep and never shows results computed from other inputs.
+``DIR/results.parquet`` has one row per finished point: its axis values and every summary
+metric (nested ones flattened with dots). One sweep or compare at a time writes a folder: a
+second one started into it is refused (``DIR/.lock``).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class Point:
 
     pid: str
     values: dict[str, Any]
+    fingerprint: str = ""  # of everything that determines its results (moesim.fingerprint)
 
 
 def parse_grid(items: tuple[str, ...] | list[str]) -> dict[str, list[Any]]:
@@ -86,13 +93,16 @@ def make_points(p: Path, data: dict[str, Any], combos: list[dict[str, Any]]) -> 
     """A point per set of dotted-key overrides, each point's scenario validated before
     anything runs (a bad value fails up front, naming the point); the id is a hash of the
     overrides, so it does not depend on the order of the run."""
+    from moesim.fingerprint import scenario_fingerprint
+    from moesim.policies.plugins import loaded_plugins
+
+    plugins = loaded_plugins()
     points = []
     for chosen in combos:
         pid = hashlib.sha1(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:12]
         point_data = apply_overrides(data, [(k.split("."), v) for k, v in chosen.items()])
-        scenario_from_dict(point_data, where=f"{p} (sweep point {chosen})", base_dir=str(p.parent))
-        points.append(Point(pid, chosen))
-    from moesim.policies.plugins import loaded_plugins
+        sc = scenario_from_dict(point_data, where=f"{p} (sweep point {chosen})", base_dir=str(p.parent))
+        points.append(Point(pid, chosen, scenario_fingerprint(sc, plugins)))
 
     data["__base_dir__"] = str(p.parent)
     data["__source__"] = str(p)
@@ -159,7 +169,8 @@ def run_point(data: dict[str, Any], point: Point, out_dir: str) -> tuple[str, st
         sc_data = apply_overrides(base, [(k.split("."), v) for k, v in point.values.items()])
         sc = scenario_from_dict(sc_data, where=f"{source} (sweep point {point.values})", base_dir=base_dir)
         result = Simulation(sc).run()
-        write_results(result, target, extra={"point.json": json.dumps({"id": point.pid, "values": point.values})})
+        write_results(result, target, extra={"point.json": json.dumps(
+            {"id": point.pid, "values": point.values, "fingerprint": point.fingerprint})})
         return point.pid, "ok", time.perf_counter() - t0
     except Exception as exc:
         msg = str(exc) if isinstance(exc, MoesimError) else "".join(traceback.format_exception(exc))
@@ -177,13 +188,39 @@ def _write_error(target: Path, point: Point, message: str) -> None:
     os.rename(tmp, target)
 
 
-def done_points(out_dir: Path) -> set[str]:
-    """Ids of finished points (a failed point runs again when the sweep is rerun)."""
+def done_points(out_dir: Path) -> dict[str, str]:
+    """Finished points: id -> the fingerprint recorded with them ("" when none was; a failed
+    point runs again when the sweep is rerun)."""
     base = out_dir / "points"
     if not base.is_dir():
-        return set()
-    return {d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith(".")
-            and (d / "summary.json").is_file()}
+        return {}
+    out = {}
+    for d in base.iterdir():
+        if d.is_dir() and not d.name.startswith(".") and (d / "summary.json").is_file():
+            try:
+                out[d.name] = str(json.loads((d / "point.json").read_text()).get("fingerprint", ""))
+            except (OSError, ValueError, AttributeError):
+                out[d.name] = ""
+    return out
+
+
+@contextmanager
+def folder_lock(out_dir: Path) -> Iterator[None]:
+    """Hold ``DIR/.lock`` while a sweep or compare writes ``DIR``; a second one started into
+    the same folder is refused with an error naming it."""
+    import fcntl
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with (out_dir / ".lock").open("a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MoesimError(f"{out_dir} is being written by another moesim sweep or compare (it holds "
+                              f"{out_dir / '.lock'}). Wait for it to finish, or give another --out.") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def clean_partial(out_dir: Path) -> list[Path]:
@@ -232,12 +269,14 @@ def sweep(scenario_path: str, out_dir: str, grid: dict[str, list[Any]] | None = 
     """Run every point not yet done; return the results table (see module docstring)."""
     data, points, zips = plan(scenario_path, grid or {}, overrides)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.yaml").write_text(yaml.safe_dump(
-        {"scenario": str(scenario_path), "axes": sorted({k for pt in points for k in pt.values}),
-         "zip": zips, "points": [{"id": p.pid, **p.values} for p in points]}, sort_keys=False))
-    run_points(data, points, out, workers, executor, ray_address, progress)
-    return collect(out, points)
+    with folder_lock(out):
+        write_atomic(out / "sweep.yaml", lambda tmp: Path(tmp).write_text(yaml.safe_dump(
+            {"scenario": str(scenario_path), "axes": sorted({k for pt in points for k in pt.values}),
+             "zip": zips, "points": [{"id": p.pid, **p.values} for p in points]}, sort_keys=False)))
+        reused = run_points(data, points, out, workers, executor, ray_address, progress)
+        df = collect(out, points)
+    df.attrs["reused"] = reused
+    return df
 
 
 @contextmanager
@@ -260,11 +299,13 @@ def _main_not_reimported() -> Iterator[None]:
 
 
 def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: int = 1, executor: str = "local",
-               ray_address: str | None = None, progress: Callable[[int, int, int], None] | None = None) -> None:
-    """Run every point whose folder is not complete yet (locally, one fresh process per
-    point, or on Ray); ``progress(finished, failed, total)`` after each."""
+               ray_address: str | None = None, progress: Callable[[int, int, int], None] | None = None) -> int:
+    """Run every point not finished with its own fingerprint yet (locally, one fresh process
+    per point, or on Ray); ``progress(finished, failed, total)`` after each. Returns how many
+    finished points were reused."""
     clean_partial(out)
-    todo = [p for p in points if p.pid not in done_points(out)]
+    done = done_points(out)
+    todo = [p for p in points if done.get(p.pid) != p.fingerprint or not p.fingerprint]
     failed = 0
     finished = len(points) - len(todo)
     if progress is not None:
@@ -296,6 +337,7 @@ def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: in
                 pool.shutdown(wait=True, cancel_futures=True)
     elif executor != "local":
         raise MoesimError(f"unknown executor '{executor}'; valid: local, ray.")
+    return len(points) - len(todo)
 
 
 def _run_ray(data: dict[str, Any], todo: list[Point], out: Path, workers: int, address: str | None,
