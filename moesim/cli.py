@@ -6,10 +6,11 @@ without a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -107,9 +108,21 @@ class _OutPath(click.ParamType):
             probe = probe.parent
         if not probe.is_dir():
             raise MoesimError(f"{opt}: {probe} is a file, not a folder; choose another location.")
-        if not os.access(probe, os.W_OK | os.X_OK):
+        if not os.access(probe, os.W_OK | os.X_OK) or not _can_create_in(probe):
             raise MoesimError(f"{opt}: {probe} is not writable; choose a location you can write to.")
         return str(value)
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a folder can really be made in ``folder`` (``os.access`` says yes to root in a
+    read-only or virtual file system such as /proc): make one, then remove it."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".moesim-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
 
 
 OUT_DIR = _OutPath("dir")
@@ -182,8 +195,7 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
     from moesim.output.results import summary_table, write_results
     from moesim.simulator.engine import Simulation
 
-    if trace_file is not None:
-        overrides = (f"workload.trace={{path: {json.dumps(trace_file)}}}", *overrides)
+    overrides = _with_trace(trace_file, overrides)
     sc = load_scenario(scenario, overrides)
     if events_passes < 0:
         raise MoesimError(f"--events-passes must be >= 0 (0: all passes), got {events_passes}.")
@@ -224,8 +236,10 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True)
 @click.option("--workers", type=int, default=None, help="Worker processes (default: CPU count).")
 @click.option("--ray-address", default=None, help="With --executor ray: an existing cluster (default: a local instance).")
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
+              help="Replay this trace file instead of the scenario's (same as --set workload.trace={path: FILE}).")
 def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], out_dir: str | None,
-              executor: str, workers: int | None, ray_address: str | None) -> None:
+              executor: str, workers: int | None, ray_address: str | None, trace_file: str | None) -> None:
     """Run SCENARIO over the cartesian product of its axes (--grid and the YAML 'sweep:' section),
     one worker process per point; rerunning resumes. Writes DIR/points/<id>/ and DIR/results.parquet."""
     import os as _os
@@ -235,6 +249,7 @@ def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], 
     from moesim.config.scenario import resolve_path
     from moesim.simulator.sweep import parse_grid, sweep
 
+    overrides = _with_trace(trace_file, overrides)
     n_workers = workers if workers is not None else (_os.cpu_count() or 1)
     if n_workers < 1:
         raise MoesimError(f"--workers must be >= 1, got {n_workers}.")
@@ -250,7 +265,7 @@ def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], 
 
     prog = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[failed]} failed"),
                     TimeRemainingColumn(), console=_stderr_console(), disable=not sys.stderr.isatty())
-    with prog:
+    with prog, _interrupted_note(target, "sweep"):
         task = prog.add_task("sweep", total=None, failed=0)
         df = sweep(scenario, str(target), parse_grid(grid), overrides, n_workers, executor, ray_address,
                    progress=lambda d, f, n: prog.update(task, completed=d, total=n, failed=f))
@@ -304,6 +319,27 @@ def plot_cmd(results: str, kind: str, metric: str | None, window: str | None, x:
     click.echo(f"wrote {plot(results, kind, out, metric, x, y, by, title, where, facet)}")
 
 
+@contextlib.contextmanager
+def _interrupted_note(target: Path, what: str) -> Iterator[None]:
+    """On Ctrl-C: say how many points the folder keeps and that rerunning resumes (exit 130)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        from moesim.simulator.sweep import done_points
+
+        kept = len(done_points(target))
+        click.echo(f"\n{what} interrupted: {target}/points keeps {kept} finished point(s), each written whole; "
+                   f"rerun the same command to resume (finished points with the same inputs are reused).", err=True)
+        raise SystemExit(130) from None
+
+
+def _with_trace(trace_file: str | None, overrides: tuple[str, ...]) -> tuple[str, ...]:
+    """``--trace FILE`` as the override it stands for, before the others."""
+    if trace_file is None:
+        return overrides
+    return (f"workload.trace={{path: {json.dumps(trace_file)}}}", *overrides)
+
+
 def _reuse_note(reused: int, total: int) -> str:
     """The line that says how many finished points a sweep or compare reused."""
     return (f"{reused} of {total} points reused from the folder (same resolved scenario, input files, plugins "
@@ -330,9 +366,11 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True)
 @click.option("--workers", type=int, default=None, help="Worker processes (default: CPU count).")
 @click.option("--ray-address", default=None, help="With --executor ray: an existing cluster.")
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
+              help="Replay this trace file instead of the scenario's (same as --set workload.trace={path: FILE}).")
 def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss: str | None, budget: str | None,
                 capacity: str | None, overrides: tuple[str, ...], out_dir: str | None, executor: str,
-                workers: int | None, ray_address: str | None) -> None:
+                workers: int | None, ray_address: str | None, trace_file: str | None) -> None:
     """Rank policy combinations on SCENARIO: each candidate beside on-demand LRU (the baseline),
     Belady with oracle prefetch (the bound) and an infinite cache, by TPOT (TTFT without decode
     passes), with speedup over the baseline and the share of the baseline-to-bound gap closed.
@@ -340,6 +378,7 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
     from moesim.config.scenario import resolve_path
     from moesim.simulator.compare import compare
 
+    overrides = _with_trace(trace_file, overrides)
     n_workers = workers if workers is not None else (os.cpu_count() or 1)
     if n_workers < 1:
         raise MoesimError(f"--workers must be >= 1, got {n_workers}.")
@@ -347,8 +386,9 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
     OUT_DIR.convert(str(target), None, None)  # the default folder, checked as --out is
     args = (scenario, target, _csv(eviction), _csv(prefetch), _csv(miss), _csv(budget), _csv(capacity), overrides,
             n_workers, executor, ray_address)
-    table, _ = _with_progress("compare", lambda progress: compare(
-        *args, progress=(lambda done, _failed, total: progress(done, total)) if progress else None))
+    with _interrupted_note(target, "compare"):
+        table, _ = _with_progress("compare", lambda progress: compare(
+            *args, progress=(lambda done, _failed, total: progress(done, total)) if progress else None))
     click.echo((target / "compare.md").read_text())
     click.echo(_reuse_note(table.attrs.get("reused", 0), table.attrs.get("points", 0)), err=True)
     click.echo(f"wrote {target}/compare.parquet, compare.md and compare.png")

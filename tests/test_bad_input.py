@@ -178,6 +178,47 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str, str | None]] = [
      ["run", "quickstart", "--no-write", "--events", str(d / "f" / "e.json")])[1], "is a file", "f/e.json"),
     ("calibrate fit --out under a file", lambda d: (d.joinpath("f").write_text("x"),
      ["calibrate", "fit", str(raw_calibration(d)), "--out", str(d / "f" / "p.yaml")])[1], "is a file", "f/p.yaml"),
+    # issue 36: optional trace columns of the wrong type or with nulls
+    ("trace weights as strings", lambda d: ["trace", "info", str(tampered_trace(d, lambda t: t.set_column(
+        t.schema.get_field_index("weights"), "weights",
+        pa.array([[str(x) for x in row] for row in t.column("weights").to_pylist()]))))],
+     "column 'weights' must hold lists of numbers", None),
+    ("trace node ids as strings", lambda d: ["trace", "info", str(tampered_trace(d, lambda t: t.append_column(
+        "node", pa.array(["1"] * t.num_rows))))], "column 'node' must hold integers, found string", None),
+    ("trace node ids with a null", lambda d: ["trace", "info", str(tampered_trace(d, lambda t: t.append_column(
+        "node", pa.array([None] + [0] * (t.num_rows - 1), type=pa.int16()))))], "column 'node' is null at row 0", None),
+    ("trace accepted as integers", lambda d: ["trace", "info", str(tampered_trace(d, lambda t: t.append_column(
+        "accepted", pa.array([1] * t.num_rows))))], "column 'accepted' must hold booleans", None),
+    ("trace probs with a null inside", lambda d: ["trace", "info", str(tampered_trace(d, lambda t: t.append_column(
+        "probs", pa.array([[None] + [0.0] * 63] * t.num_rows, type=pa.list_(pa.float32())))))],
+     "column 'probs' has a null value", None),
+    # issue 36: the .npy importer and importer errors that named no file
+    ("npy of floats", lambda d: (np.save(d / "f.npy", np.zeros((2, 2, 8), dtype=np.float32)),
+     ["trace", "import", "--format", "routed-experts-npy", str(d / "f.npy"), "--preset", "olmoe-1b-7b",
+      "--out", str(d / "o.parquet")])[1], "f.npy: the array holds float32 values", "o.parquet"),
+    ("empty npy", lambda d: (np.save(d / "e.npy", np.zeros((0, 2, 8), dtype=np.int16)),
+     ["trace", "import", "--format", "routed-experts-npy", str(d / "e.npy"), "--preset", "olmoe-1b-7b",
+      "--out", str(d / "o.parquet")])[1], "e.npy: the array is empty", "o.parquet"),
+    ("long table with a bad phase", lambda d: (d.joinpath("ph.csv").write_text(
+        "request,position,layer,expert,phase\n" + "".join(f"0,0,0,{e},later\n" for e in range(8))),
+     ["trace", "import", "--format", "long-table", str(d / "ph.csv"), "--preset", "olmoe-1b-7b",
+      "--out", str(d / "o.parquet")])[1], "ph.csv", "o.parquet"),
+    # issue 36: found by trying moesim as a new user would
+    ("run --out in an unwritable file system", lambda d: ["run", "quickstart", "--set",
+     "workload.trace.synth.tokens=5", "--out", "/proc/moesim-out"], "/proc is not writable", None),
+    ("capacity of more experts than the model has", lambda d: ["run", "quickstart", "--set",
+     "cache.capacity=2000 experts", "--out", str(d / "o")], "more than the model's 1,024 experts", "o"),
+    ("missing trace given with the suggested --set", lambda d: ["run", "quickstart", "--set",
+     f"workload.trace.path={d / 'none.parquet'}", "--out", str(d / "o")], "none.parquet: no such file", "o"),
+    ("compare --trace missing", lambda d: ["compare", "quickstart", "--trace", str(d / "none.parquet"), "--out",
+     str(d / "c")], "none.parquet: no such file", "c"),
+    ("sweep --trace missing", lambda d: ["sweep", "quickstart", "--trace", str(d / "none.parquet"), "--grid",
+     "cache.capacity=5%", "--out", str(d / "s")], "none.parquet: no such file", "s/points"),
+    ("plugin class missing required methods", lambda d: (d.joinpath("p.py").write_text(
+        "from moesim.policies.eviction import REGISTRY, EvictionPolicy\n\n"
+        "@REGISTRY.register('half')\nclass Half(EvictionPolicy):\n    def on_insert(self, key, demand): pass\n"),
+     ["run", "quickstart", "--plugin", str(d / "p.py"), "--set", "policies.eviction=half", "--out", str(d / "o")])[1],
+     "does not define candidates, on_access, on_remove", "o"),
 ]
 
 

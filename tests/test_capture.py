@@ -150,3 +150,21 @@ def test_speculative_capture_verifies_depth1_trees(tmp_path, with_draft):
         np.testing.assert_allclose(a.weights, b.weights, rtol=1e-4, atol=1e-5)
     assert compared >= 5
     assert read_trace(write_trace(spec, tmp_path / "s.parquet")).node is not None
+
+
+def test_token_id_prompts_without_a_tokenizer(tmp_path):
+    """Issue 36: a model folder without tokenizer files takes prompts as token ids (transformers
+    5.24 would build an empty tokenizer that turns every prompt into no tokens); the prompts'
+    ids are what the trace's prefill records (3 and 2 prompt tokens)."""
+    folder = build("olmoe", tmp_path / "m")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink(missing_ok=True)
+    model, tok = load_local(str(folder), "cpu", "float32")
+    assert tok is None
+    res = capture(model, tok, ["5 6 7", "9 10"], max_new_tokens=2, batch_size=1)
+    t = res.trace
+    prefill = t.phase == 0
+    per_request = [len(set(t.position[prefill & (t.request == r)].tolist())) for r in (0, 1)]
+    assert per_request == [3, 2]
+    with pytest.raises(MoesimError, match="prompt 1 is text but the model folder has no tokenizer"):
+        capture(model, tok, ["hello there"], max_new_tokens=2, batch_size=1)

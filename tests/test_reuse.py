@@ -101,7 +101,7 @@ def test_a_point_without_a_recorded_fingerprint_runs_again(tmp_path):
 def test_compare_into_the_same_folder_after_a_change_shows_the_new_figures(tmp_path):
     """The issue's compare case: the table after a batch-size change is the new scenario's."""
     out = tmp_path / "c"
-    args = dict(eviction=["lru"], prefetch=["none"], capacity=["5%"])
+    args = {"eviction": ["lru"], "prefetch": ["none"], "capacity": ["5%"]}
     one, _ = compare("quickstart", out, overrides=BASE, **args)
     four, _ = compare("quickstart", out, overrides=(*BASE, "workload.batch_size=4",
                                                     "workload.trace.synth.requests=4"), **args)

@@ -18,6 +18,7 @@ from moesim.config.scenario import load_scenario
 from moesim.errors import MoesimError
 from moesim.simulator.engine import simulate
 from moesim.simulator.sweep import done_points, sweep
+from tests.test_plugins import isolated_registries  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = {"cache.capacity": ["5%", "25%"], "hardware.links.pcie.bandwidth_gbps": [5, 32]}
@@ -53,24 +54,54 @@ def test_resume_does_no_work_and_zip_axes(tmp_path):
     assert sorted(zip(z["cache.capacity"], z["policies.eviction"], strict=True)) == [("25%", "fifo"), ("5%", "lru")]
 
 
+# a policy that fails only while it replays: what a point can still hit after every point's
+# replay was built (a bad value fails the whole sweep before anything runs)
+FAILING_PLUGIN = """from moesim.errors import MoesimError
+from moesim.policies.eviction import LRU, REGISTRY
+
+
+@REGISTRY.register("fails-when-full")
+class FailsWhenFull(LRU):
+    def candidates(self):
+        raise MoesimError("fails-when-full: the cache is full")
+"""
+
+
+@pytest.mark.usefixtures("isolated_registries")
 def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path):
-    df = sweep("quickstart", str(tmp_path / "s"), {"cache.precision": ["bf16", "fp8"]}, BASE, workers=1)
+    from moesim.policies.plugins import load_plugins
+
+    plugin = tmp_path / "failing.py"
+    plugin.write_text(FAILING_PLUGIN)
+    load_plugins([str(plugin)], installed=False)
+    df = sweep("quickstart", str(tmp_path / "s"), {"policies.eviction": ["lru", "fails-when-full"]}, BASE, workers=1)
     assert sorted(df["status"]) == ["error", "ok"]
     err = df[df["status"] == "error"].iloc[0]
-    assert "cache.precision' is 'fp8'" in err["error"]
+    assert "fails-when-full: the cache is full" in err["error"]
+
+
+def test_a_bad_grid_value_fails_before_any_point_runs(tmp_path):
+    """A value every point's replay would refuse (a precision the trace's model has no sizes
+    for) fails the sweep up front, naming the point; nothing is written."""
+    with pytest.raises(MoesimError, match=r"sweep point \{'cache.precision': 'fp8'\}.*Nothing was run"):
+        sweep("quickstart", str(tmp_path / "s"), {"cache.precision": ["bf16", "fp8"]}, BASE, workers=1)
+    assert not (tmp_path / "s").exists()
 
 
 def test_a_sweep_with_failed_points_exits_1_naming_each_and_retries_them(tmp_path):
     """The command exits 1 and names each failed point with its values and error; a rerun
     keeps the finished point and runs the failed one again (here it fails again)."""
     out = tmp_path / "s"
-    cmd = [sys.executable, "-m", "moesim", "sweep", "quickstart", "--grid", "cache.precision=bf16,fp8",
-           *[a for b in BASE for a in ("--set", b)], "--workers", "1", "--out", str(out)]
+    plugin = tmp_path / "failing.py"
+    plugin.write_text(FAILING_PLUGIN)
+    cmd = [sys.executable, "-m", "moesim", "sweep", "quickstart", "--plugin", str(plugin), "--grid",
+           "policies.eviction=lru,fails-when-full", *[a for b in BASE for a in ("--set", b)], "--workers", "1",
+           "--out", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stderr
     assert "failed point" in r.stderr
-    assert "(cache.precision=fp8)" in r.stderr
-    assert "key 'cache.precision' is 'fp8'" in r.stderr
+    assert "(policies.eviction=fails-when-full)" in r.stderr
+    assert "fails-when-full: the cache is full" in r.stderr
     assert "1 of 2 points failed" in r.stderr
     ok_point = next(d for d in (out / "points").iterdir() if (d / "summary.json").is_file())
     stamp = (ok_point / "summary.json").stat().st_mtime_ns

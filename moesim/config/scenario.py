@@ -251,11 +251,22 @@ def parse_set(assignments: list[str] | tuple[str, ...]) -> list[tuple[list[str],
     return out
 
 
+TRACE_SOURCES = ("synth", "path", "import")
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[tuple[list[str], Any]]) -> dict[str, Any]:
     """Set each dotted key in a copy of ``data``; a policy name becomes ``{name: ...}`` when a
-    parameter is set under it."""
+    parameter is set under it; setting one trace source (``workload.trace.path``, ``.import``
+    or ``.synth``, or a key under one) drops the scenario's other sources."""
     data = copy.deepcopy(data)
     for keys, value in overrides:
+        if keys[:2] == ["workload", "trace"] and len(keys) > 2 and keys[2] in TRACE_SOURCES:
+            # a trace source given on the command line replaces the scenario's (one source)
+            trace = (data.get("workload") or {}).get("trace")
+            if isinstance(trace, dict):
+                for other in TRACE_SOURCES:
+                    if other != keys[2]:
+                        trace.pop(other, None)
         node = data
         for i, key in enumerate(keys[:-1]):
             nxt = node.get(key)
@@ -386,5 +397,9 @@ def parse_capacity(text: str, expert_bytes: int, total_expert_bytes: int, where:
                               "experts; use at most 100% (or 'inf').")
         return total_expert_bytes * value / 100.0
     if unit.startswith("expert"):
+        total = round(total_expert_bytes / expert_bytes) if expert_bytes else 0
+        if value > total:
+            raise ConfigError(f"{where}: key 'cache.capacity' is {text}, more than the model's {total:,} experts; "
+                              f"use at most '{total} experts' (or '100%', or 'inf').")
         return value * expert_bytes
     return value * _SIZE_UNITS[unit]

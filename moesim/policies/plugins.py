@@ -39,6 +39,9 @@ def _import_file(path: Path) -> None:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+    except MoesimError as exc:
+        del sys.modules[name]
+        raise MoesimError(f"plugin {path}: {exc}") from None
     except Exception as exc:
         del sys.modules[name]
         raise MoesimError(f"plugin {path} failed while importing: {type(exc).__name__}: {exc}. "

@@ -134,9 +134,17 @@ class Registry(Generic[P]):
             if name in self._classes:
                 raise MoesimError(f"{self.family} policy '{name}' is registered twice ({self._classes[name].__module__} "
                                   f"and {cls.__module__}); give the new one another name.")
+            missing = sorted(getattr(cls, "__abstractmethods__", ()))
+            if missing:
+                base = next((b.__name__ for b in cls.__mro__[1:] if getattr(b, "__abstractmethods__", None)), "its base")
+                raise MoesimError(f"{self.family} policy '{name}' (class {cls.__name__}) does not define "
+                                  f"{', '.join(missing)}, which every {base} must; add "
+                                  f"{'them' if len(missing) > 1 else 'it'} (the README's plugin section lists the "
+                                  "methods of each family).")
             params = getattr(cls, "Params", NoParams)
             if not (dataclasses.is_dataclass(params) and params.__dataclass_params__.frozen):  # type: ignore[attr-defined]
-                raise TypeError(f"{cls.__name__}.Params must be a frozen dataclass")
+                raise MoesimError(f"{self.family} policy '{name}': {cls.__name__}.Params must be a frozen dataclass "
+                                  "(@dataclass(frozen=True)).")
             cls.name = name  # type: ignore[attr-defined]
             self._classes[name] = cls
             return cls

@@ -38,7 +38,8 @@ def _trace_file(scenario: Scenario, key: str, raw: str) -> Path:
         p = Path(scenario.base_dir) / p
     if p.exists():
         return p
-    shipped = Path(scenario.base_dir).resolve().is_relative_to(shipped_dir().resolve())
+    # a path from a shipped file (command-line paths are made absolute: moesim.config.scenario.cli_paths)
+    shipped = not Path(raw).is_absolute() and Path(scenario.base_dir).resolve().is_relative_to(shipped_dir().resolve())
     why = (" This shipped scenario reads data moesim does not ship (the real routing traces of "
            "../shared/traces/real beside a source checkout)." if shipped else "")
     raise MoesimError(f"{scenario.source}: key '{key}' is {raw!r}, which resolves to {p}: no such file or "

@@ -45,6 +45,7 @@ import yaml
 
 from moesim.config.scenario import (
     apply_overrides,
+    cli_paths,
     parse_set,
     read_yaml,
     resolve_path,
@@ -73,7 +74,7 @@ def parse_grid(items: tuple[str, ...] | list[str]) -> dict[str, list[Any]]:
         values = [v for v in raw.split(",") if v != ""]
         if not values:
             raise MoesimError(f"--grid '{item}' has no values.")
-        axes[key] = [parse_set([f"{key}={v}"])[0][1] for v in values]
+        axes[key] = [cli_paths(parse_set([f"{key}={v}"]))[0][1] for v in values]
     return axes
 
 
@@ -84,24 +85,37 @@ def base_data(scenario_path: str, overrides: tuple[str, ...] = ()) -> tuple[Path
     data = read_yaml(p) or {}
     if not isinstance(data, dict):
         raise MoesimError(f"{p}: a scenario must be a YAML mapping.")
-    data = apply_overrides(data, parse_set(list(overrides)))
+    data = apply_overrides(data, cli_paths(parse_set(list(overrides))))
     section = data.pop("sweep", None) or {}
     return p, data, section
 
 
 def make_points(p: Path, data: dict[str, Any], combos: list[dict[str, Any]]) -> list[Point]:
-    """A point per set of dotted-key overrides, each point's scenario validated before
-    anything runs (a bad value fails up front, naming the point); the id is a hash of the
-    overrides, so it does not depend on the order of the run."""
+    """A point per set of dotted-key overrides, each point's scenario validated and its
+    replay built (trace, workload, cache sizing, policies) before anything runs, so a bad
+    value fails up front, naming the point; the id is a hash of the overrides, so it does
+    not depend on the order of the run."""
+    from moesim.config.confload import to_plain
     from moesim.fingerprint import scenario_fingerprint
     from moesim.policies.plugins import loaded_plugins
+    from moesim.simulator.build import load_trace
+    from moesim.simulator.engine import Simulation
 
     plugins = loaded_plugins()
+    traces: dict[str, Any] = {}  # one load per trace source
     points = []
     for chosen in combos:
         pid = hashlib.sha1(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:12]
         point_data = apply_overrides(data, [(k.split("."), v) for k, v in chosen.items()])
         sc = scenario_from_dict(point_data, where=f"{p} (sweep point {chosen})", base_dir=str(p.parent))
+        source = json.dumps([to_plain(sc.workload.trace), sc.base_dir, sc.seed], sort_keys=True, default=str)
+        if source not in traces:
+            traces[source] = load_trace(sc)
+        try:  # builds the workload, cache and policies: what a point checks before it runs
+            Simulation(sc, trace=traces[source])
+        except MoesimError as exc:
+            msg = str(exc) if "(sweep point" in str(exc) else f"sweep point {chosen}: {exc}"
+            raise MoesimError(f"{msg} Nothing was run: every point is checked first.") from None
         points.append(Point(pid, chosen, scenario_fingerprint(sc, plugins)))
 
     data["__base_dir__"] = str(p.parent)

@@ -120,11 +120,18 @@ def load_local(path: str, device: str, dtype: str, any_causal_lm: bool = False) 
         raise MoesimError("capture: --device cuda but no CUDA device is available; use --device cpu.")
     model: Any = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dt)
     model = model.to(device).eval()
-    try:
-        tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
-    except (OSError, ValueError, TypeError):
-        tok = None
+    tok = None
+    # only a folder with a vocabulary has a tokenizer: without one, transformers 5.24 builds an
+    # empty GPT-NeoX tokenizer that turns every prompt into no tokens
+    if any((p / name).is_file() for name in TOKENIZER_FILES):
+        try:
+            tok = AutoTokenizer.from_pretrained(p, local_files_only=True)
+        except (OSError, ValueError, TypeError):
+            tok = None
     return model, tok
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
 def moe_layers(model: Any) -> list[MoELayer]:
@@ -402,7 +409,9 @@ def _tokenize(tokenizer: Any, prompt: str, i: int) -> list[int]:
             raise MoesimError(f"capture: prompt {i + 1} is text but the model folder has no tokenizer; "
                               "give prompts as space-separated token ids, or add tokenizer files.") from None
     if not ids:
-        raise MoesimError(f"capture: prompt {i + 1} is empty.")
+        raise MoesimError(f"capture: prompt {i + 1} ({prompt[:40]!r}) gave no tokens: the model folder's "
+                          "tokenizer has no vocabulary. Add its tokenizer files, or remove them and give prompts "
+                          "as space-separated token ids.")
     return list(ids)
 
 

@@ -333,9 +333,15 @@ def import_routed_npy(sources: list[Path], model_preset: str | None, **_: Any) -
             arr = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise MoesimError(f"import {path}: not a readable .npy array ({exc}).") from None
+        if arr.dtype.kind not in "iu":
+            raise MoesimError(f"import {path}: the array holds {arr.dtype} values; routed expert ids must be "
+                              "integers (save them with an integer dtype, e.g. arr.astype(np.int16)).")
         if arr.ndim != 3 or arr.shape[2] != model.top_k or arr.shape[1] > model.num_layers:
             raise MoesimError(f"import {path}: shape {arr.shape}, expected [tokens, layers <= "
                               f"{model.num_layers}, {model.top_k}] for {model.name}.")
+        if arr.size == 0:
+            raise MoesimError(f"import {path}: the array is empty (shape {arr.shape}); each file holds one "
+                              "request's [tokens, layers, k] routed experts, at least one token.")
         if arr.size and (arr.min() < 0 or arr.max() >= model.num_experts):
             t, layer, _ = np.argwhere((arr < 0) | (arr >= model.num_experts))[0]
             raise MoesimError(f"import {path}: token {t}, layer {layer} has an expert id outside "
@@ -431,4 +437,11 @@ def import_trace(fmt: str, sources: list[str | Path], model_preset: str | None =
     if fmt not in IMPORTERS:
         raise MoesimError(f"unknown import format '{fmt}'{did_you_mean(fmt, list(IMPORTERS))}; "
                           f"valid formats: {', '.join(IMPORTERS)}.")
-    return IMPORTERS[fmt]([Path(s) for s in sources], model_preset, **options)
+    try:
+        return IMPORTERS[fmt]([Path(s) for s in sources], model_preset, **options)
+    except MoesimError as exc:
+        names = [str(s) for s in sources]
+        msg = str(exc)
+        if any(n in msg or Path(n).name in msg for n in names):
+            raise
+        raise MoesimError(f"{msg.rstrip('.')} (importing {', '.join(names)}).") from None

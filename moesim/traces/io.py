@@ -108,10 +108,18 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
-def _fixed_lists(path: str, table: pa.Table, name: str, width: int | None) -> np.ndarray:
+def _fixed_lists(path: str, table: pa.Table, name: str, width: int | None, numbers: bool = False) -> np.ndarray:
+    """A list column of rows of equal length as a 2-D array; ``numbers``: its values must be
+    integers or floats (not strings that happen to parse)."""
     col = table.column(name).combine_chunks()
     if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
         raise _fail(path, f"column '{name}' must be a list column, found {col.type}.")
+    vt = col.type.value_type
+    if numbers and not (pa.types.is_floating(vt) or pa.types.is_integer(vt)):
+        raise _fail(path, f"column '{name}' must hold lists of numbers (float32), found lists of {vt}. "
+                    "Write the values as numbers, not text.")
+    if numbers and col.flatten().null_count:
+        raise _fail(path, f"column '{name}' has a null value inside a list; every value must be a number.")
     if col.null_count:
         row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
         raise _fail(path, f"column '{name}' is null at row {row}.")
@@ -130,7 +138,7 @@ def _fixed_lists(path: str, table: pa.Table, name: str, width: int | None) -> np
     return values[start:start + len(lengths) * expect].reshape(len(lengths), expect)
 
 
-def _int_column(path: str, table: pa.Table, name: str, dtype: type[np.integer]) -> np.ndarray:
+def _int_column(path: str, table: pa.Table, name: str, dtype: type[np.integer], lowest: int = 0) -> np.ndarray:
     col = table.column(name).combine_chunks()
     if not pa.types.is_integer(col.type):
         raise _fail(path, f"column '{name}' must hold integers, found {col.type}.")
@@ -138,10 +146,10 @@ def _int_column(path: str, table: pa.Table, name: str, dtype: type[np.integer]) 
         row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
         raise _fail(path, f"column '{name}' is null at row {row}.")
     arr = col.to_numpy()
-    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(dtype).max):
-        row = int(np.flatnonzero((arr < 0) | (arr > np.iinfo(dtype).max))[0])
+    if arr.size and (arr.min() < lowest or arr.max() > np.iinfo(dtype).max):
+        row = int(np.flatnonzero((arr < lowest) | (arr > np.iinfo(dtype).max))[0])
         raise _fail(path, f"column '{name}' has value {int(arr[row])} at row {row}; values must be "
-                    f"between 0 and {np.iinfo(dtype).max}.")
+                    f"between {lowest} and {np.iinfo(dtype).max}.")
     return arr.astype(dtype)
 
 
@@ -204,21 +212,27 @@ def read_trace(path: str | os.PathLike[str]) -> Trace:
             r = int(dup[0])
             raise _fail(p, f"column 'experts' repeats an expert at row {r} ({experts[r].tolist()}); "
                         "top-k ids must be distinct.")
-    weights = _fixed_lists(p, table, "weights", model.top_k).astype(np.float32)
+    weights = _fixed_lists(p, table, "weights", model.top_k, numbers=True).astype(np.float32)
     bad_rows = np.flatnonzero((~np.isfinite(weights) | (weights < 0)).any(axis=1))
     if bad_rows.size:
         r = int(bad_rows[0])
         raise _fail(p, f"column 'weights' has non-finite or negative values at row {r} "
                     f"({weights[r].tolist()}).")
     optional: dict[str, np.ndarray | None] = {}
-    for name in ("node", "parent"):
-        optional[name] = (table.column(name).to_numpy().astype(np.int16)
-                          if name in table.column_names else None)
-    optional["accepted"] = (table.column("accepted").to_numpy(zero_copy_only=False).astype(bool)
-                            if "accepted" in table.column_names else None)
+    for name, lowest in (("node", 0), ("parent", -1)):  # parent -1: a root without a parent
+        optional[name] = _int_column(p, table, name, np.int16, lowest) if name in table.column_names else None
+    optional["accepted"] = None
+    if "accepted" in table.column_names:
+        acc = table.column("accepted").combine_chunks()
+        if not pa.types.is_boolean(acc.type):
+            raise _fail(p, f"column 'accepted' must hold booleans, found {acc.type}.")
+        if acc.null_count:
+            row = int(np.flatnonzero(acc.is_null().to_numpy(zero_copy_only=False))[0])
+            raise _fail(p, f"column 'accepted' is null at row {row}.")
+        optional["accepted"] = acc.to_numpy(zero_copy_only=False).astype(bool)
     for name in ("probs", "pred_next", "pred_quasi"):
         if name in table.column_names:
-            arr = _fixed_lists(p, table, name, model.num_experts).astype(np.float32)
+            arr = _fixed_lists(p, table, name, model.num_experts, numbers=True).astype(np.float32)
             bad_rows = np.flatnonzero(~np.isfinite(arr).all(axis=1))
             if bad_rows.size:
                 raise _fail(p, f"column '{name}' has non-finite values at row {int(bad_rows[0])}.")
