@@ -376,7 +376,7 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
     passes), with speedup over the baseline and the share of the baseline-to-bound gap closed.
     Writes OUT/compare.parquet, OUT/compare.md and OUT/compare.png."""
     from moesim.config.scenario import resolve_path
-    from moesim.simulator.compare import compare
+    from moesim.simulator.compare import compare, terminal
 
     overrides = _with_trace(trace_file, overrides)
     n_workers = workers if workers is not None else (os.cpu_count() or 1)
@@ -389,9 +389,9 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
     with _interrupted_note(target, "compare"):
         table, _ = _with_progress("compare", lambda progress: compare(
             *args, progress=(lambda done, _failed, total: progress(done, total)) if progress else None))
-    click.echo((target / "compare.md").read_text())
+    click.echo(terminal(table, table.attrs["metric"], table.attrs["title"]))
     click.echo(_reuse_note(table.attrs.get("reused", 0), table.attrs.get("points", 0)), err=True)
-    click.echo(f"wrote {target}/compare.parquet, compare.md and compare.png")
+    click.echo(f"wrote {target}/compare.parquet, compare.md (every column) and compare.png")
 
 
 @cli.command("mrc")

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from moesim.cli import cli
 from moesim.config.scenario import scenario_from_dict
-from moesim.simulator.compare import compare, plan_compare, rank
+from moesim.simulator.compare import compare, plan_compare, rank, recommendation, terminal
 from moesim.simulator.engine import simulate
 
 SCENARIO = {
@@ -58,6 +58,32 @@ def test_ranking_speedup_and_gap_closed_by_hand():
     assert (table["bytes_moved"] == 2_000_000_000).all()
     refs = table[table["role"] != "candidate"]
     assert refs["gap_closed"].tolist() == pytest.approx([0.0, 1.0])
+    assert recommendation(table, metric) == [
+        "Best at 5%: B, 2.00x as fast as on-demand LRU (TPOT), closes 125% of the gap to the bound."]
+
+
+def test_the_terminal_table_fits_80_columns_and_names_a_runner_up_within_1_percent():
+    """Candidates 8.0 ms, 8.05 ms (within 1% of the best: named) and 9 ms; baseline 10 ms,
+    bound 6 ms: the best closes (10 - 8) / 4 = 50% at 1.25x. A policy name longer than the
+    column is cut with '~'; every line is at most 80 characters."""
+    long = "least-stale + score-percentile + fetch-lowest-bit + xshare"
+    results = pd.DataFrame([row("a", "", "", 0.008), row("b", "", "", 0.00805), row("c", "", "", 0.009),
+                            row("base", "", "", 0.010), row("bnd", "", "", 0.006)])
+    plan = [{"role": "candidate", "label": "A", "capacity": "5%", "point": "a"},
+            {"role": "candidate", "label": long, "capacity": "5%", "point": "b"},
+            {"role": "candidate", "label": "C", "capacity": "5%", "point": "c"},
+            {"role": "baseline", "label": "on-demand LRU (baseline)", "capacity": "5%", "point": "base"},
+            {"role": "bound", "label": "Belady + oracle prefetch (bound)", "capacity": "5%", "point": "bnd"}]
+    table, metric = rank(results.drop(columns=["role", "label", "capacity"]), plan)
+    text = terminal(table, metric, "moesim compare a-scenario-with-a-long-name.yaml: " + "x" * 60)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    row2 = next(line for line in text.splitlines() if line.startswith(" 2 "))
+    assert row2[3:].split("~")[0] in long
+    assert long not in row2
+    assert "Belady + oracle prefetch (bound)" in text
+    assert recommendation(table, metric) == [
+        f"Best at 5%: A, 1.25x as fast as on-demand LRU (TPOT), closes 50% of the gap to the bound; {long} "
+        "is within 1%."]
 
 
 def test_plan_shares_a_point_between_a_candidate_and_the_baseline(scenario_file):
@@ -149,15 +175,17 @@ def test_defaults_add_the_gate_predictors_when_the_trace_has_them(scenario_file)
     assert prefetchers == {"no prefetch", "previous-token", "next-gate-topk", "score-percentile"}
 
 
-def test_failed_runs_exit_1_naming_the_first_and_its_error(scenario_file, tmp_path):
-    """next-gate-topk on a trace without pred_next fails inside its run (the scenario itself
-    is valid): compare finishes the other runs, then exits 1 naming the failed one."""
+def test_a_run_that_cannot_be_built_fails_before_any_runs(scenario_file, tmp_path):
+    """next-gate-topk on a trace without pred_next (the scenario itself is valid): every
+    point's replay is built before any runs, so compare exits 2 naming the point and the
+    missing column, and writes no point."""
     r = CliRunner().invoke(cli, ["compare", str(scenario_file), "--eviction", "lru", "--prefetch", "next-gate-topk",
                                  "--out", str(tmp_path / "c"), "--workers", "1"])
-    assert r.exit_code == 1, r.output
-    assert "1 of 4 runs failed" in r.output
-    assert "lru + next-gate-topk" in r.output
+    assert r.exit_code == 2, r.output
+    assert "'policies.prefetch': 'next-gate-topk'" in r.output
     assert "pred_next" in r.output
+    assert "Nothing was run" in r.output
+    assert not (tmp_path / "c" / "points").exists()
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::ResourceWarning")

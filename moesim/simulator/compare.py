@@ -21,6 +21,7 @@ baseline-to-bound difference a candidate closes: (baseline - candidate) / (basel
 from __future__ import annotations
 
 import itertools
+import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,61 @@ def markdown(table: pd.DataFrame, metric: str, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+TERMINAL_WIDTH = 80
+TIE = 0.01  # a runner-up within 1% of the best one's metric is named beside it
+
+
+def terminal(table: pd.DataFrame, metric: str, title: str) -> str:
+    """The table for a terminal: at most :data:`TERMINAL_WIDTH` columns (policy names cut
+    with '~' when longer than fits; the whole table is in compare.md), then one line of
+    recommendation per capacity (:func:`recommendation`)."""
+    name = "TPOT ms" if metric == "tpot_s" else "TTFT ms"
+    cols = [("#", 2, ">"), ("policy", 0, "<"), ("cap", 5, ">"), (name, 9, ">"), ("speedup", 7, ">"),
+            ("gap", 5, ">"), ("hit rate", 8, ">")]
+    fixed = sum(w + 1 for _, w, _ in cols if w)
+    width = TERMINAL_WIDTH - fixed - 1  # the policy column takes what is left
+
+    def cell(text: str, w: int, align: str) -> str:
+        text = text if len(text) <= w else text[:w - 1] + "~"
+        return format(text, f"{align}{w}")
+
+    def num(v: Any, spec: str, scale: float = 1.0, unit: str = "") -> str:
+        return "" if pd.isna(v) else format(float(v) * scale, spec) + unit
+
+    lines = [*textwrap.wrap(title, TERMINAL_WIDTH, subsequent_indent="  "), ""]
+    lines.append(" ".join(cell(h, w or width, a) for h, w, a in cols).rstrip())
+    lines.append("-" * TERMINAL_WIDTH)
+    for r in table.to_dict("records"):
+        vals = ["" if pd.isna(r["rank"]) else str(int(r["rank"])), str(r["label"]), str(r["capacity"]),
+                num(r["metric_ms"], ".3f"), num(r["speedup"], ".2f", 1.0, "x"), num(r["gap_closed"], ".0f", 100.0, "%"),
+                num(r["hit_rate"], ".3f")]
+        lines.append(" ".join(cell(v, w or width, a) for v, (_, w, a) in zip(vals, cols, strict=True)).rstrip())
+    lines.append("")
+    for line in recommendation(table, metric):
+        lines += textwrap.wrap(line, TERMINAL_WIDTH, subsequent_indent="  ")
+    return "\n".join(lines) + "\n"
+
+
+def recommendation(table: pd.DataFrame, metric: str) -> list[str]:
+    """Per capacity, one line: the best candidate, its speedup over the baseline, the share of
+    the baseline-to-bound gap it closes, and the runner-up when its metric is within 1%."""
+    out = []
+    what = "TPOT" if metric == "tpot_s" else "TTFT"
+    for cap in [c for c in dict.fromkeys(table["capacity"]) if c != "all"]:
+        cands = table[(table["capacity"] == cap) & (table["role"] == "candidate")].sort_values("rank")
+        if cands.empty:
+            continue
+        best = cands.iloc[0]
+        gap = "" if pd.isna(best["gap_closed"]) else f", closes {best['gap_closed']:.0%} of the gap to the bound"
+        line = f"Best at {cap}: {best['label']}, {best['speedup']:.2f}x as fast as on-demand LRU ({what}){gap}"
+        if len(cands) > 1:
+            second = cands.iloc[1]
+            if float(second[metric]) <= float(best[metric]) * (1 + TIE):
+                line += f"; {second['label']} is within 1%"
+        out.append(line + ".")
+    return out
+
+
 def figure(table: pd.DataFrame, metric: str, title: str) -> Any:
     """Horizontal bars of the metric per policy, one panel per capacity; the baseline, the
     bound and the infinite cache drawn as vertical reference lines."""
@@ -221,8 +277,7 @@ def compare(scenario_path: str, out_dir: str | Path, eviction: Sequence[str] | N
         write_atomic(out / "compare.parquet", lambda tmp: table.to_parquet(tmp, index=False))
         write_text_atomic(out / "compare.md", markdown(table, metric, title))
         save_figure_atomic(figure(table, metric, title), out / "compare.png")
-    table.attrs["reused"] = reused
-    table.attrs["points"] = len(points)
+    table.attrs.update(reused=reused, points=len(points), metric=metric, title=title)
     return table, metric
 
 
