@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moesim import fingerprint
+from moesim.simulator import fingerprint
 from moesim.config.scenario import load_scenario
 from moesim.errors import MoesimError
 from moesim.simulator.compare import compare

@@ -12,7 +12,7 @@ Axes come from ``--grid dotted.key=v1,v2,...`` and from the scenario's ``sweep:`
 Each point writes ``DIR/points/<id>/`` (summary.json, steps.parquet, scenario.resolved.yaml,
 point.json) atomically, or ``error.json`` when it fails; the sweep goes on. Point ids are a
 hash of the point's overrides, so they do not depend on the order of the run. A finished
-point is reused on a rerun only when its fingerprint (:func:`moesim.fingerprint.scenario_fingerprint`:
+point is reused on a rerun only when its fingerprint (:func:`moesim.simulator.fingerprint.scenario_fingerprint`:
 the fully resolved scenario, the content of the trace and other input files, the loaded
 plugins' sources, the hardware as built from its profile, and moesim's code) equals the one
 recorded in its ``point.json``; otherwise it runs again and replaces the folder. So rerunning
@@ -61,7 +61,7 @@ class Point:
 
     pid: str
     values: dict[str, Any]
-    fingerprint: str = ""  # of everything that determines its results (moesim.fingerprint)
+    fingerprint: str = ""  # of everything that determines its results (simulator.fingerprint)
 
 
 def parse_grid(items: tuple[str, ...] | list[str]) -> dict[str, list[Any]]:
@@ -96,7 +96,7 @@ def make_points(p: Path, data: dict[str, Any], combos: list[dict[str, Any]]) -> 
     value fails up front, naming the point; the id is a hash of the overrides, so it does
     not depend on the order of the run."""
     from moesim.config.confload import to_plain
-    from moesim.fingerprint import scenario_fingerprint
+    from moesim.simulator.fingerprint import scenario_fingerprint
     from moesim.policies.plugins import loaded_plugins
     from moesim.simulator.build import load_trace
     from moesim.simulator.engine import Simulation
