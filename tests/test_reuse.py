@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from moesim.simulator import fingerprint
 from moesim.config.scenario import load_scenario
 from moesim.errors import MoesimError
+from moesim.simulator import fingerprint
 from moesim.simulator.compare import compare
 from moesim.simulator.engine import simulate
 from moesim.simulator.sweep import sweep

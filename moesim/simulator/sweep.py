@@ -96,10 +96,10 @@ def make_points(p: Path, data: dict[str, Any], combos: list[dict[str, Any]]) -> 
     value fails up front, naming the point; the id is a hash of the overrides, so it does
     not depend on the order of the run."""
     from moesim.config.confload import to_plain
-    from moesim.simulator.fingerprint import scenario_fingerprint
     from moesim.policies.plugins import loaded_plugins
     from moesim.simulator.build import load_trace
     from moesim.simulator.engine import Simulation
+    from moesim.simulator.fingerprint import scenario_fingerprint
 
     plugins = loaded_plugins()
     traces: dict[str, Any] = {}  # one load per trace source
