@@ -195,3 +195,18 @@ def test_compare_on_ray_equals_the_local_executor(scenario_file, tmp_path):
     ray, _ = compare(str(scenario_file), tmp_path / "r", ["lru", "fifo"], ["none"], workers=2, executor="ray")
     cols = ["label", "tpot_s", "hits", "misses", "gap_closed"]
     pd.testing.assert_frame_equal(local[cols], ray[cols])
+
+
+def test_the_title_names_the_trace_hardware_link_speed_and_execution():
+    """What a figure holds fixed is in its title (issue 36, part 4): the trace (a synthetic
+    preset with its shape, or the file's name), the hardware preset and its host link's
+    bandwidth, the batch, the execution mode with the per-expert fetch discipline, the seed."""
+    from moesim.simulator.compare import describe
+
+    data = {"hardware": {"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": 5}}},
+            "workload": {"trace": {"synth": {"preset": "olmoe-1b-7b", "requests": 2, "prompt_tokens": 8,
+                                             "tokens": 30}}, "batch_size": 2},
+            "expert_compute": "per-expert", "expert_fetch": "blocking", "seed": 3, "__base_dir__": "."}
+    assert describe("s.yaml", data) == ("moesim compare s.yaml: synthetic olmoe-1b-7b (2 x 8+30 tokens); "
+                                        "a100-80g-pcie4, pcie 5 GB/s; batch 2, per-expert (blocking fetch) "
+                                        "execution, seed 3")

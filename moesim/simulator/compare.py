@@ -252,7 +252,7 @@ def figure(table: pd.DataFrame, metric: str, title: str) -> Any:
         ax.set_title(f"cache capacity {cap}", fontsize=9)
         below = ax.transAxes + ScaledTranslation(0, -0.5, fig.dpi_scale_trans)  # under the axis label
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0), bbox_transform=below, ncol=2)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 70 * len(caps)), fontsize=9)  # about 70 characters to 6 inches
     return fig
 
 
@@ -282,11 +282,25 @@ def compare(scenario_path: str, out_dir: str | Path, eviction: Sequence[str] | N
 
 
 def describe(scenario_path: str, data: dict[str, Any]) -> str:
-    """What is held fixed: the scenario, hardware, workload shape and execution mode."""
-    hw = (data.get("hardware") or {}).get("preset", "custom hardware")
-    wl = data.get("workload") or {}
-    mode = data.get("expert_compute", "layer")
+    """What is held fixed: the scenario, the model and trace, the hardware and its host link's
+    speed, the batch, the execution mode and the seed."""
+    from moesim.config.scenario import scenario_from_dict
+
+    plain = {k: v for k, v in data.items() if not str(k).startswith("__")}  # make_points' worker keys
+    sc = scenario_from_dict(plain, where=scenario_path, base_dir=str(data.get("__base_dir__", ".")))
+    src = sc.workload.trace
+    if src.synth is not None:
+        s = src.synth
+        trace = (f"synthetic {s.preset or s.fit} ({s.requests} x {s.prompt_tokens}+{s.tokens} tokens)")
+    elif src.import_ is not None:
+        trace = f"{Path(src.import_.path).name} ({src.import_.format})"
+    else:
+        trace = Path(str(src.path)).name
+    hw = sc.hardware
+    link = f"{hw.host_link} {hw.h2d.bandwidth_gbps:g} GB/s"
+    mode = sc.expert_compute
     if mode == "per-expert":
-        mode = f"per-expert ({data.get('expert_fetch', 'pipelined')} fetch)"
-    return (f"moesim compare {scenario_path}: {hw}, batch {wl.get('batch_size', 1)}, "
-            f"{mode} execution, seed {data.get('seed', 0)}")
+        mode = f"per-expert ({sc.expert_fetch} fetch)"
+    preset = (data.get("hardware") or {}).get("preset", "custom hardware")
+    return (f"moesim compare {scenario_path}: {trace}; {preset}, {link}; batch {sc.workload.batch_size}, "
+            f"{mode} execution, seed {sc.seed}")
