@@ -123,12 +123,6 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str, str | None]] = [
     ("trace in a scenario, experts out of range", lambda d: ["run", "quickstart", "--trace", str(tampered_trace(
         d, lambda t: with_meta(t, "num_experts", 4))), "--out", str(d / "o")], "num_experts", "o"),
     # importers
-    ("npy float array", lambda d: (np.save(d / "r.npy", np.zeros((4, 2, 2), dtype=np.float32)),
-     ["trace", "import", "--format", "routed-experts-npy", str(d / "r.npy"), "--preset", "olmoe-1b-7b",
-      "--out", str(d / "o.parquet")])[1], "r.npy", "o.parquet"),
-    ("npy empty array", lambda d: (np.save(d / "r.npy", np.zeros((0, 2, 2), dtype=np.int64)),
-     ["trace", "import", "--format", "routed-experts-npy", str(d / "r.npy"), "--preset", "olmoe-1b-7b",
-      "--out", str(d / "o.parquet")])[1], "r.npy", "o.parquet"),
     ("jsonl without records", lambda d: (d.joinpath("e.jsonl").write_text("\n"),
      ["trace", "import", "--format", "expert-jsonl", str(d / "e.jsonl"), "--preset", "mixtral-8x7b",
       "--out", str(d / "o.parquet")])[1], "e.jsonl", "o.parquet"),
@@ -192,7 +186,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str, str | None]] = [
     ("trace probs with a null inside", lambda d: ["trace", "info", str(tampered_trace(d, lambda t: t.append_column(
         "probs", pa.array([[None] + [0.0] * 63] * t.num_rows, type=pa.list_(pa.float32())))))],
      "column 'probs' has a null value", None),
-    # issue 36: the .npy importer and importer errors that named no file
+    # issue 36: the .npy importer and importer errors that named no file (the corpus's earlier
+    # float and empty cases had a shape the importer refused first, so they never reached these)
     ("npy of floats", lambda d: (np.save(d / "f.npy", np.zeros((2, 2, 8), dtype=np.float32)),
      ["trace", "import", "--format", "routed-experts-npy", str(d / "f.npy"), "--preset", "olmoe-1b-7b",
       "--out", str(d / "o.parquet")])[1], "f.npy: the array holds float32 values", "o.parquet"),

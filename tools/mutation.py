@@ -1,7 +1,9 @@
 """Mutation testing of one module at a time with mutmut (issue 12; not part of the test run).
 
 Usage: ``python tools/mutation.py simulator/cache.py [policies/eviction.py ...]``, or
-``python tools/mutation.py --reclassify`` after adding a survivor to ``EQUIVALENT``.
+``python tools/mutation.py --reclassify`` after adding a survivor to ``EQUIVALENT``;
+``MUTATE_ONLY="xǁLeastStaleǁ*,x_helper*"`` mutates only those functions (mutmut name patterns),
+recorded as a row of its own.
 
 For each module it runs ``mutmut run "<module>.*"`` (configured in pyproject's
 ``[tool.mutmut]``; mutmut runs, for each mutant, the tests that reach the mutated function,
@@ -59,6 +61,7 @@ TESTS: dict[str, list[str]] = {
     "moesim/calibration/calibrate.py": ["tests/test_calibrate.py", "tests/test_h100_calibration.py"],
     "moesim/policies/budget.py": ["tests/test_budget.py", "tests/test_budget_hand.py", "tests/test_budget_exact.py",
                            "tests/test_expert_parallel.py"],
+    "moesim/simulator/fingerprint.py": ["tests/test_reuse.py"],
 }
 
 # the functions mutated in a module where not all of them are (mutmut name patterns): calibrate.py's
@@ -421,7 +424,8 @@ def run(module: str) -> dict[str, object]:
                                   + f"pytest_add_cli_args_test_selection = {tests!r}\n", 1)
     (work / "pyproject.toml").write_text(pyproject)
     env = {**os.environ, "MOESIM_SHARED": str(ROOT.parent / "shared")}
-    patterns = [f"{dotted}.{f}" for f in FUNCTIONS.get(module, ["*"])]
+    only = [f for f in os.environ.get("MUTATE_ONLY", "").split(",") if f]  # e.g. "xǁLeastStaleǁ*"
+    patterns = [f"{dotted}.{f}" for f in (only or FUNCTIONS.get(module, ["*"]))]
     subprocess.run([sys.executable, "-m", "mutmut", "run", *patterns], cwd=work, env=env, check=False)
     meta = json.loads((work / "mutants" / f"{module}.meta").read_text())
     meta["exit_code_by_key"] = {k: c for k, c in meta["exit_code_by_key"].items()
@@ -475,9 +479,11 @@ def main(modules: list[str]) -> None:
         reclassify(results)
         _write(results)
         return
+    only = os.environ.get("MUTATE_ONLY", "")
     for module in modules:
-        results[module] = run(module)
-        r = results[module]
+        key = f"{module} [{only}]" if only else module  # a run of some functions only is its own row
+        results[key] = run(module)
+        r = results[key]
         print(f"{module}: {r['killed']} killed of {r['mutants']}, {len(r['alive'])} alive "
               f"(kill rate {r['kill_rate']:.1%})" if r["kill_rate"] is not None else f"{module}: no mutants")
         _write(results)  # after each module: a long run stopped later keeps the modules done
