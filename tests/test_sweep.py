@@ -289,3 +289,17 @@ def test_shipped_sweep_sections_plan_the_papers_grids():
         assert len(points) == n, name
     _, points, _ = plan("moe-spec/olmoe-tree63-budget32", {})
     assert sorted(p.values["policies.budget.budget"] for p in points) == [8, 16, 24, 32, 40, 48, 56]
+
+
+def test_a_plot_title_names_the_model_trace_gpu_and_link_speed(tmp_path):
+    """Issue 36: the figure says what setting it holds — the model, the trace, the GPU and its
+    host link's bandwidth — except a swept axis, which the figure itself shows."""
+    from moesim.output.plots import load_results
+
+    out = tmp_path / "s"
+    sweep("quickstart", str(out), {"cache.capacity": ["5%", "25%"]}, BASE)
+    assert load_results(str(out)).attrs["setting"] == ("olmoe-1b-7b, synthetic trace (2 x 64+40 tokens), "
+                                                       "A100-80GB, pcie 32 GB/s")
+    swept = tmp_path / "b"
+    sweep("quickstart", str(swept), {"hardware.links.pcie.bandwidth_gbps": [5, 16]}, BASE)
+    assert load_results(str(swept)).attrs["setting"] == "olmoe-1b-7b, synthetic trace (2 x 64+40 tokens), A100-80GB"

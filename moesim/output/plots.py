@@ -60,7 +60,40 @@ def load_results(path: str) -> pd.DataFrame:
         info = yaml.safe_load(meta.read_text()) or {}
         df.attrs["axes"] = [str(a) for a in info.get("axes") or []]
         df.attrs["scenario"] = str(info.get("scenario", ""))
+        df.attrs["setting"] = _setting(p.parent / "points" / str(df["point"].iloc[0]) / "scenario.resolved.yaml",
+                                       df, df.attrs["axes"]) if "point" in df else ""
     return df
+
+
+def _setting(resolved: Path, df: pd.DataFrame, axes: list[str]) -> str:
+    """What a figure's title says of the setting it holds (issue 36): the model, the trace,
+    the GPU and its host link's bandwidth — each unless it is a swept axis, which the figure
+    shows or --where fixes."""
+    import yaml
+
+    try:
+        sc = yaml.safe_load(resolved.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return ""
+    parts = []
+    if "model" in df and df["model"].nunique() == 1:
+        parts.append(str(df["model"].iloc[0]))
+    src = ((sc.get("workload") or {}).get("trace") or {})
+    if not any(a.startswith("workload.trace") for a in axes):
+        if src.get("synth"):
+            s = src["synth"]
+            parts.append(f"synthetic trace ({s.get('requests')} x {s.get('prompt_tokens')}+{s.get('tokens')} tokens)")
+        elif src.get("import"):
+            parts.append(f"trace {Path(str(src['import'].get('path'))).name}")
+        elif src.get("path"):
+            parts.append(f"trace {Path(str(src['path'])).name}")
+    hw = sc.get("hardware") or {}
+    link = (hw.get("links") or {}).get(hw.get("host_link", "pcie")) or {}
+    if not any(a.startswith("hardware.gpu") or a == "hardware.preset" for a in axes):
+        parts.append(str((hw.get("gpu") or {}).get("name", "")))
+    if not any(a.startswith("hardware.links") or a == "hardware.preset" for a in axes) and link:
+        parts.append(f"{hw.get('host_link')} {float(link.get('bandwidth_gbps', 0)):g} GB/s")
+    return ", ".join(p for p in parts if p)
 
 
 def _column(df: pd.DataFrame, name: str | None, what: str) -> str:
@@ -218,7 +251,8 @@ def figure(df: pd.DataFrame, kind: str, metric: str, x: str | None = None, y: st
     held = _fixed_text(df, shown, fixed)
     scen = df.attrs.get("scenario")
     head = title or f"{mlabel} by {axis_label(x).split(' (')[0]}" + (f" ({scen})" if scen else "")
-    fig.suptitle(head + (f"\nheld fixed: {held}" if held else ""), fontsize=9)
+    setting = df.attrs.get("setting")
+    fig.suptitle(head + (f"\n{setting}" if setting else "") + (f"\nheld fixed: {held}" if held else ""), fontsize=9)
     fig.tight_layout()
     return fig
 
