@@ -298,9 +298,7 @@ def describe(scenario_path: str, data: dict[str, Any]) -> str:
         trace = Path(str(src.path)).name
     hw = sc.hardware
     link = f"{hw.host_link} {hw.h2d.bandwidth_gbps:g} GB/s"
-    mode = sc.expert_compute
-    if mode == "per-expert":
-        mode = f"per-expert ({sc.expert_fetch} fetch)"
+    mode = f"per-expert ({sc.expert_fetch} fetch)" if sc.expert_compute == "per-expert" else str(sc.expert_compute)
     preset = (data.get("hardware") or {}).get("preset", "custom hardware")
     return (f"moesim compare {scenario_path}: {trace}; {preset}, {link}; batch {sc.workload.batch_size}, "
             f"{mode} execution, seed {sc.seed}")
