@@ -258,6 +258,15 @@ def test_events_export_and_timeline(tmp_path):
     path = write_events(doc, tmp_path / "ev.json")
     img = plot_timeline(str(path), str(tmp_path / "tl.png"), window_ms=(0, 50))
     assert img.stat().st_size > 1000
+    # the default view: the first decode pass, from its first layer's start to its end
+    from moesim.output.plots import _one_pass
+
+    steps = res.steps
+    first = int(steps.index[steps["phase"] == "decode"][0])
+    window, shown = _one_pass(spans)
+    assert shown == (first, "decode")
+    assert window == pytest.approx((steps["start_s"].iloc[first] * 1e3, steps["end_s"].iloc[first] * 1e3), rel=1e-9)
+    assert plot_timeline(str(path), str(tmp_path / "one.png")).stat().st_size > 1000
     r = subprocess.run([sys.executable, "-m", "moesim", "run", "quickstart", "--no-write", "--quiet", "--set",
                         "workload.trace.synth.tokens=5", "--events", str(tmp_path / "e2.json")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)

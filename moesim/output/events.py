@@ -58,13 +58,14 @@ def chrome_trace(result: Result, link: str, num_experts: int, num_precisions: in
     if not ep:
         events.append(_meta(0, 1, "thread_name", f"copy engine {link}"))
     layers = extra.get("layers") or []
+    phase = result.steps["phase"].astype(str).tolist()
     for p, layer, t0, t_route, t_experts, t_end in layers:
-        args = {"pass": p, "layer": layer}
+        args = {"pass": p, "phase": phase[p], "layer": layer}
         span(f"L{layer} attention+gate", 0, 0, t0, t_route, args)
         span(f"L{layer} wait for experts", 0, 0, t_route, t_experts, args)
         span(f"L{layer} experts", 0, 0, t_experts, t_end, args)
     for p, layer, g, t0, t_dispatch, t_exp, t_gpu_end, t_end in ep:
-        args = {"pass": p, "layer": layer, "gpu": g}
+        args = {"pass": p, "phase": phase[p], "layer": layer, "gpu": g}
         a2a = t_exp - t_dispatch
         span(f"L{layer} attention+gate", g, 0, t0, t_dispatch, args)
         span(f"L{layer} all-to-all dispatch", g, 0, t_dispatch, t_exp, args)

@@ -325,11 +325,31 @@ def _decimate(spans: list[tuple[float, float]], min_gap: float) -> list[tuple[fl
     return out
 
 
+def _one_pass(spans: list[dict[str, Any]]) -> tuple[tuple[float, float] | None, tuple[int, str] | None]:
+    """The window (ms) of the first decode pass on the compute stream (the first pass when
+    none is a decode pass, as in a prefill-only run), and (its number, its phase)."""
+    by_pass: dict[int, list[dict[str, Any]]] = {}
+    phase: dict[int, str] = {}
+    for e in spans:
+        args = e.get("args") or {}
+        if e.get("tid") == 0 and "pass" in args:
+            by_pass.setdefault(int(args["pass"]), []).append(e)
+            phase[int(args["pass"])] = str(args.get("phase", ""))
+    if not by_pass:
+        return None, None
+    decode = sorted(p for p, ph in phase.items() if ph == "decode")
+    p = decode[0] if decode else min(by_pass)
+    es = by_pass[p]
+    return (min(e["ts"] for e in es) / 1e3, max(e["ts"] + e["dur"] for e in es) / 1e3), (p, phase[p])
+
+
 def plot_timeline(events_path: str, out: str, window_ms: tuple[float, float] | None = None,
                   title: str | None = None) -> Path:
     """A Gantt chart of a run's events JSON: one row per thread (each GPU's compute stream, the
-    copy engine), one colour per kind of span, withdrawn prefetches as ticks. Spans closer
-    than 1/2000 of the window are merged (decimation); the title states the window."""
+    copy engine), one colour per kind of span, withdrawn prefetches as ticks. Without a
+    window it shows one forward pass — the first decode pass — with each layer's start
+    marked. Spans closer than 1/2000 of the window are merged (decimation); the title states
+    the window."""
     import json
 
     import matplotlib
@@ -347,6 +367,9 @@ def plot_timeline(events_path: str, out: str, window_ms: tuple[float, float] | N
     threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in all_events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
     gpus = {e["pid"]: e["args"]["name"] for e in all_events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    shown_pass = None
+    if window_ms is None:  # one pass: the first decode pass (else the first pass), with its layers marked
+        window_ms, shown_pass = _one_pass(spans)
     if window_ms is not None:
         lo, hi = window_ms[0] * 1e3, window_ms[1] * 1e3
         spans = [e for e in spans if e["ts"] + e["dur"] >= lo and e["ts"] <= hi]
@@ -364,7 +387,7 @@ def plot_timeline(events_path: str, out: str, window_ms: tuple[float, float] | N
         kind = e["name"].split(" ", 1)[1] if e["name"].startswith("L") and " " in e["name"] else e["name"]
         row = rows.index((e["pid"], e["tid"]))
         grouped.setdefault((row, kind), []).append((e["ts"] / 1e3, e["dur"] / 1e3))
-    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.7 * len(rows)))
+    fig, ax = plt.subplots(figsize=(11, 2.0 + 0.7 * len(rows)), layout="constrained")
     seen: set[str] = set()
     for (row, kind), bars in sorted(grouped.items()):
         ax.broken_barh(_decimate(bars, min_gap), (row - 0.4, 0.8), color=colours.get(kind, "k"),
@@ -379,9 +402,22 @@ def plot_timeline(events_path: str, out: str, window_ms: tuple[float, float] | N
               else threads.get((pid, tid), str(tid)) for pid, tid in rows]
     ax.set_yticks(range(len(rows)), labels)
     ax.set_xlabel("simulated time (ms)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 3 else -0.15), fontsize=7, ncol=5)
+    if shown_pass is not None:  # layer marks: where each layer's attention+gate starts
+        starts = sorted({(e["ts"] / 1e3, e["args"]["layer"]) for e in spans
+                         if e.get("tid") == 0 and e["args"].get("pass") == shown_pass[0]
+                         and e["name"].endswith("attention+gate")})
+        for t, layer in starts:
+            ax.axvline(t, color="0.75", linewidth=0.6, zorder=0)
+            if len(starts) <= 64:
+                ax.text(t, len(rows) - 0.5, f"L{layer}", fontsize=6, color="0.35", va="bottom")
+    from matplotlib.transforms import ScaledTranslation
+
+    below = ax.transAxes + ScaledTranslation(0, -0.5, fig.dpi_scale_trans)  # under the axis label
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0), bbox_transform=below, fontsize=7, ncol=5)
     recorded = (doc.get("otherData") or {}).get("recorded_passes")
     what = f"{t_lo:.2f}-{t_hi:.2f} ms" + (f", the first {recorded} passes" if recorded else "")
-    ax.set_title(f"{title or 'timeline'} ({what})", fontsize=9)
-    fig.tight_layout()
+    if shown_pass is not None:
+        what = (f"pass {shown_pass[0]} ({shown_pass[1]}), {t_lo:.2f}-{t_hi:.2f} ms, layers marked; "
+                "--window START:END for another span")
+    ax.set_title(f"{title or 'timeline'} ({what})", fontsize=9, pad=14 if shown_pass is not None else 6)
     return save_figure_atomic(fig, out)
