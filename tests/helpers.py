@@ -53,6 +53,13 @@ BASE: dict[str, Any] = {
 }
 
 
+def experts_cap(cap: int, model: ModelInfo) -> str:
+    """A capacity of ``cap`` experts, at most the model's (a larger count is refused as bad
+    input, as 120% is): property tests draw counts beyond a small model's to mean that every
+    expert fits."""
+    return f"{min(cap, model.num_layers * model.num_experts)} experts"
+
+
 def scenario(**over: Any) -> Scenario:
     """Scenario from BASE with nested overrides (e.g. cache={'capacity': '10 experts'})."""
     return scenario_from_dict(deep_merge(BASE, over), where="<test>")

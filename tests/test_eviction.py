@@ -18,6 +18,7 @@ from tests import reference_replay as R
 from tests.helpers import (
     access_stream,
     batch_access_stream,
+    experts_cap,
     flame_decode_trace,
     mixtral_trace,
     scenario,
@@ -38,7 +39,7 @@ def lcs_misses(stream: list[int], capacity: int, algo: str) -> int:
 
 
 def run(trace, policy, capacity: int, batch: int = 1, timing: bool = False, mode: str = "layer"):
-    sc = scenario(timing=timing, cache={"capacity": f"{capacity} experts"}, expert_compute=mode,
+    sc = scenario(timing=timing, cache={"capacity": experts_cap(capacity, trace.model)}, expert_compute=mode,
                   policies={"eviction": policy}, workload={"batch_size": batch})
     return simulate(sc, trace=trace).summary
 

@@ -19,7 +19,7 @@ from moesim.simulator.copyengine import NBYTES
 from moesim.simulator.engine import Simulation, simulate
 from moesim.traces.synth import generate, synth_from_preset
 from tests import reference_replay as R
-from tests.helpers import real_dir, scenario, small_model, trace_from_array
+from tests.helpers import experts_cap, real_dir, scenario, small_model, trace_from_array
 
 MOESIM_POLICY = {
     "lru": "lru",
@@ -181,12 +181,12 @@ def test_pinning_properties(layers, experts, k, tokens, seed, cap, batch, mode, 
     the same pass, and every such miss is a collision miss."""
     model = small_model(layers, experts, min(k, experts))
     trace = generate(model, requests=batch, prompt_tokens=seed % 4, tokens=tokens, seed=seed)
-    sc = scenario(timing=timing, expert_compute=mode, expert_fetch=fetch, cache={"capacity": f"{cap} experts"},
+    sc = scenario(timing=timing, expert_compute=mode, expert_fetch=fetch, cache={"capacity": experts_cap(cap, model)},
                   policies={"eviction": eviction, "prefetch": prefetch}, workload={"batch_size": batch})
     sim = Simulation(sc, trace=trace, record_decisions=True)
     res = sim.run()
     s = res.summary
-    assert s["cache_peak_bytes"] <= cap * model.expert_bytes["bf16"]
+    assert s["cache_peak_bytes"] <= min(cap, layers * experts) * model.expert_bytes["bf16"]
     wl = sim.wl
     num_l = model.num_layers
     evicted: set[int] = set()
@@ -237,7 +237,7 @@ def test_least_stale_never_evicts_an_upcoming_expert_for_a_prefetch(layers, expe
     collision miss follows an eviction of that key in the same pass."""
     model = small_model(layers, experts, min(k, experts))
     trace = generate(model, requests=batch, prompt_tokens=seed % 4, tokens=tokens, seed=seed)
-    sc = scenario(timing=False, expert_compute=mode, expert_fetch=fetch, cache={"capacity": f"{cap} experts"},
+    sc = scenario(timing=False, expert_compute=mode, expert_fetch=fetch, cache={"capacity": experts_cap(cap, model)},
                   policies={"eviction": {"name": "least-stale", "order": order}, "prefetch": prefetch},
                   workload={"batch_size": batch})
     sim = Simulation(sc, trace=trace, record_decisions=True)

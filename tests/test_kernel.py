@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from moesim.simulator.engine import Simulation
 from moesim.traces.synth import generate, synth_from_preset
-from tests.helpers import scenario, small_model
+from tests.helpers import experts_cap, scenario, small_model
 
 EVICTIONS = ["lru", "fifo", "lfu", "fld", "score", "least-stale", "belady", "lhu"]
 PREFETCHERS = ["none", "static-pin", "oracle", "previous-token", "lookahead", "next-gate-topk",
@@ -308,7 +308,7 @@ def test_kernel_equals_simpy_on_generated_scenarios(layers, experts, k, tokens, 
                      probs=probs or miss == "substitute")
     policy = "fetch" if miss is None else {"name": "drop", "rank": miss} if isinstance(miss, int) else miss
     sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": policy}, expert_compute=mode,
-                  timing=timing, cache={"capacity": f"{cap} experts", **({"precision": precision} if precision else {})},
+                  timing=timing, cache={"capacity": experts_cap(cap, model), **({"precision": precision} if precision else {})},
                   workload={"batch_size": batch},
                   hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": bandwidth}}})
     with pytest.MonkeyPatch.context() as mp:

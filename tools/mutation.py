@@ -3,7 +3,8 @@
 Usage: ``python tools/mutation.py simulator/cache.py [policies/eviction.py ...]``, or
 ``python tools/mutation.py --reclassify`` after adding a survivor to ``EQUIVALENT``;
 ``MUTATE_ONLY="xǁLeastStaleǁ*,x_helper*"`` mutates only those functions (mutmut name patterns),
-recorded as a row of its own.
+recorded as a row of its own; ``MUTATE_TESTS="tests/a.py,tests/b.py"`` runs those tests instead of
+the module's list below.
 
 For each module it runs ``mutmut run "<module>.*"`` (configured in pyproject's
 ``[tool.mutmut]``; mutmut runs, for each mutant, the tests that reach the mutated function,
@@ -419,7 +420,7 @@ def run(module: str) -> dict[str, object]:
         (work / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / f, work / f)
     pyproject = (work / "pyproject.toml").read_text()
-    tests = TESTS.get(module, ["tests"])
+    tests = [t for t in os.environ.get("MUTATE_TESTS", "").split(",") if t] or TESTS.get(module, ["tests"])
     pyproject = pyproject.replace("[tool.mutmut]\n", "[tool.mutmut]\n" + f"only_mutate = [{module!r}]\n"
                                   + f"pytest_add_cli_args_test_selection = {tests!r}\n", 1)
     (work / "pyproject.toml").write_text(pyproject)
