@@ -337,10 +337,11 @@ def test_least_stale_relative_order_by_hand():
         pol_a.on_insert(k(layer, e), True)
     clock_a.layer = 1
     assert list(pol_a.candidates()) == [k(0, 0), k(1, 1), k(2, 2), k(3, 3)]  # layer index, layer 0 first
+    pol_a.on_insert(k(1, 0), True)  # a current-layer expert the layer does not route: left
     clock_a.pending = {k(1, 1)}  # current, still to run: no prefetch's victim; later layers' current neither
-    assert list(pol_a.prefetch_candidates()) == [k(0, 0)]
+    assert list(pol_a.prefetch_candidates()) == [k(0, 0), k(1, 0)]
     clock_a.pass_index = 1  # all stale: only the pending (1,1) is kept from a prefetch
-    assert list(pol_a.prefetch_candidates()) == [k(0, 0), k(2, 2), k(3, 3)]
+    assert list(pol_a.prefetch_candidates()) == [k(0, 0), k(1, 0), k(2, 2), k(3, 3)]
 
 
 # -- the prefetch contract by hand: SpecMD Fig. 3's LRU pathology ----------------------------

@@ -74,6 +74,9 @@ FUNCTIONS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
+    # Least-Stale's prefetch victims (issue 33; a MUTATE_ONLY run of xǁLeastStaleǁ*)
+    'moesim.policies.eviction.xǁLeastStaleǁprefetch_candidates__mutmut_10':
+        "_queue's upcoming flag None for False: both falsy, read only by `if upcoming`",
     # the engine
     'moesim.simulator.engine.xǁSimulationǁ_run__mutmut_40':
         "a timeout of zero seconds leaves the clock where it is (the compute process is the only process)",
