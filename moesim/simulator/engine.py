@@ -38,7 +38,7 @@ import simpy
 from moesim.config.scenario import Scenario
 from moesim.output.results import Result
 from moesim.policies.registry import Clock
-from moesim.simulator.build import cache_sizing, load_trace, make_policies
+from moesim.simulator.build import cache_sizing, load_trace, make_policies, scenario_workload
 from moesim.simulator.cache import ExpertCache
 from moesim.simulator.copyengine import (
     DEMAND,
@@ -55,7 +55,7 @@ from moesim.simulator.copyengine import (
 from moesim.simulator.cost import CostModel
 from moesim.simulator.lookup import LayerLookup, PassRow, Run, arrival, plan
 from moesim.simulator.prefetchq import NO_PINS, PrefetchQueue
-from moesim.simulator.workload import DECODE, VERIFY, Workload, build_workload
+from moesim.simulator.workload import DECODE, VERIFY, Workload
 from moesim.traces.schema import PHASES
 from moesim.traces.trace import Trace
 
@@ -82,9 +82,7 @@ class Simulation:
         if workload is None:
             trace = trace if trace is not None else load_trace(scenario)
             self._trace = trace
-            workload = build_workload(trace, scenario.workload.batch_size,
-                                      scenario.workload.max_requests, scenario.workload.speculative,
-                                      scenario.seed)
+            workload = scenario_workload(scenario, trace)
         self.wl = workload
         model = workload.model
         self.model = model
@@ -395,7 +393,7 @@ class Simulation:
         n = len(look)
         t = now
         cur: list[Run] = []
-        nxt: list[Run] = []
+        nxt: list[Run] = []  # the computations of the expert looked up next, if any
         looked = 0  # experts looked up so far
         if n:
             look.lookup(0, set(), t, cur)
@@ -427,19 +425,17 @@ class Simulation:
                 if looked < n:
                     look.lookup(looked, set(), t, nxt)
                     looked += 1
+            elif looked == i + 2 and looked < n and all(arrival(tr, t) <= t for _, tr, _ in nxt):
                 held = {key for key, _, _ in nxt}
-            else:
-                held = {key for key, _, _ in nxt} if looked == i + 2 else set()
-                if looked == i + 2 and looked < n and all(arrival(tr, t) <= t for _, tr, _ in nxt):
-                    after: list[Run] = []  # expert i+1 starts now: i+2's lookup comes first
-                    look.lookup(looked, set(held), t, after)
-                    looked += 1
-                    if pfq.waiting:
-                        pfq.admit(t, held | {key for key, _, _ in after}, row)
-                    cur, nxt = nxt, after
-                    continue
-            if pfq.waiting:
-                pfq.admit(t, held, row)
+                after: list[Run] = []  # expert i+1 starts now: i+2's lookup comes first
+                look.lookup(looked, set(held), t, after)
+                looked += 1
+                if pfq.waiting:
+                    pfq.admit(t, held | {key for key, _, _ in after}, row)
+                cur, nxt = nxt, after
+                continue
+            if pfq.waiting:  # nxt: the expert looked up next, held while it waits or runs
+                pfq.admit(t, {key for key, _, _ in nxt}, row)
             cur = nxt
             nxt = []
         look.finish([])
