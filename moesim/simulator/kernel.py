@@ -1223,7 +1223,7 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     return end
 
 
-@_jit
+@_inline
 def _pin_buffer(buf, pins, IS):
     """Pin the keys of lookup buffer ``buf``'s computations with generation ``pins``."""
     b = IS[H_LRUN] + buf * IS[C_LRUNCAP] * 4
@@ -1231,7 +1231,7 @@ def _pin_buffer(buf, pins, IS):
         IS[IS[H_KI] + IS[b + x * 4 + 2] * K_NKI + K_PIN] = pins
 
 
-@_jit
+@_inline
 def _buffer_arrived(buf, t, IS, FS):
     """Whether every computation of lookup buffer ``buf`` has its expert on the GPU by ``t``."""
     b = IS[H_LRUN] + buf * IS[C_LRUNCAP] * 4
