@@ -23,7 +23,7 @@ from moesim.policies.prefetch import PrefetchPolicy
 from moesim.policies.registry import Clock, PolicyContext
 from moesim.policies.routing import REGISTRY as ROUTING
 from moesim.policies.routing import RoutingPolicy
-from moesim.simulator.workload import Workload
+from moesim.simulator.workload import Workload, build_workload
 from moesim.traces.schema import ModelInfo
 from moesim.traces.trace import Trace
 
@@ -77,6 +77,13 @@ def load_trace(scenario: Scenario) -> Trace:
         requests=s.requests, prompt_tokens=s.prompt_tokens, tokens=s.tokens,
         seed=scenario.seed if s.seed is None else s.seed, probs=s.probs, pred_next=s.pred_next,
         pred_noise=s.pred_noise)
+
+
+def scenario_workload(scenario: Scenario, trace: Trace) -> Workload:
+    """The forward passes ``scenario``'s workload settings make of ``trace`` (batch size,
+    request limit, speculative verification, the seed)."""
+    w = scenario.workload
+    return build_workload(trace, w.batch_size, w.max_requests, w.speculative, scenario.seed)
 
 
 @dataclass(frozen=True)

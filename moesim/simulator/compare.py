@@ -30,7 +30,15 @@ import numpy as np
 import pandas as pd
 
 from moesim.errors import MoesimError
-from moesim.simulator.sweep import Point, base_data, collect, folder_lock, make_points, run_points
+from moesim.simulator.sweep import (
+    Point,
+    base_data,
+    collect,
+    folder_lock,
+    make_points,
+    run_points,
+    trace_key,
+)
 
 DEFAULT_EVICTION = ("lru", "lfu", "fld", "least-stale")
 DEFAULT_PREFETCH = ("none", "previous-token")
@@ -57,14 +65,19 @@ def _names(value: Any) -> str:
     return value["name"] if isinstance(value, dict) else str(value)
 
 
-def _check_trace(data: dict[str, Any], base_dir: str, capacities: list[str], where: str) -> bool:
-    """Load the scenario's trace once: refuse capacities impossible for its model before
-    anything runs, and say whether it records ``pred_next`` (for the gate predictors)."""
+def _check_trace(data: dict[str, Any], base_dir: str, capacities: list[str], where: str,
+                 traces: dict[str, Any]) -> bool:
+    """Load the scenario's trace once (into ``traces``, by :func:`trace_key`, for
+    :func:`make_points`): refuse capacities impossible for its model before anything runs,
+    and say whether it records ``pred_next`` (for the gate predictors)."""
     from moesim.config.scenario import parse_capacity, scenario_from_dict
     from moesim.simulator.build import load_trace
 
     sc = scenario_from_dict(data, where=where, base_dir=base_dir)
-    trace = load_trace(sc)
+    key = trace_key(sc)
+    if key not in traces:
+        traces[key] = load_trace(sc)
+    trace = traces[key]
     m = trace.model
     per_expert = int(m.expert_bytes.get(sc.cache.precision or m.default_precision(),
                                         m.expert_bytes[m.default_precision()]))
@@ -84,7 +97,8 @@ def plan_compare(scenario_path: str, eviction: Sequence[str] | None = None, pref
     cache = data.get("cache") or {}
     caps = list(capacity) if capacity else [str(cache.get("capacity", "5%"))]
     evs = list(eviction) if eviction else list(DEFAULT_EVICTION)
-    has_pred_next = _check_trace(data, str(p.parent), caps, str(p))
+    traces: dict[str, Any] = {}
+    has_pred_next = _check_trace(data, str(p.parent), caps, str(p), traces)
     pfs = list(prefetch) if prefetch else list(DEFAULT_PREFETCH) + (list(PREDICTOR_PREFETCH) if has_pred_next else [])
     misses = list(miss) if miss else [_names(pol.get("miss", "fetch"))]
     budgets = list(budget) if budget else [_names(pol.get("budget", "none"))]
@@ -104,7 +118,7 @@ def plan_compare(scenario_path: str, eviction: Sequence[str] | None = None, pref
         add("baseline", "on-demand LRU (baseline)", cap, {"cache.capacity": cap, **BASELINE})
         add("bound", "Belady + oracle prefetch (bound)", cap, {"cache.capacity": cap, **BOUND})
     add("infinite", "all experts resident (infinite cache)", "all", dict(INFINITE))
-    points = make_points(p, data, list(combos.values()))
+    points = make_points(p, data, list(combos.values()), traces)
     pid_of = {key: pt.pid for key, pt in zip(combos, points, strict=True)}
     for r in rows:
         r["point"] = pid_of[r.pop("key")]
@@ -284,18 +298,12 @@ def compare(scenario_path: str, out_dir: str | Path, eviction: Sequence[str] | N
 def describe(scenario_path: str, data: dict[str, Any]) -> str:
     """What is held fixed: the scenario, the model and trace, the hardware and its host link's
     speed, the batch, the execution mode and the seed."""
-    from moesim.config.scenario import scenario_from_dict
+    from moesim.config.confload import to_plain
+    from moesim.config.scenario import describe_trace, scenario_from_dict
 
     plain = {k: v for k, v in data.items() if not str(k).startswith("__")}  # make_points' worker keys
     sc = scenario_from_dict(plain, where=scenario_path, base_dir=str(data.get("__base_dir__", ".")))
-    src = sc.workload.trace
-    if src.synth is not None:
-        s = src.synth
-        trace = (f"synthetic {s.preset or s.fit} ({s.requests} x {s.prompt_tokens}+{s.tokens} tokens)")
-    elif src.import_ is not None:
-        trace = f"{Path(src.import_.path).name} ({src.import_.format})"
-    else:
-        trace = Path(str(src.path)).name
+    trace = describe_trace(to_plain(sc.workload.trace))
     hw = sc.hardware
     link = f"{hw.host_link} {hw.h2d.bandwidth_gbps:g} GB/s"
     mode = f"per-expert ({sc.expert_fetch} fetch)" if sc.expert_compute == "per-expert" else str(sc.expert_compute)

@@ -61,7 +61,7 @@ class Point:
 
     pid: str
     values: dict[str, Any]
-    fingerprint: str = ""  # of everything that determines its results (simulator.fingerprint)
+    fingerprint: str  # of everything that determines its results (simulator.fingerprint)
 
 
 def parse_grid(items: tuple[str, ...] | list[str]) -> dict[str, list[Any]]:
@@ -90,29 +90,43 @@ def base_data(scenario_path: str, overrides: tuple[str, ...] = ()) -> tuple[Path
     return p, data, section
 
 
-def make_points(p: Path, data: dict[str, Any], combos: list[dict[str, Any]]) -> list[Point]:
+def trace_key(sc: Any) -> str:
+    """What a scenario's trace depends on (its source, the folder relative paths start from,
+    the seed a synthetic trace defaults to): scenarios with the same key load the same trace."""
+    from moesim.config.confload import to_plain
+
+    return json.dumps([to_plain(sc.workload.trace), sc.base_dir, sc.seed], sort_keys=True, default=str)
+
+
+def make_points(p: Path, data: dict[str, Any], combos: list[dict[str, Any]],
+                traces: dict[str, Any] | None = None) -> list[Point]:
     """A point per set of dotted-key overrides, each point's scenario validated and its
     replay built (trace, workload, cache sizing, policies) before anything runs, so a bad
     value fails up front, naming the point; the id is a hash of the overrides, so it does
-    not depend on the order of the run."""
+    not depend on the order of the run. ``traces`` (by :func:`trace_key`) holds traces the
+    caller has loaded already; each trace is loaded and each workload built once."""
     from moesim.config.confload import to_plain
     from moesim.policies.plugins import loaded_plugins
-    from moesim.simulator.build import load_trace
+    from moesim.simulator.build import load_trace, scenario_workload
     from moesim.simulator.engine import Simulation
     from moesim.simulator.fingerprint import scenario_fingerprint
 
     plugins = loaded_plugins()
-    traces: dict[str, Any] = {}  # one load per trace source
+    traces = {} if traces is None else traces
+    workloads: dict[str, Any] = {}
     points = []
     for chosen in combos:
         pid = hashlib.sha1(json.dumps(chosen, sort_keys=True, default=str).encode()).hexdigest()[:12]
         point_data = apply_overrides(data, [(k.split("."), v) for k, v in chosen.items()])
         sc = scenario_from_dict(point_data, where=f"{p} (sweep point {chosen})", base_dir=str(p.parent))
-        source = json.dumps([to_plain(sc.workload.trace), sc.base_dir, sc.seed], sort_keys=True, default=str)
+        source = trace_key(sc)
         if source not in traces:
             traces[source] = load_trace(sc)
+        wl_key = json.dumps([source, to_plain(sc.workload)], sort_keys=True, default=str)
         try:  # builds the workload, cache and policies: what a point checks before it runs
-            Simulation(sc, trace=traces[source])
+            if wl_key not in workloads:
+                workloads[wl_key] = scenario_workload(sc, traces[source])
+            Simulation(sc, trace=traces[source], workload=workloads[wl_key])
         except MoesimError as exc:
             msg = str(exc) if "(sweep point" in str(exc) else f"sweep point {chosen}: {exc}"
             raise MoesimError(f"{msg} Nothing was run: every point is checked first.") from None
@@ -319,7 +333,7 @@ def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: in
     finished points were reused."""
     clean_partial(out)
     done = done_points(out)
-    todo = [p for p in points if done.get(p.pid) != p.fingerprint or not p.fingerprint]
+    todo = [p for p in points if done.get(p.pid) != p.fingerprint]
     failed = 0
     finished = len(points) - len(todo)
     if progress is not None:
