@@ -18,6 +18,8 @@ from moesim.config.scenario import load_scenario
 from moesim.errors import MoesimError
 from moesim.simulator.engine import simulate
 from moesim.simulator.sweep import done_points, sweep
+from moesim.traces.io import write_trace
+from moesim.traces.synth import synth_from_preset
 from tests.test_plugins import isolated_registries  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -307,8 +309,13 @@ def test_a_plot_title_names_the_model_trace_gpu_and_link_speed(tmp_path):
 
     out = tmp_path / "s"
     sweep("quickstart", str(out), {"cache.capacity": ["5%", "25%"]}, BASE)
-    assert load_results(str(out)).attrs["setting"] == ("olmoe-1b-7b, synthetic trace (2 x 64+40 tokens), "
+    assert load_results(str(out)).attrs["setting"] == ("synthetic olmoe-1b-7b (2 x 64+40 tokens), "
                                                        "A100-80GB, pcie 32 GB/s")
     swept = tmp_path / "b"
     sweep("quickstart", str(swept), {"hardware.links.pcie.bandwidth_gbps": [5, 16]}, BASE)
-    assert load_results(str(swept)).attrs["setting"] == "olmoe-1b-7b, synthetic trace (2 x 64+40 tokens), A100-80GB"
+    assert load_results(str(swept)).attrs["setting"] == "synthetic olmoe-1b-7b (2 x 64+40 tokens), A100-80GB"
+    trace = tmp_path / "t.parquet"  # a trace file: the model from the results, then the file's name
+    write_trace(synth_from_preset("olmoe-1b-7b", layers=2, tokens=8, seed=1), trace)
+    named = tmp_path / "n"
+    sweep("quickstart", str(named), {"cache.capacity": ["5%", "25%"]}, ("sweep=null", f"workload.trace.path={trace}"))
+    assert load_results(str(named)).attrs["setting"] == "olmoe-1b-7b, t.parquet, A100-80GB, pcie 32 GB/s"

@@ -254,6 +254,18 @@ def parse_set(assignments: list[str] | tuple[str, ...]) -> list[tuple[list[str],
 TRACE_SOURCES = ("synth", "path", "import")
 
 
+def describe_trace(source: dict[str, Any]) -> str:
+    """A trace source as a figure's or table's title names it, from its plain form (the
+    resolved scenario's ``workload.trace``): a synthetic preset with its shape, or the file."""
+    if source.get("synth"):
+        s = source["synth"]
+        return (f"synthetic {s.get('preset') or s.get('fit')} "
+                f"({s.get('requests')} x {s.get('prompt_tokens')}+{s.get('tokens')} tokens)")
+    if source.get("import"):
+        return f"{Path(str(source['import'].get('path'))).name} ({source['import'].get('format')})"
+    return Path(str(source.get("path"))).name
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[tuple[list[str], Any]]) -> dict[str, Any]:
     """Set each dotted key in a copy of ``data``; a policy name becomes ``{name: ...}`` when a
     parameter is set under it; setting one trace source (``workload.trace.path``, ``.import``

@@ -75,18 +75,14 @@ def _setting(resolved: Path, df: pd.DataFrame, axes: list[str]) -> str:
         sc = yaml.safe_load(resolved.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return ""
+    from moesim.config.scenario import describe_trace
+
     parts = []
-    if "model" in df and df["model"].nunique() == 1:
-        parts.append(str(df["model"].iloc[0]))
     src = ((sc.get("workload") or {}).get("trace") or {})
+    if "model" in df and df["model"].nunique() == 1 and not src.get("synth"):  # a synthetic trace names it
+        parts.append(str(df["model"].iloc[0]))
     if not any(a.startswith("workload.trace") for a in axes):
-        if src.get("synth"):
-            s = src["synth"]
-            parts.append(f"synthetic trace ({s.get('requests')} x {s.get('prompt_tokens')}+{s.get('tokens')} tokens)")
-        elif src.get("import"):
-            parts.append(f"trace {Path(str(src['import'].get('path'))).name}")
-        elif src.get("path"):
-            parts.append(f"trace {Path(str(src['path'])).name}")
+        parts.append(describe_trace(src))
     hw = sc.get("hardware") or {}
     link = (hw.get("links") or {}).get(hw.get("host_link", "pcie")) or {}
     if not any(a.startswith("hardware.gpu") or a == "hardware.preset" for a in axes):
