@@ -74,22 +74,6 @@ FUNCTIONS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
-    # per-expert execution's two fetch disciplines and demand-first admission (issue 33; a
-    # MUTATE_ONLY run of xǁSimulationǁ_per_expert*)
-    'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_13':
-        "nxt's first value is never read: a lookup assigns nxt before held reads it, and n = 1 reads none",
-    'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_131':
-        "nxt reset to None instead of []: the next iteration assigns it before any read (the last expert "
-        "reads it only when looked == i + 2, which a reset excludes)",
-    'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_14':
-        "looked's first value: n > 0 sets it to 1 before the loop, n = 0 never reads it",
-    'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_15':
-        "looked's first value: n > 0 sets it to 1 before the loop, n = 0 never reads it",
-    'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_33':
-        "a >= t adds a stall of zero and sets t to the value it has",
-    'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_86':
-        "held from nxt also when looked != i + 2: that is the last expert, when nxt is the [] the iteration "
-        "before left (a prelookup cannot happen at n - 2)",
     # Least-Stale's prefetch victims (issue 33; a MUTATE_ONLY run of xǁLeastStaleǁ*)
     'moesim.policies.eviction.xǁLeastStaleǁprefetch_candidates__mutmut_10':
         "_queue's upcoming flag None for False: both falsy, read only by `if upcoming`",
@@ -103,8 +87,6 @@ EQUIVALENT: dict[str, str] = {
     'moesim.simulator.engine.xǁSimulationǁ_compute__mutmut_22':
         "a >= t adds a stall of zero and sets t to the value it has",
     'moesim.simulator.engine.xǁSimulationǁ_init_replay_state__mutmut_1': "_begin_pass makes each pass's row before anything reads it",
-    'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_23':
-        "a >= t adds a stall of zero and sets t to the value it has",
     'moesim.simulator.engine.xǁSimulationǁ_ep_layer__mutmut_43':
         "an idle GPU's expert time over no experts sums to 0.0, the value of the else branch",
     'moesim.simulator.engine.xǁSimulationǁ_ep_layer__mutmut_65':
