@@ -694,18 +694,22 @@ def calibrate_measure(device: str, model_shapes: str, quick: bool, out: str) -> 
 @calibrate.command("fit")
 @click.argument("raw", type=click.Path(dir_okay=False, exists=True))
 @click.option("--out", "out", required=True, type=OUT_FILE, help="Profile YAML.")
-def calibrate_fit(raw: str, out: str) -> None:
+@click.option("--host-costs", "host_costs", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="CSV of host time per CUDA call (call,host_us; tools/gpu_host_overhead.py), used when RAW "
+                   "has no host rows.")
+def calibrate_fit(raw: str, out: str, host_costs: str | None) -> None:
     """Fit RAW measurements into a hardware profile (links: affine latency + bytes/bandwidth;
-    compute tables; launch overhead), with fit residuals. Scenarios name it as hardware.profile."""
+    compute tables; launch overhead; host time per CUDA call), with fit residuals. Scenarios
+    name it as hardware.profile."""
     import pandas as pd
 
-    from moesim.calibration.calibrate import fit, fit_warnings, write_profile
+    from moesim.calibration.calibrate import fit, fit_warnings, read_host_costs, write_profile
 
     try:
         df = pd.read_parquet(raw)
     except Exception as exc:
         raise MoesimError(f"calibrate fit: {raw} is not a readable Parquet file ({exc}).") from None
-    prof = fit(df, raw)
+    prof = fit(df, raw, read_host_costs(host_costs) if host_costs else None, f"--host-costs {host_costs}")
     write_profile(prof, out)
     for name, link in prof["links"].items():
         click.echo(f"{name}: {link['bandwidth_gbps']:.2f} GB/s, {link['latency_us']:.2f} us "

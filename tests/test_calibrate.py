@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from moesim.calibration.calibrate import fit, load_profile, write_profile
+from moesim.calibration.calibrate import fit, load_profile, read_host_costs, write_profile
 from moesim.config.scenario import load_scenario
 from moesim.errors import MoesimError
 from moesim.simulator.cost import CostModel
@@ -358,3 +358,58 @@ def test_fit_warns_only_above_the_residual_limit_and_says_what_to_do():
         "link h2d_pinned: the affine fit misses the measurements by 12% (relative RMS over 6 sizes), more than "
         "10%; its bandwidth and latency are rough. Measure again (pinned memory on a GPU, fewer other jobs), or "
         "check the raw times by size."]
+
+
+HOST_ROWS = {"graph replay": 9e-6, "ffn eager (5 kernels)": 50e-6, "h2d copy dispatch (4 KiB pinned)": 7e-6,
+             "event made + recorded": 6e-6, "stream switch + wait_event": 11e-6, "wait_event on the current stream": 5e-6}
+
+
+def test_fit_puts_the_host_calls_into_the_profile_and_a_scenario_adds_them_up(tmp_path):
+    """Host rows (median seconds per call) become the profile's ``host`` section in
+    microseconds (an eager kernel: the FFN's five kernels / 5), which a scenario's hardware
+    reads and an execution style adds up: graph-per-expert's demand copy is 2 events + a
+    stream switch and wait + the copy + a wait = 2*6 + 11 + 7 + 5 = 35 us."""
+    raw = synthetic_raw(55.0, 4.0)
+    for name, sec in HOST_ROWS.items():  # three repeats each, the median in the middle
+        raw = pd.concat([raw, pd.DataFrame([{"kind": "host", "call": name, "median_s": s, "device": "cuda",
+                                              "device_name": "synthetic"} for s in (sec * 0.9, sec, sec * 1.3)])])
+    prof = fit(raw)
+    assert prof["host"] == {"graph_launch_us": 9.0, "eager_kernel_us": 10.0, "copy_submit_us": 7.0,
+                            "event_record_us": 6.0, "stream_wait_us": 11.0, "event_wait_us": 5.0}
+    assert "host" not in fit(synthetic_raw(55.0, 4.0))
+    path = tmp_path / "p.yaml"
+    write_profile(prof, path)
+    sc = load_scenario("quickstart", [f"hardware.profile={path}", "execution.style=graph-per-expert"])
+    assert sc.host.copy_us == pytest.approx(35.0)
+    assert (sc.host.layer_us, sc.host.launch_us) == (9.0, 9.0)
+    hf = load_scenario("quickstart", [f"hardware.profile={path}", "execution.style=hf-loop"])
+    assert (hf.host.layer_us, hf.host.launch_us, hf.host.copy_us) == (610.0, 100.0, 7.0)
+
+
+def test_the_host_cost_csv_is_read_and_its_faults_named(tmp_path):
+    """``calibrate fit --host-costs``: the tool's CSV, whose call names hold unquoted commas."""
+    good = tmp_path / "host.csv"
+    good.write_text("call,host_us\n" + "".join(f"{n},{s * 1e6:.2f}\n" for n, s in HOST_ROWS.items())
+                    + "per expert, one stream (copy + graph),16.00\n")
+    costs = read_host_costs(str(good))
+    assert costs["per expert, one stream (copy + graph)"] == 16.0
+    assert fit(synthetic_raw(55.0, 4.0), host_costs=costs)["host"]["eager_kernel_us"] == 10.0
+    out = tmp_path / "prof.yaml"
+    raw = tmp_path / "raw.parquet"
+    synthetic_raw(55.0, 4.0).to_parquet(raw)
+    done = subprocess.run([sys.executable, "-m", "moesim", "calibrate", "fit", str(raw), "--host-costs", str(good),
+                           "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert yaml.safe_load(out.read_text())["host"]["graph_launch_us"] == 9.0
+    bad_header = tmp_path / "h.csv"
+    bad_header.write_text("name,us\ngraph replay,9\n")
+    with pytest.raises(MoesimError, match="must start with the header call,host_us"):
+        read_host_costs(str(bad_header))
+    bad_line = tmp_path / "l.csv"
+    bad_line.write_text("call,host_us\ngraph replay,nine\n")
+    with pytest.raises(MoesimError, match=r"line 2: 'graph replay,nine' does not end in a number"):
+        read_host_costs(str(bad_line))
+    short = tmp_path / "s.csv"
+    short.write_text("call,host_us\ngraph replay,9\n")
+    with pytest.raises(MoesimError, match="lacks the host call"):
+        fit(synthetic_raw(55.0, 4.0), host_costs=read_host_costs(str(short)))

@@ -16,7 +16,9 @@ records the device, driver, CUDA and torch versions. On the CPU the same code ru
 ``time = latency + bytes / bandwidth`` fitted by least squares over the copies of 1 MiB and up
 (:func:`fit_link`), with its relative RMS residual;
 expert and attention time tables (medians) interpolated log-linearly by the cost model; the
-launch overhead. Scenarios use it with ``hardware: {profile: FILE}``.
+launch overhead; the host's time per CUDA call (``host``: graph replay, eager kernel launch,
+copy submission, event record and waits), which execution styles add up
+(:mod:`moesim.config.execution`). Scenarios use it with ``hardware: {profile: FILE}``.
 """
 
 from __future__ import annotations
@@ -231,9 +233,113 @@ def _measure(torch: Any, device: str, dims: dict[str, tuple[int, int]], env: dic
             progress(done, steps)
     tiny = torch.zeros(1, device=device)
     add("launch", _timer(device, lambda: tiny.add_(1), warmup, repeats * 4))
+    if device == "cuda":
+        for name, times in host_call_times(torch, repeats=5 if quick else 9).items():
+            add("host", times, call=name)
     df = pd.DataFrame(rows)
     df["measured_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return df
+
+
+# the host's CUDA calls that execution styles add up (moesim.config.execution): the name a
+# measurement carries (raw 'call' column; tools/gpu_host_overhead.py's CSV) -> the profile's
+# host key and how many calls the measurement makes
+HOST_CALLS = {"graph replay": ("graph_launch_us", 1), "ffn eager (5 kernels)": ("eager_kernel_us", 5),
+              "h2d copy dispatch (4 KiB pinned)": ("copy_submit_us", 1),
+              "event made + recorded": ("event_record_us", 1),
+              "stream switch + wait_event": ("stream_wait_us", 1),
+              "wait_event on the current stream": ("event_wait_us", 1)}
+HOST_BATCH = 2000  # calls per timing
+
+
+def host_call_times(torch: Any, repeats: int = 9) -> dict[str, list[float]]:
+    """Seconds of host time per CUDA call, for each of :data:`HOST_CALLS`: ``repeats`` timings of
+    2,000 calls each with a monotonic clock on the host and no synchronisation inside (what the
+    thread pays to issue the call, not what the GPU does), after a warm-up. The calls are the
+    calibration executor's (:mod:`moesim.calibration.validate`): a CUDA graph replay of an OLMoE
+    expert FFN, the same FFN's five kernels launched eagerly, a 4 KiB host-to-device copy from
+    pinned memory (the GPU's part negligible), an event made and recorded, a switch to another
+    stream with a wait on an event, a wait on the current stream."""
+    h, inter = SHAPES["olmoe-1b-7b"]
+    w = torch.randn(3, h, inter, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(1, h, dtype=torch.bfloat16, device="cuda")
+
+    def ffn() -> None:
+        expert_ffn(x, w[0], w[1], w[2].T)
+
+    warm_up(ffn)
+    replay = cuda_graph(ffn)
+    host = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(4096, dtype=torch.uint8, device="cuda")
+    other = torch.cuda.Stream()
+    ev = torch.cuda.Event()
+    ev.record()
+
+    def switch_and_wait() -> None:
+        with torch.cuda.stream(other):
+            other.wait_event(ev)
+
+    calls = {"graph replay": replay, "ffn eager (5 kernels)": ffn,
+             "h2d copy dispatch (4 KiB pinned)": lambda: dev.copy_(host, non_blocking=True),
+             "event made + recorded": lambda: torch.cuda.Event().record(),
+             "stream switch + wait_event": switch_and_wait,
+             "wait_event on the current stream": lambda: torch.cuda.current_stream().wait_event(ev)}
+    out: dict[str, list[float]] = {}
+    for name, fn in calls.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(HOST_BATCH):
+                fn()
+            times.append((time.perf_counter() - t0) / HOST_BATCH)
+            torch.cuda.synchronize()
+        out[name] = times
+    return out
+
+
+def host_section(calls: dict[str, float], source: str) -> dict[str, float]:
+    """The profile's ``host`` section from microseconds per measured call (names of
+    :data:`HOST_CALLS`; others, such as a tool's sums, are ignored). Every call must be there."""
+    missing = [name for name in HOST_CALLS if name not in calls]
+    if missing:
+        raise MoesimError(f"calibrate fit: {source} lacks the host call(s) {', '.join(repr(m) for m in missing)}; "
+                          "measure them with `moesim calibrate measure --device cuda` (or tools/gpu_host_overhead.py).")
+    out = {}
+    for name, (key, n) in HOST_CALLS.items():
+        us = float(calls[name])
+        if not (np.isfinite(us) and us >= 0):
+            raise MoesimError(f"calibrate fit: {source}: host call {name!r} has {us!r} us; it must be a "
+                              "non-negative number. Measure again.")
+        out[key] = round(us / n, 4)
+    return out
+
+
+def read_host_costs(path: str) -> dict[str, float]:
+    """A host-cost CSV (``call,host_us``, as ``tools/gpu_host_overhead.py`` writes it):
+    microseconds per call by name. A call's name may hold commas (the tool writes them
+    unquoted), so each line splits at its last comma, which a CSV reader cannot do. Errors
+    name the file, the line and the fix."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MoesimError(f"calibrate fit: --host-costs {path} is not a readable text file ({exc}).") from None
+    if not lines or lines[0].strip() != "call,host_us":
+        raise MoesimError(f"calibrate fit: --host-costs {path} must start with the header call,host_us; "
+                          "write it with tools/gpu_host_overhead.py.")
+    out = {}
+    for n, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        name, _, value = line.rpartition(",")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise MoesimError(f"calibrate fit: --host-costs {path}, line {n}: {line!r} does not end in a number of "
+                              "microseconds; fix or drop that line.") from None
+    return out
 
 
 def write_parquet_atomic(df: pd.DataFrame, path: str | os.PathLike[str]) -> Path:
@@ -290,8 +396,12 @@ def _check_raw(raw: pd.DataFrame, source: str) -> None:
                           f"time must be a positive number ({bad.size} row(s) are not). Drop those rows or measure again.")
 
 
-def fit(raw: pd.DataFrame, source: str = "<raw>") -> dict[str, Any]:
-    """A profile from raw measurements (see module docstring)."""
+def fit(raw: pd.DataFrame, source: str = "<raw>", host_costs: dict[str, float] | None = None,
+        host_source: str = "--host-costs") -> dict[str, Any]:
+    """A profile from raw measurements (see module docstring). The ``host`` section comes from
+    the raw file's host rows (median per call), else from ``host_costs`` (microseconds per
+    call, :func:`read_host_costs`); without either the profile has none (scenarios then use
+    the hardware's default host costs)."""
     _check_raw(raw, source)
     copies = raw[raw["kind"] == "copy"]
     if copies.empty:
@@ -322,6 +432,13 @@ def fit(raw: pd.DataFrame, source: str = "<raw>") -> dict[str, Any]:
         attention[shape] = {"context": grp["context"].astype(int).tolist(), "seconds": grp["median_s"].round(9).tolist()}
     launch = raw[raw["kind"] == "launch"]["median_s"]
     first = raw.iloc[0]
+    host_rows = raw[raw["kind"] == "host"] if "call" in raw.columns else raw.iloc[:0]
+    host = None
+    if len(host_rows):
+        host = host_section({str(c): float(g.median()) * 1e6 for c, g in host_rows.groupby("call")["median_s"]}, source)
+    elif host_costs is not None:
+        host = host_section(host_costs, host_source)
+    extra = {"host": host} if host is not None else {}
     return {
         "profile_version": PROFILE_VERSION,
         "measured_on": {k: str(first.get(k, "")) for k in ("device", "device_name", "driver", "cuda", "torch", "measured_at")},
@@ -330,6 +447,7 @@ def fit(raw: pd.DataFrame, source: str = "<raw>") -> dict[str, Any]:
         "nonexpert_time": dense,
         "attention_time": attention,
         "launch_overhead_us": round(float(launch.median()) * 1e6, 4) if len(launch) else None,
+        **extra,
     }
 
 

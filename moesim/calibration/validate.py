@@ -325,7 +325,8 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
         for w in warnings:
             warn(w)
     sets = [f"hardware.profile={profile}", f"workload.trace.path={Path(trace_path).resolve()}", *(overrides or [])]
-    loaded = [load_scenario(path, sets) for path in scenarios]  # every scenario checked before any is measured
+    loaded = [executor_style(load_scenario(path, sets), path, sets)
+              for path in scenarios]  # every scenario checked before any is measured
     m_info = trace.model
     host = host_weights(torch, m_info.num_layers * m_info.num_experts, m_info.hidden_size,
                         m_info.expert_intermediate_size, device)
@@ -364,6 +365,78 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     write_report(df, out, profile, device, warnings)
     df.attrs["warnings"] = warnings
     return df
+
+
+def executor_style(sc: Any, path: Any, sets: list[str]) -> Any:
+    """``sc`` predicted with the executor's own host: a scenario without an execution style
+    gets the executor's (``graph-per-expert`` in per-expert execution, else ``graph-layer``)."""
+    from moesim.config.scenario import load_scenario
+
+    if sc.execution.style != "none":
+        return sc
+    style = "graph-per-expert" if sc.expert_compute == "per-expert" else "graph-layer"
+    return load_scenario(path, [*sets, f"execution.style={style}"])
+
+
+def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str]) -> pd.DataFrame:
+    """Today's predictions for a committed validation run (``validation.parquet``: its
+    measured and recorded columns kept as they are): per scenario, the shipped
+    ``validation/SCENARIO`` on the run's trace for its model (``traces``) and ``profile``,
+    predicted without a host model (``none``) and with the executor's own style
+    (:func:`executor_style`), and whether today's hits and misses are the ones the executor
+    performed (``same_decisions``; when not, the row measured other decisions)."""
+    from moesim.config.scenario import load_scenario
+    from moesim.simulator.engine import Simulation
+
+    rows = []
+    for r in table.itertuples():
+        sets = [f"hardware.profile={profile}", f"workload.trace.path={Path(traces[r.model]).resolve()}",
+                f"expert_compute={r.expert_compute}"]
+        path = f"validation/{r.scenario}"
+        row = {"model": r.model, "expert_compute": r.expert_compute, "scenario": r.scenario,
+               "capacity": r.capacity, "eviction": r.eviction, "prefetch": r.prefetch,
+               "tpot_measured_s": r.tpot_measured_s, "ttft_measured_s": r.ttft_measured_s,
+               "tpot_recorded_s": r.tpot_predicted_s, "ttft_recorded_s": r.ttft_predicted_s}
+        for name, sc in (("none", load_scenario(path, sets)), ("host", executor_style(load_scenario(path, sets), path, sets))):
+            res = Simulation(sc).run()
+            steps = res.steps
+            dec = (steps["phase"] == "decode").to_numpy()
+            row[f"tpot_{name}_s"] = float(steps.loc[dec, "duration_s"].mean())
+            row[f"ttft_{name}_s"] = float(steps.loc[~dec, "duration_s"].mean())
+            if name == "none":
+                s = res.summary
+                row["same_decisions"] = bool((s["misses"], s["hits"] + s["late_prefetches"]) == (r.misses_exec, r.hits_exec))
+            else:
+                row["style"] = sc.execution.style
+        for k in ("tpot", "ttft"):
+            for name in ("recorded", "none", "host"):
+                row[f"{k}_ape_{name}"] = abs(row[f"{k}_{name}_s"] - row[f"{k}_measured_s"]) / row[f"{k}_measured_s"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def repredicted_section(df: pd.DataFrame, command: str) -> str:
+    """The report's section on a re-prediction (:func:`repredict`): the error per model and
+    execution as recorded, today without a host model and today with the executor's host,
+    over the rows whose decisions today are the executor's."""
+    same = df[df["same_decisions"]]
+    lines = ["## Re-predicted with the host model (issue 37)", "",
+             f"`{command}` re-predicts every row with today's simulator and `profiles/h100.yaml` refitted with the "
+             "host's time per CUDA call (`diagnostics/host_overhead.csv`: data disjoint from the rows judged here). "
+             "The measured columns are the run's own. "
+             f"{len(df) - len(same)} rows are left out: today's simulator makes other decisions there than the "
+             "executor performed (issue 33). `recorded`: the prediction the run recorded; `none`: today, no host "
+             "model; `host`: today, with the executor's style (`graph-layer` or `graph-per-expert`).", "",
+             "| model | execution | rows | TPOT APE median recorded / none / host | TPOT APE p95 recorded / none / host | "
+             "TTFT APE median recorded / none / host |", "|---|---|---|---|---|---|"]
+
+    def trio(g: pd.DataFrame, k: str, q: float) -> str:
+        return " / ".join(f"{g[f'{k}_ape_{n}'].quantile(q):.1%}" for n in ("recorded", "none", "host"))
+
+    for (model, mode), g in same.groupby(["model", "expert_compute"], sort=True):
+        lines.append(f"| {model} | {mode} | {len(g)} | {trio(g, 'tpot', 0.5)} | {trio(g, 'tpot', 0.95)} | "
+                     f"{trio(g, 'ttft', 0.5)} |")
+    return "\n".join(lines) + "\n"
 
 
 def shape_warnings(profile: str, trace: Any) -> list[str]:

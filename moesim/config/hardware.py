@@ -13,7 +13,7 @@ that. One copy engine per direction per link serialises its transfers.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from moesim.errors import MoesimError, did_you_mean
@@ -64,6 +64,31 @@ class GpuConfig:
 
 
 @dataclass(frozen=True)
+class HostCosts:
+    """What the host thread that feeds the GPU spends per CUDA call, microseconds (the
+    execution styles of :mod:`moesim.config.execution` add them up). The defaults were measured
+    on the host of the H100 VM (``validation/h100/diagnostics/host_overhead.csv``, torch 2.11,
+    CUDA 13.0, 2026-11-22); ``moesim calibrate measure`` on a GPU records this machine's and a
+    profile's ``host`` section replaces them."""
+
+    graph_launch_us: float = field(default=9.07, metadata={"help": "replay one CUDA graph, microseconds"})
+    eager_kernel_us: float = field(default=13.344, metadata={
+        "help": "launch one kernel from eager PyTorch (an FFN's 5 kernels took 66.72 us), microseconds"})
+    copy_submit_us: float = field(default=7.34, metadata={
+        "help": "submit one host-to-device copy from pinned memory, microseconds"})
+    event_record_us: float = field(default=7.28, metadata={"help": "make and record one CUDA event, microseconds"})
+    stream_wait_us: float = field(default=10.94, metadata={
+        "help": "switch to another stream and make it wait for an event, microseconds"})
+    event_wait_us: float = field(default=5.62, metadata={
+        "help": "make the current stream wait for an event, microseconds"})
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if not getattr(self, f.name) >= 0:
+                raise ValueError(f"host.{f.name} must be >= 0 microseconds, got {getattr(self, f.name)}")
+
+
+@dataclass(frozen=True)
 class HardwareConfig:
     """One GPU with host memory behind a host link; optional extra links."""
 
@@ -78,6 +103,8 @@ class HardwareConfig:
         "help": "fixed non-expert cost per layer (kernel launches, routing), microseconds"})
     expert_overhead_us: float = field(default=5.0, metadata={
         "help": "fixed cost per expert FFN launch, microseconds"})
+    host: HostCosts = field(default_factory=HostCosts, metadata={
+        "help": "host-side cost of CUDA calls (execution styles add them up)"})
     gpus: int = field(default=1, metadata={
         "help": "GPUs; > 1 means expert parallelism: experts placed across GPUs, all resident"})
     placement: str = field(default="contiguous", metadata={
@@ -187,6 +214,8 @@ def expand_preset(data: dict[str, Any], where: str, base_dir: str = ".") -> dict
             "expert_table": prof.get("expert_time") or {},
             "nonexpert_table": prof.get("nonexpert_time") or {},
         }
+        if prof.get("host"):
+            measured["host"] = dict(prof["host"])
         if prof.get("launch_overhead_us") is not None:
             measured["expert_overhead_us"] = 0.0  # the measured FFN times include their launches
         if prof.get("nonexpert_time"):

@@ -8,6 +8,8 @@ Keys (``docs/design.md``: "Scenario YAML")::
                                    # (one at a time in router order, a Hugging Face-style loop)
     expert_fetch: pipelined        # per-expert only: expert j+1 looked up when j starts (its copy
                                    # overlaps j's compute), or blocking (looked up when j ends)
+    execution: {style: none}       # the host thread feeding the GPU: none, graph-layer,
+                                   # graph-per-expert, hf-loop or fused-moe (config/execution.py)
     hardware: {preset: a100-80g-pcie4, links: {pcie: {bandwidth_gbps: 5}}}
     workload:
       trace: {synth: {preset: olmoe-1b-7b, tokens: 2000}}   # or {path: trace.parquet}
@@ -30,6 +32,7 @@ from typing import Any, Literal
 import yaml
 
 from moesim.config.confload import ConfigError, build, to_plain
+from moesim.config.execution import ExecutionConfig, HostModel, resolve_host, style_defaults
 from moesim.config.hardware import HardwareConfig, expand_preset
 from moesim.errors import MoesimError
 from moesim.files import read_yaml as read_yaml_file
@@ -189,8 +192,21 @@ class Scenario:
     timing: bool = True
     expert_compute: Literal["layer", "on-arrival", "per-expert"] = "layer"
     expert_fetch: Literal["pipelined", "blocking"] = "pipelined"
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     source: str = "<memory>"
     base_dir: str = "."
+
+    @property
+    def host(self) -> HostModel:
+        """The execution style resolved against the hardware's host costs (zero in cache-only
+        replay, where no time passes)."""
+        return resolve_host(self.execution, self.hardware.host) if self.timing else HostModel()
+
+    def _execution_plain(self) -> dict[str, Any]:
+        """The ``execution`` key as resolved: the style and every knob's value."""
+        h = resolve_host(self.execution, self.hardware.host)
+        return {"style": self.execution.style, "host_layer_us": h.layer_us, "host_launch_us": h.launch_us,
+                "host_copy_us": h.copy_us, "host_sync": h.sync, "dequant": h.dequant}
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved scenario as plain data (what scenario.resolved.yaml holds)."""
@@ -199,7 +215,7 @@ class Scenario:
         hw = to_plain(self.hardware)  # the profile's tables stay out: 'profile' names their file
         return {
             "seed": self.seed, "timing": self.timing, "expert_compute": self.expert_compute,
-            "expert_fetch": self.expert_fetch,
+            "expert_fetch": self.expert_fetch, "execution": self._execution_plain(),
             "hardware": hw, "workload": to_plain(self.workload), "cache": to_plain(self.cache),
             "policies": pol,
         }
@@ -211,6 +227,7 @@ class _TopLevel:
     timing: bool = True
     expert_compute: Literal["layer", "on-arrival", "per-expert"] = "layer"
     expert_fetch: Literal["pipelined", "blocking"] = "pipelined"
+    execution: Any = None
     hardware: Any = None
     workload: Any = None
     cache: Any = None
@@ -317,10 +334,14 @@ def scenario_from_dict(data: Any, where: str = "<scenario>", base_dir: str = "."
         raise ConfigError(f"{where}: key 'policies.{unknown[0]}' is not a policy family"
                           f"{did_you_mean(str(unknown[0]), list(fams))}; valid families: {', '.join(fams)}.")
     specs = {fam: _policy(fam, pol_raw.get(fam, POLICY_DEFAULTS[fam]), where) for fam in fams}
+    execution = build(ExecutionConfig, top.execution, "execution", where)
+    style = style_defaults(execution.style)  # what the style sets unless the scenario does
+    compute = top.expert_compute if "expert_compute" in data else style.get("expert_compute", top.expert_compute)
+    fetch = top.expert_fetch if "expert_fetch" in data else style.get("expert_fetch", top.expert_fetch)
     return Scenario(hardware=hardware, workload=workload, cache=cache,
                     policies=PoliciesConfig(**specs), seed=top.seed, timing=top.timing,
-                    expert_compute=top.expert_compute, expert_fetch=top.expert_fetch, source=where,
-                    base_dir=base_dir)
+                    expert_compute=compute, expert_fetch=fetch,  # type: ignore[arg-type]
+                    execution=execution, source=where, base_dir=base_dir)
 
 
 def read_yaml(path: str | Path) -> Any:

@@ -64,6 +64,7 @@ class CopyEngine:
         self.on_complete: list[Callable[[list[Transfer]], None]] = []  # told the finished, in order
         self.bytes_moved = 0
         self.busy_time = 0.0
+        self.demand_submits = 0  # demand copies submitted (the host model charges each)
 
     def duration(self, nbytes: int) -> float:
         """Service time of a copy of ``nbytes``."""
@@ -85,6 +86,8 @@ class CopyEngine:
         self.bytes_moved += nbytes
         instant = self.instant  # started: the caller completes it at once (cache-only replay)
         start = done = now  # a prefetch's are set when it starts or is promoted
+        if priority == DEMAND:
+            self.demand_submits += 1
         if priority == DEMAND and not instant:
             demand = self._demand
             prev = demand[-1][DONE] if demand else self._busy_until

@@ -32,8 +32,10 @@ def _bf16_first(tables: dict[str, dict[str, dict]] | None) -> list[dict]:
 class CostModel:
     """Compute times from hardware peak figures (roofline)."""
 
-    def __init__(self, hardware: HardwareConfig, model: ModelInfo, expert_bytes: int) -> None:
+    def __init__(self, hardware: HardwareConfig, model: ModelInfo, expert_bytes: int,
+                 dequant: bool = False) -> None:
         self.hw = hardware
+        self.dequant = dequant
         self.model = model
         self.expert_bytes = expert_bytes
         self.hbm = hardware.gpu.hbm_bandwidth_gbps * 1e9
@@ -90,9 +92,19 @@ class CostModel:
         profile's table (log-log interpolation) when it has this model's shape, else roofline."""
         tokens = np.asarray(tokens, dtype=np.float64)
         if self._table is not None:
-            return self._interp(self._table, tokens) + self.hw.expert_overhead_us * 1e-6
+            return self._interp(self._table, tokens) + self.hw.expert_overhead_us * 1e-6 + self.dequant_time(
+                self.expert_bytes)
         return (np.maximum(self.expert_bytes / self.hbm, self.expert_flops_per_token * tokens / self.peak)
-                + self.hw.expert_overhead_us * 1e-6)
+                + self.hw.expert_overhead_us * 1e-6 + self.dequant_time(self.expert_bytes))
+
+    def dequant_time(self, nbytes: int) -> float:
+        """Seconds to dequantise one expert stored in ``nbytes`` to bf16 before its matmuls (an
+        execution style's ``dequant``; 0 at 16 bits and more): HBM roofline of reading the
+        quantised weights and writing bf16 ones, ``(nbytes + 2 * params) / HBM bandwidth``."""
+        bf16 = self.expert_flops_per_token  # 2 bytes for each of the 3 * H * I parameters: 6 * H * I
+        if not self.dequant or nbytes >= bf16:
+            return 0.0
+        return (nbytes + bf16) / self.hbm
 
     def expert_time_at(self, tokens: int, nbytes: int) -> float:
         """Seconds of one expert FFN with ``tokens`` tokens, its weights ``nbytes`` bytes: at
@@ -104,7 +116,7 @@ class CostModel:
                 seconds = float(self.expert_time(np.array([tokens]))[0])
             else:
                 seconds = (max(nbytes / self.hbm, self.expert_flops_per_token * tokens / self.peak)
-                           + self.hw.expert_overhead_us * 1e-6)
+                           + self.hw.expert_overhead_us * 1e-6 + self.dequant_time(nbytes))
             self._time_at[(tokens, nbytes)] = seconds
         return seconds
 

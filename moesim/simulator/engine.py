@@ -93,7 +93,7 @@ class Simulation:
         self.num_prec = len(size.precisions)
         self.default_prec = size.default_prec
         self.capacity = size.capacity
-        self.cost = CostModel(scenario.hardware, model, self.expert_bytes)
+        self.cost = CostModel(scenario.hardware, model, self.expert_bytes, dequant=scenario.host.dequant)
         self.progress = progress
         self.clock = Clock()
         pol = make_policies(scenario, workload, size, self.clock)
@@ -139,6 +139,12 @@ class Simulation:
         self.attn_scale = np.where(is_verify, 1.0 - (spec.sparse_attention if spec else 0.0), 1.0)
         self.ffn_scale = np.where(is_verify, 1.0 - (spec.sparse_ffn if spec else 0.0) / 3.0, 1.0)
         self.timing = scenario.timing
+        # the host thread (docs/execution.md, "The host thread"): its clock, its costs in seconds
+        hm = scenario.host
+        self.host_on = hm.active
+        self.host_t = 0.0
+        self.host_layer, self.host_launch, self.host_copy = hm.layer_us * 1e-6, hm.launch_us * 1e-6, hm.copy_us * 1e-6
+        self.host_sync = ("none", "layer", "expert").index(hm.sync)
         self.general = (self.routing.changes_routing or not self.miss.always_fetch or self.budget.restricts
                         or scenario.hardware.gpus > 1)
         self._ep_max_load = np.zeros(workload.num_passes)
@@ -248,8 +254,15 @@ class Simulation:
                     yield env.timeout(self._ep_step(p, layer, ne))
                     continue
                 delay = carry + ne  # the previous layer's experts, then this one's attention
+                if self.host_on:  # the host issues the non-expert part; the GPU starts it once issued
+                    self.host_t += self.host_layer
+                    lag = self.host_t - env.now
+                    if lag > carry:
+                        delay = lag + ne
                 if delay > 0:
                     yield env.timeout(delay)
+                if self.host_sync and self.host_t < env.now:  # the host waits for the routing
+                    self.host_t = env.now
                 carry = 0.0
                 lo, hi = off[p * num_l + layer], off[p * num_l + layer + 1]
                 if lo < hi:  # else no routing for this (pass, layer): the layer is skipped
@@ -301,8 +314,11 @@ class Simulation:
         pinned = set(look.keys)
         runs: list[Run] = []
         lookup = look.lookup
+        copies = self.copy.demand_submits
         for i in range(len(look)):
             lookup(i, pinned, now, runs)
+        if self.host_on:  # the host submits the layer's demand copies
+            self.host_t += (self.copy.demand_submits - copies) * self.host_copy
         if self.prefetch.active:
             self.pfq.propose(p, layer, now, self.row, pinned)
         end = self._compute(look.finish(runs), now, self.scenario.expert_compute == "on-arrival")
@@ -322,8 +338,11 @@ class Simulation:
         self.row = PassRow()
 
     def _end_pass(self, p: int, bytes0: int) -> None:
-        """The pass's row: its end, stall and counts (the only place they are written)."""
+        """The pass's row: its end, stall and counts (the only place they are written). The
+        host waits for the pass's end (its next token needs this one)."""
         row = self.row
+        if self.host_t < self.env.now:
+            self.host_t = self.env.now
         self.copy.advance(self.env.now)
         self._t_end[p] = self.env.now
         self._stall[p] = row.stall
@@ -348,6 +367,7 @@ class Simulation:
         arrived, in arrival order: t = max(t, arrival) + compute. Stall is the time the
         compute stream waits. Returns the layer's end."""
         row = self.row
+        host = self.host_on
         if not on_arrival:
             ready = now
             total = 0.0
@@ -356,12 +376,22 @@ class Simulation:
                     ready = tr[DONE]
                 total += f
             row.stall += ready - now
+            if host and runs:  # one launch for the layer's experts
+                self.host_t += self.host_launch
+                if self.host_t > ready:
+                    ready = self.host_t
             return ready + total
         t = now
         for a, f in sorted((arrival(tr, now), f) for _, tr, f in runs):
+            if host:  # one launch per expert, after the GPU has run the last (host_sync: expert)
+                if self.host_sync == 2 and self.host_t < t:
+                    self.host_t = t
+                self.host_t += self.host_launch
             if a > t:
                 row.stall += a - t
                 t = a
+            if host and self.host_t > t:
+                t = self.host_t
             t += f
         return t
 
@@ -395,22 +425,30 @@ class Simulation:
         cur: list[Run] = []
         nxt: list[Run] = []  # the computations of the expert looked up next, if any
         looked = 0  # experts looked up so far
+        host = self.host_on
         if n:
-            look.lookup(0, set(), t, cur)
+            self._host_lookup(look, 0, set(), t, cur)
             looked = 1
+        launched = False  # whether expert i's launch is issued already (it started at once)
+        issued = 0.0  # when the host issued expert i's launch
         for i in range(n):
+            if host and not launched:
+                issued = self._host_issue(cur, t, blocking)
+            launched = False
             for _, tr, _ in cur:
                 a = arrival(tr, t)
                 if a > t:
                     row.stall += a - t
                     t = a
+            if host and issued > t:  # the GPU waits for the host to launch expert i
+                t = issued
             if timing:
                 advance(t)
                 clock.now = t
             pins = {key for key, _, _ in cur}  # the running expert
             if not blocking and looked == i + 1 and looked < n:
                 nxt = []
-                look.lookup(looked, set(pins), t, nxt)
+                self._host_lookup(look, looked, set(pins), t, nxt)
                 looked += 1
             for _, _, f in cur:
                 t += f
@@ -423,12 +461,16 @@ class Simulation:
             if blocking:
                 nxt = []
                 if looked < n:
-                    look.lookup(looked, set(), t, nxt)
+                    self._host_lookup(look, looked, set(), t, nxt)
                     looked += 1
-            elif looked == i + 2 and looked < n and all(arrival(tr, t) <= t for _, tr, _ in nxt):
+            elif (looked == i + 2 and looked < n and all(arrival(tr, t) <= t for _, tr, _ in nxt)
+                  and (not host or self._host_ready(t))):
                 held = {key for key, _, _ in nxt}
                 after: list[Run] = []  # expert i+1 starts now: i+2's lookup comes first
-                look.lookup(looked, set(held), t, after)
+                if host:  # i+1's launch, then i+2's copies
+                    issued = self._host_issue(nxt, t, False)
+                    launched = True
+                self._host_lookup(look, looked, set(held), t, after)
                 looked += 1
                 if pfq.waiting:
                     pfq.admit(t, held | {key for key, _, _ in after}, row)
@@ -440,6 +482,36 @@ class Simulation:
             nxt = []
         look.finish([])
         return t
+
+    def _host_lookup(self, look: LayerLookup, i: int, pins: set[int], t: float, runs: list[Run]) -> None:
+        """Look up expert ``i`` at ``t``; the host submits the demand copies it leads to."""
+        if not self.host_on:
+            look.lookup(i, pins, t, runs)
+            return
+        copies = self.copy.demand_submits
+        look.lookup(i, pins, t, runs)
+        self.host_t += (self.copy.demand_submits - copies) * self.host_copy
+
+    def _host_issue(self, runs: list[Run], t: float, blocking: bool) -> float:
+        """``per-expert`` execution: the host launches the expert whose computations are
+        ``runs``, the GPU having run the experts before it by ``t``: with ``host_sync:
+        expert`` it first waits for that; with a blocking fetch, for the expert's copy. Returns
+        when the launch is issued."""
+        if self.host_sync == 2 and self.host_t < t:
+            self.host_t = t
+        if blocking:
+            for _, tr, _ in runs:
+                a = arrival(tr, self.host_t)
+                if a > self.host_t:
+                    self.host_t = a
+        self.host_t += self.host_launch
+        return self.host_t
+
+    def _host_ready(self, t: float) -> bool:
+        """Whether the host can launch the next expert by ``t`` (pipelined ``per-expert``: the
+        expert then starts when the one before it ends)."""
+        h = t if self.host_sync == 2 and self.host_t < t else self.host_t
+        return h + self.host_launch <= t
 
     # -- expert parallelism --------------------------------------------------------------
     def _ep_nonexpert_times(self) -> list[float]:

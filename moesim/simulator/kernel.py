@@ -82,20 +82,20 @@ F_SCORE, F_NEXTUSE, F_NKF = range(3)
 # offsets (H_*), then the regions (per-key fields, transfer slots, queues, scratch).
 (S_SEQ, S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_HEAD, S_TAIL, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
  S_FREEN, S_WH, S_WN, S_PENDN, S_MEMBN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
- S_SCOREPASS, S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP,
+ S_SCOREPASS, S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM,
  C_EV, C_LS_REL, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE, C_LRUNCAP,
- C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE, C_BLOCKING,
+ C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
  H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, I_HEADER) = range(106)
+ H_PDUR, I_HEADER) = range(109)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then per-key fields, transfer times, scratch.
-(SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, CF_CAP, CF_DECAY,
- F_HEADER) = range(10)
+(SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, SF_HOST, CF_CAP, CF_DECAY,
+ CF_HLAYER, CF_HLAUNCH, CF_HCOPY, F_HEADER) = range(14)
 # transfer slots
 T_KEY, T_PRIO, T_SEQ, T_STARTED, T_CANCELLED, T_BYPASS, T_PFSLOT, T_NTI = range(8)
 T_ISSUED, T_START, T_DONE, T_DUR, T_NTF = range(5)
@@ -517,6 +517,8 @@ def _submit(key, prio, now, bypass, IS, FS):
     FS[tf + T_DONE] = now
     FS[tf + T_DUR] = dur
     IS[S_BYTES] += _nbytes(key, IS)
+    if prio == DEMAND:
+        IS[S_NDEM] += 1
     if IS[C_INSTANT]:
         IS[ti + T_STARTED] = 1
     elif prio == DEMAND:
@@ -1179,8 +1181,11 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     for j in range(lo, hi):
         IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_PIN] = pins
     IS[S_NCOMP] = 0
+    copies = IS[S_NDEM]
     for i in range(hi - lo):
         _lookup(lo + i, now, pins, -1, IS, FS, DI, A, M)
+    if IS[C_HOST]:  # the host submits the layer's demand copies
+        FS[SF_HOST] += (IS[S_NDEM] - copies) * FS[CF_HCOPY]
     computed = IS[S_NCOMP]
     if IS[C_PFACTIVE]:
         _propose(p, layer, p0, now, pins, IS, FS, DI, A, P)
@@ -1195,6 +1200,10 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
                 ready = a
             total += _ffn(IS[r + 2], _tokens_of(IS[r + 2], IS[r + 3], p, IS, M), DF, IS) * scale
         FS[SF_STALL] += ready - now
+        if IS[C_HOST] and computed:  # one launch for the layer's experts
+            FS[SF_HOST] += FS[CF_HLAUNCH]
+            if FS[SF_HOST] > ready:
+                ready = FS[SF_HOST]
         end = ready + total
     else:  # on-arrival: in arrival order (ties by compute time), each when it has arrived
         for i in range(computed):
@@ -1210,9 +1219,15 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
             FS[IS[H_SCR] + IS[C_MAXN] + j] = f
         t = now
         for i in range(computed):
+            if IS[C_HOST]:  # one launch per expert, after the GPU has run the last (sync: expert)
+                if IS[C_HSYNC] == 2 and FS[SF_HOST] < t:
+                    FS[SF_HOST] = t
+                FS[SF_HOST] += FS[CF_HLAUNCH]
             if FS[IS[H_SCR] + i] > t:
                 FS[SF_STALL] += FS[IS[H_SCR] + i] - t
                 t = FS[IS[H_SCR] + i]
+            if IS[C_HOST] and FS[SF_HOST] > t:
+                t = FS[SF_HOST]
             t += FS[IS[H_SCR] + IS[C_MAXN] + i]
         end = t
     _new_gen(IS, S_PENDGEN)  # the layer's experts have run
@@ -1241,6 +1256,41 @@ def _buffer_arrived(buf, t, IS, FS):
     return True
 
 
+@_inline
+def _host_lookup(ai, t, pins, buf, IS, FS, DI, A, M):
+    """Look up access ``ai`` at ``t`` into lookup buffer ``buf`` (engine's ``_host_lookup``):
+    the host submits the demand copies it leads to."""
+    copies = IS[S_NDEM]
+    _lookup(ai, t, pins, buf, IS, FS, DI, A, M)
+    if IS[C_HOST]:
+        FS[SF_HOST] += (IS[S_NDEM] - copies) * FS[CF_HCOPY]
+
+
+@_jit
+def _host_issue(buf, t, blocking, IS, FS):
+    """The host launches the expert of lookup buffer ``buf``, the GPU having run the ones
+    before it by ``t`` (engine's ``_host_issue``); returns when the launch is issued."""
+    if IS[C_HSYNC] == 2 and FS[SF_HOST] < t:
+        FS[SF_HOST] = t
+    if blocking:
+        b = IS[H_LRUN] + buf * IS[C_LRUNCAP] * 4
+        for x in range(IS[S_LRUNN + buf]):
+            a = _arrival(IS[b + x * 4], IS[b + x * 4 + 1], FS[SF_HOST], IS, FS)
+            if a > FS[SF_HOST]:
+                FS[SF_HOST] = a
+    FS[SF_HOST] += FS[CF_HLAUNCH]
+    return FS[SF_HOST]
+
+
+@_inline
+def _host_ready(t, IS, FS):
+    """Whether the host can launch the next expert by ``t`` (engine's ``_host_ready``)."""
+    h = FS[SF_HOST]
+    if IS[C_HSYNC] == 2 and h < t:
+        h = t
+    return h + FS[CF_HLAUNCH] <= t
+
+
 @_jit
 def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     """``per-expert`` execution of one layer (engine's ``_per_expert``, both ``expert_fetch``
@@ -1249,6 +1299,7 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     when an expert ends reuses the ended expert's buffer)."""
     timed = not IS[C_INSTANT]
     blocking = IS[C_BLOCKING]
+    host = IS[C_HOST]
     _mark_pending(lo, hi, IS, A)
     if IS[C_PFACTIVE]:
         _withdraw(layer, lo, hi, IS, A)
@@ -1260,15 +1311,22 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     scale = DF[IS[H_SCALE] + p]
     IS[S_LRUNN] = IS[S_LRUNN + 1] = IS[S_NCOMP] = 0
     if n:
-        _lookup(lo, t, _new_gen(IS, S_PINGEN), cur, IS, FS, DI, A, M)
+        _host_lookup(lo, t, _new_gen(IS, S_PINGEN), cur, IS, FS, DI, A, M)
         looked = 1
+    launched = False
+    issued = 0.0
     for i in range(n):
+        if host and not launched:
+            issued = _host_issue(cur, t, blocking, IS, FS)
+        launched = False
         base = IS[H_LRUN] + cur * IS[C_LRUNCAP] * 4
         for x in range(IS[S_LRUNN + cur]):
             a = _arrival(IS[base + x * 4], IS[base + x * 4 + 1], t, IS, FS)
             if a > t:
                 FS[SF_STALL] += a - t
                 t = a
+        if host and issued > t:  # the GPU waits for the host to launch expert i
+            t = issued
         if timed:
             _advance(t, IS, FS)
         nxt = 1 - cur
@@ -1276,7 +1334,7 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
             IS[S_LRUNN + nxt] = 0
             pins = _new_gen(IS, S_PINGEN)
             _pin_buffer(cur, pins, IS)  # the running expert
-            _lookup(lo + looked, t, pins, nxt, IS, FS, DI, A, M)
+            _host_lookup(lo + looked, t, pins, nxt, IS, FS, DI, A, M)
             looked += 1
         for x in range(IS[S_LRUNN + cur]):
             t += _ffn(IS[base + x * 4 + 2], IS[base + x * 4 + 3], DF, IS) * scale
@@ -1287,14 +1345,18 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
         if blocking:
             IS[S_LRUNN + nxt] = 0
             if looked < n:
-                _lookup(lo + looked, t, _new_gen(IS, S_PINGEN), nxt, IS, FS, DI, A, M)
+                _host_lookup(lo + looked, t, _new_gen(IS, S_PINGEN), nxt, IS, FS, DI, A, M)
                 looked += 1
-        elif looked == i + 2 and looked < n and _buffer_arrived(nxt, t, IS, FS):
+        elif (looked == i + 2 and looked < n and _buffer_arrived(nxt, t, IS, FS)
+              and (not host or _host_ready(t, IS, FS))):
             # expert i+1 starts now: i+2's lookup (into the ended expert's buffer) comes first
+            if host:  # i+1's launch, then i+2's copies
+                issued = _host_issue(nxt, t, False, IS, FS)
+                launched = True
             IS[S_LRUNN + cur] = 0
             pins = _new_gen(IS, S_PINGEN)
             _pin_buffer(nxt, pins, IS)
-            _lookup(lo + looked, t, pins, cur, IS, FS, DI, A, M)
+            _host_lookup(lo + looked, t, pins, cur, IS, FS, DI, A, M)
             looked += 1
             if IS[S_WN]:
                 pins = _new_gen(IS, S_PINGEN)
@@ -1443,8 +1505,15 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, nonexp, cols, t_start, t_end,
                 IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_ACCPASS] = p
         for layer in range(num_l):
             delay = carry + ne
+            if IS[C_HOST]:  # the host issues the non-expert part; the GPU starts it once issued
+                FS[SF_HOST] += FS[CF_HLAYER]
+                lag = FS[SF_HOST] - now
+                if lag > carry:
+                    delay = lag + ne
             if delay > 0:
                 now = now + delay
+            if IS[C_HSYNC] and FS[SF_HOST] < now:  # the host waits for the routing
+                FS[SF_HOST] = now
             carry = 0.0
             lo, hi = DI[IS[H_OFF] + base + layer], DI[IS[H_OFF] + base + layer + 1]
             if lo == hi:
@@ -1464,6 +1533,8 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, nonexp, cols, t_start, t_end,
         if carry > 0:
             now = now + carry
             carry = 0.0
+        if FS[SF_HOST] < now:  # the host waits for the pass's end
+            FS[SF_HOST] = now
         _advance(now, IS, FS)
         t_end[p] = now
         stall[p] = FS[SF_STALL]
@@ -1682,6 +1753,9 @@ def replay(sim: Any) -> None:
     IS[C_PF] = pf
     IS[C_DEPTH] = sim.prefetch.params.depth if isinstance(sim.prefetch, Lookahead) else 0
     IS[C_BLOCKING] = sim.scenario.expert_fetch == "blocking"
+    IS[C_HOST] = sim.host_on
+    IS[C_HSYNC] = sim.host_sync
+    FS[CF_HLAYER], FS[CF_HLAUNCH], FS[CF_HCOPY] = sim.host_layer, sim.host_launch, sim.host_copy
     IS[C_MODE] = {"layer": MODE_LAYER, "on-arrival": MODE_ARRIVAL, "per-expert": MODE_PER_EXPERT}[
         sim.scenario.expert_compute]
     IS[C_INSTANT] = not sim.scenario.timing

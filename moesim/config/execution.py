@@ -1,0 +1,121 @@
+"""Execution styles: how the host thread of a serving stack feeds the GPU (``docs/execution.md``,
+"The host thread").
+
+The simulator's compute stream and copy engine model the GPU; a style adds the host thread
+that issues their work. It is one of a few named presets, each a sum of the measured host
+costs of CUDA calls (``hardware.host``, :class:`moesim.config.hardware.HostCosts`) over the
+calls that stack makes:
+
+- ``none`` (default): no host model; the GPU never waits for the host.
+- ``graph-layer`` and ``graph-per-expert``: moesim's own calibration executor
+  (``moesim calibrate validate``, :mod:`moesim.calibration.validate`) in ``layer`` and
+  ``per-expert`` execution: each layer's non-expert part and each expert launch is a CUDA
+  graph replay; a demand copy goes out on its own stream (two events made and recorded, a
+  stream switch and wait, the copy, and the compute stream's wait for it). Its host never
+  waits for the GPU inside a pass (it replays decisions it already has).
+- ``hf-loop``: a Hugging Face-style per-expert Python loop with blocking fetches (SpecMD,
+  ``speculating-experts-prefetch.txt`` appendix A.2: "fetch blocks until the expert loads
+  from CPU") and bitsandbytes-quantised experts. Its kernels are launched eagerly. Counted in
+  transformers 5.24's ``modeling_olmoe.py``: a decoder layer outside its experts launches 61
+  kernels (three RMSNorms of 8 kernels each in bf16, the q/k/v/o projections, rotary
+  embedding 10, KV-cache update 2, attention 1, two residual adds, router linear, softmax,
+  top-k and cast 4, and the expert mask 6: zeros, one-hot, sum, greater, nonzero); each routed
+  expert 10 (the ``expert_idx == num_experts`` test, ``torch.where``, the token gather, two
+  linears, SiLU, the gate product, the weight gather and product, ``index_add_``), two of which
+  (the test and ``torch.where``) make the host wait for the GPU: the host synchronises before
+  each expert. 4- and 8-bit experts are dequantised before their matmuls.
+- ``fused-moe``: a vLLM-like fused MoE kernel, one launch for a layer's experts, the
+  non-expert part a CUDA graph; copies submitted from pinned memory; no host waits.
+
+Every knob can be set directly (``execution.host_layer_us`` and the rest) over the style's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from moesim.config.hardware import HostCosts
+
+STYLES = ("none", "graph-layer", "graph-per-expert", "hf-loop", "fused-moe")
+HF_LAYER_KERNELS = 61  # a transformers 5.24 OLMoE decoder layer outside its experts (module docstring)
+HF_EXPERT_KERNELS = 10  # one routed expert of its loop
+
+
+@dataclass(frozen=True)
+class ExecutionConfig:
+    """The ``execution`` key: a style and, optionally, any of its knobs set directly."""
+
+    style: Literal["none", "graph-layer", "graph-per-expert", "hf-loop", "fused-moe"] = field(
+        default="none", metadata={"help": "how the host feeds the GPU: " + ", ".join(STYLES)})
+    host_layer_us: float | None = field(default=None, metadata={
+        "help": "host time to issue one layer's non-expert part, microseconds (default: the style's)"})
+    host_launch_us: float | None = field(default=None, metadata={
+        "help": "host time to issue one expert launch (per expert in per-expert and on-arrival "
+                "execution, one per layer in layer execution), microseconds (default: the style's)"})
+    host_copy_us: float | None = field(default=None, metadata={
+        "help": "host time to submit one demand copy, microseconds (default: the style's)"})
+    host_sync: Literal["none", "layer", "expert"] | None = field(default=None, metadata={
+        "help": "where the host waits for the GPU besides the pass's end: none, layer (at each routing "
+                "point), expert (also before each expert) (default: the style's)"})
+    dequant: bool | None = field(default=None, metadata={
+        "help": "4- and 8-bit experts are dequantised before their matmuls (default: the style's)"})
+
+    def __post_init__(self) -> None:
+        for key in ("host_layer_us", "host_launch_us", "host_copy_us"):
+            value = getattr(self, key)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{key} must be >= 0 microseconds, got {value}")
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """A style resolved against the hardware's host costs: what the replay reads."""
+
+    layer_us: float = 0.0
+    launch_us: float = 0.0
+    copy_us: float = 0.0
+    sync: Literal["none", "layer", "expert"] = "none"
+    dequant: bool = False
+
+    @property
+    def active(self) -> bool:
+        """Whether the host can ever make the GPU wait (else the replay skips the host)."""
+        return self.layer_us > 0 or self.launch_us > 0 or self.copy_us > 0 or self.sync != "none"
+
+
+def style_defaults(style: str) -> dict[str, str]:
+    """The top-level keys a style sets unless the scenario sets them."""
+    return {"graph-per-expert": {"expert_compute": "per-expert", "expert_fetch": "pipelined"},
+            "hf-loop": {"expert_compute": "per-expert", "expert_fetch": "blocking"},
+            "graph-layer": {"expert_compute": "layer"},
+            "fused-moe": {"expert_compute": "layer"}}.get(style, {})
+
+
+def style_costs(style: str, host: HostCosts) -> HostModel:
+    """A style's host costs, summed from the measured per-call costs (module docstring)."""
+    if style in ("graph-layer", "graph-per-expert"):
+        demand_copy = 2 * host.event_record_us + host.stream_wait_us + host.copy_submit_us + host.event_wait_us
+        return HostModel(layer_us=host.graph_launch_us, launch_us=host.graph_launch_us, copy_us=demand_copy)
+    if style == "hf-loop":
+        return HostModel(layer_us=HF_LAYER_KERNELS * host.eager_kernel_us,
+                         launch_us=HF_EXPERT_KERNELS * host.eager_kernel_us,
+                         copy_us=host.copy_submit_us, sync="expert", dequant=True)
+    if style == "fused-moe":
+        return HostModel(layer_us=host.graph_launch_us, launch_us=host.graph_launch_us,
+                         copy_us=host.copy_submit_us)
+    return HostModel()
+
+
+def resolve_host(execution: ExecutionConfig, host: HostCosts) -> HostModel:
+    """The style's costs with the knobs the scenario sets over them."""
+    base = style_costs(execution.style, host)
+
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    return HostModel(layer_us=float(pick(execution.host_layer_us, base.layer_us)),
+                     launch_us=float(pick(execution.host_launch_us, base.launch_us)),
+                     copy_us=float(pick(execution.host_copy_us, base.copy_us)),
+                     sync=pick(execution.host_sync, base.sync),
+                     dequant=bool(pick(execution.dequant, base.dequant)))

@@ -1,0 +1,211 @@
+"""The host thread (docs/execution.md, "The host thread"; ``moesim.config.execution``): each
+style's timeline worked by hand on a two-layer pass, the closed form of a policy change on a
+saturated link, both replay paths bit-identical under every style, and the ``execution`` key's
+configuration and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moesim.config.confload import ConfigError
+from moesim.config.execution import HF_EXPERT_KERNELS, HF_LAYER_KERNELS
+from moesim.simulator.engine import simulate
+from moesim.simulator.workload import build_workload
+from moesim.traces.synth import generate
+from tests.helpers import datasheet_times, experts_cap, scenario, small_model, trace_from_array
+
+# round host costs (microseconds) so that every style's sums are easy to follow by hand:
+# graph styles: layer 10, launch 10, demand copy 2*1 + 2 + 3 + 1 = 8;
+# hf-loop: layer 61 * 2 = 122, launch 10 * 2 = 20, copy 3, host waits before each expert;
+# fused-moe: layer 10, launch 10, copy 3
+HOST = {"graph_launch_us": 10.0, "eager_kernel_us": 2.0, "copy_submit_us": 3.0, "event_record_us": 1.0,
+        "stream_wait_us": 2.0, "event_wait_us": 1.0}
+US = 1e-6
+
+
+def two_layer_case(style: str, path: str, monkeypatch, capacity: str = "0 experts", passes: int = 1):
+    """A two-layer model with 4 experts, top-2, decode passes of one token routed to experts
+    0 and 1 in layer 0 and 2 and 3 in layer 1; A100 + PCIe 4.0 datasheet times
+    (tests/helpers.datasheet_times): non-expert ``ne``, expert ``f`` (one token), copy ``c``."""
+    if path == "simpy":
+        monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+    model = small_model(layers=2, experts=4, top_k=2)
+    routed = np.array([[[[0, 1], [2, 3]]] * passes])
+    trace = trace_from_array(model, routed)
+    sc = scenario(hardware={"preset": "a100-80g-pcie4", "host": HOST}, cache={"capacity": capacity},
+                  execution={"style": style})
+    res = simulate(sc, trace=trace)
+    assert res.summary["replay_path"] == path
+    wl = build_workload(trace, 1)
+    ffn, nonexp, copy = datasheet_times(model, wl)
+    assert len(set(ffn.tolist())) == 1
+    return res, nonexp, float(ffn[0]), copy
+
+
+@pytest.mark.parametrize("path", ["kernel", "simpy"])
+@pytest.mark.parametrize("style", ["graph-layer", "fused-moe"])
+def test_a_layer_style_s_host_delays_only_the_first_launch_when_copies_are_long(style, path, monkeypatch):
+    """``layer`` execution, every expert missing. Layer 0: the host issues the non-expert part
+    at 10 us, so it runs from 10 (the GPU waits) to the routing point r0 = 10 + ne; the host
+    then submits two copies (8 or 3 us each) and the experts' launch (10 us), done by r0 + 26
+    at the latest, long before the copies land at r0 + 2c; the experts end at r0 + 2c + 2f.
+    Layer 1: the host issued its non-expert part while layer 0's copies ran, so it starts when
+    layer 0 ends. Pass: 10 + 2 ne + 4 c + 4 f."""
+    res, nonexp, f, c = two_layer_case(style, path, monkeypatch)
+    ne = nonexp[0]
+    assert 2 * c > 26 * US  # the host is ahead from layer 0's copies on
+    assert res.steps["duration_s"].iloc[0] == pytest.approx(10 * US + 2 * ne + 4 * c + 4 * f, rel=1e-12)
+    base, *_ = two_layer_case("none", path, monkeypatch)
+    assert res.steps["duration_s"].iloc[0] - base.steps["duration_s"].iloc[0] == pytest.approx(10 * US, rel=1e-9)
+
+
+@pytest.mark.parametrize("path", ["kernel", "simpy"])
+def test_graph_per_expert_pipelines_its_copies_behind_the_host(path, monkeypatch):
+    """``per-expert`` execution, pipelined fetch, every expert missing. Layer 0: non-expert
+    from 10 to r0 = 10 + ne; expert 0's copy r0 .. r0 + c (host at 18), its launch issued at
+    28; it runs at r0 + c, when expert 1's copy is submitted (host 36) and goes out behind it
+    (to r0 + 2c); expert 1's launch is issued at 46 and it runs r0 + 2c .. r0 + 2c + f.
+    Layer 1: issued at 56, far ahead, so it follows at once. Pass: 10 + 2 ne + 4 c + 2 f."""
+    res, nonexp, f, c = two_layer_case("graph-per-expert", path, monkeypatch)
+    ne = nonexp[0]
+    assert res.steps["duration_s"].iloc[0] == pytest.approx(10 * US + 2 * ne + 4 * c + 2 * f, rel=1e-12)
+
+
+@pytest.mark.parametrize("path", ["kernel", "simpy"])
+def test_the_hf_loop_waits_for_each_fetch_and_each_expert(path, monkeypatch):
+    """``hf-loop``: per-expert, blocking fetch, host waits before each expert. Layer 0: the
+    host issues the non-expert part (61 kernels, 122 us): the routing point r0 = 122 + ne, where
+    the host waits for the router. Expert 0: copy submitted (3 us), the host blocks until it
+    lands at r0 + c, launches (10 kernels, 20 us): it runs r0 + c + 20 .. r0 + c + 20 + f; only
+    then is expert 1 looked up (blocking) and copied, to r0 + 2c + 20 + f, the host having
+    waited for expert 0 (r0 + c + 20 + f > its r0 + c + 23); launched at r0 + 2c + 40 + f, it
+    ends at e0 = r0 + 2c + 40 + 2f. Layer 1's non-expert part is issued once expert 1's launch
+    is (r0 + 2c + 40 + f) and takes the host 122 us, so it runs from there: r1 = r0 + 2c + 40
+    + f + 122 + ne, then the same as layer 0. Pass: 2 * 122 + 2 ne + 4 c + 4 * 20 + 3 f."""
+    res, nonexp, f, c = two_layer_case("hf-loop", path, monkeypatch)
+    ne = nonexp[0]
+    assert (HF_LAYER_KERNELS, HF_EXPERT_KERNELS) == (61, 10)
+    assert f < 3 * US + 20 * US
+    assert f < 122 * US
+    want = 2 * 122 * US + 2 * ne + 4 * c + 4 * 20 * US + 3 * f
+    assert res.steps["duration_s"].iloc[0] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("path", ["kernel", "simpy"])
+def test_the_hf_loop_is_host_bound_when_every_expert_is_resident(path, monkeypatch):
+    """The same pass again with every expert resident (second pass, capacity for all): no
+    copies, so each layer takes the host's 122 us, the non-expert part, and per expert a
+    launch of 20 us after the GPU has run the one before: 2 * 122 + 2 ne + 4 * 20 + 3 f."""
+    res, nonexp, f, _ = two_layer_case("hf-loop", path, monkeypatch, capacity="inf", passes=2)
+    ne = nonexp[1]
+    assert res.steps["hits"].tolist() == [0, 4]
+    want = 2 * 122 * US + 2 * ne + 4 * 20 * US + 3 * f
+    assert res.steps["duration_s"].iloc[1] == pytest.approx(want, rel=1e-12)
+    assert res.steps["stall_s"].iloc[1] == 0.0  # the GPU waited for the host, not for copies
+
+
+@pytest.mark.parametrize(("mode", "fetch"), [("layer", "pipelined"), ("per-expert", "blocking")])
+@pytest.mark.parametrize("path", ["kernel", "simpy"])
+def test_on_a_saturated_link_a_policy_change_saves_its_copies_times_the_copy_time(mode, fetch, path, monkeypatch):
+    """No host cost, no prefetch, every layer waiting for its copies (``layer`` execution, or
+    ``per-expert`` with blocking fetches): a step is sum(ne) + copies * c + sum(f), so in every
+    pass two eviction policies' step times differ by exactly their copy-count difference
+    times c (a prefill included: its TTFT)."""
+    if path == "simpy":
+        monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+    model = small_model(layers=3, experts=16, top_k=4)
+    trace = generate(model, requests=1, prompt_tokens=12, tokens=30, seed=4)
+    out = {}
+    for ev in ("lru", "least-stale", "belady"):
+        sc = scenario(cache={"capacity": experts_cap(10, model)}, expert_compute=mode, expert_fetch=fetch,
+                      policies={"eviction": ev})
+        res = simulate(sc, trace=trace)
+        assert res.summary["replay_path"] == path
+        out[ev] = (res.steps["duration_s"].to_numpy(), res.steps["misses"].to_numpy())
+    _, _, c = datasheet_times(model, build_workload(trace, 1))
+    assert out["lru"][1].sum() > out["belady"][1].sum()
+    for a, b in (("lru", "least-stale"), ("lru", "belady"), ("least-stale", "belady")):
+        np.testing.assert_allclose(out[a][0] - out[b][0], (out[a][1] - out[b][1]) * c, rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("prefetch", ["none", "previous-token", "oracle"])
+@pytest.mark.parametrize(("style", "mode"), [("graph-layer", None), ("graph-per-expert", None), ("hf-loop", None),
+                                        ("hf-loop", "pipelined"), ("fused-moe", "on-arrival"),
+                                        ("hf-loop", "on-arrival")])
+def test_both_replay_paths_agree_bit_for_bit_under_every_style(style, mode, prefetch, monkeypatch):
+    """Every per-pass column, kernel against SimPy, with a host that both leads and lags the
+    GPU (prefetch proposals admitted while it does)."""
+    model = small_model(layers=3, experts=16, top_k=4)
+    trace = generate(model, requests=2, prompt_tokens=6, tokens=25, seed=9)
+    over = {"expert_fetch": mode} if mode == "pipelined" else ({"expert_compute": mode} if mode else {})
+    sc = scenario(cache={"capacity": experts_cap(14, model)}, execution={"style": style},
+                  hardware={"preset": "a100-80g-pcie4", "host": HOST}, policies={"prefetch": prefetch},
+                  workload={"batch_size": 2}, **over)
+    a = simulate(sc, trace=trace)
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+    b = simulate(sc, trace=trace)
+    assert (a.summary["replay_path"], b.summary["replay_path"]) == ("kernel", "simpy")
+    for col in a.steps.columns:
+        if a.steps[col].dtype != object:
+            np.testing.assert_array_equal(a.steps[col].to_numpy(), b.steps[col].to_numpy(), err_msg=col)
+    base = simulate(scenario(cache={"capacity": experts_cap(14, model)}, policies={"prefetch": prefetch},
+                             workload={"batch_size": 2}, expert_compute=sc.expert_compute,
+                             expert_fetch=sc.expert_fetch), trace=trace)
+    if prefetch == "none":  # the same decisions; the host only adds time
+        assert a.summary["misses"] == base.summary["misses"]
+        assert (a.steps["duration_s"].to_numpy() >= base.steps["duration_s"].to_numpy()).all()
+
+
+def test_a_style_sets_the_execution_keys_the_scenario_leaves_out():
+    hf = scenario(execution={"style": "hf-loop"})
+    assert (hf.expert_compute, hf.expert_fetch) == ("per-expert", "blocking")
+    host = hf.hardware.host
+    assert hf.host.layer_us == pytest.approx(61 * host.eager_kernel_us)
+    assert hf.host.launch_us == pytest.approx(10 * host.eager_kernel_us)
+    assert (hf.host.copy_us, hf.host.sync, hf.host.dequant) == (host.copy_submit_us, "expert", True)
+    mine = scenario(execution={"style": "hf-loop", "host_sync": "layer", "host_launch_us": 5}, expert_fetch="pipelined")
+    assert (mine.expert_compute, mine.expert_fetch, mine.host.sync, mine.host.launch_us) == (
+        "per-expert", "pipelined", "layer", 5.0)
+    graph = scenario(execution={"style": "graph-per-expert"})
+    assert graph.host.copy_us == pytest.approx(7.28 * 2 + 10.94 + 7.34 + 5.62)  # 47.53 - 9.07 measured
+    assert graph.to_dict()["execution"] == {"style": "graph-per-expert", "host_layer_us": 9.07,
+                                            "host_launch_us": 9.07, "host_copy_us": graph.host.copy_us,
+                                            "host_sync": "none", "dequant": False}
+    assert not scenario().host.active
+    assert not scenario(execution={"style": "hf-loop"}, timing=False).host.active
+
+
+@pytest.mark.parametrize(("execution", "words"), [
+    ({"style": "hf"}, ["execution.style", "hf-loop"]),
+    ({"host_launch_us": -1}, ["execution", "host_launch_us must be >= 0"]),
+    ({"host_sync": "token"}, ["execution.host_sync", "expert"]),
+    ({"threads": 2}, ["execution.threads", "host_copy_us"]),
+])
+def test_a_bad_execution_key_is_named_with_its_fix(execution, words):
+    with pytest.raises(ConfigError) as err:
+        scenario(execution=execution)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_a_negative_host_cost_in_the_hardware_is_refused():
+    with pytest.raises(ConfigError, match=r"host\.graph_launch_us must be >= 0"):
+        scenario(hardware={"preset": "a100-80g-pcie4", "host": {"graph_launch_us": -2}})
+
+
+def test_dequantisation_adds_the_hbm_roofline_of_a_4_bit_expert(monkeypatch):
+    """``dequant``: a 4-bit expert (H 256, I 512: 393,216 parameters, 196,608 bytes) is read
+    and written back in bf16 (786,432 bytes) before its matmuls: 982,912 bytes at 2039 GB/s
+    more per expert computation; bf16 experts are not dequantised."""
+    model = small_model(layers=2, experts=4, top_k=2)
+    trace = trace_from_array(model, np.array([[[[0, 1], [2, 3]]]]))
+    times = {}
+    for prec in ("bf16", "int4"):
+        for dq in (False, True):
+            sc = scenario(cache={"capacity": "inf", "precision": prec}, execution={"dequant": dq})
+            times[prec, dq] = simulate(sc, trace=trace).steps["duration_s"].iloc[0]
+    assert model.expert_bytes["int4"] == 196_608
+    assert times["bf16", True] == times["bf16", False]
+    extra = times["int4", True] - times["int4", False]
+    assert extra == pytest.approx(4 * (196_608 + 786_432) / 2039e9, rel=1e-9)
