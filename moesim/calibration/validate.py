@@ -389,14 +389,14 @@ def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str]) -> pd.D
     from moesim.simulator.engine import Simulation
 
     rows = []
-    for r in table.itertuples():
-        sets = [f"hardware.profile={profile}", f"workload.trace.path={Path(traces[r.model]).resolve()}",
-                f"expert_compute={r.expert_compute}"]
-        path = f"validation/{r.scenario}"
-        row = {"model": r.model, "expert_compute": r.expert_compute, "scenario": r.scenario,
-               "capacity": r.capacity, "eviction": r.eviction, "prefetch": r.prefetch,
-               "tpot_measured_s": r.tpot_measured_s, "ttft_measured_s": r.ttft_measured_s,
-               "tpot_recorded_s": r.tpot_predicted_s, "ttft_recorded_s": r.ttft_predicted_s}
+    for r in table.to_dict("records"):
+        sets = [f"hardware.profile={profile}", f"workload.trace.path={Path(traces[r['model']]).resolve()}",
+                f"expert_compute={r['expert_compute']}"]
+        path = f"validation/{r['scenario']}"
+        row = {"model": r["model"], "expert_compute": r["expert_compute"], "scenario": r["scenario"],
+               "capacity": r["capacity"], "eviction": r["eviction"], "prefetch": r["prefetch"],
+               "tpot_measured_s": r["tpot_measured_s"], "ttft_measured_s": r["ttft_measured_s"],
+               "tpot_recorded_s": r["tpot_predicted_s"], "ttft_recorded_s": r["ttft_predicted_s"]}
         for name, sc in (("none", load_scenario(path, sets)), ("host", executor_style(load_scenario(path, sets), path, sets))):
             res = Simulation(sc).run()
             steps = res.steps
@@ -405,7 +405,7 @@ def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str]) -> pd.D
             row[f"ttft_{name}_s"] = float(steps.loc[~dec, "duration_s"].mean())
             if name == "none":
                 s = res.summary
-                row["same_decisions"] = bool((s["misses"], s["hits"] + s["late_prefetches"]) == (r.misses_exec, r.hits_exec))
+                row["same_decisions"] = bool((s["misses"], s["hits"] + s["late_prefetches"]) == (r["misses_exec"], r["hits_exec"]))
             else:
                 row["style"] = sc.execution.style
         for k in ("tpot", "ttft"):
