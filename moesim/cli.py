@@ -805,7 +805,7 @@ def policies_cmd(family: str | None, as_json: bool) -> None:
 @cli.command("presets")
 @click.option("--json", "as_json", is_flag=True, help="Every figure of every preset as JSON.")
 def presets_cmd(as_json: bool) -> None:
-    """List hardware presets (datasheet figures) and synthetic model presets."""
+    """List hardware presets (datasheet figures), synthetic model presets and execution styles."""
     from rich.console import Console
 
     from moesim.config.hardware import PRESETS as HW
@@ -815,7 +815,9 @@ def presets_cmd(as_json: bool) -> None:
         models = {name: {"model": p.model.to_dict(), "routing": {"skew": p.routing.skew, "reuse": p.routing.reuse,
                                                                   "corr": p.routing.corr}, "tuned_on": p.tuned_on}
                   for name, p in SY.items()}
-        click.echo(json.dumps({"hardware": HW, "models": models}, indent=1, default=str))
+        styles = {r[0]: dict(zip(("execution", "host_layer_us", "host_launch_us", "host_copy_us", "host_sync", "dequant"),
+                                 r[1:], strict=True)) for r in _style_rows()}
+        click.echo(json.dumps({"hardware": HW, "models": models, "execution_styles": styles}, indent=1, default=str))
         return
     con = Console()
     rows = []
@@ -831,7 +833,24 @@ def presets_cmd(as_json: bool) -> None:
         m = p.model
         rows.append([name, str(m.num_layers), str(m.num_experts), str(m.top_k), f"{m.expert_bytes['bf16'] / 2**20:.1f}"])
     con.print(_table("synthetic model presets", ["name", "layers", "experts", "top-k", "expert MiB (bf16)"], rows))
-    con.print("moesim presets --json adds the GPU names, every link, and each model's routing parameters.")
+    con.print(_table("execution styles (execution.style): host us per layer, per launch and per demand copy "
+                     "at the default hardware.host",
+                     ["style", "execution", "layer", "launch", "copy", "host waits", "dequant"], _style_rows(),
+                     wide=("execution",)))
+    con.print("moesim presets --json adds the GPU names, every link, each model's routing parameters and the styles.")
+
+
+def _style_rows() -> list[list[str]]:
+    """Each execution style with the defaults it sets and its host costs at the default host."""
+    from moesim.config.execution import STYLES, style_costs, style_defaults
+    from moesim.config.hardware import HostCosts
+
+    rows = []
+    for name in STYLES:
+        d, h = style_defaults(name), style_costs(name, HostCosts())
+        mode = d.get("expert_compute", "(any)") + (f" {d['expert_fetch']}" if "expert_fetch" in d else "")
+        rows.append([name, mode, f"{h.layer_us:.2f}", f"{h.launch_us:.2f}", f"{h.copy_us:.2f}", h.sync, str(h.dequant)])
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -214,3 +214,30 @@ def test_dequantisation_adds_the_hbm_roofline_of_a_4_bit_expert(monkeypatch):
     assert times["bf16", True] == times["bf16", False]
     extra = times["int4", True] - times["int4", False]
     assert extra == pytest.approx(4 * (196_608 + 786_432) / 2039e9, rel=1e-9)
+
+
+def test_expert_parallelism_with_a_host_model_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"key 'execution' models the host of one GPU.*hardware.gpus: 1"):
+        scenario(execution={"style": "graph-layer"},
+                 hardware={"preset": "a100-80g-pcie4", "gpus": 2, "links": {"nvlink": {"bandwidth_gbps": 300}}})
+    assert scenario(hardware={"preset": "a100-80g-pcie4", "gpus": 2,
+                              "links": {"nvlink": {"bandwidth_gbps": 300}}}).hardware.gpus == 2
+
+
+def test_the_styles_are_listed_with_their_host_costs_and_named_in_compare_s_title():
+    import json
+    import subprocess
+    import sys
+
+    from moesim.simulator.compare import describe
+
+    out = subprocess.run([sys.executable, "-m", "moesim", "presets", "--json"], capture_output=True, text=True,
+                         check=True).stdout
+    styles = json.loads(out)["execution_styles"]
+    assert list(styles) == ["none", "graph-layer", "graph-per-expert", "hf-loop", "fused-moe"]
+    assert styles["hf-loop"] == {"execution": "per-expert blocking", "host_layer_us": "813.98",
+                                 "host_launch_us": "133.44", "host_copy_us": "7.34", "host_sync": "expert",
+                                 "dequant": "True"}
+    sc = scenario(execution={"style": "hf-loop"})
+    title = describe("s.yaml", sc.to_dict())
+    assert "per-expert (blocking fetch) execution with the hf-loop host, seed 0" in title

@@ -335,6 +335,10 @@ def scenario_from_dict(data: Any, where: str = "<scenario>", base_dir: str = "."
                           f"{did_you_mean(str(unknown[0]), list(fams))}; valid families: {', '.join(fams)}.")
     specs = {fam: _policy(fam, pol_raw.get(fam, POLICY_DEFAULTS[fam]), where) for fam in fams}
     execution = build(ExecutionConfig, top.execution, "execution", where)
+    if hardware.gpus > 1 and resolve_host(execution, hardware.host).active:
+        raise ConfigError(f"{where}: key 'execution' models the host of one GPU; with expert parallelism "
+                          f"(hardware.gpus: {hardware.gpus}) there is no host model. Remove the execution style and "
+                          "host costs, or set hardware.gpus: 1.")
     style = style_defaults(execution.style)  # what the style sets unless the scenario does
     compute = top.expert_compute if "expert_compute" in data else style.get("expert_compute", top.expert_compute)
     fetch = top.expert_fetch if "expert_fetch" in data else style.get("expert_fetch", top.expert_fetch)

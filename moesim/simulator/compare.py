@@ -307,6 +307,7 @@ def describe(scenario_path: str, data: dict[str, Any]) -> str:
     hw = sc.hardware
     link = f"{hw.host_link} {hw.h2d.bandwidth_gbps:g} GB/s"
     mode = f"per-expert ({sc.expert_fetch} fetch)" if sc.expert_compute == "per-expert" else str(sc.expert_compute)
+    host = f" with the {sc.execution.style} host" if sc.execution.style != "none" else ""
     preset = (data.get("hardware") or {}).get("preset", "custom hardware")
     return (f"moesim compare {scenario_path}: {trace}; {preset}, {link}; batch {sc.workload.batch_size}, "
-            f"{mode} execution, seed {sc.seed}")
+            f"{mode} execution{host}, seed {sc.seed}")
