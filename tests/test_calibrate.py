@@ -413,3 +413,34 @@ def test_the_host_cost_csv_is_read_and_its_faults_named(tmp_path):
     short.write_text("call,host_us\ngraph replay,9\n")
     with pytest.raises(MoesimError, match="lacks the host call"):
         fit(synthetic_raw(55.0, 4.0), host_costs=read_host_costs(str(short)))
+
+
+def test_the_executor_s_diagnostic_variants_make_the_same_decisions(tmp_path):
+    """``tools/gpu_perexpert_slots.py``'s variants (issue 37): a pool spread over more memory
+    and eager launches perform the simulator's decisions, the spread pool from every
+    spread-th buffer only, with the same launches."""
+    pytest.importorskip("torch")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("slots", ROOT / "tools" / "gpu_perexpert_slots.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    df = tool.run(str(tmp_path / "slots.csv"), "cpu", repeats=1, tokens=3, layers=2)
+    assert set(df["variant"]) == set(tool.VARIANTS)
+    launches = df.groupby("variant")["launches"].first()
+    assert launches["cap1-spread5"] == launches["cap1"] == launches["cap1-eager"]
+    assert (df["measured_s"] > 0).all()
+    assert pd.read_csv(tmp_path / "slots.csv").shape == df.shape
+    from moesim.calibration.validate import execute
+    from moesim.traces.synth import synth_from_preset
+
+    trace = synth_from_preset("olmoe-1b-7b", layers=2, requests=1, prompt_tokens=3, tokens=3, seed=0)
+    sc = load_scenario("validation/cap5-nopf-lru", ["expert_compute=per-expert"])
+    plain, spread = execute(sc, trace, "cpu"), execute(sc, trace, "cpu", spread=4)
+    assert (spread["hits"], spread["misses"]) == (plain["hits"], plain["misses"])
+    slots = int(sc.cache.capacity.rstrip("%")) * 128 // 100  # 5% of 128 experts: 6 slots
+    used = {b for launch in spread["launches"] for b, _ in launch if 0 <= b < 4 * slots}
+    assert len(used) > 1
+    assert all(b % 4 == 0 for b in used)
+    assert {b // 4 for b in used} == {b for launch in plain["launches"] for b, _ in launch if 0 <= b < slots}

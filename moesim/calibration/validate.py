@@ -50,14 +50,19 @@ class _DevicePool:
     the H100 Python's dispatch took 53-91 us per OLMoE FFN, the GPU 19 us)."""
 
     def __init__(self, torch: Any, host: Any, slots: int, device: str, p_num: int, tokens: int,
-                 num_experts: int) -> None:
+                 num_experts: int, spread: int = 1, graphs: bool = True) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self.torch, self.device, self.p_num, self.host, self.slots = torch, device, p_num, host, slots
+        # ``spread``: the pool has slots * spread buffers and the cache uses every spread-th, so
+        # the copies land in as much device memory as a cache spread times larger while the
+        # decisions (and the launches) stay the same; ``graphs``: False launches eagerly
+        self.torch, self.device, self.p_num, self.host = torch, device, p_num, host
+        self.spread, self.use_graphs = spread, graphs
+        self.slots = slots * spread
         _, _, h, inter = host.shape
         dt = host.dtype
         gen = torch.Generator(device=device).manual_seed(1)
-        self.pool = torch.empty(max(slots, 1), 3, h, inter, dtype=dt, device=device)
+        self.pool = torch.empty(max(self.slots, 1), 3, h, inter, dtype=dt, device=device)
         self.x = torch.randn(tokens, h, generator=gen, dtype=torch.float32, device=device).to(dt)
         self.attn = (torch.randn(4, h, h, generator=gen, dtype=torch.float32, device=device) / h ** 0.5).to(dt)
         self.router = torch.randn(h, num_experts, generator=gen, dtype=torch.float32, device=device).to(dt)
@@ -73,7 +78,7 @@ class _DevicePool:
 
     def reset(self) -> None:
         """Empty cache, no copies in flight, tallies at zero (before the plan and the replay)."""
-        self.free = list(range(self.slots))
+        self.free = list(range(0, self.slots, self.spread))
         self.spare_free: list[int] = []
         self.spare_used = 0
         self.where: dict[int, int] = {}
@@ -130,7 +135,7 @@ class _DevicePool:
         torch = self.torch
         self.spares = [torch.empty_like(self.pool[0]) for _ in range(self.most_spares)]
         self.plan = False
-        if self.device == "cuda":
+        if self.device == "cuda" and self.use_graphs:
             kernels = sorted({k for launch in self.launches for k in launch})
 
             def each_kernel() -> None:
@@ -245,12 +250,15 @@ def host_weights(torch: Any, experts: int, h: int, inter: int, device: str) -> A
     return host
 
 
-def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None) -> dict[str, Any]:
+def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, spread: int = 1,
+            graphs: bool = True) -> dict[str, Any]:
     """Replay ``trace`` under ``scenario`` on ``device``; per-pass times and the decisions.
     The decisions are the simulator's own (the timed replay records them; its result is
     returned as ``predicted``), replayed op by op (:class:`_DevicePool`): no second copy of the
     miss -> evict -> insert logic.
-    ``host`` is :func:`host_weights` for the trace's model (made here when not given)."""
+    ``host`` is :func:`host_weights` for the trace's model (made here when not given);
+    ``spread`` and ``graphs`` are diagnostics of :class:`_DevicePool` (the defaults are the
+    validation's executor)."""
     import torch
 
     from moesim.simulator.engine import Simulation
@@ -263,7 +271,7 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None) ->
     if host is None:
         host = host_weights(torch, num_l * num_e, h, model.expert_intermediate_size, device)
     slots = int(min(sim.capacity / sim.expert_bytes, num_l * num_e)) if np.isfinite(sim.capacity) else num_l * num_e
-    mem = _DevicePool(torch, host, slots, device, sim.num_prec, int(wl.pass_tokens.max()), num_e)
+    mem = _DevicePool(torch, host, slots, device, sim.num_prec, int(wl.pass_tokens.max()), num_e, spread, graphs)
     ops: dict[tuple[int, int], list[tuple[str, int]]] = {}
     for p, layer, op, key in sim.decisions:
         ops.setdefault((p, layer), []).append((op, key))
