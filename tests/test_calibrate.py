@@ -423,7 +423,8 @@ def test_the_executor_s_diagnostic_variants_make_the_same_decisions(tmp_path):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("slots", ROOT / "tools" / "gpu_perexpert_slots.py")
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     df = tool.run(str(tmp_path / "slots.csv"), "cpu", repeats=1, tokens=3, layers=2)
