@@ -5,6 +5,8 @@ configuration and bad input."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -177,6 +179,12 @@ def test_a_style_sets_the_execution_keys_the_scenario_leaves_out():
     assert graph.to_dict()["execution"] == {"style": "graph-per-expert", "host_layer_us": 9.07,
                                             "host_launch_us": 9.07, "host_copy_us": graph.host.copy_us,
                                             "host_sync": "none", "dequant": False}
+    mine = scenario(execution={"style": "graph-layer", "host_layer_us": 0, "host_copy_us": 0.5, "host_launch_us": 2.5})
+    assert (mine.host.layer_us, mine.host.launch_us, mine.host.copy_us) == (0.0, 2.5, 0.5)
+    fused = scenario(execution={"style": "fused-moe"})
+    assert (fused.expert_compute, fused.host.layer_us, fused.host.launch_us, fused.host.copy_us, fused.host.sync) == (
+        "layer", host.graph_launch_us, host.graph_launch_us, host.copy_submit_us, "none")
+    assert scenario(execution={"style": "graph-layer"}).host.launch_us == host.graph_launch_us
     assert not scenario().host.active
     assert not scenario(execution={"style": "hf-loop"}, timing=False).host.active
 
@@ -235,9 +243,44 @@ def test_the_styles_are_listed_with_their_host_costs_and_named_in_compare_s_titl
                          check=True).stdout
     styles = json.loads(out)["execution_styles"]
     assert list(styles) == ["none", "graph-layer", "graph-per-expert", "hf-loop", "fused-moe"]
+    assert [styles[k]["execution"] for k in styles] == ["(any)", "layer", "per-expert pipelined", "per-expert blocking",
+                                                        "layer"]
     assert styles["hf-loop"] == {"execution": "per-expert blocking", "host_layer_us": "813.98",
                                  "host_launch_us": "133.44", "host_copy_us": "7.34", "host_sync": "expert",
                                  "dequant": "True"}
     sc = scenario(execution={"style": "hf-loop"})
     title = describe("s.yaml", sc.to_dict())
     assert "per-expert (blocking fetch) execution with the hf-loop host, seed 0" in title
+
+
+def test_a_run_that_will_compile_the_kernel_says_so(tmp_path):
+    """The first run after an installation compiles the replay kernel for minutes: the CLI says
+    so on stderr before it starts (numba's cache emptied by pointing it at a new folder); once
+    the cache holds the kernel it says nothing."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    probe = [sys.executable, "-c", "from moesim.simulator.kernel import cache_ready; print(cache_ready())"]
+    assert subprocess.run(probe, env=env, capture_output=True, text=True, check=True).stdout.strip() == "False"
+    from moesim.simulator import kernel
+
+    index = Path(kernel.replay_passes._cache._cache_file._index_path)
+    assert kernel.cache_ready() == index.exists()
+    env_off = {**os.environ, "NUMBA_DISABLE_JIT": "1", "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    assert subprocess.run(probe, env=env_off, capture_output=True, text=True, check=True).stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("ready", [False, True])
+def test_the_cli_announces_a_compile_only_when_one_is_coming(ready, monkeypatch):
+    from click.testing import CliRunner
+
+    from moesim.cli import cli
+    from moesim.simulator import kernel
+
+    monkeypatch.setattr(kernel, "cache_ready", lambda: ready)
+    res = CliRunner().invoke(cli, ["run", "quickstart", "--no-write", "--quiet", "--set", "workload.trace.synth.tokens=3"])
+    assert res.exit_code == 0, res.output
+    said = "moesim: compiling the replay kernel for this installation, once" in res.stderr
+    assert said is not ready

@@ -14,6 +14,11 @@ One SimPy process runs the forward passes on the compute stream. For each layer 
    present; ``on-arrival`` each as soon as it has arrived; ``per-expert`` one after another
    in router order, each looked up when the previous one starts.
 
+With an execution style (``execution``, :mod:`moesim.config.execution`) a host thread issues
+the work: its clock advances by the style's cost per launch and per demand copy, waits where
+the style synchronises, and the GPU starts nothing before the host has issued it
+(``docs/execution.md``, "The host thread"; the kernel keeps the same clock).
+
 Time spent by the compute stream waiting for transfers is *stall*. A *collision miss* is a
 miss on an expert evicted earlier in the same forward pass. With no prefetch, in ``layer``
 execution, the step time is exactly ``sum over layers of (non-expert + copy of missed experts

@@ -1723,6 +1723,19 @@ def _precisions(sim: Any, miss: int, max_rows: int, IS: np.ndarray, FS: np.ndarr
     return np.concatenate([rows.ravel(), scale])
 
 
+def cache_ready() -> bool:
+    """Whether numba's on-disk cache holds the replay kernel for this installation (else the
+    first replay in a process compiles it, a one-time cost the CLI announces). Without numba,
+    or with compilation off, there is nothing to compile."""
+    if not HAVE_NUMBA or os.environ.get("NUMBA_DISABLE_JIT", "") not in ("", "0"):
+        return True
+    try:
+        index = replay_passes._cache._cache_file._index_path  # numba's cache index of the kernel's entry
+    except AttributeError:  # another numba's internals: say nothing rather than guess
+        return True
+    return os.path.exists(index)
+
+
 def replay(sim: Any) -> None:
     """Replay ``sim`` with the kernel, filling its per-pass arrays, the copy engine's busy
     time and bytes, and the cache's high-water mark, as its SimPy process would."""
