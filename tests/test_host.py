@@ -22,7 +22,7 @@ from tests.helpers import datasheet_times, experts_cap, scenario, small_model, t
 
 # round host costs (microseconds) so that every style's sums are easy to follow by hand:
 # graph styles: layer 10, launch 10, demand copy 2*1 + 2 + 3 + 1 = 8;
-# hf-loop: layer 61 * 2 = 122, launch 10 * 2 = 20, copy 3, host waits before each expert;
+# hf-loop: layer 60 * 2 = 120, launch 10 * 2 = 20, copy 3, host waits before each expert;
 # fused-moe: layer 10, launch 10, copy 3
 HOST = {"graph_launch_us": 10.0, "eager_kernel_us": 2.0, "copy_submit_us": 3.0, "event_record_us": 1.0,
         "stream_wait_us": 2.0, "event_wait_us": 1.0}
@@ -80,32 +80,32 @@ def test_graph_per_expert_pipelines_its_copies_behind_the_host(path, monkeypatch
 @pytest.mark.parametrize("path", ["kernel", "simpy"])
 def test_the_hf_loop_waits_for_each_fetch_and_each_expert(path, monkeypatch):
     """``hf-loop``: per-expert, blocking fetch, host waits before each expert. Layer 0: the
-    host issues the non-expert part (61 kernels, 122 us): the routing point r0 = 122 + ne, where
+    host issues the non-expert part (60 kernels, 120 us): the routing point r0 = 120 + ne, where
     the host waits for the router. Expert 0: copy submitted (3 us), the host blocks until it
     lands at r0 + c, launches (10 kernels, 20 us): it runs r0 + c + 20 .. r0 + c + 20 + f; only
     then is expert 1 looked up (blocking) and copied, to r0 + 2c + 20 + f, the host having
     waited for expert 0 (r0 + c + 20 + f > its r0 + c + 23); launched at r0 + 2c + 40 + f, it
     ends at e0 = r0 + 2c + 40 + 2f. Layer 1's non-expert part is issued once expert 1's launch
-    is (r0 + 2c + 40 + f) and takes the host 122 us, so it runs from there: r1 = r0 + 2c + 40
-    + f + 122 + ne, then the same as layer 0. Pass: 2 * 122 + 2 ne + 4 c + 4 * 20 + 3 f."""
+    is (r0 + 2c + 40 + f) and takes the host 120 us, so it runs from there: r1 = r0 + 2c + 40
+    + f + 120 + ne, then the same as layer 0. Pass: 2 * 120 + 2 ne + 4 c + 4 * 20 + 3 f."""
     res, nonexp, f, c = two_layer_case("hf-loop", path, monkeypatch)
     ne = nonexp[0]
-    assert (HF_LAYER_KERNELS, HF_EXPERT_KERNELS) == (61, 10)
+    assert (HF_LAYER_KERNELS, HF_EXPERT_KERNELS) == (60, 10)
     assert f < 3 * US + 20 * US
-    assert f < 122 * US
-    want = 2 * 122 * US + 2 * ne + 4 * c + 4 * 20 * US + 3 * f
+    assert f < 120 * US
+    want = 2 * 120 * US + 2 * ne + 4 * c + 4 * 20 * US + 3 * f
     assert res.steps["duration_s"].iloc[0] == pytest.approx(want, rel=1e-12)
 
 
 @pytest.mark.parametrize("path", ["kernel", "simpy"])
 def test_the_hf_loop_is_host_bound_when_every_expert_is_resident(path, monkeypatch):
     """The same pass again with every expert resident (second pass, capacity for all): no
-    copies, so each layer takes the host's 122 us, the non-expert part, and per expert a
-    launch of 20 us after the GPU has run the one before: 2 * 122 + 2 ne + 4 * 20 + 3 f."""
+    copies, so each layer takes the host's 120 us, the non-expert part, and per expert a
+    launch of 20 us after the GPU has run the one before: 2 * 120 + 2 ne + 4 * 20 + 3 f."""
     res, nonexp, f, _ = two_layer_case("hf-loop", path, monkeypatch, capacity="inf", passes=2)
     ne = nonexp[1]
     assert res.steps["hits"].tolist() == [0, 4]
-    want = 2 * 122 * US + 2 * ne + 4 * 20 * US + 3 * f
+    want = 2 * 120 * US + 2 * ne + 4 * 20 * US + 3 * f
     assert res.steps["duration_s"].iloc[1] == pytest.approx(want, rel=1e-12)
     assert res.steps["stall_s"].iloc[1] == 0.0  # the GPU waited for the host, not for copies
 
@@ -171,7 +171,7 @@ def test_a_style_sets_the_execution_keys_the_scenario_leaves_out():
     hf = scenario(execution={"style": "hf-loop"})
     assert (hf.expert_compute, hf.expert_fetch) == ("per-expert", "blocking")
     host = hf.hardware.host
-    assert hf.host.layer_us == pytest.approx(61 * host.eager_kernel_us)
+    assert hf.host.layer_us == pytest.approx(60 * host.eager_kernel_us)
     assert hf.host.launch_us == pytest.approx(10 * host.eager_kernel_us)
     assert (hf.host.copy_us, hf.host.sync, hf.host.dequant) == (host.copy_submit_us, "expert", True)
     mine = scenario(execution={"style": "hf-loop", "host_sync": "layer", "host_launch_us": 5}, expert_fetch="pipelined")
@@ -248,7 +248,7 @@ def test_the_styles_are_listed_with_their_host_costs_and_named_in_compare_s_titl
     assert list(styles) == ["none", "graph-layer", "graph-per-expert", "hf-loop", "fused-moe"]
     assert [styles[k]["execution"] for k in styles] == ["(any)", "layer", "per-expert pipelined", "per-expert blocking",
                                                         "layer"]
-    assert styles["hf-loop"] == {"execution": "per-expert blocking", "host_layer_us": "813.98",
+    assert styles["hf-loop"] == {"execution": "per-expert blocking", "host_layer_us": "800.64",
                                  "host_launch_us": "133.44", "host_copy_us": "7.34", "host_sync": "expert",
                                  "dequant": "True"}
     sc = scenario(execution={"style": "hf-loop"})

@@ -16,10 +16,11 @@ calls that stack makes:
 - ``hf-loop``: a Hugging Face-style per-expert Python loop with blocking fetches (SpecMD,
   ``speculating-experts-prefetch.txt`` appendix A.2: "fetch blocks until the expert loads
   from CPU") and bitsandbytes-quantised experts. Its kernels are launched eagerly. Counted in
-  transformers 5.24's ``modeling_olmoe.py``: a decoder layer outside its experts launches 61
-  kernels (three RMSNorms of 8 kernels each in bf16, the q/k/v/o projections, rotary
-  embedding 10, KV-cache update 2, attention 1, two residual adds, router linear, softmax,
-  top-k and cast 4, and the expert mask 6: zeros, one-hot, sum, greater, nonzero); each routed
+  transformers 5.24's ``modeling_olmoe.py``: a decoder layer outside its experts launches 60
+  kernels (four RMSNorms of 8 kernels each in bf16: the layer's two and the q and k norms; the
+  q, k, v and o projections; rotary embedding 10; KV-cache update 2; attention 1; two residual
+  adds; router linear, softmax, top-k and cast 4; the expert mask 5: zeros, one-hot, sum,
+  greater, nonzero); each routed
   expert 10 (the ``expert_idx == num_experts`` test, ``torch.where``, the token gather, two
   linears, SiLU, the gate product, the weight gather and product, ``index_add_``), two of which
   (the test and ``torch.where``) make the host wait for the GPU: the host synchronises before
@@ -38,7 +39,7 @@ from typing import Any, Literal
 from moesim.config.hardware import HostCosts
 
 STYLES = ("none", "graph-layer", "graph-per-expert", "hf-loop", "fused-moe")
-HF_LAYER_KERNELS = 61  # a transformers 5.24 OLMoE decoder layer outside its experts (module docstring)
+HF_LAYER_KERNELS = 60  # a transformers 5.24 OLMoE decoder layer outside its experts (module docstring)
 HF_EXPERT_KERNELS = 10  # one routed expert of its loop
 
 
