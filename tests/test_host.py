@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from moesim.config.confload import ConfigError
@@ -295,6 +295,8 @@ def test_the_cli_announces_a_compile_only_when_one_is_coming(ready, monkeypatch)
        st.sampled_from(["pipelined", "blocking"]), st.sampled_from(["none", "layer", "expert"]),
        st.sampled_from(["none", "previous-token", "oracle"]),
        st.tuples(*[st.sampled_from([0.0, 0.5, 3.0, 40.0, 400.0])] * 3), st.integers(0, 40))
+@example(3, 3, 3, 0, 1, 0, "per-expert", "pipelined", "none", "oracle", (400.0, 0.5, 0.0), 2)  # found by mutation
+@example(3, 9, 3, 0, 4, 1, "per-expert", "pipelined", "expert", "previous-token", (0.0, 0.0, 0.0), 3)  # testing
 def test_host_replays_agree_on_both_paths_and_only_add_time_without_prefetch(
         monkeypatch, layers, experts, k, prompt, tokens, seed, mode, fetch, sync, prefetch, costs, cap):
     """Random small traces, execution modes, host costs and waits: every per-pass column of the
@@ -318,3 +320,28 @@ def test_host_replays_agree_on_both_paths_and_only_add_time_without_prefetch(
         plain = simulate(scenario(**base), trace=trace)
         assert a.steps["misses"].tolist() == plain.steps["misses"].tolist()
         assert (a.steps["duration_s"].to_numpy() >= plain.steps["duration_s"].to_numpy() * (1 - 1e-9)).all()
+
+
+@pytest.mark.parametrize("mode", ["layer", "on-arrival"])
+def test_a_layer_with_nothing_to_compute_launches_no_experts(monkeypatch, mode):
+    """A budget that keeps no expert at layer 1 (tests/test_engine.py's case) under a host that
+    waits for each routing point and takes 20 us per expert launch: layer 0's one expert is
+    launched 20 us after its routing point, long before its copy lands (c = 43 us); layer 1
+    launches nothing, so the pass lasts a + c + f + a as without a host (a launch charged for
+    layer 1's empty set would end the pass 20 us later)."""
+    from moesim.policies.budget import REGISTRY, BudgetPolicy
+    from moesim.simulator.engine import Simulation
+
+    class NoneAtLayer1(BudgetPolicy):
+        def select(self, pass_index, layer, rows, experts):
+            return [[] for _ in rows] if layer == 1 else experts.tolist()
+
+    monkeypatch.setitem(REGISTRY._classes, "none-at-1", NoneAtLayer1)
+    model = small_model(layers=2, experts=4, top_k=1)
+    t = trace_from_array(model, np.array([[[[0], [1]]]]), prompt_tokens=1)
+    sim = Simulation(scenario(cache={"capacity": "inf"}, expert_compute=mode, policies={"budget": "none-at-1"},
+                              execution={"host_launch_us": 20, "host_sync": "layer"}), trace=t)
+    res = sim.run()
+    ffn, nonexp, copy = datasheet_times(model, sim.wl)
+    assert copy > 20 * US
+    assert res.summary["total_time_s"] == pytest.approx(2 * nonexp[0] + copy + ffn[0], rel=1e-9)
