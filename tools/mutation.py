@@ -89,6 +89,18 @@ EQUIVALENT: dict[str, str] = {
     **{'moesim.simulator.engine.xǁSimulationǁ_host_issue__mutmut_' + str(n): "the host's clock set to the value it has when equal"
        for n in (4, 11)},
     'moesim.simulator.engine.xǁSimulationǁ_host_ready__mutmut_7': "h = t when the host's clock equals t: the same value",
+    # _per_expert with the host (issue 37; MUTATE_ONLY _per_expert* with the host, engine, kernel and fidelity tests)
+    **{'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_' + str(n):
+       "_host_issue reads its runs only for a blocking fetch, and None is as falsy as False" for n in (127, 129)},
+    **{'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_' + str(n):
+       "`looked` is set to 1 before it is read whenever the layer has an expert (none: the loop never runs)"
+       for n in (14, 15)},
+    **{'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_' + str(n): "`launched` None is as falsy as False"
+       for n in (30, 44)},
+    **{'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_' + str(n):
+       "`issued` is set by the first expert's launch before it is read, and never read without a host" for n in (32, 33)},
+    **{'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_' + str(n):
+       "a comparison on equality that then sets t to the value it has" for n in (51, 57)},
     'moesim.simulator.engine.xǁSimulationǁ_init_replay_state__mutmut_1': "_begin_pass makes each pass's row before anything reads it",
     'moesim.simulator.engine.xǁSimulationǁ_ep_layer__mutmut_43':
         "an idle GPU's expert time over no experts sums to 0.0, the value of the else branch",
