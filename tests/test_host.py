@@ -212,7 +212,7 @@ def test_a_negative_host_cost_in_the_hardware_is_refused():
 
 def test_dequantisation_adds_the_hbm_roofline_of_a_4_bit_expert(monkeypatch):
     """``dequant``: a 4-bit expert (H 256, I 512: 393,216 parameters, 196,608 bytes) is read
-    and written back in bf16 (786,432 bytes) before its matmuls: 982,912 bytes at 2039 GB/s
+    and written back in bf16 (786,432 bytes) before its matmuls: 983,040 bytes at 2039 GB/s
     more per expert computation; bf16 experts are not dequantised."""
     model = small_model(layers=2, experts=4, top_k=2)
     trace = trace_from_array(model, np.array([[[[0, 1], [2, 3]]]]))
