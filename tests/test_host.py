@@ -363,3 +363,19 @@ def test_an_expert_that_starts_at_once_is_launched_without_a_wait_for_its_landed
     b = simulate(sc, trace=trace)
     assert (a.summary["replay_path"], b.summary["replay_path"]) == ("kernel", "simpy")
     np.testing.assert_array_equal(a.steps["duration_s"].to_numpy(), b.steps["duration_s"].to_numpy())
+
+
+@pytest.mark.parametrize("path", ["kernel", "simpy"])
+def test_a_host_slow_to_submit_copies_sets_the_pace(path, monkeypatch):
+    """Per-expert pipelined execution, every expert missing, a host that takes 200 us to submit
+    a copy and nothing else (c = 43 us, so the host is the bottleneck). Layer 0: expert 0's copy
+    goes out at the routing point, the host done submitting at 200 us; expert 0 starts then
+    (its launch costs nothing), expert 1 is looked up and its submission ends at 400 us, when it
+    starts; layer 1's copies end their submissions at 600 and 800 us. Pass: 4 * 200 us + f."""
+    _, _, f, c = two_layer_case("none", path, monkeypatch)
+    assert c < 200 * US
+    sc = scenario(cache={"capacity": "0 experts"}, expert_compute="per-expert", execution={"host_copy_us": 200})
+    model = small_model(layers=2, experts=4, top_k=2)
+    slow = simulate(sc, trace=trace_from_array(model, np.array([[[[0, 1], [2, 3]]]])))
+    assert slow.summary["replay_path"] == path
+    assert slow.steps["duration_s"].iloc[0] == pytest.approx(4 * 200 * US + f, rel=1e-12)
