@@ -342,7 +342,7 @@ def _compile_note() -> None:
 
     if not cache_ready():
         click.echo("moesim: compiling the replay kernel for this installation, once: about 2.5 minutes on a "
-                   "2-core machine (measured: 140 s); later runs load it from numba's cache in about 2 s.", err=True)
+                   "2-core machine (measured: 140 s); later runs load it from numba's cache in about 3 s (measured: 2.9 s).", err=True)
 
 
 def _with_trace(trace_file: str | None, overrides: tuple[str, ...]) -> tuple[str, ...]:

@@ -154,3 +154,16 @@ def datasheet_times(model: ModelInfo, wl: Any) -> tuple[np.ndarray, np.ndarray, 
                         (2 * w * wl.pass_tokens + 4 * h * wl.pass_context) / peak) + 20e-6
     copy = 10e-6 + (6 * h * i + 65_536) / (32e9 * 0.8)
     return ffn, nonexp, copy
+
+
+def register_none_at_layer_1(monkeypatch: Any) -> str:
+    """Register (for one test) a user's budget policy that keeps no expert at layer 1 and
+    every routed one elsewhere; returns its name."""
+    from moesim.policies.budget import REGISTRY, BudgetPolicy
+
+    class NoneAtLayer1(BudgetPolicy):
+        def select(self, pass_index, layer, rows, experts):  # type: ignore[no-untyped-def]
+            return [[] for _ in rows] if layer == 1 else experts.tolist()
+
+    monkeypatch.setitem(REGISTRY._classes, "none-at-1", NoneAtLayer1)
+    return "none-at-1"

@@ -17,6 +17,7 @@ from tests.helpers import (
     datasheet_times,
     experts_cap,
     mixtral_trace,
+    register_none_at_layer_1,
     scenario,
     small_model,
     trace_from_array,
@@ -413,13 +414,7 @@ def test_a_layer_whose_budget_keeps_no_expert_costs_only_its_attention(monkeypat
     a + c + f + a in every execution mode, with one miss, one expert computed and the token
     altered. Found missing by mutation testing of engine.py: per-expert execution's guard for
     a layer with no expert to look up."""
-    from moesim.policies.budget import REGISTRY, BudgetPolicy
-
-    class NoneAtLayer1(BudgetPolicy):
-        def select(self, pass_index, layer, rows, experts):
-            return [[] for _ in rows] if layer == 1 else experts.tolist()
-
-    monkeypatch.setitem(REGISTRY._classes, "none-at-1", NoneAtLayer1)
+    register_none_at_layer_1(monkeypatch)
     model = small_model(layers=2, experts=4, top_k=1)
     t = trace_from_array(model, np.array([[[[0], [1]]]]), prompt_tokens=1)
     sim = Simulation(scenario(cache={"capacity": "inf"}, expert_compute=mode,

@@ -18,7 +18,14 @@ from moesim.config.execution import HF_EXPERT_KERNELS, HF_LAYER_KERNELS
 from moesim.simulator.engine import simulate
 from moesim.simulator.workload import build_workload
 from moesim.traces.synth import generate
-from tests.helpers import datasheet_times, experts_cap, scenario, small_model, trace_from_array
+from tests.helpers import (
+    datasheet_times,
+    experts_cap,
+    register_none_at_layer_1,
+    scenario,
+    small_model,
+    trace_from_array,
+)
 
 # round host costs (microseconds) so that every style's sums are easy to follow by hand:
 # graph styles: layer 10, launch 10, demand copy 2*1 + 2 + 3 + 1 = 8;
@@ -330,14 +337,9 @@ def test_a_layer_with_nothing_to_compute_launches_no_experts(monkeypatch, mode):
     launched 20 us after its routing point, long before its copy lands (c = 43 us); layer 1
     launches nothing, so the pass lasts a + c + f + a as without a host (a launch charged for
     layer 1's empty set would end the pass 20 us later)."""
-    from moesim.policies.budget import REGISTRY, BudgetPolicy
     from moesim.simulator.engine import Simulation
 
-    class NoneAtLayer1(BudgetPolicy):
-        def select(self, pass_index, layer, rows, experts):
-            return [[] for _ in rows] if layer == 1 else experts.tolist()
-
-    monkeypatch.setitem(REGISTRY._classes, "none-at-1", NoneAtLayer1)
+    register_none_at_layer_1(monkeypatch)
     model = small_model(layers=2, experts=4, top_k=1)
     t = trace_from_array(model, np.array([[[[0], [1]]]]), prompt_tokens=1)
     sim = Simulation(scenario(cache={"capacity": "inf"}, expert_compute=mode, policies={"budget": "none-at-1"},

@@ -405,7 +405,8 @@ def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str]) -> pd.D
                "capacity": r["capacity"], "eviction": r["eviction"], "prefetch": r["prefetch"],
                "tpot_measured_s": r["tpot_measured_s"], "ttft_measured_s": r["ttft_measured_s"],
                "tpot_recorded_s": r["tpot_predicted_s"], "ttft_recorded_s": r["ttft_predicted_s"]}
-        for name, sc in (("none", load_scenario(path, sets)), ("host", executor_style(load_scenario(path, sets), path, sets))):
+        plain = load_scenario(path, sets)
+        for name, sc in (("none", plain), ("host", executor_style(plain, path, sets))):
             res = Simulation(sc).run()
             steps = res.steps
             dec = (steps["phase"] == "decode").to_numpy()
