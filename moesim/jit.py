@@ -24,8 +24,9 @@ except ImportError:  # pragma: no cover - exercised where numba has no wheel
 # A compiled loop: compiled once per installation (numba's on-disk cache) and without
 # numba's runtime (``_nrt``, not in numba's type stubs), so that arrays pass between the
 # functions with no reference counting (such functions allocate nothing). ``inline``: one of a
-# hot path's small functions, always inlined by LLVM into its callers.
-_OPTIONS: dict[str, Any] = {"cache": True, "_nrt": False}
+# hot path's small functions, always inlined by LLVM into its callers. ``nogil``: a compiled
+# loop lets other threads run (a trace read in pieces reads the next piece meanwhile).
+_OPTIONS: dict[str, Any] = {"cache": True, "_nrt": False, "nogil": True}
 jit = njit(**_OPTIONS)
 inline = njit(**_OPTIONS, forceinline=True)
 

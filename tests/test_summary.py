@@ -19,7 +19,7 @@ KEYS = {
     "unique_experts_per_layer_prefill", "gate_mass_retained", "tokens_altered", "total_time_s", "gpus",
     "max_experts_per_gpu", "forward_passes", "tokens", "decode_tokens", "requests", "cache_capacity_bytes",
     "cache_capacity_experts", "cache_peak_bytes", "expert_bytes", "precision", "model", "hardware_source",
-    "generated_tokens", "replay_path", "replay_path_reason",
+    "generated_tokens", "replay_path", "replay_path_reason", "trace_pieces",
 }
 TINY_EXPERT = 3 * 256 * 512 * 2  # 786,432 bytes
 

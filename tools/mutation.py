@@ -63,6 +63,8 @@ TESTS: dict[str, list[str]] = {
     "moesim/policies/budget.py": ["tests/test_budget.py", "tests/test_budget_hand.py", "tests/test_budget_exact.py",
                            "tests/test_expert_parallel.py"],
     "moesim/simulator/fingerprint.py": ["tests/test_reuse.py"],
+    "moesim/simulator/stream.py": ["tests/test_stream.py"],
+    "moesim/traces/io.py": ["tests/test_stream.py", "tests/test_traces.py", "tests/test_bad_input.py"],
 }
 
 # the functions mutated in a module where not all of them are (mutmut name patterns): calibrate.py's

@@ -46,6 +46,13 @@ def _trace_file(scenario: Scenario, key: str, raw: str) -> Path:
                       f"folder.{why} Set it to your copy: --set {key}=FILE (relative to the working directory).")
 
 
+def trace_path(scenario: Scenario) -> Path:
+    """The scenario's trace file (``workload.trace.path``), checked to exist."""
+    raw = scenario.workload.trace.path
+    assert raw is not None
+    return _trace_file(scenario, "workload.trace.path", raw)
+
+
 def load_trace(scenario: Scenario) -> Trace:
     """The scenario's trace: read from its path, or synthesised in-process."""
     src = scenario.workload.trace
@@ -58,7 +65,7 @@ def load_trace(scenario: Scenario) -> Trace:
     if src.path is not None:
         from moesim.traces.io import read_trace
 
-        return read_trace(_trace_file(scenario, "workload.trace.path", src.path))
+        return read_trace(trace_path(scenario))
     from moesim.traces.synth import synth_from_preset
 
     s = src.synth

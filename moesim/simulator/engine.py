@@ -32,7 +32,7 @@ instant transfers, so no simulated time passes.
 from __future__ import annotations
 
 import time as _time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from functools import cached_property
 from typing import Any
 
@@ -81,9 +81,18 @@ class Simulation:
     def __init__(self, scenario: Scenario, trace: Trace | None = None,
                  workload: Workload | None = None, progress: ProgressFn | None = None,
                  record_transfers: bool = False, record_layers: bool = False,
-                 record_decisions: bool = False, record_passes: int | None = None) -> None:
+                 record_decisions: bool = False, record_passes: int | None = None,
+                 chunk_rows: int | None = None) -> None:
         self.scenario = scenario
         self._trace = trace
+        # a trace file read a piece at a time (simulator.stream): the first piece's workload now,
+        # the others as the kernel replays (``self.pieces``); the reason when it is read whole
+        self.pieces: Iterator[Workload] | None = None
+        self.trace_rows = 0  # the file's rows, when read in pieces (progress)
+        self.trace_pieces = 1  # the pieces the replay read the trace in
+        self.whole_reason: str | None = "a trace or workload was given"
+        if workload is None and trace is None:
+            workload = self._first_piece(record_transfers or record_layers or record_decisions, chunk_rows)
         if workload is None:
             trace = trace if trace is not None else load_trace(scenario)
             self._trace = trace
@@ -137,12 +146,7 @@ class Simulation:
         # the calibration executor replays them on the device
         self.decisions: list[tuple[int, int, str, int]] | None = [] if record_decisions else None
         self._init_replay_state()
-        # sparse verification factors (sparse-verification-speculative-decoding.txt Table 1):
-        # attention context and expert down projections are thinned in verification passes
-        spec = scenario.workload.speculative
-        is_verify = workload.pass_phase == VERIFY
-        self.attn_scale = np.where(is_verify, 1.0 - (spec.sparse_attention if spec else 0.0), 1.0)
-        self.ffn_scale = np.where(is_verify, 1.0 - (spec.sparse_ffn if spec else 0.0) / 3.0, 1.0)
+        self.attn_scale, self.ffn_scale = self._pass_scales(workload)
         self.timing = scenario.timing
         # the host thread (docs/execution.md, "The host thread"): its clock, its costs in seconds
         hm = scenario.host
@@ -166,6 +170,62 @@ class Simulation:
         self.ffn_by_tokens: list[float] = []  # expert compute seconds by tokens (_prepare_costs)
         self.ffn_factor: list[float] = []  # and the per-pass factor: an access takes their product
         self._nonexp: list[float] = []
+
+    def _first_piece(self, recording: bool, chunk_rows: int | None) -> Workload | None:
+        """The trace file's first piece when the replay can read it a piece at a time (its
+        rows in request order and more of them than one piece holds), with the rest left to
+        read in ``self.pieces``; else None (``self.whole_reason`` says why)."""
+        from moesim.simulator import stream
+        from moesim.simulator.build import trace_path
+        from moesim.traces.io import requests_in_order, trace_rows
+
+        sc = self.scenario
+        self.whole_reason = stream.why_whole(sc, recording)
+        if self.whole_reason is not None:
+            return None
+        path = trace_path(sc)
+        rows = trace_rows(path)
+        chunk = chunk_rows if chunk_rows is not None else stream.CHUNK_ROWS
+        if rows <= chunk:
+            self.whole_reason = "the trace fits in one piece"
+            return None
+        if not requests_in_order(path):
+            self.whole_reason = "the trace file's rows are not in request order"
+            return None
+        self.pieces = stream.read_ahead(stream.pieces(sc, path, chunk))
+        self.trace_rows = rows
+        return next(self.pieces)
+
+    def bind_piece(self, workload: Workload) -> None:
+        """Make ``workload`` (the trace's next piece) the one the policies and the per-pass
+        costs read."""
+        self.wl = workload
+        self.attn_scale, self.ffn_scale = self._pass_scales(workload)
+        for pol in (self.eviction, self.miss, self.prefetch, self.routing, self.budget):
+            pol.ctx.workload = workload
+
+    def adopt(self, workload: Workload, pieces: int, cols: dict[str, np.ndarray], t_start: np.ndarray,
+              t_end: np.ndarray, stall: np.ndarray) -> None:
+        """After a replay in ``pieces`` pieces: the whole trace's passes and requests
+        (``stream.join``) and the per-pass columns the kernel wrote for them."""
+        self.wl = workload
+        self.trace_pieces = pieces
+        n = workload.num_passes
+        self.attn_scale, self.ffn_scale = self._pass_scales(workload)
+        self._cols = {name: cols.get(name, np.zeros(n, np.int64)) for name in self._cols}
+        self._t_start, self._t_end, self._stall = t_start, t_end, stall
+        self._ep_max_load = np.zeros(n)
+        self._mass_total = workload.weight_total.astype(np.float64).copy()
+        self._mass_kept = workload.weight_total.astype(np.float64).copy()
+
+    def _pass_scales(self, workload: Workload) -> tuple[np.ndarray, np.ndarray]:
+        """Per pass, the attention-context and expert-time factors of sparse verification
+        (sparse-verification-speculative-decoding.txt Table 1): attention context and expert
+        down projections are thinned in verification passes; 1 elsewhere."""
+        spec = self.scenario.workload.speculative
+        is_verify = workload.pass_phase == VERIFY
+        return (np.where(is_verify, 1.0 - (spec.sparse_attention if spec else 0.0), 1.0),
+                np.where(is_verify, 1.0 - (spec.sparse_ffn if spec else 0.0) / 3.0, 1.0))
 
     @cached_property
     def acc_keys(self) -> np.ndarray:

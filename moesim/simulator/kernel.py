@@ -49,7 +49,10 @@ allocates nothing, so it is compiled without numba's runtime (``_nrt=False``): i
 reference counting of the array arguments took 40% of the run time. The lookup path's
 functions are always inlined by LLVM (``forceinline``): passing a dozen arrays to each call cost more
 than half of what was left (LRU full timing went from 13 to 30M accesses/s, the one-off
-compile from 12.6 to 13.2 s).
+compile from 12.6 to 13.2 s). The loops release the GIL (``nogil``), so that a trace read in
+pieces has its next piece read and built on a second thread while this one replays
+(:func:`simulator.stream.read_ahead`); the read-only arrays then hold one piece
+(``S_PBASE``: the piece's first pass, where its (pass, layer) entries start).
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ F_SCORE, F_NEXTUSE, F_NKF = range(3)
 # offsets (H_*), then the regions (per-key fields, transfer slots, queues, scratch).
 (S_SEQ, S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_HEAD, S_TAIL, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
  S_FREEN, S_WH, S_WN, S_PENDN, S_MEMBN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
- S_SCOREPASS, S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM,
+ S_SCOREPASS, S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE,
  C_EV, C_LS_REL, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE, C_LRUNCAP,
  C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC,
@@ -91,7 +94,7 @@ F_SCORE, F_NEXTUSE, F_NKF = range(3)
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
  H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, I_HEADER) = range(109)
+ H_PDUR, I_HEADER) = range(110)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then per-key fields, transfer times, scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, SF_HOST, CF_CAP, CF_DECAY,
@@ -113,6 +116,20 @@ MISS_FETCH, MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE, MISS_LOWEST_BIT, MISS_
 def _key_at(layer, e, IS):
     """The cache key of expert ``e`` of ``layer`` at the scenario's precision."""
     return np.int64(layer) * IS[C_DIV] + np.int64(e) * IS[C_NPREC] + IS[C_DPREC]
+
+
+@_inline
+def _row_base(p, IS):
+    """Where pass ``p``'s (pass, layer) entries start in the replay's arrays (``DI``'s
+    offsets, the per-token arrays): ``(p - S_PBASE) * layers``; ``S_PBASE`` is the first pass
+    of the trace piece they hold (0 unless the trace is replayed a piece at a time)."""
+    return (p - IS[S_PBASE]) * IS[C_L]
+
+
+@_inline
+def _here(IS):
+    """The current (pass, layer)'s index in the replay's arrays."""
+    return _row_base(IS[S_PASS], IS) + IS[S_LAYER]
 
 
 @_jit
@@ -155,7 +172,7 @@ def _next_use(key, ai, IS, DI, A):
         return math.inf
     i = ai
     if i < 0:
-        base = IS[S_PASS] * IS[C_L] + IS[S_LAYER]
+        base = _here(IS)
         lo, hi = DI[IS[H_OFF] + base], DI[IS[H_OFF] + base + 1]
         i = lo - 1
         for j in range(lo, hi):
@@ -183,7 +200,7 @@ def _credit(key, ai, IS, FS, DI, A):
             FS[IS[H_KF] + k * F_NKF + F_SCORE] *= f
         IS[S_SCOREPASS] = p
     if ai < 0:  # a speculative run of an expert the layer routes has its access's weight
-        base = p * IS[C_L] + IS[S_LAYER]
+        base = _row_base(p, IS) + IS[S_LAYER]
         for j in range(DI[IS[H_OFF] + base], DI[IS[H_OFF] + base + 1]):
             if _key(j, IS, A) == key:
                 ai = j
@@ -689,7 +706,7 @@ def _fin_replace(e, e2, IS, M):
     k = IS[C_K]
     fin = IS[H_FIN]
     row_order, row_off, experts = M[0], M[1], M[2]
-    b = IS[S_PASS] * IS[C_L] + IS[S_LAYER]
+    b = _here(IS)
     for i in range(row_off[b + 1] - row_off[b]):
         r = row_order[row_off[b] + i]
         for j in range(k):
@@ -726,7 +743,7 @@ def _mean_prob(e, c, IS, M):
     summed row by row in float32 and divided in float32 (numpy's ``mean(axis=0)``)."""
     row_order, row_off, experts, mass = M[0], M[1], M[2], M[3]
     k = IS[C_K]
-    b = IS[S_PASS] * IS[C_L] + IS[S_LAYER]
+    b = _here(IS)
     total = np.float32(0.0)
     n = 0
     for i in range(row_off[b + 1] - row_off[b]):
@@ -801,7 +818,7 @@ def _speculate(e, pin_gen, buf, IS, FS, DI, A, M):
     row_order, row_off, experts, token, pred, prev_row, prev_stamp = M[0], M[1], M[2], M[4], M[6], M[7], M[8]
     k = IS[C_K]
     fin = IS[H_FIN]
-    b = IS[S_PASS] * IS[C_L] + IS[S_LAYER]
+    b = _here(IS)
     spec = IS[H_SPEC]
     n_spec = 0
     for i in range(row_off[b + 1] - row_off[b]):
@@ -1098,7 +1115,7 @@ def _propose_key(key, p, IS, FS, DI, A):
         IS[R_PREDHITS] += 1
     if IS[IS[H_LMARK] + target] != gen:
         IS[IS[H_LMARK] + target] = gen
-        b = p * IS[C_L] + target
+        b = _row_base(p, IS) + target
         IS[R_ACTUAL] += DI[IS[H_OFF] + b + 1] - DI[IS[H_OFF] + b]
     if IS[IS[H_KI] + key * K_NKI + K_STATE] != ABSENT:
         if IS[C_EV] == EV_LS:  # a selection is a use for least-stale only
@@ -1122,9 +1139,9 @@ def _propose(p, layer, p0, now, pin_gen, IS, FS, DI, A, P):
         for j in range(poff[g], poff[g + 1]):
             _propose_key(pkeys[j], p, IS, FS, DI, A)
     else:
-        src = p
+        src = p - IS[S_PBASE]  # the pass's index in DI (a piece of the trace starts with a group)
         if kind != PF_ORACLE:
-            src = p - 1 if p > 0 and DI[IS[H_GROUP] + p - 1] == DI[IS[H_GROUP] + p] else -1
+            src = src - 1 if src > 0 and DI[IS[H_GROUP] + src - 1] == DI[IS[H_GROUP] + src] else -1
         last = layer + 2 if kind != PF_LOOKAHEAD else layer + 1 + IS[C_DEPTH]
         if last > num_l:
             last = num_l
@@ -1162,7 +1179,7 @@ def _tokens_of(key, tokens, p, IS, M):
     if not IS[C_REROUTE]:
         return tokens
     e = (key % IS[C_DIV]) // IS[C_NPREC]
-    b = p * IS[C_L] + IS[S_LAYER]
+    b = _here(IS)
     n = 0
     for i in range((M[1][b + 1] - M[1][b]) * IS[C_K]):
         n += IS[IS[H_FIN] + i] == e
@@ -1189,7 +1206,7 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     computed = IS[S_NCOMP]
     if IS[C_PFACTIVE]:
         _propose(p, layer, p0, now, pins, IS, FS, DI, A, P)
-    scale = DF[IS[H_SCALE] + p]
+    scale = DF[IS[H_SCALE] + p - IS[S_PBASE]]
     if IS[C_MODE] == MODE_LAYER:
         ready = now
         total = 0.0
@@ -1308,7 +1325,7 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     t = now
     cur = 0
     looked = 0
-    scale = DF[IS[H_SCALE] + p]
+    scale = DF[IS[H_SCALE] + p - IS[S_PBASE]]
     IS[S_LRUNN] = IS[S_LRUNN + 1] = IS[S_NCOMP] = 0
     if n:
         _host_lookup(lo, t, _new_gen(IS, S_PINGEN), cur, IS, FS, DI, A, M)
@@ -1422,7 +1439,7 @@ def _token_mass(p, layer, IS, FS, M):
     as the engine's ``token_mass``: per token, probabilities at ascending expert ids summed as
     numpy sums them, or top-k weights in rank order (a weight counts while its expert stays)."""
     row_order, row_off, experts, mass, token, mark = M[0], M[1], M[2], M[3], M[4], M[5]
-    b = p * IS[C_L] + layer
+    b = _row_base(p, IS) + layer
     k = IS[C_K]
     scr = IS[H_MSCR]
     fin = IS[H_FIN]
@@ -1471,7 +1488,7 @@ def _fin_init(p, layer, lo, hi, IS, A, M):
     """At the layer's routing point: each token computes its routed experts, and the
     layer's routed experts are marked (a substitute is never one of them)."""
     row_order, row_off, experts = M[0], M[1], M[2]
-    b = p * IS[C_L] + layer
+    b = _row_base(p, IS) + layer
     k = IS[C_K]
     for i in range(row_off[b + 1] - row_off[b]):
         for j in range(k):
@@ -1491,15 +1508,15 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, nonexp, cols, t_start, t_end,
         if p > 0 and IS[C_EV] == EV_LS:
             _ls_roll(IS)
         IS[S_PASS] = p
-        t_start[p] = now
+        t_start[p - p0] = now
         bytes0 = IS[S_BYTES]
         for r in range(R_FIRST, R_FIRST + R_COUNT):
             IS[r] = 0
         FS[SF_STALL] = 0.0
         FS[SF_MTOTAL] = 0.0
         FS[SF_MKEPT] = 0.0
-        ne = nonexp[p]
-        base = p * num_l
+        ne = nonexp[p - p0]
+        base = _row_base(p, IS)
         if IS[C_PFACTIVE]:
             for j in range(DI[IS[H_OFF] + base], DI[IS[H_OFF] + base + num_l]):
                 IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_ACCPASS] = p
@@ -1536,10 +1553,10 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, nonexp, cols, t_start, t_end,
         if FS[SF_HOST] < now:  # the host waits for the pass's end
             FS[SF_HOST] = now
         _advance(now, IS, FS)
-        t_end[p] = now
-        stall[p] = FS[SF_STALL]
-        m_total[p] = FS[SF_MTOTAL]
-        m_kept[p] = FS[SF_MKEPT]
+        t_end[p - p0] = now
+        stall[p - p0] = FS[SF_STALL]
+        m_total[p - p0] = FS[SF_MTOTAL]
+        m_kept[p - p0] = FS[SF_MKEPT]
         IS[R_BYTES] = IS[S_BYTES] - bytes0
         for r in range(R_COUNT):
             cols[p - p0, r] = IS[R_FIRST + r]
@@ -1736,31 +1753,37 @@ def cache_ready() -> bool:
     return os.path.exists(index)
 
 
-def replay(sim: Any) -> None:
-    """Replay ``sim`` with the kernel, filling its per-pass arrays, the copy engine's busy
-    time and bytes, and the cache's high-water mark, as its SimPy process would."""
+def _piece(sim: Any, wl: Any, ev: int, miss: int, max_rows: int, IS: np.ndarray,
+           FS: np.ndarray) -> tuple[Any, ...]:
+    """The kernel's read-only data for the passes of ``wl`` (the whole trace's workload, or a
+    piece of it): ``DI`` = access offsets | pass groups | (Belady) each key's access indices;
+    ``A`` = the per-access arrays (layer, expert, tokens routed, summed gate weight, best
+    router rank); ``DF`` = expert seconds by token count | per-pass factor; ``M`` = the
+    per-token arrays; the non-expert seconds of each pass. Region offsets go to ``IS``."""
+    num_keys = IS[H_NKEYS]
+    parts = [np.ascontiguousarray(wl.off, dtype=np.int64), np.asarray(wl.pass_group, np.int64)]
+    if ev == EV_BELADY:
+        parts.extend(_belady_positions(sim.acc_keys, num_keys))
+    starts = np.cumsum([0] + [len(x) for x in parts])
+    DI = np.concatenate(parts)
+    del parts
+    IS[H_OFF], IS[H_GROUP] = starts[0], starts[1]
+    if ev == EV_BELADY:
+        IS[H_KPOSOFF], IS[H_KPOS] = starts[2], starts[3]
+    A = (wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight, wl.acc_rank)
+    DF = _precisions(sim, miss, max_rows, IS, FS)
+    M = _mass_arrays(sim) if miss != MISS_FETCH else _NO_MASS
+    return DI, A, DF, M, sim.nonexpert_times()
+
+
+def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, ev: int, pf: int, miss: int, max_runs: int) -> None:
+    """The replay's configuration (``C_*``, ``CF_*``) from ``sim``'s scenario and policies."""
     from moesim.policies.eviction import LeastStale, ScoreBased
     from moesim.policies.prefetch import Lookahead
 
-    evictions, prefetchers, misses = _policy_codes()
-    wl, model = sim.wl, sim.model
-    num_l = model.num_layers
-    div = model.num_experts * sim.num_prec
-    num_keys = num_l * div
-    off = np.ascontiguousarray(wl.off, dtype=np.int64)
-    maxn = int(np.diff(off).max(initial=0))
-    ev = evictions[type(sim.eviction)]
-    pf = prefetchers[type(sim.prefetch)]
+    model = sim.model
     params = sim.eviction.params
-    pool = num_keys + maxn + 16
-    pend_max = num_keys + 16
-    miss = misses[type(sim.miss)]
-    max_rows = int(np.diff(wl.row_off).max(initial=0)) if miss != MISS_FETCH and wl.row_off is not None else 0
     reroute = miss in (MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE)
-    # a layer computes its routed experts and, for a miss policy that re-routes, others
-    max_runs = maxn + (model.num_experts if reroute else 0)
-    IS, FS = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
-                     max(1, max_rows), sim.num_prec)
     IS[C_EV] = ev
     IS[C_LS_REL] = isinstance(sim.eviction, LeastStale) and params.order == "relative"
     IS[C_PF] = pf
@@ -1772,8 +1795,8 @@ def replay(sim: Any) -> None:
     IS[C_MODE] = {"layer": MODE_LAYER, "on-arrival": MODE_ARRIVAL, "per-expert": MODE_PER_EXPERT}[
         sim.scenario.expert_compute]
     IS[C_INSTANT] = not sim.scenario.timing
-    IS[C_L] = num_l
-    IS[C_DIV] = div
+    IS[C_L] = model.num_layers
+    IS[C_DIV] = model.num_experts * sim.num_prec
     IS[C_PFACTIVE] = sim.prefetch.active
     IS[C_MAXN] = max_runs
     FS[CF_CAP] = float(sim.capacity)
@@ -1783,47 +1806,91 @@ def replay(sim: Any) -> None:
     IS[C_DROPRANK] = sim.miss.params.rank if miss == MISS_DROP else -1
     IS[C_K] = model.top_k
     IS[C_NE] = model.num_experts
-    M = _mass_arrays(sim) if miss != MISS_FETCH else _NO_MASS
-    IS[C_PROBS] = miss != MISS_FETCH and wl.probs is not None
-    # read-only data: DI = off | pass groups | (belady) each key's access indices; DF = expert
-    # seconds by token count | per-pass factor; A = the workload's own per-access arrays: layer,
-    # expert, tokens routed, summed gate weight, best router rank
-    A = (wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight, wl.acc_rank)
-    parts = [off, np.asarray(wl.pass_group, np.int64)]
-    if ev == EV_BELADY:
-        parts.extend(_belady_positions(sim.acc_keys, num_keys))
-    starts = np.cumsum([0] + [len(x) for x in parts])
-    DI = np.concatenate(parts)
-    del parts
-    IS[H_OFF], IS[H_GROUP] = starts[0], starts[1]
-    if ev == EV_BELADY:
-        IS[H_KPOSOFF], IS[H_KPOS] = starts[2], starts[3]
-    DF = _precisions(sim, miss, max_rows, IS, FS)
+    IS[C_PROBS] = miss != MISS_FETCH and sim.wl.probs is not None
+
+
+def replay(sim: Any) -> None:
+    """Replay ``sim`` with the kernel, filling its per-pass arrays, the copy engine's busy
+    time and bytes, and the cache's high-water mark, as its SimPy process would. A trace read
+    in pieces (``sim.pieces``, :mod:`simulator.stream`) is replayed piece after piece with
+    the state carried over (the same arithmetic on the same state: ``S_PBASE`` maps a pass
+    to its piece's arrays), and ``sim`` then adopts the joined passes."""
+    evictions, prefetchers, misses = _policy_codes()
+    wl, model = sim.wl, sim.model
+    num_l = model.num_layers
+    div = model.num_experts * sim.num_prec
+    num_keys = num_l * div
+    streamed = sim.pieces is not None
+    # a layer's distinct experts (a piece's largest is not the trace's: the bound when in pieces)
+    maxn = model.num_experts if streamed else int(np.diff(wl.off).max(initial=0))
+    ev = evictions[type(sim.eviction)]
+    pf = prefetchers[type(sim.prefetch)]
+    pool = num_keys + maxn + 16
+    pend_max = num_keys + 16
+    miss = misses[type(sim.miss)]
+    assert not streamed or (miss == MISS_FETCH and ev != EV_BELADY), "simulator.stream.why_whole"
+    max_rows = int(np.diff(wl.row_off).max(initial=0)) if miss != MISS_FETCH and wl.row_off is not None else 0
+    reroute = miss in (MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE)
+    # a layer computes its routed experts and, for a miss policy that re-routes, others
+    max_runs = maxn + (model.num_experts if reroute else 0)
+    IS, FS = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
+                     max(1, max_rows), sim.num_prec)
+    _configure(sim, IS, FS, ev, pf, miss, max_runs)
+    DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS)
     pinned = [int(k) for k in sim.prefetch.pinned()]
     if pinned:
         _preload(np.asarray(pinned, np.int64), IS, FS, DI, DF, A)
-    n_pass = wl.num_passes
-    nonexp = sim.nonexpert_times()
-    cols = np.zeros((n_pass, R_COUNT), np.int64)
-    t_start, t_end, stall = np.zeros(n_pass), np.zeros(n_pass), np.zeros(n_pass)
-    m_total, m_kept = np.zeros(n_pass), np.zeros(n_pass)
     no_props = (np.zeros(1, np.int64), np.zeros(0, np.int64))
-    for p0 in range(0, n_pass, CHUNK):
-        p1 = min(p0 + CHUNK, n_pass)
-        P = sim.prefetch.proposals(p0, p1) if pf == PF_ARRAY else no_props
-        replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, nonexp, cols[p0:p1], t_start, t_end, stall, m_total, m_kept)
-        if sim.progress is not None:
-            sim.progress(p1, n_pass)
+    outs: list[tuple[Any, ...]] = []
+    pieces: list[Any] = []
+    base, rows_done = 0, 0  # passes and trace rows of the pieces before this one
+    while True:
+        n_pass = wl.num_passes
+        cols = np.zeros((n_pass, R_COUNT), np.int64)
+        t_start, t_end, stall = np.zeros(n_pass), np.zeros(n_pass), np.zeros(n_pass)
+        m_total, m_kept = np.zeros(n_pass), np.zeros(n_pass)
+        IS[S_PBASE] = base
+        for q0 in range(0, n_pass, CHUNK):
+            q1 = min(q0 + CHUNK, n_pass)
+            P = sim.prefetch.proposals(q0, q1) if pf == PF_ARRAY else no_props
+            replay_passes(base + q0, base + q1, IS, FS, DI, DF, A, P, M, nonexp[q0:q1], cols[q0:q1],
+                          t_start[q0:q1], t_end[q0:q1], stall[q0:q1], m_total[q0:q1], m_kept[q0:q1])
+            if sim.progress is not None:
+                if streamed:  # the share of the file's rows replayed
+                    sim.progress(rows_done + len(wl.trace) * q1 // n_pass, sim.trace_rows)
+                else:
+                    sim.progress(q1, n_pass)
+        outs.append((cols, t_start, t_end, stall, m_total, m_kept))
+        if not streamed:
+            break
+        pieces.append(wl)
+        rows_done += len(wl.trace)
+        base += n_pass
+        nxt = next(sim.pieces, None)
+        if nxt is None:
+            break
+        # the piece's per-access and per-row arrays go (its per-pass ones stay, for join)
+        wl.acc_layer = wl.acc_expert = wl.acc_tokens = wl.acc_weight = wl.acc_rank = None
+        wl.trace = wl.row_order = wl.row_off = None
+        del DI, A, DF, M, nonexp
+        wl = nxt
+        sim.bind_piece(wl)
+        DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS)
     _finish(IS, FS, DI, DF, A)
-    for i, name in enumerate(COLUMNS):
-        sim._cols[name][:] = cols[:, i]
-    sim._t_start[:] = t_start
-    sim._t_end[:] = t_end
-    sim._stall[:] = stall
+    cols, t_start, t_end, stall, m_total, m_kept = (np.concatenate(x) for x in zip(*outs, strict=True))
+    if streamed:
+        from moesim.simulator.stream import join
+
+        sim.adopt(join(pieces), len(pieces), {name: cols[:, i] for i, name in enumerate(COLUMNS)}, t_start, t_end, stall)
+    else:
+        for i, name in enumerate(COLUMNS):
+            sim._cols[name][:] = cols[:, i]
+        sim._t_start[:] = t_start
+        sim._t_end[:] = t_end
+        sim._stall[:] = stall
     if miss != MISS_FETCH:  # the per-token path's gate mass (else the workload's, as there)
         sim._mass_total[:] = m_total
         sim._mass_kept[:] = m_kept
     sim.copy.busy_time = float(FS[SF_BUSY])
     sim.copy.bytes_moved = int(IS[S_BYTES])
     sim.cache.max_used = int(IS[S_MAXUSED])
-

@@ -155,6 +155,7 @@ def summarise(sim: RunInfo, steps: pd.DataFrame, requests: pd.DataFrame) -> dict
         "hardware_source": sim.scenario.hardware.source,
         "replay_path": "kernel" if sim.simpy_reason is None else "simpy",
         "replay_path_reason": sim.simpy_reason,
+        "trace_pieces": sim.trace_pieces,
     }
     gen = steps["generated"].to_numpy()
     dec_time = float(steps.loc[decode_like, "duration_s"].sum())

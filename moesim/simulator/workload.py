@@ -92,7 +92,7 @@ class Workload:
 
     @property
     def num_accesses(self) -> int:
-        return int(self.acc_expert.shape[0])
+        return int(self.off[-1])
 
     def keys(self) -> np.ndarray:
         """Cache key of every access: ``layer * num_experts + expert`` (int64, made in place:
@@ -179,7 +179,7 @@ def _generated(trace: Trace, order: np.ndarray, phase: np.ndarray, pass_of_row: 
     return generated
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _count_distinct(pl, experts, order, num_e, n_groups):
     """The number of distinct experts of each (pass, layer) id ``g`` of ``pl`` (the ids of
     the rows ``experts[order]``, non-decreasing)."""
@@ -195,7 +195,7 @@ def _count_distinct(pl, experts, order, num_e, n_groups):
     return counts
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _fill_distinct(pl, experts, weights, order, num_e, num_l, off, out_layer, out_expert, out_rank, out_tokens,
                    out_weight):
     """Each (pass, layer)'s distinct experts at ``off[g]`` on, in order of first appearance
@@ -248,6 +248,21 @@ def _accesses(pl: np.ndarray, trace: Trace, order: np.ndarray, num_e: int, num_l
     return (off, *out)
 
 
+def _in_order(keys: tuple[np.ndarray, ...]) -> bool:
+    """Whether the rows are already in the order ``np.lexsort(keys[::-1])`` gives (``keys``
+    from the most significant): a decode trace written request by request is, and a stable
+    sort would leave it as it is. A few vector passes instead of a sort."""
+    if len(keys[0]) < 2:
+        return True
+    tied = np.ones(len(keys[0]) - 1, dtype=bool)  # rows i, i + 1 equal on the keys so far
+    for k in keys:
+        a, b = k[:-1], k[1:]
+        if (tied & (b < a)).any():
+            return False
+        tied &= a == b
+    return True
+
+
 def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None = None,
                    speculative: Any = None, seed: int = 0) -> Workload:
     """Group the trace's rows into forward passes and list each pass's expert accesses.
@@ -272,7 +287,8 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
     step = trace.step.astype(np.int64)
     layer = trace.layer.astype(np.int64)
     pos = trace.position.astype(np.int64)
-    order = np.lexsort((pos, req_idx, layer, step, group))
+    keys = (group, step, layer, req_idx, pos)  # execution order: major to minor
+    order = np.arange(len(pos)) if _in_order(keys) else np.lexsort(keys[::-1])
     group, step, layer, pos = group[order], step[order], layer[order], pos[order]
     ridx = req_idx[order]
     phase = trace.phase[order]

@@ -1,0 +1,124 @@
+"""Replaying a trace file a piece at a time (``docs/design.md``, "Streaming replay").
+
+A trace file whose rows come request by request is read in pieces of whole batches of
+requests (:func:`traces.io.iter_trace`, about :data:`CHUNK_ROWS` rows each), each piece made
+into its own :class:`Workload` and replayed by the compiled kernel with the state carried from
+the previous piece: the cache, the copy engine, the prefetch queue and the clocks. Peak memory
+is then set by the piece and the cache, not by the trace; the per-pass and per-request rows
+(a few hundred bytes per forward pass) are what grows. Results are the whole-trace replay's,
+bit for bit (``tests/test_stream.py``).
+
+What a replay needs decides whether it can go a piece at a time (:func:`why_whole`): the
+kernel path, a piece never straddling a batch, and policies that look no further than the
+current forward pass. Belady reads every key's next use over the whole trace and static
+pinning counts the first share of all passes, so both replay the whole trace; so do miss
+policies that re-route tokens (their per-token arrays are sized by the largest layer of the
+trace), speculative decoding (its acceptance draws run over all requests), synthesised and
+imported traces (made whole in memory), and files whose rows are not in request order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moesim.config.scenario import Scenario
+from moesim.simulator.workload import Workload, build_workload
+
+CHUNK_ROWS = 1 << 18  # trace rows per piece (~30 MB of trace, ~60 MB of workload at top-8)
+
+# prefetchers whose proposals at (pass, layer) read that pass (or the one before it in its
+# batch, which a piece always holds) and nothing later; eviction policies without a view of
+# the future
+_PIECEWISE_PREFETCH = ("none", "oracle", "previous-token", "lookahead", "next-gate-topk", "score-percentile")
+_PIECEWISE_EVICTION = ("lru", "fifo", "lfu", "fld", "score", "least-stale", "lhu")
+
+
+def why_whole(scenario: Scenario, recording: bool) -> str | None:
+    """Why ``scenario`` replays its whole trace at once (None: it can go a piece at a time).
+    ``recording``: the replay records a timeline or its decisions (the SimPy path)."""
+    from moesim.jit import HAVE_NUMBA
+
+    src = scenario.workload.trace
+    if src.path is None:
+        return "the trace is synthesised or imported in memory"
+    if recording:
+        return "the replay records its timeline or decisions"
+    if not HAVE_NUMBA or os.environ.get("MOESIM_NO_KERNEL", "") not in ("", "0"):
+        return "the replay runs on the SimPy path"
+    if scenario.hardware.gpus > 1:
+        return "expert parallelism"
+    if scenario.workload.speculative is not None:
+        return "speculative decoding"
+    pol = scenario.policies
+    if pol.eviction.name not in _PIECEWISE_EVICTION:
+        return f"eviction policy '{pol.eviction.name}' reads the whole trace"
+    if pol.prefetch.name not in _PIECEWISE_PREFETCH:
+        return f"prefetch policy '{pol.prefetch.name}' reads the whole trace"
+    if pol.miss.name != "fetch":
+        return f"miss policy '{pol.miss.name}' re-routes tokens"
+    if pol.routing.name != "standard" or pol.budget.name != "none":
+        return "a routing or budget policy"
+    return None
+
+
+def pieces(scenario: Scenario, path: Path, chunk_rows: int = CHUNK_ROWS) -> Iterator[Workload]:
+    """The workloads of the trace file's pieces, in order (whole batches of requests, at most
+    ``workload.max_requests`` requests in all). Each is numbered from 0 (its passes, groups
+    and accesses); :func:`join` numbers them as one."""
+    from moesim.traces.io import iter_trace
+
+    w = scenario.workload
+    for piece in iter_trace(path, chunk_rows, w.batch_size, w.max_requests):
+        yield build_workload(piece, w.batch_size, None, None, scenario.seed)
+
+
+def read_ahead(pieces: Iterator[Workload]) -> Iterator[Workload]:
+    """``pieces``, each read and built on a second thread while the caller replays the one
+    before (the compiled loops release the GIL, and so does the Parquet reader): two pieces
+    in memory at most. An error reading a piece is raised where that piece is asked for."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesim-read") as pool:
+        ahead = pool.submit(next, pieces, None)
+        while True:
+            wl = ahead.result()
+            if wl is None:
+                return
+            ahead = pool.submit(next, pieces, None)
+            yield wl
+
+
+def _cat(parts: list[Any]) -> np.ndarray:
+    return np.concatenate(parts) if len(parts) > 1 else np.asarray(parts[0])
+
+
+def join(parts: list[Workload]) -> Workload:
+    """One workload of the pieces' forward passes and requests, numbered as the whole trace's
+    workload numbers them (passes, groups and access offsets continue from piece to piece).
+    It holds no per-access arrays (the pieces' are gone): the number of accesses is its last
+    offset."""
+    model = parts[0].model
+    pass_base = np.cumsum([0] + [w.num_passes for w in parts])
+    group_base = np.cumsum([0] + [int(w.pass_group.max()) + 1 for w in parts])
+    acc_base = np.cumsum([0] + [int(w.off[-1]) for w in parts])
+    off = [np.zeros(1, np.int64)] + [w.off[1:] + acc_base[i] for i, w in enumerate(parts)]
+    return Workload(
+        model=model, batch_size=parts[0].batch_size,
+        pass_group=_cat([w.pass_group + group_base[i] for i, w in enumerate(parts)]),
+        pass_step=_cat([w.pass_step for w in parts]), pass_phase=_cat([w.pass_phase for w in parts]),
+        pass_tokens=_cat([w.pass_tokens for w in parts]), pass_context=_cat([w.pass_context for w in parts]),
+        pass_requests=_cat([w.pass_requests for w in parts]),
+        pass_generated=_cat([w.pass_generated for w in parts]),
+        off=_cat(off),
+        acc_layer=np.zeros(0, np.int32), acc_expert=np.zeros(0, np.int32), acc_rank=np.zeros(0, np.int8),
+        acc_tokens=np.zeros(0, np.int32), acc_weight=np.zeros(0),
+        request_ids=_cat([w.request_ids for w in parts]),
+        request_group=_cat([w.request_group + group_base[i] for i, w in enumerate(parts)]),
+        request_first_pass=_cat([w.request_first_pass + pass_base[i] for i, w in enumerate(parts)]),
+        weight_total=_cat([w.weight_total for w in parts]),
+        row_order=None, row_off=None, trace=None,
+    )

@@ -1,0 +1,183 @@
+"""Replaying a trace file a piece at a time (``moesim.simulator.stream``, ``docs/design.md``
+"Streaming replay"): the pieces the reader cuts (whole batches of requests, every row once,
+errors naming the file's row), the replay in pieces equal to the whole-trace replay on every
+per-pass and per-request column and every summary figure (a hypothesis property over
+policies, batch sizes, execution modes, host styles and piece sizes; the real Mixtral log),
+and the replays that read the whole trace, each with its reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from moesim.config.scenario import load_scenario
+from moesim.errors import MoesimError
+from moesim.simulator.engine import Simulation
+from moesim.traces.io import iter_trace, read_trace, requests_in_order, write_trace
+from moesim.traces.synth import synth_from_preset
+from moesim.traces.trace import Trace
+from tests.helpers import mixtral_trace
+
+COLUMNS = ("request", "step", "position", "phase", "layer", "experts", "weights", "pred_next")
+
+
+def _ragged(requests: int = 9, seed: int = 3) -> Trace:
+    """An OLMoE-shaped synthetic trace whose requests decode different numbers of tokens
+    (12-token prompts, 5..30 decode tokens), with next-layer predictions."""
+    tr = synth_from_preset("olmoe-1b-7b", requests=requests, prompt_tokens=12, tokens=30, seed=seed,
+                           pred_next=True)
+    keep_decode = 5 + (np.arange(requests) * 7) % 26  # decode tokens kept per request
+    return tr.take(tr.position < 12 + keep_decode[tr.request])
+
+
+@pytest.fixture(scope="module")
+def ragged_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_trace(_ragged(), tmp_path_factory.mktemp("stream") / "ragged.parquet")
+
+
+def _summary(res) -> dict:
+    return {k: v for k, v in res.summary.items() if k not in ("wall_s", "trace_pieces")}
+
+
+def _same(whole, pieces) -> None:
+    assert pieces.steps.equals(whole.steps)
+    assert pieces.requests.equals(whole.requests)
+    assert _summary(pieces) == _summary(whole)
+
+
+# -- the reader -------------------------------------------------------------------------------
+def test_pieces_are_whole_batches_of_requests_and_every_row_once(ragged_file: Path) -> None:
+    whole = read_trace(ragged_file)
+    got = list(iter_trace(ragged_file, 700, requests_multiple=2))
+    # rows per request in the file (the ragged lengths): 16 layers x (12 + 5 + 7r mod 26) tokens
+    rows_of = {r: 16 * (12 + 5 + (r * 7) % 26) for r in range(9)}
+    assert [len(p) for p in got] == [sum(rows_of[r] for r in ids) for ids in
+                                    [np.unique(p.request).tolist() for p in got]]
+    assert len(got) >= 5
+    seen: list[int] = []
+    for i, p in enumerate(got):
+        ids = np.unique(p.request).tolist()
+        # cut where the rows read reach 700, after the last whole batch among them
+        assert len(p) <= 700 + 2 * max(rows_of.values()) * 2
+        assert len(ids) % 2 == 0 or i == len(got) - 1  # a batch of two never straddles two pieces
+        assert not set(ids) & set(seen)
+        seen += ids
+    assert seen == list(range(9))
+    for col in COLUMNS:
+        assert np.array_equal(np.concatenate([getattr(p, col) for p in got]), getattr(whole, col)), col
+
+
+def test_pieces_stop_after_max_requests(ragged_file: Path) -> None:
+    got = list(iter_trace(ragged_file, 300, requests_multiple=2, max_requests=5))
+    ids = [np.unique(p.request).tolist() for p in got]
+    assert [r for x in ids for r in x] == [0, 1, 2, 3, 4]
+    assert [len(x) for x in ids] == [2, 2, 1]  # 300 rows hold less than a request: one batch each
+
+
+def test_a_bad_row_in_a_later_piece_is_named_by_its_row_in_the_file(tmp_path: Path) -> None:
+    tr = _ragged()
+    tr.experts[1234, 1] = 99  # the model has 64 experts per layer
+    path = write_trace(tr, tmp_path / "bad.parquet")
+    with pytest.raises(MoesimError, match=r"bad\.parquet: column 'experts' has expert id\(s\) .* at row 1234;"):
+        list(iter_trace(path, 500))
+    with pytest.raises(MoesimError, match="at row 1234;"):
+        read_trace(path)
+
+
+def test_a_file_out_of_request_order_is_read_whole_with_the_same_results(tmp_path: Path) -> None:
+    tr = _ragged()
+    order = np.argsort(-tr.request.astype(np.int64), kind="stable")  # last request first
+    path = write_trace(tr.take(order), tmp_path / "reversed.parquet")
+    assert not requests_in_order(path)
+    with pytest.raises(MoesimError, match="not in request order"):
+        list(iter_trace(path, 500))
+    sc = load_scenario("quickstart", [f"workload.trace.path={path}", "cache.capacity=10%"])
+    sim = Simulation(sc, chunk_rows=500)
+    assert sim.pieces is None
+    assert sim.whole_reason == "the trace file's rows are not in request order"
+    res = sim.run()
+    assert res.summary["trace_pieces"] == 1
+
+
+# -- the replay ---------------------------------------------------------------------------------
+POLICIES = st.sampled_from([("lru", "none"), ("least-stale", "score-percentile"), ("fld", "previous-token"),
+                            ("lfu", "lookahead"), ("score", "next-gate-topk"), ("fifo", "oracle"),
+                            ("least-stale", "previous-token"), ("lhu", "none")])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pol=POLICIES, batch=st.integers(1, 4), mode=st.sampled_from(["layer", "per-expert", "on-arrival"]),
+       chunk=st.integers(200, 1500), cap=st.sampled_from(["3%", "10%", "40%"]),
+       style=st.sampled_from(["none", "hf-loop", "graph-per-expert"]),
+       fetch=st.sampled_from(["pipelined", "blocking"]), max_requests=st.sampled_from([None, 5, 8]))
+@example(pol=("least-stale", "score-percentile"), batch=2, mode="per-expert", chunk=700, cap="10%",
+         style="hf-loop", fetch="blocking", max_requests=None)
+@example(pol=("lru", "none"), batch=3, mode="layer", chunk=200, cap="3%", style="none", fetch="pipelined",
+         max_requests=5)
+def test_a_replay_in_pieces_equals_the_whole_trace_replay(ragged_file: Path, pol, batch, mode, chunk, cap, style,
+                                                          fetch, max_requests) -> None:
+    sets = [f"workload.trace.path={ragged_file}", f"policies.eviction={pol[0]}", f"policies.prefetch={pol[1]}",
+            f"workload.batch_size={batch}", f"expert_compute={mode}", f"cache.capacity={cap}",
+            f"execution.style={style}", f"expert_fetch={fetch}"]
+    if max_requests is not None:
+        sets.append(f"workload.max_requests={max_requests}")
+    if style != "none":  # a style sets the execution mode and fetch discipline unless the scenario does
+        sets = [s for s in sets if not s.startswith(("expert_compute", "expert_fetch"))]
+    sc = load_scenario("quickstart", sets)
+    whole = Simulation(sc, trace=read_trace(ragged_file)).run()
+    sim = Simulation(sc, chunk_rows=chunk)
+    assert sim.pieces is not None, sim.whole_reason
+    res = sim.run()
+    _same(whole, res)
+    pieces = len(list(iter_trace(ragged_file, chunk, batch, max_requests)))
+    assert res.summary["trace_pieces"] == pieces
+    assert whole.summary["trace_pieces"] == 1
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("policy", ["lru", "least-stale"])
+def test_the_real_mixtral_logs_in_pieces_equal_their_whole_replay(tmp_path: Path, batch: int, policy: str) -> None:
+    gsm, hev = mixtral_trace("gsm8k"), mixtral_trace("humaneval")
+    hev.request = hev.request + 2  # four problems: gsm8k's two, then humaneval's two
+    tr = Trace(model=gsm.model, **{c: np.concatenate([getattr(gsm, c), getattr(hev, c)])
+                                   for c in ("request", "step", "position", "phase", "layer", "experts", "weights")})
+    path = write_trace(tr, tmp_path / "mixtral.parquet")
+    sc = load_scenario("quickstart", [f"workload.trace.path={path}", f"policies.eviction={policy}",
+                                      f"workload.batch_size={batch}", "cache.capacity=25%",
+                                      "policies.prefetch=previous-token"])
+    whole = Simulation(sc, trace=tr).run()
+    res = Simulation(sc, chunk_rows=2000).run()  # every problem has more rows: a batch per piece
+    _same(whole, res)
+    assert res.summary["trace_pieces"] == 4 // batch
+
+
+def test_progress_counts_the_file_rows_up_to_all_of_them(ragged_file: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}"])
+    Simulation(sc, chunk_rows=900, progress=lambda d, t: seen.append((d, t))).run()
+    rows = len(read_trace(ragged_file))
+    assert {t for _, t in seen} == {rows}
+    done = [d for d, _ in seen]
+    assert done == sorted(done)
+    assert done[-1] == rows
+
+
+@pytest.mark.parametrize(("sets", "reason"), [
+    (["policies.eviction=belady"], "eviction policy 'belady' reads the whole trace"),
+    (["policies.prefetch=static-pin"], "prefetch policy 'static-pin' reads the whole trace"),
+    (["policies.miss=drop"], "miss policy 'drop' re-routes tokens"),
+    (["workload.speculative.tree_size=4"], "speculative decoding"),
+])
+def test_replays_that_need_the_whole_trace_read_it_whole(ragged_file: Path, sets: list[str], reason: str) -> None:
+    sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", *sets])
+    sim = Simulation(sc, chunk_rows=500)
+    assert sim.pieces is None
+    assert sim.whole_reason == reason
+
+
+def test_a_synthesised_trace_and_a_recorded_timeline_are_whole() -> None:
+    assert Simulation(load_scenario("quickstart", [])).whole_reason == "the trace is synthesised or imported in memory"
