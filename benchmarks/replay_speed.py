@@ -126,7 +126,7 @@ def sweep_64() -> dict[str, Any]:
     """64 points (capacity x link bandwidth x eviction) over a 10k-token OLMoE-shaped trace
     file, 2 local workers."""
     from moesim.simulator.build import load_trace
-    from moesim.simulator.sweep import sweep
+    from moesim.studies.sweep import sweep
     from moesim.traces.io import write_trace
 
     grid = {"cache.capacity": ["2%", "5%", "10%", "25%"],

@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moesim.simulator.sweep import sweep
+from moesim.studies.sweep import sweep
 
 GRID = {"cache.capacity": ["5%", "10%", "25%", "50%"], "policies.eviction": ["lru", "fifo", "lfu", "least-stale"]}
 BASE = ("workload.trace.synth.tokens=300",)

@@ -248,7 +248,7 @@ def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], 
     from rich.console import Console
 
     from moesim.config.scenario import resolve_path
-    from moesim.simulator.sweep import parse_grid, sweep
+    from moesim.studies.sweep import parse_grid, sweep
 
     overrides = _with_trace(trace_file, overrides)
     n_workers = workers if workers is not None else (_os.cpu_count() or 1)
@@ -327,7 +327,7 @@ def _interrupted_note(target: Path, what: str) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        from moesim.simulator.sweep import done_points
+        from moesim.studies.sweep import done_points
 
         kept = len(done_points(target))
         click.echo(f"\n{what} interrupted: {target}/points keeps {kept} finished point(s), each written whole; "
@@ -388,7 +388,7 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
     passes), with speedup over the baseline and the share of the baseline-to-bound gap closed.
     Writes OUT/compare.parquet, OUT/compare.md and OUT/compare.png."""
     from moesim.config.scenario import resolve_path
-    from moesim.simulator.compare import compare, terminal
+    from moesim.studies.compare import compare, terminal
 
     overrides = _with_trace(trace_file, overrides)
     n_workers = workers if workers is not None else (os.cpu_count() or 1)
@@ -429,7 +429,7 @@ def mrc_cmd(trace_file: str, policies: str, capacities: str | None, expert_compu
     bytes and % of the model; misses; hit rate; method) and OUT/mrc.png (log capacity axis,
     Belady as the bound)."""
     from moesim.policies.eviction import REGISTRY as EVICTION
-    from moesim.simulator.mrc import describe, mrc, parse_capacities, write_mrc
+    from moesim.studies.mrc import describe, mrc, parse_capacities, write_mrc
     from moesim.traces.io import read_trace
 
     batch_size = _deprecated("--batch", "--batch-size", batch_old) or batch_size
@@ -607,7 +607,7 @@ def trace_import(fmt: str, src: tuple[str, ...], out: str, model_preset: str | N
 def trace_fit(file: str, out: str, batch: int, batch_old: int | None, name: str | None) -> None:
     """Estimate the synthetic routing model from trace FILE (per-layer popularity,
     cross-layer affinity, reuse, batch correlation) and write a profile for `synth --fit`."""
-    from moesim.simulator.mrc import lru_curve
+    from moesim.studies.mrc import lru_curve
     from moesim.traces.fit import fit_profile, write_profile
     from moesim.traces.io import read_trace
 

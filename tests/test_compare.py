@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from moesim.cli import cli
 from moesim.config.scenario import scenario_from_dict
-from moesim.simulator.compare import compare, plan_compare, rank, recommendation, terminal
 from moesim.simulator.engine import simulate
+from moesim.studies.compare import compare, plan_compare, rank, recommendation, terminal
 
 SCENARIO = {
     "seed": 0,
@@ -201,7 +201,7 @@ def test_the_title_names_the_trace_hardware_link_speed_and_execution():
     """What a figure holds fixed is in its title (issue 36, part 4): the trace (a synthetic
     preset with its shape, or the file's name), the hardware preset and its host link's
     bandwidth, the batch, the execution mode with the per-expert fetch discipline, the seed."""
-    from moesim.simulator.compare import describe
+    from moesim.studies.compare import describe
 
     data = {"hardware": {"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": 5}}},
             "workload": {"trace": {"synth": {"preset": "olmoe-1b-7b", "requests": 2, "prompt_tokens": 8,

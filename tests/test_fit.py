@@ -7,7 +7,7 @@ import pytest
 
 from moesim.errors import MoesimError
 from moesim.simulator.engine import simulate
-from moesim.simulator.mrc import lru_curve
+from moesim.studies.mrc import lru_curve
 from moesim.traces.fit import (
     FRACTIONS,
     fit_profile,

@@ -247,7 +247,7 @@ def test_the_styles_are_listed_with_their_host_costs_and_named_in_compare_s_titl
     import subprocess
     import sys
 
-    from moesim.simulator.compare import describe
+    from moesim.studies.compare import describe
 
     out = subprocess.run([sys.executable, "-m", "moesim", "presets", "--json"], capture_output=True, text=True,
                          check=True).stdout

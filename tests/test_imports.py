@@ -1,6 +1,7 @@
 """The import graph (issue 13): no cycles between modules or between moesim's subpackages —
 imports inside functions count too — and the layering the README describes: policies and
-traces do not import the engine, configuration does not import calibration."""
+traces do not import the engine, the engine does not import the studies over many replays,
+configuration does not import calibration."""
 
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ def test_no_cycles_between_subpackages_and_the_layering_holds():
                 pkgs[package(mod)].add(package(d))
     assert cycle(pkgs) is None, pkgs
     assert "simulator" not in pkgs["policies"] | pkgs["traces"]
+    assert "studies" not in pkgs["simulator"] | pkgs["policies"] | pkgs["traces"] | pkgs["config"]
     assert "calibration" not in pkgs["config"]
     assert pkgs["errors"] == set()
 

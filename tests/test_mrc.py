@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from moesim.cli import cli
-from moesim.simulator.mrc import lru_stack_misses, mrc, parse_capacities
+from moesim.studies.mrc import lru_stack_misses, mrc, parse_capacities
 from moesim.traces.io import write_trace
 from moesim.traces.synth import synth_from_preset
 from tests import reference_replay as R

@@ -15,10 +15,10 @@ import pytest
 
 from moesim.config.scenario import load_scenario
 from moesim.errors import MoesimError
-from moesim.simulator import fingerprint
-from moesim.simulator.compare import compare
 from moesim.simulator.engine import simulate
-from moesim.simulator.sweep import sweep
+from moesim.studies import fingerprint
+from moesim.studies.compare import compare
+from moesim.studies.sweep import sweep
 from moesim.traces.io import write_trace
 from moesim.traces.synth import synth_from_preset
 

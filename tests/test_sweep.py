@@ -17,7 +17,7 @@ import pytest
 from moesim.config.scenario import load_scenario
 from moesim.errors import MoesimError
 from moesim.simulator.engine import simulate
-from moesim.simulator.sweep import done_points, sweep
+from moesim.studies.sweep import done_points, sweep
 from moesim.traces.io import write_trace
 from moesim.traces.synth import synth_from_preset
 from tests.test_plugins import isolated_registries  # noqa: F401 (a fixture)
@@ -292,7 +292,7 @@ def test_shipped_sweep_sections_plan_the_papers_grids():
     """The shipped scenarios with a sweep: section plan (every point's scenario validated)
     into the grids their comments name: quickstart 4 capacities x 3 bandwidths x 3 evictions,
     SpecMD Table 1's 3 cache sizes x {LRU, Least-Stale}, MoE-Spec's 7 OLMoE budgets."""
-    from moesim.simulator.sweep import plan
+    from moesim.studies.sweep import plan
 
     expected = {"quickstart": 36, "specmd/olmoe-config5": 6, "moe-spec/olmoe-tree63-budget32": 7}
     for name, n in expected.items():

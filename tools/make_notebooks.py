@@ -446,7 +446,7 @@ import tempfile
 from pathlib import Path
 
 from moesim.output.plots import figure
-from moesim.simulator.sweep import sweep
+from moesim.studies.sweep import sweep
 
 OUT = Path(os.environ.get("MOESIM_NOTEBOOK_OUT", "../runs/notebooks"))
 OUT.mkdir(parents=True, exist_ok=True)

@@ -62,7 +62,7 @@ TESTS: dict[str, list[str]] = {
     "moesim/calibration/calibrate.py": ["tests/test_calibrate.py", "tests/test_h100_calibration.py"],
     "moesim/policies/budget.py": ["tests/test_budget.py", "tests/test_budget_hand.py", "tests/test_budget_exact.py",
                            "tests/test_expert_parallel.py"],
-    "moesim/simulator/fingerprint.py": ["tests/test_reuse.py"],
+    "moesim/studies/fingerprint.py": ["tests/test_reuse.py"],
     "moesim/simulator/stream.py": ["tests/test_stream.py"],
     "moesim/traces/io.py": ["tests/test_stream.py", "tests/test_traces.py", "tests/test_bad_input.py"],
 }

@@ -82,6 +82,7 @@ class RunInfo(Protocol):
     preloaded: int
     link_name: str
     simpy_reason: str | None
+    trace_pieces: int
 
 TIME_METRICS = ("stall_s", "ttft_s", "tpot_s", "tokens_per_s", "total_time_s")
 

@@ -92,7 +92,7 @@ FRACTIONS = [0.05, 0.1, 0.25, 0.5, 0.75]
 def fit_profile(trace: Trace, hit_curve: Callable[[Trace, list[float], int], list[float]], batch: int = 1,
                 name: str | None = None, seeds: int = 2, progress: Any = None) -> dict[str, Any]:
     """Estimate a profile from ``trace`` (see the module docstring). ``hit_curve(trace, fractions,
-    batch)`` gives the LRU hit rates the fit matches (``moesim.simulator.mrc.lru_curve``, a
+    batch)`` gives the LRU hit rates the fit matches (``moesim.studies.mrc.lru_curve``, a
     replay: this package does not import the engine)."""
     body, phases = _decode_or_all(trace)
     if len(body) == 0:

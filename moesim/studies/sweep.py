@@ -12,7 +12,7 @@ Axes come from ``--grid dotted.key=v1,v2,...`` and from the scenario's ``sweep:`
 Each point writes ``DIR/points/<id>/`` (summary.json, steps.parquet, scenario.resolved.yaml,
 point.json) atomically, or ``error.json`` when it fails; the sweep goes on. Point ids are a
 hash of the point's overrides, so they do not depend on the order of the run. A finished
-point is reused on a rerun only when its fingerprint (:func:`moesim.simulator.fingerprint.scenario_fingerprint`:
+point is reused on a rerun only when its fingerprint (:func:`moesim.studies.fingerprint.scenario_fingerprint`:
 the fully resolved scenario, the content of the trace and other input files, the loaded
 plugins' sources, the hardware as built from its profile, and moesim's code) equals the one
 recorded in its ``point.json``; otherwise it runs again and replaces the folder. So rerunning
@@ -61,7 +61,7 @@ class Point:
 
     pid: str
     values: dict[str, Any]
-    fingerprint: str  # of everything that determines its results (simulator.fingerprint)
+    fingerprint: str  # of everything that determines its results (studies.fingerprint)
 
 
 def parse_grid(items: tuple[str, ...] | list[str]) -> dict[str, list[Any]]:
@@ -109,7 +109,7 @@ def make_points(p: Path, data: dict[str, Any], combos: list[dict[str, Any]],
     from moesim.policies.plugins import loaded_plugins
     from moesim.simulator.build import load_trace, scenario_workload
     from moesim.simulator.engine import Simulation
-    from moesim.simulator.fingerprint import scenario_fingerprint
+    from moesim.studies.fingerprint import scenario_fingerprint
 
     plugins = loaded_plugins()
     traces = {} if traces is None else traces
@@ -348,8 +348,8 @@ def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: in
         # the kernel for every point)
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["numpy", "pandas", "pyarrow", "simpy", "moesim.simulator.engine",
-                                    "moesim.output.results", "moesim.simulator.sweep",
-                                    "moesim.simulator._kernel_loaded"])
+                                    "moesim.output.results", "moesim.studies.sweep",
+                                    "moesim.studies._kernel_loaded"])
         fresh: dict[str, Any] = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
         with _main_not_reimported():
             pool = ProcessPoolExecutor(workers, ctx, **fresh)  # Python 3.10 reuses worker processes

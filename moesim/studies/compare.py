@@ -12,7 +12,7 @@ prefetch, previous-token, and the next-layer gate predictors when the trace reco
 - ``infinite`` (once, capacity-independent): every expert the trace uses preloaded before
   the replay (``static-pin`` over all passes at 100% capacity) — no copies at all.
 
-Every row is a sweep point (``simulator.sweep``: parallel, resumable, Ray). The ranking
+Every row is a sweep point (``studies.sweep``: parallel, resumable, Ray). The ranking
 metric (``tpot_s``, or ``ttft_s`` for a scenario without decode passes) orders the
 candidates; ``speedup`` is baseline / candidate and ``gap_closed`` the share of the
 baseline-to-bound difference a candidate closes: (baseline - candidate) / (baseline - bound).
@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from moesim.errors import MoesimError
-from moesim.simulator.sweep import (
+from moesim.studies.sweep import (
     Point,
     base_data,
     collect,
