@@ -143,7 +143,7 @@ def main() -> None:
             row: dict[str, Any] = {"accesses": acc, "requests": requests, "file_mb": path.stat().st_size / 1e6,
                                    "wall_s": wall, "marginal_s": wall - start, "accesses_per_s": rate,
                                    "peak_rss_mb": rss, "rss_bytes_per_access": rss * 2**20 / acc,
-                                   "trace_pieces": summary["trace_pieces"], "misses": summary["misses"],
+                                   "trace_pieces": summary.get("trace_pieces", 1), "misses": summary["misses"],
                                    "replay_path": summary["replay_path"], "made_s": made}
             if keys is not None and any(abs(size - s) < 1 for s in args.lcs):
                 cap = int(summary["cache_capacity_experts"])
