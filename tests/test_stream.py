@@ -181,3 +181,35 @@ def test_replays_that_need_the_whole_trace_read_it_whole(ragged_file: Path, sets
 
 def test_a_synthesised_trace_and_a_recorded_timeline_are_whole() -> None:
     assert Simulation(load_scenario("quickstart", [])).whole_reason == "the trace is synthesised or imported in memory"
+
+
+def test_the_command_line_reads_a_long_trace_in_pieces_with_the_same_summary(ragged_file: Path, monkeypatch) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from moesim.cli import cli
+
+    args = ["run", "quickstart", "--trace", str(ragged_file), "--json", "--no-write", "-q",
+            "--set", "policies.eviction=least-stale", "--set", "cache.capacity=10%"]
+    whole = json.loads(CliRunner().invoke(cli, args, catch_exceptions=False).output)
+    monkeypatch.setenv("MOESIM_PIECE_ROWS", "600")
+    pieces = json.loads(CliRunner().invoke(cli, args, catch_exceptions=False).output)
+    assert whole.pop("trace_pieces") == 1
+    assert pieces.pop("trace_pieces") == len(list(iter_trace(ragged_file, 600)))
+    whole.pop("wall_s", None)
+    pieces.pop("wall_s", None)
+    assert pieces == whole
+
+
+@pytest.mark.parametrize("raw", ["0", "-5", "many", "2.5"])
+def test_a_bad_piece_size_is_one_paragraph_naming_the_variable(ragged_file: Path, monkeypatch, raw: str) -> None:
+    from click.testing import CliRunner
+
+    from moesim.cli import cli
+
+    monkeypatch.setenv("MOESIM_PIECE_ROWS", raw)
+    res = CliRunner().invoke(cli, ["run", "quickstart", "--trace", str(ragged_file), "--no-write", "-q"])
+    assert res.exit_code == 2
+    assert f"MOESIM_PIECE_ROWS is {raw!r}: it must be a positive whole number" in res.output
+    assert "Traceback" not in res.output

@@ -185,7 +185,7 @@ class Simulation:
             return None
         path = trace_path(sc)
         rows = trace_rows(path)
-        chunk = chunk_rows if chunk_rows is not None else stream.CHUNK_ROWS
+        chunk = chunk_rows if chunk_rows is not None else stream.piece_rows()
         if rows <= chunk:
             self.whole_reason = "the trace fits in one piece"
             return None

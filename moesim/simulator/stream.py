@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from moesim.config.scenario import Scenario
+from moesim.errors import MoesimError
 from moesim.simulator.workload import Workload, build_workload
 
 CHUNK_ROWS = 1 << 18  # trace rows per piece (~30 MB of trace, ~60 MB of workload at top-8)
@@ -37,6 +38,22 @@ CHUNK_ROWS = 1 << 18  # trace rows per piece (~30 MB of trace, ~60 MB of workloa
 # the future
 _PIECEWISE_PREFETCH = ("none", "oracle", "previous-token", "lookahead", "next-gate-topk", "score-percentile")
 _PIECEWISE_EVICTION = ("lru", "fifo", "lfu", "fld", "score", "least-stale", "lhu")
+
+
+def piece_rows() -> int:
+    """Trace rows per piece: ``MOESIM_PIECE_ROWS`` when set (a positive whole number; less
+    memory with smaller pieces, the same results), else :data:`CHUNK_ROWS`."""
+    raw = os.environ.get("MOESIM_PIECE_ROWS", "").strip()
+    if not raw:
+        return CHUNK_ROWS
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise MoesimError(f"environment variable MOESIM_PIECE_ROWS is {raw!r}: it must be a positive whole "
+                          f"number of trace rows per piece (default {CHUNK_ROWS}). Set it to one, or unset it.")
+    return rows
 
 
 def why_whole(scenario: Scenario, recording: bool) -> str | None:
