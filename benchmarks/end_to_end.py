@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
+from replay_speed import lcs_native  # libCacheSim LRU's C loop over the stream, the call timed
 
 from moesim.traces.io import trace_to_table
 from moesim.traces.synth import get_preset, grid_index
@@ -85,28 +86,6 @@ def run_moesim(trace: Path, sets: list[str]) -> tuple[float, float, dict[str, An
     return wall, usage.ru_maxrss / 1024, json.loads(out)
 
 
-def lcs_c_loop(keys: np.ndarray, capacity: int, folder: Path) -> tuple[int, float]:
-    """libCacheSim LRU's C loop over the stream: misses and seconds (the call alone)."""
-    import libcachesim as lcs
-
-    dtype = np.dtype([("t", "<u4"), ("id", "<u8"), ("size", "<u4"), ("next", "<i8")])
-    rec = np.zeros(len(keys), dtype=dtype)
-    rec["t"] = np.arange(len(keys), dtype=np.uint32)
-    rec["id"] = keys.astype(np.uint64) + 1
-    rec["size"] = 1
-    rec["next"] = -1
-    path = folder / "stream.oracleGeneral.bin"
-    rec.tofile(path)
-    del rec
-    reader = lcs.TraceReader(str(path), lcs.TraceType.ORACLE_GENERAL_TRACE)
-    cache = lcs.LRU(cache_size=capacity)
-    t0 = time.perf_counter()
-    miss_ratio, _ = cache.process_trace(reader)
-    dt = time.perf_counter() - t0
-    path.unlink()
-    return round(miss_ratio * len(keys)), dt
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=float, nargs="+", default=[2.56e6, 25.6e6, 256e6], help="expert accesses")
@@ -147,7 +126,7 @@ def main() -> None:
                                    "replay_path": summary["replay_path"], "made_s": made}
             if keys is not None and any(abs(size - s) < 1 for s in args.lcs):
                 cap = int(summary["cache_capacity_experts"])
-                misses, dt = lcs_c_loop(keys, cap, folder)
+                misses, dt = lcs_native(keys, cap)
                 row.update(lcs_misses=misses, lcs_s=dt, lcs_accesses_per_s=len(keys) / dt,
                            ratio_vs_lcs=rate / (len(keys) / dt))
             del keys
