@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from moesim.config.scenario import load_scenario
 from moesim.errors import MoesimError
 from moesim.simulator.engine import Simulation
+from moesim.simulator.stream import join, why_whole
+from moesim.simulator.workload import build_workload
 from moesim.traces.io import iter_trace, read_trace, requests_in_order, write_trace
 from moesim.traces.synth import synth_from_preset
 from moesim.traces.trace import Trace
@@ -213,3 +215,46 @@ def test_a_bad_piece_size_is_one_paragraph_naming_the_variable(ragged_file: Path
     assert res.exit_code == 2
     assert f"MOESIM_PIECE_ROWS is {raw!r}: it must be a positive whole number" in res.output
     assert "Traceback" not in res.output
+
+
+PER_PASS = ("pass_group", "pass_step", "pass_phase", "pass_tokens", "pass_context", "pass_requests",
+            "pass_generated", "weight_total", "off", "request_ids", "request_group", "request_first_pass")
+
+
+@pytest.mark.parametrize(("batch", "chunk"), [(1, 400), (2, 700), (3, 2000)])
+def test_the_joined_pieces_number_passes_and_requests_as_the_whole_trace_does(ragged_file: Path, batch: int,
+                                                                               chunk: int) -> None:
+    whole = build_workload(read_trace(ragged_file), batch)
+    parts = [build_workload(p, batch) for p in iter_trace(ragged_file, chunk, batch)]
+    assert len(parts) > 1
+    got = join(parts)
+    for name in PER_PASS:
+        a, b = getattr(got, name), getattr(whole, name)
+        assert a.dtype == b.dtype, name
+        assert np.array_equal(a, b), name
+    assert got.model == whole.model
+    assert got.batch_size == batch
+    assert got.num_passes == whole.num_passes
+    assert got.num_accesses == whole.num_accesses  # the last offset: the pieces' accesses are gone
+    for name in ("acc_layer", "acc_expert", "acc_rank", "acc_tokens", "acc_weight"):
+        a, b = getattr(got, name), getattr(whole, name)
+        assert a.shape == (0,), name
+        assert a.dtype == b.dtype, name
+    assert got.row_order is None
+    assert got.row_off is None
+    assert got.trace is None
+
+
+def test_every_reason_to_read_the_whole_trace(ragged_file: Path, monkeypatch) -> None:
+    def sc(*sets: str):
+        return load_scenario("quickstart", [f"workload.trace.path={ragged_file}", *sets])
+
+    assert why_whole(sc(), False) is None
+    assert why_whole(sc(), True) == "the replay records its timeline or decisions"
+    assert why_whole(sc("hardware.preset=h100-sxm-nvlink-x2"), False) == "expert parallelism"
+    assert why_whole(sc("policies.routing=cache-aware"), False) == "a routing or budget policy"
+    assert why_whole(sc("policies.budget=dynamic-skip"), False) == "a routing or budget policy"
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "0")
+    assert why_whole(sc(), False) is None
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+    assert why_whole(sc(), False) == "the replay runs on the SimPy path"

@@ -23,7 +23,6 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -92,14 +91,14 @@ def pieces(scenario: Scenario, path: Path, chunk_rows: int = CHUNK_ROWS) -> Iter
 
     w = scenario.workload
     for piece in iter_trace(path, chunk_rows, w.batch_size, w.max_requests):
-        yield build_workload(piece, w.batch_size, None, None, scenario.seed)
+        yield build_workload(piece, w.batch_size)  # no request limit (the reader's), no speculation
 
 
 def read_ahead(pieces: Iterator[Workload]) -> Iterator[Workload]:
     """``pieces``, each read and built on a second thread while the caller replays the one
     before (the compiled loops release the GIL, and so does the Parquet reader): two pieces
     in memory at most. An error reading a piece is raised where that piece is asked for."""
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesim-read") as pool:
+    with ThreadPoolExecutor(1) as pool:
         ahead = pool.submit(next, pieces, None)
         while True:
             wl = ahead.result()
@@ -107,10 +106,6 @@ def read_ahead(pieces: Iterator[Workload]) -> Iterator[Workload]:
                 return
             ahead = pool.submit(next, pieces, None)
             yield wl
-
-
-def _cat(parts: list[Any]) -> np.ndarray:
-    return np.concatenate(parts) if len(parts) > 1 else np.asarray(parts[0])
 
 
 def join(parts: list[Workload]) -> Workload:
@@ -125,17 +120,17 @@ def join(parts: list[Workload]) -> Workload:
     off = [np.zeros(1, np.int64)] + [w.off[1:] + acc_base[i] for i, w in enumerate(parts)]
     return Workload(
         model=model, batch_size=parts[0].batch_size,
-        pass_group=_cat([w.pass_group + group_base[i] for i, w in enumerate(parts)]),
-        pass_step=_cat([w.pass_step for w in parts]), pass_phase=_cat([w.pass_phase for w in parts]),
-        pass_tokens=_cat([w.pass_tokens for w in parts]), pass_context=_cat([w.pass_context for w in parts]),
-        pass_requests=_cat([w.pass_requests for w in parts]),
-        pass_generated=_cat([w.pass_generated for w in parts]),
-        off=_cat(off),
+        pass_group=np.concatenate([w.pass_group + group_base[i] for i, w in enumerate(parts)]),
+        pass_step=np.concatenate([w.pass_step for w in parts]), pass_phase=np.concatenate([w.pass_phase for w in parts]),
+        pass_tokens=np.concatenate([w.pass_tokens for w in parts]), pass_context=np.concatenate([w.pass_context for w in parts]),
+        pass_requests=np.concatenate([w.pass_requests for w in parts]),
+        pass_generated=np.concatenate([w.pass_generated for w in parts]),
+        off=np.concatenate(off),
         acc_layer=np.zeros(0, np.int32), acc_expert=np.zeros(0, np.int32), acc_rank=np.zeros(0, np.int8),
         acc_tokens=np.zeros(0, np.int32), acc_weight=np.zeros(0),
-        request_ids=_cat([w.request_ids for w in parts]),
-        request_group=_cat([w.request_group + group_base[i] for i, w in enumerate(parts)]),
-        request_first_pass=_cat([w.request_first_pass + pass_base[i] for i, w in enumerate(parts)]),
-        weight_total=_cat([w.weight_total for w in parts]),
+        request_ids=np.concatenate([w.request_ids for w in parts]),
+        request_group=np.concatenate([w.request_group + group_base[i] for i, w in enumerate(parts)]),
+        request_first_pass=np.concatenate([w.request_first_pass + pass_base[i] for i, w in enumerate(parts)]),
+        weight_total=np.concatenate([w.weight_total for w in parts]),
         row_order=None, row_off=None, trace=None,
     )
