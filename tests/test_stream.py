@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from moesim.config.scenario import load_scenario
 from moesim.errors import MoesimError
 from moesim.simulator.engine import Simulation
-from moesim.simulator.stream import join, why_whole
+from moesim.simulator.stream import CHUNK_ROWS, join, piece_rows, why_whole
 from moesim.simulator.workload import build_workload
 from moesim.traces.io import iter_trace, read_trace, requests_in_order, write_trace
 from moesim.traces.synth import synth_from_preset
@@ -258,3 +258,11 @@ def test_every_reason_to_read_the_whole_trace(ragged_file: Path, monkeypatch) ->
     assert why_whole(sc(), False) is None
     monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
     assert why_whole(sc(), False) == "the replay runs on the SimPy path"
+
+
+def test_the_piece_size_comes_from_the_environment_or_the_default(monkeypatch) -> None:
+    monkeypatch.delenv("MOESIM_PIECE_ROWS", raising=False)
+    assert piece_rows() == CHUNK_ROWS == 262_144
+    for raw, rows in (("1", 1), (" 5000 ", 5000), ("", CHUNK_ROWS)):
+        monkeypatch.setenv("MOESIM_PIECE_ROWS", raw)
+        assert piece_rows() == rows

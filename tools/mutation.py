@@ -76,6 +76,12 @@ FUNCTIONS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
+    # the trace read in pieces (issue 34)
+    **{'moesim.simulator.stream.x_read_ahead__mutmut_' + str(n):
+       "more reader threads: one piece is asked for at a time, so one thread works whatever the pool's size"
+       for n in (1, 2)},
+    'moesim.simulator.stream.x_read_ahead__mutmut_8':
+        "the first piece is never missing: a trace is read in pieces only when it has more rows than one holds",
     # Least-Stale's prefetch victims (issue 33; a MUTATE_ONLY run of xǁLeastStaleǁ*)
     'moesim.policies.eviction.xǁLeastStaleǁprefetch_candidates__mutmut_10':
         "_queue's upcoming flag None for False: both falsy, read only by `if upcoming`",

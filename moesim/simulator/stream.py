@@ -132,5 +132,4 @@ def join(parts: list[Workload]) -> Workload:
         request_group=np.concatenate([w.request_group + group_base[i] for i, w in enumerate(parts)]),
         request_first_pass=np.concatenate([w.request_first_pass + pass_base[i] for i, w in enumerate(parts)]),
         weight_total=np.concatenate([w.weight_total for w in parts]),
-        row_order=None, row_off=None, trace=None,
-    )
+    )  # no rows, no trace: those of the pieces are gone
