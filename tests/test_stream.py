@@ -7,6 +7,7 @@ and the replays that read the whole trace, each with its reason."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from moesim.errors import MoesimError
 from moesim.simulator.engine import Simulation
 from moesim.simulator.stream import CHUNK_ROWS, join, piece_rows, why_whole
 from moesim.simulator.workload import build_workload
-from moesim.traces.io import iter_trace, read_trace, requests_in_order, write_trace
+from moesim.traces.io import iter_trace, read_trace, requests_in_order, trace_rows, write_trace
 from moesim.traces.synth import synth_from_preset
 from moesim.traces.trace import Trace
 from tests.helpers import mixtral_trace
@@ -266,3 +267,170 @@ def test_the_piece_size_comes_from_the_environment_or_the_default(monkeypatch) -
     for raw, rows in (("1", 1), (" 5000 ", 5000), ("", CHUNK_ROWS)):
         monkeypatch.setenv("MOESIM_PIECE_ROWS", raw)
         assert piece_rows() == rows
+
+
+# -- the reader's parts, against independent references --------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(0, 40), k=st.integers(1, 24), hi=st.integers(1, 40), seed=st.integers(0, 2**32 - 1))
+def test_a_repeated_expert_is_found_in_every_row_that_has_one(rows: int, k: int, hi: int, seed: int) -> None:
+    from moesim.traces.io import _repeats
+
+    experts = np.random.default_rng(seed).integers(0, hi, size=(rows, k)).astype(np.int16)
+    expect = np.array([len(set(r.tolist())) < k for r in experts], dtype=bool)
+    assert np.array_equal(_repeats(experts), expect)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(req=st.lists(st.integers(0, 5), min_size=1, max_size=30), batch=st.integers(1, 7))
+def test_request_order_is_checked_across_and_within_batches(tmp_path: Path, req: list[int], batch: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "req.parquet"
+    pq.write_table(pa.table({"request": pa.array(req, pa.int32())}), path, row_group_size=3)
+    assert requests_in_order(path, batch) == all(b >= a for a, b in itertools.pairwise(req))
+
+
+def _rewrite(tr: Trace, path: Path, edit) -> Path:
+    import pyarrow.parquet as pq
+
+    from moesim.traces.io import trace_to_table
+
+    pq.write_table(edit(trace_to_table(tr)), path)
+    return path
+
+
+def test_the_phase_column_read_as_names_or_dictionary_codes_with_bad_values_named(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    tr = _ragged()
+    names = np.array(["prefill", "decode", "verify"], dtype=object)[tr.phase]
+    i = tr.phase.size - 3
+    for kind in ("string", "large_string", "dictionary"):
+        def edit(tb, kind=kind, bad=COLUMNS):  # COLUMNS: no value changed
+            vals = names.copy()
+            if bad is not COLUMNS:
+                vals[i] = bad
+            arr = pa.array(vals.tolist(), pa.large_string() if kind == "large_string" else pa.string())
+            if kind == "dictionary":
+                arr = arr.dictionary_encode()
+            return tb.set_column(tb.column_names.index("phase"), "phase", arr)
+
+        path = _rewrite(tr, tmp_path / f"{kind}.parquet", edit)
+        assert np.array_equal(read_trace(path).phase, tr.phase), kind
+        assert np.array_equal(np.concatenate([p.phase for p in iter_trace(path, 500)]), tr.phase), kind
+        for bad, shown in (("Decode", "'Decode'"), (None, "None")):
+            bad_path = _rewrite(tr, tmp_path / f"bad-{kind}.parquet", lambda tb, b=bad, e=edit: e(tb, bad=b))
+            msg = (f"trace {bad_path}: column 'phase' has {shown} at row {i}; valid phases are "
+                   "prefill, decode, verify.")
+            with pytest.raises(MoesimError) as err:
+                read_trace(bad_path)
+            assert str(err.value) == msg
+            with pytest.raises(MoesimError) as err:
+                list(iter_trace(bad_path, 500))
+            assert str(err.value) == msg
+
+
+@pytest.mark.parametrize(("edit", "tail"), [
+    (lambda tb: tb.drop_columns(["weights"]),
+     "lacks required column(s) weights; schema v1 requires request, step, position, phase, layer, experts, weights."),
+    (lambda tb: tb.drop_columns(["weights", "layer"]),
+     "lacks required column(s) layer, weights; schema v1 requires request, step, position, phase, layer, experts, "
+     "weights."),
+    (lambda tb: tb.append_column("colour", tb.column("layer")).append_column("size", tb.column("layer")),
+     "has unknown column(s) colour, size; valid columns are request, step, position, phase, layer, experts, "
+     "weights, node, parent, accepted, probs, pred_next, pred_quasi."),
+    (lambda tb: tb.slice(0, 0),
+     "has no rows: a trace holds one row per (token, layer) routed. Record it again (moesim capture, moesim "
+     "trace import) or check the program that wrote it."),
+])
+def test_a_file_that_is_not_a_trace_is_named_with_the_fix_by_both_readers(tmp_path: Path, edit, tail: str) -> None:
+    path = _rewrite(_ragged(requests=2), tmp_path / "t.parquet", edit)
+    for read in (read_trace, lambda p: list(iter_trace(p, 100)), trace_rows):
+        with pytest.raises(MoesimError) as err:
+            read(path)
+        assert str(err.value) == f"trace {path}: {tail}"
+
+
+def test_a_corrupt_file_is_named_by_every_reader(tmp_path: Path) -> None:
+    good = write_trace(_ragged(requests=2), tmp_path / "good.parquet")
+    data = good.read_bytes()
+    path = tmp_path / "corrupt.parquet"
+    path.write_bytes(data[:4] + bytes(len(data) // 2) + data[4 + len(data) // 2:])  # footer kept, pages zeroed
+    for read in (read_trace, lambda p: list(iter_trace(p, 100)), requests_in_order):
+        with pytest.raises(MoesimError, match=rf"(?s)^trace {path}: could not be read \(.*\)\. The file is corrupt; "
+                                              r"regenerate it\.$"):
+            read(path)
+
+
+def test_pieces_keep_the_files_capture_and_name_it(ragged_file: Path) -> None:
+    whole = read_trace(ragged_file)
+    for p in iter_trace(ragged_file, 500):
+        assert p.capture == whole.capture
+        assert p.capture["source"] == "moesim trace synth"
+        assert p.source == str(ragged_file)
+
+
+def test_rows_out_of_request_order_in_a_later_batch_are_named(tmp_path: Path) -> None:
+    tr = _ragged(requests=4)
+    for order in (np.r_[np.flatnonzero(tr.request != 1), np.flatnonzero(tr.request == 1)],  # across batches
+                  np.r_[np.flatnonzero(tr.request == 0), np.flatnonzero(tr.request == 2),
+                        np.flatnonzero(tr.request == 1), np.flatnonzero(tr.request == 3)]):
+        path = write_trace(tr.take(order), tmp_path / "unordered.parquet")
+        for chunk in (50, 100_000):
+            with pytest.raises(MoesimError) as err:
+                list(iter_trace(path, chunk))
+            assert str(err.value) == (f"trace {path}: its rows are not in request order (request ids decrease); a "
+                                      "chunked read needs them request by request. Sort the file by request.")
+
+
+def _expected_pieces(rows_of: list[int], chunk: int, multiple: int, max_requests: int | None) -> list[list[int]]:
+    """The cut rule worked from its contract: batches of ``chunk`` rows are read; each time at
+    least ``chunk`` rows wait, the complete requests among them but the last one started (it
+    may go on in the next batch), rounded down to whole batches of ``multiple``, make a piece;
+    after the file's last batch what waits is the last piece; ``max_requests`` stops after
+    that many requests (the piece that reaches it may end on a short batch)."""
+    ends = np.cumsum(rows_of)
+    starts = ends - np.asarray(rows_of)
+    total, n_req = int(ends[-1]), len(rows_of)
+    limit = n_req if max_requests is None else min(max_requests, n_req)
+    out: list[list[int]] = []
+    taken, read = 0, 0
+    while read < total and taken < limit:
+        read = min(read + chunk, total)
+        if read - int(starts[taken]) < chunk:
+            continue
+        n = sum(1 for r in range(taken, n_req) if starts[r] < read) - 1
+        if taken + n >= limit:
+            n = limit - taken
+        else:
+            n -= n % multiple
+        if n > 0:
+            out.append(list(range(taken, taken + n)))
+            taken += n
+    if taken < limit:
+        out.append(list(range(taken, limit)))
+    return out
+
+
+@pytest.mark.parametrize(("chunk", "multiple", "max_requests"),
+                         [(700, 1, None), (700, 2, None), (300, 2, 5), (1000, 3, 6), (416, 1, 4), (50, 1, None)])
+def test_the_pieces_are_cut_where_the_contract_says(ragged_file: Path, chunk: int, multiple: int,
+                                                    max_requests: int | None) -> None:
+    rows_of = [16 * (12 + 5 + (r * 7) % 26) for r in range(9)]
+    got = [np.unique(p.request).tolist() for p in iter_trace(ragged_file, chunk, multiple, max_requests)]
+    assert got == _expected_pieces(rows_of, chunk, multiple, max_requests)
+
+
+def test_small_row_groups_give_every_row_once(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from moesim.traces.io import trace_to_table
+
+    tr = _ragged()
+    path = tmp_path / "groups.parquet"
+    pq.write_table(trace_to_table(tr), path, row_group_size=97)  # batches end at row groups: fewer rows
+    got = list(iter_trace(path, 500))
+    assert len(got) > 3
+    for col in COLUMNS:
+        assert np.array_equal(np.concatenate([getattr(p, col) for p in got]), getattr(tr, col)), col
