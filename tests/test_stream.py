@@ -413,11 +413,19 @@ def _expected_pieces(rows_of: list[int], chunk: int, multiple: int, max_requests
     return out
 
 
-@pytest.mark.parametrize(("chunk", "multiple", "max_requests"),
-                         [(700, 1, None), (700, 2, None), (300, 2, 5), (1000, 3, 6), (416, 1, 4), (50, 1, None)])
+RAGGED_ROWS = [16 * (12 + 5 + (r * 7) % 26) for r in range(9)]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chunk=st.integers(1, sum(RAGGED_ROWS) + 2), multiple=st.integers(1, 4),
+       max_requests=st.one_of(st.none(), st.integers(1, 10)))
+@example(chunk=sum(RAGGED_ROWS) + 1, multiple=1, max_requests=None)  # a file shorter than a batch: one piece
+@example(chunk=sum(RAGGED_ROWS) - 1, multiple=2, max_requests=None)
+@example(chunk=1000, multiple=2, max_requests=3)  # the limit reached by whole requests, an odd count
+@example(chunk=2000, multiple=2, max_requests=3)
 def test_the_pieces_are_cut_where_the_contract_says(ragged_file: Path, chunk: int, multiple: int,
                                                     max_requests: int | None) -> None:
-    rows_of = [16 * (12 + 5 + (r * 7) % 26) for r in range(9)]
+    rows_of = RAGGED_ROWS
     got = [np.unique(p.request).tolist() for p in iter_trace(ragged_file, chunk, multiple, max_requests)]
     assert got == _expected_pieces(rows_of, chunk, multiple, max_requests)
 
@@ -434,3 +442,81 @@ def test_small_row_groups_give_every_row_once(tmp_path: Path) -> None:
     assert len(got) > 3
     for col in COLUMNS:
         assert np.array_equal(np.concatenate([getattr(p, col) for p in got]), getattr(tr, col)), col
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(req=st.lists(st.integers(0, 4), min_size=1, max_size=12), chunk=st.integers(1, 5))
+@example(req=[1, 3, 2], chunk=2)  # the next batch starts below the last row, above the one before
+@example(req=[1, 3, 2, 4], chunk=2)
+@example(req=[3, 2], chunk=2)  # two rows out of order in one batch
+def test_both_readers_find_rows_out_of_request_order(tmp_path: Path, req: list[int], chunk: int) -> None:
+    from tests.helpers import small_model
+
+    n = len(req)
+    tr = Trace(model=small_model(layers=1, experts=4, top_k=1), request=np.array(req, np.int32),
+               step=np.arange(n, dtype=np.int32), position=np.arange(n, dtype=np.int32),
+               phase=np.full(n, 1, np.int8), layer=np.zeros(n, np.int16), experts=np.zeros((n, 1), np.int16),
+               weights=np.ones((n, 1), np.float32))
+    path = write_trace(tr, tmp_path / f"order-{chunk}.parquet")
+    ordered = all(b >= a for a, b in itertools.pairwise(req))
+    assert requests_in_order(path, chunk) == ordered
+    if ordered:
+        assert [r for p in iter_trace(path, chunk) for r in p.request.tolist()] == req
+    else:
+        with pytest.raises(MoesimError, match="not in request order"):
+            list(iter_trace(path, chunk))
+
+
+def test_the_reader_stops_at_the_request_limit_without_reading_on(tmp_path: Path) -> None:
+    tr = _ragged(requests=6)
+    later = np.flatnonzero(tr.request >= 4)
+    order = np.r_[np.flatnonzero(tr.request < 4), later[::-1]]  # rows after request 3 out of order
+    path = write_trace(tr.take(order), tmp_path / "tail.parquet")
+    got = [np.unique(p.request).tolist() for p in iter_trace(path, 300, 1, 4)]
+    assert got == [[0], [1], [2], [3]]
+
+
+def test_a_null_request_id_is_named_by_its_row(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    tr = _ragged(requests=2)
+    vals = tr.request.astype(object)
+    vals[-5] = None
+    path = _rewrite(tr, tmp_path / "null.parquet",
+                    lambda tb: tb.set_column(0, "request", pa.array(vals.tolist(), pa.int32())))
+    for read in (read_trace, lambda p: list(iter_trace(p, 300))):
+        with pytest.raises(MoesimError) as err:
+            read(path)
+        assert str(err.value) == f"trace {path}: column 'request' is null at row {len(tr) - 5}."
+
+
+def test_phase_codes_are_bytes_and_a_phase_column_of_numbers_is_named(tmp_path: Path, ragged_file: Path) -> None:
+    import pyarrow as pa
+
+    assert read_trace(ragged_file).phase.dtype == np.int8
+    assert {p.phase.dtype for p in iter_trace(ragged_file, 500)} == {np.dtype(np.int8)}
+    tr = _ragged(requests=2)
+    path = _rewrite(tr, tmp_path / "numbers.parquet",
+                    lambda tb: tb.set_column(tb.column_names.index("phase"), "phase", pa.array(tr.phase)))
+    for read in (read_trace, lambda p: list(iter_trace(p, 300))):
+        with pytest.raises(MoesimError) as err:
+            read(path)
+        assert str(err.value) == (f"trace {path}: column 'phase' must hold strings (prefill, decode, verify), "
+                                  "found int8.")
+
+
+def test_a_bad_model_in_the_metadata_is_named_with_the_file(tmp_path: Path) -> None:
+    import json
+
+    import pyarrow.parquet as pq
+
+    from moesim.traces.io import trace_to_table
+
+    tb = trace_to_table(_ragged(requests=2))
+    meta = json.loads(tb.schema.metadata[b"moesim"])
+    del meta["model"]["num_experts"]
+    path = tmp_path / "model.parquet"
+    pq.write_table(tb.replace_schema_metadata({"moesim": json.dumps(meta)}), path)
+    for read in (read_trace, lambda p: list(iter_trace(p, 300)), trace_rows):
+        with pytest.raises(MoesimError, match=rf"^trace {path}"):
+            read(path)

@@ -656,6 +656,8 @@ class Simulation:
 
         t0 = _time.perf_counter()
         self.simpy_reason = kernel.kernel_form(self)
+        # a trace in pieces only for replays the kernel runs (simulator.stream.why_whole)
+        assert self.pieces is None or self.simpy_reason is None, self.simpy_reason
         if self.simpy_reason is None:
             kernel.replay(self)
         else:

@@ -204,10 +204,8 @@ def requests_in_order(path: str | os.PathLike[str], batch_rows: int = 1 << 20) -
     last = None
     try:
         for batch in pq.ParquetFile(p).iter_batches(batch_size=batch_rows, columns=["request"]):
-            arr = batch.column(0).to_numpy(zero_copy_only=False)
-            if not len(arr):
-                continue
-            if (last is not None and arr[0] < last) or (len(arr) > 1 and (np.diff(arr) < 0).any()):
+            arr = batch.column(0).to_numpy(zero_copy_only=False)  # batches are never empty
+            if (last is not None and arr[0] < last) or (np.diff(arr) < 0).any():
                 return False
             last = arr[-1]
     except (pa.ArrowException, OSError) as exc:
@@ -249,11 +247,9 @@ def iter_trace(path: str | os.PathLike[str], chunk_rows: int, requests_multiple:
         return table.slice(0, end), table.slice(end)
 
     try:
-        for batch in pf.iter_batches(batch_size=max(1, chunk_rows)):
-            if not batch.num_rows:
-                continue
+        for batch in pf.iter_batches(batch_size=chunk_rows):  # never empty; may span row groups
             req = batch.column("request").to_numpy(zero_copy_only=False)
-            if (last_id is not None and req[0] < last_id) or (len(req) > 1 and (np.diff(req) < 0).any()):
+            if (last_id is not None and req[0] < last_id) or (np.diff(req) < 0).any():
                 raise _fail(p, "its rows are not in request order (request ids decrease); a chunked read "
                             "needs them request by request. Sort the file by request.")
             last_id = req[-1]
@@ -359,9 +355,9 @@ def _phase_codes(p: str, table: pa.Table, row0: int) -> np.ndarray:
     if not (pa.types.is_string(phase_col.type) or pa.types.is_large_string(phase_col.type)
             or pa.types.is_dictionary(phase_col.type)):
         raise _fail(p, f"column 'phase' must hold strings ({', '.join(PHASES)}), found {phase_col.type}.")
-    enc = phase_col if pa.types.is_dictionary(phase_col.type) else phase_col.dictionary_encode()
+    enc = phase_col.dictionary_encode()  # a dictionary column is its own encoding
     names = enc.dictionary.to_pylist()
-    lut = np.array([PHASE_CODES.get(n, -1) if isinstance(n, str) else -1 for n in names] + [-1], dtype=np.int8)
+    lut = np.array([PHASE_CODES.get(n, -1) for n in names] + [-1], dtype=np.int8)  # -1: not a phase, or null
     idx = enc.indices.fill_null(len(names)).to_numpy(zero_copy_only=False)
     phase = lut[idx.astype(np.int64)]
     bad = np.flatnonzero(phase < 0)
