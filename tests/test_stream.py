@@ -423,6 +423,7 @@ RAGGED_ROWS = [16 * (12 + 5 + (r * 7) % 26) for r in range(9)]
 @example(chunk=sum(RAGGED_ROWS) - 1, multiple=2, max_requests=None)
 @example(chunk=1000, multiple=2, max_requests=3)  # the limit reached by whole requests, an odd count
 @example(chunk=2000, multiple=2, max_requests=3)
+@example(chunk=1200, multiple=2, max_requests=3)  # three whole requests reach the limit in one cut
 def test_the_pieces_are_cut_where_the_contract_says(ragged_file: Path, chunk: int, multiple: int,
                                                     max_requests: int | None) -> None:
     rows_of = RAGGED_ROWS
@@ -484,7 +485,8 @@ def test_a_null_request_id_is_named_by_its_row(tmp_path: Path) -> None:
     vals[-5] = None
     path = _rewrite(tr, tmp_path / "null.parquet",
                     lambda tb: tb.set_column(0, "request", pa.array(vals.tolist(), pa.int32())))
-    for read in (read_trace, lambda p: list(iter_trace(p, 300))):
+    for read in (read_trace, lambda p: list(iter_trace(p, 300)),
+                 lambda p: Simulation(load_scenario("quickstart", [f"workload.trace.path={p}"]), chunk_rows=300).run()):
         with pytest.raises(MoesimError) as err:
             read(path)
         assert str(err.value) == f"trace {path}: column 'request' is null at row {len(tr) - 5}."

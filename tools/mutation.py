@@ -82,6 +82,20 @@ EQUIVALENT: dict[str, str] = {
        for n in (1, 2)},
     'moesim.simulator.stream.x_read_ahead__mutmut_8':
         "the first piece is never missing: a trace is read in pieces only when it has more rows than one holds",
+    # the chunked trace reader (issue 34; MUTATE_ONLY iter_trace, requests_in_order, trace_rows, _open, _repeats,
+    # _phase_codes with tests/test_stream.py, test_traces.py, test_bad_input.py)
+    **{'moesim.traces.io.x__open__mutmut_' + str(n): "read_dictionary changes memory only: _phase_codes "
+       "dictionary-encodes a column of strings itself" for n in (13, 15)},
+    **{'moesim.traces.io.x__open__mutmut_' + str(n): "unreachable: read_metadata has read the same footer "
+       "without error just before" for n in (18, 19, 20, 21)},
+    **{'moesim.traces.io.x__phase_codes__mutmut_' + str(n): "any negative code marks a value that is not a phase "
+       "(the check is phase < 0)" for n in (30, 32)},
+    **dict.fromkeys(('moesim.traces.io.x__phase_codes__mutmut_34', 'moesim.traces.io.x__phase_codes__mutmut_36', 'moesim.traces.io.x_iter_trace__mutmut_20', 'moesim.traces.io.x_iter_trace__mutmut_64', 'moesim.traces.io.x_requests_in_order__mutmut_12'), "an integer column without nulls converts without a copy whatever zero_copy_only says, and None is as " "falsy as False"),
+    **{'moesim.traces.io.x__repeats__mutmut_' + str(n): "both branches are exact at every k (the sort above 16 "
+       "columns is for speed), and np.sort's default axis is the last" for n in (3, 4, 9)},
+    'moesim.traces.io.x_iter_trace__mutmut_97': "cut's `final` None is as falsy as False",
+    **{'moesim.traces.io.x_requests_in_order__mutmut_' + str(n): "the same answer from more columns or other "
+       "batch sizes (speed only)" for n in (5, 6, 7)},
     # Least-Stale's prefetch victims (issue 33; a MUTATE_ONLY run of xǁLeastStaleǁ*)
     'moesim.policies.eviction.xǁLeastStaleǁprefetch_candidates__mutmut_10':
         "_queue's upcoming flag None for False: both falsy, read only by `if upcoming`",
