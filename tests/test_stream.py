@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from moesim.config.scenario import load_scenario
 from moesim.errors import MoesimError
 from moesim.simulator.engine import Simulation
-from moesim.simulator.stream import CHUNK_ROWS, join, piece_rows, why_whole
-from moesim.simulator.workload import build_workload
+from moesim.simulator.stream import CHUNK_ROWS, piece_rows, why_whole
+from moesim.simulator.workload import build_workload, join
 from moesim.traces.io import iter_trace, read_trace, requests_in_order, trace_rows, write_trace
 from moesim.traces.synth import synth_from_preset
 from moesim.traces.trace import Trace
@@ -104,6 +104,9 @@ def test_a_file_out_of_request_order_is_read_whole_with_the_same_results(tmp_pat
     assert sim.whole_reason == "the trace file's rows are not in request order"
     res = sim.run()
     assert res.summary["trace_pieces"] == 1
+    in_order = write_trace(tr, tmp_path / "in-order.parquet")
+    _same(Simulation(load_scenario("quickstart", [f"workload.trace.path={in_order}", "cache.capacity=10%"]),
+                     chunk_rows=500).run(), res)
 
 
 # -- the replay ---------------------------------------------------------------------------------

@@ -134,19 +134,12 @@ class Simulation:
             self.transfers, self.withdrawn = [], []
             self.copy.on_complete.append(self._log_transfers)
         self.env = simpy.Environment()
-        n = workload.num_passes
-        self._cols = {name: np.zeros(n, dtype=np.int64) for name in
-                      ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches",
-                       "bytes", "bytes_ep", "prefetches_issued", "prefetches_used", "prefetch_predicted_hits",
-                       "prefetch_predicted", "prefetch_actual", "low_precision_experts",
-                       "dropped_experts", "substituted_experts", "tokens_altered",
-                       "prefetches_cancelled", "unique_computed")}
+        self._size_passes(workload)
         # (pass, layer, op, key) in decision order, op in hit/fetch/bypass/evict/prefetch/run
         # (run: the expert ``key`` runs, or with key -1 all the layer's looked-up experts);
         # the calibration executor replays them on the device
         self.decisions: list[tuple[int, int, str, int]] | None = [] if record_decisions else None
         self._init_replay_state()
-        self.attn_scale, self.ffn_scale = self._pass_scales(workload)
         self.timing = scenario.timing
         # the host thread (docs/execution.md, "The host thread"): its clock, its costs in seconds
         hm = scenario.host
@@ -156,15 +149,9 @@ class Simulation:
         self.host_sync = ("none", "layer", "expert").index(hm.sync)
         self.general = (self.routing.changes_routing or not self.miss.always_fetch or self.budget.restricts
                         or scenario.hardware.gpus > 1)
-        self._ep_max_load = np.zeros(workload.num_passes)
-        self._mass_total = workload.weight_total.astype(np.float64).copy()
-        self._mass_kept = workload.weight_total.astype(np.float64).copy()
         # the prefetch family's admission rule: experts resident before the replay, never evicted
         pinned = self.prefetch.pinned()
         self.preloaded = self.cache.preload(list(pinned), self.expert_bytes) if pinned else 0
-        self._t_start = np.zeros(n)
-        self._t_end = np.zeros(n)
-        self._stall = np.zeros(n)
         self.wall_s = 0.0
         self.simpy_reason: str | None = None  # why the SimPy path ran (None: the kernel did)
         self.ffn_by_tokens: list[float] = []  # expert compute seconds by tokens (_prepare_costs)
@@ -204,19 +191,30 @@ class Simulation:
         for pol in (self.eviction, self.miss, self.prefetch, self.routing, self.budget):
             pol.ctx.workload = workload
 
-    def adopt(self, workload: Workload, pieces: int, cols: dict[str, np.ndarray], t_start: np.ndarray,
-              t_end: np.ndarray, stall: np.ndarray) -> None:
-        """After a replay in ``pieces`` pieces: the whole trace's passes and requests
-        (``stream.join``) and the per-pass columns the kernel wrote for them."""
-        self.wl = workload
-        self.trace_pieces = pieces
+    def _size_passes(self, workload: Workload) -> None:
+        """The per-pass arrays a replay fills, one entry per forward pass of ``workload``: the
+        counts, the times, the gate mass (the workload's until a policy changes it) and the
+        per-pass cost factors."""
         n = workload.num_passes
-        self.attn_scale, self.ffn_scale = self._pass_scales(workload)
-        self._cols = {name: cols.get(name, np.zeros(n, np.int64)) for name in self._cols}
-        self._t_start, self._t_end, self._stall = t_start, t_end, stall
+        self._cols = {name: np.zeros(n, dtype=np.int64) for name in
+                      ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches",
+                       "bytes", "bytes_ep", "prefetches_issued", "prefetches_used", "prefetch_predicted_hits",
+                       "prefetch_predicted", "prefetch_actual", "low_precision_experts",
+                       "dropped_experts", "substituted_experts", "tokens_altered",
+                       "prefetches_cancelled", "unique_computed")}
+        self._t_start, self._t_end, self._stall = np.zeros(n), np.zeros(n), np.zeros(n)
         self._ep_max_load = np.zeros(n)
         self._mass_total = workload.weight_total.astype(np.float64).copy()
         self._mass_kept = workload.weight_total.astype(np.float64).copy()
+        self.attn_scale, self.ffn_scale = self._pass_scales(workload)
+
+    def adopt(self, workload: Workload, pieces: int) -> None:
+        """Before the kernel writes its per-pass columns: the workload they belong to (the
+        one replayed, or after a replay in ``pieces`` pieces the joined passes and requests of
+        ``stream.join``), with per-pass arrays sized for it."""
+        self.wl = workload
+        self.trace_pieces = pieces
+        self._size_passes(workload)
 
     def _pass_scales(self, workload: Workload) -> tuple[np.ndarray, np.ndarray]:
         """Per pass, the attention-context and expert-time factors of sparse verification

@@ -67,6 +67,7 @@ import numpy as np
 from moesim.jit import HAVE_NUMBA
 from moesim.jit import inline as _inline
 from moesim.jit import jit as _jit
+from moesim.simulator.workload import join, passes_of
 
 # eviction policies with a kernel form
 EV_LRU, EV_FIFO, EV_LFU, EV_FLD, EV_SCORE, EV_LS, EV_BELADY, EV_LHU = range(8)
@@ -1607,13 +1608,21 @@ def _policy_codes() -> tuple[dict[Any, int], dict[Any, int], dict[Any, int]]:
     return evictions, prefetchers, misses
 
 
-def kernel_form(sim: Any) -> str | None:
-    """Why ``sim`` (a :class:`simulator.engine.Simulation`) replays on the SimPy path, or
-    None when the kernel has a form for every one of its policies."""
+def kernel_off() -> str | None:
+    """Why no replay in this process runs on the kernel (None: the kernel is available)."""
     if os.environ.get("MOESIM_NO_KERNEL", "") not in ("", "0"):
         return "MOESIM_NO_KERNEL is set"
     if not HAVE_NUMBA:  # the kernel's source as plain Python is slower than the SimPy path
         return "numba is not installed"
+    return None
+
+
+def kernel_form(sim: Any) -> str | None:
+    """Why ``sim`` (a :class:`simulator.engine.Simulation`) replays on the SimPy path, or
+    None when the kernel has a form for every one of its policies."""
+    off = kernel_off()
+    if off is not None:
+        return off
     if sim.transfers is not None or sim.layer_log is not None or sim.decisions is not None:
         return "the replay records its timeline or decisions"
     if sim.scenario.hardware.gpus > 1:
@@ -1863,15 +1872,12 @@ def replay(sim: Any) -> None:
         outs.append((cols, t_start, t_end, stall, m_total, m_kept))
         if not streamed:
             break
-        pieces.append(wl)
+        pieces.append(passes_of(wl))  # its per-access and per-row arrays go with the piece
         rows_done += len(wl.trace)
         base += n_pass
         nxt = next(sim.pieces, None)
         if nxt is None:
             break
-        # the piece's per-access and per-row arrays go (its per-pass ones stay, for join)
-        wl.acc_layer = wl.acc_expert = wl.acc_tokens = wl.acc_weight = wl.acc_rank = None
-        wl.trace = wl.row_order = wl.row_off = None
         del DI, A, DF, M, nonexp
         wl = nxt
         sim.bind_piece(wl)
@@ -1879,15 +1885,12 @@ def replay(sim: Any) -> None:
     _finish(IS, FS, DI, DF, A)
     cols, t_start, t_end, stall, m_total, m_kept = (np.concatenate(x) for x in zip(*outs, strict=True))
     if streamed:
-        from moesim.simulator.stream import join
-
-        sim.adopt(join(pieces), len(pieces), {name: cols[:, i] for i, name in enumerate(COLUMNS)}, t_start, t_end, stall)
-    else:
-        for i, name in enumerate(COLUMNS):
-            sim._cols[name][:] = cols[:, i]
-        sim._t_start[:] = t_start
-        sim._t_end[:] = t_end
-        sim._stall[:] = stall
+        sim.adopt(join(pieces), len(pieces))
+    for i, name in enumerate(COLUMNS):
+        sim._cols[name][:] = cols[:, i]
+    sim._t_start[:] = t_start
+    sim._t_end[:] = t_end
+    sim._stall[:] = stall
     if miss != MISS_FETCH:  # the per-token path's gate mass (else the workload's, as there)
         sim._mass_total[:] = m_total
         sim._mass_kept[:] = m_kept

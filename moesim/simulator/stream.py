@@ -24,8 +24,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 from moesim.config.scenario import Scenario
 from moesim.errors import MoesimError
 from moesim.simulator.workload import Workload, build_workload
@@ -58,14 +56,14 @@ def piece_rows() -> int:
 def why_whole(scenario: Scenario, recording: bool) -> str | None:
     """Why ``scenario`` replays its whole trace at once (None: it can go a piece at a time).
     ``recording``: the replay records a timeline or its decisions (the SimPy path)."""
-    from moesim.jit import HAVE_NUMBA
+    from moesim.simulator.kernel import kernel_off
 
     src = scenario.workload.trace
     if src.path is None:
         return "the trace is synthesised or imported in memory"
     if recording:
         return "the replay records its timeline or decisions"
-    if not HAVE_NUMBA or os.environ.get("MOESIM_NO_KERNEL", "") not in ("", "0"):
+    if kernel_off() is not None:
         return "the replay runs on the SimPy path"
     if scenario.hardware.gpus > 1:
         return "expert parallelism"
@@ -86,7 +84,7 @@ def why_whole(scenario: Scenario, recording: bool) -> str | None:
 def pieces(scenario: Scenario, path: Path, chunk_rows: int = CHUNK_ROWS) -> Iterator[Workload]:
     """The workloads of the trace file's pieces, in order (whole batches of requests, at most
     ``workload.max_requests`` requests in all). Each is numbered from 0 (its passes, groups
-    and accesses); :func:`join` numbers them as one."""
+    and accesses); :func:`simulator.workload.join` numbers them as one."""
     from moesim.traces.io import iter_trace
 
     w = scenario.workload
@@ -106,30 +104,3 @@ def read_ahead(pieces: Iterator[Workload]) -> Iterator[Workload]:
                 return
             ahead = pool.submit(next, pieces, None)
             yield wl
-
-
-def join(parts: list[Workload]) -> Workload:
-    """One workload of the pieces' forward passes and requests, numbered as the whole trace's
-    workload numbers them (passes, groups and access offsets continue from piece to piece).
-    It holds no per-access arrays (the pieces' are gone): the number of accesses is its last
-    offset."""
-    model = parts[0].model
-    pass_base = np.cumsum([0] + [w.num_passes for w in parts])
-    group_base = np.cumsum([0] + [int(w.pass_group.max()) + 1 for w in parts])
-    acc_base = np.cumsum([0] + [int(w.off[-1]) for w in parts])
-    off = [np.zeros(1, np.int64)] + [w.off[1:] + acc_base[i] for i, w in enumerate(parts)]
-    return Workload(
-        model=model, batch_size=parts[0].batch_size,
-        pass_group=np.concatenate([w.pass_group + group_base[i] for i, w in enumerate(parts)]),
-        pass_step=np.concatenate([w.pass_step for w in parts]), pass_phase=np.concatenate([w.pass_phase for w in parts]),
-        pass_tokens=np.concatenate([w.pass_tokens for w in parts]), pass_context=np.concatenate([w.pass_context for w in parts]),
-        pass_requests=np.concatenate([w.pass_requests for w in parts]),
-        pass_generated=np.concatenate([w.pass_generated for w in parts]),
-        off=np.concatenate(off),
-        acc_layer=np.zeros(0, np.int32), acc_expert=np.zeros(0, np.int32), acc_rank=np.zeros(0, np.int8),
-        acc_tokens=np.zeros(0, np.int32), acc_weight=np.zeros(0),
-        request_ids=np.concatenate([w.request_ids for w in parts]),
-        request_group=np.concatenate([w.request_group + group_base[i] for i, w in enumerate(parts)]),
-        request_first_pass=np.concatenate([w.request_first_pass + pass_base[i] for i, w in enumerate(parts)]),
-        weight_total=np.concatenate([w.weight_total for w in parts]),
-    )  # no rows, no trace: those of the pieces are gone

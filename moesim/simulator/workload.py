@@ -15,7 +15,7 @@ layer, by rank" that libCacheSim is fed in the differential tests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -343,4 +343,37 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
         request_first_pass=first_pass, weight_total=weight_total,
         row_order=order, row_off=np.searchsorted(pl, np.arange(n_pass * num_l + 1), side="left"),
         trace=trace,
+    )
+
+
+def passes_of(wl: Workload) -> Workload:
+    """``wl``'s forward passes and requests alone (the arrays shared, not copied): no
+    accesses, rows or trace, so that a replayed piece keeps only what :func:`join` reads."""
+    return replace(wl, acc_layer=wl.acc_layer[:0].copy(), acc_expert=wl.acc_expert[:0].copy(),
+                   acc_rank=wl.acc_rank[:0].copy(), acc_tokens=wl.acc_tokens[:0].copy(),
+                   acc_weight=wl.acc_weight[:0].copy(), row_order=None, row_off=None, trace=None)
+
+
+def join(parts: list[Workload]) -> Workload:
+    """One workload of the pieces' forward passes and requests, numbered as the whole trace's
+    workload numbers them (passes, groups and access offsets continue from piece to piece).
+    It holds no per-access arrays (the pieces' are gone): the number of accesses is its last
+    offset."""
+    first = passes_of(parts[0])
+    pass_base = np.cumsum([0] + [w.num_passes for w in parts])
+    group_base = np.cumsum([0] + [int(w.pass_group.max()) + 1 for w in parts])
+    acc_base = np.cumsum([0] + [int(w.off[-1]) for w in parts])
+    off = [np.zeros(1, np.int64)] + [w.off[1:] + acc_base[i] for i, w in enumerate(parts)]
+    return replace(
+        first,
+        pass_group=np.concatenate([w.pass_group + group_base[i] for i, w in enumerate(parts)]),
+        pass_step=np.concatenate([w.pass_step for w in parts]), pass_phase=np.concatenate([w.pass_phase for w in parts]),
+        pass_tokens=np.concatenate([w.pass_tokens for w in parts]), pass_context=np.concatenate([w.pass_context for w in parts]),
+        pass_requests=np.concatenate([w.pass_requests for w in parts]),
+        pass_generated=np.concatenate([w.pass_generated for w in parts]),
+        off=np.concatenate(off),
+        request_ids=np.concatenate([w.request_ids for w in parts]),
+        request_group=np.concatenate([w.request_group + group_base[i] for i, w in enumerate(parts)]),
+        request_first_pass=np.concatenate([w.request_first_pass + pass_base[i] for i, w in enumerate(parts)]),
+        weight_total=np.concatenate([w.weight_total for w in parts]),
     )

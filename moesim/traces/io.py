@@ -81,6 +81,16 @@ def _fail(path: str, message: str) -> MoesimError:
     return MoesimError(f"trace {path}: {message}")
 
 
+def _unreadable(path: str, exc: Exception) -> MoesimError:
+    return _fail(path, f"could not be read ({exc}). The file is corrupt; regenerate it.")
+
+
+def _decreases(req: np.ndarray, last: Any) -> bool:
+    """Whether request ids ``req`` (a batch read after one that ended with ``last``, None for
+    the first) go down anywhere."""
+    return bool((last is not None and req[0] < last) or (np.diff(req) < 0).any())
+
+
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``moesim`` metadata object of a trace file, validated for schema version."""
     p = str(path)
@@ -165,7 +175,7 @@ def _open(p: str) -> tuple[dict[str, Any], ModelInfo, pq.ParquetFile]:
     try:
         pf = pq.ParquetFile(p, read_dictionary=["phase"])  # phase as codes + 3 names, not a string per row
     except (pa.ArrowException, OSError) as exc:
-        raise _fail(p, f"could not be read ({exc}). The file is corrupt; regenerate it.") from None
+        raise _unreadable(p, exc) from None
     names = pf.schema_arrow.names
     missing = [c for c in REQUIRED_COLUMNS if c not in names]
     if missing:
@@ -184,11 +194,11 @@ def _open(p: str) -> tuple[dict[str, Any], ModelInfo, pq.ParquetFile]:
 def read_trace(path: str | os.PathLike[str]) -> Trace:
     """Load and validate a v1 trace; raise :class:`MoesimError` naming file, column and row."""
     p = str(path)
-    meta, model, _pf = _open(p)
+    meta, model, pf = _open(p)
     try:
-        table = pq.read_table(p)
+        table = pf.read()  # the footer _open read, the phase column as a dictionary
     except (pa.ArrowException, OSError) as exc:
-        raise _fail(p, f"could not be read ({exc}). The file is corrupt; regenerate it.") from None
+        raise _unreadable(p, exc) from None
     return _trace_of(p, model, meta.get("capture") or {}, table)
 
 
@@ -205,11 +215,11 @@ def requests_in_order(path: str | os.PathLike[str], batch_rows: int = 1 << 20) -
     try:
         for batch in pq.ParquetFile(p).iter_batches(batch_size=batch_rows, columns=["request"]):
             arr = batch.column(0).to_numpy(zero_copy_only=False)  # batches are never empty
-            if (last is not None and arr[0] < last) or (np.diff(arr) < 0).any():
+            if _decreases(arr, last):
                 return False
             last = arr[-1]
     except (pa.ArrowException, OSError) as exc:
-        raise _fail(p, f"could not be read ({exc}). The file is corrupt; regenerate it.") from None
+        raise _unreadable(p, exc) from None
     return True
 
 
@@ -249,7 +259,7 @@ def iter_trace(path: str | os.PathLike[str], chunk_rows: int, requests_multiple:
     try:
         for batch in pf.iter_batches(batch_size=chunk_rows):  # never empty; may span row groups
             req = batch.column("request").to_numpy(zero_copy_only=False)
-            if (last_id is not None and req[0] < last_id) or (np.diff(req) < 0).any():
+            if _decreases(req, last_id):
                 raise _fail(p, "its rows are not in request order (request ids decrease); a chunked read "
                             "needs them request by request. Sort the file by request.")
             last_id = req[-1]
@@ -269,7 +279,7 @@ def iter_trace(path: str | os.PathLike[str], chunk_rows: int, requests_multiple:
             if head is not None:
                 yield _trace_of(p, model, capture, head, row0)
     except (pa.ArrowException, OSError) as exc:
-        raise _fail(p, f"could not be read ({exc}). The file is corrupt; regenerate it.") from None
+        raise _unreadable(p, exc) from None
 
 
 def _trace_of(p: str, model: ModelInfo, capture: dict[str, Any], table: pa.Table, row0: int = 0) -> Trace:
