@@ -134,7 +134,7 @@ def to_plain(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = {}
         for f in dataclasses.fields(obj):
-            if f.metadata.get("internal"):
+            if f.metadata.get("internal") or (f.metadata.get("omit_none") and getattr(obj, f.name) is None):
                 continue
             out[yaml_name(f)] = to_plain(getattr(obj, f.name))
         return out

@@ -14,6 +14,9 @@ Keys (``docs/design.md``: "Scenario YAML")::
     workload:
       trace: {synth: {preset: olmoe-1b-7b, tokens: 2000}}   # or {path: trace.parquet}
       batch_size: 1
+      arrivals: {process: poisson, rate: 4, requests: 500}   # serving under load (optional)
+    scheduler: {max_running: 64, max_batched_tokens: 4096, policy: prefill-first}
+    slo: {ttft_s: 0.5, tpot_s: 0.1}
     cache: {capacity: 5%, precision: bf16}
     policies: {eviction: lru, miss: fetch, prefetch: none, routing: standard, budget: none}
 
@@ -129,6 +132,100 @@ class SpeculativeConfig:
                 raise ValueError(f"{key} must be in [0, 1), got {getattr(self, key)}")
 
 
+ARRIVAL_PROCESSES = ("poisson", "gamma", "file")
+
+
+@dataclass(frozen=True)
+class ArrivalsConfig:
+    """Requests arriving over time (``docs/serving.md``): a Poisson or gamma process at
+    ``rate``, or the timestamps and lengths of a serving-trace CSV."""
+
+    process: Literal["poisson", "gamma", "file"] = field(metadata={
+        "help": "poisson, gamma (bursty: cv) or file (a CSV of arrival time, input and output tokens)"})
+    rate: float | None = field(default=None, metadata={
+        "help": "requests per second (poisson, gamma; with a file: its timestamps rescaled to this mean rate)"})
+    cv: float = field(default=1.0, metadata={"help": "gamma: coefficient of variation of the gaps (1: Poisson)"})
+    requests: int | None = field(default=None, metadata={
+        "help": "how many requests (poisson, gamma: required; file: the first N rows)"})
+    path: str | None = field(default=None, metadata={"help": "file: the CSV (relative to the scenario file)"})
+    prompt_tokens: int | None = field(default=None, metadata={
+        "help": "every request's prompt length (default: the file's, else the trace request's)"})
+    output_tokens: int | None = field(default=None, metadata={
+        "help": "every request's output length (default: the file's, else the trace request's)"})
+    seed: int | None = field(default=None, metadata={"help": "arrival seed (default: the scenario's)"})
+
+    def __post_init__(self) -> None:
+        if self.process == "file":
+            if self.path is None:
+                raise ValueError("process 'file' needs 'path' (a CSV of arrival time, input and output tokens)")
+        else:
+            if self.path is not None:
+                raise ValueError(f"'path' is for process 'file', not '{self.process}'; remove it or set process: file")
+            if self.rate is None:
+                raise ValueError(f"process '{self.process}' needs 'rate' (requests per second, e.g. rate: 4)")
+            if self.requests is None:
+                raise ValueError(f"process '{self.process}' needs 'requests' (how many, e.g. requests: 1000)")
+        if self.rate is not None and not (0 < self.rate < float("inf")):
+            raise ValueError(f"rate must be a positive number of requests per second, got {self.rate}")
+        if not (0 < self.cv < float("inf")):
+            raise ValueError(f"cv must be positive (1: Poisson, above 1: burstier), got {self.cv}")
+        if self.cv != 1.0 and self.process != "gamma":
+            raise ValueError(f"cv is for process 'gamma', not '{self.process}'")
+        if self.requests is not None and self.requests < 1:
+            raise ValueError(f"requests must be >= 1, got {self.requests}")
+        if self.prompt_tokens is not None and self.prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens must be >= 0, got {self.prompt_tokens}")
+        if self.output_tokens is not None and self.output_tokens < 1:
+            raise ValueError(f"output_tokens must be >= 1 (the first token is the prefill's), got {self.output_tokens}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching as vLLM schedules it (``docs/serving.md``)."""
+
+    max_running: int = field(default=256, metadata={"help": "requests admitted at once (vLLM max_num_seqs)"})
+    max_batched_tokens: int = field(default=8192, metadata={
+        "help": "tokens in one forward pass (vLLM max_num_batched_tokens)"})
+    policy: Literal["prefill-first", "chunked"] = field(default="prefill-first", metadata={
+        "help": "prefill-first (a pass of new prompts whenever one can be admitted, else a decode pass) or "
+                "chunked (decodes first, then prompt chunks in the tokens left)"})
+    chunked_prefill_tokens: int | None = field(default=None, metadata={
+        "help": "chunked: the most prompt tokens of one request in a pass (default: max_batched_tokens)"})
+    kv_memory: str = field(default="auto", metadata={
+        "help": "KV-cache memory: 'auto' (HBM left after the expert cache and the dense weights), "
+                "a size ('20GB'), or 'none' (no limit)"})
+
+    def __post_init__(self) -> None:
+        for key in ("max_running", "max_batched_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.chunked_prefill_tokens is not None:
+            if self.chunked_prefill_tokens < 1:
+                raise ValueError(f"chunked_prefill_tokens must be >= 1, got {self.chunked_prefill_tokens}")
+            if self.policy != "chunked":
+                raise ValueError("chunked_prefill_tokens is for policy 'chunked'; set policy: chunked or remove it")
+        if self.policy == "chunked" and self.max_batched_tokens < self.max_running:
+            raise ValueError(f"policy 'chunked' schedules every running request's decode token first, so "
+                             f"max_batched_tokens ({self.max_batched_tokens}) must be at least max_running "
+                             f"({self.max_running}), as vLLM requires")
+
+
+@dataclass(frozen=True)
+class SloConfig:
+    """A latency service-level objective per request (``docs/serving.md``)."""
+
+    ttft_s: float | None = field(default=None, metadata={"help": "time to first token, seconds"})
+    tpot_s: float | None = field(default=None, metadata={"help": "time per output token after the first, seconds"})
+
+    def __post_init__(self) -> None:
+        if self.ttft_s is None and self.tpot_s is None:
+            raise ValueError("give ttft_s, tpot_s or both (seconds)")
+        for key in ("ttft_s", "tpot_s"):
+            v = getattr(self, key)
+            if v is not None and not (0 < v < float("inf")):
+                raise ValueError(f"{key} must be a positive number of seconds, got {v}")
+
+
 @dataclass(frozen=True)
 class WorkloadConfig:
     """Which tokens go through each forward pass."""
@@ -139,6 +236,8 @@ class WorkloadConfig:
     max_requests: int | None = field(default=None, metadata={"help": "replay only the first N requests"})
     speculative: SpeculativeConfig | None = field(default=None, metadata={
         "help": "replace decode steps by speculative verification passes"})
+    arrivals: ArrivalsConfig | None = field(default=None, metadata={
+        "help": "requests arriving over time, served by continuous batching (docs/serving.md)", "omit_none": True})
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -193,6 +292,8 @@ class Scenario:
     expert_compute: Literal["layer", "on-arrival", "per-expert"] = "layer"
     expert_fetch: Literal["pipelined", "blocking"] = "pipelined"
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    scheduler: SchedulerConfig | None = None
+    slo: SloConfig | None = None
     source: str = "<memory>"
     base_dir: str = "."
 
@@ -213,12 +314,17 @@ class Scenario:
         pol = {fam: {"name": spec.name, **to_plain(spec.params)}
                for fam, spec in vars(self.policies).items()}
         hw = to_plain(self.hardware)  # the profile's tables stay out: 'profile' names their file
-        return {
+        out = {
             "seed": self.seed, "timing": self.timing, "expert_compute": self.expert_compute,
             "expert_fetch": self.expert_fetch, "execution": self._execution_plain(),
             "hardware": hw, "workload": to_plain(self.workload), "cache": to_plain(self.cache),
             "policies": pol,
         }
+        if self.workload.arrivals is not None:  # serving under load (else today's keys alone)
+            out["scheduler"] = to_plain(self.scheduler or SchedulerConfig())
+            if self.slo is not None:
+                out["slo"] = to_plain(self.slo)
+        return out
 
 
 @dataclass(frozen=True)
@@ -232,6 +338,8 @@ class _TopLevel:
     workload: Any = None
     cache: Any = None
     policies: Any = None
+    scheduler: Any = None
+    slo: Any = None
     sweep: Any = None
 
 
@@ -339,13 +447,27 @@ def scenario_from_dict(data: Any, where: str = "<scenario>", base_dir: str = "."
         raise ConfigError(f"{where}: key 'execution' models the host of one GPU; with expert parallelism "
                           f"(hardware.gpus: {hardware.gpus}) there is no host model. Remove the execution style and "
                           "host costs, or set hardware.gpus: 1.")
+    scheduler = build(SchedulerConfig, top.scheduler, "scheduler", where) if top.scheduler is not None else None
+    slo = build(SloConfig, top.slo, "slo", where) if top.slo is not None else None
+    if workload.arrivals is None:
+        for key, value in (("scheduler", scheduler), ("slo", slo)):
+            if value is not None:
+                raise ConfigError(f"{where}: key '{key}' is for serving under load, which needs requests arriving "
+                                  "over time: add workload.arrivals (e.g. {process: poisson, rate: 4, requests: 500}) "
+                                  f"or remove '{key}'.")
+    elif workload.speculative is not None or workload.batch_size != 1 or workload.max_requests is not None:
+        bad = ("workload.speculative" if workload.speculative is not None else
+               "workload.batch_size" if workload.batch_size != 1 else "workload.max_requests")
+        raise ConfigError(f"{where}: key '{bad}' is for the fixed-batch replay; with workload.arrivals the "
+                          "scheduler forms the batches (scheduler.max_running) and workload.arrivals.requests says "
+                          f"how many requests. Remove '{bad}'.")
     style = style_defaults(execution.style)  # what the style sets unless the scenario does
     compute = top.expert_compute if "expert_compute" in data else style.get("expert_compute", top.expert_compute)
     fetch = top.expert_fetch if "expert_fetch" in data else style.get("expert_fetch", top.expert_fetch)
     return Scenario(hardware=hardware, workload=workload, cache=cache,
                     policies=PoliciesConfig(**specs), seed=top.seed, timing=top.timing,
                     expert_compute=compute, expert_fetch=fetch,  # type: ignore[arg-type]
-                    execution=execution, source=where, base_dir=base_dir)
+                    execution=execution, scheduler=scheduler, slo=slo, source=where, base_dir=base_dir)
 
 
 def read_yaml(path: str | Path) -> Any:
@@ -391,7 +513,7 @@ def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
 
 # keys whose values are files: given on the command line they are relative to the working
 # directory, not to the scenario's folder (which YAML-written values are relative to)
-PATH_KEYS = ("workload.trace.path", "workload.trace.import.path", "workload.trace.synth.fit",
+PATH_KEYS = ("workload.trace.path", "workload.trace.import.path", "workload.trace.synth.fit", "workload.arrivals.path",
              "hardware.profile", "hardware.placement")
 
 

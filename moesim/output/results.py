@@ -31,7 +31,8 @@ class Result:
 
 
 def write_results(result: Result, out_dir: str | os.PathLike[str], extra: dict[str, str] | None = None) -> Path:
-    """Write ``summary.json``, ``steps.parquet`` and ``scenario.resolved.yaml`` into
+    """Write ``summary.json``, ``steps.parquet`` (``requests.parquet`` too when serving under
+    load) and ``scenario.resolved.yaml`` into
     ``out_dir`` atomically: everything goes to a temporary sibling folder that then replaces
     ``out_dir`` in one rename, so a failure leaves the old results (or nothing)."""
     target = Path(out_dir)
@@ -40,6 +41,8 @@ def write_results(result: Result, out_dir: str | os.PathLike[str], extra: dict[s
     try:
         (tmp / "summary.json").write_text(json.dumps(result.summary, indent=2, sort_keys=False) + "\n")
         result.steps.to_parquet(tmp / "steps.parquet", index=False)
+        if result.scenario.workload.arrivals is not None:  # serving: one row per request served
+            result.requests.to_parquet(tmp / "requests.parquet", index=False)
         (tmp / "scenario.resolved.yaml").write_text(
             yaml.safe_dump(result.scenario.to_dict(), sort_keys=False))
         for name, text in (extra or {}).items():
@@ -63,7 +66,7 @@ def _fmt(value: Any, key: str) -> str:
         return "-"
     if isinstance(value, dict):
         return ", ".join(f"{k}: {_fmt(v, key)}" for k, v in value.items())
-    if key.endswith("_s") and key != "tokens_per_s" and isinstance(value, int | float):
+    if key.endswith("_s") and key not in RATES and isinstance(value, int | float):
         return f"{value * 1e3:,.3f} ms"
     if key.startswith("bytes") and isinstance(value, int | float):
         return f"{value / 1e9:,.3f} GB"
@@ -72,6 +75,10 @@ def _fmt(value: Any, key: str) -> str:
     return str(value)
 
 
+RATES = ("tokens_per_s", "throughput_tokens_s", "requests_per_s", "goodput_requests_s")  # per second, not times
+SERVING_ROWS = ("served_requests", "offered_rate", "requests_per_s", "throughput_tokens_s", "ttft_mean_s",
+                "ttft_p50_s", "ttft_p99_s", "tpot_mean_s", "tpot_p50_s", "tpot_p99_s", "e2e_p99_s", "queue_mean_s",
+                "slo_attainment", "goodput_requests_s", "max_running_seen", "kv_capacity_tokens")
 SUMMARY_ROWS = ("hits", "misses", "hit_rate", "collision_misses", "late_prefetches",
                 "prefetches_issued", "prefetches_used", "prefetch_precision", "prefetch_recall",
                 "uncached_fetches", "bytes_by_link", "stall_s", "ttft_s", "tpot_s",
@@ -91,6 +98,11 @@ def summary_table(result: Result, title: str) -> Any:
     for key in SUMMARY_ROWS:
         if key in result.summary and not (key in ("gpus", "max_experts_per_gpu") and result.summary.get("gpus", 1) == 1):
             table.add_row(key, _fmt(result.summary[key], key))
+    for key in SERVING_ROWS:  # serving under load
+        if key in result.summary:
+            table.add_row(key, _fmt(result.summary[key], key))
+    for note in result.summary.get("arrival_notes", []):
+        table.add_row("arrivals", note)
     if "replay_path" in result.summary:  # which replay ran: the compiled kernel, or SimPy and why
         why = result.summary.get("replay_path_reason")
         table.add_row("replay_path", result.summary["replay_path"] + (f" ({why})" if why else ""))

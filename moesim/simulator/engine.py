@@ -32,15 +32,16 @@ instant transfers, so no simulated time passes.
 from __future__ import annotations
 
 import time as _time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import simpy
 
 from moesim.config.scenario import Scenario
+from moesim.errors import MoesimError
 from moesim.output.results import Result
 from moesim.policies.registry import Clock
 from moesim.simulator.build import cache_sizing, load_trace, make_policies, scenario_workload
@@ -63,6 +64,9 @@ from moesim.simulator.prefetchq import NO_PINS, PrefetchQueue
 from moesim.simulator.workload import DECODE, VERIFY, Workload
 from moesim.traces.schema import PHASES
 from moesim.traces.trace import Trace
+
+if TYPE_CHECKING:
+    from moesim.simulator.serving import Scheduler
 
 ProgressFn = Callable[[int, int], None]
 
@@ -87,12 +91,16 @@ class Simulation:
         self._trace = trace
         # a trace file read a piece at a time (simulator.stream): the first piece's workload now,
         # the others as the kernel replays (``self.pieces``); the reason when it is read whole
-        self.pieces: Iterator[Workload] | None = None
+        self.pieces: Generator[Workload, float, None] | None = None
         self.trace_rows = 0  # the file's rows, when read in pieces (progress)
         self.trace_pieces = 1  # the pieces the replay read the trace in
         self.whole_reason: str | None = "a trace or workload was given"
+        self.serving: Scheduler | None = None  # serving under load: the scheduler forming each pass
+        recording = record_transfers or record_layers or record_decisions
+        if scenario.workload.arrivals is not None:
+            workload = self._serve(trace, recording)
         if workload is None and trace is None:
-            workload = self._first_piece(record_transfers or record_layers or record_decisions, chunk_rows)
+            workload = self._first_piece(recording, chunk_rows)
         if workload is None:
             trace = trace if trace is not None else load_trace(scenario)
             self._trace = trace
@@ -181,6 +189,32 @@ class Simulation:
             return None
         self.pieces = stream.read_ahead(stream.pieces(sc, path, chunk))
         self.trace_rows = rows
+        return next(self.pieces)
+
+    def _serve(self, trace: Trace | None, recording: bool) -> Workload:
+        """Serving under load (:mod:`simulator.serving`): the requests' plan, the scheduler
+        as the source of forward passes (``self.pieces``) and its first pass."""
+        from moesim.simulator import serving, stream
+
+        sc = self.scenario
+        reason = stream.why_not_served(sc, recording)
+        if reason is not None:
+            raise MoesimError(f"{sc.source}: key 'workload.arrivals': serving under load replays one forward pass "
+                              f"at a time on the compiled kernel, which {reason}. Change that, or remove "
+                              "workload.arrivals for the fixed-batch replay.")
+        trace = trace if trace is not None else load_trace(sc)
+        self._trace = trace
+        arrivals = sc.workload.arrivals
+        assert arrivals is not None
+        bank = serving.Bank(trace, sc.source)
+        plan = serving.plan_requests(arrivals, bank, sc.seed, sc.base_dir)
+        size = cache_sizing(sc, trace.model)
+        cost = CostModel(sc.hardware, trace.model, size.expert_bytes)
+        dense = serving.BF16 * cost.nonexpert_weights * trace.model.num_layers
+        kv = serving.kv_capacity_tokens(sc, trace.model, size.capacity, dense)
+        self.serving = serving.Scheduler(sc, plan, bank, kv)
+        self.pieces = self.serving.passes()
+        self.whole_reason = "serving under load: one forward pass at a time"
         return next(self.pieces)
 
     def bind_piece(self, workload: Workload) -> None:
@@ -308,7 +342,12 @@ class Simulation:
         n_pass = self.wl.num_passes
         report_every = max(1, n_pass // 200)
         carry = 0.0
+        release = self.wl.release().tolist()
         for p in range(n_pass):
+            if release[p] > env.now:  # serving: the GPU idles until the pass's requests are there
+                yield env.timeout(release[p] - env.now)
+                if self.host_t < env.now:
+                    self.host_t = env.now
             self._begin_pass(p)
             bytes0 = self.copy.bytes_moved
             ne = nonexp[p]
@@ -664,8 +703,16 @@ class Simulation:
             self.copy.finish()
         self.wall_s = _time.perf_counter() - t0
         steps = self._steps_frame()
-        requests = self._requests_frame()
+        requests = self.serving.frame() if self.serving is not None else self._requests_frame()
         summary = summarise(self, steps, requests)
+        if self.serving is not None:
+            from moesim.simulator import serving
+
+            summary.update(serving.summary(requests, self.scenario.slo))
+            summary["arrival_notes"] = self.serving.plan.notes
+            summary["max_running_seen"] = self.serving.max_running_seen
+            summary["kv_capacity_tokens"] = (self.serving.kv_tokens if np.isfinite(self.serving.kv_tokens)
+                                             else None)
         if self.scenario.workload.speculative is not None and self.scenario.timing and self._trace is not None:
             from dataclasses import replace
 

@@ -67,6 +67,7 @@ import numpy as np
 from moesim.jit import HAVE_NUMBA
 from moesim.jit import inline as _inline
 from moesim.jit import jit as _jit
+from moesim.simulator.stream import next_piece
 from moesim.simulator.workload import join, passes_of
 
 # eviction policies with a kernel form
@@ -1499,9 +1500,11 @@ def _fin_init(p, layer, lo, hi, IS, A, M):
 
 
 @_jit
-def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, nonexp, cols, t_start, t_end, stall, m_total, m_kept):
+def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, nonexp, release, cols, t_start, t_end, stall, m_total, m_kept):
     """Replay forward passes ``p0 .. p1`` (engine's ``_run``): per layer, non-expert compute,
-    the routing point's lookups and proposals, expert compute; per pass, one row."""
+    the routing point's lookups and proposals, expert compute; per pass, one row. A pass
+    starts no earlier than its ``release`` time (serving: the GPU idles until a request
+    arrives), the host thread with it."""
     num_l = IS[C_L]
     now = FS[SF_NOW]
     carry = FS[SF_CARRY]
@@ -1509,6 +1512,11 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, nonexp, cols, t_start, t_end,
         if p > 0 and IS[C_EV] == EV_LS:
             _ls_roll(IS)
         IS[S_PASS] = p
+        rel = release[p - p0]
+        if rel > now:  # idle until then (as SimPy's timeout adds the delay to its clock)
+            now = now + (rel - now)
+            if FS[SF_HOST] < now:
+                FS[SF_HOST] = now
         t_start[p - p0] = now
         bytes0 = IS[S_BYTES]
         for r in range(R_FIRST, R_FIRST + R_COUNT):
@@ -1855,6 +1863,7 @@ def replay(sim: Any) -> None:
     base, rows_done = 0, 0  # passes and trace rows of the pieces before this one
     while True:
         n_pass = wl.num_passes
+        release = np.ascontiguousarray(wl.release(), np.float64)
         cols = np.zeros((n_pass, R_COUNT), np.int64)
         t_start, t_end, stall = np.zeros(n_pass), np.zeros(n_pass), np.zeros(n_pass)
         m_total, m_kept = np.zeros(n_pass), np.zeros(n_pass)
@@ -1862,10 +1871,12 @@ def replay(sim: Any) -> None:
         for q0 in range(0, n_pass, CHUNK):
             q1 = min(q0 + CHUNK, n_pass)
             P = sim.prefetch.proposals(q0, q1) if pf == PF_ARRAY else no_props
-            replay_passes(base + q0, base + q1, IS, FS, DI, DF, A, P, M, nonexp[q0:q1], cols[q0:q1],
+            replay_passes(base + q0, base + q1, IS, FS, DI, DF, A, P, M, nonexp[q0:q1], release[q0:q1], cols[q0:q1],
                           t_start[q0:q1], t_end[q0:q1], stall[q0:q1], m_total[q0:q1], m_kept[q0:q1])
             if sim.progress is not None:
-                if streamed:  # the share of the file's rows replayed
+                if sim.serving is not None:  # requests served
+                    sim.progress(sim.serving.finished, sim.serving.n)
+                elif streamed:  # the share of the file's rows replayed
                     sim.progress(rows_done + len(wl.trace) * q1 // n_pass, sim.trace_rows)
                 else:
                     sim.progress(q1, n_pass)
@@ -1875,7 +1886,7 @@ def replay(sim: Any) -> None:
         pieces.append(passes_of(wl))  # its per-access and per-row arrays go with the piece
         rows_done += len(wl.trace)
         base += n_pass
-        nxt = next(sim.pieces, None)
+        nxt = next_piece(sim.pieces, float(FS[SF_NOW]))  # serving: formed now the last has ended
         if nxt is None:
             break
         del DI, A, DF, M, nonexp

@@ -20,7 +20,7 @@ imported traces (made whole in memory), and files whose rows are not in request 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -81,6 +81,42 @@ def why_whole(scenario: Scenario, recording: bool) -> str | None:
     return None
 
 
+# serving forms each pass from the requests present: a pass is a piece of its own, so a
+# prefetcher reading the pass before (previous-token, lookahead) has none to read
+_SERVED_PREFETCH = ("none", "oracle", "next-gate-topk", "score-percentile")
+
+
+def why_not_served(scenario: Scenario, recording: bool) -> str | None:
+    """What keeps ``scenario`` from serving under load, said as the rest of a sentence
+    ("... on the compiled kernel, which <reason>"); None when it can be served. Serving
+    replays one forward pass at a time, each formed when the one before ends, so it needs the
+    kernel's piece loop and the policies that a piece at a time allows (:func:`why_whole`),
+    less the prefetchers that read the pass before."""
+    from moesim.simulator.kernel import kernel_off
+
+    if not scenario.timing:
+        return "needs time to pass (timing: true): arrivals and latencies are times"
+    if recording:
+        return "cannot record a timeline or decisions (leave out --events)"
+    off = kernel_off()
+    if off is not None:
+        return f"is off here ({off})"
+    if scenario.hardware.gpus > 1:
+        return "models one GPU (set hardware.gpus: 1)"
+    pol = scenario.policies
+    if pol.eviction.name not in _PIECEWISE_EVICTION:
+        return (f"cannot run eviction policy '{pol.eviction.name}' (it reads the whole trace); use one of "
+                f"{', '.join(_PIECEWISE_EVICTION)}")
+    if pol.prefetch.name not in _SERVED_PREFETCH:
+        return (f"cannot run prefetch policy '{pol.prefetch.name}' (it reads the pass before, and each pass "
+                f"is formed anew); use one of {', '.join(_SERVED_PREFETCH)}")
+    if pol.miss.name != "fetch":
+        return f"runs miss policy 'fetch' only (not '{pol.miss.name}', which re-routes tokens)"
+    if pol.routing.name != "standard" or pol.budget.name != "none":
+        return "runs routing 'standard' and budget 'none' only"
+    return None
+
+
 def pieces(scenario: Scenario, path: Path, chunk_rows: int = CHUNK_ROWS) -> Iterator[Workload]:
     """The workloads of the trace file's pieces, in order (whole batches of requests, at most
     ``workload.max_requests`` requests in all). Each is numbered from 0 (its passes, groups
@@ -92,7 +128,17 @@ def pieces(scenario: Scenario, path: Path, chunk_rows: int = CHUNK_ROWS) -> Iter
         yield build_workload(piece, w.batch_size)  # no request limit (the reader's), no speculation
 
 
-def read_ahead(pieces: Iterator[Workload]) -> Iterator[Workload]:
+def next_piece(pieces: Generator[Workload, float, None], now: float) -> Workload | None:
+    """The next piece, or None after the last. ``now`` (the simulated time the previous piece
+    ended) goes to the source: a trace file's pieces ignore it; serving's scheduler
+    (:mod:`simulator.serving`) forms the next forward pass from it."""
+    try:
+        return pieces.send(now)
+    except StopIteration:
+        return None
+
+
+def read_ahead(pieces: Iterator[Workload]) -> Generator[Workload, float, None]:
     """``pieces``, each read and built on a second thread while the caller replays the one
     before (the compiled loops release the GIL, and so does the Parquet reader): two pieces
     in memory at most. An error reading a piece is raised where that piece is asked for."""

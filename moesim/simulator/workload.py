@@ -67,6 +67,12 @@ class Workload:
     row_order: np.ndarray | None = None
     row_off: np.ndarray | None = None
     trace: Trace | None = None
+    pass_release: np.ndarray | None = None  # serving: a pass starts no earlier (s); None: on the last's end
+
+    def release(self) -> np.ndarray:
+        """Per pass, the time it may start at the earliest (seconds; zeros without arrivals,
+        when each pass starts as the one before ends)."""
+        return self.pass_release if self.pass_release is not None else np.zeros(self.num_passes)
 
     def rows(self, pass_index: int, layer: int) -> np.ndarray:
         """Indices into the trace's row arrays (``probs``, ``pred_next``) of the tokens of
@@ -376,4 +382,6 @@ def join(parts: list[Workload]) -> Workload:
         request_group=np.concatenate([w.request_group + group_base[i] for i, w in enumerate(parts)]),
         request_first_pass=np.concatenate([w.request_first_pass + pass_base[i] for i, w in enumerate(parts)]),
         weight_total=np.concatenate([w.weight_total for w in parts]),
+        pass_release=(np.concatenate([w.release() for w in parts])
+                      if any(w.pass_release is not None for w in parts) else None),
     )

@@ -1,0 +1,516 @@
+"""Serving under load: request arrivals and continuous batching (``docs/serving.md``).
+
+Without ``workload.arrivals`` a replay runs the trace's requests in fixed batches, back to
+back. With it, requests arrive over time (:func:`plan_requests`: a Poisson or gamma process,
+or a serving-trace CSV) and a scheduler forms each forward pass from the requests present
+when the previous pass ends, as vLLM's continuous batching does (:class:`Scheduler`):
+
+- ``prefill-first`` (vLLM's default scheduler without chunked prefill): whenever waiting
+  requests can be admitted (first come, first served, up to ``max_running`` requests, their
+  prompts within ``max_batched_tokens``, their KV cache within the memory left), the pass
+  prefills them; otherwise it decodes one token of every running request.
+- ``chunked`` (vLLM's chunked prefill): one decode token of every running request first, then
+  the unfinished prompts of running requests, then newly admitted prompts, each in chunks of at
+  most ``chunked_prefill_tokens``, until the pass holds ``max_batched_tokens`` tokens.
+
+A request reserves the KV cache of its whole context (prompt and output) when admitted, so it
+is never preempted (vLLM allocates blocks as tokens are made and preempts when it runs out; a
+reservation admits fewer requests at once but never recomputes one). With nothing running and
+nobody waiting the GPU idles until the next arrival (the pass's *release* time).
+
+Each pass is made into a one-pass :class:`Workload` by the same builder as every replay
+(:func:`simulator.workload.build_workload`: the distinct experts of each layer over the pass's
+tokens, each expert's compute time from its token count) and replayed by the compiled kernel
+with the cache, copy engine, prefetch queue and clocks carried from pass to pass
+(:mod:`simulator.stream`'s piece loop, the pass's end time sent back to the scheduler).
+
+A served request takes its routing from a recorded request of the trace (in order, cycling):
+its prompt tokens from the recorded prompt, its decode tokens from the recorded decode steps,
+each repeated in order when the arrival asks for more tokens than were recorded (the notes say
+so), at positions counted from the recorded request's first position.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from moesim.config.scenario import (
+    ArrivalsConfig,
+    Scenario,
+    SchedulerConfig,
+    SloConfig,
+    parse_capacity,
+)
+from moesim.errors import MoesimError
+from moesim.simulator.workload import DECODE, PREFILL, VERIFY, Workload, build_workload
+from moesim.traces.trace import Trace
+
+BF16 = 2  # bytes per KV-cache element
+
+# the common column namings of public LLM serving traces (Azure LLM inference, BurstGPT,
+# Splitwise, Mooncake exported to CSV, vLLM benchmark dumps): arrival time, prompt, output
+TIME_COLUMNS = ("arrival_time", "arrival_s", "arrival", "timestamp", "TIMESTAMP", "Timestamp", "time",
+                "arrived_at", "timestamp_ms", "arrival_time_ms")
+PROMPT_COLUMNS = ("input_tokens", "ContextTokens", "context_tokens", "prompt_tokens", "Request tokens",
+                  "input_length", "input_len", "prompt_len", "num_prefill_tokens")
+OUTPUT_COLUMNS = ("output_tokens", "GeneratedTokens", "generated_tokens", "completion_tokens",
+                  "Response tokens", "output_length", "output_len", "num_decode_tokens")
+
+
+@dataclass
+class Plan:
+    """The requests to serve, in arrival order: arrival time (s), prompt tokens, output tokens
+    (at least 1: the prefill makes the first), and the recorded request (index into
+    :class:`Bank`'s requests) whose routing each takes. ``notes`` say what was assumed."""
+
+    arrival: np.ndarray
+    prompt: np.ndarray
+    output: np.ndarray
+    source: np.ndarray
+    notes: list[str] = field(default_factory=list)
+
+
+class Bank:
+    """The trace's recorded tokens, by request: each token's rows (one per layer, in layer
+    order), its prompt tokens (the prefill's, by position) and decode tokens (by step), and
+    each request's first position."""
+
+    def __init__(self, trace: Trace, where: str) -> None:
+        if (trace.phase == VERIFY).any():
+            raise MoesimError(f"{where}: workload.arrivals serves prefill and decode; the trace {trace.source} has "
+                              "speculative verification rows, which serving does not model. Use a trace without "
+                              "--speculative, or remove workload.arrivals.")
+        self.trace = trace
+        req_ids, ridx = np.unique(trace.request, return_inverse=True)
+        order = np.lexsort((trace.layer, trace.position, trace.step, ridx))
+        key_r, key_s, key_p = ridx[order], trace.step[order], trace.position[order]
+        new = np.r_[True, (key_r[1:] != key_r[:-1]) | (key_s[1:] != key_s[:-1]) | (key_p[1:] != key_p[:-1])]
+        self.order = order
+        self.tok_start = np.flatnonzero(new).astype(np.int64)
+        self.tok_len = np.diff(np.r_[self.tok_start, len(order)]).astype(np.int64)
+        tok_req = key_r[self.tok_start]
+        tok_prefill = trace.phase[order][self.tok_start] == PREFILL
+        n = len(req_ids)
+        self.request_ids = req_ids
+        self.n_prompt = np.bincount(tok_req[tok_prefill], minlength=n).astype(np.int64)
+        self.n_decode = np.bincount(tok_req[~tok_prefill], minlength=n).astype(np.int64)
+        first = np.searchsorted(tok_req, np.arange(n))  # tokens are by request, prefill (step 0) first
+        self.prompt_first = first
+        self.decode_first = first + self.n_prompt
+        base = np.full(n, np.iinfo(np.int64).max, np.int64)
+        np.minimum.at(base, ridx, trace.position.astype(np.int64))
+        self.base = base
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+    def recorded_lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per recorded request, its prompt and output lengths: the prefill's tokens, and one
+        output token for the prefill plus one per decode step (a decode-only request: one per
+        step)."""
+        return self.n_prompt, self.n_decode + (self.n_prompt > 0)
+
+    def tokens(self, source: np.ndarray, prompt: np.ndarray, i: np.ndarray) -> np.ndarray:
+        """The recorded token that a served request's processed token ``i`` takes (``source``
+        its recorded request, ``prompt`` its prompt length; all arrays of one length): token
+        ``i < prompt`` from the recorded prompt, the others from the recorded decode steps,
+        each cycling; a request without recorded prompt (decode) tokens takes the other kind."""
+        npr, nde = self.n_prompt[source], self.n_decode[source]
+        in_prompt = i < prompt
+        j = np.where(in_prompt, i, i - prompt)
+        use_prompt = np.where(in_prompt, npr > 0, nde == 0)
+        span = np.where(use_prompt, npr, nde)
+        first = np.where(use_prompt, self.prompt_first[source], self.decode_first[source])
+        return first + j % span
+
+    def rows(self, tok: np.ndarray) -> np.ndarray:
+        """The trace rows of the recorded tokens ``tok``, token after token."""
+        lens = self.tok_len[tok]
+        starts = np.repeat(self.tok_start[tok] - np.r_[0, np.cumsum(lens)[:-1]], lens)
+        return self.order[starts + np.arange(int(lens.sum()))]
+
+
+def _column(frame: pd.DataFrame, names: tuple[str, ...], what: str, path: Path) -> str:
+    for name in names:
+        if name in frame.columns:
+            return name
+    raise MoesimError(f"arrival file {path}: no column for {what}; it has {', '.join(map(str, frame.columns))}. "
+                      f"Name one of them {' or '.join(repr(n) for n in names[:4])} (also accepted: "
+                      f"{', '.join(names[4:])}).")
+
+
+def read_arrival_file(path: Path, limit: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    """(arrival seconds from the first, prompt tokens, output tokens, which columns were
+    read) from a serving-trace CSV; rows in arrival order. Errors name the file, the column
+    and the row."""
+    if not path.is_file():
+        raise MoesimError(f"arrival file {path}: not found. Give workload.arrivals.path as a CSV of arrival time, "
+                          "input tokens and output tokens (relative to the scenario file).")
+    try:
+        frame = pd.read_csv(path, nrows=limit)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise MoesimError(f"arrival file {path}: not a readable CSV ({str(exc).strip().splitlines()[0]}). Give a "
+                          "CSV with a header row naming the arrival time, input and output token columns.") from None
+    if len(frame) == 0:
+        raise MoesimError(f"arrival file {path}: has no rows; it needs one row per request.")
+    tcol = _column(frame, TIME_COLUMNS, "the arrival time", path)
+    pcol = _column(frame, PROMPT_COLUMNS, "the input (prompt) tokens", path)
+    ocol = _column(frame, OUTPUT_COLUMNS, "the output tokens", path)
+    raw = frame[tcol]
+    if pd.api.types.is_numeric_dtype(raw):
+        t = raw.to_numpy(np.float64) / (1000.0 if tcol.endswith("_ms") else 1.0)
+        unit = "milliseconds" if tcol.endswith("_ms") else "seconds"
+    else:
+        stamps = pd.to_datetime(raw, errors="coerce", format="mixed")
+        t = np.where(stamps.isna(), np.nan, (stamps - stamps.min()).dt.total_seconds().to_numpy(np.float64))
+        unit = "date-times"
+    for col, values in ((tcol, t), (pcol, frame[pcol]), (ocol, frame[ocol])):
+        v = pd.to_numeric(pd.Series(values), errors="coerce").to_numpy(np.float64)
+        low = 1 if col == ocol else 0
+        bad = np.flatnonzero(~np.isfinite(v) | (v < low) | ((col != tcol) & (v != np.floor(v))))
+        if len(bad):
+            r = int(bad[0])
+            kind = "a time" if col == tcol else (f"a whole number of tokens >= {low}")
+            raise MoesimError(f"arrival file {path}: line {r + 2} (data row {r + 1}) has {col} = "
+                              f"{frame[col].astype(str).iloc[r]}; it must be {kind}. Fix or remove that row.")
+    back = np.flatnonzero(np.diff(t) < 0)
+    if len(back):
+        r = int(back[0]) + 1
+        raise MoesimError(f"arrival file {path}: line {r + 2} (data row {r + 1}) arrives at {t[r]:g} s, before the row above it "
+                          f"({t[r - 1]:g} s); the rows must be in arrival order. Sort the file by {tcol}.")
+    found = f"arrival file {path.name}: arrival time from '{tcol}' ({unit}), prompt from '{pcol}', output from '{ocol}'"
+    return (t - t[0], frame[pcol].to_numpy(np.int64), frame[ocol].to_numpy(np.int64), found)
+
+
+def plan_requests(cfg: ArrivalsConfig, bank: Bank, seed: int, base_dir: str) -> Plan:
+    """The requests to serve: arrival times, lengths and the recorded request each takes
+    its routing from (in order, cycling)."""
+    rng = np.random.default_rng([seed if cfg.seed is None else cfg.seed, 35])
+    notes: list[str] = []
+    prompt = output = None
+    if cfg.process == "file":
+        assert cfg.path is not None
+        path = Path(cfg.path) if Path(cfg.path).is_absolute() else Path(base_dir) / cfg.path
+        t, prompt, output, found = read_arrival_file(path, cfg.requests)
+        notes.append(found)
+        if cfg.rate is not None and len(t) > 1 and t[-1] > 0:
+            scale = (len(t) - 1) / cfg.rate / t[-1]
+            t = t * scale
+            notes.append(f"arrival times scaled by {scale:.4g} to a mean rate of {cfg.rate:g} requests/s")
+        n = len(t)
+    else:
+        assert cfg.rate is not None
+        assert cfg.requests is not None
+        n = cfg.requests
+        if cfg.process == "poisson":
+            gaps = rng.exponential(1.0 / cfg.rate, n)
+        else:  # gamma gaps of mean 1/rate and coefficient of variation cv
+            shape = 1.0 / (cfg.cv * cfg.cv)
+            gaps = rng.gamma(shape, 1.0 / (cfg.rate * shape), n)
+        t = np.cumsum(gaps)
+    source = np.arange(n, dtype=np.int64) % bank.num_requests
+    rec_prompt, rec_output = bank.recorded_lengths()
+    if cfg.prompt_tokens is not None:
+        prompt = np.full(n, cfg.prompt_tokens, np.int64)
+    elif prompt is None:
+        prompt = rec_prompt[source]
+    if cfg.output_tokens is not None:
+        output = np.full(n, cfg.output_tokens, np.int64)
+    elif output is None:
+        output = rec_output[source]
+    if n > bank.num_requests:
+        notes.append(f"{n} requests take their routing from the trace's {bank.num_requests} recorded requests, "
+                     "in order, cycling")
+    longer_p = int(((prompt > rec_prompt[source]) & (rec_prompt[source] > 0)).sum())
+    longer_o = int((output > rec_output[source]).sum())
+    if longer_p:
+        notes.append(f"{longer_p} requests ask for a longer prompt than recorded: their prompt routing repeats "
+                     "the recorded prompt's tokens in order")
+    if longer_o:
+        notes.append(f"{longer_o} requests ask for more output tokens than recorded: their decode routing repeats "
+                     "the recorded decode steps in order")
+    no_prompt = int(((prompt > 0) & (rec_prompt[source] == 0)).sum())
+    if no_prompt:
+        notes.append(f"{no_prompt} requests have a prompt but their recorded request has no prefill: their prompt "
+                     "tokens take the recorded decode tokens' routing")
+    no_decode = int(((output > 1) & (bank.n_decode[source] == 0)).sum())
+    if no_decode:
+        notes.append(f"{no_decode} requests decode but their recorded request has no decode steps: their decode "
+                     "tokens take the recorded prompt tokens' routing")
+    return Plan(arrival=np.asarray(t, np.float64), prompt=np.asarray(prompt, np.int64),
+                output=np.asarray(output, np.int64), source=source, notes=notes)
+
+
+def kv_bytes_per_token(scenario: Scenario, model: Any) -> int:
+    """Bytes of KV cache per token: keys and values of every layer, bf16."""
+    return 2 * model.num_layers * model.kv_heads * model.head_size * BF16
+
+
+def kv_capacity_tokens(scenario: Scenario, model: Any, capacity: float, dense_bytes: float) -> float:
+    """Tokens of KV cache the GPU holds: ``scheduler.kv_memory`` as given, or ('auto') the
+    HBM left after the expert cache and the dense (non-expert) weights; inf with 'none'."""
+    sched = scenario.scheduler or SchedulerConfig()
+    where = scenario.source
+    per_token = kv_bytes_per_token(scenario, model)
+    text = sched.kv_memory.strip().lower()
+    if text == "none":
+        return math.inf
+    hbm = scenario.hardware.gpu.memory_gb * 1e9
+    if text == "auto":
+        if not math.isfinite(capacity):
+            raise MoesimError(f"{where}: key 'scheduler.kv_memory' is 'auto' (the HBM left after the expert cache), "
+                              "but cache.capacity is infinite. Give cache.capacity as a share or size, or "
+                              "scheduler.kv_memory as a size ('20GB') or 'none'.")
+        left = hbm - capacity - dense_bytes
+        if left < per_token:
+            raise MoesimError(f"{where}: the GPU's {hbm / 1e9:g} GB of HBM less the expert cache "
+                              f"({capacity / 1e9:.3g} GB) and the dense weights ({dense_bytes / 1e9:.3g} GB) leaves "
+                              f"{max(left, 0) / 1e9:.3g} GB, not one token of KV cache ({per_token:,} bytes). Lower "
+                              "cache.capacity, or set scheduler.kv_memory to a size ('20GB') or 'none'.")
+        return float(left // per_token)
+    try:
+        nbytes = parse_capacity(text, 1, 1, where)
+    except MoesimError:
+        raise MoesimError(f"{where}: key 'scheduler.kv_memory' is {sched.kv_memory!r}; write 'auto', 'none' or a "
+                          "size such as '20GB' or '600MiB'.") from None
+    if nbytes < per_token or text.endswith(("%", "expert", "experts")):
+        raise MoesimError(f"{where}: key 'scheduler.kv_memory' is {sched.kv_memory!r}, "
+                          f"{'a share or count' if text.endswith(('%', 'expert', 'experts')) else 'less than one token'}"
+                          f"; one token of KV cache takes {per_token:,} bytes. Write a size such as '20GB', or "
+                          "'auto' or 'none'.")
+    return float(nbytes // per_token)
+
+
+class Scheduler:
+    """Continuous batching of :class:`Plan`'s requests (module docstring). :meth:`passes` is
+    the replay's source of forward passes: it yields a one-pass workload and is sent that
+    pass's end time. Afterwards :meth:`frame` is the per-request table."""
+
+    KEEP = False  # tests: keep every pass's workload (``kept``) to replay the schedule again
+
+    def __init__(self, scenario: Scenario, plan: Plan, bank: Bank, kv_tokens: float) -> None:
+        self.cfg = scenario.scheduler or SchedulerConfig()
+        self.plan = plan
+        self.bank = bank
+        n = len(plan.arrival)
+        self.n = n
+        self.first_part = np.maximum(plan.prompt, 1)  # tokens of the pass that makes the first output token
+        self.total = self.first_part + plan.output - 1  # tokens processed in all
+        self.kv = (bank.base[plan.source] + plan.prompt + plan.output).astype(np.float64)
+        self.kv_tokens = kv_tokens
+        self.processed = np.zeros(n, np.int64)
+        self.generated = np.zeros(n, np.int64)
+        self.scheduled = np.full(n, np.nan)
+        self.first_token = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.finished = 0
+        self.max_running_seen = 0
+        self.kept: list[Workload] | None = [] if self.KEEP else None
+        self._check(scenario.source)
+
+    def _check(self, where: str) -> None:
+        """Limits no request can ever meet: one paragraph naming the first such request."""
+        cfg = self.cfg
+        if cfg.policy == "prefill-first":
+            big = np.flatnonzero(self.first_part > cfg.max_batched_tokens)
+            if len(big):
+                r = int(big[0])
+                raise MoesimError(f"{where}: request {r} (and {len(big) - 1} more) has a {int(self.first_part[r])}-token "
+                                  f"prompt, more than scheduler.max_batched_tokens ({cfg.max_batched_tokens}); with "
+                                  "policy 'prefill-first' a prompt is prefilled in one pass, so it could never be "
+                                  "scheduled. Raise max_batched_tokens, or set policy: chunked.")
+        big = np.flatnonzero(self.kv > self.kv_tokens)
+        if len(big):
+            r = int(big[0])
+            raise MoesimError(f"{where}: request {r} (and {len(big) - 1} more) needs a KV cache of {int(self.kv[r]):,} "
+                              f"tokens, more than the {int(self.kv_tokens):,} the GPU holds beside the expert cache; it "
+                              "could never be admitted. Lower cache.capacity, shorten the requests, or set "
+                              "scheduler.kv_memory.")
+
+    # -- the passes ------------------------------------------------------------------------
+    def passes(self) -> Generator[Workload, float, None]:
+        """Forward passes, each formed when the previous one ends (the time sent back)."""
+        cfg = self.cfg
+        arrival = self.plan.arrival
+        waiting: deque[int] = deque()
+        running: list[int] = []
+        kv_used = 0.0
+        nxt = 0
+        now = 0.0
+        while self.finished < self.n:
+            while nxt < self.n and arrival[nxt] <= now:
+                waiting.append(nxt)
+                nxt += 1
+            release = 0.0
+            if not running and not waiting:  # idle until the next arrival
+                now = release = float(arrival[nxt])
+                while nxt < self.n and arrival[nxt] <= now:
+                    waiting.append(nxt)
+                    nxt += 1
+            batch_r: list[int] = []
+            batch_c: list[int] = []
+            if cfg.policy == "prefill-first":
+                budget = cfg.max_batched_tokens
+                while waiting and len(running) < cfg.max_running:
+                    r = waiting[0]
+                    need = int(self.first_part[r])
+                    if need > budget or kv_used + self.kv[r] > self.kv_tokens:
+                        break
+                    waiting.popleft()
+                    running.append(r)
+                    kv_used += self.kv[r]
+                    self.scheduled[r] = now
+                    batch_r.append(r)
+                    batch_c.append(need)
+                    budget -= need
+                if not batch_r:
+                    batch_r = list(running)
+                    batch_c = [1] * len(running)
+            else:
+                budget = cfg.max_batched_tokens
+                cap = cfg.chunked_prefill_tokens or cfg.max_batched_tokens
+                for r in running:  # decodes first
+                    if self.processed[r] >= self.first_part[r]:
+                        batch_r.append(r)
+                        batch_c.append(1)
+                budget -= len(batch_r)
+                for r in running:  # then unfinished prompts
+                    left = int(self.first_part[r] - self.processed[r])
+                    if left > 0 and budget > 0:
+                        c = min(left, budget, cap)
+                        batch_r.append(r)
+                        batch_c.append(c)
+                        budget -= c
+                while waiting and budget > 0 and len(running) < cfg.max_running:
+                    r = waiting[0]
+                    if kv_used + self.kv[r] > self.kv_tokens:
+                        break
+                    waiting.popleft()
+                    running.append(r)
+                    kv_used += self.kv[r]
+                    self.scheduled[r] = now
+                    c = min(int(self.first_part[r]), budget, cap)
+                    batch_r.append(r)
+                    batch_c.append(c)
+                    budget -= c
+            self.max_running_seen = max(self.max_running_seen, len(running))
+            rs = np.asarray(batch_r, np.int64)
+            cs = np.asarray(batch_c, np.int64)
+            start = self.processed[rs].copy()
+            made = self._made(rs, start, cs)
+            wl = self._workload(rs, start, cs, release, int(made.sum()))
+            end = yield wl
+            now = float(end)
+            self.processed[rs] += cs
+            firsts = rs[(start < self.first_part[rs]) & (self.processed[rs] >= self.first_part[rs])]
+            self.first_token[firsts] = now
+            self.generated[rs] += made
+            done = rs[self.generated[rs] == self.plan.output[rs]]
+            if len(done):
+                self.finish[done] = now
+                self.finished += len(done)
+                gone = set(done.tolist())
+                running = [r for r in running if r not in gone]
+                kv_used -= float(self.kv[done].sum())
+
+    def _made(self, rs: np.ndarray, start: np.ndarray, cs: np.ndarray) -> np.ndarray:
+        """Output tokens each request of a pass makes: one when the pass ends its prompt (its
+        first token) or decodes; none for a prompt chunk that leaves some of the prompt."""
+        fp = self.first_part[rs]
+        return ((start >= fp) | (start + cs >= fp)).astype(np.int64)
+
+    def _workload(self, rs: np.ndarray, start: np.ndarray, cs: np.ndarray, release: float,
+                  made: int) -> Workload:
+        """The one-pass workload of ``cs`` tokens of each request ``rs`` from its processed
+        token ``start`` on: the recorded tokens' rows, renumbered as the served request's
+        tokens (request, position, phase) in one step."""
+        bank, plan = self.bank, self.plan
+        req = np.repeat(rs, cs)
+        i = np.repeat(start - np.r_[0, np.cumsum(cs)[:-1]], cs) + np.arange(int(cs.sum()))
+        src, prompt = plan.source[req], plan.prompt[req]
+        tok = bank.tokens(src, prompt, i)
+        lens = bank.tok_len[tok]
+        piece = bank.trace.take(bank.rows(tok))
+        piece.request = np.repeat(req, lens)
+        piece.step = np.zeros(len(piece.request), np.int32)
+        piece.position = np.repeat(bank.base[src] + i, lens)
+        piece.phase = np.repeat(np.where(i < prompt, PREFILL, DECODE).astype(np.int8), lens)
+        wl = build_workload(piece, batch_size=len(rs))
+        wl.pass_generated = np.array([made], np.int64)
+        wl.pass_release = np.array([release])
+        if self.kept is not None:
+            self.kept.append(wl)
+        return wl
+
+    # -- the results ------------------------------------------------------------------------
+    def frame(self) -> pd.DataFrame:
+        """One row per request: arrival, when first scheduled, first token and finish (s);
+        queueing delay, TTFT, TPOT (after the first token, per token; NaN with one output
+        token) and end-to-end latency; its lengths and recorded request."""
+        p = self.plan
+        out = p.output.astype(np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tpot = np.where(p.output > 1, (self.finish - self.first_token) / (out - 1), np.nan)
+        return pd.DataFrame({
+            "request": np.arange(self.n, dtype=np.int64),
+            "source_request": self.bank.request_ids[p.source],
+            "arrival_s": p.arrival,
+            "scheduled_s": self.scheduled,
+            "first_token_s": self.first_token,
+            "finish_s": self.finish,
+            "queue_s": self.scheduled - p.arrival,
+            "ttft_s": self.first_token - p.arrival,
+            "tpot_s": tpot,
+            "e2e_s": self.finish - p.arrival,
+            "prompt_tokens": p.prompt,
+            "output_tokens": p.output,
+        })
+
+
+def summary(requests: pd.DataFrame, slo: SloConfig | None) -> dict[str, Any]:
+    """The serving figures of the summary (``docs/serving.md``, "Metrics"): TTFT and TPOT
+    mean, median and 99th percentile (numpy's linear percentile), e2e p99, output tokens and
+    requests per second over the span from the first arrival to the last finish, and with an
+    SLO the share of requests meeting it and those per second (goodput)."""
+
+    def q(col: str, pct: float) -> float | None:
+        v = requests[col].to_numpy(np.float64)
+        v = v[np.isfinite(v)]
+        return float(np.percentile(v, pct)) if len(v) else None
+
+    def mean(col: str) -> float | None:
+        v = requests[col].to_numpy(np.float64)
+        v = v[np.isfinite(v)]
+        return float(v.mean()) if len(v) else None
+
+    span = float(requests["finish_s"].max() - requests["arrival_s"].min())
+    n = len(requests)
+    out: dict[str, Any] = {
+        "ttft_mean_s": mean("ttft_s"), "ttft_p50_s": q("ttft_s", 50), "ttft_p99_s": q("ttft_s", 99),
+        "tpot_mean_s": mean("tpot_s"), "tpot_p50_s": q("tpot_s", 50), "tpot_p99_s": q("tpot_s", 99),
+        "e2e_p99_s": q("e2e_s", 99), "queue_mean_s": mean("queue_s"),
+        "throughput_tokens_s": float(requests["output_tokens"].sum()) / span if span > 0 else None,
+        "requests_per_s": n / span if span > 0 else None,
+        "served_requests": n,
+        "offered_rate": ((n - 1) / float(requests["arrival_s"].max() - requests["arrival_s"].min())
+                         if n > 1 and requests["arrival_s"].max() > requests["arrival_s"].min() else None),
+    }
+    if slo is not None:
+        ok = np.ones(n, dtype=bool)
+        if slo.ttft_s is not None:
+            ok &= requests["ttft_s"].to_numpy() <= slo.ttft_s
+        if slo.tpot_s is not None:
+            tp = requests["tpot_s"].to_numpy()
+            ok &= np.isnan(tp) | (tp <= slo.tpot_s)  # one output token: no TPOT to miss
+        out["slo_attainment"] = float(ok.mean())
+        out["goodput_requests_s"] = float(ok.sum()) / span if span > 0 else None
+    return out

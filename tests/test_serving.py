@@ -1,0 +1,479 @@
+"""Serving under load (``moesim.simulator.serving``, ``docs/serving.md``): request arrivals,
+continuous batching, per-request latencies and the SLO figures.
+
+References are independent of the code under test: the M/D/1 mean response time and a
+Lindley recursion over the same arrivals (service times from today's fixed-batch replay),
+today's batch-1 replay for requests that never overlap, schedules and per-layer expert
+unions worked out by hand from the trace's rows, and the SimPy reference path replaying the
+schedule the kernel formed (open loop, with the same release times).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from moesim.cli import cli
+from moesim.config.confload import ConfigError
+from moesim.config.scenario import ArrivalsConfig, scenario_from_dict
+from moesim.errors import MoesimError
+from moesim.simulator import serving
+from moesim.simulator.engine import Simulation, simulate
+from moesim.simulator.workload import Workload
+
+TINY = {"synth": {"preset": "olmoe-1b-7b", "requests": 3, "prompt_tokens": 4, "tokens": 4, "layers": 2,
+                  "experts": 8, "top_k": 2}}
+
+
+def served(trace: dict[str, Any], arrivals: dict[str, Any], scheduler: dict[str, Any] | None = None,
+           **top: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {"seed": 0, "workload": {"trace": copy.deepcopy(trace), "arrivals": arrivals},
+                            "cache": {"capacity": "25%"}, **top}
+    if scheduler is not None:
+        data["scheduler"] = scheduler
+    return data
+
+
+def write_csv(path: Path, rows: list[tuple[Any, ...]], header: str = "arrival_time,input_tokens,output_tokens") -> Path:
+    path.write_text(header + "\n" + "".join(",".join(map(str, r)) + "\n" for r in rows))
+    return path
+
+
+# -- queueing closed forms -------------------------------------------------------------------
+ONE_EXPERT = {"synth": {"preset": "olmoe-1b-7b", "requests": 2, "prompt_tokens": 8, "tokens": 0, "layers": 1,
+                        "experts": 1, "top_k": 1}}
+
+
+def service_times() -> tuple[float, float]:
+    """Today's fixed-batch replay of two prefill-only requests: the first pass (a cold miss)
+    and the second (all resident)."""
+    ref = simulate(scenario_from_dict({"workload": {"trace": ONE_EXPERT}, "cache": {"capacity": "inf"}}))
+    d = ref.steps["duration_s"].to_numpy()
+    assert ref.steps["misses"].tolist() == [1, 0]
+    return float(d[0]), float(d[1])
+
+
+def lindley(arrival: np.ndarray, first: float, rest: float) -> np.ndarray:
+    """Response times of a single FCFS server: each request starts when it has arrived and
+    the one before has left."""
+    out = np.empty(len(arrival))
+    free = 0.0
+    for n, a in enumerate(arrival):
+        start = max(a, free)
+        free = start + (first if n == 0 else rest)
+        out[n] = free - a
+    return out
+
+
+@pytest.mark.parametrize(("rho", "tol"), [(0.5, 0.05), (0.7, 0.12)])
+def test_md1_mean_ttft(rho: float, tol: float) -> None:
+    """One expert, all resident after the first request, prefill-only requests, one running
+    at a time, Poisson arrivals: each TTFT is the Lindley recursion's response time (within
+    float rounding), and the mean is S(1 + rho / (2(1 - rho))) within sampling error (4
+    standard deviations of the mean over 10,000 requests, measured over 200 seeds)."""
+    first, s = service_times()
+    n = 10_000
+    res = simulate(scenario_from_dict(served(ONE_EXPERT, {"process": "poisson", "rate": rho / s, "requests": n,
+                                                          "output_tokens": 1},
+                                             {"max_running": 1, "kv_memory": "none"}, cache={"capacity": "inf"})))
+    req = res.requests
+    expect = lindley(req["arrival_s"].to_numpy(), first, s)
+    np.testing.assert_allclose(req["ttft_s"].to_numpy(), expect, rtol=1e-9, atol=1e-9 * req["finish_s"].max())
+    md1 = s * (1 + rho / (2 * (1 - rho)))
+    assert abs(req["ttft_s"].mean() - md1) / md1 < tol
+    gaps = np.diff(req["arrival_s"].to_numpy())
+    assert abs(gaps.mean() * rho / s - 1) < 0.05  # the asked rate
+
+
+def test_deterministic_arrivals_by_hand(tmp_path: Path) -> None:
+    """Arrivals every S/2 (twice as fast as served): request n starts when n requests have
+    been served, so its TTFT is first + n S - n S/2; arrivals every 2S never queue."""
+    first, s = service_times()
+    for gap, expect in ((s / 2, lambda n: first + n * s - n * s / 2), (2 * first, lambda n: first if n == 0 else s)):
+        rows = [(n * gap, 8, 1) for n in range(12)]
+        path = write_csv(tmp_path / "det.csv", rows)
+        res = simulate(scenario_from_dict(served(ONE_EXPERT, {"process": "file", "path": str(path)},
+                                                 {"max_running": 1, "kv_memory": "none"}, cache={"capacity": "inf"})))
+        want = np.array([expect(n) for n in range(12)])
+        np.testing.assert_allclose(res.requests["ttft_s"].to_numpy(), want, rtol=1e-9, atol=1e-15)
+
+
+# -- requests that never overlap are today's batch-1 replay ----------------------------------
+@pytest.mark.parametrize(("eviction", "prefetch", "mode"), [
+    ("lru", "none", "layer"), ("least-stale", "oracle", "per-expert"), ("lfu", "none", "on-arrival"),
+    ("fifo", "oracle", "layer")])
+def test_low_rate_is_the_single_request_replay(eviction: str, prefetch: str, mode: str, tmp_path: Path) -> None:
+    """Requests arriving 5 s apart (each takes about 1 s) are each alone: every pass's counts
+    equal today's batch-1 replay's; the first request's durations, TTFT and TPOT bit for bit
+    (its clock starts at 0, as today's), the others' within float rounding (their clock is
+    at a later time: 1e-12 s at about 20 s); no request queues."""
+    trace = {"synth": {"preset": "olmoe-1b-7b", "requests": 4, "prompt_tokens": 24, "tokens": 12}}
+    base = {"seed": 0, "workload": {"trace": trace}, "cache": {"capacity": "25%"}, "expert_compute": mode,
+            "policies": {"eviction": eviction, "prefetch": prefetch}}
+    today = simulate(scenario_from_dict(base))
+    sv = copy.deepcopy(base)
+    path = write_csv(tmp_path / "apart.csv", [(5 * n, 24, 13) for n in range(4)])
+    sv["workload"]["arrivals"] = {"process": "file", "path": str(path)}
+    res = simulate(scenario_from_dict(sv))
+    a, b = today.steps, res.steps
+    assert len(a) == len(b)
+    for col in ("tokens", "generated", "requests", "hits", "misses", "late_prefetches", "collision_misses",
+                "bytes_h2d", "unique_experts", "prefetches_issued", "prefetches_used", "phase"):
+        assert a[col].tolist() == b[col].tolist(), col
+    first = a["group"].to_numpy() == 0
+    assert b.loc[first, "duration_s"].tolist() == a.loc[first, "duration_s"].tolist()
+    np.testing.assert_allclose(b["duration_s"], a["duration_s"], rtol=0, atol=1e-12)
+    assert res.requests["ttft_s"].iloc[0] == today.requests["ttft_s"].iloc[0]
+    np.testing.assert_allclose(res.requests["ttft_s"], today.requests["ttft_s"], rtol=0, atol=1e-12)
+    # today's TPOT of a request: its decode passes' mean duration
+    dec = a[a["phase"] == "decode"]
+    tpot = dec.groupby("group")["duration_s"].mean().to_numpy()
+    assert res.requests["tpot_s"].iloc[0] == pytest.approx(tpot[0], rel=1e-14)
+    np.testing.assert_allclose(res.requests["tpot_s"], tpot, rtol=0, atol=1e-12 / 6)  # (finish - first token) / 12 at about 20 s
+    assert (res.requests["queue_s"] == 0).all()
+    assert b["start_s"].iloc[13] == 5.0  # idle until the second request arrives
+    assert res.summary["trace_pieces"] == len(b)
+
+
+# -- continuous batching by hand ---------------------------------------------------------------
+def hand_trace() -> Any:
+    from moesim.simulator.build import load_trace
+
+    return load_trace(scenario_from_dict({"workload": {"trace": TINY}}))
+
+
+def hand_union(trace: Any, tokens: list[tuple[int, int, int]], prompt: dict[int, int]) -> list[list[int]]:
+    """Per layer, the distinct experts of a pass's tokens (request, first token, count), in
+    order of first appearance over requests then positions then ranks, read from the trace:
+    request r takes recorded request r % 3; its token i < prompt from the recorded prefill
+    position i % 4, else decode step (i - prompt) % 4 + 1."""
+    df = pd.DataFrame({"r": trace.request, "s": trace.step, "p": trace.position, "ph": trace.phase,
+                       "l": trace.layer})
+    out: list[list[int]] = [[], []]
+    for r, i0, c in sorted(tokens):
+        for i in range(i0, i0 + c):
+            src = r % 3
+            if i < prompt[r]:
+                sel = (df.r == src) & (df.ph == 0) & (df.p == i % 4)
+            else:
+                sel = (df.r == src) & (df.s == (i - prompt[r]) % 4 + 1)
+            for row in np.flatnonzero(sel.to_numpy()):
+                for e in trace.experts[row]:
+                    layer = int(trace.layer[row])
+                    if int(e) not in out[layer]:
+                        out[layer].append(int(e))
+    return out
+
+
+SCHEDULES = {
+    # prefill-first, 2 running at most: A and B prefilled together; C waits for B to finish
+    "prefill-first": ({"max_running": 2, "max_batched_tokens": 16},
+                      [[(0, 0, 4), (1, 0, 2)], [(0, 4, 1), (1, 2, 1)], [(2, 0, 3)], [(0, 5, 1), (2, 3, 1)]],
+                      {0: (0, 3), 1: (0, 1), 2: (2, 3)}),
+    # chunked, 4 tokens a pass: A's prompt; A's decode + B's prompt; both decode; C; C's decode
+    "chunked": ({"max_running": 2, "max_batched_tokens": 4, "policy": "chunked"},
+                [[(0, 0, 4)], [(0, 4, 1), (1, 0, 2)], [(0, 5, 1), (1, 2, 1)], [(2, 0, 3)], [(2, 3, 1)]],
+                {0: (0, 2), 1: (1, 2), 2: (3, 4)}),
+    # chunked prompts of at most 2 tokens: A's and C's prompts in two chunks (no token from the first);
+    # B's first token in pass 0, its decode first in pass 1
+    "chunked-2": ({"max_running": 3, "max_batched_tokens": 8, "policy": "chunked", "chunked_prefill_tokens": 2},
+                  [[(0, 0, 2), (1, 0, 2), (2, 0, 2)], [(0, 2, 2), (1, 2, 1), (2, 2, 1)],
+                   [(0, 4, 1), (2, 3, 1)], [(0, 5, 1)]],
+                  {0: (1, 3), 1: (0, 1), 2: (1, 2)}),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_continuous_batching_by_hand(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three requests at time 0 (A: prompt 4, 3 output tokens; B: 2, 2; C: 3, 2): who runs
+    in each pass, what it generates, each pass's per-layer expert union, and each request's
+    first token and finish at the end of the pass worked out by hand."""
+    sched, passes, times = SCHEDULES[name]
+    monkeypatch.setattr(serving.Scheduler, "KEEP", True)
+    path = write_csv(tmp_path / "three.csv", [(0, 4, 3), (0, 2, 2), (0, 3, 2)])
+    sim = Simulation(scenario_from_dict(served(TINY, {"process": "file", "path": str(path)}, sched)))
+    res = sim.run()
+    steps = res.steps
+    prompt = {0: 4, 1: 2, 2: 3}
+    assert len(steps) == len(passes)
+    assert steps["requests"].tolist() == [len(p) for p in passes]
+    assert steps["tokens"].tolist() == [sum(c for _, _, c in p) for p in passes]
+    made = [sum(1 for r, i, c in p if i + c >= max(prompt[r], 1)) for p in passes]
+    assert steps["generated"].tolist() == made
+    trace = hand_trace()
+    assert sim.serving is not None
+    assert sim.serving.kept is not None
+    for k, (p, wl) in enumerate(zip(passes, sim.serving.kept, strict=True)):
+        want = hand_union(trace, p, prompt)
+        for layer in range(2):
+            lo, hi = wl.off[layer], wl.off[layer + 1]
+            assert wl.acc_expert[lo:hi].tolist() == want[layer], (k, layer)
+        assert steps["unique_experts"].iloc[k] == len(want[0]) + len(want[1])
+    end = steps["end_s"].to_numpy()
+    for r, (f, last) in times.items():
+        assert res.requests["first_token_s"].iloc[r] == end[f]
+        assert res.requests["finish_s"].iloc[r] == end[last]
+    assert res.requests["scheduled_s"].tolist() == [0.0, *[steps["start_s"].iloc[next(
+        k for k, p in enumerate(passes) if any(x[0] == r for x in p))] for r in (1, 2)]]
+
+
+# -- the kernel's closed loop is the reference path's open loop -------------------------------
+def joined(parts: list[Workload]) -> Workload:
+    """The schedule's passes as one fixed workload, accesses and all (numbered on)."""
+    from dataclasses import replace
+
+    acc = np.cumsum([0] + [int(w.off[-1]) for w in parts])
+    cat = np.concatenate
+    return replace(
+        parts[0], pass_group=np.arange(len(parts)), pass_step=cat([w.pass_step for w in parts]),
+        pass_phase=cat([w.pass_phase for w in parts]), pass_tokens=cat([w.pass_tokens for w in parts]),
+        pass_context=cat([w.pass_context for w in parts]), pass_requests=cat([w.pass_requests for w in parts]),
+        pass_generated=cat([w.pass_generated for w in parts]),
+        off=cat([np.zeros(1, np.int64)] + [w.off[1:] + acc[i] for i, w in enumerate(parts)]),
+        acc_layer=cat([w.acc_layer for w in parts]), acc_expert=cat([w.acc_expert for w in parts]),
+        acc_rank=cat([w.acc_rank for w in parts]), acc_tokens=cat([w.acc_tokens for w in parts]),
+        acc_weight=cat([w.acc_weight for w in parts]), request_ids=np.arange(len(parts)),
+        request_group=np.arange(len(parts)), request_first_pass=np.arange(len(parts)),
+        weight_total=cat([w.weight_total for w in parts]), row_order=None, row_off=None, trace=None,
+        pass_release=cat([w.pass_release for w in parts]))
+
+
+@pytest.mark.parametrize(("eviction", "prefetch", "mode", "execution"), [
+    ("lru", "none", "layer", "none"), ("least-stale", "oracle", "per-expert", "none"),
+    ("lfu", "oracle", "on-arrival", "none"), ("least-stale", "none", "per-expert", "hf-loop")])
+def test_closed_loop_equals_simpy_open_loop(eviction: str, prefetch: str, mode: str, execution: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a load with queues and idle gaps, the passes the scheduler formed on the kernel,
+    replayed as one fixed workload with their release times on the SimPy reference path,
+    give every per-pass column bit for bit."""
+    monkeypatch.setattr(serving.Scheduler, "KEEP", True)
+    trace = {"synth": {"preset": "olmoe-1b-7b", "requests": 6, "prompt_tokens": 16, "tokens": 6, "layers": 4}}
+    data = served(trace, {"process": "gamma", "rate": 2.0, "cv": 3.0, "requests": 14},
+                  {"max_running": 4, "max_batched_tokens": 40, "policy": "chunked", "chunked_prefill_tokens": 12},
+                  expert_compute=mode, execution={"style": execution},
+                  policies={"eviction": eviction, "prefetch": prefetch})
+    sc = scenario_from_dict(data)
+    sim = Simulation(sc)
+    res = sim.run()
+    assert res.summary["replay_path"] == "kernel"
+    assert sim.serving is not None
+    assert sim.serving.kept is not None
+    release = np.array([float(w.pass_release[0]) for w in sim.serving.kept])
+    assert (release > 0).sum() >= 2
+    assert (res.requests["queue_s"] > 0).any()
+    plain = copy.deepcopy(data)
+    del plain["workload"]["arrivals"], plain["scheduler"]
+    ref = Simulation(scenario_from_dict(plain), workload=joined(sim.serving.kept), record_decisions=True).run()
+    assert ref.summary["replay_path"] == "simpy"
+    for col in ("start_s", "end_s", "stall_s", "hits", "misses", "late_prefetches", "collision_misses",
+                "bytes_h2d", "prefetches_issued", "prefetches_used", "prefetches_cancelled", "unique_experts"):
+        assert ref.steps[col].tolist() == res.steps[col].tolist(), col
+
+
+# -- arrivals ------------------------------------------------------------------------------------
+def bank() -> serving.Bank:
+    return serving.Bank(hand_trace(), "test")
+
+
+@pytest.mark.parametrize(("process", "cv"), [("poisson", 1.0), ("gamma", 0.5), ("gamma", 2.5)])
+def test_arrival_processes(process: str, cv: float) -> None:
+    """Gaps of mean 1/rate and the asked coefficient of variation (50,000 gaps: within 3%);
+    the seed decides them, the scenario's or the arrivals' own."""
+    cfg = ArrivalsConfig(process=process, rate=8.0, cv=cv, requests=50_000)  # type: ignore[arg-type]
+    plan = serving.plan_requests(cfg, bank(), 1, ".")
+    gaps = np.diff(np.r_[0.0, plan.arrival])
+    assert abs(gaps.mean() * 8 - 1) < 0.03
+    assert abs(gaps.std() / gaps.mean() / cv - 1) < 0.03
+    again = serving.plan_requests(cfg, bank(), 1, ".")
+    assert np.array_equal(again.arrival, plan.arrival)
+    other = serving.plan_requests(cfg, bank(), 2, ".")
+    assert not np.array_equal(other.arrival, plan.arrival)
+    own = ArrivalsConfig(process=process, rate=8.0, cv=cv, requests=50_000, seed=1)  # type: ignore[arg-type]
+    assert np.array_equal(serving.plan_requests(own, bank(), 7, ".").arrival, plan.arrival)
+
+
+def test_lengths_cut_and_extended() -> None:
+    """Recorded lengths by default (prompt 4, 1 + 4 decode steps); asked lengths cut or
+    repeat the recorded tokens in order, and the notes say so; requests cycle over the
+    recorded ones."""
+    b = bank()
+    plan = serving.plan_requests(ArrivalsConfig(process="poisson", rate=1.0, requests=7), b, 0, ".")
+    assert plan.prompt.tolist() == [4] * 7
+    assert plan.output.tolist() == [5] * 7
+    assert plan.source.tolist() == [0, 1, 2, 0, 1, 2, 0]
+    assert any("cycling" in n for n in plan.notes)
+    longer = serving.plan_requests(ArrivalsConfig(process="poisson", rate=1.0, requests=2, prompt_tokens=6,
+                                                  output_tokens=9), b, 0, ".")
+    assert any("longer prompt" in n for n in longer.notes)
+    assert any("more output" in n for n in longer.notes)
+    # token i of a request with a 6-token prompt: prompt tokens 0..3 then 0, 1; decode steps 1, 2, 3, 4, 1, ...
+    src = np.zeros(14, np.int64)
+    tok = b.tokens(src, np.full(14, 6), np.arange(14))
+    rows = b.rows(tok)
+    t = b.trace
+    firsts = rows[::2]  # two layers per token
+    assert t.position[firsts].tolist() == [0, 1, 2, 3, 0, 1, 4, 5, 6, 7, 4, 5, 6, 7]
+    assert (t.layer[rows].reshape(-1, 2) == [0, 1]).all()
+
+
+def test_arrival_file_columns_and_rate(tmp_path: Path) -> None:
+    """An Azure-style file (date-time TIMESTAMP, ContextTokens, GeneratedTokens): times from
+    the first row, the columns named in the notes; a rate rescales the times to that mean."""
+    path = tmp_path / "azure.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:15:46.6805900,4,2\n2023-11-16 18:15:47.1805900,3,5\n"
+                    "2023-11-16 18:15:48.6805900,6,1\n")
+    cfg = ArrivalsConfig(process="file", path=str(path))
+    plan = serving.plan_requests(cfg, bank(), 0, ".")
+    np.testing.assert_allclose(plan.arrival, [0.0, 0.5, 2.0])
+    assert plan.prompt.tolist() == [4, 3, 6]
+    assert plan.output.tolist() == [2, 5, 1]
+    assert "'TIMESTAMP'" in plan.notes[0]
+    assert "'ContextTokens'" in plan.notes[0]
+    fast = serving.plan_requests(ArrivalsConfig(process="file", path=str(path), rate=4.0), bank(), 0, ".")
+    np.testing.assert_allclose(fast.arrival, [0.0, 0.125, 0.5])
+    ms = write_csv(tmp_path / "ms.csv", [(1000, 2, 2), (1500, 2, 2)], header="timestamp_ms,input_len,output_len")
+    assert serving.plan_requests(ArrivalsConfig(process="file", path=str(ms)), bank(), 0, ".").arrival.tolist() == [0, 0.5]
+
+
+# -- the figures -------------------------------------------------------------------------------
+def test_summary_figures_from_the_table() -> None:
+    """The summary's percentiles, throughput and SLO figures recomputed from the per-request
+    table with pandas (its own quantile), and the attainment counted by hand."""
+    data = served(TINY, {"process": "poisson", "rate": 200.0, "requests": 30},
+                  {"max_running": 4, "max_batched_tokens": 64}, slo={"ttft_s": 0.02, "tpot_s": 0.004})
+    res = simulate(scenario_from_dict(data))
+    req, s = res.requests, res.summary
+    for col in ("ttft", "tpot"):
+        assert s[f"{col}_p50_s"] == pytest.approx(req[f"{col}_s"].quantile(0.5), rel=1e-12)
+        assert s[f"{col}_p99_s"] == pytest.approx(req[f"{col}_s"].quantile(0.99), rel=1e-12)
+        assert s[f"{col}_mean_s"] == pytest.approx(req[f"{col}_s"].mean(), rel=1e-12)
+    assert s["e2e_p99_s"] == pytest.approx(req["e2e_s"].quantile(0.99), rel=1e-12)
+    span = req["finish_s"].max() - req["arrival_s"].min()
+    assert s["throughput_tokens_s"] == pytest.approx(req["output_tokens"].sum() / span)
+    assert s["requests_per_s"] == pytest.approx(30 / span)
+    ok = sum(1 for t, p in zip(req["ttft_s"], req["tpot_s"], strict=True) if t <= 0.02 and p <= 0.004)
+    assert 0 < ok < 30  # the SLO splits the requests
+    assert s["slo_attainment"] == ok / 30
+    assert s["goodput_requests_s"] == pytest.approx(ok / span)
+    assert (req["e2e_s"] >= req["ttft_s"]).all()
+    assert (req["ttft_s"] >= req["queue_s"]).all()
+    assert s["max_running_seen"] <= 4
+    # same scenario, same results; another seed, other arrivals
+    again = simulate(scenario_from_dict(data))
+    pd.testing.assert_frame_equal(again.requests, req)
+    pd.testing.assert_frame_equal(again.steps, res.steps)
+    other = simulate(scenario_from_dict({**data, "seed": 1}))
+    assert not np.array_equal(other.requests["arrival_s"], req["arrival_s"])
+
+
+def test_kv_memory_limits_admission(tmp_path: Path) -> None:
+    """With room for the KV cache of two requests only, the third waits for one to finish
+    although max_running allows three."""
+    from moesim.traces.schema import ModelInfo
+
+    b = bank()
+    m: ModelInfo = b.trace.model
+    per_token = 2 * m.num_layers * m.kv_heads * m.head_size * 2
+    path = write_csv(tmp_path / "three.csv", [(0, 4, 3), (0, 4, 3), (0, 4, 3)])
+    data = served(TINY, {"process": "file", "path": str(path)},
+                  {"max_running": 3, "max_batched_tokens": 64, "kv_memory": f"{per_token * 15}B"})
+    res = simulate(scenario_from_dict(data))
+    assert res.summary["kv_capacity_tokens"] == 15
+    assert res.steps["requests"].tolist()[0] == 2  # 7 tokens each: two fit in 15
+    assert res.requests["scheduled_s"].iloc[2] == res.requests["finish_s"].iloc[0]
+    assert res.summary["max_running_seen"] == 2
+
+
+# -- bad input -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("change", "words"), [
+    ({"scheduler": {"max_running": 2}, "drop_arrivals": True}, "scheduler' is for serving"),
+    ({"workload.batch_size": 4}, "workload.batch_size"),
+    ({"policies": {"prefetch": "previous-token"}}, "previous-token"),
+    ({"policies": {"eviction": "belady"}}, "belady"),
+    ({"scheduler": {"max_running": 8, "max_batched_tokens": 4, "policy": "chunked"}}, "at least max_running"),
+    ({"scheduler": {"max_batched_tokens": 3}}, "more than scheduler.max_batched_tokens"),
+    ({"scheduler": {"kv_memory": "1KB"}}, "less than one token"),
+    ({"cache": {"capacity": "inf"}}, "cache.capacity is infinite"),
+    ({"timing": False}, "timing: true"),
+    ({"arrivals": {"process": "poisson", "rate": 2.0}}, "needs 'requests'"),
+    ({"arrivals": {"process": "poisson", "requests": 2, "rate": -1.0}}, "positive"),
+    ({"arrivals": {"process": "poisson", "requests": 2, "rate": 1.0, "cv": 2.0}}, "cv is for process 'gamma'"),
+])
+def test_bad_serving_input(change: dict[str, Any], words: str) -> None:
+    """Impossible scheduler limits and mismatched keys: one error naming the key and the fix."""
+    data = served(TINY, {"process": "poisson", "rate": 5.0, "requests": 3})
+    change = dict(change)
+    if change.pop("drop_arrivals", False):
+        del data["workload"]["arrivals"]
+    if "workload.batch_size" in change:
+        data["workload"]["batch_size"] = change.pop("workload.batch_size")
+    if "arrivals" in change:
+        data["workload"]["arrivals"] = change.pop("arrivals")
+    data.update(change)
+    with pytest.raises(MoesimError) as err:
+        simulate(scenario_from_dict(data, where="s.yaml"))
+    assert words in str(err.value)
+    assert "\n" not in str(err.value).strip()
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("when,input_tokens,output_tokens\n0,2,2\n", "no column for the arrival time"),
+    ("arrival_time,input_tokens,output_tokens\n0,2,2\n1,-2,2\n", "line 3 (data row 2) has input_tokens = -2"),
+    ("arrival_time,input_tokens,output_tokens\n0,2,2\n1,2,0\n", "output_tokens = 0"),
+    ("arrival_time,input_tokens,output_tokens\n2,2,2\n1,2,2\n", "arrival order"),
+    ("arrival_time,input_tokens,output_tokens\n", "has no rows"),
+])
+def test_bad_arrival_file_cli(text: str, words: str, tmp_path: Path) -> None:
+    """A broken arrival file: one paragraph naming the file, the column or row and the fix,
+    no traceback, nothing written."""
+    path = tmp_path / "a.csv"
+    path.write_text(text)
+    sc = tmp_path / "s.yaml"
+    sc.write_text(json.dumps(served(TINY, {"process": "file", "path": "a.csv"})))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["run", str(sc), "--out", str(out), "-q"])
+    assert r.exit_code == 2, r.output
+    assert words in r.output
+    assert str(path) in r.output.replace("\n", "")
+    assert "Traceback" not in r.output
+    assert not out.exists()
+
+
+def test_cli_run_writes_the_request_table(tmp_path: Path) -> None:
+    """``moesim run`` on a serving scenario: requests.parquet (one row per request) beside
+    steps.parquet, the serving figures in summary.json and the table."""
+    sc = tmp_path / "s.yaml"
+    sc.write_text(json.dumps(served(TINY, {"process": "poisson", "rate": 50.0, "requests": 9},
+                                    {"max_running": 4}, slo={"ttft_s": 0.05})))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["run", str(sc), "--out", str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    req = pd.read_parquet(out / "requests.parquet")
+    assert len(req) == 9
+    assert {"ttft_s", "tpot_s", "queue_s", "e2e_s"} <= set(req.columns)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["served_requests"] == 9
+    assert 0 <= summary["slo_attainment"] <= 1
+    assert "ttft_p99_s" in r.output
+    assert "requests_per_s" in r.output
+    resolved = (out / "scenario.resolved.yaml").read_text()
+    assert "arrivals:" in resolved
+    assert "scheduler:" in resolved
+
+
+def test_no_arrivals_resolves_as_before() -> None:
+    """Without arrivals the resolved scenario has no serving keys (fingerprints unchanged)."""
+    d = scenario_from_dict({"workload": {"trace": TINY}}).to_dict()
+    assert "arrivals" not in d["workload"]
+    assert "scheduler" not in d
+    assert "slo" not in d
+    with pytest.raises(ConfigError, match="slo"):
+        scenario_from_dict({"workload": {"trace": TINY}, "slo": {"ttft_s": 1.0}})
