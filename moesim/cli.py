@@ -372,6 +372,9 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--miss", default=None, metavar="A,B,...", help="Miss policies (default: the scenario's).")
 @click.option("--budget", default=None, metavar="A,B,...", help="Budget policies (default: the scenario's).")
 @click.option("--capacity", default=None, metavar="C1,C2,...", help="Cache capacities, e.g. 5%,25% (default: the scenario's).")
+@click.option("--rate", default=None, metavar="R1,R2,...",
+              help="Serving under load: request rates (requests/s) to compare at (default: the scenario's "
+                   "workload.arrivals.rate). With an slo, each policy's highest rate within it is found by bisection.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a scenario key.")
 @click.option("--out", "out_dir", type=OUT_DIR, default=None,
               help="Folder (default: runs/compare-<scenario name>); rerunning resumes.")
@@ -381,12 +384,16 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
               help="Replay this trace file instead of the scenario's (same as --set workload.trace={path: FILE}).")
 def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss: str | None, budget: str | None,
-                capacity: str | None, overrides: tuple[str, ...], out_dir: str | None, executor: str,
-                workers: int | None, ray_address: str | None, trace_file: str | None) -> None:
+                capacity: str | None, rate: str | None, overrides: tuple[str, ...], out_dir: str | None,
+                executor: str, workers: int | None, ray_address: str | None, trace_file: str | None) -> None:
     """Rank policy combinations on SCENARIO: each candidate beside on-demand LRU (the baseline),
     Belady with oracle prefetch (the bound) and an infinite cache, by TPOT (TTFT without decode
     passes), with speedup over the baseline and the share of the baseline-to-bound gap closed.
-    Writes OUT/compare.parquet, OUT/compare.md and OUT/compare.png."""
+    Writes OUT/compare.parquet, OUT/compare.md and OUT/compare.png.
+
+    A SCENARIO with workload.arrivals (serving under load) is compared at each --rate: p50/p99
+    TTFT and TPOT, SLO attainment and goodput per policy; with an slo, each policy's highest
+    rate meeting it (OUT/capacity.parquet); OUT/compare.png plots p99 latency against load."""
     from moesim.config.scenario import resolve_path
     from moesim.studies.compare import compare, terminal
 
@@ -397,14 +404,21 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
     target = Path(out_dir) if out_dir else Path("runs") / f"compare-{resolve_path(scenario).stem}"
     OUT_DIR.convert(str(target), None, None)  # the default folder, checked as --out is
     _compile_note()
+    rates = None
+    if rate:
+        try:
+            rates = [float(r) for r in _csv(rate) or []]
+        except ValueError:
+            raise MoesimError(f"--rate {rate}: give request rates as numbers, e.g. --rate 1,2,4.") from None
     args = (scenario, target, _csv(eviction), _csv(prefetch), _csv(miss), _csv(budget), _csv(capacity), overrides,
             n_workers, executor, ray_address)
     with _interrupted_note(target, "compare"):
         table, _ = _with_progress("compare", lambda progress: compare(
-            *args, progress=(lambda done, _failed, total: progress(done, total)) if progress else None))
-    click.echo(terminal(table, table.attrs["metric"], table.attrs["title"]))
+            *args, progress=(lambda done, _failed, total: progress(done, total)) if progress else None, rates=rates))
+    click.echo(table.attrs.get("text") or terminal(table, table.attrs["metric"], table.attrs["title"]))
     click.echo(_reuse_note(table.attrs.get("reused", 0), table.attrs.get("points", 0)), err=True)
-    click.echo(f"wrote {target}/compare.parquet, compare.md (every column) and compare.png")
+    cap = ", capacity.parquet (each policy's highest rate within the SLO)" if "capacity" in table.attrs else ""
+    click.echo(f"wrote {target}/compare.parquet, compare.md (every column){cap} and compare.png")
 
 
 @cli.command("mrc")

@@ -477,3 +477,73 @@ def test_no_arrivals_resolves_as_before() -> None:
     assert "slo" not in d
     with pytest.raises(ConfigError, match="slo"):
         scenario_from_dict({"workload": {"trace": TINY}, "slo": {"ttft_s": 1.0}})
+
+
+# -- compare under load ----------------------------------------------------------------------------
+def test_compare_under_load_finds_each_policys_capacity(tmp_path: Path) -> None:
+    """``moesim compare --rate`` on a serving scenario with an SLO: the per-rate rows are the
+    runs' own figures (a point rerun in-process gives the same p99s), and each policy's
+    capacity is bracketed by a measured rate meeting the SLO and one within 5% above it that
+    does not (rerun in-process here at both ends); the baseline is on-demand LRU; the figure
+    and both tables are written."""
+    data = served({"synth": {"preset": "olmoe-1b-7b", "requests": 4, "prompt_tokens": 64, "tokens": 12,
+                             "layers": 4}},
+                  {"process": "poisson", "rate": 4.0, "requests": 24}, {"max_running": 4},
+                  slo={"ttft_s": 0.25, "tpot_s": 0.05, "attainment": 0.75}, cache={"capacity": "40%"})
+    sc = tmp_path / "s.yaml"
+    sc.write_text(json.dumps(data))
+    out = tmp_path / "cmp"
+    r = CliRunner().invoke(cli, ["compare", str(sc), "--eviction", "lru,lfu", "--rate", "2,8", "--out", str(out),
+                                 "--workers", "2"])
+    assert r.exit_code == 0, r.output
+    assert "requests/s within the SLO" in r.output
+    table = pd.read_parquet(out / "compare.parquet")
+    cap = pd.read_parquet(out / "capacity.parquet")
+    assert sorted(table["rate"].unique().tolist()) == [2.0, 8.0]
+    assert set(cap["label"]) == {"lru", "lfu", "on-demand LRU (baseline)"}
+    row = table[(table["label"] == "lfu") & (table["rate"] == 8.0)].iloc[0]
+    point = copy.deepcopy(data)
+    point["workload"]["arrivals"]["rate"] = 8.0
+    point["policies"] = {"eviction": "lfu"}
+    direct = simulate(scenario_from_dict(point)).summary
+    assert row["ttft_p99_s"] == direct["ttft_p99_s"]
+    assert row["slo_attainment"] == direct["slo_attainment"]
+    for c in cap.to_dict("records"):
+        ev = "lfu" if c["label"] == "lfu" else "lru"
+        for rate, meets in ((c["max_rate"], True), (c["fails_at"], False)):
+            if rate is None or pd.isna(rate):
+                continue
+            point["workload"]["arrivals"]["rate"] = float(rate)
+            point["policies"] = {"eviction": ev}
+            got = simulate(scenario_from_dict(point)).summary["slo_attainment"]
+            assert (got >= 0.75) == meets, (c["label"], rate, got)
+        if pd.notna(c["max_rate"]) and pd.notna(c["fails_at"]):
+            assert c["max_rate"] < c["fails_at"] <= c["max_rate"] * 1.05 + 1e-3
+    md = (out / "compare.md").read_text()
+    assert "Highest request rate meeting the SLO" in md
+    assert "Latency at each rate" in md
+    assert (out / "compare.png").stat().st_size > 10_000
+
+
+def test_compare_rate_needs_arrivals(tmp_path: Path) -> None:
+    """--rate on a fixed-batch scenario, or --miss other than fetch under load: one paragraph."""
+    r = CliRunner().invoke(cli, ["compare", "quickstart", "--rate", "1,2", "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2
+    assert "workload.arrivals" in r.output
+    assert "Traceback" not in r.output
+    sc = tmp_path / "s.yaml"
+    sc.write_text(json.dumps(served(TINY, {"process": "poisson", "rate": 4.0, "requests": 5})))
+    r = CliRunner().invoke(cli, ["compare", str(sc), "--miss", "drop", "--out", str(tmp_path / "y")])
+    assert r.exit_code == 2
+    assert "miss policy 'fetch'" in r.output
+
+
+def test_arrival_file_in_the_fingerprint(tmp_path: Path) -> None:
+    """A sweep point reruns when its arrival file changes (the file's content is an input)."""
+    from moesim.studies import fingerprint
+
+    path = write_csv(tmp_path / "a.csv", [(0, 4, 2), (1, 4, 2)])
+    sc = scenario_from_dict(served(TINY, {"process": "file", "path": "a.csv"}), base_dir=str(tmp_path))
+    before = fingerprint.scenario_fingerprint(sc)
+    write_csv(path, [(0, 4, 2), (2, 4, 2)])
+    assert fingerprint.scenario_fingerprint(sc) != before

@@ -275,12 +275,22 @@ def compare(scenario_path: str, out_dir: str | Path, eviction: Sequence[str] | N
             budget: Sequence[str] | None = None, capacity: Sequence[str] | None = None,
             overrides: tuple[str, ...] = (), workers: int = 1, executor: str = "local",
             ray_address: str | None = None,
-            progress: Callable[[int, int, int], None] | None = None) -> tuple[pd.DataFrame, str]:
+            progress: Callable[[int, int, int], None] | None = None,
+            rates: Sequence[float] | None = None) -> tuple[pd.DataFrame, str]:
     """Run the comparison; write ``compare.parquet``, ``compare.md`` and ``compare.png`` in
     ``out_dir`` (each atomically; the runs in ``out_dir/points``, resumable). Returns the
-    table and the ranking metric."""
+    table and the ranking metric. A scenario with ``workload.arrivals`` is compared under
+    load, at ``rates`` (:mod:`studies.load`)."""
     from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
+    p, raw, _ = base_data(scenario_path, overrides)
+    if (raw.get("workload") or {}).get("arrivals") is not None:  # serving under load: studies.load
+        return _compare_load(scenario_path, p, raw, Path(out_dir), eviction, prefetch, miss, budget, capacity,
+                             rates, workers, executor, ray_address, progress)
+    if rates:
+        raise MoesimError(f"{p}: --rate compares policies at request rates, which needs requests arriving over time: "
+                          "add workload.arrivals to the scenario (e.g. --set workload.arrivals.process=poisson "
+                          "--set workload.arrivals.requests=500), or leave out --rate.")
     data, points, rows = plan_compare(scenario_path, eviction, prefetch, miss, budget, capacity, overrides)
     out = Path(out_dir)
     with folder_lock(out):
@@ -309,5 +319,38 @@ def describe(scenario_path: str, data: dict[str, Any]) -> str:
     mode = f"per-expert ({sc.expert_fetch} fetch)" if sc.expert_compute == "per-expert" else str(sc.expert_compute)
     host = f" with the {sc.execution.style} host" if sc.execution.style != "none" else ""
     preset = (data.get("hardware") or {}).get("preset", "custom hardware")
-    return (f"moesim compare {scenario_path}: {trace}; {preset}, {link}; batch {sc.workload.batch_size}, "
+    arr = sc.workload.arrivals
+    if arr is not None:  # serving: the arrivals and the scheduler are what is held fixed
+        from moesim.config.scenario import SchedulerConfig
+
+        sch = sc.scheduler or SchedulerConfig()
+        what = (f"{arr.process} arrivals" + (f" (cv {arr.cv:g})" if arr.process == "gamma" else "")
+                + (f", {arr.requests} requests" if arr.requests else "")
+                + (f", {arr.prompt_tokens}+{arr.output_tokens} tokens" if arr.prompt_tokens is not None
+                   and arr.output_tokens is not None else ""))
+        batch = (f"{what}; {sch.policy}, max {sch.max_running} running, {sch.max_batched_tokens} tokens a pass, "
+                 f"KV {sch.kv_memory}")
+    else:
+        batch = f"batch {sc.workload.batch_size}"
+    return (f"moesim compare {scenario_path}: {trace}; {preset}, {link}; {batch}, "
             f"{mode} execution{host}, seed {sc.seed}")
+
+
+def _compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, eviction: Sequence[str] | None,
+                  prefetch: Sequence[str] | None, miss: Sequence[str] | None, budget: Sequence[str] | None,
+                  capacity: Sequence[str] | None, rates: Sequence[float] | None, workers: int, executor: str,
+                  ray_address: str | None, progress: Callable[[int, int, int], None] | None) -> tuple[pd.DataFrame, str]:
+    """``compare`` for a scenario with arrivals (:func:`studies.load.compare_load`)."""
+    from moesim.studies.load import compare_load
+
+    for opt, given in (("--miss", miss), ("--budget", budget)):
+        if given and any(v != ("fetch" if opt == "--miss" else "none") for v in given):
+            raise MoesimError(f"{p}: {opt} {','.join(given)}: serving under load runs miss policy 'fetch' and budget "
+                              f"'none' only (one forward pass at a time on the compiled kernel); leave out {opt}.")
+    caps = list(capacity) if capacity else [str((data.get("cache") or {}).get("capacity", "5%"))]
+    traces: dict[str, Any] = {}
+    has_pred_next = _check_trace(data, str(p.parent), caps, str(p), traces)
+    title = describe(scenario_path, {**data, "__base_dir__": str(p.parent)})
+    with folder_lock(out):
+        return compare_load(scenario_path, p, data, out, eviction, prefetch, capacity, rates, has_pred_next, traces,
+                            workers, executor, ray_address, progress, title)

@@ -74,8 +74,9 @@ def code_digest() -> str:
 
 
 def input_files(scenario: Scenario) -> list[Path]:
-    """The files a scenario reads besides its own YAML: its trace (or the log it imports)
-    and a fitted synthetic profile; missing ones raise the loader's error naming the key."""
+    """The files a scenario reads besides its own YAML: its trace (or the log it imports),
+    a fitted synthetic profile and a serving trace's arrival file; a missing trace raises the
+    loader's error naming the key (a missing arrival file, the run's own)."""
     from moesim.simulator.build import _trace_file
 
     src = scenario.workload.trace
@@ -90,6 +91,11 @@ def input_files(scenario: Scenario) -> list[Path]:
             fp = Path(scenario.base_dir) / fp
         if fp.is_file():  # else a shipped profile's name, part of the code
             out.append(fp)
+    arr = scenario.workload.arrivals
+    if arr is not None and arr.path is not None:  # a serving trace's arrivals (read when it runs)
+        ap = Path(arr.path) if Path(arr.path).is_absolute() else Path(scenario.base_dir) / arr.path
+        if ap.is_file():
+            out.append(ap)
     return out
 
 

@@ -1,0 +1,374 @@
+"""``moesim compare`` under load: which policy, at what request rate (``docs/serving.md``).
+
+For a scenario with ``workload.arrivals`` the comparison runs every candidate policy (eviction x
+prefetch, as ``compare`` picks them, less the prefetchers serving cannot run) and on-demand LRU
+(the baseline) at each cache capacity and each request rate asked for (``--rate``; default the
+scenario's), all as sweep points (parallel, resumable, Ray). The fixed-batch references do
+not apply: Belady's MIN needs the future of a schedule that depends on the replay's own
+timing, and an infinite cache leaves no HBM for the KV cache.
+
+The table gives per (capacity, rate) the p50/p99 TTFT and TPOT, SLO attainment and goodput,
+candidates ranked by SLO attainment (with an ``slo``) then p99 TTFT. With an ``slo`` each
+policy's *capacity* — the highest rate at which at least ``slo.attainment`` of the requests
+meet it (DistServe's definition) — is found by bisection on the rate: bracketed from the rates
+run (halving or doubling, at most :data:`MAX_STEPS` times), then the geometric middle of the
+bracket until it is within :data:`TOLERANCE` (every probe a sweep point; a rate scales the same
+arrival draws, so the probes share their randomness). The plot is latency against load: p99
+TTFT and p99 TPOT against the offered rate, a line per policy, the SLO drawn.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from moesim.errors import MoesimError
+from moesim.studies.sweep import Point, collect, make_points, run_points
+
+SERVED_EVICTION = ("lru", "lfu", "fld", "least-stale")
+SERVED_PREFETCH = ("none",)
+PREDICTOR_PREFETCH = ("next-gate-topk", "score-percentile")  # need the trace's pred_next
+BASELINE = {"policies.eviction": "lru", "policies.prefetch": "none", "policies.miss": "fetch",
+            "policies.budget": "none"}
+RATE = "workload.arrivals.rate"
+TOLERANCE = 0.05  # bisection stops when the bracket's ends are within 5% of each other
+MAX_STEPS = 8  # halvings or doublings to bracket a policy's capacity from the rates run
+SHOWN = ("role", "label", "capacity", "rate", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
+         "slo_attainment", "goodput_requests_s", "requests_per_s", "hit_rate")
+
+
+def _round(rate: float) -> float:
+    """A probe rate to 4 significant figures (stable point ids on a rerun)."""
+    return float(f"{rate:.4g}")
+
+
+def file_rate(data: dict[str, Any], base_dir: str, where: str) -> float:
+    """The mean arrival rate of the scenario's arrival file (its own timestamps)."""
+    from moesim.simulator.serving import read_arrival_file
+
+    arr = data["workload"]["arrivals"]
+    p = Path(str(arr["path"]))
+    p = p if p.is_absolute() else Path(base_dir) / p
+    t, _, _, _ = read_arrival_file(p, arr.get("requests"))
+    if len(t) < 2 or t[-1] <= 0:
+        raise MoesimError(f"{where}: the arrival file {p} spans no time, so it has no rate to compare at; give "
+                          "--rate R1,R2,... (its timestamps are rescaled to each).")
+    return (len(t) - 1) / float(t[-1])
+
+
+def plan_load(p: Path, data: dict[str, Any], eviction: Sequence[str] | None, prefetch: Sequence[str] | None,
+              capacity: Sequence[str] | None, rates: Sequence[float] | None, has_pred_next: bool,
+              traces: dict[str, Any]) -> tuple[list[Point], list[dict[str, Any]], list[float]]:
+    """The points (candidates and the baseline at every capacity and rate) and the row plan."""
+    arr = data["workload"]["arrivals"]
+    cache = data.get("cache") or {}
+    caps = list(capacity) if capacity else [str(cache.get("capacity", "5%"))]
+    if rates:
+        rate_list = [float(r) for r in rates]
+    elif arr.get("rate") is not None:
+        rate_list = [float(arr["rate"])]
+    else:
+        rate_list = [_round(file_rate(data, str(p.parent), str(p)))]
+    if any(not (r > 0 and math.isfinite(r)) for r in rate_list):
+        raise MoesimError(f"--rate: every rate must be a positive number of requests per second, got {rate_list}.")
+    evs = list(eviction) if eviction else list(SERVED_EVICTION)
+    pfs = list(prefetch) if prefetch else list(SERVED_PREFETCH) + (list(PREDICTOR_PREFETCH) if has_pred_next else [])
+    combos: dict[str, dict[str, Any]] = {}
+    rows: list[dict[str, Any]] = []
+
+    def add(role: str, label: str, cap: str, rate: float, values: dict[str, Any]) -> None:
+        key = repr(sorted(values.items(), key=lambda kv: kv[0]))
+        combos.setdefault(key, values)
+        rows.append({"role": role, "label": label, "capacity": cap, "rate": rate, "key": key})
+
+    for cap, rate in itertools.product(caps, rate_list):
+        for ev, pf in itertools.product(evs, pfs):
+            label = ev if pf == "none" else f"{ev} + {pf}"
+            add("candidate", label, cap, rate, {"cache.capacity": cap, "policies.eviction": ev,
+                                                "policies.prefetch": pf, RATE: rate})
+        add("baseline", "on-demand LRU (baseline)", cap, rate, {"cache.capacity": cap, **BASELINE, RATE: rate})
+    points = make_points(p, data, list(combos.values()), traces)
+    pid_of = {key: pt.pid for key, pt in zip(combos, points, strict=True)}
+    for r in rows:
+        r["point"] = pid_of[r.pop("key")]
+    return points, rows, rate_list
+
+
+def _meets(row: pd.Series, target: float) -> bool:
+    return bool(row["slo_attainment"] >= target)
+
+
+def bisect_capacity(p: Path, data: dict[str, Any], table: pd.DataFrame, target: float, out: Path,
+                    run: Callable[[list[Point]], pd.DataFrame], traces: dict[str, Any]) -> pd.DataFrame:
+    """Per (policy, capacity), the highest rate measured to meet the SLO (``max_rate``) and the
+    lowest measured not to (``fails_at``), by bracketing and bisection on the rate (module
+    docstring); ``probes`` counts the rates run. ``run`` runs points and returns their rows."""
+    keys = table[["role", "label", "capacity"]].drop_duplicates().to_dict("records")
+    values_of: dict[tuple[str, str], dict[str, Any]] = {}
+    for _, r in table.iterrows():
+        values_of[(r["label"], r["capacity"])] = {k: v for k, v in r["values"].items() if k != RATE}
+    state: dict[tuple[str, str], dict[str, Any]] = {}
+    for k in keys:
+        here = table[(table["label"] == k["label"]) & (table["capacity"] == k["capacity"])]
+        ok = [float(r["rate"]) for _, r in here.iterrows() if _meets(r, target)]
+        bad = [float(r["rate"]) for _, r in here.iterrows() if not _meets(r, target)]
+        lo = max(ok) if ok else None
+        hi = min((b for b in bad if lo is None or b > lo), default=None)
+        state[(k["label"], k["capacity"])] = {"role": k["role"], "lo": lo, "hi": hi, "probes": len(here), "steps": 0,
+                                              "measured": {float(r["rate"]): r for _, r in here.iterrows()}}
+    while True:
+        probes: dict[tuple[str, str], float] = {}
+        for key, s in state.items():
+            lo, hi = s["lo"], s["hi"]
+            if lo is not None and hi is not None:
+                if hi / lo <= 1 + TOLERANCE:
+                    continue
+                rate = _round(math.sqrt(lo * hi))
+            elif s["steps"] >= MAX_STEPS:
+                continue
+            elif lo is None:
+                rate = _round(hi / 2)
+                s["steps"] += 1
+            else:
+                rate = _round(lo * 2)
+                s["steps"] += 1
+            if rate in s["measured"] or rate <= 0:
+                continue
+            probes[key] = rate
+        if not probes:
+            break
+        combos = [{**values_of[key], RATE: rate} for key, rate in probes.items()]
+        pts = make_points(p, {k: v for k, v in data.items() if not str(k).startswith("__")}, combos, traces)
+        rows = run(pts)
+        for (key, rate), pt in zip(probes.items(), pts, strict=True):
+            row = rows[rows["point"] == pt.pid].iloc[0]
+            s = state[key]
+            s["measured"][rate] = row
+            s["probes"] += 1
+            if _meets(row, target):
+                s["lo"] = rate if s["lo"] is None or rate > s["lo"] else s["lo"]
+            else:
+                s["hi"] = rate if s["hi"] is None or rate < s["hi"] else s["hi"]
+    out_rows = []
+    for (label, cap), s in state.items():
+        out_rows.append({"role": s["role"], "label": label, "capacity": cap, "max_rate": s["lo"],
+                         "fails_at": s["hi"], "probes": s["probes"],
+                         "curve": sorted((r, float(m["ttft_p99_s"]), float(m["tpot_p99_s"] if pd.notna(m["tpot_p99_s"]) else np.nan))
+                                         for r, m in s["measured"].items())})
+    return pd.DataFrame(out_rows)
+
+
+def rank_load(results: pd.DataFrame, rows: list[dict[str, Any]], slo: bool) -> pd.DataFrame:
+    """Per (capacity, rate), the candidates ranked (SLO attainment, then p99 TTFT), then the
+    baseline; ``speedup_ttft_p99`` is the baseline's p99 TTFT over the candidate's."""
+    from moesim.studies.compare import RunsFailed
+
+    table = pd.DataFrame(rows).merge(results, on="point", how="left", suffixes=("", "_point"))
+    failed = table[table["status"] != "ok"]
+    if len(failed):
+        first = failed.iloc[0]
+        raise RunsFailed(f"compare: {len(failed)} of {len(table)} runs failed; the first, '{first['label']}' at "
+                         f"capacity {first['capacity']}, rate {first['rate']:g}: {first.get('error', '?')}")
+    parts = []
+    for (_cap, _rate), here in table.groupby(["capacity", "rate"], sort=False):
+        here = here.copy()
+        base = float(here.loc[here["role"] == "baseline", "ttft_p99_s"].iloc[0])
+        here["speedup_ttft_p99"] = base / here["ttft_p99_s"]
+        cands = here[here["role"] == "candidate"]
+        order = ["slo_attainment", "ttft_p99_s", "label"] if slo else ["ttft_p99_s", "label"]
+        asc = [False, True, True] if slo else [True, True]
+        cands = cands.sort_values(order, ascending=asc, kind="stable")
+        cands.insert(0, "rank", np.arange(1, len(cands) + 1))
+        parts += [cands, here[here["role"] != "candidate"].assign(rank=pd.NA)]
+    out = pd.concat(parts, ignore_index=True)
+    for col in SHOWN:
+        if col not in out.columns:
+            out[col] = np.nan
+    first = ["rank", *SHOWN, "speedup_ttft_p99", "point"]
+    return out[first + [c for c in out.columns if c not in first]]
+
+
+def _num(v: Any, spec: str, scale: float = 1.0, unit: str = "") -> str:
+    return "" if v is None or pd.isna(v) else format(float(v) * scale, spec) + unit
+
+
+def markdown_load(table: pd.DataFrame, cap_table: pd.DataFrame | None, title: str, slo_text: str) -> str:
+    """The tables as GitHub Markdown: the capacity per policy (with an SLO), then per rate."""
+    lines = [f"# {title}", ""]
+    if cap_table is not None:
+        lines += [f"## Highest request rate meeting the SLO ({slo_text})", "",
+                  "| rank | policy | cache capacity | max rate (req/s) | fails at (req/s) | vs baseline | rates run |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in cap_table.to_dict("records"):
+            lines.append(f"| {'' if pd.isna(r['rank']) else int(r['rank'])} | {r['label']} | {r['capacity']} | "
+                         f"{_num(r['max_rate'], '.3g') or 'none run'} | {_num(r['fails_at'], '.3g') or 'none run'} | "
+                         f"{_num(r['vs_baseline'], '.2f', 1.0, 'x')} | {r['probes']} |")
+        lines.append("")
+    head = ["rank", "policy", "capacity", "rate (req/s)", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)",
+            "TPOT p99 (ms)", "SLO attainment", "goodput (req/s)", "served (req/s)", "hit rate"]
+    lines += ["## Latency at each rate", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in table.to_dict("records"):
+        lines.append("| " + " | ".join([
+            "" if pd.isna(r["rank"]) else str(int(r["rank"])), str(r["label"]), str(r["capacity"]),
+            _num(r["rate"], "g"), _num(r["ttft_p50_s"], ".1f", 1e3), _num(r["ttft_p99_s"], ".1f", 1e3),
+            _num(r["tpot_p50_s"], ".2f", 1e3), _num(r["tpot_p99_s"], ".2f", 1e3), _num(r["slo_attainment"], ".0%"),
+            _num(r["goodput_requests_s"], ".3g"), _num(r["requests_per_s"], ".3g"), _num(r["hit_rate"], ".3f")]) + " |")
+    lines += ["", "Ranked per capacity and rate by SLO attainment, then p99 TTFT. A rate meets the SLO when at least "
+              "the SLO's attainment share of requests meet its TTFT and TPOT limits; the highest such rate is found by "
+              "bisection on the rate (each probe a run)."]
+    return "\n".join(lines) + "\n"
+
+
+def terminal_load(table: pd.DataFrame, cap_table: pd.DataFrame | None, title: str, slo_text: str) -> str:
+    """The capacity per policy (with an SLO) or the per-rate table, at most 80 columns, then a
+    recommendation per cache capacity."""
+    lines = [*textwrap.wrap(title, 80, subsequent_indent="  "), ""]
+    if cap_table is not None:
+        lines.append(f"{'#':>2} {'policy':<34} {'cap':>5} {'max req/s':>10} {'fails at':>9} {'vs base':>8}")
+        lines.append("-" * 80)
+        for r in cap_table.to_dict("records"):
+            label = str(r["label"]) if len(str(r["label"])) <= 34 else str(r["label"])[:33] + "~"
+            lines.append(f"{'' if pd.isna(r['rank']) else int(r['rank']):>2} {label:<34} {r['capacity']:>5} "
+                         f"{_num(r['max_rate'], '.3g') or '-':>10} {_num(r['fails_at'], '.3g') or '-':>9} "
+                         f"{_num(r['vs_baseline'], '.2f', 1.0, 'x'):>8}".rstrip())
+        lines.append("")
+        for cap, here in cap_table.groupby("capacity", sort=False):
+            cands = here[here["role"] == "candidate"].sort_values("rank")
+            base = here[here["role"] == "baseline"].iloc[0]
+            if cands.empty:
+                continue
+            best = cands.iloc[0]
+            if pd.isna(best["max_rate"]):
+                lines += textwrap.wrap(f"At {cap}: no policy met the SLO ({slo_text}) at any rate run.", 80)
+                continue
+            vs = "" if pd.isna(best["vs_baseline"]) else f", {best['vs_baseline']:.2f}x on-demand LRU's " + \
+                f"{base['max_rate']:.3g}"
+            lines += textwrap.wrap(f"Best at {cap}: {best['label']} serves up to {best['max_rate']:.3g} requests/s "
+                                   f"within the SLO ({slo_text}){vs}.", 80, subsequent_indent="  ")
+    else:
+        lines.append(f"{'#':>2} {'policy':<30} {'cap':>5} {'req/s':>7} {'TTFT p99 ms':>12} {'TPOT p99 ms':>12}")
+        lines.append("-" * 80)
+        for r in table.to_dict("records"):
+            label = str(r["label"]) if len(str(r["label"])) <= 30 else str(r["label"])[:29] + "~"
+            lines.append(f"{'' if pd.isna(r['rank']) else int(r['rank']):>2} {label:<30} {r['capacity']:>5} "
+                         f"{r['rate']:>7.3g} {_num(r['ttft_p99_s'], '.1f', 1e3):>12} "
+                         f"{_num(r['tpot_p99_s'], '.2f', 1e3):>12}")
+        lines += ["", "Give the scenario an slo (ttft_s, tpot_s) to find each policy's highest rate within it."]
+    return "\n".join(lines) + "\n"
+
+
+def figure_load(table: pd.DataFrame, cap_table: pd.DataFrame | None, title: str, slo: Any) -> Any:
+    """Latency against load: p99 TTFT and p99 TPOT (ms) against the offered rate (requests/s),
+    a line per policy (the baseline red), one row of panels per cache capacity; the SLO's
+    limits dashed, each policy's capacity marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    caps = list(dict.fromkeys(table["capacity"]))
+    palette = [c for c in plt.get_cmap("tab10").colors if c != plt.get_cmap("tab10").colors[3]]  # red: baseline
+    fig, axes = plt.subplots(len(caps), 2, figsize=(11, 3.6 * len(caps) + 0.8), squeeze=False, layout="constrained")
+    for row, cap in zip(axes, caps, strict=True):
+        here = table[table["capacity"] == cap]
+        labels = list(dict.fromkeys(here.sort_values("role", key=lambda s: s != "baseline")["label"]))
+        for i, label in enumerate(labels):
+            if cap_table is not None:
+                c = cap_table[(cap_table["label"] == label) & (cap_table["capacity"] == cap)].iloc[0]
+                pts = sorted(c["curve"])
+            else:
+                sub = here[here["label"] == label].sort_values("rate")
+                pts = list(zip(sub["rate"], sub["ttft_p99_s"], sub["tpot_p99_s"], strict=True))
+            x = [p[0] for p in pts]
+            base = "baseline" in label
+            style = {"color": "tab:red", "linewidth": 2.5, "alpha": 0.6} if base else {
+                "color": palette[(i - 1) % len(palette)], "linewidth": 1.2}
+            line = row[0].plot(x, [p[1] * 1e3 for p in pts], marker="o", markersize=3, label=label, **style)[0]
+            row[1].plot(x, [p[2] * 1e3 for p in pts], marker="o", markersize=3, color=line.get_color(),
+                        linewidth=line.get_linewidth())
+            if cap_table is not None and pd.notna(c["max_rate"]):
+                for ax in row:
+                    ax.axvline(float(c["max_rate"]), color=line.get_color(), linestyle=":", linewidth=0.8)
+        for ax, what, limit in ((row[0], "p99 TTFT (ms)", getattr(slo, "ttft_s", None)),
+                                (row[1], "p99 TPOT (ms)", getattr(slo, "tpot_s", None))):
+            if limit is not None:
+                ax.axhline(limit * 1e3, color="black", linestyle="--", linewidth=1, label="SLO")
+            ax.set_xlabel("offered load (requests/s)")
+            ax.set_ylabel(what)
+            ax.set_yscale("log")
+            ax.set_title(f"{what.split(' (')[0]} against load, expert cache {cap}", fontsize=9)
+        row[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(textwrap.fill(title + ("; dotted: each policy's highest rate within the SLO"
+                                        if cap_table is not None else ""), 140), fontsize=9)
+    return fig
+
+
+def compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, eviction: Sequence[str] | None,
+                 prefetch: Sequence[str] | None, capacity: Sequence[str] | None, rates: Sequence[float] | None,
+                 has_pred_next: bool, traces: dict[str, Any], workers: int, executor: str,
+                 ray_address: str | None, progress: Callable[[int, int, int], None] | None,
+                 title: str) -> tuple[pd.DataFrame, str]:
+    """The comparison under load (module docstring): writes compare.parquet (per rate),
+    capacity.parquet (with an SLO), compare.md and compare.png in ``out``."""
+    from moesim.config.scenario import scenario_from_dict
+    from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
+
+    points, rows, _ = plan_load(p, data, eviction, prefetch, capacity, rates, has_pred_next, traces)
+    all_points = list(points)
+    reused = run_points(data, points, out, workers, executor, ray_address, progress)
+    results = collect(out, points)
+    sc = scenario_from_dict({k: v for k, v in data.items() if not str(k).startswith("__")}, where=str(p),
+                            base_dir=str(p.parent))
+    slo = sc.slo
+    table = rank_load(results, rows, slo is not None)
+    by_pid = {pt.pid: pt.values for pt in points}
+    table["values"] = table["point"].map(by_pid)
+    cap_table = None
+    slo_text = ""
+    if slo is not None:
+        parts = [f"TTFT <= {slo.ttft_s * 1e3:g} ms" if slo.ttft_s is not None else "",
+                 f"TPOT <= {slo.tpot_s * 1e3:g} ms" if slo.tpot_s is not None else ""]
+        slo_text = f"{' and '.join(x for x in parts if x)} for {slo.attainment:.0%} of requests"
+
+        def run(pts: list[Point]) -> pd.DataFrame:
+            all_points.extend(pts)
+            run_points(data, pts, out, workers, executor, ray_address, progress)
+            got = collect(out, all_points)
+            bad = got[(got["point"].isin([q.pid for q in pts])) & (got["status"] != "ok")]
+            if len(bad):
+                from moesim.studies.compare import RunsFailed
+
+                raise RunsFailed(f"compare: a bisection run failed: {bad.iloc[0].get('error', '?')}")
+            return got
+
+        cap_table = bisect_capacity(p, data, table, slo.attainment, out, run, traces)
+        parts_ = []
+        for _cap, here in cap_table.groupby("capacity", sort=False):
+            here = here.copy()
+            base = here.loc[here["role"] == "baseline", "max_rate"].iloc[0]
+            here["vs_baseline"] = here["max_rate"] / base if base is not None and pd.notna(base) and base > 0 else np.nan
+            cands = here[here["role"] == "candidate"].sort_values(["max_rate", "label"], ascending=[False, True],
+                                                                   na_position="last", kind="stable")
+            cands.insert(0, "rank", np.arange(1, len(cands) + 1))
+            parts_ += [cands, here[here["role"] != "candidate"].assign(rank=pd.NA)]
+        cap_table = pd.concat(parts_, ignore_index=True)
+        keep = cap_table.drop(columns=["curve"])
+        write_atomic(out / "capacity.parquet", lambda tmp: keep.to_parquet(tmp, index=False))
+    elif (out / "capacity.parquet").exists():  # an earlier run's, with an SLO this one lacks
+        (out / "capacity.parquet").unlink()
+    plain = table.drop(columns=["values"])
+    write_atomic(out / "compare.parquet", lambda tmp: plain.to_parquet(tmp, index=False))
+    write_text_atomic(out / "compare.md", markdown_load(plain, cap_table, title, slo_text))
+    save_figure_atomic(figure_load(plain, cap_table, title, slo), out / "compare.png")
+    plain.attrs.update(reused=reused, points=len(all_points), metric="ttft_p99_s", title=title,
+                       text=terminal_load(plain, cap_table, title, slo_text))
+    if cap_table is not None:
+        plain.attrs["capacity"] = cap_table.drop(columns=["curve"])
+    return plain, "ttft_p99_s"
