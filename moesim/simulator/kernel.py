@@ -60,6 +60,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Generator
 from typing import Any
 
 import numpy as np
@@ -67,7 +68,6 @@ import numpy as np
 from moesim.jit import HAVE_NUMBA
 from moesim.jit import inline as _inline
 from moesim.jit import jit as _jit
-from moesim.simulator.stream import next_piece
 from moesim.simulator.workload import join, passes_of
 
 # eviction policies with a kernel form
@@ -1824,6 +1824,16 @@ def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, ev: int, pf: int, miss:
     IS[C_K] = model.top_k
     IS[C_NE] = model.num_experts
     IS[C_PROBS] = miss != MISS_FETCH and sim.wl.probs is not None
+
+
+def next_piece(pieces: Generator[Any, float, None], now: float) -> Any:
+    """The next piece, or None after the last. ``now`` (the simulated time the previous piece
+    ended) goes to the source: a trace file's pieces ignore it; serving's scheduler
+    (:mod:`simulator.serving`) forms the next forward pass from it."""
+    try:
+        return pieces.send(now)
+    except StopIteration:
+        return None
 
 
 def replay(sim: Any) -> None:

@@ -128,16 +128,6 @@ def pieces(scenario: Scenario, path: Path, chunk_rows: int = CHUNK_ROWS) -> Iter
         yield build_workload(piece, w.batch_size)  # no request limit (the reader's), no speculation
 
 
-def next_piece(pieces: Generator[Workload, float, None], now: float) -> Workload | None:
-    """The next piece, or None after the last. ``now`` (the simulated time the previous piece
-    ended) goes to the source: a trace file's pieces ignore it; serving's scheduler
-    (:mod:`simulator.serving`) forms the next forward pass from it."""
-    try:
-        return pieces.send(now)
-    except StopIteration:
-        return None
-
-
 def read_ahead(pieces: Iterator[Workload]) -> Generator[Workload, float, None]:
     """``pieces``, each read and built on a second thread while the caller replays the one
     before (the compiled loops release the GIL, and so does the Parquet reader): two pieces

@@ -32,6 +32,7 @@ import pandas as pd
 from moesim.errors import MoesimError
 from moesim.studies.sweep import (
     Point,
+    RunsFailed,
     base_data,
     collect,
     folder_lock,
@@ -53,12 +54,6 @@ INFINITE = {"cache.capacity": "100%", "policies.eviction": "lru", "policies.miss
 KEYS = ("policies.eviction", "policies.prefetch", "policies.miss", "policies.budget")
 SHOWN = ("role", "label", "capacity", "metric_ms", "tpot_s", "ttft_s", "tokens_per_s", "hit_rate",
          "collision_misses", "bytes_moved", "speedup", "gap_closed")
-
-
-class RunsFailed(MoesimError):
-    """Some of the comparison's runs failed (exit 1: not a bad input; see their error.json)."""
-
-    exit_code = 1
 
 
 def _names(value: Any) -> str:

@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from moesim.errors import MoesimError
-from moesim.studies.sweep import Point, collect, make_points, run_points
+from moesim.studies.sweep import Point, RunsFailed, collect, make_points, run_points
 
 SERVED_EVICTION = ("lru", "lfu", "fld", "least-stale")
 SERVED_PREFETCH = ("none",)
@@ -168,8 +168,6 @@ def bisect_capacity(p: Path, data: dict[str, Any], table: pd.DataFrame, target: 
 def rank_load(results: pd.DataFrame, rows: list[dict[str, Any]], slo: bool) -> pd.DataFrame:
     """Per (capacity, rate), the candidates ranked (SLO attainment, then p99 TTFT), then the
     baseline; ``speedup_ttft_p99`` is the baseline's p99 TTFT over the candidate's."""
-    from moesim.studies.compare import RunsFailed
-
     table = pd.DataFrame(rows).merge(results, on="point", how="left", suffixes=("", "_point"))
     failed = table[table["status"] != "ok"]
     if len(failed):
@@ -274,7 +272,7 @@ def figure_load(table: pd.DataFrame, cap_table: pd.DataFrame | None, title: str,
     import matplotlib.pyplot as plt
 
     caps = list(dict.fromkeys(table["capacity"]))
-    palette = [c for c in plt.get_cmap("tab10").colors if c != plt.get_cmap("tab10").colors[3]]  # red: baseline
+    palette = [f"C{i}" for i in range(10) if i != 3]  # C3 (red) is the baseline's
     fig, axes = plt.subplots(len(caps), 2, figsize=(11, 3.6 * len(caps) + 0.8), squeeze=False, layout="constrained")
     for row, cap in zip(axes, caps, strict=True):
         here = table[table["capacity"] == cap]
@@ -343,8 +341,6 @@ def compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, e
             got = collect(out, all_points)
             bad = got[(got["point"].isin([q.pid for q in pts])) & (got["status"] != "ok")]
             if len(bad):
-                from moesim.studies.compare import RunsFailed
-
                 raise RunsFailed(f"compare: a bisection run failed: {bad.iloc[0].get('error', '?')}")
             return got
 

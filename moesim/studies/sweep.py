@@ -55,6 +55,12 @@ from moesim.errors import MoesimError, did_you_mean
 from moesim.files import write_atomic
 
 
+class RunsFailed(MoesimError):
+    """Some of a comparison's runs failed (exit 1: not a bad input; see their error.json)."""
+
+    exit_code = 1
+
+
 @dataclass(frozen=True)
 class Point:
     """One grid point: its id and the dotted-key overrides that define it."""
