@@ -187,7 +187,8 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
     """Replay SCENARIO (a YAML file or a shipped name; default: quickstart).
 
     Prints a summary table and writes DIR/summary.json, DIR/steps.parquet (one row per
-    forward pass) and DIR/scenario.resolved.yaml.
+    forward pass) and DIR/scenario.resolved.yaml; with workload.arrivals (serving under load)
+    also DIR/requests.parquet (one row per request: queueing, TTFT, TPOT, end-to-end).
     """
     from rich.console import Console
 
@@ -200,15 +201,24 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
     _compile_note()
     if events_passes < 0:
         raise MoesimError(f"--events-passes must be >= 0 (0: all passes), got {events_passes}.")
-    rec: dict[str, Any] = {"record_transfers": events is not None, "record_layers": events is not None,
-                           "record_passes": events_passes or None}
+    serving = sc.workload.arrivals is not None  # its timeline: passes and requests (the kernel records no copies)
+    rec: dict[str, Any] = {"record_transfers": events is not None and not serving,
+                           "record_layers": events is not None and not serving, "record_passes": events_passes or None}
 
     def replay(progress: Any) -> tuple[Simulation, Any]:
         sim = Simulation(sc, progress=progress, **rec)
         return sim, sim.run()
 
     sim, result = _with_progress("simulating", replay, not quiet)
-    if events is not None:
+    if events is not None and serving:
+        from moesim.output.events import serving_trace, write_events
+
+        doc = serving_trace(result, events_passes)
+        write_events(doc, events)
+        click.echo(f"timeline of {doc['otherData']['passes']} forward passes and {doc['otherData']['requests']} "
+                   f"requests written to {events} (open it in Perfetto; --events-passes N shows more, 0 all; "
+                   "serving replays on the kernel, which records no copies)", err=True)
+    elif events is not None:
         from moesim.output.events import chrome_trace, write_events
 
         write_events(chrome_trace(result, sim.link_name, sim.model.num_experts, sim.num_prec), events)
@@ -224,7 +234,8 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
         target = Path(out_dir) if out_dir else Path("runs") / resolve_path(scenario).stem
         replaced = target.exists()
         write_results(result, target)
-        click.echo(f"results written to {target}/ (summary.json, steps.parquet, scenario.resolved.yaml)"
+        click.echo(f"results written to {target}/ (summary.json, steps.parquet, "
+                   f"{'requests.parquet, ' if serving else ''}scenario.resolved.yaml)"
                    + ("; they replace the results that were there" if replaced else ""), err=True)
 
 

@@ -547,3 +547,27 @@ def test_arrival_file_in_the_fingerprint(tmp_path: Path) -> None:
     before = fingerprint.scenario_fingerprint(sc)
     write_csv(path, [(0, 4, 2), (2, 4, 2)])
     assert fingerprint.scenario_fingerprint(sc) != before
+
+
+def test_timeline_shows_requests(tmp_path: Path) -> None:
+    """``moesim run --events`` when serving: the passes on the GPU's track and each request's
+    queueing, prefill and decode on its own track, at the per-request table's times."""
+    path = write_csv(tmp_path / "three.csv", [(0, 4, 3), (0, 2, 2), (0, 3, 2)])
+    sc = tmp_path / "s.yaml"
+    sc.write_text(json.dumps(served(TINY, {"process": "file", "path": str(path)},
+                                    {"max_running": 2, "max_batched_tokens": 16})))
+    ev = tmp_path / "t.json"
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["run", str(sc), "--events", str(ev), "--events-passes", "0", "--out", str(out), "-q"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(ev.read_text())["traceEvents"]
+    steps = pd.read_parquet(out / "steps.parquet")
+    req = pd.read_parquet(out / "requests.parquet")
+    passes = [e for e in doc if e["ph"] == "X" and e["pid"] == 0]
+    assert [e["name"] for e in passes] == ["prefill", "decode", "prefill", "decode"]
+    assert [e["ts"] for e in passes] == (steps["start_s"] * 1e6).tolist()
+    c = {e["name"]: e for e in doc if e["ph"] == "X" and e["pid"] == 1 and e["tid"] == 2}
+    assert set(c) == {"queued", "prefill", "decode"}  # the third request waits for a place
+    assert c["queued"]["ts"] == 0
+    assert c["queued"]["dur"] == pytest.approx(req["scheduled_s"].iloc[2] * 1e6)
+    assert c["decode"]["ts"] + c["decode"]["dur"] == pytest.approx(req["finish_s"].iloc[2] * 1e6)

@@ -14,6 +14,10 @@ chrome://tracing open. Times are in microseconds of simulated time.
   prefetch still in flight at the layer's routing point) to that layer's expert compute.
 
 Only the passes the run recorded are drawn (``moesim run --events-passes``, 8 by default).
+
+Serving under load (:func:`serving_trace`) draws the forward passes and the requests instead:
+the GPU's passes (prefill or decode, with their tokens, requests, hits and misses) and a track
+per request with its queueing, prefill and decode (the kernel that serves records no copies).
 """
 
 from __future__ import annotations
@@ -143,3 +147,33 @@ def write_events(doc: dict[str, Any], path: str | os.PathLike[str]) -> Path:
             json.dump(doc, fh, separators=(",", ":"))
 
     return write_atomic(path, dump)
+
+
+def serving_trace(result: Result, passes: int) -> dict[str, Any]:
+    """The timeline of a run serving under load: a *forward passes* track (each pass named by
+    its phase, its tokens, requests, hits, misses and stall as arguments) and a track per
+    request — *queued* from its arrival to its first pass, *prefill* to its first token,
+    *decode* to its last — for the first ``passes`` passes (0: all) and the requests that
+    arrive before the last of them ends."""
+    steps, req = result.steps, result.requests
+    shown = steps if not passes else steps.iloc[:passes]
+    until = float(shown["end_s"].max())
+    events: list[dict[str, Any]] = [_meta(0, None, "process_name", "GPU 0"), _meta(0, 0, "thread_name", "forward passes"),
+                                    _meta(1, None, "process_name", "requests")]
+    for r in shown.to_dict("records"):
+        events.append({"name": str(r["phase"]), "ph": "X", "pid": 0, "tid": 0, "ts": r["start_s"] * 1e6,
+                       "dur": r["duration_s"] * 1e6,
+                       "args": {k: (float(r[k]) if k == "stall_s" else int(r[k])) for k in
+                                ("pass", "tokens", "requests", "generated", "hits", "misses", "stall_s")}})
+    here = req[req["arrival_s"] <= until]
+    for r in here.to_dict("records"):
+        tid = int(r["request"])
+        events.append(_meta(1, tid, "thread_name", f"request {tid}"))
+        for name, a, b in (("queued", r["arrival_s"], r["scheduled_s"]), ("prefill", r["scheduled_s"], r["first_token_s"]),
+                           ("decode", r["first_token_s"], r["finish_s"])):
+            if b > a:
+                events.append({"name": name, "ph": "X", "pid": 1, "tid": tid, "ts": a * 1e6, "dur": (b - a) * 1e6,
+                               "args": {"prompt_tokens": int(r["prompt_tokens"]),
+                                        "output_tokens": int(r["output_tokens"])}})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"passes": len(shown), "requests": len(here)}}
