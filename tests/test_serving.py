@@ -571,3 +571,42 @@ def test_timeline_shows_requests(tmp_path: Path) -> None:
     assert c["queued"]["ts"] == 0
     assert c["queued"]["dur"] == pytest.approx(req["scheduled_s"].iloc[2] * 1e6)
     assert c["decode"]["ts"] + c["decode"]["dur"] == pytest.approx(req["finish_s"].iloc[2] * 1e6)
+
+
+def test_synthetic_trace_made_with_the_arrivals_lengths(tmp_path: Path) -> None:
+    """A synthetic trace shorter than the arrivals ask is made again with their longest
+    prompt and decode lengths (routing synthesised, not repeated; the notes say so); a trace
+    file's recorded tokens repeat instead."""
+    short = {"synth": {"preset": "olmoe-1b-7b", "requests": 2, "prompt_tokens": 4, "tokens": 2, "layers": 2}}
+    res = simulate(scenario_from_dict(served(short, {"process": "poisson", "rate": 5.0, "requests": 3,
+                                                     "prompt_tokens": 10, "output_tokens": 6})))
+    notes = res.summary["arrival_notes"]
+    assert any("made with 10 prompt and 5 decode tokens" in n for n in notes)
+    assert not any("repeats" in n for n in notes)
+    assert res.requests["output_tokens"].tolist() == [6, 6, 6]
+    assert int(res.steps["tokens"].sum()) == 3 * (10 + 5)
+    from moesim.simulator.build import load_trace
+    from moesim.traces.io import write_trace
+
+    path = tmp_path / "t.parquet"
+    write_trace(load_trace(scenario_from_dict({"workload": {"trace": short}})), path)
+    res = simulate(scenario_from_dict(served({"path": str(path)}, {"process": "poisson", "rate": 5.0,
+                                                                  "requests": 3, "prompt_tokens": 10,
+                                                                  "output_tokens": 6})))
+    notes = res.summary["arrival_notes"]
+    assert any("longer prompt" in n for n in notes)
+    assert any("more output" in n for n in notes)
+
+
+def test_sweep_takes_the_rate_as_an_axis(tmp_path: Path) -> None:
+    """``moesim sweep --grid workload.arrivals.rate=...``: one point per rate, its serving
+    figures in results.parquet, and more load never lowers p99 TTFT here."""
+    sc = tmp_path / "s.yaml"
+    sc.write_text(json.dumps(served(TINY, {"process": "poisson", "rate": 1.0, "requests": 12}, {"max_running": 2})))
+    out = tmp_path / "sw"
+    r = CliRunner().invoke(cli, ["sweep", str(sc), "--grid", "workload.arrivals.rate=1,100", "--out", str(out),
+                                 "--workers", "1"])
+    assert r.exit_code == 0, r.output
+    res = pd.read_parquet(out / "results.parquet").sort_values("workload.arrivals.rate")
+    assert res["workload.arrivals.rate"].tolist() == [1, 100]
+    assert res["ttft_p99_s"].iloc[1] > res["ttft_p99_s"].iloc[0]

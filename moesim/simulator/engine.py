@@ -202,12 +202,22 @@ class Simulation:
             raise MoesimError(f"{sc.source}: key 'workload.arrivals': serving under load replays one forward pass "
                               f"at a time on the compiled kernel, which {reason}. Change that, or remove "
                               "workload.arrivals for the fixed-batch replay.")
+        given = trace is not None
         trace = trace if trace is not None else load_trace(sc)
-        self._trace = trace
         arrivals = sc.workload.arrivals
         assert arrivals is not None
         bank = serving.Bank(trace, sc.source)
         plan = serving.plan_requests(arrivals, bank, sc.seed, sc.base_dir)
+        longer = serving.synth_lengths(sc, plan) if not given else None
+        if longer is not None:  # a synthetic trace made with the arrivals' lengths, not repeated
+            trace = load_trace(longer)
+            bank = serving.Bank(trace, sc.source)
+            plan = serving.plan_requests(arrivals, bank, sc.seed, sc.base_dir)
+            synth = longer.workload.trace.synth
+            assert synth is not None
+            plan.notes.append(f"the synthetic trace was made with {synth.prompt_tokens} prompt and {synth.tokens} "
+                              "decode tokens per request, to cover the arrivals' lengths")
+        self._trace = trace
         size = cache_sizing(sc, trace.model)
         cost = CostModel(sc.hardware, trace.model, size.expert_bytes)
         dense = serving.BF16 * cost.nonexpert_weights * trace.model.num_layers

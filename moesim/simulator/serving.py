@@ -250,6 +250,34 @@ def plan_requests(cfg: ArrivalsConfig, bank: Bank, seed: int, base_dir: str) -> 
                 output=np.asarray(output, np.int64), source=source, notes=notes)
 
 
+SYNTH_ROWS_MAX = 20_000_000  # a synthetic trace made longer for the arrivals holds at most this many rows
+
+
+def synth_lengths(scenario: Scenario, plan: Plan) -> Scenario | None:
+    """With a synthetic trace whose requests are shorter than the arrivals ask, the scenario
+    whose synthetic trace has the longest prompt and decode lengths asked for (so that every
+    request's routing is synthesised for it, not repeated); None when they fit, the trace is
+    not synthetic, or the longer trace would hold more than :data:`SYNTH_ROWS_MAX` rows (the
+    recorded tokens repeat then, and the notes say so)."""
+    from dataclasses import replace
+
+    from moesim.traces.synth import get_preset
+
+    synth = scenario.workload.trace.synth
+    if synth is None or synth.preset is None:
+        return None
+    need_p = int(plan.prompt.max())
+    need_d = int(np.where(plan.prompt > 0, plan.output - 1, plan.output).max())
+    if need_p <= synth.prompt_tokens and need_d <= synth.tokens:
+        return None
+    p, d = max(need_p, synth.prompt_tokens), max(need_d, synth.tokens)
+    layers = synth.layers or get_preset(synth.preset).model.num_layers
+    if synth.requests * (p + d) * layers > SYNTH_ROWS_MAX:
+        return None
+    longer = replace(synth, prompt_tokens=p, tokens=d)
+    return replace(scenario, workload=replace(scenario.workload, trace=replace(scenario.workload.trace, synth=longer)))
+
+
 def kv_bytes_per_token(scenario: Scenario, model: Any) -> int:
     """Bytes of KV cache per token: keys and values of every layer, bf16."""
     return 2 * model.num_layers * model.kv_heads * model.head_size * BF16
