@@ -64,6 +64,9 @@ TESTS: dict[str, list[str]] = {
                            "tests/test_expert_parallel.py"],
     "moesim/studies/fingerprint.py": ["tests/test_reuse.py"],
     "moesim/simulator/stream.py": ["tests/test_stream.py"],
+    # the quick serving checks per mutant; tests/test_serving_studies.py (M/D/1 over 10,000 requests, compare's
+    # bisection) is run on the survivors
+    "moesim/simulator/serving.py": ["tests/test_serving.py"],
     "moesim/traces/io.py": ["tests/test_stream.py", "tests/test_traces.py", "tests/test_bad_input.py"],
 }
 
