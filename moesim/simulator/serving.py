@@ -367,88 +367,99 @@ class Scheduler:
     # -- the passes ------------------------------------------------------------------------
     def passes(self) -> Generator[Workload, float, None]:
         """Forward passes, each formed when the previous one ends (the time sent back)."""
-        cfg = self.cfg
         arrival = self.plan.arrival
-        waiting: deque[int] = deque()
-        running: list[int] = []
-        kv_used = 0.0
+        self.waiting: deque[int] = deque()
+        self.running: list[int] = []
+        self.kv_used = 0.0
         nxt = 0
         now = 0.0
         while self.finished < self.n:
-            while nxt < self.n and arrival[nxt] <= now:
-                waiting.append(nxt)
-                nxt += 1
             release = 0.0
-            if not running and not waiting:  # idle until the next arrival
+            if not self.running and not self.waiting and arrival[nxt] > now:  # idle until the next arrival
                 now = release = float(arrival[nxt])
-                while nxt < self.n and arrival[nxt] <= now:
-                    waiting.append(nxt)
-                    nxt += 1
-            batch_r: list[int] = []
-            batch_c: list[int] = []
-            if cfg.policy == "prefill-first":
-                budget = cfg.max_batched_tokens
-                while waiting and len(running) < cfg.max_running:
-                    r = waiting[0]
-                    need = int(self.first_part[r])
-                    if need > budget or kv_used + self.kv[r] > self.kv_tokens:
-                        break
-                    waiting.popleft()
-                    running.append(r)
-                    kv_used += self.kv[r]
-                    self.scheduled[r] = now
-                    batch_r.append(r)
-                    batch_c.append(need)
-                    budget -= need
-                if not batch_r:
-                    batch_r = list(running)
-                    batch_c = [1] * len(running)
-            else:
-                budget = cfg.max_batched_tokens
-                cap = cfg.chunked_prefill_tokens or cfg.max_batched_tokens
-                for r in running:  # decodes first
-                    if self.processed[r] >= self.first_part[r]:
-                        batch_r.append(r)
-                        batch_c.append(1)
-                budget -= len(batch_r)
-                for r in running:  # then unfinished prompts
-                    left = int(self.first_part[r] - self.processed[r])
-                    if left > 0 and budget > 0:
-                        c = min(left, budget, cap)
-                        batch_r.append(r)
-                        batch_c.append(c)
-                        budget -= c
-                while waiting and budget > 0 and len(running) < cfg.max_running:
-                    r = waiting[0]
-                    if kv_used + self.kv[r] > self.kv_tokens:
-                        break
-                    waiting.popleft()
-                    running.append(r)
-                    kv_used += self.kv[r]
-                    self.scheduled[r] = now
-                    c = min(int(self.first_part[r]), budget, cap)
-                    batch_r.append(r)
-                    batch_c.append(c)
-                    budget -= c
-            self.max_running_seen = max(self.max_running_seen, len(running))
+            while nxt < self.n and arrival[nxt] <= now:
+                self.waiting.append(nxt)
+                nxt += 1
+            form = self._prefill_first if self.cfg.policy == "prefill-first" else self._chunked
+            batch_r, batch_c = form(now)
+            self.max_running_seen = max(self.max_running_seen, len(self.running))
             rs = np.asarray(batch_r, np.int64)
             cs = np.asarray(batch_c, np.int64)
             start = self.processed[rs].copy()
             made = self._made(rs, start, cs)
-            wl = self._workload(rs, start, cs, release, int(made.sum()))
-            end = yield wl
+            end = yield self._workload(rs, start, cs, release, int(made.sum()))
             now = float(end)
-            self.processed[rs] += cs
-            firsts = rs[(start < self.first_part[rs]) & (self.processed[rs] >= self.first_part[rs])]
-            self.first_token[firsts] = now
-            self.generated[rs] += made
-            done = rs[self.generated[rs] == self.plan.output[rs]]
-            if len(done):
-                self.finish[done] = now
-                self.finished += len(done)
-                gone = set(done.tolist())
-                running = [r for r in running if r not in gone]
-                kv_used -= float(self.kv[done].sum())
+            self._account(rs, start, cs, made, now)
+
+    def _admit(self, now: float) -> int | None:
+        """The first waiting request, admitted now if there is room for it among the running
+        (``max_running``) and for its KV cache; else None (first come, first served: nobody
+        behind it goes first)."""
+        if not self.waiting or len(self.running) >= self.cfg.max_running:
+            return None
+        r = self.waiting[0]
+        if self.kv_used + self.kv[r] > self.kv_tokens:
+            return None
+        self.waiting.popleft()
+        self.running.append(r)
+        self.kv_used += self.kv[r]
+        self.scheduled[r] = now
+        return r
+
+    def _prefill_first(self, now: float) -> tuple[list[int], list[int]]:
+        """vLLM's default: the whole prompts of the requests admitted now, as many as fit in
+        ``max_batched_tokens``; with none admitted, one decode token of every running one."""
+        batch_r: list[int] = []
+        batch_c: list[int] = []
+        budget = self.cfg.max_batched_tokens
+        while self.waiting and int(self.first_part[self.waiting[0]]) <= budget:
+            r = self._admit(now)
+            if r is None:
+                break
+            batch_r.append(r)
+            batch_c.append(int(self.first_part[r]))
+            budget -= batch_c[-1]
+        if not batch_r:
+            return list(self.running), [1] * len(self.running)
+        return batch_r, batch_c
+
+    def _chunked(self, now: float) -> tuple[list[int], list[int]]:
+        """vLLM's chunked prefill: a decode token of every running request that has its first
+        token, then chunks of the unfinished prompts, then of newly admitted ones, at most
+        ``chunked_prefill_tokens`` each, until the pass holds ``max_batched_tokens``."""
+        cap = self.cfg.chunked_prefill_tokens or self.cfg.max_batched_tokens
+        batch_r = [r for r in self.running if self.processed[r] >= self.first_part[r]]
+        batch_c = [1] * len(batch_r)
+        budget = self.cfg.max_batched_tokens - len(batch_r)
+        for r in self.running:
+            left = int(self.first_part[r] - self.processed[r])
+            if left > 0 and budget > 0:
+                batch_r.append(r)
+                batch_c.append(min(left, budget, cap))
+                budget -= batch_c[-1]
+        while budget > 0:
+            new = self._admit(now)
+            if new is None:
+                break
+            batch_r.append(new)
+            batch_c.append(min(int(self.first_part[new]), budget, cap))
+            budget -= batch_c[-1]
+        return batch_r, batch_c
+
+    def _account(self, rs: np.ndarray, start: np.ndarray, cs: np.ndarray, made: np.ndarray, now: float) -> None:
+        """After a pass that ended at ``now``: the tokens processed, first tokens, output
+        tokens made, and the requests that finished (leaving, their KV cache freed)."""
+        self.processed[rs] += cs
+        firsts = rs[(start < self.first_part[rs]) & (self.processed[rs] >= self.first_part[rs])]
+        self.first_token[firsts] = now
+        self.generated[rs] += made
+        done = rs[self.generated[rs] == self.plan.output[rs]]
+        if len(done):
+            self.finish[done] = now
+            self.finished += len(done)
+            gone = set(done.tolist())
+            self.running = [r for r in self.running if r not in gone]
+            self.kv_used -= float(self.kv[done].sum())
 
     def _made(self, rs: np.ndarray, start: np.ndarray, cs: np.ndarray) -> np.ndarray:
         """Output tokens each request of a pass makes: one when the pass ends its prompt (its
