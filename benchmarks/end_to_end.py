@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
+from processes import timed_run  # one whole `moesim run` process: wall, peak RSS, summary
 from replay_speed import lcs_native  # libCacheSim LRU's C loop over the stream, the call timed
 
 from moesim.traces.io import trace_to_table
@@ -72,18 +70,7 @@ def write_trace(path: Path, requests: int, seed: int = 0, pred_next: bool = Fals
 
 def run_moesim(trace: Path, sets: list[str]) -> tuple[float, float, dict[str, Any]]:
     """Wall seconds and peak RSS (MB) of one whole ``moesim run`` process, and its summary."""
-    cmd = [sys.executable, "-m", "moesim", "run", "quickstart", "--trace", str(trace), "--json", "--no-write", "-q"]
-    for s in sets:
-        cmd += ["--set", s]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out = proc.stdout.read() if proc.stdout else b""
-    err = proc.stderr.read() if proc.stderr else b""
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    if status != 0:
-        raise SystemExit(f"moesim run failed: {err.decode()[-2000:]}")
-    return wall, usage.ru_maxrss / 1024, json.loads(out)
+    return timed_run(["quickstart", "--trace", str(trace)], sets)
 
 
 def main() -> None:

@@ -18,29 +18,17 @@ import argparse
 import json
 import os
 import platform
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from processes import timed_run  # one whole `moesim run` process: wall, peak RSS, summary
 
 SCENARIO = Path(__file__).with_name("serving-10k.yaml")
 
 
 def run(sets: list[str]) -> tuple[float, float, dict[str, Any]]:
     """Wall seconds and peak RSS (MB) of one whole ``moesim run`` process, and its summary."""
-    cmd = [sys.executable, "-m", "moesim", "run", str(SCENARIO), "--json", "--no-write", "-q"]
-    for s in sets:
-        cmd += ["--set", s]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out = proc.stdout.read() if proc.stdout else b""
-    err = proc.stderr.read() if proc.stderr else b""
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    if status != 0:
-        raise SystemExit(f"moesim run failed: {err.decode()[-2000:]}")
-    return wall, usage.ru_maxrss / 1024, json.loads(out)
+    return timed_run([str(SCENARIO)], sets)
 
 
 def main() -> None:

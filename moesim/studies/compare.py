@@ -32,10 +32,10 @@ import pandas as pd
 from moesim.errors import MoesimError
 from moesim.studies.sweep import (
     Point,
-    RunsFailed,
     base_data,
     collect,
     folder_lock,
+    joined_rows,
     make_points,
     run_points,
     trace_key,
@@ -123,12 +123,7 @@ def plan_compare(scenario_path: str, eviction: Sequence[str] | None = None, pref
 def rank(results: pd.DataFrame, rows: list[dict[str, Any]]) -> tuple[pd.DataFrame, str]:
     """The comparison table from the sweep results and the row plan: per capacity, the
     candidates ranked by the metric, then the references; and the metric's name."""
-    table = pd.DataFrame(rows).merge(results, on="point", how="left", suffixes=("", "_point"))
-    failed = table[table["status"] != "ok"]
-    if len(failed):
-        first = failed.iloc[0]
-        raise RunsFailed(f"compare: {len(failed)} of {len(table)} runs failed; the first, '{first['label']}' "
-                          f"at capacity {first['capacity']}: {first.get('error', '?')}")
+    table = joined_rows(rows, results)
     metric = "tpot_s" if table["tpot_s"].notna().all() else "ttft_s"
     if table[metric].isna().any():
         raise MoesimError("compare: the scenario has no timed decode or prefill passes to rank by "

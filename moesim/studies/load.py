@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from moesim.errors import MoesimError
-from moesim.studies.sweep import Point, RunsFailed, collect, make_points, run_points
+from moesim.studies.sweep import Point, RunsFailed, collect, joined_rows, make_points, run_points
 
 SERVED_EVICTION = ("lru", "lfu", "fld", "least-stale")
 SERVED_PREFETCH = ("none",)
@@ -168,12 +168,7 @@ def bisect_capacity(p: Path, data: dict[str, Any], table: pd.DataFrame, target: 
 def rank_load(results: pd.DataFrame, rows: list[dict[str, Any]], slo: bool) -> pd.DataFrame:
     """Per (capacity, rate), the candidates ranked (SLO attainment, then p99 TTFT), then the
     baseline; ``speedup_ttft_p99`` is the baseline's p99 TTFT over the candidate's."""
-    table = pd.DataFrame(rows).merge(results, on="point", how="left", suffixes=("", "_point"))
-    failed = table[table["status"] != "ok"]
-    if len(failed):
-        first = failed.iloc[0]
-        raise RunsFailed(f"compare: {len(failed)} of {len(table)} runs failed; the first, '{first['label']}' at "
-                         f"capacity {first['capacity']}, rate {first['rate']:g}: {first.get('error', '?')}")
+    table = joined_rows(rows, results)
     parts = []
     for (_cap, _rate), here in table.groupby(["capacity", "rate"], sort=False):
         here = here.copy()

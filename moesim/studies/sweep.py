@@ -61,6 +61,19 @@ class RunsFailed(MoesimError):
     exit_code = 1
 
 
+def joined_rows(rows: list[dict[str, Any]], results: pd.DataFrame) -> pd.DataFrame:
+    """A comparison's row plan (each row's ``point``) joined with its points' results; a
+    failed run raises :class:`RunsFailed` naming the first (its label, capacity and rate)."""
+    table = pd.DataFrame(rows).merge(results, on="point", how="left", suffixes=("", "_point"))
+    failed = table[table["status"] != "ok"]
+    if len(failed):
+        first = failed.iloc[0]
+        rate = f", rate {first['rate']:g}" if "rate" in first else ""
+        raise RunsFailed(f"compare: {len(failed)} of {len(table)} runs failed; the first, '{first['label']}' at "
+                         f"capacity {first['capacity']}{rate}: {first.get('error', '?')}")
+    return table
+
+
 @dataclass(frozen=True)
 class Point:
     """One grid point: its id and the dotted-key overrides that define it."""
