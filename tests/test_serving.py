@@ -133,19 +133,22 @@ def hand_trace() -> Any:
 
 def hand_union(trace: Any, tokens: list[tuple[int, int, int]], prompt: dict[int, int]) -> list[list[int]]:
     """Per layer, the distinct experts of a pass's tokens (request, first token, count), in
-    order of first appearance over requests then positions then ranks, read from the trace:
-    request r takes recorded request r % 3; its token i < prompt from the recorded prefill
-    position i % 4, else decode step (i - prompt) % 4 + 1."""
+    order of first appearance over requests then positions then ranks, read from the trace
+    the replay used: request r takes recorded request r % 3; its token i < prompt from the
+    recorded prefill position i % P (P the recorded prompt's length), else decode step
+    (i - prompt) % D + 1 (D its decode steps)."""
     df = pd.DataFrame({"r": trace.request, "s": trace.step, "p": trace.position, "ph": trace.phase,
                        "l": trace.layer})
     out: list[list[int]] = [[], []]
     for r, i0, c in sorted(tokens):
+        src = r % 3
+        rec = df[df.r == src]
+        p0, d0 = rec[rec.ph == 0].p.nunique(), rec[rec.ph == 1].s.nunique()
         for i in range(i0, i0 + c):
-            src = r % 3
             if i < prompt[r]:
-                sel = (df.r == src) & (df.ph == 0) & (df.p == i % 4)
+                sel = (df.r == src) & (df.ph == 0) & (df.p == i % p0)
             else:
-                sel = (df.r == src) & (df.s == (i - prompt[r]) % 4 + 1)
+                sel = (df.r == src) & (df.s == (i - prompt[r]) % d0 + 1)
             for row in np.flatnonzero(sel.to_numpy()):
                 for e in trace.experts[row]:
                     layer = int(trace.layer[row])
@@ -169,7 +172,15 @@ SCHEDULES = {
                   [[(0, 0, 2), (1, 0, 2), (2, 0, 2)], [(0, 2, 2), (1, 2, 1), (2, 2, 1)],
                    [(0, 4, 1), (2, 3, 1)], [(0, 5, 1)]],
                   {0: (1, 3), 1: (0, 1), 2: (1, 2)}),
+    # chunked, 4 tokens a pass, 3 running: B's long prompt goes on in chunks behind A's decode token,
+    # and C waits for the pass with tokens to spare (requests: A 3+3, B 8+2, C 2+2)
+    "chunked-carry": ({"max_running": 3, "max_batched_tokens": 4, "policy": "chunked"},
+                      [[(0, 0, 3), (1, 0, 1)], [(0, 3, 1), (1, 1, 3)], [(0, 4, 1), (1, 4, 3)],
+                       [(1, 7, 1), (2, 0, 2)], [(1, 8, 1), (2, 2, 1)]],
+                      {0: (0, 2), 1: (3, 4), 2: (3, 4)}),
 }
+
+ROWS = {"chunked-carry": [(0, 3, 3), (0, 8, 2), (0, 2, 2)]}
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
@@ -179,17 +190,18 @@ def test_continuous_batching_by_hand(name: str, tmp_path: Path, monkeypatch: pyt
     first token and finish at the end of the pass worked out by hand."""
     sched, passes, times = SCHEDULES[name]
     monkeypatch.setattr(serving.Scheduler, "KEEP", True)
-    path = write_csv(tmp_path / "three.csv", [(0, 4, 3), (0, 2, 2), (0, 3, 2)])
+    rows = ROWS.get(name, [(0, 4, 3), (0, 2, 2), (0, 3, 2)])
+    path = write_csv(tmp_path / "three.csv", rows)
     sim = Simulation(scenario_from_dict(served(TINY, {"process": "file", "path": str(path)}, sched)))
     res = sim.run()
     steps = res.steps
-    prompt = {0: 4, 1: 2, 2: 3}
+    prompt = {r: p for r, (_, p, _) in enumerate(rows)}
     assert len(steps) == len(passes)
     assert steps["requests"].tolist() == [len(p) for p in passes]
     assert steps["tokens"].tolist() == [sum(c for _, _, c in p) for p in passes]
     made = [sum(1 for r, i, c in p if i + c >= max(prompt[r], 1)) for p in passes]
     assert steps["generated"].tolist() == made
-    trace = hand_trace()
+    trace = sim._trace  # the recorded trace (made again with 8-token prompts for chunked-carry's B)
     assert sim.serving is not None
     assert sim.serving.kept is not None
     for k, (p, wl) in enumerate(zip(passes, sim.serving.kept, strict=True)):
