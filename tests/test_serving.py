@@ -641,3 +641,14 @@ def test_schedules_keep_their_limits_and_replay_as_simpy(load: dict[str, Any], t
     ref = Simulation(scenario_from_dict(plain), workload=joined(sim.serving.kept), record_decisions=True).run()
     for col in ("start_s", "end_s", "stall_s", "hits", "misses", "late_prefetches", "bytes_h2d", "prefetches_issued"):
         assert ref.steps[col].tolist() == res.steps[col].tolist(), col
+
+
+def test_plot_labels_the_serving_figures() -> None:
+    """A sweep's serving columns and the rate axis carry their units on a figure's axes (a
+    rate is not a time)."""
+    from moesim.output.plots import AXIS_LABELS, metric_label
+
+    assert metric_label("ttft_p99_s") == ("p99 TTFT (ms)", 1e3)
+    assert metric_label("requests_per_s")[0] == "served (requests/s)"
+    assert metric_label("goodput_requests_s")[0].startswith("goodput (requests/s")
+    assert AXIS_LABELS["workload.arrivals.rate"] == "offered load (requests/s)"

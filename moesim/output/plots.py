@@ -29,12 +29,22 @@ METRIC_LABELS: dict[str, tuple[str, float]] = {
     "tokens_per_s": ("throughput (tokens/s)", 1.0), "hit_rate": ("hit rate (hits / expert accesses)", 1.0),
     "misses": ("misses (expert accesses)", 1.0), "collision_misses": ("collision misses", 1.0),
     "cache_peak_bytes": ("cache peak (GB)", 1e-9),
+    # serving under load (docs/serving.md)
+    "ttft_mean_s": ("mean TTFT (ms)", 1e3), "ttft_p50_s": ("p50 TTFT (ms)", 1e3), "ttft_p99_s": ("p99 TTFT (ms)", 1e3),
+    "tpot_mean_s": ("mean TPOT (ms per output token)", 1e3), "tpot_p50_s": ("p50 TPOT (ms per output token)", 1e3),
+    "tpot_p99_s": ("p99 TPOT (ms per output token)", 1e3), "e2e_p99_s": ("p99 end-to-end latency (s)", 1.0),
+    "queue_mean_s": ("mean queueing delay (s)", 1.0), "requests_per_s": ("served (requests/s)", 1.0),
+    "throughput_tokens_s": ("throughput (output tokens/s)", 1.0),
+    "goodput_requests_s": ("goodput (requests/s within the SLO)", 1.0),
+    "slo_attainment": ("SLO attainment (share of requests)", 1.0),
 }
 AXIS_LABELS = {"cache.capacity": "cache capacity", "policies.eviction": "eviction policy",
                "policies.prefetch": "prefetch policy", "policies.miss": "miss policy",
                "policies.budget": "budget policy", "policies.routing": "routing policy",
                "workload.batch_size": "batch size (requests per pass)", "expert_compute": "expert compute",
-               "expert_fetch": "per-expert fetch", "hardware.gpus": "GPUs"}
+               "expert_fetch": "per-expert fetch", "hardware.gpus": "GPUs",
+               "workload.arrivals.rate": "offered load (requests/s)", "scheduler.max_running": "max running requests",
+               "scheduler.policy": "scheduler"}
 LINK_NAMES = {"pcie": "PCIe", "nvlink": "NVLink"}
 _NUM = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*(%|experts?|[kmgt]i?b|b)?\s*$", re.IGNORECASE)
 
