@@ -373,7 +373,11 @@ class Scheduler:
         self.kv_used = 0.0
         nxt = 0
         now = 0.0
+        # every pass processes at least one of the tokens left, so there are never more passes than tokens
+        tokens_left = int(self.total.sum())
         while self.finished < self.n:
+            if tokens_left <= 0:
+                raise AssertionError("serving: the scheduler formed more passes than there are tokens to process")
             release = 0.0
             if not self.running and not self.waiting and arrival[nxt] > now:  # idle until the next arrival
                 now = release = float(arrival[nxt])
@@ -385,6 +389,7 @@ class Scheduler:
             self.max_running_seen = max(self.max_running_seen, len(self.running))
             rs = np.asarray(batch_r, np.int64)
             cs = np.asarray(batch_c, np.int64)
+            tokens_left -= max(int(cs.sum()), 1)
             start = self.processed[rs].copy()
             made = self._made(rs, start, cs)
             end = yield self._workload(rs, start, cs, release, int(made.sum()))
