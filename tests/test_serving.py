@@ -652,3 +652,39 @@ def test_plot_labels_the_serving_figures() -> None:
     assert metric_label("requests_per_s")[0] == "served (requests/s)"
     assert metric_label("goodput_requests_s")[0].startswith("goodput (requests/s")
     assert AXIS_LABELS["workload.arrivals.rate"] == "offered load (requests/s)"
+
+
+def test_summary_by_hand() -> None:
+    """``serving.summary`` on a request table made by hand: means, numpy's linear percentiles
+    (worked out: p99 of five values is the fourth plus 0.96 of the gap to the fifth), rates
+    over the span from the first arrival to the last finish, the offered rate over the
+    arrivals' span, and SLO attainment with each limit alone and both, ties meeting it."""
+    from moesim.config.scenario import SloConfig
+
+    nan = float("nan")
+    req = pd.DataFrame({
+        "arrival_s": [0.0, 1.0, 2.0, 4.0, 8.0], "ttft_s": [0.5, 1.0, 1.5, 2.0, 3.0],
+        "tpot_s": [0.1, nan, 0.3, 0.2, 0.5], "e2e_s": [1.0, 2.0, 3.0, 4.0, 10.0],
+        "queue_s": [0.0, 0.5, 1.0, 1.5, 2.0], "finish_s": [1.0, 3.0, 5.0, 8.0, 18.0],
+        "output_tokens": [3, 1, 2, 4, 5]})
+    s = serving.summary(req, SloConfig(ttft_s=1.5, tpot_s=0.3))
+    want = {"ttft_mean_s": 1.6, "ttft_p50_s": 1.5, "ttft_p99_s": 2.96, "tpot_mean_s": 0.275, "tpot_p50_s": 0.25,
+            "tpot_p99_s": 0.494, "e2e_p99_s": 9.76, "queue_mean_s": 1.0, "throughput_tokens_s": 15 / 18,
+            "requests_per_s": 5 / 18, "served_requests": 5, "offered_rate": 0.5, "slo_attainment": 0.6,
+            "goodput_requests_s": 3 / 18}
+    assert set(s) == set(want)
+    for k, v in want.items():
+        assert s[k] == pytest.approx(v, rel=1e-12), k
+    assert serving.summary(req, SloConfig(ttft_s=1.0))["slo_attainment"] == 0.4  # 0.5 and 1.0 (a tie)
+    assert serving.summary(req, SloConfig(tpot_s=0.2))["slo_attainment"] == 0.6  # 0.1, none, 0.2 (a tie)
+    two = serving.summary(req.iloc[[1, 3]], None)
+    assert two["offered_rate"] == pytest.approx(1 / 3)
+    assert "slo_attainment" not in two
+    one = serving.summary(pd.DataFrame({k: [v[0]] for k, v in {
+        "arrival_s": [2.0], "ttft_s": [0.0], "tpot_s": [nan], "e2e_s": [0.0], "queue_s": [0.0], "finish_s": [2.0],
+        "output_tokens": [1]}.items()}), SloConfig(ttft_s=1.0))
+    assert one["requests_per_s"] is None
+    assert one["goodput_requests_s"] is None
+    assert one["offered_rate"] is None
+    assert one["tpot_p99_s"] is None
+    assert one["slo_attainment"] == 1.0

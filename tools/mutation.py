@@ -79,6 +79,12 @@ FUNCTIONS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
+    # serving under load (issue 35; MUTATE_ONLY over the scheduler, the bank and the summary)
+    'moesim.simulator.serving.xǁSchedulerǁ_chunked__mutmut_16':
+        "a prompt chunk of 0 tokens when the decodes took the whole budget: it adds no token, makes no output "
+        "and changes no count (its request is in the pass with nothing to compute)",
+    **{'moesim.simulator.serving.x_summary__mutmut_' + str(n): "the request table's latency columns are float64 "
+       "(NaN for a missing TPOT), so to_numpy(None) returns the same array" for n in (2, 13)},
     # the trace read in pieces (issue 34)
     **{'moesim.simulator.stream.x_read_ahead__mutmut_' + str(n):
        "more reader threads: one piece is asked for at a time, so one thread works whatever the pool's size"
