@@ -85,6 +85,10 @@ EQUIVALENT: dict[str, str] = {
         "and changes no count (its request is in the pass with nothing to compute)",
     **{'moesim.simulator.serving.x_summary__mutmut_' + str(n): "the request table's latency columns are float64 "
        "(NaN for a missing TPOT), so to_numpy(None) returns the same array" for n in (2, 13)},
+    'moesim.simulator.serving.x_summary__mutmut_121':
+        "n >= 1 for n > 1: with one request the arrivals' span is 0, which the second condition already refuses",
+    'moesim.simulator.serving.x_summary__mutmut_135':
+        "ok = ... for ok &= ...: ok is all true before the first limit is applied",
     # the trace read in pieces (issue 34)
     **{'moesim.simulator.stream.x_read_ahead__mutmut_' + str(n):
        "more reader threads: one piece is asked for at a time, so one thread works whatever the pool's size"
