@@ -120,6 +120,8 @@ def test_low_rate_is_the_single_request_replay(eviction: str, prefetch: str, mod
     assert res.requests["tpot_s"].iloc[0] == pytest.approx(tpot[0], rel=1e-14)
     np.testing.assert_allclose(res.requests["tpot_s"], tpot, rtol=0, atol=1e-12 / 6)  # (finish - first token) / 12 at about 20 s
     assert (res.requests["queue_s"] == 0).all()
+    # end to end: the request's passes, back to back from its arrival
+    np.testing.assert_allclose(res.requests["e2e_s"], a.groupby("group")["duration_s"].sum(), rtol=0, atol=1e-11)
     assert b["start_s"].iloc[13] == 5.0  # idle until the second request arrives
     assert res.summary["trace_pieces"] == len(b)
 
@@ -214,6 +216,8 @@ def test_continuous_batching_by_hand(name: str, tmp_path: Path, monkeypatch: pyt
     for r, (f, last) in times.items():
         assert res.requests["first_token_s"].iloc[r] == end[f]
         assert res.requests["finish_s"].iloc[r] == end[last]
+        assert res.requests["tpot_s"].iloc[r] == pytest.approx((end[last] - end[f]) / (rows[r][2] - 1), rel=1e-15)
+    assert res.requests["source_request"].tolist() == [0, 1, 2]  # the recorded requests, in order
     assert res.requests["scheduled_s"].tolist() == [0.0, *[steps["start_s"].iloc[next(
         k for k, p in enumerate(passes) if any(x[0] == r for x in p))] for r in (1, 2)]]
 
@@ -545,6 +549,15 @@ def test_synthetic_trace_made_with_the_arrivals_lengths(tmp_path: Path) -> None:
     notes = res.summary["arrival_notes"]
     assert any("longer prompt" in n for n in notes)
     assert any("more output" in n for n in notes)
+    # the decode tokens a request needs: output - 1 after a prompt, output without one
+    for asked, made in (({"prompt_tokens": 0, "output_tokens": 6}, "4 prompt and 6 decode"),
+                        ({"prompt_tokens": 1, "output_tokens": 6}, "4 prompt and 5 decode"),
+                        ({"prompt_tokens": 2, "output_tokens": 6}, "4 prompt and 5 decode")):
+        res = simulate(scenario_from_dict(served(short, {"process": "poisson", "rate": 5.0, "requests": 2, **asked})))
+        assert any(f"made with {made} tokens" in n for n in res.summary["arrival_notes"]), asked
+    res = simulate(scenario_from_dict(served(short, {"process": "poisson", "rate": 5.0, "requests": 2,
+                                                     "prompt_tokens": 3, "output_tokens": 3})))
+    assert not any("made with" in n or "repeat" in n for n in res.summary["arrival_notes"])  # it fits
 
 
 def test_sweep_takes_the_rate_as_an_axis(tmp_path: Path) -> None:

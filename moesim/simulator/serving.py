@@ -502,7 +502,7 @@ class Scheduler:
         token) and end-to-end latency; its lengths and recorded request."""
         p = self.plan
         out = p.output.astype(np.float64)
-        with np.errstate(invalid="ignore", divide="ignore"):
+        with np.errstate(invalid="ignore"):  # one output token: 0 / 0, masked
             tpot = np.where(p.output > 1, (self.finish - self.first_token) / (out - 1), np.nan)
         return pd.DataFrame({
             "request": np.arange(self.n, dtype=np.int64),
