@@ -555,9 +555,29 @@ def test_synthetic_trace_made_with_the_arrivals_lengths(tmp_path: Path) -> None:
                         ({"prompt_tokens": 2, "output_tokens": 6}, "4 prompt and 5 decode")):
         res = simulate(scenario_from_dict(served(short, {"process": "poisson", "rate": 5.0, "requests": 2, **asked})))
         assert any(f"made with {made} tokens" in n for n in res.summary["arrival_notes"]), asked
+    for prompt_tokens in (3, 4):  # it fits (4: the recorded prompt's length exactly)
+        res = simulate(scenario_from_dict(served(short, {"process": "poisson", "rate": 5.0, "requests": 2,
+                                                         "prompt_tokens": prompt_tokens, "output_tokens": 3})))
+        assert not any("made with" in n or "repeat" in n for n in res.summary["arrival_notes"])
+
+
+@pytest.mark.parametrize(("limit", "made"), [(60, True), (59, False)])
+def test_synthetic_trace_made_longer_within_a_size(limit: int, made: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The longer synthetic trace holds requests x (prompt + decode tokens) x layers rows
+    (here 2 x (10 + 5) x 2 = 60); above the limit the recorded tokens repeat instead. A preset
+    without a layer override counts the preset's layers (OLMoE: 16)."""
+    monkeypatch.setattr(serving, "SYNTH_ROWS_MAX", limit)
+    short = {"synth": {"preset": "olmoe-1b-7b", "requests": 2, "prompt_tokens": 4, "tokens": 2, "layers": 2}}
     res = simulate(scenario_from_dict(served(short, {"process": "poisson", "rate": 5.0, "requests": 2,
-                                                     "prompt_tokens": 3, "output_tokens": 3})))
-    assert not any("made with" in n or "repeat" in n for n in res.summary["arrival_notes"])  # it fits
+                                                     "prompt_tokens": 10, "output_tokens": 6})))
+    notes = res.summary["arrival_notes"]
+    assert any("made with 10 prompt and 5 decode" in n for n in notes) == made
+    assert any("repeats" in n for n in notes) != made
+    monkeypatch.setattr(serving, "SYNTH_ROWS_MAX", 2 * 15 * 16 if made else 2 * 15 * 16 - 1)
+    preset = {"synth": {"preset": "olmoe-1b-7b", "requests": 2, "prompt_tokens": 4, "tokens": 2}}
+    res = simulate(scenario_from_dict(served(preset, {"process": "poisson", "rate": 5.0, "requests": 2,
+                                                      "prompt_tokens": 10, "output_tokens": 6})))
+    assert any("made with 10 prompt" in n for n in res.summary["arrival_notes"]) == made
 
 
 def test_sweep_takes_the_rate_as_an_axis(tmp_path: Path) -> None:

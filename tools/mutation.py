@@ -89,6 +89,11 @@ EQUIVALENT: dict[str, str] = {
         "n >= 1 for n > 1: with one request the arrivals' span is 0, which the second condition already refuses",
     'moesim.simulator.serving.x_summary__mutmut_135':
         "ok = ... for ok &= ...: ok is all true before the first limit is applied",
+    'moesim.simulator.serving.xǁSchedulerǁframe__mutmut_14':
+        "a TPOT for one output token too: (finish - first token) / 0 is 0 / 0, NaN as the mask gives",
+    **{'moesim.simulator.serving.xǁSchedulerǁframe__mutmut_' + str(n): "np.arange of a Python int is int64 already"
+       for n in (24, 26)},
+    'moesim.simulator.serving.xǁSchedulerǁframe__mutmut_3': "astype(None) is astype(float64)",
     # the trace read in pieces (issue 34)
     **{'moesim.simulator.stream.x_read_ahead__mutmut_' + str(n):
        "more reader threads: one piece is asked for at a time, so one thread works whatever the pool's size"
