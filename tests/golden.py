@@ -3,7 +3,8 @@
 ``python -m tests.golden`` prints the current results as a Python literal; pasted into
 ``tests/golden_results.py`` it becomes what ``tests/test_golden.py`` holds the simulator to,
 so a change of results is a deliberate update (commit it with the reason). Reduced lengths:
-synthetic traces at most 2 requests of 16 prompt and 12 decode tokens; imported logs their
+synthetic traces at most 2 requests of 16 prompt and 12 decode tokens (served: 8 requests
+arriving, with the serving figures beside); imported logs their
 first request; the calibration set (whose trace ``calibrate validate`` supplies) a 4-layer
 synthetic OLMoE-like trace.
 """
@@ -19,6 +20,7 @@ INTS = ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetch
         "prefetches_cancelled", "forward_passes", "tokens")
 FLOATS = ("total_time_s", "ttft_s", "tpot_s", "stall_s", "gate_mass_retained", "tokens_altered",
           "unique_experts_per_layer", "max_experts_per_gpu", "speedup_vs_autoregressive")
+SERVING = ("ttft_p99_s", "tpot_p99_s", "e2e_p99_s", "requests_per_s", "slo_attainment")  # with arrivals
 
 
 def needs_real(name: str) -> bool:
@@ -51,12 +53,17 @@ def compute(name: str) -> dict[str, Any]:
     else:
         trace = synth_from_preset("olmoe-1b-7b", layers=4, requests=2, prompt_tokens=8, tokens=12, seed=0,
                                   probs=True, pred_next=True)
+    if sc.workload.arrivals is not None and sc.workload.arrivals.requests is not None:  # serving: 8 requests
+        sets.append(f"workload.arrivals.requests={min(sc.workload.arrivals.requests, 8)}")
     summary = Simulation(load_scenario(path, sets), trace=trace).run().summary
     out: dict[str, Any] = {k: int(summary[k]) for k in INTS}
     out["bytes_h2d"] = int(next(iter(summary["bytes_by_link"].values())))
     for k in FLOATS:
         v = summary.get(k)
         out[k] = None if v is None else float(v)
+    for k in SERVING:
+        if k in summary:
+            out[k] = None if summary[k] is None else float(summary[k])
     return out
 
 
