@@ -721,3 +721,63 @@ def test_summary_by_hand() -> None:
     assert one["offered_rate"] is None
     assert one["tpot_p99_s"] is None
     assert one["slo_attainment"] == 1.0
+
+
+def test_arrival_file_paragraphs_word_for_word(tmp_path: Path) -> None:
+    """Each broken arrival file's paragraph, whole: the file, the line and data row, the
+    column and value, and the fix; the notes name the columns and the time unit read; a
+    request limit reads the first rows only."""
+    def read(text: str | bytes, limit: int | None = None) -> Any:
+        path = tmp_path / "a.csv"
+        if isinstance(text, bytes):
+            path.write_bytes(text)
+        else:
+            path.write_text(text)
+        return path, serving.read_arrival_file(path, limit)
+
+    def error(text: str | bytes) -> tuple[Path, str]:
+        with pytest.raises(MoesimError) as err:
+            read(text)
+        return tmp_path / "a.csv", str(err.value)
+
+    missing = tmp_path / "none.csv"
+    with pytest.raises(MoesimError) as err:
+        serving.read_arrival_file(missing, None)
+    assert str(err.value) == (f"arrival file {missing}: not found. Give workload.arrivals.path as a CSV of arrival "
+                              "time, input tokens and output tokens (relative to the scenario file).")
+    p, msg = error(b"\xff\xfe\x00\x81garbage")
+    assert msg.startswith(f"arrival file {p}: not a readable CSV (")
+    assert msg.endswith("). Give a CSV with a header row naming the arrival time, input and output token columns.")
+    assert "None" not in msg
+    p, msg = error("arrival_time,input_tokens,output_tokens\n")
+    assert msg == f"arrival file {p}: has no rows; it needs one row per request."
+    p, msg = error("when,input_tokens,output_tokens\n0,2,2\n")
+    assert msg == (f"arrival file {p}: no column for the arrival time; it has when, input_tokens, output_tokens. Name "
+                   "one of them 'arrival_time' or 'arrival_s' or 'arrival' or 'timestamp' (also accepted: TIMESTAMP, "
+                   "Timestamp, time, arrived_at, timestamp_ms, arrival_time_ms).")
+    p, msg = error("arrival_time,input_tokens,output_tokens\n0,2,2\n1,-2,2\n")
+    assert msg == (f"arrival file {p}: line 3 (data row 2) has input_tokens = -2; it must be a whole number of tokens "
+                   ">= 0. Fix or remove that row.")
+    p, msg = error("arrival_time,input_tokens,output_tokens\n0,2,2\n1,2,0.5\n")
+    assert msg == (f"arrival file {p}: line 3 (data row 2) has output_tokens = 0.5; it must be a whole number of "
+                   "tokens >= 1. Fix or remove that row.")
+    p, msg = error("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,2,2\nsoon,2,2\n")
+    assert msg == (f"arrival file {p}: line 3 (data row 2) has TIMESTAMP = soon; it must be a time. Fix or remove "
+                   "that row.")
+    p, msg = error("arrival_time,input_tokens,output_tokens\n0,2,2\n2,2,2\n1.5,2,2\n")
+    assert msg == (f"arrival file {p}: line 4 (data row 3) arrives at 1.5 s, before the row above it (2 s); the rows "
+                   "must be in arrival order. Sort the file by arrival_time.")
+    _, (t, pr, out, found) = read("timestamp_ms,input_len,output_len\n1000,2,3\n1500,4,5\n2500,6,7\n", limit=2)
+    assert t.tolist() == [0.0, 0.5]
+    assert pr.tolist() == [2, 4]
+    assert out.tolist() == [3, 5]
+    assert pr.dtype == np.int64
+    assert out.dtype == np.int64
+    assert found == ("arrival file a.csv: arrival time from 'timestamp_ms' (milliseconds), prompt from 'input_len', "
+                     "output from 'output_len'")
+    _, (t, _, _, found) = read("arrival_s,prompt_tokens,completion_tokens\n3,2,3\n4.5,4,5\n")
+    assert t.tolist() == [0.0, 1.5]
+    assert found == ("arrival file a.csv: arrival time from 'arrival_s' (seconds), prompt from 'prompt_tokens', "
+                     "output from 'completion_tokens'")
+    _, (_, _, _, found) = read("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,2,2\n")
+    assert "(date-times)" in found
