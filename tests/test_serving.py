@@ -781,3 +781,21 @@ def test_arrival_file_paragraphs_word_for_word(tmp_path: Path) -> None:
                      "output from 'completion_tokens'")
     _, (_, _, _, found) = read("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,2,2\n")
     assert "(date-times)" in found
+    # date-times written two ways in one file; token counts written as decimals
+    _, (t, pr, out, _) = read("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,2.0,3.0\n"
+                              "11/16/2023 18:15:48,4.0,5.0\n")
+    assert t.tolist() == [0.0, 2.0]
+    assert pr.dtype == np.int64
+    assert out.dtype == np.int64
+    p, msg = error("arrival_time,input_tokens,output_tokens\n0,many,2\n")
+    assert msg == (f"arrival file {p}: line 2 (data row 1) has input_tokens = many; it must be a whole number of "
+                   "tokens >= 0. Fix or remove that row.")
+    for header, what, names in (("arrival_time,x,output_tokens", "the input (prompt) tokens",
+                                 "'input_tokens' or 'ContextTokens' or 'context_tokens' or 'prompt_tokens' (also "
+                                 "accepted: Request tokens, input_length, input_len, prompt_len, num_prefill_tokens)"),
+                                ("arrival_time,input_tokens,y", "the output tokens",
+                                 "'output_tokens' or 'GeneratedTokens' or 'generated_tokens' or 'completion_tokens' "
+                                 "(also accepted: Response tokens, output_length, output_len, num_decode_tokens)")):
+        p, msg = error(header + "\n0,2,2\n")
+        assert msg == (f"arrival file {p}: no column for {what}; it has {header.replace(',', ', ')}. Name one of "
+                       f"them {names}.")

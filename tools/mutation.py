@@ -94,6 +94,12 @@ EQUIVALENT: dict[str, str] = {
     **{'moesim.simulator.serving.xǁSchedulerǁframe__mutmut_' + str(n): "np.arange of a Python int is int64 already"
        for n in (24, 26)},
     'moesim.simulator.serving.xǁSchedulerǁframe__mutmut_3': "astype(None) is astype(float64)",
+    **{'moesim.simulator.serving.x_read_arrival_file__mutmut_' + str(n): "to_numpy(None) of a numeric column gives "
+       "int64 or float64, which the checks and the division treat alike" for n in (56, 92, 98)},
+    'moesim.simulator.serving.x_read_arrival_file__mutmut_86':
+        "np.where(None, ...) takes the seconds everywhere, and an unparsed date-time's seconds are NaN already",
+    'moesim.simulator.serving.x_read_arrival_file__mutmut_87':
+        "None for NaN where a date-time is unparsed: to_numeric reads None as NaN, so the same row is refused",
     # the trace read in pieces (issue 34)
     **{'moesim.simulator.stream.x_read_ahead__mutmut_' + str(n):
        "more reader threads: one piece is asked for at a time, so one thread works whatever the pool's size"
