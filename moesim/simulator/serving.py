@@ -278,7 +278,7 @@ def synth_lengths(scenario: Scenario, plan: Plan) -> Scenario | None:
     return replace(scenario, workload=replace(scenario.workload, trace=replace(scenario.workload.trace, synth=longer)))
 
 
-def kv_bytes_per_token(scenario: Scenario, model: Any) -> int:
+def kv_bytes_per_token(model: Any) -> int:
     """Bytes of KV cache per token: keys and values of every layer, bf16."""
     return 2 * model.num_layers * model.kv_heads * model.head_size * BF16
 
@@ -288,7 +288,7 @@ def kv_capacity_tokens(scenario: Scenario, model: Any, capacity: float, dense_by
     HBM left after the expert cache and the dense (non-expert) weights; inf with 'none'."""
     sched = scenario.scheduler or SchedulerConfig()
     where = scenario.source
-    per_token = kv_bytes_per_token(scenario, model)
+    per_token = kv_bytes_per_token(model)
     text = sched.kv_memory.strip().lower()
     if text == "none":
         return math.inf

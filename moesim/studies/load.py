@@ -65,7 +65,7 @@ def file_rate(data: dict[str, Any], base_dir: str, where: str) -> float:
 
 def plan_load(p: Path, data: dict[str, Any], eviction: Sequence[str] | None, prefetch: Sequence[str] | None,
               capacity: Sequence[str] | None, rates: Sequence[float] | None, has_pred_next: bool,
-              traces: dict[str, Any]) -> tuple[list[Point], list[dict[str, Any]], list[float]]:
+              traces: dict[str, Any]) -> tuple[list[Point], list[dict[str, Any]]]:
     """The points (candidates and the baseline at every capacity and rate) and the row plan."""
     arr = data["workload"]["arrivals"]
     cache = data.get("cache") or {}
@@ -98,14 +98,14 @@ def plan_load(p: Path, data: dict[str, Any], eviction: Sequence[str] | None, pre
     pid_of = {key: pt.pid for key, pt in zip(combos, points, strict=True)}
     for r in rows:
         r["point"] = pid_of[r.pop("key")]
-    return points, rows, rate_list
+    return points, rows
 
 
 def _meets(row: pd.Series, target: float) -> bool:
     return bool(row["slo_attainment"] >= target)
 
 
-def bisect_capacity(p: Path, data: dict[str, Any], table: pd.DataFrame, target: float, out: Path,
+def bisect_capacity(p: Path, data: dict[str, Any], table: pd.DataFrame, target: float,
                     run: Callable[[list[Point]], pd.DataFrame], traces: dict[str, Any]) -> pd.DataFrame:
     """Per (policy, capacity), the highest rate measured to meet the SLO (``max_rate``) and the
     lowest measured not to (``fails_at``), by bracketing and bisection on the rate (module
@@ -313,7 +313,7 @@ def compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, e
     from moesim.config.scenario import scenario_from_dict
     from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
-    points, rows, _ = plan_load(p, data, eviction, prefetch, capacity, rates, has_pred_next, traces)
+    points, rows = plan_load(p, data, eviction, prefetch, capacity, rates, has_pred_next, traces)
     all_points = list(points)
     reused = run_points(data, points, out, workers, executor, ray_address, progress)
     results = collect(out, points)
@@ -339,7 +339,7 @@ def compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, e
                 raise RunsFailed(f"compare: a bisection run failed: {bad.iloc[0].get('error', '?')}")
             return got
 
-        cap_table = bisect_capacity(p, data, table, slo.attainment, out, run, traces)
+        cap_table = bisect_capacity(p, data, table, slo.attainment, run, traces)
         parts_ = []
         for _cap, here in cap_table.groupby("capacity", sort=False):
             here = here.copy()

@@ -143,9 +143,12 @@ def make_points(p: Path, data: dict[str, Any], combos: list[dict[str, Any]],
             traces[source] = load_trace(sc)
         wl_key = json.dumps([source, to_plain(sc.workload)], sort_keys=True, default=str)
         try:  # builds the workload, cache and policies: what a point checks before it runs
-            if wl_key not in workloads:
-                workloads[wl_key] = scenario_workload(sc, traces[source])
-            Simulation(sc, trace=traces[source], workload=workloads[wl_key])
+            if sc.workload.arrivals is not None:  # serving forms its passes itself (and checks its limits)
+                Simulation(sc, trace=traces[source])
+            else:
+                if wl_key not in workloads:
+                    workloads[wl_key] = scenario_workload(sc, traces[source])
+                Simulation(sc, trace=traces[source], workload=workloads[wl_key])
         except MoesimError as exc:
             msg = str(exc) if "(sweep point" in str(exc) else f"sweep point {chosen}: {exc}"
             raise MoesimError(f"{msg} Nothing was run: every point is checked first.") from None
