@@ -59,10 +59,9 @@ class _DevicePool:
         self.torch, self.device, self.p_num, self.host = torch, device, p_num, host
         self.spread, self.use_graphs = spread, graphs
         self.slots = slots * spread
-        _, _, h, inter = host.shape
-        dt = host.dtype
+        h, dt = self._hidden(host)
         gen = torch.Generator(device=device).manual_seed(1)
-        self.pool = torch.empty(max(self.slots, 1), 3, h, inter, dtype=dt, device=device)
+        self.pool = torch.empty(max(self.slots, 1), *host.shape[1:], dtype=host.dtype, device=device)
         self.x = torch.randn(tokens, h, generator=gen, dtype=torch.float32, device=device).to(dt)
         self.attn = (torch.randn(4, h, h, generator=gen, dtype=torch.float32, device=device) / h ** 0.5).to(dt)
         self.router = torch.randn(h, num_experts, generator=gen, dtype=torch.float32, device=device).to(dt)
@@ -76,6 +75,15 @@ class _DevicePool:
         self.most_spares = 0
         self.reset()
 
+    def _hidden(self, host: Any) -> tuple[int, Any]:
+        """The hidden size and the activations' dtype for ``host``'s experts (``experts x 3 x
+        hidden x intermediate``, the weights' dtype)."""
+        return host.shape[2], host.dtype
+
+    def begin_layer(self, p: int, layer: int) -> None:
+        """Pass ``p`` starts layer ``layer`` (nothing to do here; the SpecMD-style executor
+        takes the layer's routing)."""
+
     def reset(self) -> None:
         """Empty cache, no copies in flight, tallies at zero (before the plan and the replay)."""
         self.free = list(range(0, self.slots, self.spread))
@@ -84,7 +92,7 @@ class _DevicePool:
         self.where: dict[int, int] = {}
         self.landing: dict[int, Any] = {}
         self.arrived: dict[int, Any] = {}  # buffer -> CUDA event of its demand copy
-        self.tally = {"hit": 0, "fetch": 0, "bypass": 0}
+        self.tally = {"hit": 0, "fetch": 0, "bypass": 0, "prefetch": 0}
 
     def buffer(self, b: int) -> Any:
         return self.pool[b] if b < self.slots else self.spares[b - self.slots]
@@ -268,19 +276,32 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, sp
     assert sim.decisions is not None
     wl, model = sim.wl, sim.model
     h, num_l, num_e = model.hidden_size, model.num_layers, model.num_experts
-    if host is None:
-        host = host_weights(torch, num_l * num_e, h, model.expert_intermediate_size, device)
+    inter = model.expert_intermediate_size
     slots = int(min(sim.capacity / sim.expert_bytes, num_l * num_e)) if np.isfinite(sim.capacity) else num_l * num_e
-    mem = _DevicePool(torch, host, slots, device, sim.num_prec, int(wl.pass_tokens.max()), num_e, spread, graphs)
     ops: dict[tuple[int, int], list[tuple[str, int]]] = {}
     for p, layer, op, key in sim.decisions:
         ops.setdefault((p, layer), []).append((op, key))
     keys, acc_tokens, off = sim.acc_keys.tolist(), wl.acc_tokens.tolist(), wl.off.tolist()
     counts = {b: dict(zip(keys[off[b]:off[b + 1]], acc_tokens[off[b]:off[b + 1]], strict=True))
               for b in range(len(off) - 1)}  # tokens routed to each expert of a (pass, layer)
+    tokens = int(wl.pass_tokens.max())
+    mem: _DevicePool
+    if scenario.execution.style == "hf-loop":  # SpecMD's loop (moesim.calibration.hf_loop)
+        from moesim.calibration.hf_loop import HfLoopPool, hf_host_weights
+
+        quantised = sim.expert_bytes < 6 * h * inter  # below bf16: NF4 experts
+        if host is None or host.dim() != 2:
+            host = hf_host_weights(torch, num_l * num_e, h, inter, device, quantised)
+        mem = HfLoopPool(torch, host, slots, device, sim.num_prec, tokens, num_e, (h, inter),
+                         sim.cost.copy_time(sim.expert_bytes), quantised, model.top_k, counts, wl.pass_tokens, num_l)
+    else:
+        if host is None:
+            host = host_weights(torch, num_l * num_e, h, inter, device)
+        mem = _DevicePool(torch, host, slots, device, sim.num_prec, tokens, num_e, spread, graphs)
 
     def forward(p: int) -> None:
         for layer in range(num_l):
+            mem.begin_layer(p, layer)
             mem.run(((-1, mem.size(int(wl.pass_tokens[p]))),))
             needed: dict[int, int] = {}
             for op, key in ops.get((p, layer), []):
@@ -307,9 +328,12 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, sp
             sync()
             times.append(time.perf_counter() - t0)
     mem.copier.shutdown(wait=True)
+    link = getattr(mem, "link", None)
     return {"pass_s": np.asarray(times), "hits": mem.tally["hit"],
+            "copies": mem.tally["fetch"] + mem.tally["bypass"] + mem.tally["prefetch"],
+            "link_late_s": link.late if link is not None else 0.0,
             "misses": mem.tally["fetch"] + mem.tally["bypass"], "workload": wl, "predicted": predicted,
-            "launches": mem.launches, "spares": mem.most_spares}
+            "launches": mem.launches, "spares": mem.most_spares, "host": host}
 
 
 def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, device: str = "cpu",
