@@ -36,12 +36,20 @@ from moesim.traces.io import read_trace, write_trace
 from moesim.traces.synth import synth_from_preset
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = {"cap1": ("cap1-nopf-lru", 1, True), "cap5": ("cap5-nopf-lru", 1, True),
-            "cap1-spread5": ("cap1-nopf-lru", 5, True), "cap1-eager": ("cap1-nopf-lru", 1, False),
-            "cap5-eager": ("cap5-nopf-lru", 1, False)}
+# name -> scenario, spread, graphs, upload, one_stream (moesim.calibration.validate.execute)
+VARIANTS = {"cap1": ("cap1-nopf-lru", 1, True, False, False), "cap5": ("cap5-nopf-lru", 1, True, False, False),
+            "cap1-spread5": ("cap1-nopf-lru", 5, True, False, False),
+            "cap1-eager": ("cap1-nopf-lru", 1, False, False, False),
+            "cap5-eager": ("cap5-nopf-lru", 1, False, False, False)}
+# the second run (issue 37, H200): is it the graphs' first launches, or graphs beside a second stream?
+SECOND = {"cap1-upload": ("cap1-nopf-lru", 1, True, True, False), "cap5-upload": ("cap5-nopf-lru", 1, True, True, False),
+          "cap1-one-stream": ("cap1-nopf-lru", 1, True, False, True),
+          "cap1-eager-one-stream": ("cap1-nopf-lru", 1, False, False, True),
+          "cap1": ("cap1-nopf-lru", 1, True, False, False), "cap5": ("cap5-nopf-lru", 1, True, False, False)}
 
 
-def run(out: str, device: str, repeats: int, tokens: int, layers: int | None = None) -> pd.DataFrame:
+def run(out: str, device: str, repeats: int, tokens: int, layers: int | None = None,
+        variants: dict[str, tuple[str, int, bool, bool, bool]] | None = None) -> pd.DataFrame:
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -53,11 +61,12 @@ def run(out: str, device: str, repeats: int, tokens: int, layers: int | None = N
         host = host_weights(torch, m.num_layers * m.num_experts, m.hidden_size, m.expert_intermediate_size, device)
         rows = []
         # each variant once before any is repeated (a run stopped at its limit keeps one of each)
-        for rep, (name, (scen, spread, graphs)) in ((rep, v) for rep in range(repeats) for v in VARIANTS.items()):
+        chosen = VARIANTS if variants is None else variants
+        for rep, (name, (scen, spread, graphs, upload, one)) in ((rep, v) for rep in range(repeats) for v in chosen.items()):
             sc = load_scenario(f"validation/{scen}", [f"hardware.profile={ROOT / 'profiles' / 'h100.yaml'}",
                                                       f"workload.trace.path={path}", "expert_compute=per-expert",
                                                       "execution.style=graph-per-expert"])
-            r = execute(sc, trace, device, host, spread=spread, graphs=graphs)
+            r = execute(sc, trace, device, host, spread=spread, graphs=graphs, upload=upload, one_stream=one)
             pred = r["predicted"]
             assert (r["hits"], r["misses"]) == (pred.summary["hits"], pred.summary["misses"]), name
             steps = pred.steps
@@ -66,7 +75,7 @@ def run(out: str, device: str, repeats: int, tokens: int, layers: int | None = N
                                       "measured_s": r["pass_s"], "predicted_s": steps["duration_s"].to_numpy(),
                                       "launches": len(r["launches"]), "device": device}))
             pd.concat(rows, ignore_index=True).to_csv(out, index=False)  # kept as it goes
-            print(f"{name:13s} rep {rep}: prefill {1e3 * r['pass_s'][0]:.1f} ms, decode "
+            print(f"{name:21s} rep {rep}: prefill {1e3 * r['pass_s'][0]:.1f} ms, decode "
                   f"{1e3 * r['pass_s'][1:].mean():.2f} ms, {len(r['launches'])} distinct launches", flush=True)
     df = pd.concat(rows, ignore_index=True)
     df.to_csv(out, index=False)
@@ -80,8 +89,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--second", action="store_true", help="the second run's variants (SECOND)")
     a = ap.parse_args()
-    run(a.out, a.device, a.repeats, a.tokens, a.layers)
+    run(a.out, a.device, a.repeats, a.tokens, a.layers, SECOND if a.second else None)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.
        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
        0.7229568362236023, 1.0)
 NF4_BLOCK = 64
+SPIN_S = 2e-4  # Link.wait spins for its last 200 us
 
 
 class Link:
@@ -70,9 +71,14 @@ class Link:
             return self.free
 
     def wait(self, until: float) -> None:
+        """Wait until ``until``: asleep (so other threads run) to within ``SPIN_S`` of it, then
+        spinning, since a sleep overshoots by tens of microseconds (measured on the H200
+        machine: 79 us a copy with sleeps alone)."""
         left = until - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
+        if left > SPIN_S:
+            time.sleep(left - SPIN_S)
+        while time.perf_counter() < until:
+            pass
         over = time.perf_counter() - until
         with self.lock:
             self.late += max(over, 0.0)

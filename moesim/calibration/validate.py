@@ -50,14 +50,17 @@ class _DevicePool:
     the H100 Python's dispatch took 53-91 us per OLMoE FFN, the GPU 19 us)."""
 
     def __init__(self, torch: Any, host: Any, slots: int, device: str, p_num: int, tokens: int,
-                 num_experts: int, spread: int = 1, graphs: bool = True) -> None:
+                 num_experts: int, spread: int = 1, graphs: bool = True, upload: bool = False,
+                 one_stream: bool = False) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         # ``spread``: the pool has slots * spread buffers and the cache uses every spread-th, so
         # the copies land in as much device memory as a cache spread times larger while the
         # decisions (and the launches) stay the same; ``graphs``: False launches eagerly
         self.torch, self.device, self.p_num, self.host = torch, device, p_num, host
-        self.spread, self.use_graphs = spread, graphs
+        # ``upload``: every captured graph replayed once before the timed passes (a graph's
+        # first launch uploads it to the device); ``one_stream``: demand copies on the compute stream
+        self.spread, self.use_graphs, self.upload, self.one_stream = spread, graphs, upload, one_stream
         self.slots = slots * spread
         h, dt = self._hidden(host)
         gen = torch.Generator(device=device).manual_seed(1)
@@ -154,6 +157,9 @@ class _DevicePool:
             mempool = torch.cuda.graph_pool_handle()
             for launch in sorted(self.launches):
                 self.graphs[launch] = cuda_graph(lambda launch=launch: self.run(launch), mempool)
+            if self.upload:
+                for replay in self.graphs.values():
+                    replay()
             torch.cuda.synchronize()
         self.reset()
 
@@ -175,6 +181,9 @@ class _DevicePool:
             return
         after = torch.cuda.Event()
         after.record()  # the compute stream's work so far
+        if not background and self.one_stream:
+            dst.copy_(src, non_blocking=True)
+            return
         if not background:
             with torch.cuda.stream(self.demand):
                 self.demand.wait_event(after)
@@ -259,13 +268,13 @@ def host_weights(torch: Any, experts: int, h: int, inter: int, device: str) -> A
 
 
 def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, spread: int = 1,
-            graphs: bool = True) -> dict[str, Any]:
+            graphs: bool = True, upload: bool = False, one_stream: bool = False) -> dict[str, Any]:
     """Replay ``trace`` under ``scenario`` on ``device``; per-pass times and the decisions.
     The decisions are the simulator's own (the timed replay records them; its result is
     returned as ``predicted``), replayed op by op (:class:`_DevicePool`): no second copy of the
     miss -> evict -> insert logic.
     ``host`` is :func:`host_weights` for the trace's model (made here when not given);
-    ``spread`` and ``graphs`` are diagnostics of :class:`_DevicePool` (the defaults are the
+    ``spread``, ``graphs``, ``upload`` and ``one_stream`` are diagnostics of :class:`_DevicePool` (the defaults are the
     validation's executor)."""
     import torch
 
@@ -297,7 +306,7 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, sp
     else:
         if host is None:
             host = host_weights(torch, num_l * num_e, h, inter, device)
-        mem = _DevicePool(torch, host, slots, device, sim.num_prec, tokens, num_e, spread, graphs)
+        mem = _DevicePool(torch, host, slots, device, sim.num_prec, tokens, num_e, spread, graphs, upload, one_stream)
 
     def forward(p: int) -> None:
         for layer in range(num_l):
