@@ -765,9 +765,13 @@ def calibrate_fit(raw: str, out: str, host_costs: str | None) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a key in every scenario, e.g. --set expert_compute=per-expert. Repeatable.")
 @device_option
+@click.option("--launch", type=click.Choice(["graphs", "eager"]), default="graphs", show_default=True,
+              help="How the executor launches its kernels on CUDA: a CUDA graph per launch, or eagerly (issue 37: "
+                   "on an H200 the graphs, waiting on the demand-copy stream's events, cost up to 150 us an expert "
+                   "that eager launches do not).")
 @click.option("--out", "out_dir", required=True, type=OUT_DIR, help="Report folder.")
 def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], overrides: tuple[str, ...],
-                       device: str, out_dir: str) -> None:
+                       device: str, launch: str, out_dir: str) -> None:
     """Replay TRACE on the device with a reference executor (same policy decisions) and with
     the simulator under PROFILE; write report.md, validation.parquet (a row per scenario),
     passes.parquet (a row per forward pass) and a plot. Prints a line per scenario as it ends."""
@@ -782,7 +786,8 @@ def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...]
     paths = expand(list(scenarios))
     df = _with_progress("validating scenarios", lambda progress: validate(
         profile, trace_path, paths, out_dir, _device(device), progress=progress,
-        warn=lambda w: click.echo(f"warning: {w}", err=True), overrides=list(overrides), done=done))
+        warn=lambda w: click.echo(f"warning: {w}", err=True), overrides=list(overrides), done=done,
+        graphs=launch == "graphs"))
     click.echo(f"TPOT APE median {df['tpot_ape'].median():.1%}, p95 {df['tpot_ape'].quantile(0.95):.1%} over "
                f"{len(df)} scenarios -> {out_dir}/report.md")
 

@@ -348,7 +348,7 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, sp
 def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, device: str = "cpu",
              progress: Any = None,
              warn: Callable[[str], None] | None = None, overrides: list[str] | None = None,
-             done: Callable[[dict[str, Any]], None] | None = None) -> pd.DataFrame:
+             done: Callable[[dict[str, Any]], None] | None = None, graphs: bool = True) -> pd.DataFrame:
     """Measure and predict every scenario; write report.md, validation.parquet (a row per
     scenario), passes.parquet (a row per forward pass: measured and predicted seconds, so the
     error can be studied pass by pass) and a plot. ``overrides`` (``KEY=VALUE``) apply to every
@@ -375,7 +375,7 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     for i, (path, sc) in enumerate(zip(scenarios, loaded, strict=True)):
         if progress is not None:
             progress(i, len(scenarios))
-        meas = execute(sc, trace, device, host)
+        meas = execute(sc, trace, device, host, graphs=graphs)
         pred = meas["predicted"]
         steps = pred.steps
         dec = (steps["phase"] == "decode").to_numpy()
@@ -399,10 +399,10 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
                                     "measured_s": m, "predicted_s": steps["duration_s"].to_numpy()}))
         if done is not None:
             done(row)
-    df = pd.DataFrame(rows)
-    out = Path(out_dir)
-    write_atomic(out / "validation.parquet", lambda tmp: df.to_parquet(tmp, index=False))
-    write_atomic(out / "passes.parquet", lambda tmp: pd.concat(passes).to_parquet(tmp, index=False))
+        df = pd.DataFrame(rows)
+        out = Path(out_dir)  # the rows so far, so that a run stopped early keeps what it measured
+        write_atomic(out / "validation.parquet", lambda tmp: df.to_parquet(tmp, index=False))
+        write_atomic(out / "passes.parquet", lambda tmp: pd.concat(passes).to_parquet(tmp, index=False))
     write_report(df, out, profile, device, warnings)
     df.attrs["warnings"] = warnings
     return df
