@@ -6,7 +6,6 @@ set -u
 out=$1; mkdir -p "$out/val"
 export PYTHONUNBUFFERED=1 NUMBA_DISABLE_JIT=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 log() { echo "[$(date +%H:%M:%S)] $*"; }
-moesim() { python3 -m moesim "$@"; }
 log "measure"; timeout "${MEASURE_S:-80}" python3 -m moesim calibrate measure --device cuda --model-shapes olmoe-1b-7b --out "$out/raw_olmoe.parquet"
 log "fit"; timeout 25 python3 -m moesim calibrate fit "$out/raw_olmoe.parquet" --out "$out/profile.yaml"
 profile=$out/profile.yaml; [ -f "$profile" ] || profile=profiles/h100.yaml
