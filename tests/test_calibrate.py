@@ -445,3 +445,39 @@ def test_the_executor_s_diagnostic_variants_make_the_same_decisions(tmp_path):
     assert len(used) > 1
     assert all(b % 4 == 0 for b in used)
     assert {b // 4 for b in used} == {b for launch in plain["launches"] for b, _ in launch if 0 <= b < slots}
+
+
+def test_validate_with_eager_launches_predicts_with_the_eager_executor_s_host(tmp_path):
+    """``calibrate validate --launch eager`` (issue 37): the executor launches its kernels
+    eagerly and the prediction uses ``eager-per-expert`` (5 eager kernels a launch); in layer
+    execution, which that style does not model, it is refused with the fix, before anything
+    runs."""
+    from click.testing import CliRunner
+
+    from moesim.calibration.validate import executor_style
+    from moesim.cli import cli
+    from moesim.traces.io import write_trace
+    from moesim.traces.synth import synth_from_preset
+
+    sets = ["expert_compute=per-expert"]
+    sc = load_scenario("validation/cap5-nopf-lru", sets)
+    assert executor_style(sc, "validation/cap5-nopf-lru", sets, graphs=False).execution.style == "eager-per-expert"
+    assert executor_style(sc, "validation/cap5-nopf-lru", sets).execution.style == "graph-per-expert"
+    path = tmp_path / "t.parquet"
+    write_trace(synth_from_preset("olmoe-1b-7b", layers=2, requests=1, prompt_tokens=3, tokens=3, seed=0), path)
+    base = ["calibrate", "validate", "--profile", str(ROOT / "profiles" / "h100.yaml"), "--trace", str(path),
+            "--scenarios", str(ROOT / "moesim" / "scenarios" / "validation" / "cap5-nopf-lru.yaml"), "--device", "cpu",
+            "--launch", "eager"]
+    r = CliRunner().invoke(cli, [*base, "--set", "expert_compute=layer", "--out", str(tmp_path / "a")])
+    assert r.exit_code != 0
+    assert "eager launches are modelled in per-expert execution only" in r.output
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "a" / "validation.parquet").exists()
+    r = CliRunner().invoke(cli, [*base, "--set", "expert_compute=per-expert", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    row = pd.read_parquet(tmp_path / "b" / "validation.parquet").iloc[0]
+    want = simulate(load_scenario("validation/cap5-nopf-lru", [
+        f"hardware.profile={ROOT / 'profiles' / 'h100.yaml'}", f"workload.trace.path={path}", *sets,
+        "execution.style=eager-per-expert"]))
+    dec = (want.steps["phase"] == "decode").to_numpy()
+    assert row["tpot_predicted_s"] == pytest.approx(want.steps["duration_s"].to_numpy()[dec].mean(), rel=1e-12)

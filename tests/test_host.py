@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from moesim.config.confload import ConfigError
-from moesim.config.execution import HF_EXPERT_KERNELS, HF_LAYER_KERNELS
+from moesim.config.execution import EAGER_EXPERT_KERNELS, EAGER_LAYER_KERNELS, HF_EXPERT_KERNELS, HF_LAYER_KERNELS
 from moesim.simulator.engine import simulate
 from moesim.simulator.workload import build_workload
 from moesim.traces.synth import generate
@@ -117,6 +117,22 @@ def test_the_hf_loop_is_host_bound_when_every_expert_is_resident(path, monkeypat
     assert res.steps["stall_s"].iloc[1] == 0.0  # the GPU waited for the host, not for copies
 
 
+@pytest.mark.parametrize("path", ["kernel", "simpy"])
+def test_the_eager_executor_is_host_bound_when_every_expert_is_resident(path, monkeypatch):
+    """``eager-per-expert`` (the calibration executor launching eagerly) with a 6 us kernel:
+    a layer's non-expert part costs the host 5 kernels (30 us), each expert 5 (30 us), and the
+    host never waits inside a pass. Every expert resident (second pass): the host issues the
+    non-expert part of layer 0 by 30, its experts by 60 and 90, layer 1's part by 120 and its
+    experts by 150 and 180; the GPU, quicker than 30 us at each, runs each as it is issued, so
+    the pass ends at 180 us + f."""
+    monkeypatch.setitem(HOST, "eager_kernel_us", 6.0)
+    res, nonexp, f, _ = two_layer_case("eager-per-expert", path, monkeypatch, capacity="inf", passes=2)
+    assert (EAGER_LAYER_KERNELS, EAGER_EXPERT_KERNELS) == (5, 5)
+    assert max(nonexp[1], f) < 30 * US
+    assert res.steps["hits"].tolist() == [0, 4]
+    assert res.steps["duration_s"].iloc[1] == pytest.approx(180 * US + f, rel=1e-12)
+
+
 @pytest.mark.parametrize(("mode", "fetch", "style"), [("layer", "pipelined", "none"), ("per-expert", "blocking", "none"),
                                                      ("per-expert", "blocking", "hf-loop")])
 @pytest.mark.parametrize("path", ["kernel", "simpy"])
@@ -191,6 +207,10 @@ def test_a_style_sets_the_execution_keys_the_scenario_leaves_out():
                                             "host_sync": "none", "dequant": False}
     mine = scenario(execution={"style": "graph-layer", "host_layer_us": 0, "host_copy_us": 0.5, "host_launch_us": 2.5})
     assert (mine.host.layer_us, mine.host.launch_us, mine.host.copy_us) == (0.0, 2.5, 0.5)
+    eager = scenario(execution={"style": "eager-per-expert"})
+    assert (eager.expert_compute, eager.expert_fetch, eager.host.sync) == ("per-expert", "pipelined", "none")
+    assert (eager.host.layer_us, eager.host.launch_us) == (5 * host.eager_kernel_us, 5 * host.eager_kernel_us)
+    assert eager.host.copy_us == graph.host.copy_us
     fused = scenario(execution={"style": "fused-moe"})
     assert (fused.expert_compute, fused.host.layer_us, fused.host.launch_us, fused.host.copy_us, fused.host.sync) == (
         "layer", host.graph_launch_us, host.graph_launch_us, host.copy_submit_us, "none")
@@ -252,9 +272,11 @@ def test_the_styles_are_listed_with_their_host_costs_and_named_in_compare_s_titl
     out = subprocess.run([sys.executable, "-m", "moesim", "presets", "--json"], capture_output=True, text=True,
                          check=True).stdout
     styles = json.loads(out)["execution_styles"]
-    assert list(styles) == ["none", "graph-layer", "graph-per-expert", "hf-loop", "fused-moe"]
-    assert [styles[k]["execution"] for k in styles] == ["(any)", "layer", "per-expert pipelined", "per-expert blocking",
-                                                        "layer"]
+    assert list(styles) == ["none", "graph-layer", "graph-per-expert", "eager-per-expert", "hf-loop", "fused-moe"]
+    assert [styles[k]["execution"] for k in styles] == ["(any)", "layer", "per-expert pipelined", "per-expert pipelined",
+                                                        "per-expert blocking", "layer"]
+    assert (styles["eager-per-expert"]["host_layer_us"], styles["eager-per-expert"]["host_launch_us"]) == (
+        "66.72", "66.72")  # 5 kernels of 13.344 us (hf-loop's 60 make 800.64)
     assert styles["hf-loop"] == {"execution": "per-expert blocking", "host_layer_us": "800.64",
                                  "host_launch_us": "133.44", "host_copy_us": "7.34", "host_sync": "expert",
                                  "dequant": "True"}

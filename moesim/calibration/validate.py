@@ -366,7 +366,7 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
         for w in warnings:
             warn(w)
     sets = [f"hardware.profile={profile}", f"workload.trace.path={Path(trace_path).resolve()}", *(overrides or [])]
-    loaded = [executor_style(load_scenario(path, sets), path, sets)
+    loaded = [executor_style(load_scenario(path, sets), path, sets, graphs)
               for path in scenarios]  # every scenario checked before any is measured
     m_info = trace.model
     host = host_weights(torch, m_info.num_layers * m_info.num_experts, m_info.hidden_size,
@@ -408,14 +408,19 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     return df
 
 
-def executor_style(sc: Any, path: Any, sets: list[str]) -> Any:
+def executor_style(sc: Any, path: Any, sets: list[str], graphs: bool = True) -> Any:
     """``sc`` predicted with the executor's own host: a scenario without an execution style
-    gets the executor's (``graph-per-expert`` in per-expert execution, else ``graph-layer``)."""
+    gets the executor's (``graph-per-expert`` in per-expert execution, else ``graph-layer``;
+    with eager launches, ``eager-per-expert``, which models per-expert execution only)."""
     from moesim.config.scenario import load_scenario
 
+    if not graphs and sc.expert_compute != "per-expert":
+        raise MoesimError(f"calibrate validate --launch eager: {path} runs expert_compute={sc.expert_compute}; eager "
+                          "launches are modelled in per-expert execution only (execution.style=eager-per-expert). "
+                          "Add --set expert_compute=per-expert, or launch graphs.")
     if sc.execution.style != "none":
         return sc
-    style = "graph-per-expert" if sc.expert_compute == "per-expert" else "graph-layer"
+    style = ("graph-per-expert" if graphs else "eager-per-expert") if sc.expert_compute == "per-expert" else "graph-layer"
     return load_scenario(path, [*sets, f"execution.style={style}"])
 
 

@@ -13,6 +13,12 @@ calls that stack makes:
   graph replay; a demand copy goes out on its own stream (two events made and recorded, a
   stream switch and wait, the copy, and the compute stream's wait for it). Its host never
   waits for the GPU inside a pass (it replays decisions it already has).
+- ``eager-per-expert``: the same executor with its kernels launched eagerly
+  (``calibrate validate --launch eager``): a layer's non-expert part is 5 kernels (four
+  projections and the router), an expert 5 (gate, up, SiLU, product, down), each costing
+  ``eager_kernel_us``; demand copies as above. Measured on an H200 (``validation/h200/``), the
+  per-expert CUDA graphs waiting on the demand-copy stream cost up to 150 us an expert that eager
+  launches do not, so this is the executor the per-expert validation runs.
 - ``hf-loop``: a Hugging Face-style per-expert Python loop with blocking fetches (SpecMD,
   ``speculating-experts-prefetch.txt`` appendix A.2: "fetch blocks until the expert loads
   from CPU") and bitsandbytes-quantised experts. Its kernels are launched eagerly. Counted in
@@ -38,16 +44,18 @@ from typing import Any, Literal
 
 from moesim.config.hardware import HostCosts
 
-STYLES = ("none", "graph-layer", "graph-per-expert", "hf-loop", "fused-moe")
+STYLES = ("none", "graph-layer", "graph-per-expert", "eager-per-expert", "hf-loop", "fused-moe")
 HF_LAYER_KERNELS = 60  # a transformers 5.24 OLMoE decoder layer outside its experts (module docstring)
 HF_EXPERT_KERNELS = 10  # one routed expert of its loop
+EAGER_LAYER_KERNELS = 5  # the calibration executor's non-expert part: q, k, v, o projections and the router
+EAGER_EXPERT_KERNELS = 5  # its expert FFN: x @ gate, x @ up, SiLU, the product, @ down
 
 
 @dataclass(frozen=True)
 class ExecutionConfig:
     """The ``execution`` key: a style and, optionally, any of its knobs set directly."""
 
-    style: Literal["none", "graph-layer", "graph-per-expert", "hf-loop", "fused-moe"] = field(
+    style: Literal["none", "graph-layer", "graph-per-expert", "eager-per-expert", "hf-loop", "fused-moe"] = field(
         default="none", metadata={"help": "how the host feeds the GPU: " + ", ".join(STYLES)})
     host_layer_us: float | None = field(default=None, metadata={
         "help": "host time to issue one layer's non-expert part, microseconds (default: the style's)"})
@@ -88,6 +96,7 @@ class HostModel:
 def style_defaults(style: str) -> dict[str, str]:
     """The top-level keys a style sets unless the scenario sets them."""
     return {"graph-per-expert": {"expert_compute": "per-expert", "expert_fetch": "pipelined"},
+            "eager-per-expert": {"expert_compute": "per-expert", "expert_fetch": "pipelined"},
             "hf-loop": {"expert_compute": "per-expert", "expert_fetch": "blocking"},
             "graph-layer": {"expert_compute": "layer"},
             "fused-moe": {"expert_compute": "layer"}}.get(style, {})
@@ -95,9 +104,12 @@ def style_defaults(style: str) -> dict[str, str]:
 
 def style_costs(style: str, host: HostCosts) -> HostModel:
     """A style's host costs, summed from the measured per-call costs (module docstring)."""
+    demand_copy = 2 * host.event_record_us + host.stream_wait_us + host.copy_submit_us + host.event_wait_us
     if style in ("graph-layer", "graph-per-expert"):
-        demand_copy = 2 * host.event_record_us + host.stream_wait_us + host.copy_submit_us + host.event_wait_us
         return HostModel(layer_us=host.graph_launch_us, launch_us=host.graph_launch_us, copy_us=demand_copy)
+    if style == "eager-per-expert":
+        return HostModel(layer_us=EAGER_LAYER_KERNELS * host.eager_kernel_us,
+                         launch_us=EAGER_EXPERT_KERNELS * host.eager_kernel_us, copy_us=demand_copy)
     if style == "hf-loop":
         return HostModel(layer_us=HF_LAYER_KERNELS * host.eager_kernel_us,
                          launch_us=HF_EXPERT_KERNELS * host.eager_kernel_us,

@@ -1,0 +1,104 @@
+"""The calibration executor in SpecMD's style (``moesim.calibration.hf_loop``, issue 37): NF4
+against an independent NumPy reference, the throttled link's windows by hand, the router
+output made from the trace's counts by hand, and the executor on the CPU making the
+simulator's decisions with every pass at least its copies' throttled time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from moesim.calibration import hf_loop  # noqa: E402
+from moesim.calibration.hf_loop import NF4, NF4_BLOCK, HfLoopPool, Link, nf4_dequantise, nf4_quantise  # noqa: E402
+
+
+def numpy_nf4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """NF4 written from its definition (QLoRA §3, bitsandbytes' layout): per block of 64 the
+    absmax, each weight's nearest of the 16 code values after dividing by it, two codes a
+    byte (the first high); the dequantised weights are code value x absmax."""
+    table = np.array(NF4, dtype=np.float64)
+    blocks = w.astype(np.float64).reshape(-1, 64)
+    absmax = np.abs(blocks).max(axis=1)
+    codes = np.abs(blocks[:, :, None] / absmax[:, None, None] - table).argmin(axis=2).reshape(-1)
+    packed = (codes[0::2] * 16 + codes[1::2]).astype(np.uint8)
+    return packed, absmax, (table[codes].reshape(-1, 64) * absmax[:, None]).reshape(-1)
+
+
+def test_nf4_matches_a_numpy_reference_and_its_error_bound():
+    w = torch.randn(64 * 40, generator=torch.Generator().manual_seed(3))
+    packed, absmax = nf4_quantise(torch, w)
+    ref_packed, ref_absmax, ref_deq = numpy_nf4(w.numpy())
+    assert NF4_BLOCK == 64
+    np.testing.assert_array_equal(packed.numpy(), ref_packed)
+    np.testing.assert_allclose(absmax.numpy(), ref_absmax, rtol=1e-7)
+    deq = nf4_dequantise(torch, packed, absmax, torch.tensor(NF4), torch.float32)
+    np.testing.assert_allclose(deq.numpy(), ref_deq, rtol=1e-6, atol=1e-7)
+    gap = np.diff(np.array(NF4)).max() / 2  # a weight is at most half the widest gap from its code
+    assert (np.abs(deq.numpy() - w.numpy()) <= gap * np.repeat(ref_absmax, 64) + 1e-6).all()
+    assert len(packed) == len(w) // 2  # 4 bits a weight
+
+
+def test_the_link_carries_copies_one_after_another_each_for_its_window(monkeypatch):
+    """Copies of 1 ms issued at 0, 0.5 and 5 ms: the first crosses by 1, the second waits for
+    it (2), the third finds the link idle (6)."""
+    now = [0.0]
+    monkeypatch.setattr(hf_loop.time, "perf_counter", lambda: now[0])
+    link = Link()
+    assert link.reserve(1e-3) == pytest.approx(1e-3)
+    now[0] = 0.5e-3
+    assert link.reserve(1e-3) == pytest.approx(2e-3)
+    now[0] = 5e-3
+    assert link.reserve(1e-3) == pytest.approx(6e-3)
+    assert link.copies == 3
+
+
+def test_a_wait_ends_at_its_window_not_before():
+    import time
+
+    link = Link()
+    end = link.reserve(2e-3)
+    link.wait(end)
+    assert time.perf_counter() >= end
+    assert 0.0 <= link.late < 0.05
+
+
+def test_the_router_output_gives_each_expert_the_trace_s_count_of_tokens():
+    """Three tokens, top-2 of 4 experts, the trace routing 3 tokens to expert 0, 2 to expert 2
+    and 1 to expert 3: the six choices 0 0 0 2 2 3 go out choice by choice, token by token:
+    token 0 takes 0 and 2, token 1 takes 0 and 2, token 2 takes 0 and 3. With one choice
+    fewer the last is the skip index (4)."""
+    pool = HfLoopPool.__new__(HfLoopPool)
+    pool.p_num, pool.top_k, pool.num_layers = 1, 2, 1
+    pool.router = torch.zeros(8, 4)
+    pool.pass_tokens = np.array([3, 3])
+    pool.counts = {0: {0: 3, 2: 2, 3: 1}, 1: {0: 3, 2: 2}}
+    assert pool.top_k_index(0, 0) == [[0, 2], [0, 2], [0, 3]]
+    assert pool.top_k_index(1, 0) == [[0, 2], [0, 2], [0, 4]]
+
+
+@pytest.mark.parametrize("prefetch", ["none", "next-gate-topk"])
+def test_the_executor_makes_the_simulator_s_decisions_behind_a_throttled_link(prefetch):
+    """Two OLMoE layers at a 0.2 GB/s link (a 4-bit expert's copy is then ~16 ms): the
+    executor's hits and misses are the simulator's, it copies what the decisions copy, and
+    without prefetch every pass lasts at least its copies' throttled time."""
+    from moesim.calibration.validate import execute
+    from moesim.config.scenario import load_scenario
+    from moesim.traces.synth import synth_from_preset
+
+    trace = synth_from_preset("olmoe-1b-7b", layers=2, requests=1, prompt_tokens=4, tokens=2, seed=0, probs=True,
+                              pred_next=True, pred_noise=1.0)
+    sc = load_scenario("specmd/olmoe-prefill", ["cache.capacity=0.02GB", f"policies.prefetch={prefetch}",
+                                                "hardware.links.pcie.bandwidth_gbps=0.2"])
+    r = execute(sc, trace, "cpu")
+    s = r["predicted"].summary
+    assert (r["hits"], r["misses"]) == (s["hits"] + s["late_prefetches"], s["misses"])
+    assert r["copies"] * s["expert_bytes"] == s["bytes_by_link"]["pcie.h2d"]  # every copy the replay made
+    copy_s = 3 * 2048 * 1024 / 2 / 0.2e9
+    if prefetch == "none":
+        assert r["copies"] == s["misses"]
+        dec = r["predicted"].steps
+        per_pass = dec["misses"].to_numpy()
+        assert (r["pass_s"] >= per_pass * copy_s * (1 - 1e-3)).all()
+        assert per_pass.sum() > 0
