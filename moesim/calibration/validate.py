@@ -424,12 +424,12 @@ def executor_style(sc: Any, path: Any, sets: list[str], graphs: bool = True) -> 
     return load_scenario(path, [*sets, f"execution.style={style}"])
 
 
-def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str]) -> pd.DataFrame:
+def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str], graphs: bool = True) -> pd.DataFrame:
     """Today's predictions for a committed validation run (``validation.parquet``: its
     measured and recorded columns kept as they are): per scenario, the shipped
     ``validation/SCENARIO`` on the run's trace for its model (``traces``) and ``profile``,
     predicted without a host model (``none``) and with the executor's own style
-    (:func:`executor_style`), and whether today's hits and misses are the ones the executor
+    (:func:`executor_style`; ``graphs`` False: the executor launched eagerly), and whether today's hits and misses are the ones the executor
     performed (``same_decisions``; when not, the row measured other decisions)."""
     from moesim.config.scenario import load_scenario
     from moesim.simulator.engine import Simulation
@@ -444,7 +444,7 @@ def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str]) -> pd.D
                "tpot_measured_s": r["tpot_measured_s"], "ttft_measured_s": r["ttft_measured_s"],
                "tpot_recorded_s": r["tpot_predicted_s"], "ttft_recorded_s": r["ttft_predicted_s"]}
         plain = load_scenario(path, sets)
-        for name, sc in (("none", plain), ("host", executor_style(plain, path, sets))):
+        for name, sc in (("none", plain), ("host", executor_style(plain, path, sets, graphs))):
             res = Simulation(sc).run()
             steps = res.steps
             dec = (steps["phase"] == "decode").to_numpy()
