@@ -765,10 +765,11 @@ def calibrate_fit(raw: str, out: str, host_costs: str | None) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a key in every scenario, e.g. --set expert_compute=per-expert. Repeatable.")
 @device_option
-@click.option("--launch", type=click.Choice(["graphs", "eager"]), default="graphs", show_default=True,
-              help="How the executor launches its kernels on CUDA: a CUDA graph per launch, or eagerly (issue 37: "
-                   "on an H200 the graphs, waiting on the demand-copy stream's events, cost up to 150 us an expert "
-                   "that eager launches do not).")
+@click.option("--launch", type=click.Choice(["auto", "graphs", "eager"]), default="auto", show_default=True,
+              help="How the executor launches its kernels on CUDA: a CUDA graph per launch, or eagerly; auto: eagerly "
+                   "in per-expert execution, graphs in layer execution (validation/h200/report.md: per-expert graphs "
+                   "waiting on the demand-copy stream cost up to 150 us an expert that eager launches do not, more "
+                   "the more distinct graphs).")
 @click.option("--out", "out_dir", required=True, type=OUT_DIR, help="Report folder.")
 def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], overrides: tuple[str, ...],
                        device: str, launch: str, out_dir: str) -> None:
@@ -787,7 +788,7 @@ def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...]
     df = _with_progress("validating scenarios", lambda progress: validate(
         profile, trace_path, paths, out_dir, _device(device), progress=progress,
         warn=lambda w: click.echo(f"warning: {w}", err=True), overrides=list(overrides), done=done,
-        graphs=launch == "graphs"))
+        launch=launch))
     click.echo(f"TPOT APE median {df['tpot_ape'].median():.1%}, p95 {df['tpot_ape'].quantile(0.95):.1%} over "
                f"{len(df)} scenarios -> {out_dir}/report.md")
 

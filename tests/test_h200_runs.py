@@ -21,7 +21,8 @@ H200 = ROOT / "validation" / "h200"
 @pytest.fixture(scope="module")
 def tool():
     spec = importlib.util.spec_from_file_location("repredict_h200", ROOT / "tools" / "repredict_h200.py")
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -11,7 +11,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from moesim.calibration import hf_loop  # noqa: E402
-from moesim.calibration.hf_loop import NF4, NF4_BLOCK, HfLoopPool, Link, nf4_dequantise, nf4_quantise  # noqa: E402
+from moesim.calibration.hf_loop import (  # noqa: E402
+    NF4,
+    NF4_BLOCK,
+    HfLoopPool,
+    Link,
+    nf4_dequantise,
+    nf4_quantise,
+)
 
 
 def numpy_nf4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

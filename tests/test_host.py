@@ -14,7 +14,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from moesim.config.confload import ConfigError
-from moesim.config.execution import EAGER_EXPERT_KERNELS, EAGER_LAYER_KERNELS, HF_EXPERT_KERNELS, HF_LAYER_KERNELS
+from moesim.config.execution import (
+    EAGER_EXPERT_KERNELS,
+    EAGER_LAYER_KERNELS,
+    HF_EXPERT_KERNELS,
+    HF_LAYER_KERNELS,
+)
 from moesim.simulator.engine import simulate
 from moesim.simulator.workload import build_workload
 from moesim.traces.synth import generate

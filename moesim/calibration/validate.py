@@ -348,7 +348,7 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, sp
 def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, device: str = "cpu",
              progress: Any = None,
              warn: Callable[[str], None] | None = None, overrides: list[str] | None = None,
-             done: Callable[[dict[str, Any]], None] | None = None, graphs: bool = True) -> pd.DataFrame:
+             done: Callable[[dict[str, Any]], None] | None = None, launch: str = "auto") -> pd.DataFrame:
     """Measure and predict every scenario; write report.md, validation.parquet (a row per
     scenario), passes.parquet (a row per forward pass: measured and predicted seconds, so the
     error can be studied pass by pass) and a plot. ``overrides`` (``KEY=VALUE``) apply to every
@@ -366,8 +366,10 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
         for w in warnings:
             warn(w)
     sets = [f"hardware.profile={profile}", f"workload.trace.path={Path(trace_path).resolve()}", *(overrides or [])]
-    loaded = [executor_style(load_scenario(path, sets), path, sets, graphs)
-              for path in scenarios]  # every scenario checked before any is measured
+    plain = [load_scenario(path, sets) for path in scenarios]
+    graphs = [launch == "graphs" or (launch == "auto" and sc.expert_compute != "per-expert") for sc in plain]
+    loaded = [executor_style(sc, path, sets, g)
+              for sc, path, g in zip(plain, scenarios, graphs, strict=True)]  # every scenario checked before any is measured
     m_info = trace.model
     host = host_weights(torch, m_info.num_layers * m_info.num_experts, m_info.hidden_size,
                         m_info.expert_intermediate_size, device)
@@ -375,7 +377,7 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     for i, (path, sc) in enumerate(zip(scenarios, loaded, strict=True)):
         if progress is not None:
             progress(i, len(scenarios))
-        meas = execute(sc, trace, device, host, graphs=graphs)
+        meas = execute(sc, trace, device, host, graphs=graphs[i])
         pred = meas["predicted"]
         steps = pred.steps
         dec = (steps["phase"] == "decode").to_numpy()
