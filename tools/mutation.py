@@ -68,6 +68,9 @@ TESTS: dict[str, list[str]] = {
     # bisection) is run on the survivors
     "moesim/simulator/serving.py": ["tests/test_serving.py"],
     "moesim/traces/io.py": ["tests/test_stream.py", "tests/test_traces.py", "tests/test_bad_input.py"],
+    # NF4, the throttled link and the router output (the executor's CUDA paths need a GPU)
+    "moesim/calibration/hf_loop.py": ["tests/test_hf_loop.py"],
+    "moesim/config/execution.py": ["tests/test_host.py"],
 }
 
 # the functions mutated in a module where not all of them are (mutmut name patterns): calibrate.py's
@@ -75,6 +78,7 @@ TESTS: dict[str, list[str]] = {
 # its run covers the fit, which turns measurements into the profile every calibrated replay uses
 FUNCTIONS: dict[str, list[str]] = {
     "moesim/calibration/calibrate.py": ["x_fit*", "x__check_raw*"],
+    "moesim/calibration/hf_loop.py": ["x_nf4*", "xǁLinkǁ*", "xǁHfLoopPoolǁtop_k_index*"],
 }
 
 # mutant name -> why no test can tell it from the original
