@@ -775,7 +775,10 @@ def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...]
                        device: str, launch: str, out_dir: str) -> None:
     """Replay TRACE on the device with a reference executor (same policy decisions) and with
     the simulator under PROFILE; write report.md, validation.parquet (a row per scenario),
-    passes.parquet (a row per forward pass) and a plot. Prints a line per scenario as it ends."""
+    passes.parquet (a row per forward pass) and a plot. Prints a line per scenario as it ends.
+    A scenario in the hf-loop style runs on SpecMD's kind of executor instead (a Hugging
+    Face-style expert loop, blocking fetches, NF4 experts, the link throttled to the
+    scenario's rate)."""
     from moesim.calibration.validate import expand, validate
 
     def done(r: dict[str, Any]) -> None:

@@ -355,7 +355,6 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     scenario (e.g. ``expert_compute=per-expert``). ``warn`` hears each :func:`shape_warnings`
     message before the measurements start (they also go into the report); ``done`` hears each
     scenario's row as it is finished."""
-    import torch
 
     from moesim.config.scenario import load_scenario
     from moesim.traces.io import read_trace
@@ -370,14 +369,14 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     graphs = [launch == "graphs" or (launch == "auto" and sc.expert_compute != "per-expert") for sc in plain]
     loaded = [executor_style(sc, path, sets, g)
               for sc, path, g in zip(plain, scenarios, graphs, strict=True)]  # every scenario checked before any is measured
-    m_info = trace.model
-    host = host_weights(torch, m_info.num_layers * m_info.num_experts, m_info.hidden_size,
-                        m_info.expert_intermediate_size, device)
+    hosts: dict[tuple[bool, Any], Any] = {}  # the experts' host copies, made once per executor and precision
     rows, passes = [], []
     for i, (path, sc) in enumerate(zip(scenarios, loaded, strict=True)):
         if progress is not None:
             progress(i, len(scenarios))
-        meas = execute(sc, trace, device, host, graphs=graphs[i])
+        kind = (sc.execution.style == "hf-loop", sc.cache.precision)
+        meas = execute(sc, trace, device, hosts.get(kind), graphs=graphs[i])
+        hosts[kind] = meas["host"]
         pred = meas["predicted"]
         steps = pred.steps
         dec = (steps["phase"] == "decode").to_numpy()
