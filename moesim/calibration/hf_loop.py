@@ -112,7 +112,7 @@ class HfLoopPool(_DevicePool):
         self.shape, self.copy_s, self.quantised, self.top_k = shape, copy_s, quantised, top_k
         self.counts, self.pass_tokens, self.num_layers = counts, pass_tokens, num_layers
         self.link = Link()
-        self.routes: dict[int, tuple[Any, Any, Any]] = {}  # (pass, layer) -> top-k index, weights, mask
+        self.routes: dict[tuple[int, int], tuple[Any, Any, Any]] = {}  # (pass, layer) -> top-k index, weights, mask
         self.routing: tuple[Any, Any, Any] | None = None  # the layer being run's
         self.expert_of: dict[int, int] = {}  # buffer -> the expert's index in its layer
         super().__init__(torch, host, slots, device, p_num, tokens, num_experts, graphs=False)

@@ -21,6 +21,7 @@ timed replay's.)
 from __future__ import annotations
 
 import glob
+from functools import partial
 import json
 import time
 from collections.abc import Callable
@@ -402,7 +403,7 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
             done(row)
         df = pd.DataFrame(rows)
         out = Path(out_dir)  # the rows so far, so that a run stopped early keeps what it measured
-        write_atomic(out / "validation.parquet", lambda tmp, df=df: df.to_parquet(tmp, index=False))
+        write_atomic(out / "validation.parquet", partial(df.to_parquet, index=False))
         write_atomic(out / "passes.parquet", lambda tmp: pd.concat(passes).to_parquet(tmp, index=False))
     write_report(df, out, profile, device, warnings)
     df.attrs["warnings"] = warnings
