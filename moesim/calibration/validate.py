@@ -21,10 +21,10 @@ timed replay's.)
 from __future__ import annotations
 
 import glob
-from functools import partial
 import json
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
