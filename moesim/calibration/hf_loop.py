@@ -188,12 +188,9 @@ class HfLoopPool(_DevicePool):
         mask = f.one_hot(idx, num_classes=self.router.shape[1] + 1).permute(2, 1, 0)
         torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
 
-    def run(self, kernels: tuple[tuple[int, int], ...]) -> None:
-        if not kernels:
-            return
-        if self.plan:
-            self.launches.add(kernels)
-            return
+    def _launch(self, kernels: tuple[tuple[int, int], ...]) -> None:
+        """Eagerly, as transformers does: a layer's non-expert part or an expert's loop body
+        (a demand copy has landed before its fetch returned)."""
         for b, n in kernels:
             if b < 0:
                 self.dense(n)

@@ -123,6 +123,11 @@ class _DevicePool:
         if self.plan:
             self.launches.add(kernels)
             return
+        self._launch(kernels)
+
+    def _launch(self, kernels: tuple[tuple[int, int], ...]) -> None:
+        """:meth:`run` in the replay: after the buffers' demand copies, the launch's graph (or
+        its kernels eagerly)."""
         for b, _ in kernels:
             arrived = self.arrived.pop(b, None)
             if arrived is not None:
