@@ -6,7 +6,9 @@
 #   tools/gpu_calibrate.sh OUT measure            # microbenchmarks + fit -> OUT/raw.parquet, OUT/profile.yaml
 #   tools/gpu_calibrate.sh OUT validate MODE PROFILE
 #                                                 # both models, expert_compute MODE (layer|per-expert)
-#                                                 # -> OUT/val-MODE.tar.gz (traces, reports, per-pass times)
+#                                                 # -> OUT/val-MODE.tar.gz (traces, reports, per-pass times);
+#                                                 # per-expert launches eagerly (calibrate validate --launch auto,
+#                                                 # validation/h200/report.md)
 #
 # Environment: DEVICE (cuda), TOKENS (decode tokens per trace, 200), PROMPT (prefill tokens, 64),
 # OLMOE_LAYERS (the preset's 16 unless set), MIXTRAL_LAYERS (4), QUICK (set: --quick measure, for a
