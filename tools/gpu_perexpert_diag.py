@@ -31,11 +31,11 @@ def main(out: str) -> None:
     trace = read_trace(tmp / "t.parquet")
     m = trace.model
     host = v.host_weights(torch, m.num_layers * m.num_experts, m.hidden_size, m.expert_intermediate_size, "cuda")
-    shipped = v._DevicePool._copy
+    shipped = v.DevicePool._copy
     rows = ["variant,repeat,pass,measured_s,predicted_s"]
     for variant, mode, copy in (("shipped", "per-expert", shipped), ("one-stream", "per-expert", _one_stream),
                                 ("shipped", "layer", shipped)):
-        v._DevicePool._copy = copy
+        v.DevicePool._copy = copy
         sc = load_scenario("validation/cap1-nopf-lru", [f"workload.trace.path={tmp / 't.parquet'}",
                                                          f"expert_compute={mode}", "hardware.profile=.gpu/profile.yaml"])
         for rep in range(3):
@@ -46,7 +46,7 @@ def main(out: str) -> None:
             print(f"{variant:10s} {mode:10s} rep {rep}: prefill {r['pass_s'][0] * 1e3:.1f} ms (predicted "
                   f"{pred[0] * 1e3:.1f}), decode {r['pass_s'][1:].mean() * 1e3:.2f} ms (predicted {pred[1:].mean() * 1e3:.2f})",
                   flush=True)
-    v._DevicePool._copy = shipped
+    v.DevicePool._copy = shipped
     Path(out).write_text("\n".join(rows) + "\n")
 
 

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from moesim.calibration.validate import execute, host_weights
+from moesim.calibration.executor import host_weights
+from moesim.calibration.validate import execute
 from moesim.config.scenario import load_scenario
 from moesim.traces.io import read_trace, write_trace
 from moesim.traces.synth import synth_from_preset

@@ -6,7 +6,7 @@ SpecMD (``specmd-expert-caching-least-stale.txt``) runs its policies inside a tr
 forward pass: "fetch blocks until the expert loads from CPU" (A.2), experts are bitsandbytes
 4-bit, and "bandwidth throttling delays expert transfers between CPU and GPU to simulate slower
 interconnects" (A.4; 5 GB/s in §5.1). :class:`HfLoopPool` replays the simulator's recorded
-decisions (the same ``perform`` as the graph executor, :class:`moesim.calibration.validate._DevicePool`)
+decisions (the same ``perform`` as the graph executor, :class:`moesim.calibration.executor.DevicePool`)
 with:
 
 - a decoder layer's non-expert part launched eagerly, op by op, as transformers' OLMoE layer
@@ -41,7 +41,7 @@ import threading
 import time
 from typing import Any
 
-from moesim.calibration.validate import _DevicePool
+from moesim.calibration.executor import DevicePool
 
 # bitsandbytes' NF4 code values (the normal-float 4-bit data type, QLoRA §3; the table in
 # bitsandbytes' functional.py), and its block size for absmax scales
@@ -101,8 +101,8 @@ def nf4_dequantise(torch: Any, packed: Any, absmax: Any, table: Any, dtype: Any)
     return (table[codes].reshape(-1, NF4_BLOCK) * absmax[:, None]).reshape(-1).to(dtype)
 
 
-class HfLoopPool(_DevicePool):
-    """:class:`_DevicePool` run as SpecMD's loop (module docstring). ``host`` holds each
+class HfLoopPool(DevicePool):
+    """:class:`DevicePool` run as SpecMD's loop (module docstring). ``host`` holds each
     expert's packed weights (:func:`hf_host_weights`); ``copy_s`` is the modelled copy time of
     one expert; ``quantised`` says the host holds NF4 experts (else bf16 as they are)."""
 
@@ -270,7 +270,7 @@ class HfLoopPool(_DevicePool):
 def hf_host_weights(torch: Any, experts: int, h: int, inter: int, device: str, quantised: bool) -> Any:
     """Every expert's weights in host memory (pinned on CUDA) as one row of bytes per expert:
     NF4 codes then float32 absmax scales when ``quantised`` (3 * h * inter / 2 + 3 * h * inter
-    / 16 bytes), else bf16 (float32 on the CPU). As :func:`moesim.calibration.validate.host_weights`,
+    / 16 bytes), else bf16 (float32 on the CPU). As :func:`moesim.calibration.executor.host_weights`,
     up to 8 distinct random experts are made and repeated."""
     dt = torch.float32 if device == "cpu" else torch.bfloat16
     gen = torch.Generator(device=device).manual_seed(0)

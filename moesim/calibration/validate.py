@@ -31,256 +31,19 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from moesim.calibration.calibrate import cuda_graph, expert_ffn, warm_up
+from moesim.calibration.executor import DevicePool, host_weights
 from moesim.errors import MoesimError
 from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
-
-
-class _DevicePool:
-    """The executor's memory and kernels: every expert's weights (gate, up, down) in host memory
-    (pinned on CUDA), a device pool of ``slots`` experts, spare buffers for uncached fetches
-    (each holds its expert until it has run), a copy worker (a second CUDA stream's job on a
-    GPU, a thread on the CPU) for prefetches, and the layer's kernels on a static input ``x``.
-
-    A buffer is named by an int: ``0 .. slots-1`` the pool's slots, ``slots + j`` spare ``j``.
-    :meth:`perform` first runs over a scenario's decisions in ``plan`` mode (no copies, no
-    kernels), which finds every launch the replay will make (:meth:`run`: a layer's non-expert
-    part, one expert, or a layer's experts together) and how many spares it needs;
-    :meth:`prepare` then makes the spares and, on CUDA, captures each launch as a CUDA graph, so
-    that the timed replay launches graphs instead of five kernels per expert from Python (on
-    the H100 Python's dispatch took 53-91 us per OLMoE FFN, the GPU 19 us)."""
-
-    def __init__(self, torch: Any, host: Any, slots: int, device: str, p_num: int, tokens: int,
-                 num_experts: int, spread: int = 1, graphs: bool = True, upload: bool = False,
-                 one_stream: bool = False) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        # ``spread``: the pool has slots * spread buffers and the cache uses every spread-th, so
-        # the copies land in as much device memory as a cache spread times larger while the
-        # decisions (and the launches) stay the same; ``graphs``: False launches eagerly
-        self.torch, self.device, self.p_num, self.host = torch, device, p_num, host
-        # ``upload``: every captured graph replayed once before the timed passes (a graph's
-        # first launch uploads it to the device); ``one_stream``: demand copies on the compute stream
-        self.spread, self.use_graphs, self.upload, self.one_stream = spread, graphs, upload, one_stream
-        self.slots = slots * spread
-        h, dt = self._hidden(host)
-        gen = torch.Generator(device=device).manual_seed(1)
-        self.pool = torch.empty(max(self.slots, 1), *host.shape[1:], dtype=host.dtype, device=device)
-        self.x = torch.randn(tokens, h, generator=gen, dtype=torch.float32, device=device).to(dt)
-        self.attn = (torch.randn(4, h, h, generator=gen, dtype=torch.float32, device=device) / h ** 0.5).to(dt)
-        self.router = torch.randn(h, num_experts, generator=gen, dtype=torch.float32, device=device).to(dt)
-        self.spares: list[Any] = []
-        self.copier = ThreadPoolExecutor(max_workers=1)  # the copy engine: one copy at a time, in order
-        self.side: Any = torch.cuda.Stream() if device == "cuda" else None  # prefetch copies
-        self.demand: Any = torch.cuda.Stream() if device == "cuda" else None  # demand copies
-        self.graphs: dict[tuple[tuple[int, int], ...], Any] = {}  # a launch (see run) -> its graph's replay
-        self.launches: set[tuple[tuple[int, int], ...]] = set()  # what the plan found the replay launches
-        self.plan = True
-        self.most_spares = 0
-        self.reset()
-
-    def _hidden(self, host: Any) -> tuple[int, Any]:
-        """The hidden size and the activations' dtype for ``host``'s experts (``experts x 3 x
-        hidden x intermediate``, the weights' dtype)."""
-        return host.shape[2], host.dtype
-
-    def begin_layer(self, p: int, layer: int) -> None:
-        """Pass ``p`` starts layer ``layer`` (nothing to do here; the SpecMD-style executor
-        takes the layer's routing)."""
-
-    def reset(self) -> None:
-        """Empty cache, no copies in flight, tallies at zero (before the plan and the replay)."""
-        self.free = list(range(0, self.slots, self.spread))
-        self.spare_free: list[int] = []
-        self.spare_used = 0
-        self.where: dict[int, int] = {}
-        self.landing: dict[int, Any] = {}
-        self.arrived: dict[int, Any] = {}  # buffer -> CUDA event of its demand copy
-        self.tally = {"hit": 0, "fetch": 0, "bypass": 0, "prefetch": 0}
-
-    def buffer(self, b: int) -> Any:
-        return self.pool[b] if b < self.slots else self.spares[b - self.slots]
-
-    def _ffn_eager(self, b: int, n: int) -> None:
-        w3 = self.buffer(b)
-        expert_ffn(self.x[:n], w3[0], w3[1], w3[2].T)
-
-    def _dense_eager(self, n: int) -> None:
-        y = self.x[:n]
-        for w in self.attn:
-            y = y @ w
-        _ = y @ self.router
-
-    def run(self, kernels: tuple[tuple[int, int], ...]) -> None:
-        """One launch: for each ``(b, n)`` buffer ``b``'s expert FFN on ``n`` tokens, or (``b``
-        = -1) the layer's non-expert projections and router on ``n`` tokens; in the plan, noted;
-        in the replay, after the demand copies of its buffers, as one CUDA graph on a GPU (a
-        layer's experts in ``layer`` execution: one launch instead of one per expert; at 100%
-        capacity OLMoE took twice the GPU's time with a graph per expert, Python's launches
-        being the bottleneck)."""
-        if not kernels:
-            return
-        if self.plan:
-            self.launches.add(kernels)
-            return
-        self._launch(kernels)
-
-    def _launch(self, kernels: tuple[tuple[int, int], ...]) -> None:
-        """:meth:`run` in the replay: after the buffers' demand copies, the launch's graph (or
-        its kernels eagerly)."""
-        for b, _ in kernels:
-            arrived = self.arrived.pop(b, None)
-            if arrived is not None:
-                self.torch.cuda.current_stream().wait_event(arrived)
-        graph = self.graphs.get(kernels)
-        if graph is not None:
-            graph()
-            return
-        for b, n in kernels:
-            if b < 0:
-                self._dense_eager(n)
-            else:
-                self._ffn_eager(b, n)
-
-    def size(self, n: int) -> int:
-        """Tokens a kernel runs on: at least one, at most the static input's rows."""
-        return max(1, min(n, self.x.shape[0]))
-
-    def prepare(self) -> None:
-        """After the plan: make the spares it needs and, on CUDA, capture each of its launches
-        as a CUDA graph (warmed up on a side stream first, as capture requires)."""
-        torch = self.torch
-        self.spares = [torch.empty_like(self.pool[0]) for _ in range(self.most_spares)]
-        self.plan = False
-        if self.device == "cuda" and self.use_graphs:
-            kernels = sorted({k for launch in self.launches for k in launch})
-
-            def each_kernel() -> None:
-                for k in kernels:
-                    self.run((k,))
-
-            warm_up(each_kernel, times=1)
-            mempool = torch.cuda.graph_pool_handle()
-            for launch in sorted(self.launches):
-                self.graphs[launch] = cuda_graph(lambda launch=launch: self.run(launch), mempool)
-            if self.upload:
-                for replay in self.graphs.values():
-                    replay()
-            torch.cuda.synchronize()
-        self.reset()
-
-    def _copy(self, b: int, key: int, background: bool) -> None:
-        """Copy ``key``'s weights into buffer ``b``. On CUDA a copy starts once the compute
-        stream has done what was launched before it (the buffer's previous expert may still be
-        running; the simulator's copy starts at the decision's time, after that work):
-        a demand copy on the demand-copy stream, whose event the expert's kernel waits for, so
-        the next expert's copy overlaps this one's compute in per-expert execution (on one
-        stream it could not); a prefetch on the copy worker's stream."""
-        if self.plan:
-            return
-        dst, src, torch = self.buffer(b), self.host[key // self.p_num], self.torch
-        if self.device != "cuda":
-            if background:
-                self.landing[key] = self.copier.submit(dst.copy_, src)
-            else:
-                dst.copy_(src)
-            return
-        after = torch.cuda.Event()
-        after.record()  # the compute stream's work so far
-        if not background and self.one_stream:
-            dst.copy_(src, non_blocking=True)
-            return
-        if not background:
-            with torch.cuda.stream(self.demand):
-                self.demand.wait_event(after)
-                dst.copy_(src, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
-            self.arrived[b] = done
-            return
-        side = self.side
-
-        def job() -> None:
-            with torch.cuda.stream(side):
-                side.wait_event(after)
-                dst.copy_(src, non_blocking=True)
-            side.synchronize()
-
-        self.landing[key] = self.copier.submit(job)
-
-    def _landed(self, key: int) -> None:
-        fut = self.landing.pop(key, None)
-        if fut is not None:
-            fut.result()  # a prefetch still in flight: wait for it
-
-    def _ran(self, b: int) -> None:
-        """Buffer ``b``'s expert has run: a spare is free again."""
-        if b >= self.slots:
-            self.spare_free.append(b)
-
-    def perform(self, op: str, key: int, needed: dict[int, int], tokens: dict[int, int]) -> None:
-        """Carry out one recorded decision (``Simulation.decisions``); ``needed`` maps the
-        layer's experts to the buffers they will run from."""
-        if op in self.tally:
-            self.tally[op] += 1
-        if op == "evict":
-            self._landed(key)
-            self.free.append(self.where.pop(key))
-        elif op == "hit":
-            self._landed(key)
-            needed[key] = self.where[key]
-        elif op in ("fetch", "prefetch"):
-            slot = self.where[key] = self.free.pop()
-            self._copy(slot, key, background=op == "prefetch")
-            if op == "fetch":
-                needed[key] = slot
-        elif op == "bypass":  # an uncached fetch: a spare buffer until the expert has run
-            if not self.spare_free:
-                self.spare_free.append(self.slots + self.spare_used)
-                self.spare_used += 1
-                self.most_spares = max(self.most_spares, self.spare_used)
-            b = needed[key] = self.spare_free.pop()
-            self._copy(b, key, background=False)
-        elif op == "withdraw":  # a queued prefetch withdrawn with its room: drop it if not begun
-            fut = self.landing.pop(key, None)
-            if fut is not None and not fut.cancel():
-                fut.result()
-            self.free.append(self.where.pop(key))
-        elif key == -1:  # run: the layer's experts, all at once
-            self.run(tuple((b, self.size(tokens.get(k, 1))) for k, b in needed.items()))
-            for b in needed.values():
-                self._ran(b)
-            needed.clear()
-        else:  # run: one expert
-            b = needed.pop(key)
-            self.run(((b, self.size(tokens.get(key, 1))),))
-            self._ran(b)
-
-
-def host_weights(torch: Any, experts: int, h: int, inter: int, device: str) -> Any:
-    """Every expert's gate, up and down weights in host memory (pinned on CUDA; bf16 on a GPU,
-    float32 on the CPU), made once per validation run and shared by its scenarios. The values
-    are random normal (never zeros, which can run faster than real weights); to keep a
-    13-GB model's set-up in seconds, up to 8 distinct random experts are drawn on the device
-    and repeated (an expert's values do not change what copying or multiplying it costs)."""
-    dt = torch.float32 if device == "cpu" else torch.bfloat16
-    host = torch.empty(experts, 3, h, inter, dtype=dt, pin_memory=device == "cuda")
-    gen = torch.Generator(device=device).manual_seed(0)
-    distinct = [torch.randn(3, h, inter, generator=gen, dtype=torch.float32, device=device).to(dt)
-                for _ in range(min(experts, 8))]
-    for e in range(experts):
-        host[e].copy_(distinct[e % len(distinct)])
-    return host
 
 
 def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, spread: int = 1,
             graphs: bool = True, upload: bool = False, one_stream: bool = False) -> dict[str, Any]:
     """Replay ``trace`` under ``scenario`` on ``device``; per-pass times and the decisions.
     The decisions are the simulator's own (the timed replay records them; its result is
-    returned as ``predicted``), replayed op by op (:class:`_DevicePool`): no second copy of the
+    returned as ``predicted``), replayed op by op (:class:`DevicePool`): no second copy of the
     miss -> evict -> insert logic.
     ``host`` is :func:`host_weights` for the trace's model (made here when not given);
-    ``spread``, ``graphs``, ``upload`` and ``one_stream`` are diagnostics of :class:`_DevicePool` (the defaults are the
+    ``spread``, ``graphs``, ``upload`` and ``one_stream`` are diagnostics of :class:`DevicePool` (the defaults are the
     validation's executor)."""
     import torch
 
@@ -300,7 +63,7 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, sp
     counts = {b: dict(zip(keys[off[b]:off[b + 1]], acc_tokens[off[b]:off[b + 1]], strict=True))
               for b in range(len(off) - 1)}  # tokens routed to each expert of a (pass, layer)
     tokens = int(wl.pass_tokens.max())
-    mem: _DevicePool
+    mem: DevicePool
     if scenario.execution.style == "hf-loop":  # SpecMD's loop (moesim.calibration.hf_loop)
         from moesim.calibration.hf_loop import HfLoopPool, hf_host_weights
 
@@ -312,7 +75,7 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, sp
     else:
         if host is None:
             host = host_weights(torch, num_l * num_e, h, inter, device)
-        mem = _DevicePool(torch, host, slots, device, sim.num_prec, tokens, num_e, spread, graphs, upload, one_stream)
+        mem = DevicePool(torch, host, slots, device, sim.num_prec, tokens, num_e, spread, graphs, upload, one_stream)
 
     def forward(p: int) -> None:
         for layer in range(num_l):
