@@ -83,3 +83,16 @@ def test_the_router_output_gives_each_expert_the_trace_s_count_of_tokens():
     pool.counts = {0: {0: 3, 2: 2, 3: 1}, 1: {0: 3, 2: 2}}
     assert pool.top_k_index(0, 0) == [[0, 2], [0, 2], [0, 3]]
     assert pool.top_k_index(1, 0) == [[0, 2], [0, 2], [0, 4]]
+
+
+def test_the_router_output_reads_its_layer_s_counts_and_each_key_s_expert():
+    """Two layers, two precisions a key (key = (layer * 4 + expert) * 2 + precision): pass 1,
+    layer 1 is the fourth (pass, layer) and its keys 13 and 11 are experts 2 and 1 of layer 1
+    (at 8-bit and 16-bit); the trace routes 2 tokens to 13 and 1 to 11."""
+    pool = HfLoopPool.__new__(HfLoopPool)
+    pool.p_num, pool.top_k, pool.num_layers = 2, 2, 2
+    pool.router = torch.zeros(8, 4)
+    pool.pass_tokens = np.array([2, 2])
+    pool.counts = {0: {0: 2}, 1: {8: 2}, 2: {2: 1}, 3: {13: 2, 11: 1}}
+    assert pool.top_k_index(1, 1) == [[1, 2], [2, 4]]
+    assert pool.top_k_index(0, 1) == [[0, 4], [0, 4]]

@@ -83,6 +83,9 @@ FUNCTIONS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
+    # the SpecMD-style executor's router output (issue 37)
+    'moesim.calibration.hf_loop.xǁHfLoopPoolǁtop_k_index__mutmut_19':
+        "more padding than n * k choices: only the first n * k are read",
     # serving under load (issue 35; MUTATE_ONLY over the scheduler, the bank and the summary)
     'moesim.simulator.serving.xǁSchedulerǁ_chunked__mutmut_16':
         "a prompt chunk of 0 tokens when the decodes took the whole budget: it adds no token, makes no output "
