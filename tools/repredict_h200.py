@@ -210,7 +210,7 @@ def main() -> None:
     env = (RUNS / "env.txt").read_text().splitlines()
     head = ["# Issue 37 on an NVIDIA H200 (2026-11-26)", "",
             f"Measured on one lent machine: `{env[1]}`; `{env[2]}`; host CPU {env[4].split(':', 1)[-1].strip()} "
-            f"({env[3]} cores, gVisor). Three device calls, 12.8 minutes of device time: `tools/gpu_issue37.sh`, "
+            f"({env[3]} cores, gVisor). Three device calls, 12.9 minutes of device time: `tools/gpu_issue37.sh`, "
             "`tools/gpu_issue37_second.sh`, `tools/gpu_issue37_third.sh` (raw output: `issue37/log.txt`, "
             "`log2.txt`, `perexpert-eager/log3.txt`). The measured files are as the device wrote them; this report "
             "is `python tools/repredict_h200.py`.", ""]
