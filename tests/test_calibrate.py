@@ -481,3 +481,8 @@ def test_validate_with_eager_launches_predicts_with_the_eager_executor_s_host(tm
         "execution.style=eager-per-expert"]))
     dec = (want.steps["phase"] == "decode").to_numpy()
     assert row["tpot_predicted_s"] == pytest.approx(want.steps["duration_s"].to_numpy()[dec].mean(), rel=1e-12)
+    # the default (--launch auto) launches per-expert execution eagerly: the same prediction
+    r = CliRunner().invoke(cli, [*base[:-2], "--set", "expert_compute=per-expert", "--out", str(tmp_path / "c")])
+    assert r.exit_code == 0, r.output
+    auto = pd.read_parquet(tmp_path / "c" / "validation.parquet").iloc[0]
+    assert auto["tpot_predicted_s"] == row["tpot_predicted_s"]

@@ -46,7 +46,7 @@ VARIANTS = {"cap1": ("cap1-nopf-lru", 1, True, False, False), "cap5": ("cap5-nop
 SECOND = {"cap1-upload": ("cap1-nopf-lru", 1, True, True, False), "cap5-upload": ("cap5-nopf-lru", 1, True, True, False),
           "cap1-one-stream": ("cap1-nopf-lru", 1, True, False, True),
           "cap1-eager-one-stream": ("cap1-nopf-lru", 1, False, False, True),
-          "cap1": ("cap1-nopf-lru", 1, True, False, False), "cap5": ("cap5-nopf-lru", 1, True, False, False)}
+          "cap1": VARIANTS["cap1"], "cap5": VARIANTS["cap5"]}
 
 
 def run(out: str, device: str, repeats: int, tokens: int, layers: int | None = None,

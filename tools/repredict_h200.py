@@ -38,7 +38,7 @@ def eager_repredicted(folder: Path) -> pd.DataFrame:
     without a host model and with the executor's (``eager-per-expert``)."""
     path = folder / "olmoe.parquet"
     write_trace(synth_from_preset("olmoe-1b-7b", requests=1, prompt_tokens=64, tokens=200, seed=0), path)
-    table = pd.read_parquet(EAGER / "validation.parquet").assign(expert_compute="per-expert")
+    table = pd.read_parquet(EAGER / "validation.parquet")
     return repredict(table, str(PROFILE), {"olmoe-1b-7b": str(path)}, graphs=False)
 
 
@@ -64,7 +64,6 @@ def specmd_predicted(folder: Path) -> pd.DataFrame:
                     res = simulate(load_scenario("specmd/olmoe-prefill", sets + extra))
                     first = (res.steps["phase"] != "decode").to_numpy()
                     row[f"ttft_{name}_s"] = float(res.steps["duration_s"].to_numpy()[first].mean())
-                    row["copies"] = int(res.summary["bytes_by_link"]["pcie.h2d"] // res.summary["expert_bytes"])
                 rows.append(row)
     return pd.DataFrame(rows)
 
