@@ -219,10 +219,11 @@ class HfLoopPool(DevicePool):
         self.out.index_add_(0, token_idx, y)
 
     def prepare(self) -> None:
-        """After the plan: the spares, and each (pass, layer)'s routing on the device
-        (:meth:`top_k_index`, uniform weights, the one-hot mask as transformers makes it)."""
+        """After the plan: the spares (:meth:`DevicePool.prepare`, no graphs), and each (pass,
+        layer)'s routing on the device (:meth:`top_k_index`, uniform weights, the one-hot mask
+        as transformers makes it)."""
+        super().prepare()
         torch, f = self.torch, self.torch.nn.functional
-        self.spares = [torch.empty_like(self.pool[0]) for _ in range(self.most_spares)]
         self.out = torch.zeros_like(self.x)
         num_e = self.router.shape[1]
         self.experts = torch.arange(num_e + 1, device=self.device)
@@ -231,8 +232,6 @@ class HfLoopPool(DevicePool):
                 index = torch.tensor(self.top_k_index(p, layer), device=self.device)
                 weights = torch.full(index.shape, 1.0 / self.top_k, dtype=self.x.dtype, device=self.device)
                 self.routes[(p, layer)] = (index, weights, f.one_hot(index, num_classes=num_e + 1).permute(2, 1, 0))
-        self.plan = False
-        self.reset()
 
     def _copy(self, b: int, key: int, background: bool) -> None:
         """A copy through the throttled link: a demand fetch blocks the host until it has
