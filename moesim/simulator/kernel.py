@@ -884,30 +884,13 @@ def _lookup(ai, now, pin_gen, buf, IS, FS, DI, A, M):
         _used_prefetch(key, IS)
         _add_run(buf, _needed_now(k, IS, FS), key, ntok, IS)
         return
-    if IS[C_MULTI] and _alternative(key, A[4][ai], ntok, pin_gen, buf, IS, FS, DI, A):
+    if M is not None and IS[C_MULTI] and _alternative(key, A[4][ai], ntok, pin_gen, buf, IS, FS, DI, A):
         return
-    miss = IS[C_MISS]
     IS[R_MISSES] += 1
     if IS[k + K_EVICTED] == IS[S_PASS]:
         IS[R_COLL] += 1
-    if miss == MISS_DROP and A[4][ai] >= IS[C_DROPRANK]:  # drop (SpecMD §3.1.2)
-        IS[R_DROPPED] += 1
-        _fin_replace(np.int64(A[1][ai]), -1, IS, M)
-        return
-    if miss == MISS_SUBSTITUTE:
-        e2 = _substitute(np.int64(A[1][ai]), IS, M)
-        if e2 >= 0:
-            IS[R_SUBST] += 1
-            _fin_replace(np.int64(A[1][ai]), e2, IS, M)
-            _use_other(e2, ntok, pin_gen, buf, IS, FS, DI, A)
-            return
-    if miss == MISS_SPECULATIVE and IS[S_LAYER] > 0:  # layer 0 has no prediction: fetch
-        _speculate(np.int64(A[1][ai]), pin_gen, buf, IS, FS, DI, A, M)
-        return
-    # fetch (the fetch in the engine's ``LayerLookup.lookup``): at the scenario's precision or down a precision
-    # cascade; when no room can be made, an uncached fetch (at the cascade's last precision)
-    if IS[C_MULTI]:
-        kq = _cascade(key, A[4][ai], ai, ntok, now, pin_gen, buf, IS, FS, DI, A)
+    if M is not None:  # a miss policy other than ``fetch`` (compiled only for one: ``M`` is None)
+        kq = _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A, M)
     else:
         kq = -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A) else key
     if kq < 0:
@@ -919,6 +902,33 @@ def _lookup(ai, now, pin_gen, buf, IS, FS, DI, A, M):
         _free(tid, IS)
         tid = -1
     _add_run(buf, tid, kq, ntok, IS)
+
+
+@_inline
+def _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A, M):
+    """A miss of access ``ai`` under a miss policy other than ``fetch`` (the rest of the
+    engine's ``LayerLookup.lookup``): drop, substitute, speculate, or fetch (down a precision
+    cascade). Returns -1 when the miss is dealt with, else the key to fetch uncached."""
+    miss = IS[C_MISS]
+    if miss == MISS_DROP and A[4][ai] >= IS[C_DROPRANK]:  # drop (SpecMD §3.1.2)
+        IS[R_DROPPED] += 1
+        _fin_replace(np.int64(A[1][ai]), -1, IS, M)
+        return -1
+    if miss == MISS_SUBSTITUTE:
+        e2 = _substitute(np.int64(A[1][ai]), IS, M)
+        if e2 >= 0:
+            IS[R_SUBST] += 1
+            _fin_replace(np.int64(A[1][ai]), e2, IS, M)
+            _use_other(e2, ntok, pin_gen, buf, IS, FS, DI, A)
+            return -1
+    if miss == MISS_SPECULATIVE and IS[S_LAYER] > 0:  # layer 0 has no prediction: fetch
+        _speculate(np.int64(A[1][ai]), pin_gen, buf, IS, FS, DI, A, M)
+        return -1
+    # fetch (the fetch in the engine's ``LayerLookup.lookup``): at the scenario's precision or down a precision
+    # cascade; when no room can be made, an uncached fetch (at the cascade's last precision)
+    if IS[C_MULTI]:
+        return _cascade(key, A[4][ai], ai, ntok, now, pin_gen, buf, IS, FS, DI, A)
+    return -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A) else key
 
 
 @_inline
@@ -1178,7 +1188,7 @@ def _tokens_of(key, tokens, p, IS, M):
     """How many of the layer's tokens finally compute ``key``: ``tokens`` unless the miss
     policy re-routes tokens (``C_REROUTE``: drop, substitute, speculative), else counted in
     ``IS[H_FIN]``."""
-    if not IS[C_REROUTE]:
+    if M is None or not IS[C_REROUTE]:
         return tokens
     e = (key % IS[C_DIV]) // IS[C_NPREC]
     b = _here(IS)
@@ -1500,11 +1510,17 @@ def _fin_init(p, layer, lo, hi, IS, A, M):
 
 
 @_jit
-def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, nonexp, release, cols, t_start, t_end, stall, m_total, m_kept):
+def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, per_expert, nonexp, release, cols, t_start, t_end, stall, m_total, m_kept):
     """Replay forward passes ``p0 .. p1`` (engine's ``_run``): per layer, non-expert compute,
     the routing point's lookups and proposals, expert compute; per pass, one row. A pass
     starts no earlier than its ``release`` time (serving: the GPU idles until a request
-    arrives), the host thread with it."""
+    arrives), the host thread with it.
+
+    ``M`` (the per-token path's arrays) is None under the ``fetch`` miss policy and
+    ``per_expert`` None unless the execution is ``per-expert``: numba prunes a branch on an
+    argument that is None when it compiles, so a replay compiles only the code its scenario
+    can reach (the first replay of the quickstart compiles about a third of the kernel), each
+    form once per installation."""
     num_l = IS[C_L]
     now = FS[SF_NOW]
     carry = FS[SF_CARRY]
@@ -1547,13 +1563,13 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, nonexp, release, cols, t_star
             _advance(now, IS, FS)
             IS[S_LAYER] = layer
             IS[S_LAYERGEN] += 1
-            if IS[C_MISS] != MISS_FETCH:
+            if M is not None:
                 _fin_init(p, layer, lo, hi, IS, A, M)
-            if IS[C_MODE] == MODE_PER_EXPERT:
-                end = _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M)
-            else:
+            if per_expert is None:
                 end = _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M)
-            if IS[C_MISS] != MISS_FETCH:
+            else:
+                end = _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M)
+            if M is not None:
                 _token_mass(p, layer, IS, FS, M)
             carry = end - now
         if carry > 0:
@@ -1789,7 +1805,7 @@ def _piece(sim: Any, wl: Any, ev: int, miss: int, max_rows: int, IS: np.ndarray,
         IS[H_KPOSOFF], IS[H_KPOS] = starts[2], starts[3]
     A = (wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight, wl.acc_rank)
     DF = _precisions(sim, miss, max_rows, IS, FS)
-    M = _mass_arrays(sim) if miss != MISS_FETCH else _NO_MASS
+    M = _mass_arrays(sim) if miss != MISS_FETCH else None
     return DI, A, DF, M, sim.nonexpert_times()
 
 
@@ -1886,6 +1902,7 @@ def replay(sim: Any) -> None:
     if pinned:
         _preload(np.asarray(pinned, np.int64), IS, FS, DI, DF, A)
     no_props = (np.zeros(1, np.int64), np.zeros(0, np.int64))
+    per_expert = True if IS[C_MODE] == MODE_PER_EXPERT else None  # else its code is not compiled
     outs: list[tuple[Any, ...]] = []
     pieces: list[Any] = []
     base, rows_done = 0, 0  # passes and trace rows of the pieces before this one
@@ -1900,7 +1917,7 @@ def replay(sim: Any) -> None:
         for q0 in range(0, n_pass, CHUNK):
             q1 = min(q0 + CHUNK, n_pass)
             P = next(props) if props is not None else no_props
-            replay_passes(base + q0, base + q1, IS, FS, DI, DF, A, P, M, nonexp[q0:q1], release[q0:q1], cols[q0:q1],
+            replay_passes(base + q0, base + q1, IS, FS, DI, DF, A, P, M, per_expert, nonexp[q0:q1], release[q0:q1], cols[q0:q1],
                           t_start[q0:q1], t_end[q0:q1], stall[q0:q1], m_total[q0:q1], m_kept[q0:q1])
             if sim.progress is not None:
                 if sim.serving is not None:  # requests served
