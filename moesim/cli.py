@@ -347,13 +347,13 @@ def _interrupted_note(target: Path, what: str) -> Iterator[None]:
 
 
 def _compile_note() -> None:
-    """Say so on stderr when this run will compile the replay kernel (the first after an
-    installation, or after an upgrade changed it), so a long first run is not a silent one."""
-    from moesim.simulator.kernel import cache_ready
+    """Say so on stderr when this run compiles a form of the replay kernel (the first replay
+    of that form after an installation, or after an upgrade changed the kernel), so a long
+    first run is not a silent one. Said as the compile starts: a form in numba's cache loads
+    without a word."""
+    from moesim.simulator.kernel import announce_compiles, compile_message
 
-    if not cache_ready():
-        click.echo("moesim: compiling the replay kernel for this installation, once: about 2.5 minutes on a "
-                   "2-core machine (measured: 140 s); later runs load it from numba's cache in about 3 s (measured: 2.9 s).", err=True)
+    announce_compiles(lambda form: click.echo(compile_message(form), err=True))
 
 
 def _with_trace(trace_file: str | None, overrides: tuple[str, ...]) -> tuple[str, ...]:

@@ -6,7 +6,6 @@ configuration and bad input."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -290,38 +289,49 @@ def test_the_styles_are_listed_with_their_host_costs_and_named_in_compare_s_titl
     assert "per-expert (blocking fetch) execution with the hf-loop host, seed 0" in title
 
 
-def test_a_run_that_will_compile_the_kernel_says_so(tmp_path):
-    """The first run after an installation compiles the replay kernel for minutes: the CLI says
-    so on stderr before it starts (numba's cache emptied by pointing it at a new folder); once
-    the cache holds the kernel it says nothing."""
+def test_a_run_says_when_it_compiles_the_kernel_and_compiles_only_the_form_it_reaches(tmp_path):
+    """The first run after an installation compiles the replay kernel: the CLI says so on
+    stderr as the compile starts, naming the form (numba's cache emptied by pointing it at a
+    new folder). The quickstart (layer execution, fetch on a miss) compiles one form, with
+    neither the per-expert nor the per-token miss policies' code; a second run loads it and
+    says nothing, and a sweep's fork server loads every cached form."""
     import os
     import subprocess
     import sys
 
     env = {**{k: v for k, v in os.environ.items() if k != "NUMBA_DISABLE_JIT"}, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
-    probe = [sys.executable, "-c", "from moesim.simulator.kernel import cache_ready; print(cache_ready())"]
-    assert subprocess.run(probe, env=env, capture_output=True, text=True, check=True).stdout.strip() == "False"
-    from moesim.simulator import kernel
+    run = [sys.executable, "-m", "moesim", "run", "quickstart", "--no-write", "-q", "--set", "workload.trace.synth.tokens=3"]
+    first = subprocess.run(run, env=env, capture_output=True, text=True, check=True)
+    note = "moesim: compiling the replay kernel's form for layer or on-arrival execution, fetch on a miss, once"
+    assert first.stderr.count("moesim: compiling") == 1, first.stderr
+    assert note in first.stderr, first.stderr
+    probe = ("from moesim.simulator import kernel; n = kernel.load_cached_forms(); "
+             "print(n, [(str(s[kernel.replay_passes.py_func.__code__.co_varnames.index('M')]), "
+             "str(s[kernel.replay_passes.py_func.__code__.co_varnames.index('per_expert')])) "
+             "for s in kernel.replay_passes.signatures])")
+    forms = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert forms.stdout.strip() == "1 [('none', 'none')]", forms.stdout + forms.stderr
+    second = subprocess.run(run, env=env, capture_output=True, text=True, check=True)
+    assert "compiling" not in second.stderr, second.stderr
 
-    if hasattr(kernel.replay_passes, "_cache"):  # compiled in this process (not under NUMBA_DISABLE_JIT)
-        index = Path(kernel.replay_passes._cache._cache_file._index_path)
-        assert kernel.cache_ready() == index.exists()
-    env_off = {**os.environ, "NUMBA_DISABLE_JIT": "1", "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
-    assert subprocess.run(probe, env=env_off, capture_output=True, text=True, check=True).stdout.strip() == "True"
 
+def test_the_compile_note_names_the_form_from_the_argument_types():
+    from numba import types
 
-@pytest.mark.parametrize("ready", [False, True])
-def test_the_cli_announces_a_compile_only_when_one_is_coming(ready, monkeypatch):
-    from click.testing import CliRunner
+    from moesim.simulator.kernel import compile_message, form_of, replay_passes
 
-    from moesim.cli import cli
-    from moesim.simulator import kernel
+    names = getattr(replay_passes, "py_func", replay_passes).__code__.co_varnames
+    mass = types.UniTuple(types.int64[:], 2)
 
-    monkeypatch.setattr(kernel, "cache_ready", lambda: ready)
-    res = CliRunner().invoke(cli, ["run", "quickstart", "--no-write", "--quiet", "--set", "workload.trace.synth.tokens=3"])
-    assert res.exit_code == 0, res.output
-    said = "moesim: compiling the replay kernel for this installation, once" in res.stderr
-    assert said is not ready
+    def args(m, pe):
+        return tuple(m if n == "M" else pe if n == "per_expert" else types.int64 for n in names)
+
+    assert form_of(args(types.none, types.none)) == "layer or on-arrival execution, fetch on a miss"
+    assert form_of(args(mass, types.none)) == "layer or on-arrival execution, a per-token miss policy"
+    assert form_of(args(types.none, types.boolean)) == "per-expert execution, fetch on a miss"
+    assert form_of(args(mass, types.boolean)) == "per-expert execution, a per-token miss policy"
+    assert compile_message("per-expert execution, fetch on a miss").startswith(
+        "moesim: compiling the replay kernel's form for per-expert execution, fetch on a miss, once")
 
 
 @settings(max_examples=int(os.environ.get('MOESIM_HYPOTHESIS_EXAMPLES', 80)), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
