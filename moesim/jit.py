@@ -26,8 +26,35 @@ except ImportError:  # pragma: no cover - exercised where numba has no wheel
 # functions with no reference counting (such functions allocate nothing). ``inline``: one of a
 # hot path's small functions, always inlined by LLVM into its callers. ``nogil``: a compiled
 # loop lets other threads run (a trace read in pieces reads the next piece meanwhile).
-_OPTIONS: dict[str, Any] = {"cache": True, "_nrt": False, "nogil": True}
-jit = njit(**_OPTIONS)
-inline = njit(**_OPTIONS, forceinline=True)
+_OPTIONS: dict[str, Any] = {"_nrt": False, "nogil": True}
+
+
+def _compiled(**options: Any) -> Any:
+    """numba's ``njit(cache=True, **options)``, except that a call from compiled code is
+    compiled for its arguments' plain types: numba would compile a function once more for
+    each literal argument a call passes (``-1``, ``True``, a constant), each time with all
+    that it calls (the kernel's helpers took 3 compiles, and the whole kernel a fifth more
+    time, that way). A branch on an argument that is None is still pruned."""
+    if not HAVE_NUMBA:
+        return njit(**options)
+    from numba.core import types
+    from numba.core.registry import CPUDispatcher
+
+    class Plain(CPUDispatcher):
+        def get_call_template(self, args: Any, kws: Any) -> Any:
+            return super().get_call_template(tuple(types.unliteral(a) for a in args),
+                                             {k: types.unliteral(v) for k, v in kws.items()})
+
+    def wrap(func: Any) -> Any:
+        disp = njit(cache=True, **options)(func)
+        if isinstance(disp, CPUDispatcher):  # not under NUMBA_DISABLE_JIT
+            disp.__class__ = Plain
+        return disp
+
+    return wrap
+
+
+jit = _compiled(**_OPTIONS)
+inline = _compiled(**_OPTIONS, forceinline=True)
 
 __all__ = ["HAVE_NUMBA", "inline", "jit", "njit"]

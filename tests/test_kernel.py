@@ -736,3 +736,38 @@ def test_the_kernels_speculation_by_hand():
     assert IS[K.R_SUBST] == 1
     runs = IS[IS[K.H_LRUN]:IS[K.H_LRUN] + 4 * IS[K.S_LRUNN]].reshape(-1, 4).tolist()
     assert runs == [[-1, -1, E + 3, 2]]  # (slot, sequence, key, tokens): resident, two tokens
+
+
+def test_a_compiled_helper_is_compiled_once_whatever_literals_its_callers_pass():
+    """moesim's ``jit``: a call from compiled code is compiled for its arguments' plain types,
+    so a helper that callers pass ``-1``, ``True`` or a variable is compiled once (numba's own
+    dispatcher compiles it once per literal value, each time with all that it calls); a branch
+    on an argument that is None is still pruned where the function is compiled."""
+    from moesim.jit import HAVE_NUMBA, jit
+
+    if not HAVE_NUMBA or os.environ.get("NUMBA_DISABLE_JIT", "") not in ("", "0"):
+        pytest.skip("numba compiles nothing here (not installed, or NUMBA_DISABLE_JIT)")
+
+    def helper(x, flag):
+        return x + 1 if flag else x - 1
+
+    helper = jit(helper)
+
+    def never(x):
+        return x * 1000
+
+    never = jit(never)
+
+    def caller(n, opt):
+        s = helper(n, True) + helper(-1, False) + helper(n, n > 2) + helper(7, True)
+        if opt is not None:
+            s += never(n)
+        return s
+
+    caller = jit(caller)
+    assert caller(5, None) == 6 + (-2) + 6 + 8
+    assert len(helper.signatures) == 1
+    assert [str(t) for t in helper.signatures[0]] == ["int64", "bool"]
+    assert never.signatures == []  # pruned: opt is None
+    assert caller(5, 1) == 18 + 5000
+    assert len(helper.signatures) == 1
