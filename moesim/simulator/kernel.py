@@ -1519,7 +1519,7 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, per_expert, nonexp, release, 
     ``M`` (the per-token path's arrays) is None under the ``fetch`` miss policy and
     ``per_expert`` None unless the execution is ``per-expert``: numba prunes a branch on an
     argument that is None when it compiles, so a replay compiles only the code its scenario
-    can reach (the quickstart's form compiled in 29 s, against 123 s for the whole kernel), each
+    can reach (the quickstart's form compiled in 25-29 s, against 123 s for the whole kernel), each
     form once per installation."""
     num_l = IS[C_L]
     now = FS[SF_NOW]
@@ -1812,8 +1812,9 @@ def compile_message(form: str) -> str:
     """The line a run says as it starts compiling the kernel's ``form`` (measured on the 2-core
     CI machine with numba's cache emptied: README, Speed)."""
     return (f"moesim: compiling the replay kernel's form for {form}, once for this installation "
-            f"(measured on a 2-core machine: 29 s for layer execution with fetch on a miss, 53 s per-expert, "
-            f"55 s with a per-token miss policy, 95 s both); later runs load it from numba's cache.")
+            f"(measured on a 2-core machine: 25-29 s for layer execution with fetch on a miss, 40-46 s "
+            f"per-expert, 41-43 s with a per-token miss policy, 84-103 s both); later runs load it from numba's "
+            f"cache.")
 
 
 def load_cached_forms() -> int:
