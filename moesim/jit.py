@@ -9,8 +9,17 @@ from typing import Any
 
 try:
     from numba import njit
+    from numba.core import types
+    from numba.core.registry import CPUDispatcher
 
     HAVE_NUMBA = True
+
+    class _PlainTypes(CPUDispatcher):
+        """A dispatcher that a call from compiled code compiles for its arguments' plain types."""
+
+        def get_call_template(self, args: Any, kws: Any) -> Any:
+            return super().get_call_template(tuple(types.unliteral(a) for a in args),
+                                             {k: types.unliteral(v) for k, v in kws.items()})
 except ImportError:  # pragma: no cover - exercised where numba has no wheel
     HAVE_NUMBA = False
 
@@ -36,20 +45,11 @@ def _compiled(**options: Any) -> Any:
     that it calls (the kernel's ``_add_run`` was compiled 6 times, ``_submit`` 3; the
     quickstart's first replay took a median 35.7 s that way, 28.6 s this way, in five
     interleaved pairs). A branch on an argument that is None is still pruned."""
-    if not HAVE_NUMBA:
-        return njit(**options)
-    from numba.core import types
-    from numba.core.registry import CPUDispatcher
-
-    class Plain(CPUDispatcher):
-        def get_call_template(self, args: Any, kws: Any) -> Any:
-            return super().get_call_template(tuple(types.unliteral(a) for a in args),
-                                             {k: types.unliteral(v) for k, v in kws.items()})
 
     def wrap(func: Any) -> Any:
         disp = njit(cache=True, **options)(func)
-        if isinstance(disp, CPUDispatcher):  # not under NUMBA_DISABLE_JIT
-            disp.__class__ = Plain
+        if HAVE_NUMBA and isinstance(disp, CPUDispatcher):  # not under NUMBA_DISABLE_JIT
+            disp.__class__ = _PlainTypes
         return disp
 
     return wrap
