@@ -1819,15 +1819,19 @@ def compile_message(form: str) -> str:
 
 def load_cached_forms() -> int:
     """Load into this process every form of the replay kernel that numba's on-disk cache holds
-    for this installation (none when the kernel changed since); returns how many."""
+    for this installation and this machine's code generator (none when the kernel changed
+    since; a cache folder shared with another CPU may hold forms this one would have to
+    compile); returns how many."""
     cache = getattr(replay_passes, "_cache", None)
     try:
         index = cache._cache_file._load_index() if cache is not None else {}  # numba's cache index
+        magic = replay_passes.targetctx.codegen().magic_tuple() if index else None
     except (AttributeError, OSError, EOFError):  # another numba's internals, or a damaged index
         return 0
-    for key in index:
-        replay_passes.compile(key[0])  # the key's signature: a load from the cache
-    return len(index)
+    forms = [key[0] for key in index if key[1] == magic]  # a key: (signature, codegen, source hashes)
+    for sig in forms:
+        replay_passes.compile(sig)  # a load from the cache
+    return len(forms)
 
 
 def _piece(sim: Any, wl: Any, ev: int, miss: int, max_rows: int, IS: np.ndarray,
