@@ -293,8 +293,9 @@ def test_a_run_says_when_it_compiles_the_kernel_and_compiles_only_the_form_it_re
     """The first run after an installation compiles the replay kernel: the CLI says so on
     stderr as the compile starts, naming the form (numba's cache emptied by pointing it at a
     new folder). The quickstart (layer execution, fetch on a miss) compiles one form, with
-    neither the per-expert nor the per-token miss policies' code; a second run loads it and
-    says nothing, and a sweep's fork server loads every cached form."""
+    neither the per-expert nor the per-token miss policies' code (their helpers are never
+    compiled); a second run loads it and says nothing, and ``load_cached_forms`` (what a
+    sweep's fork server calls) loads the one form cached."""
     import os
     import subprocess
     import sys
@@ -311,6 +312,11 @@ def test_a_run_says_when_it_compiles_the_kernel_and_compiles_only_the_form_it_re
              "for s in kernel.replay_passes.signatures])")
     forms = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert forms.stdout.strip() == "1 [('none', 'none')]", forms.stdout + forms.stderr
+    # each compiled helper keeps its own cache entries: the pruned ones were never compiled
+    helpers = ("from moesim.simulator import kernel; print([len(getattr(kernel, f)._cache._cache_file._load_index()) "
+               "for f in ('_layer', '_lookup', '_per_expert', '_host_lookup', '_miss_policy', '_speculate', '_cascade')])")
+    compiled = subprocess.run([sys.executable, "-c", helpers], env=env, capture_output=True, text=True, check=True)
+    assert compiled.stdout.strip() == "[1, 1, 0, 0, 0, 0, 0]", compiled.stdout + compiled.stderr
     second = subprocess.run(run, env=env, capture_output=True, text=True, check=True)
     assert "compiling" not in second.stderr, second.stderr
 
