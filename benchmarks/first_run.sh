@@ -9,14 +9,20 @@ set -euo pipefail
 CACHE=$(mktemp -d)
 OUT=$(mktemp -d)
 trap 'rm -rf "$CACHE" "$OUT"' EXIT
-secs() { local s e; s=$(date +%s.%N); "$@" > /dev/null 2>&1; e=$(date +%s.%N); echo "$e - $s" | bc; }
+# wall seconds of a command, or FAILED (never a time for a run that did not finish)
+secs() {
+    local s e
+    s=$(date +%s.%N)
+    if ! "$@" > /dev/null 2>&1; then echo FAILED; return; fi
+    e=$(date +%s.%N)
+    echo "$e - $s" | bc
+}
 form() {
     local name=$1; shift
     rm -rf "$CACHE"/*
     echo "$name first $(NUMBA_CACHE_DIR=$CACHE secs .venv/bin/moesim run quickstart --no-write -q "$@")"
     echo "$name warm $(NUMBA_CACHE_DIR=$CACHE secs .venv/bin/moesim run quickstart --no-write -q "$@")"
 }
-export -f secs
 form layer_fetch
 form per_expert_fetch --set expert_compute=per-expert
 form layer_drop --set policies.miss=drop
