@@ -770,9 +770,13 @@ def calibrate_fit(raw: str, out: str, host_costs: str | None) -> None:
                    "in per-expert execution, graphs in layer execution (validation/h200/report.md: per-expert graphs "
                    "waiting on the demand-copy stream cost up to 150 us an expert that eager launches do not, more "
                    "the more distinct graphs).")
+@click.option("--switch-interval-us", "switch_us", type=click.FloatRange(min=1.0), default=None,
+              help="Python's thread switch interval during the timed passes, microseconds (default: Python's, "
+                   "5000): the longest the prefetch copy worker's thread waits for the interpreter while the main "
+                   "thread launches kernels.")
 @click.option("--out", "out_dir", required=True, type=OUT_DIR, help="Report folder.")
 def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], overrides: tuple[str, ...],
-                       device: str, launch: str, out_dir: str) -> None:
+                       device: str, launch: str, switch_us: float | None, out_dir: str) -> None:
     """Replay TRACE on the device with a reference executor (same policy decisions) and with
     the simulator under PROFILE; write report.md, validation.parquet (a row per scenario),
     passes.parquet (a row per forward pass) and a plot. Prints a line per scenario as it ends.
@@ -791,7 +795,7 @@ def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...]
     df = _with_progress("validating scenarios", lambda progress: validate(
         profile, trace_path, paths, out_dir, _device(device), progress=progress,
         warn=lambda w: click.echo(f"warning: {w}", err=True), overrides=list(overrides), done=done,
-        launch=launch))
+        launch=launch, switch_us=switch_us))
     click.echo(f"TPOT APE median {df['tpot_ape'].median():.1%}, p95 {df['tpot_ape'].quantile(0.95):.1%} over "
                f"{len(df)} scenarios -> {out_dir}/report.md")
 

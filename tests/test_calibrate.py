@@ -377,6 +377,11 @@ def test_fit_puts_the_host_calls_into_the_profile_and_a_scenario_adds_them_up(tm
     assert prof["host"] == {"graph_launch_us": 9.0, "eager_kernel_us": 10.0, "copy_submit_us": 7.0,
                             "event_record_us": 6.0, "stream_wait_us": 11.0, "event_wait_us": 5.0}
     assert "host" not in fit(synthetic_raw(55.0, 4.0))
+    # the executor's own calls (measured since issue 37's H100 run) join the section where present
+    for name, sec in {"executor layer, eager": 71e-6, "executor expert, eager (hit + run)": 88e-6}.items():
+        raw = pd.concat([raw, pd.DataFrame([{"kind": "host", "call": name, "median_s": s, "device": "cuda",
+                                              "device_name": "synthetic"} for s in (sec * 0.8, sec, sec * 1.1)])])
+    assert fit(raw)["host"] == {**prof["host"], "eager_layer_us": 71.0, "eager_expert_us": 88.0}
     path = tmp_path / "p.yaml"
     write_profile(prof, path)
     sc = load_scenario("quickstart", [f"hardware.profile={path}", "execution.style=graph-per-expert"])
@@ -445,6 +450,75 @@ def test_the_executor_s_diagnostic_variants_make_the_same_decisions(tmp_path):
     assert len(used) > 1
     assert all(b % 4 == 0 for b in used)
     assert {b // 4 for b in used} == {b for launch in plain["launches"] for b, _ in launch if 0 <= b < slots}
+
+
+def test_the_executor_calls_measure_does_a_layer_and_a_cached_expert_of_the_executor():
+    """The host calls ``calibrate measure`` times for the executor's own eager work (issue 37):
+    run on the CPU, the layer call launches the non-expert part and the expert call performs a
+    cached expert's hit and run decisions, on the pool's one slot, again and again (no copy, no
+    spare)."""
+    import torch
+
+    from moesim.calibration.calibrate import _executor_calls
+    from moesim.calibration.executor import DevicePool
+
+    seen: list[tuple[tuple[int, int], ...]] = []
+    real = DevicePool._launch
+    try:
+        DevicePool._launch = lambda self, kernels: (seen.append(kernels), real(self, kernels))[1]  # type: ignore[method-assign]
+        layer, expert = _executor_calls(torch, 16, 8, device="cpu")
+        for _ in range(3):
+            layer()
+            expert()
+    finally:
+        DevicePool._launch = real  # type: ignore[method-assign]
+    assert seen == [((-1, 1),), ((0, 1),)] * 3
+    pool = expert.__closure__[[c.cell_contents.__class__.__name__ for c in expert.__closure__].index("DevicePool")].cell_contents
+    assert pool.tally == {"hit": 3, "fetch": 1, "bypass": 0, "prefetch": 0}
+    assert pool.where == {0: 0} and pool.spare_used == 0
+
+
+def test_validate_records_and_restores_the_thread_switch_interval(tmp_path):
+    """``calibrate validate --switch-interval-us`` (issue 37): the timed passes run with that
+    interval, each row records the one it ran with, and Python's own is back afterwards."""
+    import sys
+
+    from click.testing import CliRunner
+
+    from moesim.calibration import validate as v
+    from moesim.cli import cli
+    from moesim.traces.io import write_trace
+    from moesim.traces.synth import synth_from_preset
+
+    path = tmp_path / "t.parquet"
+    write_trace(synth_from_preset("olmoe-1b-7b", layers=2, requests=1, prompt_tokens=3, tokens=3, seed=0), path)
+    base = ["calibrate", "validate", "--profile", str(ROOT / "profiles" / "h100.yaml"), "--trace", str(path),
+            "--scenarios", str(ROOT / "moesim" / "scenarios" / "validation" / "cap5-pf-lru.yaml"), "--device", "cpu",
+            "--set", "expert_compute=per-expert"]
+    before = sys.getswitchinterval()
+    during: list[float] = []
+    real = v.time.perf_counter
+
+    def clock() -> float:
+        during.append(sys.getswitchinterval())
+        return real()
+
+    v.time.perf_counter = clock  # type: ignore[assignment]
+    try:
+        r = CliRunner().invoke(cli, [*base, "--switch-interval-us", "50", "--out", str(tmp_path / "a")])
+    finally:
+        v.time.perf_counter = real  # type: ignore[assignment]
+    assert r.exit_code == 0, r.output
+    passes = len(pd.read_parquet(tmp_path / "a" / "passes.parquet"))
+    assert sum(round(s * 1e6, 6) == 50 for s in during) == 2 * passes  # each timed pass: its start and its end
+    assert sys.getswitchinterval() == before
+    row = pd.read_parquet(tmp_path / "a" / "validation.parquet").iloc[0]
+    assert (row["switch_interval_us"], row["launch"]) == (50.0, "eager")
+    r = CliRunner().invoke(cli, [*base, "--launch", "graphs", "--out", str(tmp_path / "b")])
+    row = pd.read_parquet(tmp_path / "b" / "validation.parquet").iloc[0]
+    assert (row["switch_interval_us"], row["launch"]) == (before * 1e6, "graphs")
+    r = CliRunner().invoke(cli, [*base, "--switch-interval-us", "0", "--out", str(tmp_path / "c")])
+    assert r.exit_code != 0 and "--switch-interval-us" in r.output and "Traceback" not in r.output
 
 
 def test_validate_with_eager_launches_predicts_with_the_eager_executor_s_host(tmp_path):

@@ -215,6 +215,16 @@ def test_a_style_sets_the_execution_keys_the_scenario_leaves_out():
     assert (eager.expert_compute, eager.expert_fetch, eager.host.sync) == ("per-expert", "pipelined", "none")
     assert (eager.host.layer_us, eager.host.launch_us) == (5 * host.eager_kernel_us, 5 * host.eager_kernel_us)
     assert eager.host.copy_us == graph.host.copy_us
+    # where the profile measured the executor's own host time (issue 37's H100 run) it is used whole
+    own = scenario(execution={"style": "eager-per-expert"},
+                   hardware={"preset": "a100-80g-pcie4", "host": {**HOST, "eager_layer_us": 71.5, "eager_expert_us": 88.25}})
+    assert (own.host.layer_us, own.host.launch_us, own.host.copy_us) == (71.5, 88.25, 2 * 1.0 + 2.0 + 3.0 + 1.0)
+    half = scenario(execution={"style": "eager-per-expert"},
+                    hardware={"preset": "a100-80g-pcie4", "host": {**HOST, "eager_expert_us": 88.25}})
+    assert (half.host.layer_us, half.host.launch_us) == (5 * HOST["eager_kernel_us"], 88.25)
+    # the other styles never read them
+    assert scenario(execution={"style": "hf-loop"}, hardware={"preset": "a100-80g-pcie4", "host": {
+        **HOST, "eager_layer_us": 71.5, "eager_expert_us": 88.25}}).host.launch_us == 10 * HOST["eager_kernel_us"]
     fused = scenario(execution={"style": "fused-moe"})
     assert (fused.expert_compute, fused.host.layer_us, fused.host.launch_us, fused.host.copy_us, fused.host.sync) == (
         "layer", host.graph_launch_us, host.graph_launch_us, host.copy_submit_us, "none")

@@ -249,7 +249,39 @@ HOST_CALLS = {"graph replay": ("graph_launch_us", 1), "ffn eager (5 kernels)": (
               "event made + recorded": ("event_record_us", 1),
               "stream switch + wait_event": ("stream_wait_us", 1),
               "wait_event on the current stream": ("event_wait_us", 1)}
+# the calibration executor's own Python around its eager launches (DevicePool, module
+# moesim.calibration.executor), measured since issue 37's H100 run; a profile without them uses
+# eager_kernel_us times the kernels (moesim.config.execution)
+EXECUTOR_CALLS = {"executor layer, eager": ("eager_layer_us", 1),
+                  "executor expert, eager (hit + run)": ("eager_expert_us", 1)}
 HOST_BATCH = 2000  # calls per timing
+
+
+def _executor_calls(torch: Any, h: int, inter: int, device: str = "cuda") -> tuple[Any, Any]:
+    """The calibration executor's host work at 100% capacity in per-expert execution with eager
+    launches (:class:`moesim.calibration.executor.DevicePool`, as ``calibrate validate --launch
+    eager`` replays it): a layer's start and its non-expert part on one token, and one cached
+    expert's ``hit`` and ``run`` decisions (the pool's bookkeeping and the FFN's 5 kernels)."""
+    from moesim.calibration.executor import DevicePool
+
+    host = torch.randn(1, 3, h, inter, dtype=torch.float32).to(torch.bfloat16)
+    pool = DevicePool(torch, host.pin_memory() if device == "cuda" else host, 1, device, 1, 1, 64, graphs=False)
+    pool.prepare()
+    pool.perform("fetch", 0, {}, {})
+    if device == "cuda":
+        torch.cuda.synchronize()
+    tokens = {0: 1}
+
+    def layer() -> None:
+        pool.begin_layer(0, 0)
+        pool.run(((-1, pool.size(1)),))
+
+    def expert() -> None:
+        needed: dict[int, int] = {}
+        pool.perform("hit", 0, needed, tokens)
+        pool.perform("run", 0, needed, tokens)
+
+    return layer, expert
 
 
 def host_call_times(torch: Any, repeats: int = 9) -> dict[str, list[float]]:
@@ -279,7 +311,9 @@ def host_call_times(torch: Any, repeats: int = 9) -> dict[str, list[float]]:
         with torch.cuda.stream(other):
             other.wait_event(ev)
 
+    layer, expert = _executor_calls(torch, h, inter)
     calls = {"graph replay": replay, "ffn eager (5 kernels)": ffn,
+             "executor layer, eager": layer, "executor expert, eager (hit + run)": expert,
              "h2d copy dispatch (4 KiB pinned)": lambda: dev.copy_(host, non_blocking=True),
              "event made + recorded": lambda: torch.cuda.Event().record(),
              "stream switch + wait_event": switch_and_wait,
@@ -302,13 +336,14 @@ def host_call_times(torch: Any, repeats: int = 9) -> dict[str, list[float]]:
 
 def host_section(calls: dict[str, float], source: str) -> dict[str, float]:
     """The profile's ``host`` section from microseconds per measured call (names of
-    :data:`HOST_CALLS`; others, such as a tool's sums, are ignored). Every call must be there."""
+    :data:`HOST_CALLS`, every one of which must be there, and of :data:`EXECUTOR_CALLS`, taken
+    where measured; others, such as a tool's sums, are ignored)."""
     missing = [name for name in HOST_CALLS if name not in calls]
     if missing:
         raise MoesimError(f"calibrate fit: {source} lacks the host call(s) {', '.join(repr(m) for m in missing)}; "
                           "measure them with `moesim calibrate measure --device cuda` (or tools/gpu_host_overhead.py).")
     out = {}
-    for name, (key, n) in HOST_CALLS.items():
+    for name, (key, n) in {**HOST_CALLS, **{k: v for k, v in EXECUTOR_CALLS.items() if k in calls}}.items():
         us = float(calls[name])
         if not (np.isfinite(us) and us >= 0):
             raise MoesimError(f"calibrate fit: {source}: host call {name!r} has {us!r} us; it must be a "

@@ -37,14 +37,19 @@ from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
 
 def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, spread: int = 1,
-            graphs: bool = True, upload: bool = False, one_stream: bool = False) -> dict[str, Any]:
+            graphs: bool = True, upload: bool = False, one_stream: bool = False,
+            switch_us: float | None = None) -> dict[str, Any]:
     """Replay ``trace`` under ``scenario`` on ``device``; per-pass times and the decisions.
     The decisions are the simulator's own (the timed replay records them; its result is
     returned as ``predicted``), replayed op by op (:class:`DevicePool`): no second copy of the
     miss -> evict -> insert logic.
     ``host`` is :func:`host_weights` for the trace's model (made here when not given);
     ``spread``, ``graphs``, ``upload`` and ``one_stream`` are diagnostics of :class:`DevicePool` (the defaults are the
-    validation's executor)."""
+    validation's executor). ``switch_us``: Python's thread switch interval during the timed
+    passes (``sys.setswitchinterval``; None leaves it, 5,000 us by default): how long the copy
+    worker's thread can wait for the interpreter while the main thread launches kernels."""
+    import sys
+
     import torch
 
     from moesim.simulator.engine import Simulation
@@ -99,31 +104,41 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, sp
             fut.result()
         sync()
         mem.reset()
-        for p in range(wl.num_passes):
-            sync()
-            t0 = time.perf_counter()
-            forward(p)
-            sync()
-            times.append(time.perf_counter() - t0)
+        before = sys.getswitchinterval()
+        if switch_us is not None:
+            sys.setswitchinterval((switch_us + 0.5) * 1e-6)  # CPython keeps whole microseconds, truncated
+        switch = sys.getswitchinterval()
+        try:
+            for p in range(wl.num_passes):
+                sync()
+                t0 = time.perf_counter()
+                forward(p)
+                sync()
+                times.append(time.perf_counter() - t0)
+        finally:
+            sys.setswitchinterval(before)
     mem.copier.shutdown(wait=True)
     link = getattr(mem, "link", None)
     return {"pass_s": np.asarray(times), "hits": mem.tally["hit"],
             "copies": mem.tally["fetch"] + mem.tally["bypass"] + mem.tally["prefetch"],
             "link_late_s": link.late if link is not None else 0.0,
             "misses": mem.tally["fetch"] + mem.tally["bypass"], "workload": wl, "predicted": predicted,
-            "launches": mem.launches, "spares": mem.most_spares, "host": host}
+            "launches": mem.launches, "spares": mem.most_spares, "host": host, "switch_s": switch}
 
 
 def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, device: str = "cpu",
              progress: Any = None,
              warn: Callable[[str], None] | None = None, overrides: list[str] | None = None,
-             done: Callable[[dict[str, Any]], None] | None = None, launch: str = "auto") -> pd.DataFrame:
+             done: Callable[[dict[str, Any]], None] | None = None, launch: str = "auto",
+             switch_us: float | None = None) -> pd.DataFrame:
     """Measure and predict every scenario; write report.md, validation.parquet (a row per
     scenario), passes.parquet (a row per forward pass: measured and predicted seconds, so the
     error can be studied pass by pass) and a plot. ``overrides`` (``KEY=VALUE``) apply to every
     scenario (e.g. ``expert_compute=per-expert``). ``warn`` hears each :func:`shape_warnings`
     message before the measurements start (they also go into the report); ``done`` hears each
-    scenario's row as it is finished."""
+    scenario's row as it is finished. ``switch_us``: :func:`execute`'s; each row records the
+    interval its timed passes ran with (``switch_interval_us``) and how the executor launched
+    (``launch``)."""
 
     from moesim.config.scenario import load_scenario
     from moesim.traces.io import read_trace
@@ -144,7 +159,7 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
         if progress is not None:
             progress(i, len(scenarios))
         kind = (sc.execution.style == "hf-loop", sc.cache.precision)
-        meas = execute(sc, trace, device, hosts.get(kind), graphs=graphs[i])
+        meas = execute(sc, trace, device, hosts.get(kind), graphs=graphs[i], switch_us=switch_us)
         hosts[kind] = meas["host"]
         pred = meas["predicted"]
         steps = pred.steps
@@ -153,7 +168,8 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
         m = meas["pass_s"]
         row = {"scenario": Path(path).stem, "capacity": sc.cache.capacity, "eviction": sc.policies.eviction.name,
                "model": pred.summary["model"], "expert_compute": sc.expert_compute,
-               "prefetch": sc.policies.prefetch.name,
+               "prefetch": sc.policies.prefetch.name, "launch": "graphs" if graphs[i] else "eager",
+               "switch_interval_us": round(meas["switch_s"] * 1e6, 3),
                "hits_sim": pred.summary["hits"] + pred.summary["late_prefetches"], "misses_sim": pred.summary["misses"],
                "hits_exec": meas["hits"], "misses_exec": meas["misses"],
                "tpot_measured_s": float(m[dec].mean()) if dec.any() else np.nan,

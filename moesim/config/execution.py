@@ -16,7 +16,10 @@ calls that stack makes:
 - ``eager-per-expert``: the same executor with its kernels launched eagerly
   (``calibrate validate --launch eager``): a layer's non-expert part is 5 kernels (four
   projections and the router), an expert 5 (gate, up, SiLU, product, down), each costing
-  ``eager_kernel_us``; demand copies as above. Measured on an H200 (``validation/h200/``), the
+  ``eager_kernel_us``, or, where the profile measured them (``calibrate measure`` since issue
+  37's H100 run), the executor's own host time for a layer's non-expert part
+  (``eager_layer_us``) and a cached expert (``eager_expert_us``: its hit and run decisions,
+  Python included); demand copies as above. Measured on an H200 (``validation/h200/``), the
   per-expert CUDA graphs waiting on the demand-copy stream cost up to 150 us an expert that eager
   launches do not, so this is the executor the per-expert validation runs.
 - ``hf-loop``: a Hugging Face-style per-expert Python loop with blocking fetches (SpecMD,
@@ -108,8 +111,10 @@ def style_costs(style: str, host: HostCosts) -> HostModel:
     if style in ("graph-layer", "graph-per-expert"):
         return HostModel(layer_us=host.graph_launch_us, launch_us=host.graph_launch_us, copy_us=demand_copy)
     if style == "eager-per-expert":
-        return HostModel(layer_us=EAGER_LAYER_KERNELS * host.eager_kernel_us,
-                         launch_us=EAGER_EXPERT_KERNELS * host.eager_kernel_us, copy_us=demand_copy)
+        layer, expert = host.eager_layer_us, host.eager_expert_us
+        return HostModel(layer_us=EAGER_LAYER_KERNELS * host.eager_kernel_us if layer is None else layer,
+                         launch_us=EAGER_EXPERT_KERNELS * host.eager_kernel_us if expert is None else expert,
+                         copy_us=demand_copy)
     if style == "hf-loop":
         return HostModel(layer_us=HF_LAYER_KERNELS * host.eager_kernel_us,
                          launch_us=HF_EXPERT_KERNELS * host.eager_kernel_us,

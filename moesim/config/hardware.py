@@ -81,9 +81,17 @@ class HostCosts:
         "help": "switch to another stream and make it wait for an event, microseconds"})
     event_wait_us: float = field(default=5.62, metadata={
         "help": "make the current stream wait for an event, microseconds"})
+    eager_layer_us: float | None = field(default=None, metadata={
+        "help": "the calibration executor's host time for a layer's start and non-expert part launched eagerly, "
+                "its Python included, microseconds (unset: 5 eager kernels)"})
+    eager_expert_us: float | None = field(default=None, metadata={
+        "help": "the calibration executor's host time for one cached expert launched eagerly (its hit and run "
+                "decisions, its Python included), microseconds (unset: 5 eager kernels)"})
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            if getattr(self, f.name) is None and f.default is None:
+                continue
             if not getattr(self, f.name) >= 0:
                 raise ValueError(f"host.{f.name} must be >= 0 microseconds, got {getattr(self, f.name)}")
 
