@@ -774,9 +774,13 @@ def calibrate_fit(raw: str, out: str, host_costs: str | None) -> None:
               help="Python's thread switch interval during the timed passes, microseconds (default: Python's, "
                    "5000): the longest the prefetch copy worker's thread waits for the interpreter while the main "
                    "thread launches kernels.")
+@click.option("--prefetch-from", type=click.Choice(["worker", "main"]), default="worker", show_default=True,
+              help="Who issues the executor's prefetch copies: a copy worker thread that waits for each to land "
+                   "(the main thread waits for one still in flight when its expert runs), or the main thread, "
+                   "which keeps two issued on the prefetch stream and makes the GPU, not itself, wait for them.")
 @click.option("--out", "out_dir", required=True, type=OUT_DIR, help="Report folder.")
 def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], overrides: tuple[str, ...],
-                       device: str, launch: str, switch_us: float | None, out_dir: str) -> None:
+                       device: str, launch: str, switch_us: float | None, prefetch_from: str, out_dir: str) -> None:
     """Replay TRACE on the device with a reference executor (same policy decisions) and with
     the simulator under PROFILE; write report.md, validation.parquet (a row per scenario),
     passes.parquet (a row per forward pass) and a plot. Prints a line per scenario as it ends.
@@ -795,7 +799,7 @@ def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...]
     df = _with_progress("validating scenarios", lambda progress: validate(
         profile, trace_path, paths, out_dir, _device(device), progress=progress,
         warn=lambda w: click.echo(f"warning: {w}", err=True), overrides=list(overrides), done=done,
-        launch=launch, switch_us=switch_us))
+        launch=launch, switch_us=switch_us, prefetch_from=prefetch_from))
     click.echo(f"TPOT APE median {df['tpot_ape'].median():.1%}, p95 {df['tpot_ape'].quantile(0.95):.1%} over "
                f"{len(df)} scenarios -> {out_dir}/report.md")
 

@@ -475,7 +475,8 @@ def test_the_executor_calls_measure_does_a_layer_and_a_cached_expert_of_the_exec
     assert seen == [((-1, 1),), ((0, 1),)] * 3
     pool = expert.__closure__[[c.cell_contents.__class__.__name__ for c in expert.__closure__].index("DevicePool")].cell_contents
     assert pool.tally == {"hit": 3, "fetch": 1, "bypass": 0, "prefetch": 0}
-    assert pool.where == {0: 0} and pool.spare_used == 0
+    assert pool.where == {0: 0}
+    assert pool.spare_used == 0
 
 
 def test_validate_records_and_restores_the_thread_switch_interval(tmp_path):
@@ -518,7 +519,9 @@ def test_validate_records_and_restores_the_thread_switch_interval(tmp_path):
     row = pd.read_parquet(tmp_path / "b" / "validation.parquet").iloc[0]
     assert (row["switch_interval_us"], row["launch"]) == (before * 1e6, "graphs")
     r = CliRunner().invoke(cli, [*base, "--switch-interval-us", "0", "--out", str(tmp_path / "c")])
-    assert r.exit_code != 0 and "--switch-interval-us" in r.output and "Traceback" not in r.output
+    assert r.exit_code != 0
+    assert "--switch-interval-us" in r.output
+    assert "Traceback" not in r.output
 
 
 def test_validate_with_eager_launches_predicts_with_the_eager_executor_s_host(tmp_path):
@@ -560,3 +563,98 @@ def test_validate_with_eager_launches_predicts_with_the_eager_executor_s_host(tm
     assert r.exit_code == 0, r.output
     auto = pd.read_parquet(tmp_path / "c" / "validation.parquet").iloc[0]
     assert auto["tpot_predicted_s"] == row["tpot_predicted_s"]
+
+
+def _distinct_host(torch, sc, trace):
+    """Every expert's weights distinct (the validation's host copies repeat 8 experts), so a
+    buffer holding the wrong expert shows."""
+    from moesim.simulator.engine import Simulation
+
+    m = Simulation(sc, trace=trace).model
+    gen = torch.Generator().manual_seed(7)
+    return torch.randn(m.num_layers * m.num_experts, 3, m.hidden_size, m.expert_intermediate_size, generator=gen)
+
+
+@pytest.mark.parametrize("prefetch_from", ["worker", "main"])
+def test_each_expert_runs_from_its_own_weights_whoever_issues_the_prefetches(prefetch_from, monkeypatch):
+    """Issue 37: with prefetches from the copy worker or from the main thread, the executor
+    performs the timed replay's hits and misses, and every expert that runs from a cache slot
+    finds its own weights there (a slow link, so prefetches queue and some are withdrawn)."""
+    torch = pytest.importorskip("torch")
+    from moesim.calibration.executor import DevicePool
+    from moesim.calibration.validate import execute
+    from moesim.simulator.engine import Simulation
+    from moesim.traces.synth import generate
+    from tests.helpers import scenario, small_model
+
+    t = generate(small_model(layers=4, experts=8, top_k=2, hidden=64, inter=128), requests=1, prompt_tokens=0,
+                 tokens=40, seed=5)
+    sc = scenario(cache={"capacity": "4 experts"}, policies={"prefetch": "previous-token", "eviction": "lru"},
+                  hardware={"links": {"pcie": {"bandwidth_gbps": 0.05}}})
+    host = _distinct_host(torch, sc, t)
+    checked = []
+    real = DevicePool._launch
+
+    def launch(self, kernels):
+        owner = {b: k for k, b in self.where.items()}
+        for b, _ in kernels:
+            if 0 <= b < self.slots:
+                checked.append(bool(torch.equal(self.buffer(b), host[owner[b] // self.p_num])))
+        return real(self, kernels)
+
+    monkeypatch.setattr(DevicePool, "_launch", launch)
+    res = Simulation(sc, trace=t).run()
+    ex = execute(sc, t, host=host, prefetch_from=prefetch_from)
+    assert (ex["misses"], ex["hits"]) == (res.summary["misses"], res.summary["hits"] + res.summary["late_prefetches"])
+    assert res.summary["prefetches_cancelled"] > 0
+    assert len(checked) > 100
+    assert all(checked)
+    assert ex["late_withdraws"] == 0  # on the CPU a prefetch is copied as it is issued, at once
+
+
+def test_the_main_thread_keeps_two_prefetches_issued_and_issues_in_order_what_a_kernel_needs():
+    """The main thread's prefetch queue (issue 37), its GPU events replaced by ones that have
+    not happened yet: it keeps PREFETCH_DEPTH prefetches issued and the rest queued; a hit on a
+    queued one issues every one before it and it, in order, and makes the GPU (not the host)
+    wait for it; a withdrawn queued one is dropped unissued; a withdrawn issued one is counted
+    late and its buffer's next user waits for it."""
+    torch = pytest.importorskip("torch")
+    from moesim.calibration.executor import PREFETCH_DEPTH, DevicePool
+
+    class Pending:
+        def query(self):
+            return False
+
+    issued, waited = [], []
+
+    class Pool(DevicePool):
+        def _issue(self):
+            key, _b, _ = self.queued.popleft()
+            issued.append(key)
+            self.issued[key] = events[key] = Pending()
+            self.flying.append(events[key])
+
+        def _gpu_wait(self, event):
+            waited.append(next(k for k, e in events.items() if e is event))
+
+    events: dict[int, Pending] = {}
+    pool = Pool(torch, torch.zeros(10, 3, 4, 2), 8, "cpu", 1, 1, 4, graphs=False, prefetch_from="main")
+    pool.prepare()
+    for key in (3, 5, 7, 9, 2):
+        pool.perform("prefetch", key, {}, {})
+    assert PREFETCH_DEPTH == 2
+    assert issued == [3, 5]
+    assert [q[0] for q in pool.queued] == [7, 9, 2]
+    needed: dict[int, int] = {}
+    pool.perform("hit", 9, needed, {})
+    assert issued == [3, 5, 7, 9]
+    assert waited == [9]
+    assert needed == {9: pool.where[9]}
+    pool.perform("withdraw", 2, {}, {})  # still queued: never issued
+    assert issued == [3, 5, 7, 9]
+    assert 2 not in pool.where
+    assert pool.late_withdraws == 0
+    pool.perform("withdraw", 5, {}, {})  # issued already
+    assert pool.late_withdraws == 1
+    assert waited == [9, 5]
+    assert not pool.queued

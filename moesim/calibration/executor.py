@@ -5,9 +5,12 @@ the copies and the kernels, replaying the simulator's recorded decisions one by 
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from moesim.calibration.calibrate import cuda_graph, expert_ffn, warm_up
+
+PREFETCH_DEPTH = 2  # prefetch copies the main thread keeps issued ahead on the prefetch stream
 
 
 class DevicePool:
@@ -26,7 +29,7 @@ class DevicePool:
 
     def __init__(self, torch: Any, host: Any, slots: int, device: str, p_num: int, tokens: int,
                  num_experts: int, spread: int = 1, graphs: bool = True, upload: bool = False,
-                 one_stream: bool = False) -> None:
+                 one_stream: bool = False, prefetch_from: str = "worker") -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         # ``spread``: the pool has slots * spread buffers and the cache uses every spread-th, so
@@ -36,6 +39,14 @@ class DevicePool:
         # ``upload``: every captured graph replayed once before the timed passes (a graph's
         # first launch uploads it to the device); ``one_stream``: demand copies on the compute stream
         self.spread, self.use_graphs, self.upload, self.one_stream = spread, graphs, upload, one_stream
+        # ``prefetch_from``: "worker", the copy worker's thread submits each prefetch and waits for
+        # it to land, and the main thread waits for a prefetch still in flight when it needs its
+        # buffer; "main": the main thread queues prefetches and keeps PREFETCH_DEPTH of them issued
+        # on the prefetch stream, and a kernel that needs one waits for its event on the GPU, so the
+        # host never waits inside a pass (as the simulator's executor styles model it)
+        if prefetch_from not in ("worker", "main"):
+            raise ValueError(f"prefetch_from must be 'worker' or 'main', got {prefetch_from!r}")
+        self.main_prefetch = prefetch_from == "main"
         self.slots = slots * spread
         h, dt = self._hidden(host)
         gen = torch.Generator(device=device).manual_seed(1)
@@ -70,6 +81,10 @@ class DevicePool:
         self.where: dict[int, int] = {}
         self.landing: dict[int, Any] = {}
         self.arrived: dict[int, Any] = {}  # buffer -> CUDA event of its demand copy
+        self.queued: deque[tuple[int, int, Any]] = deque()  # main-thread prefetches not yet issued: key, buffer, after
+        self.issued: dict[int, Any] = {}  # key -> CUDA event of its issued prefetch (main thread)
+        self.flying: deque[Any] = deque()  # those events in issue order, until they have happened
+        self.late_withdraws = 0  # prefetches withdrawn after the main thread had issued them
         self.tally = {"hit": 0, "fetch": 0, "bypass": 0, "prefetch": 0}
 
     def buffer(self, b: int) -> Any:
@@ -152,6 +167,14 @@ class DevicePool:
         stream it could not); a prefetch on the copy worker's stream."""
         if self.plan:
             return
+        if background and self.main_prefetch:
+            after = None
+            if self.device == "cuda":
+                after = self.torch.cuda.Event()
+                after.record()  # the compute stream's work so far
+            self.queued.append((key, b, after))
+            self._pump()
+            return
         dst, src, torch = self.buffer(b), self.host[key // self.p_num], self.torch
         if self.device != "cuda":
             if background:
@@ -182,7 +205,52 @@ class DevicePool:
 
         self.landing[key] = self.copier.submit(job)
 
+    def _issue(self) -> None:
+        """The main thread issues its oldest queued prefetch on the prefetch stream, after the
+        compute stream's work at its decision, with an event that says it has landed."""
+        key, b, after = self.queued.popleft()
+        dst, src, torch = self.buffer(b), self.host[key // self.p_num], self.torch
+        if self.device != "cuda":
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self.side):
+            self.side.wait_event(after)
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        self.issued[key] = done
+        self.flying.append(done)
+
+    def _gpu_wait(self, event: Any) -> None:
+        """The compute stream waits for ``event`` (the host goes on)."""
+        self.torch.cuda.current_stream().wait_event(event)
+
+    def _pump(self) -> None:
+        """Keep :data:`PREFETCH_DEPTH` of the main thread's queued prefetches issued (one stream:
+        they land in order, so the first unfinished event bounds the ones behind it)."""
+        while self.flying and self.flying[0].query():
+            self.flying.popleft()
+        while self.queued and len(self.flying) < PREFETCH_DEPTH:
+            self._issue()
+
+    def _upto(self, key: int) -> bool:
+        """Issue the main thread's queued prefetches up to ``key``'s, in order; whether it was queued."""
+        if all(k != key for k, _, _ in self.queued):
+            return False
+        while self.queued[0][0] != key:
+            self._issue()
+        self._issue()
+        return True
+
     def _landed(self, key: int) -> None:
+        """``key``'s buffer is needed (its expert runs) or about to be reused (evicted): a
+        prefetch of it must land first."""
+        if self.main_prefetch:
+            self._upto(key)
+            done = self.issued.pop(key, None)
+            if done is not None:  # the GPU waits for it, not the host
+                self._gpu_wait(done)
+            return
         fut = self.landing.pop(key, None)
         if fut is not None:
             fut.result()  # a prefetch still in flight: wait for it
@@ -197,6 +265,8 @@ class DevicePool:
         layer's experts to the buffers they will run from."""
         if op in self.tally:
             self.tally[op] += 1
+        if self.main_prefetch and not self.plan:
+            self._pump()
         if op == "evict":
             self._landed(key)
             self.free.append(self.where.pop(key))
@@ -216,6 +286,13 @@ class DevicePool:
             b = needed[key] = self.spare_free.pop()
             self._copy(b, key, background=False)
         elif op == "withdraw":  # a queued prefetch withdrawn with its room: drop it if not begun
+            if self.main_prefetch:
+                queued = [q for q in self.queued if q[0] == key]
+                if queued:
+                    self.queued.remove(queued[0])
+                elif key in self.issued:  # issued already: it is copied; the buffer's next copy waits for it
+                    self.late_withdraws += 1
+                    self._landed(key)
             fut = self.landing.pop(key, None)
             if fut is not None and not fut.cancel():
                 fut.result()

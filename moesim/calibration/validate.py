@@ -38,7 +38,7 @@ from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
 def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, spread: int = 1,
             graphs: bool = True, upload: bool = False, one_stream: bool = False,
-            switch_us: float | None = None) -> dict[str, Any]:
+            switch_us: float | None = None, prefetch_from: str = "worker") -> dict[str, Any]:
     """Replay ``trace`` under ``scenario`` on ``device``; per-pass times and the decisions.
     The decisions are the simulator's own (the timed replay records them; its result is
     returned as ``predicted``), replayed op by op (:class:`DevicePool`): no second copy of the
@@ -47,7 +47,9 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, sp
     ``spread``, ``graphs``, ``upload`` and ``one_stream`` are diagnostics of :class:`DevicePool` (the defaults are the
     validation's executor). ``switch_us``: Python's thread switch interval during the timed
     passes (``sys.setswitchinterval``; None leaves it, 5,000 us by default): how long the copy
-    worker's thread can wait for the interpreter while the main thread launches kernels."""
+    worker's thread can wait for the interpreter while the main thread launches kernels.
+    ``prefetch_from``: who issues prefetch copies (:class:`DevicePool`: "worker", the copy
+    worker's thread, or "main", the main thread, which then never waits for one)."""
     import sys
 
     import torch
@@ -80,7 +82,8 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, sp
     else:
         if host is None:
             host = host_weights(torch, num_l * num_e, h, inter, device)
-        mem = DevicePool(torch, host, slots, device, sim.num_prec, tokens, num_e, spread, graphs, upload, one_stream)
+        mem = DevicePool(torch, host, slots, device, sim.num_prec, tokens, num_e, spread, graphs, upload, one_stream,
+                         prefetch_from)
 
     def forward(p: int) -> None:
         for layer in range(num_l):
@@ -123,22 +126,24 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, sp
             "copies": mem.tally["fetch"] + mem.tally["bypass"] + mem.tally["prefetch"],
             "link_late_s": link.late if link is not None else 0.0,
             "misses": mem.tally["fetch"] + mem.tally["bypass"], "workload": wl, "predicted": predicted,
-            "launches": mem.launches, "spares": mem.most_spares, "host": host, "switch_s": switch}
+            "launches": mem.launches, "spares": mem.most_spares, "host": host, "switch_s": switch,
+            "late_withdraws": mem.late_withdraws}
 
 
 def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, device: str = "cpu",
              progress: Any = None,
              warn: Callable[[str], None] | None = None, overrides: list[str] | None = None,
              done: Callable[[dict[str, Any]], None] | None = None, launch: str = "auto",
-             switch_us: float | None = None) -> pd.DataFrame:
+             switch_us: float | None = None, prefetch_from: str = "worker") -> pd.DataFrame:
     """Measure and predict every scenario; write report.md, validation.parquet (a row per
     scenario), passes.parquet (a row per forward pass: measured and predicted seconds, so the
     error can be studied pass by pass) and a plot. ``overrides`` (``KEY=VALUE``) apply to every
     scenario (e.g. ``expert_compute=per-expert``). ``warn`` hears each :func:`shape_warnings`
     message before the measurements start (they also go into the report); ``done`` hears each
-    scenario's row as it is finished. ``switch_us``: :func:`execute`'s; each row records the
-    interval its timed passes ran with (``switch_interval_us``) and how the executor launched
-    (``launch``)."""
+    scenario's row as it is finished. ``switch_us`` and ``prefetch_from``: :func:`execute`'s;
+    each row records the interval its timed passes ran with (``switch_interval_us``), how the
+    executor launched (``launch``), who issued its prefetches (``prefetch_from``) and how many
+    withdrawn prefetches the main thread had issued already (``late_withdraws``)."""
 
     from moesim.config.scenario import load_scenario
     from moesim.traces.io import read_trace
@@ -159,7 +164,8 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
         if progress is not None:
             progress(i, len(scenarios))
         kind = (sc.execution.style == "hf-loop", sc.cache.precision)
-        meas = execute(sc, trace, device, hosts.get(kind), graphs=graphs[i], switch_us=switch_us)
+        meas = execute(sc, trace, device, hosts.get(kind), graphs=graphs[i], switch_us=switch_us,
+                       prefetch_from=prefetch_from)
         hosts[kind] = meas["host"]
         pred = meas["predicted"]
         steps = pred.steps
@@ -169,7 +175,8 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
         row = {"scenario": Path(path).stem, "capacity": sc.cache.capacity, "eviction": sc.policies.eviction.name,
                "model": pred.summary["model"], "expert_compute": sc.expert_compute,
                "prefetch": sc.policies.prefetch.name, "launch": "graphs" if graphs[i] else "eager",
-               "switch_interval_us": round(meas["switch_s"] * 1e6, 3),
+               "switch_interval_us": round(meas["switch_s"] * 1e6, 3), "prefetch_from": prefetch_from,
+               "late_withdraws": meas["late_withdraws"],
                "hits_sim": pred.summary["hits"] + pred.summary["late_prefetches"], "misses_sim": pred.summary["misses"],
                "hits_exec": meas["hits"], "misses_exec": meas["misses"],
                "tpot_measured_s": float(m[dec].mean()) if dec.any() else np.nan,
