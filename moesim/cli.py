@@ -774,10 +774,12 @@ def calibrate_fit(raw: str, out: str, host_costs: str | None) -> None:
               help="Python's thread switch interval during the timed passes, microseconds (default: Python's, "
                    "5000): the longest the prefetch copy worker's thread waits for the interpreter while the main "
                    "thread launches kernels.")
-@click.option("--prefetch-from", type=click.Choice(["worker", "main"]), default="worker", show_default=True,
-              help="Who issues the executor's prefetch copies: a copy worker thread that waits for each to land "
-                   "(the main thread waits for one still in flight when its expert runs), or the main thread, "
-                   "which keeps two issued on the prefetch stream and makes the GPU, not itself, wait for them.")
+@click.option("--prefetch-from", type=click.Choice(["main", "worker"]), default="main", show_default=True,
+              help="Who issues the executor's prefetch copies: the main thread, which keeps two issued on the "
+                   "prefetch stream and makes the GPU, not itself, wait for a late one (as the simulator models the "
+                   "host), or a copy worker thread that waits for each to land, the main thread waiting for one still "
+                   "in flight (validation/h100/eager/report.md: 27-34% slower than predicted with prefetch at 1% "
+                   "and 5%).")
 @click.option("--out", "out_dir", required=True, type=OUT_DIR, help="Report folder.")
 def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], overrides: tuple[str, ...],
                        device: str, launch: str, switch_us: float | None, prefetch_from: str, out_dir: str) -> None:

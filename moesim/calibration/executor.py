@@ -16,8 +16,8 @@ PREFETCH_DEPTH = 2  # prefetch copies the main thread keeps issued ahead on the 
 class DevicePool:
     """The executor's memory and kernels: every expert's weights (gate, up, down) in host memory
     (pinned on CUDA), a device pool of ``slots`` experts, spare buffers for uncached fetches
-    (each holds its expert until it has run), a copy worker (a second CUDA stream's job on a
-    GPU, a thread on the CPU) for prefetches, and the layer's kernels on a static input ``x``.
+    (each holds its expert until it has run), a prefetch stream (fed by the main thread, or by
+    a copy worker thread: ``prefetch_from``), and the layer's kernels on a static input ``x``.
 
     A buffer is named by an int: ``0 .. slots-1`` the pool's slots, ``slots + j`` spare ``j``.
     :meth:`perform` first runs over a scenario's decisions in ``plan`` mode (no copies, no
@@ -29,7 +29,7 @@ class DevicePool:
 
     def __init__(self, torch: Any, host: Any, slots: int, device: str, p_num: int, tokens: int,
                  num_experts: int, spread: int = 1, graphs: bool = True, upload: bool = False,
-                 one_stream: bool = False, prefetch_from: str = "worker") -> None:
+                 one_stream: bool = False, prefetch_from: str = "main") -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         # ``spread``: the pool has slots * spread buffers and the cache uses every spread-th, so
@@ -39,11 +39,13 @@ class DevicePool:
         # ``upload``: every captured graph replayed once before the timed passes (a graph's
         # first launch uploads it to the device); ``one_stream``: demand copies on the compute stream
         self.spread, self.use_graphs, self.upload, self.one_stream = spread, graphs, upload, one_stream
-        # ``prefetch_from``: "worker", the copy worker's thread submits each prefetch and waits for
-        # it to land, and the main thread waits for a prefetch still in flight when it needs its
-        # buffer; "main": the main thread queues prefetches and keeps PREFETCH_DEPTH of them issued
-        # on the prefetch stream, and a kernel that needs one waits for its event on the GPU, so the
-        # host never waits inside a pass (as the simulator's executor styles model it)
+        # ``prefetch_from``: "main" (default), the main thread queues prefetches and keeps
+        # PREFETCH_DEPTH of them issued on the prefetch stream, and a kernel that needs one waits
+        # for its event on the GPU, so the host never waits inside a pass (as the simulator's
+        # executor styles model it); "worker", the copy worker's thread submits each prefetch and
+        # waits for it to land, and the main thread waits for a prefetch still in flight when it
+        # needs its buffer (on the H100 the OLMoE per-expert rows with prefetch at 1% and 5% took
+        # 27-34% longer than predicted that way and 7-10% with "main": validation/h100/eager/)
         if prefetch_from not in ("worker", "main"):
             raise ValueError(f"prefetch_from must be 'worker' or 'main', got {prefetch_from!r}")
         self.main_prefetch = prefetch_from == "main"
@@ -164,7 +166,8 @@ class DevicePool:
         running; the simulator's copy starts at the decision's time, after that work):
         a demand copy on the demand-copy stream, whose event the expert's kernel waits for, so
         the next expert's copy overlaps this one's compute in per-expert execution (on one
-        stream it could not); a prefetch on the copy worker's stream."""
+        stream it could not); a prefetch queued for the main thread to issue on the prefetch
+        stream (:meth:`_pump`), or handed to the copy worker."""
         if self.plan:
             return
         if background and self.main_prefetch:

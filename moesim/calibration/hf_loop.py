@@ -115,7 +115,8 @@ class HfLoopPool(DevicePool):
         self.routes: dict[tuple[int, int], tuple[Any, Any, Any]] = {}  # (pass, layer) -> top-k index, weights, mask
         self.routing: tuple[Any, Any, Any] | None = None  # the layer being run's
         self.expert_of: dict[int, int] = {}  # buffer -> the expert's index in its layer
-        super().__init__(torch, host, slots, device, p_num, tokens, num_experts, graphs=False)
+        super().__init__(torch, host, slots, device, p_num, tokens, num_experts, graphs=False,
+                         prefetch_from="worker")  # SpecMD's prefetches: a worker, its copies through the link
         h = shape[0]
         dt = self.x.dtype
         gen = torch.Generator(device=device).manual_seed(2)

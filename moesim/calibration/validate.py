@@ -38,7 +38,7 @@ from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
 def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, spread: int = 1,
             graphs: bool = True, upload: bool = False, one_stream: bool = False,
-            switch_us: float | None = None, prefetch_from: str = "worker") -> dict[str, Any]:
+            switch_us: float | None = None, prefetch_from: str = "main") -> dict[str, Any]:
     """Replay ``trace`` under ``scenario`` on ``device``; per-pass times and the decisions.
     The decisions are the simulator's own (the timed replay records them; its result is
     returned as ``predicted``), replayed op by op (:class:`DevicePool`): no second copy of the
@@ -48,8 +48,8 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, sp
     validation's executor). ``switch_us``: Python's thread switch interval during the timed
     passes (``sys.setswitchinterval``; None leaves it, 5,000 us by default): how long the copy
     worker's thread can wait for the interpreter while the main thread launches kernels.
-    ``prefetch_from``: who issues prefetch copies (:class:`DevicePool`: "worker", the copy
-    worker's thread, or "main", the main thread, which then never waits for one)."""
+    ``prefetch_from``: who issues prefetch copies (:class:`DevicePool`: "main", the main thread,
+    which then never waits for one, or "worker", the copy worker's thread)."""
     import sys
 
     import torch
@@ -134,7 +134,7 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
              progress: Any = None,
              warn: Callable[[str], None] | None = None, overrides: list[str] | None = None,
              done: Callable[[dict[str, Any]], None] | None = None, launch: str = "auto",
-             switch_us: float | None = None, prefetch_from: str = "worker") -> pd.DataFrame:
+             switch_us: float | None = None, prefetch_from: str = "main") -> pd.DataFrame:
     """Measure and predict every scenario; write report.md, validation.parquet (a row per
     scenario), passes.parquet (a row per forward pass: measured and predicted seconds, so the
     error can be studied pass by pass) and a plot. ``overrides`` (``KEY=VALUE``) apply to every
@@ -217,13 +217,16 @@ def executor_style(sc: Any, path: Any, sets: list[str], graphs: bool = True) -> 
     return load_scenario(path, [*sets, f"execution.style={style}"])
 
 
-def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str], graphs: bool = True) -> pd.DataFrame:
+def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str], graphs: bool = True,
+              extra: list[str] | None = None) -> pd.DataFrame:
     """Today's predictions for a committed validation run (``validation.parquet``: its
     measured and recorded columns kept as they are): per scenario, the shipped
     ``validation/SCENARIO`` on the run's trace for its model (``traces``) and ``profile``,
     predicted without a host model (``none``) and with the executor's own style
     (:func:`executor_style`; ``graphs`` False: the executor launched eagerly), and whether today's hits and misses are the ones the executor
-    performed (``same_decisions``; when not, the row measured other decisions)."""
+    performed (``same_decisions``; when not, the row measured other decisions). ``extra``
+    (``KEY=VALUE``) applies to the host-model prediction only (e.g. a host cost fitted from
+    held-out rows)."""
     from moesim.config.scenario import load_scenario
     from moesim.simulator.engine import Simulation
 
@@ -237,7 +240,10 @@ def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str], graphs:
                "tpot_measured_s": r["tpot_measured_s"], "ttft_measured_s": r["ttft_measured_s"],
                "tpot_recorded_s": r["tpot_predicted_s"], "ttft_recorded_s": r["ttft_predicted_s"]}
         plain = load_scenario(path, sets)
-        for name, sc in (("none", plain), ("host", executor_style(plain, path, sets, graphs))):
+        hosted = executor_style(plain, path, sets, graphs)
+        if extra:
+            hosted = load_scenario(path, [*sets, f"execution.style={hosted.execution.style}", *extra])
+        for name, sc in (("none", plain), ("host", hosted)):
             res = Simulation(sc).run()
             steps = res.steps
             dec = (steps["phase"] == "decode").to_numpy()

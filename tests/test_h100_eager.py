@@ -1,0 +1,114 @@
+"""Issue 37's H100 runs (``validation/h100/eager/``): the profile is the fit of the run's raw
+microbenchmarks, the measured columns are kept as the device wrote them, the re-predictions
+and the report are what ``tools/repredict_h100_eager.py`` makes today (on both replay paths),
+and what the report says of the measurements holds on the measured files."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from moesim.calibration.calibrate import fit
+
+ROOT = Path(__file__).resolve().parents[1]
+EAGER = ROOT / "validation" / "h100" / "eager"
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("repredict_h100_eager", ROOT / "tools" / "repredict_h100_eager.py")
+    assert spec is not None
+    assert spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def today(tool, tmp_path_factory):
+    return tool.repredicted(tmp_path_factory.mktemp("h100eager"))
+
+
+def test_the_profile_is_the_fit_of_the_run_s_microbenchmarks():
+    raw = pd.read_parquet(EAGER / "raw.parquet")
+    assert (raw["device_name"] == "NVIDIA H100 80GB HBM3").all()
+    prof = fit(raw, "raw.parquet")
+    assert prof == yaml.safe_load((EAGER / "profile.yaml").read_text())
+    # the executor's own host calls were measured, and cost more than its bare kernels
+    assert prof["host"]["eager_expert_us"] > 5 * prof["host"]["eager_kernel_us"]
+    assert set(raw.loc[raw["kind"] == "host", "call"]) >= {"executor layer, eager", "executor expert, eager (hit + run)"}
+
+
+def test_the_re_predictions_and_the_report_are_today_s(tool, today):
+    committed = pd.read_parquet(EAGER / "repredicted.parquet")
+    pd.testing.assert_frame_equal(today, committed, rtol=1e-9)
+    assert (EAGER / "report.md").read_text() == tool.report(committed)
+    # the measured columns are the runs' own
+    for run in (*tool.RUNS, *tool.OLD_RULE):
+        rec = pd.read_parquet(EAGER / run / "validation.parquet")
+        got = committed[committed["run"] == run]
+        assert got["tpot_measured_s"].tolist() == rec["tpot_measured_s"].tolist()
+        assert got["ttft_measured_s"].tolist() == rec["ttft_measured_s"].tolist()
+    assert committed["same_decisions"].all()
+    assert set(committed.loc[committed["run"].isin(list(tool.RUNS)), "style"]) == {"eager-per-expert"}
+
+
+def test_the_simpy_path_predicts_the_same(tool, today, monkeypatch, tmp_path):
+    """The main run's host-model predictions on the SimPy path (the reference semantics) equal
+    the compiled kernel's, for one scenario of each capacity, with and without prefetch."""
+    from moesim.calibration.validate import repredict
+
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+    table = pd.read_parquet(EAGER / "main" / "validation.parquet")
+    pick = table[table["scenario"].isin(["cap1-pf-lru", "cap5-nopf-least-stale", "cap25-pf-least-stale",
+                                         "cap100-nopf-lru"])]
+    got = repredict(pick, str(tool.PROFILE), tool.traces(tmp_path), graphs=False)
+    want = today[today["run"] == "main"].set_index("scenario").loc[pick["scenario"]]
+    assert len(got) == 4
+    for k in ("tpot_host_s", "ttft_host_s", "tpot_none_s"):
+        assert got[k].to_numpy() == pytest.approx(want[k].to_numpy(), rel=1e-9)
+
+
+def test_what_the_report_says_of_the_measurements_holds(tool):
+    df = pd.read_parquet(EAGER / "repredicted.parquet")
+    pf = df[(df["prefetch"] != "none") & df["capacity"].isin(["1%", "5%"])].pivot(
+        index="scenario", columns="run", values="tpot_measured_s")
+    pred = df[(df["run"] == "main")].set_index("scenario")["tpot_host_s"].loc[pf.index]
+    # section 2: in the same call, the worker's rows are slower than the main thread's, every one
+    assert (pf["pf-worker"] > 1.2 * pf["pf-main"]).all()
+    assert (pf["pf-worker"] > 1.2 * pf["main"]).all()
+    # with the worker at either switch interval, over 25% error; with the main thread at most 11%
+    for run in ("eager", "eager-switch50", "pf-worker"):
+        assert (1 - pred / pf[run] > 0.25).all(), run
+    for run in ("main", "pf-main"):
+        assert (1 - pred / pf[run] < 0.11).all(), run
+    # section 1: the held-out fit uses the 100% rows only and meets issue 37's targets on the others;
+    # the microbenchmarks alone miss the TPOT median by a little
+    main = df[df["run"] == "main"]
+    rest = main[main["capacity"] != "100%"]
+    assert len(rest) == 12
+    held = tool.errors(rest, "held")
+    assert held["tpot median"] <= 0.05
+    assert held["tpot p95"] <= 0.10
+    assert held["ttft median"] <= 0.05
+    micro = tool.errors(main, "host")
+    assert 0.05 < micro["tpot median"] < 0.052
+    assert micro["tpot p95"] <= 0.10
+    assert micro["ttft median"] <= 0.05
+    # the late withdrawals are only where the simulator withdrew prefetches (prefetch below 100%)
+    assert (main.loc[main["prefetch"] == "none", "late_withdraws"] == 0).all()
+    assert (main.loc[main["capacity"].isin(["1%", "5%"]) & (main["prefetch"] != "none"), "late_withdraws"] > 700).all()
+
+
+def test_the_old_rule_rows_are_the_committed_run_s_ten(tool):
+    from tests.test_h100_calibration import OLD_RULE_ROWS
+
+    df = pd.read_parquet(EAGER / "repredicted.parquet")
+    old = df[df["run"].isin(list(tool.OLD_RULE))]
+    assert set(zip(old["model"], old["expert_compute"], old["scenario"], strict=True)) == OLD_RULE_ROWS
+    assert old["same_decisions"].all()
+    assert set(old["style"]) == {"graph-layer", "graph-per-expert"}
