@@ -65,8 +65,8 @@ def _executor_columns(table: pd.DataFrame) -> dict[str, object]:
     """What the executor recorded of a run beside its times. The first call's executor (commit
     a7e763d) had only the copy worker and recorded neither who issued prefetches nor late
     withdrawals (the worker has none: it cancels a withdrawn prefetch it has not begun)."""
-    return {"prefetch_from": table["prefetch_from"] if "prefetch_from" in table else "worker",
-            "late_withdraws": table["late_withdraws"] if "late_withdraws" in table else 0,
+    return {"prefetch_from": table.get("prefetch_from", "worker"),
+            "late_withdraws": table.get("late_withdraws", 0),
             "switch_interval_us": table["switch_interval_us"], "hits_exec": table["hits_exec"],
             "misses_exec": table["misses_exec"]}
 
