@@ -58,19 +58,15 @@ def test_the_re_predictions_and_the_report_are_today_s(tool, today):
 
 
 def test_the_simpy_path_predicts_the_same(tool, today, monkeypatch, tmp_path):
-    """The main run's host-model predictions on the SimPy path (the reference semantics) equal
-    the compiled kernel's, for one scenario of each capacity, with and without prefetch."""
-    from moesim.calibration.validate import repredict
-
+    """The judged run's predictions on the SimPy path (the reference semantics) equal the
+    compiled kernel's in all 16 rows, with the microbenchmarks' host and the held-out one."""
     monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
-    table = pd.read_parquet(EAGER / "main" / "validation.parquet")
-    pick = table[table["scenario"].isin(["cap1-pf-lru", "cap5-nopf-least-stale", "cap25-pf-least-stale",
-                                         "cap100-nopf-lru"])]
-    got = repredict(pick, str(tool.PROFILE), tool.traces(tmp_path), graphs=False)
-    want = today[today["run"] == "main"].set_index("scenario").loc[pick["scenario"]]
-    assert len(got) == 4
-    for k in ("tpot_host_s", "ttft_host_s", "tpot_none_s"):
-        assert got[k].to_numpy() == pytest.approx(want[k].to_numpy(), rel=1e-9)
+    monkeypatch.setattr(tool, "RUNS", {"main": tool.RUNS["main"]})
+    monkeypatch.setattr(tool, "OLD_RULE", ())
+    got = tool.repredicted(tmp_path)
+    want = today[today["run"] == "main"].reset_index(drop=True)
+    assert len(got) == 16
+    pd.testing.assert_frame_equal(got, want, rtol=1e-9)
 
 
 def test_what_the_report_says_of_the_measurements_holds(tool):
