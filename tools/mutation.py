@@ -71,6 +71,8 @@ TESTS: dict[str, list[str]] = {
     # NF4, the throttled link and the router output (the executor's CUDA paths need a GPU)
     "moesim/calibration/hf_loop.py": ["tests/test_hf_loop.py"],
     "moesim/config/execution.py": ["tests/test_host.py"],
+    # the validation executor's decisions, buffers and main-thread prefetch queue (its CUDA paths need a GPU)
+    "moesim/calibration/executor.py": ["tests/test_calibrate.py"],
 }
 
 # the functions mutated in a module where not all of them are (mutmut name patterns): calibrate.py's
@@ -79,6 +81,9 @@ TESTS: dict[str, list[str]] = {
 FUNCTIONS: dict[str, list[str]] = {
     "moesim/calibration/calibrate.py": ["x_fit*", "x__check_raw*"],
     "moesim/calibration/hf_loop.py": ["x_nf4*", "xǁLinkǁ*", "xǁHfLoopPoolǁtop_k_index*"],
+    "moesim/calibration/executor.py": ["xǁDevicePoolǁ_issue*", "xǁDevicePoolǁ_pump*", "xǁDevicePoolǁ_upto*",
+                                       "xǁDevicePoolǁ_landed*", "xǁDevicePoolǁperform*", "xǁDevicePoolǁreset*",
+                                       "xǁDevicePoolǁ_copy*"],
 }
 
 # mutant name -> why no test can tell it from the original

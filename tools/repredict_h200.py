@@ -143,9 +143,10 @@ def eager_section(df: pd.DataFrame) -> str:
               f"{_ms(full['tpot_none_s'].iloc[0])}).",
               f"- The {len(pf)} rows with prefetch at 1% and 5% measured {pf['tpot_ape_host'].min():.0%}-"
               f"{pf['tpot_ape_host'].max():.0%} slower than predicted, slower even than the same capacities without "
-              "prefetch, which copy more. Not explained: the prefetches go through the executor's copy worker (a "
-              "Python thread), which the eager launches keep from the interpreter; a run with the prefetches issued "
-              "from the main thread would tell."]
+              "prefetch, which copy more. Not explained on this machine; on an H100 the same rows measured 27-34% "
+              "above the prediction with the executor's copy worker (a Python thread whose in-flight prefetches the "
+              "main thread waited for) and 6-10% with the prefetches issued from the main thread, in the same call, "
+              "while a 50 us thread switch interval changed nothing (`validation/h100/eager/report.md`, section 2)."]
     return "\n".join(lines) + "\n"
 
 
