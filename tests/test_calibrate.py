@@ -425,13 +425,9 @@ def test_the_executor_s_diagnostic_variants_make_the_same_decisions(tmp_path):
     and eager launches perform the simulator's decisions, the spread pool from every
     spread-th buffer only, with the same launches."""
     pytest.importorskip("torch")
-    import importlib.util
+    from tests.helpers import load_tool
 
-    spec = importlib.util.spec_from_file_location("slots", ROOT / "tools" / "gpu_perexpert_slots.py")
-    assert spec is not None
-    assert spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("gpu_perexpert_slots")
     df = tool.run(str(tmp_path / "slots.csv"), "cpu", repeats=1, tokens=3, layers=2)
     assert set(df["variant"]) == set(tool.VARIANTS)
     launches = df.groupby("variant")["launches"].first()

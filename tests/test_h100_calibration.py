@@ -13,10 +13,9 @@ import pytest
 import yaml
 
 from moesim.calibration.calibrate import fit, read_host_costs
+from moesim.calibration.validate import write_validation_traces
 from moesim.config.scenario import load_scenario
 from moesim.simulator.engine import Simulation
-from moesim.traces.io import write_trace
-from moesim.traces.synth import synth_from_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 VALIDATION = ROOT / "validation" / "h100"
@@ -39,13 +38,7 @@ def test_the_h100_profile_is_the_fit_of_its_raw_measurements():
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     """The validation traces, regenerated (synthetic traces are deterministic for a seed)."""
-    d = tmp_path_factory.mktemp("h100")
-    out = {}
-    for name, layers in (("olmoe-1b-7b", None), ("mixtral-8x7b", 4)):  # as tools/gpu_calibrate.sh makes them
-        path = d / f"{name}.parquet"
-        write_trace(synth_from_preset(name, layers=layers, requests=1, prompt_tokens=64, tokens=128, seed=0), path)
-        out[name] = path
-    return out
+    return {k: Path(v) for k, v in write_validation_traces(tmp_path_factory.mktemp("h100")).items()}
 
 
 # Measured before issue 33 changed Least-Stale's prefetch victims (and gave a freed slot to

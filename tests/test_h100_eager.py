@@ -5,7 +5,6 @@ and what the report says of the measurements holds on the measured files."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pandas as pd
@@ -13,6 +12,7 @@ import pytest
 import yaml
 
 from moesim.calibration.calibrate import fit
+from tests.helpers import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 EAGER = ROOT / "validation" / "h100" / "eager"
@@ -20,12 +20,7 @@ EAGER = ROOT / "validation" / "h100" / "eager"
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("repredict_h100_eager", ROOT / "tools" / "repredict_h100_eager.py")
-    assert spec is not None
-    assert spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("repredict_h100_eager")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ committed measurements, and the report's statements hold on the measured files."
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pandas as pd
@@ -13,6 +12,7 @@ import pytest
 import yaml
 
 from moesim.calibration.calibrate import fit
+from tests.helpers import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = ROOT / "validation" / "h200"
@@ -20,12 +20,7 @@ H200 = ROOT / "validation" / "h200"
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("repredict_h200", ROOT / "tools" / "repredict_h200.py")
-    assert spec is not None
-    assert spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("repredict_h200")
 
 
 def test_the_h200_profile_is_the_fit_of_its_raw_measurements():

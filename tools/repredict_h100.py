@@ -15,25 +15,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from moesim.calibration.validate import repredict, repredicted_section
+from moesim.calibration.validate import repredict, repredicted_section, write_validation_traces
 from moesim.files import write_atomic, write_text_atomic
-from moesim.traces.io import write_trace
-from moesim.traces.synth import synth_from_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 H100 = ROOT / "validation" / "h100"
 HEADING = "## Re-predicted with the host model (issue 37)"
 COMMAND = "python tools/repredict_h100.py"
-
-
-def validation_traces(folder: Path) -> dict[str, str]:
-    """The validation's traces, written into ``folder``: OLMoE whole, Mixtral with 4 layers."""
-    out = {}
-    for name, layers in (("olmoe-1b-7b", None), ("mixtral-8x7b", 4)):
-        path = folder / f"{name}.parquet"
-        write_trace(synth_from_preset(name, layers=layers, requests=1, prompt_tokens=64, tokens=128, seed=0), path)
-        out[name] = str(path)
-    return out
 
 
 def same_calls_evidence(table: pd.DataFrame, df: pd.DataFrame) -> str:
@@ -79,7 +67,7 @@ def same_calls_evidence(table: pd.DataFrame, df: pd.DataFrame) -> str:
 def main() -> None:
     table = pd.read_parquet(H100 / "validation.parquet")
     with tempfile.TemporaryDirectory() as tmp:
-        df = repredict(table, str(ROOT / "profiles" / "h100.yaml"), validation_traces(Path(tmp)))
+        df = repredict(table, str(ROOT / "profiles" / "h100.yaml"), write_validation_traces(Path(tmp)))
     write_atomic(H100 / "repredicted.parquet", lambda t: df.to_parquet(t, index=False))
     report = (H100 / "report.md").read_text()
     section = repredicted_section(df, COMMAND) + same_calls_evidence(table, df)

@@ -21,10 +21,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from moesim.calibration.validate import repredict
+from moesim.calibration.validate import repredict, write_validation_traces
 from moesim.files import write_atomic, write_text_atomic
-from moesim.traces.io import write_trace
-from moesim.traces.synth import synth_from_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 EAGER = ROOT / "validation" / "h100" / "eager"
@@ -39,17 +37,6 @@ RUNS = {"main": ("second", "prefetches from the main thread (`--prefetch-from ma
 OLD_RULE = ("oldrule-olmoe-layer", "oldrule-olmoe-per-expert", "oldrule-mixtral-layer", "oldrule-mixtral-per-expert")
 TARGET = {"tpot median": 0.05, "tpot p95": 0.10, "ttft median": 0.05}  # issue 37, Build 3
 LAYERS, TOP_K = 16, 8  # OLMoE: the decode pass's layers and experts a layer (a token each)
-
-
-def traces(folder: Path) -> dict[str, str]:
-    """The runs' traces (``moesim trace synth --tokens 128 --prompt-tokens 64``, as the device
-    scripts made them; Mixtral with 4 layers), written into ``folder``."""
-    out = {}
-    for name, layers in (("olmoe-1b-7b", None), ("mixtral-8x7b", 4)):
-        path = folder / f"{name}.parquet"
-        write_trace(synth_from_preset(name, layers=layers, requests=1, prompt_tokens=64, tokens=128, seed=0), path)
-        out[name] = str(path)
-    return out
 
 
 def held_out_expert_us(main: pd.DataFrame) -> float:
@@ -76,7 +63,7 @@ def repredicted(folder: Path) -> pd.DataFrame:
     ``eager-per-expert`` host (``host``), and with the per-expert host time fitted from the main
     run's 100% rows (``held``, in ``tpot_held_s``/``ttft_held_s``); the old-rule rows with the
     committed run's profile and its graph styles."""
-    paths = traces(folder)
+    paths = write_validation_traces(folder)
     out = []
     main = pd.read_parquet(EAGER / "main" / "validation.parquet")
     held = [f"execution.host_launch_us={held_out_expert_us(main)!r}"]

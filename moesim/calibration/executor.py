@@ -191,12 +191,7 @@ class DevicePool:
             dst.copy_(src, non_blocking=True)
             return
         if not background:
-            with torch.cuda.stream(self.demand):
-                self.demand.wait_event(after)
-                dst.copy_(src, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
-            self.arrived[b] = done
+            self.arrived[b] = self._stream_copy(self.demand, after, dst, src)
             return
         side = self.side
 
@@ -212,17 +207,23 @@ class DevicePool:
         """The main thread issues its oldest queued prefetch on the prefetch stream, after the
         compute stream's work at its decision, with an event that says it has landed."""
         key, b, after = self.queued.popleft()
-        dst, src, torch = self.buffer(b), self.host[key // self.p_num], self.torch
+        dst, src = self.buffer(b), self.host[key // self.p_num]
         if self.device != "cuda":
             dst.copy_(src)
             return
-        with torch.cuda.stream(self.side):
-            self.side.wait_event(after)
+        self.issued[key] = done = self._stream_copy(self.side, after, dst, src)
+        self.flying.append(done)
+
+    def _stream_copy(self, stream: Any, after: Any, dst: Any, src: Any) -> Any:
+        """Copy ``src`` into ``dst`` on ``stream`` once the event ``after`` has happened; the
+        event of its landing."""
+        torch = self.torch
+        with torch.cuda.stream(stream):
+            stream.wait_event(after)
             dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        self.issued[key] = done
-        self.flying.append(done)
+        return done
 
     def _gpu_wait(self, event: Any) -> None:
         """The compute stream waits for ``event`` (the host goes on)."""

@@ -217,6 +217,25 @@ def executor_style(sc: Any, path: Any, sets: list[str], graphs: bool = True) -> 
     return load_scenario(path, [*sets, f"execution.style={style}"])
 
 
+VALIDATION_TRACES = {"olmoe-1b-7b": None, "mixtral-8x7b": 4}  # model -> layers kept (None: all)
+
+
+def write_validation_traces(folder: Path) -> dict[str, str]:
+    """The committed validation runs' traces (``validation/h100/``: ``moesim trace synth --preset
+    MODEL --tokens 128 --prompt-tokens 64``, Mixtral with 4 of its layers, as
+    ``tools/gpu_calibrate.sh`` makes them; synthetic traces are deterministic for a seed),
+    written into ``folder``: model -> path."""
+    from moesim.traces.io import write_trace
+    from moesim.traces.synth import synth_from_preset
+
+    out = {}
+    for name, layers in VALIDATION_TRACES.items():
+        path = Path(folder) / f"{name}.parquet"
+        write_trace(synth_from_preset(name, layers=layers, requests=1, prompt_tokens=64, tokens=128, seed=0), path)
+        out[name] = str(path)
+    return out
+
+
 def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str], graphs: bool = True,
               extra: list[str] | None = None) -> pd.DataFrame:
     """Today's predictions for a committed validation run (``validation.parquet``: its
