@@ -261,7 +261,9 @@ def _executor_calls(torch: Any, h: int, inter: int, device: str = "cuda") -> tup
     """The calibration executor's host work at 100% capacity in per-expert execution with eager
     launches (:class:`moesim.calibration.executor.DevicePool`, as ``calibrate validate --launch
     eager`` replays it): a layer's start and its non-expert part on one token, and one cached
-    expert's ``hit`` and ``run`` decisions (the pool's bookkeeping and the FFN's 5 kernels)."""
+    expert's ``hit`` and ``run`` decisions (the pool's bookkeeping and the FFN's 5 kernels).
+    The H100 profile of ``validation/h100/eager/`` measured them before the pool's main-thread
+    prefetch queue existed; it adds two checks of an empty queue per decision here."""
     from moesim.calibration.executor import DevicePool
 
     host = torch.randn(1, 3, h, inter, dtype=torch.float32).to(torch.bfloat16)

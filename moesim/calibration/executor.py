@@ -237,14 +237,13 @@ class DevicePool:
         while self.queued and len(self.flying) < PREFETCH_DEPTH:
             self._issue()
 
-    def _upto(self, key: int) -> bool:
-        """Issue the main thread's queued prefetches up to ``key``'s, in order; whether it was queued."""
+    def _upto(self, key: int) -> None:
+        """Issue the main thread's queued prefetches up to ``key``'s, in order (none if it is not queued)."""
         if all(k != key for k, _, _ in self.queued):
-            return False
+            return
         while self.queued[0][0] != key:
             self._issue()
         self._issue()
-        return True
 
     def _landed(self, key: int) -> None:
         """``key``'s buffer is needed (its expert runs) or about to be reused (evicted): a
@@ -290,14 +289,13 @@ class DevicePool:
             b = needed[key] = self.spare_free.pop()
             self._copy(b, key, background=False)
         elif op == "withdraw":  # a queued prefetch withdrawn with its room: drop it if not begun
-            if self.main_prefetch:
-                queued = [q for q in self.queued if q[0] == key]
-                if queued:
-                    self.queued.remove(queued[0])
-                elif key in self.issued:  # issued already: it is copied; the buffer's next copy waits for it
-                    self.late_withdraws += 1
-                    self._landed(key)
-            fut = self.landing.pop(key, None)
+            queued = [q for q in self.queued if q[0] == key]
+            if queued:  # the main thread's, not issued yet
+                self.queued.remove(queued[0])
+            elif key in self.issued:  # the main thread's, issued already: it is copied; the buffer's next copy waits for it
+                self.late_withdraws += 1
+                self._landed(key)
+            fut = self.landing.pop(key, None)  # the copy worker's
             if fut is not None and not fut.cancel():
                 fut.result()
             self.free.append(self.where.pop(key))
