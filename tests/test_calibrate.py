@@ -609,48 +609,70 @@ def test_each_expert_runs_from_its_own_weights_whoever_issues_the_prefetches(pre
 
 
 def test_the_main_thread_keeps_two_prefetches_issued_and_issues_in_order_what_a_kernel_needs():
-    """The main thread's prefetch queue (issue 37), its GPU events replaced by ones that have
-    not happened yet: it keeps PREFETCH_DEPTH prefetches issued and the rest queued; a hit on a
-    queued one issues every one before it and it, in order, and makes the GPU (not the host)
-    wait for it; a withdrawn queued one is dropped unissued; a withdrawn issued one is counted
-    late and its buffer's next user waits for it."""
+    """The main thread's prefetch queue (issue 37), its three CUDA calls (an event on the compute
+    stream, a copy on a stream, the compute stream's wait) replaced by fakes whose events land
+    when the test says: it keeps PREFETCH_DEPTH prefetches issued and the rest queued, issuing
+    the next at the first decision after one lands; a hit on a queued one issues every one
+    before it and it, in order, and makes the GPU (not the host) wait for it, once; a withdrawn
+    queued one is dropped unissued; a withdrawn issued one is counted late and its buffer's
+    next user waits for it."""
     torch = pytest.importorskip("torch")
     from moesim.calibration.executor import PREFETCH_DEPTH, DevicePool
 
     class Pending:
+        done = False
+
         def query(self):
-            return False
+            return self.done
 
     issued, waited = [], []
+    events: dict[int, Pending] = {}
 
     class Pool(DevicePool):
+        def _mark(self):
+            return "compute"
+
         def _issue(self):
-            key, _b, _ = self.queued.popleft()
-            issued.append(key)
-            self.issued[key] = events[key] = Pending()
-            self.flying.append(events[key])
+            issued.append(self.queued[0][0])
+            super()._issue()
+
+        def _stream_copy(self, stream, after, dst, src):
+            assert (stream, after) == ("prefetch stream", "compute")
+            events[issued[-1]] = Pending()
+            return events[issued[-1]]
 
         def _gpu_wait(self, event):
             waited.append(next(k for k, e in events.items() if e is event))
 
-    events: dict[int, Pending] = {}
-    pool = Pool(torch, torch.zeros(10, 3, 4, 2), 8, "cpu", 1, 1, 4, graphs=False, prefetch_from="main")
+    pool = Pool(torch, torch.zeros(16, 3, 4, 2), 12, "cpu", 1, 1, 4, graphs=False, prefetch_from="main")
     pool.prepare()
-    for key in (3, 5, 7, 9, 2):
+    pool.device = "cuda"  # the queue's CUDA path, on the fakes
+    pool.side, pool.demand = "prefetch stream", "demand stream"
+    pool.perform("prefetch", 3, {}, {})
+    assert issued == [3]  # issued as it is decided
+    for key in (5, 7, 9, 2):
         pool.perform("prefetch", key, {}, {})
     assert PREFETCH_DEPTH == 2
     assert issued == [3, 5]
     assert [q[0] for q in pool.queued] == [7, 9, 2]
+    pool.perform("prefetch", 11, {}, {})  # nothing has landed: nothing more is issued
+    assert issued == [3, 5]
+    events[3].done = True  # the first has landed: the next decision, whatever it is, issues one more
+    pool.perform("withdraw", 11, {}, {})  # still queued: dropped, never issued
+    assert issued == [3, 5, 7]
+    assert [q[0] for q in pool.queued] == [9, 2]
+    assert 11 not in pool.where
+    pool.perform("prefetch", 13, {}, {})
     needed: dict[int, int] = {}
-    pool.perform("hit", 9, needed, {})
-    assert issued == [3, 5, 7, 9]
-    assert waited == [9]
-    assert needed == {9: pool.where[9]}
-    pool.perform("withdraw", 2, {}, {})  # still queued: never issued
-    assert issued == [3, 5, 7, 9]
-    assert 2 not in pool.where
+    pool.perform("hit", 2, needed, {})  # behind 9 in the queue: both issued, in order
+    assert issued == [3, 5, 7, 9, 2]
+    assert waited == [2]
+    assert needed == {2: pool.where[2]}
+    pool.perform("evict", 2, {}, {})  # its copy was waited for already
+    assert waited == [2]
     assert pool.late_withdraws == 0
     pool.perform("withdraw", 5, {}, {})  # issued already
     assert pool.late_withdraws == 1
-    assert waited == [9, 5]
-    assert not pool.queued
+    assert waited == [2, 5]
+    assert 5 not in pool.where
+    assert [q[0] for q in pool.queued] == [13]

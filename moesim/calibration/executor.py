@@ -171,11 +171,7 @@ class DevicePool:
         if self.plan:
             return
         if background and self.main_prefetch:
-            after = None
-            if self.device == "cuda":
-                after = self.torch.cuda.Event()
-                after.record()  # the compute stream's work so far
-            self.queued.append((key, b, after))
+            self.queued.append((key, b, self._mark()))
             self._pump()
             return
         dst, src, torch = self.buffer(b), self.host[key // self.p_num], self.torch
@@ -185,8 +181,7 @@ class DevicePool:
             else:
                 dst.copy_(src)
             return
-        after = torch.cuda.Event()
-        after.record()  # the compute stream's work so far
+        after = self._mark()
         if not background and self.one_stream:
             dst.copy_(src, non_blocking=True)
             return
@@ -213,6 +208,14 @@ class DevicePool:
             return
         self.issued[key] = done = self._stream_copy(self.side, after, dst, src)
         self.flying.append(done)
+
+    def _mark(self) -> Any:
+        """An event recorded on the compute stream now: its work so far (None off CUDA)."""
+        if self.device != "cuda":
+            return None
+        after = self.torch.cuda.Event()
+        after.record()
+        return after
 
     def _stream_copy(self, stream: Any, after: Any, dst: Any, src: Any) -> Any:
         """Copy ``src`` into ``dst`` on ``stream`` once the event ``after`` has happened; the
