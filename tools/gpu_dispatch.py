@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from moesim.calibration.calibrate import cuda_graph, expert_ffn, warm_up
+from moesim.calibration.torchops import cuda_graph, expert_ffn, warm_up
 
 SHAPES = {"olmoe-1b-7b": (2048, 1024), "mixtral-8x7b": (4096, 14336)}
 

@@ -33,18 +33,20 @@ RUNS = {"main": ("second", "prefetches from the main thread (`--prefetch-from ma
         "eager": ("first", "prefetches from the copy worker, Python's 5 ms thread switch interval"),
         "eager-switch50": ("first", "prefetches from the copy worker, a 50 us switch interval"),
         "pf-worker": ("second", "prefetches from the copy worker (rows with prefetch at 1% and 5%)"),
-        "pf-main": ("second", "prefetches from the main thread, again (the same rows)")}
+        "pf-main": ("second", "prefetches from the main thread, again (the same rows)"),
+        "main2": ("third", "`main` again on a fresh machine, with that call's microbenchmarks (`profile3.yaml`)")}
+PROFILES = {"main2": EAGER / "profile3.yaml"}  # a run's microbenchmarks, where not the first call's
 OLD_RULE = ("oldrule-olmoe-layer", "oldrule-olmoe-per-expert", "oldrule-mixtral-layer", "oldrule-mixtral-per-expert")
 TARGET = {"tpot median": 0.05, "tpot p95": 0.10, "ttft median": 0.05}  # issue 37, Build 3
 LAYERS, TOP_K = 16, 8  # OLMoE: the decode pass's layers and experts a layer (a token each)
 
 
-def held_out_expert_us(main: pd.DataFrame) -> float:
-    """The executor's host time per cached expert fitted from the 100%-capacity rows of ``main``
+def held_out_expert_us(run: pd.DataFrame, profile: Path = PROFILE) -> float:
+    """The executor's host time per cached expert fitted from the 100%-capacity rows of ``run``
     alone (every access a hit: the pass is the host's 16 layers of one non-expert launch and 8
-    expert launches, by the profile's ``eager_layer_us``), for judging the other rows."""
-    layer = yaml.safe_load(PROFILE.read_text())["host"]["eager_layer_us"]
-    full = main[main["capacity"] == "100%"]
+    expert launches, by ``profile``'s ``eager_layer_us``), for judging the other rows."""
+    layer = yaml.safe_load(profile.read_text())["host"]["eager_layer_us"]
+    full = run[run["capacity"] == "100%"]
     return float((full["tpot_measured_s"].mean() * 1e6 / LAYERS - layer) / TOP_K)
 
 
@@ -66,11 +68,14 @@ def repredicted(folder: Path) -> pd.DataFrame:
     paths = write_validation_traces(folder)
     out = []
     main = pd.read_parquet(EAGER / "main" / "validation.parquet")
-    held = [f"execution.host_launch_us={held_out_expert_us(main)!r}"]
     for run in RUNS:
         table = pd.read_parquet(EAGER / run / "validation.parquet")
-        df = repredict(table, str(PROFILE), paths, graphs=False)
-        fitted = repredict(table, str(PROFILE), paths, graphs=False, extra=held)
+        profile = PROFILES.get(run, PROFILE)
+        # fitted on the run's own 100% rows where it has them, else on the judged run's
+        own = (table["capacity"] == "100%").sum() == 4
+        held = [f"execution.host_launch_us={held_out_expert_us(table if own else main, profile)!r}"]
+        df = repredict(table, str(profile), paths, graphs=False)
+        fitted = repredict(table, str(profile), paths, graphs=False, extra=held)
         for k in ("tpot", "ttft"):
             df[f"{k}_held_s"] = fitted[f"{k}_host_s"]
             df[f"{k}_ape_held"] = fitted[f"{k}_ape_host"]
@@ -128,7 +133,9 @@ def validation_section(df: pd.DataFrame) -> str:
     lines += ["", f"All 16 rows make the executor's decisions today: {bool(main['same_decisions'].all())}. Issue 37's "
               "targets: TPOT APE median at most 5% and p95 at most 10%, TTFT median at most 5%.",
               f"- Microbenchmarks only, all 16 rows: {verdict(errors(main, 'host'))}.",
-              f"- Held out, the 12 rows below 100%: {verdict(errors(rest, 'held'))}."]
+              f"- Held out, the 12 rows below 100%: {verdict(errors(rest, 'held'))}.",
+              f"- **A replicate on a freshly started machine misses them** (section 5): the same work measured up to "
+              f"{replicate_ratio(df).max() - 1:.0%} slower there, the host's speed varying between calls."]
     pf = main[(main["prefetch"] != "none") & main["capacity"].isin(["1%", "5%"])]
     copy_s = 12_582_912 / (prof["links"]["h2d_pinned"]["bandwidth_gbps"] * 1e9) + prof["links"]["h2d_pinned"]["latency_us"] * 1e-6
     extra = pf["late_withdraws"].to_numpy() * copy_s / 127
@@ -215,17 +222,67 @@ def old_rule_section(df: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def replicate_ratio(df: pd.DataFrame) -> pd.Series:
+    """Per scenario, the replicate's measured TPOT over the judged run's."""
+    a = df[df["run"] == "main"].set_index("scenario")["tpot_measured_s"]
+    return df[df["run"] == "main2"].set_index("scenario")["tpot_measured_s"].loc[a.index] / a
+
+
+def replicate_section(df: pd.DataFrame) -> str:
+    a = df[df["run"] == "main"].set_index("scenario")
+    b = df[df["run"] == "main2"].set_index("scenario").loc[a.index]
+    rest = b[b["capacity"] != "100%"]
+    ratio = replicate_ratio(df)
+    same = bool(((a["hits_exec"] == b["hits_exec"]) & (a["misses_exec"] == b["misses_exec"])).all())
+    calls = {}
+    for name, raw in (("first", "raw.parquet"), ("third", "raw3.parquet")):
+        r = pd.read_parquet(EAGER / raw)
+        calls[name] = r[r["kind"] == "host"].groupby("call")["median_s"].median() * 1e6
+    lines = ["## 5. A replicate on a freshly started machine", "",
+             "`tools/gpu_issue37_h100_third.sh` (run `main2`): the judged run of section 1 again, on a freshly started lent "
+             "H100 of the same kind, with that call's own microbenchmarks (`raw3.parquet`, `profile3.yaml`). The "
+             f"executor made the same hits and misses as in `main` in every scenario: {same}. TPOT in ms:", "",
+             "| scenario | main (second call) | main2 (third call) | main2 / main | late withdraws | predicted "
+             "(its microbench. / held out) | APE |", "|---|---|---|---|---|---|---|"]
+    for sc, r in b.iterrows():
+        lines.append(f"| {sc} | {_ms(a.loc[sc, 'tpot_measured_s'])} | {_ms(r.tpot_measured_s)} | {ratio[sc]:.2f} | "
+                     f"{a.loc[sc, 'late_withdraws']} / {r.late_withdraws} | {_ms(r.tpot_host_s)} / {_ms(r.tpot_held_s)} | "
+                     f"{r.tpot_ape_host:.1%} / {r.tpot_ape_held:.1%} |")
+    lines += ["", "The host calls the microbenchmarks time, us per call (first call / third call):", "",
+              "| call | first | third | third / first |", "|---|---|---|---|"]
+    for call in calls["first"].index:
+        lines.append(f"| {call} | {calls['first'][call]:.1f} | {calls['third'][call]:.1f} | "
+                     f"{calls['third'][call] / calls['first'][call]:.2f} |")
+    slow = calls["third"] / calls["first"]
+    lines += ["", f"- Microbenchmarks alone, all 16 rows: {verdict(errors(b, 'host'))}.",
+              f"- Held out (fitted on this run's 100% rows), the 12 rows below 100%: {verdict(errors(rest, 'held'))}.",
+              f"- **The same work measured up to {ratio.max() - 1:.0%} slower** ({ratio.idxmax()}) than in the second "
+              f"call, with the same hits and misses, and the host calls made from Python took {slow.drop('graph replay').min():.1f}-"
+              f"{slow.max():.1f} times as long as in the first call (a CUDA graph's replay {slow['graph replay']:.2f}). "
+              "No prediction can be within 5% of both runs of such a row: on these lent machines the host's speed "
+              "varies between calls, and in this call between its microbenchmarks (which predict 100% rows "
+              f"{_ms(b.loc[b['capacity'] == '100%', 'tpot_host_s'].iloc[0])} ms a pass) and its rows (measured "
+              f"{_ms(b.loc[b['capacity'] == '100%', 'tpot_measured_s'].min())}-"
+              f"{_ms(b.loc[b['capacity'] == '100%', 'tpot_measured_s'].max())} ms). The per-expert executor with eager "
+              "launches is host-bound, so its times carry the host's speed.",
+              "- So section 1's figures hold for a quiet host, and issue 37's targets are met in one of two full "
+              "runs. A validation that measures the host calls beside each scenario, not once per call, is what "
+              "would carry a host's speed into the prediction."]
+    return "\n".join(lines) + "\n"
+
+
 def report(df: pd.DataFrame) -> str:
     env = (EAGER / "env.txt").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in env if line.startswith("Model name")), "")
     head = ["# Issue 37 on an NVIDIA H100 (2026-11-26): per-expert validation with eager launches", "",
             f"Measured on one lent machine: `{env[1]}`; `{env[2]}`; host CPU {cpu} ({env[3]} cores), kernel "
-            f"`{env[5]}` (Firecracker). Two device calls, about 10 minutes of device time: `tools/gpu_issue37_h100.sh` "
-            "(raw output `log.txt`) and `tools/gpu_issue37_h100_second.sh` (`log2.txt`). The measured files are as "
+            f"`{env[5]}` (Firecracker). Three device calls, about 13 minutes of device time: `tools/gpu_issue37_h100.sh` "
+            "(raw output `log.txt`), `tools/gpu_issue37_h100_second.sh` (`log2.txt`) and, on a fresh machine, "
+            "`tools/gpu_issue37_h100_third.sh` (`log3.txt`). The measured files are as "
             "the device wrote them (`raw.parquet`, each run's `validation.parquet` and `passes.parquet`); this "
             "report is `python tools/repredict_h100_eager.py`.", ""]
     return "\n".join(head) + "\n" + "\n".join(
-        [validation_section(df), prefetch_section(df), spread_section(df), old_rule_section(df)])
+        [validation_section(df), prefetch_section(df), spread_section(df), old_rule_section(df), replicate_section(df)])
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from moesim.calibration.torchops import _torch, cuda_graph, expert_ffn, warm_up
 from moesim.config.profile import PROFILE_VERSION, load_profile  # noqa: F401 - re-exported
 from moesim.errors import MoesimError
 from moesim.files import write_atomic, write_yaml_atomic
@@ -41,14 +42,6 @@ SHAPES = {  # hidden, expert intermediate
     "olmoe-1b-7b": (2048, 1024), "mixtral-8x7b": (4096, 14336), "qwen1.5-moe-a2.7b": (2048, 1408),
     "qwen3-30b-a3b": (2048, 768), "phi-3.5-moe": (4096, 6400),
 }
-
-
-def _torch() -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise MoesimError("calibrate needs PyTorch: pip install torch==2.13.0 (the capture extra).") from None
-    return torch
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -66,36 +59,6 @@ def environment(device: str) -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             env["driver"] = "unknown"
     return env
-
-
-def expert_ffn(x: Any, gate: Any, up: Any, down: Any) -> Any:
-    """One expert FFN on the tokens ``x``: ``(silu(x @ gate) * (x @ up)) @ down`` (gate and up
-    ``hidden x intermediate``, down ``intermediate x hidden``). What :func:`measure` times and
-    the validation executor runs."""
-    torch = _torch()
-    return (torch.nn.functional.silu(x @ gate) * (x @ up)) @ down
-
-
-def warm_up(fn: Any, times: int = 3) -> None:
-    """Run ``fn`` ``times`` times on a side stream joined to the current one, as a CUDA graph
-    capture of it requires first (cuBLAS picks its kernels and workspace outside the capture)."""
-    torch = _torch()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(times):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-
-
-def cuda_graph(fn: Any, pool: Any = None) -> Any:
-    """``fn`` (warmed up: :func:`warm_up`) captured as a CUDA graph, its memory from ``pool``
-    when given (graphs replayed one after another may share one); returns its replay."""
-    torch = _torch()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        fn()
-    return graph.replay
 
 
 def _timer(device: str, fn: Any, warmup: int, repeats: int, graph: bool = False) -> list[float]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from moesim.calibration.calibrate import cuda_graph, expert_ffn, warm_up
+from moesim.calibration.torchops import cuda_graph, expert_ffn, warm_up
 
 PREFETCH_DEPTH = 2  # prefetch copies the main thread keeps issued ahead on the prefetch stream
 
