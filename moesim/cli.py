@@ -780,9 +780,15 @@ def calibrate_fit(raw: str, out: str, host_costs: str | None) -> None:
                    "host), or a copy worker thread that waits for each to land, the main thread waiting for one still "
                    "in flight (validation/h100/eager/report.md: 27-34% slower than predicted with prefetch at 1% "
                    "and 5%).")
+@click.option("--host-beside", is_flag=True,
+              help="Before each scenario, time the eager executor's host work for a layer and a cached expert and "
+                   "predict that scenario with them, so the prediction has the host's speed of that moment (on the "
+                   "lent H100s the same host calls took up to twice as long in one call as in another: "
+                   "validation/h100/eager/report.md). Eager launches in per-expert execution only.")
 @click.option("--out", "out_dir", required=True, type=OUT_DIR, help="Report folder.")
 def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], overrides: tuple[str, ...],
-                       device: str, launch: str, switch_us: float | None, prefetch_from: str, out_dir: str) -> None:
+                       device: str, launch: str, switch_us: float | None, prefetch_from: str, host_beside: bool,
+                       out_dir: str) -> None:
     """Replay TRACE on the device with a reference executor (same policy decisions) and with
     the simulator under PROFILE; write report.md, validation.parquet (a row per scenario),
     passes.parquet (a row per forward pass) and a plot. Prints a line per scenario as it ends.
@@ -801,7 +807,7 @@ def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...]
     df = _with_progress("validating scenarios", lambda progress: validate(
         profile, trace_path, paths, out_dir, _device(device), progress=progress,
         warn=lambda w: click.echo(f"warning: {w}", err=True), overrides=list(overrides), done=done,
-        launch=launch, switch_us=switch_us, prefetch_from=prefetch_from))
+        launch=launch, switch_us=switch_us, prefetch_from=prefetch_from, host_beside=host_beside))
     click.echo(f"TPOT APE median {df['tpot_ape'].median():.1%}, p95 {df['tpot_ape'].quantile(0.95):.1%} over "
                f"{len(df)} scenarios -> {out_dir}/report.md")
 

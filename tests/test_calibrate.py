@@ -676,3 +676,67 @@ def test_the_main_thread_keeps_two_prefetches_issued_and_issues_in_order_what_a_
     assert waited == [2, 5]
     assert 5 not in pool.where
     assert [q[0] for q in pool.queued] == [13]
+
+
+def test_validate_host_beside_predicts_each_scenario_with_the_host_time_measured_before_it(tmp_path, monkeypatch):
+    """``calibrate validate --host-beside`` (issue 37's H100 replicate: the host's speed moved
+    between calls): before each scenario the eager executor's host work is timed, recorded in
+    the row, and the scenario is predicted with it; the prediction is the simulator's with those
+    two costs set, and a scenario predicted in another style is refused before anything runs."""
+    from click.testing import CliRunner
+
+    from moesim.calibration import calibrate
+    from moesim.cli import cli
+    from moesim.simulator.engine import simulate
+    from moesim.traces.io import write_trace
+    from moesim.traces.synth import synth_from_preset
+
+    made = iter([{"eager_layer_us": 200.0 + 10 * i, "eager_expert_us": 300.0 + 10 * i} for i in range(4)])
+    seen = []
+
+    def fake(torch, h, inter, device):
+        seen.append((h, inter, device))
+        return next(made)
+
+    monkeypatch.setattr(calibrate, "executor_host_us", fake)
+    path = tmp_path / "t.parquet"
+    write_trace(synth_from_preset("olmoe-1b-7b", layers=2, requests=1, prompt_tokens=32, tokens=40, seed=0), path)
+    v = ROOT / "moesim" / "scenarios" / "validation"
+    base = ["calibrate", "validate", "--profile", str(ROOT / "profiles" / "h100.yaml"), "--trace", str(path),
+            "--scenarios", str(v / "cap5-nopf-lru.yaml"), "--scenarios", str(v / "cap100-nopf-lru.yaml"),
+            "--device", "cpu", "--host-beside"]
+    r = CliRunner().invoke(cli, [*base, "--set", "expert_compute=per-expert", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    assert seen == [(2048, 1024, "cpu")] * 2
+    rows = pd.read_parquet(tmp_path / "a" / "validation.parquet")
+    assert rows["host_layer_us"].tolist() == [200.0, 210.0]
+    assert rows["host_expert_us"].tolist() == [300.0, 310.0]
+    for row, name, (lay, exp) in zip(rows.itertuples(), ("cap5-nopf-lru", "cap100-nopf-lru"), ((200, 300), (210, 310)),
+                                     strict=True):
+        want = simulate(load_scenario(f"validation/{name}", [
+            f"hardware.profile={ROOT / 'profiles' / 'h100.yaml'}", f"workload.trace.path={path}",
+            "expert_compute=per-expert", "execution.style=eager-per-expert", f"execution.host_layer_us={lay}",
+            f"execution.host_launch_us={exp}"]))
+        dec = (want.steps["phase"] == "decode").to_numpy()
+        assert row.tpot_predicted_s == pytest.approx(want.steps["duration_s"].to_numpy()[dec].mean(), rel=1e-12)
+        if name == "cap100-nopf-lru":  # a pass whose every expert is resident is the host's: 2 x (layer + 8 experts)
+            hit = want.steps[(want.steps["misses"] == 0) & (want.steps["phase"] == "decode")]
+            assert len(hit) > 0
+            assert ((hit["duration_s"] - 2 * (lay + 8 * exp) * 1e-6).between(0, 40e-6)).all()
+    r = CliRunner().invoke(cli, [*base, "--set", "expert_compute=layer", "--out", str(tmp_path / "b")])
+    assert r.exit_code != 0
+    assert "--host-beside" in r.output
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "b" / "validation.parquet").exists()
+    assert len(seen) == 2
+
+
+def test_executor_host_us_times_the_executor_s_layer_and_expert_calls():
+    """What ``--host-beside`` measures, on the CPU: a positive time per call for each of the two
+    executor calls, the expert's at least the time of its FFN's matmuls run alone."""
+    torch = pytest.importorskip("torch")
+    from moesim.calibration.calibrate import executor_host_us
+
+    got = executor_host_us(torch, 64, 32, "cpu", batch=20, repeats=2)
+    assert set(got) == {"eager_layer_us", "eager_expert_us"}
+    assert all(v > 0 for v in got.values())

@@ -266,8 +266,9 @@ def replicate_section(df: pd.DataFrame) -> str:
               f"{_ms(b.loc[b['capacity'] == '100%', 'tpot_measured_s'].max())} ms). The per-expert executor with eager "
               "launches is host-bound, so its times carry the host's speed.",
               "- So section 1's figures hold for a quiet host, and issue 37's targets are met in one of two full "
-              "runs. A validation that measures the host calls beside each scenario, not once per call, is what "
-              "would carry a host's speed into the prediction."]
+              "runs. `calibrate validate --host-beside` (built after these runs, not yet run on a GPU: "
+              "`tools/gpu_issue37_host_beside.sh`) times the executor's host work before each scenario and predicts "
+              "that scenario with it, to carry the host's speed of the moment into the prediction."]
     return "\n".join(lines) + "\n"
 
 

@@ -229,7 +229,8 @@ def _executor_calls(torch: Any, h: int, inter: int, device: str = "cuda") -> tup
     prefetch queue existed; it adds two checks of an empty queue per decision here."""
     from moesim.calibration.executor import DevicePool
 
-    host = torch.randn(1, 3, h, inter, dtype=torch.float32).to(torch.bfloat16)
+    host = torch.randn(1, 3, h, inter, dtype=torch.float32)  # the executor's dtype: bf16 on a GPU, float32 on the CPU
+    host = host.to(torch.bfloat16) if device == "cuda" else host
     pool = DevicePool(torch, host.pin_memory() if device == "cuda" else host, 1, device, 1, 1, 64, graphs=False)
     pool.prepare()
     pool.perform("fetch", 0, {}, {})
@@ -247,6 +248,37 @@ def _executor_calls(torch: Any, h: int, inter: int, device: str = "cuda") -> tup
         pool.perform("run", 0, needed, tokens)
 
     return layer, expert
+
+
+def executor_host_us(torch: Any, h: int, inter: int, device: str, batch: int = 500,
+                     repeats: int = 3) -> dict[str, float]:
+    """The eager executor's host time now, microseconds: the median over ``repeats`` timings of
+    up to ``batch`` calls each (as many as take about 20 ms, after a warm-up) of
+    :func:`_executor_calls`' layer and cached expert, for a model of hidden size ``h`` and expert
+    intermediate size ``inter`` (``calibrate validate --host-beside`` takes them before each
+    scenario, so its prediction has the host's speed of that moment): ``eager_layer_us`` and
+    ``eager_expert_us``."""
+    layer, expert = _executor_calls(torch, h, inter, device)
+    out = {}
+    for key, fn in (("eager_layer_us", layer), ("eager_expert_us", expert)):
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        n = max(1, min(batch, int(0.02 / max((time.perf_counter() - t0) / 3, 1e-9))))
+        for _ in range(min(n, 50)):
+            fn()
+        times = []
+        for _ in range(repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times.append((time.perf_counter() - t0) / n)
+        out[key] = float(np.median(times)) * 1e6
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return out
 
 
 def host_call_times(torch: Any, repeats: int = 9) -> dict[str, list[float]]:

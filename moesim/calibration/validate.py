@@ -134,7 +134,7 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
              progress: Any = None,
              warn: Callable[[str], None] | None = None, overrides: list[str] | None = None,
              done: Callable[[dict[str, Any]], None] | None = None, launch: str = "auto",
-             switch_us: float | None = None, prefetch_from: str = "main") -> pd.DataFrame:
+             switch_us: float | None = None, prefetch_from: str = "main", host_beside: bool = False) -> pd.DataFrame:
     """Measure and predict every scenario; write report.md, validation.parquet (a row per
     scenario), passes.parquet (a row per forward pass: measured and predicted seconds, so the
     error can be studied pass by pass) and a plot. ``overrides`` (``KEY=VALUE``) apply to every
@@ -143,7 +143,12 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     scenario's row as it is finished. ``switch_us`` and ``prefetch_from``: :func:`execute`'s;
     each row records the interval its timed passes ran with (``switch_interval_us``), how the
     executor launched (``launch``), who issued its prefetches (``prefetch_from``) and how many
-    withdrawn prefetches the main thread had issued already (``late_withdraws``)."""
+    withdrawn prefetches the main thread had issued already (``late_withdraws``). ``host_beside``:
+    before each scenario, time the eager executor's host work for a layer and a cached expert
+    (:func:`moesim.calibration.calibrate.executor_host_us`) and predict that scenario with them
+    (``execution.host_layer_us``/``host_launch_us``, recorded as ``host_layer_us`` and
+    ``host_expert_us``), so the prediction has the host's speed of the moment; eager launches in
+    per-expert execution only."""
 
     from moesim.config.scenario import load_scenario
     from moesim.traces.io import read_trace
@@ -158,12 +163,29 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     graphs = [launch == "graphs" or (launch == "auto" and sc.expert_compute != "per-expert") for sc in plain]
     loaded = [executor_style(sc, path, sets, g)
               for sc, path, g in zip(plain, scenarios, graphs, strict=True)]  # every scenario checked before any is measured
+    if host_beside:
+        for path, sc in zip(scenarios, loaded, strict=True):
+            if sc.execution.style != "eager-per-expert":
+                raise MoesimError(f"calibrate validate --host-beside: {path} is predicted in the {sc.execution.style} "
+                                  "style; --host-beside times the eager executor's host work, so it needs --launch "
+                                  "eager (or auto) and --set expert_compute=per-expert.")
     hosts: dict[tuple[bool, Any], Any] = {}  # the experts' host copies, made once per executor and precision
     rows, passes = [], []
     for i, (path, sc) in enumerate(zip(scenarios, loaded, strict=True)):
         if progress is not None:
             progress(i, len(scenarios))
         kind = (sc.execution.style == "hf-loop", sc.cache.precision)
+        beside = {"eager_layer_us": np.nan, "eager_expert_us": np.nan}
+        if host_beside:
+            import torch
+
+            from moesim.calibration.calibrate import executor_host_us
+
+            model = trace.model
+            beside = executor_host_us(torch, model.hidden_size, model.expert_intermediate_size, device)
+            sc = load_scenario(path, [*sets, "execution.style=eager-per-expert",
+                                      f"execution.host_layer_us={beside['eager_layer_us']!r}",
+                                      f"execution.host_launch_us={beside['eager_expert_us']!r}"])
         meas = execute(sc, trace, device, hosts.get(kind), graphs=graphs[i], switch_us=switch_us,
                        prefetch_from=prefetch_from)
         hosts[kind] = meas["host"]
@@ -176,7 +198,8 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
                "model": pred.summary["model"], "expert_compute": sc.expert_compute,
                "prefetch": sc.policies.prefetch.name, "launch": "graphs" if graphs[i] else "eager",
                "switch_interval_us": round(meas["switch_s"] * 1e6, 3), "prefetch_from": prefetch_from,
-               "late_withdraws": meas["late_withdraws"],
+               "late_withdraws": meas["late_withdraws"], "host_layer_us": beside["eager_layer_us"],
+               "host_expert_us": beside["eager_expert_us"],
                "hits_sim": pred.summary["hits"] + pred.summary["late_prefetches"], "misses_sim": pred.summary["misses"],
                "hits_exec": meas["hits"], "misses_exec": meas["misses"],
                "tpot_measured_s": float(m[dec].mean()) if dec.any() else np.nan,
