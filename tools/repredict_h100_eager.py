@@ -74,11 +74,7 @@ def repredicted(folder: Path) -> pd.DataFrame:
         # fitted on the run's own 100% rows where it has them, else on the judged run's
         own = (table["capacity"] == "100%").sum() == 4
         held = [f"execution.host_launch_us={held_out_expert_us(table if own else main, profile)!r}"]
-        df = repredict(table, str(profile), paths, graphs=False)
-        fitted = repredict(table, str(profile), paths, graphs=False, extra=held)
-        for k in ("tpot", "ttft"):
-            df[f"{k}_held_s"] = fitted[f"{k}_host_s"]
-            df[f"{k}_ape_held"] = fitted[f"{k}_ape_host"]
+        df = repredict(table, str(profile), paths, graphs=False, variants={"held": held})
         out.append(df.assign(run=run, **_executor_columns(table)))
     for run in OLD_RULE:
         table = pd.read_parquet(EAGER / run / "validation.parquet")
@@ -110,7 +106,7 @@ def verdict(err: dict[str, float]) -> str:
 def validation_section(df: pd.DataFrame) -> str:
     main = df[df["run"] == "main"].sort_values("scenario")
     rest = main[main["capacity"] != "100%"]
-    held_us = held_out_expert_us(pd.read_parquet(EAGER / "main" / "validation.parquet"))
+    held_us = held_out_expert_us(main)
     prof = yaml.safe_load(PROFILE.read_text())
     lines = ["## 1. OLMoE per-expert validation: eager launches, prefetches from the main thread", "",
              "`tools/gpu_issue37_h100_second.sh` (run `main`): the committed validation's OLMoE trace (64-token "
@@ -276,7 +272,7 @@ def report(df: pd.DataFrame) -> str:
     env = (EAGER / "env.txt").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in env if line.startswith("Model name")), "")
     head = ["# Issue 37 on an NVIDIA H100 (2026-11-26): per-expert validation with eager launches", "",
-            f"Measured on one lent machine: `{env[1]}`; `{env[2]}`; host CPU {cpu} ({env[3]} cores), kernel "
+            f"Measured on lent machines of one kind: `{env[1]}`; `{env[2]}`; host CPU {cpu} ({env[3]} cores), kernel "
             f"`{env[5]}` (Firecracker). Three device calls, about 13 minutes of device time: `tools/gpu_issue37_h100.sh` "
             "(raw output `log.txt`), `tools/gpu_issue37_h100_second.sh` (`log2.txt`) and, on a fresh machine, "
             "`tools/gpu_issue37_h100_third.sh` (`log3.txt`). The measured files are as "

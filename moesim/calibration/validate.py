@@ -260,15 +260,15 @@ def write_validation_traces(folder: Path) -> dict[str, str]:
 
 
 def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str], graphs: bool = True,
-              extra: list[str] | None = None) -> pd.DataFrame:
+              variants: dict[str, list[str]] | None = None) -> pd.DataFrame:
     """Today's predictions for a committed validation run (``validation.parquet``: its
     measured and recorded columns kept as they are): per scenario, the shipped
     ``validation/SCENARIO`` on the run's trace for its model (``traces``) and ``profile``,
     predicted without a host model (``none``) and with the executor's own style
     (:func:`executor_style`; ``graphs`` False: the executor launched eagerly), and whether today's hits and misses are the ones the executor
-    performed (``same_decisions``; when not, the row measured other decisions). ``extra``
-    (``KEY=VALUE``) applies to the host-model prediction only (e.g. a host cost fitted from
-    held-out rows)."""
+    performed (``same_decisions``; when not, the row measured other decisions). ``variants``
+    (name -> ``KEY=VALUE`` overrides over the executor's style, e.g. a host cost fitted from
+    held-out rows) add a prediction each, in ``tpot_NAME_s``, ``ttft_NAME_s`` and their errors."""
     from moesim.config.scenario import load_scenario
     from moesim.simulator.engine import Simulation
 
@@ -283,9 +283,9 @@ def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str], graphs:
                "tpot_recorded_s": r["tpot_predicted_s"], "ttft_recorded_s": r["ttft_predicted_s"]}
         plain = load_scenario(path, sets)
         hosted = executor_style(plain, path, sets, graphs)
-        if extra:
-            hosted = load_scenario(path, [*sets, f"execution.style={hosted.execution.style}", *extra])
-        for name, sc in (("none", plain), ("host", hosted)):
+        more = [(name, load_scenario(path, [*sets, f"execution.style={hosted.execution.style}", *extra]))
+                for name, extra in (variants or {}).items()]
+        for name, sc in (("none", plain), ("host", hosted), *more):
             res = Simulation(sc).run()
             steps = res.steps
             dec = (steps["phase"] == "decode").to_numpy()
@@ -294,10 +294,10 @@ def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str], graphs:
             if name == "none":
                 s = res.summary
                 row["same_decisions"] = bool((s["misses"], s["hits"] + s["late_prefetches"]) == (r["misses_exec"], r["hits_exec"]))
-            else:
+            elif name == "host":
                 row["style"] = sc.execution.style
         for k in ("tpot", "ttft"):
-            for name in ("recorded", "none", "host"):
+            for name in ("recorded", "none", "host", *(variants or {})):
                 row[f"{k}_ape_{name}"] = abs(row[f"{k}_{name}_s"] - row[f"{k}_measured_s"]) / row[f"{k}_measured_s"]
         rows.append(row)
     return pd.DataFrame(rows)
