@@ -24,6 +24,10 @@ def test_the_executor_makes_the_simulator_s_decisions_behind_a_throttled_link(pr
                                                 "hardware.links.pcie.bandwidth_gbps=0.2"])
     r = execute(sc, trace, "cpu")
     s = r["predicted"].summary
+    # whatever the validation asked of moesim's own executor, this one launches eagerly and prefetches
+    # from its worker, as the row records
+    assert (r["launch"], r["prefetch_from"]) == ("eager", "worker")
+    assert r["late_withdraws"] == 0
     assert (r["hits"], r["misses"]) == (s["hits"] + s["late_prefetches"], s["misses"])
     assert r["copies"] * s["expert_bytes"] == s["bytes_by_link"]["pcie.h2d"]  # every copy the replay made
     copy_s = 3 * 2048 * 1024 / 2 / 0.2e9

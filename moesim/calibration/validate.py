@@ -127,7 +127,8 @@ def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, sp
             "link_late_s": link.late if link is not None else 0.0,
             "misses": mem.tally["fetch"] + mem.tally["bypass"], "workload": wl, "predicted": predicted,
             "launches": mem.launches, "spares": mem.most_spares, "host": host, "switch_s": switch,
-            "late_withdraws": mem.late_withdraws}
+            "late_withdraws": mem.late_withdraws, "launch": "graphs" if mem.use_graphs else "eager",
+            "prefetch_from": "main" if mem.main_prefetch else "worker"}
 
 
 def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, device: str = "cpu",
@@ -141,8 +142,9 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     scenario (e.g. ``expert_compute=per-expert``). ``warn`` hears each :func:`shape_warnings`
     message before the measurements start (they also go into the report); ``done`` hears each
     scenario's row as it is finished. ``switch_us`` and ``prefetch_from``: :func:`execute`'s;
-    each row records the interval its timed passes ran with (``switch_interval_us``), how the
-    executor launched (``launch``), who issued its prefetches (``prefetch_from``) and how many
+    each row records the interval its timed passes ran with (``switch_interval_us``), how its
+    executor launched (``launch``) and who issued its prefetches (``prefetch_from``: the
+    SpecMD-style executor launches eagerly and prefetches from its copy worker), and how many
     withdrawn prefetches the main thread had issued already (``late_withdraws``). ``host_beside``:
     before each scenario, time the eager executor's host work for a layer and a cached expert
     (:func:`moesim.calibration.calibrate.executor_host_us`) and predict that scenario with them
@@ -196,8 +198,8 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
         m = meas["pass_s"]
         row = {"scenario": Path(path).stem, "capacity": sc.cache.capacity, "eviction": sc.policies.eviction.name,
                "model": pred.summary["model"], "expert_compute": sc.expert_compute,
-               "prefetch": sc.policies.prefetch.name, "launch": "graphs" if graphs[i] else "eager",
-               "switch_interval_us": round(meas["switch_s"] * 1e6, 3), "prefetch_from": prefetch_from,
+               "prefetch": sc.policies.prefetch.name, "launch": meas["launch"],
+               "switch_interval_us": round(meas["switch_s"] * 1e6, 3), "prefetch_from": meas["prefetch_from"],
                "late_withdraws": meas["late_withdraws"], "host_layer_us": beside["eager_layer_us"],
                "host_expert_us": beside["eager_expert_us"],
                "hits_sim": pred.summary["hits"] + pred.summary["late_prefetches"], "misses_sim": pred.summary["misses"],
