@@ -731,12 +731,34 @@ def test_validate_host_beside_predicts_each_scenario_with_the_host_time_measured
     assert len(seen) == 2
 
 
-def test_executor_host_us_times_the_executor_s_layer_and_expert_calls():
-    """What ``--host-beside`` measures, on the CPU: a positive time per call for each of the two
-    executor calls, the expert's at least the time of its FFN's matmuls run alone."""
+def test_executor_host_us_times_the_executor_s_layer_and_expert_calls(monkeypatch):
+    """What ``--host-beside`` measures: the executor's layer and expert calls, timed per call.
+    With the calls replaced by ones of known length (2 and 5 ms), it reports those lengths
+    (the per-call division and which call is which), calling each as often as about 20 ms of
+    timing takes; on the real calls, on the CPU, a positive time for each."""
     torch = pytest.importorskip("torch")
-    from moesim.calibration.calibrate import executor_host_us
+    import time
 
-    got = executor_host_us(torch, 64, 32, "cpu", batch=20, repeats=2)
-    assert set(got) == {"eager_layer_us", "eager_expert_us"}
-    assert all(v > 0 for v in got.values())
+    from moesim.calibration import calibrate
+
+    calls = {"layer": 0, "expert": 0}
+
+    def made(*args):
+        def call(name, s):
+            def f():
+                calls[name] += 1
+                time.sleep(s)
+            return f
+        return call("layer", 0.002), call("expert", 0.005)
+
+    monkeypatch.setattr(calibrate, "_executor_calls", made)
+    got = calibrate.executor_host_us(torch, 64, 32, "cpu", batch=500, repeats=2)
+    assert 2000 <= got["eager_layer_us"] < 4000  # a sleep overshoots, more on a busy machine
+    assert 5000 <= got["eager_expert_us"] < 8000
+    # 3 calls to size the timing, then n warm-up calls and 2 timings of n (n: about 20 ms of calls)
+    assert 3 + 3 * 2 <= calls["expert"] <= 3 + 3 * 4  # n is at most 20 ms / 5 ms
+    assert 3 + 3 * 5 <= calls["layer"] <= 3 + 3 * 10
+    monkeypatch.undo()
+    real = calibrate.executor_host_us(torch, 64, 32, "cpu", batch=20, repeats=2)
+    assert set(real) == {"eager_layer_us", "eager_expert_us"}
+    assert all(v > 0 for v in real.values())

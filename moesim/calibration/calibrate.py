@@ -225,8 +225,8 @@ def _executor_calls(torch: Any, h: int, inter: int, device: str = "cuda") -> tup
     launches (:class:`moesim.calibration.executor.DevicePool`, as ``calibrate validate --launch
     eager`` replays it): a layer's start and its non-expert part on one token, and one cached
     expert's ``hit`` and ``run`` decisions (the pool's bookkeeping and the FFN's 5 kernels).
-    The H100 profile of ``validation/h100/eager/`` measured them before the pool's main-thread
-    prefetch queue existed; it adds two checks of an empty queue per decision here."""
+    ``validation/h100/eager/profile.yaml`` measured them before the pool's main-thread prefetch
+    queue existed, ``profile3.yaml`` with it (two checks of an empty queue per decision)."""
     from moesim.calibration.executor import DevicePool
 
     host = torch.randn(1, 3, h, inter, dtype=torch.float32)  # the executor's dtype: bf16 on a GPU, float32 on the CPU
