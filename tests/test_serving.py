@@ -185,13 +185,18 @@ SCHEDULES = {
 ROWS = {"chunked-carry": [(0, 3, 3), (0, 8, 2), (0, 2, 2)]}
 
 
+@pytest.mark.parametrize("block", [1 << 16, 2])
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_continuous_batching_by_hand(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_continuous_batching_by_hand(name: str, block: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three requests at time 0 (A: prompt 4, 3 output tokens; B: 2, 2; C: 3, 2): who runs
     in each pass, what it generates, each pass's per-layer expert union, and each request's
-    first token and finish at the end of the pass worked out by hand."""
+    first token and finish at the end of the pass worked out by hand; the same when the
+    kernel hands the passes' rows over two at a time (through a file on disk)."""
+    from moesim.simulator import kernel
+
     sched, passes, times = SCHEDULES[name]
     monkeypatch.setattr(serving.Scheduler, "KEEP", True)
+    monkeypatch.setattr(kernel, "BLOCK_PASSES", block)
     rows = ROWS.get(name, [(0, 4, 3), (0, 2, 2), (0, 3, 2)])
     path = write_csv(tmp_path / "three.csv", rows)
     sim = Simulation(scenario_from_dict(served(TINY, {"process": "file", "path": str(path)}, sched)))

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from moesim.config.scenario import load_scenario
 from moesim.errors import MoesimError
+from moesim.simulator import kernel
 from moesim.simulator.engine import Simulation
 from moesim.simulator.stream import CHUNK_ROWS, piece_rows, why_whole
 from moesim.simulator.workload import build_workload, join
@@ -119,13 +120,17 @@ POLICIES = st.sampled_from([("lru", "none"), ("least-stale", "score-percentile")
 @given(pol=POLICIES, batch=st.integers(1, 4), mode=st.sampled_from(["layer", "per-expert", "on-arrival"]),
        chunk=st.integers(200, 1500), cap=st.sampled_from(["3%", "10%", "40%"]),
        style=st.sampled_from(["none", "hf-loop", "graph-per-expert"]),
-       fetch=st.sampled_from(["pipelined", "blocking"]), max_requests=st.sampled_from([None, 5, 8]))
+       fetch=st.sampled_from(["pipelined", "blocking"]), max_requests=st.sampled_from([None, 5, 8]),
+       block=st.sampled_from([1, 40, 1 << 16]))
 @example(pol=("least-stale", "score-percentile"), batch=2, mode="per-expert", chunk=700, cap="10%",
-         style="hf-loop", fetch="blocking", max_requests=None)
+         style="hf-loop", fetch="blocking", max_requests=None, block=1)
 @example(pol=("lru", "none"), batch=3, mode="layer", chunk=200, cap="3%", style="none", fetch="pipelined",
-         max_requests=5)
-def test_a_replay_in_pieces_equals_the_whole_trace_replay(ragged_file: Path, pol, batch, mode, chunk, cap, style,
-                                                          fetch, max_requests) -> None:
+         max_requests=5, block=1 << 16)
+def test_a_replay_in_pieces_equals_the_whole_trace_replay(ragged_file: Path, monkeypatch, pol, batch, mode, chunk, cap,
+                                                          style, fetch, max_requests, block) -> None:
+    """... and so does one whose per-pass rows are handed over ``block`` passes at a time
+    (from the second block on, through a file on disk)."""
+    monkeypatch.setattr(kernel, "BLOCK_PASSES", block)
     sets = [f"workload.trace.path={ragged_file}", f"policies.eviction={pol[0]}", f"policies.prefetch={pol[1]}",
             f"workload.batch_size={batch}", f"expert_compute={mode}", f"cache.capacity={cap}",
             f"execution.style={style}", f"expert_fetch={fetch}"]
@@ -142,6 +147,58 @@ def test_a_replay_in_pieces_equals_the_whole_trace_replay(ragged_file: Path, pol
     pieces = len(list(iter_trace(ragged_file, chunk, batch, max_requests)))
     assert res.summary["trace_pieces"] == pieces
     assert whole.summary["trace_pieces"] == 1
+
+
+def test_a_long_replays_rows_go_to_disk_and_back_the_same_and_its_folder_goes_with_it(
+        ragged_file: Path, tmp_path: Path, monkeypatch) -> None:
+    import gc
+
+    import pandas as pd
+
+    from moesim.output.results import PassRows, write_results
+
+    sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", "policies.eviction=least-stale",
+                                      "policies.prefetch=score-percentile", "cache.capacity=10%"])
+    whole = Simulation(sc, trace=read_trace(ragged_file)).run()
+    monkeypatch.setattr(kernel, "BLOCK_PASSES", 25)
+    res = Simulation(sc, chunk_rows=500).run()
+    rows = res._steps
+    assert isinstance(rows, PassRows)  # more than one block: the rows wait in a file
+    assert rows.frame is None
+    spool = rows.path
+    assert spool is not None and spool.is_file()
+    assert pd.read_parquet(spool).equals(whole.steps)
+    out = write_results(res, tmp_path / "run")
+    assert pd.read_parquet(out / "steps.parquet").equals(whole.steps)
+    assert isinstance(res._steps, PassRows)  # writing copied the file; the rows were not read in
+    _same(whole, res)
+    del res, rows
+    gc.collect()
+    assert not spool.parent.exists()
+
+
+def test_a_replay_of_one_block_keeps_its_rows_in_memory(ragged_file: Path) -> None:
+    res = Simulation(load_scenario("quickstart", [f"workload.trace.path={ragged_file}"]), chunk_rows=500).run()
+    assert res.summary["trace_pieces"] > 1
+    assert res._steps is res.steps  # a DataFrame, no file
+
+
+def test_an_unwritable_temporary_folder_is_one_paragraph_naming_it_and_the_fix(ragged_file: Path, tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    import tempfile
+
+    from click.testing import CliRunner
+
+    from moesim.cli import cli
+
+    monkeypatch.setattr(kernel, "BLOCK_PASSES", 25)
+    monkeypatch.setenv("MOESIM_PIECE_ROWS", "500")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    res = CliRunner().invoke(cli, ["run", "quickstart", "--trace", str(ragged_file), "--no-write", "-q"])
+    assert res.exit_code == 2, res.output
+    assert f"temporary folder {tmp_path / 'missing'}" in res.output
+    assert "Set TMPDIR to a writable folder" in res.output
+    assert "Traceback" not in res.output
 
 
 @pytest.mark.parametrize("batch", [1, 2])

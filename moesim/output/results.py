@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,20 +13,110 @@ import pandas as pd
 import yaml
 
 from moesim.config.scenario import Scenario
+from moesim.errors import MoesimError
 
 
-@dataclass
+class PassRows:
+    """A replay's per-pass rows, handed over a block of consecutive passes at a time
+    (:meth:`add`). One block stays in memory as it is. From the second on, every block goes
+    to a Parquet file in a temporary folder as it comes (issue 34: a trace read in pieces
+    kept about 1 KB a pass, 2.5 GB at 256 M expert accesses), which :attr:`Result.steps`
+    reads when asked and :func:`write_results` copies; the folder goes when this goes."""
+
+    def __init__(self) -> None:
+        self.frame: pd.DataFrame | None = None  # the first block, while it is the only one
+        self.path: Path | None = None
+        self._writer: Any = None
+        self._cleanup: Any = None
+
+    def add(self, steps: pd.DataFrame) -> None:
+        if self.frame is None and self.path is None:
+            self.frame = steps
+            return
+        if self.path is None:
+            self._open(self.frame)
+            self.frame = None
+        self._write(steps)
+
+    def _open(self, first: Any) -> None:
+        import weakref
+
+        import pyarrow.parquet as pq
+
+        try:
+            folder = Path(tempfile.mkdtemp(prefix="moesim-steps-"))
+            self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)
+            self.path = folder / "steps.parquet"
+            table = _table(first)
+            self._writer = pq.ParquetWriter(self.path, table.schema)
+            self._writer.write_table(table)
+        except OSError as exc:
+            raise MoesimError(f"cannot write a long replay's per-pass rows to the temporary folder "
+                              f"{tempfile.gettempdir()} ({exc.strerror or exc}). Set TMPDIR to a writable "
+                              "folder with room (about 200 bytes a forward pass).") from None
+
+    def _write(self, steps: pd.DataFrame) -> None:
+        try:
+            self._writer.write_table(_table(steps))
+        except OSError as exc:
+            raise MoesimError(f"cannot write a long replay's per-pass rows to {self.path} ({exc.strerror or exc}). "
+                              "Set TMPDIR to a writable folder with room (about 200 bytes a forward pass).") from None
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def read(self) -> pd.DataFrame:
+        """All the rows as one DataFrame (the Parquet file read, when they went to one)."""
+        if self.path is None:
+            assert self.frame is not None, "no per-pass rows were handed over"
+            return self.frame
+        self.close()
+        return pd.read_parquet(self.path)
+
+
+def _table(steps: pd.DataFrame) -> Any:
+    import pyarrow as pa
+
+    return pa.Table.from_pandas(steps, preserve_index=False)
+
+
 class Result:
-    """What a run produces: one row per forward pass, one per request, and the summary
-    (``moesim.simulator.engine.Simulation.run``); ``transfers`` and ``extra`` carry the
-    timeline when it was recorded."""
+    """What a run produces: one row per forward pass (``steps``), one per request, and the
+    summary (``moesim.simulator.engine.Simulation.run``); ``transfers`` and ``extra`` carry
+    the timeline when it was recorded. A long replay's per-pass rows wait on disk
+    (:class:`PassRows`) until ``steps`` is first read."""
 
-    scenario: Scenario
-    steps: pd.DataFrame
-    requests: pd.DataFrame
-    summary: dict[str, Any]
-    transfers: list[tuple[int, str, float, float, float, int]] | None = None  # key, kind, issued, start, done, bytes
-    extra: dict[str, Any] = field(default_factory=dict)
+    def __init__(self, scenario: Scenario, steps: pd.DataFrame | PassRows, requests: pd.DataFrame,
+                 summary: dict[str, Any], transfers: list[tuple[int, str, float, float, float, int]] | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
+        self.scenario = scenario
+        self._steps = steps
+        self.requests = requests
+        self.summary = summary
+        self.transfers = transfers  # key, kind, issued, start, done, bytes
+        self.extra: dict[str, Any] = extra if extra is not None else {}
+
+    @property
+    def steps(self) -> pd.DataFrame:
+        """One row per forward pass (read from disk on first use when the replay put them there)."""
+        if isinstance(self._steps, PassRows):
+            self._steps = self._steps.read()
+        return self._steps
+
+    def _write_steps(self, path: Path) -> None:
+        rows = self._steps
+        if isinstance(rows, PassRows) and rows.path is not None:
+            rows.close()
+            shutil.copyfile(rows.path, path)
+        else:
+            self.steps.to_parquet(path, index=False)
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled with its rows, not a temporary file's name
+        state = dict(self.__dict__)
+        state["_steps"] = self.steps
+        return state
 
 
 def write_results(result: Result, out_dir: str | os.PathLike[str], extra: dict[str, str] | None = None) -> Path:
@@ -40,7 +129,7 @@ def write_results(result: Result, out_dir: str | os.PathLike[str], extra: dict[s
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         (tmp / "summary.json").write_text(json.dumps(result.summary, indent=2, sort_keys=False) + "\n")
-        result.steps.to_parquet(tmp / "steps.parquet", index=False)
+        result._write_steps(tmp / "steps.parquet")
         if result.scenario.workload.arrivals is not None:  # serving: one row per request served
             result.requests.to_parquet(tmp / "requests.parquet", index=False)
         (tmp / "scenario.resolved.yaml").write_text(

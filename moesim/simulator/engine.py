@@ -42,7 +42,7 @@ import simpy
 
 from moesim.config.scenario import Scenario
 from moesim.errors import MoesimError
-from moesim.output.results import Result
+from moesim.output.results import PassRows, Result
 from moesim.policies.registry import Clock
 from moesim.simulator.build import cache_sizing, load_trace, make_policies, scenario_workload
 from moesim.simulator.cache import ExpertCache
@@ -60,6 +60,7 @@ from moesim.simulator.copyengine import (
 )
 from moesim.simulator.cost import CostModel
 from moesim.simulator.lookup import LayerLookup, PassRow, Run, arrival, plan
+from moesim.simulator.metrics import PassTotals
 from moesim.simulator.prefetchq import NO_PINS, PrefetchQueue
 from moesim.simulator.workload import DECODE, VERIFY, Workload
 from moesim.traces.schema import PHASES
@@ -94,6 +95,13 @@ class Simulation:
         self.pieces: Generator[Workload, float, None] | None = None
         self.trace_rows = 0  # the file's rows, when read in pieces (progress)
         self.trace_pieces = 1  # the pieces the replay read the trace in
+        # the replay's rows, taken a block of passes at a time (take_rows): the summary's totals,
+        # the per-pass rows (on disk from the second block on), the per-request rows, and the
+        # passes and batches (groups) of the blocks taken
+        self.totals = PassTotals()
+        self.rows = PassRows()
+        self._request_rows: list[pd.DataFrame] = []
+        self._pass_base = self._group_base = 0
         self.whole_reason: str | None = "a trace or workload was given"
         self.serving: Scheduler | None = None  # serving under load: the scheduler forming each pass
         recording = record_transfers or record_layers or record_decisions
@@ -711,10 +719,16 @@ class Simulation:
             self.env.process(self._run())
             self.env.run()
             self.copy.finish()
+            self.take_rows()
         self.wall_s = _time.perf_counter() - t0
-        steps = self._steps_frame()
-        requests = self.serving.frame() if self.serving is not None else self._requests_frame()
-        summary = summarise(self, steps, requests)
+        self.rows.close()
+        if self.serving is not None:
+            requests = self.serving.frame()
+        elif len(self._request_rows) == 1:
+            requests = self._request_rows[0]
+        else:
+            requests = pd.concat(self._request_rows, ignore_index=True)
+        summary = summarise(self, self.totals, requests)
         if self.serving is not None:
             from moesim.simulator import serving
 
@@ -736,7 +750,21 @@ class Simulation:
             extra["withdrawn"] = self.withdrawn
         if self.record_passes is not None:
             extra["recorded_passes"] = min(self.record_passes, self.wl.num_passes)
+        steps = self.rows if self.rows.path is not None else self.rows.read()
         return Result(self.scenario, steps, requests, summary, self.transfers, extra=extra)
+
+    def take_rows(self) -> None:
+        """Turn the per-pass arrays of the passes in ``self.wl`` (the whole workload, or a
+        block of a trace read in pieces: :func:`simulator.kernel.replay`) into per-pass and
+        per-request rows, numbered after the blocks taken before, for the summary's totals
+        and the result."""
+        steps = self._steps_frame()
+        self.totals.add(steps)
+        self.rows.add(steps)
+        if self.serving is None:
+            self._request_rows.append(self._requests_frame())
+        self._pass_base += self.wl.num_passes
+        self._group_base += int(self.wl.pass_group.max()) + 1  # a workload has a pass (no empty trace)
 
     def _steps_frame(self) -> pd.DataFrame:
         wl = self.wl
@@ -744,8 +772,8 @@ class Simulation:
         uniq = self._cols["unique_computed"]
         layers_routed = np.diff(wl.off).reshape(-1, num_l) > 0  # a workload has a pass (no empty trace)
         return pd.DataFrame({
-            "pass": np.arange(wl.num_passes, dtype=np.int64),
-            "group": wl.pass_group,
+            "pass": np.arange(self._pass_base, self._pass_base + wl.num_passes, dtype=np.int64),
+            "group": wl.pass_group + self._group_base,
             "step": wl.pass_step,
             "phase": pd.Categorical.from_codes(wl.pass_phase.astype(np.int64), categories=pd.Index(PHASES)),
             "tokens": wl.pass_tokens,
@@ -784,8 +812,8 @@ class Simulation:
         start = group_start.reindex(groups).to_numpy()
         return pd.DataFrame({
             "request": wl.request_ids,
-            "group": groups,
-            "first_pass": first,
+            "group": groups + self._group_base,
+            "first_pass": first + self._pass_base,
             "ttft_s": self._t_end[first] - start,  # a workload has a request (no empty trace)
             "first_phase": [PHASES[int(c)] for c in wl.pass_phase[first]],
         })

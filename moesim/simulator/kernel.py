@@ -68,6 +68,7 @@ import numpy as np
 from moesim.jit import HAVE_NUMBA
 from moesim.jit import inline as _inline
 from moesim.jit import jit as _jit
+from moesim.simulator.stream import BLOCK_PASSES
 from moesim.simulator.workload import join, passes_of
 
 # eviction policies with a kernel form
@@ -1918,6 +1919,27 @@ def _proposals_ahead(prefetch: Any, n_pass: int) -> Any:
             yield done
 
 
+def _hand_over(sim: Any, parts: list[Any] | None, outs: list[tuple[Any, ...]], miss: int, n_pieces: int) -> None:
+    """Give ``sim`` the per-pass columns of the pieces replayed since the last hand-over
+    (``outs``; ``parts``: their passes and requests, joined here, or None for the whole
+    workload ``sim`` already holds), which it turns into per-pass rows
+    (:meth:`simulator.engine.Simulation.take_rows`). A trace read in pieces hands its
+    passes over about :data:`simulator.stream.BLOCK_PASSES` at a time, so that they need
+    not all be in memory at once."""
+    cols, t_start, t_end, stall, m_total, m_kept = (np.concatenate(x) for x in zip(*outs, strict=True))
+    if parts is not None:
+        sim.adopt(join(parts), n_pieces)
+    for i, name in enumerate(COLUMNS):
+        sim._cols[name][:] = cols[:, i]
+    sim._t_start[:] = t_start
+    sim._t_end[:] = t_end
+    sim._stall[:] = stall
+    if miss != MISS_FETCH:  # the per-token path's gate mass (else the workload's, as there)
+        sim._mass_total[:] = m_total
+        sim._mass_kept[:] = m_kept
+    sim.take_rows()
+
+
 def replay(sim: Any) -> None:
     """Replay ``sim`` with the kernel, filling its per-pass arrays, the copy engine's busy
     time and bytes, and the cache's high-water mark, as its SimPy process would. A trace read
@@ -1951,9 +1973,10 @@ def replay(sim: Any) -> None:
         _preload(np.asarray(pinned, np.int64), IS, FS, DI, DF, A)
     no_props = (np.zeros(1, np.int64), np.zeros(0, np.int64))
     per_expert = True if IS[C_MODE] == MODE_PER_EXPERT else None  # else its code is not compiled
-    outs: list[tuple[Any, ...]] = []
-    pieces: list[Any] = []
-    base, rows_done = 0, 0  # passes and trace rows of the pieces before this one
+    outs: list[tuple[Any, ...]] = []  # the per-pass columns of the pieces not handed over yet
+    parts: list[Any] = []  # and those pieces' passes and requests
+    rows_done, n_pieces = 0, 0  # trace rows and pieces replayed
+    base, held = 0, 0  # passes of the pieces before this one, and of those in ``outs``
     while True:
         n_pass = wl.num_passes
         release = np.ascontiguousarray(wl.release(), np.float64)
@@ -1975,12 +1998,18 @@ def replay(sim: Any) -> None:
                 else:
                     sim.progress(q1, n_pass)
         outs.append((cols, t_start, t_end, stall, m_total, m_kept))
-        if not streamed:
-            break
-        pieces.append(passes_of(wl))  # its per-access and per-row arrays go with the piece
-        rows_done += len(wl.trace)
+        n_pieces += 1
         base += n_pass
+        held += n_pass
+        if not streamed:
+            _hand_over(sim, None, outs, miss, n_pieces)
+            break
+        parts.append(passes_of(wl))  # its per-access and per-row arrays go with the piece
+        rows_done += len(wl.trace)
         nxt = next_piece(sim.pieces, float(FS[SF_NOW]))  # serving: formed now the last has ended
+        if nxt is None or held >= BLOCK_PASSES:
+            _hand_over(sim, parts, outs, miss, n_pieces)
+            outs, parts, held = [], [], 0
         if nxt is None:
             break
         del DI, A, DF, M, nonexp
@@ -1988,17 +2017,6 @@ def replay(sim: Any) -> None:
         sim.bind_piece(wl)
         DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS)
     _finish(IS, FS, DI, DF, A)
-    cols, t_start, t_end, stall, m_total, m_kept = (np.concatenate(x) for x in zip(*outs, strict=True))
-    if streamed:
-        sim.adopt(join(pieces), len(pieces))
-    for i, name in enumerate(COLUMNS):
-        sim._cols[name][:] = cols[:, i]
-    sim._t_start[:] = t_start
-    sim._t_end[:] = t_end
-    sim._stall[:] = stall
-    if miss != MISS_FETCH:  # the per-token path's gate mass (else the workload's, as there)
-        sim._mass_total[:] = m_total
-        sim._mass_kept[:] = m_kept
     sim.copy.busy_time = float(FS[SF_BUSY])
     sim.copy.bytes_moved = int(IS[S_BYTES])
     sim.cache.max_used = int(IS[S_MAXUSED])

@@ -92,60 +92,129 @@ def _f(x: Any) -> float | None:
     return None if np.isnan(x) else x
 
 
-def summarise(sim: RunInfo, steps: pd.DataFrame, requests: pd.DataFrame) -> dict[str, Any]:
-    """The summary dict written to ``summary.json``."""
+# per-pass columns the summary adds up (whole numbers: their sums do not depend on how the rows
+# were cut into blocks)
+_SUMS = ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches", "prefetches_issued",
+         "prefetches_used", "prefetches_cancelled", "prefetch_predicted_hits", "prefetch_predicted",
+         "prefetch_actual", "low_precision_experts", "dropped_experts", "substituted_experts", "bytes_h2d",
+         "bytes_ep", "tokens_altered", "tokens", "generated")
+_DECODE_LIKE, _PREFILL, _DECODE, _VERIFY = "decode_like", "prefill", "decode", "verify"
+
+
+class PassTotals:
+    """What the summary reads of the per-pass rows, taken a block of rows at a time
+    (:meth:`add`) so that a long replay need not keep its rows (issue 34: the rows of a trace
+    read in pieces go to disk). Whole-number columns are added up as the blocks come; the
+    few floating-point columns the summary adds up (``stall_s``, the gate mass, decode pass
+    durations) are kept, 48 bytes a pass at most, and added up at the end in one numpy sum
+    over all of them, as over the whole table: the summary is then the same, bit for bit,
+    however the rows were cut."""
+
+    def __init__(self) -> None:
+        self.passes = 0
+        self.sums = dict.fromkeys(_SUMS, 0)
+        self.count = dict.fromkeys((_DECODE_LIKE, _PREFILL, _DECODE, _VERIFY), 0)
+        self.unique = dict.fromkeys((_DECODE_LIKE, _PREFILL), 0)  # unique_experts summed over them
+        self.decode_tokens = 0
+        self.decode_like_generated = 0
+        self.verify_generated = 0
+        self.verify_requests = 0
+        self.end_s = 0.0
+        self._kept: dict[str, list[np.ndarray]] = {k: [] for k in (
+            "stall_s", "gate_weight_total", "gate_weight_computed", "dec_duration", "dec_request_time",
+            "dec_max_experts_per_gpu")}
+
+    def add(self, steps: pd.DataFrame) -> None:
+        """Take a block of per-pass rows (consecutive passes, in order)."""
+        if not len(steps):
+            return
+        self.passes += len(steps)
+        for k in _SUMS:
+            self.sums[k] += int(steps[k].sum())
+        phase = steps["phase"]
+        masks = {_DECODE_LIKE: phase.isin(["decode", "verify"]).to_numpy(),
+                 _PREFILL: (phase == "prefill").to_numpy(), _DECODE: (phase == "decode").to_numpy(),
+                 _VERIFY: (phase == "verify").to_numpy()}
+        for k, m in masks.items():
+            self.count[k] += int(m.sum())
+        uniq, gen, tokens = (steps[c].to_numpy() for c in ("unique_experts", "generated", "tokens"))
+        dl = masks[_DECODE_LIKE]
+        self.unique[_DECODE_LIKE] += int(uniq[dl].sum())
+        self.unique[_PREFILL] += int(uniq[masks[_PREFILL]].sum())
+        self.decode_tokens += int(tokens[masks[_DECODE]].sum())
+        self.decode_like_generated += int(gen[dl].sum())
+        self.verify_generated += int(gen[masks[_VERIFY]].sum())
+        self.verify_requests += int(steps["requests"].to_numpy()[masks[_VERIFY]].sum())
+        self.end_s = max(self.end_s, float(steps["end_s"].max()))
+        kept = self._kept
+        for k in ("stall_s", "gate_weight_total", "gate_weight_computed"):
+            kept[k].append(steps[k].to_numpy(np.float64))
+        dur = steps["duration_s"].to_numpy()[dl]
+        kept["dec_duration"].append(dur)
+        kept["dec_request_time"].append(dur * steps["requests"].to_numpy()[dl])
+        kept["dec_max_experts_per_gpu"].append(steps["max_experts_per_gpu"].to_numpy()[dl])
+
+    def total(self, key: str) -> float:
+        """The sum of a kept floating-point column over all the passes taken."""
+        parts = self._kept[key]
+        return float(np.concatenate(parts).sum()) if parts else 0.0
+
+    def mean(self, key: str) -> float:
+        parts = self._kept[key]
+        return float(np.concatenate(parts).mean()) if parts else float("nan")
+
+
+def summarise(sim: RunInfo, totals: PassTotals, requests: pd.DataFrame) -> dict[str, Any]:
+    """The summary dict written to ``summary.json``, from the per-pass rows' totals and the
+    per-request rows."""
     timing = sim.scenario.timing
     num_l = sim.model.num_layers
-    hits = int(steps["hits"].sum())
-    misses = int(steps["misses"].sum())
-    late = int(steps["late_prefetches"].sum())
+    s, n = totals.sums, totals.count
+    hits, misses, late = s["hits"], s["misses"], s["late_prefetches"]
     accesses = hits + misses + late
-    decode_like = steps["phase"].isin(["decode", "verify"]).to_numpy()
-    prefill = (steps["phase"] == "prefill").to_numpy()
-    decode = (steps["phase"] == "decode").to_numpy()
-    total_time = float(steps["end_s"].max()) if len(steps) else 0.0
-    total_w = float(steps["gate_weight_total"].sum())
-    tokens_total = int(steps["tokens"].sum())
+    total_time = totals.end_s if totals.passes else 0.0
+    total_w = totals.total("gate_weight_total")
+    tokens_total = s["tokens"]
     out: dict[str, Any] = {
         "hits": hits,
         "misses": misses,
         "late_prefetches": late,
         "hit_rate": hits / accesses if accesses else None,
-        "collision_misses": int(steps["collision_misses"].sum()),
-        "uncached_fetches": int(steps["uncached_fetches"].sum()),
-        "prefetches_issued": int(steps["prefetches_issued"].sum()),
-        "prefetches_used": int(steps["prefetches_used"].sum()),
-        "prefetches_cancelled": int(steps["prefetches_cancelled"].sum()),
-        "prefetch_precision": (_f(steps["prefetch_predicted_hits"].sum() / steps["prefetch_predicted"].sum())
-                               if steps["prefetch_predicted"].sum() else None),
-        "prefetch_recall": (_f(steps["prefetch_predicted_hits"].sum() / steps["prefetch_actual"].sum())
-                            if steps["prefetch_actual"].sum() else None),
+        "collision_misses": s["collision_misses"],
+        "uncached_fetches": s["uncached_fetches"],
+        "prefetches_issued": s["prefetches_issued"],
+        "prefetches_used": s["prefetches_used"],
+        "prefetches_cancelled": s["prefetches_cancelled"],
+        "prefetch_precision": (_f(np.int64(s["prefetch_predicted_hits"]) / np.int64(s["prefetch_predicted"]))
+                               if s["prefetch_predicted"] else None),
+        "prefetch_recall": (_f(np.int64(s["prefetch_predicted_hits"]) / np.int64(s["prefetch_actual"]))
+                            if s["prefetch_actual"] else None),
         "preloaded_experts": sim.preloaded,
-        "low_precision_experts": int(steps["low_precision_experts"].sum()),
-        "dropped_experts": int(steps["dropped_experts"].sum()),
-        "substituted_experts": int(steps["substituted_experts"].sum()),
+        "low_precision_experts": s["low_precision_experts"],
+        "dropped_experts": s["dropped_experts"],
+        "substituted_experts": s["substituted_experts"],
         "expert_accesses": accesses,
-        "bytes_by_link": {sim.link_name: int(steps["bytes_h2d"].sum()),
-                          **({sim.scenario.hardware.ep_link: int(steps["bytes_ep"].sum())}
+        "bytes_by_link": {sim.link_name: s["bytes_h2d"],
+                          **({sim.scenario.hardware.ep_link: s["bytes_ep"]}
                              if sim.scenario.hardware.gpus > 1 else {})},
-        "stall_s": float(steps["stall_s"].sum()),
+        "stall_s": totals.total("stall_s"),
         "ttft_s": _f(requests["ttft_s"].mean()),  # the mean of no requests is NaN: null
         "tpot_s": None,  # below, from the decode and verify passes
         "tokens_per_s": None,
         "link_utilisation": {sim.link_name: sim.copy.busy_time / total_time if total_time > 0 else 0.0},
-        "unique_experts_per_layer": (_f(steps.loc[decode_like, "unique_experts"].sum() / (decode_like.sum() * num_l))
-                                     if decode_like.any() else None),
-        "unique_experts_per_layer_prefill": (_f(steps.loc[prefill, "unique_experts"].sum() / (prefill.sum() * num_l))
-                                             if prefill.any() else None),
-        "gate_mass_retained": float(steps["gate_weight_computed"].sum()) / total_w if total_w else None,
-        "tokens_altered": int(steps["tokens_altered"].sum()) / tokens_total if tokens_total else None,
+        "unique_experts_per_layer": (_f(np.int64(totals.unique[_DECODE_LIKE])
+                                        / np.int64(n[_DECODE_LIKE] * num_l)) if n[_DECODE_LIKE] else None),
+        "unique_experts_per_layer_prefill": (_f(np.int64(totals.unique[_PREFILL]) / np.int64(n[_PREFILL] * num_l))
+                                             if n[_PREFILL] else None),
+        "gate_mass_retained": totals.total("gate_weight_computed") / total_w if total_w else None,
+        "tokens_altered": s["tokens_altered"] / tokens_total if tokens_total else None,
         "total_time_s": total_time,
         "gpus": sim.scenario.hardware.gpus,
-        "max_experts_per_gpu": (_f(steps.loc[decode_like, "max_experts_per_gpu"].mean())
-                                if sim.scenario.hardware.gpus > 1 and decode_like.any() else None),
-        "forward_passes": len(steps),
+        "max_experts_per_gpu": (_f(totals.mean("dec_max_experts_per_gpu"))
+                                if sim.scenario.hardware.gpus > 1 and n[_DECODE_LIKE] else None),
+        "forward_passes": totals.passes,
         "tokens": tokens_total,
-        "decode_tokens": int(steps.loc[decode, "tokens"].sum()),
+        "decode_tokens": totals.decode_tokens,
         "requests": len(requests),
         "cache_capacity_bytes": sim.capacity if np.isfinite(sim.capacity) else None,
         "cache_capacity_experts": (sim.capacity / sim.expert_bytes) if np.isfinite(sim.capacity) else None,
@@ -158,20 +227,17 @@ def summarise(sim: RunInfo, steps: pd.DataFrame, requests: pd.DataFrame) -> dict
         "replay_path_reason": sim.simpy_reason,
         "trace_pieces": sim.trace_pieces,
     }
-    gen = steps["generated"].to_numpy()
-    dec_time = float(steps.loc[decode_like, "duration_s"].sum())
-    dec_gen = int(gen[decode_like].sum())
-    out["generated_tokens"] = int(gen.sum())
-    if decode_like.any() and dec_time > 0 and dec_gen > 0:
+    dec_time = totals.total("dec_duration")
+    dec_gen = totals.decode_like_generated
+    out["generated_tokens"] = s["generated"]
+    if n[_DECODE_LIKE] and dec_time > 0 and dec_gen > 0:
         out["tokens_per_s"] = dec_gen / dec_time
         # time per output token of a request: pass time shared by the requests in the pass
-        req_time = float((steps.loc[decode_like, "duration_s"] * steps.loc[decode_like, "requests"]).sum())
-        out["tpot_s"] = req_time / dec_gen
+        out["tpot_s"] = totals.total("dec_request_time") / dec_gen
     elif total_time > 0:
         out["tokens_per_s"] = tokens_total / total_time
-    verify = (steps["phase"] == "verify").to_numpy()
-    if verify.any():
-        out["mean_accepted_tokens"] = float(gen[verify].sum() / steps.loc[verify, "requests"].sum())
+    if n[_VERIFY]:
+        out["mean_accepted_tokens"] = float(np.int64(totals.verify_generated) / np.int64(totals.verify_requests))
     if not timing:
         for key in TIME_METRICS:
             out[key] = None
