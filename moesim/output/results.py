@@ -20,13 +20,16 @@ class PassRows:
     """A replay's per-pass rows, handed over a block of consecutive passes at a time
     (:meth:`add`). One block stays in memory as it is. From the second on, every block goes
     to a Parquet file in a temporary folder as it comes (issue 34: a trace read in pieces
-    kept about 1 KB a pass, 2.5 GB at 256 M expert accesses), which :attr:`Result.steps`
-    reads when asked and :func:`write_results` copies; the folder goes when this goes."""
+    kept about 1 KB a pass, 2.5 GB at 256 M expert accesses), written on a second thread
+    while the replay goes on (one block in flight at most), which :attr:`Result.steps` reads
+    when asked and :func:`write_results` copies; the folder goes when this goes."""
 
     def __init__(self) -> None:
         self.frame: pd.DataFrame | None = None  # the first block, while it is the only one
         self.path: Path | None = None
         self._writer: Any = None
+        self._pool: Any = None
+        self._pending: Any = None  # the block being written
         self._cleanup: Any = None
 
     def add(self, steps: pd.DataFrame) -> None:
@@ -34,38 +37,62 @@ class PassRows:
             self.frame = steps
             return
         if self.path is None:
-            self._open(self.frame)
-            self.frame = None
+            self._open()
+            first, self.frame = self.frame, None
+            assert first is not None
+            self._write(first)
         self._write(steps)
 
-    def _open(self, first: Any) -> None:
+    def _open(self) -> None:
         import weakref
-
-        import pyarrow.parquet as pq
+        from concurrent.futures import ThreadPoolExecutor
 
         try:
             folder = Path(tempfile.mkdtemp(prefix="moesim-steps-"))
-            self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)
-            self.path = folder / "steps.parquet"
-            table = _table(first)
-            self._writer = pq.ParquetWriter(self.path, table.schema)
-            self._writer.write_table(table)
         except OSError as exc:
-            raise MoesimError(f"cannot write a long replay's per-pass rows to the temporary folder "
-                              f"{tempfile.gettempdir()} ({exc.strerror or exc}). Set TMPDIR to a writable "
-                              "folder with room (about 200 bytes a forward pass).") from None
+            raise self._error(tempfile.gettempdir(), exc) from None
+        self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)
+        self.path = folder / "steps.parquet"
+        self._pool = ThreadPoolExecutor(1)
 
     def _write(self, steps: pd.DataFrame) -> None:
+        self._wait()  # one block in flight: memory for two blocks at most
+        self._pending = self._pool.submit(self._write_now, steps)
+
+    def _write_now(self, steps: pd.DataFrame) -> None:
+        """Write a block (on the writer's thread; pyarrow lets go of the GIL)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.Table.from_pandas(steps, preserve_index=False)
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.path, table.schema)
+        self._writer.write_table(table)
+
+    def _wait(self) -> None:
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
         try:
-            self._writer.write_table(_table(steps))
+            pending.result()
         except OSError as exc:
-            raise MoesimError(f"cannot write a long replay's per-pass rows to {self.path} ({exc.strerror or exc}). "
-                              "Set TMPDIR to a writable folder with room (about 200 bytes a forward pass).") from None
+            raise self._error(self.path.parent if self.path else None, exc) from None
+
+    @staticmethod
+    def _error(where: Any, exc: OSError) -> MoesimError:
+        return MoesimError(f"cannot write a long replay's per-pass rows to the temporary folder {where} "
+                           f"({exc.strerror or exc}). Set TMPDIR to a writable folder with room (about 100 "
+                           "bytes a forward pass).")
 
     def close(self) -> None:
+        """Finish writing (the rows on disk are then complete)."""
+        self._wait()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def read(self) -> pd.DataFrame:
         """All the rows as one DataFrame (the Parquet file read, when they went to one)."""
@@ -74,12 +101,6 @@ class PassRows:
             return self.frame
         self.close()
         return pd.read_parquet(self.path)
-
-
-def _table(steps: pd.DataFrame) -> Any:
-    import pyarrow as pa
-
-    return pa.Table.from_pandas(steps, preserve_index=False)
 
 
 class Result:
