@@ -169,11 +169,12 @@ def register_none_at_layer_1(monkeypatch: Any) -> str:
     return "none-at-1"
 
 
-def load_tool(name: str) -> Any:
-    """A script of ``tools/`` (not a package) loaded as a module, by its file name without ``.py``."""
+def load_tool(name: str, folder: str = "tools") -> Any:
+    """A script of ``tools/`` (or ``folder``; not a package) loaded as a module, by its file
+    name without ``.py``."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "tools" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / folder / f"{name}.py")
     assert spec is not None
     assert spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
