@@ -206,7 +206,8 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
                            "record_layers": events is not None and not serving, "record_passes": events_passes or None}
 
     def replay(progress: Any) -> tuple[Simulation, Any]:
-        sim = Simulation(sc, progress=progress, **rec)
+        # per-pass rows only where something reads them: the results folder, the timeline
+        sim = Simulation(sc, progress=progress, keep_rows=not no_write or events is not None, **rec)
         return sim, sim.run()
 
     sim, result = _with_progress("simulating", replay, not quiet)

@@ -178,6 +178,20 @@ def test_a_long_replays_rows_go_to_disk_and_back_the_same_and_its_folder_goes_wi
     assert not spool.parent.exists()
 
 
+def test_a_replay_asked_for_its_summary_alone_keeps_no_rows_and_says_so(ragged_file: Path, monkeypatch) -> None:
+    sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", "cache.capacity=10%"])
+    whole = Simulation(sc, trace=read_trace(ragged_file)).run()
+    monkeypatch.setattr(kernel, "BLOCK_PASSES", 25)
+    sim = Simulation(sc, chunk_rows=500, keep_rows=False)
+    res = sim.run()
+    assert _summary(res) == _summary(whole)
+    assert res.requests.equals(whole.requests)
+    assert sim.rows.path is None  # nothing went to disk
+    assert sim.rows.frame is None
+    with pytest.raises(MoesimError, match=r"kept no per-pass rows .*moesim run --no-write"):
+        _ = res.steps
+
+
 def test_a_replay_of_one_block_keeps_its_rows_in_memory(ragged_file: Path) -> None:
     res = Simulation(load_scenario("quickstart", [f"workload.trace.path={ragged_file}"]), chunk_rows=500).run()
     assert res.summary["trace_pieces"] > 1
@@ -195,14 +209,16 @@ def test_an_unwritable_temporary_folder_is_one_paragraph_naming_it_and_the_fix(r
     monkeypatch.setattr(kernel, "BLOCK_PASSES", 25)
     monkeypatch.setenv("MOESIM_PIECE_ROWS", "500")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
-    res = CliRunner().invoke(cli, ["run", "quickstart", "--trace", str(ragged_file), "--no-write", "-q"])
+    res = CliRunner().invoke(cli, ["run", "quickstart", "--trace", str(ragged_file), "--out", str(tmp_path / "run"),
+                                   "-q"])
     assert res.exit_code == 2, res.output
+    assert not (tmp_path / "run").exists()  # nothing half-written
     assert f"temporary folder {tmp_path / 'missing'}" in res.output
     assert "Set TMPDIR to a writable folder" in res.output
     assert "Traceback" not in res.output
 
 
-def test_a_full_disk_while_writing_the_rows_is_one_paragraph(ragged_file: Path, monkeypatch) -> None:
+def test_a_full_disk_while_writing_the_rows_is_one_paragraph(ragged_file: Path, tmp_path: Path, monkeypatch) -> None:
     import pyarrow.parquet as pq
     from click.testing import CliRunner
 
@@ -215,8 +231,10 @@ def test_a_full_disk_while_writing_the_rows_is_one_paragraph(ragged_file: Path, 
     monkeypatch.setattr(kernel, "BLOCK_PASSES", 25)
     monkeypatch.setenv("MOESIM_PIECE_ROWS", "500")
     monkeypatch.setattr(pq, "ParquetWriter", Full)
-    res = CliRunner().invoke(cli, ["run", "quickstart", "--trace", str(ragged_file), "--no-write", "-q"])
+    res = CliRunner().invoke(cli, ["run", "quickstart", "--trace", str(ragged_file), "--out", str(tmp_path / "run"),
+                                   "-q"])
     assert res.exit_code == 2, res.output
+    assert not (tmp_path / "run").exists()
     assert "cannot write a long replay's per-pass rows to the temporary folder" in res.output
     assert "(No space left on device). Set TMPDIR to a writable folder" in res.output
     assert "Traceback" not in res.output

@@ -22,9 +22,11 @@ class PassRows:
     to a Parquet file in a temporary folder as it comes (issue 34: a trace read in pieces
     kept about 1 KB a pass, 2.5 GB at 256 M expert accesses), written on a second thread
     while the replay goes on (one block in flight at most), which :attr:`Result.steps` reads
-    when asked and :func:`write_results` copies; the folder goes when this goes."""
+    when asked and :func:`write_results` copies; the folder goes when this goes. With
+    ``keep=False`` the rows are dropped as they come (only the summary is wanted)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
+        self.keep = keep
         self.frame: pd.DataFrame | None = None  # the first block, while it is the only one
         self.path: Path | None = None
         self._writer: Any = None
@@ -33,6 +35,8 @@ class PassRows:
         self._cleanup: Any = None
 
     def add(self, steps: pd.DataFrame) -> None:
+        if not self.keep:
+            return
         if self.frame is None and self.path is None:
             self.frame = steps
             return
@@ -96,6 +100,10 @@ class PassRows:
 
     def read(self) -> pd.DataFrame:
         """All the rows as one DataFrame (the Parquet file read, when they went to one)."""
+        if not self.keep:
+            raise MoesimError("this replay kept no per-pass rows (it was asked for its summary alone: "
+                              "Simulation(keep_rows=False), moesim run --no-write). Replay it with them kept "
+                              "to read them.")
         if self.path is None:
             assert self.frame is not None, "no per-pass rows were handed over"
             return self.frame

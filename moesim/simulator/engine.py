@@ -81,13 +81,15 @@ class Simulation:
     (:class:`simulator.prefetchq.PrefetchQueue`) and the cost model; :meth:`run` replays on
     the compiled kernel when every policy has a kernel form, else on the SimPy compute
     process (:meth:`_run`, whose layers go through the one lookup path), and derives the
-    metrics. :func:`simulate` is the facade."""
+    metrics. :func:`simulate` is the facade. ``keep_rows=False``: the result carries the
+    summary and the per-request rows but no per-pass rows (``moesim run --no-write``: a long
+    replay then writes none to disk)."""
 
     def __init__(self, scenario: Scenario, trace: Trace | None = None,
                  workload: Workload | None = None, progress: ProgressFn | None = None,
                  record_transfers: bool = False, record_layers: bool = False,
                  record_decisions: bool = False, record_passes: int | None = None,
-                 chunk_rows: int | None = None) -> None:
+                 chunk_rows: int | None = None, keep_rows: bool = True) -> None:
         self.scenario = scenario
         self._trace = trace
         # a trace file read a piece at a time (simulator.stream): the first piece's workload now,
@@ -99,7 +101,7 @@ class Simulation:
         # the per-pass rows (on disk from the second block on), the per-request rows, and the
         # passes and batches (groups) of the blocks taken
         self.totals = PassTotals()
-        self.rows = PassRows()
+        self.rows = PassRows(keep_rows)  # keep_rows False: only the summary is wanted
         self._request_rows: list[pd.DataFrame] = []
         self._pass_base = self._group_base = 0
         self.whole_reason: str | None = "a trace or workload was given"
@@ -750,7 +752,7 @@ class Simulation:
             extra["withdrawn"] = self.withdrawn
         if self.record_passes is not None:
             extra["recorded_passes"] = min(self.record_passes, self.wl.num_passes)
-        steps = self.rows if self.rows.path is not None else self.rows.read()
+        steps = self.rows if self.rows.path is not None or not self.rows.keep else self.rows.read()
         return Result(self.scenario, steps, requests, summary, self.transfers, extra=extra)
 
     def take_rows(self) -> None:
