@@ -8,6 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from moesim.errors import MoesimError
 from moesim.traces.io import read_trace, trace_to_table, write_trace
@@ -139,6 +141,19 @@ def test_expert_id_out_of_range_names_column_and_row(tmp_path):
     (lambda tb: tb.set_column(tb.schema.get_field_index("weights"), "weights",
                               pa.array([[0.5, 0.5]] * 2 + [[float("nan"), 0.5]] + [[0.5, 0.5]] * 3,
                                        pa.list_(pa.float32()))), "column 'weights' has non-finite .* at row 2"),
+    (lambda tb: tb.set_column(tb.schema.get_field_index("weights"), "weights",
+                              pa.array([[0.5, 0.5]] * 3 + [[0.5, -0.25]] + [[0.5, 0.5]] * 2,
+                                       pa.list_(pa.float32()))), r"column 'weights' has non-finite or negative "
+                                                                 r"values at row 3 \(\[0.5, -0.25\]\)"),
+    (lambda tb: tb.set_column(tb.schema.get_field_index("weights"), "weights",
+                              pa.array([[0.5, 0.5]] + [[float("inf"), 0.5]] + [[0.5, 0.5]] * 4,
+                                       pa.list_(pa.float32()))), "column 'weights' has non-finite .* at row 1"),
+    (lambda tb: tb.append_column("pred_next", pa.array([[0.1] * 8] * 4 + [[0.1] * 7 + [float("nan")]] + [[0.1] * 8],
+                                                       pa.list_(pa.float32()))),
+     "column 'pred_next' has non-finite values at row 4"),
+    (lambda tb: tb.append_column("pred_next", pa.array([[-1.0] * 8] + [[float("-inf")] * 8] + [[0.1] * 8] * 4,
+                                                       pa.list_(pa.float32()))),
+     "column 'pred_next' has non-finite values at row 1"),
     (lambda tb: tb.set_column(tb.schema.get_field_index("experts"), "experts",
                               pa.array([[0, 1]] * 3 + [[0]] + [[0, 1]] * 2, pa.list_(pa.int16()))),
      "column 'experts' has 1 entries at row 3, expected 2"),
@@ -150,6 +165,15 @@ def test_bad_values_are_named(tmp_path, mutate, message):
     path = _write_table(tmp_path, mutate(table).replace_schema_metadata(meta))
     with pytest.raises(MoesimError, match=message):
         read_trace(path)
+
+
+@given(st.lists(st.sampled_from([0.0, 0.5, -0.5, -1e38, 3e38, float("inf"), float("-inf"), float("nan")]),
+                max_size=12), st.sampled_from([0.0, -np.inf]))
+def test_the_quick_finiteness_check_agrees_with_every_value_checked(values: list[float], lowest: float) -> None:
+    from moesim.traces.io import _finite_at_least
+
+    a = np.asarray(values, np.float32)
+    assert _finite_at_least(a, lowest) == bool((np.isfinite(a) & (a >= lowest)).all())
 
 
 @pytest.mark.parametrize(("version", "hint"), [(0, "older"), (2, "newer")])

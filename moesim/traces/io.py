@@ -151,6 +151,16 @@ def _fixed_lists(path: str, table: pa.Table, name: str, width: int | None, numbe
     return values[start:start + len(lengths) * expect].reshape(len(lengths), expect)
 
 
+def _finite_at_least(values: np.ndarray, lowest: float = -np.inf) -> bool:
+    """Whether every value is finite and at least ``lowest``, from the array's minimum and
+    maximum (a NaN makes both NaN), without the per-value masks that find the bad row (issue
+    34: the masks and copies of a trace's 64 predictions a row were a fifth of its reading)."""
+    if values.size == 0:
+        return True
+    lo, hi = values.min(), values.max()
+    return bool(np.isfinite(lo) and np.isfinite(hi) and lo >= lowest)
+
+
 def _int_column(path: str, table: pa.Table, name: str, dtype: type[np.integer], lowest: int = 0,
                 row0: int = 0) -> np.ndarray:
     col = table.column(name).combine_chunks()
@@ -313,9 +323,10 @@ def _trace_of(p: str, model: ModelInfo, capture: dict[str, Any], table: pa.Table
             r = int(dup[0])
             raise _fail(p, f"column 'experts' repeats an expert at row {r + row0} ({experts[r].tolist()}); "
                         "top-k ids must be distinct.")
-    weights = _fixed_lists(p, table, "weights", model.top_k, numbers=True, row0=row0).astype(np.float32)
-    bad_rows = np.flatnonzero((~np.isfinite(weights) | (weights < 0)).any(axis=1))
-    if bad_rows.size:
+    weights = _fixed_lists(p, table, "weights", model.top_k, numbers=True, row0=row0).astype(np.float32, copy=False)
+    bad_rows = (np.flatnonzero((~np.isfinite(weights) | (weights < 0)).any(axis=1)) if not _finite_at_least(weights, 0)
+                else ())
+    if len(bad_rows):
         r = int(bad_rows[0])
         raise _fail(p, f"column 'weights' has non-finite or negative values at row {r + row0} "
                     f"({weights[r].tolist()}).")
@@ -334,9 +345,9 @@ def _trace_of(p: str, model: ModelInfo, capture: dict[str, Any], table: pa.Table
         optional["accepted"] = acc.to_numpy(zero_copy_only=False).astype(bool)
     for name in ("probs", "pred_next", "pred_quasi"):
         if name in table.column_names:
-            arr = _fixed_lists(p, table, name, model.num_experts, numbers=True, row0=row0).astype(np.float32)
-            bad_rows = np.flatnonzero(~np.isfinite(arr).all(axis=1))
-            if bad_rows.size:
+            arr = _fixed_lists(p, table, name, model.num_experts, numbers=True, row0=row0).astype(np.float32, copy=False)
+            bad_rows = np.flatnonzero(~np.isfinite(arr).all(axis=1)) if not _finite_at_least(arr) else ()
+            if len(bad_rows):
                 raise _fail(p, f"column '{name}' has non-finite values at row {int(bad_rows[0]) + row0}.")
             optional[name] = arr
         else:
