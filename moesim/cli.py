@@ -173,7 +173,7 @@ plugin_option = click.option(
 @click.option("--out", "out_dir", type=OUT_DIR, default=None,
               help="Results folder (default: runs/<scenario name>). Written atomically; results already there are "
                    "replaced, and the command says so.")
-@click.option("--no-write", is_flag=True, help="Print the summary only; write no files.")
+@click.option("--no-write", is_flag=True, help="Print the summary only; write no files (a long replay then keeps no per-pass rows).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of a table.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,

@@ -392,6 +392,21 @@ def test_the_piece_size_comes_from_the_environment_or_the_default(monkeypatch) -
         assert piece_rows() == rows
 
 
+def test_a_file_with_wider_rows_is_read_in_pieces_of_as_many_bytes(ragged_file: Path, tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """An OLMoE row in memory: request, step, position (3 x 4 bytes), phase (1), layer (2),
+    8 expert ids (8 x 2) and 8 weights (8 x 4): 63 bytes; with ``pred_next`` 64 floats more:
+    319. A piece of such rows holds 262,144 x 63 / 319 of them."""
+    monkeypatch.delenv("MOESIM_PIECE_ROWS", raising=False)
+    tr = read_trace(ragged_file)
+    tr.pred_next = None
+    plain = write_trace(tr, tmp_path / "plain.parquet")
+    assert piece_rows(plain) == 262_144
+    assert piece_rows(ragged_file) == 262_144 * 63 // 319 == 51_771
+    monkeypatch.setenv("MOESIM_PIECE_ROWS", "700")
+    assert piece_rows(ragged_file) == 700
+
+
 # -- the reader's parts, against independent references --------------------------------------
 @settings(max_examples=200, deadline=None)
 @given(rows=st.integers(0, 40), k=st.integers(1, 24), hi=st.integers(1, 40), seed=st.integers(0, 2**32 - 1))

@@ -190,7 +190,7 @@ class Simulation:
             return None
         path = trace_path(sc)
         rows = trace_rows(path)
-        chunk = chunk_rows if chunk_rows is not None else stream.piece_rows()
+        chunk = chunk_rows if chunk_rows is not None else stream.piece_rows(path)
         if rows <= chunk:
             self.whole_reason = "the trace fits in one piece"
             return None

@@ -43,12 +43,20 @@ _PIECEWISE_PREFETCH = ("none", "oracle", "previous-token", "lookahead", "next-ga
 _PIECEWISE_EVICTION = ("lru", "fifo", "lfu", "fld", "score", "least-stale", "lhu")
 
 
-def piece_rows() -> int:
+# per-expert float columns a trace may carry (one float32 per expert a row each)
+_WIDE_COLUMNS = ("probs", "pred_next", "pred_quasi")
+
+
+def piece_rows(path: Path | None = None) -> int:
     """Trace rows per piece: ``MOESIM_PIECE_ROWS`` when set (a positive whole number; less
-    memory with smaller pieces, the same results), else :data:`CHUNK_ROWS`."""
+    memory with smaller pieces, the same results), else :data:`CHUNK_ROWS` for a file of the
+    required columns, and proportionally fewer for the file at ``path`` when it also carries
+    per-expert columns (``pred_next``: 64 floats a row at OLMoE's shape, a 3.7x wider row), so
+    that a piece holds about as many bytes either way (issue 34: with ``pred_next`` the
+    25.6 M-access benchmark peaked at 1.25 GB in pieces of the plain row count)."""
     raw = os.environ.get("MOESIM_PIECE_ROWS", "").strip()
     if not raw:
-        return CHUNK_ROWS
+        return CHUNK_ROWS if path is None else max(1, int(CHUNK_ROWS * _row_bytes(path, ()) // _row_bytes(path)))
     try:
         rows = int(raw)
     except ValueError:
@@ -57,6 +65,18 @@ def piece_rows() -> int:
         raise MoesimError(f"environment variable MOESIM_PIECE_ROWS is {raw!r}: it must be a positive whole "
                           f"number of trace rows per piece (default {CHUNK_ROWS}). Set it to one, or unset it.")
     return rows
+
+
+def _row_bytes(path: Path, wide: tuple[str, ...] | None = None) -> int:
+    """Bytes a row of the file at ``path`` takes in memory as read (request, step and position
+    int32, phase, layer int16, top-k expert ids int16 and weights float32, and one float32 per
+    expert for each of ``wide``: the file's per-expert columns when None)."""
+    from moesim.traces.io import trace_columns, trace_model
+
+    model = trace_model(path)
+    if wide is None:
+        wide = tuple(c for c in _WIDE_COLUMNS if c in trace_columns(path))
+    return 12 + 1 + 2 + 6 * model.top_k + 4 * model.num_experts * len(wide)
 
 
 def why_whole(scenario: Scenario, recording: bool) -> str | None:

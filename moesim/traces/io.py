@@ -220,6 +220,16 @@ def trace_rows(path: str | os.PathLike[str]) -> int:
     return int(_open(str(path))[2].metadata.num_rows)
 
 
+def trace_columns(path: str | os.PathLike[str]) -> list[str]:
+    """The columns of a v1 trace file (from its footer)."""
+    return list(_open(str(path))[2].schema_arrow.names)
+
+
+def trace_model(path: str | os.PathLike[str]) -> ModelInfo:
+    """The model of a v1 trace file (from its metadata)."""
+    return _open(str(path))[1]
+
+
 def requests_in_order(path: str | os.PathLike[str], batch_rows: int = 1 << 20) -> bool:
     """Whether the file's rows come request by request (request ids never decrease), which a
     chunked read needs; reads the request column alone, a batch at a time."""
@@ -325,7 +335,7 @@ def _trace_of(p: str, model: ModelInfo, capture: dict[str, Any], table: pa.Table
                         "top-k ids must be distinct.")
     weights = _fixed_lists(p, table, "weights", model.top_k, numbers=True, row0=row0).astype(np.float32, copy=False)
     bad_rows = (np.flatnonzero((~np.isfinite(weights) | (weights < 0)).any(axis=1)) if not _finite_at_least(weights, 0)
-                else ())
+                else np.zeros(0, np.intp))
     if len(bad_rows):
         r = int(bad_rows[0])
         raise _fail(p, f"column 'weights' has non-finite or negative values at row {r + row0} "
@@ -346,7 +356,7 @@ def _trace_of(p: str, model: ModelInfo, capture: dict[str, Any], table: pa.Table
     for name in ("probs", "pred_next", "pred_quasi"):
         if name in table.column_names:
             arr = _fixed_lists(p, table, name, model.num_experts, numbers=True, row0=row0).astype(np.float32, copy=False)
-            bad_rows = np.flatnonzero(~np.isfinite(arr).all(axis=1)) if not _finite_at_least(arr) else ()
+            bad_rows = np.flatnonzero(~np.isfinite(arr).all(axis=1)) if not _finite_at_least(arr) else np.zeros(0, np.intp)
             if len(bad_rows):
                 raise _fail(p, f"column '{name}' has non-finite values at row {int(bad_rows[0]) + row0}.")
             optional[name] = arr
