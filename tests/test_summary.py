@@ -168,3 +168,54 @@ def test_the_requests_table_and_ttft_by_hand():
     assert res.summary["preloaded_experts"] == 0  # no static pins
     for col in ("hits", "misses", "late_prefetches", "bytes_h2d", "unique_experts", "tokens_altered"):
         assert res.steps[col].dtype == np.int64, col
+
+
+def test_pass_totals_by_hand_however_the_rows_are_cut() -> None:
+    """Six passes (prefill, three decodes, two verifies) worked out by hand, taken whole and
+    cut into blocks of 2, 3 and 1 passes (the decodes and the verifies each in two blocks): the same totals either
+    way."""
+    import pandas as pd
+
+    from moesim.simulator.metrics import PassTotals
+
+    steps = pd.DataFrame({
+        "phase": pd.Categorical(["prefill", "decode", "decode", "decode", "verify", "verify"],
+                                categories=["prefill", "decode", "verify"]),
+        "hits": [1, 2, 3, 4, 5, 6], "misses": [10, 0, 1, 0, 2, 0], "tokens": [7, 1, 1, 1, 3, 3],
+        "generated": [1, 1, 1, 1, 2, 3], "requests": [1, 1, 1, 1, 1, 2],
+        "unique_experts": [9, 4, 5, 6, 7, 8],
+        "end_s": [0.5, 0.75, 1.0, 1.25, 2.0, 1.5],  # the last pass is not the latest to end
+        "duration_s": [0.5, 0.25, 0.25, 0.25, 0.75, 0.5],
+        "stall_s": [0.125, 0.0, 0.25, 0.0, 0.5, 0.0],
+        "gate_weight_total": [2.0, 1.0, 1.0, 1.0, 3.0, 3.0],
+        "gate_weight_computed": [2.0, 0.5, 1.0, 1.0, 3.0, 2.5],
+        "max_experts_per_gpu": [0.0, 2.0, 4.0, 3.0, 5.0, 6.0],
+        **{k: [0] * 6 for k in ("late_prefetches", "collision_misses", "uncached_fetches", "prefetches_issued",
+                                "prefetches_used", "prefetches_cancelled", "prefetch_predicted_hits",
+                                "prefetch_predicted", "prefetch_actual", "low_precision_experts",
+                                "dropped_experts", "substituted_experts", "bytes_h2d", "bytes_ep",
+                                "tokens_altered")},
+    })
+    whole, cut = PassTotals(), PassTotals()
+    whole.add(steps)
+    for lo, hi in ((0, 2), (2, 5), (5, 6)):
+        cut.add(steps.iloc[lo:hi])
+    for t in (whole, cut):
+        assert t.passes == 6
+        assert t.sums["hits"] == 21
+        assert t.sums["misses"] == 13
+        assert t.sums["tokens"] == 16
+        assert t.sums["generated"] == 9
+        assert t.count == {"decode_like": 5, "prefill": 1, "decode": 3, "verify": 2}
+        assert t.unique == {"decode_like": 30, "prefill": 9}
+        assert t.decode_tokens == 3
+        assert t.decode_like_generated == 8
+        assert t.verify_generated == 5
+        assert t.verify_requests == 3
+        assert t.end_s == 2.0
+        assert t.total("stall_s") == 0.875
+        assert t.total("gate_weight_total") == 11.0
+        assert t.total("gate_weight_computed") == 10.0
+        assert t.total("dec_duration") == 2.0
+        assert t.total("dec_request_time") == 2.5  # 0.25 x 3 + 0.75 x 1 + 0.5 x 2
+        assert t.mean("dec_max_experts_per_gpu") == 4.0  # (2 + 4 + 3 + 5 + 6) / 5

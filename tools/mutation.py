@@ -136,6 +136,15 @@ EQUIVALENT: dict[str, str] = {
     # Least-Stale's prefetch victims (issue 33; a MUTATE_ONLY run of xǁLeastStaleǁ*)
     'moesim.policies.eviction.xǁLeastStaleǁprefetch_candidates__mutmut_10':
         "_queue's upcoming flag None for False: both falsy, read only by `if upcoming`",
+    # the summary from the per-pass totals (issue 34: MUTATE_ONLY xǁPassTotalsǁ*, x_summarise*)
+    **{'moesim.simulator.metrics.x_summarise__mutmut_' + str(n): "unreachable: a replay has a pass, an expert "
+       "access, a token and gate mass, and with timing its last pass ends after 0" for n in (129, 151, 159, 32)},
+    'moesim.simulator.metrics.x_summarise__mutmut_235':
+        "dec_gen >= 0 for > 0: a decode or verify pass generates a token at least, so dec_gen > 0 already",
+    **{'moesim.simulator.metrics.x_summarise__mutmut_' + str(n): "dividing by 1,000,000,001 for 1e9 changes "
+       "the warning's GB by a billionth, below the digit it prints" for n in (276, 278)},
+    'moesim.simulator.metrics.xǁPassTotalsǁadd__mutmut_72':
+        "to_numpy(None) of a float64 column is float64, as to_numpy(np.float64)",
     # the engine
     # the host thread (issue 37; a MUTATE_ONLY run of _host*, _compute, _fused, _end_pass with
     # tests/test_host.py and tests/test_engine.py). The judgements of _run and __init__ were

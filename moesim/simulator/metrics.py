@@ -155,13 +155,13 @@ class PassTotals:
         kept["dec_max_experts_per_gpu"].append(steps["max_experts_per_gpu"].to_numpy()[dl])
 
     def total(self, key: str) -> float:
-        """The sum of a kept floating-point column over all the passes taken."""
-        parts = self._kept[key]
-        return float(np.concatenate(parts).sum()) if parts else 0.0
+        """The sum of a kept floating-point column over all the passes taken (a replay hands
+        over one block at least: a workload has a pass)."""
+        return float(np.concatenate(self._kept[key]).sum())
 
     def mean(self, key: str) -> float:
-        parts = self._kept[key]
-        return float(np.concatenate(parts).mean()) if parts else float("nan")
+        """The mean of a kept floating-point column (the summary asks where it has values)."""
+        return float(np.concatenate(self._kept[key]).mean())
 
 
 def summarise(sim: RunInfo, totals: PassTotals, requests: pd.DataFrame) -> dict[str, Any]:
@@ -172,7 +172,7 @@ def summarise(sim: RunInfo, totals: PassTotals, requests: pd.DataFrame) -> dict[
     s, n = totals.sums, totals.count
     hits, misses, late = s["hits"], s["misses"], s["late_prefetches"]
     accesses = hits + misses + late
-    total_time = totals.end_s if totals.passes else 0.0
+    total_time = totals.end_s  # 0 before any pass
     total_w = totals.total("gate_weight_total")
     tokens_total = s["tokens"]
     out: dict[str, Any] = {
