@@ -240,6 +240,38 @@ def test_a_full_disk_while_writing_the_rows_is_one_paragraph(ragged_file: Path, 
     assert "Traceback" not in res.output
 
 
+def test_a_block_that_fails_to_be_written_is_never_passed_over(ragged_file: Path, tmp_path: Path, monkeypatch) -> None:
+    """The second block's write fails, later ones would succeed: the failure ends the run at
+    the next block (one block in flight, each waited for before the next is sent; a writer
+    that did not wait would lose it under the later blocks' results), and no results are
+    written."""
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+
+    from moesim.cli import cli
+
+    real = pq.ParquetWriter
+
+    class SecondFails(real):
+        calls = 0
+
+        def write_table(self, table, *a, **k) -> None:
+            SecondFails.calls += 1
+            if SecondFails.calls == 2:
+                raise OSError(5, "Input/output error")
+            super().write_table(table, *a, **k)
+
+    monkeypatch.setattr(kernel, "BLOCK_PASSES", 10)
+    monkeypatch.setenv("MOESIM_PIECE_ROWS", "500")
+    monkeypatch.setattr(pq, "ParquetWriter", SecondFails)
+    res = CliRunner().invoke(cli, ["run", "quickstart", "--trace", str(ragged_file), "--out", str(tmp_path / "run"),
+                                   "-q"])
+    assert SecondFails.calls == 2
+    assert res.exit_code == 2, res.output
+    assert "(Input/output error). Set TMPDIR to a writable folder" in res.output
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_reader_in_pieces_does_not_pre_buffer(ragged_file: Path, monkeypatch) -> None:
     """pyarrow's pre-buffering keeps every byte range of the file it read until the reader
     goes (apache/arrow#39808): reading the 256 M-access benchmark's 204 MB file in pieces,
