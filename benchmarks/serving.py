@@ -6,8 +6,8 @@ requests (128 prompt tokens, 32 output tokens), 10,000 requests arriving as a Po
 prefill-first continuous batching (64 running, 8,192 tokens a pass), an expert cache of 50% on
 an A100-80GB behind PCIe 4.0, LRU. First the saturation rate is measured (the requests served
 per second when 2,000 of them arrive at 1,000 requests/s); the timed run then offers 95% of it.
-Each run is a whole ``moesim run`` process (wall seconds and peak resident memory from
-``wait4``); the start-up (the same command with 2 requests) is reported beside it.
+Each run is a whole ``moesim run`` process (wall seconds and the process's own peak resident
+memory, ``processes.timed_run``); the start-up (the same command with 2 requests) is reported beside it.
 
 Usage: ``python benchmarks/serving.py [--requests 10000] [--share 0.95] [--json OUT]``.
 """

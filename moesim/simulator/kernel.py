@@ -68,7 +68,6 @@ import numpy as np
 from moesim.jit import HAVE_NUMBA
 from moesim.jit import inline as _inline
 from moesim.jit import jit as _jit
-from moesim.simulator.stream import BLOCK_PASSES
 from moesim.simulator.workload import join, passes_of
 
 # eviction policies with a kernel form
@@ -1667,6 +1666,9 @@ def kernel_form(sim: Any) -> str | None:
 
 
 CHUNK = 256  # passes per kernel call (progress is reported between calls)
+# forward passes whose per-pass rows a replay in pieces hands over at a time (_hand_over): from
+# the second block on they go to disk (``output.results.PassRows``)
+BLOCK_PASSES = 1 << 16
 
 
 def _belady_positions(keys: np.ndarray, num_keys: int) -> tuple[np.ndarray, np.ndarray]:
@@ -1924,7 +1926,7 @@ def _hand_over(sim: Any, parts: list[Any] | None, outs: list[tuple[Any, ...]], m
     (``outs``; ``parts``: their passes and requests, joined here, or None for the whole
     workload ``sim`` already holds), which it turns into per-pass rows
     (:meth:`simulator.engine.Simulation.take_rows`). A trace read in pieces hands its
-    passes over about :data:`simulator.stream.BLOCK_PASSES` at a time, so that they need
+    passes over about :data:`BLOCK_PASSES` at a time, so that they need
     not all be in memory at once."""
     cols, t_start, t_end, stall, m_total, m_kept = (np.concatenate(x) for x in zip(*outs, strict=True))
     if parts is not None:

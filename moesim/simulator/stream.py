@@ -5,7 +5,7 @@ requests (:func:`traces.io.iter_trace`, about :data:`CHUNK_ROWS` rows each), eac
 into its own :class:`Workload` and replayed by the compiled kernel with the state carried from
 the previous piece: the cache, the copy engine, the prefetch queue and the clocks. Peak memory
 is then set by the piece and the cache, not by the trace. The per-pass rows are handed over
-:data:`BLOCK_PASSES` passes at a time and, from the second block on, written to a temporary
+:data:`simulator.kernel.BLOCK_PASSES` passes at a time and, from the second block on, written to a temporary
 Parquet file (:class:`output.results.PassRows`); the summary keeps its whole-number totals
 and the few floating-point columns it adds up (:class:`simulator.metrics.PassTotals`, 48
 bytes a pass at most), and the per-request rows stay in memory. Results are the whole-trace replay's,
@@ -32,9 +32,6 @@ from moesim.errors import MoesimError
 from moesim.simulator.workload import Workload, build_workload
 
 CHUNK_ROWS = 1 << 18  # trace rows per piece (~30 MB of trace, ~60 MB of workload at top-8)
-# forward passes whose per-pass rows the kernel hands over at a time, when it replays pieces:
-# from the second block on they go to disk (``output.results.PassRows``)
-BLOCK_PASSES = 1 << 16
 
 # prefetchers whose proposals at (pass, layer) read that pass (or the one before it in its
 # batch, which a piece always holds) and nothing later; eviction policies without a view of
