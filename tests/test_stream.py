@@ -193,9 +193,11 @@ def test_a_replay_asked_for_its_summary_alone_keeps_no_rows_and_says_so(ragged_f
 
 
 def test_a_replay_of_one_block_keeps_its_rows_in_memory(ragged_file: Path) -> None:
-    res = Simulation(load_scenario("quickstart", [f"workload.trace.path={ragged_file}"]), chunk_rows=500).run()
+    sim = Simulation(load_scenario("quickstart", [f"workload.trace.path={ragged_file}"]), chunk_rows=500)
+    res = sim.run()
     assert res.summary["trace_pieces"] > 1
-    assert res._steps is res.steps  # a DataFrame, no file
+    assert sim.rows.path is None  # no file
+    assert res.steps is sim.rows.frame
 
 
 def test_an_unwritable_temporary_folder_is_one_paragraph_naming_it_and_the_fix(ragged_file: Path, tmp_path: Path,

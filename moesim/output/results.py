@@ -32,7 +32,6 @@ class PassRows:
         self._writer: Any = None
         self._pool: Any = None
         self._pending: Any = None  # the block being written
-        self._cleanup: Any = None
 
     def add(self, steps: pd.DataFrame) -> None:
         if not self.keep:
@@ -55,7 +54,7 @@ class PassRows:
             folder = Path(tempfile.mkdtemp(prefix="moesim-steps-"))
         except OSError as exc:
             raise self._error(tempfile.gettempdir(), exc) from None
-        self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)
+        weakref.finalize(self, shutil.rmtree, folder, True)  # the folder goes with this
         self.path = folder / "steps.parquet"
         self._pool = ThreadPoolExecutor(1)
 
@@ -110,6 +109,14 @@ class PassRows:
         self.close()
         return pd.read_parquet(self.path)
 
+    def copy_to(self, path: Path) -> None:
+        """Write all the rows to ``path`` (the Parquet file copied, when they went to one)."""
+        if self.path is None:
+            self.read().to_parquet(path, index=False)
+            return
+        self.close()
+        shutil.copyfile(self.path, path)
+
 
 class Result:
     """What a run produces: one row per forward pass (``steps``), one per request, and the
@@ -135,12 +142,10 @@ class Result:
         return self._steps
 
     def _write_steps(self, path: Path) -> None:
-        rows = self._steps
-        if isinstance(rows, PassRows) and rows.path is not None:
-            rows.close()
-            shutil.copyfile(rows.path, path)
+        if isinstance(self._steps, PassRows):
+            self._steps.copy_to(path)
         else:
-            self.steps.to_parquet(path, index=False)
+            self._steps.to_parquet(path, index=False)
 
     def __getstate__(self) -> dict[str, Any]:  # pickled with its rows, not a temporary file's name
         state = dict(self.__dict__)

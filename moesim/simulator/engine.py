@@ -724,12 +724,8 @@ class Simulation:
             self.take_rows()
         self.wall_s = _time.perf_counter() - t0
         self.rows.close()
-        if self.serving is not None:
-            requests = self.serving.frame()
-        elif len(self._request_rows) == 1:
-            requests = self._request_rows[0]
-        else:
-            requests = pd.concat(self._request_rows, ignore_index=True)
+        requests = (self.serving.frame() if self.serving is not None
+                    else pd.concat(self._request_rows, ignore_index=True))
         summary = summarise(self, self.totals, requests)
         if self.serving is not None:
             from moesim.simulator import serving
@@ -752,8 +748,7 @@ class Simulation:
             extra["withdrawn"] = self.withdrawn
         if self.record_passes is not None:
             extra["recorded_passes"] = min(self.record_passes, self.wl.num_passes)
-        steps = self.rows if self.rows.path is not None or not self.rows.keep else self.rows.read()
-        return Result(self.scenario, steps, requests, summary, self.transfers, extra=extra)
+        return Result(self.scenario, self.rows, requests, summary, self.transfers, extra=extra)
 
     def take_rows(self) -> None:
         """Turn the per-pass arrays of the passes in ``self.wl`` (the whole workload, or a

@@ -40,10 +40,6 @@ _PIECEWISE_PREFETCH = ("none", "oracle", "previous-token", "lookahead", "next-ga
 _PIECEWISE_EVICTION = ("lru", "fifo", "lfu", "fld", "score", "least-stale", "lhu")
 
 
-# per-expert float columns a trace may carry (one float32 per expert a row each)
-_WIDE_COLUMNS = ("probs", "pred_next", "pred_quasi")
-
-
 def piece_rows(path: Path | None = None) -> int:
     """Trace rows per piece: ``MOESIM_PIECE_ROWS`` when set (a positive whole number; less
     memory with smaller pieces, the same results), else :data:`CHUNK_ROWS` for a file of the
@@ -53,7 +49,7 @@ def piece_rows(path: Path | None = None) -> int:
     25.6 M-access benchmark peaked at 1.25 GB in pieces of the plain row count)."""
     raw = os.environ.get("MOESIM_PIECE_ROWS", "").strip()
     if not raw:
-        return CHUNK_ROWS if path is None else max(1, int(CHUNK_ROWS * _row_bytes(path, ()) // _row_bytes(path)))
+        return CHUNK_ROWS if path is None else _rows_of_plain_bytes(path)
     try:
         rows = int(raw)
     except ValueError:
@@ -64,16 +60,18 @@ def piece_rows(path: Path | None = None) -> int:
     return rows
 
 
-def _row_bytes(path: Path, wide: tuple[str, ...] | None = None) -> int:
-    """Bytes a row of the file at ``path`` takes in memory as read (request, step and position
-    int32, phase, layer int16, top-k expert ids int16 and weights float32, and one float32 per
-    expert for each of ``wide``: the file's per-expert columns when None)."""
-    from moesim.traces.io import trace_columns, trace_model
+def _rows_of_plain_bytes(path: Path) -> int:
+    """The rows of the file at ``path`` that take the bytes of :data:`CHUNK_ROWS` rows of the
+    required columns in memory as read: a row is request, step and position (int32), phase,
+    layer (int16), top-k expert ids (int16) and weights (float32), and one float32 per expert
+    for each per-expert column the file has."""
+    from moesim.traces.io import trace_layout
+    from moesim.traces.schema import PER_EXPERT_COLUMNS
 
-    model = trace_model(path)
-    if wide is None:
-        wide = tuple(c for c in _WIDE_COLUMNS if c in trace_columns(path))
-    return 12 + 1 + 2 + 6 * model.top_k + 4 * model.num_experts * len(wide)
+    model, columns = trace_layout(path)
+    plain = 12 + 1 + 2 + 6 * model.top_k
+    wide = 4 * model.num_experts * sum(c in columns for c in PER_EXPERT_COLUMNS)
+    return max(1, CHUNK_ROWS * plain // (plain + wide))
 
 
 def why_whole(scenario: Scenario, recording: bool) -> str | None:

@@ -21,6 +21,7 @@ from moesim.errors import MoesimError
 from moesim.traces.schema import (
     METADATA_KEY,
     OPTIONAL_COLUMNS,
+    PER_EXPERT_COLUMNS,
     PHASE_CODES,
     PHASES,
     REQUIRED_COLUMNS,
@@ -55,7 +56,7 @@ def trace_to_table(trace: Trace) -> pa.Table:
         cols["parent"] = pa.array(trace.parent.astype(np.int16))
     if trace.accepted is not None:
         cols["accepted"] = pa.array(trace.accepted.astype(bool))
-    for name in ("probs", "pred_next", "pred_quasi"):
+    for name in PER_EXPERT_COLUMNS:
         arr = getattr(trace, name)
         if arr is not None:
             dtype = pa.float16() if arr.dtype == np.float16 else pa.float32()
@@ -220,14 +221,10 @@ def trace_rows(path: str | os.PathLike[str]) -> int:
     return int(_open(str(path))[2].metadata.num_rows)
 
 
-def trace_columns(path: str | os.PathLike[str]) -> list[str]:
-    """The columns of a v1 trace file (from its footer)."""
-    return list(_open(str(path))[2].schema_arrow.names)
-
-
-def trace_model(path: str | os.PathLike[str]) -> ModelInfo:
-    """The model of a v1 trace file (from its metadata)."""
-    return _open(str(path))[1]
+def trace_layout(path: str | os.PathLike[str]) -> tuple[ModelInfo, list[str]]:
+    """The model and the columns of a v1 trace file (from its metadata and footer)."""
+    _, model, pf = _open(str(path))
+    return model, list(pf.schema_arrow.names)
 
 
 def requests_in_order(path: str | os.PathLike[str], batch_rows: int = 1 << 20) -> bool:
@@ -334,10 +331,8 @@ def _trace_of(p: str, model: ModelInfo, capture: dict[str, Any], table: pa.Table
             raise _fail(p, f"column 'experts' repeats an expert at row {r + row0} ({experts[r].tolist()}); "
                         "top-k ids must be distinct.")
     weights = _fixed_lists(p, table, "weights", model.top_k, numbers=True, row0=row0).astype(np.float32, copy=False)
-    bad_rows = (np.flatnonzero((~np.isfinite(weights) | (weights < 0)).any(axis=1)) if not _finite_at_least(weights, 0)
-                else np.zeros(0, np.intp))
-    if len(bad_rows):
-        r = int(bad_rows[0])
+    if not _finite_at_least(weights, 0):  # then the masks name the first bad row
+        r = int(np.flatnonzero((~np.isfinite(weights) | (weights < 0)).any(axis=1))[0])
         raise _fail(p, f"column 'weights' has non-finite or negative values at row {r + row0} "
                     f"({weights[r].tolist()}).")
     optional: dict[str, np.ndarray | None] = {}
@@ -353,12 +348,12 @@ def _trace_of(p: str, model: ModelInfo, capture: dict[str, Any], table: pa.Table
             row = int(np.flatnonzero(acc.is_null().to_numpy(zero_copy_only=False))[0])
             raise _fail(p, f"column 'accepted' is null at row {row + row0}.")
         optional["accepted"] = acc.to_numpy(zero_copy_only=False).astype(bool)
-    for name in ("probs", "pred_next", "pred_quasi"):
+    for name in PER_EXPERT_COLUMNS:
         if name in table.column_names:
             arr = _fixed_lists(p, table, name, model.num_experts, numbers=True, row0=row0).astype(np.float32, copy=False)
-            bad_rows = np.flatnonzero(~np.isfinite(arr).all(axis=1)) if not _finite_at_least(arr) else np.zeros(0, np.intp)
-            if len(bad_rows):
-                raise _fail(p, f"column '{name}' has non-finite values at row {int(bad_rows[0]) + row0}.")
+            if not _finite_at_least(arr):  # then the mask names the first bad row
+                r = int(np.flatnonzero(~np.isfinite(arr).all(axis=1))[0])
+                raise _fail(p, f"column '{name}' has non-finite values at row {r + row0}.")
             optional[name] = arr
         else:
             optional[name] = None

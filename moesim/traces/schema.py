@@ -41,7 +41,8 @@ PHASES = ("prefill", "decode", "verify")
 PHASE_CODES = {name: i for i, name in enumerate(PHASES)}
 
 REQUIRED_COLUMNS = ("request", "step", "position", "phase", "layer", "experts", "weights")
-OPTIONAL_COLUMNS = ("node", "parent", "accepted", "probs", "pred_next", "pred_quasi")
+PER_EXPERT_COLUMNS = ("probs", "pred_next", "pred_quasi")  # one float32 per expert a row each
+OPTIONAL_COLUMNS = ("node", "parent", "accepted", *PER_EXPERT_COLUMNS)
 
 
 @dataclass(frozen=True)
