@@ -84,7 +84,7 @@ class PassRows:
     @staticmethod
     def _error(where: Any, exc: OSError) -> MoesimError:
         return MoesimError(f"cannot write a long replay's per-pass rows to the temporary folder {where} "
-                           f"({exc.strerror or exc}). Set TMPDIR to a writable folder with room (about 100 "
+                           f"({exc.strerror or exc}). Set TMPDIR to a writable folder with room (about 50 "
                            "bytes a forward pass).")
 
     def close(self) -> None:
