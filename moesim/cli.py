@@ -211,6 +211,9 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
         return sim, sim.run()
 
     sim, result = _with_progress("simulating", replay, not quiet)
+    if result.summary["replay_path"] == "simpy":  # a user would ask why it took long
+        click.echo(f"note: replayed on the SimPy path, not the compiled kernel: {result.summary['replay_path_reason']}.",
+                   err=True)
     if events is not None and serving:
         from moesim.output.events import serving_trace, write_events
 

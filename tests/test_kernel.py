@@ -23,6 +23,9 @@ from moesim.simulator.engine import Simulation
 from moesim.traces.synth import generate, synth_from_preset
 from tests.helpers import experts_cap, scenario, small_model
 
+# the by-hand tests call the kernel's functions, whose ``A`` holds the eviction hooks: numba's
+# first-class functions, which it calls experimental (``kernel.replay`` says the same)
+pytestmark = pytest.mark.filterwarnings("ignore:First-class function type feature is experimental")
 EVICTIONS = ["lru", "fifo", "lfu", "fld", "score", "least-stale", "belady", "lhu"]
 PREFETCHERS = ["none", "static-pin", "oracle", "previous-token", "lookahead", "next-gate-topk",
                "score-percentile"]
@@ -508,7 +511,7 @@ def test_the_kernels_room_takes_as_many_victims_as_it_needs_or_changes_nothing()
     IS[K.C_L], IS[K.C_DIV], IS[K.C_EV], IS[K.C_INSTANT], IS[K.C_MULTI] = 1, 8, K.EV_LRU, 1, 1
     IS[IS[K.H_PBYTES]:IS[K.H_PBYTES] + 2] = [4, 1]  # key % 2 == 0: 4 bytes, else 1 byte
     FS[K.CF_CAP] = 8.0
-    DI, A = np.zeros(1, np.int64), (np.zeros(1, np.int64),) * 5
+    DI, A = np.zeros(1, np.int64), (*(np.zeros(1, np.int64),) * 5, K._hooks(None))
     for key in (1, 3, 4, 7):  # least recently used first; 7 bytes in all
         K._insert(key, K._submit(key, K.DEMAND, 0.0, 0, IS, FS), True, -1, IS, FS, DI, A)
     assert IS[K.S_USED] == 7
@@ -529,9 +532,9 @@ def test_the_kernels_room_takes_as_many_victims_as_it_needs_or_changes_nothing()
     pins = {1: 2, 3: 9, 4: 3, 7: 9}  # 3 and 7 pinned in generation 9
     for key, gen in pins.items():
         set_field(key, K.K_PIN, gen)
-    assert K._room(1, False, 9, -1, IS, FS) == 0  # it fits: nothing evicted
-    assert K._room(9, False, 9, -1, IS, FS) == -1  # larger than the cache
-    assert K._room(8, False, 9, -1, IS, FS) == -1  # 1 free + 1 + 4 evictable < 8
+    assert K._room(1, False, 9, -1, IS, FS, A) == 0  # it fits: nothing evicted
+    assert K._room(9, False, 9, -1, IS, FS, A) == -1  # larger than the cache
+    assert K._room(8, False, 9, -1, IS, FS, A) == -1  # 1 free + 1 + 4 evictable < 8
     assert IS[K.S_USED] == 7
     assert lru() == [1, 3, 4, 7]
     assert {key: field(key, K.K_PIN) for key in pins} == pins
@@ -539,19 +542,19 @@ def test_the_kernels_room_takes_as_many_victims_as_it_needs_or_changes_nothing()
     for key in (1, 4):
         set_field(key, K.K_ADM, 5)
     IS[K.S_PASS] = 6
-    assert K._room(6, True, 9, -1, IS, FS) == 2  # exactly 1 free + 1 (key 1) + 4 (key 4; 3 is pinned)
+    assert K._room(6, True, 9, -1, IS, FS, A) == 2  # exactly 1 free + 1 (key 1) + 4 (key 4; 3 is pinned)
     assert IS[K.S_USED] == 2
     assert lru() == [3, 7]
     assert [field(key, K.K_STATE) for key in (1, 3, 4, 7)] == [K.ABSENT, K.RESIDENT, K.ABSENT, K.RESIDENT]
     assert [field(key, K.K_EVICTED) for key in (1, 4)] == [6, 6]
     assert [field(key, K.K_ADM) for key in (1, 4)] == [0, 0]  # no longer admissions
     assert field(3, K.K_PIN) == field(7, K.K_PIN) == 9
-    assert K._room(8, False, 10, -1, IS, FS) == 2  # as large as the cache: everything goes
+    assert K._room(8, False, 10, -1, IS, FS, A) == 2  # as large as the cache: everything goes
     assert IS[K.S_USED] == 0
     assert lru() == []
     for key in (5, 6):  # 5 bytes: 3 free
         K._insert(key, K._submit(key, K.DEMAND, 0.0, 0, IS, FS), True, -1, IS, FS, DI, A)
-    assert K._room(4, False, 11, -1, IS, FS) == 1  # one victim (key 5) is enough
+    assert K._room(4, False, 11, -1, IS, FS, A) == 1  # one victim (key 5) is enough
     assert lru() == [6]
 
 
@@ -677,7 +680,7 @@ def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
     IS[K.C_L], IS[K.C_K], IS[K.C_DIV], IS[K.C_NPREC], IS[K.C_DPREC], IS[K.C_NE] = 1, 2, E, 1, 0, E
     IS[K.C_EV] = K.EV_FIFO
     IS[K.S_LAYERGEN] = 1
-    A = (np.zeros(1, np.int32),) * 5
+    A = (*(np.zeros(1, np.int32),) * 5, K._hooks(None))
     K._submit(3, K.DEMAND, 0.0, 0, IS, FS)  # the link is busy until t = 1
     tid = K._submit(2, K.PREFETCH, 0.0, 0, IS, FS)
     IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_STATE] = K.INFLIGHT
@@ -729,7 +732,7 @@ def test_the_kernels_speculation_by_hand():
     IS[IS[K.H_FIN]:IS[K.H_FIN] + 6] = (0, 2, 0, 1, 0, 4)
     for e in (1, 2, 3, 4, 5):
         IS[IS[K.H_KI] + (E + e) * K.K_NKI + K.K_STATE] = K.RESIDENT
-    A = (np.zeros(1, np.int32),) * 5
+    A = (*(np.zeros(1, np.int32),) * 5, K._hooks(None))
     IS[K.S_LRUNN] = 0
     K._speculate(0, 9, 0, IS, FS, np.zeros(1, np.int64), A, M)
     assert IS[IS[K.H_FIN]:IS[K.H_FIN] + 6].tolist() == [3, 2, 3, 1, -1, 4]

@@ -69,7 +69,28 @@ def test_the_readme_plugin_makes_mru_decisions(mru, tmp_path, isolated_registrie
         return simulate(sc, trace=t).summary
 
     assert (run("mru")["misses"], run("mru")["hits"]) == (4, 1)
+    assert run("mru")["replay_path"] == "kernel", run("mru")["replay_path_reason"]
     assert run("lru")["misses"] == 5
+
+
+def test_the_readme_plugin_runs_compiled_and_gives_its_simpy_rows(mru, monkeypatch, isolated_registries):
+    """The example is written against the eviction hooks: the kernel runs it, and its rows are
+    those of the same class on the SimPy path (on an OLMoE-shaped trace with prefetching)."""
+    from moesim.policies.plugins import load_plugins
+    from moesim.simulator.engine import simulate
+    from moesim.traces.synth import synth_from_preset
+    from tests.helpers import scenario
+
+    load_plugins([str(mru)], installed=False)
+    t = synth_from_preset("olmoe-1b-7b", requests=4, prompt_tokens=8, tokens=16, seed=2, pred_next=True)
+    sc = scenario(cache={"capacity": "5%"}, policies={"eviction": "mru", "prefetch": "next-gate-topk"})
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    fast = simulate(sc, trace=t)
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+    ref = simulate(sc, trace=t)
+    assert (fast.summary["replay_path"], ref.summary["replay_path"]) == ("kernel", "simpy")
+    assert fast.summary["hits"] > 0
+    pd.testing.assert_frame_equal(fast.steps, ref.steps, check_exact=True)
 
 
 def test_plugin_policies_are_listed_and_run_from_the_command_line(mru, tmp_path):

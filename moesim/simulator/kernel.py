@@ -18,13 +18,15 @@ gate mass and altered tokens (what each token of the layer computes is kept in
 ``fetch-priority``, whose cache entries have several sizes (a key's precision gives its
 bytes, copy and compute seconds; room is made by as many victims as it takes, in
 :func:`_victims`). Eviction ``lru``, ``fifo``, ``lfu``, ``fld``, ``score``, ``least-stale``
-(both orders), ``belady``, ``lhu``; prefetch ``none``, ``static-pin``, ``oracle``,
+(both orders), ``belady``, ``lhu``, and a user's policy written as hooks
+(:class:`policies.hooks.HookEviction`: its compiled hooks are handed to the kernel in ``A[U]``
+as numba first-class functions, so one compiled kernel serves every such policy); prefetch ``none``, ``static-pin``, ``oracle``,
 ``previous-token``, ``lookahead``, ``next-gate-topk``, ``score-percentile`` (the last two's
 proposals come as arrays, :meth:`PrefetchPolicy.proposals`). Everything else — a routing or
 budget policy that changes what a token computes (each is its own Python/numpy selection:
 XShare's greedy, MoE-Spec's rankings, dual-logit routing; a compiled copy would be a second
 implementation of each decision), random eviction (it draws from numpy's ``Generator``),
-expert parallelism, a user's own policy, and a replay that records its timeline or
+expert parallelism, a user's own policy of another kind (or whose hooks numba cannot compile), and a replay that records its timeline or
 decisions — runs on the SimPy path.
 
 The same functions run as plain Python under ``NUMBA_DISABLE_JIT=1`` (the tests check that
@@ -60,6 +62,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 from collections.abc import Generator
 from typing import Any
 
@@ -71,7 +74,10 @@ from moesim.jit import jit as _jit
 from moesim.simulator.workload import join, passes_of
 
 # eviction policies with a kernel form
-EV_LRU, EV_FIFO, EV_LFU, EV_FLD, EV_SCORE, EV_LS, EV_BELADY, EV_LHU = range(8)
+EV_LRU, EV_FIFO, EV_LFU, EV_FLD, EV_SCORE, EV_LS, EV_BELADY, EV_LHU, EV_HOOK = range(9)
+# a hook policy's compiled hooks (each in a tuple of one) and state in ``A[U]`` (:mod:`policies.hooks`)
+U = 5
+U_INSERT, U_ACCESS, U_REMOVE, U_PRIORITY, U_CLOCK, U_SI, U_SF = range(7)
 # prefetch proposal sources
 PF_NONE, PF_ORACLE, PF_PREV, PF_LOOKAHEAD, PF_ARRAY = range(5)
 MODE_LAYER, MODE_ARRIVAL, MODE_PER_EXPERT = range(3)
@@ -82,7 +88,7 @@ DEMAND, PREFETCH = 0, 1
 (K_STATE, K_COMPUTED, K_TID, K_PIN, K_STATIC, K_STAMP, K_COUNT, K_CURPASS, K_PREV, K_NEXT, K_MEMB,
  K_PEND, K_EVICTED, K_UNUSED, K_ADM, K_QUEUED, K_MARK, K_ACCPASS, K_NKI) = range(19)
 # per-key float fields (KF)
-F_SCORE, F_NEXTUSE, F_NKF = range(3)
+F_SCORE, F_NEXTUSE, F_PRIO, F_NKF = range(4)
 # The integer state IS: scalars (S_*), configuration (C_*), the pass's row (R_*), region
 # offsets (H_*), then the regions (per-key fields, transfer slots, queues, scratch).
 (S_SEQ, S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_HEAD, S_TAIL, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
@@ -90,13 +96,13 @@ F_SCORE, F_NEXTUSE, F_NKF = range(3)
  S_SCOREPASS, S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE,
  C_EV, C_LS_REL, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE, C_LRUNCAP,
- C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC,
+ C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC, C_STABLE,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
  H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, I_HEADER) = range(110)
+ H_PDUR, I_HEADER) = range(111)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then per-key fields, transfer times, scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, SF_HOST, CF_CAP, CF_DECAY,
@@ -192,23 +198,40 @@ def _next_use(key, ai, IS, DI, A):
 
 
 @_jit
+def _weight(key, ai, IS, DI, A):
+    """The gate weight of access ``ai`` (-1: of the current (pass, layer)'s access of
+    ``key``, 0 when it has none)."""
+    if ai < 0:  # a speculative run of an expert the layer routes has its access's weight
+        base = _here(IS)
+        for j in range(DI[IS[H_OFF] + base], DI[IS[H_OFF] + base + 1]):
+            if _key(j, IS, A) == key:
+                ai = j
+                break
+    return A[3][ai] if ai >= 0 else 0.0
+
+
+@_jit
 def _credit(key, ai, IS, FS, DI, A):
-    """Score eviction: add the gate weight of access ``ai`` (-1: of the current (pass,
-    layer)'s access of ``key``, none when it has none) after the per-pass decay."""
+    """Score eviction: add the gate weight of access ``ai`` (:func:`_weight`) after the
+    per-pass decay."""
     p = IS[S_PASS]
     if FS[CF_DECAY] != 1.0 and p != IS[S_SCOREPASS]:
         f = math.pow(FS[CF_DECAY], float(p - max(IS[S_SCOREPASS], 0)))
         for k in range(IS[H_NKEYS]):
             FS[IS[H_KF] + k * F_NKF + F_SCORE] *= f
         IS[S_SCOREPASS] = p
-    if ai < 0:  # a speculative run of an expert the layer routes has its access's weight
-        base = _row_base(p, IS) + IS[S_LAYER]
-        for j in range(DI[IS[H_OFF] + base], DI[IS[H_OFF] + base + 1]):
-            if _key(j, IS, A) == key:
-                ai = j
-                break
-    w = A[3][ai] if ai >= 0 else 0.0
+    w = _weight(key, ai, IS, DI, A)
     FS[IS[H_KF] + key * F_NKF + F_SCORE] = FS[IS[H_KF] + key * F_NKF + F_SCORE] + w
+
+
+@_inline
+def _set_clock(IS, A):
+    """Set a hook policy's clock (:mod:`policies.hooks`) to the replay's pass, layer and stamp
+    counter."""
+    clock = A[U][U_CLOCK]
+    clock[0] = IS[S_PASS]
+    clock[1] = IS[S_LAYER]
+    clock[2] = IS[S_SEQ]
 
 
 @_inline
@@ -348,6 +371,11 @@ def _on_insert(key, demand, ai, IS, FS, DI, A):
         FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
     elif ev == EV_LHU and demand and _prec(key, IS) == 0:
         IS[IS[H_KI] + key * K_NKI + K_COUNT] += 1
+    elif ev == EV_HOOK:
+        w = float(_weight(key, ai, IS, DI, A)) if demand else 0.0
+        _set_clock(IS, A)
+        A[U][U_INSERT][0](key, demand != 0, w, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
+        _keep_priority(key, IS, FS, A)
 
 
 @_inline
@@ -373,6 +401,11 @@ def _on_access(key, ai, IS, FS, DI, A):
             IS[IS[H_KI] + key * K_NKI + K_COUNT] += 1
     elif ev == EV_BELADY:
         FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
+    elif ev == EV_HOOK:
+        _stamp(key, IS)
+        _set_clock(IS, A)
+        A[U][U_ACCESS][0](key, float(_weight(key, ai, IS, DI, A)), A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
+        _keep_priority(key, IS, FS, A)
     elif ev == EV_LS and IS[IS[H_KI] + key * K_NKI + K_CURPASS] != IS[S_PASS]:
         _list_unlink(key, _ls_list(key, IS), IS)  # stale -> current
         IS[IS[H_KI] + key * K_NKI + K_CURPASS] = IS[S_PASS]
@@ -380,7 +413,7 @@ def _on_access(key, ai, IS, FS, DI, A):
 
 
 @_inline
-def _on_remove(key, IS):
+def _on_remove(key, IS, A):
     if IS[C_EV] in (EV_LRU, EV_FIFO):
         _list_unlink(key, S_HEAD, IS)
         return
@@ -393,6 +426,9 @@ def _on_remove(key, IS):
     IS[IS[H_KI] + last * K_NKI + K_MEMB] = i
     IS[S_MEMBN] -= 1
     IS[IS[H_KI] + key * K_NKI + K_MEMB] = -1
+    if IS[C_EV] == EV_HOOK:
+        _set_clock(IS, A)
+        A[U][U_REMOVE][0](key, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
 
 
 @_jit
@@ -448,27 +484,63 @@ def _victim(for_prefetch, pin_gen, adm_layer, IS, FS):
     return best
 
 
+@_inline
+def _keep_priority(key, IS, FS, A):
+    """A hook policy with a stable priority (``C_STABLE``) keeps ``key``'s, computed after its
+    hooks ran, in ``F_PRIO``."""
+    if IS[C_STABLE]:
+        FS[IS[H_KF] + key * F_NKF + F_PRIO] = A[U][U_PRIORITY][0](key, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
+
+
+@_jit
+def _hook_victim(pin_gen, adm_layer, IS, FS, A):
+    """A hook policy's victim: the eligible key of lowest priority (kept, or asked now), ties
+    to the oldest stamp."""
+    _set_clock(IS, A)
+    clock, si, sf, priority = A[U][U_CLOCK], A[U][U_SI], A[U][U_SF], A[U][U_PRIORITY]
+    stable = IS[C_STABLE]
+    best, bf, bs = -1, 0.0, 0
+    for j in range(IS[S_MEMBN]):
+        key = IS[IS[H_MEMB] + j]
+        if not _eligible(key, pin_gen, adm_layer, IS):
+            continue
+        f = FS[IS[H_KF] + key * F_NKF + F_PRIO] if stable else priority[0](key, clock, si, sf)
+        s = IS[IS[H_KI] + key * K_NKI + K_STAMP]
+        if best == -1 or f < bf or (f == bf and s < bs):
+            best, bf, bs = key, f, s
+    return best
+
+
+@_inline
+def _find_victim(for_prefetch, pin_gen, adm_layer, IS, FS, A):
+    """:func:`_victim`, or a hook policy's (the hooks in ``A`` are passed to that alone: passing
+    them to every victim search cost LRU a quarter of its speed)."""
+    if IS[C_EV] == EV_HOOK:
+        return _hook_victim(pin_gen, adm_layer, IS, FS, A)
+    return _victim(for_prefetch, pin_gen, adm_layer, IS, FS)
+
+
 # -- the cache and the copy engine ------------------------------------------------------------
 @_inline
-def _evict(key, IS):
+def _evict(key, IS, A):
     k = IS[H_KI] + key * K_NKI
     IS[k + K_STATE] = ABSENT
     IS[S_USED] -= _nbytes(key, IS)
-    _on_remove(key, IS)
+    _on_remove(key, IS, A)
     IS[k + K_UNUSED] = 0
     IS[k + K_EVICTED] = IS[S_PASS]
 
 
 @_inline
-def _evict_for(key, for_prefetch, IS):
+def _evict_for(key, for_prefetch, IS, A):
     """Evict a victim; one evicted for a prefetch is no longer an admission."""
-    _evict(key, IS)
+    _evict(key, IS, A)
     if for_prefetch:
         IS[IS[H_KI] + key * K_NKI + K_ADM] = 0
 
 
 @_inline
-def _room(nb, for_prefetch, pin_gen, adm_layer, IS, FS):
+def _room(nb, for_prefetch, pin_gen, adm_layer, IS, FS, A):
     """Make room for an entry of ``nb`` bytes (the victim walk of ``ExpertCache.fetch``):
     evict victims in the policy's order until enough is free. Returns how many were evicted
     (0: it fits), or -1 when the entries that may be evicted cannot free enough (nothing
@@ -479,17 +551,17 @@ def _room(nb, for_prefetch, pin_gen, adm_layer, IS, FS):
         return 0
     if nb > FS[CF_CAP]:
         return -1
-    v = _victim(for_prefetch, pin_gen, adm_layer, IS, FS)
+    v = _find_victim(for_prefetch, pin_gen, adm_layer, IS, FS, A)
     if v == -1:
         return -1
     if nb > free + _nbytes(v, IS):
-        return _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, FS)
-    _evict_for(v, for_prefetch, IS)
+        return _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, FS, A)
+    _evict_for(v, for_prefetch, IS, A)
     return 1
 
 
 @_jit
-def _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, FS):
+def _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, FS, A):
     """:func:`_room` when the first victim ``v`` is not enough: each victim found is pinned
     for the search of the next (its pin restored after); all are evicted once they free
     enough, none when the search runs out."""
@@ -504,13 +576,13 @@ def _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, FS):
         free += _nbytes(v, IS)
         if nb <= free:
             break
-        v = _victim(for_prefetch, pin_gen, adm_layer, IS, FS)
+        v = _find_victim(for_prefetch, pin_gen, adm_layer, IS, FS, A)
     for j in range(n):  # the pins as they were
         IS[IS[H_KI] + IS[vict + 2 * j] * K_NKI + K_PIN] = IS[vict + 2 * j + 1]
     if v == -1:
         return -1
     for j in range(n):
-        _evict_for(IS[vict + 2 * j], for_prefetch, IS)
+        _evict_for(IS[vict + 2 * j], for_prefetch, IS, A)
     return n
 
 
@@ -936,7 +1008,7 @@ def _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, FS, DI, A):
     """Fetch ``kq`` (a cache key of the missed expert, ``aq`` its access or -1) when room
     can be made for it: pinned, a demand transfer, an in-flight entry. Returns whether it
     was."""
-    if _room(_nbytes(kq, IS), False, pin_gen, -1, IS, FS) == -1:
+    if _room(_nbytes(kq, IS), False, pin_gen, -1, IS, FS, A) == -1:
         return False
     IS[IS[H_KI] + kq * K_NKI + K_PIN] = pin_gen
     tid = _submit(kq, DEMAND, now, 0, IS, FS)
@@ -1015,7 +1087,7 @@ def _admit(now, pin_gen, IS, FS, DI, A):
     while IS[S_WN]:
         key = IS[IS[H_WQ] + IS[S_WH]]  # absent (PrefetchQueue.admit)
         target = key // IS[C_DIV]
-        if _room(_nbytes(key, IS), True, pin_gen, target, IS, FS) == -1:
+        if _room(_nbytes(key, IS), True, pin_gen, target, IS, FS, A) == -1:
             return
         IS[S_WH] = (IS[S_WH] + 1) % size
         IS[S_WN] -= 1
@@ -1103,7 +1175,7 @@ def _withdraw(layer, lo, hi, IS, A):
         IS[IS[H_KI] + key * K_NKI + K_STATE] = ABSENT
         IS[IS[H_KI] + key * K_NKI + K_TID] = -1
         IS[S_USED] -= _nbytes(key, IS)
-        _on_remove(key, IS)
+        _on_remove(key, IS, A)
         IS[IS[H_KI] + key * K_NKI + K_UNUSED] = 0
         IS[R_PFCANCEL] += 1
         _free(tid, IS)
@@ -1653,18 +1725,57 @@ def kernel_form(sim: Any) -> str | None:
         return "expert parallelism"
     if sim.routing.changes_routing or sim.budget.restricts:
         return "a routing or budget policy that changes what tokens compute"
-    evictions, prefetchers, misses = _policy_codes()
+    _, prefetchers, misses = _policy_codes()
     if type(sim.miss) not in misses:
         return f"miss policy '{sim.scenario.policies.miss.name}' has no kernel form"
     if misses[type(sim.miss)] != MISS_FETCH and sim.model.top_k > 128:
         return "top-k above 128 (the kernel sums a token's gate mass as numpy does up to 128 terms)"
-    if type(sim.eviction) not in evictions:
-        return f"eviction policy '{sim.scenario.policies.eviction.name}' has no kernel form"
+    if _eviction_code(sim.eviction) is None:
+        name = sim.scenario.policies.eviction.name
+        if _is_hooked(sim.eviction):
+            from moesim.policies.hooks import compiled
+
+            return f"eviction policy '{name}': {compiled(type(sim.eviction))}"
+        return f"eviction policy '{name}' has no kernel form"
     if type(sim.prefetch) not in prefetchers:
         return f"prefetch policy '{sim.scenario.policies.prefetch.name}' has no kernel form"
     return None
 
 
+def _is_hooked(policy: Any) -> bool:
+    from moesim.policies.hooks import HookEviction
+
+    return isinstance(policy, HookEviction)
+
+
+def _eviction_code(policy: Any) -> int | None:
+    """The kernel's code of an eviction policy: a built-in's, ``EV_HOOK`` for a hook policy
+    whose hooks compile (:mod:`policies.hooks`), else None (the SimPy path)."""
+    code = _policy_codes()[0].get(type(policy))
+    if code is not None or not _is_hooked(policy):
+        return code
+    from moesim.policies.hooks import compiled
+
+    return EV_HOOK if isinstance(compiled(type(policy)), tuple) else None
+
+
+def _hooks(policy: Any) -> tuple[Any, ...]:
+    """``A[U]``: a hook policy's compiled hooks, clock and state (the policy's own arrays, so
+    that it holds the replay's final state after it, as on the SimPy path); for a built-in,
+    hooks that are never called."""
+    from moesim.policies import hooks
+
+    fns: Any
+    if _is_hooked(policy):
+        fns, state = hooks.compiled(type(policy)), (policy.clock, policy.si, policy.sf)
+    else:
+        fns, state = hooks.no_hooks(), _NO_STATE
+    # each in a tuple of one, which numba types as a first-class function (a function's
+    # address, called indirectly) rather than as that function: one compiled kernel for all
+    return (*((f,) for f in fns), *state)
+
+
+_NO_STATE = (np.zeros(7, np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1)))
 CHUNK = 256  # passes per kernel call (progress is reported between calls)
 # forward passes whose per-pass rows a replay in pieces hands over at a time (_hand_over): from
 # the second block on they go to disk (``output.results.PassRows``)
@@ -1838,11 +1949,11 @@ def load_cached_forms() -> int:
 
 
 def _piece(sim: Any, wl: Any, ev: int, miss: int, max_rows: int, IS: np.ndarray,
-           FS: np.ndarray) -> tuple[Any, ...]:
+           FS: np.ndarray, hooks: tuple[Any, ...]) -> tuple[Any, ...]:
     """The kernel's read-only data for the passes of ``wl`` (the whole trace's workload, or a
     piece of it): ``DI`` = access offsets | pass groups | (Belady) each key's access indices;
     ``A`` = the per-access arrays (layer, expert, tokens routed, summed gate weight, best
-    router rank); ``DF`` = expert seconds by token count | per-pass factor; ``M`` = the
+    router rank) and ``hooks`` (:func:`_hooks`); ``DF`` = expert seconds by token count | per-pass factor; ``M`` = the
     per-token arrays; the non-expert seconds of each pass. Region offsets go to ``IS``."""
     num_keys = IS[H_NKEYS]
     parts = [np.ascontiguousarray(wl.off, dtype=np.int64), np.asarray(wl.pass_group, np.int64)]
@@ -1854,7 +1965,7 @@ def _piece(sim: Any, wl: Any, ev: int, miss: int, max_rows: int, IS: np.ndarray,
     IS[H_OFF], IS[H_GROUP] = starts[0], starts[1]
     if ev == EV_BELADY:
         IS[H_KPOSOFF], IS[H_KPOS] = starts[2], starts[3]
-    A = (wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight, wl.acc_rank)
+    A = (wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight, wl.acc_rank, hooks)
     DF = _precisions(sim, miss, max_rows, IS, FS)
     M = _mass_arrays(sim) if miss != MISS_FETCH else None
     return DI, A, DF, M, sim.nonexpert_times()
@@ -1869,6 +1980,7 @@ def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, ev: int, pf: int, miss:
     params = sim.eviction.params
     reroute = miss in (MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE)
     IS[C_EV] = ev
+    IS[C_STABLE] = ev == EV_HOOK and type(sim.eviction).stable_priority
     IS[C_LS_REL] = isinstance(sim.eviction, LeastStale) and params.order == "relative"
     IS[C_PF] = pf
     IS[C_DEPTH] = sim.prefetch.params.depth if isinstance(sim.prefetch, Lookahead) else 0
@@ -1948,7 +2060,16 @@ def replay(sim: Any) -> None:
     in pieces (``sim.pieces``, :mod:`simulator.stream`) is replayed piece after piece with
     the state carried over (the same arithmetic on the same state: ``S_PBASE`` maps a pass
     to its piece's arrays), and ``sim`` then adopts the joined passes."""
-    evictions, prefetchers, misses = _policy_codes()
+    with warnings.catch_warnings():
+        if HAVE_NUMBA:  # the hooks in ``A[U]`` are numba's first-class functions, "experimental"
+            from numba.core.errors import NumbaExperimentalFeatureWarning
+
+            warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
+        _replay(sim)
+
+
+def _replay(sim: Any) -> None:
+    _, prefetchers, misses = _policy_codes()
     wl, model = sim.wl, sim.model
     num_l = model.num_layers
     div = model.num_experts * sim.num_prec
@@ -1956,7 +2077,8 @@ def replay(sim: Any) -> None:
     streamed = sim.pieces is not None
     # a layer's distinct experts (a piece's largest is not the trace's: the bound when in pieces)
     maxn = model.num_experts if streamed else int(np.diff(wl.off).max(initial=0))
-    ev = evictions[type(sim.eviction)]
+    ev = _eviction_code(sim.eviction)
+    assert ev is not None, "kernel_form"
     pf = prefetchers[type(sim.prefetch)]
     pool = num_keys + maxn + 16
     pend_max = num_keys + 16
@@ -1969,7 +2091,8 @@ def replay(sim: Any) -> None:
     IS, FS = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
                      max(1, max_rows), sim.num_prec)
     _configure(sim, IS, FS, ev, pf, miss, max_runs)
-    DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS)
+    hooks = _hooks(sim.eviction)
+    DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks)
     pinned = [int(k) for k in sim.prefetch.pinned()]
     if pinned:
         _preload(np.asarray(pinned, np.int64), IS, FS, DI, DF, A)
@@ -2017,8 +2140,10 @@ def replay(sim: Any) -> None:
         del DI, A, DF, M, nonexp
         wl = nxt
         sim.bind_piece(wl)
-        DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS)
+        DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks)
     _finish(IS, FS, DI, DF, A)
+    if hasattr(replay_passes, "forget"):  # not under NUMBA_DISABLE_JIT
+        replay_passes.forget()
     sim.copy.busy_time = float(FS[SF_BUSY])
     sim.copy.bytes_moved = int(IS[S_BYTES])
     sim.cache.max_used = int(IS[S_MAXUSED])

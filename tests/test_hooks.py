@@ -1,0 +1,358 @@
+"""Eviction policies written as hooks (:mod:`moesim.policies.hooks`): one definition that the
+SimPy path calls as plain Python and the kernel calls compiled.
+
+References, independent of the hook machinery: the built-in policies whose decisions a hook
+policy restates (LFU's counts, FLD's layer distance, score's gate weights: each built-in has
+its own SimPy class), and the README's former MRU plugin (an ``OrderedDict``). Each hook
+policy must give the built-in's per-pass rows bit for bit on both replay paths."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moesim.policies.eviction import REGISTRY, EvictionPolicy
+from moesim.policies.hooks import CLOCK_KEYS_PER_LAYER, CLOCK_LAYER, CLOCK_TICK, HookEviction
+from moesim.simulator.engine import Simulation
+from moesim.traces.synth import synth_from_preset
+from tests.helpers import scenario
+
+
+class HookLFU(HookEviction):
+    """LFU as hooks: a count per key that survives eviction (a key's priority is its own count,
+    so it is kept between victim searches)."""
+
+    int_fields = ("count",)
+    stable_priority = True
+
+    @staticmethod
+    def insert(key, demand, weight, clock, si, sf):
+        if demand:
+            si[key, 0] += 1
+
+    @staticmethod
+    def access(key, weight, clock, si, sf):
+        si[key, 0] += 1
+
+    @staticmethod
+    def priority(key, clock, si, sf):
+        return float(si[key, 0])
+
+
+class AskedLFU(HookLFU):
+    """The same LFU, its priority asked of every candidate at every victim search."""
+
+    stable_priority = False
+
+
+class HookFLD(HookEviction):
+    """Farthest layer distance as hooks: ties by the stamp, i.e. least recent use."""
+
+    @staticmethod
+    def priority(key, clock, si, sf):
+        return -float(abs(key // clock[CLOCK_KEYS_PER_LAYER] - clock[CLOCK_LAYER]))
+
+
+class KeptFLD(HookFLD):
+    """FLD with its priority declared stable, wrongly (it reads the clock's layer): kept from
+    each key's last insert or use."""
+
+    stable_priority = True
+
+
+class HookScore(HookEviction):
+    """Score eviction (no decay) as hooks: the gate weight summed over uses."""
+
+    float_fields = ("score",)
+
+    @staticmethod
+    def insert(key, demand, weight, clock, si, sf):
+        sf[key, 0] += weight
+
+    @staticmethod
+    def access(key, weight, clock, si, sf):
+        sf[key, 0] += weight
+
+    @staticmethod
+    def priority(key, clock, si, sf):
+        return sf[key, 0]
+
+
+class HookMRU(HookEviction):
+    """Most recently used first: the README's example."""
+
+    int_fields = ("last_use",)
+
+    @staticmethod
+    def insert(key, demand, weight, clock, si, sf):
+        si[key, 0] = clock[CLOCK_TICK]
+
+    @staticmethod
+    def access(key, weight, clock, si, sf):
+        si[key, 0] = clock[CLOCK_TICK]
+
+    @staticmethod
+    def priority(key, clock, si, sf):
+        return -float(si[key, 0])
+
+
+class DictMRU(EvictionPolicy):
+    """The README's MRU plugin before hooks, an independent reference (SimPy path only)."""
+
+    def __init__(self, params: Any, ctx: Any) -> None:
+        super().__init__(params, ctx)
+        self.order: OrderedDict[int, None] = OrderedDict()
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        self.order[key] = None
+
+    def on_access(self, key: int) -> None:
+        self.order.move_to_end(key)
+
+    def on_remove(self, key: int) -> None:
+        del self.order[key]
+
+    def candidates(self) -> Iterator[int]:
+        return reversed(self.order)
+
+
+class Mixed(HookEviction):
+    """Every hook and both state arrays: uses, gate mass and removals mixed into one priority
+    (for the property test; not a sensible policy)."""
+
+    int_fields = ("uses", "removed")
+    float_fields = ("mass",)
+
+    @staticmethod
+    def insert(key, demand, weight, clock, si, sf):
+        si[key, 0] += 2 if demand else 1
+        sf[key, 0] += weight
+
+    @staticmethod
+    def access(key, weight, clock, si, sf):
+        si[key, 0] += 1
+        sf[key, 0] = 0.5 * sf[key, 0] + weight
+
+    @staticmethod
+    def remove(key, clock, si, sf):
+        si[key, 1] += 1
+
+    @staticmethod
+    def priority(key, clock, si, sf):
+        return float((si[key, 0] + 3 * si[key, 1]) % 5) + sf[key, 0]
+
+
+class KeptMixed(Mixed):
+    stable_priority = True
+
+
+class NotNumeric(HookEviction):
+    """A priority numba cannot compile (a Python dict)."""
+
+    @staticmethod
+    def priority(key, clock, si, sf):
+        return float({"a": key}.get("a", 0))
+
+
+HOOKED = {"hook-lfu": HookLFU, "asked-lfu": AskedLFU, "hook-fld": HookFLD, "kept-fld": KeptFLD, "kept-mixed": KeptMixed, "hook-score": HookScore, "hook-mru": HookMRU,
+          "dict-mru": DictMRU, "hook-mixed": Mixed, "not-numeric": NotNumeric}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    for name, cls in HOOKED.items():
+        REGISTRY.register(name)(cls)
+    yield
+    for name in HOOKED:
+        del REGISTRY._classes[name]
+
+
+@pytest.fixture(scope="module")
+def olmoe():
+    """An OLMoE-shaped trace (16 layers, 64 experts, top-8) with next-layer predictions and
+    router probabilities."""
+    return synth_from_preset("olmoe-1b-7b", requests=4, prompt_tokens=8, tokens=16, seed=5, pred_next=True,
+                             probs=True)
+
+
+def run(sc: Any, trace: Any, monkeypatch: pytest.MonkeyPatch, simpy: bool) -> Any:
+    if simpy:
+        monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+    else:
+        monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    result = Simulation(sc, trace=trace).run()
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    assert result.summary["replay_path"] == ("simpy" if simpy else "kernel"), result.summary["replay_path_reason"]
+    return result
+
+
+def same_rows(a: Any, b: Any) -> None:
+    pd.testing.assert_frame_equal(a.steps, b.steps, check_exact=True)
+    pd.testing.assert_frame_equal(a.requests, b.requests, check_exact=True)
+
+
+@pytest.mark.parametrize(("hooked", "builtin"), [("hook-lfu", "lfu"), ("asked-lfu", "lfu"), ("hook-fld", "fld"),
+                                                 ("hook-score", "score")])
+@pytest.mark.parametrize(("prefetch", "mode"), [("none", "layer"), ("oracle", "per-expert"),
+                                                ("score-percentile", "on-arrival"), ("static-pin", "layer"),
+                                                ("lookahead", "per-expert")])
+def test_a_hook_policy_gives_the_builtin_rows_on_both_paths(olmoe, monkeypatch, hooked, builtin, prefetch, mode):
+    """The built-in's SimPy class is the reference; the hook policy on the kernel and on the
+    SimPy path give its per-pass and per-request rows exactly."""
+    def sc(ev: str) -> Any:
+        return scenario(policies={"eviction": ev, "prefetch": prefetch}, expert_compute=mode,
+                        cache={"capacity": "12%"}, workload={"batch_size": 2})
+
+    ref = run(sc(builtin), olmoe, monkeypatch, simpy=True)
+    assert ref.summary["misses"] > 0
+    assert ref.summary["hits"] > 0
+    same_rows(run(sc(hooked), olmoe, monkeypatch, simpy=False), ref)
+    same_rows(run(sc(hooked), olmoe, monkeypatch, simpy=True), ref)
+
+
+@pytest.mark.parametrize("miss", ["drop", "substitute", "speculative", "fetch-lowest-bit"])
+def test_the_gate_weight_a_hook_sees_under_a_per_token_miss_policy(olmoe, monkeypatch, miss):
+    """A per-token miss policy runs experts the layer did not route (their weight is 0) and
+    caches other precisions; the weights handed to the hooks are the built-in score's."""
+    policy: Any = {"name": miss, "precisions": ["bf16", "int4"]} if miss == "fetch-lowest-bit" else miss
+
+    def sc(ev: str) -> Any:
+        return scenario(policies={"prefetch": "next-gate-topk", "miss": policy, "eviction": ev},
+                        cache={"capacity": "8%"})
+
+    ref = run(sc("score"), olmoe, monkeypatch, simpy=True)
+    same_rows(run(sc("hook-score"), olmoe, monkeypatch, simpy=False), ref)
+    same_rows(run(sc("hook-score"), olmoe, monkeypatch, simpy=True), ref)
+
+
+def test_the_readme_mru_as_hooks_is_the_ordered_dict_mru(olmoe, monkeypatch):
+    """``clock[CLOCK_TICK]`` stamps each insert and use in order: the most recent one is the
+    last of an ``OrderedDict`` kept in use order."""
+    def sc(ev: str) -> Any:
+        return scenario(policies={"eviction": ev, "prefetch": "previous-token"}, cache={"capacity": "5%"})
+
+    ref = run(sc("dict-mru"), olmoe, monkeypatch, simpy=True)
+    lru = run(sc("lru"), olmoe, monkeypatch, simpy=True)
+    assert ref.summary["misses"] != lru.summary["misses"]  # a different policy shows
+    same_rows(run(sc("hook-mru"), olmoe, monkeypatch, simpy=False), ref)
+    same_rows(run(sc("hook-mru"), olmoe, monkeypatch, simpy=True), ref)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cap=st.integers(2, 40), mode=st.sampled_from(["layer", "on-arrival", "per-expert"]),
+       prefetch=st.sampled_from(["none", "oracle", "previous-token", "next-gate-topk"]),
+       miss=st.sampled_from(["fetch", "drop", "speculative"]), timing=st.booleans(),
+       policy=st.sampled_from(["hook-mixed", "kept-mixed"]))
+def test_every_hook_on_the_kernel_equals_its_simpy_run(olmoe, monkeypatch, cap, mode, prefetch, miss, timing, policy):
+    sc = scenario(policies={"eviction": policy, "prefetch": prefetch, "miss": miss}, expert_compute=mode,
+                  timing=timing, cache={"capacity": f"{cap} experts"})
+    same_rows(run(sc, olmoe, monkeypatch, simpy=False), run(sc, olmoe, monkeypatch, simpy=True))
+
+
+def test_a_kept_priority_is_the_one_computed_after_the_keys_last_hook(olmoe, monkeypatch):
+    """``stable_priority`` is honoured alike on both paths: an FLD that declares it (wrongly:
+    its priority reads the clock) keeps each key's distance from its last insert or use, and
+    no longer evicts as FLD does."""
+    def sc(ev: str) -> Any:
+        return scenario(policies={"eviction": ev}, cache={"capacity": "12%"})
+
+    kept = run(sc("kept-fld"), olmoe, monkeypatch, simpy=True)
+    assert kept.summary["misses"] != run(sc("fld"), olmoe, monkeypatch, simpy=True).summary["misses"]
+    same_rows(run(sc("kept-fld"), olmoe, monkeypatch, simpy=False), kept)
+
+
+def test_a_hook_state_after_the_replay_is_the_same_on_both_paths(olmoe, monkeypatch):
+    sc = scenario(policies={"eviction": "hook-mixed"}, cache={"capacity": "5%"})
+    states = []
+    for simpy in (False, True):
+        monkeypatch.setenv("MOESIM_NO_KERNEL", "1" if simpy else "0")
+        sim = Simulation(sc, trace=olmoe)
+        sim.run()
+        states.append((sim.eviction.si.copy(), sim.eviction.sf.copy()))
+    assert states[0][0].any()
+    assert states[0][1].any()
+    assert (states[0][0] == states[1][0]).all()
+    assert (states[0][1] == states[1][1]).all()
+
+
+def test_hooks_that_do_not_compile_run_on_the_simpy_path_and_say_why(olmoe, monkeypatch):
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    s = Simulation(scenario(policies={"eviction": "not-numeric"}), trace=olmoe).run().summary
+    assert s["replay_path"] == "simpy"
+    assert s["replay_path_reason"].startswith(
+        "eviction policy 'not-numeric': its priority hook does not compile with numba (")
+
+
+def test_a_plain_eviction_policy_still_runs_on_the_simpy_path(olmoe, monkeypatch):
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    s = Simulation(scenario(policies={"eviction": "dict-mru"}), trace=olmoe).run().summary
+    assert (s["replay_path"], s["replay_path_reason"]) == ("simpy", "eviction policy 'dict-mru' has no kernel form")
+
+
+def test_a_hook_policy_must_define_its_priority():
+    from moesim.errors import MoesimError
+
+    class NoPriority(HookEviction):
+        @staticmethod
+        def access(key, weight, clock, si, sf):
+            pass
+
+    with pytest.raises(MoesimError, match="does not define priority"):
+        REGISTRY.register("no-priority")(NoPriority)
+
+
+def test_hooks_run_as_plain_python_in_the_kernel_without_numba(tmp_path):
+    """Under ``NUMBA_DISABLE_JIT=1`` the kernel's source and the hooks run as plain Python
+    and give the compiled run's rows."""
+    code = (
+        "import sys; sys.path.insert(0, '.')\n"
+        "from tests.test_hooks import HOOKED\n"
+        "from moesim.policies.eviction import REGISTRY\n"
+        "REGISTRY.register('hook-mixed')(HOOKED['hook-mixed'])\n"
+        "from moesim.simulator.engine import Simulation\n"
+        "from moesim.traces.synth import generate\n"
+        "from tests.helpers import scenario, small_model\n"
+        "tr = generate(small_model(3, 8, 2), requests=2, tokens=10, seed=2)\n"
+        "r = Simulation(scenario(policies={'eviction': 'hook-mixed'}, cache={'capacity': '5 experts'}), trace=tr).run()\n"
+        "assert r.summary['replay_path'] == 'kernel', r.summary\n"
+        f"r.steps.to_parquet({str(tmp_path / '{}.parquet')!r}.format(sys.argv[1]))\n")
+    import os
+
+    for name, off in (("plain", "1"), ("compiled", "0")):
+        env = {**os.environ, "NUMBA_DISABLE_JIT": off}
+        subprocess.run([sys.executable, "-c", code, name], check=True, env=env, cwd=os.getcwd())
+    a, b = (pd.read_parquet(tmp_path / f"{n}.parquet") for n in ("plain", "compiled"))
+    assert a["misses"].sum() > 0
+    pd.testing.assert_frame_equal(a, b, check_exact=True)
+
+
+def test_moesim_run_says_in_a_line_why_a_plugin_runs_on_the_simpy_path(tmp_path, monkeypatch):
+    plugin = tmp_path / "slow.py"
+    plugin.write_text(
+        "from moesim.policies.eviction import REGISTRY\n"
+        "from moesim.policies.hooks import HookEviction\n\n\n"
+        "@REGISTRY.register('by-name')\n"
+        "class ByName(HookEviction):\n"
+        "    @staticmethod\n"
+        "    def priority(key, clock, si, sf): return float({'a': key}.get('a', 0))\n")
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    r = subprocess.run([sys.executable, "-m", "moesim", "run", "quickstart", "--plugin", str(plugin), "--set",
+                        "policies.eviction=by-name", "--set", "workload.trace.synth.tokens=8", "--no-write", "--json"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    note = [ln for ln in r.stderr.splitlines() if ln.startswith("note: replayed on the SimPy path")]
+    assert len(note) == 1, r.stderr
+    assert "eviction policy 'by-name': its priority hook does not compile with numba (" in note[0]
+    assert json.loads(r.stdout)["replay_path"] == "simpy"
+    r = subprocess.run([sys.executable, "-m", "moesim", "run", "quickstart", "--set", "workload.trace.synth.tokens=8",
+                        "--no-write", "--json"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert "SimPy path" not in r.stderr  # the kernel ran: nothing to say
