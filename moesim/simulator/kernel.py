@@ -77,7 +77,7 @@ from moesim.simulator.workload import join, passes_of
 EV_LRU, EV_FIFO, EV_LFU, EV_FLD, EV_SCORE, EV_LS, EV_BELADY, EV_LHU, EV_HOOK = range(9)
 # a hook policy's compiled hooks (each in a tuple of one) and state in ``A[U]`` (:mod:`policies.hooks`)
 U = 5
-U_INSERT, U_ACCESS, U_REMOVE, U_PRIORITY, U_CLOCK, U_SI, U_SF = range(7)
+U_INSERT, U_ACCESS, U_REMOVE, U_PRIORITY, U_PRIORITIES, U_CLOCK, U_SI, U_SF, U_KEYS, U_PRIOS = range(10)
 # prefetch proposal sources
 PF_NONE, PF_ORACLE, PF_PREV, PF_LOOKAHEAD, PF_ARRAY = range(5)
 MODE_LAYER, MODE_ARRIVAL, MODE_PER_EXPERT = range(3)
@@ -494,20 +494,31 @@ def _keep_priority(key, IS, FS, A):
 
 @_jit
 def _hook_victim(pin_gen, adm_layer, IS, FS, A):
-    """A hook policy's victim: the eligible key of lowest priority (kept, or asked now), ties
-    to the oldest stamp."""
-    _set_clock(IS, A)
-    clock, si, sf, priority = A[U][U_CLOCK], A[U][U_SI], A[U][U_SF], A[U][U_PRIORITY]
-    stable = IS[C_STABLE]
+    """A hook policy's victim: the eligible key of lowest priority (kept, or asked now of every
+    eligible key in one call), ties to the oldest stamp."""
     best, bf, bs = -1, 0.0, 0
+    if IS[C_STABLE]:
+        for j in range(IS[S_MEMBN]):
+            key = IS[IS[H_MEMB] + j]
+            if not _eligible(key, pin_gen, adm_layer, IS):
+                continue
+            f, s = FS[IS[H_KF] + key * F_NKF + F_PRIO], IS[IS[H_KI] + key * K_NKI + K_STAMP]
+            if best == -1 or f < bf or (f == bf and s < bs):
+                best, bf, bs = key, f, s
+        return best
+    keys, prios = A[U][U_KEYS], A[U][U_PRIOS]
+    n = 0
     for j in range(IS[S_MEMBN]):
         key = IS[IS[H_MEMB] + j]
-        if not _eligible(key, pin_gen, adm_layer, IS):
-            continue
-        f = FS[IS[H_KF] + key * F_NKF + F_PRIO] if stable else priority[0](key, clock, si, sf)
-        s = IS[IS[H_KI] + key * K_NKI + K_STAMP]
+        if _eligible(key, pin_gen, adm_layer, IS):
+            keys[n] = key
+            n += 1
+    _set_clock(IS, A)
+    A[U][U_PRIORITIES][0](keys, n, prios, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
+    for j in range(n):
+        f, s = prios[j], IS[IS[H_KI] + keys[j] * K_NKI + K_STAMP]
         if best == -1 or f < bf or (f == bf and s < bs):
-            best, bf, bs = key, f, s
+            best, bf, bs = keys[j], f, s
     return best
 
 
@@ -1767,7 +1778,9 @@ def _hooks(policy: Any) -> tuple[Any, ...]:
 
     fns: Any
     if _is_hooked(policy):
-        fns, state = hooks.compiled(type(policy)), (policy.clock, policy.si, policy.sf)
+        n = len(policy.si)
+        fns, state = hooks.compiled(type(policy)), (policy.clock, policy.si, policy.sf, np.zeros(n, np.int64),
+                                                    np.zeros(n))
     else:
         fns, state = hooks.no_hooks(), _NO_STATE
     # each in a tuple of one, which numba types as a first-class function (a function's
@@ -1775,7 +1788,7 @@ def _hooks(policy: Any) -> tuple[Any, ...]:
     return (*((f,) for f in fns), *state)
 
 
-_NO_STATE = (np.zeros(7, np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1)))
+_NO_STATE = (np.zeros(7, np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1)), np.zeros(1, np.int64), np.zeros(1))
 CHUNK = 256  # passes per kernel call (progress is reported between calls)
 # forward passes whose per-pass rows a replay in pieces hands over at a time (_hand_over): from
 # the second block on they go to disk (``output.results.PassRows``)
