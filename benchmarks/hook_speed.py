@@ -3,9 +3,11 @@ measured in one run (not a test).
 
 Issue 34 asks a user's compiled policy to replay at >= 0.5x the speed of a built-in policy of
 the same shape. The hook policies here restate built-ins exactly (``tests/test_hooks.py``
-checks their rows are the built-ins'): LFU (a count per key, the lowest evicted; its priority
-kept between victim searches, ``stable_priority``, and asked of every candidate at each search)
-and FLD (the farthest layer from the current one: asked at each search, as it reads the clock). Each pair replays the quickstart scenario's model
+checks their rows are the built-ins'): eviction LFU (a count per key, the lowest evicted; its
+priority kept between victim searches, ``stable_priority``, and asked of every candidate at each
+search) and FLD (the farthest layer from the current one: asked at each search, as it reads the
+clock); prefetch oracle (the next layer's true experts) and previous-token, with LRU (the
+built-ins are the kernel's own loops, the hooks' proposals come as arrays). Each pair replays the quickstart scenario's model
 (OLMoE-1B-7B shape: 16 layers x 64 experts, top-8) at 5% capacity, full timing, on the
 compiled kernel, from a trace in memory; the replays alternate (built-in, hook, built-in, ...)
 and the median of each is reported, as expert accesses per second of ``Simulation.run``.
@@ -35,14 +37,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def register_hooks() -> dict[str, str]:
-    """Register the tests' hook LFU and FLD; returns hook name -> the built-in it restates."""
-    from moesim.policies.eviction import REGISTRY
-    from tests.test_hooks import AskedLFU, HookFLD, HookLFU
+    """Register the tests' hook policies; returns hook policy -> the built-in it restates, each
+    as ``family=name``."""
+    from moesim.policies import eviction, prefetch
+    from tests.test_hooks import AskedLFU, HookFLD, HookLFU, HookOracle, HookPreviousToken
 
-    REGISTRY.register("hook-lfu")(HookLFU)
-    REGISTRY.register("asked-lfu")(AskedLFU)
-    REGISTRY.register("hook-fld")(HookFLD)
-    return {"hook-lfu": "lfu", "asked-lfu": "lfu", "hook-fld": "fld"}
+    for name, cls in (("hook-lfu", HookLFU), ("asked-lfu", AskedLFU), ("hook-fld", HookFLD)):
+        eviction.REGISTRY.register(name)(cls)
+    for name, cls in (("hook-oracle", HookOracle), ("hook-previous-token", HookPreviousToken)):
+        prefetch.REGISTRY.register(name)(cls)
+    return {"eviction=hook-lfu": "eviction=lfu", "eviction=asked-lfu": "eviction=lfu",
+            "eviction=hook-fld": "eviction=fld", "prefetch=hook-oracle": "prefetch=oracle",
+            "prefetch=hook-previous-token": "prefetch=previous-token"}
 
 
 def replay(sc: Any, trace: Any) -> tuple[float, int, int]:
@@ -58,7 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2500, help="decode tokens per request (10 requests)")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--policies", default=None, help="built-in policies only, comma-separated")
+    ap.add_argument("--policies", default=None, help="built-in eviction policies only, comma-separated")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from moesim.simulator.build import load_trace
@@ -67,12 +73,12 @@ def main() -> None:
             f"workload.trace.synth.tokens={args.tokens}", "cache.capacity=5%"]
     base = load_scenario("quickstart", sets)
     trace = load_trace(base)
-    pairs = {p: p for p in args.policies.split(",")} if args.policies else register_hooks()
+    pairs = ({f"eviction={p}": f"eviction={p}" for p in args.policies.split(",")} if args.policies
+             else register_hooks())
     names = list(dict.fromkeys([n for h, b in pairs.items() for n in (b, h)]))
-    scs = {n: load_scenario("quickstart", [*sets, f"policies.eviction={n}"]) for n in names}
+    scs = {n: load_scenario("quickstart", [*sets, f"policies.{n}"]) for n in names}
     for n in names:  # compile / load the kernel, compile the hooks
-        replay(load_scenario("quickstart", [*sets[:2], "workload.trace.synth.tokens=4",
-                                            f"policies.eviction={n}"]), None)
+        replay(load_scenario("quickstart", [*sets[:2], "workload.trace.synth.tokens=4", f"policies.{n}"]), None)
     times: dict[str, list[float]] = {n: [] for n in names}
     seen: dict[str, tuple[int, int]] = {}
     for r in range(args.repeat):

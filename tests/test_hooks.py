@@ -15,13 +15,32 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+import numba
 import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from moesim.policies import prefetch as prefetch_family
 from moesim.policies.eviction import REGISTRY, EvictionPolicy
-from moesim.policies.hooks import CLOCK_KEYS_PER_LAYER, CLOCK_LAYER, CLOCK_TICK, HookEviction
+from moesim.policies.hooks import (
+    CLOCK_KEYS_PER_LAYER,
+    CLOCK_LAYER,
+    CLOCK_TICK,
+    INFO_EXPERTS,
+    INFO_LAYERS,
+    INFO_PRECISION,
+    INFO_PRECISIONS,
+    T_EXPERT,
+    T_GROUP,
+    T_INFO,
+    T_OFF,
+    T_PRED,
+    T_ROW_OFF,
+    T_ROW_ORDER,
+    HookEviction,
+    HookPrefetch,
+)
 from moesim.simulator.engine import Simulation
 from moesim.traces.synth import synth_from_preset
 from tests.helpers import scenario
@@ -129,18 +148,20 @@ class Mixed(HookEviction):
     """Every hook and both state arrays: uses, gate mass and removals mixed into one priority
     (for the property test; not a sensible policy)."""
 
-    int_fields = ("uses", "removed")
+    int_fields = ("uses", "removed", "tick")
     float_fields = ("mass",)
 
     @staticmethod
     def insert(key, demand, weight, clock, si, sf):
         si[key, 0] += 2 if demand else 1
         sf[key, 0] += weight
+        si[key, 2] = clock[CLOCK_TICK]
 
     @staticmethod
     def access(key, weight, clock, si, sf):
         si[key, 0] += 1
         sf[key, 0] = 0.5 * sf[key, 0] + weight
+        si[key, 2] = clock[CLOCK_TICK]
 
     @staticmethod
     def remove(key, clock, si, sf):
@@ -163,6 +184,118 @@ class NotNumeric(HookEviction):
         return float({"a": key}.get("a", 0))
 
 
+@numba.njit
+def next_layer_keys(p, layer, trace, out):
+    """The keys of the experts that layer ``layer + 1`` of pass ``p`` uses, in access order (a
+    helper a hook calls: it is compiled too)."""
+    info = trace[T_INFO]
+    num_l, num_e = info[INFO_LAYERS], info[INFO_EXPERTS]
+    if layer + 1 >= num_l:
+        return 0
+    off, b = trace[T_OFF], p * num_l + layer + 1
+    for j in range(off[b], off[b + 1]):
+        out[j - off[b]] = ((layer + 1) * num_e + trace[T_EXPERT][j]) * info[INFO_PRECISIONS] + info[INFO_PRECISION]
+    return off[b + 1] - off[b]
+
+
+class HookOracle(HookPrefetch):
+    """The true experts of the next layer, in access order (the built-in ``oracle``)."""
+
+    @staticmethod
+    def select(p, layer, trace, out):
+        return next_layer_keys(p, layer, trace, out)
+
+
+class HookPreviousToken(HookPrefetch):
+    """The next layer's experts of the previous token of the same batch (the built-in
+    ``previous-token``)."""
+
+    @staticmethod
+    def select(p, layer, trace, out):
+        group = trace[T_GROUP]
+        if p == 0 or group[p - 1] != group[p]:
+            return 0
+        return next_layer_keys(p - 1, layer, trace, out)
+
+
+class PredictedTop(HookPrefetch):
+    """The 3 experts of the next layer with the largest predicted probability for the pass's
+    first token (reads the predictions; for the property test)."""
+
+    @staticmethod
+    def select(p, layer, trace, out):
+        info = trace[T_INFO]
+        num_l, num_e = info[INFO_LAYERS], info[INFO_EXPERTS]
+        r0, r1 = trace[T_ROW_OFF][p * num_l + layer], trace[T_ROW_OFF][p * num_l + layer + 1]
+        if layer + 1 >= num_l or r0 == r1:
+            return 0
+        pred = trace[T_PRED][trace[T_ROW_ORDER][r0]]
+        n = 0
+        for _ in range(3):
+            best = -1
+            for e in range(num_e):
+                taken = False
+                for j in range(n):
+                    taken = taken or out[j] == ((layer + 1) * num_e + e) * info[INFO_PRECISIONS] + info[INFO_PRECISION]
+                if not taken and (best == -1 or pred[e] > pred[best]):
+                    best = e
+            out[n] = ((layer + 1) * num_e + best) * info[INFO_PRECISIONS] + info[INFO_PRECISION]
+            n += 1
+        return n
+
+
+class NextLayer(HookPrefetch):
+    """Every expert of the next layer, the last first: more keys than the proposals' first
+    allocation holds (``top_k`` a (pass, layer)), so it grows."""
+
+    @staticmethod
+    def select(p, layer, trace, out):
+        info = trace[T_INFO]
+        num_l, num_e = info[INFO_LAYERS], info[INFO_EXPERTS]
+        if layer + 1 >= num_l:
+            return 0
+        for e in range(num_e):
+            out[e] = ((layer + 1) * num_e + num_e - 1 - e) * info[INFO_PRECISIONS] + info[INFO_PRECISION]
+        return num_e
+
+
+class OutOfRange(HookPrefetch):
+    """Proposes a key that is not one (at pass 3, layer 1): -5, or the number of keys."""
+
+    @staticmethod
+    def select(p, layer, trace, out):
+        if p == 3 and layer == 1:
+            out[0] = -5
+            return 1
+        return 0
+
+
+class OneTooFar(HookPrefetch):
+    @staticmethod
+    def select(p, layer, trace, out):
+        if p == 3 and layer == 1:
+            out[0] = out.shape[0]
+            return 1
+        return 0
+
+
+class TooMany(HookPrefetch):
+    @staticmethod
+    def select(p, layer, trace, out):
+        return out.shape[0] + 1 if p == 3 and layer == 1 else 0
+
+
+class NotNumericSelect(HookPrefetch):
+    """The oracle, with a Python object numba cannot type."""
+
+    @staticmethod
+    def select(p, layer, trace, out):
+        return next_layer_keys(p, layer, trace, out) + 0 * len(object().__class__.__name__)
+
+
+PREFETCHERS = {"hook-oracle": HookOracle, "hook-previous-token": HookPreviousToken, "predicted-top": PredictedTop,
+               "out-of-range": OutOfRange, "one-too-far": OneTooFar, "too-many": TooMany,
+               "not-numeric-select": NotNumericSelect, "next-layer": NextLayer}
 HOOKED = {"hook-lfu": HookLFU, "asked-lfu": AskedLFU, "hook-fld": HookFLD, "kept-fld": KeptFLD, "kept-mixed": KeptMixed, "hook-score": HookScore, "hook-mru": HookMRU,
           "dict-mru": DictMRU, "hook-mixed": Mixed, "not-numeric": NotNumeric}
 
@@ -171,9 +304,13 @@ HOOKED = {"hook-lfu": HookLFU, "asked-lfu": AskedLFU, "hook-fld": HookFLD, "kept
 def _registered():
     for name, cls in HOOKED.items():
         REGISTRY.register(name)(cls)
+    for name, cls in PREFETCHERS.items():
+        prefetch_family.REGISTRY.register(name)(cls)
     yield
     for name in HOOKED:
         del REGISTRY._classes[name]
+    for name in PREFETCHERS:
+        del prefetch_family.REGISTRY._classes[name]
 
 
 @pytest.fixture(scope="module")
@@ -311,19 +448,22 @@ def test_a_hook_policy_must_define_its_priority():
 
 
 def test_hooks_run_as_plain_python_in_the_kernel_without_numba(tmp_path):
-    """Under ``NUMBA_DISABLE_JIT=1`` the kernel's source and the hooks run as plain Python
-    and give the compiled run's rows."""
+    """Under ``NUMBA_DISABLE_JIT=1`` the kernel's source and the hooks (eviction and
+    prefetch) run as plain Python and give the compiled run's rows."""
     code = (
         "import sys; sys.path.insert(0, '.')\n"
-        "from tests.test_hooks import HOOKED\n"
-        "from moesim.policies.eviction import REGISTRY\n"
-        "REGISTRY.register('hook-mixed')(HOOKED['hook-mixed'])\n"
+        "from tests.test_hooks import HOOKED, PREFETCHERS\n"
+        "from moesim.policies import eviction, prefetch\n"
+        "eviction.REGISTRY.register('hook-mixed')(HOOKED['hook-mixed'])\n"
+        "prefetch.REGISTRY.register('predicted-top')(PREFETCHERS['predicted-top'])\n"
         "from moesim.simulator.engine import Simulation\n"
         "from moesim.traces.synth import generate\n"
         "from tests.helpers import scenario, small_model\n"
-        "tr = generate(small_model(3, 8, 2), requests=2, tokens=10, seed=2)\n"
-        "r = Simulation(scenario(policies={'eviction': 'hook-mixed'}, cache={'capacity': '5 experts'}), trace=tr).run()\n"
+        "tr = generate(small_model(3, 8, 2), requests=2, tokens=10, seed=2, pred_next=True)\n"
+        "sc = scenario(policies={'eviction': 'hook-mixed', 'prefetch': 'predicted-top'}, cache={'capacity': '5 experts'})\n"
+        "r = Simulation(sc, trace=tr).run()\n"
         "assert r.summary['replay_path'] == 'kernel', r.summary\n"
+        "assert r.summary['prefetches_issued'] > 0, r.summary\n"
         f"r.steps.to_parquet({str(tmp_path / '{}.parquet')!r}.format(sys.argv[1]))\n")
     import os
 
@@ -356,3 +496,54 @@ def test_moesim_run_says_in_a_line_why_a_plugin_runs_on_the_simpy_path(tmp_path,
     r = subprocess.run([sys.executable, "-m", "moesim", "run", "quickstart", "--set", "workload.trace.synth.tokens=8",
                         "--no-write", "--json"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert "SimPy path" not in r.stderr  # the kernel ran: nothing to say
+
+
+@pytest.mark.parametrize(("hooked", "builtin"), [("hook-oracle", "oracle"), ("hook-previous-token", "previous-token")])
+@pytest.mark.parametrize(("eviction", "mode", "timing"), [("lru", "layer", True), ("least-stale", "per-expert", True),
+                                                          ("lfu", "on-arrival", False), ("hook-lfu", "layer", True)])
+def test_a_prefetch_hook_gives_the_builtin_rows_on_both_paths(olmoe, monkeypatch, hooked, builtin, eviction, mode,
+                                                              timing):
+    def sc(pf: str) -> Any:
+        return scenario(policies={"eviction": eviction, "prefetch": pf}, expert_compute=mode, timing=timing,
+                        cache={"capacity": "10%"}, workload={"batch_size": 2})
+
+    ref = run(sc(builtin), olmoe, monkeypatch, simpy=True)
+    assert ref.summary["prefetches_issued"] > 0
+    same_rows(run(sc(hooked), olmoe, monkeypatch, simpy=False), ref)
+    same_rows(run(sc(hooked), olmoe, monkeypatch, simpy=True), ref)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cap=st.integers(2, 60), mode=st.sampled_from(["layer", "on-arrival", "per-expert"]),
+       eviction=st.sampled_from(["lru", "least-stale", "score"]), batch=st.sampled_from([1, 3]),
+       prefetch=st.sampled_from(["predicted-top", "next-layer"]))
+def test_a_prefetch_hook_on_the_kernel_equals_its_simpy_run(olmoe, monkeypatch, cap, mode, eviction, batch, prefetch):
+    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch}, expert_compute=mode,
+                  cache={"capacity": f"{cap} experts"}, workload={"batch_size": batch})
+    fast = run(sc, olmoe, monkeypatch, simpy=False)
+    assert fast.summary["prefetches_issued"] > 0
+    same_rows(fast, run(sc, olmoe, monkeypatch, simpy=True))
+
+
+@pytest.mark.parametrize("simpy", [False, True])
+@pytest.mark.parametrize(("policy", "says"), [
+    ("out-of-range", r"proposed -5, not a cache key \(0 to 4095\); a key is \(layer \* experts"),
+    ("one-too-far", r"proposed 4096, not a cache key \(0 to 4095\)"),
+    ("too-many", r"returned 4097, not a number of keys from 0 to 4096"),
+])
+def test_a_prefetch_hook_that_proposes_no_key_is_named_in_one_paragraph(olmoe, monkeypatch, simpy, policy, says):
+    from moesim.errors import MoesimError
+
+    sc = scenario(policies={"prefetch": policy})
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "1" if simpy else "0")
+    with pytest.raises(MoesimError, match=rf"prefetch policy '{policy}': select\(p=3, layer=1, \.\.\.\) {says}"):
+        Simulation(sc, trace=olmoe).run()
+
+
+def test_a_prefetch_hook_that_does_not_compile_runs_on_the_simpy_path(olmoe, monkeypatch):
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    s = Simulation(scenario(policies={"prefetch": "not-numeric-select"}), trace=olmoe).run().summary
+    assert s["replay_path"] == "simpy"
+    assert s["replay_path_reason"].startswith(
+        "prefetch policy 'not-numeric-select': its select hook does not compile with numba (")
+    assert s["prefetches_issued"] > 0

@@ -39,12 +39,14 @@ from __future__ import annotations
 import functools
 import warnings
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
+from moesim.jit import jit
 from moesim.policies.eviction import EvictionPolicy
+from moesim.policies.prefetch import PrefetchPolicy
 from moesim.policies.registry import PolicyContext
 
 CLOCK_PASS, CLOCK_LAYER, CLOCK_TICK, CLOCK_KEYS_PER_LAYER, CLOCK_PRECISIONS, CLOCK_LAYERS, CLOCK_SIZE = range(7)
@@ -256,3 +258,153 @@ def no_hooks() -> tuple[Any, ...]:
 
 class _NoHooks(HookEviction):
     priority = staticmethod(_no_priority)
+
+
+# -- prefetch ---------------------------------------------------------------------------------
+# the trace as a prefetch hook sees it: a tuple of arrays (``trace[T_OFF]`` ...)
+T_INFO, T_OFF, T_EXPERT, T_WEIGHT, T_GROUP, T_ROW_ORDER, T_ROW_OFF, T_PRED = range(8)
+# ``trace[T_INFO]``: the model's layers, experts and precisions, the scenario's precision index,
+# the trace's forward passes
+INFO_LAYERS, INFO_EXPERTS, INFO_PRECISIONS, INFO_PRECISION, INFO_PASSES = range(5)
+
+
+class HookPrefetch(PrefetchPolicy):
+    """A prefetch policy given as one hook, ``select(p, layer, trace, out) -> n``: at the
+    routing point of layer ``layer`` of forward pass ``p``, write the cache keys to prefetch,
+    most wanted first and each once, to ``out[:n]`` (``out`` holds every cache key) and return
+    ``n``. ``trace`` is a tuple of read-only arrays: ``trace[T_OFF]`` the offsets of each (pass,
+    layer)'s expert accesses (entry ``p * layers + layer``), ``trace[T_EXPERT]`` and
+    ``trace[T_WEIGHT]`` each access's expert and summed gate weight, ``trace[T_GROUP]`` each
+    pass's batch group (the previous token of pass ``p`` is pass ``p - 1`` when their groups
+    are equal), ``trace[T_ROW_ORDER]``/``trace[T_ROW_OFF]`` the trace rows (tokens) of each
+    (pass, layer), ``trace[T_PRED]`` their predicted next-layer router probabilities (a 1 x 1
+    zero array when the trace has no ``pred_next``), and ``trace[T_INFO]`` the layout
+    (``INFO_*``): the key of expert ``e`` of layer ``l`` is ``(l * experts + e) * precisions +
+    precision``.
+
+    Proposals read the trace alone (not the cache or the time), so the kernel takes them as
+    arrays made ahead (:meth:`PrefetchPolicy.proposals`, compiled: :func:`_drive`); the SimPy
+    path calls ``select`` as written at each routing point."""
+
+    @staticmethod
+    @abstractmethod
+    def select(p: int, layer: int, trace: tuple[np.ndarray, ...], out: np.ndarray) -> int:
+        """Write the keys to prefetch to ``out[:n]``; return ``n``."""
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        self._of: tuple[Any, tuple[np.ndarray, ...]] | None = None
+        self._out = np.zeros(ctx.num_layers * ctx.keys_per_layer, np.int64)
+
+    def trace_view(self) -> tuple[np.ndarray, ...]:
+        """The ``trace`` tuple of the workload being replayed (made once per workload)."""
+        wl = self.ctx.workload
+        if self._of is None or self._of[0] is not wl:
+            self._of = (wl, _view(self.ctx, wl))
+        return self._of[1]
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        out = self._out
+        n = type(self).select(pass_index, layer, self.trace_view(), out)
+        _check(self, n, out, pass_index, layer)
+        return out[:n].tolist()
+
+    def proposals(self, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
+        fn = compiled_prefetch(type(self))
+        assert isinstance(fn, tuple)
+        num_l = self.ctx.num_layers
+        groups = (last - first) * num_l
+        off = np.zeros(groups + 1, np.int64)
+        keys = np.empty(max(16, groups * self.ctx.top_k), np.int64)
+        g = used = 0
+        while g < groups:
+            g, used = _drive(first, num_l, g, used, groups, fn[0], self.trace_view(), off, keys, self._out)
+            if g < 0:  # group -g - 1's select returned a bad count (``used``) or key (in ``out``)
+                _check(self, used, self._out, first + (-g - 1) // num_l, (-g - 1) % num_l)
+                raise AssertionError("_drive and _check disagree")  # pragma: no cover
+            if g < groups:  # out of room: twice as much
+                keys = np.concatenate([keys, np.empty(len(keys), np.int64)])
+        return off, keys[:used]
+
+
+def _view(ctx: PolicyContext, wl: Any) -> tuple[np.ndarray, ...]:
+    info = np.array([ctx.num_layers, ctx.num_experts, len(ctx.precisions), ctx.default_precision,
+                     wl.num_passes], np.int64)
+    pred = wl.pred_next if wl.pred_next is not None else np.zeros((1, 1), np.float32)
+
+    def i64(a: Any) -> np.ndarray:
+        return np.ascontiguousarray(a if a is not None else np.zeros(1), np.int64)
+
+    return (info, i64(wl.off), i64(wl.acc_expert), np.ascontiguousarray(wl.acc_weight, np.float64),
+            i64(wl.pass_group), i64(wl.row_order), i64(wl.row_off), np.ascontiguousarray(pred, np.float32))
+
+
+def _check(policy: HookPrefetch, n: int, out: np.ndarray, p: int, layer: int) -> None:
+    """A select's result must be a count of keys within ``out``, each a cache key."""
+    from moesim.errors import MoesimError
+
+    where = f"prefetch policy '{policy.name}': select(p={p}, layer={layer}, ...)"
+    if not 0 <= n <= len(out):
+        raise MoesimError(f"{where} returned {n}, not a number of keys from 0 to {len(out)} (the cache keys); "
+                          "return how many keys it wrote to out.")
+    bad = out[:n][(out[:n] < 0) | (out[:n] >= len(out))]
+    if len(bad):
+        raise MoesimError(f"{where} proposed {int(bad[0])}, not a cache key (0 to {len(out) - 1}); a key is "
+                          "(layer * experts + expert) * precisions + precision (trace[T_INFO]).")
+
+
+@jit
+def _drive(first, num_l, g, used, groups, select, trace, off, keys, out):
+    """Proposals of (pass, layer) groups ``g ..`` of passes ``first ..`` (``groups`` in all):
+    each group's keys from ``select`` appended to ``keys``, offsets to ``off``. Returns
+    (the next group, keys used): short of ``groups`` when ``keys`` is full, or ``(-g - 1,
+    n)`` when group ``g``'s select returned a count ``n`` or key out of range (the caller names
+    it, with that count)."""
+    num_keys = out.shape[0]
+    while g < groups:
+        n = select(first + g // num_l, g % num_l, trace, out)
+        if n < 0 or n > num_keys:
+            return -g - 1, n
+        for j in range(n):
+            if out[j] < 0 or out[j] >= num_keys:
+                return -g - 1, n
+        if used + n > keys.shape[0]:
+            return g, used
+        for j in range(n):
+            keys[used + j] = out[j]
+        used += n
+        off[g + 1] = used
+        g += 1
+    return g, used
+
+
+@functools.cache
+def _select_signature() -> Any:
+    from numba.core import types
+
+    i64 = types.int64[::1]
+    trace = types.Tuple((i64, i64, i64, types.float64[::1], i64, i64, i64, types.float32[:, ::1]))
+    return types.int64(types.int64, types.int64, trace, i64)
+
+
+def compiled_prefetch(cls: type) -> tuple[Any, ...] | str:
+    """``(select,)`` compiled by numba as a C callback (a first-class function to
+    :func:`_drive`, called through its address: about 20 ns a (pass, layer), and numba types it
+    without the warning a dispatcher in a tuple raises), or why it does not compile (a line);
+    once per process."""
+    if cls not in _COMPILED:
+        _COMPILED[cls] = _compile_select(cls)
+    return _COMPILED[cls]
+
+
+def _compile_select(cls: type) -> tuple[Any, ...] | str:
+    from numba import cfunc, config
+
+    if getattr(config, "DISABLE_JIT", False):  # the kernel's source as plain Python: so is the hook
+        return (cls.select,)  # type: ignore[attr-defined]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return (cfunc(_select_signature())(cls.select),)  # type: ignore[attr-defined]
+    except Exception as exc:  # numba's typing and lowering errors have no common base
+        return f"its select hook does not compile with numba ({_first_line(exc)})"

@@ -1736,7 +1736,7 @@ def kernel_form(sim: Any) -> str | None:
         return "expert parallelism"
     if sim.routing.changes_routing or sim.budget.restricts:
         return "a routing or budget policy that changes what tokens compute"
-    _, prefetchers, misses = _policy_codes()
+    misses = _policy_codes()[2]
     if type(sim.miss) not in misses:
         return f"miss policy '{sim.scenario.policies.miss.name}' has no kernel form"
     if misses[type(sim.miss)] != MISS_FETCH and sim.model.top_k > 128:
@@ -1748,8 +1748,13 @@ def kernel_form(sim: Any) -> str | None:
 
             return f"eviction policy '{name}': {compiled(type(sim.eviction))}"
         return f"eviction policy '{name}' has no kernel form"
-    if type(sim.prefetch) not in prefetchers:
-        return f"prefetch policy '{sim.scenario.policies.prefetch.name}' has no kernel form"
+    if _prefetch_code(sim.prefetch) is None:
+        name = sim.scenario.policies.prefetch.name
+        from moesim.policies.hooks import HookPrefetch, compiled_prefetch
+
+        if isinstance(sim.prefetch, HookPrefetch):
+            return f"prefetch policy '{name}': {compiled_prefetch(type(sim.prefetch))}"
+        return f"prefetch policy '{name}' has no kernel form"
     return None
 
 
@@ -1768,6 +1773,18 @@ def _eviction_code(policy: Any) -> int | None:
     from moesim.policies.hooks import compiled
 
     return EV_HOOK if isinstance(compiled(type(policy)), tuple) else None
+
+
+def _prefetch_code(policy: Any) -> int | None:
+    """The kernel's code of a prefetch policy: a built-in's, ``PF_ARRAY`` for a hook policy
+    whose ``select`` compiles (its proposals come as arrays, :mod:`policies.hooks`), else None
+    (the SimPy path)."""
+    code = _policy_codes()[1].get(type(policy))
+    from moesim.policies.hooks import HookPrefetch, compiled_prefetch
+
+    if code is not None or not isinstance(policy, HookPrefetch):
+        return code
+    return PF_ARRAY if isinstance(compiled_prefetch(type(policy)), tuple) else None
 
 
 def _hooks(policy: Any) -> tuple[Any, ...]:
@@ -2082,7 +2099,7 @@ def replay(sim: Any) -> None:
 
 
 def _replay(sim: Any) -> None:
-    _, prefetchers, misses = _policy_codes()
+    misses = _policy_codes()[2]
     wl, model = sim.wl, sim.model
     num_l = model.num_layers
     div = model.num_experts * sim.num_prec
@@ -2092,7 +2109,8 @@ def _replay(sim: Any) -> None:
     maxn = model.num_experts if streamed else int(np.diff(wl.off).max(initial=0))
     ev = _eviction_code(sim.eviction)
     assert ev is not None, "kernel_form"
-    pf = prefetchers[type(sim.prefetch)]
+    pf = _prefetch_code(sim.prefetch)
+    assert pf is not None, "kernel_form"
     pool = num_keys + maxn + 16
     pend_max = num_keys + 16
     miss = misses[type(sim.miss)]
