@@ -407,8 +407,12 @@ def test_a_kept_priority_is_the_one_computed_after_the_keys_last_hook(olmoe, mon
     same_rows(run(sc("kept-fld"), olmoe, monkeypatch, simpy=False), kept)
 
 
-def test_a_hook_state_after_the_replay_is_the_same_on_both_paths(olmoe, monkeypatch):
-    sc = scenario(policies={"eviction": "hook-mixed"}, cache={"capacity": "5%"})
+@pytest.mark.parametrize("prefetch", ["none", "static-pin"])
+def test_a_hook_state_after_the_replay_is_the_same_on_both_paths(olmoe, monkeypatch, prefetch):
+    """Every hook's writes, the pinned experts' inserts before the replay among them (a
+    prefetch's insert has no weight: on the SimPy path the first layer's pinned experts would
+    otherwise get their first pass's)."""
+    sc = scenario(policies={"eviction": "hook-mixed", "prefetch": prefetch}, cache={"capacity": "5%"})
     states = []
     for simpy in (False, True):
         monkeypatch.setenv("MOESIM_NO_KERNEL", "1" if simpy else "0")
