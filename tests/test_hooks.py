@@ -551,3 +551,31 @@ def test_a_prefetch_hook_that_does_not_compile_runs_on_the_simpy_path(olmoe, mon
     assert s["replay_path_reason"].startswith(
         "prefetch policy 'not-numeric-select': its select hook does not compile with numba (")
     assert s["prefetches_issued"] > 0
+
+
+@pytest.mark.parametrize(("policy", "chunk"), [("hook-mixed", 300), ("hook-lfu", 384), ("kept-mixed", 200)])
+def test_a_hook_policy_replays_a_trace_file_in_pieces_as_it_replays_it_whole(olmoe, tmp_path, monkeypatch, policy,
+                                                                             chunk):
+    """A compiled hook policy reads no trace of its own, so a trace file goes through the
+    kernel a piece at a time (bounded memory), with the whole trace's rows and summary."""
+    from moesim.config.scenario import load_scenario
+    from moesim.simulator import kernel
+    from moesim.traces.io import write_trace
+
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    monkeypatch.setattr(kernel, "BLOCK_PASSES", 40)  # rows handed over (and spooled) in blocks too
+    path = write_trace(olmoe, tmp_path / "olmoe.parquet")
+    sc = load_scenario("quickstart", [f"workload.trace.path={path}", f"policies.eviction={policy}",
+                                      "workload.batch_size=1", "cache.capacity=5%"])
+    whole = Simulation(sc, trace=olmoe).run()
+    sim = Simulation(sc, chunk_rows=chunk)
+    assert sim.pieces is not None, sim.whole_reason
+    res = sim.run()
+    assert res.summary["trace_pieces"] >= 3
+    same_rows(res, whole)
+    assert {k: v for k, v in res.summary.items() if k not in ("wall_s", "trace_pieces")} == {
+        k: v for k, v in whole.summary.items() if k not in ("wall_s", "trace_pieces")}
+    s = Simulation(load_scenario("quickstart", [f"workload.trace.path={path}", "policies.eviction=not-numeric"]),
+                   chunk_rows=chunk)
+    assert s.pieces is None
+    assert s.whole_reason == "eviction policy 'not-numeric' reads the whole trace"

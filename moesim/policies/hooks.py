@@ -95,7 +95,16 @@ class HookEviction(EvictionPolicy):
                                                     len(ctx.precisions))
         self._stamp: dict[int, int] = {}  # cached key -> the tick of its last insert or access
         self._prio: dict[int, float] = {}  # cached key -> its kept priority (``stable_priority``)
-        self._keys = ctx.cache_keys(ctx.workload.keys()).tolist() if ctx.workload is not None else []
+        self._keys: list[int] | None = None  # the workload's accesses as cache keys (the SimPy path's)
+
+    def reset_state(self) -> None:
+        """Back to the state before any insert: zeroed ``si``, ``sf``, tick, stamps and kept
+        priorities (the kernel replays from there, in the same arrays)."""
+        self.si[:] = 0
+        self.sf[:] = 0
+        self.clock[CLOCK_PASS:CLOCK_TICK + 1] = 0
+        self._stamp.clear()
+        self._prio.clear()
 
     def _weight(self, key: int) -> float:
         """The gate weight of the current (pass, layer)'s access of ``key`` (0: none)."""
@@ -103,6 +112,8 @@ class HookEviction(EvictionPolicy):
 
         if self.ctx.workload is None:
             return 0.0
+        if self._keys is None:  # on first use: a replay on the kernel (perhaps in pieces) needs none
+            self._keys = self.ctx.cache_keys(self.ctx.workload.keys()).tolist()
         i = _access_index(self.ctx, self._keys, key)
         return 0.0 if i is None else float(self.ctx.workload.acc_weight[i])
 

@@ -1796,6 +1796,9 @@ def _hooks(policy: Any) -> tuple[Any, ...]:
     fns: Any
     if _is_hooked(policy):
         n = len(policy.si)
+        # the policy's arrays as they were before the SimPy side saw the pinned experts' inserts,
+        # which the kernel's _preload makes again
+        policy.reset_state()
         fns, state = hooks.compiled(type(policy)), (policy.clock, policy.si, policy.sf, np.zeros(n, np.int64),
                                                     np.zeros(n))
     else:

@@ -74,6 +74,17 @@ def _rows_of_plain_bytes(path: Path) -> int:
     return max(1, CHUNK_ROWS * plain // (plain + wide))
 
 
+def _compiled_hooks(name: str) -> bool:
+    """Whether eviction policy ``name`` is written as hooks that numba compiles: the kernel
+    replays it, and it reads no trace of its own (its hooks are handed each access's weight),
+    so it goes a piece at a time."""
+    from moesim.policies.eviction import REGISTRY
+    from moesim.policies.hooks import HookEviction, compiled
+
+    cls = REGISTRY.get(name)
+    return issubclass(cls, HookEviction) and isinstance(compiled(cls), tuple)
+
+
 def why_whole(scenario: Scenario, recording: bool) -> str | None:
     """Why ``scenario`` replays its whole trace at once (None: it can go a piece at a time).
     ``recording``: the replay records a timeline or its decisions (the SimPy path)."""
@@ -91,7 +102,7 @@ def why_whole(scenario: Scenario, recording: bool) -> str | None:
     if scenario.workload.speculative is not None:
         return "speculative decoding"
     pol = scenario.policies
-    if pol.eviction.name not in _PIECEWISE_EVICTION:
+    if pol.eviction.name not in _PIECEWISE_EVICTION and not _compiled_hooks(pol.eviction.name):
         return f"eviction policy '{pol.eviction.name}' reads the whole trace"
     if pol.prefetch.name not in _PIECEWISE_PREFETCH:
         return f"prefetch policy '{pol.prefetch.name}' reads the whole trace"
