@@ -579,3 +579,52 @@ def test_a_hook_policy_replays_a_trace_file_in_pieces_as_it_replays_it_whole(olm
                    chunk_rows=chunk)
     assert s.pieces is None
     assert s.whole_reason == "eviction policy 'not-numeric' reads the whole trace"
+
+
+class PastItsColumns(HookEviction):
+    """Writes a column its state does not have (one int field), on the third use of a key."""
+
+    int_fields = ("uses",)
+
+    @staticmethod
+    def access(key, weight, clock, si, sf):
+        si[key, 0] += 1
+        if si[key, 0] == 3:
+            si[key, 1] = 1
+
+    @staticmethod
+    def priority(key, clock, si, sf):
+        return float(si[key, 0])
+
+
+class PastItsOut(HookPrefetch):
+    @staticmethod
+    def select(p, layer, trace, out):
+        if p == 2 and layer == 3:
+            out[out.shape[0]] = 0
+        return 0
+
+
+@pytest.mark.parametrize("simpy", [False, True])
+@pytest.mark.parametrize(("family", "name", "cls", "hook"), [("eviction", "past-its-columns", PastItsColumns, "access"),
+                                                             ("prefetch", "past-its-out", PastItsOut, "select")])
+def test_a_hook_that_indexes_past_its_arrays_is_one_paragraph(olmoe, monkeypatch, simpy, family, name, cls, hook):
+    """Compiled hooks check their indices: an index out of range stops the replay with one
+    paragraph naming the policy (and on the SimPy path the hook, pass and layer), never a
+    write past the arrays."""
+    from moesim.errors import MoesimError
+
+    registry = REGISTRY if family == "eviction" else prefetch_family.REGISTRY
+    monkeypatch.setitem(registry._classes, name, cls)
+    cls.name = name
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "1" if simpy else "0")
+    with pytest.raises(MoesimError) as err:
+        Simulation(scenario(policies={family: name}, cache={"capacity": "20%"}), trace=olmoe).run()
+    msg = str(err.value)
+    assert f"{family} policy '{name}'" in msg
+    assert "IndexError" in msg
+    if simpy:
+        assert f"its {hook} hook raised IndexError" in msg
+        assert "forward pass" in msg
+    else:
+        assert "Run it with MOESIM_NO_KERNEL=1" in msg

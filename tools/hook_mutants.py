@@ -34,7 +34,7 @@ MUTANTS = [
  ("drive allows key == n", H, "            if out[j] < 0 or out[j] >= num_keys:", "            if out[j] < 0 or out[j] > num_keys:"),
  ("drive no growth check", H, "        if used + n > keys.shape[0]:\n            return g, used\n", "        if used + n > keys.shape[0] + 64:\n            return g, used\n"),
  ("view group from off", H, "i64(wl.pass_group), i64(wl.row_order)", "i64(wl.off), i64(wl.row_order)"),
- ("pass index shifted", H, "n = select(first + g // num_l, g % num_l, trace, out)", "n = select(first + g // num_l, (g + 1) % num_l, trace, out)"),
+ ("pass index shifted", H, "n = select[0](first + g // num_l, g % num_l, trace, out)", "n = select[0](first + g // num_l, (g + 1) % num_l, trace, out)"),
 ]
 only = sys.argv[1:]
 results = []

@@ -128,23 +128,35 @@ class HookEviction(EvictionPolicy):
     def on_insert(self, key: int, demand: bool) -> None:
         clock = self._at(True)
         self._stamp[key] = int(clock[CLOCK_TICK])
-        type(self).insert(key, demand, self._weight(key) if demand else 0.0, clock, self.si, self.sf)
+        try:
+            type(self).insert(key, demand, self._weight(key) if demand else 0.0, clock, self.si, self.sf)
+        except Exception as exc:
+            raise _raised(self, "insert", exc) from None
         self._keep(key, clock)
 
     def on_access(self, key: int) -> None:
         clock = self._at(True)
         self._stamp[key] = int(clock[CLOCK_TICK])
-        type(self).access(key, self._weight(key), clock, self.si, self.sf)
+        try:
+            type(self).access(key, self._weight(key), clock, self.si, self.sf)
+        except Exception as exc:
+            raise _raised(self, "access", exc) from None
         self._keep(key, clock)
 
     def _keep(self, key: int, clock: np.ndarray) -> None:
         if self.stable_priority:
-            self._prio[key] = float(type(self).priority(key, clock, self.si, self.sf))
+            try:
+                self._prio[key] = float(type(self).priority(key, clock, self.si, self.sf))
+            except Exception as exc:
+                raise _raised(self, "priority", exc) from None
 
     def on_remove(self, key: int) -> None:
         del self._stamp[key]
         self._prio.pop(key, None)
-        type(self).remove(key, self._at(False), self.si, self.sf)
+        try:
+            type(self).remove(key, self._at(False), self.si, self.sf)
+        except Exception as exc:
+            raise _raised(self, "remove", exc) from None
 
     def candidates(self) -> Iterator[int]:
         stamp = self._stamp
@@ -154,7 +166,27 @@ class HookEviction(EvictionPolicy):
         clock = self._at(False)
         prio = type(self).priority
         si, sf = self.si, self.sf
-        return iter(sorted(stamp, key=lambda k: (float(prio(k, clock, si, sf)), stamp[k])))
+        try:
+            return iter(sorted(stamp, key=lambda k: (float(prio(k, clock, si, sf)), stamp[k])))
+        except Exception as exc:
+            raise _raised(self, "priority", exc) from None
+
+
+def _raised(policy: Any, hook: str, exc: Exception) -> Exception:
+    """A hook's own error, on the SimPy path, as one paragraph naming the policy, the hook and
+    where the replay was."""
+    from moesim.errors import MoesimError
+
+    family = "eviction" if isinstance(policy, EvictionPolicy) else "prefetch"
+    clock = policy.ctx.clock
+    return MoesimError(f"{family} policy '{policy.name}': its {hook} hook raised {type(exc).__name__}: {exc} "
+                       f"(forward pass {clock.pass_index}, layer {clock.layer}). Fix the hook: "
+                       f"{_STATE_HINT if family == 'eviction' else _TRACE_HINT}")
+
+
+_STATE_HINT = ("si and sf have a row per cache key and a column per name in int_fields and float_fields; "
+               "clock has CLOCK_SIZE entries.")
+_TRACE_HINT = "out holds one entry per cache key; trace[T_OFF] has an entry per (pass, layer) and one more."
 
 
 def state_arrays(cls: type[HookEviction], num_layers: int, keys_per_layer: int,
@@ -220,7 +252,8 @@ def _compile(cls: type) -> tuple[Any, ...] | str:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                out.append(njit(sig, cache=fn.__module__ == __name__)(fn))
+                # a user's hooks check their indices (an IndexError, not a write past the arrays)
+                out.append(njit(sig, cache=fn.__module__ == __name__, boundscheck=cls is not _NoHooks)(fn))
         except Exception as exc:  # numba's typing and lowering errors have no common base
             return f"its {name} hook does not compile with numba ({_first_line(exc)})"
     # the built-ins' stand-in is cached by numba; a closure over a user's priority cannot be
@@ -295,7 +328,8 @@ class HookPrefetch(PrefetchPolicy):
 
     Proposals read the trace alone (not the cache or the time), so the kernel takes them as
     arrays made ahead (:meth:`PrefetchPolicy.proposals`, compiled: :func:`_drive`); the SimPy
-    path calls ``select`` as written at each routing point."""
+    path calls ``select`` as written at each routing point. Compiled hooks check their indices:
+    an index out of range is an error on both paths, as the hooks of :class:`HookEviction`."""
 
     @staticmethod
     @abstractmethod
@@ -316,7 +350,10 @@ class HookPrefetch(PrefetchPolicy):
 
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:
         out = self._out
-        n = type(self).select(pass_index, layer, self.trace_view(), out)
+        try:
+            n = type(self).select(pass_index, layer, self.trace_view(), out)
+        except Exception as exc:
+            raise _raised(self, "select", exc) from None
         _check(self, n, out, pass_index, layer)
         return out[:n].tolist()
 
@@ -329,7 +366,7 @@ class HookPrefetch(PrefetchPolicy):
         keys = np.empty(max(16, groups * self.ctx.top_k), np.int64)
         g = used = 0
         while g < groups:
-            g, used = _drive(first, num_l, g, used, groups, fn[0], self.trace_view(), off, keys, self._out)
+            g, used = _drive(first, num_l, g, used, groups, fn, self.trace_view(), off, keys, self._out)
             if g < 0:  # group -g - 1's select returned a bad count (``used``) or key (in ``out``)
                 _check(self, used, self._out, first + (-g - 1) // num_l, (-g - 1) % num_l)
                 raise AssertionError("_drive and _check disagree")  # pragma: no cover
@@ -373,7 +410,7 @@ def _drive(first, num_l, g, used, groups, select, trace, off, keys, out):
     it, with that count)."""
     num_keys = out.shape[0]
     while g < groups:
-        n = select(first + g // num_l, g % num_l, trace, out)
+        n = select[0](first + g // num_l, g % num_l, trace, out)
         if n < 0 or n > num_keys:
             return -g - 1, n
         for j in range(n):
@@ -399,23 +436,20 @@ def _select_signature() -> Any:
 
 
 def compiled_prefetch(cls: type) -> tuple[Any, ...] | str:
-    """``(select,)`` compiled by numba as a C callback (a first-class function to
-    :func:`_drive`, called through its address: about 20 ns a (pass, layer), and numba types it
-    without the warning a dispatcher in a tuple raises), or why it does not compile (a line);
-    once per process."""
+    """``(select,)`` compiled by numba, with its indices checked (a tuple of one: a first-class
+    function to :func:`_drive`, whose errors reach the caller), or why it does not compile (a
+    line); once per process."""
     if cls not in _COMPILED:
         _COMPILED[cls] = _compile_select(cls)
     return _COMPILED[cls]
 
 
 def _compile_select(cls: type) -> tuple[Any, ...] | str:
-    from numba import cfunc, config
+    from numba import njit
 
-    if getattr(config, "DISABLE_JIT", False):  # the kernel's source as plain Python: so is the hook
-        return (cls.select,)  # type: ignore[attr-defined]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return (cfunc(_select_signature())(cls.select),)  # type: ignore[attr-defined]
+            return (njit(_select_signature(), boundscheck=True)(cls.select),)  # type: ignore[attr-defined]
     except Exception as exc:  # numba's typing and lowering errors have no common base
         return f"its select hook does not compile with numba ({_first_line(exc)})"

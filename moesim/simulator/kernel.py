@@ -2093,12 +2093,26 @@ def replay(sim: Any) -> None:
     in pieces (``sim.pieces``, :mod:`simulator.stream`) is replayed piece after piece with
     the state carried over (the same arithmetic on the same state: ``S_PBASE`` maps a pass
     to its piece's arrays), and ``sim`` then adopts the joined passes."""
+    from moesim.policies.hooks import HookPrefetch
+
+    hooked = [f"{family} policy '{p.name}'" for family, p in (("eviction", sim.eviction), ("prefetch", sim.prefetch))
+              if _is_hooked(p) or isinstance(p, HookPrefetch)]
     with warnings.catch_warnings():
         if HAVE_NUMBA:  # the hooks in ``A[U]`` are numba's first-class functions, "experimental"
             from numba.core.errors import NumbaExperimentalFeatureWarning
 
             warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
-        _replay(sim)
+        try:
+            _replay(sim)
+        except (IndexError, ZeroDivisionError, ValueError, OverflowError) as exc:
+            if not hooked:  # the kernel raises none of these itself: a compiled hook did
+                raise
+            from moesim.errors import MoesimError
+
+            raise MoesimError(
+                f"{' or '.join(hooked)}: a compiled hook raised {type(exc).__name__}: {exc} during the replay. "
+                "Run it with MOESIM_NO_KERNEL=1: the SimPy path calls the hooks as written and names the hook, "
+                "the forward pass and the layer.") from None
 
 
 def _replay(sim: Any) -> None:
