@@ -23,18 +23,21 @@ try:
 
         def typeof_pyval(self, val: Any) -> Any:
             """numba types a tuple argument in Python at every call (its C fast path takes
-            arrays and numbers); the replay hands the kernel the same tuples (``A``, with the
-            eviction hooks, and ``M``) chunk after chunk, so the types of the last few tuples
-            are kept, with the tuples (:meth:`forget` lets them go). The hooks' first-class
-            functions took 0.7 ms a call to type: a third of an LRU replay's time."""
+            arrays and numbers); the replay hands the kernel the same tuples (``A``'s eviction
+            hooks, ``M``) chunk after chunk and piece after piece, so the types of the last
+            tuples used are kept, with the tuples (:meth:`forget` lets them go), and a tuple
+            is typed from its elements' types, a kept tuple's among them (a new piece's ``A``
+            holds the same hooks). The hooks' first-class functions took 0.7 ms a call to
+            type: a third of an LRU replay's time."""
             if type(val) is not tuple:
                 return super().typeof_pyval(val)
             kept = self.__dict__.setdefault("_tuples", {})
-            hit = kept.get(id(val))
+            hit = kept.pop(id(val), None)
             if hit is not None and hit[0] is val:
+                kept[id(val)] = hit  # the most recently used last
                 return hit[1]
-            ty = super().typeof_pyval(val)
-            if len(kept) >= 4:  # the oldest goes (the proposals' tuple is new at every call)
+            ty = types.BaseTuple.from_types([self.typeof_pyval(v) for v in val], tuple)
+            if len(kept) >= 16:  # the least recently used goes (the proposals' tuple is new at every call)
                 del kept[next(iter(kept))]
             kept[id(val)] = (val, ty)
             return ty
