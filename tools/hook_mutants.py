@@ -28,7 +28,7 @@ MUTANTS = [
  ("stable ignored", K, "    IS[C_STABLE] = ev == EV_HOOK and type(sim.eviction).stable_priority", "    IS[C_STABLE] = 0"),
  ("simpy ties ignore stamp", H, "key=lambda k: (float(prio(k, clock, si, sf)), stamp[k])", "key=lambda k: float(prio(k, clock, si, sf))"),
  ("simpy tick frozen", H, "            clock[CLOCK_TICK] += 1\n", "            pass\n"),
- ("simpy keep skipped on access", H, "        type(self).access(key, self._weight(key), clock, self.si, self.sf)\n        self._keep(key, clock)\n", "        type(self).access(key, self._weight(key), clock, self.si, self.sf)\n"),
+ ("simpy keep skipped on access", H, "            raise _raised(self, \"access\", exc) from None\n        self._keep(key, clock)\n", "            raise _raised(self, \"access\", exc) from None\n"),
  ("simpy insert weight always", H, "self._weight(key) if demand else 0.0", "self._weight(key)"),
  ("check allows key == n", H, "bad = out[:n][(out[:n] < 0) | (out[:n] >= len(out))]", "bad = out[:n][(out[:n] < 0) | (out[:n] > len(out))]"),
  ("drive allows key == n", H, "            if out[j] < 0 or out[j] >= num_keys:", "            if out[j] < 0 or out[j] > num_keys:"),
