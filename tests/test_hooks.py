@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numba
@@ -628,3 +629,51 @@ def test_a_hook_that_indexes_past_its_arrays_is_one_paragraph(olmoe, monkeypatch
         assert "forward pass" in msg
     else:
         assert "Run it with MOESIM_NO_KERNEL=1" in msg
+
+
+@dataclass(frozen=True)
+class ShareParams:
+    """The share of a use's gate weight that a key keeps."""
+
+    share: float = field(default=1.0, metadata={"help": "the share of each use's gate weight a key keeps"})
+
+
+class SharedScore(HookEviction):
+    """Score eviction with a parameter: each use adds ``share`` times its weight (column 1 of
+    ``sf`` holds the share, filled from the parameters before the replay)."""
+
+    Params = ShareParams
+    float_fields = ("score", "share")
+
+    def init_state(self):
+        self.sf[:, 1] = self.params.share
+
+    @staticmethod
+    def insert(key, demand, weight, clock, si, sf):
+        sf[key, 0] += sf[key, 1] * weight
+
+    @staticmethod
+    def access(key, weight, clock, si, sf):
+        sf[key, 0] += sf[key, 1] * weight
+
+    @staticmethod
+    def priority(key, clock, si, sf):
+        return sf[key, 0]
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5, 0.0])
+def test_a_hook_policy_takes_its_parameters_from_the_scenario(olmoe, monkeypatch, share):
+    """A share of 1 (or 0.5: halving every score keeps their order, exactly, in binary) is the
+    built-in score; a share of 0 gives every key the same score, so the victim is the key used
+    longest ago: LRU. Both paths, the parameter given in the scenario as a built-in's is."""
+    monkeypatch.setitem(REGISTRY._classes, "shared-score", SharedScore)
+    SharedScore.name = "shared-score"
+    reference = {1.0: "score", 0.5: "score", 0.0: "lru"}[share]
+
+    def sc(ev: Any) -> Any:
+        return scenario(policies={"eviction": ev, "prefetch": "previous-token"}, cache={"capacity": "8%"})
+
+    ref = run(sc(reference), olmoe, monkeypatch, simpy=True)
+    ours = {"name": "shared-score", "share": share}
+    same_rows(run(sc(ours), olmoe, monkeypatch, simpy=False), ref)
+    same_rows(run(sc(ours), olmoe, monkeypatch, simpy=True), ref)

@@ -72,7 +72,11 @@ def _no_priority(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) ->
 class HookEviction(EvictionPolicy):
     """An eviction policy given as hooks (module docstring). Subclasses define ``priority``
     and, as they need, ``insert``, ``access`` and ``remove`` (each a ``staticmethod``), and
-    name their per-key state in ``int_fields`` / ``float_fields``."""
+    name their per-key state in ``int_fields`` / ``float_fields``.
+
+    A policy's parameters (its ``Params``, set in the scenario's YAML like a built-in's) reach
+    the hooks through the state: :meth:`init_state` (plain Python) may fill ``si``/``sf`` from
+    ``self.params`` before the replay, e.g. a column holding a rate for every key."""
 
     int_fields: ClassVar[tuple[str, ...]] = ()
     float_fields: ClassVar[tuple[str, ...]] = ()
@@ -96,12 +100,19 @@ class HookEviction(EvictionPolicy):
         self._stamp: dict[int, int] = {}  # cached key -> the tick of its last insert or access
         self._prio: dict[int, float] = {}  # cached key -> its kept priority (``stable_priority``)
         self._keys: list[int] | None = None  # the workload's accesses as cache keys (the SimPy path's)
+        self.init_state()
+
+    def init_state(self) -> None:
+        """Fill the state before the replay (``self.si``, ``self.sf`` are zero; ``self.params``
+        holds the policy's parameters). Default: nothing."""
 
     def reset_state(self) -> None:
-        """Back to the state before any insert: zeroed ``si``, ``sf``, tick, stamps and kept
-        priorities (the kernel replays from there, in the same arrays)."""
+        """Back to the state before any insert: ``si``, ``sf`` as :meth:`init_state` left
+        them, tick, stamps and kept priorities cleared (the kernel replays from there, in the
+        same arrays)."""
         self.si[:] = 0
         self.sf[:] = 0
+        self.init_state()
         self.clock[CLOCK_PASS:CLOCK_TICK + 1] = 0
         self._stamp.clear()
         self._prio.clear()
