@@ -71,6 +71,7 @@ import numpy as np
 from moesim.jit import HAVE_NUMBA
 from moesim.jit import inline as _inline
 from moesim.jit import jit as _jit
+from moesim.policies.hooks import CLOCK_LAYER, CLOCK_PASS, CLOCK_TICK
 from moesim.simulator.workload import join, passes_of
 
 # eviction policies with a kernel form
@@ -229,9 +230,9 @@ def _set_clock(IS, A):
     """Set a hook policy's clock (:mod:`policies.hooks`) to the replay's pass, layer and stamp
     counter."""
     clock = A[U][U_CLOCK]
-    clock[0] = IS[S_PASS]
-    clock[1] = IS[S_LAYER]
-    clock[2] = IS[S_SEQ]
+    clock[CLOCK_PASS] = IS[S_PASS]
+    clock[CLOCK_LAYER] = IS[S_LAYER]
+    clock[CLOCK_TICK] = IS[S_SEQ]
 
 
 @_inline
@@ -524,8 +525,7 @@ def _hook_victim(pin_gen, adm_layer, IS, FS, A):
 
 @_inline
 def _find_victim(for_prefetch, pin_gen, adm_layer, IS, FS, A):
-    """:func:`_victim`, or a hook policy's (the hooks in ``A`` are passed to that alone: passing
-    them to every victim search cost LRU a quarter of its speed)."""
+    """:func:`_victim`, or a hook policy's (:func:`_hook_victim`, the one that reads ``A``)."""
     if IS[C_EV] == EV_HOOK:
         return _hook_victim(pin_gen, adm_layer, IS, FS, A)
     return _victim(for_prefetch, pin_gen, adm_layer, IS, FS)
