@@ -1,4 +1,4 @@
-"""Eviction policies written as hooks: one definition that both replay paths run.
+"""Eviction and prefetch policies written as hooks: one definition that both replay paths run.
 
 A :class:`HookEviction` policy is four small functions over numbers and numpy arrays, the
 shape libCacheSim gives a priority-ordered algorithm (its ``eviction/`` files: update on a
@@ -14,7 +14,8 @@ hit, on an insert, on a removal; the victim has the lowest priority):
 ``weight`` is the summed gate weight the layer's tokens gave ``key`` in this access (0 for a
 prefetch, or where the layer did not route it). ``si`` (int64) and ``sf`` (float64) are the
 policy's own state, one row per cache key and one column per name in ``int_fields`` /
-``float_fields`` (zero at the start; a row outlives its key's eviction, as LFU's counts do).
+``float_fields`` (zero at the start, or as :meth:`HookEviction.init_state` fills them from the
+policy's parameters; a row outlives its key's eviction, as LFU's counts do).
 ``clock`` is where the replay is, read-only: ``clock[CLOCK_PASS]``, ``clock[CLOCK_LAYER]``,
 ``clock[CLOCK_TICK]`` (a counter that rises by one at every insert and access: the stamp of
 this event), and the key layout ``clock[CLOCK_KEYS_PER_LAYER]`` (a key's layer is ``key //
@@ -32,6 +33,11 @@ signatures of :func:`_signatures` (first-class functions: the kernel is compiled
 every such policy; a victim search asks the priorities of all its candidates in one call, to a
 loop compiled around ``priority``). A policy whose functions numba cannot compile runs on the
 SimPy path, and the replay says why (``replay_path_reason``; ``moesim run`` in a line).
+Compiled hooks check their indices: an index out of range ends the replay with one paragraph
+(on the SimPy path naming the hook, the forward pass and the layer).
+
+A :class:`HookPrefetch` policy is one function, ``select(p, layer, trace, out) -> n``, over the
+trace's arrays (its docstring); the kernel takes its proposals as arrays made ahead.
 """
 
 from __future__ import annotations
