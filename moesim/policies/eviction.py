@@ -194,6 +194,13 @@ def _access_index(ctx: PolicyContext, keys: list[int], key: int) -> int | None:
         return None
 
 
+def access_weight(ctx: PolicyContext, keys: list[int], key: int) -> float:
+    """The summed gate weight of the access of ``key`` at the clock's (pass, layer), 0 when
+    there is none (the kernel's ``_weight``); ``keys`` as for :func:`_access_index`."""
+    i = _access_index(ctx, keys, key) if ctx.workload is not None else None
+    return 0.0 if i is None else float(ctx.workload.acc_weight[i])
+
+
 @dataclass(frozen=True)
 class ScoreParams:
     """Parameters of score-based eviction."""
@@ -228,12 +235,7 @@ class ScoreBased(RecencyOrdered):
             for k in self._score:
                 self._score[k] *= f
             self._pass = ctx.clock.pass_index
-        w = 0.0
-        if ctx.workload is not None:
-            i = _access_index(ctx, self._keys, key)
-            if i is not None:
-                w = float(ctx.workload.acc_weight[i])
-        self._score[key] = self._score.get(key, 0.0) + w
+        self._score[key] = self._score.get(key, 0.0) + access_weight(ctx, self._keys, key)
 
     def on_insert(self, key: int, demand: bool) -> None:
         super().on_insert(key, demand)

@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from moesim.jit import jit
-from moesim.policies.eviction import EvictionPolicy
+from moesim.policies.eviction import EvictionPolicy, access_weight
 from moesim.policies.prefetch import PrefetchPolicy
 from moesim.policies.registry import PolicyContext
 
@@ -125,14 +125,9 @@ class HookEviction(EvictionPolicy):
 
     def _weight(self, key: int) -> float:
         """The gate weight of the current (pass, layer)'s access of ``key`` (0: none)."""
-        from moesim.policies.eviction import _access_index
-
-        if self.ctx.workload is None:
-            return 0.0
-        if self._keys is None:  # on first use: a replay on the kernel (perhaps in pieces) needs none
+        if self._keys is None and self.ctx.workload is not None:  # on first use: the kernel needs none
             self._keys = self.ctx.cache_keys(self.ctx.workload.keys()).tolist()
-        i = _access_index(self.ctx, self._keys, key)
-        return 0.0 if i is None else float(self.ctx.workload.acc_weight[i])
+        return access_weight(self.ctx, self._keys or [], key)
 
     def _at(self, stamp: bool) -> np.ndarray:
         clock = self.clock
@@ -250,13 +245,17 @@ def _priorities_of(priority: Any) -> Callable[..., None]:
 _COMPILED: dict[type, tuple[Any, ...] | str] = {}
 
 
+def _once(cls: type, make: Callable[[type], tuple[Any, ...] | str]) -> tuple[Any, ...] | str:
+    """``make(cls)``, made once per process and class."""
+    if cls not in _COMPILED:
+        _COMPILED[cls] = make(cls)
+    return _COMPILED[cls]
+
+
 def compiled(cls: type) -> tuple[Any, ...] | str:
     """``cls``'s hooks compiled by numba (insert, access, remove, priority, and priorities:
-    ``priority`` over an array of keys), or why one does not compile (a line); compiled once
-    per process."""
-    if cls not in _COMPILED:
-        _COMPILED[cls] = _compile(cls)
-    return _COMPILED[cls]
+    ``priority`` over an array of keys), or why one does not compile (a line)."""
+    return _once(cls, _compile)
 
 
 def _compile(cls: type) -> tuple[Any, ...] | str:
@@ -455,10 +454,8 @@ def _select_signature() -> Any:
 def compiled_prefetch(cls: type) -> tuple[Any, ...] | str:
     """``(select,)`` compiled by numba, with its indices checked (a tuple of one: a first-class
     function to :func:`_drive`, whose errors reach the caller), or why it does not compile (a
-    line); once per process."""
-    if cls not in _COMPILED:
-        _COMPILED[cls] = _compile_select(cls)
-    return _COMPILED[cls]
+    line)."""
+    return _once(cls, _compile_select)
 
 
 def _compile_select(cls: type) -> tuple[Any, ...] | str:
