@@ -21,17 +21,22 @@ try:
             return super().get_call_template(tuple(types.unliteral(a) for a in args),
                                              {k: types.unliteral(v) for k, v in kws.items()})
 
+        _tuples: dict[int, tuple[tuple[Any, ...], Any]] | None = None
+
         def typeof_pyval(self, val: Any) -> Any:
             """numba types a tuple argument in Python at every call (its C fast path takes
             arrays and numbers); the replay hands the kernel the same tuples (``A``'s eviction
             hooks, ``M``) chunk after chunk and piece after piece, so the types of the last
-            tuples used are kept, with the tuples (:meth:`forget` lets them go), and a tuple
+            tuples used are kept, with the tuples (:func:`forget_tuples` lets them go), and a tuple
             is typed from its elements' types, a kept tuple's among them (a new piece's ``A``
             holds the same hooks). The hooks' first-class functions took 0.7 ms a call to
             type: a third of an LRU replay's time."""
             if type(val) is not tuple:
                 return super().typeof_pyval(val)
-            kept = self.__dict__.setdefault("_tuples", {})
+            kept = self._tuples
+            if kept is None:
+                kept = self._tuples = {}
+                _KEEPING.add(self)
             hit = kept.pop(id(val), None)
             if hit is not None and hit[0] is val:
                 kept[id(val)] = hit  # the most recently used last
@@ -42,9 +47,7 @@ try:
             kept[id(val)] = (val, ty)
             return ty
 
-        def forget(self) -> None:
-            """Let go of the tuples kept by :meth:`typeof_pyval`."""
-            self.__dict__.pop("_tuples", None)
+    _KEEPING: set[_PlainTypes] = set()  # the dispatchers keeping tuples (forget_tuples)
 except ImportError:  # pragma: no cover - exercised where numba has no wheel
     HAVE_NUMBA = False
 
@@ -53,6 +56,16 @@ except ImportError:  # pragma: no cover - exercised where numba has no wheel
         if args and callable(args[0]):
             return args[0]
         return lambda f: f
+
+
+def forget_tuples() -> None:
+    """Let go of the tuple arguments every compiled loop keeps with their types
+    (:meth:`_PlainTypes.typeof_pyval`; they hold a replay's arrays: the kernel's per-access
+    arrays, a prefetch hook's view of the trace)."""
+    if HAVE_NUMBA:
+        for disp in _KEEPING:
+            disp._tuples = None
+        _KEEPING.clear()
 
 
 # A compiled loop: compiled once per installation (numba's on-disk cache) and without
@@ -83,4 +96,4 @@ def _compiled(**options: Any) -> Any:
 jit = _compiled(**_OPTIONS)
 inline = _compiled(**_OPTIONS, forceinline=True)
 
-__all__ = ["HAVE_NUMBA", "inline", "jit", "njit"]
+__all__ = ["HAVE_NUMBA", "forget_tuples", "inline", "jit", "njit"]

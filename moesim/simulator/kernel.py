@@ -59,16 +59,17 @@ pieces has its next piece read and built on a second thread while this one repla
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import warnings
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import numpy as np
 
-from moesim.jit import HAVE_NUMBA
+from moesim.jit import HAVE_NUMBA, forget_tuples
 from moesim.jit import inline as _inline
 from moesim.jit import jit as _jit
 from moesim.policies.hooks import CLOCK_LAYER, CLOCK_PASS, CLOCK_TICK
@@ -1741,7 +1742,7 @@ def kernel_form(sim: Any) -> str | None:
         return f"miss policy '{sim.scenario.policies.miss.name}' has no kernel form"
     if misses[type(sim.miss)] != MISS_FETCH and sim.model.top_k > 128:
         return "top-k above 128 (the kernel sums a token's gate mass as numpy does up to 128 terms)"
-    if _eviction_code(sim.eviction) is None:
+    if eviction_code(type(sim.eviction)) is None:
         name = sim.scenario.policies.eviction.name
         if _is_hooked(sim.eviction):
             from moesim.policies.hooks import compiled
@@ -1764,15 +1765,15 @@ def _is_hooked(policy: Any) -> bool:
     return isinstance(policy, HookEviction)
 
 
-def _eviction_code(policy: Any) -> int | None:
-    """The kernel's code of an eviction policy: a built-in's, ``EV_HOOK`` for a hook policy
-    whose hooks compile (:mod:`policies.hooks`), else None (the SimPy path)."""
-    code = _policy_codes()[0].get(type(policy))
-    if code is not None or not _is_hooked(policy):
-        return code
-    from moesim.policies.hooks import compiled
+def eviction_code(cls: type) -> int | None:
+    """The kernel's code of eviction policy class ``cls``: a built-in's, ``EV_HOOK`` for a hook
+    policy whose hooks compile (:mod:`policies.hooks`), else None (the SimPy path)."""
+    from moesim.policies.hooks import HookEviction, compiled
 
-    return EV_HOOK if isinstance(compiled(type(policy)), tuple) else None
+    code = _policy_codes()[0].get(cls)
+    if code is not None or not issubclass(cls, HookEviction):
+        return code
+    return EV_HOOK if isinstance(compiled(cls), tuple) else None
 
 
 def _prefetch_code(policy: Any) -> int | None:
@@ -2093,10 +2094,6 @@ def replay(sim: Any) -> None:
     in pieces (``sim.pieces``, :mod:`simulator.stream`) is replayed piece after piece with
     the state carried over (the same arithmetic on the same state: ``S_PBASE`` maps a pass
     to its piece's arrays), and ``sim`` then adopts the joined passes."""
-    from moesim.policies.hooks import HookPrefetch
-
-    hooked = [f"{family} policy '{p.name}'" for family, p in (("eviction", sim.eviction), ("prefetch", sim.prefetch))
-              if _is_hooked(p) or isinstance(p, HookPrefetch)]
     with warnings.catch_warnings():
         if HAVE_NUMBA:  # the hooks in ``A[U]`` are numba's first-class functions, "experimental"
             from numba.core.errors import NumbaExperimentalFeatureWarning
@@ -2104,15 +2101,29 @@ def replay(sim: Any) -> None:
             warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
         try:
             _replay(sim)
-        except (IndexError, ZeroDivisionError, ValueError, OverflowError) as exc:
-            if not hooked:  # the kernel raises none of these itself: a compiled hook did
-                raise
-            from moesim.errors import MoesimError
+        finally:
+            forget_tuples()  # the replay's arrays, kept by the compiled loops with their types
 
-            raise MoesimError(
-                f"{' or '.join(hooked)}: a compiled hook raised {type(exc).__name__}: {exc} during the replay. "
-                "Run it with MOESIM_NO_KERNEL=1: the SimPy path calls the hooks as written and names the hook, "
-                "the forward pass and the layer.") from None
+
+@contextlib.contextmanager
+def _hook_errors(sim: Any) -> Iterator[None]:
+    """Around the compiled calls: an error a compiled hook raised (its index checks; the
+    kernel raises none of these itself) as one paragraph naming the hook policies."""
+    from moesim.policies.hooks import HookEviction, HookPrefetch
+
+    try:
+        yield
+    except (IndexError, ZeroDivisionError, ValueError, OverflowError) as exc:
+        hooked = [f"{family} policy '{p.name}'" for family, p in (("eviction", sim.eviction), ("prefetch", sim.prefetch))
+                  if isinstance(p, (HookEviction, HookPrefetch))]
+        if not hooked:
+            raise
+        from moesim.errors import MoesimError
+
+        raise MoesimError(
+            f"{' or '.join(hooked)}: a compiled hook raised {type(exc).__name__}: {exc} during the replay. "
+            "Run it with MOESIM_NO_KERNEL=1: the SimPy path calls the hooks as written and names the hook, "
+            "the forward pass and the layer.") from None
 
 
 def _replay(sim: Any) -> None:
@@ -2124,7 +2135,7 @@ def _replay(sim: Any) -> None:
     streamed = sim.pieces is not None
     # a layer's distinct experts (a piece's largest is not the trace's: the bound when in pieces)
     maxn = model.num_experts if streamed else int(np.diff(wl.off).max(initial=0))
-    ev = _eviction_code(sim.eviction)
+    ev = eviction_code(type(sim.eviction))
     assert ev is not None, "kernel_form"
     pf = _prefetch_code(sim.prefetch)
     assert pf is not None, "kernel_form"
@@ -2143,7 +2154,8 @@ def _replay(sim: Any) -> None:
     DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks)
     pinned = [int(k) for k in sim.prefetch.pinned()]
     if pinned:
-        _preload(np.asarray(pinned, np.int64), IS, FS, DI, DF, A)
+        with _hook_errors(sim):
+            _preload(np.asarray(pinned, np.int64), IS, FS, DI, DF, A)
     no_props = (np.zeros(1, np.int64), np.zeros(0, np.int64))
     per_expert = True if IS[C_MODE] == MODE_PER_EXPERT else None  # else its code is not compiled
     outs: list[tuple[Any, ...]] = []  # the per-pass columns of the pieces not handed over yet
@@ -2160,9 +2172,11 @@ def _replay(sim: Any) -> None:
         props = _proposals_ahead(sim.prefetch, n_pass) if pf == PF_ARRAY else None
         for q0 in range(0, n_pass, CHUNK):
             q1 = min(q0 + CHUNK, n_pass)
-            P = next(props) if props is not None else no_props
-            replay_passes(base + q0, base + q1, IS, FS, DI, DF, A, P, M, per_expert, nonexp[q0:q1], release[q0:q1], cols[q0:q1],
-                          t_start[q0:q1], t_end[q0:q1], stall[q0:q1], m_total[q0:q1], m_kept[q0:q1])
+            with _hook_errors(sim):  # the compiled hooks run here (and make the proposals ahead)
+                P = next(props) if props is not None else no_props
+                replay_passes(base + q0, base + q1, IS, FS, DI, DF, A, P, M, per_expert, nonexp[q0:q1],
+                              release[q0:q1], cols[q0:q1], t_start[q0:q1], t_end[q0:q1], stall[q0:q1],
+                              m_total[q0:q1], m_kept[q0:q1])
             if sim.progress is not None:
                 if sim.serving is not None:  # requests served
                     sim.progress(sim.serving.finished, sim.serving.n)
@@ -2190,8 +2204,6 @@ def _replay(sim: Any) -> None:
         sim.bind_piece(wl)
         DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks)
     _finish(IS, FS, DI, DF, A)
-    if hasattr(replay_passes, "forget"):  # not under NUMBA_DISABLE_JIT
-        replay_passes.forget()
     sim.copy.busy_time = float(FS[SF_BUSY])
     sim.copy.bytes_moved = int(IS[S_BYTES])
     sim.cache.max_used = int(IS[S_MAXUSED])

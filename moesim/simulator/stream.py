@@ -79,10 +79,9 @@ def _compiled_hooks(name: str) -> bool:
     replays it, and it reads no trace of its own (its hooks are handed each access's weight),
     so it goes a piece at a time."""
     from moesim.policies.eviction import REGISTRY
-    from moesim.policies.hooks import HookEviction, compiled
+    from moesim.simulator.kernel import EV_HOOK, eviction_code
 
-    cls = REGISTRY.get(name)
-    return issubclass(cls, HookEviction) and isinstance(compiled(cls), tuple)
+    return eviction_code(REGISTRY.get(name)) == EV_HOOK
 
 
 def why_whole(scenario: Scenario, recording: bool) -> str | None:
