@@ -426,12 +426,15 @@ def test_a_hook_state_after_the_replay_is_the_same_on_both_paths(olmoe, monkeypa
     assert (states[0][1] == states[1][1]).all()
 
 
-def test_hooks_that_do_not_compile_run_on_the_simpy_path_and_say_why(olmoe, monkeypatch):
+@pytest.mark.parametrize(("family", "name", "hook"), [("eviction", "not-numeric", "priority"),
+                                                    ("prefetch", "not-numeric-select", "select")])
+def test_hooks_that_do_not_compile_run_on_the_simpy_path_and_say_why(olmoe, monkeypatch, family, name, hook):
     monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
-    s = Simulation(scenario(policies={"eviction": "not-numeric"}), trace=olmoe).run().summary
+    s = Simulation(scenario(policies={family: name}), trace=olmoe).run().summary
     assert s["replay_path"] == "simpy"
-    assert s["replay_path_reason"].startswith(
-        "eviction policy 'not-numeric': its priority hook does not compile with numba (")
+    assert s["replay_path_reason"].startswith(f"{family} policy '{name}': its {hook} hook does not compile with numba (")
+    if family == "prefetch":
+        assert s["prefetches_issued"] > 0
 
 
 def test_a_plain_eviction_policy_still_runs_on_the_simpy_path(olmoe, monkeypatch):
@@ -543,15 +546,6 @@ def test_a_prefetch_hook_that_proposes_no_key_is_named_in_one_paragraph(olmoe, m
     monkeypatch.setenv("MOESIM_NO_KERNEL", "1" if simpy else "0")
     with pytest.raises(MoesimError, match=rf"prefetch policy '{policy}': select\(p=3, layer=1, \.\.\.\) {says}"):
         Simulation(sc, trace=olmoe).run()
-
-
-def test_a_prefetch_hook_that_does_not_compile_runs_on_the_simpy_path(olmoe, monkeypatch):
-    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
-    s = Simulation(scenario(policies={"prefetch": "not-numeric-select"}), trace=olmoe).run().summary
-    assert s["replay_path"] == "simpy"
-    assert s["replay_path_reason"].startswith(
-        "prefetch policy 'not-numeric-select': its select hook does not compile with numba (")
-    assert s["prefetches_issued"] > 0
 
 
 @pytest.mark.parametrize(("policy", "chunk"), [("hook-mixed", 300), ("hook-lfu", 384), ("kept-mixed", 200)])
