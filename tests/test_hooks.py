@@ -671,3 +671,28 @@ def test_a_hook_policy_takes_its_parameters_from_the_scenario(olmoe, monkeypatch
     ours = {"name": "shared-score", "share": share}
     same_rows(run(sc(ours), olmoe, monkeypatch, simpy=False), ref)
     same_rows(run(sc(ours), olmoe, monkeypatch, simpy=True), ref)
+
+
+@pytest.mark.parametrize("prefetch", ["predicted-top", "past-its-out"])
+def test_a_replay_leaves_no_arrays_with_the_compiled_loops(olmoe, monkeypatch, prefetch):
+    """The compiled loops keep their tuple arguments' types with the tuples during a replay (the
+    kernel's arrays, a prefetch hook's view of the trace); a replay lets them go when it ends,
+    or fails."""
+    from moesim import jit
+    from moesim.errors import MoesimError
+
+    monkeypatch.setitem(prefetch_family.REGISTRY._classes, "past-its-out", PastItsOut)
+    PastItsOut.name = "past-its-out"
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    sim = Simulation(scenario(policies={"prefetch": prefetch}), trace=olmoe)
+    if prefetch == "past-its-out":
+        with pytest.raises(MoesimError):
+            sim.run()
+    else:
+        assert sim.run().summary["replay_path"] == "kernel"
+    assert not [d for d in jit._KEEPING if d._tuples]
+    from moesim.policies.hooks import _drive
+    from moesim.simulator.kernel import replay_passes
+
+    assert replay_passes._tuples is None
+    assert _drive._tuples is None
