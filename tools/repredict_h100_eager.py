@@ -262,9 +262,9 @@ def replicate_section(df: pd.DataFrame) -> str:
               f"{_ms(b.loc[b['capacity'] == '100%', 'tpot_measured_s'].max())} ms). The per-expert executor with eager "
               "launches is host-bound, so its times carry the host's speed.",
               "- So section 1's figures hold for a quiet host, and issue 37's targets are met in one of two full "
-              "runs. `calibrate validate --host-beside` (built after these runs, not yet run on a GPU: "
-              "`tools/gpu_issue37_host_beside.sh`) times the executor's host work before each scenario and predicts "
-              "that scenario with it, to carry the host's speed of the moment into the prediction."]
+              "runs. `calibrate validate --host-beside` (built after these runs) times the executor's host work before "
+              "each scenario and predicts that scenario with it; on lent H200s that timing did not carry the host's "
+              "speed into the scenario (`validation/h200/beside/report.md`)."]
     return "\n".join(lines) + "\n"
 
 
