@@ -16,15 +16,22 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from moesim.policies.registry import Policy, PolicyContext, Registry
 
+# the ``clock`` a compiled form's hooks read (moesim.policies.hooks: its docstring)
+CLOCK_PASS, CLOCK_LAYER, CLOCK_TICK, CLOCK_KEYS_PER_LAYER, CLOCK_PRECISIONS, CLOCK_LAYERS, CLOCK_SIZE = range(7)
+
 
 class EvictionPolicy(Policy, ABC):
-    """Base class: observes cache events, orders keys for eviction."""
+    """Base class: observes cache events, orders keys for eviction. ``compiled``: the
+    policy's compiled form, a class of hooks (:mod:`moesim.policies.hooks`) that the kernel
+    runs in its place, where the policy has one that is not built into the kernel."""
+
+    compiled: ClassVar[type | None] = None
 
     @abstractmethod
     def on_insert(self, key: int, demand: bool) -> None:
@@ -98,11 +105,47 @@ class FIFO(RecencyOrdered):
         pass
 
 
+class LFUCompiled:
+    """LFU's compiled form (the hook interface of :mod:`moesim.policies.hooks`, which the
+    kernel runs): a count per key that survives eviction, raised by every use (a demand insert
+    is one); the victim has the lowest count, ties the oldest stamp. Its priority reads only the
+    key's own count, so it is kept between victim searches (``stable_priority``)."""
+
+    int_fields = ("count",)
+    float_fields: tuple[str, ...] = ()
+    stable_priority = True
+
+    @staticmethod
+    def insert(key: int, demand: bool, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
+        if demand:
+            si[key, 0] += 1
+
+    @staticmethod
+    def access(key: int, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
+        si[key, 0] += 1
+
+    @staticmethod
+    def remove(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
+        pass
+
+    @staticmethod
+    def priority(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> float:
+        return float(si[key, 0])
+
+    @staticmethod
+    def priorities(keys: np.ndarray, n: int, out: np.ndarray, clock: np.ndarray, si: np.ndarray,
+                   sf: np.ndarray) -> None:
+        for j in range(n):
+            out[j] = float(si[keys[j], 0])
+
+
 @REGISTRY.register("lfu")
 class LFU(EvictionPolicy):
     """Least frequently used (SpecMD appendix B): evict the expert with the lowest access
     count over the whole inference history (counts survive eviction); ties go to the expert
-    that reached its count longest ago."""
+    that reached its count longest ago. The kernel runs :class:`LFUCompiled`."""
+
+    compiled = LFUCompiled
 
     def __init__(self, params: Any, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
@@ -169,11 +212,47 @@ class Random(EvictionPolicy):
             yield keys[int(i)]
 
 
+class FLDCompiled:
+    """Farthest layer distance's compiled form (the hook interface of
+    :mod:`moesim.policies.hooks`): the priority is minus the key's distance in layers from the
+    clock's layer, ties the oldest stamp (least recent use). It reads the clock, so it is asked
+    at every victim search. No state."""
+
+    int_fields: tuple[str, ...] = ()
+    float_fields: tuple[str, ...] = ()
+    stable_priority = False
+
+    @staticmethod
+    def insert(key: int, demand: bool, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
+        pass
+
+    @staticmethod
+    def access(key: int, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
+        pass
+
+    @staticmethod
+    def remove(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
+        pass
+
+    @staticmethod
+    def priority(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> float:
+        return -float(abs(key // clock[CLOCK_KEYS_PER_LAYER] - clock[CLOCK_LAYER]))
+
+    @staticmethod
+    def priorities(keys: np.ndarray, n: int, out: np.ndarray, clock: np.ndarray, si: np.ndarray,
+                   sf: np.ndarray) -> None:
+        per, layer = clock[CLOCK_KEYS_PER_LAYER], clock[CLOCK_LAYER]
+        for j in range(n):
+            out[j] = -float(abs(keys[j] // per - layer))
+
+
 @REGISTRY.register("fld")
 class FarthestLayerDistance(RecencyOrdered):
     """Farthest layer distance (HOBBIT, Tang et al. 2024; SpecMD appendix B): evict experts
     whose layer is farthest, |layer - current layer|, from the layer being executed; ties by
-    least recent use."""
+    least recent use. The kernel runs :class:`FLDCompiled`."""
+
+    compiled = FLDCompiled
 
     def candidates(self) -> Iterator[int]:
         cur = self.ctx.clock.layer
@@ -431,12 +510,53 @@ class Belady(EvictionPolicy):
         return iter(sorted(self._next, key=lambda k: -self._next[k]))
 
 
+class LHUCompiled:
+    """Least high-precision used's compiled form (the hook interface of
+    :mod:`moesim.policies.hooks`): a count per key of its uses at the highest precision
+    (precision index 0: ``key % clock[CLOCK_PRECISIONS]``), which survives eviction; a
+    lower-precision copy has priority 0, a highest-precision one its count plus one, ties the
+    oldest stamp. The priority reads only the key, so it is kept."""
+
+    int_fields = ("hp_uses",)
+    float_fields: tuple[str, ...] = ()
+    stable_priority = True
+
+    @staticmethod
+    def insert(key: int, demand: bool, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
+        if demand and key % clock[CLOCK_PRECISIONS] == 0:
+            si[key, 0] += 1
+
+    @staticmethod
+    def access(key: int, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
+        if key % clock[CLOCK_PRECISIONS] == 0:
+            si[key, 0] += 1
+
+    @staticmethod
+    def remove(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
+        pass
+
+    @staticmethod
+    def priority(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> float:
+        return float(si[key, 0] + 1) if key % clock[CLOCK_PRECISIONS] == 0 else 0.0
+
+    @staticmethod
+    def priorities(keys: np.ndarray, n: int, out: np.ndarray, clock: np.ndarray, si: np.ndarray,
+                   sf: np.ndarray) -> None:
+        nprec = clock[CLOCK_PRECISIONS]
+        for j in range(n):
+            k = keys[j]
+            out[j] = float(si[k, 0] + 1) if k % nprec == 0 else 0.0
+
+
 @REGISTRY.register("lhu")
 class LeastHighPrecisionUsed(RecencyOrdered):
     """Least high-precision used (HOBBIT, Tang et al. 2024; SpecMD appendix B): lower-
     precision copies go first (cheap to re-fetch, least recently used first); then
     highest-precision experts by how often they were used at that precision (fewest first,
-    ties by least recent use). Pair it with a precision cascade miss policy."""
+    ties by least recent use). Pair it with a precision cascade miss policy. The kernel runs
+    :class:`LHUCompiled`."""
+
+    compiled = LHUCompiled
 
     def __init__(self, params: Any, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)

@@ -51,11 +51,20 @@ from typing import Any, ClassVar
 import numpy as np
 
 from moesim.jit import jit
-from moesim.policies.eviction import EvictionPolicy, access_weight
+from moesim.policies.eviction import (
+    CLOCK_KEYS_PER_LAYER,
+    CLOCK_LAYER,
+    CLOCK_LAYERS,
+    CLOCK_PASS,
+    CLOCK_PRECISIONS,
+    CLOCK_SIZE,
+    CLOCK_TICK,
+    EvictionPolicy,
+    access_weight,
+)
 from moesim.policies.prefetch import PrefetchPolicy
 from moesim.policies.registry import PolicyContext
 
-CLOCK_PASS, CLOCK_LAYER, CLOCK_TICK, CLOCK_KEYS_PER_LAYER, CLOCK_PRECISIONS, CLOCK_LAYERS, CLOCK_SIZE = range(7)
 HOOKS = ("insert", "access", "remove", "priority")
 
 
@@ -258,23 +267,32 @@ def compiled(cls: type) -> tuple[Any, ...] | str:
     return _once(cls, _compile)
 
 
+def _builtin(cls: type) -> bool:
+    """A form shipped with moesim (a built-in's compiled form, the kernel's stand-in): cached
+    by numba on disk, its indices trusted (a user's are checked)."""
+    return cls.__module__.startswith("moesim.")
+
+
 def _compile(cls: type) -> tuple[Any, ...] | str:
     from numba import njit
 
     out = []
     sigs = _signatures()
+    builtin = _builtin(cls)
     for name, sig in zip(HOOKS, sigs[:4], strict=True):
         fn = getattr(cls, name)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 # a user's hooks check their indices (an IndexError, not a write past the arrays)
-                out.append(njit(sig, cache=fn.__module__ == __name__, boundscheck=cls is not _NoHooks)(fn))
+                out.append(njit(sig, cache=builtin, boundscheck=not builtin)(fn))
         except Exception as exc:  # numba's typing and lowering errors have no common base
             return f"its {name} hook does not compile with numba ({_first_line(exc)})"
-    # the built-ins' stand-in is cached by numba; a closure over a user's priority cannot be
-    many = _no_priorities if cls is _NoHooks else _priorities_of(out[-1])
-    out.append(njit(sigs[-1], cache=cls is _NoHooks)(many))
+    # a form shipped with moesim gives its own loop over many keys (cached by numba); a user's
+    # gets a closure around its priority, which cannot be cached
+    own = cls.__dict__.get("priorities") if builtin else None
+    many = own.__func__ if isinstance(own, staticmethod) else _priorities_of(out[-1])
+    out.append(njit(sigs[-1], cache=isinstance(own, staticmethod))(many))
     return tuple(out)
 
 
@@ -286,16 +304,20 @@ def _first_line(exc: Exception) -> str:
     return f"{what.rstrip(':')}; {where.rstrip(':')}" if where else what.rstrip(":")
 
 
-@functools.cache
 def no_hooks() -> tuple[Any, ...]:
-    """The hooks handed to the kernel when the eviction policy is a built-in (never called).
+    """The hooks handed to the kernel when the eviction policy is built into it (never called)."""
+    return addresses(_NoHooks)
 
-    They are handed over as addresses (numba's wrapper address protocol) rather than as
-    dispatchers: the kernel's type is the same (a first-class function of each signature), but
-    numba asks a dispatcher for its addresses at every kernel call (30 us each: a tenth of an
-    LRU replay's time), an address object once."""
-    fns = compiled(_NoHooks)
-    assert isinstance(fns, tuple)
+
+@functools.cache
+def addresses(cls: type) -> tuple[Any, ...]:
+    """A form shipped with moesim's compiled hooks (:func:`compiled`), as the kernel is handed
+    them: as addresses (numba's wrapper address protocol) rather than as dispatchers. The
+    kernel's type is the same (a first-class function of each signature), but numba asks a
+    dispatcher for its addresses at every kernel call (30 us each: a tenth of an LRU replay's
+    time), an address object once."""
+    fns = compiled(cls)
+    assert isinstance(fns, tuple), fns
     from numba.core.dispatcher import Dispatcher
 
     if not isinstance(fns[0], Dispatcher):  # NUMBA_DISABLE_JIT: plain functions
@@ -318,6 +340,7 @@ def no_hooks() -> tuple[Any, ...]:
 
 class _NoHooks(HookEviction):
     priority = staticmethod(_no_priority)
+    priorities = staticmethod(_no_priorities)
 
 
 # -- prefetch ---------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ from moesim.policies.hooks import CLOCK_LAYER, CLOCK_PASS, CLOCK_TICK
 from moesim.simulator.workload import join, passes_of
 
 # eviction policies with a kernel form
-EV_LRU, EV_FIFO, EV_LFU, EV_FLD, EV_SCORE, EV_LS, EV_BELADY, EV_LHU, EV_HOOK = range(9)
+EV_LRU, EV_FIFO, EV_SCORE, EV_LS, EV_BELADY, EV_HOOK = range(6)
 # a hook policy's compiled hooks (each in a tuple of one) and state in ``A[U]`` (:mod:`policies.hooks`)
 U = 5
 U_INSERT, U_ACCESS, U_REMOVE, U_PRIORITY, U_PRIORITIES, U_CLOCK, U_SI, U_SF, U_KEYS, U_PRIOS = range(10)
@@ -87,8 +87,8 @@ ABSENT, INFLIGHT, RESIDENT = 0, 1, 2
 DEMAND, PREFETCH = 0, 1
 
 # per-key integer fields (KI)
-(K_STATE, K_COMPUTED, K_TID, K_PIN, K_STATIC, K_STAMP, K_COUNT, K_CURPASS, K_PREV, K_NEXT, K_MEMB,
- K_PEND, K_EVICTED, K_UNUSED, K_ADM, K_QUEUED, K_MARK, K_ACCPASS, K_NKI) = range(19)
+(K_STATE, K_COMPUTED, K_TID, K_PIN, K_STATIC, K_STAMP, K_CURPASS, K_PREV, K_NEXT, K_MEMB,
+ K_PEND, K_EVICTED, K_UNUSED, K_ADM, K_QUEUED, K_MARK, K_ACCPASS, K_NKI) = range(18)
 # per-key float fields (KF)
 F_SCORE, F_NEXTUSE, F_PRIO, F_NKF = range(4)
 # The integer state IS: scalars (S_*), configuration (C_*), the pass's row (R_*), region
@@ -363,16 +363,11 @@ def _on_insert(key, demand, ai, IS, FS, DI, A):
     IS[IS[H_KI] + key * K_NKI + K_MEMB] = n
     IS[S_MEMBN] = n + 1
     _stamp(key, IS)
-    if ev == EV_LFU:
-        if demand:
-            IS[IS[H_KI] + key * K_NKI + K_COUNT] += 1
-    elif ev == EV_SCORE:
+    if ev == EV_SCORE:
         if demand:
             _credit(key, ai, IS, FS, DI, A)
     elif ev == EV_BELADY:
         FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
-    elif ev == EV_LHU and demand and _prec(key, IS) == 0:
-        IS[IS[H_KI] + key * K_NKI + K_COUNT] += 1
     elif ev == EV_HOOK:
         w = float(_weight(key, ai, IS, DI, A)) if demand else 0.0
         _set_clock(IS, A)
@@ -389,18 +384,9 @@ def _on_access(key, ai, IS, FS, DI, A):
         _list_append(key, S_HEAD, IS)
     elif ev == EV_FIFO:
         return
-    elif ev == EV_LFU:
-        IS[IS[H_KI] + key * K_NKI + K_COUNT] += 1
-        _stamp(key, IS)
-    elif ev == EV_FLD:
-        _stamp(key, IS)
     elif ev == EV_SCORE:
         _stamp(key, IS)
         _credit(key, ai, IS, FS, DI, A)
-    elif ev == EV_LHU:
-        _stamp(key, IS)
-        if _prec(key, IS) == 0:  # a use at the highest precision
-            IS[IS[H_KI] + key * K_NKI + K_COUNT] += 1
     elif ev == EV_BELADY:
         FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
     elif ev == EV_HOOK:
@@ -435,21 +421,13 @@ def _on_remove(key, IS, A):
 
 @_jit
 def _order(key, IS, FS):
-    """The candidate order of ``key`` for the policies whose victim is the smallest over the
-    cached experts (lfu, fld, score, lhu, belady), as (float, int, stamp)."""
-    ev = IS[C_EV]
+    """The candidate order of ``key`` for the built-in policies whose victim is the smallest
+    over the cached experts (score, belady), as (float, stamp); the other built-ins walk lists
+    (lru, fifo, least-stale) or run their compiled forms through the hooks (lfu, fld, lhu)."""
     stamp = IS[IS[H_KI] + key * K_NKI + K_STAMP]
-    if ev == EV_LFU:
-        return 0.0, IS[IS[H_KI] + key * K_NKI + K_COUNT], stamp
-    if ev == EV_FLD:
-        return -float(abs(key // IS[C_DIV] - IS[S_LAYER])), 0, stamp
-    if ev == EV_SCORE:
-        return FS[IS[H_KF] + key * F_NKF + F_SCORE], 0, stamp
-    if ev == EV_LHU:
-        # lower precisions first, then highest-precision uses (fewest first)
-        return 0.0, (IS[IS[H_KI] + key * K_NKI + K_COUNT] + 1) if _prec(key, IS) == 0 else 0, stamp
-    # belady (least-stale and the recency policies walk their lists instead)
-    return -FS[IS[H_KF] + key * F_NKF + F_NEXTUSE], 0, stamp
+    if IS[C_EV] == EV_SCORE:
+        return FS[IS[H_KF] + key * F_NKF + F_SCORE], stamp
+    return -FS[IS[H_KF] + key * F_NKF + F_NEXTUSE], stamp
 
 
 @_inline
@@ -475,14 +453,14 @@ def _victim(for_prefetch, pin_gen, adm_layer, IS, FS):
     if ev == EV_LS:
         return _ls_victim(for_prefetch, pin_gen, adm_layer, IS)
     best = -1
-    bf, bi, bs = 0.0, 0, 0
+    bf, bs = 0.0, 0
     for j in range(IS[S_MEMBN]):
         key = IS[IS[H_MEMB] + j]
         if not _eligible(key, pin_gen, adm_layer, IS):
             continue
-        f, i, s = _order(key, IS, FS)
-        if best == -1 or f < bf or (f == bf and (i < bi or (i == bi and s < bs))):
-            best, bf, bi, bs = key, f, i, s
+        f, s = _order(key, IS, FS)
+        if best == -1 or f < bf or (f == bf and s < bs):
+            best, bf, bs = key, f, s
     return best
 
 
@@ -1705,9 +1683,12 @@ def _policy_codes() -> tuple[dict[Any, int], dict[Any, int], dict[Any, int]]:
     from moesim.policies import miss as ms
     from moesim.policies import prefetch as pf
 
-    evictions = {ev.LRU: EV_LRU, ev.FIFO: EV_FIFO, ev.LFU: EV_LFU, ev.FarthestLayerDistance: EV_FLD,
-                 ev.ScoreBased: EV_SCORE, ev.LeastStale: EV_LS, ev.Belady: EV_BELADY,
-                 ev.LeastHighPrecisionUsed: EV_LHU}
+    # a built-in with a compiled form of its own (``compiled``, beside it in its module) runs
+    # through the hooks, as a user's policy does (a subclass elsewhere does not inherit that)
+    evictions = {ev.LRU: EV_LRU, ev.FIFO: EV_FIFO, ev.ScoreBased: EV_SCORE, ev.LeastStale: EV_LS,
+                 ev.Belady: EV_BELADY}
+    evictions.update((cls, EV_HOOK) for _, cls in ev.REGISTRY.items()
+                     if cls.__module__ == ev.__name__ and cls.__dict__.get("compiled") is not None)
     prefetchers = {pf.NoPrefetch: PF_NONE, pf.StaticPin: PF_NONE, pf.Oracle: PF_ORACLE,
                    pf.PreviousToken: PF_PREV, pf.Lookahead: PF_LOOKAHEAD, pf.NextGateTopK: PF_ARRAY,
                    pf.ScorePercentile: PF_ARRAY}
@@ -1795,7 +1776,12 @@ def _hooks(policy: Any) -> tuple[Any, ...]:
     from moesim.policies import hooks
 
     fns: Any
-    if _is_hooked(policy):
+    form = getattr(type(policy), "compiled", None)
+    if form is not None:  # a built-in's own compiled form: its state is the kernel's alone
+        ctx = policy.ctx
+        clock, si, sf = hooks.state_arrays(form, ctx.num_layers, ctx.keys_per_layer, len(ctx.precisions))
+        fns, state = hooks.addresses(form), (clock, si, sf, np.zeros(len(si), np.int64), np.zeros(len(si)))
+    elif _is_hooked(policy):
         n = len(policy.si)
         # the policy's arrays as they were before the SimPy side saw the pinned experts' inserts,
         # which the kernel's _preload makes again
@@ -2014,7 +2000,7 @@ def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, ev: int, pf: int, miss:
     params = sim.eviction.params
     reroute = miss in (MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE)
     IS[C_EV] = ev
-    IS[C_STABLE] = ev == EV_HOOK and type(sim.eviction).stable_priority
+    IS[C_STABLE] = ev == EV_HOOK and (type(sim.eviction).compiled or type(sim.eviction)).stable_priority
     IS[C_LS_REL] = isinstance(sim.eviction, LeastStale) and params.order == "relative"
     IS[C_PF] = pf
     IS[C_DEPTH] = sim.prefetch.params.depth if isinstance(sim.prefetch, Lookahead) else 0

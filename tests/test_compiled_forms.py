@@ -1,0 +1,165 @@
+"""The built-ins whose compiled form lives beside them (``LFU.compiled``, ``FLD``, ``LHU``:
+:mod:`moesim.policies.eviction`) against their reference forms, event by event: after any
+sequence of inserts, uses, removals and layer changes, the reference policy's ``candidates()``
+equal the cached keys ordered by the compiled form's priority (kept after each insert and use
+where the form declares it stable), ties by the oldest insert or use — this driver is written
+here from the hook contract, not taken from :class:`moesim.policies.hooks.HookEviction`. The
+forms' functions are checked as Python and as numba compiles them for the kernel (the
+per-key ``priority`` and the many-key ``priorities`` loop alike). Whole replays on both paths:
+``tests/test_kernel.py``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moesim.policies import eviction as ev
+from moesim.policies.eviction import CLOCK_KEYS_PER_LAYER, CLOCK_LAYER, CLOCK_LAYERS, CLOCK_PRECISIONS, CLOCK_SIZE
+from moesim.policies.hooks import compiled
+from moesim.policies.registry import PolicyContext
+
+LAYERS, EXPERTS = 3, 3
+FORMS = {"lfu": (ev.LFU, 1), "fld": (ev.FarthestLayerDistance, 1), "lhu": (ev.LeastHighPrecisionUsed, 2)}
+
+
+class Driver:
+    """The compiled form's side: its state arrays, a tick, stamps and kept priorities."""
+
+    def __init__(self, form: type, nprec: int, fns: tuple | None) -> None:
+        self.form, self.fns = form, fns
+        self.clock = np.zeros(CLOCK_SIZE, np.int64)
+        self.clock[CLOCK_KEYS_PER_LAYER], self.clock[CLOCK_PRECISIONS], self.clock[CLOCK_LAYERS] = (
+            EXPERTS * nprec, nprec, LAYERS)
+        n = LAYERS * EXPERTS * nprec
+        self.si = np.zeros((n, max(1, len(form.int_fields))), np.int64)
+        self.sf = np.zeros((n, max(1, len(form.float_fields))))
+        self.tick, self.stamp, self.kept = 0, {}, {}
+
+    def call(self, i: int, name: str) -> object:
+        return self.fns[i] if self.fns is not None else getattr(self.form, name)
+
+    def _touched(self, key: int) -> None:
+        self.tick += 1
+        self.stamp[key] = self.tick
+        if self.form.stable_priority:
+            self.kept[key] = self.call(3, "priority")(key, self.clock, self.si, self.sf)
+
+    def insert(self, key: int, demand: bool) -> None:
+        self.call(0, "insert")(key, demand, 0.5 if demand else 0.0, self.clock, self.si, self.sf)
+        self._touched(key)
+
+    def access(self, key: int) -> None:
+        self.call(1, "access")(key, 0.5, self.clock, self.si, self.sf)
+        self._touched(key)
+
+    def remove(self, key: int) -> None:
+        self.call(2, "remove")(key, self.clock, self.si, self.sf)
+        del self.stamp[key]
+        self.kept.pop(key, None)
+
+    def order(self) -> list[int]:
+        keys = np.array(sorted(self.stamp), np.int64)
+        if self.form.stable_priority:
+            prio = np.array([self.kept[k] for k in keys])
+        else:
+            prio = np.zeros(len(keys))
+            self.call(4, "priorities")(keys, len(keys), prio, self.clock, self.si, self.sf)
+        # the per-key priority agrees with the many-key loop
+        one = [self.call(3, "priority")(int(k), self.clock, self.si, self.sf) for k in keys]
+        many = np.zeros(len(keys))
+        self.call(4, "priorities")(keys, len(keys), many, self.clock, self.si, self.sf)
+        assert list(many) == one
+        return [int(k) for _, _, k in sorted(zip(prio, (self.stamp[k] for k in keys), keys, strict=True))]
+
+
+events = st.lists(st.tuples(st.sampled_from(["put", "use", "drop", "layer"]), st.integers(0, 10 ** 6),
+                            st.booleans()), min_size=1, max_size=60)
+
+
+def replay(name: str, evs: list, fns: tuple | None) -> None:
+    cls, nprec = FORMS[name]
+    ctx = PolicyContext(num_layers=LAYERS, num_experts=EXPERTS, top_k=2, expert_bytes=1,
+                        rng=np.random.default_rng(0), precisions=("bf16", "int4")[:nprec],
+                        precision_bytes=(2, 1)[:nprec])
+    ref, form = cls(None, ctx), Driver(cls.compiled, nprec, fns)
+    n = LAYERS * EXPERTS * nprec
+    cached: list[int] = []
+    for what, x, flag in evs:
+        if what == "layer":
+            ctx.clock.layer = x % LAYERS
+            form.clock[CLOCK_LAYER] = ctx.clock.layer
+        elif what == "put":
+            free = [k for k in range(n) if k not in cached]
+            if free:
+                key = free[x % len(free)]
+                cached.append(key)
+                ref.on_insert(key, flag)
+                form.insert(key, flag)
+        elif cached:
+            key = cached[x % len(cached)]
+            if what == "use":
+                ref.on_access(key)
+                form.access(key)
+            else:
+                cached.remove(key)
+                ref.on_remove(key)
+                form.remove(key)
+        assert list(ref.candidates()) == form.order(), (what, x, flag)
+
+
+@pytest.mark.parametrize("name", list(FORMS))
+@settings(max_examples=150, deadline=None)
+@given(evs=events)
+def test_the_compiled_form_as_python_orders_as_the_reference(name, evs):
+    replay(name, evs, None)
+
+
+@pytest.mark.parametrize("name", list(FORMS))
+@settings(max_examples=60, deadline=None)
+@given(evs=events)
+def test_the_compiled_form_compiled_orders_as_the_reference(name, evs):
+    fns = compiled(FORMS[name][0].compiled)
+    assert isinstance(fns, tuple), fns
+    replay(name, evs, fns)
+
+
+def test_lfu_by_hand():
+    """Counts survive eviction: key 0 used twice, evicted, re-fetched on demand, has 3; key 1
+    prefetched (no use) has 0 and goes first; key 2 fetched on demand has 1."""
+    f = Driver(ev.LFUCompiled, 1, None)
+    f.insert(0, True)
+    f.access(0)
+    f.remove(0)
+    f.insert(0, True)
+    f.insert(1, False)
+    f.insert(2, True)
+    assert f.si[:3, 0].tolist() == [3, 0, 1]
+    assert f.order() == [1, 2, 0]
+
+
+def test_lhu_by_hand():
+    """Two precisions: odd keys are int4 copies (priority 0, first, oldest first); bf16 keys by
+    their bf16 uses plus one."""
+    f = Driver(ev.LHUCompiled, 2, None)
+    for key, demand in ((0, True), (1, True), (2, True), (3, False)):
+        f.insert(key, demand)
+    f.access(0)
+    f.access(1)
+    assert f.si[:4, 0].tolist() == [2, 0, 1, 0]
+    assert f.order() == [3, 1, 2, 0]  # 1 was used after 3 was prefetched
+
+
+def test_a_subclass_of_a_built_in_elsewhere_does_not_run_its_compiled_form():
+    """A user's LFU variant (its own ``candidates``) inherits ``compiled`` but is not the
+    built-in: the kernel has no form for it, and the replay says so."""
+    from moesim.simulator.kernel import _policy_codes, eviction_code
+
+    class MyLFU(ev.LFU):
+        def candidates(self):
+            return reversed(list(super().candidates()))
+
+    assert eviction_code(MyLFU) is None
+    assert MyLFU not in _policy_codes()[0]
+    assert all(eviction_code(c) is not None for c in (ev.LFU, ev.FarthestLayerDistance, ev.LeastHighPrecisionUsed))
