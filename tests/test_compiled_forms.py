@@ -16,7 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moesim.policies import eviction as ev
-from moesim.policies.eviction import CLOCK_KEYS_PER_LAYER, CLOCK_LAYER, CLOCK_LAYERS, CLOCK_PRECISIONS, CLOCK_SIZE
+from moesim.policies.eviction import (
+    CLOCK_KEYS_PER_LAYER,
+    CLOCK_LAYER,
+    CLOCK_LAYERS,
+    CLOCK_PRECISIONS,
+    CLOCK_SIZE,
+)
 from moesim.policies.hooks import compiled
 from moesim.policies.registry import PolicyContext
 

@@ -105,14 +105,36 @@ class FIFO(RecencyOrdered):
         pass
 
 
-class LFUCompiled:
+class CompiledForm:
+    """The hook interface's shape (:mod:`moesim.policies.hooks`, its docstring): per-key state
+    named in ``int_fields``/``float_fields``, hooks that do nothing until a form defines them,
+    and ``priority`` (the victim has the lowest). A built-in's compiled form derives from it, as
+    :class:`moesim.policies.hooks.HookEviction` does."""
+
+    int_fields: ClassVar[tuple[str, ...]] = ()
+    float_fields: ClassVar[tuple[str, ...]] = ()
+    stable_priority: ClassVar[bool] = False
+
+    @staticmethod
+    def insert(key: int, demand: bool, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
+        """``key`` entered the cache (``demand``: for use now)."""
+
+    @staticmethod
+    def access(key: int, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
+        """A forward pass used ``key``."""
+
+    @staticmethod
+    def remove(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
+        """``key`` left the cache."""
+
+
+class LFUCompiled(CompiledForm):
     """LFU's compiled form (the hook interface of :mod:`moesim.policies.hooks`, which the
     kernel runs): a count per key that survives eviction, raised by every use (a demand insert
     is one); the victim has the lowest count, ties the oldest stamp. Its priority reads only the
     key's own count, so it is kept between victim searches (``stable_priority``)."""
 
     int_fields = ("count",)
-    float_fields: tuple[str, ...] = ()
     stable_priority = True
 
     @staticmethod
@@ -123,10 +145,6 @@ class LFUCompiled:
     @staticmethod
     def access(key: int, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
         si[key, 0] += 1
-
-    @staticmethod
-    def remove(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
-        pass
 
     @staticmethod
     def priority(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> float:
@@ -212,27 +230,11 @@ class Random(EvictionPolicy):
             yield keys[int(i)]
 
 
-class FLDCompiled:
+class FLDCompiled(CompiledForm):
     """Farthest layer distance's compiled form (the hook interface of
     :mod:`moesim.policies.hooks`): the priority is minus the key's distance in layers from the
     clock's layer, ties the oldest stamp (least recent use). It reads the clock, so it is asked
     at every victim search. No state."""
-
-    int_fields: tuple[str, ...] = ()
-    float_fields: tuple[str, ...] = ()
-    stable_priority = False
-
-    @staticmethod
-    def insert(key: int, demand: bool, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
-        pass
-
-    @staticmethod
-    def access(key: int, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
-        pass
-
-    @staticmethod
-    def remove(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
-        pass
 
     @staticmethod
     def priority(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> float:
@@ -510,7 +512,7 @@ class Belady(EvictionPolicy):
         return iter(sorted(self._next, key=lambda k: -self._next[k]))
 
 
-class LHUCompiled:
+class LHUCompiled(CompiledForm):
     """Least high-precision used's compiled form (the hook interface of
     :mod:`moesim.policies.hooks`): a count per key of its uses at the highest precision
     (precision index 0: ``key % clock[CLOCK_PRECISIONS]``), which survives eviction; a
@@ -518,7 +520,6 @@ class LHUCompiled:
     oldest stamp. The priority reads only the key, so it is kept."""
 
     int_fields = ("hp_uses",)
-    float_fields: tuple[str, ...] = ()
     stable_priority = True
 
     @staticmethod
@@ -530,10 +531,6 @@ class LHUCompiled:
     def access(key: int, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
         if key % clock[CLOCK_PRECISIONS] == 0:
             si[key, 0] += 1
-
-    @staticmethod
-    def remove(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
-        pass
 
     @staticmethod
     def priority(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> float:

@@ -46,7 +46,7 @@ import functools
 import warnings
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -59,6 +59,7 @@ from moesim.policies.eviction import (
     CLOCK_PRECISIONS,
     CLOCK_SIZE,
     CLOCK_TICK,
+    CompiledForm,
     EvictionPolicy,
     access_weight,
 )
@@ -68,23 +69,11 @@ from moesim.policies.registry import PolicyContext
 HOOKS = ("insert", "access", "remove", "priority")
 
 
-def _no_insert(key: int, demand: bool, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
-    pass
-
-
-def _no_access(key: int, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
-    pass
-
-
-def _no_remove(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
-    pass
-
-
 def _no_priority(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> float:
     return 0.0
 
 
-class HookEviction(EvictionPolicy):
+class HookEviction(CompiledForm, EvictionPolicy):
     """An eviction policy given as hooks (module docstring). Subclasses define ``priority``
     and, as they need, ``insert``, ``access`` and ``remove`` (each a ``staticmethod``), and
     name their per-key state in ``int_fields`` / ``float_fields``.
@@ -93,15 +82,10 @@ class HookEviction(EvictionPolicy):
     the hooks through the state: :meth:`init_state` (plain Python) may fill ``si``/``sf`` from
     ``self.params`` before the replay, e.g. a column holding a rate for every key."""
 
-    int_fields: ClassVar[tuple[str, ...]] = ()
-    float_fields: ClassVar[tuple[str, ...]] = ()
-    # True: a key's priority changes only when its own hooks run (it reads that key's state,
-    # not the clock or other keys'): it is computed once after each insert and access and kept,
-    # rather than asked of every candidate at every victim search (on both paths)
-    stable_priority: ClassVar[bool] = False
-    insert: ClassVar[Callable[..., None]] = staticmethod(_no_insert)
-    access: ClassVar[Callable[..., None]] = staticmethod(_no_access)
-    remove: ClassVar[Callable[..., None]] = staticmethod(_no_remove)
+    # int_fields, float_fields, the hooks that do nothing by default and stable_priority (True:
+    # a key's priority changes only when its own hooks run -- it reads that key's state, not the
+    # clock or other keys' -- so it is computed once after each insert and access and kept,
+    # rather than asked of every candidate at every victim search, on both paths): CompiledForm
 
     @staticmethod
     @abstractmethod
