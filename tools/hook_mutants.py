@@ -25,6 +25,7 @@ MUTANTS = [
  ("tick off by one", K, "    clock[CLOCK_TICK] = IS[S_SEQ]\n", "    clock[CLOCK_TICK] = IS[S_SEQ] - 1\n"),
  ("clock layer is pass", K, "    clock[CLOCK_LAYER] = IS[S_LAYER]\n", "    clock[CLOCK_LAYER] = IS[S_PASS]\n"),
  ("weight search dropped", K, "    if ai < 0:  # a speculative run of an expert the layer routes has its access's weight\n", "    if ai < -1:  # mutant\n"),
+ ("built-in form not run", K, "    if form is not None:  # a built-in's own compiled form", "    if form is None:  # a built-in's own compiled form"),
  ("stable ignored", K, "    IS[C_STABLE] = ev == EV_HOOK and (type(sim.eviction).compiled or type(sim.eviction)).stable_priority", "    IS[C_STABLE] = 0"),
  ("simpy ties ignore stamp", H, "key=lambda k: (float(prio(k, clock, si, sf)), stamp[k])", "key=lambda k: float(prio(k, clock, si, sf))"),
  ("simpy tick frozen", H, "            clock[CLOCK_TICK] += 1\n", "            pass\n"),
