@@ -788,7 +788,9 @@ def calibrate_fit(raw: str, out: str, host_costs: str | None) -> None:
               help="Before each scenario, time the eager executor's host work for a layer and a cached expert and "
                    "predict that scenario with them, so the prediction has the host's speed of that moment (on the "
                    "lent H100s the same host calls took up to twice as long in one call as in another: "
-                   "validation/h100/eager/report.md). Eager launches in per-expert execution only.")
+                   "validation/h100/eager/report.md). On lent H200s a timing taken just before a scenario did not "
+                   "predict its speed; two runs pinned to one core (taskset -c N) met the TPOT median target, one "
+                   "unpinned run on that machine did not (validation/h200/beside/report.md). Eager launches in per-expert execution only.")
 @click.option("--out", "out_dir", required=True, type=OUT_DIR, help="Report folder.")
 def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...], overrides: tuple[str, ...],
                        device: str, launch: str, switch_us: float | None, prefetch_from: str, host_beside: bool,
