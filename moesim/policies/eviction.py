@@ -109,7 +109,9 @@ class CompiledForm:
     """The hook interface's shape (:mod:`moesim.policies.hooks`, its docstring): per-key state
     named in ``int_fields``/``float_fields``, hooks that do nothing until a form defines them,
     and ``priority`` (the victim has the lowest). A built-in's compiled form derives from it, as
-    :class:`moesim.policies.hooks.HookEviction` does."""
+    :class:`moesim.policies.hooks.HookEviction` does; one whose priority is not stable also
+    gives ``priorities(keys, n, out, clock, si, sf)``, its priority over ``keys[:n]`` into
+    ``out`` (a loop numba caches on disk, where one made around ``priority`` could not be)."""
 
     int_fields: ClassVar[tuple[str, ...]] = ()
     float_fields: ClassVar[tuple[str, ...]] = ()
@@ -149,12 +151,6 @@ class LFUCompiled(CompiledForm):
     @staticmethod
     def priority(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> float:
         return float(si[key, 0])
-
-    @staticmethod
-    def priorities(keys: np.ndarray, n: int, out: np.ndarray, clock: np.ndarray, si: np.ndarray,
-                   sf: np.ndarray) -> None:
-        for j in range(n):
-            out[j] = float(si[keys[j], 0])
 
 
 @REGISTRY.register("lfu")
@@ -535,14 +531,6 @@ class LHUCompiled(CompiledForm):
     @staticmethod
     def priority(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> float:
         return float(si[key, 0] + 1) if key % clock[CLOCK_PRECISIONS] == 0 else 0.0
-
-    @staticmethod
-    def priorities(keys: np.ndarray, n: int, out: np.ndarray, clock: np.ndarray, si: np.ndarray,
-                   sf: np.ndarray) -> None:
-        nprec = clock[CLOCK_PRECISIONS]
-        for j in range(n):
-            k = keys[j]
-            out[j] = float(si[k, 0] + 1) if k % nprec == 0 else 0.0
 
 
 @REGISTRY.register("lhu")

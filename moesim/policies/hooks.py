@@ -277,9 +277,12 @@ def _compile(cls: type) -> tuple[Any, ...] | str:
                 out.append(njit(sig, cache=builtin, boundscheck=not builtin)(fn))
         except Exception as exc:  # numba's typing and lowering errors have no common base
             return f"its {name} hook does not compile with numba ({_first_line(exc)})"
-    # a form shipped with moesim gives its own loop over many keys (cached by numba); a user's
-    # gets a closure around its priority, which cannot be cached
+    # the loop over many keys' priorities: never called for a stable priority (the kept ones are
+    # read); a form shipped with moesim gives its own (cached by numba); a user's gets a closure
+    # around its priority, which cannot be cached
     own = cls.__dict__.get("priorities") if builtin else None
+    if getattr(cls, "stable_priority", False):
+        own = staticmethod(_no_priorities)
     many = own.__func__ if isinstance(own, staticmethod) else _priorities_of(out[-1])
     out.append(njit(sigs[-1], cache=isinstance(own, staticmethod))(many))
     return tuple(out)
@@ -329,7 +332,7 @@ def addresses(cls: type) -> tuple[Any, ...]:
 
 class _NoHooks(HookEviction):
     priority = staticmethod(_no_priority)
-    priorities = staticmethod(_no_priorities)
+    stable_priority = True  # its many-key loop: the one that is never called
 
 
 # -- prefetch ---------------------------------------------------------------------------------

@@ -1776,26 +1776,30 @@ def _hooks(policy: Any) -> tuple[Any, ...]:
     from moesim.policies import hooks
 
     fns: Any
-    form = getattr(type(policy), "compiled", None)
-    if form is not None:  # a built-in's own compiled form: its state is the kernel's alone
-        ctx = policy.ctx
-        clock, si, sf = hooks.state_arrays(form, ctx.num_layers, ctx.keys_per_layer, len(ctx.precisions))
-        fns, state = hooks.addresses(form), (clock, si, sf, np.zeros(len(si), np.int64), np.zeros(len(si)))
+    if policy is None or eviction_code(type(policy)) != EV_HOOK:
+        fns, (clock, si, sf) = hooks.no_hooks(), _NO_STATE
     elif _is_hooked(policy):
-        n = len(policy.si)
         # the policy's arrays as they were before the SimPy side saw the pinned experts' inserts,
         # which the kernel's _preload makes again
         policy.reset_state()
-        fns, state = hooks.compiled(type(policy)), (policy.clock, policy.si, policy.sf, np.zeros(n, np.int64),
-                                                    np.zeros(n))
-    else:
-        fns, state = hooks.no_hooks(), _NO_STATE
+        fns, clock, si, sf = hooks.compiled(type(policy)), policy.clock, policy.si, policy.sf
+    else:  # a built-in's own compiled form: its state is the kernel's alone
+        ctx, form = policy.ctx, hook_form(type(policy))
+        fns = hooks.addresses(form)
+        clock, si, sf = hooks.state_arrays(form, ctx.num_layers, ctx.keys_per_layer, len(ctx.precisions))
     # each in a tuple of one, which numba types as a first-class function (a function's
-    # address, called indirectly) rather than as that function: one compiled kernel for all
-    return (*((f,) for f in fns), *state)
+    # address, called indirectly) rather than as that function: one compiled kernel for all;
+    # then the victim search's buffers of keys and priorities
+    return (*((f,) for f in fns), clock, si, sf, np.zeros(len(si), np.int64), np.zeros(len(si)))
 
 
-_NO_STATE = (np.zeros(7, np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1)), np.zeros(1, np.int64), np.zeros(1))
+def hook_form(cls: type) -> Any:
+    """The class whose hooks the kernel runs for eviction policy ``cls`` (``EV_HOOK``): a
+    built-in's compiled form, or a hook policy itself."""
+    return cls.__dict__.get("compiled") or cls
+
+
+_NO_STATE = (np.zeros(7, np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1)))
 CHUNK = 256  # passes per kernel call (progress is reported between calls)
 # forward passes whose per-pass rows a replay in pieces hands over at a time (_hand_over): from
 # the second block on they go to disk (``output.results.PassRows``)
@@ -2000,7 +2004,7 @@ def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, ev: int, pf: int, miss:
     params = sim.eviction.params
     reroute = miss in (MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE)
     IS[C_EV] = ev
-    IS[C_STABLE] = ev == EV_HOOK and (type(sim.eviction).compiled or type(sim.eviction)).stable_priority
+    IS[C_STABLE] = ev == EV_HOOK and hook_form(type(sim.eviction)).stable_priority
     IS[C_LS_REL] = isinstance(sim.eviction, LeastStale) and params.order == "relative"
     IS[C_PF] = pf
     IS[C_DEPTH] = sim.prefetch.params.depth if isinstance(sim.prefetch, Lookahead) else 0
