@@ -37,8 +37,9 @@ CHUNK_ROWS = 1 << 18  # trace rows per piece (~30 MB of trace, ~60 MB of workloa
 # batch, which a piece always holds) and nothing later; eviction policies without a view of
 # the future
 _PIECEWISE_PREFETCH = ("none", "oracle", "previous-token", "lookahead", "next-gate-topk", "score-percentile")
-# and every policy the kernel runs through its hooks (_compiled_hooks: lfu, fld, lhu, a user's)
-_PIECEWISE_EVICTION = ("lru", "fifo", "score", "least-stale")
+# the built-ins (why_whole also lets a user's compiled hook policy go a piece at a time; serving
+# names these alone)
+_PIECEWISE_EVICTION = ("lru", "fifo", "lfu", "fld", "score", "least-stale", "lhu")
 
 
 def piece_rows(path: Path | None = None) -> int:
