@@ -325,8 +325,8 @@ def test_proposal_arrays_equal_the_proposals_of_every_pass_and_layer():
 
 
 def numpy_percentile_proposals(pred, row_order, bounds, g0, num_l, percentile):
-    """Score-percentile by numpy, group by group: the float32 rows added one after another
-    (in float32) and divided by their count in float64, the threshold by ``np.percentile``,
+    """Score-percentile by numpy, group by group: the rows added one after another (in their
+    own precision) and divided by their count in float64, the threshold by ``np.percentile``,
     the order by a stable argsort of the negated means."""
     off, out = [0], []
     for g in range(len(bounds) - 1):
@@ -349,7 +349,8 @@ def numpy_percentile_proposals(pred, row_order, bounds, g0, num_l, percentile):
 def test_compiled_percentile_proposals_equal_numpys_percentile_and_stable_sort(data):
     """The compiled proposals against numpy on random float32 predictions (on a few levels, so
     that means tie and the percentile lands on tied values), 1-70 experts, 0-4 rows per
-    (pass, layer), rows out of order, any percentile in [0, 100)."""
+    (pass, layer), rows out of order, any percentile in [0, 100); and on float64 predictions
+    (a trace made in memory), whose sums may tie only once divided by their count."""
     from moesim.policies.prefetch import _percentile_proposals
 
     n_e = data.draw(st.integers(1, 70))
@@ -359,14 +360,15 @@ def test_compiled_percentile_proposals_equal_numpys_percentile_and_stable_sort(d
     pct = data.draw(st.one_of(st.sampled_from([0.0, 20.0, 50.0, 80.0, 99.0]), st.floats(0, 100, exclude_max=True)))
     g0 = data.draw(st.integers(0, 5))
     seed = data.draw(st.integers(0, 2 ** 16))
+    dtype = data.draw(st.sampled_from([np.float32, np.float64]))
     rng = np.random.default_rng(seed)
     n_rows = sum(counts)
-    pred = (np.floor(rng.random((n_rows + 3, n_e)) * levels) / levels * rng.random()).astype(np.float32)
+    pred = (np.floor(rng.random((n_rows + 3, n_e)) * levels) / levels * rng.random()).astype(dtype)
     row_order = rng.permutation(n_rows + 3)[:n_rows].astype(np.int64)
     bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     off = np.zeros(len(counts) + 1, np.int64)
     out = np.empty(len(counts) * n_e, np.int64)
-    _percentile_proposals(pred, row_order, bounds, g0, num_l, n_e, pct / 100, np.empty(n_e, np.float32),
+    _percentile_proposals(pred, row_order, bounds, g0, num_l, n_e, pct / 100, np.empty(n_e, dtype),
                           np.empty(n_e), np.empty(n_e, np.int64), off, out)
     ref_off, ref_out = numpy_percentile_proposals(pred, row_order, bounds, g0, num_l, pct)
     assert off.tolist() == ref_off.tolist()
