@@ -23,7 +23,7 @@ imported traces (made whole in memory), and files whose rows are not in request 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -161,27 +161,15 @@ def pieces(scenario: Scenario, path: Path, chunk_rows: int = CHUNK_ROWS) -> Iter
         yield build_workload(piece, w.batch_size)  # no request limit (the reader's), no speculation
 
 
-def read_ahead(pieces: Iterator[Workload],
-               prepare: Callable[[Workload], None] | None = None) -> Generator[Workload, float, None]:
+def read_ahead(pieces: Iterator[Workload]) -> Generator[Workload, float, None]:
     """``pieces``, each read and built on a second thread while the caller replays the one
     before (the compiled loops release the GIL, and so does the Parquet reader): two pieces
-    in memory at most. ``prepare`` is called on that thread with each piece once built (the
-    prefetcher's proposals for it, :meth:`simulator.engine.Simulation.prepare_piece`), so that
-    the replay's work beside the kernel runs on one thread, not two (issue 34: with the
-    proposals on a third thread, least-stale + score-percentile ran 12-15% slower on two cores).
-    An error reading or preparing a piece is raised where that piece is asked for."""
-
-    def made() -> Workload | None:
-        wl = next(pieces, None)
-        if wl is not None and prepare is not None:
-            prepare(wl)
-        return wl
-
+    in memory at most. An error reading a piece is raised where that piece is asked for."""
     with ThreadPoolExecutor(1) as pool:
-        ahead = pool.submit(made)
+        ahead = pool.submit(next, pieces, None)
         while True:
             wl = ahead.result()
             if wl is None:
                 return
-            ahead = pool.submit(made)
+            ahead = pool.submit(next, pieces, None)
             yield wl
