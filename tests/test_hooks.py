@@ -696,3 +696,39 @@ def test_a_replay_leaves_no_arrays_with_the_compiled_loops(olmoe, monkeypatch, p
 
     assert replay_passes._tuples is None
     assert _drive._tuples is None
+
+
+@pytest.mark.parametrize(("hooked", "builtin", "mode", "prefetch"), [
+    ("hook-lfu", "lfu", "layer", "oracle"), ("asked-lfu", "lfu", "per-expert", "score-percentile"),
+    ("hook-fld", "fld", "on-arrival", "none")])
+def test_a_compiled_hook_policy_serves_under_load_as_the_builtin_it_mirrors(hooked, builtin, mode, prefetch,
+                                                                             monkeypatch):
+    """Serving under load forms each forward pass when the one before ends and replays it on
+    the kernel; a compiled hook policy goes through it (as through a trace read in pieces) and
+    gives the built-in's per-pass and per-request rows, queueing included, bit for bit. A hook
+    policy numba cannot compile is refused in one paragraph that says what serving runs."""
+    from moesim.config.scenario import scenario_from_dict
+    from moesim.errors import MoesimError
+
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+
+    def served(ev: str) -> Any:
+        data = {"seed": 0, "expert_compute": mode, "cache": {"capacity": "40%"},
+                "policies": {"eviction": ev, "prefetch": prefetch},
+                "workload": {"trace": {"synth": {"preset": "olmoe-1b-7b", "requests": 6, "prompt_tokens": 16,
+                                                 "tokens": 6, "layers": 4, "pred_next": True}},
+                             "arrivals": {"process": "gamma", "rate": 2.0, "cv": 3.0, "requests": 14}},
+                "scheduler": {"max_running": 4, "max_batched_tokens": 40, "policy": "chunked",
+                              "chunked_prefill_tokens": 12}}
+        return Simulation(scenario_from_dict(data)).run()
+
+    ref = served(builtin)
+    assert ref.summary["replay_path"] == "kernel"
+    assert ref.summary["hits"] > 0
+    assert ref.summary["misses"] > 0
+    assert (ref.requests["queue_s"] > 0).any()
+    same_rows(served(hooked), ref)
+    with pytest.raises(MoesimError, match=r"cannot run eviction policy 'not-numeric' \(it reads the whole trace, or "
+                                          r"its hooks do not compile\); use one of lru, .* or a hook policy numba "
+                                          r"compiles"):
+        served("not-numeric")

@@ -37,8 +37,7 @@ CHUNK_ROWS = 1 << 18  # trace rows per piece (~30 MB of trace, ~60 MB of workloa
 # batch, which a piece always holds) and nothing later; eviction policies without a view of
 # the future
 _PIECEWISE_PREFETCH = ("none", "oracle", "previous-token", "lookahead", "next-gate-topk", "score-percentile")
-# the built-ins (why_whole also lets a user's compiled hook policy go a piece at a time; serving
-# names these alone)
+# the built-ins (a user's compiled hook policy goes a piece at a time too: _compiled_hooks)
 _PIECEWISE_EVICTION = ("lru", "fifo", "lfu", "fld", "score", "least-stale", "lhu")
 
 
@@ -137,9 +136,9 @@ def why_not_served(scenario: Scenario, recording: bool) -> str | None:
     if scenario.hardware.gpus > 1:
         return "models one GPU (set hardware.gpus: 1)"
     pol = scenario.policies
-    if pol.eviction.name not in _PIECEWISE_EVICTION:
-        return (f"cannot run eviction policy '{pol.eviction.name}' (it reads the whole trace); use one of "
-                f"{', '.join(_PIECEWISE_EVICTION)}")
+    if pol.eviction.name not in _PIECEWISE_EVICTION and not _compiled_hooks(pol.eviction.name):
+        return (f"cannot run eviction policy '{pol.eviction.name}' (it reads the whole trace, or its hooks do "
+                f"not compile); use one of {', '.join(_PIECEWISE_EVICTION)} or a hook policy numba compiles")
     if pol.prefetch.name not in _SERVED_PREFETCH:
         return (f"cannot run prefetch policy '{pol.prefetch.name}' (it reads the pass before, and each pass "
                 f"is formed anew); use one of {', '.join(_SERVED_PREFETCH)}")
