@@ -113,7 +113,8 @@ def test_a_file_out_of_request_order_is_read_whole_with_the_same_results(tmp_pat
 # -- the replay ---------------------------------------------------------------------------------
 POLICIES = st.sampled_from([("lru", "none"), ("least-stale", "score-percentile"), ("fld", "previous-token"),
                             ("lfu", "lookahead"), ("score", "next-gate-topk"), ("fifo", "oracle"),
-                            ("least-stale", "previous-token"), ("lhu", "none")])
+                            ("least-stale", "previous-token"), ("lhu", "none"), ("belady", "oracle"),
+                            ("belady", "none")])
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -126,6 +127,8 @@ POLICIES = st.sampled_from([("lru", "none"), ("least-stale", "score-percentile")
          style="hf-loop", fetch="blocking", max_requests=None, block=1)
 @example(pol=("lru", "none"), batch=3, mode="layer", chunk=200, cap="3%", style="none", fetch="pipelined",
          max_requests=5, block=1 << 16)
+@example(pol=("belady", "oracle"), batch=1, mode="per-expert", chunk=300, cap="3%", style="none",
+         fetch="pipelined", max_requests=None, block=40)
 def test_a_replay_in_pieces_equals_the_whole_trace_replay(ragged_file: Path, monkeypatch, pol, batch, mode, chunk, cap,
                                                           style, fetch, max_requests, block) -> None:
     """... and so does one whose per-pass rows are handed over ``block`` passes at a time
@@ -147,6 +150,60 @@ def test_a_replay_in_pieces_equals_the_whole_trace_replay(ragged_file: Path, mon
     pieces = len(list(iter_trace(ragged_file, chunk, batch, max_requests)))
     assert res.summary["trace_pieces"] == pieces
     assert whole.summary["trace_pieces"] == 1
+
+
+def test_belady_in_pieces_reads_each_keys_first_access_after_the_piece_from_a_first_pass(ragged_file: Path) -> None:
+    """``belady_after`` against the whole trace's access keys, by brute force: piece ``k``
+    starts at the sum of the earlier pieces' accesses, and a key's entry is the first index
+    past the piece where the whole trace's keys hold it (-1: none)."""
+    from moesim.simulator.stream import belady_after, pieces
+
+    sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", "workload.batch_size=2"])
+    whole = build_workload(read_trace(ragged_file), 2)
+    keys = whole.keys() * 4 + 1  # 4 precisions, the default the second
+    sizes = [len(w.acc_layer) for w in pieces(sc, ragged_file, 600)]
+    assert len(sizes) >= 5
+    rows_seen: list[int] = []
+    firsts, after = belady_after(sc, ragged_file, 600, 4, 1, rows_seen.append)
+    assert firsts.tolist() == np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    assert firsts[-1] == len(keys)
+    assert rows_seen[-1] == len(read_trace(ragged_file))
+    assert after.shape == (len(sizes), 16 * 64 * 4)
+    for k in range(len(sizes)):
+        end = firsts[k + 1]
+        for key in range(after.shape[1]):
+            later = np.flatnonzero(keys[end:] == key)
+            assert after[k, key] == (end + later[0] if later.size else -1), (k, key)
+
+
+def test_belady_in_pieces_shows_both_passes_and_names_a_file_that_changed(ragged_file: Path, monkeypatch) -> None:
+    """The progress covers the first pass and the replay (twice the file's rows), and a file whose
+    pieces no longer match the first pass is named in one paragraph."""
+    from moesim.simulator import stream
+
+    sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", "policies.eviction=belady"])
+    seen: list[tuple[int, int]] = []
+    sim = Simulation(sc, chunk_rows=700, progress=lambda d, t: seen.append((d, t)))
+    assert sim.whole_reason is None
+    sim.run()
+    rows = len(read_trace(ragged_file))
+    assert {t for _, t in seen} == {2 * rows}
+    done = [d for d, _ in seen]
+    assert done == sorted(done)
+    assert done[-1] == 2 * rows
+    assert any(d <= rows for d in done)  # the first pass
+    assert any(d > rows for d in done)  # the replay
+    real = stream.belady_after
+
+    def shifted(*args, **kwargs):
+        firsts, after = real(*args, **kwargs)
+        firsts[2:] += 1
+        return firsts, after
+
+    monkeypatch.setattr(stream, "belady_after", shifted)
+    with pytest.raises(MoesimError, match=rf"trace {ragged_file}: the file changed while Belady replayed it "
+                                          r"\(piece 2 has other accesses than its first pass read\)"):
+        Simulation(sc, chunk_rows=700).run()
 
 
 def test_a_long_replays_rows_go_to_disk_and_back_the_same_and_its_folder_goes_with_it(
@@ -327,7 +384,6 @@ def test_progress_counts_the_file_rows_up_to_all_of_them(ragged_file: Path) -> N
 
 
 @pytest.mark.parametrize(("sets", "reason"), [
-    (["policies.eviction=belady"], "eviction policy 'belady' reads the whole trace"),
     (["policies.prefetch=static-pin"], "prefetch policy 'static-pin' reads the whole trace"),
     (["policies.miss=drop"], "miss policy 'drop' re-routes tokens"),
     (["workload.speculative.tree_size=4"], "speculative decoding"),

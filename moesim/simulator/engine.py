@@ -34,6 +34,7 @@ from __future__ import annotations
 import time as _time
 from collections.abc import Callable, Generator
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -96,6 +97,7 @@ class Simulation:
         # the others as the kernel replays (``self.pieces``); the reason when it is read whole
         self.pieces: Generator[Workload, float, None] | None = None
         self.trace_rows = 0  # the file's rows, when read in pieces (progress)
+        self.stream_source: tuple[Path, int] | None = None  # that file and its piece size
         self.trace_pieces = 1  # the pieces the replay read the trace in
         # the replay's rows, taken a block of passes at a time (take_rows): the summary's totals,
         # the per-pass rows (on disk from the second block on), the per-request rows, and the
@@ -198,6 +200,7 @@ class Simulation:
             self.whole_reason = "the trace file's rows are not in request order"
             return None
         self.pieces = stream.read_ahead(stream.pieces(sc, path, chunk))
+        self.stream_source = (path, chunk)  # read again by Belady's first pass (stream.belady_after)
         self.trace_rows = rows
         return next(self.pieces)
 

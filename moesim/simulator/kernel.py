@@ -95,16 +95,16 @@ F_SCORE, F_NEXTUSE, F_PRIO, F_NKF = range(4)
 # offsets (H_*), then the regions (per-key fields, transfer slots, queues, scratch).
 (S_SEQ, S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_HEAD, S_TAIL, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
  S_FREEN, S_WH, S_WN, S_PENDN, S_MEMBN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
- S_SCOREPASS, S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE,
+ S_SCOREPASS, S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE, S_ABASE,
  C_EV, C_LS_REL, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE, C_LRUNCAP,
  C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC, C_STABLE,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
- H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
+ H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_KNEXT, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
  H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, I_HEADER) = range(111)
+ H_PDUR, I_HEADER) = range(113)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then per-key fields, transfer times, scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, SF_HOST, CF_CAP, CF_DECAY,
@@ -176,10 +176,12 @@ def _ffn(key, tokens, DF, IS):
 @_jit
 def _next_use(key, ai, IS, DI, A):
     """Belady: the next access index of ``key`` after the current one (``ai``, or the
-    current (pass, layer)'s access of it, or just before the layer), as a float (inf: none)."""
+    current (pass, layer)'s access of it, or just before the layer), as a float (inf: none).
+    Indices count the whole trace's accesses: a piece's own are ``S_ABASE`` on, and a key with
+    none left in the piece has its first one after the piece (``H_KNEXT``; -1: none)."""
     a, b = DI[IS[H_KPOSOFF] + key], DI[IS[H_KPOSOFF] + key + 1]
     if a == b:
-        return math.inf
+        return _after_piece(key, IS, DI)
     i = ai
     if i < 0:
         base = _here(IS)
@@ -196,7 +198,16 @@ def _next_use(key, ai, IS, DI, A):
             a = m + 1
         else:
             b = m
-    return math.inf if a == DI[IS[H_KPOSOFF] + key + 1] else float(DI[IS[H_KPOS] + a])
+    if a == DI[IS[H_KPOSOFF] + key + 1]:
+        return _after_piece(key, IS, DI)
+    return float(IS[S_ABASE] + DI[IS[H_KPOS] + a])
+
+
+@_inline
+def _after_piece(key, IS, DI):
+    """Belady: ``key``'s first access after the piece being replayed (inf: none)."""
+    nxt = DI[IS[H_KNEXT] + key]
+    return math.inf if nxt < 0 else float(nxt)
 
 
 @_jit
@@ -1972,23 +1983,47 @@ def load_cached_forms() -> int:
     return len(forms)
 
 
+def _belady_piece(sim: Any, wl: Any, firsts: np.ndarray, afters: np.ndarray, k: int) -> tuple[int, np.ndarray]:
+    """Piece ``k``'s first access and its keys' first accesses after it, from Belady's first
+    pass over the file, checked against the piece now read (the file may have changed)."""
+    if k + 1 >= len(firsts) or int(firsts[k + 1] - firsts[k]) != len(wl.acc_layer):
+        from moesim.errors import MoesimError
+
+        raise MoesimError(f"trace {sim.stream_source[0]}: the file changed while Belady replayed it (piece {k + 1} "
+                          "has other accesses than its first pass read). Replay it again once nothing writes it.")
+    return int(firsts[k]), afters[k]
+
+
 def _piece(sim: Any, wl: Any, ev: int, miss: int, max_rows: int, IS: np.ndarray,
-           FS: np.ndarray, hooks: tuple[Any, ...]) -> tuple[Any, ...]:
+           FS: np.ndarray, hooks: tuple[Any, ...], after: tuple[int, np.ndarray] | None = None) -> tuple[Any, ...]:
     """The kernel's read-only data for the passes of ``wl`` (the whole trace's workload, or a
-    piece of it): ``DI`` = access offsets | pass groups | (Belady) each key's access indices;
+    piece of it): ``DI`` = access offsets | pass groups | (Belady) each key's access indices
+    in ``wl`` and its first access after it (``after``: the piece's first access and that
+    array, counted over the whole trace, :func:`simulator.stream.belady_after`; None: ``wl`` is
+    the whole trace);
     ``A`` = the per-access arrays (layer, expert, tokens routed, summed gate weight, best
     router rank) and ``hooks`` (:func:`_hooks`); ``DF`` = expert seconds by token count | per-pass factor; ``M`` = the
     per-token arrays; the non-expert seconds of each pass. Region offsets go to ``IS``."""
     num_keys = IS[H_NKEYS]
     parts = [np.ascontiguousarray(wl.off, dtype=np.int64), np.asarray(wl.pass_group, np.int64)]
     if ev == EV_BELADY:
-        parts.extend(_belady_positions(sim.acc_keys, num_keys))
+        if after is None:
+            parts.extend(_belady_positions(sim.acc_keys, num_keys))
+            parts.append(np.full(num_keys, -1, np.int64))
+            IS[S_ABASE] = 0
+        else:
+            keys = wl.keys()
+            keys *= sim.num_prec
+            keys += sim.default_prec
+            parts.extend(_belady_positions(keys, num_keys))
+            parts.append(after[1])
+            IS[S_ABASE] = after[0]
     starts = np.cumsum([0] + [len(x) for x in parts])
     DI = np.concatenate(parts)
     del parts
     IS[H_OFF], IS[H_GROUP] = starts[0], starts[1]
     if ev == EV_BELADY:
-        IS[H_KPOSOFF], IS[H_KPOS] = starts[2], starts[3]
+        IS[H_KPOSOFF], IS[H_KPOS], IS[H_KNEXT] = starts[2], starts[3], starts[4]
     A = (wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight, wl.acc_rank, hooks)
     DF = _precisions(sim, miss, max_rows, IS, FS)
     M = _mass_arrays(sim) if miss != MISS_FETCH else None
@@ -2132,7 +2167,7 @@ def _replay(sim: Any) -> None:
     pool = num_keys + maxn + 16
     pend_max = num_keys + 16
     miss = misses[type(sim.miss)]
-    assert not streamed or (miss == MISS_FETCH and ev != EV_BELADY), "simulator.stream.why_whole"
+    assert not streamed or miss == MISS_FETCH, "simulator.stream.why_whole"
     max_rows = int(np.diff(wl.row_off).max(initial=0)) if miss != MISS_FETCH and wl.row_off is not None else 0
     reroute = miss in (MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE)
     # a layer computes its routed experts and, for a miss policy that re-routes, others
@@ -2141,7 +2176,22 @@ def _replay(sim: Any) -> None:
                      max(1, max_rows), sim.num_prec)
     _configure(sim, IS, FS, ev, pf, miss, max_runs)
     hooks = _hooks(sim.eviction)
-    DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks)
+    # Belady a piece at a time: a first pass over the file finds each piece's first access and
+    # every key's first access after the piece (the progress shown covers both passes)
+    shown, total = 0, sim.trace_rows
+    firsts: Any = None
+    if streamed and ev == EV_BELADY:
+        from moesim.simulator.stream import belady_after
+
+        def read(rows: int) -> None:
+            if sim.progress is not None:
+                sim.progress(rows, 2 * sim.trace_rows)
+
+        path, chunk = sim.stream_source
+        firsts, afters = belady_after(sim.scenario, path, chunk, sim.num_prec, sim.default_prec, read)
+        shown, total = sim.trace_rows, 2 * sim.trace_rows
+    DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks,
+                                  None if firsts is None else _belady_piece(sim, wl, firsts, afters, 0))
     pinned = [int(k) for k in sim.prefetch.pinned()]
     if pinned:
         with _hook_errors(sim):
@@ -2171,7 +2221,7 @@ def _replay(sim: Any) -> None:
                 if sim.serving is not None:  # requests served
                     sim.progress(sim.serving.finished, sim.serving.n)
                 elif streamed:  # the share of the file's rows replayed
-                    sim.progress(rows_done + len(wl.trace) * q1 // n_pass, sim.trace_rows)
+                    sim.progress(shown + rows_done + len(wl.trace) * q1 // n_pass, total)
                 else:
                     sim.progress(q1, n_pass)
         outs.append((cols, t_start, t_end, stall, m_total, m_kept))
@@ -2192,7 +2242,8 @@ def _replay(sim: Any) -> None:
         del DI, A, DF, M, nonexp
         wl = nxt
         sim.bind_piece(wl)
-        DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks)
+        DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks,
+                                      None if firsts is None else _belady_piece(sim, wl, firsts, afters, n_pieces))
     _finish(IS, FS, DI, DF, A)
     sim.copy.busy_time = float(FS[SF_BUSY])
     sim.copy.bytes_moved = int(IS[S_BYTES])

@@ -13,8 +13,10 @@ bit for bit (``tests/test_stream.py``).
 
 What a replay needs decides whether it can go a piece at a time (:func:`why_whole`): the
 kernel path, a piece never straddling a batch, and policies that look no further than the
-current forward pass. Belady reads every key's next use over the whole trace and static
-pinning counts the first share of all passes, so both replay the whole trace; so do miss
+current forward pass, or, for Belady, that read each key's next use from a first pass over
+the file (:func:`belady_after`: each piece's first access and every key's first access after
+the piece, one whole number per key and piece). Static pinning counts the first share of all
+passes, so it replays the whole trace; so do miss
 policies that re-route tokens (their per-token arrays are sized by the largest layer of the
 trace), speculative decoding (its acceptance draws run over all requests), synthesised and
 imported traces (made whole in memory), and files whose rows are not in request order.
@@ -23,9 +25,11 @@ imported traces (made whole in memory), and files whose rows are not in request 
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import numpy as np
 
 from moesim.config.scenario import Scenario
 from moesim.errors import MoesimError
@@ -39,6 +43,10 @@ CHUNK_ROWS = 1 << 18  # trace rows per piece (~30 MB of trace, ~60 MB of workloa
 _PIECEWISE_PREFETCH = ("none", "oracle", "previous-token", "lookahead", "next-gate-topk", "score-percentile")
 # the built-ins (a user's compiled hook policy goes a piece at a time too: _compiled_hooks)
 _PIECEWISE_EVICTION = ("lru", "fifo", "lfu", "fld", "score", "least-stale", "lhu")
+# eviction policies that read the future: each piece gets every key's first access after it
+# from a first pass over the file (belady_after; not served: a served pass's future depends on
+# the replay's own timing)
+_FUTURE_EVICTION = ("belady",)
 
 
 def piece_rows(path: Path | None = None) -> int:
@@ -102,7 +110,8 @@ def why_whole(scenario: Scenario, recording: bool) -> str | None:
     if scenario.workload.speculative is not None:
         return "speculative decoding"
     pol = scenario.policies
-    if pol.eviction.name not in _PIECEWISE_EVICTION and not _compiled_hooks(pol.eviction.name):
+    if (pol.eviction.name not in _PIECEWISE_EVICTION + _FUTURE_EVICTION
+            and not _compiled_hooks(pol.eviction.name)):
         return f"eviction policy '{pol.eviction.name}' reads the whole trace"
     if pol.prefetch.name not in _PIECEWISE_PREFETCH:
         return f"prefetch policy '{pol.prefetch.name}' reads the whole trace"
@@ -158,6 +167,42 @@ def pieces(scenario: Scenario, path: Path, chunk_rows: int = CHUNK_ROWS) -> Iter
     w = scenario.workload
     for piece in iter_trace(path, chunk_rows, w.batch_size, w.max_requests):
         yield build_workload(piece, w.batch_size)  # no request limit (the reader's), no speculation
+
+
+def belady_after(scenario: Scenario, path: Path, chunk_rows: int, num_prec: int, default_prec: int,
+                 progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Belady a piece at a time (issue 34): one pass over the trace file's pieces (the ones
+    :func:`pieces` cuts with ``chunk_rows``, as the replay will) before the replay. Returns
+    ``firsts`` (per piece its first access, counted over the whole trace, then the number of
+    accesses: ``pieces + 1`` entries) and ``after`` (pieces x cache keys: the key's first access
+    after the piece, -1 when it has none), so that a piece's next uses are its own positions or
+    ``after``. Memory: one piece, and 8 bytes per key and piece (1,024 keys at OLMoE's shape: 8 KB
+    a piece of ~400,000 accesses). ``progress`` is told the rows read so far."""
+    num_keys = 0
+    firsts = [0]
+    heads: list[np.ndarray] = []  # per piece, each key's first access in it (-1: none)
+    rows = 0
+    for wl in pieces(scenario, path, chunk_rows):
+        keys = wl.keys()
+        keys *= num_prec
+        keys += default_prec
+        if not heads:
+            num_keys = wl.model.num_layers * wl.model.num_experts * num_prec
+        head = np.full(num_keys, -1, np.int64)
+        present, first = np.unique(keys, return_index=True)
+        head[present] = first + firsts[-1]
+        heads.append(head)
+        firsts.append(firsts[-1] + len(keys))
+        rows += len(wl.trace) if wl.trace is not None else 0
+        if progress is not None:
+            progress(rows)
+    after = np.full((len(heads), num_keys), -1, np.int64)
+    later = np.full(num_keys, -1, np.int64)  # each key's first access in the pieces after
+    for k in range(len(heads) - 1, -1, -1):
+        after[k] = later
+        seen = heads[k] >= 0
+        later[seen] = heads[k][seen]
+    return np.asarray(firsts, np.int64), after
 
 
 def read_ahead(pieces: Iterator[Workload]) -> Generator[Workload, float, None]:
