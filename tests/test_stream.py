@@ -206,6 +206,32 @@ def test_belady_in_pieces_shows_both_passes_and_names_a_file_that_changed(ragged
         Simulation(sc, chunk_rows=700).run()
 
 
+def test_each_pieces_proposals_are_made_as_it_is_read_and_the_replay_is_the_whole_traces(
+        ragged_file: Path, monkeypatch) -> None:
+    """Score-percentile's proposals read the piece alone, so the thread that reads the next
+    piece makes them too (``Simulation.prepare_piece``): the kernel replays every piece read
+    after the policies were made from those (``_chunks_of``), asks the policy only for the
+    pieces read before (the first, perhaps the second), and the replay is the whole trace's.
+    The kernel takes 7 passes a call here, so that a piece's proposals go over in several."""
+    monkeypatch.setattr(kernel, "CHUNK", 7)
+    made, asked = [], []
+    chunks_of, ahead = kernel._chunks_of, kernel._proposals_ahead
+    monkeypatch.setattr(kernel, "_chunks_of", lambda props, n, num_l: made.append(n) or chunks_of(props, n, num_l))
+    monkeypatch.setattr(kernel, "_proposals_ahead", lambda pf, n: asked.append(n) or ahead(pf, n))
+    sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", "policies.eviction=least-stale",
+                                      "policies.prefetch=score-percentile", "cache.capacity=10%"])
+    whole = Simulation(sc, trace=read_trace(ragged_file)).run()
+    assert len(asked) == 1  # a trace in memory: asked as it is replayed
+    assert not made
+    asked.clear()
+    res = Simulation(sc, chunk_rows=500).run()
+    _same(whole, res)
+    assert res.summary["trace_pieces"] >= 5
+    assert 1 <= len(asked) <= 2
+    assert len(made) + len(asked) == res.summary["trace_pieces"]
+    assert sum(made) + sum(asked) == whole.summary["forward_passes"]
+
+
 def test_a_long_replays_rows_go_to_disk_and_back_the_same_and_its_folder_goes_with_it(
         ragged_file: Path, tmp_path: Path, monkeypatch) -> None:
     import gc

@@ -11,7 +11,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -46,6 +46,14 @@ class PrefetchPolicy(Policy, ABC):
         np.cumsum([len(x) for x in lists], out=off[1:])
         keys = np.fromiter((k for x in lists for k in x), dtype=np.int64, count=int(off[-1]))
         return off, keys
+
+    def piece_proposals(self, workload: Any) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`proposals` of all the passes of ``workload`` (a piece of a trace read in
+        pieces, not yet the one replayed), for a policy whose proposals read that workload and
+        nothing else, no state of the policy's included: made on the thread that reads the next
+        piece while the kernel replays this one (:func:`simulator.stream.read_ahead`). Default:
+        None, not made ahead (the kernel asks :meth:`proposals` as it replays the piece)."""
+        return None
 
 
 REGISTRY: Registry[PrefetchPolicy] = Registry("prefetch")
@@ -227,8 +235,15 @@ class ScorePercentile(PrefetchPolicy):
     def proposals(self, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
         """Proposals of every (pass, layer) of passes ``first .. last`` at once (compiled,
         :func:`_percentile_proposals`)."""
+        return self._proposals_of(self.ctx.workload, first, last)
+
+    def piece_proposals(self, workload: Any) -> tuple[np.ndarray, np.ndarray]:
+        return self._proposals_of(workload, 0, workload.num_passes)
+
+    def _proposals_of(self, wl: Any, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
+        """The proposals of passes ``first .. last`` of workload ``wl``: they read ``wl``, the
+        parameters and the layout alone (every buffer is the call's own)."""
         ctx = self.ctx
-        wl = ctx.workload
         num_l, num_e = self._num_l, ctx.num_experts
         bounds = np.ascontiguousarray(wl.row_off[first * num_l:last * num_l + 1], dtype=np.int64)
         groups = len(bounds) - 1

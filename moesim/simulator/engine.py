@@ -199,7 +199,7 @@ class Simulation:
         if not requests_in_order(path):
             self.whole_reason = "the trace file's rows are not in request order"
             return None
-        self.pieces = stream.read_ahead(stream.pieces(sc, path, chunk))
+        self.pieces = stream.read_ahead(stream.pieces(sc, path, chunk), self.prepare_piece)
         self.stream_source = (path, chunk)  # read again by Belady's first pass (stream.belady_after)
         self.trace_rows = rows
         return next(self.pieces)
@@ -239,6 +239,15 @@ class Simulation:
         self.pieces = self.serving.passes()
         self.whole_reason = "serving under load: one forward pass at a time"
         return next(self.pieces)
+
+    def prepare_piece(self, workload: Workload) -> None:
+        """Called on the reading thread with each piece of the trace once built: the
+        prefetcher's proposals for its passes when they read that piece alone
+        (``PrefetchPolicy.piece_proposals``). The pieces read before the policies exist get
+        none; the kernel asks for theirs as it replays them."""
+        prefetch = getattr(self, "prefetch", None)  # None until __init__ has made the policies
+        if prefetch is not None:
+            workload.proposals = prefetch.piece_proposals(workload)
 
     def bind_piece(self, workload: Workload) -> None:
         """Make ``workload`` (the trace's next piece) the one the policies and the per-pass

@@ -52,7 +52,8 @@ reference counting of the array arguments took 40% of the run time. The lookup p
 functions are always inlined by LLVM (``forceinline``): passing a dozen arrays to each call cost more
 than half of what was left (LRU full timing went from 13 to 30M accesses/s, the one-off
 compile from 12.6 to 13.2 s). The loops release the GIL (``nogil``), so that a trace read in
-pieces has its next piece read and built on a second thread while this one replays
+pieces has its next piece read and built (and, for score-percentile, its prefetch proposals
+made: ``Workload.proposals``) on a second thread while this one replays
 (:func:`simulator.stream.read_ahead`); the read-only arrays then hold one piece
 (``S_PBASE``: the piece's first pass, where its (pass, layer) entries start).
 """
@@ -2092,6 +2093,15 @@ def _proposals_ahead(prefetch: Any, n_pass: int) -> Any:
             yield done
 
 
+def _chunks_of(proposals: tuple[np.ndarray, np.ndarray], n_pass: int, num_l: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """A piece's proposals made as it was read (``Workload.proposals``), as :func:`_proposals_ahead`
+    hands them over: chunk by chunk, each chunk's offsets from 0."""
+    off, keys = proposals
+    for q0 in range(0, n_pass, CHUNK):
+        o = off[q0 * num_l:min(q0 + CHUNK, n_pass) * num_l + 1]
+        yield o - o[0], keys[o[0]:o[-1]]
+
+
 def _hand_over(sim: Any, parts: list[Any] | None, outs: list[tuple[Any, ...]], miss: int, n_pieces: int) -> None:
     """Give ``sim`` the per-pass columns of the pieces replayed since the last hand-over
     (``outs``; ``parts``: their passes and requests, joined here, or None for the whole
@@ -2209,7 +2219,10 @@ def _replay(sim: Any) -> None:
         t_start, t_end, stall = np.zeros(n_pass), np.zeros(n_pass), np.zeros(n_pass)
         m_total, m_kept = np.zeros(n_pass), np.zeros(n_pass)
         IS[S_PBASE] = base
-        props = _proposals_ahead(sim.prefetch, n_pass) if pf == PF_ARRAY else None
+        props = None
+        if pf == PF_ARRAY:
+            props = (_chunks_of(wl.proposals, n_pass, num_l) if wl.proposals is not None
+                     else _proposals_ahead(sim.prefetch, n_pass))
         for q0 in range(0, n_pass, CHUNK):
             q1 = min(q0 + CHUNK, n_pass)
             with _hook_errors(sim):  # the compiled hooks run here (and make the proposals ahead)

@@ -68,6 +68,9 @@ class Workload:
     row_off: np.ndarray | None = None
     trace: Trace | None = None
     pass_release: np.ndarray | None = None  # serving: a pass starts no earlier (s); None: on the last's end
+    # the prefetcher's proposals for every pass, made as the piece was read (``PrefetchPolicy.piece_proposals``,
+    # simulator.stream.read_ahead); None: the kernel asks for them as it replays
+    proposals: tuple[np.ndarray, np.ndarray] | None = None
 
     def release(self) -> np.ndarray:
         """Per pass, the time it may start at the earliest (seconds; zeros without arrivals,
@@ -357,7 +360,8 @@ def passes_of(wl: Workload) -> Workload:
     accesses, rows or trace, so that a replayed piece keeps only what :func:`join` reads."""
     return replace(wl, acc_layer=wl.acc_layer[:0].copy(), acc_expert=wl.acc_expert[:0].copy(),
                    acc_rank=wl.acc_rank[:0].copy(), acc_tokens=wl.acc_tokens[:0].copy(),
-                   acc_weight=wl.acc_weight[:0].copy(), row_order=None, row_off=None, trace=None)
+                   acc_weight=wl.acc_weight[:0].copy(), row_order=None, row_off=None, trace=None,
+                   proposals=None)
 
 
 def join(parts: list[Workload]) -> Workload:
