@@ -28,7 +28,9 @@ def timed_run(args: list[str], sets: list[str]) -> tuple[float, float, dict[str,
     carries into a child's ``ru_maxrss`` the peak of the memory it replaced at ``exec``, here the
     benchmark's own (the 256 M-access trace it had just written: 1.6 GB reported for a replay
     that peaked at 0.9 GB)."""
-    cmd = [sys.executable, "-c", _PEAK, "run", *args, "--json", "--no-write", "-q"]
+    # -P: the working directory does not go before PYTHONPATH (a worktree of another commit named
+    # there is the code that runs, wherever the benchmark is started)
+    cmd = [sys.executable, "-P", "-c", _PEAK, "run", *args, "--json", "--no-write", "-q"]
     for s in sets:
         cmd += ["--set", s]
     t0 = time.perf_counter()
