@@ -30,7 +30,8 @@ def timed_run(args: list[str], sets: list[str]) -> tuple[float, float, dict[str,
     that peaked at 0.9 GB)."""
     # -P: the working directory does not go before PYTHONPATH (a worktree of another commit named
     # there is the code that runs, wherever the benchmark is started)
-    cmd = [sys.executable, "-P", "-c", _PEAK, "run", *args, "--json", "--no-write", "-q"]
+    safe = ["-P"] if sys.version_info >= (3, 11) else []  # -P is new in 3.11
+    cmd = [sys.executable, *safe, "-c", _PEAK, "run", *args, "--json", "--no-write", "-q"]
     for s in sets:
         cmd += ["--set", s]
     t0 = time.perf_counter()
