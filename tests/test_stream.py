@@ -502,7 +502,7 @@ def test_every_reason_to_read_the_whole_trace(ragged_file: Path, monkeypatch) ->
 
 def test_the_piece_size_comes_from_the_environment_or_the_default(monkeypatch) -> None:
     monkeypatch.delenv("MOESIM_PIECE_ROWS", raising=False)
-    assert piece_rows() == CHUNK_ROWS == 262_144
+    assert piece_rows() == CHUNK_ROWS == 131_072
     for raw, rows in (("1", 1), (" 5000 ", 5000), ("", CHUNK_ROWS)):
         monkeypatch.setenv("MOESIM_PIECE_ROWS", raw)
         assert piece_rows() == rows
@@ -512,13 +512,13 @@ def test_a_file_with_wider_rows_is_read_in_pieces_of_as_many_bytes(ragged_file: 
                                                                    monkeypatch) -> None:
     """An OLMoE row in memory: request, step, position (3 x 4 bytes), phase (1), layer (2),
     8 expert ids (8 x 2) and 8 weights (8 x 4): 63 bytes; with ``pred_next`` 64 floats more:
-    319. A piece of such rows holds 262,144 x 63 / 319 of them."""
+    319. A piece of such rows holds 131,072 x 63 / 319 of them."""
     monkeypatch.delenv("MOESIM_PIECE_ROWS", raising=False)
     tr = read_trace(ragged_file)
     tr.pred_next = None
     plain = write_trace(tr, tmp_path / "plain.parquet")
-    assert piece_rows(plain) == 262_144
-    assert piece_rows(ragged_file) == 262_144 * 63 // 319 == 51_771
+    assert piece_rows(plain) == 131_072
+    assert piece_rows(ragged_file) == 131_072 * 63 // 319 == 25_885
     monkeypatch.setenv("MOESIM_PIECE_ROWS", "700")
     assert piece_rows(ragged_file) == 700
 
