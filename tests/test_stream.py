@@ -114,7 +114,7 @@ def test_a_file_out_of_request_order_is_read_whole_with_the_same_results(tmp_pat
 POLICIES = st.sampled_from([("lru", "none"), ("least-stale", "score-percentile"), ("fld", "previous-token"),
                             ("lfu", "lookahead"), ("score", "next-gate-topk"), ("fifo", "oracle"),
                             ("least-stale", "previous-token"), ("lhu", "none"), ("belady", "oracle"),
-                            ("belady", "none")])
+                            ("belady", "none"), ("belady", "next-gate-topk"), ("belady", "score-percentile")])
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -129,6 +129,8 @@ POLICIES = st.sampled_from([("lru", "none"), ("least-stale", "score-percentile")
          max_requests=5, block=1 << 16)
 @example(pol=("belady", "oracle"), batch=1, mode="per-expert", chunk=300, cap="3%", style="none",
          fetch="pipelined", max_requests=None, block=40)
+@example(pol=("belady", "score-percentile"), batch=1, mode="layer", chunk=200, cap="40%", style="none",
+         fetch="pipelined", max_requests=None, block=1 << 16)  # keys proposed that the piece never routes
 def test_a_replay_in_pieces_equals_the_whole_trace_replay(ragged_file: Path, monkeypatch, pol, batch, mode, chunk, cap,
                                                           style, fetch, max_requests, block) -> None:
     """... and so does one whose per-pass rows are handed over ``block`` passes at a time
