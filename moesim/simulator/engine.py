@@ -240,6 +240,15 @@ class Simulation:
         self.whole_reason = "serving under load: one forward pass at a time"
         return next(self.pieces)
 
+    def belady_after(self, progress: Callable[[int], None] | None) -> tuple[np.ndarray, np.ndarray]:
+        """Belady a piece at a time: the first pass over the trace file, in the pieces the
+        replay reads (:func:`simulator.stream.belady_after`)."""
+        from moesim.simulator import stream
+
+        assert self.stream_source is not None, "a trace read in pieces"
+        path, chunk = self.stream_source
+        return stream.belady_after(self.scenario, path, chunk, self.num_prec, self.default_prec, progress)
+
     def prepare_piece(self, workload: Workload) -> None:
         """Called on the reading thread with each piece of the trace once built: the
         prefetcher's proposals for its passes when they read that piece alone

@@ -2191,14 +2191,11 @@ def _replay(sim: Any) -> None:
     shown, total = 0, sim.trace_rows
     firsts: Any = None
     if streamed and ev == EV_BELADY:
-        from moesim.simulator.stream import belady_after
-
         def read(rows: int) -> None:
             if sim.progress is not None:
                 sim.progress(rows, 2 * sim.trace_rows)
 
-        path, chunk = sim.stream_source
-        firsts, afters = belady_after(sim.scenario, path, chunk, sim.num_prec, sim.default_prec, read)
+        firsts, afters = sim.belady_after(read)
         shown, total = sim.trace_rows, 2 * sim.trace_rows
     DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks,
                                   None if firsts is None else _belady_piece(sim, wl, firsts, afters, 0))
