@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numba
+import numpy as np
 import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -732,3 +733,26 @@ def test_a_compiled_hook_policy_serves_under_load_as_the_builtin_it_mirrors(hook
                                           r"its hooks do not compile\); use one of lru, .* or a hook policy numba "
                                           r"compiles"):
         served("not-numeric")
+
+
+def test_the_compiled_loops_keep_small_tuples_types_but_not_a_pieces_arrays():
+    """A tuple argument's type is kept with the tuple (typing the hooks again cost a third of an
+    LRU replay); a tuple whose arrays hold more than ``_KEEP_BYTES`` (a piece's per-access arrays)
+    is typed at each call and not kept, so that the pieces replayed do not stay in memory (issue
+    34: keeping the last 16 raised LRU's peak on the 25.6 M-access trace by 250 MB)."""
+    from moesim import jit
+    from moesim.simulator.kernel import replay_passes
+
+    if not isinstance(replay_passes, getattr(jit, "_PlainTypes", ())):
+        pytest.skip("numba is not compiling here")
+    small = (np.zeros(10), np.zeros(3, np.int64))
+    big = (np.zeros(jit._KEEP_BYTES // 8 + 1), np.zeros(3, np.int64))
+    try:
+        assert str(replay_passes.typeof_pyval(small)) == "Tuple(array(float64, 1d, C), array(int64, 1d, C))"
+        typed = replay_passes.typeof_pyval(big)
+        kept = [v for v, _ in replay_passes._tuples.values()]
+        assert any(v is small for v in kept)
+        assert not any(v is big for v in kept)
+        assert replay_passes.typeof_pyval(big) == typed  # typed again, the same
+    finally:
+        jit.forget_tuples()
