@@ -36,7 +36,8 @@ from moesim.errors import MoesimError
 from moesim.simulator.workload import Workload, build_workload
 
 # trace rows per piece (~8 MB of trace, ~100 MB of workload and replay arrays at top-8). Issue 34,
-# the 25.6 M-access benchmark trace, three runs each: LRU peaked at 1,070-1,107 MB in pieces of
+# the 25.6 M-access benchmark trace, three runs each, while the compiled loops still kept 16 pieces'
+# arrays (moesim.jit._KEEP_BYTES; since then 708 and 582-601 MB at the first two sizes): LRU peaked at 1,070-1,107 MB in pieces of
 # 262,144 rows, 851-871 MB in pieces of 131,072, 643-658 MB of 65,536 (times 3.25-3.73, 2.85-3.62,
 # 2.95-3.18 s); least-stale + score-percentile (pieces of a quarter of those rows) 803-857, 680-690
 # and 553-568 MB (9.18-9.64, 10.00-10.48, 9.63-10.23 s)
