@@ -166,7 +166,7 @@ def test_belady_in_pieces_reads_each_keys_first_access_after_the_piece_from_a_fi
     sizes = [len(w.acc_layer) for w in pieces(sc, ragged_file, 600)]
     assert len(sizes) >= 5
     rows_seen: list[int] = []
-    firsts, after = belady_after(sc, ragged_file, 600, 4, 1, rows_seen.append)
+    firsts, after = belady_after(sc, ragged_file, 600, 4, 1, 16 * 64 * 4, rows_seen.append)
     assert firsts.tolist() == np.concatenate([[0], np.cumsum(sizes)]).tolist()
     assert firsts[-1] == len(keys)
     assert rows_seen[-1] == len(read_trace(ragged_file))

@@ -247,7 +247,8 @@ class Simulation:
 
         assert self.stream_source is not None, "a trace read in pieces"
         path, chunk = self.stream_source
-        return stream.belady_after(self.scenario, path, chunk, self.num_prec, self.default_prec, progress)
+        return stream.belady_after(self.scenario, path, chunk, self.num_prec, self.default_prec,
+                                   self.model.num_layers * self.model.num_experts * self.num_prec, progress)
 
     def prepare_piece(self, workload: Workload) -> None:
         """Called on the reading thread with each piece of the trace once built: the
@@ -302,13 +303,9 @@ class Simulation:
 
     @cached_property
     def acc_keys(self) -> np.ndarray:
-        """The cache key of every access (made when first read, in place: Belady's next uses
-        on the kernel and the calibration executor; the SimPy path's lookups make each
-        layer's keys with ``PolicyContext.layer_keys``)."""
-        keys = self.wl.keys()
-        keys *= self.num_prec
-        keys += self.default_prec
-        return keys
+        """The cache key of every access (made when first read: the calibration executor's; the
+        SimPy path's lookups make each layer's keys with ``PolicyContext.layer_keys``)."""
+        return self.wl.cache_keys(self.num_prec, self.default_prec)
 
     def _recording(self) -> bool:
         return self.record_passes is None or self.clock.pass_index < self.record_passes

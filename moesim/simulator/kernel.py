@@ -2001,24 +2001,17 @@ def _piece(sim: Any, wl: Any, ev: int, miss: int, max_rows: int, IS: np.ndarray,
     piece of it): ``DI`` = access offsets | pass groups | (Belady) each key's access indices
     in ``wl`` and its first access after it (``after``: the piece's first access and that
     array, counted over the whole trace, :func:`simulator.stream.belady_after`; None: ``wl`` is
-    the whole trace);
+    the whole trace, which starts at 0 with nothing after it);
     ``A`` = the per-access arrays (layer, expert, tokens routed, summed gate weight, best
     router rank) and ``hooks`` (:func:`_hooks`); ``DF`` = expert seconds by token count | per-pass factor; ``M`` = the
     per-token arrays; the non-expert seconds of each pass. Region offsets go to ``IS``."""
     num_keys = IS[H_NKEYS]
     parts = [np.ascontiguousarray(wl.off, dtype=np.int64), np.asarray(wl.pass_group, np.int64)]
     if ev == EV_BELADY:
-        if after is None:
-            parts.extend(_belady_positions(sim.acc_keys, num_keys))
-            parts.append(np.full(num_keys, -1, np.int64))
-            IS[S_ABASE] = 0
-        else:
-            keys = wl.keys()
-            keys *= sim.num_prec
-            keys += sim.default_prec
-            parts.extend(_belady_positions(keys, num_keys))
-            parts.append(after[1])
-            IS[S_ABASE] = after[0]
+        first, later = after if after is not None else (0, np.full(num_keys, -1, np.int64))
+        parts.extend(_belady_positions(wl.cache_keys(sim.num_prec, sim.default_prec), num_keys))
+        parts.append(later)
+        IS[S_ABASE] = first
     starts = np.cumsum([0] + [len(x) for x in parts])
     DI = np.concatenate(parts)
     del parts

@@ -36,11 +36,12 @@ from moesim.errors import MoesimError
 from moesim.simulator.workload import Workload, build_workload
 
 # trace rows per piece (~8 MB of trace, ~100 MB of workload and replay arrays at top-8). Issue 34,
-# the 25.6 M-access benchmark trace, three runs each, while the compiled loops still kept 16 pieces'
-# arrays (moesim.jit._KEEP_BYTES; since then 708 and 582-601 MB at the first two sizes): LRU peaked at 1,070-1,107 MB in pieces of
-# 262,144 rows, 851-871 MB in pieces of 131,072, 643-658 MB of 65,536 (times 3.25-3.73, 2.85-3.62,
-# 2.95-3.18 s); least-stale + score-percentile (pieces of a quarter of those rows) 803-857, 680-690
-# and 553-568 MB (9.18-9.64, 10.00-10.48, 9.63-10.23 s)
+# the 25.6 M-access benchmark trace, three runs each, while the compiled loops still kept 16
+# pieces' arrays (moesim.jit._KEEP_BYTES; since then 708 and 582-601 MB at the first two sizes):
+# LRU peaked at 1,070-1,107 MB in pieces of 262,144 rows, 851-871 MB in pieces of 131,072,
+# 643-658 MB of 65,536 (times 3.25-3.73, 2.85-3.62, 2.95-3.18 s); least-stale + score-percentile
+# (pieces of a quarter of those rows) 803-857, 680-690 and 553-568 MB (9.18-9.64, 10.00-10.48,
+# 9.63-10.23 s)
 CHUNK_ROWS = 1 << 17
 
 # prefetchers whose proposals at (pass, layer) read that pass (or the one before it in its
@@ -176,24 +177,19 @@ def pieces(scenario: Scenario, path: Path, chunk_rows: int = CHUNK_ROWS) -> Iter
 
 
 def belady_after(scenario: Scenario, path: Path, chunk_rows: int, num_prec: int, default_prec: int,
-                 progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                 num_keys: int, progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Belady a piece at a time (issue 34): one pass over the trace file's pieces (the ones
     :func:`pieces` cuts with ``chunk_rows``, as the replay will) before the replay. Returns
     ``firsts`` (per piece its first access, counted over the whole trace, then the number of
     accesses: ``pieces + 1`` entries) and ``after`` (pieces x cache keys: the key's first access
     after the piece, -1 when it has none), so that a piece's next uses are its own positions or
     ``after``. Memory: one piece, and 8 bytes per key and piece (1,024 keys at OLMoE's shape: 8 KB
-    a piece of ~400,000 accesses). ``progress`` is told the rows read so far."""
-    num_keys = 0
+    a piece of ~1,000,000 accesses). ``progress`` is told the rows read so far."""
     firsts = [0]
     heads: list[np.ndarray] = []  # per piece, each key's first access in it (-1: none)
     rows = 0
     for wl in pieces(scenario, path, chunk_rows):
-        keys = wl.keys()
-        keys *= num_prec
-        keys += default_prec
-        if not heads:
-            num_keys = wl.model.num_layers * wl.model.num_experts * num_prec
+        keys = wl.cache_keys(num_prec, default_prec)
         head = np.full(num_keys, -1, np.int64)
         present, first = np.unique(keys, return_index=True)
         head[present] = first + firsts[-1]
@@ -217,8 +213,10 @@ def read_ahead(pieces: Iterator[Workload],
     before (the compiled loops release the GIL, and so does the Parquet reader): two pieces
     in memory at most. ``prepare`` is called on that thread with each piece once built (the
     prefetcher's proposals for it, :meth:`simulator.engine.Simulation.prepare_piece`), so that
-    the replay's work beside the kernel runs on one thread, not two (issue 34: with the
-    proposals on a third thread, least-stale + score-percentile ran 12-15% slower on two cores).
+    the replay's work beside the kernel runs on one thread, not two (issue 34: least-stale +
+    score-percentile on the 25.6 M-access benchmark trace, five interleaved rounds of whole
+    processes on two cores: 9.36 s median with the proposals made here, 10.12 s on a thread of
+    their own).
     An error reading or preparing a piece is raised where that piece is asked for."""
 
     def made() -> Workload | None:

@@ -111,6 +111,14 @@ class Workload:
         keys += self.acc_expert
         return keys
 
+    def cache_keys(self, num_prec: int, default_prec: int) -> np.ndarray:
+        """The cache key of every access at the default precision (``PolicyContext.cache_keys``
+        of :meth:`keys`, made in place)."""
+        keys = self.keys()
+        keys *= num_prec
+        keys += default_prec
+        return keys
+
 
 def speculate(trace: Trace, tree_size: int, depth: int, accept_prob: float,
               rng: np.random.Generator) -> tuple[Trace, dict[tuple[int, int], int]]:
