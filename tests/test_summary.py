@@ -3,8 +3,13 @@ conditional metrics worked out by hand on small traces (issue 12)."""
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moesim.simulator.engine import simulate
 from tests.helpers import scenario, small_model, trace_from_array
@@ -219,3 +224,61 @@ def test_pass_totals_by_hand_however_the_rows_are_cut() -> None:
         assert t.total("dec_duration") == 2.0
         assert t.total("dec_request_time") == 2.5  # 0.25 x 3 + 0.75 x 1 + 0.5 x 2
         assert t.mean("dec_max_experts_per_gpu") == 4.0  # (2 + 4 + 3 + 5 + 6) / 5
+
+
+# doubles of every kind the exact sum must carry: subnormal, tiny, huge, negative, zero
+_DOUBLES = st.floats(allow_nan=False, allow_infinity=False, min_value=-1e300, max_value=1e300)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(_DOUBLES, max_size=60), cuts=st.lists(st.integers(0, 60), max_size=6))
+def test_the_exact_sum_is_fsums_however_the_values_are_cut(values, cuts) -> None:
+    """:class:`ExactSum` fed the values in blocks cut anywhere gives :func:`math.fsum` over all
+    of them (the correctly rounded exact sum), and its count."""
+    from moesim.simulator.metrics import ExactSum
+
+    acc = ExactSum()
+    edges = sorted({0, len(values), *(c for c in cuts if c <= len(values))})
+    for lo, hi in itertools.pairwise(edges):
+        acc.add(np.array(values[lo:hi], dtype=np.float64))
+    assert acc.value == math.fsum(values)
+    assert acc.count == len(values)
+
+
+def test_the_exact_sum_by_hand() -> None:
+    """Cases worked out by hand: 0.1 + 0.2 + 0.3, whose float64 terms sum exactly to
+    0.6000000000000000055511151231257827 (rounded: 0.6, where adding them left to right gives
+    0.6000000000000001); 1e16 + 1 + 1 (exactly 10000000000000002, where left to right loses
+    both ones); the smallest subnormal twice (2 * 2**-1074); a cancellation to zero; and an
+    infinity and a NaN, which make the sum theirs."""
+    from moesim.simulator.metrics import ExactSum
+
+    def exact(*blocks: list[float]) -> float:
+        acc = ExactSum()
+        for b in blocks:
+            acc.add(np.array(b, dtype=np.float64))
+        return acc.value
+
+    assert 0.1 + 0.2 + 0.3 == 0.6000000000000001
+    assert exact([0.1], [0.2, 0.3]) == 0.6
+    assert exact([1e16], [1.0], [1.0]) == 1e16 + 2
+    assert exact([5e-324], [5e-324]) == 1e-323
+    assert exact([1e300, 1.0], [-1e300]) == 1.0
+    assert exact([1.5, -1.5]) == 0.0
+    assert exact([]) == 0.0
+    assert exact([1.0], [np.inf]) == np.inf
+    assert np.isnan(exact([np.inf], [1.0], [-np.inf]))
+    assert np.isnan(exact([np.nan, 1.0]))
+
+
+def test_the_exact_sum_carries_more_than_a_slice_at_one_exponent(monkeypatch) -> None:
+    """Values of one exponent with all 53 significand bits set, in a block longer than the
+    slice the per-exponent float64 totals are taken over (made 4 here): their sum is exact
+    only if the slices are carried into the integer, and equals n times the value."""
+    from moesim.simulator import metrics
+
+    monkeypatch.setattr(metrics.ExactSum, "_SLICE", 4)
+    v = 1.0 - 2.0 ** -53  # 0.11...1 in binary, 53 ones
+    acc = metrics.ExactSum()
+    acc.add(np.full(11, v))
+    assert acc.value == math.fsum([v] * 11) == 11 - 11 * 2.0 ** -53

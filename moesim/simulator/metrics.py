@@ -56,6 +56,7 @@ In cache-only replay (``timing: false``) the time metrics are ``null``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import numpy as np
@@ -101,14 +102,64 @@ _SUMS = ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetc
 _DECODE_LIKE, _PREFILL, _DECODE, _VERIFY = "decode_like", "prefill", "decode", "verify"
 
 
+class ExactSum:
+    """The sum of float64 values taken a block at a time, kept exactly and rounded once when
+    asked (:attr:`value`): the correctly rounded sum of all the values, as :func:`math.fsum`
+    gives it over them at once, however they were cut into blocks and in whatever order the
+    blocks came, in memory that does not grow with the count (issue 34). Every finite double
+    is a whole multiple of 2**-1074, so the sum is kept as a Python integer in units of
+    2**-1127 (2**-1074 / 2**53, so that no shift is negative). A block is added with numpy:
+    each value split into its exponent and 53-bit whole significand (``np.frexp``), the
+    significands cut into two parts of under 2**27 each and added up per exponent in float64
+    (exact while a slice has fewer than 2**26 values), then each exponent's total shifted into
+    the integer. Not-a-number and infinite values are added as numpy adds them and make the
+    result theirs. ``math.fsum`` gives the same rounding but only over values it holds at
+    once; the hand-written part is the carrying between blocks."""
+
+    _SLICE = 1 << 20  # values added up per exponent in one go: exact below 2**26
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._units = 0  # the exact sum of the finite values, in units of 2**-1127
+        self._special: float | None = None  # the sum of the values that are not finite
+
+    def add(self, values: np.ndarray) -> None:
+        x = np.asarray(values, dtype=np.float64).ravel()
+        self.count += len(x)
+        finite = np.isfinite(x)
+        if not finite.all():
+            bad = float(x[~finite].sum())
+            self._special = bad if self._special is None else self._special + bad
+            x = x[finite]
+        for lo in range(0, len(x), self._SLICE):
+            part = x[lo:lo + self._SLICE]
+            frac, exp = np.frexp(part)  # part == frac * 2**exp, 0.5 <= |frac| < 1 (or 0)
+            whole = (frac * 2.0 ** 53).astype(np.int64)  # exact: part == whole * 2**(exp - 53)
+            low = int(exp.min())
+            at = exp - low
+            high_sums = np.bincount(at, weights=whole >> 26)  # whole == high * 2**26 + low26
+            low_sums = np.bincount(at, weights=whole & ((1 << 26) - 1))
+            for i in np.flatnonzero((high_sums != 0) | (low_sums != 0)):
+                self._units += ((int(high_sums[i]) << 26) + int(low_sums[i])) << (low + int(i) + 1074)
+
+    @property
+    def value(self) -> float:
+        if self._special is not None:
+            return self._special
+        try:
+            return self._units / (1 << 1127)  # Python's int / int is correctly rounded
+        except OverflowError:
+            return math.copysign(math.inf, self._units)
+
+
 class PassTotals:
     """What the summary reads of the per-pass rows, taken a block of rows at a time
     (:meth:`add`) so that a long replay need not keep its rows (issue 34: the rows of a trace
     read in pieces go to disk). Whole-number columns are added up as the blocks come; the
     few floating-point columns the summary adds up (``stall_s``, the gate mass, decode pass
-    durations) are kept, 48 bytes a pass at most, and added up at the end in one numpy sum
-    over all of them, as over the whole table: the summary is then the same, bit for bit,
-    however the rows were cut."""
+    durations) are added up exactly as they come and rounded once (:class:`ExactSum`): the
+    summary is then the same, bit for bit, however the rows were cut, and its memory does not
+    grow with the number of passes."""
 
     def __init__(self) -> None:
         self.passes = 0
@@ -120,7 +171,7 @@ class PassTotals:
         self.verify_generated = 0
         self.verify_requests = 0
         self.end_s = 0.0
-        self._kept: dict[str, list[np.ndarray]] = {k: [] for k in (
+        self._sums = {k: ExactSum() for k in (
             "stall_s", "gate_weight_total", "gate_weight_computed", "dec_duration", "dec_request_time",
             "dec_max_experts_per_gpu")}
 
@@ -146,22 +197,23 @@ class PassTotals:
         self.verify_generated += int(gen[masks[_VERIFY]].sum())
         self.verify_requests += int(steps["requests"].to_numpy()[masks[_VERIFY]].sum())
         self.end_s = max(self.end_s, float(steps["end_s"].max()))
-        kept = self._kept
+        exact = self._sums
         for k in ("stall_s", "gate_weight_total", "gate_weight_computed"):
-            kept[k].append(steps[k].to_numpy(np.float64))
-        dur = steps["duration_s"].to_numpy()[dl]
-        kept["dec_duration"].append(dur)
-        kept["dec_request_time"].append(dur * steps["requests"].to_numpy()[dl])
-        kept["dec_max_experts_per_gpu"].append(steps["max_experts_per_gpu"].to_numpy()[dl])
+            exact[k].add(steps[k].to_numpy(np.float64))
+        dur = steps["duration_s"].to_numpy(np.float64)[dl]
+        exact["dec_duration"].add(dur)
+        exact["dec_request_time"].add(dur * steps["requests"].to_numpy()[dl])
+        exact["dec_max_experts_per_gpu"].add(steps["max_experts_per_gpu"].to_numpy(np.float64)[dl])
 
     def total(self, key: str) -> float:
-        """The sum of a kept floating-point column over all the passes taken (a replay hands
-        over one block at least: a workload has a pass)."""
-        return float(np.concatenate(self._kept[key]).sum())
+        """The correctly rounded sum of a floating-point column over all the passes taken."""
+        return self._sums[key].value
 
     def mean(self, key: str) -> float:
-        """The mean of a kept floating-point column (the summary asks where it has values)."""
-        return float(np.concatenate(self._kept[key]).mean())
+        """The mean of a floating-point column: its correctly rounded sum over the count (the
+        summary asks where it has values)."""
+        acc = self._sums[key]
+        return acc.value / acc.count
 
 
 def summarise(sim: RunInfo, totals: PassTotals, requests: pd.DataFrame) -> dict[str, Any]:

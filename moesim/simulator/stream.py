@@ -7,8 +7,9 @@ the previous piece: the cache, the copy engine, the prefetch queue and the clock
 is then set by the piece and the cache, not by the trace. The per-pass rows are handed over
 :data:`simulator.kernel.BLOCK_PASSES` passes at a time and, from the second block on, written to a temporary
 Parquet file (:class:`output.results.PassRows`); the summary keeps its whole-number totals
-and the few floating-point columns it adds up (:class:`simulator.metrics.PassTotals`, 48
-bytes a pass at most), and the per-request rows stay in memory. Results are the whole-trace replay's,
+and the exact sums of the few floating-point columns it adds up
+(:class:`simulator.metrics.PassTotals`: memory that does not grow with the passes), and the
+per-request rows stay in memory. Results are the whole-trace replay's,
 bit for bit (``tests/test_stream.py``).
 
 What a replay needs decides whether it can go a piece at a time (:func:`why_whole`): the
