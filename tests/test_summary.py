@@ -249,7 +249,7 @@ def test_the_exact_sum_by_hand() -> None:
     """Cases worked out by hand: 0.1 + 0.2 + 0.3, whose float64 terms sum exactly to
     0.6000000000000000055511151231257827 (rounded: 0.6, where adding them left to right gives
     0.6000000000000001); 1e16 + 1 + 1 (exactly 10000000000000002, where left to right loses
-    both ones); the smallest subnormal twice (2 * 2**-1074); a cancellation to zero; and an
+    both ones); the smallest subnormal twice (2 * 2**-1074); cancellations; a tie; and an
     infinity and a NaN, which make the sum theirs."""
     from moesim.simulator.metrics import ExactSum
 
@@ -265,6 +265,13 @@ def test_the_exact_sum_by_hand() -> None:
     assert exact([5e-324], [5e-324]) == 1e-323
     assert exact([1e300, 1.0], [-1e300]) == 1.0
     assert exact([1.5, -1.5]) == 0.0
+    # a tie goes to the even neighbour: 1 + 2**-53 is halfway between 1 and 1 + 2**-52
+    assert exact([1.0], [2.0 ** -53]) == 1.0
+    # cancellation inside one exponent of one block: the significands' high parts (2**26 and
+    # above) sum to 0 with low parts left, or to 1 with none left
+    assert exact([1 + 2.0 ** -52, -1.0]) == 2.0 ** -52
+    assert exact([1 + 5 * 2.0 ** -52, -1.0]) == 5 * 2.0 ** -52
+    assert exact([1 + 2.0 ** -26, -1.0]) == 2.0 ** -26
     assert exact([]) == 0.0
     assert exact([1.0], [np.inf]) == np.inf
     assert np.isnan(exact([np.inf], [1.0], [-np.inf]))

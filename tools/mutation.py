@@ -145,6 +145,10 @@ EQUIVALENT: dict[str, str] = {
        "the warning's GB by a billionth, below the digit it prints" for n in (276, 278)},
     'moesim.simulator.metrics.xǁPassTotalsǁadd__mutmut_72':
         "to_numpy(None) of a float64 column is float64, as to_numpy(np.float64)",
+    # the exact sum (MUTATE_ONLY xǁExactSumǁ*, with tests/test_summary.py)
+    **{'moesim.simulator.metrics.xǁExactSumǁadd__mutmut_' + str(n): "asarray without dtype float64: PassTotals "
+       "hands it float64, and an int or float32 array's values are added exactly either way (frexp widens "
+       "them)" for n in (3, 5)},
     # the engine
     # the host thread (issue 37; a MUTATE_ONLY run of _host*, _compute, _fused, _end_pass with
     # tests/test_host.py and tests/test_engine.py). The judgements of _run and __init__ were
