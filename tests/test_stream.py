@@ -114,7 +114,8 @@ def test_a_file_out_of_request_order_is_read_whole_with_the_same_results(tmp_pat
 POLICIES = st.sampled_from([("lru", "none"), ("least-stale", "score-percentile"), ("fld", "previous-token"),
                             ("lfu", "lookahead"), ("score", "next-gate-topk"), ("fifo", "oracle"),
                             ("least-stale", "previous-token"), ("lhu", "none"), ("belady", "oracle"),
-                            ("belady", "none"), ("belady", "next-gate-topk"), ("belady", "score-percentile")])
+                            ("belady", "none"), ("belady", "next-gate-topk"), ("belady", "score-percentile"),
+                            ("lru", "static-pin"), ("belady", "static-pin"), ("least-stale", "static-pin")])
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -131,6 +132,8 @@ POLICIES = st.sampled_from([("lru", "none"), ("least-stale", "score-percentile")
          fetch="pipelined", max_requests=None, block=40)
 @example(pol=("belady", "score-percentile"), batch=1, mode="layer", chunk=200, cap="40%", style="none",
          fetch="pipelined", max_requests=None, block=1 << 16)  # keys proposed that the piece never routes
+@example(pol=("lru", "static-pin"), batch=1, mode="layer", chunk=200, cap="40%", style="none",
+         fetch="pipelined", max_requests=None, block=1 << 16)  # a piece a request: the share ends in the second
 def test_a_replay_in_pieces_equals_the_whole_trace_replay(ragged_file: Path, monkeypatch, pol, batch, mode, chunk, cap,
                                                           style, fetch, max_requests, block) -> None:
     """... and so does one whose per-pass rows are handed over ``block`` passes at a time
@@ -143,6 +146,9 @@ def test_a_replay_in_pieces_equals_the_whole_trace_replay(ragged_file: Path, mon
         sets.append(f"workload.max_requests={max_requests}")
     if style != "none":  # a style sets the execution mode and fetch discipline unless the scenario does
         sets = [s for s in sets if not s.startswith(("expert_compute", "expert_fetch"))]
+    if pol[1] == "static-pin":  # a calibration share that ends past the first pieces
+        sets = [s for s in sets if not s.startswith("policies.prefetch")] + [
+            "policies.prefetch.name=static-pin", "policies.prefetch.calibration=0.3"]
     sc = load_scenario("quickstart", sets)
     whole = Simulation(sc, trace=read_trace(ragged_file)).run()
     sim = Simulation(sc, chunk_rows=chunk)
@@ -400,6 +406,51 @@ def test_the_real_mixtral_logs_in_pieces_equal_their_whole_replay(tmp_path: Path
     assert res.summary["trace_pieces"] == 4 // batch
 
 
+def test_static_pinning_in_pieces_pins_the_experts_counted_over_the_whole_trace(ragged_file: Path) -> None:
+    """Static pinning a piece at a time counts the trace's passes and the experts of the first
+    ``calibration`` share of them over the whole file, not the first piece: the experts pinned
+    are those a count over the whole trace's workload (worked out here with numpy, apart from
+    the policy) puts first, and with them the cache's preloaded experts."""
+
+    sets = [f"workload.trace.path={ragged_file}", "policies.prefetch.name=static-pin",
+            "policies.prefetch.calibration=0.5", "policies.prefetch.fraction=1.0", "cache.capacity=5%"]
+    sc = load_scenario("quickstart", sets)
+    sim = Simulation(sc, chunk_rows=300)
+    assert sim.pieces is not None, sim.whole_reason
+    first = sim.wl
+    whole = build_workload(read_trace(ragged_file), 1)
+    assert first.num_passes < whole.num_passes // 2  # the share ends beyond the first piece
+    n_cal = -(-whole.num_passes // 2)
+    counts = np.bincount(whole.keys()[:whole.off[n_cal * 16]], minlength=16 * 64)
+    slots = int(sim.capacity / sim.expert_bytes)
+    assert 0 < slots < np.count_nonzero(counts)
+    # the slots most-counted experts, ties to the lower key; a cache key is the expert's key times
+    # the model's 4 precisions plus the scenario's (bf16, the first)
+    assert (sim.num_prec, sim.default_prec) == (4, 0)
+    want = sorted(range(len(counts)), key=lambda k: (-counts[k], k))[:slots]
+    assert sorted(sim.prefetch.pinned()) == sorted(4 * k for k in want)
+    assert sim.preloaded == slots
+    res = sim.run()
+    assert res.summary["preloaded_experts"] == slots
+
+
+def test_static_pinning_and_belady_in_pieces_show_both_first_passes(ragged_file: Path) -> None:
+    """Static pinning reads the file before the replay (in the constructor), Belady once more
+    (in the kernel): the progress covers three times the file's rows, never going back."""
+    sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", "policies.eviction=belady",
+                                      "policies.prefetch.name=static-pin", "policies.prefetch.calibration=0.5"])
+    seen: list[tuple[int, int]] = []
+    sim = Simulation(sc, chunk_rows=700, progress=lambda d, t: seen.append((d, t)))
+    rows = len(read_trace(ragged_file))
+    assert seen[-1] == (rows, 3 * rows)  # static pinning's pass, shown once
+    sim.run()
+    assert {t for _, t in seen} == {3 * rows}
+    done = [d for d, _ in seen]
+    assert done == sorted(done)
+    assert done[-1] == 3 * rows
+    assert any(rows < d <= 2 * rows for d in done)  # Belady's pass
+
+
 def test_progress_counts_the_file_rows_up_to_all_of_them(ragged_file: Path) -> None:
     seen: list[tuple[int, int]] = []
     sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}"])
@@ -412,7 +463,6 @@ def test_progress_counts_the_file_rows_up_to_all_of_them(ragged_file: Path) -> N
 
 
 @pytest.mark.parametrize(("sets", "reason"), [
-    (["policies.prefetch=static-pin"], "prefetch policy 'static-pin' reads the whole trace"),
     (["policies.miss=drop"], "miss policy 'drop' re-routes tokens"),
     (["workload.speculative.tree_size=4"], "speculative decoding"),
 ])

@@ -342,18 +342,28 @@ class StaticPin(PrefetchPolicy):
     """Keep the most frequently used experts resident: the experts used most often in the
     first ``calibration`` share of the forward passes fill ``fraction`` of the cache before
     the replay starts (loaded at start-up, outside the timed passes) and are never evicted;
-    the rest of the cache works as usual. No per-layer prefetching."""
+    the rest of the cache works as usual. No per-layer prefetching. A trace file replayed a
+    piece at a time is read for the counts before the replay (``PolicyContext.whole_trace``)."""
 
     Params = StaticPinParams
     active = False
 
     def __init__(self, params: StaticPinParams, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
-        wl = ctx.workload
-        n_cal = max(1, math.ceil(wl.num_passes * params.calibration))
-        end = int(wl.off[n_cal * ctx.num_layers])
-        keys = wl.keys()[:end]
-        counts = np.bincount(keys, minlength=ctx.num_layers * ctx.num_experts)
+        # the passes of the whole trace, then the experts of its first n_cal passes (a trace file
+        # replayed a piece at a time is read for them before the replay: once whole, then up to
+        # the piece where the calibration share ends)
+        num_passes = sum(wl.num_passes for wl in ctx.whole_trace())
+        n_cal = max(1, math.ceil(num_passes * params.calibration))
+        counts = np.zeros(ctx.num_layers * ctx.num_experts, np.int64)
+        pieces = ctx.whole_trace()
+        for wl in pieces:
+            take = min(n_cal, wl.num_passes)
+            counts += np.bincount(wl.keys()[:int(wl.off[take * ctx.num_layers])], minlength=len(counts))
+            n_cal -= take
+            if not n_cal:
+                break
+        pieces.close()
         slots = ctx.capacity_bytes / ctx.expert_bytes if math.isfinite(ctx.capacity_bytes) else len(counts)
         n_pin = min(int(slots * params.fraction), int((counts > 0).sum()))
         order = np.argsort(-counts, kind="stable")[:n_pin]

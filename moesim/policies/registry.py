@@ -8,6 +8,7 @@ valid ones; contract tests are parametrised over each registry.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -54,6 +55,12 @@ class PolicyContext:
     ``precisions`` lists the model's precisions from largest to smallest (P of them) and
     ``q`` indexes it; ``default_precision`` is the scenario's. Use :meth:`key`,
     :meth:`layer_of`, :meth:`base_of` and :meth:`precision_of` rather than arithmetic.
+
+    ``trace_pieces``, when the replay reads a trace file a piece at a time (``workload`` is then
+    the piece being replayed), gives the file's pieces from its start, read again (a pass over
+    the file each time it is called): for a policy that counts over the whole trace before the
+    replay (static pinning). None: ``workload`` is the whole trace. :meth:`whole_trace` gives
+    either.
     """
 
     num_layers: int
@@ -67,6 +74,15 @@ class PolicyContext:
     precisions: tuple[str, ...] = ("bf16",)
     default_precision: int = 0
     precision_bytes: tuple[int, ...] = ()
+    trace_pieces: Callable[[], Iterator[Any]] | None = None
+
+    def whole_trace(self) -> Generator[Any, None, None]:
+        """The whole trace's workloads in order: the file's pieces read again from its start
+        (``trace_pieces``), or the one workload. Close it when stopping early."""
+        if self.trace_pieces is not None:
+            yield from self.trace_pieces()
+        else:
+            yield self.workload
 
     def key(self, layer: int, expert: int, precision: int | None = None) -> int:
         """Cache key of ``expert`` of ``layer`` at ``precision`` (default: the scenario's)."""

@@ -5,6 +5,7 @@ own context and seeded generator. :class:`simulator.engine.Simulation` puts them
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,9 +134,12 @@ class Policies:
     budget: BudgetPolicy
 
 
-def make_policies(scenario: Scenario, workload: Workload, size: CacheSizing, clock: Clock) -> Policies:
+def make_policies(scenario: Scenario, workload: Workload, size: CacheSizing, clock: Clock,
+                  trace_pieces: Callable[[], Iterator[Workload]] | None = None) -> Policies:
     """The scenario's policies, each with its own context and generator seeded with
-    ``[seed, family index]`` (eviction 0, miss 1, prefetch 2, routing 3, budget 4)."""
+    ``[seed, family index]`` (eviction 0, miss 1, prefetch 2, routing 3, budget 4).
+    ``trace_pieces``: the trace file's pieces read again, when ``workload`` is its first
+    (``PolicyContext.trace_pieces``)."""
     model = workload.model
 
     def ctx(family_index: int) -> PolicyContext:
@@ -145,7 +149,7 @@ def make_policies(scenario: Scenario, workload: Workload, size: CacheSizing, clo
                              default_precision=size.default_prec,
                              precision_bytes=tuple(int(model.expert_bytes[q]) for q in size.precisions),
                              rng=np.random.default_rng([scenario.seed, family_index]),
-                             clock=clock, workload=workload)
+                             clock=clock, workload=workload, trace_pieces=trace_pieces)
 
     pol = scenario.policies
     return Policies(eviction=EVICTION.get(pol.eviction.name)(pol.eviction.params, ctx(0)),

@@ -32,7 +32,7 @@ instant transfers, so no simulated time passes.
 from __future__ import annotations
 
 import time as _time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,6 +99,10 @@ class Simulation:
         self.trace_rows = 0  # the file's rows, when read in pieces (progress)
         self.stream_source: tuple[Path, int] | None = None  # that file and its piece size
         self.trace_pieces = 1  # the pieces the replay read the trace in
+        # passes over that file before the replay (Belady's next uses, static pinning's counts),
+        # which the progress covers with the replay, and the rows of those it has shown
+        self.first_passes = self.rows_shown = 0
+        self._counted = False  # the policies' pass over the file has been shown
         # the replay's rows, taken a block of passes at a time (take_rows): the summary's totals,
         # the per-pass rows (on disk from the second block on), the per-request rows, and the
         # passes and batches (groups) of the blocks taken
@@ -130,7 +134,8 @@ class Simulation:
         self.cost = CostModel(scenario.hardware, model, self.expert_bytes, dequant=scenario.host.dequant)
         self.progress = progress
         self.clock = Clock()
-        pol = make_policies(scenario, workload, size, self.clock)
+        pol = make_policies(scenario, workload, size, self.clock,
+                            self._read_again if self.stream_source is not None else None)
         self.eviction, self.miss, self.prefetch = pol.eviction, pol.miss, pol.prefetch
         self.routing, self.budget = pol.routing, pol.budget
         hw = scenario.hardware
@@ -200,8 +205,9 @@ class Simulation:
             self.whole_reason = "the trace file's rows are not in request order"
             return None
         self.pieces = stream.read_ahead(stream.pieces(sc, path, chunk), self.prepare_piece)
-        self.stream_source = (path, chunk)  # read again by Belady's first pass (stream.belady_after)
+        self.stream_source = (path, chunk)  # read again by first passes (Belady's, static pinning's)
         self.trace_rows = rows
+        self.first_passes = stream.first_passes(sc)
         return next(self.pieces)
 
     def _serve(self, trace: Trace | None, recording: bool) -> Workload:
@@ -239,6 +245,34 @@ class Simulation:
         self.pieces = self.serving.passes()
         self.whole_reason = "serving under load: one forward pass at a time"
         return next(self.pieces)
+
+    def first_pass_progress(self) -> Callable[[int], None]:
+        """The progress of a first pass over the trace file (told the rows read so far): the
+        bar covers the first passes and the replay, ``(1 + first_passes)`` times the file's rows."""
+        before, total = self.rows_shown, (1 + self.first_passes) * self.trace_rows
+        self.rows_shown += self.trace_rows
+
+        def shown(rows: int) -> None:
+            if self.progress is not None:
+                self.progress(before + rows, total)
+        return shown
+
+    def _read_again(self) -> Iterator[Workload]:
+        """The trace file's pieces from its start, read again for a policy that counts over the
+        whole trace before the replay (``PolicyContext.trace_pieces``); the first such read is
+        shown as a first pass."""
+        from moesim.simulator import stream
+
+        assert self.stream_source is not None, "a trace read in pieces"
+        path, chunk = self.stream_source
+        shown = None if self._counted else self.first_pass_progress()
+        self._counted = True
+        rows = 0
+        for wl in stream.pieces(self.scenario, path, chunk):
+            rows += len(wl.trace) if wl.trace is not None else 0
+            if shown is not None:
+                shown(rows)
+            yield wl
 
     def belady_after(self, progress: Callable[[int], None] | None) -> tuple[np.ndarray, np.ndarray]:
         """Belady a piece at a time: the first pass over the trace file, in the pieces the

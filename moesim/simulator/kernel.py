@@ -2180,16 +2180,11 @@ def _replay(sim: Any) -> None:
     _configure(sim, IS, FS, ev, pf, miss, max_runs)
     hooks = _hooks(sim.eviction)
     # Belady a piece at a time: a first pass over the file finds each piece's first access and
-    # every key's first access after the piece (the progress shown covers both passes)
-    shown, total = 0, sim.trace_rows
+    # every key's first access after the piece (the progress shown covers the first passes too)
     firsts: Any = None
     if streamed and ev == EV_BELADY:
-        def read(rows: int) -> None:
-            if sim.progress is not None:
-                sim.progress(rows, 2 * sim.trace_rows)
-
-        firsts, afters = sim.belady_after(read)
-        shown, total = sim.trace_rows, 2 * sim.trace_rows
+        firsts, afters = sim.belady_after(sim.first_pass_progress())
+    shown, total = sim.rows_shown, (1 + sim.first_passes) * sim.trace_rows  # after the first passes
     DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks,
                                   None if firsts is None else _belady_piece(sim, wl, firsts, afters, 0))
     pinned = [int(k) for k in sim.prefetch.pinned()]

@@ -16,8 +16,9 @@ What a replay needs decides whether it can go a piece at a time (:func:`why_whol
 kernel path, a piece never straddling a batch, and policies that look no further than the
 current forward pass, or, for Belady, that read each key's next use from a first pass over
 the file (:func:`belady_after`: each piece's first access and every key's first access after
-the piece, one whole number per key and piece). Static pinning counts the first share of all
-passes, so it replays the whole trace; so do miss
+the piece, one whole number per key and piece), or, for static pinning, that count the
+experts of the first share of all passes from a first pass (``PolicyContext.whole_trace``).
+The whole trace is replayed at once by miss
 policies that re-route tokens (their per-token arrays are sized by the largest layer of the
 trace), speculative decoding (its acceptance draws run over all requests), synthesised and
 imported traces (made whole in memory), and files whose rows are not in request order.
@@ -55,6 +56,9 @@ _PIECEWISE_EVICTION = ("lru", "fifo", "lfu", "fld", "score", "least-stale", "lhu
 # from a first pass over the file (belady_after; not served: a served pass's future depends on
 # the replay's own timing)
 _FUTURE_EVICTION = ("belady",)
+# prefetchers that count over the whole trace before the replay: static pinning's first share of
+# the passes, from a first pass over the file (``PolicyContext.whole_trace``)
+_COUNTING_PREFETCH = ("static-pin",)
 
 
 def piece_rows(path: Path | None = None) -> int:
@@ -121,13 +125,21 @@ def why_whole(scenario: Scenario, recording: bool) -> str | None:
     if (pol.eviction.name not in _PIECEWISE_EVICTION + _FUTURE_EVICTION
             and not _compiled_hooks(pol.eviction.name)):
         return f"eviction policy '{pol.eviction.name}' reads the whole trace"
-    if pol.prefetch.name not in _PIECEWISE_PREFETCH:
+    if pol.prefetch.name not in _PIECEWISE_PREFETCH + _COUNTING_PREFETCH:
         return f"prefetch policy '{pol.prefetch.name}' reads the whole trace"
     if pol.miss.name != "fetch":
         return f"miss policy '{pol.miss.name}' re-routes tokens"
     if pol.routing.name != "standard" or pol.budget.name != "none":
         return "a routing or budget policy"
     return None
+
+
+def first_passes(scenario: Scenario) -> int:
+    """How many times a replay of ``scenario`` a piece at a time reads the whole trace file
+    before it replays it (its progress covers them): once for Belady's next uses
+    (:func:`belady_after`), once for static pinning's counts."""
+    pol = scenario.policies
+    return int(pol.eviction.name in _FUTURE_EVICTION) + int(pol.prefetch.name in _COUNTING_PREFETCH)
 
 
 # serving forms each pass from the requests present: a pass is a piece of its own, so a
