@@ -1,6 +1,6 @@
-"""The built-ins whose compiled form lives beside them (``LFU.compiled``, ``FLD``, ``LHU``:
+"""The built-ins whose compiled form lives beside them (``LFU.compiled``, ``FLD``, ``score``, ``LHU``:
 :mod:`moesim.policies.eviction`) against their reference forms, event by event: after any
-sequence of inserts, uses, removals and layer changes, the reference policy's ``candidates()``
+sequence of inserts, uses, removals, layer and pass changes, the reference policy's ``candidates()``
 equal the cached keys ordered by the compiled form's priority (kept after each insert and use
 where the form declares it stable), ties by the oldest insert or use — this driver is written
 here from the hook contract, not taken from :class:`moesim.policies.hooks.HookEviction`. The
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moesim.policies import eviction as ev
@@ -21,6 +21,7 @@ from moesim.policies.eviction import (
     CLOCK_KEYS_PER_LAYER,
     CLOCK_LAYER,
     CLOCK_LAYERS,
+    CLOCK_PASS,
     CLOCK_PRECISIONS,
     CLOCK_SIZE,
 )
@@ -28,13 +29,22 @@ from moesim.policies.hooks import compiled
 from moesim.policies.registry import PolicyContext
 
 LAYERS, EXPERTS = 3, 3
-FORMS = {"lfu": (ev.LFU, 1), "fld": (ev.FarthestLayerDistance, 1), "lhu": (ev.LeastHighPrecisionUsed, 2)}
+FORMS = {"lfu": (ev.LFU, 1, None), "fld": (ev.FarthestLayerDistance, 1, None),
+         "lhu": (ev.LeastHighPrecisionUsed, 2, None), "score": (ev.ScoreBased, 1, ev.ScoreParams(decay=0.5)),
+         "score-no-decay": (ev.ScoreBased, 2, ev.ScoreParams())}
+
+
+def weight(key: int, p: int) -> float:
+    """The gate weight both sides are given for an access of ``key`` in pass ``p`` (the
+    reference reads it where it reads the workload's, ``eviction.access_weight``): quarters
+    from 0 to 1, so that scores tie too."""
+    return ((key * 7 + p * 3) % 5) / 4
 
 
 class Driver:
     """The compiled form's side: its state arrays, a tick, stamps and kept priorities."""
 
-    def __init__(self, form: type, nprec: int, fns: tuple | None) -> None:
+    def __init__(self, form: type, nprec: int, fns: tuple | None, params: object = None) -> None:
         self.form, self.fns = form, fns
         self.clock = np.zeros(CLOCK_SIZE, np.int64)
         self.clock[CLOCK_KEYS_PER_LAYER], self.clock[CLOCK_PRECISIONS], self.clock[CLOCK_LAYERS] = (
@@ -42,6 +52,7 @@ class Driver:
         n = LAYERS * EXPERTS * nprec
         self.si = np.zeros((n, max(1, len(form.int_fields))), np.int64)
         self.sf = np.zeros((n, max(1, len(form.float_fields))))
+        form.initial_state(params, self.si, self.sf)
         self.tick, self.stamp, self.kept = 0, {}, {}
 
     def call(self, i: int, name: str) -> object:
@@ -54,11 +65,12 @@ class Driver:
             self.kept[key] = self.call(3, "priority")(key, self.clock, self.si, self.sf)
 
     def insert(self, key: int, demand: bool) -> None:
-        self.call(0, "insert")(key, demand, 0.5 if demand else 0.0, self.clock, self.si, self.sf)
+        w = weight(key, int(self.clock[CLOCK_PASS])) if demand else 0.0
+        self.call(0, "insert")(key, demand, w, self.clock, self.si, self.sf)
         self._touched(key)
 
     def access(self, key: int) -> None:
-        self.call(1, "access")(key, 0.5, self.clock, self.si, self.sf)
+        self.call(1, "access")(key, weight(key, int(self.clock[CLOCK_PASS])), self.clock, self.si, self.sf)
         self._touched(key)
 
     def remove(self, key: int) -> None:
@@ -79,22 +91,26 @@ class Driver:
         return [int(k) for _, _, k in sorted(zip(prio, (self.stamp[k] for k in keys), keys, strict=True))]
 
 
-events = st.lists(st.tuples(st.sampled_from(["put", "use", "drop", "layer"]), st.integers(0, 10 ** 6),
+events = st.lists(st.tuples(st.sampled_from(["put", "use", "drop", "layer", "pass"]), st.integers(0, 10 ** 6),
                             st.booleans()), min_size=1, max_size=60)
 
 
-def replay(name: str, evs: list, fns: tuple | None) -> None:
-    cls, nprec = FORMS[name]
+def replay(name: str, evs: list, fns: tuple | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    cls, nprec, params = FORMS[name]
     ctx = PolicyContext(num_layers=LAYERS, num_experts=EXPERTS, top_k=2, expert_bytes=1,
                         rng=np.random.default_rng(0), precisions=("bf16", "int4")[:nprec],
                         precision_bytes=(2, 1)[:nprec])
-    ref, form = cls(None, ctx), Driver(cls.compiled, nprec, fns)
+    monkeypatch.setattr(ev, "access_weight", lambda c, keys, key: weight(key, c.clock.pass_index))
+    ref, form = cls(params, ctx), Driver(cls.compiled, nprec, fns, params)
     n = LAYERS * EXPERTS * nprec
     cached: list[int] = []
     for what, x, flag in evs:
         if what == "layer":
             ctx.clock.layer = x % LAYERS
             form.clock[CLOCK_LAYER] = ctx.clock.layer
+        elif what == "pass":  # forward, by one to three passes
+            ctx.clock.pass_index += 1 + x % 3
+            form.clock[CLOCK_PASS] = ctx.clock.pass_index
         elif what == "put":
             free = [k for k in range(n) if k not in cached]
             if free:
@@ -115,19 +131,19 @@ def replay(name: str, evs: list, fns: tuple | None) -> None:
 
 
 @pytest.mark.parametrize("name", list(FORMS))
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(evs=events)
-def test_the_compiled_form_as_python_orders_as_the_reference(name, evs):
-    replay(name, evs, None)
+def test_the_compiled_form_as_python_orders_as_the_reference(name, evs, monkeypatch):
+    replay(name, evs, None, monkeypatch)
 
 
 @pytest.mark.parametrize("name", list(FORMS))
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(evs=events)
-def test_the_compiled_form_compiled_orders_as_the_reference(name, evs):
+def test_the_compiled_form_compiled_orders_as_the_reference(name, evs, monkeypatch):
     fns = compiled(FORMS[name][0].compiled)
     assert isinstance(fns, tuple), fns
-    replay(name, evs, fns)
+    replay(name, evs, fns, monkeypatch)
 
 
 def test_lfu_by_hand():
@@ -156,6 +172,26 @@ def test_lhu_by_hand():
     assert f.order() == [3, 1, 2, 0]  # 1 was used after 3 was prefetched
 
 
+def test_score_by_hand():
+    """decay 0.5, the weights of ``weight``. Pass 0: key 0 fetched on demand (weight 0), key 1
+    on demand (0.5), key 2 prefetched (no credit). Pass 2: its first credit halves every score
+    twice (key 1: 0.5 -> 0.125) and marks every row decayed at pass 2; key 2 gains 0, key 0
+    0.25. Lowest score first: 2 (0), 1 (0.125), 0 (0.25)."""
+    f = Driver(ev.ScoreCompiled, 1, None, ev.ScoreParams(decay=0.5))
+    assert f.si[:, 0].tolist() == [-1] * 9
+    assert f.sf[:, 1].tolist() == [0.5] * 9
+    f.insert(0, True)   # weight(0, 0) = 0
+    f.insert(1, True)   # weight(1, 0) = 7 % 5 / 4 = 0.5
+    f.insert(2, False)
+    assert f.sf[:3, 0].tolist() == [0.0, 0.5, 0.0]
+    f.clock[CLOCK_PASS] = 2
+    f.access(2)         # decays by 0.5 ** 2 first: 0.5 -> 0.125; weight(2, 2) = 20 % 5 / 4 = 0
+    assert f.si[:, 0].tolist() == [2] * 9
+    f.access(0)         # weight(0, 2) = 6 % 5 / 4 = 0.25; no second decay in pass 2
+    assert f.sf[:3, 0].tolist() == [0.25, 0.125, 0.0]
+    assert f.order() == [2, 1, 0]
+
+
 def test_a_subclass_of_a_built_in_elsewhere_does_not_run_its_compiled_form():
     """A user's LFU variant (its own ``candidates``) inherits ``compiled`` but is not the
     built-in: the kernel has no form for it, and the replay says so."""
@@ -167,5 +203,6 @@ def test_a_subclass_of_a_built_in_elsewhere_does_not_run_its_compiled_form():
 
     assert eviction_code(MyLFU) is None
     assert MyLFU not in _policy_codes()[0]
-    assert all(eviction_code(c) is not None for c in (ev.LFU, ev.FarthestLayerDistance, ev.LeastHighPrecisionUsed))
+    assert all(eviction_code(c) is not None for c in (ev.LFU, ev.FarthestLayerDistance, ev.ScoreBased,
+                                                     ev.LeastHighPrecisionUsed))
 

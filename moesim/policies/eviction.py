@@ -11,6 +11,7 @@ changes nothing and reports that it could not make room.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from moesim.jit import jit
 from moesim.policies.registry import Policy, PolicyContext, Registry
 
 # the ``clock`` a compiled form's hooks read (moesim.policies.hooks: its docstring)
@@ -128,6 +130,11 @@ class CompiledForm:
     @staticmethod
     def remove(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
         """``key`` left the cache."""
+
+    @staticmethod
+    def initial_state(params: Any, si: np.ndarray, sf: np.ndarray) -> None:
+        """A built-in's form fills its zeroed state from the policy's parameters before the
+        replay (plain Python; a hook policy does so in ``init_state``). Default: nothing."""
 
 
 class LFUCompiled(CompiledForm):
@@ -278,6 +285,57 @@ def access_weight(ctx: PolicyContext, keys: list[int], key: int) -> float:
     return 0.0 if i is None else float(ctx.workload.acc_weight[i])
 
 
+@jit
+def _score_credit(key: int, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
+    """Score eviction's credit (:class:`ScoreCompiled`): at the first credit of a forward pass,
+    every key's score is multiplied by ``decay`` once per pass since the last such decay (from
+    pass 0 at the first); then ``key``'s score gains ``weight`` -- as :meth:`ScoreBased._credit`."""
+    p = clock[CLOCK_PASS]
+    decay, last = sf[key, 1], si[key, 0]
+    if decay != 1.0 and p != last:
+        f = math.pow(decay, float(p - max(last, 0)))
+        for k in range(sf.shape[0]):
+            sf[k, 0] *= f
+            si[k, 0] = p
+    sf[key, 0] = sf[key, 0] + weight
+
+
+class ScoreCompiled(CompiledForm):
+    """Score eviction's compiled form (the hook interface of :mod:`moesim.policies.hooks`):
+    per key its score (``sf[:, 0]``), the policy's decay (``sf[:, 1]``, the same in every row)
+    and the pass the scores were last decayed at (``si[:, 0]``, -1 before any: every row is
+    decayed at once, so the rows agree). A demand insert and a use credit the key with the
+    access's gate weight; the victim has the lowest score, ties the oldest stamp (least recent
+    use). A decay changes every key's score, so the priority is asked at each victim search."""
+
+    int_fields = ("decayed_at",)
+    float_fields = ("score", "decay")
+
+    @staticmethod
+    def initial_state(params: Any, si: np.ndarray, sf: np.ndarray) -> None:
+        si[:, 0] = -1
+        sf[:, 1] = params.decay
+
+    @staticmethod
+    def insert(key: int, demand: bool, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
+        if demand:
+            _score_credit(key, weight, clock, si, sf)
+
+    @staticmethod
+    def access(key: int, weight: float, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> None:
+        _score_credit(key, weight, clock, si, sf)
+
+    @staticmethod
+    def priority(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) -> float:
+        return sf[key, 0]
+
+    @staticmethod
+    def priorities(keys: np.ndarray, n: int, out: np.ndarray, clock: np.ndarray, si: np.ndarray,
+                   sf: np.ndarray) -> None:
+        for j in range(n):
+            out[j] = sf[keys[j], 0]
+
+
 @dataclass(frozen=True)
 class ScoreParams:
     """Parameters of score-based eviction."""
@@ -294,9 +352,10 @@ class ScoreParams:
 class ScoreBased(RecencyOrdered):
     """Score-based eviction (Zhu et al. 2025; SpecMD appendix B): evict the expert with the
     lowest accumulated gate score, the running sum of the router weights its tokens gave it;
-    ties by least recent use."""
+    ties by least recent use. The kernel runs :class:`ScoreCompiled`."""
 
     Params = ScoreParams
+    compiled = ScoreCompiled
 
     def __init__(self, params: ScoreParams, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)

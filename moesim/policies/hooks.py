@@ -36,8 +36,8 @@ SimPy path, and the replay says why (``replay_path_reason``; ``moesim run`` in a
 Compiled hooks check their indices: an index out of range ends the replay with one paragraph
 (on the SimPy path naming the hook, the forward pass and the layer).
 
-The built-in eviction policies of this shape are written so too: ``lfu``, ``fld`` and ``lhu``
-keep their compiled forms (:class:`moesim.policies.eviction.CompiledForm` subclasses, with a loop
+The built-in eviction policies of this shape are written so too: ``lfu``, ``fld``, ``score`` and
+``lhu`` keep their compiled forms (:class:`moesim.policies.eviction.CompiledForm` subclasses, with a loop
 over many keys' priorities of their own) beside their reference forms, and the kernel runs them
 through the same hooks.
 

@@ -77,7 +77,7 @@ from moesim.policies.hooks import CLOCK_LAYER, CLOCK_PASS, CLOCK_TICK
 from moesim.simulator.workload import join, passes_of
 
 # eviction policies with a kernel form
-EV_LRU, EV_FIFO, EV_SCORE, EV_LS, EV_BELADY, EV_HOOK = range(6)
+EV_LRU, EV_FIFO, EV_LS, EV_BELADY, EV_HOOK = range(5)
 # a hook policy's compiled hooks (each in a tuple of one) and state in ``A[U]`` (:mod:`policies.hooks`)
 U = 5
 U_INSERT, U_ACCESS, U_REMOVE, U_PRIORITY, U_PRIORITIES, U_CLOCK, U_SI, U_SF, U_KEYS, U_PRIOS = range(10)
@@ -91,12 +91,12 @@ DEMAND, PREFETCH = 0, 1
 (K_STATE, K_COMPUTED, K_TID, K_PIN, K_STATIC, K_STAMP, K_CURPASS, K_PREV, K_NEXT, K_MEMB,
  K_PEND, K_EVICTED, K_UNUSED, K_ADM, K_QUEUED, K_MARK, K_ACCPASS, K_NKI) = range(18)
 # per-key float fields (KF)
-F_SCORE, F_NEXTUSE, F_PRIO, F_NKF = range(4)
+F_NEXTUSE, F_PRIO, F_NKF = range(3)
 # The integer state IS: scalars (S_*), configuration (C_*), the pass's row (R_*), region
 # offsets (H_*), then the regions (per-key fields, transfer slots, queues, scratch).
 (S_SEQ, S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_HEAD, S_TAIL, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
  S_FREEN, S_WH, S_WN, S_PENDN, S_MEMBN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
- S_SCOREPASS, S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE, S_ABASE,
+ S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE, S_ABASE,
  C_EV, C_LS_REL, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE, C_LRUNCAP,
  C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC, C_STABLE,
@@ -105,11 +105,11 @@ F_SCORE, F_NEXTUSE, F_PRIO, F_NKF = range(4)
  H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_KNEXT, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
  H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, I_HEADER) = range(113)
+ H_PDUR, I_HEADER) = range(112)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then per-key fields, transfer times, scratch.
-(SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, SF_HOST, CF_CAP, CF_DECAY,
- CF_HLAYER, CF_HLAUNCH, CF_HCOPY, F_HEADER) = range(14)
+(SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, SF_HOST, CF_CAP,
+ CF_HLAYER, CF_HLAUNCH, CF_HCOPY, F_HEADER) = range(13)
 # transfer slots
 T_KEY, T_PRIO, T_SEQ, T_STARTED, T_CANCELLED, T_BYPASS, T_PFSLOT, T_NTI = range(8)
 T_ISSUED, T_START, T_DONE, T_DUR, T_NTF = range(5)
@@ -222,20 +222,6 @@ def _weight(key, ai, IS, DI, A):
                 ai = j
                 break
     return A[3][ai] if ai >= 0 else 0.0
-
-
-@_jit
-def _credit(key, ai, IS, FS, DI, A):
-    """Score eviction: add the gate weight of access ``ai`` (:func:`_weight`) after the
-    per-pass decay."""
-    p = IS[S_PASS]
-    if FS[CF_DECAY] != 1.0 and p != IS[S_SCOREPASS]:
-        f = math.pow(FS[CF_DECAY], float(p - max(IS[S_SCOREPASS], 0)))
-        for k in range(IS[H_NKEYS]):
-            FS[IS[H_KF] + k * F_NKF + F_SCORE] *= f
-        IS[S_SCOREPASS] = p
-    w = _weight(key, ai, IS, DI, A)
-    FS[IS[H_KF] + key * F_NKF + F_SCORE] = FS[IS[H_KF] + key * F_NKF + F_SCORE] + w
 
 
 @_inline
@@ -375,10 +361,7 @@ def _on_insert(key, demand, ai, IS, FS, DI, A):
     IS[IS[H_KI] + key * K_NKI + K_MEMB] = n
     IS[S_MEMBN] = n + 1
     _stamp(key, IS)
-    if ev == EV_SCORE:
-        if demand:
-            _credit(key, ai, IS, FS, DI, A)
-    elif ev == EV_BELADY:
+    if ev == EV_BELADY:
         FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
     elif ev == EV_HOOK:
         w = float(_weight(key, ai, IS, DI, A)) if demand else 0.0
@@ -396,9 +379,6 @@ def _on_access(key, ai, IS, FS, DI, A):
         _list_append(key, S_HEAD, IS)
     elif ev == EV_FIFO:
         return
-    elif ev == EV_SCORE:
-        _stamp(key, IS)
-        _credit(key, ai, IS, FS, DI, A)
     elif ev == EV_BELADY:
         FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
     elif ev == EV_HOOK:
@@ -433,13 +413,10 @@ def _on_remove(key, IS, A):
 
 @_jit
 def _order(key, IS, FS):
-    """The candidate order of ``key`` for the built-in policies whose victim is the smallest
-    over the cached experts (score, belady), as (float, stamp); the other built-ins walk lists
-    (lru, fifo, least-stale) or run their compiled forms through the hooks (lfu, fld, lhu)."""
-    stamp = IS[IS[H_KI] + key * K_NKI + K_STAMP]
-    if IS[C_EV] == EV_SCORE:
-        return FS[IS[H_KF] + key * F_NKF + F_SCORE], stamp
-    return -FS[IS[H_KF] + key * F_NKF + F_NEXTUSE], stamp
+    """The candidate order of ``key`` for Belady, whose victim is the smallest over the cached
+    experts, as (minus its next use, stamp); the other built-ins walk lists (lru, fifo,
+    least-stale) or run their compiled forms through the hooks (lfu, fld, score, lhu)."""
+    return -FS[IS[H_KF] + key * F_NKF + F_NEXTUSE], IS[IS[H_KI] + key * K_NKI + K_STAMP]
 
 
 @_inline
@@ -1697,8 +1674,7 @@ def _policy_codes() -> tuple[dict[Any, int], dict[Any, int], dict[Any, int]]:
 
     # a built-in with a compiled form of its own (``compiled``, beside it in its module) runs
     # through the hooks, as a user's policy does (a subclass elsewhere does not inherit that)
-    evictions = {ev.LRU: EV_LRU, ev.FIFO: EV_FIFO, ev.ScoreBased: EV_SCORE, ev.LeastStale: EV_LS,
-                 ev.Belady: EV_BELADY}
+    evictions = {ev.LRU: EV_LRU, ev.FIFO: EV_FIFO, ev.LeastStale: EV_LS, ev.Belady: EV_BELADY}
     evictions.update((cls, EV_HOOK) for _, cls in ev.REGISTRY.items()
                      if cls.__module__ == ev.__name__ and cls.__dict__.get("compiled") is not None)
     prefetchers = {pf.NoPrefetch: PF_NONE, pf.StaticPin: PF_NONE, pf.Oracle: PF_ORACLE,
@@ -1799,6 +1775,7 @@ def _hooks(policy: Any) -> tuple[Any, ...]:
         ctx, form = policy.ctx, hook_form(type(policy))
         fns = hooks.addresses(form)
         clock, si, sf = hooks.state_arrays(form, ctx.num_layers, ctx.keys_per_layer, len(ctx.precisions))
+        form.initial_state(policy.params, si, sf)
     # each in a tuple of one, which numba types as a first-class function (a function's
     # address, called indirectly) rather than as that function: one compiled kernel for all;
     # then the victim search's buffers of keys and priorities
@@ -1853,7 +1830,6 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
     IS[S_HEAD] = IS[S_TAIL] = -1
     IS[C_LRUNCAP] = lrun
     IS[S_PINGEN] = IS[S_PENDGEN] = IS[S_MARKGEN] = 1
-    IS[S_SCOREPASS] = -1
     IS[S_FREEN] = pool
     ki = IS[IS[H_KI]:IS[H_KI] + num_keys * K_NKI].reshape(num_keys, K_NKI)
     for col in (K_TID, K_CURPASS, K_PREV, K_NEXT, K_MEMB, K_EVICTED, K_ACCPASS):
@@ -2026,7 +2002,7 @@ def _piece(sim: Any, wl: Any, ev: int, miss: int, max_rows: int, IS: np.ndarray,
 
 def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, ev: int, pf: int, miss: int, max_runs: int) -> None:
     """The replay's configuration (``C_*``, ``CF_*``) from ``sim``'s scenario and policies."""
-    from moesim.policies.eviction import LeastStale, ScoreBased
+    from moesim.policies.eviction import LeastStale
     from moesim.policies.prefetch import Lookahead
 
     model = sim.model
@@ -2049,7 +2025,6 @@ def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, ev: int, pf: int, miss:
     IS[C_PFACTIVE] = sim.prefetch.active
     IS[C_MAXN] = max_runs
     FS[CF_CAP] = float(sim.capacity)
-    FS[CF_DECAY] = params.decay if isinstance(sim.eviction, ScoreBased) else 1.0
     IS[C_MISS] = miss
     IS[C_REROUTE] = reroute
     IS[C_DROPRANK] = sim.miss.params.rank if miss == MISS_DROP else -1
