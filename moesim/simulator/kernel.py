@@ -464,7 +464,7 @@ def _keep_priority(key, IS, FS, A):
 @_jit
 def _hook_victim(pin_gen, adm_layer, IS, FS, A):
     """A hook policy's victim: the eligible key of lowest priority (kept, or asked now of every
-    eligible key in one call), ties to the oldest stamp."""
+    cached key in one call, as the SimPy path sorts them all), ties to the oldest stamp."""
     best, bf, bs = -1, 0.0, 0
     if IS[C_STABLE]:
         for j in range(IS[S_MEMBN]):
@@ -475,19 +475,17 @@ def _hook_victim(pin_gen, adm_layer, IS, FS, A):
             if best == -1 or f < bf or (f == bf and s < bs):
                 best, bf, bs = key, f, s
         return best
-    keys, prios = A[U][U_KEYS], A[U][U_PRIOS]
-    n = 0
-    for j in range(IS[S_MEMBN]):
-        key = IS[IS[H_MEMB] + j]
-        if _eligible(key, pin_gen, adm_layer, IS):
-            keys[n] = key
-            n += 1
+    keys, prios = A[U][U_KEYS], A[U][U_PRIOS]  # keys: the cached keys (IS's H_MEMB region)
+    n = IS[S_MEMBN]
     _set_clock(IS, A)
     A[U][U_PRIORITIES][0](keys, n, prios, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
     for j in range(n):
-        f, s = prios[j], IS[IS[H_KI] + keys[j] * K_NKI + K_STAMP]
+        key = keys[j]
+        if not _eligible(key, pin_gen, adm_layer, IS):
+            continue
+        f, s = prios[j], IS[IS[H_KI] + key * K_NKI + K_STAMP]
         if best == -1 or f < bf or (f == bf and s < bs):
-            best, bf, bs = keys[j], f, s
+            best, bf, bs = key, f, s
     return best
 
 
@@ -1757,10 +1755,11 @@ def _prefetch_code(policy: Any) -> int | None:
     return PF_ARRAY if isinstance(compiled_prefetch(type(policy)), tuple) else None
 
 
-def _hooks(policy: Any) -> tuple[Any, ...]:
+def _hooks(policy: Any, members: np.ndarray | None = None) -> tuple[Any, ...]:
     """``A[U]``: a hook policy's compiled hooks, clock and state (the policy's own arrays, so
     that it holds the replay's final state after it, as on the SimPy path); for a built-in,
-    hooks that are never called."""
+    hooks that are never called. ``members``: the kernel's list of cached keys (a view of
+    ``IS``'s ``H_MEMB`` region), whose priorities a victim search asks in one call."""
     from moesim.policies import hooks
 
     fns: Any
@@ -1778,8 +1777,9 @@ def _hooks(policy: Any) -> tuple[Any, ...]:
         form.initial_state(policy.params, si, sf)
     # each in a tuple of one, which numba types as a first-class function (a function's
     # address, called indirectly) rather than as that function: one compiled kernel for all;
-    # then the victim search's buffers of keys and priorities
-    return (*((f,) for f in fns), clock, si, sf, np.zeros(len(si), np.int64), np.zeros(len(si)))
+    # then the cached keys and the victim search's buffer of their priorities
+    keys = members if members is not None else np.zeros(len(si), np.int64)
+    return (*((f,) for f in fns), clock, si, sf, keys, np.zeros(max(len(si), len(keys))))
 
 
 def hook_form(cls: type) -> Any:
@@ -2153,7 +2153,7 @@ def _replay(sim: Any) -> None:
     IS, FS = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
                      max(1, max_rows), sim.num_prec)
     _configure(sim, IS, FS, ev, pf, miss, max_runs)
-    hooks = _hooks(sim.eviction)
+    hooks = _hooks(sim.eviction, IS[IS[H_MEMB]:IS[H_MEMB] + num_keys])
     # Belady a piece at a time: a first pass over the file finds each piece's first access and
     # every key's first access after the piece (the progress shown covers the first passes too)
     firsts: Any = None
