@@ -145,6 +145,11 @@ EQUIVALENT: dict[str, str] = {
        "the warning's GB by a billionth, below the digit it prints" for n in (276, 278)},
     'moesim.simulator.metrics.xǁPassTotalsǁadd__mutmut_72':
         "to_numpy(None) of a float64 column is float64, as to_numpy(np.float64)",
+    # static pinning counted over the whole trace (MUTATE_ONLY xǁStaticPinǁ*)
+    **{'moesim.policies.prefetch.xǁStaticPinǁ__init____mutmut_' + str(n): "the counts as float64 zeros: "
+       "bincount's whole numbers add exactly (far below 2**53) and sort the same" for n in (17, 19)},
+    'moesim.policies.prefetch.xǁStaticPinǁ__init____mutmut_61': "argsort kind 'STABLE': numpy reads the kind "
+        "without regard to case",
     # the exact sum (MUTATE_ONLY xǁExactSumǁ*, with tests/test_summary.py)
     **{'moesim.simulator.metrics.xǁExactSumǁadd__mutmut_' + str(n): "asarray without dtype float64: PassTotals "
        "hands it float64, and an int or float32 array's values are added exactly either way (frexp widens "
