@@ -13,9 +13,10 @@ the marginal rate is accesses / (time - start-up). libCacheSim's LRU runs its C 
 call) on the same stream at the sizes given to ``--lcs``; the ratio is taken in the same run.
 
 Usage: ``python benchmarks/end_to_end.py [--sizes 2.56e6 25.6e6 256e6] [--lcs 25.6e6]
-[--policy lru|ls-sp|belady] [--json OUT]``. ``ls-sp`` replays least-stale eviction with
-score-percentile prefetch (its trace gets a ``pred_next`` column: 64 floats per row);
-``belady`` Belady's MIN (a piece at a time after a first pass over the file).
+[--policy lru|ls-sp|belady|static-pin] [--json OUT]``. ``ls-sp`` replays least-stale eviction
+with score-percentile prefetch (its trace gets a ``pred_next`` column: 64 floats per row);
+``belady`` Belady's MIN (a piece at a time after a first pass over the file); ``static-pin``
+LRU with static pinning (its counts from a first pass over the file).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=float, nargs="+", default=[2.56e6, 25.6e6, 256e6], help="expert accesses")
     ap.add_argument("--lcs", type=float, nargs="*", default=[25.6e6], help="sizes libCacheSim also replays")
-    ap.add_argument("--policy", choices=["lru", "ls-sp", "belady"], default="lru")
+    ap.add_argument("--policy", choices=["lru", "ls-sp", "belady", "static-pin"], default="lru")
     ap.add_argument("--repeat", type=int, default=1, help="runs of moesim per size (the best is kept)")
     ap.add_argument("--dir", default=None, help="where the trace files go (default: a temporary folder)")
     ap.add_argument("--json", dest="json_out", default=None)
@@ -88,6 +89,8 @@ def main() -> None:
         sets += ["policies.eviction=least-stale", "policies.prefetch=score-percentile"]
     elif args.policy == "belady":
         sets += ["policies.eviction=belady"]
+    elif args.policy == "static-pin":
+        sets += ["policies.prefetch=static-pin"]
     pred = args.policy == "ls-sp"
     out: dict[str, Any] = {"machine": platform.machine(), "python": platform.python_version(),
                            "policy": args.policy, "sets": sets, "sizes": []}

@@ -1791,8 +1791,12 @@ def hook_form(cls: type) -> Any:
 _NO_STATE = (np.zeros(7, np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1)))
 CHUNK = 256  # passes per kernel call (progress is reported between calls)
 # forward passes whose per-pass rows a replay in pieces hands over at a time (_hand_over): from
-# the second block on they go to disk (``output.results.PassRows``)
-BLOCK_PASSES = 1 << 16
+# the second block on they go to disk (``output.results.PassRows``). A block's rows take about
+# 1 KB a pass while they are made into a frame: LRU on the 76.8 M-access benchmark trace
+# (600,000 passes, --no-write) peaked at 575-590 MiB in blocks of 65,536 passes, 517-553 of
+# 16,384 and 505-526 of 8,192, in the same times (6.4-7.7, 6.1-6.9 and 6.1-7.1 s; interleaved
+# runs, issue 34)
+BLOCK_PASSES = 1 << 13
 
 
 def _belady_positions(keys: np.ndarray, num_keys: int) -> tuple[np.ndarray, np.ndarray]:
