@@ -7,6 +7,7 @@ demand fetches. Policies with ``active = False`` are never called.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -356,14 +357,13 @@ class StaticPin(PrefetchPolicy):
         num_passes = sum(wl.num_passes for wl in ctx.whole_trace())
         n_cal = max(1, math.ceil(num_passes * params.calibration))
         counts = np.zeros(ctx.num_layers * ctx.num_experts, np.int64)
-        pieces = ctx.whole_trace()
-        for wl in pieces:
-            take = min(n_cal, wl.num_passes)
-            counts += np.bincount(wl.keys()[:int(wl.off[take * ctx.num_layers])], minlength=len(counts))
-            n_cal -= take
-            if not n_cal:
-                break
-        pieces.close()
+        with contextlib.closing(ctx.whole_trace()) as pieces:  # the file's reader goes at the break
+            for wl in pieces:
+                take = min(n_cal, wl.num_passes)
+                counts += np.bincount(wl.keys()[:int(wl.off[take * ctx.num_layers])], minlength=len(counts))
+                n_cal -= take
+                if not n_cal:
+                    break
         slots = ctx.capacity_bytes / ctx.expert_bytes if math.isfinite(ctx.capacity_bytes) else len(counts)
         n_pin = min(int(slots * params.fraction), int((counts > 0).sum()))
         order = np.argsort(-counts, kind="stable")[:n_pin]

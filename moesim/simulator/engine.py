@@ -257,16 +257,14 @@ class Simulation:
                 self.progress(before + rows, total)
         return shown
 
-    def _read_again(self) -> Iterator[Workload]:
-        """The trace file's pieces from its start, read again for a policy that counts over the
-        whole trace before the replay (``PolicyContext.trace_pieces``); the first such read is
-        shown as a first pass."""
+    def pieces_again(self, shown: Callable[[int], None] | None) -> Iterator[Workload]:
+        """The trace file's pieces from its start, read again as the replay cuts them, for a
+        pass over the file before the replay; ``shown`` (:meth:`first_pass_progress`, or None
+        for a pass the progress does not count) is told the rows read so far."""
         from moesim.simulator import stream
 
         assert self.stream_source is not None, "a trace read in pieces"
         path, chunk = self.stream_source
-        shown = None if self._counted else self.first_pass_progress()
-        self._counted = True
         rows = 0
         for wl in stream.pieces(self.scenario, path, chunk):
             rows += len(wl.trace) if wl.trace is not None else 0
@@ -274,15 +272,20 @@ class Simulation:
                 shown(rows)
             yield wl
 
-    def belady_after(self, progress: Callable[[int], None] | None) -> tuple[np.ndarray, np.ndarray]:
-        """Belady a piece at a time: the first pass over the trace file, in the pieces the
-        replay reads (:func:`simulator.stream.belady_after`)."""
+    def _read_again(self) -> Iterator[Workload]:
+        """:meth:`pieces_again` for a policy that counts over the whole trace before the replay
+        (``PolicyContext.trace_pieces``): its first read is shown as a first pass."""
+        shown = None if self._counted else self.first_pass_progress()
+        self._counted = True
+        return self.pieces_again(shown)
+
+    def belady_after(self) -> tuple[np.ndarray, np.ndarray]:
+        """Belady a piece at a time: the first pass over the trace file, shown in the progress
+        (:func:`simulator.stream.belady_after`)."""
         from moesim.simulator import stream
 
-        assert self.stream_source is not None, "a trace read in pieces"
-        path, chunk = self.stream_source
-        return stream.belady_after(self.scenario, path, chunk, self.num_prec, self.default_prec,
-                                   self.model.num_layers * self.model.num_experts * self.num_prec, progress)
+        return stream.belady_after(self.pieces_again(self.first_pass_progress()), self.num_prec, self.default_prec,
+                                   self.model.num_layers * self.model.num_experts * self.num_prec)
 
     def prepare_piece(self, workload: Workload) -> None:
         """Called on the reading thread with each piece of the trace once built: the

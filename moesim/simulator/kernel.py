@@ -2162,7 +2162,7 @@ def _replay(sim: Any) -> None:
     # every key's first access after the piece (the progress shown covers the first passes too)
     firsts: Any = None
     if streamed and ev == EV_BELADY:
-        firsts, afters = sim.belady_after(sim.first_pass_progress())
+        firsts, afters = sim.belady_after()
     shown, total = sim.rows_shown, (1 + sim.first_passes) * sim.trace_rows  # after the first passes
     DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks,
                                   None if firsts is None else _belady_piece(sim, wl, firsts, afters, 0))

@@ -27,7 +27,7 @@ imported traces (made whole in memory), and files whose rows are not in request 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -189,28 +189,25 @@ def pieces(scenario: Scenario, path: Path, chunk_rows: int = CHUNK_ROWS) -> Iter
         yield build_workload(piece, w.batch_size)  # no request limit (the reader's), no speculation
 
 
-def belady_after(scenario: Scenario, path: Path, chunk_rows: int, num_prec: int, default_prec: int,
-                 num_keys: int, progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Belady a piece at a time (issue 34): one pass over the trace file's pieces (the ones
-    :func:`pieces` cuts with ``chunk_rows``, as the replay will) before the replay. Returns
+def belady_after(workloads: Iterable[Workload], num_prec: int, default_prec: int,
+                 num_keys: int) -> tuple[np.ndarray, np.ndarray]:
+    """Belady a piece at a time (issue 34): one pass over the trace file's pieces (``workloads``,
+    cut as the replay cuts them: :meth:`simulator.engine.Simulation.pieces_again`) before the
+    replay. Returns
     ``firsts`` (per piece its first access, counted over the whole trace, then the number of
     accesses: ``pieces + 1`` entries) and ``after`` (pieces x cache keys: the key's first access
     after the piece, -1 when it has none), so that a piece's next uses are its own positions or
     ``after``. Memory: one piece, and 8 bytes per key and piece (1,024 keys at OLMoE's shape: 8 KB
-    a piece of ~1,000,000 accesses). ``progress`` is told the rows read so far."""
+    a piece of ~1,000,000 accesses)."""
     firsts = [0]
     heads: list[np.ndarray] = []  # per piece, each key's first access in it (-1: none)
-    rows = 0
-    for wl in pieces(scenario, path, chunk_rows):
+    for wl in workloads:
         keys = wl.cache_keys(num_prec, default_prec)
         head = np.full(num_keys, -1, np.int64)
         present, first = np.unique(keys, return_index=True)
         head[present] = first + firsts[-1]
         heads.append(head)
         firsts.append(firsts[-1] + len(keys))
-        rows += len(wl.trace) if wl.trace is not None else 0
-        if progress is not None:
-            progress(rows)
     after = np.full((len(heads), num_keys), -1, np.int64)
     later = np.full(num_keys, -1, np.int64)  # each key's first access in the pieces after
     for k in range(len(heads) - 1, -1, -1):
