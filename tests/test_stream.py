@@ -433,6 +433,26 @@ def test_static_pinning_in_pieces_pins_the_experts_counted_over_the_whole_trace(
     assert res.summary["preloaded_experts"] == slots
 
 
+@pytest.mark.parametrize("sets", [["policies.prefetch.name=static-pin"], ["policies.eviction=belady"], []])
+def test_a_trace_file_that_changes_during_a_replay_in_pieces_is_named(ragged_file: Path, tmp_path: Path,
+                                                                      sets: list[str]) -> None:
+    """The file's modification time moved after the replay began (static pinning has read it for its
+    counts; Belady's first pass and the replay read it later): one paragraph naming the file, not
+    results mixing two files' data."""
+    import os
+    import shutil
+
+    path = Path(shutil.copy(ragged_file, tmp_path / "changing.parquet"))
+    sc = load_scenario("quickstart", [f"workload.trace.path={path}", *sets])
+    sim = Simulation(sc, chunk_rows=700)
+    assert sim.pieces is not None, sim.whole_reason
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(MoesimError, match=rf"trace {path}: the file changed while it was replayed a piece at a "
+                                          r"time \(its size or modification time"):
+        sim.run()
+
+
 def test_static_pinning_and_belady_in_pieces_show_both_first_passes(ragged_file: Path) -> None:
     """Static pinning reads the file before the replay (in the constructor), Belady once more
     (in the kernel): the progress covers three times the file's rows, never going back."""

@@ -98,6 +98,7 @@ class Simulation:
         self.pieces: Generator[Workload, float, None] | None = None
         self.trace_rows = 0  # the file's rows, when read in pieces (progress)
         self.stream_source: tuple[Path, int] | None = None  # that file and its piece size
+        self._source_stamp: tuple[int, int] | None = None  # its size and modification time then
         self.trace_pieces = 1  # the pieces the replay read the trace in
         # passes over that file before the replay (Belady's next uses, static pinning's counts),
         # which the progress covers with the replay, and the rows of those it has shown
@@ -206,6 +207,7 @@ class Simulation:
             return None
         self.pieces = stream.read_ahead(stream.pieces(sc, path, chunk), self.prepare_piece)
         self.stream_source = (path, chunk)  # read again by first passes (Belady's, static pinning's)
+        self._source_stamp = _stamp(path)
         self.trace_rows = rows
         self.first_passes = stream.first_passes(sc)
         return next(self.pieces)
@@ -265,12 +267,25 @@ class Simulation:
 
         assert self.stream_source is not None, "a trace read in pieces"
         path, chunk = self.stream_source
+        self.check_source()
         rows = 0
         for wl in stream.pieces(self.scenario, path, chunk):
             rows += len(wl.trace) if wl.trace is not None else 0
             if shown is not None:
                 shown(rows)
             yield wl
+
+    def check_source(self) -> None:
+        """A trace file read a piece at a time, and perhaps more than once (first passes), must
+        not change while it is replayed: its results would mix two files' data (static pinning's
+        counts from one, the replay from another). Checked before each pass over it and after
+        the replay."""
+        assert self.stream_source is not None, "a trace read in pieces"
+        path = self.stream_source[0]
+        if _stamp(path) != self._source_stamp:
+            raise MoesimError(f"trace {path}: the file changed while it was replayed a piece at a time (its size "
+                              "or modification time is not what it was when the replay began), so the results "
+                              "would mix two files' data. Replay it again once nothing writes it.")
 
     def _read_again(self) -> Iterator[Workload]:
         """:meth:`pieces_again` for a policy that counts over the whole trace before the replay
@@ -869,6 +884,12 @@ class Simulation:
             "ttft_s": self._t_end[first] - start,  # a workload has a request (no empty trace)
             "first_phase": [PHASES[int(c)] for c in wl.pass_phase[first]],
         })
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    """A file's size and modification time (ns): what :meth:`Simulation.check_source` compares."""
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
 
 
 def simulate(scenario: Scenario, trace: Trace | None = None, **kwargs: Any) -> Result:

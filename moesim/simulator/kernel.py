@@ -2222,6 +2222,8 @@ def _replay(sim: Any) -> None:
         DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks,
                                       None if firsts is None else _belady_piece(sim, wl, firsts, afters, n_pieces))
     _finish(IS, FS, DI, DF, A)
+    if sim.stream_source is not None:
+        sim.check_source()  # the file the pieces came from is the one the first passes read
     sim.copy.busy_time = float(FS[SF_BUSY])
     sim.copy.bytes_moved = int(IS[S_BYTES])
     sim.cache.max_used = int(IS[S_MAXUSED])
