@@ -347,8 +347,12 @@ def _stamp(key, IS):
 @_inline
 def _on_insert(key, demand, ai, IS, FS, DI, A):
     """The policy's ``on_insert``: ``key`` entered the cache (``demand``: a use). Recency
-    policies keep a list in order; the others the members their victim search scans."""
+    policies keep a list in order (of the keys they may evict: a statically pinned key, never
+    a victim, is not in it, so that their victim walk need not pass over them); the others the
+    members their victim search scans."""
     ev = IS[C_EV]
+    if ev in (EV_LRU, EV_FIFO, EV_LS) and IS[IS[H_KI] + key * K_NKI + K_STATIC]:
+        return
     if ev in (EV_LRU, EV_FIFO):
         _list_append(key, S_HEAD, IS)
         return
@@ -374,6 +378,8 @@ def _on_insert(key, demand, ai, IS, FS, DI, A):
 def _on_access(key, ai, IS, FS, DI, A):
     """The policy's ``on_access``: a hit or a late prefetch used ``key``."""
     ev = IS[C_EV]
+    if ev in (EV_LRU, EV_LS) and IS[IS[H_KI] + key * K_NKI + K_STATIC]:
+        return  # not in the recency lists (:func:`_on_insert`)
     if ev == EV_LRU:
         _list_unlink(key, S_HEAD, IS)
         _list_append(key, S_HEAD, IS)
