@@ -1,20 +1,86 @@
 """numba where it is installed, plain Python where it is not: the decorators of moesim's
 compiled loops (the replay kernel, the workload's distinct-expert passes, score-percentile's
 proposals). Every such function is also correct uncompiled (``NUMBA_DISABLE_JIT=1``; the
-tests run the kernel that way)."""
+tests run the kernel that way).
+
+numba's on-disk cache keeps a compiled function until its own source file changes; the code it
+compiled in from other files (the compiled functions it calls, the constants it reads) is not
+watched, so a change there alone would leave it running the old code. Here a function's cache is
+also stale once any source file of its package changed (:class:`PackageCache`)."""
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+_DIGESTS: dict[Path, str] = {}
+
+
+def package_root(source: str | Path) -> Path:
+    """The folder of the top-level package that holds the file ``source`` (the outermost folder
+    with an ``__init__.py`` on the way up), or the file's own folder outside a package."""
+    folder = Path(source).resolve().parent
+    root = folder
+    while (folder / "__init__.py").is_file():
+        root = folder
+        folder = folder.parent
+    return root
+
+
+def package_digest(source: str | Path) -> str:
+    """A digest of the names and contents of every ``.py`` file of the package that holds the file
+    ``source`` (:func:`package_root`), taken once per process."""
+    root = package_root(source)
+    if root not in _DIGESTS:
+        h = hashlib.sha256()
+        for f in sorted(root.rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode() + b"\0")
+            h.update(f.read_bytes() + b"\0")
+        _DIGESTS[root] = h.hexdigest()
+    return _DIGESTS[root]
+
+
 try:
-    from numba import njit
+    from numba import njit as _numba_njit
     from numba.core import types
+    from numba.core.caching import FunctionCache
     from numba.core.registry import CPUDispatcher
 
     HAVE_NUMBA = True
+
+    class PackageCache(FunctionCache):
+        """numba's on-disk cache of one function, whose entries are stale when its own file
+        changed (numba's stamp: the file's time and size) or any source file of its package
+        did (:func:`package_digest`): a function compiles in the compiled functions it calls and
+        the constants it reads, which may live in other files of the package."""
+
+        def __init__(self, py_func: Any) -> None:
+            super().__init__(py_func)
+            index = self._cache_file  # numba's index file, which compares its stamp on loading
+            index._source_stamp = (index._source_stamp, package_digest(inspect.getfile(py_func)))
+
+    def njit(sig: Any = None, *, cache: bool = False, **options: Any) -> Any:
+        """numba's ``njit`` (as a decorator with options, ``njit(...)(func)``), whose on-disk
+        cache (``cache=True``) is a :class:`PackageCache`; ``sig``: a signature or a list of them,
+        compiled at once and no others, as numba's own does."""
+
+        def wrap(func: Any) -> Any:
+            disp = _numba_njit(**options)(func)
+            if not isinstance(disp, CPUDispatcher):  # NUMBA_DISABLE_JIT: the function itself
+                return disp
+            if cache:
+                disp._cache = PackageCache(func)  # type: ignore[attr-defined]  # what numba's enable_caching sets
+            if sig is not None:
+                for one in sig if isinstance(sig, list) else [sig]:
+                    disp.compile(one)
+                disp.disable_compile()
+            return disp
+
+        return wrap
 
     class _PlainTypes(CPUDispatcher):
         """A dispatcher that a call from compiled code compiles for its arguments' plain types."""
@@ -60,10 +126,8 @@ try:
 except ImportError:  # pragma: no cover - exercised where numba has no wheel
     HAVE_NUMBA = False
 
-    def njit(*args: Any, **kwargs: Any) -> Any:  # type: ignore[no-redef]
+    def njit(sig: Any = None, *, cache: bool = False, **options: Any) -> Any:
         """Without numba a compiled function runs as plain Python."""
-        if args and callable(args[0]):
-            return args[0]
         return lambda f: f
 
 
@@ -94,7 +158,7 @@ def _compiled(**options: Any) -> Any:
     interleaved pairs). A branch on an argument that is None is still pruned."""
 
     def wrap(func: Any) -> Any:
-        disp = njit(cache=True, **options)(func)
+        disp = njit(cache=True, **options)(func)  # moesim's: its cache watches the whole package
         if HAVE_NUMBA and isinstance(disp, CPUDispatcher):  # not under NUMBA_DISABLE_JIT
             disp.__class__ = _PlainTypes
         return disp
@@ -105,4 +169,4 @@ def _compiled(**options: Any) -> Any:
 jit = _compiled(**_OPTIONS)
 inline = _compiled(**_OPTIONS, forceinline=True)
 
-__all__ = ["HAVE_NUMBA", "forget_tuples", "inline", "jit", "njit"]
+__all__ = ["HAVE_NUMBA", "forget_tuples", "inline", "jit", "njit", "package_digest", "package_root"]

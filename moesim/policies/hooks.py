@@ -263,7 +263,7 @@ def _builtin(cls: type) -> bool:
 
 
 def _compile(cls: type) -> tuple[Any, ...] | str:
-    from numba import njit
+    from moesim.jit import njit
 
     out = []
     sigs = _signatures()
@@ -474,7 +474,7 @@ def compiled_prefetch(cls: type) -> tuple[Any, ...] | str:
 
 
 def _compile_select(cls: type) -> tuple[Any, ...] | str:
-    from numba import njit
+    from moesim.jit import njit
 
     try:
         with warnings.catch_warnings():
