@@ -323,8 +323,9 @@ def test_a_run_says_when_it_compiles_the_kernel_and_compiles_only_the_form_it_re
     forms = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert forms.stdout.strip() == "1 [('none', 'none')]", forms.stdout + forms.stderr
     # each compiled helper keeps its own cache entries: the pruned ones were never compiled
-    helpers = ("from moesim.simulator import kernel; print([len(getattr(kernel, f)._cache._cache_file._load_index()) "
-               "for f in ('_layer', '_lookup', '_per_expert', '_host_lookup', '_miss_policy', '_speculate', '_cascade')])")
+    helpers = ("from moesim.simulator import kernel_compute as X, kernel_lookup as L; "
+               "print([len(getattr(m, f)._cache._cache_file._load_index()) for m, f in ((X, '_layer'), (L, '_lookup'), "
+               "(X, '_per_expert'), (X, '_host_lookup'), (L, '_miss_policy'), (L, '_speculate'), (L, '_cascade'))])")
     compiled = subprocess.run([sys.executable, "-c", helpers], env=env, capture_output=True, text=True, check=True)
     assert compiled.stdout.strip() == "[1, 1, 0, 0, 0, 0, 0]", compiled.stdout + compiled.stderr
     second = subprocess.run(run, env=env, capture_output=True, text=True, check=True)

@@ -463,26 +463,27 @@ def test_the_prefetch_ring_drops_its_tombstones_when_full():
     order from slot 0 on, each knowing its slot, and the new one comes last. (No replay in
     the tests fills the ring, so the kernel's functions are driven directly: 6 prefetches
     queued on a 6-slot pool behind a busy link, the 2nd and 5th withdrawn, one more queued.)"""
-    from moesim.simulator import kernel as K
+    from moesim.simulator import kernel_copy as KC
+    from moesim.simulator import kernel_state as KS
 
     pool = 6
-    IS, FS = K._layout(num_keys=8, pool=pool, pend_max=8, maxn=1, top_k=1)
-    tids = [K._submit(key, K.PREFETCH, 0.0, 0, IS, FS) for key in range(pool)]
+    IS, FS = KS._layout(num_keys=8, pool=pool, pend_max=8, maxn=1, top_k=1)
+    tids = [KC._submit(key, KS.PREFETCH, 0.0, 0, IS, FS) for key in range(pool)]
     for tid in (tids[1], tids[4]):  # withdrawn (PrefetchQueue.withdraw): tombstone, slot freed
-        IS[IS[K.H_PFQ] + IS[IS[K.H_TI] + tid * K.T_NTI + K.T_PFSLOT]] = -1
-        K._free(tid, IS)
-    ring = IS[IS[K.H_PFQ]:IS[K.H_PFQ] + pool].copy()
+        IS[IS[KS.H_PFQ] + IS[IS[KS.H_TI] + tid * KS.T_NTI + KS.T_PFSLOT]] = -1
+        KC._free(tid, IS)
+    ring = IS[IS[KS.H_PFQ]:IS[KS.H_PFQ] + pool].copy()
     queued = [t for t in ring.tolist() if t != -1]  # in FIFO order
-    IS[IS[K.H_PFQ]:IS[K.H_PFQ] + pool] = np.roll(ring, 2)  # the same queue with its head at slot 2 (it wraps)
-    IS[K.S_PFH] = 2
+    IS[IS[KS.H_PFQ]:IS[KS.H_PFQ] + pool] = np.roll(ring, 2)  # the same queue with its head at slot 2 (it wraps)
+    IS[KS.S_PFH] = 2
     for slot, t in enumerate(np.roll(ring, 2).tolist()):
         if t != -1:
-            IS[IS[K.H_TI] + t * K.T_NTI + K.T_PFSLOT] = slot
-    new = K._submit(6, K.PREFETCH, 0.0, 0, IS, FS)
-    assert IS[K.S_PFH] == 0
-    assert IS[K.S_PFN] == len(queued) + 1 == 5
-    assert IS[IS[K.H_PFQ]:IS[K.H_PFQ] + 5].tolist() == [*queued, new]
-    assert [IS[IS[K.H_TI] + t * K.T_NTI + K.T_PFSLOT] for t in [*queued, new]] == list(range(5))
+            IS[IS[KS.H_TI] + t * KS.T_NTI + KS.T_PFSLOT] = slot
+    new = KC._submit(6, KS.PREFETCH, 0.0, 0, IS, FS)
+    assert IS[KS.S_PFH] == 0
+    assert IS[KS.S_PFN] == len(queued) + 1 == 5
+    assert IS[IS[KS.H_PFQ]:IS[KS.H_PFQ] + 5].tolist() == [*queued, new]
+    assert [IS[IS[KS.H_TI] + t * KS.T_NTI + KS.T_PFSLOT] for t in [*queued, new]] == list(range(5))
 
 
 @settings(max_examples=300, deadline=None)
@@ -491,11 +492,11 @@ def test_the_prefetch_ring_drops_its_tombstones_when_full():
 def test_the_kernels_pairwise_sum_is_numpys(values, offset):
     """``_pairwise_sum`` adds as numpy's ``sum`` adds a float64 array (tested bit for bit
     from 0 to 128 terms, where numpy switches from one loop to eight accumulators at 8)."""
-    from moesim.simulator import kernel as K
+    from moesim.simulator import kernel_compute as KX
 
     FS = np.full(offset + len(values) + 1, 12345.0)  # a term read outside the range shows
     FS[offset:offset + len(values)] = values
-    got = K._pairwise_sum(FS, offset, len(values))
+    got = KX._pairwise_sum(FS, offset, len(values))
     want = float(np.asarray(values, dtype=np.float64).sum())
     assert got == want or (math.isnan(got) and math.isnan(want))
 
@@ -506,55 +507,58 @@ def test_the_kernels_room_takes_as_many_victims_as_it_needs_or_changes_nothing()
     cannot free enough, nothing is evicted and every pin is as it was; a request larger
     than the cache never fits; an eviction for a prefetch ends the victim's admission."""
     from moesim.simulator import kernel as K
+    from moesim.simulator import kernel_cache as KE
+    from moesim.simulator import kernel_copy as KC
+    from moesim.simulator import kernel_state as KS
 
-    IS, FS = K._layout(num_keys=8, pool=8, pend_max=4, maxn=1, nprec=2)
-    IS[K.C_L], IS[K.C_DIV], IS[K.C_EV], IS[K.C_INSTANT], IS[K.C_MULTI] = 1, 8, K.EV_LRU, 1, 1
-    IS[IS[K.H_PBYTES]:IS[K.H_PBYTES] + 2] = [4, 1]  # key % 2 == 0: 4 bytes, else 1 byte
-    FS[K.CF_CAP] = 8.0
+    IS, FS = KS._layout(num_keys=8, pool=8, pend_max=4, maxn=1, nprec=2)
+    IS[KS.C_L], IS[KS.C_DIV], IS[KS.C_EV], IS[KS.C_INSTANT], IS[KS.C_MULTI] = 1, 8, KS.EV_LRU, 1, 1
+    IS[IS[KS.H_PBYTES]:IS[KS.H_PBYTES] + 2] = [4, 1]  # key % 2 == 0: 4 bytes, else 1 byte
+    FS[KS.CF_CAP] = 8.0
     DI, A = np.zeros(1, np.int64), (*(np.zeros(1, np.int64),) * 5, K._hooks(None))
     for key in (1, 3, 4, 7):  # least recently used first; 7 bytes in all
-        K._insert(key, K._submit(key, K.DEMAND, 0.0, 0, IS, FS), True, -1, IS, FS, DI, A)
-    assert IS[K.S_USED] == 7
+        KE._insert(key, KC._submit(key, KS.DEMAND, 0.0, 0, IS, FS), True, -1, IS, FS, DI, A)
+    assert IS[KS.S_USED] == 7
 
     def field(key: int, f: int) -> int:
-        return int(IS[IS[K.H_KI] + key * K.K_NKI + f])
+        return int(IS[IS[KS.H_KI] + key * KS.K_NKI + f])
 
     def set_field(key: int, f: int, v: int) -> None:
-        IS[IS[K.H_KI] + key * K.K_NKI + f] = v
+        IS[IS[KS.H_KI] + key * KS.K_NKI + f] = v
 
     def lru() -> list[int]:
-        out, key = [], IS[K.S_HEAD]
+        out, key = [], IS[KS.S_HEAD]
         while key != -1:
             out.append(int(key))
-            key = field(key, K.K_NEXT)
+            key = field(key, KS.K_NEXT)
         return out
 
     pins = {1: 2, 3: 9, 4: 3, 7: 9}  # 3 and 7 pinned in generation 9
     for key, gen in pins.items():
-        set_field(key, K.K_PIN, gen)
-    assert K._room(1, False, 9, -1, IS, FS, A) == 0  # it fits: nothing evicted
-    assert K._room(9, False, 9, -1, IS, FS, A) == -1  # larger than the cache
-    assert K._room(8, False, 9, -1, IS, FS, A) == -1  # 1 free + 1 + 4 evictable < 8
-    assert IS[K.S_USED] == 7
+        set_field(key, KS.K_PIN, gen)
+    assert KE._room(1, False, 9, -1, IS, FS, A) == 0  # it fits: nothing evicted
+    assert KE._room(9, False, 9, -1, IS, FS, A) == -1  # larger than the cache
+    assert KE._room(8, False, 9, -1, IS, FS, A) == -1  # 1 free + 1 + 4 evictable < 8
+    assert IS[KS.S_USED] == 7
     assert lru() == [1, 3, 4, 7]
-    assert {key: field(key, K.K_PIN) for key in pins} == pins
-    assert all(field(key, K.K_STATE) == K.RESIDENT for key in pins)
+    assert {key: field(key, KS.K_PIN) for key in pins} == pins
+    assert all(field(key, KS.K_STATE) == KS.RESIDENT for key in pins)
     for key in (1, 4):
-        set_field(key, K.K_ADM, 5)
-    IS[K.S_PASS] = 6
-    assert K._room(6, True, 9, -1, IS, FS, A) == 2  # exactly 1 free + 1 (key 1) + 4 (key 4; 3 is pinned)
-    assert IS[K.S_USED] == 2
+        set_field(key, KS.K_ADM, 5)
+    IS[KS.S_PASS] = 6
+    assert KE._room(6, True, 9, -1, IS, FS, A) == 2  # exactly 1 free + 1 (key 1) + 4 (key 4; 3 is pinned)
+    assert IS[KS.S_USED] == 2
     assert lru() == [3, 7]
-    assert [field(key, K.K_STATE) for key in (1, 3, 4, 7)] == [K.ABSENT, K.RESIDENT, K.ABSENT, K.RESIDENT]
-    assert [field(key, K.K_EVICTED) for key in (1, 4)] == [6, 6]
-    assert [field(key, K.K_ADM) for key in (1, 4)] == [0, 0]  # no longer admissions
-    assert field(3, K.K_PIN) == field(7, K.K_PIN) == 9
-    assert K._room(8, False, 10, -1, IS, FS, A) == 2  # as large as the cache: everything goes
-    assert IS[K.S_USED] == 0
+    assert [field(key, KS.K_STATE) for key in (1, 3, 4, 7)] == [KS.ABSENT, KS.RESIDENT, KS.ABSENT, KS.RESIDENT]
+    assert [field(key, KS.K_EVICTED) for key in (1, 4)] == [6, 6]
+    assert [field(key, KS.K_ADM) for key in (1, 4)] == [0, 0]  # no longer admissions
+    assert field(3, KS.K_PIN) == field(7, KS.K_PIN) == 9
+    assert KE._room(8, False, 10, -1, IS, FS, A) == 2  # as large as the cache: everything goes
+    assert IS[KS.S_USED] == 0
     assert lru() == []
     for key in (5, 6):  # 5 bytes: 3 free
-        K._insert(key, K._submit(key, K.DEMAND, 0.0, 0, IS, FS), True, -1, IS, FS, DI, A)
-    assert K._room(4, False, 11, -1, IS, FS, A) == 1  # one victim (key 5) is enough
+        KE._insert(key, KC._submit(key, KS.DEMAND, 0.0, 0, IS, FS), True, -1, IS, FS, DI, A)
+    assert KE._room(4, False, 11, -1, IS, FS, A) == 1  # one victim (key 5) is enough
     assert lru() == [6]
 
 
@@ -568,31 +572,35 @@ def test_statically_pinned_experts_stay_out_of_the_recency_lists(ev):
     long: 3.9 s against 1.9 s for 25.6 M accesses.) By hand: 4 single-byte keys in one layer,
     2 pinned, the other 2 demand-fetched, then every key used."""
     from moesim.simulator import kernel as K
+    from moesim.simulator import kernel_cache as KE
+    from moesim.simulator import kernel_compute as KX
+    from moesim.simulator import kernel_copy as KC
+    from moesim.simulator import kernel_state as KS
 
-    IS, FS = K._layout(num_keys=8, pool=8, pend_max=4, maxn=1)
-    code = {"lru": K.EV_LRU, "fifo": K.EV_FIFO, "least-stale": K.EV_LS}[ev]
-    IS[K.C_L], IS[K.C_DIV], IS[K.C_EV], IS[K.C_INSTANT], IS[K.C_NBYTES] = 1, 8, code, 1, 1
-    FS[K.CF_CAP] = 4.0
+    IS, FS = KS._layout(num_keys=8, pool=8, pend_max=4, maxn=1)
+    code = {"lru": KS.EV_LRU, "fifo": KS.EV_FIFO, "least-stale": KS.EV_LS}[ev]
+    IS[KS.C_L], IS[KS.C_DIV], IS[KS.C_EV], IS[KS.C_INSTANT], IS[KS.C_NBYTES] = 1, 8, code, 1, 1
+    FS[KS.CF_CAP] = 4.0
     DI, A = np.zeros(1, np.int64), (*(np.zeros(1, np.int64),) * 5, K._hooks(None))
-    assert K._preload(np.array([5, 2], np.int64), IS, FS, DI, np.zeros(1), A) == 2
+    assert KX._preload(np.array([5, 2], np.int64), IS, FS, DI, np.zeros(1), A) == 2
     for key in (6, 1):
-        K._insert(key, K._submit(key, K.DEMAND, 0.0, 0, IS, FS), True, -1, IS, FS, DI, A)
+        KE._insert(key, KC._submit(key, KS.DEMAND, 0.0, 0, IS, FS), True, -1, IS, FS, DI, A)
     for key in (5, 2, 6, 1):
-        K._on_access(key, -1, IS, FS, DI, A)
+        KE._on_access(key, -1, IS, FS, DI, A)
 
     def walk(head: int) -> list[int]:
         out, key = [], IS[head]
         while key != -1:
             out.append(int(key))
-            key = IS[IS[K.H_KI] + key * K.K_NKI + K.K_NEXT]
+            key = IS[IS[KS.H_KI] + key * KS.K_NKI + KS.K_NEXT]
         return out
 
-    lists = [walk(K.S_HEAD)] if ev != "least-stale" else [walk(IS[K.H_LSQ] + 2 * q) for q in (0, 1)]
+    lists = [walk(KS.S_HEAD)] if ev != "least-stale" else [walk(IS[KS.H_LSQ] + 2 * q) for q in (0, 1)]
     assert [key for keys in lists for key in keys] == [6, 1]  # used in that order; 5 and 2 are not there
-    assert IS[K.S_USED] == 4
-    assert K._victim(False, 1, -1, IS, FS) == 6  # pin generation 1: none pinned
-    assert K._room(1, False, 1, -1, IS, FS, A) == 1
-    assert [IS[IS[K.H_KI] + key * K.K_NKI + K.K_STATE] for key in (5, 2, 6, 1)] == [K.RESIDENT] * 2 + [K.ABSENT, K.RESIDENT]
+    assert IS[KS.S_USED] == 4
+    assert KE._victim(False, 1, -1, IS, FS) == 6  # pin generation 1: none pinned
+    assert KE._room(1, False, 1, -1, IS, FS, A) == 1
+    assert [IS[IS[KS.H_KI] + key * KS.K_NKI + KS.K_STATE] for key in (5, 2, 6, 1)] == [KS.RESIDENT] * 2 + [KS.ABSENT, KS.RESIDENT]
 
 
 def test_the_pending_prefetch_list_keeps_only_live_transfers_when_compacted():
@@ -600,35 +608,37 @@ def test_the_pending_prefetch_list_keeps_only_live_transfers_when_compacted():
     entries whose slot was reused (sequence changed), whose transfer has started or was
     withdrawn go; the rest keep their order and fields. A list full of live entries is an
     error. (No replay in the tests fills it, so the function is driven directly.)"""
-    from moesim.simulator import kernel as K
+    from moesim.simulator import kernel_copy as KC
+    from moesim.simulator import kernel_prefetch as KP
+    from moesim.simulator import kernel_state as KS
 
-    IS, FS = K._layout(num_keys=8, pool=16, pend_max=6, maxn=1, top_k=1)
-    earlier = [K._submit(key, K.PREFETCH, 0.0, 0, IS, FS) for key in range(5)]
+    IS, FS = KS._layout(num_keys=8, pool=16, pend_max=6, maxn=1, top_k=1)
+    earlier = [KC._submit(key, KS.PREFETCH, 0.0, 0, IS, FS) for key in range(5)]
     for t in earlier[::2]:  # slots reused: slots, sequence numbers and keys all differ
-        K._free(t, IS)
-    tids = [K._submit(key, K.PREFETCH, 0.0, 0, IS, FS) for key in range(6)]
+        KC._free(t, IS)
+    tids = [KC._submit(key, KS.PREFETCH, 0.0, 0, IS, FS) for key in range(6)]
 
     def ti(t: int, field: int) -> int:
-        return IS[K.H_TI] + t * K.T_NTI + field
+        return IS[KS.H_TI] + t * KS.T_NTI + field
 
-    assert all(t != IS[ti(t, K.T_SEQ)] for t in tids)
+    assert all(t != IS[ti(t, KS.T_SEQ)] for t in tids)
     for j, t in enumerate(tids):  # (slot, sequence, key) as _admit records them
-        IS[IS[K.H_PENDA] + 3 * j:IS[K.H_PENDA] + 3 * j + 3] = (t, IS[ti(t, K.T_SEQ)], 10 + j)
-    IS[K.S_PENDN] = 6
-    IS[ti(tids[0], K.T_SEQ)] += 1  # the slot now holds another transfer
-    IS[ti(tids[2], K.T_STARTED)] = 1
-    IS[ti(tids[3], K.T_CANCELLED)] = 1
-    assert K._compact_pending(IS) == 3
-    assert IS[K.S_PENDN] == 3
-    kept = IS[IS[K.H_PENDA]:IS[K.H_PENDA] + 9].reshape(3, 3).tolist()
-    assert kept == [[t, IS[ti(t, K.T_SEQ)], 10 + j] for j, t in ((1, tids[1]), (4, tids[4]), (5, tids[5]))]
+        IS[IS[KS.H_PENDA] + 3 * j:IS[KS.H_PENDA] + 3 * j + 3] = (t, IS[ti(t, KS.T_SEQ)], 10 + j)
+    IS[KS.S_PENDN] = 6
+    IS[ti(tids[0], KS.T_SEQ)] += 1  # the slot now holds another transfer
+    IS[ti(tids[2], KS.T_STARTED)] = 1
+    IS[ti(tids[3], KS.T_CANCELLED)] = 1
+    assert KP._compact_pending(IS) == 3
+    assert IS[KS.S_PENDN] == 3
+    kept = IS[IS[KS.H_PENDA]:IS[KS.H_PENDA] + 9].reshape(3, 3).tolist()
+    assert kept == [[t, IS[ti(t, KS.T_SEQ)], 10 + j] for j, t in ((1, tids[1]), (4, tids[4]), (5, tids[5]))]
     # full of live entries: nothing can go
     for j, t in enumerate(tids):
-        IS[ti(t, K.T_STARTED)] = IS[ti(t, K.T_CANCELLED)] = 0
-        IS[IS[K.H_PENDA] + 3 * j:IS[K.H_PENDA] + 3 * j + 3] = (t, IS[ti(t, K.T_SEQ)], 10 + j)
-    IS[K.S_PENDN] = 6
+        IS[ti(t, KS.T_STARTED)] = IS[ti(t, KS.T_CANCELLED)] = 0
+        IS[IS[KS.H_PENDA] + 3 * j:IS[KS.H_PENDA] + 3 * j + 3] = (t, IS[ti(t, KS.T_SEQ)], 10 + j)
+    IS[KS.S_PENDN] = 6
     with pytest.raises(RuntimeError, match="pending prefetch list full"):
-        K._compact_pending(IS)
+        KP._compact_pending(IS)
 
 
 @pytest.mark.parametrize("probs", [True, False])
@@ -639,13 +649,14 @@ def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
     (1 + 2^-53 + 2^-53 = 1). Dropping expert 3 leaves the kept mass of 7 and 1 and alters
     the token (counted once per pass); substituting 0 (probability 2^-53) for 3 keeps the
     probabilities of 0, 1 and 7, or only the weights of 7 and 1."""
-    from moesim.simulator import kernel as K
+    from moesim.simulator import kernel_compute as KX
+    from moesim.simulator import kernel_state as KS
 
     tiny = 2.0 ** -53
-    IS, FS = K._layout(num_keys=8, pool=4, pend_max=4, maxn=3, top_k=3, fin=3)
-    IS[K.C_L], IS[K.C_K], IS[K.C_DIV], IS[K.C_NPREC], IS[K.C_DPREC] = 1, 3, 8, 1, 0
-    IS[K.C_PROBS] = probs
-    FS[IS[K.H_MSCR] - 1] = 1e9  # what lies before the scratch is never read
+    IS, FS = KS._layout(num_keys=8, pool=4, pend_max=4, maxn=3, top_k=3, fin=3)
+    IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC] = 1, 3, 8, 1, 0
+    IS[KS.C_PROBS] = probs
+    FS[IS[KS.H_MSCR] - 1] = 1e9  # what lies before the scratch is never read
     experts = np.array([[7, 1, 3]], np.int16)
     if probs:
         mass = np.zeros((1, 8), np.float32)
@@ -660,10 +671,10 @@ def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
          np.array([-1], np.int64), np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64))
 
     def mass_with(final: list[int]) -> tuple[float, float, int]:
-        IS[IS[K.H_FIN]:IS[K.H_FIN] + 3] = final
-        FS[K.SF_MTOTAL] = FS[K.SF_MKEPT] = 0.0
-        K._token_mass(0, 0, IS, FS, M)
-        return FS[K.SF_MTOTAL], FS[K.SF_MKEPT], IS[K.R_ALTERED]
+        IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 3] = final
+        FS[KS.SF_MTOTAL] = FS[KS.SF_MKEPT] = 0.0
+        KX._token_mass(0, 0, IS, FS, M)
+        return FS[KS.SF_MTOTAL], FS[KS.SF_MKEPT], IS[KS.R_ALTERED]
 
     assert mass_with([7, 1, 3]) == (want_total, want_total, 0)
     assert mass_with([7, 1, -1]) == (want_total, want_kept, 1)  # expert 3 dropped
@@ -678,12 +689,14 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
     both tokens; its mean probability is 0.5. Experts 1 and 2 are routed and 6 is absent
     (each scores 0.5, distance 0): not candidates. Of the cached 3 (0.25), 4 (0.0) and 5
     (0.75), 3 and 5 are equally near: the lower id wins. With 3 gone, 5."""
-    from moesim.simulator import kernel as K
+    from moesim.simulator import kernel_compute as KX
+    from moesim.simulator import kernel_lookup as KL
+    from moesim.simulator import kernel_state as KS
 
     E = 7
-    IS, _ = K._layout(num_keys=E, pool=4, pend_max=4, maxn=3, top_k=2, fin=4)
-    IS[K.C_L], IS[K.C_K], IS[K.C_DIV], IS[K.C_NPREC], IS[K.C_DPREC], IS[K.C_NE] = 1, 2, E, 1, 0, E
-    IS[K.S_LAYERGEN] = 3
+    IS, _ = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=3, top_k=2, fin=4)
+    IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 1, 2, E, 1, 0, E
+    IS[KS.S_LAYERGEN] = 3
     experts = np.array([[0, 1], [0, 2]], np.int16)
     probs = np.zeros((2, E), np.float32)
     probs[:, 0] = (0.25, 0.75)  # mean 0.5
@@ -692,17 +705,17 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
     probs[:, 5] = (1.0, 0.5)  # mean 0.75
     M = (np.array([0, 1], np.int64), np.array([0, 2], np.int64), experts, probs, np.array([0, 1], np.int64),
          np.array([-1, -1], np.int64), np.zeros((1, 1), np.float32), np.zeros(2, np.int64), np.zeros(2, np.int64))
-    K._fin_init(0, 0, 0, 0, IS, (np.zeros(0, np.int32),) * 5, M)
+    KX._fin_init(0, 0, 0, 0, IS, (np.zeros(0, np.int32),) * 5, M)
     for e in (0, 1, 2):
-        IS[IS[K.H_ROUTED] + e] = 3  # routed in this layer
-    for e, state in ((1, K.RESIDENT), (2, K.RESIDENT), (3, K.RESIDENT), (4, K.INFLIGHT), (5, K.RESIDENT)):
-        IS[IS[K.H_KI] + e * K.K_NKI + K.K_STATE] = state
-    assert K._substitute(0, IS, M) == 3
-    IS[IS[K.H_KI] + 3 * K.K_NKI + K.K_STATE] = K.ABSENT
-    assert K._substitute(0, IS, M) == 5
+        IS[IS[KS.H_ROUTED] + e] = 3  # routed in this layer
+    for e, state in ((1, KS.RESIDENT), (2, KS.RESIDENT), (3, KS.RESIDENT), (4, KS.INFLIGHT), (5, KS.RESIDENT)):
+        IS[IS[KS.H_KI] + e * KS.K_NKI + KS.K_STATE] = state
+    assert KL._substitute(0, IS, M) == 3
+    IS[IS[KS.H_KI] + 3 * KS.K_NKI + KS.K_STATE] = KS.ABSENT
+    assert KL._substitute(0, IS, M) == 5
     for e in (4, 5):
-        IS[IS[K.H_KI] + e * K.K_NKI + K.K_STATE] = K.ABSENT
-    assert K._substitute(0, IS, M) == -1  # none cached: the miss is fetched
+        IS[IS[KS.H_KI] + e * KS.K_NKI + KS.K_STATE] = KS.ABSENT
+    assert KL._substitute(0, IS, M) == -1  # none cached: the miss is fetched
 
 
 def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
@@ -711,36 +724,39 @@ def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
     waits for that transfer; one resident runs at once. It is pinned each time and is new in
     the layer (told to the eviction policy) only the first time."""
     from moesim.simulator import kernel as K
+    from moesim.simulator import kernel_copy as KC
+    from moesim.simulator import kernel_lookup as KL
+    from moesim.simulator import kernel_state as KS
 
     E = 4
-    IS, FS = K._layout(num_keys=E, pool=4, pend_max=4, maxn=2, top_k=2, fin=2, lrun=2)
-    IS[K.C_L], IS[K.C_K], IS[K.C_DIV], IS[K.C_NPREC], IS[K.C_DPREC], IS[K.C_NE] = 1, 2, E, 1, 0, E
-    IS[K.C_EV] = K.EV_FIFO
-    IS[K.S_LAYERGEN] = 1
+    IS, FS = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=2, top_k=2, fin=2, lrun=2)
+    IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 1, 2, E, 1, 0, E
+    IS[KS.C_EV] = KS.EV_FIFO
+    IS[KS.S_LAYERGEN] = 1
     A = (*(np.zeros(1, np.int32),) * 5, K._hooks(None))
-    K._submit(3, K.DEMAND, 0.0, 0, IS, FS)  # the link is busy until t = 1
-    tid = K._submit(2, K.PREFETCH, 0.0, 0, IS, FS)
-    IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_STATE] = K.INFLIGHT
-    IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_TID] = tid
-    assert IS[IS[K.H_TI] + tid * K.T_NTI + K.T_PRIO] == K.PREFETCH
+    KC._submit(3, KS.DEMAND, 0.0, 0, IS, FS)  # the link is busy until t = 1
+    tid = KC._submit(2, KS.PREFETCH, 0.0, 0, IS, FS)
+    IS[IS[KS.H_KI] + 2 * KS.K_NKI + KS.K_STATE] = KS.INFLIGHT
+    IS[IS[KS.H_KI] + 2 * KS.K_NKI + KS.K_TID] = tid
+    assert IS[IS[KS.H_TI] + tid * KS.T_NTI + KS.T_PRIO] == KS.PREFETCH
 
     def runs(buf: int) -> list[list[int]]:
-        at = IS[K.H_LRUN] + buf * 2 * 4
-        return IS[at:at + 4 * IS[K.S_LRUNN + buf]].reshape(-1, 4).tolist()
+        at = IS[KS.H_LRUN] + buf * 2 * 4
+        return IS[at:at + 4 * IS[KS.S_LRUNN + buf]].reshape(-1, 4).tolist()
 
-    seq = IS[IS[K.H_TI] + tid * K.T_NTI + K.T_SEQ]
-    K._use_other(2, 3, 7, 0, IS, FS, np.zeros(1, np.int64), A)
-    assert IS[IS[K.H_TI] + tid * K.T_NTI + K.T_PRIO] == K.DEMAND  # promoted
+    seq = IS[IS[KS.H_TI] + tid * KS.T_NTI + KS.T_SEQ]
+    KL._use_other(2, 3, 7, 0, IS, FS, np.zeros(1, np.int64), A)
+    assert IS[IS[KS.H_TI] + tid * KS.T_NTI + KS.T_PRIO] == KS.DEMAND  # promoted
     assert runs(0) == [[tid, seq, 2, 3]]  # (slot, sequence, key, tokens)
-    assert (IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_PIN], IS[K.S_NCOMP]) == (7, 1)
-    K._use_other(2, 1, 8, 0, IS, FS, np.zeros(1, np.int64), A)
+    assert (IS[IS[KS.H_KI] + 2 * KS.K_NKI + KS.K_PIN], IS[KS.S_NCOMP]) == (7, 1)
+    KL._use_other(2, 1, 8, 0, IS, FS, np.zeros(1, np.int64), A)
     assert runs(0)[1] == [tid, seq, 2, 1]  # the same expert again in the layer: not new
-    assert (IS[IS[K.H_KI] + 2 * K.K_NKI + K.K_PIN], IS[K.S_NCOMP]) == (8, 1)
-    IS[IS[K.H_KI] + 3 * K.K_NKI + K.K_STATE] = K.RESIDENT
-    IS[K.S_LRUNN + 1] = 0
-    K._use_other(3, 2, 9, -1, IS, FS, np.zeros(1, np.int64), A)  # layer execution: the layer's list
-    assert IS[IS[K.H_RUNS] + 4:IS[K.H_RUNS] + 8].tolist() == [-1, -1, 3, 2]  # resident: no wait
-    assert IS[K.S_NCOMP] == 2
+    assert (IS[IS[KS.H_KI] + 2 * KS.K_NKI + KS.K_PIN], IS[KS.S_NCOMP]) == (8, 1)
+    IS[IS[KS.H_KI] + 3 * KS.K_NKI + KS.K_STATE] = KS.RESIDENT
+    IS[KS.S_LRUNN + 1] = 0
+    KL._use_other(3, 2, 9, -1, IS, FS, np.zeros(1, np.int64), A)  # layer execution: the layer's list
+    assert IS[IS[KS.H_RUNS] + 4:IS[KS.H_RUNS] + 8].tolist() == [-1, -1, 3, 2]  # resident: no wait
+    assert IS[KS.S_NCOMP] == 2
 
 
 def test_the_kernels_speculation_by_hand():
@@ -751,12 +767,14 @@ def test_the_kernels_speculation_by_hand():
     the previous layer (no prediction) and loses expert 0. Expert 3 computes two tokens, one
     substitution is counted."""
     from moesim.simulator import kernel as K
+    from moesim.simulator import kernel_lookup as KL
+    from moesim.simulator import kernel_state as KS
 
     E = 8
-    IS, FS = K._layout(num_keys=2 * E, pool=4, pend_max=4, maxn=3, top_k=2, fin=6, lrun=3)
-    IS[K.C_L], IS[K.C_K], IS[K.C_DIV], IS[K.C_NPREC], IS[K.C_DPREC], IS[K.C_NE] = 2, 2, E, 1, 0, E
-    IS[K.C_EV] = K.EV_FIFO
-    IS[K.S_LAYER], IS[K.S_LAYERGEN] = 1, 4
+    IS, FS = KS._layout(num_keys=2 * E, pool=4, pend_max=4, maxn=3, top_k=2, fin=6, lrun=3)
+    IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 2, 2, E, 1, 0, E
+    IS[KS.C_EV] = KS.EV_FIFO
+    IS[KS.S_LAYER], IS[KS.S_LAYERGEN] = 1, 4
     experts = np.array([[0, 0], [0, 0], [0, 0], [0, 2], [0, 1], [0, 4]], np.int16)  # rows 3-5: layer 1
     pred = np.zeros((6, E), np.float32)
     pred[0, [5, 3]] = 0.5
@@ -766,15 +784,15 @@ def test_the_kernels_speculation_by_hand():
     M = (np.array([0, 1, 2, 3, 4, 5], np.int64), np.array([0, 3, 6], np.int64), experts,
          np.zeros((6, E), np.float32), np.array([0, 1, 2, 0, 1, 2], np.int64), np.full(3, -1, np.int64),
          pred, prev_row, prev_stamp)
-    IS[IS[K.H_FIN]:IS[K.H_FIN] + 6] = (0, 2, 0, 1, 0, 4)
+    IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 6] = (0, 2, 0, 1, 0, 4)
     for e in (1, 2, 3, 4, 5):
-        IS[IS[K.H_KI] + (E + e) * K.K_NKI + K.K_STATE] = K.RESIDENT
+        IS[IS[KS.H_KI] + (E + e) * KS.K_NKI + KS.K_STATE] = KS.RESIDENT
     A = (*(np.zeros(1, np.int32),) * 5, K._hooks(None))
-    IS[K.S_LRUNN] = 0
-    K._speculate(0, 9, 0, IS, FS, np.zeros(1, np.int64), A, M)
-    assert IS[IS[K.H_FIN]:IS[K.H_FIN] + 6].tolist() == [3, 2, 3, 1, -1, 4]
-    assert IS[K.R_SUBST] == 1
-    runs = IS[IS[K.H_LRUN]:IS[K.H_LRUN] + 4 * IS[K.S_LRUNN]].reshape(-1, 4).tolist()
+    IS[KS.S_LRUNN] = 0
+    KL._speculate(0, 9, 0, IS, FS, np.zeros(1, np.int64), A, M)
+    assert IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 6].tolist() == [3, 2, 3, 1, -1, 4]
+    assert IS[KS.R_SUBST] == 1
+    runs = IS[IS[KS.H_LRUN]:IS[KS.H_LRUN] + 4 * IS[KS.S_LRUNN]].reshape(-1, 4).tolist()
     assert runs == [[-1, -1, E + 3, 2]]  # (slot, sequence, key, tokens): resident, two tokens
 
 

@@ -1,5 +1,6 @@
 """Hand mutants of the policy hooks (issue 34; not part of the test run): each mutant is one
-replacement in ``moesim/simulator/kernel.py`` or ``moesim/policies/hooks.py``; the file is
+replacement in one of the kernel's modules (``moesim/simulator/kernel*.py``, whichever holds the
+line) or ``moesim/policies/hooks.py``; the file is
 changed, a selection of ``tests/test_hooks.py`` runs with ``NUMBA_DISABLE_JIT=1`` (the kernel's
 source as plain Python: no recompile per mutant), and the file is restored. mutmut does not
 reach compiled code, and a kernel recompile per mutant takes minutes.
@@ -12,14 +13,14 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-K, H = "moesim/simulator/kernel.py", "moesim/policies/hooks.py"
+K, H = "moesim/simulator/kernel*.py", "moesim/policies/hooks.py"
 FAST = ("(builtin_rows and (none-layer or oracle-per-expert)) or gate_weight or readme_mru or kept_priority or "
         "state_after or (prefetch_hook and not does_not_compile)")
 MUTANTS = [
  ("access stamps not", K, "    elif ev == EV_HOOK:\n        _stamp(key, IS)\n", "    elif ev == EV_HOOK:\n"),
  ("insert weight 0", K, "w = float(_weight(key, ai, IS, DI, A)) if demand else 0.0", "w = 0.0"),
  ("insert demand always", K, "A[U][U_INSERT][0](key, demand != 0, w,", "A[U][U_INSERT][0](key, True, w,"),
- ("ties newest first", K, "            best, bf, bs = keys[j], f, s", "            best, bf, bs = keys[j], f, -s"),
+ ("ties newest first", K, "f, s = prios[j], IS[IS[H_KI] + key * K_NKI + K_STAMP]", "f, s = prios[j], -IS[IS[H_KI] + key * K_NKI + K_STAMP]"),
  ("remove hook not called", K, "        A[U][U_REMOVE][0](key, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])\n", "        pass\n"),
  ("kept priority not kept", K, "    if IS[C_STABLE]:\n        FS[IS[H_KF] + key * F_NKF + F_PRIO]", "    if IS[C_STABLE] and False:\n        FS[IS[H_KF] + key * F_NKF + F_PRIO]"),
  ("tick off by one", K, "    clock[CLOCK_TICK] = IS[S_SEQ]\n", "    clock[CLOCK_TICK] = IS[S_SEQ] - 1\n"),
@@ -42,7 +43,9 @@ results = []
 for name, f, old, new in MUTANTS:
     if only and name not in only:
         continue
-    path = ROOT / f
+    paths = [p for p in sorted(ROOT.glob(f)) if old in p.read_text()]
+    assert len(paths) == 1, (name, paths)
+    path = paths[0]
     src = path.read_text()
     assert src.count(old) == 1, (name, src.count(old))
     path.write_text(src.replace(old, new))

@@ -1,0 +1,412 @@
+"""The replay kernel's cache (:mod:`simulator.cache`'s model): the built-in eviction
+policies' compiled orders (lru and fifo's recency list, least-stale's queues, Belady's next
+uses; a hook policy's through :mod:`policies.hooks`), the victim search under the pinning rule,
+room made for an entry, insertion."""
+
+from __future__ import annotations
+
+import math
+
+from moesim.jit import inline as _inline
+from moesim.jit import jit as _jit
+from moesim.simulator.kernel_copy import _complete
+from moesim.simulator.kernel_state import (
+    ABSENT,
+    C_DIV,
+    C_EV,
+    C_INSTANT,
+    C_L,
+    C_LS_REL,
+    C_STABLE,
+    CF_CAP,
+    EV_BELADY,
+    EV_FIFO,
+    EV_HOOK,
+    EV_LRU,
+    EV_LS,
+    F_NEXTUSE,
+    F_NKF,
+    F_PRIO,
+    H_KF,
+    H_KI,
+    H_KNEXT,
+    H_KPOS,
+    H_KPOSOFF,
+    H_LGEN,
+    H_LSQ,
+    H_MEMB,
+    H_OFF,
+    H_VICT,
+    INFLIGHT,
+    K_ADM,
+    K_CURPASS,
+    K_EVICTED,
+    K_MEMB,
+    K_NEXT,
+    K_NKI,
+    K_PEND,
+    K_PIN,
+    K_PREV,
+    K_STAMP,
+    K_STATE,
+    K_STATIC,
+    K_TID,
+    K_UNUSED,
+    R_PFUSED,
+    RESIDENT,
+    S_ABASE,
+    S_HEAD,
+    S_LAYER,
+    S_MAXUSED,
+    S_MEMBN,
+    S_PASS,
+    S_PENDGEN,
+    S_USED,
+    U_ACCESS,
+    U_CLOCK,
+    U_INSERT,
+    U_KEYS,
+    U_PRIORITIES,
+    U_PRIORITY,
+    U_PRIOS,
+    U_REMOVE,
+    U_SF,
+    U_SI,
+    U,
+    _here,
+    _key,
+    _list_append,
+    _list_unlink,
+    _nbytes,
+    _set_clock,
+    _stamp,
+)
+
+
+@_jit
+def _next_use(key, ai, IS, DI, A):
+    """Belady: the next access index of ``key`` after the current one (``ai``, or the
+    current (pass, layer)'s access of it, or just before the layer), as a float (inf: none).
+    Indices count the whole trace's accesses: a piece's own are ``S_ABASE`` on, and a key with
+    none left in the piece has its first one after the piece (``H_KNEXT``; -1: none)."""
+    a, b = DI[IS[H_KPOSOFF] + key], DI[IS[H_KPOSOFF] + key + 1]
+    if a == b:
+        return _after_piece(key, IS, DI)
+    i = ai
+    if i < 0:
+        base = _here(IS)
+        lo, hi = DI[IS[H_OFF] + base], DI[IS[H_OFF] + base + 1]
+        i = lo - 1
+        for j in range(lo, hi):
+            if _key(j, IS, A) == key:
+                i = j
+                break
+    # first position > i (searchsorted right)
+    while a < b:
+        m = (a + b) >> 1
+        if DI[IS[H_KPOS] + m] <= i:
+            a = m + 1
+        else:
+            b = m
+    if a == DI[IS[H_KPOSOFF] + key + 1]:
+        return _after_piece(key, IS, DI)
+    return float(IS[S_ABASE] + DI[IS[H_KPOS] + a])
+@_inline
+def _after_piece(key, IS, DI):
+    """Belady: ``key``'s first access after the piece being replayed (inf: none)."""
+    nxt = DI[IS[H_KNEXT] + key]
+    return math.inf if nxt < 0 else float(nxt)
+@_jit
+def _weight(key, ai, IS, DI, A):
+    """The gate weight of access ``ai`` (-1: of the current (pass, layer)'s access of
+    ``key``, 0 when it has none)."""
+    if ai < 0:  # a speculative run of an expert the layer routes has its access's weight
+        base = _here(IS)
+        for j in range(DI[IS[H_OFF] + base], DI[IS[H_OFF] + base + 1]):
+            if _key(j, IS, A) == key:
+                ai = j
+                break
+    return A[3][ai] if ai >= 0 else 0.0
+@_jit
+def _ls_list(key, IS):
+    """Least-stale: the head slot of ``key``'s queue (current if touched in this pass, else
+    stale) for its layer; each such list is in insertion order."""
+    current = IS[IS[H_KI] + key * K_NKI + K_CURPASS] == IS[S_PASS]
+    return IS[H_LSQ] + 2 * (current * IS[C_L] + key // IS[C_DIV])
+@_jit
+def _ls_roll(IS):
+    """Least-stale, at a new pass: every layer's current list joins the end of its stale
+    list (the SimPy policy's ``_roll``)."""
+    num_l = IS[C_L]
+    for layer in range(num_l):
+        stale = IS[H_LSQ] + 2 * layer
+        cur = IS[H_LSQ] + 2 * (num_l + layer)
+        first = IS[cur]
+        if first == -1:
+            continue
+        if IS[stale + 1] == -1:
+            IS[stale] = first
+        else:
+            IS[IS[H_KI] + IS[stale + 1] * K_NKI + K_NEXT] = first
+            IS[IS[H_KI] + first * K_NKI + K_PREV] = IS[stale + 1]
+        IS[stale + 1] = IS[cur + 1]
+        IS[cur] = -1
+        IS[cur + 1] = -1
+@_jit
+def _ls_first(head, pin_gen, adm_layer, pending, IS):
+    """The first eligible key of a least-stale list; ``pending``: 0 only keys not pending,
+    1 only pending keys, 2 any."""
+    key = IS[head]
+    while key != -1:
+        if _eligible(key, pin_gen, adm_layer, IS) and (
+                pending == 2 or (IS[IS[H_KI] + key * K_NKI + K_PEND] == IS[S_PENDGEN]) == (pending == 1)):
+            return key
+        key = IS[IS[H_KI] + key * K_NKI + K_NEXT]
+    return -1
+@_jit
+def _ls_victim(for_prefetch, pin_gen, adm_layer, IS):
+    """Least-stale's victim (the SimPy policy's ``candidates``, or ``prefetch_candidates``
+    for an optional prefetch): the stale queue, then the current one; per queue the layers in
+    the policy's order (relative: layers already passed, the current layer's experts not
+    pending, upcoming layers farthest first, the current layer's pending experts; absolute:
+    layer 0 first), FIFO within. A prefetch takes no pending expert of the current layer and
+    no current expert of a later layer."""
+    num_l = IS[C_L]
+    cur = IS[S_LAYER]
+    relative = IS[C_LS_REL]
+    for q in range(2):
+        base = IS[H_LSQ] + 2 * q * num_l
+        for step in range(num_l + 1 if relative else num_l):
+            layer, pending = step, 2  # absolute, and relative before the current layer
+            if relative and step == cur:
+                pending = 0  # the current layer's experts that have run
+            elif relative and step == num_l:
+                layer, pending = cur, 1  # ... and last those still to run
+            elif relative and step > cur:
+                layer = num_l + cur - step  # upcoming layers, farthest first
+            if for_prefetch:
+                if layer == cur:
+                    if pending == 1:
+                        continue  # still to run: upcoming
+                    pending = 0
+                elif q == 1 and layer > cur:
+                    continue  # a later layer's current expert: upcoming
+            v = _ls_first(base + 2 * layer, pin_gen, adm_layer, pending, IS)
+            if v != -1:
+                return v
+    return -1
+@_inline
+def _on_insert(key, demand, ai, IS, FS, DI, A):
+    """The policy's ``on_insert``: ``key`` entered the cache (``demand``: a use). Recency
+    policies keep a list in order (of the keys they may evict: a statically pinned key, never
+    a victim, is not in it, so that their victim walk need not pass over them); the others the
+    members their victim search scans."""
+    ev = IS[C_EV]
+    if ev in (EV_LRU, EV_FIFO, EV_LS) and IS[IS[H_KI] + key * K_NKI + K_STATIC]:
+        return
+    if ev in (EV_LRU, EV_FIFO):
+        _list_append(key, S_HEAD, IS)
+        return
+    if ev == EV_LS:
+        IS[IS[H_KI] + key * K_NKI + K_CURPASS] = IS[S_PASS]
+        _list_append(key, _ls_list(key, IS), IS)
+        return
+    n = IS[S_MEMBN]
+    IS[IS[H_MEMB] + n] = key
+    IS[IS[H_KI] + key * K_NKI + K_MEMB] = n
+    IS[S_MEMBN] = n + 1
+    _stamp(key, IS)
+    if ev == EV_BELADY:
+        FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
+    elif ev == EV_HOOK:
+        w = float(_weight(key, ai, IS, DI, A)) if demand else 0.0
+        _set_clock(IS, A)
+        A[U][U_INSERT][0](key, demand != 0, w, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
+        _keep_priority(key, IS, FS, A)
+@_inline
+def _on_access(key, ai, IS, FS, DI, A):
+    """The policy's ``on_access``: a hit or a late prefetch used ``key``."""
+    ev = IS[C_EV]
+    if ev in (EV_LRU, EV_LS) and IS[IS[H_KI] + key * K_NKI + K_STATIC]:
+        return  # not in the recency lists (:func:`_on_insert`)
+    if ev == EV_LRU:
+        _list_unlink(key, S_HEAD, IS)
+        _list_append(key, S_HEAD, IS)
+    elif ev == EV_FIFO:
+        return
+    elif ev == EV_BELADY:
+        FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
+    elif ev == EV_HOOK:
+        _stamp(key, IS)
+        _set_clock(IS, A)
+        A[U][U_ACCESS][0](key, float(_weight(key, ai, IS, DI, A)), A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
+        _keep_priority(key, IS, FS, A)
+    elif ev == EV_LS and IS[IS[H_KI] + key * K_NKI + K_CURPASS] != IS[S_PASS]:
+        _list_unlink(key, _ls_list(key, IS), IS)  # stale -> current
+        IS[IS[H_KI] + key * K_NKI + K_CURPASS] = IS[S_PASS]
+        _list_append(key, _ls_list(key, IS), IS)
+@_inline
+def _on_remove(key, IS, A):
+    if IS[C_EV] in (EV_LRU, EV_FIFO):
+        _list_unlink(key, S_HEAD, IS)
+        return
+    if IS[C_EV] == EV_LS:
+        _list_unlink(key, _ls_list(key, IS), IS)
+        return
+    i = IS[IS[H_KI] + key * K_NKI + K_MEMB]
+    last = IS[IS[H_MEMB] + IS[S_MEMBN] - 1]
+    IS[IS[H_MEMB] + i] = last
+    IS[IS[H_KI] + last * K_NKI + K_MEMB] = i
+    IS[S_MEMBN] -= 1
+    IS[IS[H_KI] + key * K_NKI + K_MEMB] = -1
+    if IS[C_EV] == EV_HOOK:
+        _set_clock(IS, A)
+        A[U][U_REMOVE][0](key, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
+@_jit
+def _order(key, IS, FS):
+    """The candidate order of ``key`` for Belady, whose victim is the smallest over the cached
+    experts, as (minus its next use, stamp); the other built-ins walk lists (lru, fifo,
+    least-stale) or run their compiled forms through the hooks (lfu, fld, score, lhu)."""
+    return -FS[IS[H_KF] + key * F_NKF + F_NEXTUSE], IS[IS[H_KI] + key * K_NKI + K_STAMP]
+@_inline
+def _eligible(key, pin_gen, adm_layer, IS):
+    k = IS[H_KI] + key * K_NKI
+    if IS[k + K_STATE] != RESIDENT or IS[k + K_PIN] == pin_gen or IS[k + K_STATIC]:
+        return False
+    return not (adm_layer >= 0 and key // IS[C_DIV] == adm_layer and IS[k + K_ADM] == IS[IS[H_LGEN] + adm_layer])
+@_jit
+def _victim(for_prefetch, pin_gen, adm_layer, IS, FS):
+    """The first candidate, in the policy's order, that the cache may evict (resident, not
+    pinned, not statically pinned, not an earlier admission for ``adm_layer``), or -1."""
+    ev = IS[C_EV]
+    if ev in (EV_LRU, EV_FIFO):
+        key = IS[S_HEAD]
+        while key != -1:
+            if _eligible(key, pin_gen, adm_layer, IS):
+                return key
+            key = IS[IS[H_KI] + key * K_NKI + K_NEXT]
+        return -1
+    if ev == EV_LS:
+        return _ls_victim(for_prefetch, pin_gen, adm_layer, IS)
+    best = -1
+    bf, bs = 0.0, 0
+    for j in range(IS[S_MEMBN]):
+        key = IS[IS[H_MEMB] + j]
+        if not _eligible(key, pin_gen, adm_layer, IS):
+            continue
+        f, s = _order(key, IS, FS)
+        if best == -1 or f < bf or (f == bf and s < bs):
+            best, bf, bs = key, f, s
+    return best
+@_inline
+def _keep_priority(key, IS, FS, A):
+    """A hook policy with a stable priority (``C_STABLE``) keeps ``key``'s, computed after its
+    hooks ran, in ``F_PRIO``."""
+    if IS[C_STABLE]:
+        FS[IS[H_KF] + key * F_NKF + F_PRIO] = A[U][U_PRIORITY][0](key, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
+@_jit
+def _hook_victim(pin_gen, adm_layer, IS, FS, A):
+    """A hook policy's victim: the eligible key of lowest priority (kept, or asked now of every
+    cached key in one call, as the SimPy path sorts them all), ties to the oldest stamp."""
+    best, bf, bs = -1, 0.0, 0
+    if IS[C_STABLE]:
+        for j in range(IS[S_MEMBN]):
+            key = IS[IS[H_MEMB] + j]
+            if not _eligible(key, pin_gen, adm_layer, IS):
+                continue
+            f, s = FS[IS[H_KF] + key * F_NKF + F_PRIO], IS[IS[H_KI] + key * K_NKI + K_STAMP]
+            if best == -1 or f < bf or (f == bf and s < bs):
+                best, bf, bs = key, f, s
+        return best
+    keys, prios = A[U][U_KEYS], A[U][U_PRIOS]  # keys: the cached keys (IS's H_MEMB region)
+    n = IS[S_MEMBN]
+    _set_clock(IS, A)
+    A[U][U_PRIORITIES][0](keys, n, prios, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
+    for j in range(n):
+        key = keys[j]
+        if not _eligible(key, pin_gen, adm_layer, IS):
+            continue
+        f, s = prios[j], IS[IS[H_KI] + key * K_NKI + K_STAMP]
+        if best == -1 or f < bf or (f == bf and s < bs):
+            best, bf, bs = key, f, s
+    return best
+@_inline
+def _find_victim(for_prefetch, pin_gen, adm_layer, IS, FS, A):
+    """:func:`_victim`, or a hook policy's (:func:`_hook_victim`, the one that reads ``A``)."""
+    if IS[C_EV] == EV_HOOK:
+        return _hook_victim(pin_gen, adm_layer, IS, FS, A)
+    return _victim(for_prefetch, pin_gen, adm_layer, IS, FS)
+@_inline
+def _evict(key, IS, A):
+    k = IS[H_KI] + key * K_NKI
+    IS[k + K_STATE] = ABSENT
+    IS[S_USED] -= _nbytes(key, IS)
+    _on_remove(key, IS, A)
+    IS[k + K_UNUSED] = 0
+    IS[k + K_EVICTED] = IS[S_PASS]
+@_inline
+def _evict_for(key, for_prefetch, IS, A):
+    """Evict a victim; one evicted for a prefetch is no longer an admission."""
+    _evict(key, IS, A)
+    if for_prefetch:
+        IS[IS[H_KI] + key * K_NKI + K_ADM] = 0
+@_inline
+def _room(nb, for_prefetch, pin_gen, adm_layer, IS, FS, A):
+    """Make room for an entry of ``nb`` bytes (the victim walk of ``ExpertCache.fetch``):
+    evict victims in the policy's order until enough is free. Returns how many were evicted
+    (0: it fits), or -1 when the entries that may be evicted cannot free enough (nothing
+    changed). With entries of one size one victim is always enough; several are
+    :func:`_victims`'s."""
+    free = FS[CF_CAP] - IS[S_USED]
+    if nb <= free:
+        return 0
+    if nb > FS[CF_CAP]:
+        return -1
+    v = _find_victim(for_prefetch, pin_gen, adm_layer, IS, FS, A)
+    if v == -1:
+        return -1
+    if nb > free + _nbytes(v, IS):
+        return _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, FS, A)
+    _evict_for(v, for_prefetch, IS, A)
+    return 1
+@_jit
+def _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, FS, A):
+    """:func:`_room` when the first victim ``v`` is not enough: each victim found is pinned
+    for the search of the next (its pin restored after); all are evicted once they free
+    enough, none when the search runs out."""
+    vict = IS[H_VICT]
+    n = 0
+    while v != -1:
+        k = IS[H_KI] + v * K_NKI
+        IS[vict + 2 * n] = v
+        IS[vict + 2 * n + 1] = IS[k + K_PIN]
+        IS[k + K_PIN] = pin_gen
+        n += 1
+        free += _nbytes(v, IS)
+        if nb <= free:
+            break
+        v = _find_victim(for_prefetch, pin_gen, adm_layer, IS, FS, A)
+    for j in range(n):  # the pins as they were
+        IS[IS[H_KI] + IS[vict + 2 * j] * K_NKI + K_PIN] = IS[vict + 2 * j + 1]
+    if v == -1:
+        return -1
+    for j in range(n):
+        _evict_for(IS[vict + 2 * j], for_prefetch, IS, A)
+    return n
+@_inline
+def _insert(key, tid, demand, ai, IS, FS, DI, A):
+    """The cache's ``reserve``: an in-flight entry for ``key`` (room was made)."""
+    k = IS[H_KI] + key * K_NKI
+    IS[k + K_STATE] = INFLIGHT
+    IS[k + K_TID] = tid
+    IS[S_USED] += _nbytes(key, IS)
+    if IS[S_USED] > IS[S_MAXUSED]:
+        IS[S_MAXUSED] = IS[S_USED]
+    _on_insert(key, demand, ai, IS, FS, DI, A)
+    if IS[C_INSTANT]:
+        _complete(tid, IS)
+@_jit
+def _used_prefetch(key, IS):
+    if IS[IS[H_KI] + key * K_NKI + K_UNUSED]:
+        IS[IS[H_KI] + key * K_NKI + K_UNUSED] = 0
+        IS[R_PFUSED] += 1

@@ -1,0 +1,495 @@
+"""The replay kernel's compute stream and its entry point: a layer's lookups, proposals and
+expert compute in the three ``expert_compute`` modes (``layer``, ``on-arrival``,
+``per-expert``), the host's launches, the per-token gate mass, and :func:`replay_passes`, the
+compiled loop over forward passes that :func:`simulator.kernel.replay` calls."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from moesim.jit import inline as _inline
+from moesim.jit import jit as _jit
+from moesim.simulator.kernel_cache import _ls_roll, _on_insert
+from moesim.simulator.kernel_copy import _advance, _arrival
+from moesim.simulator.kernel_lookup import _lookup
+from moesim.simulator.kernel_prefetch import _admit, _propose, _withdraw
+from moesim.simulator.kernel_state import (
+    C_BLOCKING,
+    C_DIV,
+    C_EV,
+    C_HOST,
+    C_HSYNC,
+    C_INSTANT,
+    C_K,
+    C_L,
+    C_LRUNCAP,
+    C_MAXN,
+    C_MODE,
+    C_NBYTES,
+    C_NPREC,
+    C_PFACTIVE,
+    C_PROBS,
+    C_REROUTE,
+    CF_CAP,
+    CF_HCOPY,
+    CF_HLAUNCH,
+    CF_HLAYER,
+    EV_LS,
+    H_FIN,
+    H_KI,
+    H_LRUN,
+    H_MSCR,
+    H_OFF,
+    H_ROUTED,
+    H_RUNS,
+    H_SCALE,
+    H_SCR,
+    K_ACCPASS,
+    K_NKI,
+    K_PEND,
+    K_PIN,
+    K_STATE,
+    K_STATIC,
+    MODE_LAYER,
+    R_ALTERED,
+    R_BYTES,
+    R_COUNT,
+    R_FIRST,
+    R_UNIQUE,
+    RESIDENT,
+    S_BYTES,
+    S_LAYER,
+    S_LAYERGEN,
+    S_LRUNN,
+    S_MAXUSED,
+    S_NCOMP,
+    S_NDEM,
+    S_PASS,
+    S_PBASE,
+    S_PENDGEN,
+    S_PINGEN,
+    S_USED,
+    S_WN,
+    SF_CARRY,
+    SF_HOST,
+    SF_MKEPT,
+    SF_MTOTAL,
+    SF_NOW,
+    SF_STALL,
+    _ffn,
+    _here,
+    _key,
+    _new_gen,
+    _row_base,
+)
+
+
+@_jit
+def _mark_pending(lo, hi, IS, A):
+    """The layer's experts are pending until they run (``Clock.pending``; only least-stale
+    reads it)."""
+    pend = _new_gen(IS, S_PENDGEN)
+    if IS[C_EV] == EV_LS:
+        for j in range(lo, hi):
+            IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_PEND] = pend
+@_inline
+def _tokens_of(key, tokens, p, IS, M):
+    """How many of the layer's tokens finally compute ``key``: ``tokens`` unless the miss
+    policy re-routes tokens (``C_REROUTE``: drop, substitute, speculative), else counted in
+    ``IS[H_FIN]``."""
+    if M is None or not IS[C_REROUTE]:
+        return tokens
+    e = (key % IS[C_DIV]) // IS[C_NPREC]
+    b = _here(IS)
+    n = 0
+    for i in range((M[1][b + 1] - M[1][b]) * IS[C_K]):
+        n += IS[IS[H_FIN] + i] == e
+    return n
+@_jit
+def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
+    """``layer`` and ``on-arrival`` execution of one layer (engine's ``_run`` body,
+    ``LayerLookup.finish`` and ``_compute``); returns the layer's end. Stall accumulates in
+    ``FS[SF_STALL]``."""
+    _mark_pending(lo, hi, IS, A)
+    if IS[C_PFACTIVE]:
+        _withdraw(layer, lo, hi, IS, A)
+    pins = _new_gen(IS, S_PINGEN)
+    for j in range(lo, hi):
+        IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_PIN] = pins
+    IS[S_NCOMP] = 0
+    copies = IS[S_NDEM]
+    for i in range(hi - lo):
+        _lookup(lo + i, now, pins, -1, IS, FS, DI, A, M)
+    if IS[C_HOST]:  # the host submits the layer's demand copies
+        FS[SF_HOST] += (IS[S_NDEM] - copies) * FS[CF_HCOPY]
+    computed = IS[S_NCOMP]
+    if IS[C_PFACTIVE]:
+        _propose(p, layer, p0, now, pins, IS, FS, DI, A, P)
+    scale = DF[IS[H_SCALE] + p - IS[S_PBASE]]
+    if IS[C_MODE] == MODE_LAYER:
+        ready = now
+        total = 0.0
+        for i in range(computed):
+            r = IS[H_RUNS] + i * 4
+            a = _arrival(IS[r], IS[r + 1], now, IS, FS)
+            if a > ready:
+                ready = a
+            total += _ffn(IS[r + 2], _tokens_of(IS[r + 2], IS[r + 3], p, IS, M), DF, IS) * scale
+        FS[SF_STALL] += ready - now
+        if IS[C_HOST] and computed:  # one launch for the layer's experts
+            FS[SF_HOST] += FS[CF_HLAUNCH]
+            if FS[SF_HOST] > ready:
+                ready = FS[SF_HOST]
+        end = ready + total
+    else:  # on-arrival: in arrival order (ties by compute time), each when it has arrived
+        for i in range(computed):
+            r = IS[H_RUNS] + i * 4
+            a = _arrival(IS[r], IS[r + 1], now, IS, FS)
+            f = _ffn(IS[r + 2], _tokens_of(IS[r + 2], IS[r + 3], p, IS, M), DF, IS) * scale
+            j = i
+            while j > 0 and (FS[IS[H_SCR] + j - 1] > a or (FS[IS[H_SCR] + j - 1] == a and FS[IS[H_SCR] + IS[C_MAXN] + j - 1] > f)):
+                FS[IS[H_SCR] + j] = FS[IS[H_SCR] + j - 1]
+                FS[IS[H_SCR] + IS[C_MAXN] + j] = FS[IS[H_SCR] + IS[C_MAXN] + j - 1]
+                j -= 1
+            FS[IS[H_SCR] + j] = a
+            FS[IS[H_SCR] + IS[C_MAXN] + j] = f
+        t = now
+        for i in range(computed):
+            if IS[C_HOST]:  # one launch per expert, after the GPU has run the last (sync: expert)
+                if IS[C_HSYNC] == 2 and FS[SF_HOST] < t:
+                    FS[SF_HOST] = t
+                FS[SF_HOST] += FS[CF_HLAUNCH]
+            if FS[IS[H_SCR] + i] > t:
+                FS[SF_STALL] += FS[IS[H_SCR] + i] - t
+                t = FS[IS[H_SCR] + i]
+            if IS[C_HOST] and FS[SF_HOST] > t:
+                t = FS[SF_HOST]
+            t += FS[IS[H_SCR] + IS[C_MAXN] + i]
+        end = t
+    _new_gen(IS, S_PENDGEN)  # the layer's experts have run
+    if IS[S_WN]:
+        _advance(end, IS, FS)
+        _admit(end, _new_gen(IS, S_PINGEN), IS, FS, DI, A)
+    IS[R_UNIQUE] += computed
+    return end
+@_inline
+def _pin_buffer(buf, pins, IS):
+    """Pin the keys of lookup buffer ``buf``'s computations with generation ``pins``."""
+    b = IS[H_LRUN] + buf * IS[C_LRUNCAP] * 4
+    for x in range(IS[S_LRUNN + buf]):
+        IS[IS[H_KI] + IS[b + x * 4 + 2] * K_NKI + K_PIN] = pins
+@_inline
+def _buffer_arrived(buf, t, IS, FS):
+    """Whether every computation of lookup buffer ``buf`` has its expert on the GPU by ``t``."""
+    b = IS[H_LRUN] + buf * IS[C_LRUNCAP] * 4
+    for x in range(IS[S_LRUNN + buf]):
+        if _arrival(IS[b + x * 4], IS[b + x * 4 + 1], t, IS, FS) > t:
+            return False
+    return True
+@_inline
+def _host_lookup(ai, t, pins, buf, IS, FS, DI, A, M):
+    """Look up access ``ai`` at ``t`` into lookup buffer ``buf`` (engine's ``_host_lookup``):
+    the host submits the demand copies it leads to."""
+    copies = IS[S_NDEM]
+    _lookup(ai, t, pins, buf, IS, FS, DI, A, M)
+    if IS[C_HOST]:
+        FS[SF_HOST] += (IS[S_NDEM] - copies) * FS[CF_HCOPY]
+@_jit
+def _host_issue(buf, t, blocking, IS, FS):
+    """The host launches the expert of lookup buffer ``buf``, the GPU having run the ones
+    before it by ``t`` (engine's ``_host_issue``); returns when the launch is issued."""
+    if IS[C_HSYNC] == 2 and FS[SF_HOST] < t:
+        FS[SF_HOST] = t
+    if blocking:
+        b = IS[H_LRUN] + buf * IS[C_LRUNCAP] * 4
+        for x in range(IS[S_LRUNN + buf]):
+            a = _arrival(IS[b + x * 4], IS[b + x * 4 + 1], FS[SF_HOST], IS, FS)
+            if a > FS[SF_HOST]:
+                FS[SF_HOST] = a
+    FS[SF_HOST] += FS[CF_HLAUNCH]
+    return FS[SF_HOST]
+@_inline
+def _host_ready(t, IS, FS):
+    """Whether the host can launch the next expert by ``t`` (engine's ``_host_ready``)."""
+    h = FS[SF_HOST]
+    if IS[C_HSYNC] == 2 and h < t:
+        h = t
+    return h + FS[CF_HLAUNCH] <= t
+@_jit
+def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
+    """``per-expert`` execution of one layer (engine's ``_per_expert``, both ``expert_fetch``
+    disciplines): the experts run one after another in router order; the running expert's
+    computations are in lookup buffer ``cur``, the next one's in the other (a lookup made
+    when an expert ends reuses the ended expert's buffer)."""
+    timed = not IS[C_INSTANT]
+    blocking = IS[C_BLOCKING]
+    host = IS[C_HOST]
+    _mark_pending(lo, hi, IS, A)
+    if IS[C_PFACTIVE]:
+        _withdraw(layer, lo, hi, IS, A)
+        _propose(p, layer, p0, now, _new_gen(IS, S_PINGEN), IS, FS, DI, A, P)
+    n = hi - lo
+    t = now
+    cur = 0
+    looked = 0
+    scale = DF[IS[H_SCALE] + p - IS[S_PBASE]]
+    IS[S_LRUNN] = IS[S_LRUNN + 1] = IS[S_NCOMP] = 0
+    if n:
+        _host_lookup(lo, t, _new_gen(IS, S_PINGEN), cur, IS, FS, DI, A, M)
+        looked = 1
+    launched = False
+    issued = 0.0
+    for i in range(n):
+        if host and not launched:
+            issued = _host_issue(cur, t, blocking, IS, FS)
+        launched = False
+        base = IS[H_LRUN] + cur * IS[C_LRUNCAP] * 4
+        for x in range(IS[S_LRUNN + cur]):
+            a = _arrival(IS[base + x * 4], IS[base + x * 4 + 1], t, IS, FS)
+            if a > t:
+                FS[SF_STALL] += a - t
+                t = a
+        if host and issued > t:  # the GPU waits for the host to launch expert i
+            t = issued
+        if timed:
+            _advance(t, IS, FS)
+        nxt = 1 - cur
+        if not blocking and looked == i + 1 and looked < n:
+            IS[S_LRUNN + nxt] = 0
+            pins = _new_gen(IS, S_PINGEN)
+            _pin_buffer(cur, pins, IS)  # the running expert
+            _host_lookup(lo + looked, t, pins, nxt, IS, FS, DI, A, M)
+            looked += 1
+        for x in range(IS[S_LRUNN + cur]):
+            t += _ffn(IS[base + x * 4 + 2], IS[base + x * 4 + 3], DF, IS) * scale
+        if timed:
+            _advance(t, IS, FS)
+        if IS[C_EV] == EV_LS:
+            IS[IS[H_KI] + _key(lo + i, IS, A) * K_NKI + K_PEND] = 0  # expert i has run
+        if blocking:
+            IS[S_LRUNN + nxt] = 0
+            if looked < n:
+                _host_lookup(lo + looked, t, _new_gen(IS, S_PINGEN), nxt, IS, FS, DI, A, M)
+                looked += 1
+        elif (looked == i + 2 and looked < n and _buffer_arrived(nxt, t, IS, FS)
+              and (not host or _host_ready(t, IS, FS))):
+            # expert i+1 starts now: i+2's lookup (into the ended expert's buffer) comes first
+            if host:  # i+1's launch, then i+2's copies
+                issued = _host_issue(nxt, t, False, IS, FS)
+                launched = True
+            IS[S_LRUNN + cur] = 0
+            pins = _new_gen(IS, S_PINGEN)
+            _pin_buffer(nxt, pins, IS)
+            _host_lookup(lo + looked, t, pins, cur, IS, FS, DI, A, M)
+            looked += 1
+            if IS[S_WN]:
+                pins = _new_gen(IS, S_PINGEN)
+                _pin_buffer(nxt, pins, IS)
+                _pin_buffer(cur, pins, IS)
+                _admit(t, pins, IS, FS, DI, A)
+            cur = nxt
+            continue
+        elif looked != i + 2:
+            IS[S_LRUNN + nxt] = 0  # nothing looked up next: nothing held
+        if IS[S_WN]:
+            pins = _new_gen(IS, S_PINGEN)
+            _pin_buffer(nxt, pins, IS)
+            _admit(t, pins, IS, FS, DI, A)
+        cur = nxt
+    IS[R_UNIQUE] += IS[S_NCOMP]
+    return t
+@_jit
+def _pairwise_sum(FS, a, n):
+    """``FS[a:a + n]`` summed as numpy sums a float64 array of up to 128 terms: one after
+    another below eight, else in eight accumulators combined as a tree, then the rest."""
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += FS[a + i]
+        return res
+    r0, r1, r2, r3 = FS[a], FS[a + 1], FS[a + 2], FS[a + 3]
+    r4, r5, r6, r7 = FS[a + 4], FS[a + 5], FS[a + 6], FS[a + 7]
+    i = 8
+    while i < n - n % 8:
+        r0 += FS[a + i]
+        r1 += FS[a + i + 1]
+        r2 += FS[a + i + 2]
+        r3 += FS[a + i + 3]
+        r4 += FS[a + i + 4]
+        r5 += FS[a + i + 5]
+        r6 += FS[a + i + 6]
+        r7 += FS[a + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += FS[a + i]
+        i += 1
+    return res
+@_jit
+def _insert_sorted(FS, at, n, v):
+    """Insert ``v`` into the ascending ``FS[at:at + n]``."""
+    i = n
+    while i > 0 and FS[at + i - 1] > v:
+        FS[at + i] = FS[at + i - 1]
+        i -= 1
+    FS[at + i] = v
+@_jit
+def _token_mass(p, layer, IS, FS, M):
+    """With a miss policy that changes what tokens compute: the layer's gate mass (original
+    top-k, and what each token finally computes, ``IS[H_FIN]``) and the pass's altered tokens,
+    as the engine's ``token_mass``: per token, probabilities at ascending expert ids summed as
+    numpy sums them, or top-k weights in rank order (a weight counts while its expert stays)."""
+    row_order, row_off, experts, mass, token, mark = M[0], M[1], M[2], M[3], M[4], M[5]
+    b = _row_base(p, IS) + layer
+    k = IS[C_K]
+    scr = IS[H_MSCR]
+    fin = IS[H_FIN]
+    total = 0.0
+    kept = 0.0
+    for i in range(row_off[b + 1] - row_off[b]):
+        r = row_order[row_off[b] + i]
+        changed = False
+        n_fin = 0
+        t_total = 0.0
+        t_kept = 0.0
+        for j in range(k):
+            e = np.int64(experts[r, j])
+            f = IS[fin + i * k + j]
+            changed |= f != e
+            if IS[C_PROBS]:  # ids, ascending: the original at FS[scr], the final after them
+                _insert_sorted(FS, scr, j, e)
+                if f >= 0:
+                    _insert_sorted(FS, scr + k, n_fin, f)
+                    n_fin += 1
+            else:
+                w = np.float64(mass[r, j])
+                t_total += w
+                if f == e:
+                    t_kept += w
+        if IS[C_PROBS]:
+            for j in range(k):
+                FS[scr + j] = np.float64(mass[r, np.int64(FS[scr + j])])
+            for j in range(n_fin):
+                FS[scr + k + j] = np.float64(mass[r, np.int64(FS[scr + k + j])])
+            t_total = _pairwise_sum(FS, scr, k)
+            t_kept = _pairwise_sum(FS, scr + k, n_fin) if n_fin else 0.0
+        total += t_total
+        kept += t_kept
+        if changed and mark[token[r]] != p:
+            mark[token[r]] = p
+            IS[R_ALTERED] += 1
+        M[7][token[r]] = r  # the token's row in the latest layer (speculative reads it)
+        M[8][token[r]] = b
+    FS[SF_MTOTAL] += total
+    FS[SF_MKEPT] += kept
+@_jit
+def _fin_init(p, layer, lo, hi, IS, A, M):
+    """At the layer's routing point: each token computes its routed experts, and the
+    layer's routed experts are marked (a substitute is never one of them)."""
+    row_order, row_off, experts = M[0], M[1], M[2]
+    b = _row_base(p, IS) + layer
+    k = IS[C_K]
+    for i in range(row_off[b + 1] - row_off[b]):
+        for j in range(k):
+            IS[IS[H_FIN] + i * k + j] = experts[row_order[row_off[b] + i], j]
+    for j in range(lo, hi):
+        IS[IS[H_ROUTED] + _key(j, IS, A)] = IS[S_LAYERGEN]
+@_jit
+def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, per_expert, nonexp, release, cols, t_start, t_end, stall, m_total, m_kept):
+    """Replay forward passes ``p0 .. p1`` (engine's ``_run``): per layer, non-expert compute,
+    the routing point's lookups and proposals, expert compute; per pass, one row. A pass
+    starts no earlier than its ``release`` time (serving: the GPU idles until a request
+    arrives), the host thread with it.
+
+    ``M`` (the per-token path's arrays) is None under the ``fetch`` miss policy and
+    ``per_expert`` None unless the execution is ``per-expert``: numba prunes a branch on an
+    argument that is None when it compiles, so a replay compiles only the code its scenario
+    can reach (the quickstart's form compiled in 25-29 s, against 123 s for the whole kernel), each
+    form once per installation."""
+    num_l = IS[C_L]
+    now = FS[SF_NOW]
+    carry = FS[SF_CARRY]
+    for p in range(p0, p1):
+        if p > 0 and IS[C_EV] == EV_LS:
+            _ls_roll(IS)
+        IS[S_PASS] = p
+        rel = release[p - p0]
+        if rel > now:  # idle until then (as SimPy's timeout adds the delay to its clock)
+            now = now + (rel - now)
+            if FS[SF_HOST] < now:
+                FS[SF_HOST] = now
+        t_start[p - p0] = now
+        bytes0 = IS[S_BYTES]
+        for r in range(R_FIRST, R_FIRST + R_COUNT):
+            IS[r] = 0
+        FS[SF_STALL] = 0.0
+        FS[SF_MTOTAL] = 0.0
+        FS[SF_MKEPT] = 0.0
+        ne = nonexp[p - p0]
+        base = _row_base(p, IS)
+        if IS[C_PFACTIVE]:
+            for j in range(DI[IS[H_OFF] + base], DI[IS[H_OFF] + base + num_l]):
+                IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_ACCPASS] = p
+        for layer in range(num_l):
+            delay = carry + ne
+            if IS[C_HOST]:  # the host issues the non-expert part; the GPU starts it once issued
+                FS[SF_HOST] += FS[CF_HLAYER]
+                lag = FS[SF_HOST] - now
+                if lag > carry:
+                    delay = lag + ne
+            if delay > 0:
+                now = now + delay
+            if IS[C_HSYNC] and FS[SF_HOST] < now:  # the host waits for the routing
+                FS[SF_HOST] = now
+            carry = 0.0
+            lo, hi = DI[IS[H_OFF] + base + layer], DI[IS[H_OFF] + base + layer + 1]
+            if lo == hi:
+                continue  # no routing for this (pass, layer): the layer is skipped
+            _advance(now, IS, FS)
+            IS[S_LAYER] = layer
+            IS[S_LAYERGEN] += 1
+            if M is not None:
+                _fin_init(p, layer, lo, hi, IS, A, M)
+            if per_expert is None:
+                end = _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M)
+            else:
+                end = _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M)
+            if M is not None:
+                _token_mass(p, layer, IS, FS, M)
+            carry = end - now
+        if carry > 0:
+            now = now + carry
+            carry = 0.0
+        if FS[SF_HOST] < now:  # the host waits for the pass's end
+            FS[SF_HOST] = now
+        _advance(now, IS, FS)
+        t_end[p - p0] = now
+        stall[p - p0] = FS[SF_STALL]
+        m_total[p - p0] = FS[SF_MTOTAL]
+        m_kept[p - p0] = FS[SF_MKEPT]
+        IS[R_BYTES] = IS[S_BYTES] - bytes0
+        for r in range(R_COUNT):
+            cols[p - p0, r] = IS[R_FIRST + r]
+    FS[SF_NOW] = now
+    FS[SF_CARRY] = carry
+@_jit
+def _preload(keys, IS, FS, DI, DF, A):
+    """Static pinning (the cache's ``preload``): resident before the replay, never evicted."""
+    nb = IS[C_NBYTES]
+    loaded = 0
+    for key in keys:
+        if IS[IS[H_KI] + key * K_NKI + K_STATE] == RESIDENT or IS[S_USED] + nb > FS[CF_CAP]:
+            continue
+        IS[IS[H_KI] + key * K_NKI + K_STATE] = RESIDENT
+        IS[S_USED] += nb
+        IS[IS[H_KI] + key * K_NKI + K_STATIC] = 1
+        _on_insert(key, False, -1, IS, FS, DI, A)
+        loaded += 1
+    if IS[S_USED] > IS[S_MAXUSED]:
+        IS[S_MAXUSED] = IS[S_USED]
+    return loaded
+@_jit
+def _finish(IS, FS, DI, DF, A):
+    _advance(math.inf, IS, FS)

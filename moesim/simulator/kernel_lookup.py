@@ -1,0 +1,348 @@
+"""The replay kernel's lookup path (:mod:`simulator.lookup`'s model): hit, late prefetch or
+miss per routed expert, and the miss policies (fetch; drop, substitute and speculative with the
+per-token gate mass; the precision cascades)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moesim.jit import inline as _inline
+from moesim.jit import jit as _jit
+from moesim.simulator.kernel_cache import _insert, _on_access, _room, _used_prefetch
+from moesim.simulator.kernel_copy import _free, _promote, _submit
+from moesim.simulator.kernel_state import (
+    ABSENT,
+    C_DPREC,
+    C_DROPRANK,
+    C_IMPORTANT,
+    C_INSTANT,
+    C_K,
+    C_LRUNCAP,
+    C_MISS,
+    C_MULTI,
+    C_NE,
+    C_NLEV,
+    DEMAND,
+    H_FIN,
+    H_KI,
+    H_LEVELS,
+    H_LRUN,
+    H_ROUTED,
+    H_RUNS,
+    H_SPEC,
+    H_TI,
+    INFLIGHT,
+    K_COMPUTED,
+    K_EVICTED,
+    K_NKI,
+    K_PIN,
+    K_STATE,
+    K_TID,
+    MISS_DROP,
+    MISS_LOWEST_BIT,
+    MISS_SPECULATIVE,
+    MISS_SUBSTITUTE,
+    R_COLL,
+    R_DROPPED,
+    R_HITS,
+    R_LATE,
+    R_LOWPREC,
+    R_MISSES,
+    R_SUBST,
+    R_UNCACHED,
+    RESIDENT,
+    S_LAYER,
+    S_LAYERGEN,
+    S_LRUNN,
+    S_NCOMP,
+    S_PASS,
+    T_NTI,
+    T_PRIO,
+    T_SEQ,
+    T_STARTED,
+    _here,
+    _key,
+    _key_at,
+    _nbytes,
+    _prec,
+)
+
+
+@_jit
+def _fin_replace(e, e2, IS, M):
+    """The layer's tokens routed to ``e`` compute ``e2`` in its place (-1: nothing; a token
+    that already computes ``e2`` computes it once)."""
+    k = IS[C_K]
+    fin = IS[H_FIN]
+    row_order, row_off, experts = M[0], M[1], M[2]
+    b = _here(IS)
+    for i in range(row_off[b + 1] - row_off[b]):
+        r = row_order[row_off[b] + i]
+        for j in range(k):
+            if experts[r, j] == e:
+                has = False
+                for jj in range(k):
+                    has |= e2 >= 0 and IS[fin + i * k + jj] == e2
+                IS[fin + i * k + j] = -1 if has else e2
+@_jit
+def _substitute(e, IS, M):
+    """Substitution (the engine's ``Substitute.decide``, SpecMD §3.1.2): among the layer's
+    experts that are not routed and are resident or in flight, the one whose router score
+    (mean probability over ``e``'s tokens, in float32 as numpy's ``mean``) is nearest to
+    ``e``'s; the lowest id on a tie; -1 when there is none."""
+    score_e = _mean_prob(e, e, IS, M)
+    best = -1
+    best_d = 0.0
+    for c in range(IS[C_NE]):
+        key = _key_at(IS[S_LAYER], c, IS)
+        if IS[IS[H_ROUTED] + key] == IS[S_LAYERGEN] or IS[IS[H_KI] + key * K_NKI + K_STATE] == ABSENT:
+            continue
+        d = abs(np.float64(_mean_prob(e, c, IS, M)) - np.float64(score_e))
+        if best < 0 or d < best_d:
+            best = c
+            best_d = d
+    return best
+@_jit
+def _mean_prob(e, c, IS, M):
+    """Mean router probability of expert ``c`` over the layer's tokens routed to ``e``,
+    summed row by row in float32 and divided in float32 (numpy's ``mean(axis=0)``)."""
+    row_order, row_off, experts, mass = M[0], M[1], M[2], M[3]
+    k = IS[C_K]
+    b = _here(IS)
+    total = np.float32(0.0)
+    n = 0
+    for i in range(row_off[b + 1] - row_off[b]):
+        r = row_order[row_off[b] + i]
+        for j in range(k):
+            if experts[r, j] == e:
+                v = mass[r, c]
+                total = v if n == 0 else np.float32(total + v)
+                n += 1
+    return np.float32(total / np.float32(n))
+@_inline
+def _add_run(buf, tid, key, ntok, IS):
+    """One computation a lookup leads to: the transfer it waits for (slot and sequence; -1:
+    none), its key and its tokens. A key computed for the first time in the layer (the
+    engine's ``key_for``) is counted (``S_NCOMP``); with ``buf`` -1 (``layer`` and
+    ``on-arrival`` execution) such a computation is appended to the layer's (``H_RUNS``),
+    with ``buf`` 0 or 1 (``per-expert``) every computation goes into that lookup buffer."""
+    k = IS[H_KI] + key * K_NKI
+    new = IS[k + K_COMPUTED] != IS[S_LAYERGEN]
+    IS[k + K_COMPUTED] = IS[S_LAYERGEN]
+    if buf < 0:
+        if not new:
+            return
+        r = IS[H_RUNS] + IS[S_NCOMP] * 4
+    else:
+        n = IS[S_LRUNN + buf]
+        r = IS[H_LRUN] + (buf * IS[C_LRUNCAP] + n) * 4
+        IS[S_LRUNN + buf] = n + 1
+    IS[S_NCOMP] += new
+    IS[r] = tid
+    IS[r + 1] = IS[IS[H_TI] + tid * T_NTI + T_SEQ] if tid >= 0 else -1
+    IS[r + 2] = key
+    IS[r + 3] = ntok
+@_inline
+def _needed_now(k, IS, FS):
+    """The transfer of an in-flight key (its record at ``k``), needed now: a queued prefetch
+    is promoted to demand priority. Returns its slot."""
+    tid = IS[k + K_TID]
+    ti = IS[H_TI] + tid * T_NTI
+    if IS[ti + T_PRIO] != DEMAND and not IS[ti + T_STARTED]:
+        _promote(tid, IS, FS)
+    return tid
+@_jit
+def _use_other(e2, ntok, pin_gen, buf, IS, FS, DI, A):
+    """A resident or arriving expert ``e2`` computes ``ntok`` tokens of a missed one (the
+    engine's ``_use_other``; substitute, speculative): a queued prefetch of it is promoted,
+    the eviction policy told when it is first computed in the layer, its key pinned."""
+    k2 = _key_at(IS[S_LAYER], e2, IS)
+    k = IS[H_KI] + k2 * K_NKI
+    tid = _needed_now(k, IS, FS) if IS[k + K_STATE] == INFLIGHT else -1
+    if IS[k + K_COMPUTED] != IS[S_LAYERGEN]:
+        _on_access(k2, -1, IS, FS, DI, A)
+    IS[k + K_PIN] = pin_gen
+    _add_run(buf, tid, k2, ntok, IS)
+@_jit
+def _speculate(e, pin_gen, buf, IS, FS, DI, A, M):
+    """Speculative execution (the engine's speculate branch,
+    ``speculating-experts-prefetch.txt`` §4): each token routed to the missed ``e`` computes,
+    in its place, its highest-predicted expert (the previous layer's ``pred_next`` for the
+    same token; the lowest id on a tie, as a stable sort) that is resident or in flight and
+    not already computed by the token, or nothing; each expert chosen then computes its
+    tokens (:func:`_use_other`), in the order first chosen."""
+    IS[R_SUBST] += 1
+    row_order, row_off, experts, token, pred, prev_row, prev_stamp = M[0], M[1], M[2], M[4], M[6], M[7], M[8]
+    k = IS[C_K]
+    fin = IS[H_FIN]
+    b = _here(IS)
+    spec = IS[H_SPEC]
+    n_spec = 0
+    for i in range(row_off[b + 1] - row_off[b]):
+        r = row_order[row_off[b] + i]
+        for j in range(k):
+            if experts[r, j] != e:
+                continue
+            IS[fin + i * k + j] = -1
+            t = token[r]
+            if prev_stamp[t] != b - 1:
+                continue  # no prediction for this token
+            src = prev_row[t]
+            best = -1
+            for c in range(IS[C_NE]):
+                if best >= 0 and not pred[src, c] > pred[src, best]:
+                    continue
+                if IS[IS[H_KI] + _key_at(IS[S_LAYER], c, IS) * K_NKI + K_STATE] == ABSENT:
+                    continue
+                dup = False
+                for jj in range(k):
+                    dup |= IS[fin + i * k + jj] == c
+                if not dup:
+                    best = c
+            if best < 0:
+                continue
+            IS[fin + i * k + j] = best
+            s = 0
+            while s < n_spec and IS[spec + 2 * s] != best:
+                s += 1
+            if s == n_spec:
+                IS[spec + 2 * s] = best
+                IS[spec + 2 * s + 1] = 0
+                n_spec += 1
+            IS[spec + 2 * s + 1] += 1
+    for s in range(n_spec):
+        _use_other(IS[spec + 2 * s], IS[spec + 2 * s + 1], pin_gen, buf, IS, FS, DI, A)
+@_inline
+def _lookup(ai, now, pin_gen, buf, IS, FS, DI, A, M):
+    """Look access ``ai`` up (engine's ``LayerLookup.lookup``): the computations it leads to
+    go into lookup buffer ``buf`` (:func:`_add_run`): one for a hit, a late prefetch, a
+    resident copy at another precision or a fetch; none when the ``drop`` miss policy skips
+    the expert (router rank >= its ``rank``); the substitute; each expert the tokens
+    speculate on."""
+    key = _key(ai, IS, A)
+    k = IS[H_KI] + key * K_NKI
+    state = IS[k + K_STATE]
+    if buf >= 0:
+        IS[S_LRUNN + buf] = 0
+    ntok = np.int64(A[2][ai])
+    if state == RESIDENT:
+        IS[R_HITS] += 1
+        _on_access(key, ai, IS, FS, DI, A)
+        _used_prefetch(key, IS)
+        _add_run(buf, -1, key, ntok, IS)
+        return
+    if state == INFLIGHT:
+        IS[R_LATE] += 1
+        _on_access(key, ai, IS, FS, DI, A)
+        _used_prefetch(key, IS)
+        _add_run(buf, _needed_now(k, IS, FS), key, ntok, IS)
+        return
+    if M is not None and IS[C_MULTI] and _alternative(key, A[4][ai], ntok, pin_gen, buf, IS, FS, DI, A):
+        return
+    IS[R_MISSES] += 1
+    if IS[k + K_EVICTED] == IS[S_PASS]:
+        IS[R_COLL] += 1
+    if M is not None:  # a miss policy other than ``fetch`` (compiled only for one: ``M`` is None)
+        kq = _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A, M)
+    else:
+        kq = -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A) else key
+    if kq < 0:
+        return
+    tid = _submit(kq, DEMAND, now, 1, IS, FS)
+    IS[R_UNCACHED] += 1
+    IS[R_LOWPREC] += _prec(kq, IS) != IS[C_DPREC]
+    if IS[C_INSTANT]:
+        _free(tid, IS)
+        tid = -1
+    _add_run(buf, tid, kq, ntok, IS)
+@_inline
+def _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A, M):
+    """A miss of access ``ai`` under a miss policy other than ``fetch`` (the rest of the
+    engine's ``LayerLookup.lookup``): drop, substitute, speculate, or fetch (down a precision
+    cascade). Returns -1 when the miss is dealt with, else the key to fetch uncached."""
+    miss = IS[C_MISS]
+    if miss == MISS_DROP and A[4][ai] >= IS[C_DROPRANK]:  # drop (SpecMD §3.1.2)
+        IS[R_DROPPED] += 1
+        _fin_replace(np.int64(A[1][ai]), -1, IS, M)
+        return -1
+    if miss == MISS_SUBSTITUTE:
+        e2 = _substitute(np.int64(A[1][ai]), IS, M)
+        if e2 >= 0:
+            IS[R_SUBST] += 1
+            _fin_replace(np.int64(A[1][ai]), e2, IS, M)
+            _use_other(e2, ntok, pin_gen, buf, IS, FS, DI, A)
+            return -1
+    if miss == MISS_SPECULATIVE and IS[S_LAYER] > 0:  # layer 0 has no prediction: fetch
+        _speculate(np.int64(A[1][ai]), pin_gen, buf, IS, FS, DI, A, M)
+        return -1
+    # fetch (the fetch in the engine's ``LayerLookup.lookup``): at the scenario's precision or down a precision
+    # cascade; when no room can be made, an uncached fetch (at the cascade's last precision)
+    if IS[C_MULTI]:
+        return _cascade(key, A[4][ai], ai, ntok, now, pin_gen, buf, IS, FS, DI, A)
+    return -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A) else key
+@_inline
+def _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, FS, DI, A):
+    """Fetch ``kq`` (a cache key of the missed expert, ``aq`` its access or -1) when room
+    can be made for it: pinned, a demand transfer, an in-flight entry. Returns whether it
+    was."""
+    if _room(_nbytes(kq, IS), False, pin_gen, -1, IS, FS, A) == -1:
+        return False
+    IS[IS[H_KI] + kq * K_NKI + K_PIN] = pin_gen
+    tid = _submit(kq, DEMAND, now, 0, IS, FS)
+    _insert(kq, tid, True, aq, IS, FS, DI, A)
+    if IS[C_MULTI]:
+        IS[R_LOWPREC] += _prec(kq, IS) != IS[C_DPREC]
+    _add_run(buf, -1 if IS[C_INSTANT] else tid, kq, ntok, IS)
+    return True
+@_inline
+def _use_copy(kq, ntok, pin_gen, buf, IS, FS, DI, A):
+    """The missed expert computes from its resident copy ``kq`` at another precision (the
+    absent key is never resident): a use, pinned, a low-precision computation."""
+    _on_access(kq, -1, IS, FS, DI, A)  # no access of the layer has this key
+    IS[IS[H_KI] + kq * K_NKI + K_PIN] = pin_gen
+    IS[R_LOWPREC] += 1
+    _add_run(buf, -1, kq, ntok, IS)
+@_jit
+def _alternative(key, rank, ntok, pin_gen, buf, IS, FS, DI, A):
+    """A precision cascade's resident copy of the missed ``key`` at another precision (the
+    policy's ``alternative``), used as a hit: returns whether there was one."""
+    alo, ahi, _, _ = _levels(rank, IS)
+    for li in range(alo, ahi):
+        kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
+        if IS[IS[H_KI] + kq * K_NKI + K_STATE] == RESIDENT:
+            IS[R_HITS] += 1
+            _use_copy(kq, ntok, pin_gen, buf, IS, FS, DI, A)
+            return True
+    return False
+@_jit
+def _cascade(key, rank, ai, ntok, now, pin_gen, buf, IS, FS, DI, A):
+    """A precision cascade's fetch of the missed ``key`` (the fetch in the engine's ``LayerLookup.lookup`` with
+    several precisions): the first of its precisions that is resident is used, or fetched
+    when room can be made for it. Returns -1, or the key of the last precision when none
+    could be (for an uncached fetch)."""
+    _, _, flo, fhi = _levels(rank, IS)
+    for li in range(flo, fhi):
+        kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
+        if IS[IS[H_KI] + kq * K_NKI + K_STATE] == RESIDENT:
+            _use_copy(kq, ntok, pin_gen, buf, IS, FS, DI, A)
+            return -1
+        aq = ai if kq == key else -1  # the policies find no access of another precision's key
+        if _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, FS, DI, A):
+            return -1
+    return key - IS[C_DPREC] + IS[IS[H_LEVELS] + fhi - 1]
+@_inline
+def _levels(rank, IS):
+    """For a missed expert of best router rank ``rank``: the range of ``IS[H_LEVELS]`` (its
+    precision indices) searched for a resident copy, and the range to fetch from. The
+    ``fetch-lowest-bit`` policy (SpecMD §3.1.2) uses a copy at any of its precisions
+    (highest first) and fetches the lowest; ``fetch-priority`` (§3.1.2, §5.4) uses for an
+    important expert (rank below ``C_IMPORTANT``) its first precision only and fetches from
+    it down the cascade, for the others any copy below the first and fetches from the second
+    down."""
+    n = IS[C_NLEV]
+    miss = IS[C_MISS]
+    if miss == MISS_LOWEST_BIT:
+        return 0, n, n - 1, n
+    if rank < IS[C_IMPORTANT]:  # fetch-priority
+        return 0, 1, 0, n
+    return 1, n, 1 if n > 1 else 0, n
