@@ -111,11 +111,15 @@ def _next_use(key, ai, IS, DI, A):
     if a == DI[IS[H_KPOSOFF] + key + 1]:
         return _after_piece(key, IS, DI)
     return float(IS[S_ABASE] + DI[IS[H_KPOS] + a])
+
+
 @_inline
 def _after_piece(key, IS, DI):
     """Belady: ``key``'s first access after the piece being replayed (inf: none)."""
     nxt = DI[IS[H_KNEXT] + key]
     return math.inf if nxt < 0 else float(nxt)
+
+
 @_jit
 def _weight(key, ai, IS, DI, A):
     """The gate weight of access ``ai`` (-1: of the current (pass, layer)'s access of
@@ -127,12 +131,16 @@ def _weight(key, ai, IS, DI, A):
                 ai = j
                 break
     return A[3][ai] if ai >= 0 else 0.0
+
+
 @_jit
 def _ls_list(key, IS):
     """Least-stale: the head slot of ``key``'s queue (current if touched in this pass, else
     stale) for its layer; each such list is in insertion order."""
     current = IS[IS[H_KI] + key * K_NKI + K_CURPASS] == IS[S_PASS]
     return IS[H_LSQ] + 2 * (current * IS[C_L] + key // IS[C_DIV])
+
+
 @_jit
 def _ls_roll(IS):
     """Least-stale, at a new pass: every layer's current list joins the end of its stale
@@ -152,6 +160,8 @@ def _ls_roll(IS):
         IS[stale + 1] = IS[cur + 1]
         IS[cur] = -1
         IS[cur + 1] = -1
+
+
 @_jit
 def _ls_first(head, pin_gen, adm_layer, pending, IS):
     """The first eligible key of a least-stale list; ``pending``: 0 only keys not pending,
@@ -163,6 +173,8 @@ def _ls_first(head, pin_gen, adm_layer, pending, IS):
             return key
         key = IS[IS[H_KI] + key * K_NKI + K_NEXT]
     return -1
+
+
 @_jit
 def _ls_victim(for_prefetch, pin_gen, adm_layer, IS):
     """Least-stale's victim (the SimPy policy's ``candidates``, or ``prefetch_candidates``
@@ -195,6 +207,8 @@ def _ls_victim(for_prefetch, pin_gen, adm_layer, IS):
             if v != -1:
                 return v
     return -1
+
+
 @_inline
 def _on_insert(key, demand, ai, IS, FS, DI, A):
     """The policy's ``on_insert``: ``key`` entered the cache (``demand``: a use). Recency
@@ -223,6 +237,8 @@ def _on_insert(key, demand, ai, IS, FS, DI, A):
         _set_clock(IS, A)
         A[U][U_INSERT][0](key, demand != 0, w, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
         _keep_priority(key, IS, FS, A)
+
+
 @_inline
 def _on_access(key, ai, IS, FS, DI, A):
     """The policy's ``on_access``: a hit or a late prefetch used ``key``."""
@@ -245,6 +261,8 @@ def _on_access(key, ai, IS, FS, DI, A):
         _list_unlink(key, _ls_list(key, IS), IS)  # stale -> current
         IS[IS[H_KI] + key * K_NKI + K_CURPASS] = IS[S_PASS]
         _list_append(key, _ls_list(key, IS), IS)
+
+
 @_inline
 def _on_remove(key, IS, A):
     if IS[C_EV] in (EV_LRU, EV_FIFO):
@@ -262,18 +280,24 @@ def _on_remove(key, IS, A):
     if IS[C_EV] == EV_HOOK:
         _set_clock(IS, A)
         A[U][U_REMOVE][0](key, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
+
+
 @_jit
 def _order(key, IS, FS):
     """The candidate order of ``key`` for Belady, whose victim is the smallest over the cached
     experts, as (minus its next use, stamp); the other built-ins walk lists (lru, fifo,
     least-stale) or run their compiled forms through the hooks (lfu, fld, score, lhu)."""
     return -FS[IS[H_KF] + key * F_NKF + F_NEXTUSE], IS[IS[H_KI] + key * K_NKI + K_STAMP]
+
+
 @_inline
 def _eligible(key, pin_gen, adm_layer, IS):
     k = IS[H_KI] + key * K_NKI
     if IS[k + K_STATE] != RESIDENT or IS[k + K_PIN] == pin_gen or IS[k + K_STATIC]:
         return False
     return not (adm_layer >= 0 and key // IS[C_DIV] == adm_layer and IS[k + K_ADM] == IS[IS[H_LGEN] + adm_layer])
+
+
 @_jit
 def _victim(for_prefetch, pin_gen, adm_layer, IS, FS):
     """The first candidate, in the policy's order, that the cache may evict (resident, not
@@ -298,12 +322,16 @@ def _victim(for_prefetch, pin_gen, adm_layer, IS, FS):
         if best == -1 or f < bf or (f == bf and s < bs):
             best, bf, bs = key, f, s
     return best
+
+
 @_inline
 def _keep_priority(key, IS, FS, A):
     """A hook policy with a stable priority (``C_STABLE``) keeps ``key``'s, computed after its
     hooks ran, in ``F_PRIO``."""
     if IS[C_STABLE]:
         FS[IS[H_KF] + key * F_NKF + F_PRIO] = A[U][U_PRIORITY][0](key, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
+
+
 @_jit
 def _hook_victim(pin_gen, adm_layer, IS, FS, A):
     """A hook policy's victim: the eligible key of lowest priority (kept, or asked now of every
@@ -330,12 +358,16 @@ def _hook_victim(pin_gen, adm_layer, IS, FS, A):
         if best == -1 or f < bf or (f == bf and s < bs):
             best, bf, bs = key, f, s
     return best
+
+
 @_inline
 def _find_victim(for_prefetch, pin_gen, adm_layer, IS, FS, A):
     """:func:`_victim`, or a hook policy's (:func:`_hook_victim`, the one that reads ``A``)."""
     if IS[C_EV] == EV_HOOK:
         return _hook_victim(pin_gen, adm_layer, IS, FS, A)
     return _victim(for_prefetch, pin_gen, adm_layer, IS, FS)
+
+
 @_inline
 def _evict(key, IS, A):
     k = IS[H_KI] + key * K_NKI
@@ -344,12 +376,16 @@ def _evict(key, IS, A):
     _on_remove(key, IS, A)
     IS[k + K_UNUSED] = 0
     IS[k + K_EVICTED] = IS[S_PASS]
+
+
 @_inline
 def _evict_for(key, for_prefetch, IS, A):
     """Evict a victim; one evicted for a prefetch is no longer an admission."""
     _evict(key, IS, A)
     if for_prefetch:
         IS[IS[H_KI] + key * K_NKI + K_ADM] = 0
+
+
 @_inline
 def _room(nb, for_prefetch, pin_gen, adm_layer, IS, FS, A):
     """Make room for an entry of ``nb`` bytes (the victim walk of ``ExpertCache.fetch``):
@@ -369,6 +405,8 @@ def _room(nb, for_prefetch, pin_gen, adm_layer, IS, FS, A):
         return _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, FS, A)
     _evict_for(v, for_prefetch, IS, A)
     return 1
+
+
 @_jit
 def _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, FS, A):
     """:func:`_room` when the first victim ``v`` is not enough: each victim found is pinned
@@ -393,6 +431,8 @@ def _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, FS, A):
     for j in range(n):
         _evict_for(IS[vict + 2 * j], for_prefetch, IS, A)
     return n
+
+
 @_inline
 def _insert(key, tid, demand, ai, IS, FS, DI, A):
     """The cache's ``reserve``: an in-flight entry for ``key`` (room was made)."""
@@ -405,6 +445,8 @@ def _insert(key, tid, demand, ai, IS, FS, DI, A):
     _on_insert(key, demand, ai, IS, FS, DI, A)
     if IS[C_INSTANT]:
         _complete(tid, IS)
+
+
 @_jit
 def _used_prefetch(key, IS):
     if IS[IS[H_KI] + key * K_NKI + K_UNUSED]:

@@ -94,6 +94,8 @@ def _mark_pending(lo, hi, IS, A):
     if IS[C_EV] == EV_LS:
         for j in range(lo, hi):
             IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_PEND] = pend
+
+
 @_inline
 def _tokens_of(key, tokens, p, IS, M):
     """How many of the layer's tokens finally compute ``key``: ``tokens`` unless the miss
@@ -107,6 +109,8 @@ def _tokens_of(key, tokens, p, IS, M):
     for i in range((M[1][b + 1] - M[1][b]) * IS[C_K]):
         n += IS[IS[H_FIN] + i] == e
     return n
+
+
 @_jit
 def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     """``layer`` and ``on-arrival`` execution of one layer (engine's ``_run`` body,
@@ -174,12 +178,16 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
         _admit(end, _new_gen(IS, S_PINGEN), IS, FS, DI, A)
     IS[R_UNIQUE] += computed
     return end
+
+
 @_inline
 def _pin_buffer(buf, pins, IS):
     """Pin the keys of lookup buffer ``buf``'s computations with generation ``pins``."""
     b = IS[H_LRUN] + buf * IS[C_LRUNCAP] * 4
     for x in range(IS[S_LRUNN + buf]):
         IS[IS[H_KI] + IS[b + x * 4 + 2] * K_NKI + K_PIN] = pins
+
+
 @_inline
 def _buffer_arrived(buf, t, IS, FS):
     """Whether every computation of lookup buffer ``buf`` has its expert on the GPU by ``t``."""
@@ -188,6 +196,8 @@ def _buffer_arrived(buf, t, IS, FS):
         if _arrival(IS[b + x * 4], IS[b + x * 4 + 1], t, IS, FS) > t:
             return False
     return True
+
+
 @_inline
 def _host_lookup(ai, t, pins, buf, IS, FS, DI, A, M):
     """Look up access ``ai`` at ``t`` into lookup buffer ``buf`` (engine's ``_host_lookup``):
@@ -196,6 +206,8 @@ def _host_lookup(ai, t, pins, buf, IS, FS, DI, A, M):
     _lookup(ai, t, pins, buf, IS, FS, DI, A, M)
     if IS[C_HOST]:
         FS[SF_HOST] += (IS[S_NDEM] - copies) * FS[CF_HCOPY]
+
+
 @_jit
 def _host_issue(buf, t, blocking, IS, FS):
     """The host launches the expert of lookup buffer ``buf``, the GPU having run the ones
@@ -210,6 +222,8 @@ def _host_issue(buf, t, blocking, IS, FS):
                 FS[SF_HOST] = a
     FS[SF_HOST] += FS[CF_HLAUNCH]
     return FS[SF_HOST]
+
+
 @_inline
 def _host_ready(t, IS, FS):
     """Whether the host can launch the next expert by ``t`` (engine's ``_host_ready``)."""
@@ -217,6 +231,8 @@ def _host_ready(t, IS, FS):
     if IS[C_HSYNC] == 2 and h < t:
         h = t
     return h + FS[CF_HLAUNCH] <= t
+
+
 @_jit
 def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     """``per-expert`` execution of one layer (engine's ``_per_expert``, both ``expert_fetch``
@@ -300,6 +316,8 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
         cur = nxt
     IS[R_UNIQUE] += IS[S_NCOMP]
     return t
+
+
 @_jit
 def _pairwise_sum(FS, a, n):
     """``FS[a:a + n]`` summed as numpy sums a float64 array of up to 128 terms: one after
@@ -327,6 +345,8 @@ def _pairwise_sum(FS, a, n):
         res += FS[a + i]
         i += 1
     return res
+
+
 @_jit
 def _insert_sorted(FS, at, n, v):
     """Insert ``v`` into the ascending ``FS[at:at + n]``."""
@@ -335,6 +355,8 @@ def _insert_sorted(FS, at, n, v):
         FS[at + i] = FS[at + i - 1]
         i -= 1
     FS[at + i] = v
+
+
 @_jit
 def _token_mass(p, layer, IS, FS, M):
     """With a miss policy that changes what tokens compute: the layer's gate mass (original
@@ -384,6 +406,8 @@ def _token_mass(p, layer, IS, FS, M):
         M[8][token[r]] = b
     FS[SF_MTOTAL] += total
     FS[SF_MKEPT] += kept
+
+
 @_jit
 def _fin_init(p, layer, lo, hi, IS, A, M):
     """At the layer's routing point: each token computes its routed experts, and the
@@ -396,6 +420,8 @@ def _fin_init(p, layer, lo, hi, IS, A, M):
             IS[IS[H_FIN] + i * k + j] = experts[row_order[row_off[b] + i], j]
     for j in range(lo, hi):
         IS[IS[H_ROUTED] + _key(j, IS, A)] = IS[S_LAYERGEN]
+
+
 @_jit
 def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, per_expert, nonexp, release, cols, t_start, t_end, stall, m_total, m_kept):
     """Replay forward passes ``p0 .. p1`` (engine's ``_run``): per layer, non-expert compute,
@@ -474,6 +500,8 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, per_expert, nonexp, release, 
             cols[p - p0, r] = IS[R_FIRST + r]
     FS[SF_NOW] = now
     FS[SF_CARRY] = carry
+
+
 @_jit
 def _preload(keys, IS, FS, DI, DF, A):
     """Static pinning (the cache's ``preload``): resident before the replay, never evicted."""
@@ -490,6 +518,8 @@ def _preload(keys, IS, FS, DI, DF, A):
     if IS[S_USED] > IS[S_MAXUSED]:
         IS[S_MAXUSED] = IS[S_USED]
     return loaded
+
+
 @_jit
 def _finish(IS, FS, DI, DF, A):
     _advance(math.inf, IS, FS)

@@ -109,10 +109,14 @@ def _submit(key, prio, now, bypass, IS, FS):
         IS[IS[H_TI] + tid * T_NTI + T_PFSLOT] = slot
         IS[S_PFN] += 1
     return tid
+
+
 @_jit
 def _free(tid, IS):
     IS[IS[H_FREE] + IS[S_FREEN]] = tid
     IS[S_FREEN] += 1
+
+
 @_jit
 def _project(first, IS, FS):
     prev = FS[IS[H_TF] + (IS[IS[H_DQ] + first - 1]) * T_NTF + T_DONE] if first else FS[SF_BUSY_UNTIL]
@@ -123,6 +127,8 @@ def _project(first, IS, FS):
         FS[IS[H_TF] + t * T_NTF + T_START] = start
         prev = start + FS[IS[H_TF] + t * T_NTF + T_DUR]
         FS[IS[H_TF] + t * T_NTF + T_DONE] = prev
+
+
 @_jit
 def _promote(tid, IS, FS):
     """A queued prefetch is needed now: it joins the demand queue by issue order."""
@@ -139,6 +145,8 @@ def _promote(tid, IS, FS):
     IS[IS[H_DQ] + i] = tid
     IS[S_DQN] = n + 1
     _project(i, IS, FS)
+
+
 @_jit
 def _complete(tid, IS):
     ti = IS[H_TI] + tid * T_NTI
@@ -147,6 +155,8 @@ def _complete(tid, IS):
         IS[k + K_STATE] = RESIDENT
         IS[k + K_TID] = -1
     _free(tid, IS)
+
+
 @_jit
 def _advance(now, IS, FS):
     """Start the transfers whose start time is before ``now``; complete those done by it."""
@@ -195,6 +205,8 @@ def _advance(now, IS, FS):
         IS[S_RH] = (IS[S_RH] + 1) % size
         IS[S_RN] -= 1
         _complete(t, IS)
+
+
 @_jit
 def _arrival(tid, seq, now, IS, FS):
     """When a run's expert is on the GPU (``now`` if it was resident or its transfer is done)."""

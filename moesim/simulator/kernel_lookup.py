@@ -84,6 +84,8 @@ def _fin_replace(e, e2, IS, M):
                 for jj in range(k):
                     has |= e2 >= 0 and IS[fin + i * k + jj] == e2
                 IS[fin + i * k + j] = -1 if has else e2
+
+
 @_jit
 def _substitute(e, IS, M):
     """Substitution (the engine's ``Substitute.decide``, SpecMD §3.1.2): among the layer's
@@ -102,6 +104,8 @@ def _substitute(e, IS, M):
             best = c
             best_d = d
     return best
+
+
 @_jit
 def _mean_prob(e, c, IS, M):
     """Mean router probability of expert ``c`` over the layer's tokens routed to ``e``,
@@ -119,6 +123,8 @@ def _mean_prob(e, c, IS, M):
                 total = v if n == 0 else np.float32(total + v)
                 n += 1
     return np.float32(total / np.float32(n))
+
+
 @_inline
 def _add_run(buf, tid, key, ntok, IS):
     """One computation a lookup leads to: the transfer it waits for (slot and sequence; -1:
@@ -142,6 +148,8 @@ def _add_run(buf, tid, key, ntok, IS):
     IS[r + 1] = IS[IS[H_TI] + tid * T_NTI + T_SEQ] if tid >= 0 else -1
     IS[r + 2] = key
     IS[r + 3] = ntok
+
+
 @_inline
 def _needed_now(k, IS, FS):
     """The transfer of an in-flight key (its record at ``k``), needed now: a queued prefetch
@@ -151,6 +159,8 @@ def _needed_now(k, IS, FS):
     if IS[ti + T_PRIO] != DEMAND and not IS[ti + T_STARTED]:
         _promote(tid, IS, FS)
     return tid
+
+
 @_jit
 def _use_other(e2, ntok, pin_gen, buf, IS, FS, DI, A):
     """A resident or arriving expert ``e2`` computes ``ntok`` tokens of a missed one (the
@@ -163,6 +173,8 @@ def _use_other(e2, ntok, pin_gen, buf, IS, FS, DI, A):
         _on_access(k2, -1, IS, FS, DI, A)
     IS[k + K_PIN] = pin_gen
     _add_run(buf, tid, k2, ntok, IS)
+
+
 @_jit
 def _speculate(e, pin_gen, buf, IS, FS, DI, A, M):
     """Speculative execution (the engine's speculate branch,
@@ -212,6 +224,8 @@ def _speculate(e, pin_gen, buf, IS, FS, DI, A, M):
             IS[spec + 2 * s + 1] += 1
     for s in range(n_spec):
         _use_other(IS[spec + 2 * s], IS[spec + 2 * s + 1], pin_gen, buf, IS, FS, DI, A)
+
+
 @_inline
 def _lookup(ai, now, pin_gen, buf, IS, FS, DI, A, M):
     """Look access ``ai`` up (engine's ``LayerLookup.lookup``): the computations it leads to
@@ -255,6 +269,8 @@ def _lookup(ai, now, pin_gen, buf, IS, FS, DI, A, M):
         _free(tid, IS)
         tid = -1
     _add_run(buf, tid, kq, ntok, IS)
+
+
 @_inline
 def _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A, M):
     """A miss of access ``ai`` under a miss policy other than ``fetch`` (the rest of the
@@ -280,6 +296,8 @@ def _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A, M):
     if IS[C_MULTI]:
         return _cascade(key, A[4][ai], ai, ntok, now, pin_gen, buf, IS, FS, DI, A)
     return -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A) else key
+
+
 @_inline
 def _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, FS, DI, A):
     """Fetch ``kq`` (a cache key of the missed expert, ``aq`` its access or -1) when room
@@ -294,6 +312,8 @@ def _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, FS, DI, A):
         IS[R_LOWPREC] += _prec(kq, IS) != IS[C_DPREC]
     _add_run(buf, -1 if IS[C_INSTANT] else tid, kq, ntok, IS)
     return True
+
+
 @_inline
 def _use_copy(kq, ntok, pin_gen, buf, IS, FS, DI, A):
     """The missed expert computes from its resident copy ``kq`` at another precision (the
@@ -302,6 +322,8 @@ def _use_copy(kq, ntok, pin_gen, buf, IS, FS, DI, A):
     IS[IS[H_KI] + kq * K_NKI + K_PIN] = pin_gen
     IS[R_LOWPREC] += 1
     _add_run(buf, -1, kq, ntok, IS)
+
+
 @_jit
 def _alternative(key, rank, ntok, pin_gen, buf, IS, FS, DI, A):
     """A precision cascade's resident copy of the missed ``key`` at another precision (the
@@ -314,6 +336,8 @@ def _alternative(key, rank, ntok, pin_gen, buf, IS, FS, DI, A):
             _use_copy(kq, ntok, pin_gen, buf, IS, FS, DI, A)
             return True
     return False
+
+
 @_jit
 def _cascade(key, rank, ai, ntok, now, pin_gen, buf, IS, FS, DI, A):
     """A precision cascade's fetch of the missed ``key`` (the fetch in the engine's ``LayerLookup.lookup`` with
@@ -330,6 +354,8 @@ def _cascade(key, rank, ai, ntok, now, pin_gen, buf, IS, FS, DI, A):
         if _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, FS, DI, A):
             return -1
     return key - IS[C_DPREC] + IS[IS[H_LEVELS] + fhi - 1]
+
+
 @_inline
 def _levels(rank, IS):
     """For a missed expert of best router rank ``rank``: the range of ``IS[H_LEVELS]`` (its

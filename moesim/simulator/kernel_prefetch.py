@@ -92,6 +92,8 @@ def _admit(now, pin_gen, IS, FS, DI, A):
         IS[IS[H_LADM] + target] = 1
         IS[IS[H_KI] + key * K_NKI + K_UNUSED] = 1
         IS[R_PFISSUED] += 1
+
+
 @_jit
 def _compact_pending(IS):
     """Drop the pending entries whose transfer has started (a withdrawal skips them)."""
@@ -108,6 +110,8 @@ def _compact_pending(IS):
         raise RuntimeError("moesim kernel: pending prefetch list full")
     IS[S_PENDN] = keep
     return keep
+
+
 @_jit
 def _withdraw(layer, lo, hi, IS, A):
     """At ``layer``'s routing point (``PrefetchQueue.withdraw``): proposals for it or earlier still
@@ -162,6 +166,8 @@ def _withdraw(layer, lo, hi, IS, A):
         IS[R_PFCANCEL] += 1
         _free(tid, IS)
     IS[S_PENDN] = keep
+
+
 @_jit
 def _propose_key(key, p, IS, FS, DI, A):
     """One proposal (``PrefetchQueue.propose``): counted against what its target layer needs,
@@ -189,6 +195,8 @@ def _propose_key(key, p, IS, FS, DI, A):
         size = IS[H_NKEYS]
         IS[IS[H_WQ] + (IS[S_WH] + IS[S_WN]) % size] = key
         IS[S_WN] += 1
+
+
 @_jit
 def _propose(p, layer, p0, now, pin_gen, IS, FS, DI, A, P):
     """The prefetcher's proposals at ``layer``'s routing point, then one admission round."""

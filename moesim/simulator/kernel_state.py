@@ -76,30 +76,42 @@ MISS_FETCH, MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE, MISS_LOWEST_BIT, MISS_
 def _key_at(layer, e, IS):
     """The cache key of expert ``e`` of ``layer`` at the scenario's precision."""
     return np.int64(layer) * IS[C_DIV] + np.int64(e) * IS[C_NPREC] + IS[C_DPREC]
+
+
 @_inline
 def _row_base(p, IS):
     """Where pass ``p``'s (pass, layer) entries start in the replay's arrays (``DI``'s
     offsets, the per-token arrays): ``(p - S_PBASE) * layers``; ``S_PBASE`` is the first pass
     of the trace piece they hold (0 unless the trace is replayed a piece at a time)."""
     return (p - IS[S_PBASE]) * IS[C_L]
+
+
 @_inline
 def _here(IS):
     """The current (pass, layer)'s index in the replay's arrays."""
     return _row_base(IS[S_PASS], IS) + IS[S_LAYER]
+
+
 @_jit
 def _key(j, IS, A):
     """The cache key of access ``j``."""
     return _key_at(A[0][j], A[1][j], IS)
+
+
 @_inline
 def _prec(key, IS):
     """The precision index of ``key``: the scenario's unless a precision cascade may cache
     others (``C_MULTI``; this spares the lookup path a division per key)."""
     return key % IS[C_NPREC] if IS[C_MULTI] else IS[C_DPREC]
+
+
 @_inline
 def _nbytes(key, IS):
     """The size of ``key``'s entry: its precision's expert bytes (``C_NBYTES``, the
     scenario's, unless a precision cascade may cache others)."""
     return IS[IS[H_PBYTES] + key % IS[C_NPREC]] if IS[C_MULTI] else IS[C_NBYTES]
+
+
 @_inline
 def _ffn(key, tokens, DF, IS):
     """Compute seconds of expert ``key`` (at its precision) with ``tokens`` tokens, before
@@ -108,6 +120,8 @@ def _ffn(key, tokens, DF, IS):
     if IS[C_MULTI]:
         return DF[IS[H_TTAB] + (key % IS[C_NPREC] - IS[C_DPREC]) * IS[C_TLEN] + tokens]
     return DF[IS[H_TTAB] + tokens]
+
+
 @_inline
 def _set_clock(IS, A):
     """Set a hook policy's clock (:mod:`policies.hooks`) to the replay's pass, layer and stamp
@@ -116,6 +130,8 @@ def _set_clock(IS, A):
     clock[CLOCK_PASS] = IS[S_PASS]
     clock[CLOCK_LAYER] = IS[S_LAYER]
     clock[CLOCK_TICK] = IS[S_SEQ]
+
+
 @_inline
 def _list_append(key, head, IS):
     """Append ``key`` to the list whose head and tail are ``IS[head]``, ``IS[head + 1]``."""
@@ -128,6 +144,8 @@ def _list_append(key, head, IS):
     else:
         IS[ki + tail * K_NKI + K_NEXT] = key
     IS[head + 1] = key
+
+
 @_inline
 def _list_unlink(key, head, IS):
     ki = IS[H_KI]
@@ -140,14 +158,20 @@ def _list_unlink(key, head, IS):
         IS[head + 1] = prv
     else:
         IS[ki + nxt * K_NKI + K_PREV] = prv
+
+
 @_jit
 def _stamp(key, IS):
     IS[S_SEQ] += 1
     IS[IS[H_KI] + key * K_NKI + K_STAMP] = IS[S_SEQ]
+
+
 @_jit
 def _new_gen(IS, which):
     IS[which] += 1
     return IS[which]
+
+
 def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, fin: int = 1,
             lrun: int = 1, nprec: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """The state arrays, initialised: regions after the headers, their offsets in ``IS``.
