@@ -1,9 +1,10 @@
-"""Files: YAML reading with errors that name the file and line, and atomic writes (write a
+"""Files: YAML reading with errors that name the file and line, atomic writes (write a
 temporary file beside the target, then rename it into place, so a crash or a kill never
-leaves a half-written result; readable: mode 0644)."""
+leaves a half-written result; readable: mode 0644), and the digest of a source tree."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -71,3 +72,16 @@ def read_yaml(path: str | Path, what: str, missing: str) -> Any:
         problem = getattr(exc, "problem", None) or str(exc)
         raise MoesimError(f"{what} {p}: broken YAML{line}: {problem}. Fix the syntax "
                           "(indentation, a missing ':' or an unclosed bracket).") from None
+
+
+def tree_digest(root: Path, suffixes: tuple[str, ...]) -> str:
+    """SHA-256 of the relative names and the bytes of every file under ``root`` whose suffix is
+    one of ``suffixes``, in name order (``__pycache__`` left out): it changes when such a file
+    is added, removed, renamed or edited, and only then."""
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        rel = f.relative_to(root)
+        if f.suffix in suffixes and "__pycache__" not in rel.parts and f.is_file():
+            h.update(rel.as_posix().encode() + b"\0")
+            h.update(f.read_bytes() + b"\0")
+    return h.hexdigest()

@@ -10,12 +10,13 @@ also stale once any source file of its package changed (:class:`PackageCache`)."
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from moesim.files import tree_digest
 
 _DIGESTS: dict[Path, str] = {}
 
@@ -33,14 +34,10 @@ def package_root(source: str | Path) -> Path:
 
 def package_digest(source: str | Path) -> str:
     """A digest of the names and contents of every ``.py`` file of the package that holds the file
-    ``source`` (:func:`package_root`), taken once per process."""
+    ``source`` (:func:`package_root`, :func:`moesim.files.tree_digest`), taken once per process."""
     root = package_root(source)
     if root not in _DIGESTS:
-        h = hashlib.sha256()
-        for f in sorted(root.rglob("*.py")):
-            h.update(f.relative_to(root).as_posix().encode() + b"\0")
-            h.update(f.read_bytes() + b"\0")
-        _DIGESTS[root] = h.hexdigest()
+        _DIGESTS[root] = tree_digest(root, (".py",))
     return _DIGESTS[root]
 
 

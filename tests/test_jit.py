@@ -71,7 +71,8 @@ def test_a_cached_function_is_compiled_again_when_a_file_it_compiled_in_changed(
 
 def test_the_package_digest_covers_every_source_file_of_the_top_level_package(tmp_path):
     """The digest is of the outermost package's ``.py`` files, names and contents: a file in a
-    subpackage changes it, a file beside the package or not ending in ``.py`` does not."""
+    subpackage changes it, a file beside the package, not ending in ``.py`` or under
+    ``__pycache__`` does not."""
     import moesim.jit as J
 
     sub = tmp_path / "top" / "sub"
@@ -89,6 +90,8 @@ def test_the_package_digest_covers_every_source_file_of_the_top_level_package(tm
     first = digest()
     (tmp_path / "beside.py").write_text("B = 2\n")
     (tmp_path / "top" / "notes.txt").write_text("not source\n")
+    (sub / "__pycache__").mkdir()
+    (sub / "__pycache__" / "cached.py").write_text("C = 3\n")
     assert digest() == first
     (sub / "mod.py").write_text("A = 2\n")
     assert digest() != first

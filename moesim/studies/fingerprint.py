@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from moesim.config.scenario import Scenario
+from moesim.files import tree_digest
 
 _CHUNK = 1 << 20
 
@@ -66,10 +67,7 @@ def code_digest() -> str:
 
     root = Path(moesim.__file__).resolve().parent
     h = hashlib.sha256(str(getattr(moesim, "__version__", "")).encode())
-    for f in sorted(root.rglob("*")):
-        if f.suffix in (".py", ".yaml") and "__pycache__" not in f.parts:
-            h.update(str(f.relative_to(root)).encode())
-            _hash_file(h, f)
+    h.update(tree_digest(root, (".py", ".yaml")).encode())
     return h.hexdigest()
 
 
