@@ -205,9 +205,9 @@ class Simulation:
         if not requests_in_order(path):
             self.whole_reason = "the trace file's rows are not in request order"
             return None
+        self._source_stamp = _stamp(path)  # before the first read (the reader starts on a thread)
         self.pieces = stream.read_ahead(stream.pieces(sc, path, chunk), self.prepare_piece)
         self.stream_source = (path, chunk)  # read again by first passes (Belady's, static pinning's)
-        self._source_stamp = _stamp(path)
         self.trace_rows = rows
         self.first_passes = stream.first_passes(sc)
         return next(self.pieces)
