@@ -79,7 +79,7 @@ def main() -> None:
     mapped = f"/tmp/perf-{os.getpid()}.map"
     with open(mapped, "w") as f:
         f.writelines(f"{a:x} {n:x} {name}\n" for a, n, name in functions)
-    data = tempfile.mktemp(suffix=".perf.data")
+    data = os.path.join(tempfile.mkdtemp(prefix="moesim-perf-data-"), "perf.data")
     rec = subprocess.Popen(["perf", "record", "-F", "1999", "-p", str(os.getpid()), "-o", data],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(1.0)  # perf attaches
