@@ -210,14 +210,18 @@ def _ls_victim(for_prefetch, pin_gen, adm_layer, IS):
 
 
 @_inline
+def _kept_out(key, IS):
+    """Whether ``key`` stays out of the policy's lists: lru, fifo and least-stale list the keys
+    they may evict, and a statically pinned key is never a victim, so their victim walk need not
+    pass over it (loaded by ``_preload``, it is never inserted again)."""
+    return IS[C_EV] in (EV_LRU, EV_FIFO, EV_LS) and IS[IS[H_KI] + key * K_NKI + K_STATIC]
+
+
+@_inline
 def _on_insert(key, demand, ai, IS, FS, DI, A):
     """The policy's ``on_insert``: ``key`` entered the cache (``demand``: a use). Recency
-    policies keep a list in order (of the keys they may evict: a statically pinned key, never
-    a victim, is not in it, so that their victim walk need not pass over them); the others the
-    members their victim search scans."""
+    policies keep a list in order; the others the members their victim search scans."""
     ev = IS[C_EV]
-    if ev in (EV_LRU, EV_FIFO, EV_LS) and IS[IS[H_KI] + key * K_NKI + K_STATIC]:
-        return
     if ev in (EV_LRU, EV_FIFO):
         _list_append(key, S_HEAD, IS)
         return
@@ -242,9 +246,9 @@ def _on_insert(key, demand, ai, IS, FS, DI, A):
 @_inline
 def _on_access(key, ai, IS, FS, DI, A):
     """The policy's ``on_access``: a hit or a late prefetch used ``key``."""
+    if _kept_out(key, IS):
+        return
     ev = IS[C_EV]
-    if ev in (EV_LRU, EV_LS) and IS[IS[H_KI] + key * K_NKI + K_STATIC]:
-        return  # not in the recency lists (:func:`_on_insert`)
     if ev == EV_LRU:
         _list_unlink(key, S_HEAD, IS)
         _list_append(key, S_HEAD, IS)

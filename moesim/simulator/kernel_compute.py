@@ -11,7 +11,7 @@ import numpy as np
 
 from moesim.jit import inline as _inline
 from moesim.jit import jit as _jit
-from moesim.simulator.kernel_cache import _ls_roll, _on_insert
+from moesim.simulator.kernel_cache import _kept_out, _ls_roll, _on_insert
 from moesim.simulator.kernel_copy import _advance, _arrival
 from moesim.simulator.kernel_lookup import _lookup
 from moesim.simulator.kernel_prefetch import _admit, _propose, _withdraw
@@ -513,7 +513,8 @@ def _preload(keys, IS, FS, DI, DF, A):
         IS[IS[H_KI] + key * K_NKI + K_STATE] = RESIDENT
         IS[S_USED] += nb
         IS[IS[H_KI] + key * K_NKI + K_STATIC] = 1
-        _on_insert(key, False, -1, IS, FS, DI, A)
+        if not _kept_out(key, IS):
+            _on_insert(key, False, -1, IS, FS, DI, A)
         loaded += 1
     if IS[S_USED] > IS[S_MAXUSED]:
         IS[S_MAXUSED] = IS[S_USED]
