@@ -150,9 +150,10 @@ EQUIVALENT: dict[str, str] = {
        "bincount's whole numbers add exactly (far below 2**53) and sort the same" for n in (17, 19)},
     'moesim.policies.prefetch.xǁStaticPinǁ__init____mutmut_61': "argsort kind 'STABLE': numpy reads the kind "
         "without regard to case",
-    # the package digest of numba's cache keys (MUTATE_ONLY x_package_root*,x_package_digest*, tests/test_jit.py)
-    **{'moesim.jit.x_package_digest__mutmut_' + str(n): "another fixed separator after each file's name "
-       "(12) or contents (15): the digest still changes exactly when a name or a content does" for n in (12, 15)},
+    # the digest of a source tree, numba's cache keys' and the code fingerprint's (MUTATE_ONLY x_tree_digest*,
+    # tests/test_jit.py)
+    **{'moesim.files.x_tree_digest__mutmut_' + str(n): "another fixed separator after each file's name "
+       "or contents: the digest still changes exactly when a name or a content does" for n in (15, 18)},
     # the exact sum (MUTATE_ONLY xǁExactSumǁ*, with tests/test_summary.py)
     **{'moesim.simulator.metrics.xǁExactSumǁadd__mutmut_' + str(n): "asarray without dtype float64: PassTotals "
        "hands it float64, and an int or float32 array's values are added exactly either way (frexp widens "
