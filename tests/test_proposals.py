@@ -369,7 +369,7 @@ def test_compiled_percentile_proposals_equal_numpys_percentile_and_stable_sort(d
     off = np.zeros(len(counts) + 1, np.int64)
     out = np.empty(len(counts) * n_e, np.int64)
     _percentile_proposals(pred, row_order, bounds, g0, num_l, n_e, pct / 100, np.empty(n_e, dtype),
-                          np.empty(n_e), np.empty(n_e, np.int64), off, out)
+                          np.empty(n_e), np.empty(n_e), np.empty(n_e, np.int64), off, out)
     ref_off, ref_out = numpy_percentile_proposals(pred, row_order, bounds, g0, num_l, pct)
     assert off.tolist() == ref_off.tolist()
     assert out[:off[-1]].tolist() == ref_out.tolist()
