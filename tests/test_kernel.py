@@ -467,10 +467,10 @@ def test_the_prefetch_ring_drops_its_tombstones_when_full():
     from moesim.simulator import kernel_state as KS
 
     pool = 6
-    IS, FS = KS._layout(num_keys=8, pool=pool, pend_max=8, maxn=1, top_k=1)
-    tids = [KC._submit(key, KS.PREFETCH, 0.0, 0, IS, FS) for key in range(pool)]
+    IS, FS, _, TR = KS._layout(num_keys=8, pool=pool, pend_max=8, maxn=1, top_k=1)
+    tids = [KC._submit(key, KS.PREFETCH, 0.0, 0, IS, TR, FS) for key in range(pool)]
     for tid in (tids[1], tids[4]):  # withdrawn (PrefetchQueue.withdraw): tombstone, slot freed
-        IS[IS[KS.H_PFQ] + IS[IS[KS.H_TI] + tid * KS.T_NTI + KS.T_PFSLOT]] = -1
+        IS[IS[KS.H_PFQ] + TR[tid].pfslot] = -1
         KC._free(tid, IS)
     ring = IS[IS[KS.H_PFQ]:IS[KS.H_PFQ] + pool].copy()
     queued = [t for t in ring.tolist() if t != -1]  # in FIFO order
@@ -478,12 +478,12 @@ def test_the_prefetch_ring_drops_its_tombstones_when_full():
     IS[KS.S_PFH] = 2
     for slot, t in enumerate(np.roll(ring, 2).tolist()):
         if t != -1:
-            IS[IS[KS.H_TI] + t * KS.T_NTI + KS.T_PFSLOT] = slot
-    new = KC._submit(6, KS.PREFETCH, 0.0, 0, IS, FS)
+            TR[t].pfslot = slot
+    new = KC._submit(6, KS.PREFETCH, 0.0, 0, IS, TR, FS)
     assert IS[KS.S_PFH] == 0
     assert IS[KS.S_PFN] == len(queued) + 1 == 5
     assert IS[IS[KS.H_PFQ]:IS[KS.H_PFQ] + 5].tolist() == [*queued, new]
-    assert [IS[IS[KS.H_TI] + t * KS.T_NTI + KS.T_PFSLOT] for t in [*queued, new]] == list(range(5))
+    assert [TR[t].pfslot for t in [*queued, new]] == list(range(5))
 
 
 @settings(max_examples=300, deadline=None)
@@ -511,54 +511,54 @@ def test_the_kernels_room_takes_as_many_victims_as_it_needs_or_changes_nothing()
     from moesim.simulator import kernel_copy as KC
     from moesim.simulator import kernel_state as KS
 
-    IS, FS = KS._layout(num_keys=8, pool=8, pend_max=4, maxn=1, nprec=2)
+    IS, FS, KR, TR = KS._layout(num_keys=8, pool=8, pend_max=4, maxn=1, nprec=2)
     IS[KS.C_L], IS[KS.C_DIV], IS[KS.C_EV], IS[KS.C_INSTANT], IS[KS.C_MULTI] = 1, 8, KS.EV_LRU, 1, 1
     IS[IS[KS.H_PBYTES]:IS[KS.H_PBYTES] + 2] = [4, 1]  # key % 2 == 0: 4 bytes, else 1 byte
     FS[KS.CF_CAP] = 8.0
     DI, A = np.zeros(1, np.int64), (*(np.zeros(1, np.int64),) * 5, K._hooks(None))
     for key in (1, 3, 4, 7):  # least recently used first; 7 bytes in all
-        KE._insert(key, KC._submit(key, KS.DEMAND, 0.0, 0, IS, FS), True, -1, IS, FS, DI, A)
+        KE._insert(key, KC._submit(key, KS.DEMAND, 0.0, 0, IS, TR, FS), True, -1, IS, KR, TR, DI, A)
     assert IS[KS.S_USED] == 7
 
-    def field(key: int, f: int) -> int:
-        return int(IS[IS[KS.H_KI] + key * KS.K_NKI + f])
+    def field(key: int, f: str) -> int:
+        return int(KR[key][f])
 
-    def set_field(key: int, f: int, v: int) -> None:
-        IS[IS[KS.H_KI] + key * KS.K_NKI + f] = v
+    def set_field(key: int, f: str, v: int) -> None:
+        KR[key][f] = v
 
     def lru() -> list[int]:
         out, key = [], IS[KS.S_HEAD]
         while key != -1:
             out.append(int(key))
-            key = field(key, KS.K_NEXT)
+            key = field(key, "next")
         return out
 
     pins = {1: 2, 3: 9, 4: 3, 7: 9}  # 3 and 7 pinned in generation 9
     for key, gen in pins.items():
-        set_field(key, KS.K_PIN, gen)
-    assert KE._room(1, False, 9, -1, IS, FS, A) == 0  # it fits: nothing evicted
-    assert KE._room(9, False, 9, -1, IS, FS, A) == -1  # larger than the cache
-    assert KE._room(8, False, 9, -1, IS, FS, A) == -1  # 1 free + 1 + 4 evictable < 8
+        set_field(key, "pin", gen)
+    assert KE._room(1, False, 9, -1, IS, KR, FS, A) == 0  # it fits: nothing evicted
+    assert KE._room(9, False, 9, -1, IS, KR, FS, A) == -1  # larger than the cache
+    assert KE._room(8, False, 9, -1, IS, KR, FS, A) == -1  # 1 free + 1 + 4 evictable < 8
     assert IS[KS.S_USED] == 7
     assert lru() == [1, 3, 4, 7]
-    assert {key: field(key, KS.K_PIN) for key in pins} == pins
-    assert all(field(key, KS.K_STATE) == KS.RESIDENT for key in pins)
+    assert {key: field(key, "pin") for key in pins} == pins
+    assert all(field(key, "state") == KS.RESIDENT for key in pins)
     for key in (1, 4):
-        set_field(key, KS.K_ADM, 5)
+        set_field(key, "adm", 5)
     IS[KS.S_PASS] = 6
-    assert KE._room(6, True, 9, -1, IS, FS, A) == 2  # exactly 1 free + 1 (key 1) + 4 (key 4; 3 is pinned)
+    assert KE._room(6, True, 9, -1, IS, KR, FS, A) == 2  # exactly 1 free + 1 (key 1) + 4 (key 4; 3 is pinned)
     assert IS[KS.S_USED] == 2
     assert lru() == [3, 7]
-    assert [field(key, KS.K_STATE) for key in (1, 3, 4, 7)] == [KS.ABSENT, KS.RESIDENT, KS.ABSENT, KS.RESIDENT]
-    assert [field(key, KS.K_EVICTED) for key in (1, 4)] == [6, 6]
-    assert [field(key, KS.K_ADM) for key in (1, 4)] == [0, 0]  # no longer admissions
-    assert field(3, KS.K_PIN) == field(7, KS.K_PIN) == 9
-    assert KE._room(8, False, 10, -1, IS, FS, A) == 2  # as large as the cache: everything goes
+    assert [field(key, "state") for key in (1, 3, 4, 7)] == [KS.ABSENT, KS.RESIDENT, KS.ABSENT, KS.RESIDENT]
+    assert [field(key, "evicted") for key in (1, 4)] == [6, 6]
+    assert [field(key, "adm") for key in (1, 4)] == [0, 0]  # no longer admissions
+    assert field(3, "pin") == field(7, "pin") == 9
+    assert KE._room(8, False, 10, -1, IS, KR, FS, A) == 2  # as large as the cache: everything goes
     assert IS[KS.S_USED] == 0
     assert lru() == []
     for key in (5, 6):  # 5 bytes: 3 free
-        KE._insert(key, KC._submit(key, KS.DEMAND, 0.0, 0, IS, FS), True, -1, IS, FS, DI, A)
-    assert KE._room(4, False, 11, -1, IS, FS, A) == 1  # one victim (key 5) is enough
+        KE._insert(key, KC._submit(key, KS.DEMAND, 0.0, 0, IS, TR, FS), True, -1, IS, KR, TR, DI, A)
+    assert KE._room(4, False, 11, -1, IS, KR, FS, A) == 1  # one victim (key 5) is enough
     assert lru() == [6]
 
 
@@ -577,30 +577,30 @@ def test_statically_pinned_experts_stay_out_of_the_recency_lists(ev):
     from moesim.simulator import kernel_copy as KC
     from moesim.simulator import kernel_state as KS
 
-    IS, FS = KS._layout(num_keys=8, pool=8, pend_max=4, maxn=1)
+    IS, FS, KR, TR = KS._layout(num_keys=8, pool=8, pend_max=4, maxn=1)
     code = {"lru": KS.EV_LRU, "fifo": KS.EV_FIFO, "least-stale": KS.EV_LS}[ev]
     IS[KS.C_L], IS[KS.C_DIV], IS[KS.C_EV], IS[KS.C_INSTANT], IS[KS.C_NBYTES] = 1, 8, code, 1, 1
     FS[KS.CF_CAP] = 4.0
     DI, A = np.zeros(1, np.int64), (*(np.zeros(1, np.int64),) * 5, K._hooks(None))
-    assert KX._preload(np.array([5, 2], np.int64), IS, FS, DI, np.zeros(1), A) == 2
+    assert KX._preload(np.array([5, 2], np.int64), IS, KR, FS, DI, np.zeros(1), A) == 2
     for key in (6, 1):
-        KE._insert(key, KC._submit(key, KS.DEMAND, 0.0, 0, IS, FS), True, -1, IS, FS, DI, A)
+        KE._insert(key, KC._submit(key, KS.DEMAND, 0.0, 0, IS, TR, FS), True, -1, IS, KR, TR, DI, A)
     for key in (5, 2, 6, 1):
-        KE._on_access(key, -1, IS, FS, DI, A)
+        KE._on_access(key, -1, IS, KR, DI, A)
 
     def walk(head: int) -> list[int]:
         out, key = [], IS[head]
         while key != -1:
             out.append(int(key))
-            key = IS[IS[KS.H_KI] + key * KS.K_NKI + KS.K_NEXT]
+            key = KR[key].next
         return out
 
     lists = [walk(KS.S_HEAD)] if ev != "least-stale" else [walk(IS[KS.H_LSQ] + 2 * q) for q in (0, 1)]
     assert [key for keys in lists for key in keys] == [6, 1]  # used in that order; 5 and 2 are not there
     assert IS[KS.S_USED] == 4
-    assert KE._victim(False, 1, -1, IS, FS) == 6  # pin generation 1: none pinned
-    assert KE._room(1, False, 1, -1, IS, FS, A) == 1
-    assert [IS[IS[KS.H_KI] + key * KS.K_NKI + KS.K_STATE] for key in (5, 2, 6, 1)] == [KS.RESIDENT] * 2 + [KS.ABSENT, KS.RESIDENT]
+    assert KE._victim(False, 1, -1, IS, KR) == 6  # pin generation 1: none pinned
+    assert KE._room(1, False, 1, -1, IS, KR, FS, A) == 1
+    assert [KR[key].state for key in (5, 2, 6, 1)] == [KS.RESIDENT] * 2 + [KS.ABSENT, KS.RESIDENT]
 
 
 def test_the_pending_prefetch_list_keeps_only_live_transfers_when_compacted():
@@ -612,33 +612,30 @@ def test_the_pending_prefetch_list_keeps_only_live_transfers_when_compacted():
     from moesim.simulator import kernel_prefetch as KP
     from moesim.simulator import kernel_state as KS
 
-    IS, FS = KS._layout(num_keys=8, pool=16, pend_max=6, maxn=1, top_k=1)
-    earlier = [KC._submit(key, KS.PREFETCH, 0.0, 0, IS, FS) for key in range(5)]
+    IS, FS, _, TR = KS._layout(num_keys=8, pool=16, pend_max=6, maxn=1, top_k=1)
+    earlier = [KC._submit(key, KS.PREFETCH, 0.0, 0, IS, TR, FS) for key in range(5)]
     for t in earlier[::2]:  # slots reused: slots, sequence numbers and keys all differ
         KC._free(t, IS)
-    tids = [KC._submit(key, KS.PREFETCH, 0.0, 0, IS, FS) for key in range(6)]
+    tids = [KC._submit(key, KS.PREFETCH, 0.0, 0, IS, TR, FS) for key in range(6)]
 
-    def ti(t: int, field: int) -> int:
-        return IS[KS.H_TI] + t * KS.T_NTI + field
-
-    assert all(t != IS[ti(t, KS.T_SEQ)] for t in tids)
+    assert all(t != TR[t].seq for t in tids)
     for j, t in enumerate(tids):  # (slot, sequence, key) as _admit records them
-        IS[IS[KS.H_PENDA] + 3 * j:IS[KS.H_PENDA] + 3 * j + 3] = (t, IS[ti(t, KS.T_SEQ)], 10 + j)
+        IS[IS[KS.H_PENDA] + 3 * j:IS[KS.H_PENDA] + 3 * j + 3] = (t, TR[t].seq, 10 + j)
     IS[KS.S_PENDN] = 6
-    IS[ti(tids[0], KS.T_SEQ)] += 1  # the slot now holds another transfer
-    IS[ti(tids[2], KS.T_STARTED)] = 1
-    IS[ti(tids[3], KS.T_CANCELLED)] = 1
-    assert KP._compact_pending(IS) == 3
+    TR[tids[0]].seq += 1  # the slot now holds another transfer
+    TR[tids[2]].started = 1
+    TR[tids[3]].cancelled = 1
+    assert KP._compact_pending(IS, TR) == 3
     assert IS[KS.S_PENDN] == 3
     kept = IS[IS[KS.H_PENDA]:IS[KS.H_PENDA] + 9].reshape(3, 3).tolist()
-    assert kept == [[t, IS[ti(t, KS.T_SEQ)], 10 + j] for j, t in ((1, tids[1]), (4, tids[4]), (5, tids[5]))]
+    assert kept == [[t, TR[t].seq, 10 + j] for j, t in ((1, tids[1]), (4, tids[4]), (5, tids[5]))]
     # full of live entries: nothing can go
     for j, t in enumerate(tids):
-        IS[ti(t, KS.T_STARTED)] = IS[ti(t, KS.T_CANCELLED)] = 0
-        IS[IS[KS.H_PENDA] + 3 * j:IS[KS.H_PENDA] + 3 * j + 3] = (t, IS[ti(t, KS.T_SEQ)], 10 + j)
+        TR[t].started = TR[t].cancelled = 0
+        IS[IS[KS.H_PENDA] + 3 * j:IS[KS.H_PENDA] + 3 * j + 3] = (t, TR[t].seq, 10 + j)
     IS[KS.S_PENDN] = 6
     with pytest.raises(RuntimeError, match="pending prefetch list full"):
-        KP._compact_pending(IS)
+        KP._compact_pending(IS, TR)
 
 
 @pytest.mark.parametrize("probs", [True, False])
@@ -653,7 +650,7 @@ def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
     from moesim.simulator import kernel_state as KS
 
     tiny = 2.0 ** -53
-    IS, FS = KS._layout(num_keys=8, pool=4, pend_max=4, maxn=3, top_k=3, fin=3)
+    IS, FS, _, _ = KS._layout(num_keys=8, pool=4, pend_max=4, maxn=3, top_k=3, fin=3)
     IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC] = 1, 3, 8, 1, 0
     IS[KS.C_PROBS] = probs
     FS[IS[KS.H_MSCR] - 1] = 1e9  # what lies before the scratch is never read
@@ -694,7 +691,7 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
     from moesim.simulator import kernel_state as KS
 
     E = 7
-    IS, _ = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=3, top_k=2, fin=4)
+    IS, _, KR, _ = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=3, top_k=2, fin=4)
     IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 1, 2, E, 1, 0, E
     IS[KS.S_LAYERGEN] = 3
     experts = np.array([[0, 1], [0, 2]], np.int16)
@@ -709,13 +706,13 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
     for e in (0, 1, 2):
         IS[IS[KS.H_ROUTED] + e] = 3  # routed in this layer
     for e, state in ((1, KS.RESIDENT), (2, KS.RESIDENT), (3, KS.RESIDENT), (4, KS.INFLIGHT), (5, KS.RESIDENT)):
-        IS[IS[KS.H_KI] + e * KS.K_NKI + KS.K_STATE] = state
-    assert KL._substitute(0, IS, M) == 3
-    IS[IS[KS.H_KI] + 3 * KS.K_NKI + KS.K_STATE] = KS.ABSENT
-    assert KL._substitute(0, IS, M) == 5
+        KR[e].state = state
+    assert KL._substitute(0, IS, KR, M) == 3
+    KR[3].state = KS.ABSENT
+    assert KL._substitute(0, IS, KR, M) == 5
     for e in (4, 5):
-        IS[IS[KS.H_KI] + e * KS.K_NKI + KS.K_STATE] = KS.ABSENT
-    assert KL._substitute(0, IS, M) == -1  # none cached: the miss is fetched
+        KR[e].state = KS.ABSENT
+    assert KL._substitute(0, IS, KR, M) == -1  # none cached: the miss is fetched
 
 
 def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
@@ -729,32 +726,32 @@ def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
     from moesim.simulator import kernel_state as KS
 
     E = 4
-    IS, FS = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=2, top_k=2, fin=2, lrun=2)
+    IS, FS, KR, TR = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=2, top_k=2, fin=2, lrun=2)
     IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 1, 2, E, 1, 0, E
     IS[KS.C_EV] = KS.EV_FIFO
     IS[KS.S_LAYERGEN] = 1
     A = (*(np.zeros(1, np.int32),) * 5, K._hooks(None))
-    KC._submit(3, KS.DEMAND, 0.0, 0, IS, FS)  # the link is busy until t = 1
-    tid = KC._submit(2, KS.PREFETCH, 0.0, 0, IS, FS)
-    IS[IS[KS.H_KI] + 2 * KS.K_NKI + KS.K_STATE] = KS.INFLIGHT
-    IS[IS[KS.H_KI] + 2 * KS.K_NKI + KS.K_TID] = tid
-    assert IS[IS[KS.H_TI] + tid * KS.T_NTI + KS.T_PRIO] == KS.PREFETCH
+    KC._submit(3, KS.DEMAND, 0.0, 0, IS, TR, FS)  # the link is busy until t = 1
+    tid = KC._submit(2, KS.PREFETCH, 0.0, 0, IS, TR, FS)
+    KR[2].state = KS.INFLIGHT
+    KR[2].tid = tid
+    assert TR[tid].prio == KS.PREFETCH
 
     def runs(buf: int) -> list[list[int]]:
         at = IS[KS.H_LRUN] + buf * 2 * 4
         return IS[at:at + 4 * IS[KS.S_LRUNN + buf]].reshape(-1, 4).tolist()
 
-    seq = IS[IS[KS.H_TI] + tid * KS.T_NTI + KS.T_SEQ]
-    KL._use_other(2, 3, 7, 0, IS, FS, np.zeros(1, np.int64), A)
-    assert IS[IS[KS.H_TI] + tid * KS.T_NTI + KS.T_PRIO] == KS.DEMAND  # promoted
+    seq = TR[tid].seq
+    KL._use_other(2, 3, 7, 0, IS, KR, TR, FS, np.zeros(1, np.int64), A)
+    assert TR[tid].prio == KS.DEMAND  # promoted
     assert runs(0) == [[tid, seq, 2, 3]]  # (slot, sequence, key, tokens)
-    assert (IS[IS[KS.H_KI] + 2 * KS.K_NKI + KS.K_PIN], IS[KS.S_NCOMP]) == (7, 1)
-    KL._use_other(2, 1, 8, 0, IS, FS, np.zeros(1, np.int64), A)
+    assert (KR[2].pin, IS[KS.S_NCOMP]) == (7, 1)
+    KL._use_other(2, 1, 8, 0, IS, KR, TR, FS, np.zeros(1, np.int64), A)
     assert runs(0)[1] == [tid, seq, 2, 1]  # the same expert again in the layer: not new
-    assert (IS[IS[KS.H_KI] + 2 * KS.K_NKI + KS.K_PIN], IS[KS.S_NCOMP]) == (8, 1)
-    IS[IS[KS.H_KI] + 3 * KS.K_NKI + KS.K_STATE] = KS.RESIDENT
+    assert (KR[2].pin, IS[KS.S_NCOMP]) == (8, 1)
+    KR[3].state = KS.RESIDENT
     IS[KS.S_LRUNN + 1] = 0
-    KL._use_other(3, 2, 9, -1, IS, FS, np.zeros(1, np.int64), A)  # layer execution: the layer's list
+    KL._use_other(3, 2, 9, -1, IS, KR, TR, FS, np.zeros(1, np.int64), A)  # layer execution: the layer's list
     assert IS[IS[KS.H_RUNS] + 4:IS[KS.H_RUNS] + 8].tolist() == [-1, -1, 3, 2]  # resident: no wait
     assert IS[KS.S_NCOMP] == 2
 
@@ -771,7 +768,7 @@ def test_the_kernels_speculation_by_hand():
     from moesim.simulator import kernel_state as KS
 
     E = 8
-    IS, FS = KS._layout(num_keys=2 * E, pool=4, pend_max=4, maxn=3, top_k=2, fin=6, lrun=3)
+    IS, FS, KR, TR = KS._layout(num_keys=2 * E, pool=4, pend_max=4, maxn=3, top_k=2, fin=6, lrun=3)
     IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 2, 2, E, 1, 0, E
     IS[KS.C_EV] = KS.EV_FIFO
     IS[KS.S_LAYER], IS[KS.S_LAYERGEN] = 1, 4
@@ -786,10 +783,10 @@ def test_the_kernels_speculation_by_hand():
          pred, prev_row, prev_stamp)
     IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 6] = (0, 2, 0, 1, 0, 4)
     for e in (1, 2, 3, 4, 5):
-        IS[IS[KS.H_KI] + (E + e) * KS.K_NKI + KS.K_STATE] = KS.RESIDENT
+        KR[E + e].state = KS.RESIDENT
     A = (*(np.zeros(1, np.int32),) * 5, K._hooks(None))
     IS[KS.S_LRUNN] = 0
-    KL._speculate(0, 9, 0, IS, FS, np.zeros(1, np.int64), A, M)
+    KL._speculate(0, 9, 0, IS, KR, TR, FS, np.zeros(1, np.int64), A, M)
     assert IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 6].tolist() == [3, 2, 3, 1, -1, 4]
     assert IS[KS.R_SUBST] == 1
     runs = IS[IS[KS.H_LRUN]:IS[KS.H_LRUN] + 4 * IS[KS.S_LRUNN]].reshape(-1, 4).tolist()

@@ -17,12 +17,12 @@ K, H = "moesim/simulator/kernel*.py", "moesim/policies/hooks.py"
 FAST = ("(builtin_rows and (none-layer or oracle-per-expert)) or gate_weight or readme_mru or kept_priority or "
         "state_after or (prefetch_hook and not does_not_compile)")
 MUTANTS = [
- ("access stamps not", K, "    elif ev == EV_HOOK:\n        _stamp(key, IS)\n", "    elif ev == EV_HOOK:\n"),
+ ("access stamps not", K, "    elif ev == EV_HOOK:\n        _stamp(key, IS, K)\n", "    elif ev == EV_HOOK:\n"),
  ("insert weight 0", K, "w = float(_weight(key, ai, IS, DI, A)) if demand else 0.0", "w = 0.0"),
  ("insert demand always", K, "A[U][U_INSERT][0](key, demand != 0, w,", "A[U][U_INSERT][0](key, True, w,"),
- ("ties newest first", K, "f, s = prios[j], IS[IS[H_KI] + key * K_NKI + K_STAMP]", "f, s = prios[j], -IS[IS[H_KI] + key * K_NKI + K_STAMP]"),
+ ("ties newest first", K, "f, s = prios[j], K[key].stamp", "f, s = prios[j], -K[key].stamp"),
  ("remove hook not called", K, "        A[U][U_REMOVE][0](key, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])\n", "        pass\n"),
- ("kept priority not kept", K, "    if IS[C_STABLE]:\n        FS[IS[H_KF] + key * F_NKF + F_PRIO]", "    if IS[C_STABLE] and False:\n        FS[IS[H_KF] + key * F_NKF + F_PRIO]"),
+ ("kept priority not kept", K, "    if IS[C_STABLE]:\n        K[key].prio", "    if IS[C_STABLE] and False:\n        K[key].prio"),
  ("tick off by one", K, "    clock[CLOCK_TICK] = IS[S_SEQ]\n", "    clock[CLOCK_TICK] = IS[S_SEQ] - 1\n"),
  ("clock layer is pass", K, "    clock[CLOCK_LAYER] = IS[S_LAYER]\n", "    clock[CLOCK_LAYER] = IS[S_PASS]\n"),
  ("weight search dropped", K, "    if ai < 0:  # a speculative run of an expert the layer routes has its access's weight\n", "    if ai < -1:  # mutant\n"),

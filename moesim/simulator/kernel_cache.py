@@ -24,11 +24,6 @@ from moesim.simulator.kernel_state import (
     EV_HOOK,
     EV_LRU,
     EV_LS,
-    F_NEXTUSE,
-    F_NKF,
-    F_PRIO,
-    H_KF,
-    H_KI,
     H_KNEXT,
     H_KPOS,
     H_KPOSOFF,
@@ -38,20 +33,6 @@ from moesim.simulator.kernel_state import (
     H_OFF,
     H_VICT,
     INFLIGHT,
-    K_ADM,
-    K_CURPASS,
-    K_EVICTED,
-    K_MEMB,
-    K_NEXT,
-    K_NKI,
-    K_PEND,
-    K_PIN,
-    K_PREV,
-    K_STAMP,
-    K_STATE,
-    K_STATIC,
-    K_TID,
-    K_UNUSED,
     R_PFUSED,
     RESIDENT,
     S_ABASE,
@@ -134,15 +115,15 @@ def _weight(key, ai, IS, DI, A):
 
 
 @_jit
-def _ls_list(key, IS):
+def _ls_list(key, IS, K):
     """Least-stale: the head slot of ``key``'s queue (current if touched in this pass, else
     stale) for its layer; each such list is in insertion order."""
-    current = IS[IS[H_KI] + key * K_NKI + K_CURPASS] == IS[S_PASS]
+    current = K[key].curpass == IS[S_PASS]
     return IS[H_LSQ] + 2 * (current * IS[C_L] + key // IS[C_DIV])
 
 
 @_jit
-def _ls_roll(IS):
+def _ls_roll(IS, K):
     """Least-stale, at a new pass: every layer's current list joins the end of its stale
     list (the SimPy policy's ``_roll``)."""
     num_l = IS[C_L]
@@ -155,28 +136,28 @@ def _ls_roll(IS):
         if IS[stale + 1] == -1:
             IS[stale] = first
         else:
-            IS[IS[H_KI] + IS[stale + 1] * K_NKI + K_NEXT] = first
-            IS[IS[H_KI] + first * K_NKI + K_PREV] = IS[stale + 1]
+            K[IS[stale + 1]].next = first
+            K[first].prev = IS[stale + 1]
         IS[stale + 1] = IS[cur + 1]
         IS[cur] = -1
         IS[cur + 1] = -1
 
 
 @_jit
-def _ls_first(head, pin_gen, adm_layer, pending, IS):
+def _ls_first(head, pin_gen, adm_layer, pending, IS, K):
     """The first eligible key of a least-stale list; ``pending``: 0 only keys not pending,
     1 only pending keys, 2 any."""
     key = IS[head]
     while key != -1:
-        if _eligible(key, pin_gen, adm_layer, IS) and (
-                pending == 2 or (IS[IS[H_KI] + key * K_NKI + K_PEND] == IS[S_PENDGEN]) == (pending == 1)):
+        if _eligible(key, pin_gen, adm_layer, IS, K) and (
+                pending == 2 or (K[key].pend == IS[S_PENDGEN]) == (pending == 1)):
             return key
-        key = IS[IS[H_KI] + key * K_NKI + K_NEXT]
+        key = K[key].next
     return -1
 
 
 @_jit
-def _ls_victim(for_prefetch, pin_gen, adm_layer, IS):
+def _ls_victim(for_prefetch, pin_gen, adm_layer, IS, K):
     """Least-stale's victim (the SimPy policy's ``candidates``, or ``prefetch_candidates``
     for an optional prefetch): the stale queue, then the current one; per queue the layers in
     the policy's order (relative: layers already passed, the current layer's experts not
@@ -203,150 +184,149 @@ def _ls_victim(for_prefetch, pin_gen, adm_layer, IS):
                     pending = 0
                 elif q == 1 and layer > cur:
                     continue  # a later layer's current expert: upcoming
-            v = _ls_first(base + 2 * layer, pin_gen, adm_layer, pending, IS)
+            v = _ls_first(base + 2 * layer, pin_gen, adm_layer, pending, IS, K)
             if v != -1:
                 return v
     return -1
 
 
 @_inline
-def _kept_out(key, IS):
+def _kept_out(key, IS, K):
     """Whether ``key`` stays out of the policy's lists: lru, fifo and least-stale list the keys
     they may evict, and a statically pinned key is never a victim, so their victim walk need not
     pass over it (loaded by ``_preload``, it is never inserted again)."""
-    return IS[C_EV] in (EV_LRU, EV_FIFO, EV_LS) and IS[IS[H_KI] + key * K_NKI + K_STATIC]
+    return IS[C_EV] in (EV_LRU, EV_FIFO, EV_LS) and K[key].static
 
 
 @_inline
-def _on_insert(key, demand, ai, IS, FS, DI, A):
+def _on_insert(key, demand, ai, IS, K, DI, A):
     """The policy's ``on_insert``: ``key`` entered the cache (``demand``: a use). Recency
     policies keep a list in order; the others the members their victim search scans."""
     ev = IS[C_EV]
     if ev in (EV_LRU, EV_FIFO):
-        _list_append(key, S_HEAD, IS)
+        _list_append(key, S_HEAD, IS, K)
         return
     if ev == EV_LS:
-        IS[IS[H_KI] + key * K_NKI + K_CURPASS] = IS[S_PASS]
-        _list_append(key, _ls_list(key, IS), IS)
+        K[key].curpass = IS[S_PASS]
+        _list_append(key, _ls_list(key, IS, K), IS, K)
         return
     n = IS[S_MEMBN]
     IS[IS[H_MEMB] + n] = key
-    IS[IS[H_KI] + key * K_NKI + K_MEMB] = n
+    K[key].memb = n
     IS[S_MEMBN] = n + 1
-    _stamp(key, IS)
+    _stamp(key, IS, K)
     if ev == EV_BELADY:
-        FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
+        K[key].nextuse = _next_use(key, ai, IS, DI, A)
     elif ev == EV_HOOK:
         w = float(_weight(key, ai, IS, DI, A)) if demand else 0.0
         _set_clock(IS, A)
         A[U][U_INSERT][0](key, demand != 0, w, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
-        _keep_priority(key, IS, FS, A)
+        _keep_priority(key, IS, K, A)
 
 
 @_inline
-def _on_access(key, ai, IS, FS, DI, A):
+def _on_access(key, ai, IS, K, DI, A):
     """The policy's ``on_access``: a hit or a late prefetch used ``key``."""
-    if _kept_out(key, IS):
+    if _kept_out(key, IS, K):
         return
     ev = IS[C_EV]
     if ev == EV_LRU:
-        _list_unlink(key, S_HEAD, IS)
-        _list_append(key, S_HEAD, IS)
+        _list_unlink(key, S_HEAD, IS, K)
+        _list_append(key, S_HEAD, IS, K)
     elif ev == EV_FIFO:
         return
     elif ev == EV_BELADY:
-        FS[IS[H_KF] + key * F_NKF + F_NEXTUSE] = _next_use(key, ai, IS, DI, A)
+        K[key].nextuse = _next_use(key, ai, IS, DI, A)
     elif ev == EV_HOOK:
-        _stamp(key, IS)
+        _stamp(key, IS, K)
         _set_clock(IS, A)
         A[U][U_ACCESS][0](key, float(_weight(key, ai, IS, DI, A)), A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
-        _keep_priority(key, IS, FS, A)
-    elif ev == EV_LS and IS[IS[H_KI] + key * K_NKI + K_CURPASS] != IS[S_PASS]:
-        _list_unlink(key, _ls_list(key, IS), IS)  # stale -> current
-        IS[IS[H_KI] + key * K_NKI + K_CURPASS] = IS[S_PASS]
-        _list_append(key, _ls_list(key, IS), IS)
+        _keep_priority(key, IS, K, A)
+    elif ev == EV_LS and K[key].curpass != IS[S_PASS]:
+        _list_unlink(key, _ls_list(key, IS, K), IS, K)  # stale -> current
+        K[key].curpass = IS[S_PASS]
+        _list_append(key, _ls_list(key, IS, K), IS, K)
 
 
 @_inline
-def _on_remove(key, IS, A):
+def _on_remove(key, IS, K, A):
     if IS[C_EV] in (EV_LRU, EV_FIFO):
-        _list_unlink(key, S_HEAD, IS)
+        _list_unlink(key, S_HEAD, IS, K)
         return
     if IS[C_EV] == EV_LS:
-        _list_unlink(key, _ls_list(key, IS), IS)
+        _list_unlink(key, _ls_list(key, IS, K), IS, K)
         return
-    i = IS[IS[H_KI] + key * K_NKI + K_MEMB]
+    i = K[key].memb
     last = IS[IS[H_MEMB] + IS[S_MEMBN] - 1]
     IS[IS[H_MEMB] + i] = last
-    IS[IS[H_KI] + last * K_NKI + K_MEMB] = i
+    K[last].memb = i
     IS[S_MEMBN] -= 1
-    IS[IS[H_KI] + key * K_NKI + K_MEMB] = -1
+    K[key].memb = -1
     if IS[C_EV] == EV_HOOK:
         _set_clock(IS, A)
         A[U][U_REMOVE][0](key, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
 
 
 @_jit
-def _order(key, IS, FS):
+def _order(key, K):
     """The candidate order of ``key`` for Belady, whose victim is the smallest over the cached
     experts, as (minus its next use, stamp); the other built-ins walk lists (lru, fifo,
     least-stale) or run their compiled forms through the hooks (lfu, fld, score, lhu)."""
-    return -FS[IS[H_KF] + key * F_NKF + F_NEXTUSE], IS[IS[H_KI] + key * K_NKI + K_STAMP]
+    return -K[key].nextuse, K[key].stamp
 
 
 @_inline
-def _eligible(key, pin_gen, adm_layer, IS):
-    k = IS[H_KI] + key * K_NKI
-    if IS[k + K_STATE] != RESIDENT or IS[k + K_PIN] == pin_gen or IS[k + K_STATIC]:
+def _eligible(key, pin_gen, adm_layer, IS, K):
+    if K[key].state != RESIDENT or K[key].pin == pin_gen or K[key].static:
         return False
-    return not (adm_layer >= 0 and key // IS[C_DIV] == adm_layer and IS[k + K_ADM] == IS[IS[H_LGEN] + adm_layer])
+    return not (adm_layer >= 0 and key // IS[C_DIV] == adm_layer and K[key].adm == IS[IS[H_LGEN] + adm_layer])
 
 
 @_jit
-def _victim(for_prefetch, pin_gen, adm_layer, IS, FS):
+def _victim(for_prefetch, pin_gen, adm_layer, IS, K):
     """The first candidate, in the policy's order, that the cache may evict (resident, not
     pinned, not statically pinned, not an earlier admission for ``adm_layer``), or -1."""
     ev = IS[C_EV]
     if ev in (EV_LRU, EV_FIFO):
         key = IS[S_HEAD]
         while key != -1:
-            if _eligible(key, pin_gen, adm_layer, IS):
+            if _eligible(key, pin_gen, adm_layer, IS, K):
                 return key
-            key = IS[IS[H_KI] + key * K_NKI + K_NEXT]
+            key = K[key].next
         return -1
     if ev == EV_LS:
-        return _ls_victim(for_prefetch, pin_gen, adm_layer, IS)
+        return _ls_victim(for_prefetch, pin_gen, adm_layer, IS, K)
     best = -1
     bf, bs = 0.0, 0
     for j in range(IS[S_MEMBN]):
         key = IS[IS[H_MEMB] + j]
-        if not _eligible(key, pin_gen, adm_layer, IS):
+        if not _eligible(key, pin_gen, adm_layer, IS, K):
             continue
-        f, s = _order(key, IS, FS)
+        f, s = _order(key, K)
         if best == -1 or f < bf or (f == bf and s < bs):
             best, bf, bs = key, f, s
     return best
 
 
 @_inline
-def _keep_priority(key, IS, FS, A):
+def _keep_priority(key, IS, K, A):
     """A hook policy with a stable priority (``C_STABLE``) keeps ``key``'s, computed after its
-    hooks ran, in ``F_PRIO``."""
+    hooks ran, in ``K[key].prio``."""
     if IS[C_STABLE]:
-        FS[IS[H_KF] + key * F_NKF + F_PRIO] = A[U][U_PRIORITY][0](key, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
+        K[key].prio = A[U][U_PRIORITY][0](key, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
 
 
 @_jit
-def _hook_victim(pin_gen, adm_layer, IS, FS, A):
+def _hook_victim(pin_gen, adm_layer, IS, K, A):
     """A hook policy's victim: the eligible key of lowest priority (kept, or asked now of every
     cached key in one call, as the SimPy path sorts them all), ties to the oldest stamp."""
     best, bf, bs = -1, 0.0, 0
     if IS[C_STABLE]:
         for j in range(IS[S_MEMBN]):
             key = IS[IS[H_MEMB] + j]
-            if not _eligible(key, pin_gen, adm_layer, IS):
+            if not _eligible(key, pin_gen, adm_layer, IS, K):
                 continue
-            f, s = FS[IS[H_KF] + key * F_NKF + F_PRIO], IS[IS[H_KI] + key * K_NKI + K_STAMP]
+            f, s = K[key].prio, K[key].stamp
             if best == -1 or f < bf or (f == bf and s < bs):
                 best, bf, bs = key, f, s
         return best
@@ -356,42 +336,41 @@ def _hook_victim(pin_gen, adm_layer, IS, FS, A):
     A[U][U_PRIORITIES][0](keys, n, prios, A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
     for j in range(n):
         key = keys[j]
-        if not _eligible(key, pin_gen, adm_layer, IS):
+        if not _eligible(key, pin_gen, adm_layer, IS, K):
             continue
-        f, s = prios[j], IS[IS[H_KI] + key * K_NKI + K_STAMP]
+        f, s = prios[j], K[key].stamp
         if best == -1 or f < bf or (f == bf and s < bs):
             best, bf, bs = key, f, s
     return best
 
 
 @_inline
-def _find_victim(for_prefetch, pin_gen, adm_layer, IS, FS, A):
+def _find_victim(for_prefetch, pin_gen, adm_layer, IS, K, A):
     """:func:`_victim`, or a hook policy's (:func:`_hook_victim`, the one that reads ``A``)."""
     if IS[C_EV] == EV_HOOK:
-        return _hook_victim(pin_gen, adm_layer, IS, FS, A)
-    return _victim(for_prefetch, pin_gen, adm_layer, IS, FS)
+        return _hook_victim(pin_gen, adm_layer, IS, K, A)
+    return _victim(for_prefetch, pin_gen, adm_layer, IS, K)
 
 
 @_inline
-def _evict(key, IS, A):
-    k = IS[H_KI] + key * K_NKI
-    IS[k + K_STATE] = ABSENT
+def _evict(key, IS, K, A):
+    K[key].state = ABSENT
     IS[S_USED] -= _nbytes(key, IS)
-    _on_remove(key, IS, A)
-    IS[k + K_UNUSED] = 0
-    IS[k + K_EVICTED] = IS[S_PASS]
+    _on_remove(key, IS, K, A)
+    K[key].unused = 0
+    K[key].evicted = IS[S_PASS]
 
 
 @_inline
-def _evict_for(key, for_prefetch, IS, A):
+def _evict_for(key, for_prefetch, IS, K, A):
     """Evict a victim; one evicted for a prefetch is no longer an admission."""
-    _evict(key, IS, A)
+    _evict(key, IS, K, A)
     if for_prefetch:
-        IS[IS[H_KI] + key * K_NKI + K_ADM] = 0
+        K[key].adm = 0
 
 
 @_inline
-def _room(nb, for_prefetch, pin_gen, adm_layer, IS, FS, A):
+def _room(nb, for_prefetch, pin_gen, adm_layer, IS, K, FS, A):
     """Make room for an entry of ``nb`` bytes (the victim walk of ``ExpertCache.fetch``):
     evict victims in the policy's order until enough is free. Returns how many were evicted
     (0: it fits), or -1 when the entries that may be evicted cannot free enough (nothing
@@ -402,57 +381,55 @@ def _room(nb, for_prefetch, pin_gen, adm_layer, IS, FS, A):
         return 0
     if nb > FS[CF_CAP]:
         return -1
-    v = _find_victim(for_prefetch, pin_gen, adm_layer, IS, FS, A)
+    v = _find_victim(for_prefetch, pin_gen, adm_layer, IS, K, A)
     if v == -1:
         return -1
     if nb > free + _nbytes(v, IS):
-        return _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, FS, A)
-    _evict_for(v, for_prefetch, IS, A)
+        return _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, K, A)
+    _evict_for(v, for_prefetch, IS, K, A)
     return 1
 
 
 @_jit
-def _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, FS, A):
+def _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, K, A):
     """:func:`_room` when the first victim ``v`` is not enough: each victim found is pinned
     for the search of the next (its pin restored after); all are evicted once they free
     enough, none when the search runs out."""
     vict = IS[H_VICT]
     n = 0
     while v != -1:
-        k = IS[H_KI] + v * K_NKI
         IS[vict + 2 * n] = v
-        IS[vict + 2 * n + 1] = IS[k + K_PIN]
-        IS[k + K_PIN] = pin_gen
+        IS[vict + 2 * n + 1] = K[v].pin
+        K[v].pin = pin_gen
         n += 1
         free += _nbytes(v, IS)
         if nb <= free:
             break
-        v = _find_victim(for_prefetch, pin_gen, adm_layer, IS, FS, A)
+        v = _find_victim(for_prefetch, pin_gen, adm_layer, IS, K, A)
     for j in range(n):  # the pins as they were
-        IS[IS[H_KI] + IS[vict + 2 * j] * K_NKI + K_PIN] = IS[vict + 2 * j + 1]
+        K[IS[vict + 2 * j]].pin = IS[vict + 2 * j + 1]
     if v == -1:
         return -1
     for j in range(n):
-        _evict_for(IS[vict + 2 * j], for_prefetch, IS, A)
+        _evict_for(IS[vict + 2 * j], for_prefetch, IS, K, A)
     return n
 
 
 @_inline
-def _insert(key, tid, demand, ai, IS, FS, DI, A):
+def _insert(key, tid, demand, ai, IS, K, T, DI, A):
     """The cache's ``reserve``: an in-flight entry for ``key`` (room was made)."""
-    k = IS[H_KI] + key * K_NKI
-    IS[k + K_STATE] = INFLIGHT
-    IS[k + K_TID] = tid
+    K[key].state = INFLIGHT
+    K[key].tid = tid
     IS[S_USED] += _nbytes(key, IS)
     if IS[S_USED] > IS[S_MAXUSED]:
         IS[S_MAXUSED] = IS[S_USED]
-    _on_insert(key, demand, ai, IS, FS, DI, A)
+    _on_insert(key, demand, ai, IS, K, DI, A)
     if IS[C_INSTANT]:
-        _complete(tid, IS)
+        _complete(tid, IS, K, T)
 
 
 @_jit
-def _used_prefetch(key, IS):
-    if IS[IS[H_KI] + key * K_NKI + K_UNUSED]:
-        IS[IS[H_KI] + key * K_NKI + K_UNUSED] = 0
+def _used_prefetch(key, IS, K):
+    if K[key].unused:
+        K[key].unused = 0
         IS[R_PFUSED] += 1

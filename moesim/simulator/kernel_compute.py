@@ -38,7 +38,6 @@ from moesim.simulator.kernel_state import (
     CF_HLAYER,
     EV_LS,
     H_FIN,
-    H_KI,
     H_LRUN,
     H_MSCR,
     H_OFF,
@@ -46,12 +45,6 @@ from moesim.simulator.kernel_state import (
     H_RUNS,
     H_SCALE,
     H_SCR,
-    K_ACCPASS,
-    K_NKI,
-    K_PEND,
-    K_PIN,
-    K_STATE,
-    K_STATIC,
     MODE_LAYER,
     R_ALTERED,
     R_BYTES,
@@ -87,13 +80,13 @@ from moesim.simulator.kernel_state import (
 
 
 @_jit
-def _mark_pending(lo, hi, IS, A):
+def _mark_pending(lo, hi, IS, K, A):
     """The layer's experts are pending until they run (``Clock.pending``; only least-stale
     reads it)."""
     pend = _new_gen(IS, S_PENDGEN)
     if IS[C_EV] == EV_LS:
         for j in range(lo, hi):
-            IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_PEND] = pend
+            K[_key(j, IS, A)].pend = pend
 
 
 @_inline
@@ -112,32 +105,32 @@ def _tokens_of(key, tokens, p, IS, M):
 
 
 @_jit
-def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
+def _layer(p, layer, lo, hi, now, p0, IS, K, T, FS, DI, DF, A, P, M):
     """``layer`` and ``on-arrival`` execution of one layer (engine's ``_run`` body,
     ``LayerLookup.finish`` and ``_compute``); returns the layer's end. Stall accumulates in
     ``FS[SF_STALL]``."""
-    _mark_pending(lo, hi, IS, A)
+    _mark_pending(lo, hi, IS, K, A)
     if IS[C_PFACTIVE]:
-        _withdraw(layer, lo, hi, IS, A)
+        _withdraw(layer, lo, hi, IS, K, T, A)
     pins = _new_gen(IS, S_PINGEN)
     for j in range(lo, hi):
-        IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_PIN] = pins
+        K[_key(j, IS, A)].pin = pins
     IS[S_NCOMP] = 0
     copies = IS[S_NDEM]
     for i in range(hi - lo):
-        _lookup(lo + i, now, pins, -1, IS, FS, DI, A, M)
+        _lookup(lo + i, now, pins, -1, IS, K, T, FS, DI, A, M)
     if IS[C_HOST]:  # the host submits the layer's demand copies
         FS[SF_HOST] += (IS[S_NDEM] - copies) * FS[CF_HCOPY]
     computed = IS[S_NCOMP]
     if IS[C_PFACTIVE]:
-        _propose(p, layer, p0, now, pins, IS, FS, DI, A, P)
+        _propose(p, layer, p0, now, pins, IS, K, T, FS, DI, A, P)
     scale = DF[IS[H_SCALE] + p - IS[S_PBASE]]
     if IS[C_MODE] == MODE_LAYER:
         ready = now
         total = 0.0
         for i in range(computed):
             r = IS[H_RUNS] + i * 4
-            a = _arrival(IS[r], IS[r + 1], now, IS, FS)
+            a = _arrival(IS[r], IS[r + 1], now, T)
             if a > ready:
                 ready = a
             total += _ffn(IS[r + 2], _tokens_of(IS[r + 2], IS[r + 3], p, IS, M), DF, IS) * scale
@@ -150,7 +143,7 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     else:  # on-arrival: in arrival order (ties by compute time), each when it has arrived
         for i in range(computed):
             r = IS[H_RUNS] + i * 4
-            a = _arrival(IS[r], IS[r + 1], now, IS, FS)
+            a = _arrival(IS[r], IS[r + 1], now, T)
             f = _ffn(IS[r + 2], _tokens_of(IS[r + 2], IS[r + 3], p, IS, M), DF, IS) * scale
             j = i
             while j > 0 and (FS[IS[H_SCR] + j - 1] > a or (FS[IS[H_SCR] + j - 1] == a and FS[IS[H_SCR] + IS[C_MAXN] + j - 1] > f)):
@@ -174,42 +167,42 @@ def _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
         end = t
     _new_gen(IS, S_PENDGEN)  # the layer's experts have run
     if IS[S_WN]:
-        _advance(end, IS, FS)
-        _admit(end, _new_gen(IS, S_PINGEN), IS, FS, DI, A)
+        _advance(end, IS, K, T, FS)
+        _admit(end, _new_gen(IS, S_PINGEN), IS, K, T, FS, DI, A)
     IS[R_UNIQUE] += computed
     return end
 
 
 @_inline
-def _pin_buffer(buf, pins, IS):
+def _pin_buffer(buf, pins, IS, K):
     """Pin the keys of lookup buffer ``buf``'s computations with generation ``pins``."""
     b = IS[H_LRUN] + buf * IS[C_LRUNCAP] * 4
     for x in range(IS[S_LRUNN + buf]):
-        IS[IS[H_KI] + IS[b + x * 4 + 2] * K_NKI + K_PIN] = pins
+        K[IS[b + x * 4 + 2]].pin = pins
 
 
 @_inline
-def _buffer_arrived(buf, t, IS, FS):
+def _buffer_arrived(buf, t, IS, T):
     """Whether every computation of lookup buffer ``buf`` has its expert on the GPU by ``t``."""
     b = IS[H_LRUN] + buf * IS[C_LRUNCAP] * 4
     for x in range(IS[S_LRUNN + buf]):
-        if _arrival(IS[b + x * 4], IS[b + x * 4 + 1], t, IS, FS) > t:
+        if _arrival(IS[b + x * 4], IS[b + x * 4 + 1], t, T) > t:
             return False
     return True
 
 
 @_inline
-def _host_lookup(ai, t, pins, buf, IS, FS, DI, A, M):
+def _host_lookup(ai, t, pins, buf, IS, K, T, FS, DI, A, M):
     """Look up access ``ai`` at ``t`` into lookup buffer ``buf`` (engine's ``_host_lookup``):
     the host submits the demand copies it leads to."""
     copies = IS[S_NDEM]
-    _lookup(ai, t, pins, buf, IS, FS, DI, A, M)
+    _lookup(ai, t, pins, buf, IS, K, T, FS, DI, A, M)
     if IS[C_HOST]:
         FS[SF_HOST] += (IS[S_NDEM] - copies) * FS[CF_HCOPY]
 
 
 @_jit
-def _host_issue(buf, t, blocking, IS, FS):
+def _host_issue(buf, t, blocking, IS, T, FS):
     """The host launches the expert of lookup buffer ``buf``, the GPU having run the ones
     before it by ``t`` (engine's ``_host_issue``); returns when the launch is issued."""
     if IS[C_HSYNC] == 2 and FS[SF_HOST] < t:
@@ -217,7 +210,7 @@ def _host_issue(buf, t, blocking, IS, FS):
     if blocking:
         b = IS[H_LRUN] + buf * IS[C_LRUNCAP] * 4
         for x in range(IS[S_LRUNN + buf]):
-            a = _arrival(IS[b + x * 4], IS[b + x * 4 + 1], FS[SF_HOST], IS, FS)
+            a = _arrival(IS[b + x * 4], IS[b + x * 4 + 1], FS[SF_HOST], T)
             if a > FS[SF_HOST]:
                 FS[SF_HOST] = a
     FS[SF_HOST] += FS[CF_HLAUNCH]
@@ -234,7 +227,7 @@ def _host_ready(t, IS, FS):
 
 
 @_jit
-def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
+def _per_expert(p, layer, lo, hi, now, p0, IS, K, T, FS, DI, DF, A, P, M):
     """``per-expert`` execution of one layer (engine's ``_per_expert``, both ``expert_fetch``
     disciplines): the experts run one after another in router order; the running expert's
     computations are in lookup buffer ``cur``, the next one's in the other (a lookup made
@@ -242,10 +235,10 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     timed = not IS[C_INSTANT]
     blocking = IS[C_BLOCKING]
     host = IS[C_HOST]
-    _mark_pending(lo, hi, IS, A)
+    _mark_pending(lo, hi, IS, K, A)
     if IS[C_PFACTIVE]:
-        _withdraw(layer, lo, hi, IS, A)
-        _propose(p, layer, p0, now, _new_gen(IS, S_PINGEN), IS, FS, DI, A, P)
+        _withdraw(layer, lo, hi, IS, K, T, A)
+        _propose(p, layer, p0, now, _new_gen(IS, S_PINGEN), IS, K, T, FS, DI, A, P)
     n = hi - lo
     t = now
     cur = 0
@@ -253,66 +246,66 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M):
     scale = DF[IS[H_SCALE] + p - IS[S_PBASE]]
     IS[S_LRUNN] = IS[S_LRUNN + 1] = IS[S_NCOMP] = 0
     if n:
-        _host_lookup(lo, t, _new_gen(IS, S_PINGEN), cur, IS, FS, DI, A, M)
+        _host_lookup(lo, t, _new_gen(IS, S_PINGEN), cur, IS, K, T, FS, DI, A, M)
         looked = 1
     launched = False
     issued = 0.0
     for i in range(n):
         if host and not launched:
-            issued = _host_issue(cur, t, blocking, IS, FS)
+            issued = _host_issue(cur, t, blocking, IS, T, FS)
         launched = False
         base = IS[H_LRUN] + cur * IS[C_LRUNCAP] * 4
         for x in range(IS[S_LRUNN + cur]):
-            a = _arrival(IS[base + x * 4], IS[base + x * 4 + 1], t, IS, FS)
+            a = _arrival(IS[base + x * 4], IS[base + x * 4 + 1], t, T)
             if a > t:
                 FS[SF_STALL] += a - t
                 t = a
         if host and issued > t:  # the GPU waits for the host to launch expert i
             t = issued
         if timed:
-            _advance(t, IS, FS)
+            _advance(t, IS, K, T, FS)
         nxt = 1 - cur
         if not blocking and looked == i + 1 and looked < n:
             IS[S_LRUNN + nxt] = 0
             pins = _new_gen(IS, S_PINGEN)
-            _pin_buffer(cur, pins, IS)  # the running expert
-            _host_lookup(lo + looked, t, pins, nxt, IS, FS, DI, A, M)
+            _pin_buffer(cur, pins, IS, K)  # the running expert
+            _host_lookup(lo + looked, t, pins, nxt, IS, K, T, FS, DI, A, M)
             looked += 1
         for x in range(IS[S_LRUNN + cur]):
             t += _ffn(IS[base + x * 4 + 2], IS[base + x * 4 + 3], DF, IS) * scale
         if timed:
-            _advance(t, IS, FS)
+            _advance(t, IS, K, T, FS)
         if IS[C_EV] == EV_LS:
-            IS[IS[H_KI] + _key(lo + i, IS, A) * K_NKI + K_PEND] = 0  # expert i has run
+            K[_key(lo + i, IS, A)].pend = 0  # expert i has run
         if blocking:
             IS[S_LRUNN + nxt] = 0
             if looked < n:
-                _host_lookup(lo + looked, t, _new_gen(IS, S_PINGEN), nxt, IS, FS, DI, A, M)
+                _host_lookup(lo + looked, t, _new_gen(IS, S_PINGEN), nxt, IS, K, T, FS, DI, A, M)
                 looked += 1
-        elif (looked == i + 2 and looked < n and _buffer_arrived(nxt, t, IS, FS)
+        elif (looked == i + 2 and looked < n and _buffer_arrived(nxt, t, IS, T)
               and (not host or _host_ready(t, IS, FS))):
             # expert i+1 starts now: i+2's lookup (into the ended expert's buffer) comes first
             if host:  # i+1's launch, then i+2's copies
-                issued = _host_issue(nxt, t, False, IS, FS)
+                issued = _host_issue(nxt, t, False, IS, T, FS)
                 launched = True
             IS[S_LRUNN + cur] = 0
             pins = _new_gen(IS, S_PINGEN)
-            _pin_buffer(nxt, pins, IS)
-            _host_lookup(lo + looked, t, pins, cur, IS, FS, DI, A, M)
+            _pin_buffer(nxt, pins, IS, K)
+            _host_lookup(lo + looked, t, pins, cur, IS, K, T, FS, DI, A, M)
             looked += 1
             if IS[S_WN]:
                 pins = _new_gen(IS, S_PINGEN)
-                _pin_buffer(nxt, pins, IS)
-                _pin_buffer(cur, pins, IS)
-                _admit(t, pins, IS, FS, DI, A)
+                _pin_buffer(nxt, pins, IS, K)
+                _pin_buffer(cur, pins, IS, K)
+                _admit(t, pins, IS, K, T, FS, DI, A)
             cur = nxt
             continue
         elif looked != i + 2:
             IS[S_LRUNN + nxt] = 0  # nothing looked up next: nothing held
         if IS[S_WN]:
             pins = _new_gen(IS, S_PINGEN)
-            _pin_buffer(nxt, pins, IS)
-            _admit(t, pins, IS, FS, DI, A)
+            _pin_buffer(nxt, pins, IS, K)
+            _admit(t, pins, IS, K, T, FS, DI, A)
         cur = nxt
     IS[R_UNIQUE] += IS[S_NCOMP]
     return t
@@ -423,7 +416,7 @@ def _fin_init(p, layer, lo, hi, IS, A, M):
 
 
 @_jit
-def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, per_expert, nonexp, release, cols, t_start, t_end, stall, m_total, m_kept):
+def replay_passes(p0, p1, IS, K, T, FS, DI, DF, A, P, M, per_expert, nonexp, release, cols, t_start, t_end, stall, m_total, m_kept):
     """Replay forward passes ``p0 .. p1`` (engine's ``_run``): per layer, non-expert compute,
     the routing point's lookups and proposals, expert compute; per pass, one row. A pass
     starts no earlier than its ``release`` time (serving: the GPU idles until a request
@@ -439,7 +432,7 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, per_expert, nonexp, release, 
     carry = FS[SF_CARRY]
     for p in range(p0, p1):
         if p > 0 and IS[C_EV] == EV_LS:
-            _ls_roll(IS)
+            _ls_roll(IS, K)
         IS[S_PASS] = p
         rel = release[p - p0]
         if rel > now:  # idle until then (as SimPy's timeout adds the delay to its clock)
@@ -457,7 +450,7 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, per_expert, nonexp, release, 
         base = _row_base(p, IS)
         if IS[C_PFACTIVE]:
             for j in range(DI[IS[H_OFF] + base], DI[IS[H_OFF] + base + num_l]):
-                IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_ACCPASS] = p
+                K[_key(j, IS, A)].accpass = p
         for layer in range(num_l):
             delay = carry + ne
             if IS[C_HOST]:  # the host issues the non-expert part; the GPU starts it once issued
@@ -473,15 +466,15 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, per_expert, nonexp, release, 
             lo, hi = DI[IS[H_OFF] + base + layer], DI[IS[H_OFF] + base + layer + 1]
             if lo == hi:
                 continue  # no routing for this (pass, layer): the layer is skipped
-            _advance(now, IS, FS)
+            _advance(now, IS, K, T, FS)
             IS[S_LAYER] = layer
             IS[S_LAYERGEN] += 1
             if M is not None:
                 _fin_init(p, layer, lo, hi, IS, A, M)
             if per_expert is None:
-                end = _layer(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M)
+                end = _layer(p, layer, lo, hi, now, p0, IS, K, T, FS, DI, DF, A, P, M)
             else:
-                end = _per_expert(p, layer, lo, hi, now, p0, IS, FS, DI, DF, A, P, M)
+                end = _per_expert(p, layer, lo, hi, now, p0, IS, K, T, FS, DI, DF, A, P, M)
             if M is not None:
                 _token_mass(p, layer, IS, FS, M)
             carry = end - now
@@ -490,7 +483,7 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, per_expert, nonexp, release, 
             carry = 0.0
         if FS[SF_HOST] < now:  # the host waits for the pass's end
             FS[SF_HOST] = now
-        _advance(now, IS, FS)
+        _advance(now, IS, K, T, FS)
         t_end[p - p0] = now
         stall[p - p0] = FS[SF_STALL]
         m_total[p - p0] = FS[SF_MTOTAL]
@@ -503,18 +496,18 @@ def replay_passes(p0, p1, IS, FS, DI, DF, A, P, M, per_expert, nonexp, release, 
 
 
 @_jit
-def _preload(keys, IS, FS, DI, DF, A):
+def _preload(keys, IS, K, FS, DI, DF, A):
     """Static pinning (the cache's ``preload``): resident before the replay, never evicted."""
     nb = IS[C_NBYTES]
     loaded = 0
     for key in keys:
-        if IS[IS[H_KI] + key * K_NKI + K_STATE] == RESIDENT or IS[S_USED] + nb > FS[CF_CAP]:
+        if K[key].state == RESIDENT or IS[S_USED] + nb > FS[CF_CAP]:
             continue
-        IS[IS[H_KI] + key * K_NKI + K_STATE] = RESIDENT
+        K[key].state = RESIDENT
         IS[S_USED] += nb
-        IS[IS[H_KI] + key * K_NKI + K_STATIC] = 1
-        if not _kept_out(key, IS):
-            _on_insert(key, False, -1, IS, FS, DI, A)
+        K[key].static = 1
+        if not _kept_out(key, IS, K):
+            _on_insert(key, False, -1, IS, K, DI, A)
         loaded += 1
     if IS[S_USED] > IS[S_MAXUSED]:
         IS[S_MAXUSED] = IS[S_USED]
@@ -522,5 +515,5 @@ def _preload(keys, IS, FS, DI, DF, A):
 
 
 @_jit
-def _finish(IS, FS, DI, DF, A):
-    _advance(math.inf, IS, FS)
+def _finish(IS, K, T, FS, DI, DF, A):
+    _advance(math.inf, IS, K, T, FS)

@@ -10,17 +10,11 @@ from moesim.simulator.kernel_state import (
     DEMAND,
     H_DQ,
     H_FREE,
-    H_KI,
     H_PDUR,
     H_PFQ,
     H_PFTMP,
     H_POOL,
     H_RQ,
-    H_TF,
-    H_TI,
-    K_NKI,
-    K_STATE,
-    K_TID,
     RESIDENT,
     S_BYTES,
     S_DQN,
@@ -33,56 +27,43 @@ from moesim.simulator.kernel_state import (
     S_TSEQ,
     SF_BUSY,
     SF_BUSY_UNTIL,
-    T_BYPASS,
-    T_CANCELLED,
-    T_DONE,
-    T_DUR,
-    T_ISSUED,
-    T_KEY,
-    T_NTF,
-    T_NTI,
-    T_PFSLOT,
-    T_PRIO,
-    T_SEQ,
-    T_START,
-    T_STARTED,
     _nbytes,
     _prec,
 )
 
 
 @_jit
-def _submit(key, prio, now, bypass, IS, FS):
+def _submit(key, prio, now, bypass, IS, T, FS):
     """Queue a transfer on the copy engine; returns its slot."""
     if IS[S_FREEN] == 0:
         raise RuntimeError("moesim kernel: transfer slots exhausted")
     IS[S_FREEN] -= 1
     tid = IS[IS[H_FREE] + IS[S_FREEN]]
-    ti, tf = IS[H_TI] + tid * T_NTI, IS[H_TF] + tid * T_NTF
-    IS[ti + T_KEY] = key
-    IS[ti + T_PRIO] = prio
-    IS[ti + T_SEQ] = IS[S_TSEQ]
+    x = T[tid]
+    x.key = key
+    x.prio = prio
+    x.seq = IS[S_TSEQ]
     IS[S_TSEQ] += 1
-    IS[ti + T_STARTED] = 0
-    IS[ti + T_CANCELLED] = 0
-    IS[ti + T_BYPASS] = bypass
-    IS[ti + T_PFSLOT] = -1
+    x.started = 0
+    x.cancelled = 0
+    x.bypass = bypass
+    x.pfslot = -1
     dur = FS[IS[H_PDUR] + _prec(key, IS)]
-    FS[tf + T_ISSUED] = now
-    FS[tf + T_START] = now
-    FS[tf + T_DONE] = now
-    FS[tf + T_DUR] = dur
+    x.issued = now
+    x.start = now
+    x.done = now
+    x.dur = dur
     IS[S_BYTES] += _nbytes(key, IS)
     if prio == DEMAND:
         IS[S_NDEM] += 1
     if IS[C_INSTANT]:
-        IS[ti + T_STARTED] = 1
+        x.started = 1
     elif prio == DEMAND:
         n = IS[S_DQN]
-        prev = FS[IS[H_TF] + (IS[IS[H_DQ] + n - 1]) * T_NTF + T_DONE] if n else FS[SF_BUSY_UNTIL]
+        prev = T[IS[IS[H_DQ] + n - 1]].done if n else FS[SF_BUSY_UNTIL]
         start = prev if prev > now else now
-        FS[tf + T_START] = start
-        FS[tf + T_DONE] = start + dur
+        x.start = start
+        x.done = start + dur
         IS[IS[H_DQ] + n] = tid
         IS[S_DQN] = n + 1
     else:
@@ -99,14 +80,14 @@ def _submit(key, prio, now, bypass, IS, FS):
             for j in range(m):
                 t = IS[keep + j]
                 IS[IS[H_PFQ] + j] = t
-                IS[IS[H_TI] + t * T_NTI + T_PFSLOT] = j
+                T[t].pfslot = j
             IS[S_PFH] = 0
             IS[S_PFN] = m
             if m == size:
                 raise RuntimeError("moesim kernel: prefetch queue full")
         slot = (IS[S_PFH] + IS[S_PFN]) % size
         IS[IS[H_PFQ] + slot] = tid
-        IS[IS[H_TI] + tid * T_NTI + T_PFSLOT] = slot
+        T[tid].pfslot = slot
         IS[S_PFN] += 1
     return tid
 
@@ -118,62 +99,61 @@ def _free(tid, IS):
 
 
 @_jit
-def _project(first, IS, FS):
-    prev = FS[IS[H_TF] + (IS[IS[H_DQ] + first - 1]) * T_NTF + T_DONE] if first else FS[SF_BUSY_UNTIL]
+def _project(first, IS, T, FS):
+    prev = T[IS[IS[H_DQ] + first - 1]].done if first else FS[SF_BUSY_UNTIL]
     for i in range(first, IS[S_DQN]):
         t = IS[IS[H_DQ] + i]
-        issued = FS[IS[H_TF] + t * T_NTF + T_ISSUED]
+        issued = T[t].issued
         start = prev if prev > issued else issued
-        FS[IS[H_TF] + t * T_NTF + T_START] = start
-        prev = start + FS[IS[H_TF] + t * T_NTF + T_DUR]
-        FS[IS[H_TF] + t * T_NTF + T_DONE] = prev
+        T[t].start = start
+        prev = start + T[t].dur
+        T[t].done = prev
 
 
 @_jit
-def _promote(tid, IS, FS):
+def _promote(tid, IS, T, FS):
     """A queued prefetch is needed now: it joins the demand queue by issue order."""
-    if IS[IS[H_TI] + tid * T_NTI + T_STARTED] or IS[IS[H_TI] + tid * T_NTI + T_PRIO] == DEMAND or IS[IS[H_TI] + tid * T_NTI + T_CANCELLED]:
+    if T[tid].started or T[tid].prio == DEMAND or T[tid].cancelled:
         return
-    IS[IS[H_TI] + tid * T_NTI + T_PRIO] = DEMAND
-    IS[IS[H_PFQ] + IS[IS[H_TI] + tid * T_NTI + T_PFSLOT]] = -1
+    T[tid].prio = DEMAND
+    IS[IS[H_PFQ] + T[tid].pfslot] = -1
     n = IS[S_DQN]
     i = n
-    seq = IS[IS[H_TI] + tid * T_NTI + T_SEQ]
-    while i > 0 and IS[IS[H_TI] + (IS[IS[H_DQ] + i - 1]) * T_NTI + T_SEQ] > seq:
+    seq = T[tid].seq
+    while i > 0 and T[IS[IS[H_DQ] + i - 1]].seq > seq:
         IS[IS[H_DQ] + i] = IS[IS[H_DQ] + i - 1]
         i -= 1
     IS[IS[H_DQ] + i] = tid
     IS[S_DQN] = n + 1
-    _project(i, IS, FS)
+    _project(i, IS, T, FS)
 
 
 @_jit
-def _complete(tid, IS):
-    ti = IS[H_TI] + tid * T_NTI
-    if not IS[ti + T_BYPASS]:
-        k = IS[H_KI] + IS[ti + T_KEY] * K_NKI
-        IS[k + K_STATE] = RESIDENT
-        IS[k + K_TID] = -1
+def _complete(tid, IS, K, T):
+    if not T[tid].bypass:
+        key = T[tid].key
+        K[key].state = RESIDENT
+        K[key].tid = -1
     _free(tid, IS)
 
 
 @_jit
-def _advance(now, IS, FS):
+def _advance(now, IS, K, T, FS):
     """Start the transfers whose start time is before ``now``; complete those done by it."""
     size = IS[H_POOL]
-    ti, tf, dq, rq, pfq = IS[H_TI], IS[H_TF], IS[H_DQ], IS[H_RQ], IS[H_PFQ]
+    dq, rq, pfq = IS[H_DQ], IS[H_RQ], IS[H_PFQ]
     prev = FS[SF_BUSY_UNTIL]
     n = IS[S_DQN]
     started = 0
     while started < n:
         t = IS[dq + started]
-        if FS[tf + t * T_NTF + T_START] >= now:
+        if T[t].start >= now:
             break
-        prev = FS[tf + t * T_NTF + T_DONE]
-        IS[ti + t * T_NTI + T_STARTED] = 1
+        prev = T[t].done
+        T[t].started = 1
         IS[rq + (IS[S_RH] + IS[S_RN]) % size] = t
         IS[S_RN] += 1
-        FS[SF_BUSY] += prev - FS[tf + t * T_NTF + T_START]
+        FS[SF_BUSY] += prev - T[t].start
         started += 1
     if started:
         for i in range(started, n):
@@ -186,31 +166,31 @@ def _advance(now, IS, FS):
                 IS[S_PFH] = (IS[S_PFH] + 1) % size
                 IS[S_PFN] -= 1
                 continue
-            issued = FS[tf + t * T_NTF + T_ISSUED]
+            issued = T[t].issued
             start = prev if prev > issued else issued
             if start >= now:
                 break
             IS[S_PFH] = (IS[S_PFH] + 1) % size
             IS[S_PFN] -= 1
-            FS[tf + t * T_NTF + T_START] = start
-            prev = start + FS[tf + t * T_NTF + T_DUR]
-            FS[tf + t * T_NTF + T_DONE] = prev
-            IS[ti + t * T_NTI + T_STARTED] = 1
+            T[t].start = start
+            prev = start + T[t].dur
+            T[t].done = prev
+            T[t].started = 1
             IS[rq + (IS[S_RH] + IS[S_RN]) % size] = t
             IS[S_RN] += 1
             FS[SF_BUSY] += prev - start
     FS[SF_BUSY_UNTIL] = prev
-    while IS[S_RN] and FS[tf + IS[rq + IS[S_RH]] * T_NTF + T_DONE] <= now:
+    while IS[S_RN] and T[IS[rq + IS[S_RH]]].done <= now:
         t = IS[rq + IS[S_RH]]
         IS[S_RH] = (IS[S_RH] + 1) % size
         IS[S_RN] -= 1
-        _complete(t, IS)
+        _complete(t, IS, K, T)
 
 
 @_jit
-def _arrival(tid, seq, now, IS, FS):
+def _arrival(tid, seq, now, T):
     """When a run's expert is on the GPU (``now`` if it was resident or its transfer is done)."""
-    if tid < 0 or IS[IS[H_TI] + tid * T_NTI + T_SEQ] != seq:
+    if tid < 0 or T[tid].seq != seq:
         return now
-    done = FS[IS[H_TF] + tid * T_NTF + T_DONE]
+    done = T[tid].done
     return now if done < now else done

@@ -24,20 +24,12 @@ from moesim.simulator.kernel_state import (
     C_NLEV,
     DEMAND,
     H_FIN,
-    H_KI,
     H_LEVELS,
     H_LRUN,
     H_ROUTED,
     H_RUNS,
     H_SPEC,
-    H_TI,
     INFLIGHT,
-    K_COMPUTED,
-    K_EVICTED,
-    K_NKI,
-    K_PIN,
-    K_STATE,
-    K_TID,
     MISS_DROP,
     MISS_LOWEST_BIT,
     MISS_SPECULATIVE,
@@ -56,10 +48,6 @@ from moesim.simulator.kernel_state import (
     S_LRUNN,
     S_NCOMP,
     S_PASS,
-    T_NTI,
-    T_PRIO,
-    T_SEQ,
-    T_STARTED,
     _here,
     _key,
     _key_at,
@@ -87,7 +75,7 @@ def _fin_replace(e, e2, IS, M):
 
 
 @_jit
-def _substitute(e, IS, M):
+def _substitute(e, IS, K, M):
     """Substitution (the engine's ``Substitute.decide``, SpecMD §3.1.2): among the layer's
     experts that are not routed and are resident or in flight, the one whose router score
     (mean probability over ``e``'s tokens, in float32 as numpy's ``mean``) is nearest to
@@ -97,7 +85,7 @@ def _substitute(e, IS, M):
     best_d = 0.0
     for c in range(IS[C_NE]):
         key = _key_at(IS[S_LAYER], c, IS)
-        if IS[IS[H_ROUTED] + key] == IS[S_LAYERGEN] or IS[IS[H_KI] + key * K_NKI + K_STATE] == ABSENT:
+        if IS[IS[H_ROUTED] + key] == IS[S_LAYERGEN] or K[key].state == ABSENT:
             continue
         d = abs(np.float64(_mean_prob(e, c, IS, M)) - np.float64(score_e))
         if best < 0 or d < best_d:
@@ -126,15 +114,14 @@ def _mean_prob(e, c, IS, M):
 
 
 @_inline
-def _add_run(buf, tid, key, ntok, IS):
+def _add_run(buf, tid, key, ntok, IS, K, T):
     """One computation a lookup leads to: the transfer it waits for (slot and sequence; -1:
     none), its key and its tokens. A key computed for the first time in the layer (the
     engine's ``key_for``) is counted (``S_NCOMP``); with ``buf`` -1 (``layer`` and
     ``on-arrival`` execution) such a computation is appended to the layer's (``H_RUNS``),
     with ``buf`` 0 or 1 (``per-expert``) every computation goes into that lookup buffer."""
-    k = IS[H_KI] + key * K_NKI
-    new = IS[k + K_COMPUTED] != IS[S_LAYERGEN]
-    IS[k + K_COMPUTED] = IS[S_LAYERGEN]
+    new = K[key].computed != IS[S_LAYERGEN]
+    K[key].computed = IS[S_LAYERGEN]
     if buf < 0:
         if not new:
             return
@@ -145,38 +132,36 @@ def _add_run(buf, tid, key, ntok, IS):
         IS[S_LRUNN + buf] = n + 1
     IS[S_NCOMP] += new
     IS[r] = tid
-    IS[r + 1] = IS[IS[H_TI] + tid * T_NTI + T_SEQ] if tid >= 0 else -1
+    IS[r + 1] = T[tid].seq if tid >= 0 else -1
     IS[r + 2] = key
     IS[r + 3] = ntok
 
 
 @_inline
-def _needed_now(k, IS, FS):
-    """The transfer of an in-flight key (its record at ``k``), needed now: a queued prefetch
+def _needed_now(key, IS, K, T, FS):
+    """The transfer of an in-flight key ``key``, needed now: a queued prefetch
     is promoted to demand priority. Returns its slot."""
-    tid = IS[k + K_TID]
-    ti = IS[H_TI] + tid * T_NTI
-    if IS[ti + T_PRIO] != DEMAND and not IS[ti + T_STARTED]:
-        _promote(tid, IS, FS)
+    tid = K[key].tid
+    if T[tid].prio != DEMAND and not T[tid].started:
+        _promote(tid, IS, T, FS)
     return tid
 
 
 @_jit
-def _use_other(e2, ntok, pin_gen, buf, IS, FS, DI, A):
+def _use_other(e2, ntok, pin_gen, buf, IS, K, T, FS, DI, A):
     """A resident or arriving expert ``e2`` computes ``ntok`` tokens of a missed one (the
     engine's ``_use_other``; substitute, speculative): a queued prefetch of it is promoted,
     the eviction policy told when it is first computed in the layer, its key pinned."""
     k2 = _key_at(IS[S_LAYER], e2, IS)
-    k = IS[H_KI] + k2 * K_NKI
-    tid = _needed_now(k, IS, FS) if IS[k + K_STATE] == INFLIGHT else -1
-    if IS[k + K_COMPUTED] != IS[S_LAYERGEN]:
-        _on_access(k2, -1, IS, FS, DI, A)
-    IS[k + K_PIN] = pin_gen
-    _add_run(buf, tid, k2, ntok, IS)
+    tid = _needed_now(k2, IS, K, T, FS) if K[k2].state == INFLIGHT else -1
+    if K[k2].computed != IS[S_LAYERGEN]:
+        _on_access(k2, -1, IS, K, DI, A)
+    K[k2].pin = pin_gen
+    _add_run(buf, tid, k2, ntok, IS, K, T)
 
 
 @_jit
-def _speculate(e, pin_gen, buf, IS, FS, DI, A, M):
+def _speculate(e, pin_gen, buf, IS, K, T, FS, DI, A, M):
     """Speculative execution (the engine's speculate branch,
     ``speculating-experts-prefetch.txt`` §4): each token routed to the missed ``e`` computes,
     in its place, its highest-predicted expert (the previous layer's ``pred_next`` for the
@@ -204,7 +189,7 @@ def _speculate(e, pin_gen, buf, IS, FS, DI, A, M):
             for c in range(IS[C_NE]):
                 if best >= 0 and not pred[src, c] > pred[src, best]:
                     continue
-                if IS[IS[H_KI] + _key_at(IS[S_LAYER], c, IS) * K_NKI + K_STATE] == ABSENT:
+                if K[_key_at(IS[S_LAYER], c, IS)].state == ABSENT:
                     continue
                 dup = False
                 for jj in range(k):
@@ -223,56 +208,55 @@ def _speculate(e, pin_gen, buf, IS, FS, DI, A, M):
                 n_spec += 1
             IS[spec + 2 * s + 1] += 1
     for s in range(n_spec):
-        _use_other(IS[spec + 2 * s], IS[spec + 2 * s + 1], pin_gen, buf, IS, FS, DI, A)
+        _use_other(IS[spec + 2 * s], IS[spec + 2 * s + 1], pin_gen, buf, IS, K, T, FS, DI, A)
 
 
 @_inline
-def _lookup(ai, now, pin_gen, buf, IS, FS, DI, A, M):
+def _lookup(ai, now, pin_gen, buf, IS, K, T, FS, DI, A, M):
     """Look access ``ai`` up (engine's ``LayerLookup.lookup``): the computations it leads to
     go into lookup buffer ``buf`` (:func:`_add_run`): one for a hit, a late prefetch, a
     resident copy at another precision or a fetch; none when the ``drop`` miss policy skips
     the expert (router rank >= its ``rank``); the substitute; each expert the tokens
     speculate on."""
     key = _key(ai, IS, A)
-    k = IS[H_KI] + key * K_NKI
-    state = IS[k + K_STATE]
+    state = K[key].state
     if buf >= 0:
         IS[S_LRUNN + buf] = 0
     ntok = np.int64(A[2][ai])
     if state == RESIDENT:
         IS[R_HITS] += 1
-        _on_access(key, ai, IS, FS, DI, A)
-        _used_prefetch(key, IS)
-        _add_run(buf, -1, key, ntok, IS)
+        _on_access(key, ai, IS, K, DI, A)
+        _used_prefetch(key, IS, K)
+        _add_run(buf, -1, key, ntok, IS, K, T)
         return
     if state == INFLIGHT:
         IS[R_LATE] += 1
-        _on_access(key, ai, IS, FS, DI, A)
-        _used_prefetch(key, IS)
-        _add_run(buf, _needed_now(k, IS, FS), key, ntok, IS)
+        _on_access(key, ai, IS, K, DI, A)
+        _used_prefetch(key, IS, K)
+        _add_run(buf, _needed_now(key, IS, K, T, FS), key, ntok, IS, K, T)
         return
-    if M is not None and IS[C_MULTI] and _alternative(key, A[4][ai], ntok, pin_gen, buf, IS, FS, DI, A):
+    if M is not None and IS[C_MULTI] and _alternative(key, A[4][ai], ntok, pin_gen, buf, IS, K, T, DI, A):
         return
     IS[R_MISSES] += 1
-    if IS[k + K_EVICTED] == IS[S_PASS]:
+    if K[key].evicted == IS[S_PASS]:
         IS[R_COLL] += 1
     if M is not None:  # a miss policy other than ``fetch`` (compiled only for one: ``M`` is None)
-        kq = _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A, M)
+        kq = _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A, M)
     else:
-        kq = -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A) else key
+        kq = -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A) else key
     if kq < 0:
         return
-    tid = _submit(kq, DEMAND, now, 1, IS, FS)
+    tid = _submit(kq, DEMAND, now, 1, IS, T, FS)
     IS[R_UNCACHED] += 1
     IS[R_LOWPREC] += _prec(kq, IS) != IS[C_DPREC]
     if IS[C_INSTANT]:
         _free(tid, IS)
         tid = -1
-    _add_run(buf, tid, kq, ntok, IS)
+    _add_run(buf, tid, kq, ntok, IS, K, T)
 
 
 @_inline
-def _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A, M):
+def _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A, M):
     """A miss of access ``ai`` under a miss policy other than ``fetch`` (the rest of the
     engine's ``LayerLookup.lookup``): drop, substitute, speculate, or fetch (down a precision
     cascade). Returns -1 when the miss is dealt with, else the key to fetch uncached."""
@@ -282,64 +266,64 @@ def _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A, M):
         _fin_replace(np.int64(A[1][ai]), -1, IS, M)
         return -1
     if miss == MISS_SUBSTITUTE:
-        e2 = _substitute(np.int64(A[1][ai]), IS, M)
+        e2 = _substitute(np.int64(A[1][ai]), IS, K, M)
         if e2 >= 0:
             IS[R_SUBST] += 1
             _fin_replace(np.int64(A[1][ai]), e2, IS, M)
-            _use_other(e2, ntok, pin_gen, buf, IS, FS, DI, A)
+            _use_other(e2, ntok, pin_gen, buf, IS, K, T, FS, DI, A)
             return -1
     if miss == MISS_SPECULATIVE and IS[S_LAYER] > 0:  # layer 0 has no prediction: fetch
-        _speculate(np.int64(A[1][ai]), pin_gen, buf, IS, FS, DI, A, M)
+        _speculate(np.int64(A[1][ai]), pin_gen, buf, IS, K, T, FS, DI, A, M)
         return -1
     # fetch (the fetch in the engine's ``LayerLookup.lookup``): at the scenario's precision or down a precision
     # cascade; when no room can be made, an uncached fetch (at the cascade's last precision)
     if IS[C_MULTI]:
-        return _cascade(key, A[4][ai], ai, ntok, now, pin_gen, buf, IS, FS, DI, A)
-    return -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, FS, DI, A) else key
+        return _cascade(key, A[4][ai], ai, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A)
+    return -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A) else key
 
 
 @_inline
-def _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, FS, DI, A):
+def _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A):
     """Fetch ``kq`` (a cache key of the missed expert, ``aq`` its access or -1) when room
     can be made for it: pinned, a demand transfer, an in-flight entry. Returns whether it
     was."""
-    if _room(_nbytes(kq, IS), False, pin_gen, -1, IS, FS, A) == -1:
+    if _room(_nbytes(kq, IS), False, pin_gen, -1, IS, K, FS, A) == -1:
         return False
-    IS[IS[H_KI] + kq * K_NKI + K_PIN] = pin_gen
-    tid = _submit(kq, DEMAND, now, 0, IS, FS)
-    _insert(kq, tid, True, aq, IS, FS, DI, A)
+    K[kq].pin = pin_gen
+    tid = _submit(kq, DEMAND, now, 0, IS, T, FS)
+    _insert(kq, tid, True, aq, IS, K, T, DI, A)
     if IS[C_MULTI]:
         IS[R_LOWPREC] += _prec(kq, IS) != IS[C_DPREC]
-    _add_run(buf, -1 if IS[C_INSTANT] else tid, kq, ntok, IS)
+    _add_run(buf, -1 if IS[C_INSTANT] else tid, kq, ntok, IS, K, T)
     return True
 
 
 @_inline
-def _use_copy(kq, ntok, pin_gen, buf, IS, FS, DI, A):
+def _use_copy(kq, ntok, pin_gen, buf, IS, K, T, DI, A):
     """The missed expert computes from its resident copy ``kq`` at another precision (the
     absent key is never resident): a use, pinned, a low-precision computation."""
-    _on_access(kq, -1, IS, FS, DI, A)  # no access of the layer has this key
-    IS[IS[H_KI] + kq * K_NKI + K_PIN] = pin_gen
+    _on_access(kq, -1, IS, K, DI, A)  # no access of the layer has this key
+    K[kq].pin = pin_gen
     IS[R_LOWPREC] += 1
-    _add_run(buf, -1, kq, ntok, IS)
+    _add_run(buf, -1, kq, ntok, IS, K, T)
 
 
 @_jit
-def _alternative(key, rank, ntok, pin_gen, buf, IS, FS, DI, A):
+def _alternative(key, rank, ntok, pin_gen, buf, IS, K, T, DI, A):
     """A precision cascade's resident copy of the missed ``key`` at another precision (the
     policy's ``alternative``), used as a hit: returns whether there was one."""
     alo, ahi, _, _ = _levels(rank, IS)
     for li in range(alo, ahi):
         kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
-        if IS[IS[H_KI] + kq * K_NKI + K_STATE] == RESIDENT:
+        if K[kq].state == RESIDENT:
             IS[R_HITS] += 1
-            _use_copy(kq, ntok, pin_gen, buf, IS, FS, DI, A)
+            _use_copy(kq, ntok, pin_gen, buf, IS, K, T, DI, A)
             return True
     return False
 
 
 @_jit
-def _cascade(key, rank, ai, ntok, now, pin_gen, buf, IS, FS, DI, A):
+def _cascade(key, rank, ai, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A):
     """A precision cascade's fetch of the missed ``key`` (the fetch in the engine's ``LayerLookup.lookup`` with
     several precisions): the first of its precisions that is resident is used, or fetched
     when room can be made for it. Returns -1, or the key of the last precision when none
@@ -347,11 +331,11 @@ def _cascade(key, rank, ai, ntok, now, pin_gen, buf, IS, FS, DI, A):
     _, _, flo, fhi = _levels(rank, IS)
     for li in range(flo, fhi):
         kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
-        if IS[IS[H_KI] + kq * K_NKI + K_STATE] == RESIDENT:
-            _use_copy(kq, ntok, pin_gen, buf, IS, FS, DI, A)
+        if K[kq].state == RESIDENT:
+            _use_copy(kq, ntok, pin_gen, buf, IS, K, T, DI, A)
             return -1
         aq = ai if kq == key else -1  # the policies find no access of another precision's key
-        if _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, FS, DI, A):
+        if _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A):
             return -1
     return key - IS[C_DPREC] + IS[IS[H_LEVELS] + fhi - 1]
 

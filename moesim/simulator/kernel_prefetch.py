@@ -18,7 +18,6 @@ from moesim.simulator.kernel_state import (
     DEMAND,
     EV_LS,
     H_GROUP,
-    H_KI,
     H_LADM,
     H_LGEN,
     H_LMARK,
@@ -27,16 +26,7 @@ from moesim.simulator.kernel_state import (
     H_PENDA,
     H_PENDMAX,
     H_PFQ,
-    H_TI,
     H_WQ,
-    K_ACCPASS,
-    K_ADM,
-    K_MARK,
-    K_NKI,
-    K_QUEUED,
-    K_STATE,
-    K_TID,
-    K_UNUSED,
     PF_ARRAY,
     PF_LOOKAHEAD,
     PF_ORACLE,
@@ -54,12 +44,6 @@ from moesim.simulator.kernel_state import (
     S_USED,
     S_WH,
     S_WN,
-    T_CANCELLED,
-    T_NTI,
-    T_PFSLOT,
-    T_PRIO,
-    T_SEQ,
-    T_STARTED,
     _key,
     _nbytes,
     _row_base,
@@ -67,40 +51,40 @@ from moesim.simulator.kernel_state import (
 
 
 @_jit
-def _admit(now, pin_gen, IS, FS, DI, A):
+def _admit(now, pin_gen, IS, K, T, FS, DI, A):
     """One admission round (``PrefetchQueue.admit``)."""
     size = IS[H_NKEYS]
     while IS[S_WN]:
         key = IS[IS[H_WQ] + IS[S_WH]]  # absent (PrefetchQueue.admit)
         target = key // IS[C_DIV]
-        if _room(_nbytes(key, IS), True, pin_gen, target, IS, FS, A) == -1:
+        if _room(_nbytes(key, IS), True, pin_gen, target, IS, K, FS, A) == -1:
             return
         IS[S_WH] = (IS[S_WH] + 1) % size
         IS[S_WN] -= 1
-        IS[IS[H_KI] + key * K_NKI + K_QUEUED] = 0
-        tid = _submit(key, PREFETCH, now, 0, IS, FS)
-        _insert(key, tid, False, -1, IS, FS, DI, A)
+        K[key].queued = 0
+        tid = _submit(key, PREFETCH, now, 0, IS, T, FS)
+        _insert(key, tid, False, -1, IS, K, T, DI, A)
         if not IS[C_INSTANT]:
             n = IS[S_PENDN]
             if n == IS[H_PENDMAX]:
-                n = _compact_pending(IS)
+                n = _compact_pending(IS, T)
             IS[IS[H_PENDA] + n * 3 + 0] = tid
-            IS[IS[H_PENDA] + n * 3 + 1] = IS[IS[H_TI] + tid * T_NTI + T_SEQ]
+            IS[IS[H_PENDA] + n * 3 + 1] = T[tid].seq
             IS[IS[H_PENDA] + n * 3 + 2] = key
             IS[S_PENDN] = n + 1
-        IS[IS[H_KI] + key * K_NKI + K_ADM] = IS[IS[H_LGEN] + target]
+        K[key].adm = IS[IS[H_LGEN] + target]
         IS[IS[H_LADM] + target] = 1
-        IS[IS[H_KI] + key * K_NKI + K_UNUSED] = 1
+        K[key].unused = 1
         IS[R_PFISSUED] += 1
 
 
 @_jit
-def _compact_pending(IS):
+def _compact_pending(IS, T):
     """Drop the pending entries whose transfer has started (a withdrawal skips them)."""
     keep = 0
     for j in range(IS[S_PENDN]):
         tid, seq = IS[IS[H_PENDA] + j * 3 + 0], IS[IS[H_PENDA] + j * 3 + 1]
-        if IS[IS[H_TI] + tid * T_NTI + T_SEQ] != seq or IS[IS[H_TI] + tid * T_NTI + T_STARTED] or IS[IS[H_TI] + tid * T_NTI + T_CANCELLED]:
+        if T[tid].seq != seq or T[tid].started or T[tid].cancelled:
             continue
         IS[IS[H_PENDA] + keep * 3 + 0] = tid
         IS[IS[H_PENDA] + keep * 3 + 1] = seq
@@ -113,7 +97,7 @@ def _compact_pending(IS):
 
 
 @_jit
-def _withdraw(layer, lo, hi, IS, A):
+def _withdraw(layer, lo, hi, IS, K, T, A):
     """At ``layer``'s routing point (``PrefetchQueue.withdraw``): proposals for it or earlier still
     waiting are withdrawn, its admissions stop being pinned, and its queued prefetches the
     layer does not need are withdrawn with their room."""
@@ -129,7 +113,7 @@ def _withdraw(layer, lo, hi, IS, A):
                 IS[IS[H_WQ] + (h + m) % size] = key
                 m += 1
             else:
-                IS[IS[H_KI] + key * K_NKI + K_QUEUED] = 0
+                K[key].queued = 0
         IS[S_WN] = m
     for t in range(layer + 1):
         if IS[IS[H_LADM] + t]:
@@ -141,7 +125,7 @@ def _withdraw(layer, lo, hi, IS, A):
     IS[S_MARKGEN] += 1
     gen = IS[S_MARKGEN]
     for j in range(lo, hi):
-        IS[IS[H_KI] + _key(j, IS, A) * K_NKI + K_MARK] = gen
+        K[_key(j, IS, A)].mark = gen
     keep = 0
     for j in range(n):
         tid, seq, key = IS[IS[H_PENDA] + j * 3 + 0], IS[IS[H_PENDA] + j * 3 + 1], IS[IS[H_PENDA] + j * 3 + 2]
@@ -151,54 +135,54 @@ def _withdraw(layer, lo, hi, IS, A):
             IS[IS[H_PENDA] + keep * 3 + 2] = key
             keep += 1
             continue
-        if (IS[IS[H_TI] + tid * T_NTI + T_SEQ] != seq or IS[IS[H_TI] + tid * T_NTI + T_PRIO] == DEMAND or IS[IS[H_KI] + key * K_NKI + K_MARK] == gen
-                or IS[IS[H_TI] + tid * T_NTI + T_STARTED] or IS[IS[H_TI] + tid * T_NTI + T_CANCELLED]):
+        if (T[tid].seq != seq or T[tid].prio == DEMAND or K[key].mark == gen
+                or T[tid].started or T[tid].cancelled):
             continue
         # withdrawn: no bytes move, its room is given back
-        IS[IS[H_TI] + tid * T_NTI + T_CANCELLED] = 1
-        IS[IS[H_PFQ] + IS[IS[H_TI] + tid * T_NTI + T_PFSLOT]] = -1
+        T[tid].cancelled = 1
+        IS[IS[H_PFQ] + T[tid].pfslot] = -1
         IS[S_BYTES] -= _nbytes(key, IS)
-        IS[IS[H_KI] + key * K_NKI + K_STATE] = ABSENT
-        IS[IS[H_KI] + key * K_NKI + K_TID] = -1
+        K[key].state = ABSENT
+        K[key].tid = -1
         IS[S_USED] -= _nbytes(key, IS)
-        _on_remove(key, IS, A)
-        IS[IS[H_KI] + key * K_NKI + K_UNUSED] = 0
+        _on_remove(key, IS, K, A)
+        K[key].unused = 0
         IS[R_PFCANCEL] += 1
         _free(tid, IS)
     IS[S_PENDN] = keep
 
 
 @_jit
-def _propose_key(key, p, IS, FS, DI, A):
+def _propose_key(key, p, IS, K, DI, A):
     """One proposal (``PrefetchQueue.propose``): counted against what its target layer needs,
     selected when cached, else queued."""
     gen = IS[S_MARKGEN]
-    if IS[IS[H_KI] + key * K_NKI + K_MARK] == gen:
+    if K[key].mark == gen:
         return  # a repeat
-    IS[IS[H_KI] + key * K_NKI + K_MARK] = gen
+    K[key].mark = gen
     div = IS[C_DIV]
     target = key // div
     if target <= IS[S_LAYER] or target >= IS[C_L]:
         return  # not a later layer
     IS[R_PRED] += 1
-    if IS[IS[H_KI] + key * K_NKI + K_ACCPASS] == p:
+    if K[key].accpass == p:
         IS[R_PREDHITS] += 1
     if IS[IS[H_LMARK] + target] != gen:
         IS[IS[H_LMARK] + target] = gen
         b = _row_base(p, IS) + target
         IS[R_ACTUAL] += DI[IS[H_OFF] + b + 1] - DI[IS[H_OFF] + b]
-    if IS[IS[H_KI] + key * K_NKI + K_STATE] != ABSENT:
+    if K[key].state != ABSENT:
         if IS[C_EV] == EV_LS:  # a selection is a use for least-stale only
-            _on_access(key, -1, IS, FS, DI, A)
-    elif not IS[IS[H_KI] + key * K_NKI + K_QUEUED]:
-        IS[IS[H_KI] + key * K_NKI + K_QUEUED] = 1
+            _on_access(key, -1, IS, K, DI, A)
+    elif not K[key].queued:
+        K[key].queued = 1
         size = IS[H_NKEYS]
         IS[IS[H_WQ] + (IS[S_WH] + IS[S_WN]) % size] = key
         IS[S_WN] += 1
 
 
 @_jit
-def _propose(p, layer, p0, now, pin_gen, IS, FS, DI, A, P):
+def _propose(p, layer, p0, now, pin_gen, IS, K, T, FS, DI, A, P):
     """The prefetcher's proposals at ``layer``'s routing point, then one admission round."""
     num_l = IS[C_L]
     kind = IS[C_PF]
@@ -207,7 +191,7 @@ def _propose(p, layer, p0, now, pin_gen, IS, FS, DI, A, P):
         poff, pkeys = P
         g = (p - p0) * num_l + layer
         for j in range(poff[g], poff[g + 1]):
-            _propose_key(pkeys[j], p, IS, FS, DI, A)
+            _propose_key(pkeys[j], p, IS, K, DI, A)
     else:
         src = p - IS[S_PBASE]  # the pass's index in DI (a piece of the trace starts with a group)
         if kind != PF_ORACLE:
@@ -219,6 +203,6 @@ def _propose(p, layer, p0, now, pin_gen, IS, FS, DI, A, P):
             for t in range(layer + 1, last):
                 b = src * num_l + t
                 for j in range(DI[IS[H_OFF] + b], DI[IS[H_OFF] + b + 1]):
-                    _propose_key(_key(j, IS, A), p, IS, FS, DI, A)
+                    _propose_key(_key(j, IS, A), p, IS, K, DI, A)
     if IS[S_WN]:
-        _admit(now, pin_gen, IS, FS, DI, A)
+        _admit(now, pin_gen, IS, K, T, FS, DI, A)

@@ -1,22 +1,22 @@
-"""The replay kernel's state (:mod:`simulator.kernel`): its layout in two flat arrays, the
-accessors of the workload's arrays, and the list and generation primitives every part uses.
+"""The replay kernel's state (:mod:`simulator.kernel`): its layout, the accessors of the
+workload's arrays, and the list and generation primitives every part uses.
 
-State lives in two arrays, so that the kernel's functions pass little between them: ``IS``
+State lives in four arrays, so that the kernel's functions pass little between them: ``IS``
 (int64: scalars ``S_*``, configuration ``C_*``, the pass's counts ``R_*``, region offsets
-``H_*``, then the regions) and ``FS`` (float64: scalars, configuration, then regions).
-Addressing: field ``K_X`` of cache key ``k`` is ``IS[IS[H_KI] + k * K_NKI + K_X]`` (its float
-fields ``FS[IS[H_KF] + k * F_NKF + F_X]``); field ``T_X`` of transfer slot ``t`` is
-``IS[IS[H_TI] + t * T_NTI + T_X]`` (its times ``FS[IS[H_TF] + t * T_NTF + T_X]``); element
-``i`` of a queue or list ``Q`` is ``IS[IS[H_Q] + i]``. Queues: the demand queue ``DQ`` in
-service order, the prefetch queue ``PFQ`` as a ring whose withdrawn or promoted entries are
--1, the running ring ``RQ``, the waiting proposals ``WQ``, the pending prefetches ``PENDA``.
-Transfer slots are reused; a slot kept past a layer is checked against its transfer's
-sequence number. Sets the SimPy path rebuilds (pins, pending experts, keys evicted in this
-pass) are generation marks. Read-only data: ``DI`` (offsets of each (pass, layer)'s accesses,
-pass groups, Belady's access positions), ``DF`` (expert seconds by token count, per-pass
-factor), ``A`` (the workload's own per-access arrays) and ``P`` (proposal arrays); a trace
-read in pieces has the read-only arrays hold one piece (``S_PBASE``: the piece's first pass,
-where its (pass, layer) entries start).
+``H_*``, then the regions: queues, lists, scratch), ``FS`` (float64: scalars, configuration,
+then regions), and two record arrays with named fields: ``K``, one record per cache key
+(:data:`KEY`: ``K[key].state``, ``.tid``, ``.prev``/``.next`` in a list, ``.nextuse`` ...) and
+``T``, one per transfer slot (:data:`TRANSFER`: ``T[t].key``, ``.seq``, ``.start``, ``.done``
+...). Element ``i`` of a queue or list ``Q`` is ``IS[IS[H_Q] + i]``. Queues: the demand queue
+``DQ`` in service order, the prefetch queue ``PFQ`` as a ring whose withdrawn or promoted
+entries are -1, the running ring ``RQ``, the waiting proposals ``WQ``, the pending prefetches
+``PENDA``. Transfer slots are reused; a slot kept past a layer is checked against its
+transfer's sequence number. Sets the SimPy path rebuilds (pins, pending experts, keys evicted
+in this pass) are generation marks. Read-only data: ``DI`` (offsets of each (pass, layer)'s
+accesses, pass groups, Belady's access positions), ``DF`` (expert seconds by token count,
+per-pass factor), ``A`` (the workload's own per-access arrays) and ``P`` (proposal arrays); a
+trace read in pieces has the read-only arrays hold one piece (``S_PBASE``: the piece's first
+pass, where its (pass, layer) entries start).
 """
 
 from __future__ import annotations
@@ -37,13 +37,23 @@ MODE_LAYER, MODE_ARRIVAL, MODE_PER_EXPERT = range(3)
 ABSENT, INFLIGHT, RESIDENT = 0, 1, 2
 DEMAND, PREFETCH = 0, 1
 
-# per-key integer fields (KI)
-(K_STATE, K_COMPUTED, K_TID, K_PIN, K_STATIC, K_STAMP, K_CURPASS, K_PREV, K_NEXT, K_MEMB,
- K_PEND, K_EVICTED, K_UNUSED, K_ADM, K_QUEUED, K_MARK, K_ACCPASS, K_NKI) = range(18)
-# per-key float fields (KF)
-F_NEXTUSE, F_PRIO, F_NKF = range(3)
+# A cache key's record (``K[key]``): its state (ABSENT, INFLIGHT, RESIDENT), the layer
+# generation it was last computed in, its transfer slot, its pin generation, whether it is
+# statically pinned, its stamp, the pass least-stale last touched it in, its neighbours in its
+# policy's list, its place among the members a victim search scans, its pending generation, the
+# pass it was evicted in, whether it is an unused prefetch, its admission generation, whether a
+# proposal of it waits, its proposal mark, the pass that last routed it; Belady's next use and a
+# hook policy's kept priority.
+KEY = np.dtype([(name, np.int64) for name in (
+    "state", "computed", "tid", "pin", "static", "stamp", "curpass", "prev", "next", "memb", "pend",
+    "evicted", "unused", "adm", "queued", "mark", "accpass")] + [("nextuse", np.float64), ("prio", np.float64)])
+# A transfer slot's record (``T[t]``): its key, priority (DEMAND, PREFETCH), sequence number,
+# whether it started or was withdrawn, whether it bypasses the cache, its place in the prefetch
+# ring; when it was issued, starts, is done, and its duration.
+TRANSFER = np.dtype([(name, np.int64) for name in ("key", "prio", "seq", "started", "cancelled", "bypass", "pfslot")]
+                    + [(name, np.float64) for name in ("issued", "start", "done", "dur")])
 # The integer state IS: scalars (S_*), configuration (C_*), the pass's row (R_*), region
-# offsets (H_*), then the regions (per-key fields, transfer slots, queues, scratch).
+# offsets (H_*), then the regions (queues, lists, scratch).
 (S_SEQ, S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_HEAD, S_TAIL, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
  S_FREEN, S_WH, S_WN, S_PENDN, S_MEMBN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
  S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE, S_ABASE,
@@ -52,17 +62,14 @@ F_NEXTUSE, F_PRIO, F_NKF = range(3)
  C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC, C_STABLE,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
- H_KI, H_TI, H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
- H_KF, H_TF, H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_KNEXT, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
+ H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
+ H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_KNEXT, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
  H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, I_HEADER) = range(112)
+ H_PDUR, I_HEADER) = range(108)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
-# The float state FS: scalars, configuration, then per-key fields, transfer times, scratch.
+# The float state FS: scalars, configuration, then scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, SF_HOST, CF_CAP,
  CF_HLAYER, CF_HLAUNCH, CF_HCOPY, F_HEADER) = range(13)
-# transfer slots
-T_KEY, T_PRIO, T_SEQ, T_STARTED, T_CANCELLED, T_BYPASS, T_PFSLOT, T_NTI = range(8)
-T_ISSUED, T_START, T_DONE, T_DUR, T_NTF = range(5)
 # per-pass columns, in engine order
 COLUMNS = ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches", "bytes",
            "prefetches_issued", "prefetches_used", "prefetch_predicted_hits", "prefetch_predicted",
@@ -133,37 +140,35 @@ def _set_clock(IS, A):
 
 
 @_inline
-def _list_append(key, head, IS):
+def _list_append(key, head, IS, K):
     """Append ``key`` to the list whose head and tail are ``IS[head]``, ``IS[head + 1]``."""
-    ki = IS[H_KI]
     tail = IS[head + 1]
-    IS[ki + key * K_NKI + K_PREV] = tail
-    IS[ki + key * K_NKI + K_NEXT] = -1
+    K[key].prev = tail
+    K[key].next = -1
     if tail == -1:
         IS[head] = key
     else:
-        IS[ki + tail * K_NKI + K_NEXT] = key
+        K[tail].next = key
     IS[head + 1] = key
 
 
 @_inline
-def _list_unlink(key, head, IS):
-    ki = IS[H_KI]
-    prv, nxt = IS[ki + key * K_NKI + K_PREV], IS[ki + key * K_NKI + K_NEXT]
+def _list_unlink(key, head, IS, K):
+    prv, nxt = K[key].prev, K[key].next
     if prv == -1:
         IS[head] = nxt
     else:
-        IS[ki + prv * K_NKI + K_NEXT] = nxt
+        K[prv].next = nxt
     if nxt == -1:
         IS[head + 1] = prv
     else:
-        IS[ki + nxt * K_NKI + K_PREV] = prv
+        K[nxt].prev = prv
 
 
 @_jit
-def _stamp(key, IS):
+def _stamp(key, IS, K):
     IS[S_SEQ] += 1
-    IS[IS[H_KI] + key * K_NKI + K_STAMP] = IS[S_SEQ]
+    K[key].stamp = IS[S_SEQ]
 
 
 @_jit
@@ -173,16 +178,17 @@ def _new_gen(IS, which):
 
 
 def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, fin: int = 1,
-            lrun: int = 1, nprec: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """The state arrays, initialised: regions after the headers, their offsets in ``IS``.
+            lrun: int = 1, nprec: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The state arrays ``IS``, ``FS``, ``K``, ``T``, initialised: regions after the headers,
+    their offsets in ``IS``.
     Every precision (``nprec``) is one byte and takes one second to copy until set
     (``H_PBYTES``, ``H_PDUR``); the only precision level is the default, 0."""
-    i_sizes = ((H_KI, num_keys * K_NKI), (H_TI, pool * T_NTI), (H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
+    i_sizes = ((H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
                (H_FREE, pool), (H_WQ, num_keys), (H_PENDA, pend_max * 3), (H_MEMB, num_keys),
                (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys), (H_RUNS, 4 * max(1, maxn)),
                (H_LRUN, 2 * 4 * lrun), (H_SPEC, 2 * lrun), (H_ROUTED, num_keys), (H_LSQ, 4 * num_keys),
                (H_PFTMP, pool), (H_FIN, fin), (H_LEVELS, nprec), (H_PBYTES, nprec), (H_VICT, 2 * num_keys))
-    f_sizes = ((H_KF, num_keys * F_NKF), (H_TF, pool * T_NTF), (H_SCR, 2 * max(1, maxn)), (H_MSCR, 2 * top_k),
+    f_sizes = ((H_SCR, 2 * max(1, maxn)), (H_MSCR, 2 * top_k),
                (H_PDUR, nprec))
     n_i, n_f = I_HEADER, F_HEADER
     offsets = {}
@@ -199,9 +205,10 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
     IS[C_LRUNCAP] = lrun
     IS[S_PINGEN] = IS[S_PENDGEN] = IS[S_MARKGEN] = 1
     IS[S_FREEN] = pool
-    ki = IS[IS[H_KI]:IS[H_KI] + num_keys * K_NKI].reshape(num_keys, K_NKI)
-    for col in (K_TID, K_CURPASS, K_PREV, K_NEXT, K_MEMB, K_EVICTED, K_ACCPASS):
-        ki[:, col] = -1
+    K = np.zeros(num_keys, KEY).view(np.recarray)
+    for name in ("tid", "curpass", "prev", "next", "memb", "evicted", "accpass"):
+        K[name] = -1
+    T = np.zeros(pool, TRANSFER).view(np.recarray)
     IS[IS[H_FREE]:IS[H_FREE] + pool] = np.arange(pool - 1, -1, -1)
     IS[IS[H_LGEN]:IS[H_LGEN] + num_keys] = 1
     IS[IS[H_LSQ]:IS[H_LSQ] + 4 * num_keys] = -1
@@ -210,4 +217,4 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
     IS[C_NBYTES] = 1
     IS[IS[H_PBYTES]:IS[H_PBYTES] + nprec] = 1
     FS[IS[H_PDUR]:IS[H_PDUR] + nprec] = 1.0
-    return IS, FS
+    return IS, FS, K, T
