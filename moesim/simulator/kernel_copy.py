@@ -39,31 +39,31 @@ def _submit(key, prio, now, bypass, IS, T, FS):
         raise RuntimeError("moesim kernel: transfer slots exhausted")
     IS[S_FREEN] -= 1
     tid = IS[IS[H_FREE] + IS[S_FREEN]]
-    x = T[tid]
-    x.key = key
-    x.prio = prio
-    x.seq = IS[S_TSEQ]
+    xfer = T[tid]
+    xfer.key = key
+    xfer.prio = prio
+    xfer.seq = IS[S_TSEQ]
     IS[S_TSEQ] += 1
-    x.started = 0
-    x.cancelled = 0
-    x.bypass = bypass
-    x.pfslot = -1
+    xfer.started = 0
+    xfer.cancelled = 0
+    xfer.bypass = bypass
+    xfer.pfslot = -1
     dur = FS[IS[H_PDUR] + _prec(key, IS)]
-    x.issued = now
-    x.start = now
-    x.done = now
-    x.dur = dur
+    xfer.issued = now
+    xfer.start = now
+    xfer.done = now
+    xfer.dur = dur
     IS[S_BYTES] += _nbytes(key, IS)
     if prio == DEMAND:
         IS[S_NDEM] += 1
     if IS[C_INSTANT]:
-        x.started = 1
+        xfer.started = 1
     elif prio == DEMAND:
         n = IS[S_DQN]
         prev = T[IS[IS[H_DQ] + n - 1]].done if n else FS[SF_BUSY_UNTIL]
         start = prev if prev > now else now
-        x.start = start
-        x.done = start + dur
+        xfer.start = start
+        xfer.done = start + dur
         IS[IS[H_DQ] + n] = tid
         IS[S_DQN] = n + 1
     else:
