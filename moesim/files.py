@@ -77,11 +77,16 @@ def read_yaml(path: str | Path, what: str, missing: str) -> Any:
 def tree_digest(root: Path, suffixes: tuple[str, ...]) -> str:
     """SHA-256 of the relative names and the bytes of every file under ``root`` whose suffix is
     one of ``suffixes``, in name order (``__pycache__`` left out): it changes when such a file
-    is added, removed, renamed or edited, and only then."""
+    is added, removed, renamed or edited, and only then. The walk does not enter ``__pycache__``
+    folders, where numba's cache files pile up (3,230 of them beside moesim's 69 sources after a
+    few weeks: 40-48 ms a digest when they were listed and sorted)."""
+    files = []
+    for folder, subdirs, names in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d != "__pycache__"]
+        files += [Path(folder, n) for n in names if Path(n).suffix in suffixes]
     h = hashlib.sha256()
-    for f in sorted(root.rglob("*")):
-        rel = f.relative_to(root)
-        if f.suffix in suffixes and "__pycache__" not in rel.parts and f.is_file():
-            h.update(rel.as_posix().encode() + b"\0")
+    for f in sorted(files):  # Path order: by each part of the name
+        if f.is_file():
+            h.update(f.relative_to(root).as_posix().encode() + b"\0")
             h.update(f.read_bytes() + b"\0")
     return h.hexdigest()

@@ -99,3 +99,21 @@ def test_the_package_digest_covers_every_source_file_of_the_top_level_package(tm
     assert digest() == first
     (sub / "mod.py").rename(sub / "other.py")
     assert digest() != first
+
+
+def test_the_tree_digest_is_of_the_names_and_bytes_in_name_order(tmp_path):
+    """``files.tree_digest`` against the digest written out from its contract: SHA-256 over each
+    wanted file's relative name and bytes (each followed by a zero byte), in name order part by
+    part ("a/y.py" before "a-b/c.py"), whatever order the files were made or listed in."""
+    import hashlib
+
+    from moesim.files import tree_digest
+
+    made = {"b.py": "B", "a/z.py": "Z", "a-b/c.py": "C", "a/y.py": "Y", "a/notes.txt": "N"}
+    for name, text in made.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    want = hashlib.sha256()
+    for name in ("a/y.py", "a/z.py", "a-b/c.py", "b.py"):
+        want.update(name.encode() + b"\0" + made[name].encode() + b"\0")
+    assert tree_digest(tmp_path, (".py",)) == want.hexdigest()
