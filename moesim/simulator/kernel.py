@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import warnings
 from collections.abc import Generator, Iterator
@@ -65,7 +66,8 @@ from typing import Any
 import numpy as np
 
 from moesim.jit import HAVE_NUMBA, forget_tuples
-from moesim.simulator.kernel_compute import _finish, _preload, replay_passes
+from moesim.simulator.kernel_compute import _preload, replay_passes
+from moesim.simulator.kernel_copy import _advance
 from moesim.simulator.kernel_state import (
     C_BLOCKING,
     C_DEPTH,
@@ -661,7 +663,7 @@ def _replay(sim: Any) -> None:
         sim.bind_piece(wl)
         DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks,
                                       None if firsts is None else _belady_piece(sim, wl, firsts, afters, n_pieces))
-    _finish(IS, K, T, FS, DI, DF, A)
+    _advance(math.inf, IS, K, T, FS)  # the transfers still queued or running complete
     if sim.stream_source is not None:
         sim.check_source()  # the file the pieces came from is the one the first passes read
     sim.copy.busy_time = float(FS[SF_BUSY])

@@ -5,8 +5,6 @@ compiled loop over forward passes that :func:`simulator.kernel.replay` calls."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from moesim.jit import inline as _inline
@@ -513,7 +511,3 @@ def _preload(keys, IS, K, FS, DI, DF, A):
         IS[S_MAXUSED] = IS[S_USED]
     return loaded
 
-
-@_jit
-def _finish(IS, K, T, FS, DI, DF, A):
-    _advance(math.inf, IS, K, T, FS)
