@@ -1,0 +1,68 @@
+"""Which thread bounds a replay of a trace file read in pieces (issue 34; not part of the test run).
+
+Runs ``moesim`` with its arguments (e.g. ``run quickstart --trace FILE --json --no-write -q``)
+after wrapping :func:`moesim.simulator.stream.read_ahead`, and prints to stderr, as the process
+ends: ``read`` (seconds the reading thread spent reading and building pieces), ``prep`` (making
+each piece's prefetch proposals there), ``wait`` (seconds the replay's thread waited for a
+piece), ``pieces``, and ``total`` (the process from this script's start). A ``wait`` near zero
+says the kernel's thread is the slower one; a large one, the reading thread.
+
+Usage: ``python tools/read_wait.py run quickstart --trace FILE --set KEY=VALUE ... --json
+--no-write -q``."""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import time
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
+
+import moesim.simulator.stream as stream
+
+TIMES = {"read": 0.0, "prep": 0.0, "wait": 0.0, "pieces": 0}
+START = time.perf_counter()
+_read_ahead = stream.read_ahead
+
+
+def _timed(pieces: Iterator[Any], prepare: Callable[[Any], None] | None = None) -> Generator[Any, float, None]:
+    """``read_ahead`` itself, with its source, its ``prepare`` and its consumer's waits timed."""
+
+    def read() -> Iterator[Any]:
+        while True:
+            t0 = time.perf_counter()
+            wl = next(pieces, None)
+            TIMES["read"] += time.perf_counter() - t0
+            if wl is None:
+                return
+            yield wl
+
+    def prep(wl: Any) -> None:
+        t0 = time.perf_counter()
+        assert prepare is not None
+        prepare(wl)
+        TIMES["prep"] += time.perf_counter() - t0
+
+    ahead = _read_ahead(read(), prep if prepare is not None else None)
+    while True:
+        t0 = time.perf_counter()
+        wl = next(ahead, None)
+        TIMES["wait"] += time.perf_counter() - t0
+        if wl is None:
+            return
+        TIMES["pieces"] += 1
+        yield wl
+
+
+def _report() -> None:
+    shown = {k: round(v, 2) for k, v in TIMES.items()}
+    print(f"{shown} total {time.perf_counter() - START:.2f}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    stream.read_ahead = _timed
+    atexit.register(_report)
+    from moesim.cli import main
+
+    sys.argv = ["moesim", *sys.argv[1:]]
+    main()
