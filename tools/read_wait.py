@@ -25,17 +25,19 @@ START = time.perf_counter()
 _read_ahead = stream.read_ahead
 
 
+def _each_timed(items: Iterator[Any], key: str) -> Iterator[Any]:
+    """``items``, the seconds spent waiting for each added to ``TIMES[key]``."""
+    while True:
+        t0 = time.perf_counter()
+        item = next(items, None)
+        TIMES[key] += time.perf_counter() - t0
+        if item is None:
+            return
+        yield item
+
+
 def _timed(pieces: Iterator[Any], prepare: Callable[[Any], None] | None = None) -> Generator[Any, float, None]:
     """``read_ahead`` itself, with its source, its ``prepare`` and its consumer's waits timed."""
-
-    def read() -> Iterator[Any]:
-        while True:
-            t0 = time.perf_counter()
-            wl = next(pieces, None)
-            TIMES["read"] += time.perf_counter() - t0
-            if wl is None:
-                return
-            yield wl
 
     def prep(wl: Any) -> None:
         t0 = time.perf_counter()
@@ -43,13 +45,7 @@ def _timed(pieces: Iterator[Any], prepare: Callable[[Any], None] | None = None) 
         prepare(wl)
         TIMES["prep"] += time.perf_counter() - t0
 
-    ahead = _read_ahead(read(), prep if prepare is not None else None)
-    while True:
-        t0 = time.perf_counter()
-        wl = next(ahead, None)
-        TIMES["wait"] += time.perf_counter() - t0
-        if wl is None:
-            return
+    for wl in _each_timed(_read_ahead(_each_timed(pieces, "read"), prep if prepare is not None else None), "wait"):
         TIMES["pieces"] += 1
         yield wl
 
