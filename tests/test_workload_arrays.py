@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moesim.simulator.workload import build_workload
+from moesim.simulator.workload import _ids_and_index, build_workload
 from moesim.traces.trace import Trace
 from tests.helpers import small_model, trace_from_array
 
@@ -99,3 +99,75 @@ def test_accesses_equal_the_definition_on_shuffled_rows(layers, experts, k, requ
                         float(wl.acc_weight[i])))
             assert wl.acc_layer[i] == b % n_l
     assert got == want
+
+
+def pass_reference(trace: Trace, batch: int) -> tuple[list[int], list[int], list[int], dict[tuple[int, int], list[int]]]:
+    """By the definition: per pass its requests (distinct) and tokens (distinct (request,
+    position)), per request (ids in order) its first pass, and per (pass, layer) its rows in
+    execution order (by request then position)."""
+    req_ids = sorted(set(trace.request.tolist()))
+    group_of = {r: i // batch for i, r in enumerate(req_ids)}
+    rows = sorted(range(len(trace.request)), key=lambda i: (
+        group_of[int(trace.request[i])], int(trace.step[i]), int(trace.layer[i]), int(trace.request[i]),
+        int(trace.position[i])))
+    passes: dict[tuple[int, int], int] = {}
+    requests: dict[int, set] = {}
+    tokens: dict[int, set] = {}
+    first: dict[int, int] = {}
+    by_layer: dict[tuple[int, int], list[int]] = {}
+    for i in rows:
+        r = int(trace.request[i])
+        p = passes.setdefault((group_of[r], int(trace.step[i])), len(passes))
+        requests.setdefault(p, set()).add(r)
+        tokens.setdefault(p, set()).add((r, int(trace.position[i])))
+        first[r] = min(first.get(r, p), p)
+        by_layer.setdefault((p, int(trace.layer[i])), []).append(i)
+    n = len(passes)
+    return ([len(requests[p]) for p in range(n)], [len(tokens[p]) for p in range(n)],
+            [first[r] for r in req_ids], by_layer)
+
+
+@settings(max_examples=60, deadline=None)
+@given(layers=st.integers(1, 3), experts=st.integers(2, 9), requests=st.integers(1, 4), tokens=st.integers(1, 5),
+       prompt=st.integers(0, 3), batch=st.integers(1, 4), shuffle=st.booleans(), drop=st.floats(0, 0.6),
+       seed=st.integers(0, 10_000))
+def test_passes_requests_and_rows_equal_the_definition(layers, experts, requests, tokens, prompt, batch, shuffle,
+                                                       drop, seed):
+    """Each pass's requests and tokens, each request's first pass, and each (pass, layer)'s rows
+    (``Workload.rows``, ``row_off``; a (pass, layer) with no rows has none, and ``off`` gives it
+    no accesses), with rows in execution order as a file's piece has them or shuffled, and some
+    rows dropped (a layer or a request missing from a pass)."""
+    rng = np.random.default_rng(seed)
+    model = small_model(layers=layers, experts=experts, top_k=1)
+    ex = rng.integers(0, experts, size=(requests, tokens, layers, 1))
+    t = trace_from_array(model, ex, prompt_tokens=min(prompt, tokens - 1))
+    keep = rng.random(len(t)) >= drop
+    keep[rng.integers(len(t))] = True
+    t = t.take(np.flatnonzero(keep))
+    perm = rng.permutation(len(t)) if shuffle else np.arange(len(t))
+    wl = build_workload(t.take(perm), batch_size=batch)
+    want_requests, want_tokens, want_first, want_rows = pass_reference(t, batch)
+    assert wl.pass_requests.tolist() == want_requests
+    assert wl.pass_tokens.tolist() == want_tokens
+    assert wl.request_first_pass.tolist() == want_first
+    assert wl.request_ids.tolist() == sorted(set(t.request.tolist()))
+    assert wl.row_off is not None
+    assert len(wl.row_off) == len(want_requests) * layers + 1
+    for p in range(len(want_requests)):
+        for layer in range(layers):
+            got = perm[wl.rows(p, layer)].tolist()
+            assert got == want_rows.get((p, layer), [])
+            if not got:
+                assert wl.off[p * layers + layer] == wl.off[p * layers + layer + 1]
+
+
+@given(st.lists(st.integers(-3, 40), min_size=1, max_size=30), st.booleans())
+def test_request_ids_and_index_equal_numpys_unique(ids, ordered):
+    """``_ids_and_index`` gives ``np.unique(..., return_inverse=True)``'s ids and indices, with
+    their types, for ids in order (found by runs) and not."""
+    a = np.array(sorted(ids) if ordered else ids, np.int32)
+    got_ids, got_index = _ids_and_index(a)
+    want_ids, want_index = np.unique(a, return_inverse=True)
+    assert got_ids.tolist() == want_ids.tolist()
+    assert got_index.tolist() == want_index.tolist()
+    assert (got_ids.dtype, got_index.dtype) == (want_ids.dtype, want_index.dtype)

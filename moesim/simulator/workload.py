@@ -197,72 +197,72 @@ def _generated(trace: Trace, order: np.ndarray, phase: np.ndarray, pass_of_row: 
 
 
 @njit(cache=True, nogil=True)
-def _count_distinct(pl, experts, order, num_e, n_groups):
-    """The number of distinct experts of each (pass, layer) id ``g`` of ``pl`` (the ids of
-    the rows ``experts[order]``, non-decreasing)."""
-    counts = np.zeros(n_groups, np.int64)
-    seen = np.full(num_e, -1, np.int64)
-    for r in range(order.shape[0]):
-        g = pl[r]
-        for j in range(experts.shape[1]):
-            e = experts[order[r], j]
-            if seen[e] != g:
-                seen[e] = g
-                counts[g] += 1
-    return counts
-
-
-@njit(cache=True, nogil=True)
-def _fill_distinct(pl, experts, weights, order, num_e, num_l, off, out_layer, out_expert, out_rank, out_tokens,
-                   out_weight):
-    """Each (pass, layer)'s distinct experts at ``off[g]`` on, in order of first appearance
-    (rows in order, ranks in order): layer, expert, best rank, tokens routed and summed weight
-    (float64, summed in row order as ``np.bincount`` sums)."""
+def _fill_accesses(pl, experts, weights, order, num_e, num_l, off, row_off, out_layer, out_expert, out_rank,
+                   out_tokens, out_weight):
+    """One pass over the rows ``experts[order]`` (their (pass, layer) ids ``pl``, non-decreasing):
+    each (pass, layer) ``g``'s distinct experts written from ``off[g]`` on, in order of first
+    appearance (rows in order, ranks in order): layer, expert, best rank, tokens routed and
+    summed weight (float64, summed in row order as ``np.bincount`` sums). ``off[g]`` is the
+    number of accesses before ``g`` and ``row_off[g]`` its first row (both for every ``g``,
+    with none, and one entry past the last). Returns the number of accesses (at most the
+    rows times top-k, the out arrays' length)."""
     seen = np.full(num_e, -1, np.int64)
     slot = np.zeros(num_e, np.int64)
-    fill = 0
+    n = 0
+    before = -1  # the (pass, layer) of the row before
+    lay = 0
     for r in range(order.shape[0]):
         g = pl[r]
-        if r == 0 or g != pl[r - 1]:
-            fill = 0
+        if g != before:
+            for b in range(before + 1, g + 1):  # g, and any with no rows between, start here
+                off[b] = n
+                row_off[b] = r
+            lay = g % num_l
+            before = g
         row = order[r]
         for j in range(experts.shape[1]):
             e = experts[row, j]
             w = np.float64(weights[row, j])
             if seen[e] != g:
                 seen[e] = g
-                i = off[g] + fill
-                fill += 1
-                slot[e] = i
-                out_layer[i] = g % num_l
-                out_expert[i] = e
-                out_rank[i] = j
-                out_tokens[i] = 1
-                out_weight[i] = w
+                slot[e] = n
+                out_layer[n] = lay
+                out_expert[n] = e
+                out_rank[n] = j
+                out_tokens[n] = 1
+                out_weight[n] = w
+                n += 1
             else:
                 i = slot[e]
                 if j < out_rank[i]:
                     out_rank[i] = j
                 out_tokens[i] += 1
                 out_weight[i] += w
+    for b in range(before + 1, off.shape[0]):
+        off[b] = n
+        row_off[b] = order.shape[0]
+    return n
 
 
 def _accesses(pl: np.ndarray, trace: Trace, order: np.ndarray, num_e: int, num_l: int,
               n_groups: int) -> tuple[np.ndarray, ...]:
-    """(off, layer, expert, best rank, tokens, summed weight) of every access, from the
-    trace's rows in execution ``order`` and their (pass, layer) ids ``pl``: ``off`` has one
-    entry per (pass, layer) + 1 (see :class:`Workload`); the per-access arrays take the
-    narrowest types that hold them and are written in place by two compiled passes over the
-    rows (no per-access temporaries, no reordered copy of the trace)."""
+    """(off, row_off, layer, expert, best rank, tokens, summed weight) of every access, from the
+    trace's rows in execution ``order`` and their (pass, layer) ids ``pl``: ``off`` and
+    ``row_off`` (each (pass, layer)'s first row in ``order``) have one entry per (pass, layer)
+    + 1 (see :class:`Workload`); the per-access arrays take the narrowest types that hold
+    them and are written in place by one compiled pass over the rows (no per-access
+    temporaries, no reordered copy of the trace) into arrays of the largest size, rows times
+    top-k, of which they are the first part (the pages past it are never written, so never
+    resident)."""
     ex = trace.experts.reshape(len(trace.experts), -1)
     w = trace.weights.reshape(len(trace.weights), -1)
-    off = np.zeros(n_groups + 1, np.int64)
-    np.cumsum(_count_distinct(pl, ex, order, num_e, n_groups), out=off[1:])
-    n = int(off[-1])
-    out = (np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int8), np.empty(n, np.int32),
-           np.empty(n, np.float64))
-    _fill_distinct(pl, ex, w, order, num_e, num_l, off, *out)
-    return (off, *out)
+    off = np.empty(n_groups + 1, np.int64)
+    row_off = np.empty(n_groups + 1, np.int64)
+    most = ex.shape[0] * ex.shape[1]
+    out = (np.empty(most, np.int32), np.empty(most, np.int32), np.empty(most, np.int8), np.empty(most, np.int32),
+           np.empty(most, np.float64))
+    n = _fill_accesses(pl, ex, w, order, num_e, num_l, off, row_off, *out)
+    return (off, row_off, *(a[:n] for a in out))
 
 
 def _in_order(keys: tuple[np.ndarray, ...]) -> bool:
@@ -280,6 +280,33 @@ def _in_order(keys: tuple[np.ndarray, ...]) -> bool:
     return True
 
 
+def _ids_and_index(request: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(request, return_inverse=True)``: the ids in order and each row's index among
+    them, found by runs, with no sort, when the ids never decrease (a trace file's piece, its
+    rows request by request)."""
+    if (request[1:] < request[:-1]).any():
+        return np.unique(request, return_inverse=True)
+    start = np.r_[True, request[1:] != request[:-1]]
+    return request[start], np.cumsum(start) - 1
+
+
+@njit(cache=True, nogil=True)
+def _count_requests(pass_of_row, ridx, pass_requests, first_pass):
+    """Each pass's requests, each counted once, into ``pass_requests``, and each request's
+    first pass into ``first_pass``, from the rows' passes ``pass_of_row`` (non-decreasing: the
+    rows in execution order) and request indices ``ridx``: a request met again in the pass it
+    was last met in is not counted again."""
+    last = np.full(first_pass.shape[0], -1, np.int64)  # the pass each request was last met in
+    for r in range(pass_of_row.shape[0]):
+        p = pass_of_row[r]
+        q = ridx[r]
+        if last[q] != p:
+            if last[q] < 0:
+                first_pass[q] = p
+            last[q] = p
+            pass_requests[p] += 1
+
+
 def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None = None,
                    speculative: Any = None, seed: int = 0) -> Workload:
     """Group the trace's rows into forward passes and list each pass's expert accesses.
@@ -294,7 +321,7 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
                                     np.random.default_rng([seed, 99]))
     model = trace.model
     num_l, num_e = model.num_layers, model.num_experts
-    req_ids, req_idx = np.unique(trace.request, return_inverse=True)
+    req_ids, req_idx = _ids_and_index(trace.request)
     if max_requests is not None and max_requests < len(req_ids):
         keep = req_idx < max_requests
         trace = trace.take(keep)
@@ -305,10 +332,16 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
     layer = trace.layer.astype(np.int64)
     pos = trace.position.astype(np.int64)
     keys = (group, step, layer, req_idx, pos)  # execution order: major to minor
-    order = np.arange(len(pos)) if _in_order(keys) else np.lexsort(keys[::-1])
-    group, step, layer, pos = group[order], step[order], layer[order], pos[order]
-    ridx = req_idx[order]
-    phase = trace.phase[order]
+    in_order = _in_order(keys)
+    order = np.arange(len(pos)) if in_order else np.lexsort(keys[::-1])
+
+    def ordered(a: np.ndarray) -> np.ndarray:
+        """``a[order]``; ``a`` itself when the rows are in order (no copy of the identity)."""
+        return a if in_order else a[order]
+
+    group, step, layer, pos = ordered(group), ordered(step), ordered(layer), ordered(pos)
+    ridx = ordered(req_idx)
+    phase = ordered(trace.phase)
 
     # passes: distinct (group, step), already in execution order
     pass_key = group * (int(step.max()) + 1) + step  # the trace has a row (checked above)
@@ -329,24 +362,24 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
     tok_pass = pass_of_row[tok_first]
     pass_tokens = np.bincount(tok_pass, minlength=n_pass).astype(np.int64)
     pass_context = np.bincount(tok_pass, weights=pos[tok_first] + 1, minlength=n_pass).astype(np.int64)
-    req_pass_key = np.unique(pass_of_row * (len(req_ids) + 1) + ridx)
-    pass_requests = np.bincount(req_pass_key // (len(req_ids) + 1), minlength=n_pass).astype(np.int64)
+    pass_requests = np.zeros(n_pass, np.int64)
+    first_pass = np.full(len(req_ids), np.iinfo(np.int64).max, dtype=np.int64)
+    _count_requests(pass_of_row, ridx, pass_requests, first_pass)
 
-    del group, step, pass_key, change, rank_of_phase, tok_key, _tok_unique, tok_first, tok_pass, req_pass_key
+    del group, step, pass_key, change, rank_of_phase, tok_key, _tok_unique, tok_first, tok_pass
     # the gate weight of each pass: rows summed in float64 (a chunk of rows at a time)
     row_weight = np.empty(len(order))
     for c in range(0, len(order), 1 << 16):
-        row_weight[c:c + (1 << 16)] = trace.weights[order[c:c + (1 << 16)]].astype(np.float64).sum(axis=1)
+        rows = slice(c, c + (1 << 16)) if in_order else order[c:c + (1 << 16)]
+        row_weight[c:c + (1 << 16)] = trace.weights[rows].astype(np.float64).sum(axis=1)
     weight_total = np.bincount(pass_of_row, weights=row_weight, minlength=n_pass)
     del row_weight
     # accesses: distinct experts per (pass, layer) in order of first appearance
     pl = pass_of_row * num_l + layer  # (pass, layer) id per row, non-decreasing
     del layer
-    off, acc_layer, acc_expert, acc_rank, acc_tokens, acc_weight = _accesses(pl, trace, order, num_e, num_l,
-                                                                            n_pass * num_l)
+    off, row_off, acc_layer, acc_expert, acc_rank, acc_tokens, acc_weight = _accesses(pl, trace, order, num_e,
+                                                                                     num_l, n_pass * num_l)
 
-    first_pass = np.full(len(req_ids), np.iinfo(np.int64).max, dtype=np.int64)
-    np.minimum.at(first_pass, ridx, pass_of_row)
     req_group = (np.arange(len(req_ids)) // batch_size).astype(np.int64)
     generated = _generated(trace, order, phase, pass_of_row, ridx, pos, pass_phase, pass_step, pass_requests,
                            pass_tokens, req_ids, produced)
@@ -358,7 +391,7 @@ def build_workload(trace: Trace, batch_size: int = 1, max_requests: int | None =
         request_ids=req_ids,
         request_group=req_group,
         request_first_pass=first_pass, weight_total=weight_total,
-        row_order=order, row_off=np.searchsorted(pl, np.arange(n_pass * num_l + 1), side="left"),
+        row_order=order, row_off=row_off,
         trace=trace,
     )
 
