@@ -467,7 +467,7 @@ def test_the_prefetch_ring_drops_its_tombstones_when_full():
     from moesim.simulator import kernel_state as KS
 
     pool = 6
-    IS, FS, _, TR = KS._layout(num_keys=8, pool=pool, pend_max=8, maxn=1, top_k=1)
+    IS, FS, _, TR, _ = KS._layout(num_keys=8, pool=pool, pend_max=8, maxn=1, top_k=1)
     tids = [KC._submit(key, KS.PREFETCH, 0.0, 0, IS, TR, FS) for key in range(pool)]
     for tid in (tids[1], tids[4]):  # withdrawn (PrefetchQueue.withdraw): tombstone, slot freed
         IS[IS[KS.H_PFQ] + TR[tid].pfslot] = -1
@@ -511,7 +511,7 @@ def test_the_kernels_room_takes_as_many_victims_as_it_needs_or_changes_nothing()
     from moesim.simulator import kernel_copy as KC
     from moesim.simulator import kernel_state as KS
 
-    IS, FS, KR, TR = KS._layout(num_keys=8, pool=8, pend_max=4, maxn=1, nprec=2)
+    IS, FS, KR, TR, _ = KS._layout(num_keys=8, pool=8, pend_max=4, maxn=1, nprec=2)
     IS[KS.C_L], IS[KS.C_DIV], IS[KS.C_EV], IS[KS.C_INSTANT], IS[KS.C_MULTI] = 1, 8, KS.EV_LRU, 1, 1
     IS[IS[KS.H_PBYTES]:IS[KS.H_PBYTES] + 2] = [4, 1]  # key % 2 == 0: 4 bytes, else 1 byte
     FS[KS.CF_CAP] = 8.0
@@ -577,7 +577,7 @@ def test_statically_pinned_experts_stay_out_of_the_recency_lists(ev):
     from moesim.simulator import kernel_copy as KC
     from moesim.simulator import kernel_state as KS
 
-    IS, FS, KR, TR = KS._layout(num_keys=8, pool=8, pend_max=4, maxn=1)
+    IS, FS, KR, TR, _ = KS._layout(num_keys=8, pool=8, pend_max=4, maxn=1)
     code = {"lru": KS.EV_LRU, "fifo": KS.EV_FIFO, "least-stale": KS.EV_LS}[ev]
     IS[KS.C_L], IS[KS.C_DIV], IS[KS.C_EV], IS[KS.C_INSTANT], IS[KS.C_NBYTES] = 1, 8, code, 1, 1
     FS[KS.CF_CAP] = 4.0
@@ -612,30 +612,31 @@ def test_the_pending_prefetch_list_keeps_only_live_transfers_when_compacted():
     from moesim.simulator import kernel_prefetch as KP
     from moesim.simulator import kernel_state as KS
 
-    IS, FS, _, TR = KS._layout(num_keys=8, pool=16, pend_max=6, maxn=1, top_k=1)
+    IS, FS, _, TR, WR = KS._layout(num_keys=8, pool=16, pend_max=6, maxn=1, top_k=1)
     earlier = [KC._submit(key, KS.PREFETCH, 0.0, 0, IS, TR, FS) for key in range(5)]
     for t in earlier[::2]:  # slots reused: slots, sequence numbers and keys all differ
         KC._free(t, IS)
     tids = [KC._submit(key, KS.PREFETCH, 0.0, 0, IS, TR, FS) for key in range(6)]
 
     assert all(t != TR[t].seq for t in tids)
+    pend = WR[IS[KS.H_PENDA]:]
     for j, t in enumerate(tids):  # (slot, sequence, key) as _admit records them
-        IS[IS[KS.H_PENDA] + 3 * j:IS[KS.H_PENDA] + 3 * j + 3] = (t, TR[t].seq, 10 + j)
+        pend[j].tid, pend[j].seq, pend[j].key = t, TR[t].seq, 10 + j
     IS[KS.S_PENDN] = 6
     TR[tids[0]].seq += 1  # the slot now holds another transfer
     TR[tids[2]].started = 1
     TR[tids[3]].cancelled = 1
-    assert KP._compact_pending(IS, TR) == 3
+    assert KP._compact_pending(IS, TR, WR) == 3
     assert IS[KS.S_PENDN] == 3
-    kept = IS[IS[KS.H_PENDA]:IS[KS.H_PENDA] + 9].reshape(3, 3).tolist()
+    kept = [[int(r.tid), int(r.seq), int(r.key)] for r in pend[:3]]
     assert kept == [[t, TR[t].seq, 10 + j] for j, t in ((1, tids[1]), (4, tids[4]), (5, tids[5]))]
     # full of live entries: nothing can go
     for j, t in enumerate(tids):
         TR[t].started = TR[t].cancelled = 0
-        IS[IS[KS.H_PENDA] + 3 * j:IS[KS.H_PENDA] + 3 * j + 3] = (t, TR[t].seq, 10 + j)
+        pend[j].tid, pend[j].seq, pend[j].key = t, TR[t].seq, 10 + j
     IS[KS.S_PENDN] = 6
     with pytest.raises(RuntimeError, match="pending prefetch list full"):
-        KP._compact_pending(IS, TR)
+        KP._compact_pending(IS, TR, WR)
 
 
 @pytest.mark.parametrize("probs", [True, False])
@@ -650,7 +651,7 @@ def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
     from moesim.simulator import kernel_state as KS
 
     tiny = 2.0 ** -53
-    IS, FS, _, _ = KS._layout(num_keys=8, pool=4, pend_max=4, maxn=3, top_k=3, fin=3)
+    IS, FS, _, _, _ = KS._layout(num_keys=8, pool=4, pend_max=4, maxn=3, top_k=3, fin=3)
     IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC] = 1, 3, 8, 1, 0
     IS[KS.C_PROBS] = probs
     FS[IS[KS.H_MSCR] - 1] = 1e9  # what lies before the scratch is never read
@@ -691,7 +692,7 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
     from moesim.simulator import kernel_state as KS
 
     E = 7
-    IS, _, KR, _ = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=3, top_k=2, fin=4)
+    IS, _, KR, _, _ = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=3, top_k=2, fin=4)
     IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 1, 2, E, 1, 0, E
     IS[KS.S_LAYERGEN] = 3
     experts = np.array([[0, 1], [0, 2]], np.int16)
@@ -726,7 +727,7 @@ def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
     from moesim.simulator import kernel_state as KS
 
     E = 4
-    IS, FS, KR, TR = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=2, top_k=2, fin=2, lrun=2)
+    IS, FS, KR, TR, WR = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=2, top_k=2, fin=2, lrun=2)
     IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 1, 2, E, 1, 0, E
     IS[KS.C_EV] = KS.EV_FIFO
     IS[KS.S_LAYERGEN] = 1
@@ -738,21 +739,22 @@ def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
     assert TR[tid].prio == KS.PREFETCH
 
     def runs(buf: int) -> list[list[int]]:
-        at = IS[KS.H_LRUN] + buf * 2 * 4
-        return IS[at:at + 4 * IS[KS.S_LRUNN + buf]].reshape(-1, 4).tolist()
+        at = IS[KS.H_LRUN] + buf * 2
+        return [[int(r.tid), int(r.seq), int(r.key), int(r.tokens)] for r in WR[at:at + IS[KS.S_LRUNN + buf]]]
 
     seq = TR[tid].seq
-    KL._use_other(2, 3, 7, 0, IS, KR, TR, FS, np.zeros(1, np.int64), A)
+    KL._use_other(2, 3, 7, 0, IS, KR, TR, WR, FS, np.zeros(1, np.int64), A)
     assert TR[tid].prio == KS.DEMAND  # promoted
     assert runs(0) == [[tid, seq, 2, 3]]  # (slot, sequence, key, tokens)
     assert (KR[2].pin, IS[KS.S_NCOMP]) == (7, 1)
-    KL._use_other(2, 1, 8, 0, IS, KR, TR, FS, np.zeros(1, np.int64), A)
+    KL._use_other(2, 1, 8, 0, IS, KR, TR, WR, FS, np.zeros(1, np.int64), A)
     assert runs(0)[1] == [tid, seq, 2, 1]  # the same expert again in the layer: not new
     assert (KR[2].pin, IS[KS.S_NCOMP]) == (8, 1)
     KR[3].state = KS.RESIDENT
     IS[KS.S_LRUNN + 1] = 0
-    KL._use_other(3, 2, 9, -1, IS, KR, TR, FS, np.zeros(1, np.int64), A)  # layer execution: the layer's list
-    assert IS[IS[KS.H_RUNS] + 4:IS[KS.H_RUNS] + 8].tolist() == [-1, -1, 3, 2]  # resident: no wait
+    KL._use_other(3, 2, 9, -1, IS, KR, TR, WR, FS, np.zeros(1, np.int64), A)  # layer execution: the layer's list
+    run = WR[IS[KS.H_RUNS] + 1]
+    assert [run.tid, run.seq, run.key, run.tokens] == [-1, -1, 3, 2]  # resident: no wait
     assert IS[KS.S_NCOMP] == 2
 
 
@@ -768,7 +770,7 @@ def test_the_kernels_speculation_by_hand():
     from moesim.simulator import kernel_state as KS
 
     E = 8
-    IS, FS, KR, TR = KS._layout(num_keys=2 * E, pool=4, pend_max=4, maxn=3, top_k=2, fin=6, lrun=3)
+    IS, FS, KR, TR, WR = KS._layout(num_keys=2 * E, pool=4, pend_max=4, maxn=3, top_k=2, fin=6, lrun=3)
     IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 2, 2, E, 1, 0, E
     IS[KS.C_EV] = KS.EV_FIFO
     IS[KS.S_LAYER], IS[KS.S_LAYERGEN] = 1, 4
@@ -786,10 +788,10 @@ def test_the_kernels_speculation_by_hand():
         KR[E + e].state = KS.RESIDENT
     A = (*(np.zeros(1, np.int32),) * 5, K._hooks(None))
     IS[KS.S_LRUNN] = 0
-    KL._speculate(0, 9, 0, IS, KR, TR, FS, np.zeros(1, np.int64), A, M)
+    KL._speculate(0, 9, 0, IS, KR, TR, WR, FS, np.zeros(1, np.int64), A, M)
     assert IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 6].tolist() == [3, 2, 3, 1, -1, 4]
     assert IS[KS.R_SUBST] == 1
-    runs = IS[IS[KS.H_LRUN]:IS[KS.H_LRUN] + 4 * IS[KS.S_LRUNN]].reshape(-1, 4).tolist()
+    runs = [[int(r.tid), int(r.seq), int(r.key), int(r.tokens)] for r in WR[IS[KS.H_LRUN]:IS[KS.H_LRUN] + IS[KS.S_LRUNN]]]
     assert runs == [[-1, -1, E + 3, 2]]  # (slot, sequence, key, tokens): resident, two tokens
 
 

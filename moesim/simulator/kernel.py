@@ -596,8 +596,8 @@ def _replay(sim: Any) -> None:
     reroute = miss in (MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE)
     # a layer computes its routed experts and, for a miss policy that re-routes, others
     max_runs = maxn + (model.num_experts if reroute else 0)
-    IS, FS, K, T = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
-                           max(1, max_rows), sim.num_prec)
+    IS, FS, K, T, W = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
+                              max(1, max_rows), sim.num_prec)
     _configure(sim, IS, FS, ev, pf, miss, max_runs)
     hooks = _hooks(sim.eviction, IS[IS[H_MEMB]:IS[H_MEMB] + num_keys])
     # Belady a piece at a time: a first pass over the file finds each piece's first access and
@@ -633,7 +633,7 @@ def _replay(sim: Any) -> None:
             q1 = min(q0 + CHUNK, n_pass)
             with _hook_errors(sim):  # the compiled hooks run here (and make the proposals ahead)
                 P = next(props) if props is not None else no_props
-                replay_passes(base + q0, base + q1, IS, K, T, FS, DI, DF, A, P, M, per_expert, nonexp[q0:q1],
+                replay_passes(base + q0, base + q1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp[q0:q1],
                               release[q0:q1], cols[q0:q1], t_start[q0:q1], t_end[q0:q1], stall[q0:q1],
                               m_total[q0:q1], m_kept[q0:q1])
             if sim.progress is not None:

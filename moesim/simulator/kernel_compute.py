@@ -103,35 +103,35 @@ def _tokens_of(key, tokens, p, IS, M):
 
 
 @_jit
-def _layer(p, layer, lo, hi, now, p0, IS, K, T, FS, DI, DF, A, P, M):
+def _layer(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M):
     """``layer`` and ``on-arrival`` execution of one layer (engine's ``_run`` body,
     ``LayerLookup.finish`` and ``_compute``); returns the layer's end. Stall accumulates in
     ``FS[SF_STALL]``."""
     _mark_pending(lo, hi, IS, K, A)
     if IS[C_PFACTIVE]:
-        _withdraw(layer, lo, hi, IS, K, T, A)
+        _withdraw(layer, lo, hi, IS, K, T, W, A)
     pins = _new_gen(IS, S_PINGEN)
     for j in range(lo, hi):
         K[_key(j, IS, A)].pin = pins
     IS[S_NCOMP] = 0
     copies = IS[S_NDEM]
     for i in range(hi - lo):
-        _lookup(lo + i, now, pins, -1, IS, K, T, FS, DI, A, M)
+        _lookup(lo + i, now, pins, -1, IS, K, T, W, FS, DI, A, M)
     if IS[C_HOST]:  # the host submits the layer's demand copies
         FS[SF_HOST] += (IS[S_NDEM] - copies) * FS[CF_HCOPY]
     computed = IS[S_NCOMP]
     if IS[C_PFACTIVE]:
-        _propose(p, layer, p0, now, pins, IS, K, T, FS, DI, A, P)
+        _propose(p, layer, p0, now, pins, IS, K, T, W, FS, DI, A, P)
     scale = DF[IS[H_SCALE] + p - IS[S_PBASE]]
     if IS[C_MODE] == MODE_LAYER:
         ready = now
         total = 0.0
         for i in range(computed):
-            r = IS[H_RUNS] + i * 4
-            a = _arrival(IS[r], IS[r + 1], now, T)
+            run = W[IS[H_RUNS] + i]
+            a = _arrival(run.tid, run.seq, now, T)
             if a > ready:
                 ready = a
-            total += _ffn(IS[r + 2], _tokens_of(IS[r + 2], IS[r + 3], p, IS, M), DF, IS) * scale
+            total += _ffn(run.key, _tokens_of(run.key, run.tokens, p, IS, M), DF, IS) * scale
         FS[SF_STALL] += ready - now
         if IS[C_HOST] and computed:  # one launch for the layer's experts
             FS[SF_HOST] += FS[CF_HLAUNCH]
@@ -140,9 +140,9 @@ def _layer(p, layer, lo, hi, now, p0, IS, K, T, FS, DI, DF, A, P, M):
         end = ready + total
     else:  # on-arrival: in arrival order (ties by compute time), each when it has arrived
         for i in range(computed):
-            r = IS[H_RUNS] + i * 4
-            a = _arrival(IS[r], IS[r + 1], now, T)
-            f = _ffn(IS[r + 2], _tokens_of(IS[r + 2], IS[r + 3], p, IS, M), DF, IS) * scale
+            run = W[IS[H_RUNS] + i]
+            a = _arrival(run.tid, run.seq, now, T)
+            f = _ffn(run.key, _tokens_of(run.key, run.tokens, p, IS, M), DF, IS) * scale
             j = i
             while j > 0 and (FS[IS[H_SCR] + j - 1] > a or (FS[IS[H_SCR] + j - 1] == a and FS[IS[H_SCR] + IS[C_MAXN] + j - 1] > f)):
                 FS[IS[H_SCR] + j] = FS[IS[H_SCR] + j - 1]
@@ -166,49 +166,51 @@ def _layer(p, layer, lo, hi, now, p0, IS, K, T, FS, DI, DF, A, P, M):
     _new_gen(IS, S_PENDGEN)  # the layer's experts have run
     if IS[S_WN]:
         _advance(end, IS, K, T, FS)
-        _admit(end, _new_gen(IS, S_PINGEN), IS, K, T, FS, DI, A)
+        _admit(end, _new_gen(IS, S_PINGEN), IS, K, T, W, FS, DI, A)
     IS[R_UNIQUE] += computed
     return end
 
 
 @_inline
-def _pin_buffer(buf, pins, IS, K):
+def _pin_buffer(buf, pins, IS, K, W):
     """Pin the keys of lookup buffer ``buf``'s computations with generation ``pins``."""
-    b = IS[H_LRUN] + buf * IS[C_LRUNCAP] * 4
+    b = IS[H_LRUN] + buf * IS[C_LRUNCAP]
     for x in range(IS[S_LRUNN + buf]):
-        K[IS[b + x * 4 + 2]].pin = pins
+        K[W[b + x].key].pin = pins
 
 
 @_inline
-def _buffer_arrived(buf, t, IS, T):
+def _buffer_arrived(buf, t, IS, T, W):
     """Whether every computation of lookup buffer ``buf`` has its expert on the GPU by ``t``."""
-    b = IS[H_LRUN] + buf * IS[C_LRUNCAP] * 4
+    b = IS[H_LRUN] + buf * IS[C_LRUNCAP]
     for x in range(IS[S_LRUNN + buf]):
-        if _arrival(IS[b + x * 4], IS[b + x * 4 + 1], t, T) > t:
+        run = W[b + x]
+        if _arrival(run.tid, run.seq, t, T) > t:
             return False
     return True
 
 
 @_inline
-def _host_lookup(ai, t, pins, buf, IS, K, T, FS, DI, A, M):
+def _host_lookup(ai, t, pins, buf, IS, K, T, W, FS, DI, A, M):
     """Look up access ``ai`` at ``t`` into lookup buffer ``buf`` (engine's ``_host_lookup``):
     the host submits the demand copies it leads to."""
     copies = IS[S_NDEM]
-    _lookup(ai, t, pins, buf, IS, K, T, FS, DI, A, M)
+    _lookup(ai, t, pins, buf, IS, K, T, W, FS, DI, A, M)
     if IS[C_HOST]:
         FS[SF_HOST] += (IS[S_NDEM] - copies) * FS[CF_HCOPY]
 
 
 @_jit
-def _host_issue(buf, t, blocking, IS, T, FS):
+def _host_issue(buf, t, blocking, IS, T, W, FS):
     """The host launches the expert of lookup buffer ``buf``, the GPU having run the ones
     before it by ``t`` (engine's ``_host_issue``); returns when the launch is issued."""
     if IS[C_HSYNC] == 2 and FS[SF_HOST] < t:
         FS[SF_HOST] = t
     if blocking:
-        b = IS[H_LRUN] + buf * IS[C_LRUNCAP] * 4
+        b = IS[H_LRUN] + buf * IS[C_LRUNCAP]
         for x in range(IS[S_LRUNN + buf]):
-            a = _arrival(IS[b + x * 4], IS[b + x * 4 + 1], FS[SF_HOST], T)
+            run = W[b + x]
+            a = _arrival(run.tid, run.seq, FS[SF_HOST], T)
             if a > FS[SF_HOST]:
                 FS[SF_HOST] = a
     FS[SF_HOST] += FS[CF_HLAUNCH]
@@ -225,7 +227,7 @@ def _host_ready(t, IS, FS):
 
 
 @_jit
-def _per_expert(p, layer, lo, hi, now, p0, IS, K, T, FS, DI, DF, A, P, M):
+def _per_expert(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M):
     """``per-expert`` execution of one layer (engine's ``_per_expert``, both ``expert_fetch``
     disciplines): the experts run one after another in router order; the running expert's
     computations are in lookup buffer ``cur``, the next one's in the other (a lookup made
@@ -235,8 +237,8 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, K, T, FS, DI, DF, A, P, M):
     host = IS[C_HOST]
     _mark_pending(lo, hi, IS, K, A)
     if IS[C_PFACTIVE]:
-        _withdraw(layer, lo, hi, IS, K, T, A)
-        _propose(p, layer, p0, now, _new_gen(IS, S_PINGEN), IS, K, T, FS, DI, A, P)
+        _withdraw(layer, lo, hi, IS, K, T, W, A)
+        _propose(p, layer, p0, now, _new_gen(IS, S_PINGEN), IS, K, T, W, FS, DI, A, P)
     n = hi - lo
     t = now
     cur = 0
@@ -244,17 +246,18 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, K, T, FS, DI, DF, A, P, M):
     scale = DF[IS[H_SCALE] + p - IS[S_PBASE]]
     IS[S_LRUNN] = IS[S_LRUNN + 1] = IS[S_NCOMP] = 0
     if n:
-        _host_lookup(lo, t, _new_gen(IS, S_PINGEN), cur, IS, K, T, FS, DI, A, M)
+        _host_lookup(lo, t, _new_gen(IS, S_PINGEN), cur, IS, K, T, W, FS, DI, A, M)
         looked = 1
     launched = False
     issued = 0.0
     for i in range(n):
         if host and not launched:
-            issued = _host_issue(cur, t, blocking, IS, T, FS)
+            issued = _host_issue(cur, t, blocking, IS, T, W, FS)
         launched = False
-        base = IS[H_LRUN] + cur * IS[C_LRUNCAP] * 4
+        base = IS[H_LRUN] + cur * IS[C_LRUNCAP]
         for x in range(IS[S_LRUNN + cur]):
-            a = _arrival(IS[base + x * 4], IS[base + x * 4 + 1], t, T)
+            run = W[base + x]
+            a = _arrival(run.tid, run.seq, t, T)
             if a > t:
                 FS[SF_STALL] += a - t
                 t = a
@@ -266,11 +269,12 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, K, T, FS, DI, DF, A, P, M):
         if not blocking and looked == i + 1 and looked < n:
             IS[S_LRUNN + nxt] = 0
             pins = _new_gen(IS, S_PINGEN)
-            _pin_buffer(cur, pins, IS, K)  # the running expert
-            _host_lookup(lo + looked, t, pins, nxt, IS, K, T, FS, DI, A, M)
+            _pin_buffer(cur, pins, IS, K, W)  # the running expert
+            _host_lookup(lo + looked, t, pins, nxt, IS, K, T, W, FS, DI, A, M)
             looked += 1
         for x in range(IS[S_LRUNN + cur]):
-            t += _ffn(IS[base + x * 4 + 2], IS[base + x * 4 + 3], DF, IS) * scale
+            run = W[base + x]
+            t += _ffn(run.key, run.tokens, DF, IS) * scale
         if timed:
             _advance(t, IS, K, T, FS)
         if IS[C_EV] == EV_LS:
@@ -278,32 +282,32 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, K, T, FS, DI, DF, A, P, M):
         if blocking:
             IS[S_LRUNN + nxt] = 0
             if looked < n:
-                _host_lookup(lo + looked, t, _new_gen(IS, S_PINGEN), nxt, IS, K, T, FS, DI, A, M)
+                _host_lookup(lo + looked, t, _new_gen(IS, S_PINGEN), nxt, IS, K, T, W, FS, DI, A, M)
                 looked += 1
-        elif (looked == i + 2 and looked < n and _buffer_arrived(nxt, t, IS, T)
+        elif (looked == i + 2 and looked < n and _buffer_arrived(nxt, t, IS, T, W)
               and (not host or _host_ready(t, IS, FS))):
             # expert i+1 starts now: i+2's lookup (into the ended expert's buffer) comes first
             if host:  # i+1's launch, then i+2's copies
-                issued = _host_issue(nxt, t, False, IS, T, FS)
+                issued = _host_issue(nxt, t, False, IS, T, W, FS)
                 launched = True
             IS[S_LRUNN + cur] = 0
             pins = _new_gen(IS, S_PINGEN)
-            _pin_buffer(nxt, pins, IS, K)
-            _host_lookup(lo + looked, t, pins, cur, IS, K, T, FS, DI, A, M)
+            _pin_buffer(nxt, pins, IS, K, W)
+            _host_lookup(lo + looked, t, pins, cur, IS, K, T, W, FS, DI, A, M)
             looked += 1
             if IS[S_WN]:
                 pins = _new_gen(IS, S_PINGEN)
-                _pin_buffer(nxt, pins, IS, K)
-                _pin_buffer(cur, pins, IS, K)
-                _admit(t, pins, IS, K, T, FS, DI, A)
+                _pin_buffer(nxt, pins, IS, K, W)
+                _pin_buffer(cur, pins, IS, K, W)
+                _admit(t, pins, IS, K, T, W, FS, DI, A)
             cur = nxt
             continue
         elif looked != i + 2:
             IS[S_LRUNN + nxt] = 0  # nothing looked up next: nothing held
         if IS[S_WN]:
             pins = _new_gen(IS, S_PINGEN)
-            _pin_buffer(nxt, pins, IS, K)
-            _admit(t, pins, IS, K, T, FS, DI, A)
+            _pin_buffer(nxt, pins, IS, K, W)
+            _admit(t, pins, IS, K, T, W, FS, DI, A)
         cur = nxt
     IS[R_UNIQUE] += IS[S_NCOMP]
     return t
@@ -414,7 +418,7 @@ def _fin_init(p, layer, lo, hi, IS, A, M):
 
 
 @_jit
-def replay_passes(p0, p1, IS, K, T, FS, DI, DF, A, P, M, per_expert, nonexp, release, cols, t_start, t_end, stall, m_total, m_kept):
+def replay_passes(p0, p1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp, release, cols, t_start, t_end, stall, m_total, m_kept):
     """Replay forward passes ``p0 .. p1`` (engine's ``_run``): per layer, non-expert compute,
     the routing point's lookups and proposals, expert compute; per pass, one row. A pass
     starts no earlier than its ``release`` time (serving: the GPU idles until a request
@@ -470,9 +474,9 @@ def replay_passes(p0, p1, IS, K, T, FS, DI, DF, A, P, M, per_expert, nonexp, rel
             if M is not None:
                 _fin_init(p, layer, lo, hi, IS, A, M)
             if per_expert is None:
-                end = _layer(p, layer, lo, hi, now, p0, IS, K, T, FS, DI, DF, A, P, M)
+                end = _layer(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M)
             else:
-                end = _per_expert(p, layer, lo, hi, now, p0, IS, K, T, FS, DI, DF, A, P, M)
+                end = _per_expert(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M)
             if M is not None:
                 _token_mass(p, layer, IS, FS, M)
             carry = end - now

@@ -114,7 +114,7 @@ def _mean_prob(e, c, IS, M):
 
 
 @_inline
-def _add_run(buf, tid, key, ntok, IS, K, T):
+def _add_run(buf, tid, key, ntok, IS, K, T, W):
     """One computation a lookup leads to: the transfer it waits for (slot and sequence; -1:
     none), its key and its tokens. A key computed for the first time in the layer (the
     engine's ``key_for``) is counted (``S_NCOMP``); with ``buf`` -1 (``layer`` and
@@ -125,16 +125,17 @@ def _add_run(buf, tid, key, ntok, IS, K, T):
     if buf < 0:
         if not new:
             return
-        r = IS[H_RUNS] + IS[S_NCOMP] * 4
+        r = IS[H_RUNS] + IS[S_NCOMP]
     else:
         n = IS[S_LRUNN + buf]
-        r = IS[H_LRUN] + (buf * IS[C_LRUNCAP] + n) * 4
+        r = IS[H_LRUN] + buf * IS[C_LRUNCAP] + n
         IS[S_LRUNN + buf] = n + 1
     IS[S_NCOMP] += new
-    IS[r] = tid
-    IS[r + 1] = T[tid].seq if tid >= 0 else -1
-    IS[r + 2] = key
-    IS[r + 3] = ntok
+    run = W[r]
+    run.tid = tid
+    run.seq = T[tid].seq if tid >= 0 else -1
+    run.key = key
+    run.tokens = ntok
 
 
 @_inline
@@ -148,7 +149,7 @@ def _needed_now(key, IS, K, T, FS):
 
 
 @_jit
-def _use_other(e2, ntok, pin_gen, buf, IS, K, T, FS, DI, A):
+def _use_other(e2, ntok, pin_gen, buf, IS, K, T, W, FS, DI, A):
     """A resident or arriving expert ``e2`` computes ``ntok`` tokens of a missed one (the
     engine's ``_use_other``; substitute, speculative): a queued prefetch of it is promoted,
     the eviction policy told when it is first computed in the layer, its key pinned."""
@@ -157,11 +158,11 @@ def _use_other(e2, ntok, pin_gen, buf, IS, K, T, FS, DI, A):
     if K[k2].computed != IS[S_LAYERGEN]:
         _on_access(k2, -1, IS, K, DI, A)
     K[k2].pin = pin_gen
-    _add_run(buf, tid, k2, ntok, IS, K, T)
+    _add_run(buf, tid, k2, ntok, IS, K, T, W)
 
 
 @_jit
-def _speculate(e, pin_gen, buf, IS, K, T, FS, DI, A, M):
+def _speculate(e, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
     """Speculative execution (the engine's speculate branch,
     ``speculating-experts-prefetch.txt`` §4): each token routed to the missed ``e`` computes,
     in its place, its highest-predicted expert (the previous layer's ``pred_next`` for the
@@ -208,11 +209,11 @@ def _speculate(e, pin_gen, buf, IS, K, T, FS, DI, A, M):
                 n_spec += 1
             IS[spec + 2 * s + 1] += 1
     for s in range(n_spec):
-        _use_other(IS[spec + 2 * s], IS[spec + 2 * s + 1], pin_gen, buf, IS, K, T, FS, DI, A)
+        _use_other(IS[spec + 2 * s], IS[spec + 2 * s + 1], pin_gen, buf, IS, K, T, W, FS, DI, A)
 
 
 @_inline
-def _lookup(ai, now, pin_gen, buf, IS, K, T, FS, DI, A, M):
+def _lookup(ai, now, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
     """Look access ``ai`` up (engine's ``LayerLookup.lookup``): the computations it leads to
     go into lookup buffer ``buf`` (:func:`_add_run`): one for a hit, a late prefetch, a
     resident copy at another precision or a fetch; none when the ``drop`` miss policy skips
@@ -227,23 +228,23 @@ def _lookup(ai, now, pin_gen, buf, IS, K, T, FS, DI, A, M):
         IS[R_HITS] += 1
         _on_access(key, ai, IS, K, DI, A)
         _used_prefetch(key, IS, K)
-        _add_run(buf, -1, key, ntok, IS, K, T)
+        _add_run(buf, -1, key, ntok, IS, K, T, W)
         return
     if state == INFLIGHT:
         IS[R_LATE] += 1
         _on_access(key, ai, IS, K, DI, A)
         _used_prefetch(key, IS, K)
-        _add_run(buf, _needed_now(key, IS, K, T, FS), key, ntok, IS, K, T)
+        _add_run(buf, _needed_now(key, IS, K, T, FS), key, ntok, IS, K, T, W)
         return
-    if M is not None and IS[C_MULTI] and _alternative(key, A[4][ai], ntok, pin_gen, buf, IS, K, T, DI, A):
+    if M is not None and IS[C_MULTI] and _alternative(key, A[4][ai], ntok, pin_gen, buf, IS, K, T, W, DI, A):
         return
     IS[R_MISSES] += 1
     if K[key].evicted == IS[S_PASS]:
         IS[R_COLL] += 1
     if M is not None:  # a miss policy other than ``fetch`` (compiled only for one: ``M`` is None)
-        kq = _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A, M)
+        kq = _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A, M)
     else:
-        kq = -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A) else key
+        kq = -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A) else key
     if kq < 0:
         return
     tid = _submit(kq, DEMAND, now, 1, IS, T, FS)
@@ -252,11 +253,11 @@ def _lookup(ai, now, pin_gen, buf, IS, K, T, FS, DI, A, M):
     if IS[C_INSTANT]:
         _free(tid, IS)
         tid = -1
-    _add_run(buf, tid, kq, ntok, IS, K, T)
+    _add_run(buf, tid, kq, ntok, IS, K, T, W)
 
 
 @_inline
-def _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A, M):
+def _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
     """A miss of access ``ai`` under a miss policy other than ``fetch`` (the rest of the
     engine's ``LayerLookup.lookup``): drop, substitute, speculate, or fetch (down a precision
     cascade). Returns -1 when the miss is dealt with, else the key to fetch uncached."""
@@ -270,20 +271,20 @@ def _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A, M):
         if e2 >= 0:
             IS[R_SUBST] += 1
             _fin_replace(np.int64(A[1][ai]), e2, IS, M)
-            _use_other(e2, ntok, pin_gen, buf, IS, K, T, FS, DI, A)
+            _use_other(e2, ntok, pin_gen, buf, IS, K, T, W, FS, DI, A)
             return -1
     if miss == MISS_SPECULATIVE and IS[S_LAYER] > 0:  # layer 0 has no prediction: fetch
-        _speculate(np.int64(A[1][ai]), pin_gen, buf, IS, K, T, FS, DI, A, M)
+        _speculate(np.int64(A[1][ai]), pin_gen, buf, IS, K, T, W, FS, DI, A, M)
         return -1
     # fetch (the fetch in the engine's ``LayerLookup.lookup``): at the scenario's precision or down a precision
     # cascade; when no room can be made, an uncached fetch (at the cascade's last precision)
     if IS[C_MULTI]:
-        return _cascade(key, A[4][ai], ai, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A)
-    return -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A) else key
+        return _cascade(key, A[4][ai], ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A)
+    return -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A) else key
 
 
 @_inline
-def _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A):
+def _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A):
     """Fetch ``kq`` (a cache key of the missed expert, ``aq`` its access or -1) when room
     can be made for it: pinned, a demand transfer, an in-flight entry. Returns whether it
     was."""
@@ -294,22 +295,22 @@ def _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A):
     _insert(kq, tid, True, aq, IS, K, T, DI, A)
     if IS[C_MULTI]:
         IS[R_LOWPREC] += _prec(kq, IS) != IS[C_DPREC]
-    _add_run(buf, -1 if IS[C_INSTANT] else tid, kq, ntok, IS, K, T)
+    _add_run(buf, -1 if IS[C_INSTANT] else tid, kq, ntok, IS, K, T, W)
     return True
 
 
 @_inline
-def _use_copy(kq, ntok, pin_gen, buf, IS, K, T, DI, A):
+def _use_copy(kq, ntok, pin_gen, buf, IS, K, T, W, DI, A):
     """The missed expert computes from its resident copy ``kq`` at another precision (the
     absent key is never resident): a use, pinned, a low-precision computation."""
     _on_access(kq, -1, IS, K, DI, A)  # no access of the layer has this key
     K[kq].pin = pin_gen
     IS[R_LOWPREC] += 1
-    _add_run(buf, -1, kq, ntok, IS, K, T)
+    _add_run(buf, -1, kq, ntok, IS, K, T, W)
 
 
 @_jit
-def _alternative(key, rank, ntok, pin_gen, buf, IS, K, T, DI, A):
+def _alternative(key, rank, ntok, pin_gen, buf, IS, K, T, W, DI, A):
     """A precision cascade's resident copy of the missed ``key`` at another precision (the
     policy's ``alternative``), used as a hit: returns whether there was one."""
     alo, ahi, _, _ = _levels(rank, IS)
@@ -317,13 +318,13 @@ def _alternative(key, rank, ntok, pin_gen, buf, IS, K, T, DI, A):
         kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
         if K[kq].state == RESIDENT:
             IS[R_HITS] += 1
-            _use_copy(kq, ntok, pin_gen, buf, IS, K, T, DI, A)
+            _use_copy(kq, ntok, pin_gen, buf, IS, K, T, W, DI, A)
             return True
     return False
 
 
 @_jit
-def _cascade(key, rank, ai, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A):
+def _cascade(key, rank, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A):
     """A precision cascade's fetch of the missed ``key`` (the fetch in the engine's ``LayerLookup.lookup`` with
     several precisions): the first of its precisions that is resident is used, or fetched
     when room can be made for it. Returns -1, or the key of the last precision when none
@@ -332,10 +333,10 @@ def _cascade(key, rank, ai, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A):
     for li in range(flo, fhi):
         kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
         if K[kq].state == RESIDENT:
-            _use_copy(kq, ntok, pin_gen, buf, IS, K, T, DI, A)
+            _use_copy(kq, ntok, pin_gen, buf, IS, K, T, W, DI, A)
             return -1
         aq = ai if kq == key else -1  # the policies find no access of another precision's key
-        if _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, K, T, FS, DI, A):
+        if _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A):
             return -1
     return key - IS[C_DPREC] + IS[IS[H_LEVELS] + fhi - 1]
 

@@ -51,7 +51,7 @@ from moesim.simulator.kernel_state import (
 
 
 @_jit
-def _admit(now, pin_gen, IS, K, T, FS, DI, A):
+def _admit(now, pin_gen, IS, K, T, W, FS, DI, A):
     """One admission round (``PrefetchQueue.admit``)."""
     size = IS[H_NKEYS]
     while IS[S_WN]:
@@ -67,10 +67,11 @@ def _admit(now, pin_gen, IS, K, T, FS, DI, A):
         if not IS[C_INSTANT]:
             n = IS[S_PENDN]
             if n == IS[H_PENDMAX]:
-                n = _compact_pending(IS, T)
-            IS[IS[H_PENDA] + n * 3 + 0] = tid
-            IS[IS[H_PENDA] + n * 3 + 1] = T[tid].seq
-            IS[IS[H_PENDA] + n * 3 + 2] = key
+                n = _compact_pending(IS, T, W)
+            pend = W[IS[H_PENDA] + n]
+            pend.tid = tid
+            pend.seq = T[tid].seq
+            pend.key = key
             IS[S_PENDN] = n + 1
         K[key].adm = IS[IS[H_LGEN] + target]
         IS[IS[H_LADM] + target] = 1
@@ -79,16 +80,18 @@ def _admit(now, pin_gen, IS, K, T, FS, DI, A):
 
 
 @_jit
-def _compact_pending(IS, T):
+def _compact_pending(IS, T, W):
     """Drop the pending entries whose transfer has started (a withdrawal skips them)."""
     keep = 0
     for j in range(IS[S_PENDN]):
-        tid, seq = IS[IS[H_PENDA] + j * 3 + 0], IS[IS[H_PENDA] + j * 3 + 1]
+        pend = W[IS[H_PENDA] + j]
+        tid, seq = pend.tid, pend.seq
         if T[tid].seq != seq or T[tid].started or T[tid].cancelled:
             continue
-        IS[IS[H_PENDA] + keep * 3 + 0] = tid
-        IS[IS[H_PENDA] + keep * 3 + 1] = seq
-        IS[IS[H_PENDA] + keep * 3 + 2] = IS[IS[H_PENDA] + j * 3 + 2]
+        kept = W[IS[H_PENDA] + keep]
+        kept.tid = tid
+        kept.seq = seq
+        kept.key = pend.key
         keep += 1
     if keep == IS[H_PENDMAX]:
         raise RuntimeError("moesim kernel: pending prefetch list full")
@@ -97,7 +100,7 @@ def _compact_pending(IS, T):
 
 
 @_jit
-def _withdraw(layer, lo, hi, IS, K, T, A):
+def _withdraw(layer, lo, hi, IS, K, T, W, A):
     """At ``layer``'s routing point (``PrefetchQueue.withdraw``): proposals for it or earlier still
     waiting are withdrawn, its admissions stop being pinned, and its queued prefetches the
     layer does not need are withdrawn with their room."""
@@ -128,11 +131,13 @@ def _withdraw(layer, lo, hi, IS, K, T, A):
         K[_key(j, IS, A)].mark = gen
     keep = 0
     for j in range(n):
-        tid, seq, key = IS[IS[H_PENDA] + j * 3 + 0], IS[IS[H_PENDA] + j * 3 + 1], IS[IS[H_PENDA] + j * 3 + 2]
+        pend = W[IS[H_PENDA] + j]
+        tid, seq, key = pend.tid, pend.seq, pend.key
         if key // div > layer:
-            IS[IS[H_PENDA] + keep * 3 + 0] = tid
-            IS[IS[H_PENDA] + keep * 3 + 1] = seq
-            IS[IS[H_PENDA] + keep * 3 + 2] = key
+            kept = W[IS[H_PENDA] + keep]
+            kept.tid = tid
+            kept.seq = seq
+            kept.key = key
             keep += 1
             continue
         if (T[tid].seq != seq or T[tid].prio == DEMAND or K[key].mark == gen
@@ -182,7 +187,7 @@ def _propose_key(key, p, IS, K, DI, A):
 
 
 @_jit
-def _propose(p, layer, p0, now, pin_gen, IS, K, T, FS, DI, A, P):
+def _propose(p, layer, p0, now, pin_gen, IS, K, T, W, FS, DI, A, P):
     """The prefetcher's proposals at ``layer``'s routing point, then one admission round."""
     num_l = IS[C_L]
     kind = IS[C_PF]
@@ -205,4 +210,4 @@ def _propose(p, layer, p0, now, pin_gen, IS, K, T, FS, DI, A, P):
                 for j in range(DI[IS[H_OFF] + b], DI[IS[H_OFF] + b + 1]):
                     _propose_key(_key(j, IS, A), p, IS, K, DI, A)
     if IS[S_WN]:
-        _admit(now, pin_gen, IS, K, T, FS, DI, A)
+        _admit(now, pin_gen, IS, K, T, W, FS, DI, A)

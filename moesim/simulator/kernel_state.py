@@ -1,16 +1,18 @@
 """The replay kernel's state (:mod:`simulator.kernel`): its layout, the accessors of the
 workload's arrays, and the list and generation primitives every part uses.
 
-State lives in four arrays, so that the kernel's functions pass little between them: ``IS``
+State lives in five arrays, so that the kernel's functions pass little between them: ``IS``
 (int64: scalars ``S_*``, configuration ``C_*``, the pass's counts ``R_*``, region offsets
 ``H_*``, then the regions: queues, lists, scratch), ``FS`` (float64: scalars, configuration,
-then regions), and two record arrays with named fields: ``K``, one record per cache key
-(:data:`KEY`: ``K[key].state``, ``.tid``, ``.prev``/``.next`` in a list, ``.nextuse`` ...) and
+then regions), and three record arrays with named fields: ``K``, one record per cache key
+(:data:`KEY`: ``K[key].state``, ``.tid``, ``.prev``/``.next`` in a list, ``.nextuse`` ...),
 ``T``, one per transfer slot (:data:`TRANSFER`: ``T[t].key``, ``.seq``, ``.start``, ``.done``
-...). Element ``i`` of a queue or list ``Q`` is ``IS[IS[H_Q] + i]``. Queues: the demand queue
-``DQ`` in service order, the prefetch queue ``PFQ`` as a ring whose withdrawn or promoted
-entries are -1, the running ring ``RQ``, the waiting proposals ``WQ``, the pending prefetches
-``PENDA``. Transfer slots are reused; a slot kept past a layer is checked against its
+...), and ``W``, units of a layer's work (:data:`WORK`: ``.tid``, ``.seq``, ``.key``,
+``.tokens``) in three regions: the layer's computations, the lookup buffers' and the pending
+prefetches (``W[IS[H_PENDA] + i]``). Element ``i`` of a queue or list ``Q`` is
+``IS[IS[H_Q] + i]``. Queues: the demand queue ``DQ`` in service order, the prefetch queue
+``PFQ`` as a ring whose withdrawn or promoted entries are -1, the running ring ``RQ``, the
+waiting proposals ``WQ``. Transfer slots are reused; a slot kept past a layer is checked against its
 transfer's sequence number. Sets the SimPy path rebuilds (pins, pending experts, keys evicted
 in this pass) are generation marks. Read-only data: ``DI`` (offsets of each (pass, layer)'s
 accesses, pass groups, Belady's access positions), ``DF`` (expert seconds by token count,
@@ -52,6 +54,13 @@ KEY = np.dtype([(name, np.int64) for name in (
 # ring; when it was issued, starts, is done, and its duration.
 TRANSFER = np.dtype([(name, np.int64) for name in ("key", "prio", "seq", "started", "cancelled", "bypass", "pfslot")]
                     + [(name, np.float64) for name in ("issued", "start", "done", "dur")])
+# A unit of a layer's work (``W[i]``): the transfer it waits for (slot and its sequence number:
+# the slot may be reused; -1 for none), its cache key and its tokens. ``W`` holds three regions
+# of them, each starting at the record that ``IS`` names: the layer's computations (``H_RUNS``,
+# up to ``C_MAXN``: layer and on-arrival execution), the two lookup buffers of per-expert
+# execution (``H_LRUN``, ``C_LRUNCAP`` records each) and the pending prefetches (``H_PENDA``, up to
+# ``H_PENDMAX``: slot, sequence and key; their tokens unused).
+WORK = np.dtype([(name, np.int64) for name in ("tid", "seq", "key", "tokens")])
 # The integer state IS: scalars (S_*), configuration (C_*), the pass's row (R_*), region
 # offsets (H_*), then the regions (queues, lists, scratch).
 (S_SEQ, S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_HEAD, S_TAIL, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
@@ -178,15 +187,15 @@ def _new_gen(IS, which):
 
 
 def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, fin: int = 1,
-            lrun: int = 1, nprec: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The state arrays ``IS``, ``FS``, ``K``, ``T``, initialised: regions after the headers,
-    their offsets in ``IS``.
+            lrun: int = 1, nprec: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The state arrays ``IS``, ``FS``, ``K``, ``T``, ``W``, initialised: regions after the
+    headers, their offsets in ``IS`` (``W``'s regions' first records there too).
     Every precision (``nprec``) is one byte and takes one second to copy until set
     (``H_PBYTES``, ``H_PDUR``); the only precision level is the default, 0."""
     i_sizes = ((H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
-               (H_FREE, pool), (H_WQ, num_keys), (H_PENDA, pend_max * 3), (H_MEMB, num_keys),
-               (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys), (H_RUNS, 4 * max(1, maxn)),
-               (H_LRUN, 2 * 4 * lrun), (H_SPEC, 2 * lrun), (H_ROUTED, num_keys), (H_LSQ, 4 * num_keys),
+               (H_FREE, pool), (H_WQ, num_keys), (H_MEMB, num_keys),
+               (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys),
+               (H_SPEC, 2 * lrun), (H_ROUTED, num_keys), (H_LSQ, 4 * num_keys),
                (H_PFTMP, pool), (H_FIN, fin), (H_LEVELS, nprec), (H_PBYTES, nprec), (H_VICT, 2 * num_keys))
     f_sizes = ((H_SCR, 2 * max(1, maxn)), (H_MSCR, 2 * top_k),
                (H_PDUR, nprec))
@@ -209,6 +218,9 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
     for name in ("tid", "curpass", "prev", "next", "memb", "evicted", "accpass"):
         K[name] = -1
     T = np.zeros(pool, TRANSFER).view(np.recarray)
+    # W's regions: the layer's computations, the two lookup buffers, the pending prefetches
+    IS[H_RUNS], IS[H_LRUN], IS[H_PENDA] = 0, max(1, maxn), max(1, maxn) + 2 * lrun
+    W = np.zeros(max(1, maxn) + 2 * lrun + pend_max, WORK).view(np.recarray)
     IS[IS[H_FREE]:IS[H_FREE] + pool] = np.arange(pool - 1, -1, -1)
     IS[IS[H_LGEN]:IS[H_LGEN] + num_keys] = 1
     IS[IS[H_LSQ]:IS[H_LSQ] + 4 * num_keys] = -1
@@ -217,4 +229,4 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
     IS[C_NBYTES] = 1
     IS[IS[H_PBYTES]:IS[H_PBYTES] + nprec] = 1
     FS[IS[H_PDUR]:IS[H_PDUR] + nprec] = 1.0
-    return IS, FS, K, T
+    return IS, FS, K, T, W
