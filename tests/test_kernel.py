@@ -758,6 +758,27 @@ def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
     assert IS[KS.S_NCOMP] == 2
 
 
+def test_a_lookup_buffers_computations_are_all_pinned_and_no_others():
+    """``_pin_buffer`` (per-expert execution: the running expert's computations, and the next
+    one's, must not be evicted by the lookups made meanwhile) pins the key of every computation
+    in the buffer it is given, not only the first, and nothing in the other buffer. (No test
+    replay puts a second computation in a buffer where the victim search would pick it, so the
+    function is driven directly.)"""
+    from moesim.simulator import kernel_compute as KX
+    from moesim.simulator import kernel_state as KS
+
+    IS, _, KR, _, WR = KS._layout(num_keys=8, pool=4, pend_max=4, maxn=2, lrun=3)
+    for buf, keys in ((0, (5, 2, 7)), (1, (1, 3))):
+        at = IS[KS.H_LRUN] + buf * IS[KS.C_LRUNCAP]
+        for x, key in enumerate(keys):
+            WR[at + x].key = key
+        IS[KS.S_LRUNN + buf] = len(keys)
+    KX._pin_buffer(0, 9, IS, KR, WR)
+    assert [int(KR[k].pin) for k in range(8)] == [0, 0, 9, 0, 0, 9, 0, 9]
+    KX._pin_buffer(1, 10, IS, KR, WR)
+    assert [int(KR[k].pin) for k in range(8)] == [0, 10, 9, 10, 0, 9, 0, 9]
+
+
 def test_the_kernels_speculation_by_hand():
     """``_speculate`` (speculating-experts-prefetch.txt §4, as the engine's speculate branch):
     expert 0 misses for three tokens. Token 0's previous-layer prediction ranks 5 and 3 equal
