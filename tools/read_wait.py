@@ -4,8 +4,10 @@ Runs ``moesim`` with its arguments (e.g. ``run quickstart --trace FILE --json --
 after wrapping :func:`moesim.simulator.stream.read_ahead`, and prints to stderr, as the process
 ends: ``read`` (seconds the reading thread spent reading and building pieces), ``prep`` (making
 each piece's prefetch proposals there), ``wait`` (seconds the replay's thread waited for a
-piece), ``pieces``, and ``total`` (the process from this script's start). A ``wait`` near zero
-says the kernel's thread is the slower one; a large one, the reading thread.
+piece), ``first`` (the part of ``wait`` spent on the first piece, before the replay starts:
+its reading, and the first load of the reading side's compiled functions), ``pieces``, and
+``total`` (the process from this script's start). A ``wait`` near ``first`` says the kernel's
+thread is the slower one; a larger one, the reading thread.
 
 Usage: ``python tools/read_wait.py run quickstart --trace FILE --set KEY=VALUE ... --json
 --no-write -q``."""
@@ -20,7 +22,7 @@ from typing import Any
 
 import moesim.simulator.stream as stream
 
-TIMES = {"read": 0.0, "prep": 0.0, "wait": 0.0, "pieces": 0}
+TIMES = {"read": 0.0, "prep": 0.0, "wait": 0.0, "first": 0.0, "pieces": 0}
 START = time.perf_counter()
 _read_ahead = stream.read_ahead
 
@@ -46,6 +48,8 @@ def _timed(pieces: Iterator[Any], prepare: Callable[[Any], None] | None = None) 
         TIMES["prep"] += time.perf_counter() - t0
 
     for wl in _each_timed(_read_ahead(_each_timed(pieces, "read"), prep if prepare is not None else None), "wait"):
+        if not TIMES["pieces"]:
+            TIMES["first"] = TIMES["wait"]
         TIMES["pieces"] += 1
         yield wl
 
