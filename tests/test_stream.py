@@ -848,3 +848,34 @@ def test_a_bad_model_in_the_metadata_is_named_with_the_file(tmp_path: Path) -> N
     for read in (read_trace, lambda p: list(iter_trace(p, 300)), trace_rows):
         with pytest.raises(MoesimError, match=rf"^trace {path}"):
             read(path)
+
+
+def test_the_kernel_lets_go_of_a_pieces_arrays_as_the_piece_ends(ragged_file: Path, monkeypatch) -> None:
+    """The kernel keeps the type of a piece's large tuple argument (its per-access arrays) across
+    the piece's calls, and lets go of it as the piece ends: when the next piece is bound, the
+    compiled loops hold no piece's arrays (only two pieces are then in memory: the one read ahead
+    and the one bound). Every tuple counts as large here."""
+    from moesim import jit
+
+    if not isinstance(kernel.replay_passes, getattr(jit, "_PlainTypes", ())):
+        pytest.skip("numba is not compiling here")
+    monkeypatch.setattr(jit, "_KEEP_BYTES", 0)
+    held: list[bool] = []
+    bind = Simulation.bind_piece
+    replay = kernel.replay_passes
+
+    def bound(sim: Simulation, wl) -> None:
+        held.append(replay._large is not None)
+        bind(sim, wl)
+
+    monkeypatch.setattr(Simulation, "bind_piece", bound)
+    calls: list[int] = []
+    monkeypatch.setattr(kernel, "replay_passes", lambda *a: calls.append(1) or replay(*a))
+    monkeypatch.setattr(kernel, "CHUNK", 7)
+    sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", "cache.capacity=10%"])
+    res = Simulation(sc, chunk_rows=500).run()
+    assert res.summary["trace_pieces"] >= 5
+    assert len(calls) > res.summary["trace_pieces"]  # pieces of several calls each
+    assert len(held) >= res.summary["trace_pieces"] - 1
+    assert not any(held)
+    assert replay._large is None

@@ -65,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from moesim.jit import HAVE_NUMBA, forget_tuples
+from moesim.jit import HAVE_NUMBA, forget_large_tuples, forget_tuples
 from moesim.simulator.kernel_compute import _preload, replay_passes
 from moesim.simulator.kernel_copy import _advance
 from moesim.simulator.kernel_state import (
@@ -659,6 +659,7 @@ def _replay(sim: Any) -> None:
         if nxt is None:
             break
         del DI, A, DF, M, nonexp
+        forget_large_tuples()  # the piece's per-access arrays, kept by the kernel with their type
         wl = nxt
         sim.bind_piece(wl)
         DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks,
