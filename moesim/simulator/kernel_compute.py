@@ -22,7 +22,6 @@ from moesim.simulator.kernel_state import (
     C_INSTANT,
     C_K,
     C_L,
-    C_LRUNCAP,
     C_MAXN,
     C_MODE,
     C_NBYTES,
@@ -36,7 +35,6 @@ from moesim.simulator.kernel_state import (
     CF_HLAYER,
     EV_LS,
     H_FIN,
-    H_LRUN,
     H_MSCR,
     H_OFF,
     H_ROUTED,
@@ -69,6 +67,7 @@ from moesim.simulator.kernel_state import (
     SF_MTOTAL,
     SF_NOW,
     SF_STALL,
+    _buffer,
     _ffn,
     _here,
     _key,
@@ -174,7 +173,7 @@ def _layer(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M):
 @_inline
 def _pin_buffer(buf, pins, IS, K, W):
     """Pin the keys of lookup buffer ``buf``'s computations with generation ``pins``."""
-    b = IS[H_LRUN] + buf * IS[C_LRUNCAP]
+    b = _buffer(buf, IS)
     for x in range(IS[S_LRUNN + buf]):
         K[W[b + x].key].pin = pins
 
@@ -182,7 +181,7 @@ def _pin_buffer(buf, pins, IS, K, W):
 @_inline
 def _buffer_arrived(buf, t, IS, T, W):
     """Whether every computation of lookup buffer ``buf`` has its expert on the GPU by ``t``."""
-    b = IS[H_LRUN] + buf * IS[C_LRUNCAP]
+    b = _buffer(buf, IS)
     for x in range(IS[S_LRUNN + buf]):
         run = W[b + x]
         if _arrival(run.tid, run.seq, t, T) > t:
@@ -207,7 +206,7 @@ def _host_issue(buf, t, blocking, IS, T, W, FS):
     if IS[C_HSYNC] == 2 and FS[SF_HOST] < t:
         FS[SF_HOST] = t
     if blocking:
-        b = IS[H_LRUN] + buf * IS[C_LRUNCAP]
+        b = _buffer(buf, IS)
         for x in range(IS[S_LRUNN + buf]):
             run = W[b + x]
             a = _arrival(run.tid, run.seq, FS[SF_HOST], T)
@@ -254,7 +253,7 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M):
         if host and not launched:
             issued = _host_issue(cur, t, blocking, IS, T, W, FS)
         launched = False
-        base = IS[H_LRUN] + cur * IS[C_LRUNCAP]
+        base = _buffer(cur, IS)
         for x in range(IS[S_LRUNN + cur]):
             run = W[base + x]
             a = _arrival(run.tid, run.seq, t, T)

@@ -17,7 +17,6 @@ from moesim.simulator.kernel_state import (
     C_IMPORTANT,
     C_INSTANT,
     C_K,
-    C_LRUNCAP,
     C_MISS,
     C_MULTI,
     C_NE,
@@ -25,7 +24,6 @@ from moesim.simulator.kernel_state import (
     DEMAND,
     H_FIN,
     H_LEVELS,
-    H_LRUN,
     H_ROUTED,
     H_RUNS,
     H_SPEC,
@@ -48,6 +46,7 @@ from moesim.simulator.kernel_state import (
     S_LRUNN,
     S_NCOMP,
     S_PASS,
+    _buffer,
     _here,
     _key,
     _key_at,
@@ -128,7 +127,7 @@ def _add_run(buf, tid, key, ntok, IS, K, T, W):
         r = IS[H_RUNS] + IS[S_NCOMP]
     else:
         n = IS[S_LRUNN + buf]
-        r = IS[H_LRUN] + buf * IS[C_LRUNCAP] + n
+        r = _buffer(buf, IS) + n
         IS[S_LRUNN + buf] = n + 1
     IS[S_NCOMP] += new
     run = W[r]

@@ -108,6 +108,12 @@ def _here(IS):
     return _row_base(IS[S_PASS], IS) + IS[S_LAYER]
 
 
+@_inline
+def _buffer(buf, IS):
+    """The first record in ``W`` of per-expert execution's lookup buffer ``buf`` (0 or 1)."""
+    return IS[H_LRUN] + buf * IS[C_LRUNCAP]
+
+
 @_jit
 def _key(j, IS, A):
     """The cache key of access ``j``."""
