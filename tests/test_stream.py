@@ -223,8 +223,8 @@ def test_each_pieces_proposals_are_made_as_it_is_read_and_the_replay_is_the_whol
     monkeypatch.setattr(kernel, "CHUNK", 7)
     made, asked = [], []
     chunks_of, ahead = kernel._chunks_of, kernel._proposals_ahead
-    monkeypatch.setattr(kernel, "_chunks_of", lambda props, n, num_l: made.append(n) or chunks_of(props, n, num_l))
-    monkeypatch.setattr(kernel, "_proposals_ahead", lambda pf, n: asked.append(n) or ahead(pf, n))
+    monkeypatch.setattr(kernel, "_chunks_of", lambda props, b, num_l: made.append(b[-1]) or chunks_of(props, b, num_l))
+    monkeypatch.setattr(kernel, "_proposals_ahead", lambda pf, b: asked.append(b[-1]) or ahead(pf, b))
     sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", "policies.eviction=least-stale",
                                       "policies.prefetch=score-percentile", "cache.capacity=10%"])
     whole = Simulation(sc, trace=read_trace(ragged_file)).run()
@@ -879,3 +879,49 @@ def test_the_kernel_lets_go_of_a_pieces_arrays_as_the_piece_ends(ragged_file: Pa
     assert len(held) >= res.summary["trace_pieces"] - 1
     assert not any(held)
     assert replay._large is None
+
+
+def test_a_kernel_call_holds_at_most_call_accesses_or_a_single_pass(ragged_file: Path, monkeypatch) -> None:
+    """A kernel call replays at most ``CHUNK`` passes and, past its first, at most
+    ``CALL_ACCESSES`` accesses, taking as many passes as fit (so that a call stays short
+    whatever a pass holds: progress and Ctrl-C come between calls). The trace's prefill passes
+    (12 tokens) hold several decode passes' accesses; with a limit of 600 accesses and 4 passes
+    some calls stop at 4 passes, some sooner, and a pass over the limit is a call of its own. The
+    calls are those of a reference written from that rule, and the replay is the one in calls of
+    the defaults."""
+    sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", "cache.capacity=10%"])
+    whole = Simulation(sc, trace=read_trace(ragged_file)).run()
+    monkeypatch.setattr(kernel, "CALL_ACCESSES", 600)
+    monkeypatch.setattr(kernel, "CHUNK", 4)
+    calls: list[tuple[int, int]] = []
+    replay = kernel.replay_passes
+    monkeypatch.setattr(kernel, "replay_passes", lambda *a: calls.append((a[0], a[1])) or replay(*a))
+    sim = Simulation(sc, trace=read_trace(ragged_file))
+    num_l = sim.model.num_layers
+    per_pass = [int(sim.wl.off[(p + 1) * num_l] - sim.wl.off[p * num_l]) for p in range(sim.wl.num_passes)]
+    _same(whole, sim.run())
+    expected, q, n = [], 0, len(per_pass)
+    while q < n:
+        j = q + 1
+        while j < n and j - q < 4 and sum(per_pass[q:j + 1]) <= 600:
+            j += 1
+        expected.append((q, j))
+        q = j
+    assert calls == expected
+    sizes = [(q1 - q0, sum(per_pass[q0:q1])) for q0, q1 in calls]
+    assert any(p == 1 and a > 600 for p, a in sizes)  # a pass over the limit alone
+    assert any(p == 4 for p, _ in sizes)  # the passes' limit binds
+    assert any(1 < p < 4 for p, _ in sizes)  # and the accesses'
+
+
+def test_the_calls_of_eight_passes_by_hand(monkeypatch) -> None:
+    """``kernel._calls`` on eight passes of two layers holding 3, 2, 5, 1, 1, 1, 9 and 2 accesses,
+    at most 5 accesses and 3 passes a call, worked out by hand: passes 0-1 (3 + 2 = 5, at the
+    limit; adding pass 2 makes 10), pass 2 (5; adding pass 3 makes 6), passes 3-5 (3 accesses,
+    3 passes), pass 6 alone (9, over the limit), pass 7."""
+    monkeypatch.setattr(kernel, "CALL_ACCESSES", 5)
+    monkeypatch.setattr(kernel, "CHUNK", 3)
+    per_layer = [[1, 2], [2, 0], [0, 5], [1, 0], [0, 1], [1, 0], [4, 5], [1, 1]]
+    off = np.concatenate([[0], np.cumsum(np.ravel(per_layer))])
+    assert kernel._calls(off, 8, 2) == [0, 2, 3, 6, 7, 8]
+    assert kernel._calls(off[:7], 3, 2) == [0, 2, 3]  # a piece's first three passes

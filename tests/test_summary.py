@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moesim.simulator.engine import simulate
+from moesim.traces.schema import PHASES
 from tests.helpers import scenario, small_model, trace_from_array
 from tests.test_budget_hand import one_pass
 
@@ -179,13 +180,10 @@ def test_pass_totals_by_hand_however_the_rows_are_cut() -> None:
     """Six passes (prefill, three decodes, two verifies) worked out by hand, taken whole and
     cut into blocks of 2, 3 and 1 passes (the decodes and the verifies each in two blocks): the same totals either
     way."""
-    import pandas as pd
-
     from moesim.simulator.metrics import PassTotals
 
-    steps = pd.DataFrame({
-        "phase": pd.Categorical(["prefill", "decode", "decode", "decode", "verify", "verify"],
-                                categories=["prefill", "decode", "verify"]),
+    steps = {k: np.asarray(v) for k, v in {
+        "phase": [0, 1, 1, 1, 2, 2],  # codes into PHASES: prefill, decode, verify
         "hits": [1, 2, 3, 4, 5, 6], "misses": [10, 0, 1, 0, 2, 0], "tokens": [7, 1, 1, 1, 3, 3],
         "generated": [1, 1, 1, 1, 2, 3], "requests": [1, 1, 1, 1, 1, 2],
         "unique_experts": [9, 4, 5, 6, 7, 8],
@@ -200,11 +198,12 @@ def test_pass_totals_by_hand_however_the_rows_are_cut() -> None:
                                 "prefetch_predicted", "prefetch_actual", "low_precision_experts",
                                 "dropped_experts", "substituted_experts", "bytes_h2d", "bytes_ep",
                                 "tokens_altered")},
-    })
+    }.items()}
+    assert PHASES == ("prefill", "decode", "verify")
     whole, cut = PassTotals(), PassTotals()
     whole.add(steps)
     for lo, hi in ((0, 2), (2, 5), (5, 6)):
-        cut.add(steps.iloc[lo:hi])
+        cut.add({k: v[lo:hi] for k, v in steps.items()})
     for t in (whole, cut):
         assert t.passes == 6
         assert t.sums["hits"] == 21

@@ -109,7 +109,7 @@ class Simulation:
         # passes and batches (groups) of the blocks taken
         self.totals = PassTotals()
         self.rows = PassRows(keep_rows)  # keep_rows False: only the summary is wanted
-        self._request_rows: list[pd.DataFrame] = []
+        self._request_rows: list[dict[str, np.ndarray]] = []  # per block, the per-request columns
         self._pass_base = self._group_base = 0
         self.whole_reason: str | None = "a trace or workload was given"
         self.serving: Scheduler | None = None  # serving under load: the scheduler forming each pass
@@ -795,7 +795,7 @@ class Simulation:
         self.wall_s = _time.perf_counter() - t0
         self.rows.close()
         requests = (self.serving.frame() if self.serving is not None
-                    else pd.concat(self._request_rows, ignore_index=True))
+                    else _requests_frame(self._request_rows))
         summary = summarise(self, self.totals, requests)
         if self.serving is not None:
             from moesim.simulator import serving
@@ -824,25 +824,28 @@ class Simulation:
         """Turn the per-pass arrays of the passes in ``self.wl`` (the whole workload, or a
         block of a trace read in pieces: :func:`simulator.kernel.replay`) into per-pass and
         per-request rows, numbered after the blocks taken before, for the summary's totals
-        and the result."""
-        steps = self._steps_frame()
+        and the result. The per-pass rows become a frame only when they are kept (the
+        summary's totals read the columns)."""
+        steps = self._steps_columns()
         self.totals.add(steps)
-        self.rows.add(steps)
+        if self.rows.keep:
+            self.rows.add(_steps_frame(steps))
         if self.serving is None:
-            self._request_rows.append(self._requests_frame())
+            self._request_rows.append(self._requests_columns())
         self._pass_base += self.wl.num_passes
         self._group_base += int(self.wl.pass_group.max()) + 1  # a workload has a pass (no empty trace)
 
-    def _steps_frame(self) -> pd.DataFrame:
+    def _steps_columns(self) -> dict[str, np.ndarray]:
+        """The per-pass rows' columns, ``phase`` as codes into :data:`PHASES`."""
         wl = self.wl
         num_l = self.model.num_layers
         uniq = self._cols["unique_computed"]
         layers_routed = np.diff(wl.off).reshape(-1, num_l) > 0  # a workload has a pass (no empty trace)
-        return pd.DataFrame({
+        return {
             "pass": np.arange(self._pass_base, self._pass_base + wl.num_passes, dtype=np.int64),
             "group": wl.pass_group + self._group_base,
             "step": wl.pass_step,
-            "phase": pd.Categorical.from_codes(wl.pass_phase.astype(np.int64), categories=pd.Index(PHASES)),
+            "phase": wl.pass_phase.astype(np.int64),
             "tokens": wl.pass_tokens,
             "generated": wl.pass_generated,
             "requests": wl.pass_requests,
@@ -869,21 +872,38 @@ class Simulation:
             "gate_weight_computed": self._mass_kept,
             "tokens_altered": self._cols["tokens_altered"],
             "max_experts_per_gpu": self._ep_max_load,
-        })
+        }
 
-    def _requests_frame(self) -> pd.DataFrame:
+    def _requests_columns(self) -> dict[str, np.ndarray]:
+        """The per-request rows' columns of the passes in ``self.wl``, ``first_phase`` as
+        codes into :data:`PHASES`."""
         wl = self.wl
         groups = wl.request_group
         first = wl.request_first_pass
-        group_start = pd.Series(self._t_start).groupby(wl.pass_group).min()
-        start = group_start.reindex(groups).to_numpy()
-        return pd.DataFrame({
+        group_start = np.full(int(wl.pass_group.max()) + 1, np.inf)  # each group's first pass start
+        np.minimum.at(group_start, wl.pass_group, self._t_start)
+        return {
             "request": wl.request_ids,
             "group": groups + self._group_base,
             "first_pass": first + self._pass_base,
-            "ttft_s": self._t_end[first] - start,  # a workload has a request (no empty trace)
-            "first_phase": [PHASES[int(c)] for c in wl.pass_phase[first]],
-        })
+            "ttft_s": self._t_end[first] - group_start[groups],  # a workload has a request (no empty trace)
+            "first_phase": wl.pass_phase[first].astype(np.int64),
+        }
+
+
+def _requests_frame(blocks: list[dict[str, np.ndarray]]) -> pd.DataFrame:
+    """The per-request rows of the blocks of :meth:`Simulation._requests_columns`, in order,
+    as one frame (``first_phase`` by name)."""
+    cols = {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
+    cols["first_phase"] = np.asarray(PHASES, dtype=object)[cols["first_phase"]]
+    return pd.DataFrame(cols)
+
+
+def _steps_frame(columns: dict[str, np.ndarray]) -> pd.DataFrame:
+    """The per-pass rows of :meth:`Simulation._steps_columns` as a frame (``phase``
+    categorical)."""
+    return pd.DataFrame({**columns, "phase": pd.Categorical.from_codes(columns["phase"],
+                                                                      categories=pd.Index(PHASES))})
 
 
 def _stamp(path: Path) -> tuple[int, int]:

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import os
 import warnings
@@ -272,7 +273,15 @@ def hook_form(cls: type) -> Any:
 
 
 _NO_STATE = (np.zeros(7, np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1)))
-CHUNK = 256  # passes per kernel call (progress is reported between calls)
+# A kernel call replays at most CHUNK passes and, past its first pass, at most CALL_ACCESSES
+# expert accesses (_calls): progress is reported, and Ctrl-C is seen, between calls, so a call
+# is kept short whatever the passes hold (a prefill pass of thousands of tokens), and long
+# enough that the Python between calls costs little. Issue 34, LRU on the 25.6 M-access
+# benchmark trace (128 accesses a pass), in-process, six interleaved rounds: calls of 256 passes
+# (800 calls) took 1.263 s best and 1.388 s median, of 2,048 passes (2**18 accesses) 1.174 and
+# 1.330 s.
+CHUNK = 2048
+CALL_ACCESSES = 1 << 18
 # forward passes whose per-pass rows a replay in pieces hands over at a time (_hand_over): from
 # the second block on they go to disk (``output.results.PassRows``). A block's rows take about
 # 1 KB a pass while they are made into a frame: LRU on the 76.8 M-access benchmark trace
@@ -489,30 +498,44 @@ def next_piece(pieces: Generator[Any, float, None], now: float) -> Any:
         return None
 
 
-def _proposals_ahead(prefetch: Any, n_pass: int) -> Any:
-    """A prefetcher's proposals (``proposals``, what the kernel reads) chunk by chunk over a
-    piece's ``n_pass`` passes, the next chunk's made on a second thread while the kernel
-    replays this one: they depend on the trace alone, and the kernel and score-percentile's
-    compiled proposals both release the GIL (issue 34: score-percentile's proposals took a
-    third of a least-stale + score-percentile replay's time on the main thread)."""
+def _calls(off: np.ndarray, n_pass: int, num_l: int) -> list[int]:
+    """Where a piece's kernel calls begin and end: pass numbers from 0 to ``n_pass``, each call
+    at least one pass, at most :data:`CHUNK`, and no more passes than keep its accesses (from
+    the offsets ``off``, ``num_l`` a pass) within :data:`CALL_ACCESSES`."""
+    starts = np.ascontiguousarray(off[::num_l])  # each pass's first access, and the end: n_pass + 1
+    bounds = [0]
+    while bounds[-1] < n_pass:
+        q0 = bounds[-1]
+        q1 = int(np.searchsorted(starts, starts[q0] + CALL_ACCESSES, "right")) - 1  # accesses that fit
+        bounds.append(min(max(q1, q0 + 1), q0 + CHUNK, n_pass))
+    return bounds
+
+
+def _proposals_ahead(prefetch: Any, bounds: list[int]) -> Any:
+    """A prefetcher's proposals (``proposals``, what the kernel reads) call by call over a
+    piece's passes (``bounds``: :func:`_calls`), the next call's made on a second thread while
+    the kernel replays this one: they depend on the trace alone, and the kernel and
+    score-percentile's compiled proposals both release the GIL (issue 34: score-percentile's
+    proposals took a third of a least-stale + score-percentile replay's time on the main
+    thread)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=1) as ahead:
-        nxt = ahead.submit(prefetch.proposals, 0, min(CHUNK, n_pass))
-        for q0 in range(0, n_pass, CHUNK):
-            q1 = min(q0 + CHUNK, n_pass)
+        nxt = ahead.submit(prefetch.proposals, bounds[0], bounds[1])
+        for i in range(1, len(bounds)):
             done = nxt.result()
-            if q1 < n_pass:
-                nxt = ahead.submit(prefetch.proposals, q1, min(q1 + CHUNK, n_pass))
+            if i + 1 < len(bounds):
+                nxt = ahead.submit(prefetch.proposals, bounds[i], bounds[i + 1])
             yield done
 
 
-def _chunks_of(proposals: tuple[np.ndarray, np.ndarray], n_pass: int, num_l: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _chunks_of(proposals: tuple[np.ndarray, np.ndarray], bounds: list[int],
+               num_l: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """A piece's proposals made as it was read (``Workload.proposals``), as :func:`_proposals_ahead`
-    hands them over: chunk by chunk, each chunk's offsets from 0."""
+    hands them over: call by call (``bounds``), each call's offsets from 0."""
     off, keys = proposals
-    for q0 in range(0, n_pass, CHUNK):
-        o = off[q0 * num_l:min(q0 + CHUNK, n_pass) * num_l + 1]
+    for q0, q1 in itertools.pairwise(bounds):
+        o = off[q0 * num_l:q1 * num_l + 1]
         yield o - o[0], keys[o[0]:o[-1]]
 
 
@@ -626,11 +649,11 @@ def _replay(sim: Any) -> None:
         m_total, m_kept = np.zeros(n_pass), np.zeros(n_pass)
         IS[S_PBASE] = base
         props = None
+        bounds = _calls(wl.off, n_pass, num_l)
         if pf == PF_ARRAY:
-            props = (_chunks_of(wl.proposals, n_pass, num_l) if wl.proposals is not None
-                     else _proposals_ahead(sim.prefetch, n_pass))
-        for q0 in range(0, n_pass, CHUNK):
-            q1 = min(q0 + CHUNK, n_pass)
+            props = (_chunks_of(wl.proposals, bounds, num_l) if wl.proposals is not None
+                     else _proposals_ahead(sim.prefetch, bounds))
+        for q0, q1 in itertools.pairwise(bounds):
             with _hook_errors(sim):  # the compiled hooks run here (and make the proposals ahead)
                 P = next(props) if props is not None else no_props
                 replay_passes(base + q0, base + q1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp[q0:q1],

@@ -57,6 +57,7 @@ In cache-only replay (``timing: false``) the time metrics are ``null``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -65,7 +66,7 @@ import pandas as pd
 from moesim.config.scenario import Scenario
 from moesim.simulator.cache import ExpertCache
 from moesim.simulator.copyengine import CopyEngine
-from moesim.traces.schema import ModelInfo
+from moesim.traces.schema import PHASE_CODES, ModelInfo
 
 
 class RunInfo(Protocol):
@@ -175,35 +176,39 @@ class PassTotals:
             "stall_s", "gate_weight_total", "gate_weight_computed", "dec_duration", "dec_request_time",
             "dec_max_experts_per_gpu")}
 
-    def add(self, steps: pd.DataFrame) -> None:
-        """Take a block of per-pass rows (consecutive passes, in order)."""
-        if not len(steps):
+    def add(self, steps: Mapping[str, np.ndarray]) -> None:
+        """Take a block of per-pass rows (consecutive passes, in order) as columns of the
+        per-pass rows' names, each an array with an entry per pass, ``phase`` as codes into
+        :data:`traces.schema.PHASES` (the numbers, not a frame: a frame's columns cost a
+        replay in pieces 4 ms a block, issue 34)."""
+        phase = np.asarray(steps["phase"])
+        if not len(phase):
             return
-        self.passes += len(steps)
+        self.passes += len(phase)
         for k in _SUMS:
-            self.sums[k] += int(steps[k].sum())
-        phase = steps["phase"]
-        masks = {_DECODE_LIKE: phase.isin(["decode", "verify"]).to_numpy(),
-                 _PREFILL: (phase == "prefill").to_numpy(), _DECODE: (phase == "decode").to_numpy(),
-                 _VERIFY: (phase == "verify").to_numpy()}
+            self.sums[k] += int(np.asarray(steps[k]).sum())
+        masks = {_PREFILL: phase == PHASE_CODES[_PREFILL], _DECODE: phase == PHASE_CODES[_DECODE],
+                 _VERIFY: phase == PHASE_CODES[_VERIFY]}
+        masks[_DECODE_LIKE] = masks[_DECODE] | masks[_VERIFY]
         for k, m in masks.items():
             self.count[k] += int(m.sum())
-        uniq, gen, tokens = (steps[c].to_numpy() for c in ("unique_experts", "generated", "tokens"))
+        uniq, gen, tokens, requests = (np.asarray(steps[c]) for c in ("unique_experts", "generated", "tokens",
+                                                                      "requests"))
         dl = masks[_DECODE_LIKE]
         self.unique[_DECODE_LIKE] += int(uniq[dl].sum())
         self.unique[_PREFILL] += int(uniq[masks[_PREFILL]].sum())
         self.decode_tokens += int(tokens[masks[_DECODE]].sum())
         self.decode_like_generated += int(gen[dl].sum())
         self.verify_generated += int(gen[masks[_VERIFY]].sum())
-        self.verify_requests += int(steps["requests"].to_numpy()[masks[_VERIFY]].sum())
-        self.end_s = max(self.end_s, float(steps["end_s"].max()))
+        self.verify_requests += int(requests[masks[_VERIFY]].sum())
+        self.end_s = max(self.end_s, float(np.max(steps["end_s"])))
         exact = self._sums
         for k in ("stall_s", "gate_weight_total", "gate_weight_computed"):
-            exact[k].add(steps[k].to_numpy(np.float64))
-        dur = steps["duration_s"].to_numpy(np.float64)[dl]
+            exact[k].add(np.asarray(steps[k], np.float64))
+        dur = np.asarray(steps["duration_s"], np.float64)[dl]
         exact["dec_duration"].add(dur)
-        exact["dec_request_time"].add(dur * steps["requests"].to_numpy()[dl])
-        exact["dec_max_experts_per_gpu"].add(steps["max_experts_per_gpu"].to_numpy(np.float64)[dl])
+        exact["dec_request_time"].add(dur * requests[dl])
+        exact["dec_max_experts_per_gpu"].add(np.asarray(steps["max_experts_per_gpu"], np.float64)[dl])
 
     def total(self, key: str) -> float:
         """The correctly rounded sum of a floating-point column over all the passes taken."""
