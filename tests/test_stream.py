@@ -914,14 +914,29 @@ def test_a_kernel_call_holds_at_most_call_accesses_or_a_single_pass(ragged_file:
     assert any(1 < p < 4 for p, _ in sizes)  # and the accesses'
 
 
-def test_the_calls_of_eight_passes_by_hand(monkeypatch) -> None:
-    """``kernel._calls`` on eight passes of two layers holding 3, 2, 5, 1, 1, 1, 9 and 2 accesses,
-    at most 5 accesses and 3 passes a call, worked out by hand: passes 0-1 (3 + 2 = 5, at the
-    limit; adding pass 2 makes 10), pass 2 (5; adding pass 3 makes 6), passes 3-5 (3 accesses,
-    3 passes), pass 6 alone (9, over the limit), pass 7."""
+def test_the_calls_of_nine_passes_by_hand(monkeypatch) -> None:
+    """``kernel._calls`` on nine passes of two layers holding 3, 2, 5, 1, 1, 1, 1, 9 and 2
+    accesses, at most 5 accesses and 3 passes a call, worked out by hand: passes 0-1 (3 + 2 = 5,
+    at the limit; adding pass 2 makes 10), pass 2 (5; adding pass 3 makes 6), passes 3-5 (3
+    passes, the most a call takes, though pass 6 would fit: 4 accesses), pass 6 (adding pass 7
+    makes 10), pass 7 alone (9, over the limit), pass 8."""
     monkeypatch.setattr(kernel, "CALL_ACCESSES", 5)
     monkeypatch.setattr(kernel, "CHUNK", 3)
-    per_layer = [[1, 2], [2, 0], [0, 5], [1, 0], [0, 1], [1, 0], [4, 5], [1, 1]]
+    per_layer = [[1, 2], [2, 0], [0, 5], [1, 0], [0, 1], [1, 0], [0, 1], [4, 5], [1, 1]]
     off = np.concatenate([[0], np.cumsum(np.ravel(per_layer))])
-    assert kernel._calls(off, 8, 2) == [0, 2, 3, 6, 7, 8]
+    assert kernel._calls(off, 9, 2) == [0, 2, 3, 6, 7, 8, 9]
     assert kernel._calls(off[:7], 3, 2) == [0, 2, 3]  # a piece's first three passes
+
+
+def test_the_proposals_ahead_are_asked_call_by_call() -> None:
+    """``kernel._proposals_ahead`` asks the prefetcher for each call's passes in turn (the next
+    call's while this one's are replayed) and hands them over in order."""
+    asked: list[tuple[int, int]] = []
+
+    class Prefetch:
+        def proposals(self, lo: int, hi: int) -> tuple[int, int]:
+            asked.append((lo, hi))
+            return lo, hi
+
+    assert list(kernel._proposals_ahead(Prefetch(), [0, 3, 5, 9])) == [(0, 3), (3, 5), (5, 9)]
+    assert asked == [(0, 3), (3, 5), (5, 9)]

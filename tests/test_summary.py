@@ -176,9 +176,32 @@ def test_the_requests_table_and_ttft_by_hand():
         assert res.steps[col].dtype == np.int64, col
 
 
+def test_a_request_that_joins_its_batch_after_its_first_pass_by_hand():
+    """A batch of two: request A's prompt of 2 tokens then one decode token; request B has no
+    prompt rows and decodes one token beside A's. Pass 0 is A's prefill, pass 1 both decodes.
+    B's first pass is pass 1, a decode, and its TTFT runs from its batch's start (pass 0's) to
+    pass 1's end: d0 + d1. Found missing by mutation testing (a request's own first pass start,
+    or the first pass's phase of the block, passed every test where requests begin with their
+    batch)."""
+    model = small_model(layers=2, experts=8, top_k=2)
+    ex = np.array([[[[0, 1], [2, 3]], [[0, 1], [4, 5]], [[6, 7], [0, 1]]],
+                   [[[2, 3], [4, 5]], [[0, 1], [2, 3]], [[0, 1], [2, 3]]]])
+    t = trace_from_array(model, ex, prompt_tokens=2)
+    t = t.take(~((t.request == 1) & (t.position < 2)))  # B: its decode token alone
+    res = simulate(scenario(cache={"capacity": "5 experts"}, workload={"batch_size": 2}), trace=t)
+    assert res.steps["phase"].tolist() == ["prefill", "decode"]
+    assert res.steps["requests"].tolist() == [1, 2]
+    d = res.steps["duration_s"].to_numpy()
+    req = res.requests
+    assert req["group"].tolist() == [0, 0]
+    assert req["first_pass"].tolist() == [0, 1]
+    assert req["first_phase"].tolist() == ["prefill", "decode"]
+    assert req["ttft_s"].tolist() == pytest.approx([d[0], d[0] + d[1]], rel=1e-12)
+
+
 def test_pass_totals_by_hand_however_the_rows_are_cut() -> None:
     """Six passes (prefill, three decodes, two verifies) worked out by hand, taken whole and
-    cut into blocks of 2, 3 and 1 passes (the decodes and the verifies each in two blocks): the same totals either
+    cut into blocks of 2, 0, 3 and 1 passes (the decodes and the verifies each in two blocks): the same totals either
     way."""
     from moesim.simulator.metrics import PassTotals
 
@@ -202,7 +225,7 @@ def test_pass_totals_by_hand_however_the_rows_are_cut() -> None:
     assert PHASES == ("prefill", "decode", "verify")
     whole, cut = PassTotals(), PassTotals()
     whole.add(steps)
-    for lo, hi in ((0, 2), (2, 5), (5, 6)):
+    for lo, hi in ((0, 2), (2, 2), (2, 5), (5, 6)):  # an empty block among them
         cut.add({k: v[lo:hi] for k, v in steps.items()})
     for t in (whole, cut):
         assert t.passes == 6

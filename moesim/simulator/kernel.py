@@ -507,7 +507,7 @@ def _calls(off: np.ndarray, n_pass: int, num_l: int) -> list[int]:
     while bounds[-1] < n_pass:
         q0 = bounds[-1]
         q1 = int(np.searchsorted(starts, starts[q0] + CALL_ACCESSES, "right")) - 1  # accesses that fit
-        bounds.append(min(max(q1, q0 + 1), q0 + CHUNK, n_pass))
+        bounds.append(min(max(q1, q0 + 1), q0 + CHUNK))  # q1 <= n_pass: starts ends there
     return bounds
 
 
