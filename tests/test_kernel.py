@@ -779,6 +779,16 @@ def test_a_lookup_buffers_computations_are_all_pinned_and_no_others():
     assert [int(KR[k].pin) for k in range(8)] == [0, 10, 9, 10, 0, 9, 0, 9]
 
 
+def test_a_rings_slot_is_the_remainder_below_twice_its_size():
+    """``_ring`` (the ring buffers' wrap: the copy engine's running and prefetch queues, the
+    prefetch wait queue) is ``i % size`` for every ``i`` a ring asks for, ``0 <= i < 2 * size``:
+    a head one step on, or a head plus a count of at most ``size``."""
+    from moesim.simulator import kernel_state as KS
+
+    for size in (1, 2, 7, 1100):
+        assert [KS._ring(i, size) for i in range(2 * size)] == [i % size for i in range(2 * size)]
+
+
 def test_the_kernels_speculation_by_hand():
     """``_speculate`` (speculating-experts-prefetch.txt §4, as the engine's speculate branch):
     expert 0 misses for three tokens. Token 0's previous-layer prediction ranks 5 and 3 equal

@@ -29,6 +29,7 @@ from moesim.simulator.kernel_state import (
     SF_BUSY_UNTIL,
     _nbytes,
     _prec,
+    _ring,
 )
 
 
@@ -73,7 +74,7 @@ def _submit(key, prio, now, bypass, IS, T, FS):
             keep = IS[H_PFTMP]
             m = 0
             for j in range(n):
-                t = IS[IS[H_PFQ] + (h + j) % size]
+                t = IS[IS[H_PFQ] + _ring(h + j, size)]
                 if t != -1:
                     IS[keep + m] = t
                     m += 1
@@ -85,7 +86,7 @@ def _submit(key, prio, now, bypass, IS, T, FS):
             IS[S_PFN] = m
             if m == size:
                 raise RuntimeError("moesim kernel: prefetch queue full")
-        slot = (IS[S_PFH] + IS[S_PFN]) % size
+        slot = _ring(IS[S_PFH] + IS[S_PFN], size)
         IS[IS[H_PFQ] + slot] = tid
         T[tid].pfslot = slot
         IS[S_PFN] += 1
@@ -151,7 +152,7 @@ def _advance(now, IS, K, T, FS):
             break
         prev = T[t].done
         T[t].started = 1
-        IS[rq + (IS[S_RH] + IS[S_RN]) % size] = t
+        IS[rq + _ring(IS[S_RH] + IS[S_RN], size)] = t
         IS[S_RN] += 1
         FS[SF_BUSY] += prev - T[t].start
         started += 1
@@ -163,26 +164,26 @@ def _advance(now, IS, K, T, FS):
         while IS[S_PFN]:
             t = IS[pfq + IS[S_PFH]]
             if t == -1:
-                IS[S_PFH] = (IS[S_PFH] + 1) % size
+                IS[S_PFH] = _ring(IS[S_PFH] + 1, size)
                 IS[S_PFN] -= 1
                 continue
             issued = T[t].issued
             start = prev if prev > issued else issued
             if start >= now:
                 break
-            IS[S_PFH] = (IS[S_PFH] + 1) % size
+            IS[S_PFH] = _ring(IS[S_PFH] + 1, size)
             IS[S_PFN] -= 1
             T[t].start = start
             prev = start + T[t].dur
             T[t].done = prev
             T[t].started = 1
-            IS[rq + (IS[S_RH] + IS[S_RN]) % size] = t
+            IS[rq + _ring(IS[S_RH] + IS[S_RN], size)] = t
             IS[S_RN] += 1
             FS[SF_BUSY] += prev - start
     FS[SF_BUSY_UNTIL] = prev
     while IS[S_RN] and T[IS[rq + IS[S_RH]]].done <= now:
         t = IS[rq + IS[S_RH]]
-        IS[S_RH] = (IS[S_RH] + 1) % size
+        IS[S_RH] = _ring(IS[S_RH] + 1, size)
         IS[S_RN] -= 1
         _complete(t, IS, K, T)
 

@@ -46,6 +46,7 @@ from moesim.simulator.kernel_state import (
     S_WN,
     _key,
     _nbytes,
+    _ring,
     _row_base,
 )
 
@@ -59,7 +60,7 @@ def _admit(now, pin_gen, IS, K, T, W, FS, DI, A):
         target = key // IS[C_DIV]
         if _room(_nbytes(key, IS), True, pin_gen, target, IS, K, FS, A) == -1:
             return
-        IS[S_WH] = (IS[S_WH] + 1) % size
+        IS[S_WH] = _ring(IS[S_WH] + 1, size)
         IS[S_WN] -= 1
         K[key].queued = 0
         tid = _submit(key, PREFETCH, now, 0, IS, T, FS)
@@ -111,9 +112,9 @@ def _withdraw(layer, lo, hi, IS, K, T, W, A):
         h = IS[S_WH]
         m = 0
         for j in range(n):
-            key = IS[IS[H_WQ] + (h + j) % size]
+            key = IS[IS[H_WQ] + _ring(h + j, size)]
             if key // div > layer:
-                IS[IS[H_WQ] + (h + m) % size] = key
+                IS[IS[H_WQ] + _ring(h + m, size)] = key
                 m += 1
             else:
                 K[key].queued = 0
@@ -182,7 +183,7 @@ def _propose_key(key, p, IS, K, DI, A):
     elif not K[key].queued:
         K[key].queued = 1
         size = IS[H_NKEYS]
-        IS[IS[H_WQ] + (IS[S_WH] + IS[S_WN]) % size] = key
+        IS[IS[H_WQ] + _ring(IS[S_WH] + IS[S_WN], size)] = key
         IS[S_WN] += 1
 
 

@@ -114,6 +114,14 @@ def _buffer(buf, IS):
     return IS[H_LRUN] + buf * IS[C_LRUNCAP]
 
 
+@_inline
+def _ring(i, size):
+    """``i % size`` for ``0 <= i < 2 * size``: a ring buffer's slot one step, or up to its
+    count, past its head (``0 <= head < size``, ``count <= size``), found with a comparison
+    instead of a division."""
+    return i - size if i >= size else i
+
+
 @_jit
 def _key(j, IS, A):
     """The cache key of access ``j``."""
