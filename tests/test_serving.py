@@ -402,7 +402,8 @@ def test_kv_memory_limits_admission(tmp_path: Path) -> None:
     ({"policies": {"prefetch": "previous-token"}}, "previous-token"),
     ({"policies": {"eviction": "belady"}}, "belady"),
     ({"scheduler": {"max_running": 8, "max_batched_tokens": 4, "policy": "chunked"}}, "at least max_running"),
-    ({"scheduler": {"max_batched_tokens": 3}}, "more than scheduler.max_batched_tokens"),
+    ({"scheduler": {"max_running": 8, "max_batched_tokens": 4}}, "decodes one token of every running request"),
+    ({"scheduler": {"max_running": 2, "max_batched_tokens": 3}}, "more than scheduler.max_batched_tokens"),
     ({"scheduler": {"kv_memory": "1KB"}}, "less than one token"),
     ({"cache": {"capacity": "inf"}}, "cache.capacity is infinite"),
     ({"timing": False}, "timing: true"),
@@ -612,8 +613,8 @@ def loads(draw: Any) -> dict[str, Any]:
                  "max_batched_tokens": draw(st.integers(running, running + 8)),
                  "chunked_prefill_tokens": draw(st.sampled_from([None, 1, 2, 5]))}
     else:
-        sched = {"policy": policy, "max_running": running,
-                 "max_batched_tokens": draw(st.integers(max(max(p, 1) for _, p, _ in rows), 14))}
+        sched = {"policy": policy, "max_running": running,  # a decode pass holds every running request
+                 "max_batched_tokens": draw(st.integers(max(running, *(max(p, 1) for _, p, _ in rows)), 14))}
     if sched.get("chunked_prefill_tokens") is None:
         sched.pop("chunked_prefill_tokens", None)
     return {"rows": rows, "scheduler": sched, "eviction": draw(st.sampled_from(["lru", "least-stale", "lfu"])),

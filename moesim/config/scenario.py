@@ -204,10 +204,12 @@ class SchedulerConfig:
                 raise ValueError(f"chunked_prefill_tokens must be >= 1, got {self.chunked_prefill_tokens}")
             if self.policy != "chunked":
                 raise ValueError("chunked_prefill_tokens is for policy 'chunked'; set policy: chunked or remove it")
-        if self.policy == "chunked" and self.max_batched_tokens < self.max_running:
-            raise ValueError(f"policy 'chunked' schedules every running request's decode token first, so "
-                             f"max_batched_tokens ({self.max_batched_tokens}) must be at least max_running "
-                             f"({self.max_running}), as vLLM requires")
+        if self.max_batched_tokens < self.max_running:
+            why = ("schedules every running request's decode token first" if self.policy == "chunked" else
+                   "decodes one token of every running request in a pass")
+            raise ValueError(f"policy '{self.policy}' {why}, so max_batched_tokens ({self.max_batched_tokens}) must "
+                             f"be at least max_running ({self.max_running}), as vLLM requires; raise "
+                             "max_batched_tokens or lower max_running")
 
 
 @dataclass(frozen=True)
