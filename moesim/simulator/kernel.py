@@ -622,6 +622,7 @@ def _replay(sim: Any) -> None:
     IS, FS, K, T, W = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
                               max(1, max_rows), sim.num_prec)
     _configure(sim, IS, FS, ev, pf, miss, max_runs)
+    K["layer"] = np.arange(num_keys) // div  # each key's layer (KEY)
     hooks = _hooks(sim.eviction, IS[IS[H_MEMB]:IS[H_MEMB] + num_keys])
     # Belady a piece at a time: a first pass over the file finds each piece's first access and
     # every key's first access after the piece (the progress shown covers the first passes too)

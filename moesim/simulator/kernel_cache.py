@@ -12,7 +12,6 @@ from moesim.jit import jit as _jit
 from moesim.simulator.kernel_copy import _complete
 from moesim.simulator.kernel_state import (
     ABSENT,
-    C_DIV,
     C_EV,
     C_INSTANT,
     C_L,
@@ -119,7 +118,7 @@ def _ls_list(key, IS, K):
     """Least-stale: the head slot of ``key``'s queue (current if touched in this pass, else
     stale) for its layer; each such list is in insertion order."""
     current = K[key].curpass == IS[S_PASS]
-    return IS[H_LSQ] + 2 * (current * IS[C_L] + key // IS[C_DIV])
+    return IS[H_LSQ] + 2 * (current * IS[C_L] + K[key].layer)
 
 
 @_jit
@@ -279,7 +278,7 @@ def _order(key, K):
 def _eligible(key, pin_gen, adm_layer, IS, K):
     if K[key].state != RESIDENT or K[key].pin == pin_gen or K[key].static:
         return False
-    return not (adm_layer >= 0 and key // IS[C_DIV] == adm_layer and K[key].adm == IS[IS[H_LGEN] + adm_layer])
+    return not (adm_layer >= 0 and K[key].layer == adm_layer and K[key].adm == IS[IS[H_LGEN] + adm_layer])
 
 
 @_jit

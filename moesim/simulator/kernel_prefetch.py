@@ -10,7 +10,6 @@ from moesim.simulator.kernel_copy import _free, _submit
 from moesim.simulator.kernel_state import (
     ABSENT,
     C_DEPTH,
-    C_DIV,
     C_EV,
     C_INSTANT,
     C_L,
@@ -57,7 +56,7 @@ def _admit(now, pin_gen, IS, K, T, W, FS, DI, A):
     size = IS[H_NKEYS]
     while IS[S_WN]:
         key = IS[IS[H_WQ] + IS[S_WH]]  # absent (PrefetchQueue.admit)
-        target = key // IS[C_DIV]
+        target = K[key].layer
         if _room(_nbytes(key, IS), True, pin_gen, target, IS, K, FS, A) == -1:
             return
         IS[S_WH] = _ring(IS[S_WH] + 1, size)
@@ -105,7 +104,6 @@ def _withdraw(layer, lo, hi, IS, K, T, W, A):
     """At ``layer``'s routing point (``PrefetchQueue.withdraw``): proposals for it or earlier still
     waiting are withdrawn, its admissions stop being pinned, and its queued prefetches the
     layer does not need are withdrawn with their room."""
-    div = IS[C_DIV]
     size = IS[H_NKEYS]
     n = IS[S_WN]
     if n:
@@ -113,7 +111,7 @@ def _withdraw(layer, lo, hi, IS, K, T, W, A):
         m = 0
         for j in range(n):
             key = IS[IS[H_WQ] + _ring(h + j, size)]
-            if key // div > layer:
+            if K[key].layer > layer:
                 IS[IS[H_WQ] + _ring(h + m, size)] = key
                 m += 1
             else:
@@ -134,7 +132,7 @@ def _withdraw(layer, lo, hi, IS, K, T, W, A):
     for j in range(n):
         pend = W[IS[H_PENDA] + j]
         tid, seq, key = pend.tid, pend.seq, pend.key
-        if key // div > layer:
+        if K[key].layer > layer:
             kept = W[IS[H_PENDA] + keep]
             kept.tid = tid
             kept.seq = seq
@@ -166,8 +164,7 @@ def _propose_key(key, p, IS, K, DI, A):
     if K[key].mark == gen:
         return  # a repeat
     K[key].mark = gen
-    div = IS[C_DIV]
-    target = key // div
+    target = K[key].layer
     if target <= IS[S_LAYER] or target >= IS[C_L]:
         return  # not a later layer
     IS[R_PRED] += 1

@@ -44,11 +44,12 @@ DEMAND, PREFETCH = 0, 1
 # statically pinned, its stamp, the pass least-stale last touched it in, its neighbours in its
 # policy's list, its place among the members a victim search scans, its pending generation, the
 # pass it was evicted in, whether it is an unused prefetch, its admission generation, whether a
-# proposal of it waits, its proposal mark, the pass that last routed it; Belady's next use and a
-# hook policy's kept priority.
+# proposal of it waits, its proposal mark, the pass that last routed it, its layer (the key over
+# C_DIV, set by kernel._replay: the prefetch and least-stale paths read it where they divided);
+# Belady's next use and a hook policy's kept priority.
 KEY = np.dtype([(name, np.int64) for name in (
     "state", "computed", "tid", "pin", "static", "stamp", "curpass", "prev", "next", "memb", "pend",
-    "evicted", "unused", "adm", "queued", "mark", "accpass")] + [("nextuse", np.float64), ("prio", np.float64)])
+    "evicted", "unused", "adm", "queued", "mark", "accpass", "layer")] + [("nextuse", np.float64), ("prio", np.float64)])
 # A transfer slot's record (``T[t]``): its key, priority (DEMAND, PREFETCH), sequence number,
 # whether it started or was withdrawn, whether it bypasses the cache, its place in the prefetch
 # ring; when it was issued, starts, is done, and its duration.
