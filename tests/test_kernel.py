@@ -801,10 +801,9 @@ def test_the_kernels_speculation_by_hand():
     from moesim.simulator import kernel_state as KS
 
     E = 8
-    IS, FS, KR, TR, WR = KS._layout(num_keys=2 * E, pool=4, pend_max=4, maxn=3, top_k=2, fin=6, lrun=3)
-    IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 2, 2, E, 1, 0, E
+    IS, FS, KR, TR, WR = KS._layout(num_keys=2 * E, pool=4, pend_max=4, maxn=3, top_k=2, fin=6, lrun=3, per_layer=E)
+    IS[KS.C_L], IS[KS.C_K], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 2, 2, 1, 0, E
     IS[KS.C_EV] = KS.EV_FIFO
-    KR.layer[:] = np.arange(2 * E) // E  # as kernel._replay sets them
     IS[KS.S_LAYER], IS[KS.S_LAYERGEN] = 1, 4
     experts = np.array([[0, 0], [0, 0], [0, 0], [0, 2], [0, 1], [0, 4]], np.int16)  # rows 3-5: layer 1
     pred = np.zeros((6, E), np.float32)

@@ -9,11 +9,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import yaml
 
 from moesim.config.scenario import Scenario
 from moesim.errors import MoesimError
+from moesim.traces.schema import PHASES
 
 
 class PassRows:
@@ -33,9 +35,13 @@ class PassRows:
         self._pool: Any = None
         self._pending: Any = None  # the block being written
 
-    def add(self, steps: pd.DataFrame) -> None:
+    def add(self, columns: dict[str, np.ndarray]) -> None:
+        """Take a block's per-pass columns (``phase`` as codes into :data:`PHASES`), made into
+        a frame only when the rows are kept."""
         if not self.keep:
             return
+        steps = pd.DataFrame({**columns, "phase": pd.Categorical.from_codes(columns["phase"],
+                                                                          categories=pd.Index(PHASES))})
         if self.frame is None and self.path is None:
             self.frame = steps
             return

@@ -824,12 +824,10 @@ class Simulation:
         """Turn the per-pass arrays of the passes in ``self.wl`` (the whole workload, or a
         block of a trace read in pieces: :func:`simulator.kernel.replay`) into per-pass and
         per-request rows, numbered after the blocks taken before, for the summary's totals
-        and the result. The per-pass rows become a frame only when they are kept (the
-        summary's totals read the columns)."""
+        and the result."""
         steps = self._steps_columns()
         self.totals.add(steps)
-        if self.rows.keep:
-            self.rows.add(_steps_frame(steps))
+        self.rows.add(steps)
         if self.serving is None:
             self._request_rows.append(self._requests_columns())
         self._pass_base += self.wl.num_passes
@@ -897,13 +895,6 @@ def _requests_frame(blocks: list[dict[str, np.ndarray]]) -> pd.DataFrame:
     cols = {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
     cols["first_phase"] = np.asarray(PHASES, dtype=object)[cols["first_phase"]]
     return pd.DataFrame(cols)
-
-
-def _steps_frame(columns: dict[str, np.ndarray]) -> pd.DataFrame:
-    """The per-pass rows of :meth:`Simulation._steps_columns` as a frame (``phase``
-    categorical)."""
-    return pd.DataFrame({**columns, "phase": pd.Categorical.from_codes(columns["phase"],
-                                                                      categories=pd.Index(PHASES))})
 
 
 def _stamp(path: Path) -> tuple[int, int]:

@@ -72,7 +72,6 @@ from moesim.simulator.kernel_copy import _advance
 from moesim.simulator.kernel_state import (
     C_BLOCKING,
     C_DEPTH,
-    C_DIV,
     C_DPREC,
     C_DROPRANK,
     C_EV,
@@ -476,7 +475,6 @@ def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, ev: int, pf: int, miss:
         sim.scenario.expert_compute]
     IS[C_INSTANT] = not sim.scenario.timing
     IS[C_L] = model.num_layers
-    IS[C_DIV] = model.num_experts * sim.num_prec
     IS[C_PFACTIVE] = sim.prefetch.active
     IS[C_MAXN] = max_runs
     FS[CF_CAP] = float(sim.capacity)
@@ -620,9 +618,8 @@ def _replay(sim: Any) -> None:
     # a layer computes its routed experts and, for a miss policy that re-routes, others
     max_runs = maxn + (model.num_experts if reroute else 0)
     IS, FS, K, T, W = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
-                              max(1, max_rows), sim.num_prec)
+                              max(1, max_rows), sim.num_prec, div)
     _configure(sim, IS, FS, ev, pf, miss, max_runs)
-    K["layer"] = np.arange(num_keys) // div  # each key's layer (KEY)
     hooks = _hooks(sim.eviction, IS[IS[H_MEMB]:IS[H_MEMB] + num_keys])
     # Belady a piece at a time: a first pass over the file finds each piece's first access and
     # every key's first access after the piece (the progress shown covers the first passes too)

@@ -45,7 +45,7 @@ DEMAND, PREFETCH = 0, 1
 # policy's list, its place among the members a victim search scans, its pending generation, the
 # pass it was evicted in, whether it is an unused prefetch, its admission generation, whether a
 # proposal of it waits, its proposal mark, the pass that last routed it, its layer (the key over
-# C_DIV, set by kernel._replay: the prefetch and least-stale paths read it where they divided);
+# C_DIV, set by _layout: the prefetch and least-stale paths read it where they divided);
 # Belady's next use and a hook policy's kept priority.
 KEY = np.dtype([(name, np.int64) for name in (
     "state", "computed", "tid", "pin", "static", "stamp", "curpass", "prev", "next", "memb", "pend",
@@ -202,11 +202,14 @@ def _new_gen(IS, which):
 
 
 def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, fin: int = 1,
-            lrun: int = 1, nprec: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            lrun: int = 1, nprec: int = 1, per_layer: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                                          np.ndarray]:
     """The state arrays ``IS``, ``FS``, ``K``, ``T``, ``W``, initialised: regions after the
     headers, their offsets in ``IS`` (``W``'s regions' first records there too).
     Every precision (``nprec``) is one byte and takes one second to copy until set
-    (``H_PBYTES``, ``H_PDUR``); the only precision level is the default, 0."""
+    (``H_PBYTES``, ``H_PDUR``); the only precision level is the default, 0. ``per_layer``:
+    the keys of a layer (``C_DIV``: experts times precisions; 0, all the keys in one layer),
+    each key's layer (``K.layer``) its key over it."""
     i_sizes = ((H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
                (H_FREE, pool), (H_WQ, num_keys), (H_MEMB, num_keys),
                (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys),
@@ -239,6 +242,8 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
     IS[IS[H_FREE]:IS[H_FREE] + pool] = np.arange(pool - 1, -1, -1)
     IS[IS[H_LGEN]:IS[H_LGEN] + num_keys] = 1
     IS[IS[H_LSQ]:IS[H_LSQ] + 4 * num_keys] = -1
+    IS[C_DIV] = per_layer or num_keys
+    K["layer"] = np.arange(num_keys) // IS[C_DIV]
     IS[C_NPREC] = nprec
     IS[C_NLEV] = 1
     IS[C_NBYTES] = 1
