@@ -325,9 +325,10 @@ def test_proposal_arrays_equal_the_proposals_of_every_pass_and_layer():
 
 
 def numpy_percentile_proposals(pred, row_order, bounds, g0, num_l, percentile):
-    """Score-percentile by numpy, group by group: the rows added one after another (in their
-    own precision) and divided by their count in float64, the threshold by ``np.percentile``,
-    the order by a stable argsort of the negated means."""
+    """Score-percentile by numpy, group by group: the rows taken as float32 (the trace format's
+    type), added one after another in float32 and divided by their count in float64, the
+    threshold by ``np.percentile``, the order by a stable argsort of the negated means."""
+    pred = pred.astype(np.float32)
     off, out = [0], []
     for g in range(len(bounds) - 1):
         r0, r1 = int(bounds[g]), int(bounds[g + 1])
@@ -350,8 +351,9 @@ def test_compiled_percentile_proposals_equal_numpys_percentile_and_stable_sort(d
     """The compiled proposals against numpy on random float32 predictions (on a few levels, so
     that means tie and the percentile lands on tied values), 1-70 experts, 0-4 rows per
     (pass, layer), rows out of order, any percentile in [0, 100); and on float64 predictions
-    (a trace made in memory), whose sums may tie only once divided by their count."""
-    from moesim.policies.prefetch import _percentile_proposals
+    (a trace made in memory), taken as float32 first. Negative scores and -0.0 too: the
+    sorting keys flip a negative float's bits, and -0.0 ties with 0.0 as a mean does."""
+    from moesim.policies.prefetch import percentile_proposals
 
     n_e = data.draw(st.integers(1, 70))
     num_l = data.draw(st.integers(1, 4))
@@ -361,15 +363,18 @@ def test_compiled_percentile_proposals_equal_numpys_percentile_and_stable_sort(d
     g0 = data.draw(st.integers(0, 5))
     seed = data.draw(st.integers(0, 2 ** 16))
     dtype = data.draw(st.sampled_from([np.float32, np.float64]))
+    signs = data.draw(st.sampled_from(["non-negative", "both", "negative zeros"]))
     rng = np.random.default_rng(seed)
     n_rows = sum(counts)
-    pred = (np.floor(rng.random((n_rows + 3, n_e)) * levels) / levels * rng.random()).astype(dtype)
+    level = np.floor(rng.random((n_rows + 3, n_e)) * levels)
+    if signs == "both":
+        level -= levels // 2
+    pred = (level / levels * rng.random()).astype(dtype)
+    if signs == "negative zeros":
+        pred[rng.random(pred.shape) < 0.5] = -0.0
     row_order = rng.permutation(n_rows + 3)[:n_rows].astype(np.int64)
     bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    off = np.zeros(len(counts) + 1, np.int64)
-    out = np.empty(len(counts) * n_e, np.int64)
-    _percentile_proposals(pred, row_order, bounds, g0, num_l, n_e, pct / 100, np.empty(n_e, dtype),
-                          np.empty(n_e), np.empty(n_e), np.empty(n_e, np.int64), off, out)
+    off, out = percentile_proposals(pred, row_order, bounds, g0, num_l, pct / 100)
     ref_off, ref_out = numpy_percentile_proposals(pred, row_order, bounds, g0, num_l, pct)
     assert off.tolist() == ref_off.tolist()
     assert out[:off[-1]].tolist() == ref_out.tolist()
