@@ -363,18 +363,50 @@ def test_compiled_percentile_proposals_equal_numpys_percentile_and_stable_sort(d
     g0 = data.draw(st.integers(0, 5))
     seed = data.draw(st.integers(0, 2 ** 16))
     dtype = data.draw(st.sampled_from([np.float32, np.float64]))
-    signs = data.draw(st.sampled_from(["non-negative", "both", "negative zeros"]))
+    signs = data.draw(st.sampled_from(["non-negative", "both", "both and negative zeros"]))
     rng = np.random.default_rng(seed)
     n_rows = sum(counts)
     level = np.floor(rng.random((n_rows + 3, n_e)) * levels)
-    if signs == "both":
+    if signs != "non-negative":
         level -= levels // 2
     pred = (level / levels * rng.random()).astype(dtype)
-    if signs == "negative zeros":
-        pred[rng.random(pred.shape) < 0.5] = -0.0
+    if signs == "both and negative zeros":
+        pred[(pred == 0) & (rng.random(pred.shape) < 0.5)] = -0.0
     row_order = rng.permutation(n_rows + 3)[:n_rows].astype(np.int64)
     bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     off, out = percentile_proposals(pred, row_order, bounds, g0, num_l, pct / 100)
     ref_off, ref_out = numpy_percentile_proposals(pred, row_order, bounds, g0, num_l, pct)
     assert off.tolist() == ref_off.tolist()
     assert out[:off[-1]].tolist() == ref_out.tolist()
+
+
+def test_percentile_proposals_at_the_edges_equal_numpy():
+    """Cases the property test may not draw, each against numpy: one expert (the quantile is
+    its own mean: nothing above it); two experts at a percentile so close to 100 that numpy's
+    interpolation rounds to the upper mean (so it is not proposed), and at 99 (it is); three
+    experts where numpy's form for a fraction of 0.5 or more (``b - d * (1 - gamma)``) stays
+    below the upper mean and the other form would round to it; tied
+    sums of 0.0 and -0.0 above a negative quantile (ordered by index, as equal means are)."""
+    from moesim.policies.prefetch import percentile_proposals
+
+    def both(pred, pct, counts=(1,), num_l=2):
+        pred = np.asarray(pred, np.float32)
+        bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        rows = np.arange(int(bounds[-1]), dtype=np.int64)
+        got = percentile_proposals(pred, rows, bounds, 0, num_l, pct / 100)
+        want = numpy_percentile_proposals(pred, rows, bounds, 0, num_l, pct)
+        assert got[0].tolist() == want[0].tolist()
+        assert got[1].tolist() == want[1].tolist()
+        return got[1].tolist()
+
+    assert both([[0.5], [0.25]], 50.0, counts=(1, 1)) == []
+    edge = 100 * (1 - 2.0 ** -53)
+    assert np.percentile([0.25, 0.5], edge) == 0.5  # the interpolation rounds to the upper mean
+    assert both([[0.25, 0.5]], edge) == []
+    assert both([[0.25, 0.5]], 99.0) == [3]
+    # numpy's other form near 1 (b - d * (1 - gamma)) stays below the upper mean where a + d * gamma would not
+    assert both([[0.0, 7.99328, 16.286016]], edge) == [5]
+    # over five rows the means' rounding decides: the upper mean is not above the quantile (it
+    # would be, were the sums scaled the other way or by another count)
+    assert both([[1, 2], [9.440246, 10.378484]] + [[0, 0]] * 4, 99.99999999999989, counts=(1, 5), num_l=3) == [3]
+    assert both([[-0.0, -0.5, 0.0, -0.0, -0.5]], 25.0) == [5, 7, 8]
