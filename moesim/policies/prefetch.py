@@ -281,7 +281,7 @@ def percentile_proposals(pred: np.ndarray, row_order: np.ndarray, bounds: np.nda
     v = (num_e - 1) * q
     lo_rank = math.floor(v)  # q < 1: lo_rank < n - 1, or 0 = n - 1 for one expert
     off = np.zeros(groups + 1, dtype=np.int64)
-    out = np.empty(k * num_e, dtype=np.int64)
+    out = np.empty(k * (num_e - lo_rank), dtype=np.int64)  # the emission reads the top n - lo_rank keys at most
     _percentile_emit(ranked, which, bounds, g0, num_l, lo_rank, v - lo_rank, off, out)
     return off, out[:off[-1]]
 
@@ -326,7 +326,10 @@ def _percentile_emit(ranked, which, bounds, g0, num_l, lo_rank, gamma, off, out)
     and ``lo_rank + 1``, and the experts above it are read from the top key down. Numpy's
     interpolation never rounds below its lower neighbour ``a`` (``a + d * gamma`` adds a
     non-negative term; ``b - d * (1 - gamma)`` with ``gamma >= 0.5`` subtracts at most
-    ``d / 2``), so no more than the top ``n - lo_rank`` are ever read."""
+    ``d / 2``), so the mean at rank ``lo_rank`` is never above it: a group proposes at most
+    ``n - 1 - lo_rank`` experts. The loop reads no lower than rank ``lo_rank`` (``out`` holds
+    ``n - lo_rank`` a group), so a threshold below ``a`` would propose ``a`` (and show) rather
+    than write past the buffer."""
     n = ranked.shape[1]
     i = 0
     for g in range(bounds.shape[0] - 1):
@@ -339,7 +342,7 @@ def _percentile_emit(ranked, which, bounds, g0, num_l, lo_rank, gamma, off, out)
             threshold = b - d * (1 - gamma) if gamma >= 0.5 else a + d * gamma
             base = ((g0 + g) % num_l + 1) * n
             t = n - 1
-            while t >= 0 and _key_mean(ranked[i, t], count) > threshold:
+            while t >= lo_rank and _key_mean(ranked[i, t], count) > threshold:
                 out[o] = base + 0xFFFFFFFF - (ranked[i, t] & 0xFFFFFFFF)
                 o += 1
                 t -= 1
