@@ -410,3 +410,60 @@ def test_percentile_proposals_at_the_edges_equal_numpy():
     # would be, were the sums scaled the other way or by another count)
     assert both([[1, 2], [9.440246, 10.378484]] + [[0, 0]] * 4, 99.99999999999989, counts=(1, 5), num_l=3) == [3]
     assert both([[-0.0, -0.5, 0.0, -0.0, -0.5]], 25.0) == [5, 7, 8]
+
+
+def numpy_topk_proposals(pred, row_order, bounds, g0, num_l, count):
+    """Next-gate top-k by numpy, group by group: the rows taken as float32; each row's
+    ``count`` highest experts by a stable argsort of the negated scores (ties by index); their
+    union ordered by a stable argsort of the negated float32 sums (added row after row) over
+    the union sorted by index."""
+    pred = pred.astype(np.float32)
+    off, out = [0], []
+    for g in range(len(bounds) - 1):
+        r0, r1 = int(bounds[g]), int(bounds[g + 1])
+        layer = (g0 + g) % num_l
+        if r0 < r1 and layer + 1 < num_l:
+            rows = row_order[r0:r1]
+            chosen = sorted({int(e) for r in rows for e in np.argsort(-pred[r], kind="stable")[:count]})
+            total = pred[rows[0]].copy()
+            for r in rows[1:]:
+                total = total + pred[r]
+            chosen = np.array(chosen, dtype=np.int64)
+            order = chosen[np.argsort(-total[chosen], kind="stable")]
+            out.extend(int((layer + 1) * pred.shape[1] + e) for e in order)
+        off.append(len(out))
+    return np.array(off), np.array(out, dtype=np.int64)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_compiled_topk_proposals_equal_numpys_stable_sorts(data):
+    """Next-gate top-k's compiled proposals against numpy on random predictions on a few
+    levels (so that scores tie at a row's cut and sums tie in the order), negative and -0.0
+    scores, float32 or float64 (taken as float32), 1-70 experts, 0-4 rows per (pass, layer),
+    rows out of order, from one expert a row to more than there are."""
+    from moesim.policies.prefetch import topk_proposals
+
+    n_e = data.draw(st.integers(1, 70))
+    num_l = data.draw(st.integers(1, 4))
+    counts = data.draw(st.lists(st.integers(0, 4), min_size=1, max_size=12))
+    levels = data.draw(st.sampled_from([3, 16, 2 ** 20]))
+    count = data.draw(st.integers(1, n_e + 2))
+    g0 = data.draw(st.integers(0, 5))
+    seed = data.draw(st.integers(0, 2 ** 16))
+    dtype = data.draw(st.sampled_from([np.float32, np.float64]))
+    signs = data.draw(st.sampled_from(["non-negative", "both", "both and negative zeros"]))
+    rng = np.random.default_rng(seed)
+    n_rows = sum(counts)
+    level = np.floor(rng.random((n_rows + 3, n_e)) * levels)
+    if signs != "non-negative":
+        level -= levels // 2
+    pred = (level / levels * rng.random()).astype(dtype)
+    if signs == "both and negative zeros":
+        pred[(pred == 0) & (rng.random(pred.shape) < 0.5)] = -0.0
+    row_order = rng.permutation(n_rows + 3)[:n_rows].astype(np.int64)
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    off, out = topk_proposals(pred, row_order, bounds, g0, num_l, count)
+    ref_off, ref_out = numpy_topk_proposals(pred, row_order, bounds, g0, num_l, count)
+    assert off.tolist() == ref_off.tolist()
+    assert out.tolist() == ref_out.tolist()
