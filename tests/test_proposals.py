@@ -324,42 +324,47 @@ def test_proposal_arrays_equal_the_proposals_of_every_pass_and_layer():
     assert sum(len(v) for v in expected.values()) > 0
 
 
-def numpy_percentile_proposals(pred, row_order, bounds, g0, num_l, percentile):
-    """Score-percentile by numpy, group by group: the rows taken as float32 (the trace format's
-    type), added one after another in float32 and divided by their count in float64, the
-    threshold by ``np.percentile``, the order by a stable argsort of the negated means."""
+def numpy_by_group(pred, row_order, bounds, g0, num_l, experts_of):
+    """A prefetcher's proposals by numpy, group by group: the rows taken as float32 (the trace
+    format's type) and added one after another in float32; ``experts_of(scores, total)`` (the
+    group's rows and their sums) gives the experts proposed for the next layer, in order. The
+    last layer and empty groups propose nothing."""
     pred = pred.astype(np.float32)
     off, out = [0], []
     for g in range(len(bounds) - 1):
         r0, r1 = int(bounds[g]), int(bounds[g + 1])
         layer = (g0 + g) % num_l
         if r0 < r1 and layer + 1 < num_l:
-            total = pred[row_order[r0]].copy()
-            for r in row_order[r0 + 1:r1]:
+            rows = row_order[r0:r1]
+            total = pred[rows[0]].copy()
+            for r in rows[1:]:
                 total = total + pred[r]
-            means = total.astype(np.float64) / (r1 - r0)
-            cut = np.percentile(means, percentile)
-            order = np.argsort(-means, kind="stable")
-            out.extend(int((layer + 1) * pred.shape[1] + e) for e in order if means[e] > cut)
+            out.extend(int((layer + 1) * pred.shape[1] + e) for e in experts_of(pred[rows], total))
         off.append(len(out))
     return np.array(off), np.array(out, dtype=np.int64)
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.data())
-def test_compiled_percentile_proposals_equal_numpys_percentile_and_stable_sort(data):
-    """The compiled proposals against numpy on random float32 predictions (on a few levels, so
-    that means tie and the percentile lands on tied values), 1-70 experts, 0-4 rows per
-    (pass, layer), rows out of order, any percentile in [0, 100); and on float64 predictions
-    (a trace made in memory), taken as float32 first. Negative scores and -0.0 too: the
-    sorting keys flip a negative float's bits, and -0.0 ties with 0.0 as a mean does."""
-    from moesim.policies.prefetch import percentile_proposals
+def numpy_percentile_proposals(pred, row_order, bounds, g0, num_l, percentile):
+    """Score-percentile by numpy: the sums divided by the row count in float64, the threshold
+    by ``np.percentile``, the order by a stable argsort of the negated means."""
 
+    def above(scores, total):
+        means = total.astype(np.float64) / len(scores)
+        cut = np.percentile(means, percentile)
+        return [e for e in np.argsort(-means, kind="stable") if means[e] > cut]
+
+    return numpy_by_group(pred, row_order, bounds, g0, num_l, above)
+
+
+def draw_groups(data):
+    """Random predicted scores for the property tests: 1-70 experts, 1-4 layers, 0-4 rows per
+    (pass, layer) group (rows out of order, three rows unused), values on 3, 16 or 2**20
+    levels (so that scores tie), non-negative, of both signs, or of both signs with -0.0,
+    float32 or float64. Returns ``pred, row_order, bounds, g0, num_l``."""
     n_e = data.draw(st.integers(1, 70))
     num_l = data.draw(st.integers(1, 4))
     counts = data.draw(st.lists(st.integers(0, 4), min_size=1, max_size=12))
     levels = data.draw(st.sampled_from([3, 16, 2 ** 20]))
-    pct = data.draw(st.one_of(st.sampled_from([0.0, 20.0, 50.0, 80.0, 99.0]), st.floats(0, 100, exclude_max=True)))
     g0 = data.draw(st.integers(0, 5))
     seed = data.draw(st.integers(0, 2 ** 16))
     dtype = data.draw(st.sampled_from([np.float32, np.float64]))
@@ -374,6 +379,21 @@ def test_compiled_percentile_proposals_equal_numpys_percentile_and_stable_sort(d
         pred[(pred == 0) & (rng.random(pred.shape) < 0.5)] = -0.0
     row_order = rng.permutation(n_rows + 3)[:n_rows].astype(np.int64)
     bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return pred, row_order, bounds, g0, num_l
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_compiled_percentile_proposals_equal_numpys_percentile_and_stable_sort(data):
+    """The compiled proposals against numpy on random float32 predictions (on a few levels, so
+    that means tie and the percentile lands on tied values), 1-70 experts, 0-4 rows per
+    (pass, layer), rows out of order, any percentile in [0, 100); and on float64 predictions
+    (a trace made in memory), taken as float32 first. Negative scores and -0.0 too: the
+    sorting keys flip a negative float's bits, and -0.0 ties with 0.0 as a mean does."""
+    from moesim.policies.prefetch import percentile_proposals
+
+    pred, row_order, bounds, g0, num_l = draw_groups(data)
+    pct = data.draw(st.one_of(st.sampled_from([0.0, 20.0, 50.0, 80.0, 99.0]), st.floats(0, 100, exclude_max=True)))
     off, out = percentile_proposals(pred, row_order, bounds, g0, num_l, pct / 100)
     ref_off, ref_out = numpy_percentile_proposals(pred, row_order, bounds, g0, num_l, pct)
     assert off.tolist() == ref_off.tolist()
@@ -413,26 +433,15 @@ def test_percentile_proposals_at_the_edges_equal_numpy():
 
 
 def numpy_topk_proposals(pred, row_order, bounds, g0, num_l, count):
-    """Next-gate top-k by numpy, group by group: the rows taken as float32; each row's
-    ``count`` highest experts by a stable argsort of the negated scores (ties by index); their
-    union ordered by a stable argsort of the negated float32 sums (added row after row) over
-    the union sorted by index."""
-    pred = pred.astype(np.float32)
-    off, out = [0], []
-    for g in range(len(bounds) - 1):
-        r0, r1 = int(bounds[g]), int(bounds[g + 1])
-        layer = (g0 + g) % num_l
-        if r0 < r1 and layer + 1 < num_l:
-            rows = row_order[r0:r1]
-            chosen = sorted({int(e) for r in rows for e in np.argsort(-pred[r], kind="stable")[:count]})
-            total = pred[rows[0]].copy()
-            for r in rows[1:]:
-                total = total + pred[r]
-            chosen = np.array(chosen, dtype=np.int64)
-            order = chosen[np.argsort(-total[chosen], kind="stable")]
-            out.extend(int((layer + 1) * pred.shape[1] + e) for e in order)
-        off.append(len(out))
-    return np.array(off), np.array(out, dtype=np.int64)
+    """Next-gate top-k by numpy: each row's ``count`` highest experts by a stable argsort of
+    the negated scores (ties by index); their union ordered by a stable argsort of the negated
+    sums over the union sorted by index."""
+
+    def union(scores, total):
+        chosen = np.array(sorted({int(e) for row in scores for e in np.argsort(-row, kind="stable")[:count]}))
+        return chosen[np.argsort(-total[chosen], kind="stable")]
+
+    return numpy_by_group(pred, row_order, bounds, g0, num_l, union)
 
 
 @settings(max_examples=300, deadline=None)
@@ -444,25 +453,8 @@ def test_compiled_topk_proposals_equal_numpys_stable_sorts(data):
     rows out of order, from one expert a row to more than there are."""
     from moesim.policies.prefetch import topk_proposals
 
-    n_e = data.draw(st.integers(1, 70))
-    num_l = data.draw(st.integers(1, 4))
-    counts = data.draw(st.lists(st.integers(0, 4), min_size=1, max_size=12))
-    levels = data.draw(st.sampled_from([3, 16, 2 ** 20]))
-    count = data.draw(st.integers(1, n_e + 2))
-    g0 = data.draw(st.integers(0, 5))
-    seed = data.draw(st.integers(0, 2 ** 16))
-    dtype = data.draw(st.sampled_from([np.float32, np.float64]))
-    signs = data.draw(st.sampled_from(["non-negative", "both", "both and negative zeros"]))
-    rng = np.random.default_rng(seed)
-    n_rows = sum(counts)
-    level = np.floor(rng.random((n_rows + 3, n_e)) * levels)
-    if signs != "non-negative":
-        level -= levels // 2
-    pred = (level / levels * rng.random()).astype(dtype)
-    if signs == "both and negative zeros":
-        pred[(pred == 0) & (rng.random(pred.shape) < 0.5)] = -0.0
-    row_order = rng.permutation(n_rows + 3)[:n_rows].astype(np.int64)
-    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    pred, row_order, bounds, g0, num_l = draw_groups(data)
+    count = data.draw(st.integers(1, pred.shape[1] + 2))
     off, out = topk_proposals(pred, row_order, bounds, g0, num_l, count)
     ref_off, ref_out = numpy_topk_proposals(pred, row_order, bounds, g0, num_l, count)
     assert off.tolist() == ref_off.tolist()

@@ -244,7 +244,8 @@ def topk_proposals(pred: np.ndarray, row_order: np.ndarray, bounds: np.ndarray, 
     proposing = (rows > 0) & ((g0 + np.arange(groups)) % num_l + 1 < num_l)
     keys = np.empty((int(rows[proposing].sum()), num_e), dtype=np.int64)
     which = np.empty(groups, dtype=np.int64)
-    k = _topk_keys(pred, row_order, bounds, g0, num_l, keys, which)
+    k, filled = _topk_keys(pred, row_order, bounds, g0, num_l, keys, which)
+    assert filled == len(keys), "topk_proposals: the proposing groups' rows, counted twice alike"
     keys.sort(axis=1)
     off = np.zeros(groups + 1, dtype=np.int64)
     out = np.empty(int(np.minimum(rows[proposing] * top, num_e).sum()), dtype=np.int64)
@@ -257,7 +258,7 @@ def topk_proposals(pred: np.ndarray, row_order: np.ndarray, bounds: np.ndarray, 
 def _topk_keys(pred, row_order, bounds, g0, num_l, keys, which):
     """Each row of the proposing groups (those with rows, not at the last layer), in order:
     its experts' :func:`_score_key` keys, one row of ``keys`` each; the groups' numbers in
-    ``which``. Returns how many groups."""
+    ``which``. Returns how many groups, and how many rows."""
     n = pred.shape[1]
     k = 0
     i = 0
@@ -272,7 +273,7 @@ def _topk_keys(pred, row_order, bounds, g0, num_l, keys, which):
             i += 1
         which[k] = g
         k += 1
-    return k
+    return k, i
 
 
 @jit
