@@ -239,7 +239,8 @@ def reference_percentile(trace, batch: int, percentile: float) -> dict[tuple[int
 def test_score_percentile_equals_its_definition_across_plan_chunks(monkeypatch):
     """Batch 2, 5 passes, 3 layers, 64 experts, random predictions rounded to a few levels
     (ties), and the last pass routed at layer 0 only. Plans of 2 passes (CHUNK = 2, and 1):
-    every (pass, layer), asked for out of order, equals the reference."""
+    every (pass, layer), asked for from the last pass back and from the first on (each plan's
+    end then asked next), equals the reference."""
     from moesim.policies.prefetch import ScorePercentile
 
     rng = np.random.default_rng(5)
@@ -255,9 +256,9 @@ def test_score_percentile_equals_its_definition_across_plan_chunks(monkeypatch):
     assert any(len(v) for v in expected.values())
     for chunk in (2, 1):
         monkeypatch.setattr(ScorePercentile, "CHUNK", chunk)
-        p = policy(t, {"name": "score-percentile", "percentile": 70.0}, batch=2)
-        asked = sorted(expected, key=lambda pl: (-pl[0], pl[1]))  # the last pass first
-        assert {pl: list(p.propose(*pl)) for pl in asked} == expected
+        for asked in (sorted(expected, key=lambda pl: (-pl[0], pl[1])), sorted(expected)):
+            p = policy(t, {"name": "score-percentile", "percentile": 70.0}, batch=2)
+            assert {pl: list(p.propose(*pl)) for pl in asked} == expected
 
 
 def test_static_pin_breaks_ties_in_use_by_expert_id():
@@ -459,3 +460,46 @@ def test_compiled_topk_proposals_equal_numpys_stable_sorts(data):
     ref_off, ref_out = numpy_topk_proposals(pred, row_order, bounds, g0, num_l, count)
     assert off.tolist() == ref_off.tolist()
     assert out.tolist() == ref_out.tolist()
+
+
+@pytest.mark.parametrize("spec", [{"name": "next-gate-topk", "overfetch": 1.0}, {"name": "score-percentile",
+                                                                             "percentile": 50.0}])
+def test_a_prefetchers_chunk_of_proposals_is_of_the_workload_it_now_reads(spec):
+    """``propose`` reads its proposals from a chunk made for many passes at once; when the
+    policy is given another workload (a trace read in pieces binds each piece in turn), the
+    same pass asks for a new chunk from that workload, never the last one's proposals."""
+    from moesim.simulator.workload import build_workload
+
+    first = predicted_trace()
+    second = predicted_trace()
+    second.pred_next = second.pred_next[:, ::-1].copy()  # the other experts predicted
+    pol = policy(first, spec, 2)
+    before = list(pol.propose(0, 0))
+    pol.ctx.workload = build_workload(second, 2)
+    after = list(pol.propose(0, 0))
+    assert after == list(policy(second, spec, 2).propose(0, 0))
+    assert after != before
+
+
+@pytest.mark.parametrize("spec", [{"name": "next-gate-topk", "overfetch": 1.5}, {"name": "score-percentile",
+                                                                             "percentile": 70.0}])
+def test_a_pieces_proposals_made_ahead_are_those_of_all_its_passes(spec):
+    """What the reading thread makes for a piece (``piece_proposals``, from the piece alone)
+    equals the proposals of all its passes asked of a policy that reads it, and each pass's
+    and layer's proposals from ``propose``."""
+    from moesim.simulator.workload import build_workload
+
+    rng = np.random.default_rng(11)
+    model = small_model(layers=3, experts=16, top_k=2)
+    base = trace_from_array(model, rng.integers(0, 8, size=(2, 5, 3, 1)) * 2 + np.array([0, 1]))
+    cols = {c: getattr(base, c) for c in ("request", "step", "position", "phase", "layer", "experts", "weights")}
+    t = Trace(model=model, pred_next=rng.random((len(base), 16)).astype(np.float32), **cols)
+    pol = policy(t, spec, 2)
+    wl = build_workload(t, 2)
+    off, keys = pol.piece_proposals(wl)
+    want_off, want_keys = pol.proposals(0, wl.num_passes)
+    assert off.tolist() == want_off.tolist()
+    assert keys.tolist() == want_keys.tolist()
+    assert [keys[off[i]:off[i + 1]].tolist() for i in range(wl.num_passes * 3)] == [
+        list(pol.propose(p, layer)) for p in range(wl.num_passes) for layer in range(3)]
+    assert len(keys) > 0

@@ -170,13 +170,15 @@ class _ProposedInChunks(PrefetchPolicy):
     def __init__(self, params: Any, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
         self._lo = self._hi = 0
+        self._of: Any = None  # the workload the chunk was made from
         self._num_l = ctx.num_layers
         self._off = np.zeros(1, dtype=np.int64)
         self._keys = np.zeros(0, dtype=np.int64)
 
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:
-        if not self._lo <= pass_index < self._hi:
-            self._lo, self._hi = pass_index, min(pass_index + self.CHUNK, self.ctx.workload.num_passes)
+        wl = self.ctx.workload
+        if wl is not self._of or not self._lo <= pass_index < self._hi:  # a chunk of this workload's
+            self._of, self._lo, self._hi = wl, pass_index, min(pass_index + self.CHUNK, wl.num_passes)
             self._off, self._keys = self.proposals(self._lo, self._hi)
         i = (pass_index - self._lo) * self._num_l + layer
         return self._keys[self._off[i]:self._off[i + 1]].tolist()
@@ -201,6 +203,21 @@ class _ProposedInChunks(PrefetchPolicy):
                 g0: int) -> tuple[np.ndarray, np.ndarray]:
         """The proposals of the (pass, layer) groups ``g0 + g`` whose rows are
         ``row_order[bounds[g]:bounds[g + 1]]``: offsets and next-layer flat expert ids."""
+
+
+def _proposing(bounds: np.ndarray, g0: int, num_l: int) -> np.ndarray:
+    """The groups ``g`` (pass, layer ``(g0 + g) % num_l``) that propose: those with trace
+    rows, not at the last layer."""
+    rows = np.diff(bounds)
+    return np.flatnonzero((rows > 0) & ((g0 + np.arange(len(rows))) % num_l + 1 < num_l))
+
+
+def _offsets(groups: int, which: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Proposal offsets of ``groups`` groups (``off[0]`` = 0) from the counts of the
+    proposing ones, ``which``; the others propose nothing."""
+    off = np.zeros(groups + 1, dtype=np.int64)
+    off[which + 1] = counts
+    return np.cumsum(off, out=off)
 
 
 @REGISTRY.register("next-gate-topk")
@@ -235,86 +252,69 @@ def topk_proposals(pred: np.ndarray, row_order: np.ndarray, bounds: np.ndarray, 
 
     Each row's experts are ordered by the whole-number keys of :func:`_score_key`, all of a
     call's rows sorted at once by numpy's vectorised sort (issue 34: the proposals were made
-    in Python per (pass, layer), about 12.5 us a group, a next-gate-topk replay 4x slower than
-    a score-percentile one on the 5.12 M-access benchmark trace)."""
-    groups = len(bounds) - 1
+    in Python per (pass, layer), about 14 us a group; a next-gate-topk replay of the 5.12
+    M-access benchmark trace took 2.16-2.26 s against 10.62-10.72 s, README "Speed")."""
     num_e = pred.shape[1]
     top = min(count, num_e)
-    rows = np.diff(bounds)
-    proposing = (rows > 0) & ((g0 + np.arange(groups)) % num_l + 1 < num_l)
-    keys = np.empty((int(rows[proposing].sum()), num_e), dtype=np.int64)
-    which = np.empty(groups, dtype=np.int64)
-    k, filled = _topk_keys(pred, row_order, bounds, g0, num_l, keys, which)
-    assert filled == len(keys), "topk_proposals: the proposing groups' rows, counted twice alike"
+    which = _proposing(bounds, g0, num_l)
+    rows = np.diff(bounds)[which]
+    keys = np.empty((int(rows.sum()), num_e), dtype=np.int64)
+    _topk_keys(pred, row_order, bounds, which, keys)
     keys.sort(axis=1)
-    off = np.zeros(groups + 1, dtype=np.int64)
-    out = np.empty(int(np.minimum(rows[proposing] * top, num_e).sum()), dtype=np.int64)
-    _topk_emit(pred, row_order, bounds, g0, num_l, top, keys, which[:k], np.empty(num_e, dtype=np.float32),
-               np.zeros(num_e, dtype=np.int64), np.empty(num_e, dtype=np.int64), off, out)
-    return off, out[:off[-1]]
+    counts = np.empty(len(which), dtype=np.int64)
+    out = np.empty(int(np.minimum(rows * top, num_e).sum()), dtype=np.int64)
+    _topk_emit(pred, row_order, bounds, which, g0, num_l, top, keys, np.empty(num_e, dtype=np.float32),
+               np.zeros(num_e, dtype=np.int64), np.empty(num_e, dtype=np.int64), counts, out)
+    return _offsets(len(bounds) - 1, which, counts), out[:counts.sum()]
 
 
 @jit
-def _topk_keys(pred, row_order, bounds, g0, num_l, keys, which):
-    """Each row of the proposing groups (those with rows, not at the last layer), in order:
-    its experts' :func:`_score_key` keys, one row of ``keys`` each; the groups' numbers in
-    ``which``. Returns how many groups, and how many rows."""
+def _topk_keys(pred, row_order, bounds, which, keys):
+    """Each row of the groups ``which``, in order: its experts' :func:`_score_key` keys, one
+    row of ``keys`` each."""
     n = pred.shape[1]
-    k = 0
     i = 0
-    for g in range(bounds.shape[0] - 1):
-        r0, r1 = bounds[g], bounds[g + 1]
-        if r0 == r1 or (g0 + g) % num_l + 1 >= num_l:
-            continue
-        for r in range(r0, r1):
+    for g in which:
+        for r in range(bounds[g], bounds[g + 1]):
             row = row_order[r]
             for e in range(n):
                 keys[i, e] = _score_key(np.float32(pred[row, e]), e)
             i += 1
-        which[k] = g
-        k += 1
-    return k, i
 
 
 @jit
-def _topk_emit(pred, row_order, bounds, g0, num_l, top, ranked, which, total, mark, chosen, off, out):
+def _topk_emit(pred, row_order, bounds, which, g0, num_l, top, ranked, total, mark, chosen, counts, out):
     """The proposals of the groups ``which`` from their rows' keys ``ranked`` sorted ascending
-    (:func:`_topk_keys`): the union of each row's ``top`` highest keys, ordered by the keys
-    of the group's summed predictions (insertion, highest first; a row's own order is already
-    that of a one-row group's sums). ``mark`` holds, per expert, the last group (counted from 1)
-    that chose it."""
+    (:func:`_topk_keys`), one after another in ``out``, how many in ``counts``: the union of
+    each row's ``top`` highest keys, ordered by the keys of the group's summed predictions
+    (insertion, highest first; a row's own order is already that of a one-row group's sums).
+    ``mark`` holds, per expert, the last group (counted from 1) that chose it."""
     n = pred.shape[1]
-    i = 0
-    r = 0  # the first row of group which[i] in ranked
-    for g in range(bounds.shape[0] - 1):
-        o = off[g]
-        if i < which.shape[0] and which[i] == g:
-            r0, r1 = bounds[g], bounds[g + 1]
-            for e in range(n):
-                total[e] = np.float32(pred[row_order[r0], e])
-            for rr in range(r0 + 1, r1):
-                for e in range(n):
-                    total[e] += np.float32(pred[row_order[rr], e])
-            c = 0
-            for rr in range(r, r + r1 - r0):
-                for t in range(n - 1, n - 1 - top, -1):
-                    e = _key_expert(ranked[rr, t])
-                    if mark[e] != i + 1:
-                        mark[e] = i + 1
-                        x = _score_key(total[e], e)
-                        j = c
-                        while j > 0 and chosen[j - 1] < x:
-                            chosen[j] = chosen[j - 1]
-                            j -= 1
-                        chosen[j] = x
-                        c += 1
-            base = ((g0 + g) % num_l + 1) * n
-            for j in range(c):
-                out[o] = base + _key_expert(chosen[j])
-                o += 1
-            r += r1 - r0
-            i += 1
-        off[g + 1] = o
+    o = 0
+    r = 0  # the group's first row in ranked
+    for i in range(which.shape[0]):
+        g = which[i]
+        r0, r1 = bounds[g], bounds[g + 1]
+        _row_sums(pred, row_order, r0, r1, total)
+        c = 0
+        for rr in range(r, r + r1 - r0):
+            for t in range(n - 1, n - 1 - top, -1):
+                e = _key_expert(ranked[rr, t])
+                if mark[e] != i + 1:
+                    mark[e] = i + 1
+                    x = _score_key(total[e], e)
+                    j = c
+                    while j > 0 and chosen[j - 1] < x:
+                        chosen[j] = chosen[j - 1]
+                        j -= 1
+                    chosen[j] = x
+                    c += 1
+        base = ((g0 + g) % num_l + 1) * n
+        for j in range(c):
+            out[o + j] = base + _key_expert(chosen[j])
+        o += c
+        counts[i] = c
+        r += r1 - r0
 
 
 @dataclass(frozen=True)
@@ -367,76 +367,70 @@ def percentile_proposals(pred: np.ndarray, row_order: np.ndarray, bounds: np.nda
     predictions, 16 layers, q 0.8) 217-220 against 725-743 ns a group (each commit's own
     function, three interleaved rounds, the same proposals) for the top ``n - floor((n - 1) q)``
     means kept in order by insertion before."""
-    groups = len(bounds) - 1
     num_e = pred.shape[1]
-    keys = np.empty((groups, num_e), dtype=np.int64)
-    which = np.empty(groups, dtype=np.int64)
-    k = _percentile_keys(pred, row_order, bounds, g0, num_l, np.empty(num_e, dtype=np.float32), keys, which)
-    ranked = keys[:k]
-    ranked.sort(axis=1)
+    which = _proposing(bounds, g0, num_l)
+    keys = np.empty((len(which), num_e), dtype=np.int64)
+    _percentile_keys(pred, row_order, bounds, which, np.empty(num_e, dtype=np.float32), keys)
+    keys.sort(axis=1)
     v = (num_e - 1) * q
     lo_rank = math.floor(v)  # q < 1: lo_rank < n - 1, or 0 = n - 1 for one expert
-    off = np.zeros(groups + 1, dtype=np.int64)
-    out = np.empty(k * (num_e - lo_rank), dtype=np.int64)  # the emission reads the top n - lo_rank keys at most
-    _percentile_emit(ranked, which, bounds, g0, num_l, lo_rank, v - lo_rank, off, out)
-    return off, out[:off[-1]]
+    counts = np.empty(len(which), dtype=np.int64)
+    out = np.empty(len(which) * (num_e - lo_rank), dtype=np.int64)  # the emission reads the top n - lo_rank keys at most
+    _percentile_emit(keys, which, bounds, g0, num_l, lo_rank, v - lo_rank, counts, out)
+    return _offsets(len(bounds) - 1, which, counts), out[:counts.sum()]
 
 
 @jit
-def _percentile_keys(pred, row_order, bounds, g0, num_l, sums, keys, which):
-    """Sorting keys of the proposing groups (those with rows, not at the last layer), one row
-    of ``keys`` each (:func:`_score_key` of the expert's float32 sum), their group numbers in
-    ``which``; returns how many. Ordering by the float32 sum is ordering by the mean: dividing
+def _percentile_keys(pred, row_order, bounds, which, sums, keys):
+    """Sorting keys of the groups ``which``, one row of ``keys`` each: :func:`_score_key` of
+    each expert's float32 sum. Ordering by the float32 sum is ordering by the mean: dividing
     distinct float32 values by the same row count (at most ``2**31``) and rounding to float64
     keeps them distinct (their gap is 2**28 float64 units or more), and equal ones stay equal."""
-    n = sums.shape[0]
-    k = 0
-    for g in range(bounds.shape[0] - 1):
-        layer = (g0 + g) % num_l
-        r0, r1 = bounds[g], bounds[g + 1]
-        if r0 == r1 or layer + 1 >= num_l:
-            continue
-        for e in range(n):
-            sums[e] = np.float32(pred[row_order[r0], e])
-        for r in range(r0 + 1, r1):
-            for e in range(n):
-                sums[e] += np.float32(pred[row_order[r], e])
-        for e in range(n):
-            keys[k, e] = _score_key(sums[e], e)
-        which[k] = g
-        k += 1
-    return k
+    for i in range(which.shape[0]):
+        g = which[i]
+        _row_sums(pred, row_order, bounds[g], bounds[g + 1], sums)
+        for e in range(sums.shape[0]):
+            keys[i, e] = _score_key(sums[e], e)
 
 
 @jit
-def _percentile_emit(ranked, which, bounds, g0, num_l, lo_rank, gamma, off, out):
-    """The proposals of the groups ``which[i]`` from their keys ``ranked[i]`` sorted ascending
-    (:func:`_percentile_keys`): the quantile's neighbours are the means at ranks ``lo_rank``
-    and ``lo_rank + 1``, and the experts above it are read from the top key down. Numpy's
-    interpolation never rounds below its lower neighbour ``a`` (``a + d * gamma`` adds a
-    non-negative term; ``b - d * (1 - gamma)`` with ``gamma >= 0.5`` subtracts at most
-    ``d / 2``), so the mean at rank ``lo_rank`` is never above it: a group proposes at most
-    ``n - 1 - lo_rank`` experts. The loop reads no lower than rank ``lo_rank`` (``out`` holds
-    ``n - lo_rank`` a group), so a threshold below ``a`` would propose ``a`` (and show) rather
-    than write past the buffer."""
+def _percentile_emit(ranked, which, bounds, g0, num_l, lo_rank, gamma, counts, out):
+    """The proposals of the groups ``which`` from their keys ``ranked`` sorted ascending
+    (:func:`_percentile_keys`), one after another in ``out``, how many in ``counts``: the
+    quantile's neighbours are the means at ranks ``lo_rank`` and ``lo_rank + 1``, and the
+    experts above it are read from the top key down. Numpy's interpolation never rounds below
+    its lower neighbour ``a`` (``a + d * gamma`` adds a non-negative term; ``b - d * (1 -
+    gamma)`` with ``gamma >= 0.5`` subtracts at most ``d / 2``), so the mean at rank
+    ``lo_rank`` is never above it: a group proposes at most ``n - 1 - lo_rank`` experts. The
+    loop reads no lower than rank ``lo_rank`` (``out`` holds ``n - lo_rank`` a group), so a
+    threshold below ``a`` would propose ``a`` (and show) rather than write past the buffer."""
     n = ranked.shape[1]
-    i = 0
-    for g in range(bounds.shape[0] - 1):
-        o = off[g]
-        if i < ranked.shape[0] and which[i] == g:
-            count = np.float64(bounds[g + 1] - bounds[g])
-            a = _key_mean(ranked[i, lo_rank], count)
-            b = _key_mean(ranked[i, lo_rank + 1], count) if lo_rank + 1 < n else a
-            d = b - a
-            threshold = b - d * (1 - gamma) if gamma >= 0.5 else a + d * gamma
-            base = ((g0 + g) % num_l + 1) * n
-            t = n - 1
-            while t >= lo_rank and _key_mean(ranked[i, t], count) > threshold:
-                out[o] = base + _key_expert(ranked[i, t])
-                o += 1
-                t -= 1
-            i += 1
-        off[g + 1] = o
+    o = 0
+    for i in range(which.shape[0]):
+        g = which[i]
+        count = np.float64(bounds[g + 1] - bounds[g])
+        a = _key_mean(ranked[i, lo_rank], count)
+        b = _key_mean(ranked[i, lo_rank + 1], count) if lo_rank + 1 < n else a
+        d = b - a
+        threshold = b - d * (1 - gamma) if gamma >= 0.5 else a + d * gamma
+        base = ((g0 + g) % num_l + 1) * n
+        t = n - 1
+        while t >= lo_rank and _key_mean(ranked[i, t], count) > threshold:
+            out[o] = base + _key_expert(ranked[i, t])
+            o += 1
+            t -= 1
+        counts[i] = n - 1 - t
+
+
+@inline
+def _row_sums(pred, row_order, r0, r1, sums):
+    """The predictions of rows ``row_order[r0:r1]`` (``r0 < r1``) summed per expert into
+    ``sums``: each taken as float32 and added in row order in float32."""
+    for e in range(sums.shape[0]):
+        sums[e] = np.float32(pred[row_order[r0], e])
+    for r in range(r0 + 1, r1):
+        for e in range(sums.shape[0]):
+            sums[e] += np.float32(pred[row_order[r], e])
 
 
 @inline
