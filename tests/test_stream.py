@@ -290,6 +290,34 @@ def test_a_replay_of_one_block_keeps_its_rows_in_memory(ragged_file: Path) -> No
     assert res.steps is sim.rows.frame
 
 
+def test_the_blocks_of_rows_are_taken_in_order_on_a_thread_beside_the_replay(ragged_file: Path, monkeypatch) -> None:
+    """A replay in pieces hands its blocks of per-pass rows over on a thread of its own while
+    the kernel goes on (issue 34), each block after the one before it: passes numbered on
+    from the last block's, every pass once, and the summary and rows the whole replay's."""
+    import threading
+
+    sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", "cache.capacity=10%"])
+    whole = Simulation(sc, trace=read_trace(ragged_file)).run()
+    monkeypatch.setattr(kernel, "BLOCK_PASSES", 25)
+    taken: list[tuple[int, int, int]] = []  # (thread, first pass, passes) of each block
+    take = Simulation.take_block
+
+    def spied(self, wl, *args, **kwargs) -> None:
+        taken.append((threading.get_ident(), self._pass_base, wl.num_passes))
+        take(self, wl, *args, **kwargs)
+
+    monkeypatch.setattr(Simulation, "take_block", spied)
+    sim = Simulation(sc, chunk_rows=500)
+    res = sim.run()
+    _same(whole, res)
+    assert len(taken) > 2
+    assert threading.get_ident() not in {t for t, _, _ in taken}
+    firsts = [first for _, first, _ in taken]
+    assert firsts == np.cumsum([0] + [n for _, _, n in taken[:-1]]).tolist()
+    assert firsts[-1] + taken[-1][2] == whole.summary["forward_passes"] == len(res.steps)
+    assert sim.wl.num_passes == taken[-1][2]  # the replay ends holding the last block's passes
+
+
 def test_an_unwritable_temporary_folder_is_one_paragraph_naming_it_and_the_fix(ragged_file: Path, tmp_path: Path,
                                                                                 monkeypatch) -> None:
     import tempfile

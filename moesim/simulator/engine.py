@@ -32,7 +32,7 @@ instant transfers, so no simulated time passes.
 from __future__ import annotations
 
 import time as _time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -104,7 +104,7 @@ class Simulation:
         # which the progress covers with the replay, and the rows of those it has shown
         self.first_passes = self.rows_shown = 0
         self._counted = False  # the policies' pass over the file has been shown
-        # the replay's rows, taken a block of passes at a time (take_rows): the summary's totals,
+        # the replay's rows, taken a block of passes at a time (take_block): the summary's totals,
         # the per-pass rows (on disk from the second block on), the per-request rows, and the
         # passes and batches (groups) of the blocks taken
         self.totals = PassTotals()
@@ -335,14 +335,6 @@ class Simulation:
         self._mass_total = workload.weight_total.astype(np.float64).copy()
         self._mass_kept = workload.weight_total.astype(np.float64).copy()
         self.attn_scale, self.ffn_scale = self._pass_scales(workload)
-
-    def adopt(self, workload: Workload, pieces: int) -> None:
-        """Before the kernel writes its per-pass columns: the workload they belong to (the
-        one replayed, or after a replay in ``pieces`` pieces the joined passes and requests of
-        ``stream.join``), with per-pass arrays sized for it."""
-        self.wl = workload
-        self.trace_pieces = pieces
-        self._size_passes(workload)
 
     def _pass_scales(self, workload: Workload) -> tuple[np.ndarray, np.ndarray]:
         """Per pass, the attention-context and expert-time factors of sparse verification
@@ -821,72 +813,89 @@ class Simulation:
         return Result(self.scenario, self.rows, requests, summary, self.transfers, extra=extra)
 
     def take_rows(self) -> None:
-        """Turn the per-pass arrays of the passes in ``self.wl`` (the whole workload, or a
-        block of a trace read in pieces: :func:`simulator.kernel.replay`) into per-pass and
+        """Turn the per-pass arrays the SimPy path filled (the passes of ``self.wl``) into
+        per-pass and per-request rows (:meth:`take_block`)."""
+        self.take_block(self.wl, self._cols, self._t_start, self._t_end, self._stall,
+                        (self._mass_total, self._mass_kept), self._ep_max_load)
+
+    def take_block(self, wl: Workload, cols: Mapping[str, np.ndarray], t_start: np.ndarray, t_end: np.ndarray,
+                   stall: np.ndarray, mass: tuple[np.ndarray, np.ndarray] | None = None,
+                   ep_max_load: np.ndarray | None = None) -> None:
+        """Turn the per-pass results of the passes of ``wl`` (the whole workload, or a block
+        of a trace read in pieces: :func:`simulator.kernel.replay`) into per-pass and
         per-request rows, numbered after the blocks taken before, for the summary's totals
-        and the result."""
-        steps = self._steps_columns()
+        and the result. ``cols``: the per-pass counts by name (one absent is 0 a pass);
+        ``mass``: the gate mass, total and computed (None: the workload's, computed whole);
+        ``ep_max_load``: the mean experts per GPU (None: 0). It reads nothing else of the
+        replay, so that it can run on a thread of its own while the replay goes on (the
+        blocks in order)."""
+        if mass is None:
+            total = wl.weight_total.astype(np.float64)
+            mass = total, total
+        steps = _steps_columns(wl, self.model.num_layers, cols, t_start, t_end, stall, mass,
+                               ep_max_load if ep_max_load is not None else np.zeros(wl.num_passes),
+                               self._pass_base, self._group_base)
         self.totals.add(steps)
         self.rows.add(steps)
         if self.serving is None:
-            self._request_rows.append(self._requests_columns())
-        self._pass_base += self.wl.num_passes
-        self._group_base += int(self.wl.pass_group.max()) + 1  # a workload has a pass (no empty trace)
+            self._request_rows.append(_requests_columns(wl, t_start, t_end, self._pass_base, self._group_base))
+        self._pass_base += wl.num_passes
+        self._group_base += int(wl.pass_group.max()) + 1  # a workload has a pass (no empty trace)
 
-    def _steps_columns(self) -> dict[str, np.ndarray]:
-        """The per-pass rows' columns, ``phase`` as codes into :data:`PHASES`."""
-        wl = self.wl
-        num_l = self.model.num_layers
-        uniq = self._cols["unique_computed"]
-        layers_routed = np.diff(wl.off).reshape(-1, num_l) > 0  # a workload has a pass (no empty trace)
-        return {
-            "pass": np.arange(self._pass_base, self._pass_base + wl.num_passes, dtype=np.int64),
-            "group": wl.pass_group + self._group_base,
-            "step": wl.pass_step,
-            "phase": wl.pass_phase.astype(np.int64),
-            "tokens": wl.pass_tokens,
-            "generated": wl.pass_generated,
-            "requests": wl.pass_requests,
-            "start_s": self._t_start,
-            "end_s": self._t_end,
-            "duration_s": self._t_end - self._t_start,
-            "stall_s": self._stall,
-            **{k: self._cols[k] for k in ("hits", "misses", "late_prefetches", "collision_misses",
-                                          "uncached_fetches")},
-            "bytes_h2d": self._cols["bytes"],
-            "bytes_ep": self._cols["bytes_ep"],  # expert parallelism: all-to-all bytes over hardware.ep_link
-            "unique_experts": uniq,
-            "layers_routed": layers_routed.sum(axis=1),
-            "prefetches_issued": self._cols["prefetches_issued"],
-            "prefetches_used": self._cols["prefetches_used"],
-            "prefetches_cancelled": self._cols["prefetches_cancelled"],
-            "prefetch_predicted_hits": self._cols["prefetch_predicted_hits"],
-            "prefetch_predicted": self._cols["prefetch_predicted"],
-            "prefetch_actual": self._cols["prefetch_actual"],
-            "low_precision_experts": self._cols["low_precision_experts"],
-            "dropped_experts": self._cols["dropped_experts"],
-            "substituted_experts": self._cols["substituted_experts"],
-            "gate_weight_total": self._mass_total,
-            "gate_weight_computed": self._mass_kept,
-            "tokens_altered": self._cols["tokens_altered"],
-            "max_experts_per_gpu": self._ep_max_load,
-        }
 
-    def _requests_columns(self) -> dict[str, np.ndarray]:
-        """The per-request rows' columns of the passes in ``self.wl``, ``first_phase`` as
-        codes into :data:`PHASES`."""
-        wl = self.wl
-        groups = wl.request_group
-        first = wl.request_first_pass
-        group_start = np.full(int(wl.pass_group.max()) + 1, np.inf)  # each group's first pass start
-        np.minimum.at(group_start, wl.pass_group, self._t_start)
-        return {
-            "request": wl.request_ids,
-            "group": groups + self._group_base,
-            "first_pass": first + self._pass_base,
-            "ttft_s": self._t_end[first] - group_start[groups],  # a workload has a request (no empty trace)
-            "first_phase": wl.pass_phase[first].astype(np.int64),
-        }
+def _steps_columns(wl: Workload, num_l: int, cols: Mapping[str, np.ndarray], t_start: np.ndarray,
+                   t_end: np.ndarray, stall: np.ndarray, mass: tuple[np.ndarray, np.ndarray],
+                   ep_max_load: np.ndarray, pass_base: int, group_base: int) -> dict[str, np.ndarray]:
+    """The per-pass rows' columns of the passes of ``wl``, numbered from ``pass_base`` and
+    ``group_base``, ``phase`` as codes into :data:`PHASES` (arguments: :meth:`Simulation.take_block`)."""
+    zeros = np.zeros(wl.num_passes, np.int64)
+
+    def col(name: str) -> np.ndarray:
+        return cols.get(name, zeros)
+
+    layers_routed = np.diff(wl.off).reshape(-1, num_l) > 0  # a workload has a pass (no empty trace)
+    return {
+        "pass": np.arange(pass_base, pass_base + wl.num_passes, dtype=np.int64),
+        "group": wl.pass_group + group_base,
+        "step": wl.pass_step,
+        "phase": wl.pass_phase.astype(np.int64),
+        "tokens": wl.pass_tokens,
+        "generated": wl.pass_generated,
+        "requests": wl.pass_requests,
+        "start_s": t_start,
+        "end_s": t_end,
+        "duration_s": t_end - t_start,
+        "stall_s": stall,
+        **{k: col(k) for k in ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches")},
+        "bytes_h2d": col("bytes"),
+        "bytes_ep": col("bytes_ep"),  # expert parallelism: all-to-all bytes over hardware.ep_link
+        "unique_experts": col("unique_computed"),
+        "layers_routed": layers_routed.sum(axis=1),
+        **{k: col(k) for k in ("prefetches_issued", "prefetches_used", "prefetches_cancelled",
+                               "prefetch_predicted_hits", "prefetch_predicted", "prefetch_actual",
+                               "low_precision_experts", "dropped_experts", "substituted_experts")},
+        "gate_weight_total": mass[0],
+        "gate_weight_computed": mass[1],
+        "tokens_altered": col("tokens_altered"),
+        "max_experts_per_gpu": ep_max_load,
+    }
+
+
+def _requests_columns(wl: Workload, t_start: np.ndarray, t_end: np.ndarray, pass_base: int,
+                      group_base: int) -> dict[str, np.ndarray]:
+    """The per-request rows' columns of the passes of ``wl`` (numbered from ``pass_base`` and
+    ``group_base``), ``first_phase`` as codes into :data:`PHASES`."""
+    groups = wl.request_group
+    first = wl.request_first_pass
+    group_start = np.full(int(wl.pass_group.max()) + 1, np.inf)  # each group's first pass start
+    np.minimum.at(group_start, wl.pass_group, t_start)
+    return {
+        "request": wl.request_ids,
+        "group": groups + group_base,
+        "first_pass": first + pass_base,
+        "ttft_s": t_end[first] - group_start[groups],  # a workload has a request (no empty trace)
+        "first_phase": wl.pass_phase[first].astype(np.int64),
+    }
 
 
 def _requests_frame(blocks: list[dict[str, np.ndarray]]) -> pd.DataFrame:

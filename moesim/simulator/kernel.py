@@ -62,6 +62,7 @@ import math
 import os
 import warnings
 from collections.abc import Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -516,8 +517,6 @@ def _proposals_ahead(prefetch: Any, bounds: list[int]) -> Any:
     score-percentile's compiled proposals both release the GIL (issue 34: score-percentile's
     proposals took a third of a least-stale + score-percentile replay's time on the main
     thread)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(max_workers=1) as ahead:
         nxt = ahead.submit(prefetch.proposals, bounds[0], bounds[1])
         for i in range(1, len(bounds)):
@@ -537,25 +536,24 @@ def _chunks_of(proposals: tuple[np.ndarray, np.ndarray], bounds: list[int],
         yield o - o[0], keys[o[0]:o[-1]]
 
 
-def _hand_over(sim: Any, parts: list[Any] | None, outs: list[tuple[Any, ...]], miss: int, n_pieces: int) -> None:
-    """Give ``sim`` the per-pass columns of the pieces replayed since the last hand-over
-    (``outs``; ``parts``: their passes and requests, joined here, or None for the whole
-    workload ``sim`` already holds), which it turns into per-pass rows
-    (:meth:`simulator.engine.Simulation.take_rows`). A trace read in pieces hands its
-    passes over about :data:`BLOCK_PASSES` at a time, so that they need
-    not all be in memory at once."""
+def _hand_over(sim: Any, wl: Any, outs: list[tuple[Any, ...]], miss: int) -> Any:
+    """Give ``sim`` the per-pass columns of the passes of ``wl`` (``outs``, as the kernel
+    wrote them call by call), which it turns into per-pass rows
+    (:meth:`simulator.engine.Simulation.take_block`). Returns ``wl``."""
     cols, t_start, t_end, stall, m_total, m_kept = (np.concatenate(x) for x in zip(*outs, strict=True))
-    if parts is not None:
-        sim.adopt(join(parts), n_pieces)
-    for i, name in enumerate(COLUMNS):
-        sim._cols[name][:] = cols[:, i]
-    sim._t_start[:] = t_start
-    sim._t_end[:] = t_end
-    sim._stall[:] = stall
-    if miss != MISS_FETCH:  # the per-token path's gate mass (else the workload's, as there)
-        sim._mass_total[:] = m_total
-        sim._mass_kept[:] = m_kept
-    sim.take_rows()
+    named = dict(zip(COLUMNS, np.ascontiguousarray(cols.T), strict=True))
+    sim.take_block(wl, named, t_start, t_end, stall, (m_total, m_kept) if miss != MISS_FETCH else None)
+    return wl
+
+
+def _hand_over_pieces(sim: Any, parts: list[Any], outs: list[tuple[Any, ...]], miss: int) -> Any:
+    """:func:`_hand_over` for the pieces replayed since the last (``parts``: their passes and
+    requests, joined here): a trace read in pieces hands its passes over about
+    :data:`BLOCK_PASSES` at a time, so that they need not all be in memory at once, on a
+    thread of its own while the kernel replays the next pieces (issue 34: the hand-overs took
+    0.11-0.12 s of the replay's thread on the 25.6 M-access benchmark trace). Returns the
+    joined workload."""
+    return _hand_over(sim, join(parts), outs, miss)
 
 
 def replay(sim: Any) -> None:
@@ -639,52 +637,60 @@ def _replay(sim: Any) -> None:
     parts: list[Any] = []  # and those pieces' passes and requests
     rows_done, n_pieces = 0, 0  # trace rows and pieces replayed
     base, held = 0, 0  # passes of the pieces before this one, and of those in ``outs``
-    while True:
-        n_pass = wl.num_passes
-        release = np.ascontiguousarray(wl.release(), np.float64)
-        cols = np.zeros((n_pass, R_COUNT), np.int64)
-        t_start, t_end, stall = np.zeros(n_pass), np.zeros(n_pass), np.zeros(n_pass)
-        m_total, m_kept = np.zeros(n_pass), np.zeros(n_pass)
-        IS[S_PBASE] = base
-        props = None
-        bounds = _calls(wl.off, n_pass, num_l)
-        if pf == PF_ARRAY:
-            props = (_chunks_of(wl.proposals, bounds, num_l) if wl.proposals is not None
-                     else _proposals_ahead(sim.prefetch, bounds))
-        for q0, q1 in itertools.pairwise(bounds):
-            with _hook_errors(sim):  # the compiled hooks run here (and make the proposals ahead)
-                P = next(props) if props is not None else no_props
-                replay_passes(base + q0, base + q1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp[q0:q1],
-                              release[q0:q1], cols[q0:q1], t_start[q0:q1], t_end[q0:q1], stall[q0:q1],
-                              m_total[q0:q1], m_kept[q0:q1])
-            if sim.progress is not None:
-                if sim.serving is not None:  # requests served
-                    sim.progress(sim.serving.finished, sim.serving.n)
-                elif streamed:  # the share of the file's rows replayed
-                    sim.progress(shown + rows_done + len(wl.trace) * q1 // n_pass, total)
-                else:
-                    sim.progress(q1, n_pass)
-        outs.append((cols, t_start, t_end, stall, m_total, m_kept))
-        n_pieces += 1
-        base += n_pass
-        held += n_pass
-        if not streamed:
-            _hand_over(sim, None, outs, miss, n_pieces)
-            break
-        parts.append(passes_of(wl))  # its per-access and per-row arrays go with the piece
-        rows_done += len(wl.trace)
-        nxt = next_piece(sim.pieces, float(FS[SF_NOW]))  # serving: formed now the last has ended
-        if nxt is None or held >= BLOCK_PASSES:
-            _hand_over(sim, parts, outs, miss, n_pieces)
-            outs, parts, held = [], [], 0
-        if nxt is None:
-            break
-        del DI, A, DF, M, nonexp
-        forget_large_tuples()  # the piece's per-access arrays, kept by the kernel with their type
-        wl = nxt
-        sim.bind_piece(wl)
-        DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks,
-                                      None if firsts is None else _belady_piece(sim, wl, firsts, afters, n_pieces))
+    handing = None  # the block of passes being handed over (a trace read in pieces)
+    with ThreadPoolExecutor(1, thread_name_prefix="moesim-rows") if streamed else contextlib.nullcontext() as rows:
+        while True:
+            n_pass = wl.num_passes
+            release = np.ascontiguousarray(wl.release(), np.float64)
+            cols = np.zeros((n_pass, R_COUNT), np.int64)
+            t_start, t_end, stall = np.zeros(n_pass), np.zeros(n_pass), np.zeros(n_pass)
+            m_total, m_kept = np.zeros(n_pass), np.zeros(n_pass)
+            IS[S_PBASE] = base
+            props = None
+            bounds = _calls(wl.off, n_pass, num_l)
+            if pf == PF_ARRAY:
+                props = (_chunks_of(wl.proposals, bounds, num_l) if wl.proposals is not None
+                         else _proposals_ahead(sim.prefetch, bounds))
+            for q0, q1 in itertools.pairwise(bounds):
+                with _hook_errors(sim):  # the compiled hooks run here (and make the proposals ahead)
+                    P = next(props) if props is not None else no_props
+                    replay_passes(base + q0, base + q1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp[q0:q1],
+                                  release[q0:q1], cols[q0:q1], t_start[q0:q1], t_end[q0:q1], stall[q0:q1],
+                                  m_total[q0:q1], m_kept[q0:q1])
+                if sim.progress is not None:
+                    if sim.serving is not None:  # requests served
+                        sim.progress(sim.serving.finished, sim.serving.n)
+                    elif streamed:  # the share of the file's rows replayed
+                        sim.progress(shown + rows_done + len(wl.trace) * q1 // n_pass, total)
+                    else:
+                        sim.progress(q1, n_pass)
+            outs.append((cols, t_start, t_end, stall, m_total, m_kept))
+            n_pieces += 1
+            base += n_pass
+            held += n_pass
+            if not streamed:
+                _hand_over(sim, wl, outs, miss)
+                break
+            parts.append(passes_of(wl))  # its per-access and per-row arrays go with the piece
+            rows_done += len(wl.trace)
+            nxt = next_piece(sim.pieces, float(FS[SF_NOW]))  # serving: formed now the last has ended
+            if nxt is None or held >= BLOCK_PASSES:
+                if handing is not None:
+                    handing.result()  # one block at a time: its errors raised here, its memory let go
+                assert rows is not None
+                handing = rows.submit(_hand_over_pieces, sim, parts, outs, miss)
+                outs, parts, held = [], [], 0
+            if nxt is None:
+                break
+            del DI, A, DF, M, nonexp
+            forget_large_tuples()  # the piece's per-access arrays, kept by the kernel with their type
+            wl = nxt
+            sim.bind_piece(wl)
+            DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks,
+                                          None if firsts is None else _belady_piece(sim, wl, firsts, afters, n_pieces))
+        if handing is not None:
+            sim.wl = handing.result()  # the last block's passes and requests
+            sim.trace_pieces = n_pieces
     _advance(math.inf, IS, K, T, FS)  # the transfers still queued or running complete
     if sim.stream_source is not None:
         sim.check_source()  # the file the pieces came from is the one the first passes read

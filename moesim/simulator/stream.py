@@ -5,7 +5,8 @@ requests (:func:`traces.io.iter_trace`, about :data:`CHUNK_ROWS` rows each), eac
 into its own :class:`Workload` and replayed by the compiled kernel with the state carried from
 the previous piece: the cache, the copy engine, the prefetch queue and the clocks. Peak memory
 is then set by the piece and the cache, not by the trace. The per-pass rows are handed over
-:data:`simulator.kernel.BLOCK_PASSES` passes at a time and, from the second block on, written to a temporary
+:data:`simulator.kernel.BLOCK_PASSES` passes at a time, on a thread of their own while the kernel goes
+on, and, from the second block on, written to a temporary
 Parquet file (:class:`output.results.PassRows`); the summary keeps its whole-number totals
 and the exact sums of the few floating-point columns it adds up
 (:class:`simulator.metrics.PassTotals`: memory that does not grow with the passes), and the
