@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -123,13 +124,18 @@ def test_corrupt_parquet_is_named(tmp_path):
         read_trace(path)
 
 
-def test_expert_id_out_of_range_names_column_and_row(tmp_path):
+@pytest.mark.parametrize("row", [[1, 8], [-1, 2], [7, -3]])  # 8 >= 8 experts; ids below 0
+def test_expert_id_out_of_range_names_column_and_row(tmp_path, row):
     t = trace_from_array(small_model(), np.zeros((1, 3, 2, 2), dtype=np.int64) + np.array([0, 1]))
-    t.experts[4] = [1, 8]  # 8 >= 8 experts
+    t.experts[4] = row
+    t.experts[5] = [7, 0]  # the ids at the ends of the range are valid
     table = trace_to_table(t)
     path = _write_table(tmp_path, table)
-    with pytest.raises(MoesimError, match=r"bad\.parquet: column 'experts' has expert id\(s\) \[1, 8\] at row 4; ids must be 0..7"):
+    shown = re.escape(str(row))
+    with pytest.raises(MoesimError, match=rf"bad\.parquet: column 'experts' has expert id\(s\) {shown} at row 4; ids must be 0..7"):
         read_trace(path)
+    t.experts[4] = [1, 2]
+    assert read_trace(_write_table(tmp_path, trace_to_table(t))).experts[5].tolist() == [7, 0]
 
 
 @pytest.mark.parametrize(("mutate", "message"), [

@@ -317,9 +317,8 @@ def _trace_of(p: str, model: ModelInfo, capture: dict[str, Any], table: pa.Table
     experts = _fixed_lists(p, table, "experts", model.top_k, row0=row0)
     if experts.dtype.kind not in "iu":
         raise _fail(p, "column 'experts' must hold integer expert ids.")
-    bad_rows = np.flatnonzero(((experts < 0) | (experts >= model.num_experts)).any(axis=1))
-    if bad_rows.size:
-        r = int(bad_rows[0])
+    if experts.size and (experts.min() < 0 or experts.max() >= model.num_experts):  # then the mask names the row
+        r = int(np.flatnonzero(((experts < 0) | (experts >= model.num_experts)).any(axis=1))[0])
         raise _fail(p, f"column 'experts' has expert id(s) {experts[r].tolist()} at row {r + row0}; ids must "
                     f"be 0..{model.num_experts - 1} (model {model.name} has {model.num_experts} "
                     "experts per layer). Check --preset or the trace's metadata.")
