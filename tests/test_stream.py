@@ -110,6 +110,29 @@ def test_a_file_out_of_request_order_is_read_whole_with_the_same_results(tmp_pat
                      chunk_rows=500).run(), res)
 
 
+def test_a_file_whose_first_pieces_are_in_order_and_the_rest_not_is_read_whole(tmp_path: Path) -> None:
+    """The order is checked over the whole file while the first piece is read: a file whose
+    disorder starts past its first pieces is read whole too, with the same results."""
+    tr = _ragged()
+    req = tr.request.astype(np.int64)
+    late = int(np.unique(req)[-3])  # the last three requests, in reverse
+    order = np.concatenate([np.flatnonzero(req < late),
+                            np.argsort(-np.where(req >= late, req, -1), kind="stable")[:int((req >= late).sum())]])
+    path = write_trace(tr.take(order), tmp_path / "late-disorder.parquet")
+    assert not requests_in_order(path)
+    assert len(list(itertools.islice(iter_trace(path, 500), 3))) == 3  # the first pieces read
+    sc = load_scenario("quickstart", [f"workload.trace.path={path}", "cache.capacity=10%"])
+    sim = Simulation(sc, chunk_rows=500)
+    assert sim.pieces is None
+    assert sim.whole_reason == "the trace file's rows are not in request order"
+    in_order = write_trace(tr, tmp_path / "in-order.parquet")
+    whole = Simulation(load_scenario("quickstart", [f"workload.trace.path={in_order}", "cache.capacity=10%"]),
+                       trace=read_trace(in_order)).run()
+    res = sim.run()
+    assert res.summary["trace_pieces"] == 1
+    assert _summary(res) == _summary(whole)
+
+
 # -- the replay ---------------------------------------------------------------------------------
 POLICIES = st.sampled_from([("lru", "none"), ("least-stale", "score-percentile"), ("fld", "previous-token"),
                             ("lfu", "lookahead"), ("score", "next-gate-topk"), ("fifo", "oracle"),
