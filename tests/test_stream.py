@@ -544,8 +544,20 @@ def test_replays_that_need_the_whole_trace_read_it_whole(ragged_file: Path, sets
     assert sim.whole_reason == reason
 
 
-def test_a_synthesised_trace_and_a_recorded_timeline_are_whole() -> None:
+def test_a_synthesised_trace_a_recorded_timeline_and_a_file_of_one_piece_are_whole(ragged_file: Path) -> None:
     assert Simulation(load_scenario("quickstart", [])).whole_reason == "the trace is synthesised or imported in memory"
+    sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}"])
+    for record in ("record_transfers", "record_layers", "record_decisions"):
+        sim = Simulation(sc, chunk_rows=500, **{record: True})
+        assert sim.pieces is None
+        assert sim.whole_reason == "the replay records its timeline or decisions"
+    rows = trace_rows(ragged_file)
+    sim = Simulation(sc, chunk_rows=rows)  # exactly one piece's rows
+    assert sim.pieces is None
+    assert sim.whole_reason == "the trace fits in one piece"
+    sim = Simulation(sc, chunk_rows=rows - 1)
+    assert sim.pieces is not None
+    assert sim.whole_reason is None
 
 
 def test_the_command_line_reads_a_long_trace_in_pieces_with_the_same_summary(ragged_file: Path, monkeypatch) -> None:
@@ -644,6 +656,13 @@ def test_a_file_with_wider_rows_is_read_in_pieces_of_as_many_bytes(ragged_file: 
     assert piece_rows(ragged_file) == 131_072 * 63 // 319 == 25_885
     monkeypatch.setenv("MOESIM_PIECE_ROWS", "700")
     assert piece_rows(ragged_file) == 700
+    monkeypatch.delenv("MOESIM_PIECE_ROWS")
+    from moesim.simulator import stream
+
+    monkeypatch.setattr(stream, "CHUNK_ROWS", 2000)  # the replay cuts this file's pieces as many bytes each
+    assert piece_rows(ragged_file) == 2000 * 63 // 319 == 394
+    res = Simulation(load_scenario("quickstart", [f"workload.trace.path={ragged_file}"])).run()
+    assert res.summary["trace_pieces"] == len(list(iter_trace(ragged_file, 394))) > len(list(iter_trace(ragged_file, 2000)))
 
 
 # -- the reader's parts, against independent references --------------------------------------

@@ -837,7 +837,8 @@ class Simulation:
         """Turn the per-pass results of the passes of ``wl`` (the whole workload, or a block
         of a trace read in pieces: :func:`simulator.kernel.replay`) into per-pass and
         per-request rows, numbered after the blocks taken before, for the summary's totals
-        and the result. ``cols``: the per-pass counts by name (one absent is 0 a pass);
+        and the result. ``cols``: the per-pass counts by name (``bytes_ep`` may be absent: 0
+        a pass, as the kernel, which runs no expert parallelism, leaves it);
         ``mass``: the gate mass, total and computed (None: the workload's, computed whole);
         ``ep_max_load``: the mean experts per GPU (None: 0). It reads nothing else of the
         replay, so that it can run on a thread of its own while the replay goes on (the
@@ -861,11 +862,7 @@ def _steps_columns(wl: Workload, num_l: int, cols: Mapping[str, np.ndarray], t_s
                    ep_max_load: np.ndarray, pass_base: int, group_base: int) -> dict[str, np.ndarray]:
     """The per-pass rows' columns of the passes of ``wl``, numbered from ``pass_base`` and
     ``group_base``, ``phase`` as codes into :data:`PHASES` (arguments: :meth:`Simulation.take_block`)."""
-    zeros = np.zeros(wl.num_passes, np.int64)
-
-    def col(name: str) -> np.ndarray:
-        return cols.get(name, zeros)
-
+    col = {"bytes_ep": np.zeros(wl.num_passes, np.int64), **cols}.__getitem__  # any other name: KeyError
     layers_routed = np.diff(wl.off).reshape(-1, num_l) > 0  # a workload has a pass (no empty trace)
     return {
         "pass": np.arange(pass_base, pass_base + wl.num_passes, dtype=np.int64),
