@@ -594,6 +594,15 @@ def _hook_errors(sim: Any) -> Iterator[None]:
             "the forward pass and the layer.") from None
 
 
+def _pass_arrays(wl: Any) -> tuple[np.ndarray, ...]:
+    """A piece's per-pass arrays for the kernel: each pass's release time (it reads), then those
+    it writes the results into: the counts (``COLUMNS``), start and end times, stall, gate mass
+    total and computed."""
+    n_pass = wl.num_passes
+    return (np.ascontiguousarray(wl.release(), np.float64), np.zeros((n_pass, R_COUNT), np.int64),
+            np.zeros(n_pass), np.zeros(n_pass), np.zeros(n_pass), np.zeros(n_pass), np.zeros(n_pass))
+
+
 def _replay(sim: Any) -> None:
     misses = _policy_codes()[2]
     wl, model = sim.wl, sim.model
@@ -641,10 +650,7 @@ def _replay(sim: Any) -> None:
     with ThreadPoolExecutor(1, thread_name_prefix="moesim-rows") if streamed else contextlib.nullcontext() as rows:
         while True:
             n_pass = wl.num_passes
-            release = np.ascontiguousarray(wl.release(), np.float64)
-            cols = np.zeros((n_pass, R_COUNT), np.int64)
-            t_start, t_end, stall = np.zeros(n_pass), np.zeros(n_pass), np.zeros(n_pass)
-            m_total, m_kept = np.zeros(n_pass), np.zeros(n_pass)
+            release, cols, t_start, t_end, stall, m_total, m_kept = _pass_arrays(wl)
             IS[S_PBASE] = base
             props = None
             bounds = _calls(wl.off, n_pass, num_l)
