@@ -206,3 +206,129 @@ def test_a_subclass_of_a_built_in_elsewhere_does_not_run_its_compiled_form():
     assert all(eviction_code(c) is not None for c in (ev.LFU, ev.FarthestLayerDistance, ev.ScoreBased,
                                                      ev.LeastHighPrecisionUsed))
 
+
+
+# -- the list forms (lru, fifo, least-stale): RecencyList, InsertionList, LeastStaleLists ---------
+LIST_FORMS = {"lru": (ev.LRU, None), "fifo": (ev.FIFO, None),
+              "least-stale": (ev.LeastStale, ev.LeastStaleParams()),
+              "least-stale-absolute": (ev.LeastStale, ev.LeastStaleParams(order="absolute"))}
+# the key records' fields a list form reads and writes (the kernel's records have these and more)
+RECORD = np.dtype([(name, np.int64) for name in ("prev", "next", "curpass", "layer", "pend")])
+
+
+class ListDriver:
+    """A list form's side, written from the contract (the comment above
+    ``eviction.RecencyList``): key records, the lists' heads and tails at ``BASE`` on in ``L``,
+    the pending mark, and the victim walk over ``segment``'s lists."""
+
+    BASE = 3  # the heads and tails need not start at 0
+
+    def __init__(self, form: type, opt: int) -> None:
+        self.form, self.opt = form, opt
+        n = LAYERS * EXPERTS
+        self.K = np.zeros(n, RECORD).view(np.recarray)
+        self.K["prev"] = self.K["next"] = self.K["curpass"] = -1
+        self.K["layer"] = np.arange(n) // EXPERTS
+        self.L = np.full(self.BASE + 4 * LAYERS + 2, -1, np.int64)
+        self.p, self.layer, self.gen = 0, 0, 1
+
+    def call(self, name: str, key: int) -> None:
+        getattr(self.form, name)(key, self.p, self.L, self.BASE, LAYERS, self.K)
+
+    def new_pass(self, p: int) -> None:
+        self.p = p
+        self.form.new_pass(p, self.L, self.BASE, LAYERS, self.K)
+
+    def pending(self, keys: set[int]) -> None:
+        self.gen += 1
+        for k in keys:
+            self.K[k].pend = self.gen
+
+    def walk(self, for_prefetch: bool) -> list[int]:
+        out = []
+        for q in range(self.form.QUEUES):
+            for step in range(self.form.steps(LAYERS, self.opt)):
+                h, which = self.form.segment(q, step, for_prefetch, self.layer, LAYERS, self.opt)
+                if h < 0:
+                    continue
+                key = self.L[self.BASE + h]
+                while key != -1:
+                    if which == ev.ANY or (self.K[key].pend == self.gen) == (which == ev.PENDING):
+                        out.append(int(key))
+                    key = self.K[key].next
+        return out
+
+
+list_events = st.lists(st.tuples(st.sampled_from(["put", "use", "select", "drop", "layer", "pass"]),
+                                 st.integers(0, 10 ** 6), st.booleans()), min_size=1, max_size=60)
+
+
+@pytest.mark.parametrize("name", list(LIST_FORMS))
+@settings(max_examples=80, deadline=None)
+@given(evs=list_events)
+def test_the_list_forms_walk_the_reference_order(name, evs):
+    """After any sequence of inserts, uses, prefetch selections, removals, layer changes (with
+    any of the layer's cached experts still to run) and passes, the compiled form's lists walked
+    in its order give the reference policy's ``candidates()``, and for a prefetch its
+    ``prefetch_candidates()``."""
+    cls, params = LIST_FORMS[name]
+    ctx = PolicyContext(num_layers=LAYERS, num_experts=EXPERTS, top_k=2, expert_bytes=1,
+                        rng=np.random.default_rng(0))
+    ref = cls(params, ctx)
+    form = ListDriver(cls.lists, int(params is not None and params.order == "relative"))
+    cached: list[int] = []
+    for what, x, flag in evs:
+        if what == "layer":
+            ctx.clock.layer = form.layer = x % LAYERS
+            mine = [k for k in cached if k // EXPERTS == form.layer]
+            ctx.clock.pending = {k for i, k in enumerate(mine) if (x >> (i + 2)) & 1}
+            form.pending(ctx.clock.pending)
+        elif what == "pass":  # forward, by one to three passes (the kernel rolls once a pass)
+            ctx.clock.pass_index += 1 + x % 3
+            ctx.clock.pending = set()
+            form.pending(set())
+            form.new_pass(ctx.clock.pass_index)
+        elif what == "put":
+            free = [k for k in range(LAYERS * EXPERTS) if k not in cached]
+            if free:
+                key = free[x % len(free)]
+                cached.append(key)
+                ref.on_insert(key, flag)
+                form.call("insert", key)
+        elif cached:
+            key = cached[x % len(cached)]
+            if what == "use":
+                ref.on_access(key)
+                form.call("access", key)
+            elif what == "select":
+                ref.on_prefetch_select(key)
+                form.call("select", key)
+            else:
+                cached.remove(key)
+                ref.on_remove(key)
+                form.call("remove", key)
+        assert list(ref.candidates()) == form.walk(False), (what, x, flag)
+        assert list(ref.prefetch_candidates()) == form.walk(True), (what, x, flag)
+
+
+def test_least_stale_lists_by_hand():
+    """Two layers of the least-stale form, relative order, at layer 1 of pass 1: key 0 (layer
+    0) touched in pass 0 is stale; key 3 (layer 1) inserted in pass 1 and still to run, key 4
+    (layer 1) inserted in pass 1 and run, key 1 (layer 0) selected in pass 1: current. Demand
+    order: stale layer 0 (0), then current: layer 0 (1), layer 1 run (4), layer 1 pending (3).
+    A prefetch does not take layer 1's pending expert; a pass later all four are stale."""
+    f = ListDriver(ev.LeastStaleLists, 1)
+    f.call("insert", 0)
+    f.call("insert", 1)
+    f.new_pass(1)
+    f.call("insert", 3)
+    f.call("insert", 4)
+    f.call("select", 1)
+    f.layer = 1
+    f.pending({3})
+    assert f.walk(False) == [0, 1, 4, 3]
+    assert f.walk(True) == [0, 1, 4]
+    f.new_pass(2)
+    assert f.walk(False) == [0, 1, 4, 3]
+    f.call("access", 4)
+    assert f.walk(False) == [0, 1, 3, 4]

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from moesim.jit import jit
+from moesim.jit import inline, jit
 from moesim.policies.registry import Policy, PolicyContext, Registry
 
 # the ``clock`` a compiled form's hooks read (moesim.policies.hooks: its docstring)
@@ -29,11 +29,13 @@ CLOCK_PASS, CLOCK_LAYER, CLOCK_TICK, CLOCK_KEYS_PER_LAYER, CLOCK_PRECISIONS, CLO
 
 
 class EvictionPolicy(Policy, ABC):
-    """Base class: observes cache events, orders keys for eviction. ``compiled``: the
-    policy's compiled form, a class of hooks (:mod:`moesim.policies.hooks`) that the kernel
-    runs in its place, where the policy has one that is not built into the kernel."""
+    """Base class: observes cache events, orders keys for eviction. A built-in's compiled form,
+    which the kernel runs in its place, is beside it: ``compiled``, a class of hooks
+    (:mod:`moesim.policies.hooks`) for a policy ordered by a priority, or ``lists``, a list form
+    (:class:`RecencyList` and the comment above it) for one ordered by lists."""
 
     compiled: ClassVar[type | None] = None
+    lists: ClassVar[type | None] = None
 
     @abstractmethod
     def on_insert(self, key: int, demand: bool) -> None:
@@ -66,6 +68,110 @@ class EvictionPolicy(Policy, ABC):
 REGISTRY: Registry[EvictionPolicy] = Registry("eviction")
 
 
+# -- the compiled forms of the list-ordered built-ins (lru, fifo, least-stale) -------------------
+# A list form keeps its order in doubly linked lists over the kernel's key records: ``K[key].prev``
+# and ``K[key].next`` (-1: none) are a cached key's neighbours in its list, and a list's head and
+# tail are ``L[h]`` and ``L[h + 1]`` of an int64 array (-1: empty), ``h`` counted from the form's
+# ``base``. Its functions (compiled, and called by the kernel directly, so that LLVM inlines them
+# as it did the kernel's own code; a first-class hook's indirect call per event would cost the
+# hot LRU path, :mod:`moesim.policies.hooks`):
+#
+# - ``insert(key, p, L, base, nl, K)``, ``access(...)``, ``remove(...)``: ``key`` entered the cache,
+#   was used by forward pass ``p`` (a hit or a late prefetch), left it; ``select(...)``: a
+#   prefetcher selected ``key`` while cached (``on_prefetch_select``); ``new_pass(p, L, base, nl,
+#   K)``: pass ``p`` begins (``nl``: the model's layers);
+# - the victim walk: ``steps(nl, opt)`` lists per queue, over ``QUEUES`` queues, and
+#   ``segment(q, step, for_prefetch, layer, nl, opt) -> (h, which)``: the list the walk reads
+#   ``step``-th in queue ``q`` (``h`` < 0: none) and which of its keys are candidates (``ANY``;
+#   ``NOT_PENDING`` or ``PENDING``: only the current layer's experts that have run, or only those
+#   still to run, ``Clock.pending``). The kernel walks the lists in that order, each from its head,
+#   and takes the first key that the cache may evict (the pinning rule is the cache's, not the
+#   policy's). ``opt`` is the form's one integer parameter (least-stale's ``order``: 1 relative).
+#
+# ``tests/test_compiled_forms.py`` drives each form through random events, compiled and as
+# Python, against its reference form's ``candidates()`` and ``prefetch_candidates()``.
+ANY, NOT_PENDING, PENDING = 2, 0, 1
+
+
+@inline
+def list_append(key: int, h: int, L: np.ndarray, K: Any) -> None:
+    """Append ``key`` to the list whose head and tail are ``L[h]``, ``L[h + 1]``."""
+    tail = L[h + 1]
+    K[key].prev = tail
+    K[key].next = -1
+    if tail == -1:
+        L[h] = key
+    else:
+        K[tail].next = key
+    L[h + 1] = key
+
+
+@inline
+def list_unlink(key: int, h: int, L: np.ndarray, K: Any) -> None:
+    """Take ``key`` out of the list at ``L[h]``."""
+    prv, nxt = K[key].prev, K[key].next
+    if prv == -1:
+        L[h] = nxt
+    else:
+        K[prv].next = nxt
+    if nxt == -1:
+        L[h + 1] = prv
+    else:
+        K[nxt].prev = prv
+
+
+class RecencyList:
+    """LRU's compiled form: one list, least recent first; an insert and every use move the key
+    to the end (:class:`RecencyOrdered`)."""
+
+    QUEUES = 1
+
+    @staticmethod
+    @inline
+    def insert(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
+        list_append(key, base, L, K)
+
+    @staticmethod
+    @inline
+    def access(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
+        list_unlink(key, base, L, K)
+        list_append(key, base, L, K)
+
+    @staticmethod
+    @inline
+    def remove(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
+        list_unlink(key, base, L, K)
+
+    @staticmethod
+    @inline
+    def select(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
+        pass
+
+    @staticmethod
+    @inline
+    def new_pass(p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
+        pass
+
+    @staticmethod
+    @inline
+    def steps(nl: int, opt: int) -> int:
+        return 1
+
+    @staticmethod
+    @inline
+    def segment(q: int, step: int, for_prefetch: bool, layer: int, nl: int, opt: int) -> tuple[int, int]:
+        return 0, ANY
+
+
+class InsertionList(RecencyList):
+    """FIFO's compiled form: :class:`RecencyList` whose uses do not reorder."""
+
+    @staticmethod
+    @inline
+    def access(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
+        pass
+
+
 class RecencyOrdered(EvictionPolicy):
     """Shared bookkeeping: cached keys in recency order (least recent first); inserts count
     as uses. Subclasses order candidates from it (plain recency by default)."""
@@ -95,13 +201,19 @@ class LRU(RecencyOrdered):
     """Least recently used: evict the expert whose last use is oldest.
 
     An inserted expert counts as used at insertion (a demand fetch is used at once), as in
-    libCacheSim's LRU, so miss counts match it on the same access stream.
+    libCacheSim's LRU, so miss counts match it on the same access stream. The kernel runs
+    :class:`RecencyList`.
     """
+
+    lists = RecencyList
 
 
 @REGISTRY.register("fifo")
 class FIFO(RecencyOrdered):
-    """First in, first out: evict the expert inserted longest ago; uses do not reorder."""
+    """First in, first out: evict the expert inserted longest ago; uses do not reorder. The
+    kernel runs :class:`InsertionList`."""
+
+    lists = InsertionList
 
     def on_access(self, key: int) -> None:
         pass
@@ -400,6 +512,102 @@ class LeastStaleParams:
             raise ValueError(f"order must be 'relative' or 'absolute', got {self.order!r}")
 
 
+@inline
+def _stale_or_current(key: int, p: int, base: int, nl: int, K: Any) -> int:
+    """Least-stale: the list of ``key`` (``K[key].curpass``: the pass that last touched it;
+    ``K[key].layer``): its layer's in the current queue if pass ``p`` touched it, else in the
+    stale queue; queue ``q``'s list of layer ``x`` is at ``base + 2 * (q * nl + x)``."""
+    current = K[key].curpass == p
+    return base + 2 * (current * nl + K[key].layer)
+
+
+@inline
+def _touch(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
+    """Least-stale: a cached key used or selected in pass ``p`` is current."""
+    if K[key].curpass != p:  # stale -> current
+        list_unlink(key, _stale_or_current(key, p, base, nl, K), L, K)
+        K[key].curpass = p
+        list_append(key, _stale_or_current(key, p, base, nl, K), L, K)
+
+
+class LeastStaleLists:
+    """Least-stale's compiled form (:class:`LeastStale`): two queues, stale (0) and current (1),
+    of one list per layer in insertion order. A touch (an insert, a use, a prefetcher's
+    selection) moves a key to its layer's current list; a new pass appends each layer's current
+    list to its stale list. The walk's order is the reference's ``candidates()`` (for a
+    prefetch, ``prefetch_candidates()``) over these lists."""
+
+    QUEUES = 2
+
+    @staticmethod
+    @inline
+    def insert(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
+        K[key].curpass = p
+        list_append(key, _stale_or_current(key, p, base, nl, K), L, K)
+
+    @staticmethod
+    @inline
+    def access(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
+        _touch(key, p, L, base, nl, K)
+
+    @staticmethod
+    @inline
+    def remove(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
+        list_unlink(key, _stale_or_current(key, p, base, nl, K), L, K)
+
+    @staticmethod
+    @inline
+    def select(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
+        _touch(key, p, L, base, nl, K)
+
+    @staticmethod
+    @jit
+    def new_pass(p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
+        for layer in range(nl):
+            stale = base + 2 * layer
+            cur = base + 2 * (nl + layer)
+            first = L[cur]
+            if first == -1:
+                continue
+            if L[stale + 1] == -1:
+                L[stale] = first
+            else:
+                K[L[stale + 1]].next = first
+                K[first].prev = L[stale + 1]
+            L[stale + 1] = L[cur + 1]
+            L[cur] = -1
+            L[cur + 1] = -1
+
+    @staticmethod
+    @inline
+    def steps(nl: int, opt: int) -> int:
+        return nl + 1 if opt else nl
+
+    @staticmethod
+    @inline
+    def segment(q: int, step: int, for_prefetch: bool, layer: int, nl: int, opt: int) -> tuple[int, int]:
+        """Per queue (stale, then current), the layers in the policy's order: relative
+        (``opt``): the layers already passed, the current layer's experts that have run,
+        upcoming layers farthest first, the current layer's experts still to run; absolute:
+        layer 0 first. A prefetch takes no expert of the current layer still to run and no
+        current expert of a later layer."""
+        x, which = step, ANY  # absolute, and relative before the current layer
+        if opt and step == layer:
+            which = NOT_PENDING  # the current layer's experts that have run
+        elif opt and step == nl:
+            x, which = layer, PENDING  # ... and last those still to run
+        elif opt and step > layer:
+            x = nl + layer - step  # upcoming layers, farthest first
+        if for_prefetch:
+            if x == layer:
+                if which == PENDING:
+                    return -1, ANY  # still to run: upcoming
+                which = NOT_PENDING
+            elif q == 1 and x > layer:
+                return -1, ANY  # a later layer's current expert: upcoming
+        return 2 * (q * nl + x), which
+
+
 @REGISTRY.register("least-stale")
 class LeastStale(EvictionPolicy):
     """Least-Stale (``specmd-expert-caching-least-stale.txt`` §4.2, appendix A.3).
@@ -434,10 +642,12 @@ class LeastStale(EvictionPolicy):
     later layers of a pass ran on demand misses that evicted the same experts; letting a
     prefetch evict any current expert evicts current-layer experts still to run.)
 
-    Both queues are kept as per-layer buckets (insertion-ordered dicts).
+    Both queues are kept as per-layer buckets (insertion-ordered dicts). The kernel runs
+    :class:`LeastStaleLists`.
     """
 
     Params = LeastStaleParams
+    lists = LeastStaleLists
 
     def __init__(self, params: LeastStaleParams, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)

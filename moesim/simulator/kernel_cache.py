@@ -9,6 +9,7 @@ import math
 
 from moesim.jit import inline as _inline
 from moesim.jit import jit as _jit
+from moesim.policies.eviction import ANY, PENDING, InsertionList, LeastStaleLists, RecencyList
 from moesim.simulator.kernel_copy import _complete
 from moesim.simulator.kernel_state import (
     ABSENT,
@@ -55,8 +56,6 @@ from moesim.simulator.kernel_state import (
     U,
     _here,
     _key,
-    _list_append,
-    _list_unlink,
     _nbytes,
     _set_clock,
     _stamp,
@@ -113,43 +112,41 @@ def _weight(key, ai, IS, DI, A):
     return A[3][ai] if ai >= 0 else 0.0
 
 
-@_jit
-def _ls_list(key, IS, K):
-    """Least-stale: the head slot of ``key``'s queue (current if touched in this pass, else
-    stale) for its layer; each such list is in insertion order."""
-    current = K[key].curpass == IS[S_PASS]
-    return IS[H_LSQ] + 2 * (current * IS[C_L] + K[key].layer)
+# the list forms (lru, fifo, least-stale) live beside their policies (moesim.policies.eviction,
+# the comment above RecencyList); the kernel calls their functions directly
+_lru_access, _fifo_access = RecencyList.access, InsertionList.access
+_recency_insert, _recency_remove = RecencyList.insert, RecencyList.remove
+_recency_segment = RecencyList.segment
+_ls_insert, _ls_access, _ls_remove, _ls_select = (LeastStaleLists.insert, LeastStaleLists.access,
+                                                  LeastStaleLists.remove, LeastStaleLists.select)
+_ls_new_pass, _ls_steps, _ls_segment = LeastStaleLists.new_pass, LeastStaleLists.steps, LeastStaleLists.segment
+_LS_QUEUES = LeastStaleLists.QUEUES
 
 
-@_jit
-def _ls_roll(IS, K):
-    """Least-stale, at a new pass: every layer's current list joins the end of its stale
-    list (the SimPy policy's ``_roll``)."""
-    num_l = IS[C_L]
-    for layer in range(num_l):
-        stale = IS[H_LSQ] + 2 * layer
-        cur = IS[H_LSQ] + 2 * (num_l + layer)
-        first = IS[cur]
-        if first == -1:
-            continue
-        if IS[stale + 1] == -1:
-            IS[stale] = first
-        else:
-            K[IS[stale + 1]].next = first
-            K[first].prev = IS[stale + 1]
-        IS[stale + 1] = IS[cur + 1]
-        IS[cur] = -1
-        IS[cur + 1] = -1
+@_inline
+def _lists_new_pass(IS, K):
+    """A list form's ``new_pass`` (least-stale's roll; the recency lists have none)."""
+    if IS[C_EV] == EV_LS:
+        _ls_new_pass(IS[S_PASS], IS, IS[H_LSQ], IS[C_L], K)
 
 
-@_jit
-def _ls_first(head, pin_gen, adm_layer, pending, IS, K):
-    """The first eligible key of a least-stale list; ``pending``: 0 only keys not pending,
-    1 only pending keys, 2 any."""
-    key = IS[head]
+@_inline
+def _on_select(key, IS, K):
+    """A prefetcher selected the cached ``key`` (``on_prefetch_select``: a use for
+    least-stale only)."""
+    if IS[C_EV] == EV_LS and not K[key].static:
+        _ls_select(key, IS[S_PASS], IS, IS[H_LSQ], IS[C_L], K)
+
+
+@_inline
+def _list_first(h, which, pin_gen, adm_layer, IS, K):
+    """The first key of the list at ``IS[h]`` that the cache may evict and that ``which``
+    takes (``ANY``, or only the current layer's experts that have run or only those still to
+    run), or -1."""
+    key = IS[h]
     while key != -1:
         if _eligible(key, pin_gen, adm_layer, IS, K) and (
-                pending == 2 or (K[key].pend == IS[S_PENDGEN]) == (pending == 1)):
+                which == ANY or (K[key].pend == IS[S_PENDGEN]) == (which == PENDING)):
             return key
         key = K[key].next
     return -1
@@ -157,35 +154,15 @@ def _ls_first(head, pin_gen, adm_layer, pending, IS, K):
 
 @_jit
 def _ls_victim(for_prefetch, pin_gen, adm_layer, IS, K):
-    """Least-stale's victim (the SimPy policy's ``candidates``, or ``prefetch_candidates``
-    for an optional prefetch): the stale queue, then the current one; per queue the layers in
-    the policy's order (relative: layers already passed, the current layer's experts not
-    pending, upcoming layers farthest first, the current layer's pending experts; absolute:
-    layer 0 first), FIFO within. A prefetch takes no pending expert of the current layer and
-    no current expert of a later layer."""
-    num_l = IS[C_L]
-    cur = IS[S_LAYER]
-    relative = IS[C_LS_REL]
-    for q in range(2):
-        base = IS[H_LSQ] + 2 * q * num_l
-        for step in range(num_l + 1 if relative else num_l):
-            layer, pending = step, 2  # absolute, and relative before the current layer
-            if relative and step == cur:
-                pending = 0  # the current layer's experts that have run
-            elif relative and step == num_l:
-                layer, pending = cur, 1  # ... and last those still to run
-            elif relative and step > cur:
-                layer = num_l + cur - step  # upcoming layers, farthest first
-            if for_prefetch:
-                if layer == cur:
-                    if pending == 1:
-                        continue  # still to run: upcoming
-                    pending = 0
-                elif q == 1 and layer > cur:
-                    continue  # a later layer's current expert: upcoming
-            v = _ls_first(base + 2 * layer, pin_gen, adm_layer, pending, IS, K)
-            if v != -1:
-                return v
+    """Least-stale's victim: its lists walked in its form's order (``segment``)."""
+    num_l, base, rel = IS[C_L], IS[H_LSQ], IS[C_LS_REL]
+    for q in range(_LS_QUEUES):
+        for step in range(_ls_steps(num_l, rel)):
+            h, which = _ls_segment(q, step, for_prefetch, IS[S_LAYER], num_l, rel)
+            if h >= 0:
+                v = _list_first(base + h, which, pin_gen, adm_layer, IS, K)
+                if v != -1:
+                    return v
     return -1
 
 
@@ -203,11 +180,10 @@ def _on_insert(key, demand, ai, IS, K, DI, A):
     policies keep a list in order; the others the members their victim search scans."""
     ev = IS[C_EV]
     if ev in (EV_LRU, EV_FIFO):
-        _list_append(key, S_HEAD, IS, K)
+        _recency_insert(key, IS[S_PASS], IS, S_HEAD, IS[C_L], K)
         return
     if ev == EV_LS:
-        K[key].curpass = IS[S_PASS]
-        _list_append(key, _ls_list(key, IS, K), IS, K)
+        _ls_insert(key, IS[S_PASS], IS, IS[H_LSQ], IS[C_L], K)
         return
     n = IS[S_MEMBN]
     IS[IS[H_MEMB] + n] = key
@@ -230,10 +206,9 @@ def _on_access(key, ai, IS, K, DI, A):
         return
     ev = IS[C_EV]
     if ev == EV_LRU:
-        _list_unlink(key, S_HEAD, IS, K)
-        _list_append(key, S_HEAD, IS, K)
+        _lru_access(key, IS[S_PASS], IS, S_HEAD, IS[C_L], K)
     elif ev == EV_FIFO:
-        return
+        _fifo_access(key, IS[S_PASS], IS, S_HEAD, IS[C_L], K)
     elif ev == EV_BELADY:
         K[key].nextuse = _next_use(key, ai, IS, DI, A)
     elif ev == EV_HOOK:
@@ -241,19 +216,17 @@ def _on_access(key, ai, IS, K, DI, A):
         _set_clock(IS, A)
         A[U][U_ACCESS][0](key, float(_weight(key, ai, IS, DI, A)), A[U][U_CLOCK], A[U][U_SI], A[U][U_SF])
         _keep_priority(key, IS, K, A)
-    elif ev == EV_LS and K[key].curpass != IS[S_PASS]:
-        _list_unlink(key, _ls_list(key, IS, K), IS, K)  # stale -> current
-        K[key].curpass = IS[S_PASS]
-        _list_append(key, _ls_list(key, IS, K), IS, K)
+    elif ev == EV_LS:
+        _ls_access(key, IS[S_PASS], IS, IS[H_LSQ], IS[C_L], K)
 
 
 @_inline
 def _on_remove(key, IS, K, A):
     if IS[C_EV] in (EV_LRU, EV_FIFO):
-        _list_unlink(key, S_HEAD, IS, K)
+        _recency_remove(key, IS[S_PASS], IS, S_HEAD, IS[C_L], K)
         return
     if IS[C_EV] == EV_LS:
-        _list_unlink(key, _ls_list(key, IS, K), IS, K)
+        _ls_remove(key, IS[S_PASS], IS, IS[H_LSQ], IS[C_L], K)
         return
     i = K[key].memb
     last = IS[IS[H_MEMB] + IS[S_MEMBN] - 1]
@@ -286,13 +259,9 @@ def _victim(for_prefetch, pin_gen, adm_layer, IS, K):
     """The first candidate, in the policy's order, that the cache may evict (resident, not
     pinned, not statically pinned, not an earlier admission for ``adm_layer``), or -1."""
     ev = IS[C_EV]
-    if ev in (EV_LRU, EV_FIFO):
-        key = IS[S_HEAD]
-        while key != -1:
-            if _eligible(key, pin_gen, adm_layer, IS, K):
-                return key
-            key = K[key].next
-        return -1
+    if ev in (EV_LRU, EV_FIFO):  # one queue of one list (RecencyList.QUEUES, .steps)
+        h, which = _recency_segment(0, 0, for_prefetch, IS[S_LAYER], IS[C_L], 0)
+        return _list_first(S_HEAD + h, which, pin_gen, adm_layer, IS, K)
     if ev == EV_LS:
         return _ls_victim(for_prefetch, pin_gen, adm_layer, IS, K)
     best = -1

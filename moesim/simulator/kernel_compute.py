@@ -9,7 +9,7 @@ import numpy as np
 
 from moesim.jit import inline as _inline
 from moesim.jit import jit as _jit
-from moesim.simulator.kernel_cache import _kept_out, _ls_roll, _on_insert
+from moesim.simulator.kernel_cache import _kept_out, _lists_new_pass, _on_insert
 from moesim.simulator.kernel_copy import _advance, _arrival
 from moesim.simulator.kernel_lookup import _lookup
 from moesim.simulator.kernel_prefetch import _admit, _propose, _withdraw
@@ -432,9 +432,9 @@ def replay_passes(p0, p1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp, 
     now = FS[SF_NOW]
     carry = FS[SF_CARRY]
     for p in range(p0, p1):
-        if p > 0 and IS[C_EV] == EV_LS:
-            _ls_roll(IS, K)
         IS[S_PASS] = p
+        if p > 0:
+            _lists_new_pass(IS, K)
         rel = release[p - p0]
         if rel > now:  # idle until then (as SimPy's timeout adds the delay to its clock)
             now = now + (rel - now)

@@ -5,17 +5,15 @@ layer's earlier admissions, withdrawal at the target layer."""
 from __future__ import annotations
 
 from moesim.jit import jit as _jit
-from moesim.simulator.kernel_cache import _insert, _on_access, _on_remove, _room
+from moesim.simulator.kernel_cache import _insert, _on_remove, _on_select, _room
 from moesim.simulator.kernel_copy import _free, _submit
 from moesim.simulator.kernel_state import (
     ABSENT,
     C_DEPTH,
-    C_EV,
     C_INSTANT,
     C_L,
     C_PF,
     DEMAND,
-    EV_LS,
     H_GROUP,
     H_LADM,
     H_LGEN,
@@ -175,8 +173,7 @@ def _propose_key(key, p, IS, K, DI, A):
         b = _row_base(p, IS) + target
         IS[R_ACTUAL] += DI[IS[H_OFF] + b + 1] - DI[IS[H_OFF] + b]
     if K[key].state != ABSENT:
-        if IS[C_EV] == EV_LS:  # a selection is a use for least-stale only
-            _on_access(key, -1, IS, K, DI, A)
+        _on_select(key, IS, K)
     elif not K[key].queued:
         K[key].queued = 1
         size = IS[H_NKEYS]

@@ -163,32 +163,6 @@ def _set_clock(IS, A):
     clock[CLOCK_TICK] = IS[S_SEQ]
 
 
-@_inline
-def _list_append(key, head, IS, K):
-    """Append ``key`` to the list whose head and tail are ``IS[head]``, ``IS[head + 1]``."""
-    tail = IS[head + 1]
-    K[key].prev = tail
-    K[key].next = -1
-    if tail == -1:
-        IS[head] = key
-    else:
-        K[tail].next = key
-    IS[head + 1] = key
-
-
-@_inline
-def _list_unlink(key, head, IS, K):
-    prv, nxt = K[key].prev, K[key].next
-    if prv == -1:
-        IS[head] = nxt
-    else:
-        K[prv].next = nxt
-    if nxt == -1:
-        IS[head + 1] = prv
-    else:
-        K[nxt].prev = prv
-
-
 @_jit
 def _stamp(key, IS, K):
     IS[S_SEQ] += 1
