@@ -332,3 +332,18 @@ def test_least_stale_lists_by_hand():
     assert f.walk(False) == [0, 1, 4, 3]
     f.call("access", 4)
     assert f.walk(False) == [0, 1, 3, 4]
+
+
+@settings(max_examples=200, deadline=None)
+@given(pos=st.lists(st.integers(0, 40), max_size=12).map(sorted), lo=st.integers(0, 3), cut=st.integers(0, 3),
+       i=st.integers(-2, 45), base=st.integers(0, 1000), after=st.integers(-1, 2000))
+def test_belady_next_use_is_the_first_access_after_i(pos, lo, cut, i, base, after):
+    """``FutureUses.next_use`` (compiled) against numpy's searchsorted: of a key's sorted
+    accesses ``pos[lo:hi]`` in the piece, the first after ``i``, counted over the trace
+    (``base`` on); past them its first after the piece, or inf."""
+    arr = np.array([-5] * lo + pos + [99] * cut, np.int64)  # its own accesses lie between others'
+    mine = arr[lo:lo + len(pos)]
+    j = int(np.searchsorted(mine, i, side="right"))
+    want = float(base + mine[j]) if j < len(mine) else (float(after) if after >= 0 else np.inf)
+    assert ev.FutureUses.next_use(arr, lo, lo + len(pos), i, base, after) == want
+    assert ev.FutureUses.priority(want) == -want

@@ -734,11 +734,42 @@ class LeastStale(EvictionPolicy):
                      self._here(cur)[0])
 
 
+class FutureUses:
+    """Belady's compiled form: at each insert and use the kernel sets a key's next use with
+    :meth:`next_use` (over the kernel's sorted access indices of that key), and its victim is
+    the cached key of lowest :meth:`priority`, ties to the oldest stamp (as :class:`Belady`
+    sorts, stably, by next use, farthest first)."""
+
+    @staticmethod
+    @inline
+    def next_use(pos: np.ndarray, a: int, b: int, i: int, base: int, after: int) -> float:
+        """The first access after access ``i`` of a key whose accesses in the piece being
+        replayed are ``pos[a:b]`` (sorted, counted from the piece's start, ``base`` over the
+        whole trace), or past them its first access after the piece, ``after`` (-1: none,
+        ``inf``)."""
+        end = b
+        while a < b:  # the first position > i (searchsorted right)
+            m = (a + b) >> 1
+            if pos[m] <= i:
+                a = m + 1
+            else:
+                b = m
+        if a == end:
+            return math.inf if after < 0 else float(after)
+        return float(base + pos[a])
+
+    @staticmethod
+    @inline
+    def priority(next_use: float) -> float:
+        """The farthest next use goes first."""
+        return -next_use
+
+
 @REGISTRY.register("belady")
 class Belady(EvictionPolicy):
     """Belady's MIN: evict the expert whose next use is furthest in the future (never used
     again first), read from the trace. The optimal bound every other policy is measured
-    against (for the same pinning rules)."""
+    against (for the same pinning rules). The kernel runs :class:`FutureUses`."""
 
     def __init__(self, params: Any, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)

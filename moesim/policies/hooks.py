@@ -39,7 +39,8 @@ Compiled hooks check their indices: an index out of range ends the replay with o
 The built-in eviction policies of this shape are written so too: ``lfu``, ``fld``, ``score`` and
 ``lhu`` keep their compiled forms (:class:`moesim.policies.eviction.CompiledForm` subclasses, with a loop
 over many keys' priorities of their own) beside their reference forms, and the kernel runs them
-through the same hooks.
+through the same hooks. Those ordered by lists (``lru``, ``fifo``, ``least-stale``) keep list forms
+there, which the kernel calls directly (:class:`moesim.policies.eviction.RecencyList`).
 
 A :class:`HookPrefetch` policy is one function, ``select(p, layer, trace, out) -> n``, over the
 trace's arrays (its docstring); the kernel takes its proposals as arrays made ahead.

@@ -1,15 +1,21 @@
-"""The replay kernel's cache (:mod:`simulator.cache`'s model): the built-in eviction
-policies' compiled orders (lru and fifo's recency list, least-stale's queues, Belady's next
-uses; a hook policy's through :mod:`policies.hooks`), the victim search under the pinning rule,
-room made for an entry, insertion."""
+"""The replay kernel's cache (:mod:`simulator.cache`'s model): the eviction policies' compiled
+forms called (lru, fifo, least-stale and belady's, which live beside the policies in
+:mod:`policies.eviction`; a hook policy's through :mod:`policies.hooks`), the victim search under
+the pinning rule (the walk of a list form's lists in its order; the lowest priority over the
+cached keys), room made for an entry, insertion."""
 
 from __future__ import annotations
 
-import math
-
 from moesim.jit import inline as _inline
 from moesim.jit import jit as _jit
-from moesim.policies.eviction import ANY, PENDING, InsertionList, LeastStaleLists, RecencyList
+from moesim.policies.eviction import (
+    ANY,
+    PENDING,
+    FutureUses,
+    InsertionList,
+    LeastStaleLists,
+    RecencyList,
+)
 from moesim.simulator.kernel_copy import _complete
 from moesim.simulator.kernel_state import (
     ABSENT,
@@ -61,18 +67,28 @@ from moesim.simulator.kernel_state import (
     _stamp,
 )
 
+# the compiled forms of lru, fifo, least-stale (lists: the comment above RecencyList) and belady
+# live beside their policies in moesim.policies.eviction; the kernel calls their functions directly
+_lru_access, _fifo_access = RecencyList.access, InsertionList.access
+_recency_insert, _recency_remove = RecencyList.insert, RecencyList.remove
+_recency_segment = RecencyList.segment
+_ls_insert, _ls_access, _ls_remove, _ls_select = (LeastStaleLists.insert, LeastStaleLists.access,
+                                                  LeastStaleLists.remove, LeastStaleLists.select)
+_ls_new_pass, _ls_steps, _ls_segment = LeastStaleLists.new_pass, LeastStaleLists.steps, LeastStaleLists.segment
+_LS_QUEUES = LeastStaleLists.QUEUES
+_belady_next_use, _belady_priority = FutureUses.next_use, FutureUses.priority
+
 
 @_jit
 def _next_use(key, ai, IS, DI, A):
-    """Belady: the next access index of ``key`` after the current one (``ai``, or the
-    current (pass, layer)'s access of it, or just before the layer), as a float (inf: none).
-    Indices count the whole trace's accesses: a piece's own are ``S_ABASE`` on, and a key with
-    none left in the piece has its first one after the piece (``H_KNEXT``; -1: none)."""
+    """Belady (its form, :class:`moesim.policies.eviction.FutureUses`): the next access index
+    of ``key`` after the current one (``ai``, or the current (pass, layer)'s access of it, or
+    just before the layer), as a float (inf: none). Indices count the whole trace's accesses:
+    a piece's own are ``S_ABASE`` on, and a key with none left in the piece has its first one
+    after the piece (``H_KNEXT``; -1: none)."""
     a, b = DI[IS[H_KPOSOFF] + key], DI[IS[H_KPOSOFF] + key + 1]
-    if a == b:
-        return _after_piece(key, IS, DI)
     i = ai
-    if i < 0:
+    if i < 0 and a < b:
         base = _here(IS)
         lo, hi = DI[IS[H_OFF] + base], DI[IS[H_OFF] + base + 1]
         i = lo - 1
@@ -80,23 +96,7 @@ def _next_use(key, ai, IS, DI, A):
             if _key(j, IS, A) == key:
                 i = j
                 break
-    # first position > i (searchsorted right)
-    while a < b:
-        m = (a + b) >> 1
-        if DI[IS[H_KPOS] + m] <= i:
-            a = m + 1
-        else:
-            b = m
-    if a == DI[IS[H_KPOSOFF] + key + 1]:
-        return _after_piece(key, IS, DI)
-    return float(IS[S_ABASE] + DI[IS[H_KPOS] + a])
-
-
-@_inline
-def _after_piece(key, IS, DI):
-    """Belady: ``key``'s first access after the piece being replayed (inf: none)."""
-    nxt = DI[IS[H_KNEXT] + key]
-    return math.inf if nxt < 0 else float(nxt)
+    return _belady_next_use(DI, IS[H_KPOS] + a, IS[H_KPOS] + b, i, IS[S_ABASE], DI[IS[H_KNEXT] + key])
 
 
 @_jit
@@ -110,17 +110,6 @@ def _weight(key, ai, IS, DI, A):
                 ai = j
                 break
     return A[3][ai] if ai >= 0 else 0.0
-
-
-# the list forms (lru, fifo, least-stale) live beside their policies (moesim.policies.eviction,
-# the comment above RecencyList); the kernel calls their functions directly
-_lru_access, _fifo_access = RecencyList.access, InsertionList.access
-_recency_insert, _recency_remove = RecencyList.insert, RecencyList.remove
-_recency_segment = RecencyList.segment
-_ls_insert, _ls_access, _ls_remove, _ls_select = (LeastStaleLists.insert, LeastStaleLists.access,
-                                                  LeastStaleLists.remove, LeastStaleLists.select)
-_ls_new_pass, _ls_steps, _ls_segment = LeastStaleLists.new_pass, LeastStaleLists.steps, LeastStaleLists.segment
-_LS_QUEUES = LeastStaleLists.QUEUES
 
 
 @_inline
@@ -242,9 +231,9 @@ def _on_remove(key, IS, K, A):
 @_jit
 def _order(key, K):
     """The candidate order of ``key`` for Belady, whose victim is the smallest over the cached
-    experts, as (minus its next use, stamp); the other built-ins walk lists (lru, fifo,
-    least-stale) or run their compiled forms through the hooks (lfu, fld, score, lhu)."""
-    return -K[key].nextuse, K[key].stamp
+    experts, as (its form's priority, stamp); the other built-ins walk their forms' lists (lru,
+    fifo, least-stale) or run their compiled forms through the hooks (lfu, fld, score, lhu)."""
+    return _belady_priority(K[key].nextuse), K[key].stamp
 
 
 @_inline
