@@ -245,17 +245,23 @@ class ListDriver:
             self.K[k].pend = self.gen
 
     def walk(self, for_prefetch: bool) -> list[int]:
-        out = []
+        """The lists in ``segment``'s order (compiled), and the same order read from
+        ``walk_table``'s row for the layer, as the kernel reads it."""
+        order = []
         for q in range(self.form.QUEUES):
             for step in range(self.form.steps(LAYERS, self.opt)):
                 h, which = self.form.segment(q, step, for_prefetch, self.layer, LAYERS, self.opt)
-                if h < 0:
-                    continue
-                key = self.L[self.BASE + h]
-                while key != -1:
-                    if which == ev.ANY or (self.K[key].pend == self.gen) == (which == ev.PENDING):
-                        out.append(int(key))
-                    key = self.K[key].next
+                if which != ev.SKIP:
+                    order.append((h, which))
+        row = ev.walk_table(self.form, LAYERS, self.opt)[self.layer, int(for_prefetch)]
+        assert [tuple(x) for x in row[1:1 + 2 * row[0]].reshape(-1, 2)] == order
+        out = []
+        for h, which in order:
+            key = self.L[self.BASE + h]
+            while key != -1:
+                if which == ev.ANY or (self.K[key].pend == self.gen) == (which == ev.PENDING):
+                    out.append(int(key))
+                key = self.K[key].next
         return out
 
 
@@ -347,3 +353,19 @@ def test_belady_next_use_is_the_first_access_after_i(pos, lo, cut, i, base, afte
     want = float(base + mine[j]) if j < len(mine) else (float(after) if after >= 0 else np.inf)
     assert ev.FutureUses.next_use(arr, lo, lo + len(pos), i, base, after) == want
     assert ev.FutureUses.priority(want) == -want
+
+
+def test_least_stale_walk_table_by_hand():
+    """Three layers, relative order, the current layer 1: stale queue (lists 0-5), current
+    queue (lists 6-11), a layer's list at 2 x layer. Demand: layer 0, layer 1 run, layer 2,
+    layer 1 to run, in each queue; a prefetch: the stale queue without layer 1's experts still
+    to run, then the current queue's layer 0 and layer 1's run experts. Absolute: layers 0, 1, 2
+    per queue."""
+    t = ev.walk_table(ev.LeastStaleLists, 3, 1)
+    assert t.shape == (3, 2, 1 + 2 * 8)
+    A, R, P = ev.ANY, ev.NOT_PENDING, ev.PENDING
+    assert t[1, 0].tolist() == [8, 0, A, 2, R, 4, A, 2, P, 6, A, 8, R, 10, A, 8, P]
+    assert t[1, 1, :1 + 2 * 5].tolist() == [5, 0, A, 2, R, 4, A, 6, A, 8, R]
+    assert t[1, 1, 11:].tolist() == [0] * 6
+    assert ev.walk_table(ev.LeastStaleLists, 3, 0)[1, 0, :13].tolist() == [6, 0, A, 2, A, 4, A, 6, A, 8, A, 10, A]
+    assert ev.walk_table(ev.RecencyList, 3, 0)[2].tolist() == [[1, 0, A], [1, 0, A]]

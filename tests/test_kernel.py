@@ -571,13 +571,16 @@ def test_statically_pinned_experts_stay_out_of_the_recency_lists(ev):
     pinned the LRU walk read 25 keys a miss on uniform routing and the replay took twice as
     long: 3.9 s against 1.9 s for 25.6 M accesses.) By hand: 4 single-byte keys in one layer,
     2 pinned, the other 2 demand-fetched, then every key used."""
+    from moesim.policies.eviction import LeastStaleLists, walk_table
     from moesim.simulator import kernel as K
     from moesim.simulator import kernel_cache as KE
     from moesim.simulator import kernel_compute as KX
     from moesim.simulator import kernel_copy as KC
     from moesim.simulator import kernel_state as KS
 
-    IS, FS, KR, TR, _ = KS._layout(num_keys=8, pool=8, pend_max=4, maxn=1)
+    walk = walk_table(LeastStaleLists, 1, 1) if ev == "least-stale" else np.zeros(0, np.int64)
+    IS, FS, KR, TR, _ = KS._layout(num_keys=8, pool=8, pend_max=4, maxn=1, walk=walk.size)
+    KS._set_walk(IS, walk)
     code = {"lru": KS.EV_LRU, "fifo": KS.EV_FIFO, "least-stale": KS.EV_LS}[ev]
     IS[KS.C_L], IS[KS.C_DIV], IS[KS.C_EV], IS[KS.C_INSTANT], IS[KS.C_NBYTES] = 1, 8, code, 1, 1
     FS[KS.CF_CAP] = 4.0

@@ -84,13 +84,14 @@ REGISTRY: Registry[EvictionPolicy] = Registry("eviction")
 #   ``segment(q, step, for_prefetch, layer, nl, opt) -> (h, which)``: the list the walk reads
 #   ``step``-th in queue ``q`` (``h`` < 0: none) and which of its keys are candidates (``ANY``;
 #   ``NOT_PENDING`` or ``PENDING``: only the current layer's experts that have run, or only those
-#   still to run, ``Clock.pending``). The kernel walks the lists in that order, each from its head,
-#   and takes the first key that the cache may evict (the pinning rule is the cache's, not the
-#   policy's). ``opt`` is the form's one integer parameter (least-stale's ``order``: 1 relative).
+#   still to run, ``Clock.pending``; ``SKIP``: none). The kernel walks the lists in that order,
+#   each from its head, and takes the first key that the cache may evict (the pinning rule is the
+#   cache's, not the policy's), reading the order from a table made once (:func:`walk_table`).
+#   ``opt`` is the form's one integer parameter (least-stale's ``order``: 1 relative).
 #
 # ``tests/test_compiled_forms.py`` drives each form through random events, compiled and as
 # Python, against its reference form's ``candidates()`` and ``prefetch_candidates()``.
-ANY, NOT_PENDING, PENDING = 2, 0, 1
+ANY, NOT_PENDING, PENDING, SKIP = 2, 0, 1, -1
 
 
 @inline
@@ -118,6 +119,25 @@ def list_unlink(key: int, h: int, L: np.ndarray, K: Any) -> None:
         L[h + 1] = prv
     else:
         K[nxt].prev = prv
+
+
+def walk_table(form: Any, nl: int, opt: int) -> np.ndarray:
+    """A list form's victim walk as a table, made once for a replay from its ``segment``: row
+    ``(layer, for_prefetch)`` holds the count ``n`` of lists walked, then ``n`` pairs ``(h,
+    which)`` in order (the lists ``segment`` skips left out). The kernel reads its walk from
+    the table (``segment`` itself, inlined into the walk's loop, made least-stale's prefetch
+    admissions slower)."""
+    steps, segment = (getattr(f, "py_func", f) for f in (form.steps, form.segment))  # as Python: no compile
+    walk = [[[(h, which) for q in range(form.QUEUES) for step in range(steps(nl, opt))
+              for h, which in [segment(q, step, fp, layer, nl, opt)] if which != SKIP]
+             for fp in (False, True)] for layer in range(nl)]
+    width = 1 + 2 * max(len(w) for rows in walk for w in rows)
+    table = np.zeros((nl, 2, width), np.int64)
+    for layer, rows in enumerate(walk):
+        for fp, w in enumerate(rows):
+            table[layer, fp, 0] = len(w)
+            table[layer, fp, 1:1 + 2 * len(w)] = np.ravel(w)
+    return table
 
 
 class RecencyList:
@@ -601,10 +621,10 @@ class LeastStaleLists:
         if for_prefetch:
             if x == layer:
                 if which == PENDING:
-                    return -1, ANY  # still to run: upcoming
+                    return 0, SKIP  # still to run: upcoming
                 which = NOT_PENDING
             elif q == 1 and x > layer:
-                return -1, ANY  # a later layer's current expert: upcoming
+                return 0, SKIP  # a later layer's current expert: upcoming
         return 2 * (q * nl + x), which
 
 

@@ -82,7 +82,6 @@ from moesim.simulator.kernel_state import (
     C_INSTANT,
     C_K,
     C_L,
-    C_LS_REL,
     C_MAXN,
     C_MISS,
     C_MODE,
@@ -141,6 +140,7 @@ from moesim.simulator.kernel_state import (
     SF_BUSY,
     SF_NOW,
     _layout,
+    _set_walk,
 )
 from moesim.simulator.workload import join, passes_of
 
@@ -455,17 +455,25 @@ def _piece(sim: Any, wl: Any, ev: int, miss: int, max_rows: int, IS: np.ndarray,
     return DI, A, DF, M, sim.nonexpert_times()
 
 
+def _walk(sim: Any, ev: int) -> np.ndarray:
+    """Least-stale's victim walk, tabulated from its list form (``eviction.walk_table``; empty
+    for the other policies: the recency lists walk one list)."""
+    from moesim.policies.eviction import LeastStaleLists, walk_table
+
+    if ev != EV_LS:
+        return np.zeros(0, np.int64)
+    return walk_table(LeastStaleLists, sim.model.num_layers, int(sim.eviction.params.order == "relative"))
+
+
 def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, ev: int, pf: int, miss: int, max_runs: int) -> None:
     """The replay's configuration (``C_*``, ``CF_*``) from ``sim``'s scenario and policies."""
-    from moesim.policies.eviction import LeastStale
     from moesim.policies.prefetch import Lookahead
 
     model = sim.model
-    params = sim.eviction.params
     reroute = miss in (MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE)
     IS[C_EV] = ev
     IS[C_STABLE] = ev == EV_HOOK and hook_form(type(sim.eviction)).stable_priority
-    IS[C_LS_REL] = isinstance(sim.eviction, LeastStale) and params.order == "relative"
+    _set_walk(IS, _walk(sim, ev))
     IS[C_PF] = pf
     IS[C_DEPTH] = sim.prefetch.params.depth if isinstance(sim.prefetch, Lookahead) else 0
     IS[C_BLOCKING] = sim.scenario.expert_fetch == "blocking"
@@ -625,7 +633,7 @@ def _replay(sim: Any) -> None:
     # a layer computes its routed experts and, for a miss policy that re-routes, others
     max_runs = maxn + (model.num_experts if reroute else 0)
     IS, FS, K, T, W = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
-                              max(1, max_rows), sim.num_prec, div)
+                              max(1, max_rows), sim.num_prec, div, _walk(sim, ev).size)
     _configure(sim, IS, FS, ev, pf, miss, max_runs)
     hooks = _hooks(sim.eviction, IS[IS[H_MEMB]:IS[H_MEMB] + num_keys])
     # Belady a piece at a time: a first pass over the file finds each piece's first access and

@@ -67,15 +67,15 @@ WORK = np.dtype([(name, np.int64) for name in ("tid", "seq", "key", "tokens")])
 (S_SEQ, S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_HEAD, S_TAIL, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
  S_FREEN, S_WH, S_WN, S_PENDN, S_MEMBN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
  S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE, S_ABASE,
- C_EV, C_LS_REL, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
+ C_EV, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE, C_LRUNCAP,
- C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC, C_STABLE,
+ C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC, C_STABLE, C_LSWB,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
  H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_KNEXT, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
- H_PENDMAX, H_LSQ, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, I_HEADER) = range(108)
+ H_PENDMAX, H_LSQ, H_LSWALK, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
+ H_PDUR, I_HEADER) = range(109)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, SF_HOST, CF_CAP,
@@ -175,19 +175,27 @@ def _new_gen(IS, which):
     return IS[which]
 
 
+def _set_walk(IS: np.ndarray, walk: np.ndarray) -> None:
+    """Install a list form's victim walk table (``H_LSWALK``, rows of ``C_LSWB``; its region
+    sized ``walk.size`` by :func:`_layout`)."""
+    IS[C_LSWB] = walk.shape[-1] if walk.size else 0
+    IS[IS[H_LSWALK]:IS[H_LSWALK] + walk.size] = walk.ravel()
+
+
 def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, fin: int = 1,
-            lrun: int = 1, nprec: int = 1, per_layer: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+            lrun: int = 1, nprec: int = 1, per_layer: int = 0, walk: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
                                                                           np.ndarray]:
     """The state arrays ``IS``, ``FS``, ``K``, ``T``, ``W``, initialised: regions after the
     headers, their offsets in ``IS`` (``W``'s regions' first records there too).
     Every precision (``nprec``) is one byte and takes one second to copy until set
     (``H_PBYTES``, ``H_PDUR``); the only precision level is the default, 0. ``per_layer``:
     the keys of a layer (``C_DIV``: experts times precisions; 0, all the keys in one layer),
-    each key's layer (``K.layer``) its key over it."""
+    each key's layer (``K.layer``) its key over it. ``walk``: the size of a list form's walk
+    table (``H_LSWALK``, rows of ``C_LSWB``: :func:`moesim.policies.eviction.walk_table`)."""
     i_sizes = ((H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
                (H_FREE, pool), (H_WQ, num_keys), (H_MEMB, num_keys),
                (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys),
-               (H_SPEC, 2 * lrun), (H_ROUTED, num_keys), (H_LSQ, 4 * num_keys),
+               (H_SPEC, 2 * lrun), (H_ROUTED, num_keys), (H_LSQ, 4 * num_keys), (H_LSWALK, walk),
                (H_PFTMP, pool), (H_FIN, fin), (H_LEVELS, nprec), (H_PBYTES, nprec), (H_VICT, 2 * num_keys))
     f_sizes = ((H_SCR, 2 * max(1, maxn)), (H_MSCR, 2 * top_k),
                (H_PDUR, nprec))
