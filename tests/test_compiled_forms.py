@@ -322,7 +322,8 @@ def test_least_stale_lists_by_hand():
     0) touched in pass 0 is stale; key 3 (layer 1) inserted in pass 1 and still to run, key 4
     (layer 1) inserted in pass 1 and run, key 1 (layer 0) selected in pass 1: current. Demand
     order: stale layer 0 (0), then current: layer 0 (1), layer 1 run (4), layer 1 pending (3).
-    A prefetch does not take layer 1's pending expert; a pass later all four are stale."""
+    A prefetch does not take layer 1's pending expert; a pass later all four are stale, and
+    key 1, which joined layer 0's stale list behind key 0, leaves it with key 0 its tail."""
     f = ListDriver(ev.LeastStaleLists, 1)
     f.call("insert", 0)
     f.call("insert", 1)
@@ -338,6 +339,9 @@ def test_least_stale_lists_by_hand():
     assert f.walk(False) == [0, 1, 4, 3]
     f.call("access", 4)
     assert f.walk(False) == [0, 1, 3, 4]
+    f.call("remove", 1)  # joined the stale list behind 0 at the pass: its neighbour is 0
+    assert f.walk(False) == [0, 3, 4]
+    assert f.K[0].next == -1 and f.L[f.BASE + 1] == 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -369,3 +373,21 @@ def test_least_stale_walk_table_by_hand():
     assert t[1, 1, 11:].tolist() == [0] * 6
     assert ev.walk_table(ev.LeastStaleLists, 3, 0)[1, 0, :13].tolist() == [6, 0, A, 2, A, 4, A, 6, A, 8, A, 10, A]
     assert ev.walk_table(ev.RecencyList, 3, 0)[2].tolist() == [[1, 0, A], [1, 0, A]]
+
+
+def test_a_new_pass_appends_each_current_list_behind_its_stale_tail():
+    """Least-stale's roll: layer 0's stale list [0, 1] and current list [2] become [0, 1, 2],
+    with 2 behind the stale tail 1 (not the head, not another list's end): removing 2 leaves
+    [0, 1] with 1 the tail, and removing 1 then leaves [0]."""
+    f = ListDriver(ev.LeastStaleLists, 1)
+    f.call("insert", 0)
+    f.call("insert", 1)
+    f.new_pass(1)
+    f.call("insert", 2)
+    f.new_pass(2)
+    assert f.walk(False) == [0, 1, 2]
+    assert (f.K[2].prev, f.K[1].next) == (1, 2)
+    f.call("remove", 2)
+    assert f.walk(False) == [0, 1] and f.L[f.BASE + 1] == 1
+    f.call("remove", 1)
+    assert f.walk(False) == [0] and f.L[f.BASE + 1] == 0
