@@ -341,7 +341,8 @@ def test_least_stale_lists_by_hand():
     assert f.walk(False) == [0, 1, 3, 4]
     f.call("remove", 1)  # joined the stale list behind 0 at the pass: its neighbour is 0
     assert f.walk(False) == [0, 3, 4]
-    assert f.K[0].next == -1 and f.L[f.BASE + 1] == 0
+    assert f.K[0].next == -1
+    assert f.L[f.BASE + 1] == 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -388,6 +389,8 @@ def test_a_new_pass_appends_each_current_list_behind_its_stale_tail():
     assert f.walk(False) == [0, 1, 2]
     assert (f.K[2].prev, f.K[1].next) == (1, 2)
     f.call("remove", 2)
-    assert f.walk(False) == [0, 1] and f.L[f.BASE + 1] == 1
+    assert f.walk(False) == [0, 1]
+    assert f.L[f.BASE + 1] == 1
     f.call("remove", 1)
-    assert f.walk(False) == [0] and f.L[f.BASE + 1] == 0
+    assert f.walk(False) == [0]
+    assert f.L[f.BASE + 1] == 0
