@@ -143,9 +143,9 @@ def _list_first(h, which, pin_gen, adm_layer, IS, K):
 
 @_jit
 def _ls_first(h, which, pin_gen, adm_layer, IS, K):
-    """:func:`_list_first`, called (not inlined: inlined into least-stale's walk of up to
-    2 (layers + 1) lists it made the prefetch admission slower, 23% of a least-stale +
-    score-percentile replay's samples against 18%)."""
+    """:func:`_list_first` as a function of its own, as least-stale's walk called it before
+    its form moved out of the kernel (LLVM may still inline it; the walk's time was measured
+    this way, 71208a1)."""
     return _list_first(h, which, pin_gen, adm_layer, IS, K)
 
 
