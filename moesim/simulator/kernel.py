@@ -457,12 +457,21 @@ def _piece(sim: Any, wl: Any, ev: int, miss: int, max_rows: int, IS: np.ndarray,
 
 def _walk(sim: Any, ev: int) -> np.ndarray:
     """Least-stale's victim walk, tabulated from its list form (``eviction.walk_table``; empty
-    for the other policies: the recency lists walk one list)."""
-    from moesim.policies.eviction import LeastStaleLists, walk_table
-
+    for the other policies: the recency lists walk one list). The replay asks twice (its
+    region's size, then its contents): made once per shape (:func:`_ls_walk`)."""
     if ev != EV_LS:
         return np.zeros(0, np.int64)
-    return walk_table(LeastStaleLists, sim.model.num_layers, int(sim.eviction.params.order == "relative"))
+    return _ls_walk(sim.model.num_layers, int(sim.eviction.params.order == "relative"))
+
+
+@functools.cache
+def _ls_walk(num_layers: int, relative: int) -> np.ndarray:
+    """``eviction.walk_table`` of least-stale's form, read-only (it is shared)."""
+    from moesim.policies.eviction import LeastStaleLists, walk_table
+
+    table = walk_table(LeastStaleLists, num_layers, relative)
+    table.setflags(write=False)
+    return table
 
 
 def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, ev: int, pf: int, miss: int, max_runs: int) -> None:

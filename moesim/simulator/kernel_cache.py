@@ -123,7 +123,7 @@ def _lists_new_pass(IS, K):
 def _on_select(key, IS, K):
     """A prefetcher selected the cached ``key`` (``on_prefetch_select``: a use for
     least-stale only)."""
-    if IS[C_EV] == EV_LS and not K[key].static:
+    if IS[C_EV] == EV_LS and not _kept_out(key, IS, K):
         _ls_select(key, IS[S_PASS], IS, IS[H_LSQ], IS[C_L], K)
 
 
