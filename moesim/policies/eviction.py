@@ -82,15 +82,15 @@ REGISTRY: Registry[EvictionPolicy] = Registry("eviction")
 #   K)``: pass ``p`` begins (``nl``: the model's layers);
 # - the victim walk: ``steps(nl, opt)`` lists per queue, over ``QUEUES`` queues, and
 #   ``segment(q, step, for_prefetch, layer, nl, opt) -> (h, which)``: the list the walk reads
-#   ``step``-th in queue ``q`` (``h`` < 0: none) and which of its keys are candidates (``ANY``;
+#   ``step``-th in queue ``q`` and which of its keys are candidates (``ANY``;
 #   ``NOT_PENDING`` or ``PENDING``: only the current layer's experts that have run, or only those
 #   still to run, ``Clock.pending``; ``SKIP``: none). The kernel walks the lists in that order,
 #   each from its head, and takes the first key that the cache may evict (the pinning rule is the
 #   cache's, not the policy's), reading the order from a table made once (:func:`walk_table`).
 #   ``opt`` is the form's one integer parameter (least-stale's ``order``: 1 relative).
 #
-# ``tests/test_compiled_forms.py`` drives each form through random events, compiled and as
-# Python, against its reference form's ``candidates()`` and ``prefetch_candidates()``.
+# ``tests/test_compiled_forms.py`` drives each form, compiled, through random events against its
+# reference form's ``candidates()`` and ``prefetch_candidates()``.
 ANY, NOT_PENDING, PENDING, SKIP = 2, 0, 1, -1
 
 
