@@ -8,6 +8,8 @@ and the replays that read the whole trace, each with its reason."""
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ from moesim.config.scenario import load_scenario
 from moesim.errors import MoesimError
 from moesim.simulator import kernel
 from moesim.simulator.engine import Simulation
-from moesim.simulator.stream import CHUNK_ROWS, piece_rows, why_whole
+from moesim.simulator.stream import CHUNK_ROWS, piece_rows, read_ahead, why_whole
 from moesim.simulator.workload import build_workload, join
 from moesim.traces.io import iter_trace, read_trace, requests_in_order, trace_rows, write_trace
 from moesim.traces.synth import synth_from_preset
@@ -1010,3 +1012,73 @@ def test_the_proposals_ahead_are_asked_call_by_call() -> None:
 
     assert list(kernel._proposals_ahead(Prefetch(), [0, 3, 5, 9])) == [(0, 3), (3, 5), (5, 9)]
     assert asked == [(0, 3), (3, 5), (5, 9)]
+
+
+def _settled(pulled: list[int], n: int) -> int:
+    """How many pieces the reading thread has taken from its source once it has taken ``n``
+    (waiting up to 10 s for it) and then stopped for a moment."""
+    deadline = time.monotonic() + 10
+    while len(pulled) < n and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(0.05)  # had it read further, it would have by now
+    return len(pulled)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_the_reader_works_depth_pieces_ahead_in_order_and_stops_with_its_caller(depth: int) -> None:
+    """``stream.read_ahead`` hands the pieces over in order, each prepared once on the reading
+    thread; it reads ``depth`` pieces ahead of the one the caller holds and no further (at most
+    ``depth + 1`` in memory), and a caller that stops early leaves the queued pieces unread."""
+    pulled: list[int] = []
+    prepared: list[tuple[int, str]] = []
+
+    def source():
+        for i in range(10):
+            pulled.append(i)
+            yield i
+
+    gen = read_ahead(source(), lambda wl: prepared.append((wl, threading.current_thread().name)), depth)
+    assert next(gen) == 0
+    assert _settled(pulled, 1 + depth) == 1 + depth  # the one held and depth more
+    assert next(gen) == 1
+    assert _settled(pulled, 2 + depth) == 2 + depth
+    assert [p for p, _ in prepared] == list(range(2 + depth))
+    assert all(name != threading.current_thread().name for _, name in prepared)
+    gen.close()
+    # read to the end: every piece once, in order
+    pulled.clear()
+    assert list(read_ahead(source(), None, depth)) == list(range(10))
+    assert pulled == list(range(10))
+    # a caller that stops while the reading thread is busy with a piece: that piece is finished,
+    # the pieces queued behind it are never read
+    gate = threading.Event()
+
+    def slow():
+        pulled.append(0)
+        yield 0
+        gate.wait(10)
+        for i in range(1, 10):
+            pulled.append(i)
+            yield i
+
+    pulled.clear()
+    gen = read_ahead(slow(), None, depth)
+    assert next(gen) == 0
+    threading.Timer(0.1, gate.set).start()
+    gen.close()  # waits for the piece being read
+    assert _settled(pulled, 2) == min(2, 1 + depth)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_an_error_reading_a_piece_is_raised_where_that_piece_is_asked_for(depth: int) -> None:
+    """The pieces before a bad one are handed over; the error comes with the bad piece, however
+    far ahead the reading thread met it."""
+
+    def source():
+        yield from range(3)
+        raise MoesimError("piece 3 is bad")
+
+    gen = read_ahead(source(), None, depth)
+    assert [next(gen) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(MoesimError, match="piece 3 is bad"):
+        next(gen)

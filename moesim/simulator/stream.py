@@ -27,6 +27,7 @@ imported traces (made whole in memory), and files whose rows are not in request 
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,16 @@ from moesim.simulator.workload import Workload, build_workload
 # (pieces of a quarter of those rows) 803-857, 680-690 and 553-568 MB (9.18-9.64, 10.00-10.48,
 # 9.63-10.23 s)
 CHUNK_ROWS = 1 << 17
+
+# pieces read and built ahead of the one being replayed (read_ahead): up to READ_AHEAD + 1 in
+# memory. Issue 34, 2026-11-28, whole `moesim run --trace FILE` processes on the 25.6 M-access
+# benchmark files, three interleaved rounds: least-stale + score-percentile took 8.68, 6.91 and
+# 6.72 s one piece ahead, 7.00, 6.05 and 6.04 s two ahead, 6.40, 5.63 and 5.94 s three ahead
+# (peak RSS 607-628, 643-656, 634-672 MiB); LRU 3.27, 2.97 and 3.47 s one ahead, 2.89, 2.63 and
+# 2.85 s three ahead (551-566, 639-669 MiB). Five ahead, two more rounds against three:
+# least-stale + score-percentile 5.72-5.73 against 5.92-6.34 s, LRU 2.65-2.97 against
+# 2.62-2.67 s, 21-75 MiB more.
+READ_AHEAD = 3
 
 # prefetchers whose proposals at (pass, layer) read that pass (or the one before it in its
 # batch, which a piece always holds) and nothing later; eviction policies without a view of
@@ -218,17 +229,22 @@ def belady_after(workloads: Iterable[Workload], num_prec: int, default_prec: int
     return np.asarray(firsts, np.int64), after
 
 
-def read_ahead(pieces: Iterator[Workload],
-               prepare: Callable[[Workload], None] | None = None) -> Generator[Workload, float, None]:
-    """``pieces``, each read and built on a second thread while the caller replays the one
-    before (the compiled loops release the GIL, and so does the Parquet reader): two pieces
-    in memory at most. ``prepare`` is called on that thread with each piece once built (the
+def read_ahead(pieces: Iterator[Workload], prepare: Callable[[Workload], None] | None = None,
+               depth: int = READ_AHEAD) -> Generator[Workload, float, None]:
+    """``pieces``, each read and built on a second thread while the caller replays an earlier
+    one (the compiled loops release the GIL, and so does the Parquet reader), up to ``depth``
+    pieces ahead of the one the caller holds: ``depth + 1`` pieces in memory at most. With one
+    piece ahead the reading thread stops whenever it is done before the replay, and the replay
+    waits whenever the next piece takes longer to read than this one to replay; a few pieces
+    ahead, the quick pieces make up for the slow ones (:data:`READ_AHEAD`). ``prepare`` is
+    called on that thread with each piece once built (the
     prefetcher's proposals for it, :meth:`simulator.engine.Simulation.prepare_piece`), so that
     the replay's work beside the kernel runs on one thread, not two (issue 34: least-stale +
     score-percentile on the 25.6 M-access benchmark trace, five interleaved rounds of whole
     processes on two cores: 9.36 s median with the proposals made here, 10.12 s on a thread of
     their own).
-    An error reading or preparing a piece is raised where that piece is asked for."""
+    An error reading or preparing a piece is raised where that piece is asked for; pieces
+    queued when the caller stops early are never read."""
 
     def made() -> Workload | None:
         wl = next(pieces, None)
@@ -237,10 +253,14 @@ def read_ahead(pieces: Iterator[Workload],
         return wl
 
     with ThreadPoolExecutor(1) as pool:
-        ahead = pool.submit(made)
-        while True:
-            wl = ahead.result()
-            if wl is None:
-                return
-            ahead = pool.submit(made)
-            yield wl
+        ahead = collections.deque(pool.submit(made) for _ in range(depth))
+        try:
+            while True:
+                wl = ahead.popleft().result()
+                if wl is None:
+                    return
+                ahead.append(pool.submit(made))
+                yield wl
+        finally:
+            for queued in ahead:
+                queued.cancel()  # the one being read finishes; the rest never start
