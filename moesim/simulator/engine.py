@@ -161,7 +161,7 @@ class Simulation:
             self.transfers, self.withdrawn = [], []
             self.copy.on_complete.append(self._log_transfers)
         self.env = simpy.Environment()
-        self._size_passes(workload)
+        self.attn_scale, self.ffn_scale = self._pass_scales(workload)  # the per-pass cost factors
         # (pass, layer, op, key) in decision order, op in hit/fetch/bypass/evict/prefetch/run
         # (run: the expert ``key`` runs, or with key -1 all the layer's looked-up experts);
         # the calibration executor replays them on the device
@@ -333,9 +333,8 @@ class Simulation:
             pol.ctx.workload = workload
 
     def _size_passes(self, workload: Workload) -> None:
-        """The per-pass arrays a replay fills, one entry per forward pass of ``workload``: the
-        counts, the times, the gate mass (the workload's until a policy changes it) and the
-        per-pass cost factors."""
+        """The per-pass arrays the SimPy path fills, one entry per forward pass of ``workload``:
+        the counts, the times and the gate mass (the workload's until a policy changes it)."""
         n = workload.num_passes
         self._cols = {name: np.zeros(n, dtype=np.int64) for name in
                       ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches",
@@ -347,7 +346,6 @@ class Simulation:
         self._ep_max_load = np.zeros(n)
         self._mass_total = workload.weight_total.astype(np.float64).copy()
         self._mass_kept = workload.weight_total.astype(np.float64).copy()
-        self.attn_scale, self.ffn_scale = self._pass_scales(workload)
 
     def _pass_scales(self, workload: Workload) -> tuple[np.ndarray, np.ndarray]:
         """Per pass, the attention-context and expert-time factors of sparse verification
@@ -793,6 +791,7 @@ class Simulation:
         if self.simpy_reason is None:
             kernel.replay(self)
         else:
+            self._size_passes(self.wl)  # the SimPy path's per-pass arrays (the kernel makes its own a piece at a time)
             self.env.process(self._run())
             self.env.run()
             self.copy.finish()
