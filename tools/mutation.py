@@ -113,12 +113,6 @@ EQUIVALENT: dict[str, str] = {
         "np.where(None, ...) takes the seconds everywhere, and an unparsed date-time's seconds are NaN already",
     'moesim.simulator.serving.x_read_arrival_file__mutmut_87':
         "None for NaN where a date-time is unparsed: to_numeric reads None as NaN, so the same row is refused",
-    # the trace read in pieces (issue 34)
-    **{'moesim.simulator.stream.x_read_ahead__mutmut_' + str(n):
-       "more reader threads: one piece is asked for at a time, so one thread works whatever the pool's size"
-       for n in (1, 2)},
-    'moesim.simulator.stream.x_read_ahead__mutmut_8':
-        "the first piece is never missing: a trace is read in pieces only when it has more rows than one holds",
     # the chunked trace reader (issue 34; MUTATE_ONLY iter_trace, requests_in_order, trace_rows, _open, _repeats,
     # _phase_codes with tests/test_stream.py, test_traces.py, test_bad_input.py)
     **{'moesim.traces.io.x__open__mutmut_' + str(n): "read_dictionary changes memory only: _phase_codes "
