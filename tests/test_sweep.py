@@ -319,3 +319,50 @@ def test_a_plot_title_names_the_model_trace_gpu_and_link_speed(tmp_path):
     named = tmp_path / "n"
     sweep("quickstart", str(named), {"cache.capacity": ["5%", "25%"]}, ("sweep=null", f"workload.trace.path={trace}"))
     assert load_results(str(named)).attrs["setting"] == "olmoe-1b-7b, t.parquet, A100-80GB, pcie 32 GB/s"
+
+
+class _Planned(Exception):
+    """Raised in place of planning a study's points (the test stops there)."""
+
+
+@pytest.mark.parametrize("study", ["sweep", "compare"])
+def test_the_workers_server_starts_before_the_points_are_planned(study: str, monkeypatch, tmp_path) -> None:
+    """A study starts the local executor's fork server first, so that it loads (or compiles)
+    the kernel while the points are planned (issue 34: the first ``moesim compare``)."""
+    import moesim.studies.compare as compare_mod
+    import moesim.studies.sweep as sweep_mod
+
+    mod, planner = (sweep_mod, "plan") if study == "sweep" else (compare_mod, "base_data")
+    calls: list[object] = []
+    monkeypatch.setattr(mod, "start_workers", lambda executor: calls.append(("start", executor)))
+
+    def plan(*args, **kwargs):
+        calls.append("plan")
+        raise _Planned
+
+    monkeypatch.setattr(mod, planner, plan)
+    for executor in ("local", "ray"):
+        calls.clear()
+        with pytest.raises(_Planned):
+            getattr(mod, study)("quickstart", str(tmp_path / study), executor=executor)
+        assert calls == [("start", executor), "plan"]
+
+
+def test_the_fork_server_starts_once_and_only_for_the_local_executor() -> None:
+    """``start_workers`` starts the fork server with the heavy modules and the kernel to preload,
+    leaves a running one as it is, and starts none for Ray."""
+    from multiprocessing import forkserver
+
+    from moesim.studies.sweep import start_workers
+
+    server = forkserver._forkserver
+    before = server._forkserver_pid
+    start_workers("ray")
+    assert server._forkserver_pid == before
+    start_workers("local")
+    pid = server._forkserver_pid
+    assert pid is not None
+    os.kill(pid, 0)  # running
+    assert "moesim.studies._kernel_loaded" in server._preload_modules
+    start_workers("local")
+    assert server._forkserver_pid == pid

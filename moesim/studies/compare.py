@@ -38,6 +38,7 @@ from moesim.studies.sweep import (
     joined_rows,
     make_points,
     run_points,
+    start_workers,
     trace_key,
 )
 
@@ -273,6 +274,7 @@ def compare(scenario_path: str, out_dir: str | Path, eviction: Sequence[str] | N
     load, at ``rates`` (:mod:`studies.load`)."""
     from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
+    start_workers(executor)  # the kernel loads (or compiles) while the points are planned
     p, raw, _ = base_data(scenario_path, overrides)
     if (raw.get("workload") or {}).get("arrivals") is not None:  # serving under load: studies.load
         return _compare_load(scenario_path, p, raw, Path(out_dir), eviction, prefetch, miss, budget, capacity,

@@ -317,6 +317,7 @@ def sweep(scenario_path: str, out_dir: str, grid: dict[str, list[Any]] | None = 
           overrides: tuple[str, ...] = (), workers: int = 1, executor: str = "local",
           ray_address: str | None = None, progress: Callable[[int, int, int], None] | None = None) -> pd.DataFrame:
     """Run every point not yet done; return the results table (see module docstring)."""
+    start_workers(executor)
     data, points, zips = plan(scenario_path, grid or {}, overrides)
     out = Path(out_dir)
     with folder_lock(out):
@@ -348,6 +349,33 @@ def _main_not_reimported() -> Iterator[None]:
             main.__dict__.update(saved)
 
 
+def _fork_context() -> Any:
+    """The local executor's processes: one fresh process per point, forked from a server that
+    has the heavy modules and the compiled kernel loaded (plain spawn would re-import
+    numpy/pandas/pyarrow and reload the kernel for every point)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["numpy", "pandas", "pyarrow", "simpy", "moesim.simulator.engine",
+                                "moesim.output.results", "moesim.studies.sweep", "moesim.studies._kernel_loaded"])
+    return ctx
+
+
+def start_workers(executor: str) -> None:
+    """With the local executor, start the server the points are forked from now (a no-op when
+    it runs), so that it imports the heavy modules and loads the replay kernel, or compiles it
+    the first time after an installation, while the caller plans the points on the other core
+    (issue 34: the first ``moesim compare``). It is started anyway when :func:`run_points` asks
+    for the first point; a study whose points are all done already leaves it unused."""
+    if executor != "local":
+        return
+    from multiprocessing import forkserver
+
+    _fork_context()
+    with _main_not_reimported():
+        forkserver.ensure_running()
+
+
 def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: int = 1, executor: str = "local",
                ray_address: str | None = None, progress: Callable[[int, int, int], None] | None = None) -> int:
     """Run every point not finished with its own fingerprint yet (locally, one fresh process
@@ -363,15 +391,7 @@ def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: in
     if executor == "ray":
         failed = _run_ray(data, todo, out, workers, ray_address, progress, finished, len(points))
     elif executor == "local" and todo:
-        import multiprocessing
-
-        # one fresh process per point, forked from a server that has the heavy modules and the
-        # compiled kernel loaded (plain spawn would re-import numpy/pandas/pyarrow and reload
-        # the kernel for every point)
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["numpy", "pandas", "pyarrow", "simpy", "moesim.simulator.engine",
-                                    "moesim.output.results", "moesim.studies.sweep",
-                                    "moesim.studies._kernel_loaded"])
+        ctx = _fork_context()
         fresh: dict[str, Any] = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
         with _main_not_reimported():
             pool = ProcessPoolExecutor(workers, ctx, **fresh)  # Python 3.10 reuses worker processes
