@@ -1020,7 +1020,7 @@ def _settled(pulled: list[int], n: int) -> int:
     deadline = time.monotonic() + 10
     while len(pulled) < n and time.monotonic() < deadline:
         time.sleep(0.001)
-    time.sleep(0.05)  # had it read further, it would have by now
+    time.sleep(0.2)  # had it read further, it would have by now (the reads queued run back to back)
     return len(pulled)
 
 
