@@ -4,7 +4,8 @@
 # the first and a warm `moesim compare` (10 points, the machine's cores as workers). Prints one
 # line per run: name and wall seconds. Run from the repository root with the venv installed:
 #   bash benchmarks/first_run.sh > benchmarks/results/first_run.txt
-# A form's compile time is its first run less its warm one.
+# A form's compile time is its first run less its warm one. MOESIM_NO_JIT_HELPER=1 in the
+# environment times the compiles without the helper on the other core (moesim.jitplan).
 set -euo pipefail
 CACHE=$(mktemp -d)
 OUT=$(mktemp -d)

@@ -183,4 +183,9 @@ def _compiled(**options: Any) -> Any:
 jit = _compiled(**_OPTIONS)
 inline = _compiled(**_OPTIONS, forceinline=True)
 
+if HAVE_NUMBA:  # a first compile (after an installation or a change) gets a helper on the other core
+    from moesim.jitplan import watch_compiles
+
+    watch_compiles()
+
 __all__ = ["HAVE_NUMBA", "forget_large_tuples", "forget_tuples", "inline", "jit", "njit", "package_digest", "package_root"]

@@ -50,6 +50,17 @@ def test_the_wheel_runs_the_quickstart_from_another_folder(installed, tmp_path):
     assert json.loads(r.stdout)["forward_passes"] == 4 * 11
 
 
+def test_the_wheel_ships_the_first_compile_plan(installed, tmp_path):
+    """The installed moesim reads its own plan (``moesim/jitplan.json``, package data), the
+    one in the checkout."""
+    code = "import moesim.jitplan as J; print(J.PLAN); print(len(J.load_plan()))"
+    out = subprocess.run([str(installed / "bin" / "python"), "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert str(installed) in out[0]
+    assert Path(out[0]).read_text() == (ROOT / "moesim" / "jitplan.json").read_text()
+    assert int(out[1]) == len(json.loads((ROOT / "moesim" / "jitplan.json").read_text())["compiles"]) > 0
+
+
 def test_an_installed_scenario_needing_real_traces_names_the_key(installed, tmp_path):
     r = subprocess.run([str(installed / "bin" / "moesim"), "run", "specmd/mixtral-config1", "--no-write"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)

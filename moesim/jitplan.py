@@ -1,0 +1,245 @@
+"""A first compile on two cores (issue 34: a fresh install's first ``moesim compare``).
+
+numba compiles one function at a time, depth first: a call from compiled code compiles the
+function called (and all it calls) before its caller goes on, and each compiled function goes
+to numba's on-disk cache as it is made. Before it compiles a function, numba looks in that
+cache. So a second process that compiles the same functions, for the same argument types, in
+the opposite order, makes the ones the first process would have reached last; the first finds
+them in the cache when it gets there and loads them instead (about 0.01 s each), and the two
+meet in the middle. On the 2-core machine the first replay after an installation, most of it
+the replay kernel's compile, took 14.3 s and 19.0 s with such a helper against 24.6 s and 30.6 s
+without (two interleaved pairs, README: Speed).
+
+The plan (``jitplan.json``, beside this file) lists moesim's compiled functions with their
+argument types in the order a first :mod:`moesim.studies._kernel_loaded` warm-up compiles them
+(what ``moesim run`` and ``moesim compare`` compile first); ``tools/jit_plan.py`` writes it
+again from a compile. When a process starts compiling one of the plan's functions for the
+plan's argument types (so numba's cache lacks it: the first run after an installation or a
+change), it starts the helper (``python -m moesim.jitplan PID``), once, on a machine with two
+cores or more, unless ``MOESIM_NO_JIT_HELPER`` is set. The helper compiles the plan from its
+end and stops at its start, when the process that started it is gone, or when that process
+exits (which ends it). One helper runs at a time for a moesim and a numba cache folder.
+
+Nothing here changes what is compiled: a function loaded from the cache is the code its compile
+made, and a plan that no longer matches the code (a function renamed, an argument type changed)
+only makes the helper compile what nobody asks for (a test says when it is stale). The helper
+writes numba's cache only, as numba writes it from any process (a file written whole, then
+renamed into place)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+PLAN = Path(__file__).with_name("jitplan.json")
+HELPER_ENV = "MOESIM_NO_JIT_HELPER"  # set (to anything but ""): no helper; the helper's own environment has it
+
+_STATE: dict[str, Any] = {}  # "plan": the plan, loaded; "helper": (the helper, the pid that started it)
+
+
+def encode_type(ty: Any) -> Any:
+    """A numba argument type as JSON (:func:`decode_type` reads it back): arrays (records among
+    their element types), tuples, first-class functions, numbers, booleans and None. Other types
+    raise ``TypeError``."""
+    import numpy as np
+    from numba.core import types
+    from numba.np.numpy_support import as_dtype
+
+    if isinstance(ty, types.Array):
+        dtype = as_dtype(ty.dtype)
+        return {"array": np.lib.format.dtype_to_descr(dtype), "aligned": bool(dtype.isalignedstruct),
+                "ndim": ty.ndim, "layout": ty.layout, "readonly": not ty.mutable}
+    if isinstance(ty, types.BaseTuple):
+        members: Any = ty  # a tuple type iterates over its members' types
+        return {"tuple": [encode_type(t) for t in members]}
+    if isinstance(ty, types.FunctionType):  # an eviction hook, handed to the kernel
+        return {"function": [encode_type(t) for t in ty.signature.args], "returns": encode_type(ty.signature.return_type)}
+    if ty == types.none:
+        return "none"
+    if isinstance(ty, (types.Integer, types.Float, types.Boolean)):
+        return str(as_dtype(ty))
+    raise TypeError(f"no plan form for the numba type {ty}")
+
+
+def decode_type(spec: Any) -> Any:
+    """The numba type :func:`encode_type` wrote as ``spec``."""
+    import numpy as np
+    from numba import from_dtype
+    from numba.core import types
+    from numba.core.typing import signature
+
+    if spec == "none":
+        return types.none
+    if isinstance(spec, str):
+        return from_dtype(np.dtype(spec))
+    if "tuple" in spec:
+        return types.BaseTuple.from_types([decode_type(s) for s in spec["tuple"]])
+    if "function" in spec:
+        return types.FunctionType(signature(decode_type(spec["returns"]), *[decode_type(s) for s in spec["function"]]))
+    descr: Any = spec["array"]
+    dtype = np.lib.format.descr_to_dtype(descr if isinstance(descr, str) else [tuple(f) for f in descr])  # type: ignore[arg-type]
+    if spec["aligned"]:  # a record numpy laid out as C would (the descr keeps its padding, not the flag)
+        names = list(dtype.names or ())
+        fields: Any = {"names": names, "formats": [dtype.fields[n][0] for n in names],  # type: ignore[index]
+                       "offsets": [dtype.fields[n][1] for n in names], "itemsize": dtype.itemsize,  # type: ignore[index]
+                       "aligned": True}
+        dtype = np.dtype(fields)
+    return types.Array(from_dtype(dtype), spec["ndim"], spec["layout"], readonly=spec["readonly"])
+
+
+def compiled_function(module: str, qualname: str) -> Any:
+    """moesim's compiled function ``module.qualname`` (a numba dispatcher), or None where there
+    is none by that name (a plan older than the code)."""
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        return None
+    return obj if callable(getattr(obj, "compile", None)) else None
+
+
+def load_plan(path: Path = PLAN) -> list[tuple[str, str, tuple[Any, ...]]]:
+    """The plan's ``(module, qualname, argument types)``, in the order a first compile reaches
+    them; empty where the file is missing or unreadable, or another numba wrote it (its types
+    may not be this numba's)."""
+    try:
+        import numba
+        from numba.core.errors import NumbaExperimentalFeatureWarning
+
+        doc = json.loads(path.read_text())
+        if doc["numba"] != numba.__version__:
+            return []
+        with warnings.catch_warnings():  # numba calls first-class function types experimental
+            warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
+            kinds = [decode_type(spec) for spec in doc["types"]]
+        return [(e["module"], e["function"], tuple(kinds[i] for i in e["args"])) for e in doc["compiles"]]
+    except (OSError, ValueError, KeyError, IndexError, TypeError, ImportError):
+        return []
+
+
+def _plan() -> list[tuple[str, str, tuple[Any, ...]]]:
+    if "plan" not in _STATE:
+        _STATE["plan"] = load_plan()
+    return _STATE["plan"]
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def _planned(dispatcher: Any, args: tuple[Any, ...]) -> bool:
+    py_func = getattr(dispatcher, "py_func", None)
+    module = getattr(py_func, "__module__", "") or ""
+    if not module.startswith(__name__.split(".")[0] + "."):
+        return False
+    key = (module, getattr(py_func, "__qualname__", ""), tuple(args))
+    return any(entry == key for entry in _plan())
+
+
+def on_compile(dispatcher: Any, args: tuple[Any, ...]) -> None:
+    """Told as this process starts compiling ``dispatcher`` for ``args`` (numba's compile event,
+    never a load from its cache): the first time it is one of the plan's compiles, start the
+    helper, once per process, where there are two cores or more."""
+    if "helper" in _STATE and _STATE["helper"][1] == os.getpid():
+        return
+    if os.environ.get(HELPER_ENV) or _cores() < 2 or not _planned(dispatcher, args):
+        return
+    root = str(Path(__file__).resolve().parent.parent)  # the helper imports this moesim
+    env = {**os.environ, HELPER_ENV: "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    helper = subprocess.Popen([sys.executable, "-m", __name__, str(os.getpid())], env=env,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _STATE["helper"] = (helper, os.getpid())
+
+
+def _end_helper() -> None:
+    """At exit: end the helper this process started (a forked child leaves its parent's be)."""
+    started = _STATE.get("helper")
+    if started is None or started[1] != os.getpid():
+        return
+    helper = started[0]
+    if helper.poll() is None:
+        helper.terminate()
+        helper.wait()
+
+
+def watch_compiles() -> None:
+    """Start the helper on this process's first compile of a planned function (numba's compile
+    events); called once, as :mod:`moesim.jit` is imported, except in the helper itself."""
+    if os.environ.get(HELPER_ENV) or "listening" in _STATE:
+        return
+    from numba.core import event
+
+    class _Listener(event.Listener):
+        def on_start(self, ev: Any) -> None:
+            with contextlib.suppress(Exception):  # the helper is only a help: a compile goes on without it
+                on_compile(ev.data["dispatcher"], tuple(ev.data["args"]))
+
+        def on_end(self, ev: Any) -> None:
+            pass
+
+    event.register("numba:compile", _Listener())
+    atexit.register(_end_helper)
+    _STATE["listening"] = True
+
+
+def compile_from_end(plan: list[tuple[str, str, tuple[Any, ...]]], parent: int) -> int:
+    """The helper's work: compile ``plan`` from its end (each a load from numba's cache where
+    the process ``parent`` made it already), until its start or until ``parent`` is gone;
+    returns how many it compiled or loaded."""
+    done = 0
+    for module, qualname, args in reversed(plan):
+        if os.getppid() != parent:
+            break
+        dispatcher = compiled_function(module, qualname)
+        if dispatcher is None:
+            continue
+        try:
+            dispatcher.compile(args)
+        except Exception:  # the process that needs it compiles it, and reports what fails
+            continue
+        done += 1
+    return done
+
+
+def _lock_path() -> Path:
+    """The file a helper locks while it runs: one per moesim and numba cache folder."""
+    where = f"{Path(__file__).resolve()}|{os.environ.get('NUMBA_CACHE_DIR', '')}"
+    return Path(tempfile.gettempdir()) / f"moesim-jit-helper-{hashlib.sha1(where.encode()).hexdigest()[:16]}.lock"
+
+
+def main(argv: list[str]) -> int:
+    """``python -m moesim.jitplan PID``: the helper of the process ``PID``; it does nothing
+    where another helper runs for the same moesim and numba cache (a study's planning process
+    and its workers' server both compile: one helper, not two, beside them)."""
+    os.environ[HELPER_ENV] = "1"
+    warnings.simplefilter("ignore")  # nobody reads the helper's output
+    with open(_lock_path(), "a") as lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # Windows: no lock
+            pass
+        except OSError:  # another helper has it
+            return 0
+        compile_from_end(load_plan(), int(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

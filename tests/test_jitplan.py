@@ -1,0 +1,364 @@
+"""A first compile on two cores (``moesim.jitplan``): the plan, the helper and when it starts."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import types as pytypes
+import warnings
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import pytest
+
+import moesim.jitplan as J
+from moesim.jit import HAVE_NUMBA
+
+pytestmark = pytest.mark.skipif(not HAVE_NUMBA, reason="numba is not installed")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# prints each compile numba starts in this process (moesim's functions), then runs ``CODE``
+_RECORDER = """
+import sys
+from numba.core import event
+class Listener(event.Listener):
+    def on_start(self, ev):
+        d = ev.data["dispatcher"]
+        if d.py_func.__module__.startswith("moesim."):
+            print("COMPILED", d.py_func.__module__ + "." + d.py_func.__qualname__, file=sys.stderr)
+    def on_end(self, ev):
+        pass
+event.register("numba:compile", Listener())
+"""
+
+
+def _env(cache: Path, helper: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_DISABLE_JIT", J.HELPER_ENV)}
+    env.update({"NUMBA_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)})
+    if not helper:
+        env[J.HELPER_ENV] = "1"
+    return env
+
+
+def _compiled(stderr: str) -> list[str]:
+    return [line.split()[1] for line in stderr.splitlines() if line.startswith("COMPILED ")]
+
+
+def test_after_the_helper_a_first_warm_up_and_quickstart_compile_nothing_it_planned(tmp_path):
+    """The plan is current: the helper alone, run to its end with numba's cache empty, leaves
+    in the cache every function the kernel warm-up (what a study's workers' server loads) and
+    the quickstart's ``moesim run`` then need, with their argument types: they compile none of
+    moesim's functions but the ones the plan leaves out by name (the default hooks each replay
+    makes). A plan older than the code fails here, naming what it lacks: run
+    ``python tools/jit_plan.py``."""
+    cache = tmp_path / "cache"
+    helper = subprocess.run([sys.executable, "-c", "import os, sys; from moesim.jitplan import main; "
+                             "sys.exit(main([str(os.getppid())]))"],
+                            env={**_env(cache, helper=True), J.HELPER_ENV: ""}, capture_output=True, text=True)
+    assert helper.returncode == 0, helper.stderr
+    assert any(cache.rglob("*.nbc")), "the helper compiled nothing"
+    plan = json.loads(J.PLAN.read_text())
+    left = set(plan["left"])
+    warm = subprocess.run([sys.executable, "-c", _RECORDER + "import moesim.studies._kernel_loaded"],
+                          env=_env(cache, helper=False), capture_output=True, text=True, check=True)
+    run = subprocess.run([sys.executable, "-c", _RECORDER + "import sys; from moesim.cli import main; "
+                          "sys.argv = ['moesim', 'run', '--no-write', '-q']; main()"],
+                         env=_env(cache, helper=False), capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    for name, proc in (("warm-up", warm), ("moesim run", run)):
+        missing = [f for f in _compiled(proc.stderr) if f not in left]
+        assert missing == [], f"the {name} compiled what the plan lacks (python tools/jit_plan.py): {missing}"
+
+
+def _types():
+    from numba import from_dtype
+    from numba.core import types
+    from numba.core.typing import signature
+
+    state = np.dtype([("state", "<i8"), ("nextuse", "<f8"), ("flag", "i1")])
+    padded = np.dtype([("a", "i1"), ("b", "<f8")], align=True)
+    arr = types.Array(types.int64, 1, "C")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hook = types.FunctionType(signature(types.none, types.int64, types.boolean, arr))
+        hooks = types.UniTuple(hook, 1)
+    return [arr, types.Array(types.float32, 2, "C"), types.Array(types.int16, 2, "F"),
+            types.Array(types.int64, 1, "A", readonly=True), types.Array(from_dtype(state), 1, "C"),
+            types.Array(from_dtype(padded), 1, "C"), types.int64, types.int32, types.float64, types.float32,
+            types.boolean, types.int8, types.none, types.Tuple((arr, types.float64)), types.UniTuple(arr, 3),
+            types.Tuple((types.Tuple((arr, hooks)), types.none)), hook, hooks]
+
+
+def test_every_argument_type_the_plan_writes_reads_back_as_the_same_numba_type():
+    """Arrays (any dtype, dimension, layout, read-only; records packed and aligned), numbers,
+    booleans, None, tuples of them (nested, uniform or not) and first-class functions come back
+    equal, through JSON text; another type is refused by name."""
+    from numba.core import types
+
+    for ty in _types():
+        spec = json.loads(json.dumps(J.encode_type(ty)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            back = J.decode_type(spec)
+        assert back == ty, (ty, spec, back)
+        assert type(back) is type(ty)
+    aligned = J.encode_type(_types()[5])
+    assert aligned["aligned"] is True
+    assert J.encode_type(_types()[4])["aligned"] is False
+    with pytest.raises(TypeError, match="no plan form for the numba type"):
+        J.encode_type(types.unicode_type)
+
+
+def _write_plan(path: Path, numba_version: str | None = None, function: str = "f") -> None:
+    import numba
+
+    path.write_text(json.dumps({"numba": numba_version or numba.__version__, "types": ["int64", {"tuple": ["float64"]}],
+                                "compiles": [{"module": "m", "function": function, "args": [0, 1]},
+                                             {"module": "m", "function": "g", "args": [1]}], "left": []}))
+
+
+def test_the_plan_loads_with_its_types_and_is_empty_when_it_cannot_be_read(tmp_path):
+    """A plan names its types by number; one written by another numba, a missing file, broken
+    JSON, a type number out of range or a type it cannot read give no plan (the helper then
+    does nothing), never an error."""
+    from numba.core import types
+
+    path = tmp_path / "plan.json"
+    _write_plan(path)
+    assert J.load_plan(path) == [("m", "f", (types.int64, types.UniTuple(types.float64, 1))),
+                                 ("m", "g", (types.UniTuple(types.float64, 1),))]
+    _write_plan(path, numba_version="0.0.1")
+    assert J.load_plan(path) == []
+    assert J.load_plan(tmp_path / "none.json") == []
+    path.write_text("{not json")
+    assert J.load_plan(path) == []
+    _write_plan(path)
+    path.write_text(path.read_text().replace('"args": [1]', '"args": [2]'))
+    assert J.load_plan(path) == []
+    path.write_text(path.read_text().replace('"float64"', '{"odd": 1}'))
+    assert J.load_plan(path) == []
+
+
+def test_the_shipped_plan_loads_and_names_compiled_functions_of_moesim():
+    plan = J.load_plan()
+    assert len(plan) >= 50
+    names = [(m, f) for m, f, _ in plan]
+    assert len(set(plan)) == len(plan)  # each compile once
+    for module, function, _ in plan:
+        assert J.compiled_function(module, function) is not None, (module, function)
+    assert ("moesim.simulator.kernel_compute", "replay_passes") in names
+
+
+def test_a_name_that_is_not_a_compiled_function_resolves_to_none():
+    assert J.compiled_function("moesim.simulator.kernel_compute", "replay_passes") is not None
+    assert J.compiled_function("moesim.simulator.kernel_compute", "no_such_function") is None
+    assert J.compiled_function("moesim.no_such_module", "f") is None
+    assert J.compiled_function("moesim.jitplan", "PLAN") is None  # there, but not compiled
+
+
+class _Popen:
+    started: ClassVar[list[tuple[list[str], dict[str, str]]]] = []
+
+    def __init__(self, argv, env, **kw):
+        _Popen.started.append((argv, env))
+        assert kw["stdin"] == kw["stdout"] == kw["stderr"] == subprocess.DEVNULL
+        self.pid = 4242
+
+
+def _dispatcher(module: str, qualname: str):
+    return pytypes.SimpleNamespace(py_func=pytypes.SimpleNamespace(__module__=module, __qualname__=qualname))
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    """A plan of two compiles of module ``moesim.x``, a fake ``Popen``, two cores."""
+    from numba.core import types
+
+    state = {"plan": [("moesim.x", "A.f", (types.int64,)), ("moesim.x", "g", (types.float64, types.none))]}
+    monkeypatch.setattr(J, "_STATE", state)
+    monkeypatch.setattr(J.subprocess, "Popen", _Popen)
+    monkeypatch.setattr(J, "_cores", lambda: 2)
+    monkeypatch.delenv(J.HELPER_ENV, raising=False)
+    _Popen.started = []
+    return state
+
+
+def test_the_first_planned_compile_starts_one_helper_of_this_process(planned, monkeypatch):
+    """Only a compile of a planned function for the planned argument types starts it, once per
+    process; the helper runs this moesim (its folder first on the path) with the helper's flag
+    set, and is told this process's id."""
+    from numba.core import types
+
+    J.on_compile(_dispatcher("moesim.x", "A.f"), (types.int32,))  # other argument types
+    J.on_compile(_dispatcher("moesim.y", "A.f"), (types.int64,))  # another module
+    J.on_compile(_dispatcher("other.x", "A.f"), (types.int64,))   # not moesim's
+    J.on_compile(_dispatcher("moesim.x", "f"), (types.int64,))    # another name
+    J.on_compile(pytypes.SimpleNamespace(), (types.int64,))        # no Python function
+    assert _Popen.started == []
+    monkeypatch.setenv("PYTHONPATH", "/some/where")
+    J.on_compile(_dispatcher("moesim.x", "g"), (types.float64, types.none))
+    assert len(_Popen.started) == 1
+    argv, env = _Popen.started[0]
+    assert argv == [sys.executable, "-m", "moesim.jitplan", str(os.getpid())]
+    assert env[J.HELPER_ENV] == "1"
+    assert env["PYTHONPATH"] == os.pathsep.join([str(ROOT), "/some/where"])
+    assert planned["helper"][1] == os.getpid()
+    J.on_compile(_dispatcher("moesim.x", "A.f"), (types.int64,))
+    assert len(_Popen.started) == 1  # once per process
+    planned["helper"] = (planned["helper"][0], os.getpid() + 1)  # started by the parent of a fork
+    J.on_compile(_dispatcher("moesim.x", "A.f"), (types.int64,))
+    assert len(_Popen.started) == 2
+    monkeypatch.delenv("PYTHONPATH")
+    del planned["helper"]
+    J.on_compile(_dispatcher("moesim.x", "A.f"), (types.int64,))
+    assert _Popen.started[-1][1]["PYTHONPATH"] == str(ROOT)
+
+
+def test_no_helper_in_a_helper_or_on_one_core(planned, monkeypatch):
+    from numba.core import types
+
+    monkeypatch.setenv(J.HELPER_ENV, "1")
+    J.on_compile(_dispatcher("moesim.x", "A.f"), (types.int64,))
+    monkeypatch.delenv(J.HELPER_ENV)
+    monkeypatch.setattr(J, "_cores", lambda: 1)
+    J.on_compile(_dispatcher("moesim.x", "A.f"), (types.int64,))
+    assert _Popen.started == []
+    assert "helper" not in planned
+
+
+def test_the_cores_are_the_ones_this_process_may_run_on():
+    assert J._cores() == len(os.sched_getaffinity(0))
+
+
+class _Helper:
+    def __init__(self, running: bool):
+        self.running, self.calls = running, []
+
+    def poll(self):
+        self.calls.append("poll")
+        return None if self.running else 0
+
+    def terminate(self):
+        self.calls.append("terminate")
+
+    def wait(self):
+        self.calls.append("wait")
+
+
+def test_at_exit_the_process_ends_its_own_running_helper_and_no_other(monkeypatch):
+    running, done, forked = _Helper(True), _Helper(False), _Helper(True)
+    for helper, pid, calls in ((running, os.getpid(), ["poll", "terminate", "wait"]), (done, os.getpid(), ["poll"]),
+                               (forked, os.getpid() + 1, [])):
+        monkeypatch.setattr(J, "_STATE", {"helper": (helper, pid)})
+        J._end_helper()
+        assert helper.calls == calls
+    monkeypatch.setattr(J, "_STATE", {})
+    J._end_helper()  # none started
+
+
+def test_compiles_are_watched_once_and_never_in_the_helper(monkeypatch):
+    from numba.core import event
+
+    registered, at_exit = [], []
+    monkeypatch.setattr(event, "register", lambda kind, listener: registered.append((kind, listener)))
+    monkeypatch.setattr(J.atexit, "register", at_exit.append)
+    monkeypatch.setattr(J, "_STATE", {})
+    monkeypatch.setenv(J.HELPER_ENV, "1")
+    J.watch_compiles()
+    assert registered == []
+    monkeypatch.delenv(J.HELPER_ENV)
+    J.watch_compiles()
+    J.watch_compiles()
+    assert [kind for kind, _ in registered] == ["numba:compile"]
+    assert at_exit == [J._end_helper]
+    seen = []
+    monkeypatch.setattr(J, "on_compile", lambda d, a: seen.append((d, a)))
+    listener = registered[0][1]
+    listener.on_start(pytypes.SimpleNamespace(data={"dispatcher": "D", "args": ["x", "y"]}))
+    listener.on_end(None)
+    assert seen == [("D", ("x", "y"))]
+
+    def broken(d, a):
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(J, "on_compile", broken)
+    listener.on_start(pytypes.SimpleNamespace(data={"dispatcher": "D", "args": []}))  # a compile goes on
+
+
+def test_moesim_watches_its_compiles_as_its_compiled_code_is_imported():
+    code = ("import moesim.jit, moesim.jitplan as J; from numba.core import event; "
+            "print(J._STATE.get('listening'), any(type(l).__qualname__ == 'watch_compiles.<locals>._Listener' "
+            "for l in event._registered['numba:compile']))")
+    env = {k: v for k, v in os.environ.items() if k != J.HELPER_ENV}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"], out.stderr
+
+
+def _fake_module(monkeypatch, order: list[str], fail: str = ""):
+    mod = pytypes.ModuleType("moesim_fake_plan")
+
+    class Compiled:
+        def __init__(self, name):
+            self.name = name
+
+        def compile(self, args):
+            order.append((self.name, args))
+            if self.name == fail:
+                raise RuntimeError("does not compile")
+
+    mod.a, mod.b, mod.c = Compiled("a"), Compiled("b"), Compiled("c")
+    mod.K = pytypes.SimpleNamespace(d=Compiled("d"))
+    monkeypatch.setitem(sys.modules, "moesim_fake_plan", mod)
+
+
+def test_the_helper_compiles_the_plan_from_its_end_while_its_parent_lives(monkeypatch):
+    """From the end: each planned function for its planned arguments, names the code no
+    longer has skipped, a compile that fails passed over (the process that needs it reports
+    it); it stops as soon as the process that started it is gone."""
+    order: list = []
+    _fake_module(monkeypatch, order, fail="b")
+    plan = [("moesim_fake_plan", "a", (1,)), ("moesim_fake_plan", "K.d", (2,)), ("moesim_fake_plan", "gone", (3,)),
+            ("moesim_fake_plan", "b", (4,)), ("moesim_fake_plan", "c", (5, 6))]
+    monkeypatch.setattr(J.os, "getppid", lambda: 77)
+    assert J.compile_from_end(plan, 77) == 3
+    assert order == [("c", (5, 6)), ("b", (4,)), ("d", (2,)), ("a", (1,))]
+    order.clear()
+    parents = iter([77, 77, 1, 1, 1])
+    monkeypatch.setattr(J.os, "getppid", lambda: next(parents))
+    assert J.compile_from_end(plan, 77) == 1
+    assert order == [("c", (5, 6)), ("b", (4,))]
+
+
+def test_one_helper_at_a_time_per_moesim_and_numba_cache(monkeypatch, tmp_path):
+    """A helper that finds another holding the lock (a study's planning process and its
+    workers' server both start one) leaves at once; the lock is one per numba cache folder."""
+    ran = []
+    monkeypatch.setattr(J, "compile_from_end", lambda plan, parent: ran.append(parent) or 0)
+    monkeypatch.setattr(J, "load_plan", list)
+    monkeypatch.setattr(J, "_lock_path", lambda: tmp_path / "helper.lock")
+    monkeypatch.delenv(J.HELPER_ENV, raising=False)
+    with open(tmp_path / "helper.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert J.main(["12"]) == 0
+        assert ran == []
+    assert J.main(["12"]) == 0
+    assert ran == [12]
+    assert os.environ[J.HELPER_ENV] == "1"
+
+
+def test_the_lock_is_named_by_this_moesim_and_the_numba_cache_folder(monkeypatch):
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "/tmp/one")
+    one = J._lock_path()
+    assert J._lock_path() == one
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "/tmp/two")
+    assert J._lock_path() != one
+    monkeypatch.delenv("NUMBA_CACHE_DIR")
+    assert J._lock_path() not in (one,)
+    assert one.parent == Path(__import__("tempfile").gettempdir())
+    assert one.name.startswith("moesim-jit-helper-")
+    assert one.suffix == ".lock"
