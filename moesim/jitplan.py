@@ -6,9 +6,10 @@ to numba's on-disk cache as it is made. Before it compiles a function, numba loo
 cache. So a second process that compiles the same functions, for the same argument types, in
 the opposite order, makes the ones the first process would have reached last; the first finds
 them in the cache when it gets there and loads them instead (about 0.01 s each), and the two
-meet in the middle. On the 2-core machine the first replay after an installation, most of it
-the replay kernel's compile, took 14.3 s and 19.0 s with such a helper against 24.6 s and 30.6 s
-without (two interleaved pairs, README: Speed).
+meet in the middle. On the 2-core machine, with numba's cache emptied, the first quickstart
+``moesim run`` (most of it the replay kernel's compile) took 20.6 s and 16.9 s with the helper
+against 25.3 s and 27.6 s without, and the first ``moesim compare`` 23.1 s and 20.7 s against
+32.5 s and 31.4 s (two interleaved runs of each of ``benchmarks/first_run.sh``; README: Speed).
 
 The plan (``jitplan.json``, beside this file) lists moesim's compiled functions with their
 argument types in the order a first :mod:`moesim.studies._kernel_loaded` warm-up compiles them

@@ -391,11 +391,12 @@ def announce_compiles(say: Any) -> None:
 
 def compile_message(form: str) -> str:
     """The line a run says as it starts compiling the kernel's ``form`` (measured on the 2-core
-    CI machine with numba's cache emptied: README, Speed)."""
+    CI machine with numba's cache emptied, :mod:`moesim.jitplan`'s helper on the other core:
+    ``benchmarks/results/first_run_8494561_helper_{a,b}.txt``, README: Speed)."""
     return (f"moesim: compiling the replay kernel's form for {form}, once for this installation "
-            f"(measured on a 2-core machine: 25-29 s for layer execution with fetch on a miss, 40-46 s "
-            f"per-expert, 41-43 s with a per-token miss policy, 84-103 s both); later runs load it from numba's "
-            f"cache.")
+            f"(measured on a 2-core machine, a helper compiling on the other core: 15-19 s for layer execution "
+            f"with fetch on a miss, 26-29 s per-expert, 30-31 s with a per-token miss policy, 63-66 s both); later "
+            f"runs load it from numba's cache.")
 
 
 def load_cached_forms() -> int:
