@@ -16,7 +16,7 @@ argument types in the order a first :mod:`moesim.studies._kernel_loaded` warm-up
 (what ``moesim run`` and ``moesim compare`` compile first); ``tools/jit_plan.py`` writes it
 again from a compile. When a process starts compiling one of the plan's functions for the
 plan's argument types (so numba's cache lacks it: the first run after an installation or a
-change), it starts the helper (``python -m moesim.jitplan PID``), once, on a machine with two
+change), it starts the helper (:func:`main`, in a new Python process), once, on a machine with two
 cores or more, unless ``MOESIM_NO_JIT_HELPER`` is set. The helper compiles the plan from its
 end and stops at its start, when the process that started it is gone, or when that process
 exits (which ends it). One helper runs at a time for a moesim and a numba cache folder.
@@ -87,8 +87,7 @@ def decode_type(spec: Any) -> Any:
         return types.BaseTuple.from_types([decode_type(s) for s in spec["tuple"]])
     if "function" in spec:
         return types.FunctionType(signature(decode_type(spec["returns"]), *[decode_type(s) for s in spec["function"]]))
-    descr: Any = spec["array"]
-    dtype = np.lib.format.descr_to_dtype(descr if isinstance(descr, str) else [tuple(f) for f in descr])  # type: ignore[arg-type]
+    dtype = np.lib.format.descr_to_dtype(spec["array"])
     if spec["aligned"]:  # a record numpy laid out as C would (the descr keeps its padding, not the flag)
         names = list(dtype.names or ())
         fields: Any = {"names": names, "formats": [dtype.fields[n][0] for n in names],  # type: ignore[index]
@@ -144,11 +143,9 @@ def _cores() -> int:
 
 def _planned(dispatcher: Any, args: tuple[Any, ...]) -> bool:
     py_func = getattr(dispatcher, "py_func", None)
-    module = getattr(py_func, "__module__", "") or ""
-    if not module.startswith(__name__.split(".")[0] + "."):
+    if py_func is None or not str(py_func.__module__).startswith(__name__.split(".")[0] + "."):
         return False
-    key = (module, getattr(py_func, "__qualname__", ""), tuple(args))
-    return any(entry == key for entry in _plan())
+    return (py_func.__module__, py_func.__qualname__, tuple(args)) in _plan()
 
 
 def on_compile(dispatcher: Any, args: tuple[Any, ...]) -> None:
@@ -159,12 +156,18 @@ def on_compile(dispatcher: Any, args: tuple[Any, ...]) -> None:
         return
     if os.environ.get(HELPER_ENV) or _cores() < 2 or not _planned(dispatcher, args):
         return
-    root = str(Path(__file__).resolve().parent.parent)  # the helper imports this moesim
-    env = {**os.environ, HELPER_ENV: "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
-    helper = subprocess.Popen([sys.executable, "-m", __name__, str(os.getpid())], env=env,
+    root = str(Path(__file__).resolve().parent.parent)  # the folder this moesim is imported from
+    helper = subprocess.Popen([sys.executable, "-c", _BOOT, root, str(os.getpid())], env={**os.environ, HELPER_ENV: "1"},
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _STATE["helper"] = (helper, os.getpid())
+
+
+# The helper's start: ``python -c _BOOT ROOT PID`` imports the moesim in ROOT (not one in the
+# working folder: that is dropped from the path; ROOT goes first only where it is not on the
+# path already, so an installed moesim's site-packages stays behind the standard library)
+_BOOT = ("import sys; root = sys.argv[1]; sys.path[:] = [p for p in sys.path if p != '']; "
+         "sys.path.insert(0, root) if root not in sys.path else None; "
+         "from moesim.jitplan import main; sys.exit(main(sys.argv[2:]))")
 
 
 def _end_helper() -> None:
@@ -181,7 +184,7 @@ def _end_helper() -> None:
 def watch_compiles() -> None:
     """Start the helper on this process's first compile of a planned function (numba's compile
     events); called once, as :mod:`moesim.jit` is imported, except in the helper itself."""
-    if os.environ.get(HELPER_ENV) or "listening" in _STATE:
+    if os.environ.get(HELPER_ENV) or _STATE.get("listening"):
         return
     from numba.core import event
 
@@ -224,7 +227,8 @@ def _lock_path() -> Path:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m moesim.jitplan PID``: the helper of the process ``PID``; it does nothing
+    """The helper of the process whose id is ``argv[0]`` (``python -m moesim.jitplan PID``, or
+    :data:`_BOOT` as :func:`on_compile` starts it); it does nothing
     where another helper runs for the same moesim and numba cache (a study's planning process
     and its workers' server both compile: one helper, not two, beside them)."""
     os.environ[HELPER_ENV] = "1"

@@ -82,6 +82,8 @@ def _types():
 
     state = np.dtype([("state", "<i8"), ("nextuse", "<f8"), ("flag", "i1")])
     padded = np.dtype([("a", "i1"), ("b", "<f8")], align=True)
+    spread = np.dtype({"names": ["a", "b"], "formats": ["i1", "<f8"], "offsets": [0, 16], "itemsize": 32,
+                       "aligned": True})  # aligned, with more room than alignment asks
     arr = types.Array(types.int64, 1, "C")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -89,7 +91,7 @@ def _types():
         hooks = types.UniTuple(hook, 1)
     return [arr, types.Array(types.float32, 2, "C"), types.Array(types.int16, 2, "F"),
             types.Array(types.int64, 1, "A", readonly=True), types.Array(from_dtype(state), 1, "C"),
-            types.Array(from_dtype(padded), 1, "C"), types.int64, types.int32, types.float64, types.float32,
+            types.Array(from_dtype(padded), 1, "C"), types.Array(from_dtype(spread), 1, "C"), types.int64, types.int32, types.float64, types.float32,
             types.boolean, types.int8, types.none, types.Tuple((arr, types.float64)), types.UniTuple(arr, 3),
             types.Tuple((types.Tuple((arr, hooks)), types.none)), hook, hooks]
 
@@ -190,8 +192,8 @@ def planned(monkeypatch):
 
 def test_the_first_planned_compile_starts_one_helper_of_this_process(planned, monkeypatch):
     """Only a compile of a planned function for the planned argument types starts it, once per
-    process; the helper runs this moesim (its folder first on the path) with the helper's flag
-    set, and is told this process's id."""
+    process; the helper runs this moesim (its folder handed to the start code) with the
+    helper's flag set, and is told this process's id."""
     from numba.core import types
 
     J.on_compile(_dispatcher("moesim.x", "A.f"), (types.int32,))  # other argument types
@@ -200,23 +202,50 @@ def test_the_first_planned_compile_starts_one_helper_of_this_process(planned, mo
     J.on_compile(_dispatcher("moesim.x", "f"), (types.int64,))    # another name
     J.on_compile(pytypes.SimpleNamespace(), (types.int64,))        # no Python function
     assert _Popen.started == []
-    monkeypatch.setenv("PYTHONPATH", "/some/where")
+    monkeypatch.setenv("SOME_SETTING", "kept")
     J.on_compile(_dispatcher("moesim.x", "g"), (types.float64, types.none))
     assert len(_Popen.started) == 1
     argv, env = _Popen.started[0]
-    assert argv == [sys.executable, "-m", "moesim.jitplan", str(os.getpid())]
+    assert argv == [sys.executable, "-c", J._BOOT, str(ROOT), str(os.getpid())]
     assert env[J.HELPER_ENV] == "1"
-    assert env["PYTHONPATH"] == os.pathsep.join([str(ROOT), "/some/where"])
+    assert env["SOME_SETTING"] == "kept"
     assert planned["helper"][1] == os.getpid()
     J.on_compile(_dispatcher("moesim.x", "A.f"), (types.int64,))
     assert len(_Popen.started) == 1  # once per process
     planned["helper"] = (planned["helper"][0], os.getpid() + 1)  # started by the parent of a fork
     J.on_compile(_dispatcher("moesim.x", "A.f"), (types.int64,))
     assert len(_Popen.started) == 2
-    monkeypatch.delenv("PYTHONPATH")
-    del planned["helper"]
-    J.on_compile(_dispatcher("moesim.x", "A.f"), (types.int64,))
-    assert _Popen.started[-1][1]["PYTHONPATH"] == str(ROOT)
+
+
+def test_the_helper_imports_the_moesim_that_started_it_not_one_in_its_working_folder(tmp_path):
+    """The start code drops the working folder from the path (a ``moesim`` there, here one that
+    fails as it is imported, is not the one that compiled) and puts the starting moesim's folder
+    first only where it is not on the path already; told of a parent that is not its own, the
+    helper stops before compiling anything."""
+    decoy = tmp_path / "moesim"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy in the working folder')\n")
+    probe = J._BOOT.replace("from moesim.jitplan import main; sys.exit(main(sys.argv[2:]))",
+                            "import moesim; print(moesim.__file__); print(sys.path.index(root))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if "MUTANT_UNDER_TEST" in env:  # under mutmut: its copy's code, unmutated (it finds no settings in tmp_path)
+        env["MUTANT_UNDER_TEST"] = ""
+    for folder in (str(ROOT), str(tmp_path / "elsewhere")):
+        out = subprocess.run([sys.executable, "-c", probe, folder], cwd=tmp_path, env=env, capture_output=True,
+                             text=True)
+        if folder == str(ROOT):
+            assert out.returncode == 0, out.stderr
+            assert out.stdout.split() == [str(ROOT / "moesim" / "__init__.py"), "0"]
+        else:  # not on the path and no moesim there: the decoy is not imported either
+            assert "the decoy" not in out.stderr
+    (tmp_path / "other").mkdir()
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path / "other"), str(ROOT)])}
+    out = subprocess.run([sys.executable, "-c", probe, str(ROOT)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[1] == "1"  # on the path already (second): left where it was
+    done = subprocess.run([sys.executable, "-c", J._BOOT, str(ROOT), "1"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_no_helper_in_a_helper_or_on_one_core(planned, monkeypatch):
@@ -231,8 +260,28 @@ def test_no_helper_in_a_helper_or_on_one_core(planned, monkeypatch):
     assert "helper" not in planned
 
 
-def test_the_cores_are_the_ones_this_process_may_run_on():
+def test_the_cores_are_the_ones_this_process_may_run_on(monkeypatch):
     assert J._cores() == len(os.sched_getaffinity(0))
+    monkeypatch.delattr(J.os, "sched_getaffinity")  # as on macOS: the machine's count, 1 where unknown
+    monkeypatch.setattr(J.os, "cpu_count", lambda: 6)
+    assert J._cores() == 6
+    monkeypatch.setattr(J.os, "cpu_count", lambda: None)
+    assert J._cores() == 1
+
+
+def test_the_plan_is_read_once_per_process_when_first_needed(monkeypatch):
+    from numba.core import types
+
+    reads = []
+    plan = [("moesim.x", "g", (types.int64,))]
+    monkeypatch.setattr(J, "load_plan", lambda: reads.append(1) or plan)
+    monkeypatch.setattr(J, "_STATE", {})
+    assert J._plan() is plan
+    assert J._plan() is plan
+    assert reads == [1]
+    assert J._planned(_dispatcher("moesim.x", "g"), (types.int64,))
+    assert not J._planned(_dispatcher("moesim.x", "g"), (types.int32,))
+    assert reads == [1]
 
 
 class _Helper:
@@ -292,11 +341,11 @@ def test_compiles_are_watched_once_and_never_in_the_helper(monkeypatch):
 
 def test_moesim_watches_its_compiles_as_its_compiled_code_is_imported():
     code = ("import moesim.jit, moesim.jitplan as J; from numba.core import event; "
-            "print(J._STATE.get('listening'), any(type(l).__qualname__ == 'watch_compiles.<locals>._Listener' "
+            "print(J._STATE.get('listening'), sum(type(l).__module__ == 'moesim.jitplan' "
             "for l in event._registered['numba:compile']))")
     env = {k: v for k, v in os.environ.items() if k != J.HELPER_ENV}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "True"], out.stderr
+    assert out.stdout.split() == ["True", "1"], out.stderr
 
 
 def _fake_module(monkeypatch, order: list[str], fail: str = ""):
@@ -338,16 +387,20 @@ def test_one_helper_at_a_time_per_moesim_and_numba_cache(monkeypatch, tmp_path):
     """A helper that finds another holding the lock (a study's planning process and its
     workers' server both start one) leaves at once; the lock is one per numba cache folder."""
     ran = []
-    monkeypatch.setattr(J, "compile_from_end", lambda plan, parent: ran.append(parent) or 0)
-    monkeypatch.setattr(J, "load_plan", list)
-    monkeypatch.setattr(J, "_lock_path", lambda: tmp_path / "helper.lock")
+    plan = [("m", "f", ())]
+    monkeypatch.setattr(J, "compile_from_end", lambda plan, parent: ran.append((plan, parent)) or 0)
+    monkeypatch.setattr(J, "load_plan", lambda: plan)
+    lock = tmp_path / "helper.lock"
+    monkeypatch.setattr(J, "_lock_path", lambda: lock)
     monkeypatch.delenv(J.HELPER_ENV, raising=False)
-    with open(tmp_path / "helper.lock", "a") as held:
+    assert J.main(["11"]) == 0  # no lock file yet: made
+    assert ran == [(plan, 11)]
+    with open(lock, "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert J.main(["12"]) == 0
-        assert ran == []
+        assert ran == [(plan, 11)]
     assert J.main(["12"]) == 0
-    assert ran == [12]
+    assert ran == [(plan, 11), (plan, 12)]
     assert os.environ[J.HELPER_ENV] == "1"
 
 

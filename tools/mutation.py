@@ -64,6 +64,7 @@ TESTS: dict[str, list[str]] = {
                            "tests/test_expert_parallel.py"],
     "moesim/studies/fingerprint.py": ["tests/test_reuse.py"],
     "moesim/simulator/stream.py": ["tests/test_stream.py"],
+    "moesim/jitplan.py": ["tests/test_jitplan.py"],
     # the quick serving checks per mutant; tests/test_serving_studies.py (M/D/1 over 10,000 requests, compare's
     # bisection) is run on the survivors
     "moesim/simulator/serving.py": ["tests/test_serving.py"],
@@ -89,6 +90,13 @@ FUNCTIONS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
+    # a first compile on two cores (issue 34): the helper's lock file's name
+    **{'moesim.jitplan.x__lock_path__mutmut_' + str(n): "another fixed text for an unset NUMBA_CACHE_DIR: the "
+       "name stays one per moesim and cache folder" for n in (4, 6, 9)},
+    'moesim.jitplan.x__lock_path__mutmut_13': "17 hexadecimal digits of the digest in the name, not 16: still one "
+                                              "name per moesim and cache folder",
+    'moesim.jitplan.x_load_plan__mutmut_9': "every warning ignored while the plan's types are made, not only "
+                                            "numba's experimental-feature one: none other is raised there",
     # the SpecMD-style executor's router output (issue 37)
     'moesim.calibration.hf_loop.xǁHfLoopPoolǁtop_k_index__mutmut_19':
         "more padding than n * k choices: only the first n * k are read",
