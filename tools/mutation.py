@@ -95,7 +95,7 @@ EQUIVALENT: dict[str, str] = {
        "name stays one per moesim and cache folder" for n in (4, 6, 9)},
     'moesim.jitplan.x__lock_path__mutmut_13': "17 hexadecimal digits of the digest in the name, not 16: still one "
                                               "name per moesim and cache folder",
-    'moesim.jitplan.x_load_plan__mutmut_9': "every warning ignored while the plan's types are made, not only "
+    'moesim.jitplan.x_load_plan__mutmut_6': "every warning ignored while the plan's types are made, not only "
                                             "numba's experimental-feature one: none other is raised there",
     # the SpecMD-style executor's router output (issue 37)
     'moesim.calibration.hf_loop.xǁHfLoopPoolǁtop_k_index__mutmut_19':
