@@ -11,20 +11,15 @@ meet in the middle. On the 2-core machine, with numba's cache emptied, the first
 against 25.3 s and 27.6 s without, and the first ``moesim compare`` 23.1 s and 20.7 s against
 32.5 s and 31.4 s (two interleaved runs of each of ``benchmarks/first_run.sh``; README: Speed).
 
-The plan (``jitplan.json``, beside this file) lists, for each form of the kernel it covers,
-moesim's compiled functions with their argument types in the order a first compile of that form
-makes them: first the :mod:`moesim.studies._kernel_loaded` warm-up (layer execution with fetch
-on a miss: what ``moesim run`` and ``moesim compare`` compile first), then the quickstart with
-per-expert execution, with a per-token miss policy, and with both; ``tools/jit_plan.py`` writes
-it again from compiles. When a process starts compiling one of the plan's functions for the
+The plan (``jitplan.json``, beside this file) lists moesim's compiled functions with their
+argument types in the order a first :mod:`moesim.studies._kernel_loaded` warm-up compiles them
+(what ``moesim run`` and ``moesim compare`` compile first); ``tools/jit_plan.py`` writes it
+again from a compile. When a process starts compiling one of the plan's functions for the
 plan's argument types (so numba's cache lacks it: the first run after an installation or a
-change), it starts the helper (:func:`main`, in a new Python process) on the first form whose
-list holds every planned compile the process started so far, on a machine with two cores or
-more, unless ``MOESIM_NO_JIT_HELPER`` is set; when a later compile is in another form's list
-only (the kernel's loop for per-expert execution, say), it ends that helper and starts one on
-that form. The helper compiles its list from the end and stops at its start, when the process
-that started it is gone, or when that process exits (which ends it). One helper runs at a time
-for a moesim and a numba cache folder.
+change), it starts the helper (:func:`main`, in a new Python process), once, on a machine with two
+cores or more, unless ``MOESIM_NO_JIT_HELPER`` is set. The helper compiles the plan from its
+end and stops at its start, when the process that started it is gone, or when that process
+exits (which ends it). One helper runs at a time for a moesim and a numba cache folder.
 
 Nothing here changes what is compiled: a function loaded from the cache is the code its compile
 made, and a plan that no longer matches the code (a function renamed, an argument type changed)
@@ -50,9 +45,7 @@ from typing import Any
 PLAN = Path(__file__).with_name("jitplan.json")
 HELPER_ENV = "MOESIM_NO_JIT_HELPER"  # set (to anything but ""): no helper; the helper's own environment has it
 
-# "plan": the plan, loaded (:func:`_plan`); "forms": (the forms this process's compiles leave,
-# its pid) (:func:`_form`); "helper": (the helper, the pid that started it, its form)
-_STATE: dict[str, Any] = {}
+_STATE: dict[str, Any] = {}  # "plan": the plan, loaded; "helper": (the helper, the pid that started it)
 
 
 def encode_type(ty: Any) -> Any:
@@ -116,14 +109,10 @@ def compiled_function(module: str, qualname: str) -> Any:
     return obj if callable(getattr(obj, "compile", None)) else None
 
 
-Compile = tuple[str, str, tuple[Any, ...]]  # (module, qualname, argument types)
-
-
-def load_plan(path: Path = PLAN) -> list[list[Compile]]:
-    """The plan: for each form of the kernel it covers (the warm-up's first, then the others in
-    the file's order), its compiles in the order a first compile of that form reaches them;
-    empty where the file is missing or unreadable. A plan written with another numba is read
-    with this one: where that numba gives some function other argument types, the helper
+def load_plan(path: Path = PLAN) -> list[tuple[str, str, tuple[Any, ...]]]:
+    """The plan's ``(module, qualname, argument types)``, in the order a first compile reaches
+    them; empty where the file is missing or unreadable. A plan written with another numba is
+    read with this one: where that numba gives some function other argument types, the helper
     compiles what nobody asks for, and the process compiles it itself."""
     try:
         from numba.core.errors import NumbaExperimentalFeatureWarning
@@ -132,20 +121,14 @@ def load_plan(path: Path = PLAN) -> list[list[Compile]]:
         with warnings.catch_warnings():  # numba calls first-class function types experimental
             warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
             kinds = [decode_type(spec) for spec in doc["types"]]
-        return [[(e["module"], e["function"], tuple(kinds[i] for i in e["args"])) for e in form["compiles"]]
-                for form in doc["forms"]]
+        return [(e["module"], e["function"], tuple(kinds[i] for i in e["args"])) for e in doc["compiles"]]
     except (OSError, ValueError, KeyError, IndexError, TypeError, ImportError):
         return []
 
 
-def _plan() -> dict[Compile, set[int]]:
-    """Each planned compile, with the forms (their numbers in the plan) whose lists hold it."""
+def _plan() -> list[tuple[str, str, tuple[Any, ...]]]:
     if "plan" not in _STATE:
-        forms: dict[Compile, set[int]] = {}
-        for number, compiles in enumerate(load_plan()):
-            for entry in compiles:
-                forms.setdefault(entry, set()).add(number)
-        _STATE["plan"] = forms
+        _STATE["plan"] = load_plan()
     return _STATE["plan"]
 
 
@@ -156,54 +139,33 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _form(dispatcher: Any, args: tuple[Any, ...]) -> int | None:
-    """The form this process compiles, as far as its compiles so far tell: the first in the plan
-    among those whose lists hold every planned compile it started (the warm-up's, while every
-    form holds them; another once a compile only its list holds starts); None before any, or
-    where no form holds them all. A compile the plan does not hold tells nothing."""
-    seen = _STATE.get("forms")
-    forms = seen[0] if seen is not None and seen[1] == os.getpid() else None  # a forked child starts afresh
+def _planned(dispatcher: Any, args: tuple[Any, ...]) -> bool:
     py_func = getattr(dispatcher, "py_func", None)
-    if py_func is not None and str(py_func.__module__).startswith(__name__.split(".")[0] + "."):
-        holding = _plan().get((py_func.__module__, py_func.__qualname__, tuple(args)))
-        if holding is not None:
-            forms = holding if forms is None else forms & holding
-            _STATE["forms"] = (forms, os.getpid())
-    return min(forms) if forms else None
+    if py_func is None or not str(py_func.__module__).startswith(__name__.split(".")[0] + "."):
+        return False
+    return (py_func.__module__, py_func.__qualname__, tuple(args)) in _plan()
 
 
 def on_compile(dispatcher: Any, args: tuple[Any, ...]) -> None:
     """Told as this process starts compiling ``dispatcher`` for ``args`` (numba's compile event,
-    never a load from its cache): on a planned compile, start the helper on the form it tells
-    (:func:`_form`), where there are two cores or more; when a later compile tells another form,
-    end that helper and start one on the new form's list."""
-    if os.environ.get(HELPER_ENV) or _cores() < 2:
+    never a load from its cache): the first time it is one of the plan's compiles, start the
+    helper, once per process, where there are two cores or more."""
+    if "helper" in _STATE and _STATE["helper"][1] == os.getpid():
         return
-    form = _form(dispatcher, args)
-    started = _STATE.get("helper")
-    if form is None or (started is not None and started[1] == os.getpid() and started[2] == form):
+    if os.environ.get(HELPER_ENV) or _cores() < 2 or not _planned(dispatcher, args):
         return
-    if started is not None and started[1] == os.getpid():
-        _stop(started[0])
     root = str(Path(__file__).resolve().parent.parent)  # the folder this moesim is imported from
-    helper = subprocess.Popen([sys.executable, "-c", _BOOT, root, str(os.getpid()), str(form)],
-                              env={**os.environ, HELPER_ENV: "1"},
+    helper = subprocess.Popen([sys.executable, "-c", _BOOT, root, str(os.getpid())], env={**os.environ, HELPER_ENV: "1"},
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _STATE["helper"] = (helper, os.getpid(), form)
+    _STATE["helper"] = (helper, os.getpid())
 
 
-# The helper's start: ``python -c _BOOT ROOT PID FORM`` imports the moesim in ROOT (not one in
-# the working folder: that is dropped from the path; ROOT goes first only where it is not on the
+# The helper's start: ``python -c _BOOT ROOT PID`` imports the moesim in ROOT (not one in the
+# working folder: that is dropped from the path; ROOT goes first only where it is not on the
 # path already, so an installed moesim's site-packages stays behind the standard library)
 _BOOT = ("import sys; root = sys.argv[1]; sys.path[:] = [p for p in sys.path if p != '']; "
          "sys.path.insert(0, root) if root not in sys.path else None; "
          "from moesim.jitplan import main; sys.exit(main(sys.argv[2:]))")
-
-
-def _stop(helper: Any) -> None:
-    if helper.poll() is None:
-        helper.terminate()
-        helper.wait()
 
 
 def _end_helper() -> None:
@@ -211,7 +173,10 @@ def _end_helper() -> None:
     started = _STATE.get("helper")
     if started is None or started[1] != os.getpid():
         return
-    _stop(started[0])
+    helper = started[0]
+    if helper.poll() is None:
+        helper.terminate()
+        helper.wait()
 
 
 def watch_compiles() -> None:
@@ -234,8 +199,8 @@ def watch_compiles() -> None:
     _STATE["listening"] = True
 
 
-def compile_from_end(plan: list[Compile], parent: int) -> int:
-    """The helper's work: compile ``plan`` (one form's list) from its end (each a load from numba's cache where
+def compile_from_end(plan: list[tuple[str, str, tuple[Any, ...]]], parent: int) -> int:
+    """The helper's work: compile ``plan`` from its end (each a load from numba's cache where
     the process ``parent`` made it already), until its start or until ``parent`` is gone;
     returns how many it compiled or loaded."""
     done = 0
@@ -260,11 +225,10 @@ def _lock_path() -> Path:
 
 
 def main(argv: list[str]) -> int:
-    """The helper of the process whose id is ``argv[0]``, on the plan's form number ``argv[1]``
-    (the first where not given; ``python -m moesim.jitplan PID [FORM]``, or :data:`_BOOT` as
-    :func:`on_compile` starts it);
-    it does nothing where another helper runs for the same moesim and numba cache (a study's
-    planning process and its workers' server both compile: one helper, not two, beside them)."""
+    """The helper of the process whose id is ``argv[0]`` (``python -m moesim.jitplan PID``, or
+    :data:`_BOOT` as :func:`on_compile` starts it); it does nothing
+    where another helper runs for the same moesim and numba cache (a study's planning process
+    and its workers' server both compile: one helper, not two, beside them)."""
     os.environ[HELPER_ENV] = "1"
     warnings.simplefilter("ignore")  # nobody reads the helper's output
     with open(_lock_path(), "a") as lock:
@@ -276,9 +240,7 @@ def main(argv: list[str]) -> int:
             pass
         except OSError:  # another helper has it
             return 0
-        forms = load_plan()
-        form = int(argv[1]) if len(argv) > 1 else 0
-        compile_from_end(forms[form] if form < len(forms) else [], int(argv[0]))
+        compile_from_end(load_plan(), int(argv[0]))
     return 0
 
 

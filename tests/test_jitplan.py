@@ -49,33 +49,21 @@ def _compiled(stderr: str) -> list[str]:
     return [line.split()[1] for line in stderr.splitlines() if line.startswith("COMPILED ")]
 
 
-_RUN = "import sys; from moesim.cli import main; sys.argv = ['moesim', 'run', '--no-write', '-q'{}]; main()"
-# each form the plan covers, by its number: the code that must then compile nothing the plan lacks
-_FORMS = [("the warm-up and the quickstart", ["import moesim.studies._kernel_loaded", _RUN.format("")]),
-          ("per-expert", [_RUN.format(", '--set', 'expert_compute=per-expert'")]),
-          ("a per-token miss policy", [_RUN.format(", '--set', 'policies.miss=drop'")]),
-          ("both", [_RUN.format(", '--set', 'expert_compute=per-expert', '--set', 'policies.miss=drop'")])]
-
-
-@pytest.mark.parametrize("form", range(len(_FORMS)), ids=[name for name, _ in _FORMS])
-def test_after_the_helper_a_first_run_of_its_form_compiles_nothing_it_planned(tmp_path, form):
-    """The plan is current: the helper alone, on one form's list, run to its end with numba's
-    cache empty, leaves in the cache every function a first run of that form then needs (the
-    warm-up, what a study's workers' server loads, and the quickstart for the first; the
-    quickstart with per-expert execution, a per-token miss policy or both for the others),
-    with their argument types: they compile none of moesim's functions but the ones the plan
-    leaves out by name (the default hooks each replay makes). A plan older than the code fails
-    here, naming what it lacks: run ``python tools/jit_plan.py``. With another numba than the
-    plan's (CI installs the newest), a plan this numba's types do not match is skipped, with that
-    message: it costs first-compile time, never an answer."""
+def test_after_the_helper_a_first_warm_up_and_quickstart_compile_nothing_it_planned(tmp_path):
+    """The plan is current: the helper alone, run to its end with numba's cache empty, leaves
+    in the cache every function the kernel warm-up (what a study's workers' server loads) and
+    the quickstart's ``moesim run`` then need, with their argument types: they compile none of
+    moesim's functions but the ones the plan leaves out by name (the default hooks each replay
+    makes). A plan older than the code fails here, naming what it lacks: run
+    ``python tools/jit_plan.py``. With another numba than the plan's (CI installs the newest),
+    a plan this numba's types do not match is skipped, with that message: it costs the first
+    compile time, never an answer."""
     cache = tmp_path / "cache"
     helper = subprocess.run([sys.executable, "-c", "import os, sys; from moesim.jitplan import main; "
-                             f"sys.exit(main([str(os.getppid()), '{form}']))"],
+                             "sys.exit(main([str(os.getppid())]))"],
                             env=_env(cache, helper=True), capture_output=True, text=True)
     assert helper.returncode == 0, helper.stderr
     plan = json.loads(J.PLAN.read_text())
-    assert [f["made_by"].split(" --set ")[1:] for f in plan["forms"][1:]] == [
-        ["expert_compute=per-expert"], ["policies.miss=drop"], ["expert_compute=per-expert", "policies.miss=drop"]]
     import numba
 
     other = numba.__version__ != plan["numba"]
@@ -84,15 +72,18 @@ def test_after_the_helper_a_first_run_of_its_form_compiles_nothing_it_planned(tm
                     f"compiles none of it: python tools/jit_plan.py writes it again")
     assert any(cache.rglob("*.nbc")), "the helper compiled nothing"
     left = set(plan["left"])
-    for code in _FORMS[form][1]:
-        proc = subprocess.run([sys.executable, "-c", _RECORDER + code], env=_env(cache, helper=False),
-                              capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
+    warm = subprocess.run([sys.executable, "-c", _RECORDER + "import moesim.studies._kernel_loaded"],
+                          env=_env(cache, helper=False), capture_output=True, text=True, check=True)
+    run = subprocess.run([sys.executable, "-c", _RECORDER + "import sys; from moesim.cli import main; "
+                          "sys.argv = ['moesim', 'run', '--no-write', '-q']; main()"],
+                         env=_env(cache, helper=False), capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    for name, proc in (("warm-up", warm), ("moesim run", run)):
         missing = [f for f in _compiled(proc.stderr) if f not in left]
         if missing and other:
-            pytest.skip(f"the plan was written with numba {plan['numba']}; with numba {numba.__version__} "
-                        f"{code!r} compiled what it lacks ({', '.join(missing)}): python tools/jit_plan.py writes it again")
-        assert missing == [], f"{code!r} compiled what the plan lacks (python tools/jit_plan.py): {missing}"
+            pytest.skip(f"the plan was written with numba {plan['numba']}; with numba {numba.__version__} the "
+                        f"{name} compiled what it lacks ({', '.join(missing)}): python tools/jit_plan.py writes it again")
+        assert missing == [], f"the {name} compiled what the plan lacks (python tools/jit_plan.py): {missing}"
 
 
 def _types():
@@ -136,26 +127,24 @@ def test_every_argument_type_the_plan_writes_reads_back_as_the_same_numba_type()
         J.encode_type(types.unicode_type)
 
 
-def _write_plan(path: Path, numba_version: str | None = None) -> None:
+def _write_plan(path: Path, numba_version: str | None = None, function: str = "f") -> None:
     import numba
 
     path.write_text(json.dumps({"numba": numba_version or numba.__version__, "types": ["int64", {"tuple": ["float64"]}],
-                                "forms": [{"compiles": [{"module": "m", "function": "f", "args": [0, 1]},
-                                                        {"module": "m", "function": "g", "args": [1]}]},
-                                          {"compiles": [{"module": "m", "function": "h", "args": []}]}],
-                                "left": []}))
+                                "compiles": [{"module": "m", "function": function, "args": [0, 1]},
+                                             {"module": "m", "function": "g", "args": [1]}], "left": []}))
 
 
 def test_the_plan_loads_with_its_types_and_is_empty_when_it_cannot_be_read(tmp_path):
-    """A plan names its types by number, and lists each form's compiles; one written with
-    another numba is read with this one; a missing file, broken JSON, a type number out of range
-    or a type it cannot read give no plan (the helper then does nothing), never an error."""
+    """A plan names its types by number; one written with another numba is read with this one;
+    a missing file, broken JSON, a type number out of range or a type it cannot read give no
+    plan (the helper then does nothing), never an error."""
     from numba.core import types
 
     path = tmp_path / "plan.json"
     _write_plan(path)
-    assert J.load_plan(path) == [[("m", "f", (types.int64, types.UniTuple(types.float64, 1))),
-                                  ("m", "g", (types.UniTuple(types.float64, 1),))], [("m", "h", ())]]
+    assert J.load_plan(path) == [("m", "f", (types.int64, types.UniTuple(types.float64, 1))),
+                                 ("m", "g", (types.UniTuple(types.float64, 1),))]
     loaded = J.load_plan(path)
     _write_plan(path, numba_version="0.0.1")
     assert J.load_plan(path) == loaded
@@ -170,18 +159,13 @@ def test_the_plan_loads_with_its_types_and_is_empty_when_it_cannot_be_read(tmp_p
 
 
 def test_the_shipped_plan_loads_and_names_compiled_functions_of_moesim():
-    """Four forms, each with the kernel's compiled loop once, for other argument types in each
-    (the per-expert flag and the miss policy's arrays: None or not); each compile once a form."""
-    forms = J.load_plan()
-    assert len(forms) == 4
-    loops = []
-    for plan in forms:
-        assert len(plan) >= 50
-        assert len(set(plan)) == len(plan)  # each compile once
-        for module, function, _ in plan:
-            assert J.compiled_function(module, function) is not None, (module, function)
-        loops += [args for m, f, args in plan if (m, f) == ("moesim.simulator.kernel_compute", "replay_passes")]
-    assert len(loops) == len(set(loops)) == 4
+    plan = J.load_plan()
+    assert len(plan) >= 50
+    names = [(m, f) for m, f, _ in plan]
+    assert len(set(plan)) == len(plan)  # each compile once
+    for module, function, _ in plan:
+        assert J.compiled_function(module, function) is not None, (module, function)
+    assert ("moesim.simulator.kernel_compute", "replay_passes") in names
 
 
 def test_a_name_that_is_not_a_compiled_function_resolves_to_none():
@@ -206,14 +190,11 @@ def _dispatcher(module: str, qualname: str):
 
 @pytest.fixture
 def planned(monkeypatch):
-    """A plan of two forms of module ``moesim.x`` (``A.f`` in both, ``g`` in the first, ``h``
-    in the second), a fake ``Popen``, two cores."""
+    """A plan of two compiles of module ``moesim.x``, a fake ``Popen``, two cores."""
     from numba.core import types
 
-    f, g, h = ("moesim.x", "A.f", (types.int64,)), ("moesim.x", "g", (types.float64, types.none)), ("moesim.x", "h", ())
-    state = {}
+    state = {"plan": [("moesim.x", "A.f", (types.int64,)), ("moesim.x", "g", (types.float64, types.none))]}
     monkeypatch.setattr(J, "_STATE", state)
-    monkeypatch.setattr(J, "load_plan", lambda: [[f, g], [f, h]])
     monkeypatch.setattr(J.subprocess, "Popen", _Popen)
     monkeypatch.setattr(J, "_cores", lambda: 2)
     monkeypatch.delenv(J.HELPER_ENV, raising=False)
@@ -223,9 +204,8 @@ def planned(monkeypatch):
 
 def test_the_first_planned_compile_starts_one_helper_of_this_process(planned, monkeypatch):
     """Only a compile of a planned function for the planned argument types starts it, once per
-    process and form; the helper runs this moesim (its folder handed to the start code) with the
-    helper's flag set, and is told this process's id and the form: the first form while the
-    compiles are in every form's list."""
+    process; the helper runs this moesim (its folder handed to the start code) with the
+    helper's flag set, and is told this process's id."""
     from numba.core import types
 
     J.on_compile(_dispatcher("moesim.x", "A.f"), (types.int32,))  # other argument types
@@ -235,50 +215,18 @@ def test_the_first_planned_compile_starts_one_helper_of_this_process(planned, mo
     J.on_compile(pytypes.SimpleNamespace(), (types.int64,))        # no Python function
     assert _Popen.started == []
     monkeypatch.setenv("SOME_SETTING", "kept")
-    J.on_compile(_dispatcher("moesim.x", "A.f"), (types.int64,))
+    J.on_compile(_dispatcher("moesim.x", "g"), (types.float64, types.none))
     assert len(_Popen.started) == 1
     argv, env = _Popen.started[0]
-    assert argv == [sys.executable, "-c", J._BOOT, str(ROOT), str(os.getpid()), "0"]
+    assert argv == [sys.executable, "-c", J._BOOT, str(ROOT), str(os.getpid())]
     assert env[J.HELPER_ENV] == "1"
     assert env["SOME_SETTING"] == "kept"
-    assert planned["helper"][1:] == (os.getpid(), 0)
-    J.on_compile(_dispatcher("moesim.x", "g"), (types.float64, types.none))
+    assert planned["helper"][1] == os.getpid()
     J.on_compile(_dispatcher("moesim.x", "A.f"), (types.int64,))
-    J.on_compile(_dispatcher("other.x", "h"), ())
-    assert len(_Popen.started) == 1  # once per process and form
-    planned["helper"] = (planned["helper"][0], os.getpid() + 1, 0)  # started by the parent of a fork
-    planned["forms"] = ({1}, os.getpid() + 1)                         # whose compiles told the second form
+    assert len(_Popen.started) == 1  # once per process
+    planned["helper"] = (planned["helper"][0], os.getpid() + 1)  # started by the parent of a fork
     J.on_compile(_dispatcher("moesim.x", "A.f"), (types.int64,))
-    assert _Popen.started[-1][0][-2:] == [str(os.getpid()), "0"]  # the child's own, on what its compiles tell
-
-
-def test_a_compile_only_another_forms_list_holds_moves_the_helper_to_that_form(planned):
-    """The helper on the first form is ended (it is this process's and still runs) and one on
-    the second started; a compile no form then holds with the others leaves it be."""
-    from numba.core import types
-
-    J.on_compile(_dispatcher("moesim.x", "A.f"), (types.int64,))
-    first = _Helper(True)
-    planned["helper"] = (first, os.getpid(), 0)
-    J.on_compile(_dispatcher("moesim.x", "h"), ())
-    assert first.calls == ["poll", "terminate", "wait"]
-    assert [argv[-1] for argv, _ in _Popen.started] == ["0", "1"]
-    assert planned["helper"][1:] == (os.getpid(), 1)
-    J.on_compile(_dispatcher("moesim.x", "g"), (types.float64, types.none))  # in the first form's list only
-    assert [argv[-1] for argv, _ in _Popen.started] == ["0", "1"]
-    assert planned["forms"] == (set(), os.getpid())
-
-
-def test_the_form_is_the_first_that_holds_every_planned_compile_so_far(planned):
-    from numba.core import types
-
-    assert J._form(_dispatcher("moesim.x", "zz"), ()) is None  # nothing planned yet
-    assert J._form(_dispatcher("moesim.x", "A.f"), (types.int64,)) == 0
-    assert J._form(_dispatcher("other.x", "h"), ()) == 0  # not planned: tells nothing
-    assert J._form(pytypes.SimpleNamespace(), ()) == 0
-    assert J._form(_dispatcher("moesim.x", "h"), ()) == 1
-    assert J._form(_dispatcher("moesim.x", "A.f"), (types.int64,)) == 1
-    assert J._form(_dispatcher("moesim.x", "g"), (types.float64, types.none)) is None
+    assert len(_Popen.started) == 2
 
 
 def test_the_helper_imports_the_moesim_that_started_it_not_one_in_its_working_folder(tmp_path):
@@ -334,15 +282,17 @@ def test_the_cores_are_the_ones_this_process_may_run_on(monkeypatch):
 
 
 def test_the_plan_is_read_once_per_process_when_first_needed(monkeypatch):
-    """Read as each compile with the forms that hold it, once."""
     from numba.core import types
 
     reads = []
-    f, g = ("moesim.x", "g", (types.int64,)), ("moesim.x", "h", ())
-    monkeypatch.setattr(J, "load_plan", lambda: reads.append(1) or [[f, g], [f]])
+    plan = [("moesim.x", "g", (types.int64,))]
+    monkeypatch.setattr(J, "load_plan", lambda: reads.append(1) or plan)
     monkeypatch.setattr(J, "_STATE", {})
-    assert J._plan() == {f: {0, 1}, g: {0}}
-    assert J._plan() is J._plan()
+    assert J._plan() is plan
+    assert J._plan() is plan
+    assert reads == [1]
+    assert J._planned(_dispatcher("moesim.x", "g"), (types.int64,))
+    assert not J._planned(_dispatcher("moesim.x", "g"), (types.int32,))
     assert reads == [1]
 
 
@@ -449,22 +399,20 @@ def test_one_helper_at_a_time_per_moesim_and_numba_cache(monkeypatch, tmp_path):
     """A helper that finds another holding the lock (a study's planning process and its
     workers' server both start one) leaves at once; the lock is one per numba cache folder."""
     ran = []
-    first, second = [("m", "f", ())], [("m", "g", ())]
+    plan = [("m", "f", ())]
     monkeypatch.setattr(J, "compile_from_end", lambda plan, parent: ran.append((plan, parent)) or 0)
-    monkeypatch.setattr(J, "load_plan", lambda: [first, second])
+    monkeypatch.setattr(J, "load_plan", lambda: plan)
     lock = tmp_path / "helper.lock"
     monkeypatch.setattr(J, "_lock_path", lambda: lock)
     monkeypatch.delenv(J.HELPER_ENV, raising=False)
-    assert J.main(["11", "1"]) == 0  # no lock file yet: made
-    assert ran == [(second, 11)]
+    assert J.main(["11"]) == 0  # no lock file yet: made
+    assert ran == [(plan, 11)]
     with open(lock, "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        assert J.main(["12", "0"]) == 0
-        assert ran == [(second, 11)]
-    assert J.main(["12", "0"]) == 0
-    assert J.main(["13", "2"]) == 0  # no such form (a plan changed under it): nothing to compile
-    assert J.main(["14"]) == 0  # the first form where none is named
-    assert ran == [(second, 11), (first, 12), ([], 13), (first, 14)]
+        assert J.main(["12"]) == 0
+        assert ran == [(plan, 11)]
+    assert J.main(["12"]) == 0
+    assert ran == [(plan, 11), (plan, 12)]
     assert os.environ[J.HELPER_ENV] == "1"
 
 
