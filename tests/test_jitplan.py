@@ -229,6 +229,27 @@ def test_the_first_planned_compile_starts_one_helper_of_this_process(planned, mo
     assert len(_Popen.started) == 2
 
 
+def test_a_real_first_compile_of_a_planned_function_starts_the_helper_and_ends_it_at_exit(tmp_path):
+    """Through numba's own compile event, in a process with numba's cache empty: compiling the
+    plan's first function starts the helper (this process's id and the start code in its
+    command line), and the process ends it as it exits; with the cache kept, a second process
+    loads that function and starts none."""
+    code = ("import os, moesim.jitplan as J, moesim.jit; m, f, args = J.load_plan()[0]; "
+            "J.compiled_function(m, f).compile(args); h = J._STATE.get('helper'); "
+            "print(h is not None and h[1] == os.getpid() and h[0].args[2] == J._BOOT "
+            "and h[0].args[-1] == str(os.getpid()), h[0].pid if h else 0)")
+    env = _env(tmp_path / "cache", helper=True)
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    started, pid = first.stdout.split()
+    assert started == "True"
+    with pytest.raises(ProcessLookupError):  # ended and reaped as its process exited
+        os.kill(int(pid), 0)
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.split() == ["False", "0"]
+
+
 def test_the_helper_imports_the_moesim_that_started_it_not_one_in_its_working_folder(tmp_path):
     """The start code drops the working folder from the path (a ``moesim`` there, here one that
     fails as it is imported, is not the one that compiled) and puts the starting moesim's folder
