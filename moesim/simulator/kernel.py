@@ -395,7 +395,7 @@ def compile_message(form: str) -> str:
     ``benchmarks/results/first_run_8494561_helper_{a,b}.txt``, README: Speed)."""
     return (f"moesim: compiling the replay kernel's form for {form}, once for this installation "
             f"(measured on a 2-core machine, a helper compiling on the other core: 15-19 s for layer execution "
-            f"with fetch on a miss, 26-29 s per-expert, 30-31 s with a per-token miss policy, 63-66 s both); later "
+            f"with fetch on a miss, 26-29 s per-expert, 29-31 s with a per-token miss policy, 63-66 s both); later "
             f"runs load it from numba's cache.")
 
 
