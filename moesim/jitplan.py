@@ -20,7 +20,8 @@ plan's argument types (so numba's cache lacks it: the first run after an install
 change), it starts the helper (:func:`main`, in a new Python process), once, on a machine with two
 cores or more, unless ``MOESIM_NO_JIT_HELPER`` is set. The helper compiles the plan from its
 end and stops at its start, when the process that started it is gone, or when that process
-exits (which ends it). One helper runs at a time for a moesim and a numba cache folder.
+exits (which ends it); on Linux the kernel kills it the moment that process ends, mid-compile
+too (killed, as a study's workers' server is when the study's planning fails). One helper runs at a time for a moesim and a numba cache folder.
 
 Nothing here changes what is compiled: a function loaded from the cache is the code its compile
 made, and a plan that no longer matches the code (a function renamed, an argument type changed)
@@ -223,6 +224,22 @@ def _lock_path() -> Path:
     return Path(tempfile.gettempdir()) / f"moesim-jit-helper-{hashlib.sha1(where.encode()).hexdigest()[:16]}.lock"
 
 
+def _die_with_parent() -> bool:
+    """Linux: ask the kernel to kill this process the moment the thread that started it ends
+    (``prctl(PR_SET_PDEATHSIG, SIGKILL)``), mid-compile too, so that a helper never outlives the
+    process it helps (a study's workers' server stopped while it compiles: ``sweep.stop_workers``);
+    elsewhere the check between compiles (:func:`compile_from_end`) is all. Returns whether it
+    was set. A helper started from a thread that ends early (a compile in a reading thread) ends
+    with it: only the help is lost."""
+    try:
+        import ctypes
+        import signal
+
+        return ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+    except (AttributeError, OSError):  # no prctl: not Linux
+        return False
+
+
 def main(argv: list[str]) -> int:
     """The helper of the process whose id is ``argv[0]`` (``python -m moesim.jitplan PID``, or
     :data:`_BOOT` as :func:`on_compile` starts it); it does nothing
@@ -239,6 +256,7 @@ def main(argv: list[str]) -> int:
             pass
         except OSError:  # another helper has it
             return 0
+        _die_with_parent()  # then the parent's check: it may have ended before this
         compile_from_end(load_plan(), int(argv[0]))
     return 0
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import types as pytypes
 import warnings
 from pathlib import Path
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # prints each compile numba starts in this process (moesim's functions), then runs ``CODE``
 _RECORDER = """
 import sys
+import time
 from numba.core import event
 class Listener(event.Listener):
     def on_start(self, ev):
@@ -448,3 +451,35 @@ def test_the_lock_is_named_by_this_moesim_and_the_numba_cache_folder(monkeypatch
     assert one.parent == Path(__import__("tempfile").gettempdir())
     assert one.name.startswith("moesim-jit-helper-")
     assert one.suffix == ".lock"
+
+
+def _running(pid: int) -> bool:
+    """The process is there and not a zombie (an orphan's zombie may wait for a reaper)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_a_helper_dies_the_moment_its_parent_does() -> None:
+    """What ``_die_with_parent`` asks of the kernel: a process that called it (here one that
+    would otherwise sleep a minute) is killed as its parent ends, whatever it is doing; one that
+    did not call it lives on."""
+    for asks in (True, False):
+        child = (f"import time, moesim.jitplan as J; print(J._die_with_parent() if {asks} else 'no', flush=True); "
+                 "time.sleep(60)")
+        parent = (f"import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', {child!r}], "
+                  "stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True); "
+                  "print(c.pid, c.stdout.readline().strip(), flush=True)")
+        out = subprocess.run([sys.executable, "-c", parent], env=_env(Path("/nonexistent"), helper=False),
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        pid, said = out.stdout.split()
+        assert said == ("True" if asks else "no")
+        deadline = time.monotonic() + 5
+        while _running(int(pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _running(int(pid)) is not asks
+        if not asks:
+            os.kill(int(pid), signal.SIGKILL)

@@ -38,8 +38,8 @@ from moesim.studies.sweep import (
     joined_rows,
     make_points,
     run_points,
-    start_workers,
     trace_key,
+    workers_started,
 )
 
 DEFAULT_EVICTION = ("lru", "lfu", "fld", "least-stale")
@@ -274,26 +274,26 @@ def compare(scenario_path: str, out_dir: str | Path, eviction: Sequence[str] | N
     load, at ``rates`` (:mod:`studies.load`)."""
     from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
-    start_workers(executor)  # the kernel loads (or compiles) while the points are planned
-    p, raw, _ = base_data(scenario_path, overrides)
-    if (raw.get("workload") or {}).get("arrivals") is not None:  # serving under load: studies.load
-        return _compare_load(scenario_path, p, raw, Path(out_dir), eviction, prefetch, miss, budget, capacity,
-                             rates, workers, executor, ray_address, progress)
-    if rates:
-        raise MoesimError(f"{p}: --rate compares policies at request rates, which needs requests arriving over time: "
-                          "add workload.arrivals to the scenario (e.g. --set workload.arrivals.process=poisson "
-                          "--set workload.arrivals.requests=500), or leave out --rate.")
-    data, points, rows = plan_compare(scenario_path, eviction, prefetch, miss, budget, capacity, overrides)
-    out = Path(out_dir)
-    with folder_lock(out):
-        reused = run_points(data, points, out, workers, executor, ray_address, progress)
-        results = collect(out, points)
-        table, metric = rank(results, rows)
-        title = describe(scenario_path, data)
-        write_atomic(out / "compare.parquet", lambda tmp: table.to_parquet(tmp, index=False))
-        write_text_atomic(out / "compare.md", markdown(table, metric, title))
-        save_figure_atomic(figure(table, metric, title), out / "compare.png")
-    table.attrs.update(reused=reused, points=len(points), metric=metric, title=title)
+    with workers_started(executor):  # the kernel loads (or compiles) while the points are planned
+        p, raw, _ = base_data(scenario_path, overrides)
+        if (raw.get("workload") or {}).get("arrivals") is not None:  # serving under load: studies.load
+            return _compare_load(scenario_path, p, raw, Path(out_dir), eviction, prefetch, miss, budget, capacity,
+                                 rates, workers, executor, ray_address, progress)
+        if rates:
+            raise MoesimError(f"{p}: --rate compares policies at request rates, which needs requests arriving over time: "
+                              "add workload.arrivals to the scenario (e.g. --set workload.arrivals.process=poisson "
+                              "--set workload.arrivals.requests=500), or leave out --rate.")
+        data, points, rows = plan_compare(scenario_path, eviction, prefetch, miss, budget, capacity, overrides)
+        out = Path(out_dir)
+        with folder_lock(out):
+            reused = run_points(data, points, out, workers, executor, ray_address, progress)
+            results = collect(out, points)
+            table, metric = rank(results, rows)
+            title = describe(scenario_path, data)
+            write_atomic(out / "compare.parquet", lambda tmp: table.to_parquet(tmp, index=False))
+            write_text_atomic(out / "compare.md", markdown(table, metric, title))
+            save_figure_atomic(figure(table, metric, title), out / "compare.png")
+        table.attrs.update(reused=reused, points=len(points), metric=metric, title=title)
     return table, metric
 
 

@@ -24,6 +24,7 @@ second one started into it is refused (``DIR/.lock``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -317,15 +318,15 @@ def sweep(scenario_path: str, out_dir: str, grid: dict[str, list[Any]] | None = 
           overrides: tuple[str, ...] = (), workers: int = 1, executor: str = "local",
           ray_address: str | None = None, progress: Callable[[int, int, int], None] | None = None) -> pd.DataFrame:
     """Run every point not yet done; return the results table (see module docstring)."""
-    start_workers(executor)
-    data, points, zips = plan(scenario_path, grid or {}, overrides)
-    out = Path(out_dir)
-    with folder_lock(out):
-        write_atomic(out / "sweep.yaml", lambda tmp: Path(tmp).write_text(yaml.safe_dump(
-            {"scenario": str(scenario_path), "axes": sorted({k for pt in points for k in pt.values}),
-             "zip": zips, "points": [{"id": p.pid, **p.values} for p in points]}, sort_keys=False)))
-        reused = run_points(data, points, out, workers, executor, ray_address, progress)
-        df = collect(out, points)
+    with workers_started(executor):  # the kernel loads (or compiles) while the points are planned
+        data, points, zips = plan(scenario_path, grid or {}, overrides)
+        out = Path(out_dir)
+        with folder_lock(out):
+            write_atomic(out / "sweep.yaml", lambda tmp: Path(tmp).write_text(yaml.safe_dump(
+                {"scenario": str(scenario_path), "axes": sorted({k for pt in points for k in pt.values}),
+                 "zip": zips, "points": [{"id": p.pid, **p.values} for p in points]}, sort_keys=False)))
+            reused = run_points(data, points, out, workers, executor, ray_address, progress)
+            df = collect(out, points)
     df.attrs["reused"] = reused
     return df
 
@@ -361,19 +362,58 @@ def _fork_context() -> Any:
     return ctx
 
 
-def start_workers(executor: str) -> None:
+def start_workers(executor: str) -> bool:
     """With the local executor, start the server the points are forked from now (a no-op when
     it runs), so that it imports the heavy modules and loads the replay kernel, or compiles it
     the first time after an installation, while the caller plans the points on the other core
-    (issue 34: the first ``moesim compare``). It is started anyway when :func:`run_points` asks
-    for the first point; a study whose points are all done already leaves it unused."""
+    (issue 34: the first ``moesim compare``). Returns whether this call started one."""
     if executor != "local":
-        return
+        return False
     from multiprocessing import forkserver
 
     _fork_context()
+    before = getattr(forkserver._forkserver, "_forkserver_pid", None)
     with _main_not_reimported():
         forkserver.ensure_running()
+    return getattr(forkserver._forkserver, "_forkserver_pid", None) != before
+
+
+def stop_workers() -> None:
+    """Stop the fork server now, mid-import or mid-compile: a server left to finish its
+    preload would go on compiling the kernel on a fresh install for a minute after the command
+    has ended (it reads its parent's exit only once its preload is done). The jit helper it may
+    have started dies with it (on Linux at once: :func:`moesim.jitplan._die_with_parent`). The
+    next :func:`start_workers` starts a new server."""
+    import signal
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):  # SIGTERM: no traceback on the terminal (SIGINT prints one)
+        os.kill(pid, signal.SIGTERM)
+    stop = getattr(server, "_stop", None)  # reaps it and forgets it (ensure_running would find it dead anyway)
+    if stop is not None:
+        stop()
+
+
+_forked = 0  # points this process has handed to the fork server (run_points)
+
+
+@contextmanager
+def workers_started(executor: str) -> Iterator[None]:
+    """Start the local executor's fork server early (:func:`start_workers`) for a study's
+    block; when the block ends with no point handed to a server this block started (planning
+    failed on a bad input, or every point was done already), stop it (:func:`stop_workers`), so
+    that no kernel load or compile outlives a study that needed none."""
+    started = start_workers(executor)
+    forked = _forked
+    try:
+        yield
+    finally:
+        if started and _forked == forked:
+            stop_workers()
 
 
 def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: int = 1, executor: str = "local",
@@ -391,6 +431,8 @@ def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: in
     if executor == "ray":
         failed = _run_ray(data, todo, out, workers, ray_address, progress, finished, len(points))
     elif executor == "local" and todo:
+        global _forked
+        _forked += len(todo)
         ctx = _fork_context()
         fresh: dict[str, Any] = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
         with _main_not_reimported():
