@@ -64,7 +64,8 @@ TESTS: dict[str, list[str]] = {
                            "tests/test_expert_parallel.py"],
     "moesim/studies/fingerprint.py": ["tests/test_reuse.py"],
     "moesim/simulator/stream.py": ["tests/test_stream.py"],
-    "moesim/jitplan.py": ["tests/test_jitplan.py"],
+    "moesim/jitplan.py": ["tests/test_jitplan.py", "tests/test_workers_server.py"],
+    "moesim/studies/sweep.py": ["tests/test_sweep.py", "tests/test_workers_server.py", "tests/test_compare.py"],
     # the quick serving checks per mutant; tests/test_serving_studies.py (M/D/1 over 10,000 requests, compare's
     # bisection) is run on the survivors
     "moesim/simulator/serving.py": ["tests/test_serving.py"],
