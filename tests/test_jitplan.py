@@ -422,21 +422,22 @@ def test_the_helper_compiles_the_plan_from_its_end_while_its_parent_lives(monkey
 def test_one_helper_at_a_time_per_moesim_and_numba_cache(monkeypatch, tmp_path):
     """A helper that finds another holding the lock (a study's planning process and its
     workers' server both start one) leaves at once; the lock is one per numba cache folder."""
-    ran = []
+    ran: list[object] = []
     plan = [("m", "f", ())]
     monkeypatch.setattr(J, "compile_from_end", lambda plan, parent: ran.append((plan, parent)) or 0)
     monkeypatch.setattr(J, "load_plan", lambda: plan)
+    monkeypatch.setattr(J, "_die_with_parent", lambda: ran.append("dies with its parent"))  # not this test process
     lock = tmp_path / "helper.lock"
     monkeypatch.setattr(J, "_lock_path", lambda: lock)
     monkeypatch.delenv(J.HELPER_ENV, raising=False)
     assert J.main(["11"]) == 0  # no lock file yet: made
-    assert ran == [(plan, 11)]
+    assert ran == ["dies with its parent", (plan, 11)]
     with open(lock, "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert J.main(["12"]) == 0
-        assert ran == [(plan, 11)]
+        assert ran == ["dies with its parent", (plan, 11)]
     assert J.main(["12"]) == 0
-    assert ran == [(plan, 11), (plan, 12)]
+    assert ran == ["dies with its parent", (plan, 11), "dies with its parent", (plan, 12)]
     assert os.environ[J.HELPER_ENV] == "1"
 
 
@@ -483,3 +484,39 @@ def test_a_helper_dies_the_moment_its_parent_does() -> None:
         assert _running(int(pid)) is not asks
         if not asks:
             os.kill(int(pid), signal.SIGKILL)
+
+
+def test_dying_with_the_parent_is_asked_of_the_kernel_with_prctl(monkeypatch):
+    """``_die_with_parent`` calls ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (1 and 9) from the C
+    library the process has loaded, and says whether it took; without prctl (no such function,
+    no C library to load) it says no."""
+    import ctypes
+
+    calls: list[tuple[object, ...]] = []
+
+    class Lib:
+        def __init__(self, result: int) -> None:
+            self.result = result
+
+        def prctl(self, *args: object) -> int:
+            calls.append(args)
+            return self.result
+
+    opened: list[tuple[object, object]] = []
+    for result, took in ((0, True), (-1, False)):
+        monkeypatch.setattr(ctypes, "CDLL", lambda name, use_errno=False, r=result: opened.append((name, use_errno))
+                            or Lib(r))
+        calls.clear()
+        opened.clear()
+        assert J._die_with_parent() is took
+        assert opened == [(None, True)]
+        assert calls == [(1, 9, 0, 0, 0)]
+        assert all(type(a) is int for a in calls[0])
+
+    def no_library(name, use_errno=False):
+        raise OSError("no C library")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    assert J._die_with_parent() is False
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, use_errno=False: object())  # no prctl in it
+    assert J._die_with_parent() is False

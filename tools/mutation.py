@@ -507,7 +507,10 @@ def run(module: str) -> dict[str, object]:
     pyproject = pyproject.replace("[tool.mutmut]\n", "[tool.mutmut]\n" + f"only_mutate = [{module!r}]\n"
                                   + f"pytest_add_cli_args_test_selection = {tests!r}\n", 1)
     (work / "pyproject.toml").write_text(pyproject)
-    env = {**os.environ, "MOESIM_SHARED": str(ROOT.parent / "shared")}
+    # no jit helper: mutmut waits for any child of its process, and would take a helper started
+    # there (its copy of the tree compiles afresh) for a mutant's run (a KeyError ends mutmut);
+    # the jit plan's tests set the variable as each needs
+    env = {**os.environ, "MOESIM_SHARED": str(ROOT.parent / "shared"), "MOESIM_NO_JIT_HELPER": "1"}
     only = [f for f in os.environ.get("MUTATE_ONLY", "").split(",") if f]  # e.g. "xǁLeastStaleǁ*"
     patterns = [f"{dotted}.{f}" for f in (only or FUNCTIONS.get(module, ["*"]))]
     subprocess.run([sys.executable, "-m", "mutmut", "run", *patterns], cwd=work, env=env, check=False)

@@ -24,7 +24,6 @@ second one started into it is refused (``DIR/.lock``).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
@@ -372,10 +371,11 @@ def start_workers(executor: str) -> bool:
     from multiprocessing import forkserver
 
     _fork_context()
-    before = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    server = forkserver._forkserver
+    before = server._forkserver_pid  # type: ignore[attr-defined]
     with _main_not_reimported():
         forkserver.ensure_running()
-    return getattr(forkserver._forkserver, "_forkserver_pid", None) != before
+    return server._forkserver_pid != before  # type: ignore[attr-defined]
 
 
 def stop_workers() -> None:
@@ -388,14 +388,11 @@ def stop_workers() -> None:
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
-    pid = getattr(server, "_forkserver_pid", None)
+    pid = server._forkserver_pid  # type: ignore[attr-defined]
     if pid is None:
         return
-    with contextlib.suppress(ProcessLookupError):  # SIGTERM: no traceback on the terminal (SIGINT prints one)
-        os.kill(pid, signal.SIGTERM)
-    stop = getattr(server, "_stop", None)  # reaps it and forgets it (ensure_running would find it dead anyway)
-    if stop is not None:
-        stop()
+    os.kill(pid, signal.SIGTERM)  # not SIGINT: that prints a traceback on the terminal. A child: a zombie until reaped
+    server._stop()  # type: ignore[attr-defined]  # reaps it and forgets it
 
 
 _forked = 0  # points this process has handed to the fork server (run_points)
