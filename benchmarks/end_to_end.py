@@ -117,14 +117,13 @@ def main() -> None:
             paired = keys is not None and any(abs(size - s) < 1 for s in args.lcs)
             runs, rounds = [], []
             for _ in range(args.repeat):  # with libCacheSim: rounds of start-up, moesim, C loop
-                s_up = run_moesim(one, sets)[0] if paired else start
+                s_up = run_moesim(one, sets)[0] if paired else None
                 runs.append(run_moesim(path, sets))
-                if paired:
-                    summary = runs[-1][2]
-                    misses, dt = lcs_native(keys, int(summary["cache_capacity_experts"]))
-                    marginal = runs[-1][0] - s_up
-                    rounds.append({"startup_s": s_up, "wall_s": runs[-1][0], "lcs_s": dt, "lcs_misses": misses,
-                                   "ratio": (int(summary["expert_accesses"]) / marginal) / (len(keys) / dt)})
+                if s_up is not None:
+                    r_wall, _, r_sum = runs[-1]
+                    misses, dt = lcs_native(keys, int(r_sum["cache_capacity_experts"]))
+                    rounds.append({"startup_s": s_up, "wall_s": r_wall, "lcs_s": dt, "lcs_misses": misses,
+                                   "ratio": (int(r_sum["expert_accesses"]) / (r_wall - s_up)) / (len(keys) / dt)})
             wall, rss, summary = min(runs, key=lambda r: r[0])
             acc = int(summary["expert_accesses"])
             rate = acc / max(wall - start, 1e-9)
@@ -135,11 +134,10 @@ def main() -> None:
                                    "replay_path": summary["replay_path"], "made_s": made}
             if paired:
                 best = min(rounds, key=lambda r: r["lcs_s"])  # best of as many as moesim's
-                ratios = sorted(r["ratio"] for r in rounds)
                 row.update(lcs_misses=best["lcs_misses"], lcs_s=best["lcs_s"],
                            lcs_accesses_per_s=len(keys) / best["lcs_s"],
                            ratio_vs_lcs=rate / (len(keys) / best["lcs_s"]),
-                           ratio_median_of_rounds=float(np.median(ratios)), rounds=rounds)
+                           ratio_median_of_rounds=float(np.median([r["ratio"] for r in rounds])), rounds=rounds)
             del keys
             path.unlink()
             out["sizes"].append(row)

@@ -21,7 +21,8 @@ change), it starts the helper (:func:`main`, in a new Python process), once, on 
 cores or more, unless ``MOESIM_NO_JIT_HELPER`` is set. The helper compiles the plan from its
 end and stops at its start, when the process that started it is gone, or when that process
 exits (which ends it); on Linux the kernel kills it the moment that process ends, mid-compile
-too (killed, as a study's workers' server is when the study's planning fails). One helper runs at a time for a moesim and a numba cache folder.
+too (killed, as a study's workers' server is when the study's planning fails). One helper runs
+at a time for a moesim and a numba cache folder.
 
 Nothing here changes what is compiled: a function loaded from the cache is the code its compile
 made, and a plan that no longer matches the code (a function renamed, an argument type changed)

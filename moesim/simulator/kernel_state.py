@@ -60,7 +60,7 @@ KEY = np.dtype([(name, np.int64) for name in (
 _TRANSFER_FIELDS = ([(name, np.int64) for name in ("key", "prio", "seq", "started", "cancelled", "bypass", "pfslot")]
                     + [(name, np.float64) for name in ("issued", "start", "done", "dur")])
 TRANSFER = np.dtype({"names": [n for n, _ in _TRANSFER_FIELDS], "formats": [f for _, f in _TRANSFER_FIELDS],
-                     "offsets": [8 * i for i in range(len(_TRANSFER_FIELDS))], "itemsize": 128})
+                     "itemsize": 128})
 # A unit of a layer's work (``W[i]``): the transfer it waits for (slot and its sequence number:
 # the slot may be reused; -1 for none), its cache key and its tokens. ``W`` holds three regions
 # of them, each starting at the record that ``IS`` names: the layer's computations (``H_RUNS``,
