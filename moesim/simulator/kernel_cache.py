@@ -393,7 +393,7 @@ def _insert(key, tid, demand, ai, IS, K, T, DI, A):
         _complete(tid, IS, K, T)
 
 
-@_jit
+@_inline
 def _used_prefetch(key, IS, K):
     if K[key].unused:
         K[key].unused = 0

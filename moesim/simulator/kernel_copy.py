@@ -4,6 +4,7 @@ prefetch a layer needs, non-preemptive service; a transfer's start, end and comp
 
 from __future__ import annotations
 
+from moesim.jit import inline as _inline
 from moesim.jit import jit as _jit
 from moesim.simulator.kernel_state import (
     C_INSTANT,
@@ -33,7 +34,7 @@ from moesim.simulator.kernel_state import (
 )
 
 
-@_jit
+@_inline
 def _submit(key, prio, now, bypass, IS, T, FS):
     """Queue a transfer on the copy engine; returns its slot."""
     if IS[S_FREEN] == 0:
@@ -93,7 +94,7 @@ def _submit(key, prio, now, bypass, IS, T, FS):
     return tid
 
 
-@_jit
+@_inline
 def _free(tid, IS):
     IS[IS[H_FREE] + IS[S_FREEN]] = tid
     IS[S_FREEN] += 1
@@ -129,7 +130,7 @@ def _promote(tid, IS, T, FS):
     _project(i, IS, T, FS)
 
 
-@_jit
+@_inline
 def _complete(tid, IS, K, T):
     if not T[tid].bypass:
         key = T[tid].key
@@ -138,7 +139,7 @@ def _complete(tid, IS, K, T):
     _free(tid, IS)
 
 
-@_jit
+@_inline
 def _advance(now, IS, K, T, FS):
     """Start the transfers whose start time is before ``now``; complete those done by it."""
     size = IS[H_POOL]
@@ -188,7 +189,7 @@ def _advance(now, IS, K, T, FS):
         _complete(t, IS, K, T)
 
 
-@_jit
+@_inline
 def _arrival(tid, seq, now, T):
     """When a run's expert is on the GPU (``now`` if it was resident or its transfer is done)."""
     if tid < 0 or T[tid].seq != seq:
