@@ -141,10 +141,14 @@ def _complete(tid, IS, K, T):
 
 @_inline
 def _advance(now, IS, K, T, FS):
-    """Start the transfers whose start time is before ``now``; complete those done by it."""
+    """Start the transfers whose start time is before ``now``; complete those done by it. The
+    ring's head and count and the busy time are kept in locals while it runs (issue 34: as
+    ``IS``/``FS`` entries each step waited on the last one's store)."""
     size = IS[H_POOL]
     dq, rq, pfq = IS[H_DQ], IS[H_RQ], IS[H_PFQ]
     prev = FS[SF_BUSY_UNTIL]
+    busy = FS[SF_BUSY]
+    rh, rn = IS[S_RH], IS[S_RN]
     n = IS[S_DQN]
     started = 0
     while started < n:
@@ -153,40 +157,44 @@ def _advance(now, IS, K, T, FS):
             break
         prev = T[t].done
         T[t].started = 1
-        IS[rq + _ring(IS[S_RH] + IS[S_RN], size)] = t
-        IS[S_RN] += 1
-        FS[SF_BUSY] += prev - T[t].start
+        IS[rq + _ring(rh + rn, size)] = t
+        rn += 1
+        busy += prev - T[t].start
         started += 1
     if started:
         for i in range(started, n):
             IS[dq + i - started] = IS[dq + i]
         IS[S_DQN] = n - started
     if IS[S_DQN] == 0:
-        while IS[S_PFN]:
-            t = IS[pfq + IS[S_PFH]]
+        pfh, pfn = IS[S_PFH], IS[S_PFN]
+        while pfn:
+            t = IS[pfq + pfh]
             if t == -1:
-                IS[S_PFH] = _ring(IS[S_PFH] + 1, size)
-                IS[S_PFN] -= 1
+                pfh = _ring(pfh + 1, size)
+                pfn -= 1
                 continue
             issued = T[t].issued
             start = prev if prev > issued else issued
             if start >= now:
                 break
-            IS[S_PFH] = _ring(IS[S_PFH] + 1, size)
-            IS[S_PFN] -= 1
+            pfh = _ring(pfh + 1, size)
+            pfn -= 1
             T[t].start = start
             prev = start + T[t].dur
             T[t].done = prev
             T[t].started = 1
-            IS[rq + _ring(IS[S_RH] + IS[S_RN], size)] = t
-            IS[S_RN] += 1
-            FS[SF_BUSY] += prev - start
+            IS[rq + _ring(rh + rn, size)] = t
+            rn += 1
+            busy += prev - start
+        IS[S_PFH], IS[S_PFN] = pfh, pfn
     FS[SF_BUSY_UNTIL] = prev
-    while IS[S_RN] and T[IS[rq + IS[S_RH]]].done <= now:
-        t = IS[rq + IS[S_RH]]
-        IS[S_RH] = _ring(IS[S_RH] + 1, size)
-        IS[S_RN] -= 1
+    FS[SF_BUSY] = busy
+    while rn and T[IS[rq + rh]].done <= now:
+        t = IS[rq + rh]
+        rh = _ring(rh + 1, size)
+        rn -= 1
         _complete(t, IS, K, T)
+    IS[S_RH], IS[S_RN] = rh, rn
 
 
 @_inline
