@@ -486,6 +486,72 @@ def test_the_prefetch_ring_drops_its_tombstones_when_full():
     assert [TR[t].pfslot for t in [*queued, new]] == list(range(5))
 
 
+def test_the_copy_engine_serves_demand_first_in_order_and_completes_what_is_done_by_now():
+    """The copy engine's contract (``docs/design.md``: FIFO within a priority, demand before
+    prefetch, non-preemptive), worked by hand on the kernel's functions: three demand copies
+    and two prefetches issued at 0 on a link where each copy takes 1 s, the second prefetch
+    withdrawn (a tombstone in its ring, dropped as the ring is served). ``_advance(now)`` starts what starts before ``now``
+    (one starting exactly at ``now`` waits), completes what is done by ``now`` (one done
+    exactly at ``now`` is), keeps the demand queue's unstarted tail in order at its head, and
+    adds each started copy's time to the busy time. (A replay rarely stops between two queued
+    demand copies, so the queue's shift and the boundaries are driven here directly.)"""
+    from moesim.simulator import kernel_copy as KC
+    from moesim.simulator import kernel_state as KS
+
+    IS, FS, K, TR, _ = KS._layout(num_keys=8, pool=8, pend_max=8, maxn=1, top_k=1)
+    d0, d1, d2 = (KC._submit(key, KS.DEMAND, 0.0, 0, IS, TR, FS) for key in range(3))
+    p0, gone, p1 = (KC._submit(key, KS.PREFETCH, 0.0, 0, IS, TR, FS) for key in (3, 4, 5))
+    for key, t in ((0, d0), (1, d1), (2, d2), (3, p0), (4, gone), (5, p1)):
+        K[key].state, K[key].tid = KS.INFLIGHT, t
+    IS[IS[KS.H_PFQ] + TR[gone].pfslot] = -1  # withdrawn: a tombstone between the two prefetches
+    dq = IS[KS.H_DQ]
+
+    def queue():
+        return IS[dq:dq + IS[KS.S_DQN]].tolist()
+
+    def ring():
+        size = IS[KS.H_POOL]
+        return [IS[IS[KS.H_RQ] + (IS[KS.S_RH] + j) % size] for j in range(IS[KS.S_RN])]
+
+    assert [(TR[t].start, TR[t].done) for t in (d0, d1, d2)] == [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]
+    KC._advance(1.5, IS, K, TR, FS)  # d0 and d1 started, d2 (starts at 2) waits; d0 done
+    assert queue() == [d2]
+    assert [TR[t].started for t in (d0, d1, d2)] == [1, 1, 0]
+    assert ring() == [d1]
+    assert (K[0].state, K[1].state) == (KS.RESIDENT, KS.INFLIGHT)
+    assert (FS[KS.SF_BUSY], FS[KS.SF_BUSY_UNTIL]) == (2.0, 2.0)
+    KC._advance(2.0, IS, K, TR, FS)  # d2 starts exactly at 2: not yet; d1 done exactly at 2: done
+    assert queue() == [d2]
+    assert TR[d2].started == 0
+    assert ring() == []
+    assert K[1].state == KS.RESIDENT
+    assert IS[KS.S_PFN] == 3  # the prefetches wait behind demand
+    assert TR[p0].started == 0
+    KC._advance(3.5, IS, K, TR, FS)  # d2 runs 2-3, then p0 3-4 (demand drained); d2 done
+    assert queue() == []
+    assert TR[d2].started == 1
+    assert TR[p0].started == 1
+    assert (TR[p0].start, TR[p0].done) == (3.0, 4.0)
+    assert ring() == [p0]
+    assert K[2].state == KS.RESIDENT
+    assert K[3].state == KS.INFLIGHT
+    assert (FS[KS.SF_BUSY], FS[KS.SF_BUSY_UNTIL]) == (4.0, 4.0)
+    assert IS[KS.S_PFN] == 1  # the tombstone dropped, p1 at the head
+    assert IS[IS[KS.H_PFQ] + IS[KS.S_PFH]] == p1
+    KC._advance(4.0, IS, K, TR, FS)  # p1 would start exactly at 4: waits; p0 done exactly at 4: done
+    assert IS[KS.S_PFN] == 1
+    assert TR[p1].started == 0
+    assert ring() == []
+    assert K[3].state == KS.RESIDENT
+    KC._advance(5.5, IS, K, TR, FS)
+    assert IS[KS.S_PFN] == 0
+    assert (TR[p1].start, TR[p1].done) == (4.0, 5.0)
+    assert K[5].state == KS.RESIDENT
+    assert K[4].state == KS.INFLIGHT  # the withdrawn one never completed
+    assert (FS[KS.SF_BUSY], FS[KS.SF_BUSY_UNTIL]) == (5.0, 5.0)
+    assert IS[KS.S_FREEN] == 8 - 1  # every slot back but the withdrawn one's (a withdrawal frees it: not here)
+
+
 @settings(max_examples=300, deadline=None)
 @given(values=st.lists(st.floats(0, 1e3, allow_subnormal=False) | st.floats(0, 1e-3), min_size=0, max_size=128),
        offset=st.integers(0, 3))
