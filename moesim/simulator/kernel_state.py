@@ -53,7 +53,7 @@ KEY = np.dtype([(name, np.int64) for name in (
 # A transfer slot's record (``T[t]``): its key, priority (DEMAND, PREFETCH), sequence number,
 # whether it started or was withdrawn, whether it bypasses the cache, its place in the prefetch
 # ring; when it was issued, starts, is done, and its duration. Its 88 bytes of fields take a
-# 128-byte record (issue 34: with records 88 bytes apart, the kernel's CPU time on the 25.6 M-access
+# 128-byte record (issue 34, at cecb79f: with records 88 bytes apart, the kernel's CPU time on the 25.6 M-access
 # LRU file was 1.29-1.70 s against 1.07-1.34 s, five interleaved rounds; least-stale +
 # score-percentile and per-expert execution on 5.12 M accesses 0.95-1.20 s against 0.78-1.05 s
 # and 0.57-0.63 s against 0.49-0.66 s, four rounds each; the same summaries)
