@@ -7,6 +7,7 @@ without a traceback.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -193,14 +194,19 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
     from rich.console import Console
 
     from moesim.config.scenario import load_scenario, resolve_path
-    from moesim.output.results import summary_table, write_results
+    from moesim.output.results import RESULT_FILES, summary_table, write_results
     from moesim.simulator.engine import Simulation
 
     overrides = _with_trace(trace_file, overrides)
     sc = load_scenario(scenario, overrides)
-    _compile_note()
     if events_passes < 0:
         raise MoesimError(f"--events-passes must be >= 0 (0: all passes), got {events_passes}.")
+    target = Path(out_dir) if out_dir else Path("runs") / resolve_path(scenario).stem
+    if events is not None and not no_write and _inside(Path(events), target) in (*RESULT_FILES, "."):
+        raise MoesimError(f"--events {events}: that is where the results go ({target}/ holds "
+                          f"{', '.join(RESULT_FILES[:-1])} and {RESULT_FILES[-1]}); name another file, e.g. "
+                          f"{target / 'events.json'}.")
+    _compile_note()
     serving = sc.workload.arrivals is not None  # its timeline: passes and requests (the kernel records no copies)
     rec: dict[str, Any] = {"record_transfers": events is not None and not serving,
                            "record_layers": events is not None and not serving, "record_passes": events_passes or None}
@@ -214,33 +220,49 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
     if result.summary["replay_path"] == "simpy":  # a user would ask why it took long
         click.echo(f"note: replayed on the SimPy path, not the compiled kernel: {result.summary['replay_path_reason']}.",
                    err=True)
+    timeline: tuple[Callable[[Any], Any], str] | None = None  # the timeline's writer and what to say of it
     if events is not None and serving:
         from moesim.output.events import serving_trace, write_events
 
         doc = serving_trace(result, events_passes)
-        write_events(doc, events)
-        click.echo(f"timeline of {doc['otherData']['passes']} forward passes and {doc['otherData']['requests']} "
-                   f"requests written to {events} (open it in Perfetto; --events-passes N shows more, 0 all; "
-                   "serving replays on the kernel, which records no copies)", err=True)
+        timeline = (functools.partial(write_events, doc),
+                    f"timeline of {doc['otherData']['passes']} forward passes and {doc['otherData']['requests']} "
+                    f"requests written to {events} (open it in Perfetto; --events-passes N shows more, 0 all; "
+                    "serving replays on the kernel, which records no copies)")
     elif events is not None:
         from moesim.output.events import chrome_trace, write_events
 
-        write_events(chrome_trace(result, sim.link_name, sim.model.num_experts, sim.num_prec), events)
         n_pass = sim.wl.num_passes
         shown = n_pass if not events_passes else min(events_passes, n_pass)
-        click.echo(f"timeline of passes 0-{shown - 1} of {n_pass} written to {events} (open it in Perfetto; "
-                   "--events-passes N records more, 0 all)", err=True)
+        timeline = (functools.partial(write_events, chrome_trace(result, sim.link_name, sim.model.num_experts,
+                                                                 sim.num_prec)),
+                    f"timeline of passes 0-{shown - 1} of {n_pass} written to {events} (open it in Perfetto; "
+                    "--events-passes N records more, 0 all)")
     if as_json:
         click.echo(json.dumps(result.summary, indent=2))
     else:
         Console().print(summary_table(result, f"moesim run {scenario}"))
+    inside = None if no_write or events is None else _inside(Path(events), target)
+    if timeline is not None and inside is None:
+        timeline[0](events)
     if not no_write:
-        target = Path(out_dir) if out_dir else Path("runs") / resolve_path(scenario).stem
         replaced = target.exists()
-        write_results(result, target)
+        # a timeline inside the results folder is written with it, or the folder's replacement would remove it
+        write_results(result, target, files={inside: timeline[0]} if timeline is not None and inside else None)
         click.echo(f"results written to {target}/ (summary.json, steps.parquet, "
-                   f"{'requests.parquet, ' if serving else ''}scenario.resolved.yaml)"
+                   f"{'requests.parquet, ' if serving else ''}scenario.resolved.yaml"
+                   f"{', ' + inside if inside else ''})"
                    + ("; they replace the results that were there" if replaced else ""), err=True)
+    if timeline is not None:
+        click.echo(timeline[1], err=True)
+
+
+def _inside(path: Path, folder: Path) -> str | None:
+    """``path`` relative to ``folder`` when it lies inside it (as a POSIX path), else None."""
+    try:
+        return path.resolve().relative_to(folder.resolve()).as_posix()
+    except ValueError:
+        return None
 
 
 @cli.command("sweep")

@@ -108,6 +108,30 @@ def test_the_timeline_records_the_first_passes_only_and_says_so(tmp_path):
             if e["ph"] == "X" and e["tid"] == 0} == {0, 1}
 
 
+def test_a_timeline_inside_the_results_folder_survives_the_results_write(tmp_path):
+    """``--events DIR/events.json --out DIR``: the timeline is written with the results (the
+    folder that replaces DIR holds it), on a first run and on a rerun that replaces the folder; a
+    timeline named as one of the results files is refused before any work."""
+    out = tmp_path / "ev"
+    args = ["run", "quickstart", "--quiet", "--set", "workload.trace.synth.tokens=5",
+            "--set", "workload.trace.synth.requests=1", "--events-passes", "2", "--out", str(out)]
+    for events in (out / "events.json", out / "tl" / "e.json"):
+        r = CliRunner().invoke(cli, [*args, "--events", str(events)])
+        assert r.exit_code == 0, r.output
+        assert f"timeline of passes 0-1 of 6 written to {events}" in r.output
+        assert {e["args"]["pass"] for e in json.loads(events.read_text())["traceEvents"]
+                if e["ph"] == "X" and e["tid"] == 0} == {0, 1}
+        assert (out / "summary.json").exists()
+    # the second run replaced the folder: the first timeline went with the old results, as it says
+    assert not (out / "events.json").exists()
+    assert "they replace the results that were there" in r.output
+    r = CliRunner().invoke(cli, [*args, "--events", str(out / "summary.json")])
+    assert r.exit_code == 2
+    assert r.output.startswith("error: --events")
+    assert "that is where the results go" in r.output
+    assert json.loads((out / "summary.json").read_text())["forward_passes"] == 6
+
+
 def test_expert_parallel_timeline_has_a_track_per_gpu_adding_up_to_each_layer():
     """8 GPUs: a process per GPU; per layer each GPU's attention, dispatch, experts, wait for
     the slowest GPU and combine add up to the layer's time, and the layers to the pass's."""

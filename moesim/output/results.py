@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,11 +160,18 @@ class Result:
         return state
 
 
-def write_results(result: Result, out_dir: str | os.PathLike[str], extra: dict[str, str] | None = None) -> Path:
+RESULT_FILES = ("summary.json", "steps.parquet", "requests.parquet", "scenario.resolved.yaml")
+
+
+def write_results(result: Result, out_dir: str | os.PathLike[str], extra: dict[str, str] | None = None,
+                  files: dict[str, Callable[[Path], Any]] | None = None) -> Path:
     """Write ``summary.json``, ``steps.parquet`` (``requests.parquet`` too when serving under
     load) and ``scenario.resolved.yaml`` into
     ``out_dir`` atomically: everything goes to a temporary sibling folder that then replaces
-    ``out_dir`` in one rename, so a failure leaves the old results (or nothing)."""
+    ``out_dir`` in one rename, so a failure leaves the old results (or nothing). ``extra``:
+    more files by name and text; ``files``: more files by path relative to ``out_dir`` and a
+    function that writes one to the path it is given (a timeline asked for inside the
+    folder), so that they are part of the folder that replaces the old one."""
     target = Path(out_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -176,6 +184,9 @@ def write_results(result: Result, out_dir: str | os.PathLike[str], extra: dict[s
             yaml.safe_dump(result.scenario.to_dict(), sort_keys=False))
         for name, text in (extra or {}).items():
             (tmp / name).write_text(text)
+        for rel, write in (files or {}).items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            write(tmp / rel)
         old = None
         if target.exists():
             old = target.parent / f".{target.name}.old-{os.getpid()}"

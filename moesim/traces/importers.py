@@ -331,18 +331,22 @@ def import_routed_npy(sources: list[Path], model_preset: str | None, **_: Any) -
     for r, path in enumerate(files):
         try:
             arr = np.load(path, allow_pickle=False)
+        except EOFError:  # numpy's word for a file with no bytes
+            raise MoesimError(f"import {path}: the file is empty (0 bytes), not a .npy array; each file holds one "
+                              "request's [tokens, layers, k] routed experts, written with numpy.save.") from None
         except (OSError, ValueError) as exc:
-            raise MoesimError(f"import {path}: not a readable .npy array ({exc}).") from None
+            raise MoesimError(f"import {path}: not a readable .npy array ({exc}); each file holds one request's "
+                              "[tokens, layers, k] routed experts, written with numpy.save.") from None
+        if arr.size == 0:
+            raise MoesimError(f"import {path}: the array is empty (shape {arr.shape}); each file holds one "
+                              "request's [tokens, layers, k] routed experts, at least one token.")
         if arr.dtype.kind not in "iu":
             raise MoesimError(f"import {path}: the array holds {arr.dtype} values; routed expert ids must be "
                               "integers (save them with an integer dtype, e.g. arr.astype(np.int16)).")
         if arr.ndim != 3 or arr.shape[2] != model.top_k or arr.shape[1] > model.num_layers:
             raise MoesimError(f"import {path}: shape {arr.shape}, expected [tokens, layers <= "
                               f"{model.num_layers}, {model.top_k}] for {model.name}.")
-        if arr.size == 0:
-            raise MoesimError(f"import {path}: the array is empty (shape {arr.shape}); each file holds one "
-                              "request's [tokens, layers, k] routed experts, at least one token.")
-        if arr.size and (arr.min() < 0 or arr.max() >= model.num_experts):
+        if (arr.min() < 0 or arr.max() >= model.num_experts):
             t, layer, _ = np.argwhere((arr < 0) | (arr >= model.num_experts))[0]
             raise MoesimError(f"import {path}: token {t}, layer {layer} has an expert id outside "
                               f"0..{model.num_experts - 1}.")
