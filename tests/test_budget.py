@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from moesim.errors import MoesimError
 from moesim.policies.budget import REGISTRY as BUDGET
-from moesim.policies.budget import greedy_select
+from moesim.policies.budget.xshare import greedy_select
 from moesim.simulator.engine import Simulation, simulate
 from moesim.traces.synth import synth_from_preset
 from tests.helpers import scenario
@@ -181,7 +181,7 @@ def test_every_budget_composes_with_caching(name):
        st.sampled_from(["contiguous", "round-robin"]))
 def test_gpu_aware_greedy_keeps_the_load_balanced(gpus, per_gpu, tokens, seed, placement):
     """XShare Algorithm 5: MaxLoad(S) <= ceil(|S| / G) (from an empty warm-up)."""
-    from moesim.policies.budget import gpu_aware_greedy, placement_of
+    from moesim.policies.budget.xshare import gpu_aware_greedy, placement_of
 
     n = 32
     owner = placement_of(placement, 1, n, gpus)[0]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moesim.errors import MoesimError
-from moesim.policies.budget import placement_of
+from moesim.policies.budget.xshare import placement_of
 from moesim.simulator.engine import Simulation
 from moesim.traces.schema import PHASE_CODES
 from moesim.traces.trace import Trace

@@ -172,7 +172,7 @@ def test_resolved_scenario_names_the_profile_not_its_tables(tmp_path):
 
 
 def test_broken_yaml_in_a_profile_or_a_placement_file_names_the_file_and_line(tmp_path):
-    from moesim.policies.budget import placement_of
+    from moesim.policies.budget.xshare import placement_of
 
     bad = tmp_path / "broken.yaml"
     bad.write_text("links: {h2d_pinned: [1, 2\n")

@@ -29,9 +29,9 @@ from moesim.policies.hooks import compiled
 from moesim.policies.registry import PolicyContext
 
 LAYERS, EXPERTS = 3, 3
-FORMS = {"lfu": (ev.LFU, 1, None), "fld": (ev.FarthestLayerDistance, 1, None),
-         "lhu": (ev.LeastHighPrecisionUsed, 2, None), "score": (ev.ScoreBased, 1, ev.ScoreParams(decay=0.5)),
-         "score-no-decay": (ev.ScoreBased, 2, ev.ScoreParams())}
+FORMS = {"lfu": (ev.lfu.LFU, 1, None), "fld": (ev.fld.FarthestLayerDistance, 1, None),
+         "lhu": (ev.lhu.LeastHighPrecisionUsed, 2, None), "score": (ev.score.ScoreBased, 1, ev.score.ScoreParams(decay=0.5)),
+         "score-no-decay": (ev.score.ScoreBased, 2, ev.score.ScoreParams())}
 
 
 def weight(key: int, p: int) -> float:
@@ -100,7 +100,7 @@ def replay(name: str, evs: list, fns: tuple | None, monkeypatch: pytest.MonkeyPa
     ctx = PolicyContext(num_layers=LAYERS, num_experts=EXPERTS, top_k=2, expert_bytes=1,
                         rng=np.random.default_rng(0), precisions=("bf16", "int4")[:nprec],
                         precision_bytes=(2, 1)[:nprec])
-    monkeypatch.setattr(ev, "access_weight", lambda c, keys, key: weight(key, c.clock.pass_index))
+    monkeypatch.setattr(ev.score, "access_weight", lambda c, keys, key: weight(key, c.clock.pass_index))
     ref, form = cls(params, ctx), Driver(cls.compiled, nprec, fns, params)
     n = LAYERS * EXPERTS * nprec
     cached: list[int] = []
@@ -149,7 +149,7 @@ def test_the_compiled_form_compiled_orders_as_the_reference(name, evs, monkeypat
 def test_lfu_by_hand():
     """Counts survive eviction: key 0 used twice, evicted, re-fetched on demand, has 3; key 1
     prefetched (no use) has 0 and goes first; key 2 fetched on demand has 1."""
-    f = Driver(ev.LFUCompiled, 1, None)
+    f = Driver(ev.lfu.LFUCompiled, 1, None)
     f.insert(0, True)
     f.access(0)
     f.remove(0)
@@ -163,7 +163,7 @@ def test_lfu_by_hand():
 def test_lhu_by_hand():
     """Two precisions: odd keys are int4 copies (priority 0, first, oldest first); bf16 keys by
     their bf16 uses plus one."""
-    f = Driver(ev.LHUCompiled, 2, None)
+    f = Driver(ev.lhu.LHUCompiled, 2, None)
     for key, demand in ((0, True), (1, True), (2, True), (3, False)):
         f.insert(key, demand)
     f.access(0)
@@ -177,7 +177,7 @@ def test_score_by_hand():
     on demand (0.5), key 2 prefetched (no credit). Pass 2: its first credit halves every score
     twice (key 1: 0.5 -> 0.125) and marks every row decayed at pass 2; key 2 gains 0, key 0
     0.25. Lowest score first: 2 (0), 1 (0.125), 0 (0.25)."""
-    f = Driver(ev.ScoreCompiled, 1, None, ev.ScoreParams(decay=0.5))
+    f = Driver(ev.score.ScoreCompiled, 1, None, ev.score.ScoreParams(decay=0.5))
     assert f.si[:, 0].tolist() == [-1] * 9
     assert f.sf[:, 1].tolist() == [0.5] * 9
     f.insert(0, True)   # weight(0, 0) = 0
@@ -197,21 +197,21 @@ def test_a_subclass_of_a_built_in_elsewhere_does_not_run_its_compiled_form():
     built-in: the kernel has no form for it, and the replay says so."""
     from moesim.simulator.kernel import _policy_codes, eviction_code
 
-    class MyLFU(ev.LFU):
+    class MyLFU(ev.lfu.LFU):
         def candidates(self):
             return reversed(list(super().candidates()))
 
     assert eviction_code(MyLFU) is None
     assert MyLFU not in _policy_codes()[0]
-    assert all(eviction_code(c) is not None for c in (ev.LFU, ev.FarthestLayerDistance, ev.ScoreBased,
-                                                     ev.LeastHighPrecisionUsed))
+    assert all(eviction_code(c) is not None for c in (ev.lfu.LFU, ev.fld.FarthestLayerDistance, ev.score.ScoreBased,
+                                                     ev.lhu.LeastHighPrecisionUsed))
 
 
 
 # -- the list forms (lru, fifo, least-stale): RecencyList, InsertionList, LeastStaleLists ---------
-LIST_FORMS = {"lru": (ev.LRU, None), "fifo": (ev.FIFO, None),
-              "least-stale": (ev.LeastStale, ev.LeastStaleParams()),
-              "least-stale-absolute": (ev.LeastStale, ev.LeastStaleParams(order="absolute"))}
+LIST_FORMS = {"lru": (ev.lru.LRU, None), "fifo": (ev.fifo.FIFO, None),
+              "least-stale": (ev.least_stale.LeastStale, ev.least_stale.LeastStaleParams()),
+              "least-stale-absolute": (ev.least_stale.LeastStale, ev.least_stale.LeastStaleParams(order="absolute"))}
 # the key records' fields a list form reads and writes (the kernel's records have these and more)
 RECORD = np.dtype([(name, np.int64) for name in ("prev", "next", "curpass", "layer", "pend")])
 
@@ -324,7 +324,7 @@ def test_least_stale_lists_by_hand():
     order: stale layer 0 (0), then current: layer 0 (1), layer 1 run (4), layer 1 pending (3).
     A prefetch does not take layer 1's pending expert; a pass later all four are stale, and
     key 1, which joined layer 0's stale list behind key 0, leaves it with key 0 its tail."""
-    f = ListDriver(ev.LeastStaleLists, 1)
+    f = ListDriver(ev.least_stale.LeastStaleLists, 1)
     f.call("insert", 0)
     f.call("insert", 1)
     f.new_pass(1)
@@ -356,8 +356,8 @@ def test_belady_next_use_is_the_first_access_after_i(pos, lo, cut, i, base, afte
     mine = arr[lo:lo + len(pos)]
     j = int(np.searchsorted(mine, i, side="right"))
     want = float(base + mine[j]) if j < len(mine) else (float(after) if after >= 0 else np.inf)
-    assert ev.FutureUses.next_use(arr, lo, lo + len(pos), i, base, after) == want
-    assert ev.FutureUses.priority(want) == -want
+    assert ev.belady.FutureUses.next_use(arr, lo, lo + len(pos), i, base, after) == want
+    assert ev.belady.FutureUses.priority(want) == -want
 
 
 def test_least_stale_walk_table_by_hand():
@@ -366,21 +366,21 @@ def test_least_stale_walk_table_by_hand():
     layer 1 to run, in each queue; a prefetch: the stale queue without layer 1's experts still
     to run, then the current queue's layer 0 and layer 1's run experts. Absolute: layers 0, 1, 2
     per queue."""
-    t = ev.walk_table(ev.LeastStaleLists, 3, 1)
+    t = ev.walk_table(ev.least_stale.LeastStaleLists, 3, 1)
     assert t.shape == (3, 2, 1 + 2 * 8)
     A, R, P = ev.ANY, ev.NOT_PENDING, ev.PENDING
     assert t[1, 0].tolist() == [8, 0, A, 2, R, 4, A, 2, P, 6, A, 8, R, 10, A, 8, P]
     assert t[1, 1, :1 + 2 * 5].tolist() == [5, 0, A, 2, R, 4, A, 6, A, 8, R]
     assert t[1, 1, 11:].tolist() == [0] * 6
-    assert ev.walk_table(ev.LeastStaleLists, 3, 0)[1, 0, :13].tolist() == [6, 0, A, 2, A, 4, A, 6, A, 8, A, 10, A]
-    assert ev.walk_table(ev.RecencyList, 3, 0)[2].tolist() == [[1, 0, A], [1, 0, A]]
+    assert ev.walk_table(ev.least_stale.LeastStaleLists, 3, 0)[1, 0, :13].tolist() == [6, 0, A, 2, A, 4, A, 6, A, 8, A, 10, A]
+    assert ev.walk_table(ev.lru.RecencyList, 3, 0)[2].tolist() == [[1, 0, A], [1, 0, A]]
 
 
 def test_a_new_pass_appends_each_current_list_behind_its_stale_tail():
     """Least-stale's roll: layer 0's stale list [0, 1] and current list [2] become [0, 1, 2],
     with 2 behind the stale tail 1 (not the head, not another list's end): removing 2 leaves
     [0, 1] with 1 the tail, and removing 1 then leaves [0]."""
-    f = ListDriver(ev.LeastStaleLists, 1)
+    f = ListDriver(ev.least_stale.LeastStaleLists, 1)
     f.call("insert", 0)
     f.call("insert", 1)
     f.new_pass(1)

@@ -434,8 +434,8 @@ def test_the_clock_an_eviction_policy_reads_when_a_demand_fetch_walks_for_victim
     then expert 1 misses and the cache walks the policy's candidates (expert 0 is running,
     pinned: an uncached fetch) at a + c, the only walk; the pass ends at a + 2c + f. Found
     missing by mutation testing of engine.py: the clock left unset there went unnoticed."""
-    from moesim.policies.eviction import LRU
     from moesim.policies.eviction import REGISTRY as EVICTION
+    from moesim.policies.eviction.lru import LRU
 
     seen: list[tuple[float, int, int]] = []
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moesim.policies.eviction import Belady, LeastStaleParams
+from moesim.policies.eviction.belady import Belady
+from moesim.policies.eviction.least_stale import LeastStaleParams
 from moesim.policies.registry import PolicyContext
 from moesim.simulator.engine import Simulation
 from moesim.traces.trace import Trace

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moesim.policies.eviction import LeastStale, LeastStaleParams
+from moesim.policies.eviction.least_stale import LeastStale, LeastStaleParams
 from moesim.policies.registry import Clock, PolicyContext
 from moesim.simulator.copyengine import NBYTES
 from moesim.simulator.engine import Simulation, simulate

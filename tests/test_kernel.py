@@ -362,7 +362,8 @@ def test_the_simpy_path_runs_and_says_why(tiny, monkeypatch, over, kwargs, why):
 def test_a_users_own_miss_policy_runs_on_the_simpy_path(tiny, monkeypatch):
     """Every built-in miss policy has a kernel form; a user's own (here a subclass of
     ``fetch`` registered as a plugin would) runs on the SimPy path, and says so."""
-    from moesim.policies.miss import REGISTRY, Fetch
+    from moesim.policies.miss import REGISTRY
+    from moesim.policies.miss.fetch import Fetch
 
     monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
     monkeypatch.setitem(REGISTRY._classes, "my-fetch", type("MyFetch", (Fetch,), {}))
@@ -380,7 +381,8 @@ def test_moesim_no_kernel_forces_the_simpy_path(tiny, monkeypatch):
 def test_a_users_own_policy_runs_on_the_simpy_path(tiny, monkeypatch):
     """A subclass of a built-in policy is the user's code: only the built-in classes
     themselves have kernel forms."""
-    from moesim.policies.eviction import LRU, REGISTRY
+    from moesim.policies.eviction import REGISTRY
+    from moesim.policies.eviction.lru import LRU
 
     class MyLRU(LRU):
         def on_access(self, key: int) -> None:  # a user's change the kernel cannot know of
@@ -637,7 +639,8 @@ def test_statically_pinned_experts_stay_out_of_the_recency_lists(ev):
     pinned the LRU walk read 25 keys a miss on uniform routing and the replay took twice as
     long: 3.9 s against 1.9 s for 25.6 M accesses.) By hand: 4 single-byte keys in one layer,
     2 pinned, the other 2 demand-fetched, then every key used."""
-    from moesim.policies.eviction import LeastStaleLists, walk_table
+    from moesim.policies.eviction import walk_table
+    from moesim.policies.eviction.least_stale import LeastStaleLists
     from moesim.simulator import kernel as K
     from moesim.simulator import kernel_cache as KE
     from moesim.simulator import kernel_compute as KX

@@ -122,7 +122,7 @@ def test_plugin_policies_run_in_sweep_and_compare_workers(mru, tmp_path):
 @pytest.mark.parametrize(("source", "says"), [
     (None, "no such file"),
     ("import numpy\nraise RuntimeError('boom')\n", "failed while importing: RuntimeError: boom"),
-    ("from moesim.policies.eviction import REGISTRY, LRU\nREGISTRY.register('lru')(type('L2', (LRU,), {}))\n",
+    ("from moesim.policies.eviction import REGISTRY\nfrom moesim.policies.eviction.lru import LRU\nREGISTRY.register('lru')(type('L2', (LRU,), {}))\n",
      "eviction policy 'lru' is registered twice"),
 ])
 def test_a_bad_plugin_is_refused_in_one_paragraph(tmp_path, source, says, isolated_registries):

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from moesim.policies.eviction import LRU
 from moesim.policies.eviction import REGISTRY as EVICTION
+from moesim.policies.eviction.lru import LRU
 from moesim.policies.prefetch import REGISTRY, PrefetchPolicy
 from moesim.simulator.engine import Simulation
 from moesim.simulator.workload import build_workload

@@ -241,7 +241,7 @@ def test_score_percentile_equals_its_definition_across_plan_chunks(monkeypatch):
     (ties), and the last pass routed at layer 0 only. Plans of 2 passes (CHUNK = 2, and 1):
     every (pass, layer), asked for from the last pass back and from the first on (each plan's
     end then asked next), equals the reference."""
-    from moesim.policies.prefetch import ScorePercentile
+    from moesim.policies.prefetch.score_percentile import ScorePercentile
 
     rng = np.random.default_rng(5)
     model = small_model(layers=3, experts=64, top_k=2)
@@ -298,7 +298,7 @@ def test_proposal_arrays_equal_the_proposals_of_every_pass_and_layer():
     (pass, layer) of the range + 1, and int64 keys, for ranges starting at 0, inside the
     trace and empty. Score-percentile against its pass-by-pass definition; next-gate-topk
     (the default, from ``propose``) against its proposals."""
-    from moesim.policies.prefetch import ScorePercentile
+    from moesim.policies.prefetch.score_percentile import ScorePercentile
 
     rng = np.random.default_rng(7)
     model = small_model(layers=3, experts=64, top_k=2)
@@ -391,7 +391,7 @@ def test_compiled_percentile_proposals_equal_numpys_percentile_and_stable_sort(d
     (pass, layer), rows out of order, any percentile in [0, 100); and on float64 predictions
     (a trace made in memory), taken as float32 first. Negative scores and -0.0 too: the
     sorting keys flip a negative float's bits, and -0.0 ties with 0.0 as a mean does."""
-    from moesim.policies.prefetch import percentile_proposals
+    from moesim.policies.prefetch.score_percentile import percentile_proposals
 
     pred, row_order, bounds, g0, num_l = draw_groups(data)
     pct = data.draw(st.one_of(st.sampled_from([0.0, 20.0, 50.0, 80.0, 99.0]), st.floats(0, 100, exclude_max=True)))
@@ -408,7 +408,7 @@ def test_percentile_proposals_at_the_edges_equal_numpy():
     experts where numpy's form for a fraction of 0.5 or more (``b - d * (1 - gamma)``) stays
     below the upper mean and the other form would round to it; tied
     sums of 0.0 and -0.0 above a negative quantile (ordered by index, as equal means are)."""
-    from moesim.policies.prefetch import percentile_proposals
+    from moesim.policies.prefetch.score_percentile import percentile_proposals
 
     def both(pred, pct, counts=(1,), num_l=2):
         pred = np.asarray(pred, np.float32)
@@ -452,7 +452,7 @@ def test_compiled_topk_proposals_equal_numpys_stable_sorts(data):
     levels (so that scores tie at a row's cut and sums tie in the order), negative and -0.0
     scores, float32 or float64 (taken as float32), 1-70 experts, 0-4 rows per (pass, layer),
     rows out of order, from one expert a row to more than there are."""
-    from moesim.policies.prefetch import topk_proposals
+    from moesim.policies.prefetch.next_gate_topk import topk_proposals
 
     pred, row_order, bounds, g0, num_l = draw_groups(data)
     count = data.draw(st.integers(1, pred.shape[1] + 2))

@@ -59,7 +59,8 @@ def test_resume_does_no_work_and_zip_axes(tmp_path):
 # a policy that fails only while it replays: what a point can still hit after every point's
 # replay was built (a bad value fails the whole sweep before anything runs)
 FAILING_PLUGIN = """from moesim.errors import MoesimError
-from moesim.policies.eviction import LRU, REGISTRY
+from moesim.policies.eviction import REGISTRY
+from moesim.policies.eviction.lru import LRU
 
 
 @REGISTRY.register("fails-when-full")

@@ -51,16 +51,16 @@ TESTS: dict[str, list[str]] = {
                                      "tests/test_speculative.py", "tests/test_fidelity.py"],
     "moesim/simulator/metrics.py": ["tests/test_metrics.py", "tests/test_summary.py", "tests/test_engine.py",
                              "tests/test_speculative.py", "tests/test_expert_parallel.py"],
-    "moesim/policies/eviction.py": ["tests/test_eviction_orders.py", "tests/test_eviction.py", "tests/test_fidelity.py",
-                                    "tests/test_policies.py", "tests/test_kernel.py"],
-    "moesim/policies/prefetch.py": ["tests/test_proposals.py", "tests/test_prefetch.py", "tests/test_summary.py",
+    "moesim/policies/eviction/": ["tests/test_eviction_orders.py", "tests/test_eviction.py", "tests/test_fidelity.py",
+                                    "tests/test_policies.py", "tests/test_kernel.py", "tests/test_sieve_s3fifo_arc.py"],
+    "moesim/policies/prefetch/": ["tests/test_proposals.py", "tests/test_prefetch.py", "tests/test_summary.py",
                                     "tests/test_kernel.py"],
     "moesim/simulator/engine.py": ["tests/test_summary.py", "tests/test_engine.py", "tests/test_fidelity.py", "tests/test_miss_routing.py",
                                    "tests/test_prefetch_queue.py", "tests/test_expert_parallel.py", "tests/test_events.py",
                                    "tests/test_speculative.py", "tests/test_kernel.py", "tests/test_prefetch.py",
                                    "tests/test_metrics.py"],
     "moesim/calibration/calibrate.py": ["tests/test_calibrate.py", "tests/test_h100_calibration.py"],
-    "moesim/policies/budget.py": ["tests/test_budget.py", "tests/test_budget_hand.py", "tests/test_budget_exact.py",
+    "moesim/policies/budget/": ["tests/test_budget.py", "tests/test_budget_hand.py", "tests/test_budget_exact.py",
                            "tests/test_expert_parallel.py"],
     "moesim/studies/fingerprint.py": ["tests/test_reuse.py"],
     "moesim/simulator/stream.py": ["tests/test_stream.py"],
@@ -76,6 +76,14 @@ TESTS: dict[str, list[str]] = {
     # the validation executor's decisions, buffers and main-thread prefetch queue (its CUDA paths need a GPU)
     "moesim/calibration/executor.py": ["tests/test_calibrate.py"],
 }
+
+
+def tests_of(module: str) -> list[str]:
+    """The tests of ``module``: its own entry, or its package's (a key ending in /)."""
+    if module in TESTS:
+        return TESTS[module]
+    return next((t for k, t in TESTS.items() if k.endswith("/") and module.startswith(k)), ["tests"])
+
 
 # the functions mutated in a module where not all of them are (mutmut name patterns): calibrate.py's
 # measure() and timers run for minutes per mutant on the CPU and their CUDA paths need a GPU, so
@@ -503,7 +511,7 @@ def run(module: str) -> dict[str, object]:
         (work / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / f, work / f)
     pyproject = (work / "pyproject.toml").read_text()
-    tests = [t for t in os.environ.get("MUTATE_TESTS", "").split(",") if t] or TESTS.get(module, ["tests"])
+    tests = [t for t in os.environ.get("MUTATE_TESTS", "").split(",") if t] or tests_of(module)
     pyproject = pyproject.replace("[tool.mutmut]\n", "[tool.mutmut]\n" + f"only_mutate = [{module!r}]\n"
                                   + f"pytest_add_cli_args_test_selection = {tests!r}\n", 1)
     (work / "pyproject.toml").write_text(pyproject)

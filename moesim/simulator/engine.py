@@ -736,7 +736,7 @@ class Simulation:
 
     @cached_property
     def _ep_owner(self) -> np.ndarray:
-        from moesim.policies.budget import placement_of
+        from moesim.policies.budget.xshare import placement_of
 
         hw = self.scenario.hardware
         return placement_of(hw.placement, self.model.num_layers, self.model.num_experts, hw.gpus)

@@ -151,19 +151,33 @@ def _policy_codes() -> tuple[dict[Any, int], dict[Any, int], dict[Any, int]]:
     """The built-in policy classes with a kernel form, and their codes (made once):
     eviction, prefetch, miss."""
     from moesim.policies import eviction as ev
-    from moesim.policies import miss as ms
-    from moesim.policies import prefetch as pf
+    from moesim.policies.eviction.belady import Belady
+    from moesim.policies.eviction.fifo import FIFO
+    from moesim.policies.eviction.least_stale import LeastStale
+    from moesim.policies.eviction.lru import LRU
+    from moesim.policies.miss.drop import Drop
+    from moesim.policies.miss.fetch import Fetch
+    from moesim.policies.miss.fetch_lowest_bit import FetchLowestBit
+    from moesim.policies.miss.fetch_priority import FetchPriority
+    from moesim.policies.miss.speculative import Speculative
+    from moesim.policies.miss.substitute import Substitute
+    from moesim.policies.prefetch.lookahead import Lookahead
+    from moesim.policies.prefetch.next_gate_topk import NextGateTopK
+    from moesim.policies.prefetch.none import NoPrefetch
+    from moesim.policies.prefetch.oracle import Oracle
+    from moesim.policies.prefetch.previous_token import PreviousToken
+    from moesim.policies.prefetch.score_percentile import ScorePercentile
+    from moesim.policies.prefetch.static_pin import StaticPin
 
     # a built-in with a compiled form of its own (``compiled``, beside it in its module) runs
     # through the hooks, as a user's policy does (a subclass elsewhere does not inherit that)
-    evictions = {ev.LRU: EV_LRU, ev.FIFO: EV_FIFO, ev.LeastStale: EV_LS, ev.Belady: EV_BELADY}
+    evictions = {LRU: EV_LRU, FIFO: EV_FIFO, LeastStale: EV_LS, Belady: EV_BELADY}
     evictions.update((cls, EV_HOOK) for _, cls in ev.REGISTRY.items()
-                     if cls.__module__ == ev.__name__ and cls.__dict__.get("compiled") is not None)
-    prefetchers = {pf.NoPrefetch: PF_NONE, pf.StaticPin: PF_NONE, pf.Oracle: PF_ORACLE,
-                   pf.PreviousToken: PF_PREV, pf.Lookahead: PF_LOOKAHEAD, pf.NextGateTopK: PF_ARRAY,
-                   pf.ScorePercentile: PF_ARRAY}
-    misses = {ms.Fetch: MISS_FETCH, ms.Drop: MISS_DROP, ms.Substitute: MISS_SUBSTITUTE,
-              ms.Speculative: MISS_SPECULATIVE, ms.FetchLowestBit: MISS_LOWEST_BIT, ms.FetchPriority: MISS_PRIORITY}
+                     if cls.__module__.startswith(ev.__name__ + ".") and cls.__dict__.get("compiled") is not None)
+    prefetchers = {NoPrefetch: PF_NONE, StaticPin: PF_NONE, Oracle: PF_ORACLE, PreviousToken: PF_PREV,
+                   Lookahead: PF_LOOKAHEAD, NextGateTopK: PF_ARRAY, ScorePercentile: PF_ARRAY}
+    misses = {Fetch: MISS_FETCH, Drop: MISS_DROP, Substitute: MISS_SUBSTITUTE, Speculative: MISS_SPECULATIVE,
+              FetchLowestBit: MISS_LOWEST_BIT, FetchPriority: MISS_PRIORITY}
     return evictions, prefetchers, misses
 
 
@@ -468,7 +482,8 @@ def _walk(sim: Any, ev: int) -> np.ndarray:
 @functools.cache
 def _ls_walk(num_layers: int, relative: int) -> np.ndarray:
     """``eviction.walk_table`` of least-stale's form, read-only (it is shared)."""
-    from moesim.policies.eviction import LeastStaleLists, walk_table
+    from moesim.policies.eviction import walk_table
+    from moesim.policies.eviction.least_stale import LeastStaleLists
 
     table = walk_table(LeastStaleLists, num_layers, relative)
     table.setflags(write=False)
@@ -477,7 +492,7 @@ def _ls_walk(num_layers: int, relative: int) -> np.ndarray:
 
 def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, ev: int, pf: int, miss: int, max_runs: int) -> None:
     """The replay's configuration (``C_*``, ``CF_*``) from ``sim``'s scenario and policies."""
-    from moesim.policies.prefetch import Lookahead
+    from moesim.policies.prefetch.lookahead import Lookahead
 
     model = sim.model
     reroute = miss in (MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE)

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 from moesim.jit import inline as _inline
 from moesim.jit import jit as _jit
-from moesim.policies.eviction import (
-    ANY,
-    PENDING,
-    FutureUses,
-    InsertionList,
-    LeastStaleLists,
-    RecencyList,
-)
+from moesim.policies.eviction import ANY, PENDING
+from moesim.policies.eviction.belady import FutureUses
+from moesim.policies.eviction.fifo import InsertionList
+from moesim.policies.eviction.least_stale import LeastStaleLists
+from moesim.policies.eviction.lru import RecencyList
 from moesim.simulator.kernel_copy import _complete
 from moesim.simulator.kernel_state import (
     ABSENT,

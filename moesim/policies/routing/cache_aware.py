@@ -1,42 +1,15 @@
-"""Routing policies: may change the router's choice before experts are loaded.
-
-``standard`` keeps the router's top-k as recorded in the trace. Policies that change the
-choice keep the original weights for mixing (dual-logit semantics, SpecMD appendix A.1):
-modified logits choose the experts, the router's original probabilities weight them.
-"""
+"""Cache-aware routing: a logit bias toward resident experts (SpecMD appendix A.1)."""
 
 from __future__ import annotations
 
-from abc import ABC
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from moesim.errors import MoesimError
-from moesim.policies.registry import Policy, PolicyContext, Registry
-
-
-class RoutingPolicy(Policy, ABC):
-    """Base class of the routing family; ``changes_routing = False`` means identity."""
-
-    changes_routing: ClassVar[bool] = True
-
-    def route(self, pass_index: int, layer: int, rows: np.ndarray, experts: np.ndarray,
-              cached: Any) -> np.ndarray:
-        """Experts ``[tokens, k]`` (rank order) chosen for the trace rows ``rows`` whose router
-        chose ``experts``; ``cached(key)`` tells whether a cache key is resident or in flight."""
-        return experts
-
-
-REGISTRY: Registry[RoutingPolicy] = Registry("routing")
-
-
-@REGISTRY.register("standard")
-class Standard(RoutingPolicy):
-    """The router's own top-k, unchanged."""
-
-    changes_routing = False
+from moesim.policies.registry import PolicyContext
+from moesim.policies.routing.base import REGISTRY, RoutingPolicy
 
 
 @dataclass(frozen=True)

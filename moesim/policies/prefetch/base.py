@@ -1,0 +1,197 @@
+"""The prefetch family's base: propose experts for later layers at a layer's routing point.
+
+The engine calls :meth:`PrefetchPolicy.propose` after layer ``l``'s routing decision; the
+proposed cache keys (:meth:`PolicyContext.key`) are queued on the copy engine behind
+demand fetches. Policies with ``active = False`` are never called. Each policy is a module of
+this package; this one holds what they share."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from moesim.errors import MoesimError
+from moesim.jit import inline
+from moesim.policies.registry import Policy, PolicyContext, Registry
+
+
+class PrefetchPolicy(Policy, ABC):
+    """Base class of the prefetch family: per-layer proposals (``propose``; ``active = False``
+    when there are none) and an admission rule (``pinned``: experts loaded before the replay
+    and never evicted)."""
+
+    active: ClassVar[bool] = True
+
+    @abstractmethod
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        """Cache keys to prefetch, most wanted first."""
+
+    def pinned(self) -> Sequence[int]:
+        """Cache keys admitted before the replay starts (untimed) and never evicted. Default: none."""
+        return ()
+
+    def proposals(self, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
+        """The proposals of every (pass, layer) of passes ``first .. last`` as arrays (what
+        the compiled replay kernel reads): offsets (``(last - first) * num_layers + 1``; the
+        proposals of (pass p, layer l) are ``keys[off[i]:off[i + 1]]`` with
+        ``i = (p - first) * num_layers + l``) and int64 cache keys. Default: :meth:`propose`
+        for each."""
+        lists = [self.propose(p, layer) for p in range(first, last) for layer in range(self.ctx.num_layers)]
+        off = np.zeros(len(lists) + 1, dtype=np.int64)
+        np.cumsum([len(x) for x in lists], out=off[1:])
+        keys = np.fromiter((k for x in lists for k in x), dtype=np.int64, count=int(off[-1]))
+        return off, keys
+
+    def piece_proposals(self, workload: Any) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`proposals` of all the passes of ``workload`` (a piece of a trace read in
+        pieces, not yet the one replayed), for a policy whose proposals read that workload and
+        nothing else, no state of the policy's included: made on the thread that reads the next
+        piece while the kernel replays this one (:func:`simulator.stream.read_ahead`). Default:
+        None, not made ahead (the kernel asks :meth:`proposals` as it replays the piece)."""
+        return None
+
+
+REGISTRY: Registry[PrefetchPolicy] = Registry("prefetch")
+
+
+def _keys_of(ctx: PolicyContext, pass_index: int, layer: int) -> list[int]:
+    """Cache keys the workload accesses at (pass, layer), in access order."""
+    wl = ctx.workload
+    b = pass_index * ctx.num_layers + layer
+    return ctx.cache_keys(wl.acc_layer[wl.off[b]:wl.off[b + 1]].astype(np.int64) * ctx.num_experts
+                          + wl.acc_expert[wl.off[b]:wl.off[b + 1]]).tolist()
+
+
+def _previous_pass(ctx: PolicyContext, pass_index: int) -> int | None:
+    """The previous forward pass of the same batch group (the previous token), or None."""
+    wl = ctx.workload
+    if pass_index == 0 or wl.pass_group[pass_index - 1] != wl.pass_group[pass_index]:
+        return None
+    return pass_index - 1
+
+
+def _need_pred_next(ctx: PolicyContext, name: str) -> None:
+    if ctx.workload is None or ctx.workload.pred_next is None:
+        raise MoesimError(
+            f"prefetch policy '{name}' needs the trace's 'pred_next' column (the next layer's "
+            "router probabilities predicted from this layer's hidden state), and this trace has "
+            "none. Record it with `moesim capture --predict-next`, make a synthetic trace with "
+            "workload.trace.synth.pred_next: true, or use prefetch: previous-token, which needs "
+            "no hidden state.")
+
+
+@dataclass(frozen=True)
+class TopKParams:
+    """Parameters of top-k next-gate prefetch."""
+
+    overfetch: float = field(default=1.0, metadata={
+        "help": "prefetch ceil(top_k * overfetch) experts per token (SpecMD §3.1.4)"})
+
+    def __post_init__(self) -> None:
+        if not self.overfetch > 0:
+            raise ValueError(f"overfetch must be > 0, got {self.overfetch}")
+
+
+class _ProposedInChunks(PrefetchPolicy):
+    """A prefetcher whose proposals read the workload alone, made for many passes at once
+    (:meth:`_proposals_of`, compiled): :meth:`propose` reads them from a chunk of
+    :attr:`CHUNK` passes made at once, the kernel asks :meth:`proposals` for its calls, and a
+    trace read in pieces makes each piece's on the reading thread (:meth:`piece_proposals`)."""
+
+    CHUNK = 256
+
+    def __init__(self, params: Any, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        self._lo = self._hi = 0
+        self._of: Any = None  # the workload the chunk was made from
+        self._num_l = ctx.num_layers
+        self._off = np.zeros(1, dtype=np.int64)
+        self._keys = np.zeros(0, dtype=np.int64)
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        wl = self.ctx.workload
+        if wl is not self._of or not self._lo <= pass_index < self._hi:  # a chunk of this workload's
+            self._of, self._lo, self._hi = wl, pass_index, min(pass_index + self.CHUNK, wl.num_passes)
+            self._off, self._keys = self.proposals(self._lo, self._hi)
+        i = (pass_index - self._lo) * self._num_l + layer
+        return self._keys[self._off[i]:self._off[i + 1]].tolist()
+
+    def proposals(self, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
+        """Proposals of every (pass, layer) of passes ``first .. last`` at once."""
+        return self._proposals_of(self.ctx.workload, first, last)
+
+    def piece_proposals(self, workload: Any) -> tuple[np.ndarray, np.ndarray]:
+        return self._proposals_of(workload, 0, workload.num_passes)
+
+    def _proposals_of(self, wl: Any, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
+        """The proposals of passes ``first .. last`` of workload ``wl``: they read ``wl``, the
+        parameters and the layout alone (every buffer is the call's own)."""
+        num_l = self._num_l
+        bounds = np.ascontiguousarray(wl.row_off[first * num_l:last * num_l + 1], dtype=np.int64)
+        off, out = self._arrays(wl.pred_next, wl.row_order, bounds, first * num_l)
+        return off, self.ctx.cache_keys(out)
+
+    @abstractmethod
+    def _arrays(self, pred: np.ndarray, row_order: np.ndarray, bounds: np.ndarray,
+                g0: int) -> tuple[np.ndarray, np.ndarray]:
+        """The proposals of the (pass, layer) groups ``g0 + g`` whose rows are
+        ``row_order[bounds[g]:bounds[g + 1]]``: offsets and next-layer flat expert ids."""
+
+
+def _proposing(bounds: np.ndarray, g0: int, num_l: int) -> np.ndarray:
+    """The groups ``g`` (pass, layer ``(g0 + g) % num_l``) that propose: those with trace
+    rows, not at the last layer."""
+    rows = np.diff(bounds)
+    return np.flatnonzero((rows > 0) & ((g0 + np.arange(len(rows))) % num_l + 1 < num_l))
+
+
+def _offsets(groups: int, which: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Proposal offsets of ``groups`` groups (``off[0]`` = 0) from the counts of the
+    proposing ones, ``which``; the others propose nothing."""
+    off = np.zeros(groups + 1, dtype=np.int64)
+    off[which + 1] = counts
+    return np.cumsum(off, out=off)
+
+
+@inline
+def _row_sums(pred, row_order, r0, r1, sums):
+    """The predictions of rows ``row_order[r0:r1]`` (``r0 < r1``) summed per expert into
+    ``sums``: each taken as float32 and added in row order in float32."""
+    for e in range(sums.shape[0]):
+        sums[e] = np.float32(pred[row_order[r0], e])
+    for r in range(r0 + 1, r1):
+        for e in range(sums.shape[0]):
+            sums[e] += np.float32(pred[row_order[r], e])
+
+
+@inline
+def _score_key(score, e):
+    """A whole-number key that orders expert ``e`` by its float32 ``score``, highest last,
+    then by index, lowest last: the high 32 bits hold the score's bits made
+    signed-comparable (a negative float's magnitude bits flipped, after ``+ 0.0`` has made
+    ``-0.0`` into ``0.0``, which compare equal as scores), the low 32 bits ``2**32 - 1 - e``, so
+    that of two equal scores the lower index has the larger key."""
+    bits = np.int64(np.float32(score + np.float32(0.0)).view(np.int32))
+    if bits < 0:
+        bits ^= 0x7FFFFFFF
+    return (bits << 32) | (0xFFFFFFFF - e)
+
+
+@inline
+def _key_expert(key):
+    """The expert index of a :func:`_score_key` key."""
+    return 0xFFFFFFFF - (key & 0xFFFFFFFF)
+
+
+@inline
+def _key_mean(key, count):
+    """The mean score a key of :func:`_percentile_keys` stands for: its float32 sum over
+    ``count`` rows, in float64."""
+    bits = np.int32(key >> 32)
+    if bits < 0:
+        bits ^= np.int32(0x7FFFFFFF)
+    return np.float64(np.int32(bits).view(np.float32)) / count

@@ -1,0 +1,13 @@
+"""The routing family: its base (:mod:`.base`) and one module per policy, each registering
+itself under the name scenarios use when it is imported here (in this order: the order
+``moesim policies`` lists them)."""
+
+from importlib import import_module
+
+from moesim.policies.routing.base import REGISTRY, RoutingPolicy
+
+POLICY_MODULES = ('standard', 'cache_aware')
+for _name in POLICY_MODULES:
+    import_module(f"{__name__}.{_name}")
+
+__all__ = ['REGISTRY', 'RoutingPolicy']
