@@ -34,7 +34,7 @@ except ImportError:  # the fidelity issue's layout (sources at the repository ro
 
 from tests.helpers import scenario
 
-EVICTIONS = ("lru", "fifo", "lfu", "random", "fld", "score", "least-stale", "belady", "lhu")
+EVICTIONS = ("lru", "fifo", "lfu", "random", "fld", "score", "least-stale", "belady", "lhu", "sieve", "s3-fifo", "arc")
 PREFETCHERS = ("none", "oracle", "previous-token", "lookahead", "next-gate-topk", "score-percentile",
                "static-pin")
 MISSES = ("fetch", "fetch-lowest-bit", "fetch-priority", "drop", "substitute", "speculative")

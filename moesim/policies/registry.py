@@ -60,7 +60,8 @@ class PolicyContext:
     the piece being replayed), gives the file's pieces from its start, read again (a pass over
     the file each time it is called): for a policy that counts over the whole trace before the
     replay (static pinning). None: ``workload`` is the whole trace. :meth:`whole_trace` gives
-    either.
+    either. ``static_keys`` holds the keys pinned for the whole replay (static pinning), which
+    a policy is never asked to evict.
     """
 
     num_layers: int
@@ -75,6 +76,7 @@ class PolicyContext:
     default_precision: int = 0
     precision_bytes: tuple[int, ...] = ()
     trace_pieces: Callable[[], Iterator[Any]] | None = None
+    static_keys: set[int] = field(default_factory=set)
 
     def whole_trace(self) -> Generator[Any, None, None]:
         """The whole trace's workloads in order: the file's pieces read again from its start

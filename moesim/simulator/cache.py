@@ -31,7 +31,8 @@ class ExpertCache:
         self.evicted: set[int] = set()  # keys evicted since the owner last cleared it
         self.on_evict: list[Callable[[list[int]], None]] = []  # told the keys evicted
         self.max_used = 0
-        self.static_pinned: set[int] = set()
+        # statically pinned keys (shared with the policy's context: a policy may leave them out)
+        self.static_pinned: set[int] = policy.ctx.static_keys
 
     def __contains__(self, key: int) -> bool:
         """Whether ``key`` is resident or in flight."""
@@ -47,14 +48,17 @@ class ExpertCache:
         resident at once in cache-only replay (an instant engine). Entries in flight, the
         ``pinned`` keys and statically pinned keys are never victims, and victims are evicted
         only when together they free enough room. The policy is told whether the insert is
-        a demand fetch (a use) or a prefetch. Returns the victims, in eviction order (empty
-        when the entry fits), and the transfer; or ``None``, changing nothing, when no room
-        can be made."""
+        a demand fetch (a use) or a prefetch; a demand fetch is first a miss
+        (:meth:`EvictionPolicy.on_miss`). Returns the victims, in eviction order (empty when the
+        entry fits), and the transfer; or ``None``, changing no entry, when no room can be made
+        (a policy whose walk moves its own marks, as SIEVE's hand does, may have moved them)."""
         policy = self.policy
         resident = self.resident
         used = self.used
         free = self.capacity - used
         victims: list[int] = []
+        if demand:
+            policy.on_miss(key)
         if nbytes > free:
             if nbytes > self.capacity:
                 return None
@@ -68,7 +72,7 @@ class ExpertCache:
                 if nbytes <= free:
                     break
             else:
-                return None  # the walk may be a view of the policy: nothing changed during it
+                return None  # no entry changed (the walk may be a view of the policy)
             on_remove = policy.on_remove
             for v in victims:
                 used -= resident.pop(v)
@@ -91,12 +95,12 @@ class ExpertCache:
 
     def cancel_many(self, transfers: list[Transfer]) -> None:
         """Drop the in-flight entries of withdrawn transfers."""
-        inflight, on_remove = self.inflight, self.policy.on_remove
+        inflight, on_withdraw = self.inflight, self.policy.on_withdraw
         for tr in transfers:
             key = tr[KEY]
             del inflight[key]
             self.used -= tr[NBYTES]
-            on_remove(key)
+            on_withdraw(key)
 
     def preload(self, keys: list[int], nbytes: int) -> int:
         """Make ``keys`` resident before the replay and pin them for good (static pinning);

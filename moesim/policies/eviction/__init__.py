@@ -26,7 +26,8 @@ from moesim.policies.eviction.base import (
     walk_table,
 )
 
-POLICY_MODULES = ("lru", "fifo", "lfu", "random", "fld", "score", "least_stale", "belady", "lhu")
+POLICY_MODULES = ("lru", "fifo", "lfu", "random", "fld", "score", "least_stale", "belady", "lhu", "sieve", "s3fifo",
+                  "arc")
 for _name in POLICY_MODULES:
     import_module(f"{__name__}.{_name}")
 

@@ -57,6 +57,18 @@ class EvictionPolicy(Policy, ABC):
         """The prefetcher selected ``key``, already cached (no transfer). Default: nothing
         (recency policies do not count a selection as a use)."""
 
+    def on_miss(self, key: int) -> None:
+        """A demand lookup missed ``key`` (neither resident nor in flight) and the cache is about
+        to make room for it: libCacheSim's ``find`` on a miss, where a policy with ghost lists
+        (ARC, S3-FIFO) learns that the key was recently evicted. Called before
+        :meth:`candidates`. Default: nothing."""
+
+    def on_withdraw(self, key: int) -> None:
+        """A prefetch of ``key`` was withdrawn before its copy started: it leaves the cache
+        without having been evicted (a policy with ghost lists does not remember it). Default:
+        :meth:`on_remove`."""
+        self.on_remove(key)
+
     def prefetch_candidates(self) -> Iterator[int]:
         """The keys this policy lets the cache evict to admit an optional prefetch, most
         evictable first. Default: every candidate (:meth:`candidates`)."""
