@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from moesim.files import tree_digest
 
 _DIGESTS: dict[Path, str] = {}
+_T = TypeVar("_T")
 
 
 def package_root(source: str | Path) -> Path:
@@ -42,6 +43,7 @@ def package_digest(source: str | Path) -> str:
 
 
 try:
+    from numba import literal_unroll
     from numba import njit as _numba_njit
     from numba.core import types
     from numba.core.caching import FunctionCache
@@ -135,6 +137,10 @@ except ImportError:  # pragma: no cover - exercised where numba has no wheel
         """Without numba a compiled function runs as plain Python."""
         return lambda f: f
 
+    def literal_unroll(container: _T) -> _T:
+        """Without numba the loop over a tuple is a plain loop."""
+        return container
+
 
 def forget_tuples() -> None:
     """Let go of the tuple arguments every compiled loop keeps with their types
@@ -183,12 +189,40 @@ def _compiled(**options: Any) -> Any:
     return wrap
 
 
+# Compiled code only calls ``kernel``, ``inline`` and ``ir_inline`` functions: numba makes them no
+# wrapper to be called from Python (``no_cpython_wrapper``) or as a C function (``no_cfunc_wrapper``),
+# whose code -- unboxing the replay kernel's tuples of arrays and first-class functions -- took a
+# third of the kernel's compile; :func:`entry` gives one that Python can call (the tests').
+_INTERNAL: dict[str, Any] = {**_OPTIONS, "no_cpython_wrapper": True, "no_cfunc_wrapper": True}
 jit = _compiled(**_OPTIONS)
-inline = _compiled(**_OPTIONS, forceinline=True)
+kernel = _compiled(**_INTERNAL)
+inline = _compiled(**_INTERNAL, forceinline=True)
+# a function numba inlines into its callers' code before compiling them (``inline="always"``): it is
+# never compiled on its own
+ir_inline = _compiled(**_INTERNAL, inline="always")
+
+
+def entry(func: Any) -> Any:
+    """A twin of compiled function ``func`` that Python can call (``kernel`` and ``inline``
+    functions have no wrapper for it): the same source compiled with numba's wrapper, not cached
+    on disk (its cache would be the wrapperless one's); the functions it calls are the shared
+    ones. ``func`` itself where numba is off."""
+    if not HAVE_NUMBA or not isinstance(func, CPUDispatcher):
+        return func
+    twin = _ENTRIES.get(func)
+    if twin is None:
+        twin = _numba_njit(**_OPTIONS)(func.py_func)
+        twin.__class__ = _PlainTypes
+        _ENTRIES[func] = twin
+    return twin
+
+
+_ENTRIES: dict[Any, Any] = {}
 
 if HAVE_NUMBA:  # a first compile (after an installation or a change) gets a helper on the other core
     from moesim.jitplan import watch_compiles
 
     watch_compiles()
 
-__all__ = ["HAVE_NUMBA", "forget_large_tuples", "forget_tuples", "inline", "jit", "njit", "package_digest", "package_root"]
+__all__ = ["HAVE_NUMBA", "entry", "forget_large_tuples", "forget_tuples", "inline", "ir_inline", "jit", "kernel", "literal_unroll", "njit",
+           "package_digest", "package_root"]

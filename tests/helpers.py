@@ -180,3 +180,47 @@ def load_tool(name: str, folder: str = "tools") -> Any:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def kernel_by_hand(ev: str, num_keys: int, layers: int = 1, nprec: int = 1, params: Any = None,
+                   pool: int = 8, capacity: float = float("inf")) -> tuple[Any, ...]:
+    """The replay kernel's state for eviction policy ``ev`` (a registered name), to drive its
+    functions by hand: ``IS, FS, K, T, DI, A`` with ``layers`` layers of ``num_keys // layers``
+    keys (``nprec`` precisions), the policy's compiled form picked (``C_FORM``) and its state in
+    ``A``; instant copies, one byte an entry, a cache of ``capacity`` bytes."""
+    import moesim.kernel_state as KS
+    from moesim.policies.eviction import REGISTRY
+    from moesim.policies.eviction.forms import form_index, form_of
+    from moesim.policies.registry import PolicyContext
+    from moesim.simulator import kernel as K
+
+    cls = REGISTRY.get(ev)
+    ctx = PolicyContext(num_layers=layers, num_experts=num_keys // layers // nprec, top_k=1, expert_bytes=1,
+                        rng=np.random.default_rng(0), precisions=("bf16", "int4")[:nprec],
+                        precision_bytes=(1, 1)[:nprec], capacity_bytes=capacity)
+    policy = cls(params if params is not None else cls.Params(), ctx)
+    IS, FS, KR, TR, _ = KS._layout(num_keys=num_keys, pool=pool, pend_max=4, maxn=1, nprec=nprec,
+                                   per_layer=num_keys // layers)
+    form = form_of(cls)
+    assert form is not None
+    IS[KS.C_L], IS[KS.C_FORM], IS[KS.C_INSTANT], IS[KS.C_NBYTES] = layers, form_index(cls), 1, 1
+    IS[KS.C_PENDING], IS[KS.C_KEEPSTATIC] = form.reads_pending, form.keeps_static
+    FS[KS.CF_CAP] = capacity
+    hooks, S = K._form_arrays(policy, num_keys)
+    DI = np.zeros(2, np.int64)
+    A = (*(np.zeros(1, np.int64),) * 5, hooks, S)
+    return IS, FS, KR, TR, DI, A
+
+
+class Callable:
+    """A compiled module's functions as Python can call them (:func:`moesim.jit.entry`: the
+    kernel's own have no wrapper for it), its constants as they are."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        from moesim.jit import entry
+
+        value = getattr(self._module, name)
+        return entry(value) if callable(value) and hasattr(value, "py_func") else value

@@ -11,11 +11,14 @@ loop alike; a kept priority's form has none). Whole replays on both paths:
 
 from __future__ import annotations
 
+from importlib import import_module
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from moesim.jit import entry
 from moesim.policies import eviction as ev
 from moesim.policies.eviction import (
     CLOCK_KEYS_PER_LAYER,
@@ -25,9 +28,14 @@ from moesim.policies.eviction import (
     CLOCK_PRECISIONS,
     CLOCK_SIZE,
 )
+from moesim.policies.eviction import REGISTRY as EVICTION
 from moesim.policies.hooks import compiled
 from moesim.policies.registry import PolicyContext
+from tests.helpers import Callable, kernel_by_hand
 
+# the kernel's functions called by hand: ``A`` holds the hook forms' first-class functions, which
+# numba calls experimental
+pytestmark = pytest.mark.filterwarnings("ignore:First-class function type feature is experimental")
 LAYERS, EXPERTS = 3, 3
 FORMS = {"lfu": (ev.lfu.LFU, 1, None), "fld": (ev.fld.FarthestLayerDistance, 1, None),
          "lhu": (ev.lhu.LeastHighPrecisionUsed, 2, None), "score": (ev.score.ScoreBased, 1, ev.score.ScoreParams(decay=0.5)),
@@ -195,126 +203,186 @@ def test_score_by_hand():
 def test_a_subclass_of_a_built_in_elsewhere_does_not_run_its_compiled_form():
     """A user's LFU variant (its own ``candidates``) inherits ``compiled`` but is not the
     built-in: the kernel has no form for it, and the replay says so."""
-    from moesim.simulator.kernel import _policy_codes, eviction_code
+    from moesim.policies.eviction.forms import form_of
+    from moesim.policies.hooks import PriorityHooks
 
     class MyLFU(ev.lfu.LFU):
         def candidates(self):
             return reversed(list(super().candidates()))
 
-    assert eviction_code(MyLFU) is None
-    assert MyLFU not in _policy_codes()[0]
-    assert all(eviction_code(c) is not None for c in (ev.lfu.LFU, ev.fld.FarthestLayerDistance, ev.score.ScoreBased,
+    assert form_of(MyLFU) is None
+    assert all(form_of(c) is PriorityHooks for c in (ev.lfu.LFU, ev.fld.FarthestLayerDistance, ev.score.ScoreBased,
                                                      ev.lhu.LeastHighPrecisionUsed))
 
 
+# -- the forms of their own (lru, fifo, least-stale, sieve, s3-fifo, arc), driven through the kernel --
+# the kernel's functions are called as the replay calls them (kernel_cache's dispatch to the form);
+# the reference form gets the same events as the SimPy cache gives it
+OWN_FORMS = {"lru": None, "fifo": None, "least-stale": ev.least_stale.LeastStaleParams(),
+             "least-stale-absolute": ev.least_stale.LeastStaleParams(order="absolute"), "sieve": None,
+             "s3-fifo": None, "arc": None}
+PURE = {"lru", "fifo", "least-stale", "least-stale-absolute"}  # walks that change nothing: whole orders compared
+CAPACITY = 4
+# (experts per layer, capacity): S3-FIFO's small queue holds a tenth of the capacity (whole experts)
+SHAPES = {"s3-fifo": (10, 24)}
 
-# -- the list forms (lru, fifo, least-stale): RecencyList, InsertionList, LeastStaleLists ---------
-LIST_FORMS = {"lru": (ev.lru.LRU, None), "fifo": (ev.fifo.FIFO, None),
-              "least-stale": (ev.least_stale.LeastStale, ev.least_stale.LeastStaleParams()),
-              "least-stale-absolute": (ev.least_stale.LeastStale, ev.least_stale.LeastStaleParams(order="absolute"))}
-# the key records' fields a list form reads and writes (the kernel's records have these and more)
-RECORD = np.dtype([(name, np.int64) for name in ("prev", "next", "curpass", "layer", "pend")])
 
+class KernelDriver:
+    """A form as the kernel runs it (:func:`tests.helpers.kernel_by_hand`), ``LAYERS`` layers of
+    ``EXPERTS`` keys, instant copies of one byte into a cache of ``CAPACITY`` bytes."""
 
-class ListDriver:
-    """A list form's side, written from the contract (the comment above
-    ``eviction.RecencyList``): key records, the lists' heads and tails at ``BASE`` on in ``L``,
-    the pending mark, and the victim walk over ``segment``'s lists."""
+    def __init__(self, name: str, params: object, experts: int = EXPERTS, capacity: int = CAPACITY) -> None:
+        KE = Callable(import_module("moesim.simulator.kernel_cache"))
+        KC = Callable(import_module("moesim.simulator.kernel_copy"))
+        KS = Callable(import_module("moesim.kernel_state"))
 
-    BASE = 3  # the heads and tails need not start at 0
+        self.KE, self.KC, self.KS = KE, KC, KS
+        self.IS, self.FS, self.K, self.T, self.DI, self.A = kernel_by_hand(
+            name.removesuffix("-absolute"), LAYERS * experts, layers=LAYERS, params=params, pool=64,
+            capacity=float(capacity))
+        self.pin_gen = 1
 
-    def __init__(self, form: type, opt: int) -> None:
-        self.form, self.opt = form, opt
-        n = LAYERS * EXPERTS
-        self.K = np.zeros(n, RECORD).view(np.recarray)
-        self.K["prev"] = self.K["next"] = self.K["curpass"] = -1
-        self.K["layer"] = np.arange(n) // EXPERTS
-        self.L = np.full(self.BASE + 4 * LAYERS + 2, -1, np.int64)
-        self.p, self.layer, self.gen = 0, 0, 1
+    def at(self, p: int, layer: int, pending: set[int]) -> None:
+        IS, KS = self.IS, self.KS
+        if p != IS[KS.S_PASS]:
+            IS[KS.S_PASS] = p
+            self.KE._new_pass(IS, self.K, self.A)
+        IS[KS.S_LAYER] = layer
+        IS[KS.S_PENDGEN] += 1
+        for k in pending:
+            self.K[k].pend = IS[KS.S_PENDGEN]
 
-    def call(self, name: str, key: int) -> None:
-        getattr(self.form, name)(key, self.p, self.L, self.BASE, LAYERS, self.K)
-
-    def new_pass(self, p: int) -> None:
-        self.p = p
-        self.form.new_pass(p, self.L, self.BASE, LAYERS, self.K)
-
-    def pending(self, keys: set[int]) -> None:
-        self.gen += 1
+    def pin(self, keys: set[int]) -> None:
+        self.pin_gen += 1
         for k in keys:
-            self.K[k].pend = self.gen
+            self.K[k].pin = self.pin_gen
 
-    def walk(self, for_prefetch: bool) -> list[int]:
-        """The lists in ``segment``'s order (compiled), and the same order read from
-        ``walk_table``'s row for the layer, as the kernel reads it."""
-        order = []
-        for q in range(self.form.QUEUES):
-            for step in range(self.form.steps(LAYERS, self.opt)):
-                h, which = self.form.segment(q, step, for_prefetch, self.layer, LAYERS, self.opt)
-                if which != ev.SKIP:
-                    order.append((h, which))
-        row = ev.walk_table(self.form, LAYERS, self.opt)[self.layer, int(for_prefetch)]
-        assert [tuple(x) for x in row[1:1 + 2 * row[0]].reshape(-1, 2)] == order
-        out = []
-        for h, which in order:
-            key = self.L[self.BASE + h]
-            while key != -1:
-                if which == ev.ANY or (self.K[key].pend == self.gen) == (which == ev.PENDING):
-                    out.append(int(key))
-                key = self.K[key].next
+    def fetch(self, key: int, demand: bool) -> int:
+        """A miss of ``key`` (demand) or a prefetch's admission: the victim evicted (-1: none
+        needed), the entry inserted; -2 when no room could be made."""
+        KE, IS, K = self.KE, self.IS, self.K
+        if demand:
+            KE._on_miss(key, IS, K, self.A)
+        victim = -1
+        if IS[self.KS.S_USED] + 1 > self.FS[self.KS.CF_CAP]:
+            victim = KE._find_victim(not demand, self.pin_gen, -1, 0, IS, K, self.A)
+            if victim == -1:
+                return -2
+            KE._evict(victim, IS, K, self.A)
+        tid = self.KC._submit(key, self.KS.DEMAND if demand else self.KS.PREFETCH, 0.0, 0, IS, self.T, self.FS)
+        KE._insert(key, tid, demand, -1, IS, K, self.T, self.DI, self.A)
+        return victim
+
+    def use(self, key: int) -> None:
+        self.KE._on_access(key, -1, self.IS, self.K, self.DI, self.A)
+
+    def select(self, key: int) -> None:
+        self.KE._on_select(key, self.IS, self.K, self.A)
+
+    def withdraw(self, key: int) -> None:
+        self.K[key].state = self.KS.ABSENT
+        self.IS[self.KS.S_USED] -= 1
+        self.KE._on_remove(key, 0, self.IS, self.K, self.A)
+
+    def order(self, for_prefetch: bool) -> list[int]:
+        """Every victim in order: each found one pinned, the walk continued (``again``)."""
+        saved = {int(k): int(self.K[k].pin) for k in range(len(self.K))}
+        out: list[int] = []
+        v = self.KE._find_victim(for_prefetch, self.pin_gen, -1, 0, self.IS, self.K, self.A)
+        while v != -1:
+            out.append(int(v))
+            self.K[v].pin = self.pin_gen
+            v = self.KE._find_victim(for_prefetch, self.pin_gen, -1, 1, self.IS, self.K, self.A)
+        for k, g in saved.items():
+            self.K[k].pin = g
         return out
 
 
-list_events = st.lists(st.tuples(st.sampled_from(["put", "use", "select", "drop", "layer", "pass"]),
-                                 st.integers(0, 10 ** 6), st.booleans()), min_size=1, max_size=60)
+kernel_events = st.lists(st.tuples(st.sampled_from(["put", "pref", "use", "select", "drop", "layer", "pass"]),
+                                   st.integers(0, 10 ** 6), st.integers(0, 2 ** 30)), min_size=1, max_size=120)
 
 
-@pytest.mark.parametrize("name", list(LIST_FORMS))
-@settings(max_examples=80, deadline=None)
-@given(evs=list_events)
-def test_the_list_forms_walk_the_reference_order(name, evs):
-    """After any sequence of inserts, uses, prefetch selections, removals, layer changes (with
-    any of the layer's cached experts still to run) and passes, the compiled form's lists walked
-    in its order give the reference policy's ``candidates()``, and for a prefetch its
-    ``prefetch_candidates()``."""
-    cls, params = LIST_FORMS[name]
-    ctx = PolicyContext(num_layers=LAYERS, num_experts=EXPERTS, top_k=2, expert_bytes=1,
-                        rng=np.random.default_rng(0))
-    ref = cls(params, ctx)
-    form = ListDriver(cls.lists, int(params is not None and params.order == "relative"))
+def drive_both(name: str, params: object, evs: list) -> None:
+    """The reference form and the compiled form, given the same events; after each, the same
+    victim (and for a walk that changes nothing, the same whole order)."""
+    cls = EVICTION.get(name.removesuffix("-absolute"))
+    experts, capacity = SHAPES.get(name, (EXPERTS, CAPACITY))
+    ctx = PolicyContext(num_layers=LAYERS, num_experts=experts, top_k=2, expert_bytes=1,
+                        rng=np.random.default_rng(0), capacity_bytes=float(capacity), precision_bytes=(1,))
+    ref = cls(params if params is not None else cls.Params(), ctx)
+    form = KernelDriver(name, params, experts, capacity)
     cached: list[int] = []
-    for what, x, flag in evs:
+    pinned: set[int] = set()
+    for what, x, bits in evs:
         if what == "layer":
-            ctx.clock.layer = form.layer = x % LAYERS
-            mine = [k for k in cached if k // EXPERTS == form.layer]
+            ctx.clock.layer = x % LAYERS
+            mine = [k for k in cached if k // experts == ctx.clock.layer]
             ctx.clock.pending = {k for i, k in enumerate(mine) if (x >> (i + 2)) & 1}
-            form.pending(ctx.clock.pending)
-        elif what == "pass":  # forward, by one to three passes (the kernel rolls once a pass)
+            form.at(ctx.clock.pass_index, ctx.clock.layer, ctx.clock.pending)
+        elif what == "pass":  # forward, by one to three passes
             ctx.clock.pass_index += 1 + x % 3
             ctx.clock.pending = set()
-            form.pending(set())
-            form.new_pass(ctx.clock.pass_index)
-        elif what == "put":
-            free = [k for k in range(LAYERS * EXPERTS) if k not in cached]
-            if free:
-                key = free[x % len(free)]
-                cached.append(key)
-                ref.on_insert(key, flag)
-                form.call("insert", key)
+            form.at(ctx.clock.pass_index, ctx.clock.layer, set())
+        elif what in ("put", "pref"):
+            free = [k for k in range(LAYERS * experts) if k not in cached]
+            if not free:
+                continue
+            key = free[x % len(free)]
+            pinned = {k for i, k in enumerate(cached) if (bits >> i) & 1 and (bits >> 28) & 1}  # some of the time
+            form.pin(pinned)
+            demand = what == "put"
+            if demand:
+                ref.on_miss(key)
+            want = -1
+            if len(cached) + 1 > capacity:
+                walk = ref.candidates() if demand else ref.prefetch_candidates()
+                want = next((v for v in walk if v not in pinned), -2)
+            got = form.fetch(key, demand)
+            assert got == want, (what, x, bits)
+            if want == -2:
+                continue
+            if want >= 0:
+                cached.remove(want)
+                ref.on_remove(want)
+            cached.append(key)
+            ref.on_insert(key, demand)
         elif cached:
             key = cached[x % len(cached)]
             if what == "use":
                 ref.on_access(key)
-                form.call("access", key)
+                form.use(key)
             elif what == "select":
                 ref.on_prefetch_select(key)
-                form.call("select", key)
+                form.select(key)
             else:
                 cached.remove(key)
-                ref.on_remove(key)
-                form.call("remove", key)
-        assert list(ref.candidates()) == form.walk(False), (what, x, flag)
-        assert list(ref.prefetch_candidates()) == form.walk(True), (what, x, flag)
+                ref.on_withdraw(key)
+                form.withdraw(key)
+        if name in PURE:
+            form.pin(set())
+            assert list(ref.candidates()) == form.order(False), (what, x, bits)
+            assert list(ref.prefetch_candidates()) == form.order(True), (what, x, bits)
+
+
+@pytest.mark.parametrize("name", list(OWN_FORMS))
+@settings(max_examples=80, deadline=None)
+@given(evs=kernel_events)
+def test_the_forms_of_their_own_choose_the_reference_victims(name, evs):
+    """After any sequence of misses, prefetch admissions (any cached keys pinned), uses,
+    prefetch selections, withdrawals, layer changes (with any of the layer's cached experts
+    still to run) and passes, the compiled form chooses the victim its reference form's
+    ``candidates()`` (``prefetch_candidates()``) gives first among the keys the cache may evict;
+    a form whose walk changes nothing walks the reference's whole order."""
+    drive_both(name, OWN_FORMS[name], evs)
+
+
+def _ls() -> KernelDriver:
+    return KernelDriver("least-stale", ev.least_stale.LeastStaleParams())
+
+
+def _ls_walk(f: KernelDriver, for_prefetch: bool) -> list[int]:
+    f.pin(set())
+    return f.order(for_prefetch)
 
 
 def test_least_stale_lists_by_hand():
@@ -324,40 +392,39 @@ def test_least_stale_lists_by_hand():
     order: stale layer 0 (0), then current: layer 0 (1), layer 1 run (4), layer 1 pending (3).
     A prefetch does not take layer 1's pending expert; a pass later all four are stale, and
     key 1, which joined layer 0's stale list behind key 0, leaves it with key 0 its tail."""
-    f = ListDriver(ev.least_stale.LeastStaleLists, 1)
-    f.call("insert", 0)
-    f.call("insert", 1)
-    f.new_pass(1)
-    f.call("insert", 3)
-    f.call("insert", 4)
-    f.call("select", 1)
-    f.layer = 1
-    f.pending({3})
-    assert f.walk(False) == [0, 1, 4, 3]
-    assert f.walk(True) == [0, 1, 4]
-    f.new_pass(2)
-    assert f.walk(False) == [0, 1, 4, 3]
-    f.call("access", 4)
-    assert f.walk(False) == [0, 1, 3, 4]
-    f.call("remove", 1)  # joined the stale list behind 0 at the pass: its neighbour is 0
-    assert f.walk(False) == [0, 3, 4]
-    assert f.K[0].next == -1
-    assert f.L[f.BASE + 1] == 0
+    f = _ls()
+    f.fetch(0, True)
+    f.fetch(1, True)
+    f.at(1, 0, set())
+    f.fetch(3, True)
+    f.fetch(4, True)
+    f.select(1)
+    f.at(1, 1, {3})
+    assert _ls_walk(f, False) == [0, 1, 4, 3]
+    assert _ls_walk(f, True) == [0, 1, 4]
+    f.at(2, 1, {3})
+    assert _ls_walk(f, False) == [0, 1, 4, 3]
+    f.use(4)
+    assert _ls_walk(f, False) == [0, 1, 3, 4]
+    f.withdraw(1)  # joined the stale list behind 0 at the pass: its neighbour is 0
+    assert _ls_walk(f, False) == [0, 3, 4]
+    S = f.A[f.KS.A_FORM]
+    assert S[0][0, 1] == -1  # 0 has no next
+    assert S[2][1 + 1] == 0  # layer 0's stale list ends at 0
 
 
 @settings(max_examples=200, deadline=None)
 @given(pos=st.lists(st.integers(0, 40), max_size=12).map(sorted), lo=st.integers(0, 3), cut=st.integers(0, 3),
        i=st.integers(-2, 45), base=st.integers(0, 1000), after=st.integers(-1, 2000))
 def test_belady_next_use_is_the_first_access_after_i(pos, lo, cut, i, base, after):
-    """``FutureUses.next_use`` (compiled) against numpy's searchsorted: of a key's sorted
+    """Belady's ``next_use`` (compiled) against numpy's searchsorted: of a key's sorted
     accesses ``pos[lo:hi]`` in the piece, the first after ``i``, counted over the trace
     (``base`` on); past them its first after the piece, or inf."""
     arr = np.array([-5] * lo + pos + [99] * cut, np.int64)  # its own accesses lie between others'
     mine = arr[lo:lo + len(pos)]
     j = int(np.searchsorted(mine, i, side="right"))
     want = float(base + mine[j]) if j < len(mine) else (float(after) if after >= 0 else np.inf)
-    assert ev.belady.FutureUses.next_use(arr, lo, lo + len(pos), i, base, after) == want
-    assert ev.belady.FutureUses.priority(want) == -want
+    assert entry(ev.belady.next_use)(arr, lo, lo + len(pos), i, base, after) == want
 
 
 def test_least_stale_walk_table_by_hand():
@@ -366,31 +433,32 @@ def test_least_stale_walk_table_by_hand():
     layer 1 to run, in each queue; a prefetch: the stale queue without layer 1's experts still
     to run, then the current queue's layer 0 and layer 1's run experts. Absolute: layers 0, 1, 2
     per queue."""
-    t = ev.walk_table(ev.least_stale.LeastStaleLists, 3, 1)
+    walk_table, lists = ev.least_stale.walk_table, ev.least_stale.LeastStaleLists
+    t = walk_table(lists, 3, 1)
     assert t.shape == (3, 2, 1 + 2 * 8)
     A, R, P = ev.ANY, ev.NOT_PENDING, ev.PENDING
     assert t[1, 0].tolist() == [8, 0, A, 2, R, 4, A, 2, P, 6, A, 8, R, 10, A, 8, P]
     assert t[1, 1, :1 + 2 * 5].tolist() == [5, 0, A, 2, R, 4, A, 6, A, 8, R]
     assert t[1, 1, 11:].tolist() == [0] * 6
-    assert ev.walk_table(ev.least_stale.LeastStaleLists, 3, 0)[1, 0, :13].tolist() == [6, 0, A, 2, A, 4, A, 6, A, 8, A, 10, A]
-    assert ev.walk_table(ev.lru.RecencyList, 3, 0)[2].tolist() == [[1, 0, A], [1, 0, A]]
+    assert walk_table(lists, 3, 0)[1, 0, :13].tolist() == [6, 0, A, 2, A, 4, A, 6, A, 8, A, 10, A]
 
 
 def test_a_new_pass_appends_each_current_list_behind_its_stale_tail():
     """Least-stale's roll: layer 0's stale list [0, 1] and current list [2] become [0, 1, 2],
     with 2 behind the stale tail 1 (not the head, not another list's end): removing 2 leaves
     [0, 1] with 1 the tail, and removing 1 then leaves [0]."""
-    f = ListDriver(ev.least_stale.LeastStaleLists, 1)
-    f.call("insert", 0)
-    f.call("insert", 1)
-    f.new_pass(1)
-    f.call("insert", 2)
-    f.new_pass(2)
-    assert f.walk(False) == [0, 1, 2]
-    assert (f.K[2].prev, f.K[1].next) == (1, 2)
-    f.call("remove", 2)
-    assert f.walk(False) == [0, 1]
-    assert f.L[f.BASE + 1] == 1
-    f.call("remove", 1)
-    assert f.walk(False) == [0]
-    assert f.L[f.BASE + 1] == 0
+    f = _ls()
+    f.fetch(0, True)
+    f.fetch(1, True)
+    f.at(1, 0, set())
+    f.fetch(2, True)
+    f.at(2, 0, set())
+    assert _ls_walk(f, False) == [0, 1, 2]
+    S = f.A[f.KS.A_FORM]
+    assert (S[0][2, 0], S[0][1, 1]) == (1, 2)
+    f.withdraw(2)
+    assert _ls_walk(f, False) == [0, 1]
+    assert S[2][1 + 1] == 1
+    f.withdraw(1)
+    assert _ls_walk(f, False) == [0]
+    assert S[2][1 + 1] == 0

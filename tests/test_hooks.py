@@ -729,9 +729,9 @@ def test_a_compiled_hook_policy_serves_under_load_as_the_builtin_it_mirrors(hook
     assert ref.summary["misses"] > 0
     assert (ref.requests["queue_s"] > 0).any()
     same_rows(served(hooked), ref)
-    with pytest.raises(MoesimError, match=r"cannot run eviction policy 'not-numeric' \(it reads the whole trace, or "
-                                          r"its hooks do not compile\); use one of lru, .* or a hook policy numba "
-                                          r"compiles"):
+    with pytest.raises(MoesimError, match=r"cannot run eviction policy 'not-numeric' \(it reads the whole trace or "
+                                          r"the future, or its hooks do not compile\); use one of lru, .* or a hook "
+                                          r"policy numba compiles"):
         served("not-numeric")
 
 

@@ -117,3 +117,28 @@ def test_the_tree_digest_is_of_the_names_and_bytes_in_name_order(tmp_path):
     for name in ("a/y.py", "a/z.py", "a-b/c.py", "b.py"):
         want.update(name.encode() + b"\0" + made[name].encode() + b"\0")
     assert tree_digest(tmp_path, (".py",)) == want.hexdigest()
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba is not installed")
+def test_a_kernel_function_has_no_wrapper_for_python_and_its_entry_twin_has():
+    """``kernel`` functions are called from compiled code only (numba makes them no wrapper to
+    be called from Python, which cost a third of the kernel's compile); ``entry`` makes one twin
+    that Python can call, kept, computing the same; a ``jit`` function Python calls directly."""
+    import numpy as np
+
+    from moesim.jit import entry, jit, kernel
+
+    def body(a, n):
+        s = 0
+        for i in range(n):
+            s += a[i] * (i + 1)
+        return s
+
+    inner = kernel(body)
+    outer = jit(lambda a, n: inner(a, n) + 1)
+    a = np.arange(5, dtype=np.int64)
+    assert outer(a, 5) == 0 * 1 + 1 * 2 + 2 * 3 + 3 * 4 + 4 * 5 + 1 == 41
+    twin = entry(inner)
+    assert twin is entry(inner)
+    assert twin(a, 5) == 40
+    assert entry(len) is len  # not compiled: itself

@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+from importlib import import_module
 from typing import Any
 
 import numpy as np
@@ -19,9 +20,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from moesim.policies.eviction.fifo import FIFO, InsertionList
+from moesim.policies.eviction.forms import form_index
+from moesim.policies.hooks import unused_hooks
 from moesim.simulator.engine import Simulation
 from moesim.traces.synth import generate, synth_from_preset
-from tests.helpers import experts_cap, scenario, small_model
+from tests.helpers import Callable, experts_cap, kernel_by_hand, scenario, small_model
 
 # the by-hand tests call the kernel's functions, whose ``A`` holds the eviction hooks: numba's
 # first-class functions, which it calls experimental (``kernel.replay`` says the same)
@@ -465,8 +469,8 @@ def test_the_prefetch_ring_drops_its_tombstones_when_full():
     order from slot 0 on, each knowing its slot, and the new one comes last. (No replay in
     the tests fills the ring, so the kernel's functions are driven directly: 6 prefetches
     queued on a 6-slot pool behind a busy link, the 2nd and 5th withdrawn, one more queued.)"""
-    from moesim.simulator import kernel_copy as KC
-    from moesim.simulator import kernel_state as KS
+    KC = Callable(import_module("moesim.simulator.kernel_copy"))
+    KS = Callable(import_module("moesim.kernel_state"))
 
     pool = 6
     IS, FS, _, TR, _ = KS._layout(num_keys=8, pool=pool, pend_max=8, maxn=1, top_k=1)
@@ -497,8 +501,8 @@ def test_the_copy_engine_serves_demand_first_in_order_and_completes_what_is_done
     exactly at ``now`` is), keeps the demand queue's unstarted tail in order at its head, and
     adds each started copy's time to the busy time. (A replay rarely stops between two queued
     demand copies, so the queue's shift and the boundaries are driven here directly.)"""
-    from moesim.simulator import kernel_copy as KC
-    from moesim.simulator import kernel_state as KS
+    KC = Callable(import_module("moesim.simulator.kernel_copy"))
+    KS = Callable(import_module("moesim.kernel_state"))
 
     IS, FS, K, TR, _ = KS._layout(num_keys=8, pool=8, pend_max=8, maxn=1, top_k=1)
     d0, d1, d2 = (KC._submit(key, KS.DEMAND, 0.0, 0, IS, TR, FS) for key in range(3))
@@ -560,7 +564,7 @@ def test_the_copy_engine_serves_demand_first_in_order_and_completes_what_is_done
 def test_the_kernels_pairwise_sum_is_numpys(values, offset):
     """``_pairwise_sum`` adds as numpy's ``sum`` adds a float64 array (tested bit for bit
     from 0 to 128 terms, where numpy switches from one loop to eight accumulators at 8)."""
-    from moesim.simulator import kernel_compute as KX
+    KX = Callable(import_module("moesim.simulator.kernel_compute"))
 
     FS = np.full(offset + len(values) + 1, 12345.0)  # a term read outside the range shows
     FS[offset:offset + len(values)] = values
@@ -574,16 +578,19 @@ def test_the_kernels_room_takes_as_many_victims_as_it_needs_or_changes_nothing()
     order, pinned entries passed over, until the request fits; when the evictable entries
     cannot free enough, nothing is evicted and every pin is as it was; a request larger
     than the cache never fits; an eviction for a prefetch ends the victim's admission."""
-    from moesim.simulator import kernel as K
-    from moesim.simulator import kernel_cache as KE
-    from moesim.simulator import kernel_copy as KC
-    from moesim.simulator import kernel_state as KS
+    from moesim.policies.eviction.forms import form_index
+    from moesim.policies.eviction.lru import LRU, RecencyList
+    from moesim.policies.hooks import unused_hooks
+    KE = Callable(import_module("moesim.simulator.kernel_cache"))
+    KC = Callable(import_module("moesim.simulator.kernel_copy"))
+    KS = Callable(import_module("moesim.kernel_state"))
 
     IS, FS, KR, TR, _ = KS._layout(num_keys=8, pool=8, pend_max=4, maxn=1, nprec=2)
-    IS[KS.C_L], IS[KS.C_DIV], IS[KS.C_EV], IS[KS.C_INSTANT], IS[KS.C_MULTI] = 1, 8, KS.EV_LRU, 1, 1
+    IS[KS.C_L], IS[KS.C_DIV], IS[KS.C_FORM], IS[KS.C_INSTANT], IS[KS.C_MULTI] = 1, 8, form_index(LRU), 1, 1
     IS[IS[KS.H_PBYTES]:IS[KS.H_PBYTES] + 2] = [4, 1]  # key % 2 == 0: 4 bytes, else 1 byte
     FS[KS.CF_CAP] = 8.0
-    DI, A = np.zeros(1, np.int64), (*(np.zeros(1, np.int64),) * 5, K._hooks(None))
+    S = RecencyList.state(None, 8)
+    DI, A = np.zeros(1, np.int64), (*(np.zeros(1, np.int64),) * 5, unused_hooks(), S)
     for key in (1, 3, 4, 7):  # least recently used first; 7 bytes in all
         KE._insert(key, KC._submit(key, KS.DEMAND, 0.0, 0, IS, TR, FS), True, -1, IS, KR, TR, DI, A)
     assert IS[KS.S_USED] == 7
@@ -595,10 +602,10 @@ def test_the_kernels_room_takes_as_many_victims_as_it_needs_or_changes_nothing()
         KR[key][f] = v
 
     def lru() -> list[int]:
-        out, key = [], IS[KS.S_HEAD]
+        out, key = [], S[2][0]
         while key != -1:
             out.append(int(key))
-            key = field(key, "next")
+            key = S[0][key, 1]
         return out
 
     pins = {1: 2, 3: 9, 4: 3, 7: 9}  # 3 and 7 pinned in generation 9
@@ -639,38 +646,32 @@ def test_statically_pinned_experts_stay_out_of_the_recency_lists(ev):
     pinned the LRU walk read 25 keys a miss on uniform routing and the replay took twice as
     long: 3.9 s against 1.9 s for 25.6 M accesses.) By hand: 4 single-byte keys in one layer,
     2 pinned, the other 2 demand-fetched, then every key used."""
-    from moesim.policies.eviction import walk_table
-    from moesim.policies.eviction.least_stale import LeastStaleLists
-    from moesim.simulator import kernel as K
-    from moesim.simulator import kernel_cache as KE
-    from moesim.simulator import kernel_compute as KX
-    from moesim.simulator import kernel_copy as KC
-    from moesim.simulator import kernel_state as KS
+    KE = Callable(import_module("moesim.simulator.kernel_cache"))
+    KX = Callable(import_module("moesim.simulator.kernel_compute"))
+    KC = Callable(import_module("moesim.simulator.kernel_copy"))
+    KS = Callable(import_module("moesim.kernel_state"))
 
-    walk = walk_table(LeastStaleLists, 1, 1) if ev == "least-stale" else np.zeros(0, np.int64)
-    IS, FS, KR, TR, _ = KS._layout(num_keys=8, pool=8, pend_max=4, maxn=1, walk=walk.size)
-    KS._set_walk(IS, walk)
-    code = {"lru": KS.EV_LRU, "fifo": KS.EV_FIFO, "least-stale": KS.EV_LS}[ev]
-    IS[KS.C_L], IS[KS.C_DIV], IS[KS.C_EV], IS[KS.C_INSTANT], IS[KS.C_NBYTES] = 1, 8, code, 1, 1
+    IS, FS, KR, TR, DI, A = kernel_by_hand(ev, 8)
     FS[KS.CF_CAP] = 4.0
-    DI, A = np.zeros(1, np.int64), (*(np.zeros(1, np.int64),) * 5, K._hooks(None))
     assert KX._preload(np.array([5, 2], np.int64), IS, KR, FS, DI, np.zeros(1), A) == 2
     for key in (6, 1):
         KE._insert(key, KC._submit(key, KS.DEMAND, 0.0, 0, IS, TR, FS), True, -1, IS, KR, TR, DI, A)
     for key in (5, 2, 6, 1):
         KE._on_access(key, -1, IS, KR, DI, A)
 
+    S = A[KS.A_FORM]
+
     def walk(head: int) -> list[int]:
-        out, key = [], IS[head]
+        out, key = [], S[2][head]
         while key != -1:
             out.append(int(key))
-            key = KR[key].next
+            key = S[0][key, 1]
         return out
 
-    lists = [walk(KS.S_HEAD)] if ev != "least-stale" else [walk(IS[KS.H_LSQ] + 2 * q) for q in (0, 1)]
+    lists = [walk(0)] if ev != "least-stale" else [walk(1 + 2 * q) for q in (0, 1)]
     assert [key for keys in lists for key in keys] == [6, 1]  # used in that order; 5 and 2 are not there
     assert IS[KS.S_USED] == 4
-    assert KE._victim(False, 1, -1, IS, KR) == 6  # pin generation 1: none pinned
+    assert KE._find_victim(False, 1, -1, 0, IS, KR, A) == 6  # pin generation 1: none pinned
     assert KE._room(1, False, 1, -1, IS, KR, FS, A) == 1
     assert [KR[key].state for key in (5, 2, 6, 1)] == [KS.RESIDENT] * 2 + [KS.ABSENT, KS.RESIDENT]
 
@@ -680,9 +681,9 @@ def test_the_pending_prefetch_list_keeps_only_live_transfers_when_compacted():
     entries whose slot was reused (sequence changed), whose transfer has started or was
     withdrawn go; the rest keep their order and fields. A list full of live entries is an
     error. (No replay in the tests fills it, so the function is driven directly.)"""
-    from moesim.simulator import kernel_copy as KC
-    from moesim.simulator import kernel_prefetch as KP
-    from moesim.simulator import kernel_state as KS
+    KC = Callable(import_module("moesim.simulator.kernel_copy"))
+    KP = Callable(import_module("moesim.simulator.kernel_prefetch"))
+    KS = Callable(import_module("moesim.kernel_state"))
 
     IS, FS, _, TR, WR = KS._layout(num_keys=8, pool=16, pend_max=6, maxn=1, top_k=1)
     earlier = [KC._submit(key, KS.PREFETCH, 0.0, 0, IS, TR, FS) for key in range(5)]
@@ -719,8 +720,8 @@ def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
     (1 + 2^-53 + 2^-53 = 1). Dropping expert 3 leaves the kept mass of 7 and 1 and alters
     the token (counted once per pass); substituting 0 (probability 2^-53) for 3 keeps the
     probabilities of 0, 1 and 7, or only the weights of 7 and 1."""
-    from moesim.simulator import kernel_compute as KX
-    from moesim.simulator import kernel_state as KS
+    KX = Callable(import_module("moesim.simulator.kernel_compute"))
+    KS = Callable(import_module("moesim.kernel_state"))
 
     tiny = 2.0 ** -53
     IS, FS, _, _, _ = KS._layout(num_keys=8, pool=4, pend_max=4, maxn=3, top_k=3, fin=3)
@@ -759,9 +760,9 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
     both tokens; its mean probability is 0.5. Experts 1 and 2 are routed and 6 is absent
     (each scores 0.5, distance 0): not candidates. Of the cached 3 (0.25), 4 (0.0) and 5
     (0.75), 3 and 5 are equally near: the lower id wins. With 3 gone, 5."""
-    from moesim.simulator import kernel_compute as KX
-    from moesim.simulator import kernel_lookup as KL
-    from moesim.simulator import kernel_state as KS
+    KX = Callable(import_module("moesim.simulator.kernel_compute"))
+    KL = Callable(import_module("moesim.simulator.kernel_lookup"))
+    KS = Callable(import_module("moesim.kernel_state"))
 
     E = 7
     IS, _, KR, _, _ = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=3, top_k=2, fin=4)
@@ -793,17 +794,16 @@ def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
     expert whose prefetch is still queued is promoted to demand priority and the computation
     waits for that transfer; one resident runs at once. It is pinned each time and is new in
     the layer (told to the eviction policy) only the first time."""
-    from moesim.simulator import kernel as K
-    from moesim.simulator import kernel_copy as KC
-    from moesim.simulator import kernel_lookup as KL
-    from moesim.simulator import kernel_state as KS
+    KC = Callable(import_module("moesim.simulator.kernel_copy"))
+    KL = Callable(import_module("moesim.simulator.kernel_lookup"))
+    KS = Callable(import_module("moesim.kernel_state"))
 
     E = 4
     IS, FS, KR, TR, WR = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=2, top_k=2, fin=2, lrun=2)
     IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 1, 2, E, 1, 0, E
-    IS[KS.C_EV] = KS.EV_FIFO
+    IS[KS.C_FORM] = form_index(FIFO)
     IS[KS.S_LAYERGEN] = 1
-    A = (*(np.zeros(1, np.int32),) * 5, K._hooks(None))
+    A = (*(np.zeros(1, np.int32),) * 5, unused_hooks(), InsertionList.state(None, E))
     KC._submit(3, KS.DEMAND, 0.0, 0, IS, TR, FS)  # the link is busy until t = 1
     tid = KC._submit(2, KS.PREFETCH, 0.0, 0, IS, TR, FS)
     KR[2].state = KS.INFLIGHT
@@ -836,8 +836,8 @@ def test_a_lookup_buffers_computations_are_all_pinned_and_no_others():
     in the buffer it is given, not only the first, and nothing in the other buffer. (No test
     replay puts a second computation in a buffer where the victim search would pick it, so the
     function is driven directly.)"""
-    from moesim.simulator import kernel_compute as KX
-    from moesim.simulator import kernel_state as KS
+    KX = Callable(import_module("moesim.simulator.kernel_compute"))
+    KS = Callable(import_module("moesim.kernel_state"))
 
     IS, _, KR, _, WR = KS._layout(num_keys=8, pool=4, pend_max=4, maxn=2, lrun=3)
     for buf, keys in ((0, (5, 2, 7)), (1, (1, 3))):
@@ -855,7 +855,7 @@ def test_a_rings_slot_is_the_remainder_below_twice_its_size():
     """``_ring`` (the ring buffers' wrap: the copy engine's running and prefetch queues, the
     prefetch wait queue) is ``i % size`` for every ``i`` a ring asks for, ``0 <= i < 2 * size``:
     a head one step on, or a head plus a count of at most ``size``."""
-    from moesim.simulator import kernel_state as KS
+    KS = Callable(import_module("moesim.kernel_state"))
 
     for size in (1, 2, 7, 1100):
         assert [KS._ring(i, size) for i in range(2 * size)] == [i % size for i in range(2 * size)]
@@ -868,14 +868,13 @@ def test_the_kernels_speculation_by_hand():
     computes 1, then 3 and 5 equal again, and 6 (uncached) above them all; token 2 has no row in
     the previous layer (no prediction) and loses expert 0. Expert 3 computes two tokens, one
     substitution is counted."""
-    from moesim.simulator import kernel as K
-    from moesim.simulator import kernel_lookup as KL
-    from moesim.simulator import kernel_state as KS
+    KL = Callable(import_module("moesim.simulator.kernel_lookup"))
+    KS = Callable(import_module("moesim.kernel_state"))
 
     E = 8
     IS, FS, KR, TR, WR = KS._layout(num_keys=2 * E, pool=4, pend_max=4, maxn=3, top_k=2, fin=6, lrun=3, per_layer=E)
     IS[KS.C_L], IS[KS.C_K], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 2, 2, 1, 0, E
-    IS[KS.C_EV] = KS.EV_FIFO
+    IS[KS.C_FORM] = form_index(FIFO)
     IS[KS.S_LAYER], IS[KS.S_LAYERGEN] = 1, 4
     experts = np.array([[0, 0], [0, 0], [0, 0], [0, 2], [0, 1], [0, 4]], np.int16)  # rows 3-5: layer 1
     pred = np.zeros((6, E), np.float32)
@@ -889,7 +888,7 @@ def test_the_kernels_speculation_by_hand():
     IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 6] = (0, 2, 0, 1, 0, 4)
     for e in (1, 2, 3, 4, 5):
         KR[E + e].state = KS.RESIDENT
-    A = (*(np.zeros(1, np.int32),) * 5, K._hooks(None))
+    A = (*(np.zeros(1, np.int32),) * 5, unused_hooks(), InsertionList.state(None, 2 * E))
     IS[KS.S_LRUNN] = 0
     KL._speculate(0, 9, 0, IS, KR, TR, WR, FS, np.zeros(1, np.int64), A, M)
     assert IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 6].tolist() == [3, 2, 3, 1, -1, 4]

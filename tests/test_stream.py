@@ -186,17 +186,17 @@ def test_a_replay_in_pieces_equals_the_whole_trace_replay(ragged_file: Path, mon
 
 
 def test_belady_in_pieces_reads_each_keys_first_access_after_the_piece_from_a_first_pass(ragged_file: Path) -> None:
-    """``belady_after`` against the whole trace's access keys, by brute force: piece ``k``
+    """``accesses_after`` against the whole trace's access keys, by brute force: piece ``k``
     starts at the sum of the earlier pieces' accesses, and a key's entry is the first index
     past the piece where the whole trace's keys hold it (-1: none)."""
-    from moesim.simulator.stream import belady_after, pieces
+    from moesim.simulator.stream import accesses_after, pieces
 
     sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", "workload.batch_size=2"])
     whole = build_workload(read_trace(ragged_file), 2)
     keys = whole.keys() * 4 + 1  # 4 precisions, the default the second
     sizes = [len(w.acc_layer) for w in pieces(sc, ragged_file, 600)]
     assert len(sizes) >= 5
-    firsts, after = belady_after(pieces(sc, ragged_file, 600), 4, 1, 16 * 64 * 4)
+    firsts, after = accesses_after(pieces(sc, ragged_file, 600), 4, 1, 16 * 64 * 4)
     assert firsts.tolist() == np.concatenate([[0], np.cumsum(sizes)]).tolist()
     assert firsts[-1] == len(keys)
     assert after.shape == (len(sizes), 16 * 64 * 4)
@@ -225,15 +225,15 @@ def test_belady_in_pieces_shows_both_passes_and_names_a_file_that_changed(ragged
     assert any(d <= rows for d in done)  # the first pass
     assert rows in done  # which reads every row of the file
     assert any(d > rows for d in done)  # the replay
-    real = stream.belady_after
+    real = stream.accesses_after
 
     def shifted(*args, **kwargs):
         firsts, after = real(*args, **kwargs)
         firsts[2:] += 1
         return firsts, after
 
-    monkeypatch.setattr(stream, "belady_after", shifted)
-    with pytest.raises(MoesimError, match=rf"trace {ragged_file}: the file changed while Belady replayed it "
+    monkeypatch.setattr(stream, "accesses_after", shifted)
+    with pytest.raises(MoesimError, match=rf"trace {ragged_file}: the file changed while it was replayed "
                                           r"\(piece 2 has other accesses than its first pass read\)"):
         Simulation(sc, chunk_rows=700).run()
 

@@ -39,8 +39,9 @@ Compiled hooks check their indices: an index out of range ends the replay with o
 The built-in eviction policies of this shape are written so too: ``lfu``, ``fld``, ``score`` and
 ``lhu`` keep their compiled forms (:class:`moesim.policies.eviction.CompiledForm` subclasses, with a loop
 over many keys' priorities of their own) beside their reference forms, and the kernel runs them
-through the same hooks. Those ordered by lists (``lru``, ``fifo``, ``least-stale``) keep list forms
-there, which the kernel calls directly (:class:`moesim.policies.eviction.RecencyList`).
+through the same hooks: the compiled form :class:`PriorityHooks` calls them for every such policy.
+Those ordered otherwise (``lru``, ``fifo``, ``least-stale``, ``belady``, ``sieve``, ``s3-fifo``,
+``arc``) have compiled forms of their own beside them (:class:`moesim.policies.eviction.KernelForm`).
 
 A :class:`HookPrefetch` policy is one function, ``select(p, layer, trace, out) -> n``, over the
 trace's arrays (its docstring); the kernel takes its proposals as arrays made ahead.
@@ -56,7 +57,9 @@ from typing import Any
 
 import numpy as np
 
-from moesim.jit import jit
+from moesim.jit import inline, jit, kernel
+from moesim.kernel_state import A_HOOKS, access_of, current_layer, current_pass, evictable
+from moesim.kernel_state import access_weight as weight_of
 from moesim.policies.eviction import (
     CLOCK_KEYS_PER_LAYER,
     CLOCK_LAYER,
@@ -69,6 +72,7 @@ from moesim.policies.eviction import (
     EvictionPolicy,
     access_weight,
 )
+from moesim.policies.eviction.base import KernelForm, new_state
 from moesim.policies.prefetch import PrefetchPolicy
 from moesim.policies.registry import PolicyContext
 
@@ -297,11 +301,6 @@ def _first_line(exc: Exception) -> str:
     return f"{what.rstrip(':')}; {where.rstrip(':')}" if where else what.rstrip(":")
 
 
-def no_hooks() -> tuple[Any, ...]:
-    """The hooks handed to the kernel when the eviction policy is built into it (never called)."""
-    return addresses(_NoHooks)
-
-
 @functools.cache
 def addresses(cls: type) -> tuple[Any, ...]:
     """A form shipped with moesim's compiled hooks (:func:`compiled`), as the kernel is handed
@@ -334,6 +333,172 @@ def addresses(cls: type) -> tuple[Any, ...]:
 class _NoHooks(HookEviction):
     priority = staticmethod(_no_priority)
     stable_priority = True  # its many-key loop: the one that is never called
+
+
+@functools.cache
+def _unused_state() -> tuple[np.ndarray, ...]:
+    return np.zeros(CLOCK_SIZE, np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1))
+
+
+def unused_hooks() -> tuple[Any, ...]:
+    """``A[A_HOOKS]`` for a form other than :class:`PriorityHooks`: hooks that are never called,
+    of the types the real ones have (one compiled kernel serves every form)."""
+    clock, si, sf = _unused_state()
+    return _first_class(addresses(_NoHooks), clock, si, sf, np.zeros(1, np.int64))
+
+
+def _first_class(fns: tuple[Any, ...], clock: np.ndarray, si: np.ndarray, sf: np.ndarray,
+                 keys: np.ndarray) -> tuple[Any, ...]:
+    """``A[A_HOOKS]``: each hook in a tuple of one, which numba types as a first-class function (a
+    function's address, called indirectly) rather than as that function (one compiled kernel
+    for every hook policy); the clock and state; the cached keys (a view of the form's member
+    list) and the victim search's buffer of their priorities."""
+    return (*((f,) for f in fns), clock, si, sf, keys, np.zeros(max(len(si), len(keys))))
+
+
+# A[A_HOOKS]: the hooks (insert, access, remove, priority, priorities), clock, state, members, priorities
+U_INSERT, U_ACCESS, U_REMOVE, U_PRIORITY, U_PRIORITIES, U_CLOCK, U_SI, U_SF, U_KEYS, U_PRIOS = range(10)
+# the form's own arrays: I2 (the tick of the key's last insert or use, its place among the members),
+# F2 (its kept priority), I1 (the tick, the members' count, the members), F1 (1: a stable priority)
+STAMP, MEMB = 0, 1
+KEPT = 0
+TICK, COUNT, MEMBERS = 0, 1, 2
+
+
+@inline
+def _set_clock(S: Any, IS: np.ndarray, A: Any) -> None:
+    """The hooks' clock at the replay's pass, layer and tick."""
+    clock = A[A_HOOKS][U_CLOCK]
+    clock[CLOCK_PASS] = current_pass(IS)
+    clock[CLOCK_LAYER] = current_layer(IS)
+    clock[CLOCK_TICK] = S[2][TICK]
+
+
+@inline
+def _touched(key: int, S: Any) -> None:
+    S[2][TICK] += 1
+    S[0][key, STAMP] = S[2][TICK]
+
+
+@inline
+def _keep(key: int, S: Any, A: Any) -> None:
+    """A stable priority (``stable_priority``) is computed after the key's hooks ran and kept."""
+    if S[3][0]:
+        H = A[A_HOOKS]
+        S[1][key, KEPT] = H[U_PRIORITY][0](key, H[U_CLOCK], H[U_SI], H[U_SF])
+
+
+@inline
+def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
+    I1 = S[2]
+    n = I1[COUNT]
+    I1[MEMBERS + n] = key
+    S[0][key, MEMB] = n
+    I1[COUNT] = n + 1
+    _touched(key, S)
+    w = float(weight_of(access_of(key, ai, IS, DI, A), A)) if demand else 0.0
+    _set_clock(S, IS, A)
+    H = A[A_HOOKS]
+    H[U_INSERT][0](key, demand != 0, w, H[U_CLOCK], H[U_SI], H[U_SF])
+    _keep(key, S, A)
+
+
+@inline
+def _access(key: int, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
+    _touched(key, S)
+    _set_clock(S, IS, A)
+    H = A[A_HOOKS]
+    H[U_ACCESS][0](key, float(weight_of(access_of(key, ai, IS, DI, A), A)), H[U_CLOCK], H[U_SI], H[U_SF])
+    _keep(key, S, A)
+
+
+@inline
+def _remove(key: int, evicted: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> None:
+    I2, I1 = S[0], S[2]
+    i = I2[key, MEMB]
+    last = I1[MEMBERS + I1[COUNT] - 1]
+    I1[MEMBERS + i] = last
+    I2[last, MEMB] = i
+    I1[COUNT] -= 1
+    I2[key, MEMB] = -1
+    _set_clock(S, IS, A)
+    H = A[A_HOOKS]
+    H[U_REMOVE][0](key, H[U_CLOCK], H[U_SI], H[U_SF])
+
+
+@kernel
+def _victim(for_prefetch: bool, pin_gen: int, adm_layer: int, again: int, S: Any, IS: np.ndarray, K: Any,
+            A: Any) -> int:
+    """The member the cache may evict of lowest priority (kept, or asked now of every member in
+    one call, as the SimPy path sorts them all), ties to the oldest stamp."""
+    I2, F2, I1 = S[0], S[1], S[2]
+    best, bf, bs = -1, 0.0, 0
+    n = I1[COUNT]
+    if S[3][0]:  # stable: the kept priorities
+        for j in range(n):
+            key = I1[MEMBERS + j]
+            if not evictable(key, pin_gen, adm_layer, IS, K):
+                continue
+            f, st = F2[key, KEPT], I2[key, STAMP]
+            if best == -1 or f < bf or (f == bf and st < bs):
+                best, bf, bs = key, f, st
+        return best
+    H = A[A_HOOKS]
+    keys, prios = H[U_KEYS], H[U_PRIOS]  # keys: the members (a view of I1)
+    _set_clock(S, IS, A)
+    H[U_PRIORITIES][0](keys, n, prios, H[U_CLOCK], H[U_SI], H[U_SF])
+    for j in range(n):
+        key = keys[j]
+        if not evictable(key, pin_gen, adm_layer, IS, K):
+            continue
+        f, st = prios[j], I2[key, STAMP]
+        if best == -1 or f < bf or (f == bf and st < bs):
+            best, bf, bs = key, f, st
+    return best
+
+
+class PriorityHooks(KernelForm):
+    """The compiled form of every eviction policy given as hooks (:class:`HookEviction`, a user's,
+    and the built-ins' ``compiled`` forms: lfu, fld, score, lhu): the members and their stamps
+    and kept priorities in its arrays, the hooks called through ``A[A_HOOKS]`` (first-class
+    functions: one compiled kernel for all of them)."""
+
+    insert = staticmethod(_insert)
+    access = staticmethod(_access)
+    remove = staticmethod(_remove)
+    victim = staticmethod(_victim)
+
+    @classmethod
+    def state(cls, policy: Any, num_keys: int) -> tuple[np.ndarray, ...]:
+        I2, F2, I1, F1, P = new_state(num_keys, i2=2, f2=1, i1=MEMBERS + num_keys, f1=1)
+        I1[TICK] = I1[COUNT] = 0
+        F1[0] = float(hook_form(type(policy)).stable_priority)
+        return I2, F2, I1, F1, P
+
+    @classmethod
+    def first_class(cls, policy: Any, S: tuple[np.ndarray, ...]) -> tuple[Any, ...]:
+        """The policy's compiled hooks and their state: a hook policy's own arrays (so that it
+        holds the replay's final state after it, as on the SimPy path); a built-in's compiled
+        form's, made here (the kernel's alone)."""
+        num_keys = S[0].shape[0]
+        keys = S[2][MEMBERS:MEMBERS + num_keys]
+        if isinstance(policy, HookEviction):
+            # the policy's arrays as they were before the SimPy side saw the pinned experts' inserts,
+            # which the kernel's preload makes again
+            policy.reset_state()
+            fns = compiled(type(policy))
+            assert isinstance(fns, tuple)
+            return _first_class(fns, policy.clock, policy.si, policy.sf, keys)
+        ctx, form = policy.ctx, hook_form(type(policy))
+        clock, si, sf = state_arrays(form, ctx.num_layers, ctx.keys_per_layer, len(ctx.precisions))
+        form.initial_state(policy.params, si, sf)
+        return _first_class(addresses(form), clock, si, sf, keys)
+
+
+def hook_form(cls: type) -> Any:
+    """The class whose hooks the kernel runs for eviction policy ``cls``: a built-in's compiled
+    form (``compiled``, beside it in its module), or a hook policy itself."""
+    return cls.__dict__.get("compiled") or cls
 
 
 # -- prefetch ---------------------------------------------------------------------------------

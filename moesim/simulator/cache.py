@@ -51,7 +51,7 @@ class ExpertCache:
         a demand fetch (a use) or a prefetch; a demand fetch is first a miss
         (:meth:`EvictionPolicy.on_miss`). Returns the victims, in eviction order (empty when the
         entry fits), and the transfer; or ``None``, changing no entry, when no room can be made
-        (a policy whose walk moves its own marks, as SIEVE's hand does, may have moved them)."""
+        (a policy whose walk moves its own marks, a hand or visited bits, may have moved them)."""
         policy = self.policy
         resident = self.resident
         used = self.used

@@ -1,8 +1,8 @@
 """Copy engines: one per direction per link, serialising their transfers.
 
 Transfers are two-phase (issued, completed). A copy engine is a non-preemptive single
-server: demand fetches (priority 0) go before queued prefetches (priority 1), FIFO within a
-priority; a transfer that has started runs to completion. Service time is the link's
+server: demand fetches (priority 0) go before queued prefetches (priority 1), first come,
+first served within a priority; a transfer that has started runs to completion. Service time is the link's
 ``copy_time(bytes)``.
 
 Because service times are deterministic, the engine does not need its own SimPy process:
@@ -41,7 +41,7 @@ DONE, START, ISSUED, DUR, KEY, NBYTES, SEQ, PRIORITY, STARTED, CANCELLED, BYPASS
 class CopyEngine:
     """A link direction's copy engine (see module docstring).
 
-    Queued transfers wait in two FIFO queues served demand first: ``_demand`` (demand
+    Queued transfers wait in two first-in, first-out queues served demand first: ``_demand`` (demand
     fetches and promoted prefetches, by issue order) and ``_pf`` (prefetches). The demand
     queue's finish times are projected when it changes; a prefetch's only when
     :meth:`advance` starts it or :meth:`promote_many` moves it to the demand queue, so

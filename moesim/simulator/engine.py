@@ -101,7 +101,7 @@ class Simulation:
         self.stream_source: tuple[Path, int] | None = None  # that file and its piece size
         self._source_stamp: tuple[int, int] | None = None  # its size and modification time then
         self.trace_pieces = 1  # the pieces the replay read the trace in
-        # passes over that file before the replay (Belady's next uses, static pinning's counts),
+        # passes over that file before the replay (next uses for a policy reading the future, counts),
         # which the progress covers with the replay, and the rows of those it has shown
         self.first_passes = self.rows_shown = 0
         self._counted = False  # the policies' pass over the file has been shown
@@ -220,7 +220,7 @@ class Simulation:
                 self.whole_reason = "the trace file's rows are not in request order"
                 return None
         self.pieces = pieces
-        self.stream_source = (path, chunk)  # read again by first passes (Belady's, static pinning's)
+        self.stream_source = (path, chunk)  # read again by first passes (the future's, the counts')
         self.trace_rows = rows
         self.first_passes = stream.first_passes(sc)
         return first
@@ -307,13 +307,13 @@ class Simulation:
         self._counted = True
         return self.pieces_again(shown)
 
-    def belady_after(self) -> tuple[np.ndarray, np.ndarray]:
-        """Belady a piece at a time: the first pass over the trace file, shown in the progress
-        (:func:`simulator.stream.belady_after`)."""
+    def accesses_after(self) -> tuple[np.ndarray, np.ndarray]:
+        """For an eviction policy that reads the future, a piece at a time: the first pass over
+        the trace file, shown in the progress (:func:`simulator.stream.accesses_after`)."""
         from moesim.simulator import stream
 
-        return stream.belady_after(self.pieces_again(self.first_pass_progress()), self.num_prec, self.default_prec,
-                                   self.model.num_layers * self.model.num_experts * self.num_prec)
+        return stream.accesses_after(self.pieces_again(self.first_pass_progress()), self.num_prec, self.default_prec,
+                                     self.model.num_layers * self.model.num_experts * self.num_prec)
 
     def prepare_piece(self, workload: Workload) -> None:
         """Called on the reading thread with each piece of the trace once built: the

@@ -4,30 +4,28 @@ The SimPy process of :mod:`simulator.engine` is the reference semantics. This mo
 the same model — the lookup path (hit / late prefetch / miss, collision misses, uncached
 fetches under the same pinning rule), SpecMD appendix A.3's prefetch queue (selection,
 waiting proposals, admission against the target layer's earlier admissions, withdrawal at the
-target layer), the copy engine (demand before prefetch, FIFO within a priority, promotion of
+target layer), the copy engine (demand before prefetch, first come, first served within a priority, promotion of
 a queued prefetch a layer needs, non-preemptive service) and the three ``expert_compute``
 modes — as numba-compiled loops over the workload's arrays, with no per-access or
 per-transfer Python objects. It is bit-identical to the SimPy path on every per-pass column
-(``tests/test_kernel.py`` checks a grid and hypothesis-generated scenarios).
+(``tests/test_kernel.py`` checks a grid and hypothesis-generated scenarios; the golden grid
+holds both paths to the same digests).
 
-Scope (:func:`kernel_form`): one GPU, standard routing, no budget, every built-in miss
-policy: ``fetch``; ``drop``, ``substitute`` and ``speculative`` with the per-token path's
-gate mass and altered tokens (what each token of the layer computes is kept in
-``IS[H_FIN]``; a lookup's computations, none to several, go to the layer's list or, in
-``per-expert`` execution, a lookup buffer); the precision cascades ``fetch-lowest-bit`` and
-``fetch-priority``, whose cache entries have several sizes (a key's precision gives its
-bytes, copy and compute seconds; room is made by as many victims as it takes, in
-:func:`_victims`). Eviction ``lru``, ``fifo``, ``lfu``, ``fld``, ``score``, ``least-stale``
-(both orders), ``belady``, ``lhu``, and a user's policy written as hooks
-(:class:`policies.hooks.HookEviction`: its compiled hooks are handed to the kernel in ``A[U]``
-as numba first-class functions, so one compiled kernel serves every such policy); prefetch ``none``, ``static-pin``, ``oracle``,
-``previous-token``, ``lookahead``, ``next-gate-topk``, ``score-percentile`` (the last two's
-proposals come as arrays, :meth:`PrefetchPolicy.proposals`). Everything else — a routing or
-budget policy that changes what a token computes (each is its own Python/numpy selection:
-XShare's greedy, MoE-Spec's rankings, dual-logit routing; a compiled copy would be a second
-implementation of each decision), random eviction (it draws from numpy's ``Generator``),
-expert parallelism, a user's own policy of another kind (or whose hooks numba cannot compile), and a replay that records its timeline or
-decisions — runs on the SimPy path.
+The eviction policy runs as its compiled form (:class:`moesim.policies.eviction.base.KernelForm`,
+beside the policy in its module; a policy given as hooks runs through
+:class:`moesim.policies.hooks.PriorityHooks`): the kernel is compiled once with every form
+shipped with moesim and picks the replay's by its index (:mod:`simulator.kernel_cache`), so
+that it names none. Scope (:func:`kernel_form`): one GPU, routing that does not change what
+tokens compute, no budget, an eviction policy with a compiled form, a prefetcher and a miss
+policy the kernel knows (``_policy_codes``; a user's prefetcher written as a hook,
+:class:`policies.hooks.HookPrefetch`, runs compiled too). The miss policies that re-route tokens
+keep what each token of the layer computes in ``IS[H_FIN]``; the precision cascades cache
+entries of several sizes (a key's precision gives its bytes, copy and compute seconds; room is
+made by as many victims as it takes, in :func:`simulator.kernel_cache._victims`). Everything else
+— a routing or budget policy that changes what a token computes (each is its own Python/numpy
+selection), expert parallelism, a policy without a compiled form or whose hooks numba cannot
+compile, and a replay that records its timeline or decisions — runs on the SimPy path, and the
+replay says why.
 
 The same functions run as plain Python under ``NUMBA_DISABLE_JIT=1`` (the tests check that
 they give the same answer), at about a third of the SimPy path's speed; so where numba is not
@@ -35,22 +33,20 @@ installed the SimPy path runs. ``MOESIM_NO_KERNEL=1`` forces the SimPy path.
 
 The kernel is in modules by concern, this one the replay's driver (which form runs, the
 state's set-up, the loop over a trace's pieces and the hand-over of the per-pass rows):
-:mod:`simulator.kernel_state` (the state's layout in two flat arrays, ``IS`` and ``FS``, and
-the accessors every part uses), :mod:`simulator.kernel_copy` (the copy engine),
-:mod:`simulator.kernel_cache` (the eviction policies' compiled orders, the victim search),
-:mod:`simulator.kernel_lookup` (the lookup path and the miss policies),
-:mod:`simulator.kernel_prefetch` (SpecMD's prefetch queue) and
-:mod:`simulator.kernel_compute` (the compute stream and :func:`replay_passes`, the compiled
+:mod:`moesim.kernel_state` (the state's layout in flat arrays and the accessors every part
+uses), :mod:`simulator.kernel_copy` (the copy engine), :mod:`simulator.kernel_cache` (the
+eviction form's events and victims, room made, insertion), :mod:`simulator.kernel_lookup` (the
+lookup path and the miss policies), :mod:`simulator.kernel_prefetch` (SpecMD's prefetch queue)
+and :mod:`simulator.kernel_compute` (the compute stream and :func:`replay_passes`, the compiled
 loop). numba's cache of each compiled function watches the whole package's sources
 (:class:`moesim.jit.PackageCache`), so that a change in one module compiles again the callers
 in the others. The kernel allocates nothing, so it is compiled without numba's runtime
-(``_nrt=False``): its reference counting of the array arguments took 40% of the run time. The
-lookup path's functions are always inlined by LLVM (``forceinline``): passing a dozen arrays to
-each call cost more than half of what was left (LRU full timing went from 13 to 30M
-accesses/s, the one-off compile from 12.6 to 13.2 s). The loops release the GIL (``nogil``),
-so that a trace read in pieces has its next piece read and built (and, for score-percentile,
-its prefetch proposals made: ``Workload.proposals``) on a second thread while this one replays
-(:func:`simulator.stream.read_ahead`).
+(``_nrt=False``: its reference counting of the array arguments cost time), and its internal
+functions without wrappers for Python (:data:`moesim.jit.kernel`); the lookup path's functions
+are always inlined by LLVM (``forceinline``: passing a dozen arrays to each call cost more than
+inlining). The loops release the GIL (``nogil``), so that a trace read in pieces has its next
+piece read and built (and a prefetcher's proposals made: ``Workload.proposals``) on a second
+thread while this one replays (:func:`simulator.stream.read_ahead`).
 """
 
 from __future__ import annotations
@@ -58,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import math
 import os
 import warnings
 from collections.abc import Generator, Iterator
@@ -68,19 +63,19 @@ from typing import Any
 import numpy as np
 
 from moesim.jit import HAVE_NUMBA, forget_large_tuples, forget_tuples
-from moesim.simulator.kernel_compute import _preload, replay_passes
-from moesim.simulator.kernel_copy import _advance
-from moesim.simulator.kernel_state import (
+from moesim.kernel_state import (
+    A_FORM,
     C_BLOCKING,
     C_DEPTH,
     C_DPREC,
     C_DROPRANK,
-    C_EV,
+    C_FORM,
     C_HOST,
     C_HSYNC,
     C_IMPORTANT,
     C_INSTANT,
     C_K,
+    C_KEEPSTATIC,
     C_L,
     C_MAXN,
     C_MISS,
@@ -90,28 +85,19 @@ from moesim.simulator.kernel_state import (
     C_NE,
     C_NLEV,
     C_NPREC,
+    C_PENDING,
     C_PF,
     C_PFACTIVE,
     C_PROBS,
     C_REROUTE,
-    C_STABLE,
     C_TLEN,
     CF_CAP,
     CF_HCOPY,
     CF_HLAUNCH,
     CF_HLAYER,
     COLUMNS,
-    EV_BELADY,
-    EV_FIFO,
-    EV_HOOK,
-    EV_LRU,
-    EV_LS,
     H_GROUP,
-    H_KNEXT,
-    H_KPOS,
-    H_KPOSOFF,
     H_LEVELS,
-    H_MEMB,
     H_NKEYS,
     H_OFF,
     H_PBYTES,
@@ -133,28 +119,23 @@ from moesim.simulator.kernel_state import (
     PF_ORACLE,
     PF_PREV,
     R_COUNT,
-    S_ABASE,
     S_BYTES,
     S_MAXUSED,
     S_PBASE,
     SF_BUSY,
     SF_NOW,
     _layout,
-    _set_walk,
 )
+from moesim.policies.eviction.base import KernelForm
+from moesim.simulator.kernel_compute import _finish, _preload, replay_passes
 from moesim.simulator.workload import join, passes_of
 
 
 # -- dispatch --------------------------------------------------------------------------------------
 @functools.cache
-def _policy_codes() -> tuple[dict[Any, int], dict[Any, int], dict[Any, int]]:
-    """The built-in policy classes with a kernel form, and their codes (made once):
-    eviction, prefetch, miss."""
-    from moesim.policies import eviction as ev
-    from moesim.policies.eviction.belady import Belady
-    from moesim.policies.eviction.fifo import FIFO
-    from moesim.policies.eviction.least_stale import LeastStale
-    from moesim.policies.eviction.lru import LRU
+def _policy_codes() -> tuple[dict[Any, int], dict[Any, int]]:
+    """The built-in prefetch and miss policy classes with a kernel form, and their codes (made
+    once)."""
     from moesim.policies.miss.drop import Drop
     from moesim.policies.miss.fetch import Fetch
     from moesim.policies.miss.fetch_lowest_bit import FetchLowestBit
@@ -169,16 +150,11 @@ def _policy_codes() -> tuple[dict[Any, int], dict[Any, int], dict[Any, int]]:
     from moesim.policies.prefetch.score_percentile import ScorePercentile
     from moesim.policies.prefetch.static_pin import StaticPin
 
-    # a built-in with a compiled form of its own (``compiled``, beside it in its module) runs
-    # through the hooks, as a user's policy does (a subclass elsewhere does not inherit that)
-    evictions = {LRU: EV_LRU, FIFO: EV_FIFO, LeastStale: EV_LS, Belady: EV_BELADY}
-    evictions.update((cls, EV_HOOK) for _, cls in ev.REGISTRY.items()
-                     if cls.__module__.startswith(ev.__name__ + ".") and cls.__dict__.get("compiled") is not None)
     prefetchers = {NoPrefetch: PF_NONE, StaticPin: PF_NONE, Oracle: PF_ORACLE, PreviousToken: PF_PREV,
                    Lookahead: PF_LOOKAHEAD, NextGateTopK: PF_ARRAY, ScorePercentile: PF_ARRAY}
     misses = {Fetch: MISS_FETCH, Drop: MISS_DROP, Substitute: MISS_SUBSTITUTE, Speculative: MISS_SPECULATIVE,
               FetchLowestBit: MISS_LOWEST_BIT, FetchPriority: MISS_PRIORITY}
-    return evictions, prefetchers, misses
+    return prefetchers, misses
 
 
 def kernel_off() -> str | None:
@@ -202,16 +178,16 @@ def kernel_form(sim: Any) -> str | None:
         return "expert parallelism"
     if sim.routing.changes_routing or sim.budget.restricts:
         return "a routing or budget policy that changes what tokens compute"
-    misses = _policy_codes()[2]
+    misses = _policy_codes()[1]
     if type(sim.miss) not in misses:
         return f"miss policy '{sim.scenario.policies.miss.name}' has no kernel form"
     if misses[type(sim.miss)] != MISS_FETCH and sim.model.top_k > 128:
         return "top-k above 128 (the kernel sums a token's gate mass as numpy does up to 128 terms)"
-    if eviction_code(type(sim.eviction)) is None:
+    if eviction_form(type(sim.eviction)) is None:
         name = sim.scenario.policies.eviction.name
-        if _is_hooked(sim.eviction):
-            from moesim.policies.hooks import compiled
+        from moesim.policies.hooks import HookEviction, compiled
 
+        if isinstance(sim.eviction, HookEviction):
             return f"eviction policy '{name}': {compiled(type(sim.eviction))}"
         return f"eviction policy '{name}' has no kernel form"
     if _prefetch_code(sim.prefetch) is None:
@@ -224,94 +200,50 @@ def kernel_form(sim: Any) -> str | None:
     return None
 
 
-def _is_hooked(policy: Any) -> bool:
-    from moesim.policies.hooks import HookEviction
+def eviction_form(cls: type) -> type[KernelForm] | None:
+    """The compiled form the kernel runs for eviction policy class ``cls``
+    (:func:`moesim.policies.eviction.forms.form_of`), or None (the SimPy path)."""
+    from moesim.policies.eviction.forms import form_of
 
-    return isinstance(policy, HookEviction)
-
-
-def eviction_code(cls: type) -> int | None:
-    """The kernel's code of eviction policy class ``cls``: a built-in's, ``EV_HOOK`` for a hook
-    policy whose hooks compile (:mod:`policies.hooks`), else None (the SimPy path)."""
-    from moesim.policies.hooks import HookEviction, compiled
-
-    code = _policy_codes()[0].get(cls)
-    if code is not None or not issubclass(cls, HookEviction):
-        return code
-    return EV_HOOK if isinstance(compiled(cls), tuple) else None
+    return form_of(cls)
 
 
 def _prefetch_code(policy: Any) -> int | None:
-    """The kernel's code of a prefetch policy: a built-in's, ``PF_ARRAY`` for a hook policy
-    whose ``select`` compiles (its proposals come as arrays, :mod:`policies.hooks`), else None
-    (the SimPy path)."""
-    code = _policy_codes()[1].get(type(policy))
+    """The kernel's code of a prefetch policy (an instance or its class): a built-in's,
+    ``PF_ARRAY`` for a hook policy whose ``select`` compiles (its proposals come as arrays,
+    :mod:`policies.hooks`), else None (the SimPy path)."""
+    cls = policy if isinstance(policy, type) else type(policy)
+    code = _policy_codes()[0].get(cls)
     from moesim.policies.hooks import HookPrefetch, compiled_prefetch
 
-    if code is not None or not isinstance(policy, HookPrefetch):
+    if code is not None or not issubclass(cls, HookPrefetch):
         return code
-    return PF_ARRAY if isinstance(compiled_prefetch(type(policy)), tuple) else None
+    return PF_ARRAY if isinstance(compiled_prefetch(cls), tuple) else None
 
 
-def _hooks(policy: Any, members: np.ndarray | None = None) -> tuple[Any, ...]:
-    """``A[U]``: a hook policy's compiled hooks, clock and state (the policy's own arrays, so
-    that it holds the replay's final state after it, as on the SimPy path); for a built-in,
-    hooks that are never called. ``members``: the kernel's list of cached keys (a view of
-    ``IS``'s ``H_MEMB`` region), whose priorities a victim search asks in one call."""
-    from moesim.policies import hooks
+def _form_arrays(policy: Any, num_keys: int) -> tuple[tuple[Any, ...], tuple[np.ndarray, ...]]:
+    """The eviction form's ``A[A_HOOKS]`` (a hook policy's compiled hooks and their state, or
+    hooks never called) and its own state arrays, ``A[A_FORM]``."""
+    from moesim.policies.hooks import unused_hooks
 
-    fns: Any
-    if policy is None or eviction_code(type(policy)) != EV_HOOK:
-        fns, (clock, si, sf) = hooks.no_hooks(), _NO_STATE
-    elif _is_hooked(policy):
-        # the policy's arrays as they were before the SimPy side saw the pinned experts' inserts,
-        # which the kernel's _preload makes again
-        policy.reset_state()
-        fns, clock, si, sf = hooks.compiled(type(policy)), policy.clock, policy.si, policy.sf
-    else:  # a built-in's own compiled form: its state is the kernel's alone
-        ctx, form = policy.ctx, hook_form(type(policy))
-        fns = hooks.addresses(form)
-        clock, si, sf = hooks.state_arrays(form, ctx.num_layers, ctx.keys_per_layer, len(ctx.precisions))
-        form.initial_state(policy.params, si, sf)
-    # each in a tuple of one, which numba types as a first-class function (a function's
-    # address, called indirectly) rather than as that function: one compiled kernel for all;
-    # then the cached keys and the victim search's buffer of their priorities
-    keys = members if members is not None else np.zeros(len(si), np.int64)
-    return (*((f,) for f in fns), clock, si, sf, keys, np.zeros(max(len(si), len(keys))))
+    form = eviction_form(type(policy))
+    assert form is not None, "kernel_form"
+    S = form.state(policy, num_keys)
+    return form.first_class(policy, S) or unused_hooks(), S
 
 
-def hook_form(cls: type) -> Any:
-    """The class whose hooks the kernel runs for eviction policy ``cls`` (``EV_HOOK``): a
-    built-in's compiled form, or a hook policy itself."""
-    return cls.__dict__.get("compiled") or cls
-
-
-_NO_STATE = (np.zeros(7, np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1)))
 # A kernel call replays at most CHUNK passes and, past its first pass, at most CALL_ACCESSES
 # expert accesses (_calls): progress is reported, and Ctrl-C is seen, between calls, so a call
 # is kept short whatever the passes hold (a prefill pass of thousands of tokens), and long
-# enough that the Python between calls costs little. Issue 34, LRU on the 25.6 M-access
-# benchmark trace (128 accesses a pass), in-process, six interleaved rounds: calls of 256 passes
-# (800 calls) took 1.263 s best and 1.388 s median, of 2,048 passes (2**18 accesses) 1.174 and
-# 1.330 s.
+# enough that the Python between calls costs little (calls of 256 passes were measurably
+# slower than of 2,048).
 CHUNK = 2048
 CALL_ACCESSES = 1 << 18
 # forward passes whose per-pass rows a replay in pieces hands over at a time (_hand_over): from
 # the second block on they go to disk (``output.results.PassRows``). A block's rows take about
-# 1 KB a pass while they are made into a frame: LRU on the 76.8 M-access benchmark trace
-# (600,000 passes, --no-write) peaked at 575-590 MiB in blocks of 65,536 passes, 517-553 of
-# 16,384 and 505-526 of 8,192, in the same times (6.4-7.7, 6.1-6.9 and 6.1-7.1 s; interleaved
-# runs, issue 34)
+# 1 KB a pass while they are made into a frame, so smaller blocks keep the peak lower at no
+# cost in time down to this size.
 BLOCK_PASSES = 1 << 13
-
-
-def _belady_positions(keys: np.ndarray, num_keys: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every key's access indices, ascending, as CSR arrays."""
-    order = np.argsort(keys, kind="stable").astype(np.int64)
-    counts = np.bincount(keys, minlength=num_keys)
-    kpos_off = np.zeros(num_keys + 1, np.int64)
-    np.cumsum(counts, out=kpos_off[1:])
-    return kpos_off, order
 
 
 _NO_MASS = (np.zeros(1, np.int64), np.zeros(2, np.int64), np.zeros((1, 1), np.int16),
@@ -430,75 +362,55 @@ def load_cached_forms() -> int:
     return len(forms)
 
 
-def _belady_piece(sim: Any, wl: Any, firsts: np.ndarray, afters: np.ndarray, k: int) -> tuple[int, np.ndarray]:
-    """Piece ``k``'s first access and its keys' first accesses after it, from Belady's first
-    pass over the file, checked against the piece now read (the file may have changed)."""
+def _future_piece(sim: Any, wl: Any, firsts: np.ndarray, afters: np.ndarray, k: int) -> tuple[int, np.ndarray]:
+    """Piece ``k``'s first access and its keys' first accesses after it, from the first pass
+    over the file for a policy reading the future, checked against the piece now read (the file
+    may have changed)."""
     if k + 1 >= len(firsts) or int(firsts[k + 1] - firsts[k]) != len(wl.acc_layer):
         from moesim.errors import MoesimError
 
-        raise MoesimError(f"trace {sim.stream_source[0]}: the file changed while Belady replayed it (piece {k + 1} "
+        raise MoesimError(f"trace {sim.stream_source[0]}: the file changed while it was replayed (piece {k + 1} "
                           "has other accesses than its first pass read). Replay it again once nothing writes it.")
     return int(firsts[k]), afters[k]
 
 
-def _piece(sim: Any, wl: Any, ev: int, miss: int, max_rows: int, IS: np.ndarray,
-           FS: np.ndarray, hooks: tuple[Any, ...], after: tuple[int, np.ndarray] | None = None) -> tuple[Any, ...]:
+def _piece(sim: Any, wl: Any, miss: int, max_rows: int, IS: np.ndarray, FS: np.ndarray, hooks: tuple[Any, ...],
+           S: tuple[np.ndarray, ...], after: tuple[int, np.ndarray] | None = None) -> tuple[Any, ...]:
     """The kernel's read-only data for the passes of ``wl`` (the whole trace's workload, or a
-    piece of it): ``DI`` = access offsets | pass groups | (Belady) each key's access indices
-    in ``wl`` and its first access after it (``after``: the piece's first access and that
-    array, counted over the whole trace, :func:`simulator.stream.belady_after`; None: ``wl`` is
-    the whole trace, which starts at 0 with nothing after it);
-    ``A`` = the per-access arrays (layer, expert, tokens routed, summed gate weight, best
-    router rank) and ``hooks`` (:func:`_hooks`); ``DF`` = expert seconds by token count | per-pass factor; ``M`` = the
-    per-token arrays; the non-expert seconds of each pass. Region offsets go to ``IS``."""
-    num_keys = IS[H_NKEYS]
+    piece of it): ``DI`` = access offsets | pass groups; ``A`` = the per-access arrays (layer,
+    expert, tokens routed, summed gate weight, best router rank), the eviction form's ``hooks``
+    and its state ``S`` as its :meth:`~moesim.policies.eviction.base.KernelForm.piece` makes it
+    for ``wl`` (``after``: the piece's first access and every key's first access after it,
+    counted over the whole trace, :func:`simulator.stream.accesses_after`; None: ``wl`` is the
+    whole trace, which starts at 0 with nothing after it); ``DF`` = expert seconds by token count
+    | per-pass factor; ``M`` = the per-token arrays; the non-expert seconds of each pass. Region
+    offsets go to ``IS``."""
     parts = [np.ascontiguousarray(wl.off, dtype=np.int64), np.asarray(wl.pass_group, np.int64)]
-    if ev == EV_BELADY:
-        first, later = after if after is not None else (0, np.full(num_keys, -1, np.int64))
-        parts.extend(_belady_positions(wl.cache_keys(sim.num_prec, sim.default_prec), num_keys))
-        parts.append(later)
-        IS[S_ABASE] = first
     starts = np.cumsum([0] + [len(x) for x in parts])
     DI = np.concatenate(parts)
     del parts
     IS[H_OFF], IS[H_GROUP] = starts[0], starts[1]
-    if ev == EV_BELADY:
-        IS[H_KPOSOFF], IS[H_KPOS], IS[H_KNEXT] = starts[2], starts[3], starts[4]
-    A = (wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight, wl.acc_rank, hooks)
+    form = eviction_form(type(sim.eviction))
+    assert form is not None
+    S = form.piece(sim.eviction, S, wl, after, int(IS[H_NKEYS]))
+    A = (wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight, wl.acc_rank, hooks, S)
     DF = _precisions(sim, miss, max_rows, IS, FS)
     M = _mass_arrays(sim) if miss != MISS_FETCH else None
     return DI, A, DF, M, sim.nonexpert_times()
 
 
-def _walk(sim: Any, ev: int) -> np.ndarray:
-    """Least-stale's victim walk, tabulated from its list form (``eviction.walk_table``; empty
-    for the other policies: the recency lists walk one list). The replay asks twice (its
-    region's size, then its contents): made once per shape (:func:`_ls_walk`)."""
-    if ev != EV_LS:
-        return np.zeros(0, np.int64)
-    return _ls_walk(sim.model.num_layers, int(sim.eviction.params.order == "relative"))
-
-
-@functools.cache
-def _ls_walk(num_layers: int, relative: int) -> np.ndarray:
-    """``eviction.walk_table`` of least-stale's form, read-only (it is shared)."""
-    from moesim.policies.eviction import walk_table
-    from moesim.policies.eviction.least_stale import LeastStaleLists
-
-    table = walk_table(LeastStaleLists, num_layers, relative)
-    table.setflags(write=False)
-    return table
-
-
-def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, ev: int, pf: int, miss: int, max_runs: int) -> None:
+def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, pf: int, miss: int, max_runs: int) -> None:
     """The replay's configuration (``C_*``, ``CF_*``) from ``sim``'s scenario and policies."""
+    from moesim.policies.eviction.forms import form_index
     from moesim.policies.prefetch.lookahead import Lookahead
 
     model = sim.model
     reroute = miss in (MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE)
-    IS[C_EV] = ev
-    IS[C_STABLE] = ev == EV_HOOK and hook_form(type(sim.eviction)).stable_priority
-    _set_walk(IS, _walk(sim, ev))
+    form = eviction_form(type(sim.eviction))
+    assert form is not None
+    IS[C_FORM] = form_index(type(sim.eviction))
+    IS[C_PENDING] = form.reads_pending
+    IS[C_KEEPSTATIC] = form.keeps_static
     IS[C_PF] = pf
     IS[C_DEPTH] = sim.prefetch.params.depth if isinstance(sim.prefetch, Lookahead) else 0
     IS[C_BLOCKING] = sim.scenario.expert_fetch == "blocking"
@@ -546,10 +458,9 @@ def _calls(off: np.ndarray, n_pass: int, num_l: int) -> list[int]:
 def _proposals_ahead(prefetch: Any, bounds: list[int]) -> Any:
     """A prefetcher's proposals (``proposals``, what the kernel reads) call by call over a
     piece's passes (``bounds``: :func:`_calls`), the next call's made on a second thread while
-    the kernel replays this one: they depend on the trace alone, and the kernel and
-    score-percentile's compiled proposals both release the GIL (issue 34: score-percentile's
-    proposals took a third of a least-stale + score-percentile replay's time on the main
-    thread)."""
+    the kernel replays this one: they depend on the trace alone, and the kernel and the
+    compiled proposals both release the GIL (made on the main thread, a prefetcher's proposals
+    can take a third of the replay's time)."""
     with ThreadPoolExecutor(max_workers=1) as ahead:
         nxt = ahead.submit(prefetch.proposals, bounds[0], bounds[1])
         for i in range(1, len(bounds)):
@@ -637,7 +548,7 @@ def _pass_arrays(wl: Any) -> tuple[np.ndarray, ...]:
 
 
 def _replay(sim: Any) -> None:
-    misses = _policy_codes()[2]
+    misses = _policy_codes()[1]
     wl, model = sim.wl, sim.model
     num_l = model.num_layers
     div = model.num_experts * sim.num_prec
@@ -645,8 +556,6 @@ def _replay(sim: Any) -> None:
     streamed = sim.pieces is not None
     # a layer's distinct experts (a piece's largest is not the trace's: the bound when in pieces)
     maxn = model.num_experts if streamed else int(np.diff(wl.off).max(initial=0))
-    ev = eviction_code(type(sim.eviction))
-    assert ev is not None, "kernel_form"
     pf = _prefetch_code(sim.prefetch)
     assert pf is not None, "kernel_form"
     pool = num_keys + maxn + 16
@@ -658,17 +567,17 @@ def _replay(sim: Any) -> None:
     # a layer computes its routed experts and, for a miss policy that re-routes, others
     max_runs = maxn + (model.num_experts if reroute else 0)
     IS, FS, K, T, W = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
-                              max(1, max_rows), sim.num_prec, div, _walk(sim, ev).size)
-    _configure(sim, IS, FS, ev, pf, miss, max_runs)
-    hooks = _hooks(sim.eviction, IS[IS[H_MEMB]:IS[H_MEMB] + num_keys])
-    # Belady a piece at a time: a first pass over the file finds each piece's first access and
-    # every key's first access after the piece (the progress shown covers the first passes too)
+                              max(1, max_rows), sim.num_prec, div)
+    _configure(sim, IS, FS, pf, miss, max_runs)
+    hooks, S = _form_arrays(sim.eviction, num_keys)
+    # a policy reading the future, a piece at a time: a first pass over the file finds each piece's
+    # first access and every key's first access after the piece (the progress covers it too)
     firsts: Any = None
-    if streamed and ev == EV_BELADY:
-        firsts, afters = sim.belady_after()
+    if streamed and sim.eviction.reads_future:
+        firsts, afters = sim.accesses_after()
     shown, total = sim.rows_shown, (1 + sim.first_passes) * sim.trace_rows  # after the first passes
-    DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks,
-                                  None if firsts is None else _belady_piece(sim, wl, firsts, afters, 0))
+    DI, A, DF, M, nonexp = _piece(sim, wl, miss, max_rows, IS, FS, hooks, S,
+                                  None if firsts is None else _future_piece(sim, wl, firsts, afters, 0))
     pinned = [int(k) for k in sim.prefetch.pinned()]
     if pinned:
         with _hook_errors(sim):
@@ -721,16 +630,17 @@ def _replay(sim: Any) -> None:
                 outs, parts, held = [], [], 0
             if nxt is None:
                 break
+            S = A[A_FORM]  # the eviction form's state goes on (its per-piece part made anew)
             del DI, A, DF, M, nonexp
             forget_large_tuples()  # the piece's per-access arrays, kept by the kernel with their type
             wl = nxt
             sim.bind_piece(wl)
-            DI, A, DF, M, nonexp = _piece(sim, wl, ev, miss, max_rows, IS, FS, hooks,
-                                          None if firsts is None else _belady_piece(sim, wl, firsts, afters, n_pieces))
+            DI, A, DF, M, nonexp = _piece(sim, wl, miss, max_rows, IS, FS, hooks, S,
+                                          None if firsts is None else _future_piece(sim, wl, firsts, afters, n_pieces))
         if handing is not None:
             sim.wl = handing.result()  # the last block's passes and requests
             sim.trace_pieces = n_pieces
-    _advance(math.inf, IS, K, T, FS)  # the transfers still queued or running complete
+    _finish(IS, K, T, FS)  # the transfers still queued or running complete
     if sim.stream_source is not None:
         sim.check_source()  # the file the pieces came from is the one the first passes read
     sim.copy.busy_time = float(FS[SF_BUSY])

@@ -8,15 +8,11 @@ from __future__ import annotations
 import numpy as np
 
 from moesim.jit import inline as _inline
-from moesim.jit import jit as _jit
-from moesim.simulator.kernel_cache import _kept_out, _lists_new_pass, _on_insert
-from moesim.simulator.kernel_copy import _advance, _arrival
-from moesim.simulator.kernel_lookup import _lookup
-from moesim.simulator.kernel_prefetch import _admit, _propose, _withdraw
-from moesim.simulator.kernel_state import (
+from moesim.jit import jit as _entry
+from moesim.jit import kernel as _jit
+from moesim.kernel_state import (
     C_BLOCKING,
     C_DIV,
-    C_EV,
     C_HOST,
     C_HSYNC,
     C_INSTANT,
@@ -26,6 +22,7 @@ from moesim.simulator.kernel_state import (
     C_MODE,
     C_NBYTES,
     C_NPREC,
+    C_PENDING,
     C_PFACTIVE,
     C_PROBS,
     C_REROUTE,
@@ -33,7 +30,6 @@ from moesim.simulator.kernel_state import (
     CF_HCOPY,
     CF_HLAUNCH,
     CF_HLAYER,
-    EV_LS,
     H_FIN,
     H_MSCR,
     H_OFF,
@@ -74,14 +70,18 @@ from moesim.simulator.kernel_state import (
     _new_gen,
     _row_base,
 )
+from moesim.simulator.kernel_cache import _kept_out, _new_pass, _on_insert
+from moesim.simulator.kernel_copy import _advance, _arrival
+from moesim.simulator.kernel_lookup import _lookup
+from moesim.simulator.kernel_prefetch import _admit, _propose, _withdraw
 
 
 @_jit
 def _mark_pending(lo, hi, IS, K, A):
-    """The layer's experts are pending until they run (``Clock.pending``; only least-stale
-    reads it)."""
+    """The layer's experts are pending until they run (``Clock.pending``; marked for an
+    eviction form that reads it, ``C_PENDING``)."""
     pend = _new_gen(IS, S_PENDGEN)
-    if IS[C_EV] == EV_LS:
+    if IS[C_PENDING]:
         for j in range(lo, hi):
             K[_key(j, IS, A)].pend = pend
 
@@ -276,7 +276,7 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M):
             t += _ffn(run.key, run.tokens, DF, IS) * scale
         if timed:
             _advance(t, IS, K, T, FS)
-        if IS[C_EV] == EV_LS:
+        if IS[C_PENDING]:
             K[_key(lo + i, IS, A)].pend = 0  # expert i has run
         if blocking:
             IS[S_LRUNN + nxt] = 0
@@ -416,7 +416,7 @@ def _fin_init(p, layer, lo, hi, IS, A, M):
         IS[IS[H_ROUTED] + _key(j, IS, A)] = IS[S_LAYERGEN]
 
 
-@_jit
+@_entry
 def replay_passes(p0, p1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp, release, cols, t_start, t_end, stall, m_total, m_kept):
     """Replay forward passes ``p0 .. p1`` (engine's ``_run``): per layer, non-expert compute,
     the routing point's lookups and proposals, expert compute; per pass, one row. A pass
@@ -434,7 +434,7 @@ def replay_passes(p0, p1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp, 
     for p in range(p0, p1):
         IS[S_PASS] = p
         if p > 0:
-            _lists_new_pass(IS, K)
+            _new_pass(IS, K, A)
         rel = release[p - p0]
         if rel > now:  # idle until then (as SimPy's timeout adds the delay to its clock)
             now = now + (rel - now)
@@ -496,7 +496,7 @@ def replay_passes(p0, p1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp, 
     FS[SF_CARRY] = carry
 
 
-@_jit
+@_entry
 def _preload(keys, IS, K, FS, DI, DF, A):
     """Static pinning (the cache's ``preload``): resident before the replay, never evicted."""
     nb = IS[C_NBYTES]
@@ -514,3 +514,9 @@ def _preload(keys, IS, K, FS, DI, DF, A):
         IS[S_MAXUSED] = IS[S_USED]
     return loaded
 
+
+
+@_entry
+def _finish(IS, K, T, FS):
+    """The transfers still queued or running complete (the replay's end)."""
+    _advance(np.inf, IS, K, T, FS)

@@ -1,12 +1,12 @@
 """The replay kernel's copy engine (:mod:`simulator.copyengine`'s model): transfer slots,
-the demand queue before the prefetch ring, FIFO within a priority, the promotion of a queued
+the demand queue before the prefetch ring, first come, first served within a priority, the promotion of a queued
 prefetch a layer needs, non-preemptive service; a transfer's start, end and completion."""
 
 from __future__ import annotations
 
 from moesim.jit import inline as _inline
-from moesim.jit import jit as _jit
-from moesim.simulator.kernel_state import (
+from moesim.jit import kernel as _jit
+from moesim.kernel_state import (
     C_INSTANT,
     DEMAND,
     H_DQ,

@@ -7,10 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from moesim.jit import inline as _inline
-from moesim.jit import jit as _jit
-from moesim.simulator.kernel_cache import _insert, _on_access, _room, _used_prefetch
-from moesim.simulator.kernel_copy import _free, _promote, _submit
-from moesim.simulator.kernel_state import (
+from moesim.jit import kernel as _jit
+from moesim.kernel_state import (
     ABSENT,
     C_DPREC,
     C_DROPRANK,
@@ -53,6 +51,8 @@ from moesim.simulator.kernel_state import (
     _nbytes,
     _prec,
 )
+from moesim.simulator.kernel_cache import _insert, _on_access, _on_miss, _room, _used_prefetch
+from moesim.simulator.kernel_copy import _free, _promote, _submit
 
 
 @_jit
@@ -286,7 +286,8 @@ def _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
 def _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A):
     """Fetch ``kq`` (a cache key of the missed expert, ``aq`` its access or -1) when room
     can be made for it: pinned, a demand transfer, an in-flight entry. Returns whether it
-    was."""
+    was. The eviction policy hears of the miss first (``on_miss``)."""
+    _on_miss(kq, IS, K, A)
     if _room(_nbytes(kq, IS), False, pin_gen, -1, IS, K, FS, A) == -1:
         return False
     K[kq].pin = pin_gen

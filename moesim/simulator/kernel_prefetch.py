@@ -4,10 +4,8 @@ layer's earlier admissions, withdrawal at the target layer."""
 
 from __future__ import annotations
 
-from moesim.jit import jit as _jit
-from moesim.simulator.kernel_cache import _insert, _on_remove, _on_select, _room
-from moesim.simulator.kernel_copy import _free, _submit
-from moesim.simulator.kernel_state import (
+from moesim.jit import kernel as _jit
+from moesim.kernel_state import (
     ABSENT,
     C_DEPTH,
     C_INSTANT,
@@ -46,6 +44,8 @@ from moesim.simulator.kernel_state import (
     _ring,
     _row_base,
 )
+from moesim.simulator.kernel_cache import _insert, _on_remove, _on_select, _room
+from moesim.simulator.kernel_copy import _free, _submit
 
 
 @_jit
@@ -147,7 +147,7 @@ def _withdraw(layer, lo, hi, IS, K, T, W, A):
         K[key].state = ABSENT
         K[key].tid = -1
         IS[S_USED] -= _nbytes(key, IS)
-        _on_remove(key, IS, K, A)
+        _on_remove(key, 0, IS, K, A)
         K[key].unused = 0
         IS[R_PFCANCEL] += 1
         _free(tid, IS)
@@ -173,7 +173,7 @@ def _propose_key(key, p, IS, K, DI, A):
         b = _row_base(p, IS) + target
         IS[R_ACTUAL] += DI[IS[H_OFF] + b + 1] - DI[IS[H_OFF] + b]
     if K[key].state != ABSENT:
-        _on_select(key, IS, K)
+        _on_select(key, IS, K, A)
     elif not K[key].queued:
         K[key].queued = 1
         size = IS[H_NKEYS]

@@ -15,8 +15,8 @@ bit for bit (``tests/test_stream.py``).
 
 What a replay needs decides whether it can go a piece at a time (:func:`why_whole`): the
 kernel path, a piece never straddling a batch, and policies that look no further than the
-current forward pass, or, for Belady, that read each key's next use from a first pass over
-the file (:func:`belady_after`: each piece's first access and every key's first access after
+current forward pass, or, for a policy that reads the future, that read each key's next use from a first pass over
+the file (:func:`accesses_after`: each piece's first access and every key's first access after
 the piece, one whole number per key and piece), or, for static pinning, that count the
 experts of the first share of all passes from a first pass (``PolicyContext.whole_trace``).
 The whole trace is replayed at once by miss
@@ -32,6 +32,7 @@ import os
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -39,39 +40,14 @@ from moesim.config.scenario import Scenario
 from moesim.errors import MoesimError
 from moesim.simulator.workload import Workload, build_workload
 
-# trace rows per piece (~8 MB of trace, ~100 MB of workload and replay arrays at top-8). Issue 34,
-# the 25.6 M-access benchmark trace, three runs each, while the compiled loops still kept 16
-# pieces' arrays (moesim.jit._KEEP_BYTES; since then 708 and 582-601 MB at the first two sizes):
-# LRU peaked at 1,070-1,107 MB in pieces of 262,144 rows, 851-871 MB in pieces of 131,072,
-# 643-658 MB of 65,536 (times 3.25-3.73, 2.85-3.62, 2.95-3.18 s); least-stale + score-percentile
-# (pieces of a quarter of those rows) 803-857, 680-690 and 553-568 MB (9.18-9.64, 10.00-10.48,
-# 9.63-10.23 s)
+# trace rows per piece (~8 MB of trace, ~100 MB of workload and replay arrays at top-8): the peak
+# memory of a replay in pieces grows with the piece, its time barely
 CHUNK_ROWS = 1 << 17
 
 # pieces read and built ahead of the one being replayed (read_ahead): up to READ_AHEAD + 1 in
-# memory. Issue 34, 2026-11-28, whole `moesim run --trace FILE` processes on the 25.6 M-access
-# benchmark files, three interleaved rounds: least-stale + score-percentile took 8.68, 6.91 and
-# 6.72 s one piece ahead, 7.00, 6.05 and 6.04 s two ahead, 6.40, 5.63 and 5.94 s three ahead
-# (peak RSS 607-628, 643-656, 634-672 MiB); LRU 3.27, 2.97 and 3.47 s one ahead, 2.89, 2.63 and
-# 2.85 s three ahead (551-566, 639-669 MiB). Five ahead, two more rounds against three:
-# least-stale + score-percentile 5.72-5.73 against 5.92-6.34 s, LRU 2.65-2.97 against
-# 2.62-2.67 s, 21-75 MiB more.
+# memory. Reading ahead lets quick pieces make up for slow ones; beyond three, a replay gained
+# little and took more memory.
 READ_AHEAD = 3
-
-# prefetchers whose proposals at (pass, layer) read that pass (or the one before it in its
-# batch, which a piece always holds) and nothing later; eviction policies without a view of
-# the future
-_PIECEWISE_PREFETCH = ("none", "oracle", "previous-token", "lookahead", "next-gate-topk", "score-percentile")
-# the built-ins (a user's compiled hook policy goes a piece at a time too: _compiled_hooks)
-_PIECEWISE_EVICTION = ("lru", "fifo", "lfu", "fld", "score", "least-stale", "lhu")
-# eviction policies that read the future: each piece gets every key's first access after it
-# from a first pass over the file (belady_after; not served: a served pass's future depends on
-# the replay's own timing)
-_FUTURE_EVICTION = ("belady",)
-# prefetchers that count over the whole trace before the replay: static pinning's first share of
-# the passes, from a first pass over the file (``PolicyContext.whole_trace``)
-_COUNTING_PREFETCH = ("static-pin",)
-
 
 def piece_rows(path: Path | None = None) -> int:
     """Trace rows per piece: ``MOESIM_PIECE_ROWS`` when set (a positive whole number; less
@@ -107,14 +83,34 @@ def _rows_of_plain_bytes(path: Path) -> int:
     return max(1, CHUNK_ROWS * plain // (plain + wide))
 
 
-def _compiled_hooks(name: str) -> bool:
-    """Whether eviction policy ``name`` is written as hooks that numba compiles: the kernel
-    replays it, and it reads no trace of its own (its hooks are handed each access's weight),
-    so it goes a piece at a time."""
-    from moesim.policies.eviction import REGISTRY
-    from moesim.simulator.kernel import EV_HOOK, eviction_code
+def _classes(scenario: Scenario) -> tuple[Any, ...]:
+    """The scenario's eviction, prefetch, miss, routing and budget policy classes."""
+    from moesim.policies import families
 
-    return eviction_code(REGISTRY.get(name)) == EV_HOOK
+    pol, fam = scenario.policies, families()
+    return tuple(fam[f].get(getattr(pol, f).name) for f in ("eviction", "prefetch", "miss", "routing", "budget"))
+
+
+def _piecewise(scenario: Scenario) -> tuple[str, str] | None:
+    """What keeps the scenario's policies from replaying a piece at a time, as (family, name),
+    or None. Capability flags decide (each policy's class declares them): an eviction policy the
+    kernel runs (whose compiled form reads no more than the current pass; ``reads_future``
+    policies get their next uses from a first pass), a prefetcher the kernel runs that is
+    ``piecewise`` or ``counts_whole_trace``, a miss policy that ``always_fetch``es, routing that
+    does not change and no budget."""
+    from moesim.simulator.kernel import _prefetch_code, eviction_form
+
+    ev, pf, miss, routing, budget = _classes(scenario)
+    pol = scenario.policies
+    if eviction_form(ev) is None:
+        return "eviction", pol.eviction.name
+    if _prefetch_code(pf) is None or not (pf.piecewise or pf.counts_whole_trace):
+        return "prefetch", pol.prefetch.name
+    if not miss.always_fetch:
+        return "miss", pol.miss.name
+    if routing.changes_routing or budget.restricts:
+        return "routing", ""
+    return None
 
 
 def why_whole(scenario: Scenario, recording: bool) -> str | None:
@@ -133,30 +129,37 @@ def why_whole(scenario: Scenario, recording: bool) -> str | None:
         return "expert parallelism"
     if scenario.workload.speculative is not None:
         return "speculative decoding"
-    pol = scenario.policies
-    if (pol.eviction.name not in _PIECEWISE_EVICTION + _FUTURE_EVICTION
-            and not _compiled_hooks(pol.eviction.name)):
-        return f"eviction policy '{pol.eviction.name}' reads the whole trace"
-    if pol.prefetch.name not in _PIECEWISE_PREFETCH + _COUNTING_PREFETCH:
-        return f"prefetch policy '{pol.prefetch.name}' reads the whole trace"
-    if pol.miss.name != "fetch":
-        return f"miss policy '{pol.miss.name}' re-routes tokens"
-    if pol.routing.name != "standard" or pol.budget.name != "none":
-        return "a routing or budget policy"
-    return None
+    blocked = _piecewise(scenario)
+    if blocked is None:
+        return None
+    family, name = blocked
+    if family == "eviction":
+        return f"eviction policy '{name}' reads the whole trace"
+    if family == "prefetch":
+        return f"prefetch policy '{name}' reads the whole trace"
+    if family == "miss":
+        return f"miss policy '{name}' re-routes tokens"
+    return "a routing or budget policy"
 
 
 def first_passes(scenario: Scenario) -> int:
     """How many times a replay of ``scenario`` a piece at a time reads the whole trace file
-    before it replays it (its progress covers them): once for Belady's next uses
-    (:func:`belady_after`), once for static pinning's counts."""
-    pol = scenario.policies
-    return int(pol.eviction.name in _FUTURE_EVICTION) + int(pol.prefetch.name in _COUNTING_PREFETCH)
+    before it replays it (its progress covers them): once for the next uses of a policy that reads the future
+    (:func:`accesses_after`), once for static pinning's counts."""
+    ev, pf, *_ = _classes(scenario)
+    return int(ev.reads_future) + int(pf.counts_whole_trace)
 
 
-# serving forms each pass from the requests present: a pass is a piece of its own, so a
-# prefetcher reading the pass before (previous-token, lookahead) has none to read
-_SERVED_PREFETCH = ("none", "oracle", "next-gate-topk", "score-percentile")
+def _served(family: str) -> list[str]:
+    """The registered policies of ``family`` (eviction or prefetch) that serving can run, by
+    their capability flags."""
+    from moesim.policies import families
+    from moesim.simulator.kernel import _prefetch_code, eviction_form
+
+    if family == "eviction":
+        return [n for n, c in families()["eviction"].items() if eviction_form(c) is not None and not c.reads_future]
+    return [n for n, c in families()["prefetch"].items() if _prefetch_code(c) is not None and c.piecewise
+            and not (c.reads_previous_pass or c.counts_whole_trace)]
 
 
 def why_not_served(scenario: Scenario, recording: bool) -> str | None:
@@ -176,16 +179,18 @@ def why_not_served(scenario: Scenario, recording: bool) -> str | None:
         return f"is off here ({off})"
     if scenario.hardware.gpus > 1:
         return "models one GPU (set hardware.gpus: 1)"
+    ev, pf, *_ = _classes(scenario)
     pol = scenario.policies
-    if pol.eviction.name not in _PIECEWISE_EVICTION and not _compiled_hooks(pol.eviction.name):
-        return (f"cannot run eviction policy '{pol.eviction.name}' (it reads the whole trace, or its hooks do "
-                f"not compile); use one of {', '.join(_PIECEWISE_EVICTION)} or a hook policy numba compiles")
-    if pol.prefetch.name not in _SERVED_PREFETCH:
-        return (f"cannot run prefetch policy '{pol.prefetch.name}' (it reads the pass before, and each pass "
-                f"is formed anew); use one of {', '.join(_SERVED_PREFETCH)}")
-    if pol.miss.name != "fetch":
+    blocked = _piecewise(scenario)
+    if (blocked is not None and blocked[0] == "eviction") or ev.reads_future:
+        return (f"cannot run eviction policy '{pol.eviction.name}' (it reads the whole trace or the future, or its "
+                f"hooks do not compile); use one of {', '.join(_served('eviction'))} or a hook policy numba compiles")
+    if (blocked is not None and blocked[0] == "prefetch") or pf.reads_previous_pass or pf.counts_whole_trace:
+        return (f"cannot run prefetch policy '{pol.prefetch.name}' (it reads the pass before or the whole trace, "
+                f"and each pass is formed anew); use one of {', '.join(_served('prefetch'))}")
+    if blocked is not None and blocked[0] == "miss":
         return f"runs miss policy 'fetch' only (not '{pol.miss.name}', which re-routes tokens)"
-    if pol.routing.name != "standard" or pol.budget.name != "none":
+    if blocked is not None:
         return "runs routing 'standard' and budget 'none' only"
     return None
 
@@ -201,9 +206,10 @@ def pieces(scenario: Scenario, path: Path, chunk_rows: int = CHUNK_ROWS) -> Iter
         yield build_workload(piece, w.batch_size)  # no request limit (the reader's), no speculation
 
 
-def belady_after(workloads: Iterable[Workload], num_prec: int, default_prec: int,
-                 num_keys: int) -> tuple[np.ndarray, np.ndarray]:
-    """Belady a piece at a time (issue 34): one pass over the trace file's pieces (``workloads``,
+def accesses_after(workloads: Iterable[Workload], num_prec: int, default_prec: int,
+                   num_keys: int) -> tuple[np.ndarray, np.ndarray]:
+    """For an eviction policy that reads the future (``reads_future``) a piece at a time: one
+    pass over the trace file's pieces (``workloads``,
     cut as the replay cuts them: :meth:`simulator.engine.Simulation.pieces_again`) before the
     replay. Returns
     ``firsts`` (per piece its first access, counted over the whole trace, then the number of
@@ -239,10 +245,8 @@ def read_ahead(pieces: Iterator[Workload], prepare: Callable[[Workload], None] |
     ahead, the quick pieces make up for the slow ones (:data:`READ_AHEAD`). ``prepare`` is
     called on that thread with each piece once built (the
     prefetcher's proposals for it, :meth:`simulator.engine.Simulation.prepare_piece`), so that
-    the replay's work beside the kernel runs on one thread, not two (issue 34: least-stale +
-    score-percentile on the 25.6 M-access benchmark trace, five interleaved rounds of whole
-    processes on two cores: 9.36 s median with the proposals made here, 10.12 s on a thread of
-    their own).
+    the replay's work beside the kernel runs on one thread, not two (on two cores, a thread of
+    their own made replays slower).
     An error reading or preparing a piece is raised where that piece is asked for; pieces
     queued when the caller stops early are never read."""
 

@@ -23,7 +23,6 @@ from moesim.policies.eviction.base import (
     access_weight,
     list_append,
     list_unlink,
-    walk_table,
 )
 
 POLICY_MODULES = ("lru", "fifo", "lfu", "random", "fld", "score", "least_stale", "belady", "lhu", "sieve", "s3fifo",
@@ -33,4 +32,4 @@ for _name in POLICY_MODULES:
 
 __all__ = ["ANY", "CLOCK_KEYS_PER_LAYER", "CLOCK_LAYER", "CLOCK_LAYERS", "CLOCK_PASS", "CLOCK_PRECISIONS",
            "CLOCK_SIZE", "CLOCK_TICK", "NOT_PENDING", "PENDING", "REGISTRY", "SKIP", "CompiledForm",
-           "EvictionPolicy", "RecencyOrdered", "access_weight", "list_append", "list_unlink", "walk_table"]
+           "EvictionPolicy", "RecencyOrdered", "access_weight", "list_append", "list_unlink"]

@@ -17,8 +17,165 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
-from moesim.policies.eviction.base import REGISTRY, EvictionPolicy
+import numpy as np
+
+from moesim.jit import ir_inline
+from moesim.kernel_state import entry_size, evictable, expert_size
+from moesim.policies.eviction.base import (
+    NEXT,
+    REGISTRY,
+    EvictionPolicy,
+    KernelForm,
+    list_append,
+    list_unlink,
+    new_state,
+)
 from moesim.policies.registry import PolicyContext
+
+# -- the compiled form (ARC, below, is the reference) -----------------------------------------------
+WHERE = 2  # I2: the links, then the list (NONE, T1, T2, B1, B2)
+NONE, T1, T2, B1, B2 = 0, 1, 2, 3, 4
+# I1: each list's least recent and most recent (T1 0-1, T2 2-3, B1 4-5, B2 6-7), then
+GHOST_KEY, GHOST_LIST, FORGET, ORDER, STAGE, CURSOR = range(8, 14)
+# ORDER: the walk's lists: T1 then T2, T2 then T1, or T1 unremembered then T2
+T1_FIRST, T2_FIRST, T1_FORGOTTEN = 0, 1, 2
+# F1: the lists' sizes (in the order of the lists), p, the capacity, the incoming entry's size, in experts
+SIZE_T1, SIZE_T2, SIZE_B1, SIZE_B2, TARGET, CAPACITY, INCOMING = range(7)
+
+
+@ir_inline
+def _size(key: int, IS: np.ndarray) -> float:
+    return entry_size(key, IS) / expert_size(IS)
+
+
+@ir_inline
+def _push(key: int, which: int, S: Any, IS: np.ndarray) -> None:
+    """``key`` joins list ``which`` at its most recent end."""
+    list_append(key, 2 * (which - 1), S[2], S[0])
+    S[0][key, WHERE] = which
+    S[3][which - 1] += _size(key, IS)
+
+
+@ir_inline
+def _pop(key: int, S: Any, IS: np.ndarray) -> int:
+    """``key`` leaves its list; returns which."""
+    which = S[0][key, WHERE]
+    list_unlink(key, 2 * (which - 1), S[2], S[0])
+    S[0][key, WHERE] = NONE
+    S[3][which - 1] -= _size(key, IS)
+    return which
+
+
+@ir_inline
+def _miss(key: int, S: Any, IS: np.ndarray, K: Any) -> None:
+    L, F = S[2], S[3]
+    L[GHOST_KEY] = -1
+    F[INCOMING] = _size(key, IS)
+    which = S[0][key, WHERE]
+    if which == B1:
+        F[TARGET] = min(F[TARGET] + max(F[SIZE_B2] / F[SIZE_B1], 1.0), F[CAPACITY])
+    elif which == B2:
+        F[TARGET] = max(F[TARGET] - max(F[SIZE_B1] / F[SIZE_B2], 1.0), 0.0)
+    if which in (B1, B2):
+        _pop(key, S, IS)
+        L[GHOST_KEY] = key
+        L[GHOST_LIST] = which
+
+
+@ir_inline
+def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
+    L = S[2]
+    if demand and L[GHOST_KEY] == key:
+        _push(key, T2, S, IS)
+    else:
+        if S[0][key, WHERE] != NONE:  # a prefetch of a remembered entry: forgotten
+            _pop(key, S, IS)
+        _push(key, T1, S, IS)
+    L[GHOST_KEY] = -1
+
+
+@ir_inline
+def _access(key: int, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
+    which = S[0][key, WHERE]
+    if which in (T1, T2):
+        _pop(key, S, IS)
+        _push(key, T2, S, IS)
+
+
+@ir_inline
+def _remove(key: int, evicted: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> None:
+    L = S[2]
+    which = S[0][key, WHERE]
+    if which in (T1, T2):
+        _pop(key, S, IS)
+        if evicted and not (which == T1 and L[FORGET] == key):
+            _push(key, B1 if which == T1 else B2, S, IS)
+    if evicted:
+        L[FORGET] = -1
+
+
+@ir_inline
+def _victim(for_prefetch: bool, pin_gen: int, adm_layer: int, again: int, S: Any, IS: np.ndarray, K: Any,
+            A: Any) -> int:
+    """:meth:`ARC.candidates`: on a miss no ghost list remembered, the ghosts trimmed first; then
+    REPLACE's list from its least recent entry, then the other; a walk continued (``again``)
+    goes on where it stopped."""
+    N, L, F = S[0], S[2], S[3]
+    if not again:
+        if for_prefetch:  # no ghost hit, an entry at the scenario's precision
+            L[GHOST_KEY] = -1
+            F[INCOMING] = 1.0
+        L[FORGET] = -1
+        L[ORDER] = -1
+        if L[GHOST_KEY] == -1:  # case IV
+            if F[SIZE_T1] + F[SIZE_B1] + F[INCOMING] > F[CAPACITY]:
+                if F[SIZE_B1] > 0:
+                    _pop(L[4], S, IS)
+                elif L[0] != -1:
+                    L[ORDER] = T1_FORGOTTEN
+            elif F[SIZE_T1] + F[SIZE_B1] + F[SIZE_T2] + F[SIZE_B2] >= 2 * F[CAPACITY] and F[SIZE_B2] > 0:
+                _pop(L[6], S, IS)
+        if L[ORDER] == -1:
+            b2_hit = L[GHOST_KEY] != -1 and L[GHOST_LIST] == B2
+            t1 = F[SIZE_T1]
+            t1_first = (t1 > 0 and (t1 > F[TARGET] or (t1 == F[TARGET] and b2_hit))) or F[SIZE_T2] == 0
+            L[ORDER] = T1_FIRST if t1_first else T2_FIRST
+        L[STAGE] = 0
+        L[CURSOR] = L[2] if L[ORDER] == T2_FIRST else L[0]
+    while L[STAGE] < 2:
+        key = L[CURSOR]
+        while key != -1:
+            L[CURSOR] = N[key, NEXT]
+            L[FORGET] = key if (L[ORDER] == T1_FORGOTTEN and L[STAGE] == 0) else -1
+            if evictable(key, pin_gen, adm_layer, IS, K):
+                return key
+            key = L[CURSOR]
+        L[STAGE] += 1
+        L[CURSOR] = L[0] if L[ORDER] == T2_FIRST else L[2]
+    L[FORGET] = -1
+    return -1
+
+
+class AdaptiveLists(KernelForm):
+    """ARC's compiled form: T1, T2, B1 and B2 as lists, least recent first, each entry's list,
+    and the sizes and target ``p`` in experts. Statically pinned experts are in no list."""
+
+    keeps_static = False
+    miss = staticmethod(_miss)
+    insert = staticmethod(_insert)
+    access = staticmethod(_access)
+    remove = staticmethod(_remove)
+    victim = staticmethod(_victim)
+
+    @classmethod
+    def state(cls, policy: Any, num_keys: int) -> tuple[np.ndarray, ...]:
+        ctx = policy.ctx
+        I2, F2, I1, F1, P = new_state(num_keys, i2=3, i1=CURSOR + 1, f1=INCOMING + 1)
+        I2[:, WHERE] = NONE
+        I1[STAGE] = 0
+        F1[CAPACITY] = ctx.capacity_bytes / ctx.expert_bytes if math.isfinite(ctx.capacity_bytes) else math.inf
+        F1[INCOMING] = 1.0
+        return I2, F2, I1, F1, P
 
 
 @REGISTRY.register("arc")
@@ -32,9 +189,10 @@ class ARC(EvictionPolicy):
     The walk offers REPLACE's list from its least recent entry toward its most recent, then the
     other list (entries the cache may not evict keep their place). A prefetch admission enters
     T1 (a ghost list forgets it, and ``p`` does not move); a prefetcher's selection is not a
-    hit. Statically pinned experts are in no list."""
+    hit. Statically pinned experts are in no list. The kernel runs :class:`AdaptiveLists`."""
 
-    keeps_static = False
+    form = AdaptiveLists
+
 
     def __init__(self, params: Any, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)

@@ -28,12 +28,15 @@ CLOCK_PASS, CLOCK_LAYER, CLOCK_TICK, CLOCK_KEYS_PER_LAYER, CLOCK_PRECISIONS, CLO
 
 class EvictionPolicy(Policy, ABC):
     """Base class: observes cache events, orders keys for eviction. A built-in's compiled form,
-    which the kernel runs in its place, is beside it: ``compiled``, a class of hooks
-    (:mod:`moesim.policies.hooks`) for a policy ordered by a priority, or ``lists``, a list form
-    (:class:`RecencyList` and the comment above it) for one ordered by lists."""
+    which the kernel runs in its place, is beside it in its module: ``form``, a
+    :class:`KernelForm`; or ``compiled``, a class of hooks (:mod:`moesim.policies.hooks`) for a
+    policy ordered by a priority, which the kernel runs through the hook policies' form.
+    ``reads_future``: the policy reads the trace's future (Belady): a replay a piece at a time
+    gives it every key's next use after the piece, and serving cannot run it."""
 
+    form: ClassVar[type[KernelForm] | None] = None
     compiled: ClassVar[type | None] = None
-    lists: ClassVar[type | None] = None
+    reads_future: ClassVar[bool] = False
 
     @abstractmethod
     def on_insert(self, key: int, demand: bool) -> None:
@@ -78,76 +81,129 @@ class EvictionPolicy(Policy, ABC):
 REGISTRY: Registry[EvictionPolicy] = Registry("eviction")
 
 
-# -- the compiled forms of the list-ordered built-ins (lru, fifo, least-stale) -------------------
-# A list form keeps its order in doubly linked lists over the kernel's key records: ``K[key].prev``
-# and ``K[key].next`` (-1: none) are a cached key's neighbours in its list, and a list's head and
-# tail are ``L[h]`` and ``L[h + 1]`` of an int64 array (-1: empty), ``h`` counted from the form's
-# ``base``. Its functions (compiled, and called by the kernel directly, so that LLVM inlines them
-# as it did the kernel's own code; a first-class hook's indirect call per event would cost the
-# hot LRU path, :mod:`moesim.policies.hooks`):
+# -- compiled forms -----------------------------------------------------------------------------
+# A policy's compiled form (:class:`KernelForm`) is what the compiled replay runs in its place.
+# The kernel reaches it only through the seven hooks below, each a compiled function the kernel
+# calls directly (every built-in form is compiled into the kernel, which picks the replay's by its
+# index, :mod:`moesim.policies.eviction.forms`; LLVM inlines the hooks as if they were the
+# kernel's own code). ``S`` is the form's own state: five arrays it allocates
+# (:meth:`KernelForm.state`), the same types for every form -- per key ints and floats ``I2``,
+# ``F2``; ints and floats of its own ``I1``, ``F1``; and ``P``, ints made anew for each piece of a
+# trace read in pieces (:meth:`KernelForm.piece`). ``IS``, ``K``, ``DI`` and ``A`` are the
+# replay's; a form reads them through the accessors of :mod:`moesim.kernel_state`
+# (``current_pass``, ``evictable``, ``access_of`` ...).
 #
-# - ``insert(key, p, L, base, nl, K)``, ``access(...)``, ``remove(...)``: ``key`` entered the cache,
-#   was used by forward pass ``p`` (a hit or a late prefetch), left it; ``select(...)``: a
-#   prefetcher selected ``key`` while cached (``on_prefetch_select``); ``new_pass(p, L, base, nl,
-#   K)``: pass ``p`` begins (``nl``: the model's layers);
-# - the victim walk: ``steps(nl, opt)`` lists per queue, over ``QUEUES`` queues, and
-#   ``segment(q, step, for_prefetch, layer, nl, opt) -> (h, which)``: the list the walk reads
-#   ``step``-th in queue ``q`` and which of its keys are candidates (``ANY``;
-#   ``NOT_PENDING`` or ``PENDING``: only the current layer's experts that have run, or only those
-#   still to run, ``Clock.pending``; ``SKIP``: none). The kernel walks the lists in that order,
-#   each from its head, and takes the first key that the cache may evict (the pinning rule is the
-#   cache's, not the policy's), reading the order from a table made once (:func:`walk_table`).
-#   ``opt`` is the form's one integer parameter (least-stale's ``order``: 1 relative).
+# - ``insert(key, demand, ai, S, IS, K, DI, A)``: ``key`` entered the cache (``demand``: a miss
+#   fetched for use now, also a use; ``ai`` its access, -1 for none);
+# - ``access(key, ai, S, IS, K, DI, A)``: a forward pass used ``key`` (a hit or a late prefetch);
+# - ``remove(key, evicted, S, IS, K, A)``: ``key`` left the cache, evicted (1) or withdrawn (0);
+# - ``select(key, S, IS, K)``: a prefetcher selected the cached ``key``;
+# - ``new_pass(S, IS, K)``: a forward pass begins;
+# - ``miss(key, S, IS, K)``: a demand lookup missed ``key`` and room is about to be made for it;
+# - ``victim(for_prefetch, pin_gen, adm_layer, again, S, IS, K, A) -> key``: the policy's next
+#   victim that the cache may evict (``evictable(key, pin_gen, adm_layer, IS, K)``), or -1. The
+#   form walks its own order, as its reference form's ``candidates()`` (``prefetch_candidates()``
+#   when ``for_prefetch``) does; ``again`` (1) continues the walk of the call before, which found
+#   a victim that did not free enough room (entries of several sizes): the reference's iterator
+#   goes on.
 #
-# ``tests/test_compiled_forms.py`` drives each form, compiled, through random events against its
-# reference form's ``candidates()`` and ``prefetch_candidates()``.
+# ``keeps_static = False`` declares a form that never hears of the statically pinned keys (they
+# are never victims: a list form's walk need not pass over them), ``reads_pending = True`` one
+# whose walk reads ``pending``, ``inline = True`` one whose hooks the kernel inlines where it calls
+# them (small and hot: lru, fifo, least-stale; the others are called, which keeps compiles short). ``tests/test_compiled_forms.py`` drives each form against its
+# reference form's candidates; the golden grid holds both replay paths to the same rows.
 ANY, NOT_PENDING, PENDING, SKIP = 2, 0, 1, -1
+PREV, NEXT = 0, 1  # a list form's links: columns of I2 (-1: none)
 
 
 @inline
-def list_append(key: int, h: int, L: np.ndarray, K: Any) -> None:
-    """Append ``key`` to the list whose head and tail are ``L[h]``, ``L[h + 1]``."""
+def list_append(key: int, h: int, L: np.ndarray, N: np.ndarray) -> None:
+    """Append ``key`` to the list whose head and tail are ``L[h]``, ``L[h + 1]`` (links in
+    ``N[:, PREV]``, ``N[:, NEXT]``)."""
     tail = L[h + 1]
-    K[key].prev = tail
-    K[key].next = -1
+    N[key, PREV] = tail
+    N[key, NEXT] = -1
     if tail == -1:
         L[h] = key
     else:
-        K[tail].next = key
+        N[tail, NEXT] = key
     L[h + 1] = key
 
 
 @inline
-def list_unlink(key: int, h: int, L: np.ndarray, K: Any) -> None:
+def list_unlink(key: int, h: int, L: np.ndarray, N: np.ndarray) -> None:
     """Take ``key`` out of the list at ``L[h]``."""
-    prv, nxt = K[key].prev, K[key].next
+    prv, nxt = N[key, PREV], N[key, NEXT]
     if prv == -1:
         L[h] = nxt
     else:
-        K[prv].next = nxt
+        N[prv, NEXT] = nxt
     if nxt == -1:
         L[h + 1] = prv
     else:
-        K[nxt].prev = prv
+        N[nxt, PREV] = prv
 
 
-def walk_table(form: Any, nl: int, opt: int) -> np.ndarray:
-    """A list form's victim walk as a table, made once for a replay from its ``segment``: row
-    ``(layer, for_prefetch)`` holds the count ``n`` of lists walked, then ``n`` pairs ``(h,
-    which)`` in order (the lists ``segment`` skips left out). The kernel reads its walk from
-    the table (``segment`` itself, inlined into the walk's loop, made least-stale's prefetch
-    admissions slower)."""
-    steps, segment = (getattr(f, "py_func", f) for f in (form.steps, form.segment))  # as Python: no compile
-    walk = [[[(h, which) for q in range(form.QUEUES) for step in range(steps(nl, opt))
-              for h, which in [segment(q, step, fp, layer, nl, opt)] if which != SKIP]
-             for fp in (False, True)] for layer in range(nl)]
-    width = 1 + 2 * max(len(w) for rows in walk for w in rows)
-    table = np.zeros((nl, 2, width), np.int64)
-    for layer, rows in enumerate(walk):
-        for fp, w in enumerate(rows):
-            table[layer, fp, 0] = len(w)
-            table[layer, fp, 1:1 + 2 * len(w)] = np.ravel(w)
-    return table
+@inline
+def _no_select(key: int, S: Any, IS: np.ndarray, K: Any) -> None:
+    pass
+
+
+@inline
+def _no_new_pass(S: Any, IS: np.ndarray, K: Any) -> None:
+    pass
+
+
+@inline
+def _no_miss(key: int, S: Any, IS: np.ndarray, K: Any) -> None:
+    pass
+
+
+def new_state(num_keys: int, i2: int = 0, f2: int = 0, i1: int = 0, f1: int = 0,
+              fill: int = -1) -> tuple[np.ndarray, ...]:
+    """A form's state arrays (:class:`KernelForm`): ``i2`` int columns per key (``fill``ed),
+    ``f2`` float ones (0), ``i1`` ints (``fill``), ``f1`` floats (0), and an empty ``P``; each at
+    least one element, so that every form's arrays have the same types."""
+    return (np.full((num_keys, max(1, i2)), fill, np.int64), np.zeros((num_keys, max(1, f2))),
+            np.full(max(1, i1), fill, np.int64), np.zeros(max(1, f1)), np.zeros(1, np.int64))
+
+
+class KernelForm:
+    """A policy's compiled form: its seven hooks (the comment above) and, in Python, its state.
+    ``select``, ``new_pass`` and ``miss`` do nothing until a form defines them."""
+
+    keeps_static: ClassVar[bool] = True
+    reads_pending: ClassVar[bool] = False
+    inline: ClassVar[bool] = False
+    select = staticmethod(_no_select)
+    new_pass = staticmethod(_no_new_pass)
+    miss = staticmethod(_no_miss)
+
+    @classmethod
+    def state(cls, policy: Any, num_keys: int) -> tuple[np.ndarray, ...]:
+        """The form's state arrays for a replay of ``policy`` over ``num_keys`` cache keys."""
+        raise NotImplementedError
+
+    @classmethod
+    def piece(cls, policy: Any, S: tuple[np.ndarray, ...], wl: Any, after: Any,
+              num_keys: int) -> tuple[np.ndarray, ...]:
+        """The state for the piece ``wl`` of the trace (the whole trace, or a piece of a file
+        read in pieces: ``after`` is then its first access and every key's first access after it,
+        :func:`moesim.simulator.stream.accesses_after`, else None). Default: ``S`` as it is."""
+        return S
+
+    @classmethod
+    def first_class(cls, policy: Any, S: tuple[np.ndarray, ...]) -> tuple[Any, ...] | None:
+        """What the kernel hands a hook policy's form in ``A[A_HOOKS]`` (its compiled hooks and
+        their state, :mod:`moesim.policies.hooks`); None for every other form, which the kernel
+        hands hooks that are never called (the same types: one compiled kernel for all)."""
+        return None
+
+    @classmethod
+    def functions(cls) -> tuple[Any, ...]:
+        """The seven hooks, in the order the kernel indexes them."""
+        return (cls.insert, cls.access, cls.remove, cls.select, cls.new_pass, cls.miss,  # type: ignore[attr-defined]
+                cls.victim)  # type: ignore[attr-defined]
 
 
 class RecencyOrdered(EvictionPolicy):

@@ -7,20 +7,19 @@ from typing import Any
 import numpy as np
 
 from moesim.jit import inline
-from moesim.policies.eviction.base import (
-    REGISTRY,
-    RecencyOrdered,
-)
+from moesim.policies.eviction.base import REGISTRY, RecencyOrdered
 from moesim.policies.eviction.lru import RecencyList
+
+
+@inline
+def _no_reorder(key: int, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
+    pass
 
 
 class InsertionList(RecencyList):
     """FIFO's compiled form: :class:`RecencyList` whose uses do not reorder."""
 
-    @staticmethod
-    @inline
-    def access(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
-        pass
+    access = staticmethod(_no_reorder)
 
 
 @REGISTRY.register("fifo")
@@ -28,7 +27,7 @@ class FIFO(RecencyOrdered):
     """First in, first out: evict the expert inserted longest ago; uses do not reorder. The
     kernel runs :class:`InsertionList`."""
 
-    lists = InsertionList
+    form = InsertionList
 
     def on_access(self, key: int) -> None:
         pass

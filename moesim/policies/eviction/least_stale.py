@@ -9,16 +9,28 @@ from typing import Any
 
 import numpy as np
 
-from moesim.jit import inline, jit
+from moesim.jit import inline, kernel
+from moesim.kernel_state import (
+    current_layer,
+    current_pass,
+    evictable,
+    key_layer,
+    layer_count,
+    pending,
+)
 from moesim.policies.eviction.base import (
     ANY,
+    NEXT,
     NOT_PENDING,
     PENDING,
+    PREV,
     REGISTRY,
     SKIP,
     EvictionPolicy,
+    KernelForm,
     list_append,
     list_unlink,
+    new_state,
 )
 from moesim.policies.registry import PolicyContext
 
@@ -36,79 +48,124 @@ class LeastStaleParams:
             raise ValueError(f"order must be 'relative' or 'absolute', got {self.order!r}")
 
 
-@inline
-def _stale_or_current(key: int, p: int, base: int, nl: int, K: Any) -> int:
-    """Least-stale: the list of ``key`` (``K[key].curpass``: the pass that last touched it;
-    ``K[key].layer``): its layer's in the current queue if pass ``p`` touched it, else in the
-    stale queue; queue ``q``'s list of layer ``x`` is at ``base + 2 * (q * nl + x)``."""
-    current = K[key].curpass == p
-    return base + 2 * (current * nl + K[key].layer)
+CURPASS = 2  # I2: the links, then the pass that last touched the key (-1: none)
+WIDTH, LISTS = 0, 1  # I1: the walk table's row width, then the lists (head and tail each), then the table
 
 
 @inline
-def _touch(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
-    """Least-stale: a cached key used or selected in pass ``p`` is current."""
-    if K[key].curpass != p:  # stale -> current
-        list_unlink(key, _stale_or_current(key, p, base, nl, K), L, K)
-        K[key].curpass = p
-        list_append(key, _stale_or_current(key, p, base, nl, K), L, K)
+def _list_of(key: int, S: Any, IS: np.ndarray, K: Any) -> int:
+    """Least-stale: where in I1 the list of ``key`` starts: its layer's in the current queue if
+    this pass touched it, else in the stale queue (queue ``q``'s list of layer ``x`` at
+    ``LISTS + 2 * (q * layers + x)``)."""
+    current = S[0][key, CURPASS] == current_pass(IS)
+    return LISTS + 2 * (current * layer_count(IS) + key_layer(key, K))
 
 
-class LeastStaleLists:
+@inline
+def _touch(key: int, S: Any, IS: np.ndarray, K: Any) -> None:
+    """Least-stale: a cached key used or selected in this pass is current."""
+    if S[0][key, CURPASS] != current_pass(IS):  # stale -> current
+        list_unlink(key, _list_of(key, S, IS, K), S[2], S[0])
+        S[0][key, CURPASS] = current_pass(IS)
+        list_append(key, _list_of(key, S, IS, K), S[2], S[0])
+
+
+@inline
+def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
+    S[0][key, CURPASS] = current_pass(IS)
+    list_append(key, _list_of(key, S, IS, K), S[2], S[0])
+
+
+@inline
+def _access(key: int, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
+    _touch(key, S, IS, K)
+
+
+@inline
+def _remove(key: int, evicted: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> None:
+    list_unlink(key, _list_of(key, S, IS, K), S[2], S[0])
+
+
+@inline
+def _select(key: int, S: Any, IS: np.ndarray, K: Any) -> None:
+    _touch(key, S, IS, K)
+
+
+@kernel
+def _new_pass(S: Any, IS: np.ndarray, K: Any) -> None:
+    """Each layer's current list goes to the end of its stale list."""
+    L, N = S[2], S[0]
+    nl = layer_count(IS)
+    for layer in range(nl):
+        stale = LISTS + 2 * layer
+        cur = LISTS + 2 * (nl + layer)
+        first = L[cur]
+        if first == -1:
+            continue
+        if L[stale + 1] == -1:
+            L[stale] = first
+        else:
+            N[L[stale + 1], NEXT] = first
+            N[first, PREV] = L[stale + 1]
+        L[stale + 1] = L[cur + 1]
+        L[cur] = -1
+        L[cur + 1] = -1
+
+
+@kernel
+def _list_first(h: int, which: int, pin_gen: int, adm_layer: int, S: Any, IS: np.ndarray, K: Any) -> int:
+    """The first key of the list at ``I1[h]`` that the cache may evict and that ``which`` takes
+    (``ANY``, or only the current layer's experts that have run, or only those still to run)."""
+    N = S[0]
+    key = S[2][h]
+    while key != -1:
+        if evictable(key, pin_gen, adm_layer, IS, K) and (which == ANY or pending(key, IS, K) == (which == PENDING)):
+            return key
+        key = N[key, NEXT]
+    return -1
+
+
+@kernel
+def _victim(for_prefetch: bool, pin_gen: int, adm_layer: int, again: int, S: Any, IS: np.ndarray, K: Any,
+            A: Any) -> int:
+    """Its lists walked in the policy's order, read from the walk's table (for the current layer
+    and ``for_prefetch``: the count of lists, then each list's place and which of its keys the
+    walk takes). The walk reads the lists as they are: a walk continued (``again``) is the
+    same walk."""
+    L = S[2]
+    nl = layer_count(IS)
+    t = LISTS + 4 * nl + (2 * current_layer(IS) + for_prefetch) * L[WIDTH]
+    for i in range(L[t]):
+        v = _list_first(LISTS + L[t + 1 + 2 * i], L[t + 2 + 2 * i], pin_gen, adm_layer, S, IS, K)
+        if v != -1:
+            return v
+    return -1
+
+
+class LeastStaleLists(KernelForm):
     """Least-stale's compiled form (:class:`LeastStale`): two queues, stale (0) and current (1),
     of one list per layer in insertion order. A touch (an insert, a use, a prefetcher's
     selection) moves a key to its layer's current list; a new pass appends each layer's current
     list to its stale list. The walk's order is the reference's ``candidates()`` (for a
-    prefetch, ``prefetch_candidates()``) over these lists."""
+    prefetch, ``prefetch_candidates()``) over these lists, tabulated once per replay
+    (:func:`walk_table`)."""
 
     QUEUES = 2
+    keeps_static = False
+    reads_pending = True
+    inline = True
+    insert = staticmethod(_insert)
+    access = staticmethod(_access)
+    remove = staticmethod(_remove)
+    select = staticmethod(_select)
+    new_pass = staticmethod(_new_pass)
+    victim = staticmethod(_victim)
 
     @staticmethod
-    @inline
-    def insert(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
-        K[key].curpass = p
-        list_append(key, _stale_or_current(key, p, base, nl, K), L, K)
-
-    @staticmethod
-    @inline
-    def access(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
-        _touch(key, p, L, base, nl, K)
-
-    @staticmethod
-    @inline
-    def remove(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
-        list_unlink(key, _stale_or_current(key, p, base, nl, K), L, K)
-
-    @staticmethod
-    @inline
-    def select(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
-        _touch(key, p, L, base, nl, K)
-
-    @staticmethod
-    @jit
-    def new_pass(p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
-        for layer in range(nl):
-            stale = base + 2 * layer
-            cur = base + 2 * (nl + layer)
-            first = L[cur]
-            if first == -1:
-                continue
-            if L[stale + 1] == -1:
-                L[stale] = first
-            else:
-                K[L[stale + 1]].next = first
-                K[first].prev = L[stale + 1]
-            L[stale + 1] = L[cur + 1]
-            L[cur] = -1
-            L[cur + 1] = -1
-
-    @staticmethod
-    @inline
     def steps(nl: int, opt: int) -> int:
         return nl + 1 if opt else nl
 
     @staticmethod
-    @inline
     def segment(q: int, step: int, for_prefetch: bool, layer: int, nl: int, opt: int) -> tuple[int, int]:
         """Per queue (stale, then current), the layers in the policy's order: relative
         (``opt``): the layers already passed, the current layer's experts that have run,
@@ -130,6 +187,33 @@ class LeastStaleLists:
             elif q == 1 and x > layer:
                 return 0, SKIP  # a later layer's current expert: upcoming
         return 2 * (q * nl + x), which
+
+    @classmethod
+    def state(cls, policy: Any, num_keys: int) -> tuple[np.ndarray, ...]:
+        nl = policy.ctx.num_layers
+        table = walk_table(cls, nl, int(policy.params.order == "relative"))
+        I2, F2, I1, F1, P = new_state(num_keys, i2=3, i1=LISTS + 4 * nl + table.size)
+        I1[WIDTH] = table.shape[-1]
+        I1[LISTS + 4 * nl:] = table.ravel()
+        return I2, F2, I1, F1, P
+
+
+def walk_table(form: Any, nl: int, opt: int) -> np.ndarray:
+    """A list form's victim walk as a table, made once for a replay from its ``segment``: row
+    ``(layer, for_prefetch)`` holds the count ``n`` of lists walked, then ``n`` pairs ``(h,
+    which)`` in order (the lists ``segment`` skips left out). The kernel reads its walk from
+    the table (``segment`` itself, inlined into the walk's loop, made least-stale's prefetch
+    admissions slower)."""
+    walk = [[[(h, which) for q in range(form.QUEUES) for step in range(form.steps(nl, opt))
+              for h, which in [form.segment(q, step, fp, layer, nl, opt)] if which != SKIP]
+             for fp in (False, True)] for layer in range(nl)]
+    width = 1 + 2 * max(len(w) for rows in walk for w in rows)
+    table = np.zeros((nl, 2, width), np.int64)
+    for layer, rows in enumerate(walk):
+        for fp, w in enumerate(rows):
+            table[layer, fp, 0] = len(w)
+            table[layer, fp, 1:1 + 2 * len(w)] = np.ravel(w)
+    return table
 
 
 @REGISTRY.register("least-stale")
@@ -171,7 +255,7 @@ class LeastStale(EvictionPolicy):
     """
 
     Params = LeastStaleParams
-    lists = LeastStaleLists
+    form = LeastStaleLists
 
     def __init__(self, params: LeastStaleParams, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)

@@ -7,56 +7,64 @@ from typing import Any
 import numpy as np
 
 from moesim.jit import inline
+from moesim.kernel_state import evictable
 from moesim.policies.eviction.base import (
-    ANY,
+    NEXT,
     REGISTRY,
+    KernelForm,
     RecencyOrdered,
     list_append,
     list_unlink,
+    new_state,
 )
 
+HEAD = 0  # the list's head (least recent) and tail in I1
 
-class RecencyList:
-    """LRU's compiled form: one list, least recent first; an insert and every use move the key
-    to the end (:class:`RecencyOrdered`)."""
 
-    QUEUES = 1
+@inline
+def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
+    list_append(key, HEAD, S[2], S[0])
 
-    @staticmethod
-    @inline
-    def insert(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
-        list_append(key, base, L, K)
 
-    @staticmethod
-    @inline
-    def access(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
-        list_unlink(key, base, L, K)
-        list_append(key, base, L, K)
+@inline
+def _use(key: int, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
+    list_unlink(key, HEAD, S[2], S[0])
+    list_append(key, HEAD, S[2], S[0])
 
-    @staticmethod
-    @inline
-    def remove(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
-        list_unlink(key, base, L, K)
 
-    @staticmethod
-    @inline
-    def select(key: int, p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
-        pass
+@inline
+def _remove(key: int, evicted: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> None:
+    list_unlink(key, HEAD, S[2], S[0])
 
-    @staticmethod
-    @inline
-    def new_pass(p: int, L: np.ndarray, base: int, nl: int, K: Any) -> None:
-        pass
 
-    @staticmethod
-    @inline
-    def steps(nl: int, opt: int) -> int:
-        return 1
+@inline
+def _first(for_prefetch: bool, pin_gen: int, adm_layer: int, again: int, S: Any, IS: np.ndarray, K: Any,
+           A: Any) -> int:
+    """The first key of the list, from its head, that the cache may evict."""
+    N = S[0]
+    key = S[2][HEAD]
+    while key != -1:
+        if evictable(key, pin_gen, adm_layer, IS, K):
+            return key
+        key = N[key, NEXT]
+    return -1
 
-    @staticmethod
-    @inline
-    def segment(q: int, step: int, for_prefetch: bool, layer: int, nl: int, opt: int) -> tuple[int, int]:
-        return 0, ANY
+
+class RecencyList(KernelForm):
+    """LRU's compiled form: one list, least recent first (links in I2, head and tail in I1); an
+    insert and every use move the key to the end; the victim is the first the cache may evict.
+    Statically pinned keys are never in it."""
+
+    keeps_static = False
+    inline = True
+    insert = staticmethod(_insert)
+    access = staticmethod(_use)
+    remove = staticmethod(_remove)
+    victim = staticmethod(_first)
+
+    @classmethod
+    def state(cls, policy: Any, num_keys: int) -> tuple[np.ndarray, ...]:
+        return new_state(num_keys, i2=2, i1=2)
 
 
 @REGISTRY.register("lru")
@@ -68,4 +76,4 @@ class LRU(RecencyOrdered):
     :class:`RecencyList`.
     """
 
-    lists = RecencyList
+    form = RecencyList

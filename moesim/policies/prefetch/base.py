@@ -25,6 +25,14 @@ class PrefetchPolicy(Policy, ABC):
     and never evicted)."""
 
     active: ClassVar[bool] = True
+    # what a replay of the policy needs (capability flags): ``piecewise``, its proposals at a
+    # (pass, layer) read that pass or the one before it in its batch and nothing later (a trace
+    # read in pieces can be replayed a piece at a time); ``reads_previous_pass``, they read the
+    # pass before (serving forms each pass anew: there is none); ``counts_whole_trace``, it counts
+    # over the whole trace before the replay (a first pass over a file read in pieces)
+    piecewise: ClassVar[bool] = False
+    reads_previous_pass: ClassVar[bool] = False
+    counts_whole_trace: ClassVar[bool] = False
 
     @abstractmethod
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:

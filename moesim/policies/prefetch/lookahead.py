@@ -29,6 +29,9 @@ class Lookahead(PrefetchPolicy):
     """Prefetch ``depth`` layers ahead: at layer l, the experts layers l+1 .. l+d used for the
     previous token, nearest layer first (previous-token prediction extended d layers)."""
 
+    piecewise = True
+    reads_previous_pass = True
+
     Params = LookaheadParams
 
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:

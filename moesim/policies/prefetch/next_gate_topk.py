@@ -28,6 +28,8 @@ class NextGateTopK(_ProposedInChunks):
     probabilities; each token's top ``ceil(k * overfetch)`` experts are prefetched, the union
     over the pass's tokens ordered by summed predicted probability (:func:`topk_proposals`)."""
 
+    piecewise = True
+
     Params = TopKParams
 
     def __init__(self, params: TopKParams, ctx: PolicyContext) -> None:

@@ -14,6 +14,8 @@ from moesim.policies.prefetch.base import (
 class NoPrefetch(PrefetchPolicy):
     """No prefetching: experts are loaded on demand only."""
 
+    piecewise = True
+
     active = False
 
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:

@@ -16,6 +16,8 @@ class Oracle(PrefetchPolicy):
     """The true experts of the next layer, read from the trace: an upper bound for any
     next-layer predictor (``speculating-experts-prefetch.txt`` §5.1's perfect prefetch)."""
 
+    piecewise = True
+
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:
         if layer + 1 >= self.ctx.num_layers:
             return ()

@@ -17,6 +17,9 @@ class PreviousToken(PrefetchPolicy):
     """Prefetch for the next layer the experts that layer used for the previous token (the
     previous decode pass of the same batch); needs no hidden state."""
 
+    piecewise = True
+    reads_previous_pass = True
+
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:
         prev = _previous_pass(self.ctx, pass_index)
         if prev is None or layer + 1 >= self.ctx.num_layers:

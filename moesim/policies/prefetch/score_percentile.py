@@ -41,6 +41,8 @@ class ScorePercentile(_ProposedInChunks):
     p-th percentile of the layer's predicted scores, highest first
     (:func:`percentile_proposals`). The count adapts to how peaked the prediction is."""
 
+    piecewise = True
+
     Params = PercentileParams
 
     def __init__(self, params: PercentileParams, ctx: PolicyContext) -> None:

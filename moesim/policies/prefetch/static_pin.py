@@ -40,6 +40,8 @@ class StaticPin(PrefetchPolicy):
     the rest of the cache works as usual. No per-layer prefetching. A trace file replayed a
     piece at a time is read for the counts before the replay (``PolicyContext.whole_trace``)."""
 
+    counts_whole_trace = True
+
     Params = StaticPinParams
     active = False
 

@@ -5,7 +5,7 @@ State lives in five arrays, so that the kernel's functions pass little between t
 (int64: scalars ``S_*``, configuration ``C_*``, the pass's counts ``R_*``, region offsets
 ``H_*``, then the regions: queues, lists, scratch), ``FS`` (float64: scalars, configuration,
 then regions), and three record arrays with named fields: ``K``, one record per cache key
-(:data:`KEY`: ``K[key].state``, ``.tid``, ``.prev``/``.next`` in a list, ``.nextuse`` ...),
+(:data:`KEY`: ``K[key].state``, ``.tid``, ``.pin`` ...),
 ``T``, one per transfer slot (:data:`TRANSFER`: ``T[t].key``, ``.seq``, ``.start``, ``.done``
 ...), and ``W``, units of a layer's work (:data:`WORK`: ``.tid``, ``.seq``, ``.key``,
 ``.tokens``) in three regions: the layer's computations, the lookup buffers' and the pending
@@ -15,7 +15,7 @@ prefetches (``W[IS[H_PENDA] + i]``). Element ``i`` of a queue or list ``Q`` is
 waiting proposals ``WQ``. Transfer slots are reused; a slot kept past a layer is checked against its
 transfer's sequence number. Sets the SimPy path rebuilds (pins, pending experts, keys evicted
 in this pass) are generation marks. Read-only data: ``DI`` (offsets of each (pass, layer)'s
-accesses, pass groups, Belady's access positions), ``DF`` (expert seconds by token count,
+accesses, pass groups), ``DF`` (expert seconds by token count,
 per-pass factor), ``A`` (the workload's own per-access arrays) and ``P`` (proposal arrays); a
 trace read in pieces has the read-only arrays hold one piece (``S_PBASE``: the piece's first
 pass, where its (pass, layer) entries start).
@@ -26,13 +26,12 @@ from __future__ import annotations
 import numpy as np
 
 from moesim.jit import inline as _inline
-from moesim.jit import jit as _jit
-from moesim.policies.hooks import CLOCK_LAYER, CLOCK_PASS, CLOCK_TICK
+from moesim.jit import kernel as _jit
 
-EV_LRU, EV_FIFO, EV_LS, EV_BELADY, EV_HOOK = range(5)
-# a hook policy's compiled hooks (each in a tuple of one) and state in ``A[U]`` (:mod:`policies.hooks`)
-U = 5
-U_INSERT, U_ACCESS, U_REMOVE, U_PRIORITY, U_PRIORITIES, U_CLOCK, U_SI, U_SF, U_KEYS, U_PRIOS = range(10)
+# the per-access arrays, then the eviction form's hooks and state, in ``A`` (:data:`A_HOOKS`: a
+# hook policy's compiled hooks, :mod:`moesim.policies.hooks`; :data:`A_FORM`: the arrays the
+# form keeps its own state in, ``(I2, F2, I1, F1, P)``: :mod:`moesim.policies.eviction.base`)
+A_HOOKS, A_FORM = 5, 6
 # prefetch proposal sources
 PF_NONE, PF_ORACLE, PF_PREV, PF_LOOKAHEAD, PF_ARRAY = range(5)
 MODE_LAYER, MODE_ARRIVAL, MODE_PER_EXPERT = range(3)
@@ -41,22 +40,17 @@ DEMAND, PREFETCH = 0, 1
 
 # A cache key's record (``K[key]``): its state (ABSENT, INFLIGHT, RESIDENT), the layer
 # generation it was last computed in, its transfer slot, its pin generation, whether it is
-# statically pinned, its stamp, the pass least-stale last touched it in, its neighbours in its
-# policy's list, its place among the members a victim search scans, its pending generation, the
-# pass it was evicted in, whether it is an unused prefetch, its admission generation, whether a
-# proposal of it waits, its proposal mark, the pass that last routed it, its layer (the key over
-# C_DIV, set by _layout: the prefetch and least-stale paths read it where they divided);
-# Belady's next use and a hook policy's kept priority.
+# statically pinned, its pending generation, the pass it was evicted in, whether it is an unused
+# prefetch, its admission generation, whether a proposal of it waits, its proposal mark, the pass
+# that last routed it, its layer (the key over C_DIV, set by _layout: the prefetch path reads it
+# where it divided). What an eviction policy keeps per key is in its form's own arrays (A[A_FORM]).
 KEY = np.dtype([(name, np.int64) for name in (
-    "state", "computed", "tid", "pin", "static", "stamp", "curpass", "prev", "next", "memb", "pend",
-    "evicted", "unused", "adm", "queued", "mark", "accpass", "layer")] + [("nextuse", np.float64), ("prio", np.float64)])
+    "state", "computed", "tid", "pin", "static", "pend", "evicted", "unused", "adm", "queued", "mark", "accpass",
+    "layer")])
 # A transfer slot's record (``T[t]``): its key, priority (DEMAND, PREFETCH), sequence number,
 # whether it started or was withdrawn, whether it bypasses the cache, its place in the prefetch
 # ring; when it was issued, starts, is done, and its duration. Its 88 bytes of fields take a
-# 128-byte record (issue 34, at cecb79f: with records 88 bytes apart, the kernel's CPU time on the 25.6 M-access
-# LRU file was 1.29-1.70 s against 1.07-1.34 s, five interleaved rounds; least-stale +
-# score-percentile and per-expert execution on 5.12 M accesses 0.95-1.20 s against 0.78-1.05 s
-# and 0.57-0.63 s against 0.49-0.66 s, four rounds each; the same summaries)
+# 128-byte record (two cache lines: records 88 bytes apart made the kernel measurably slower)
 _TRANSFER_FIELDS = ([(name, np.int64) for name in ("key", "prio", "seq", "started", "cancelled", "bypass", "pfslot")]
                     + [(name, np.float64) for name in ("issued", "start", "done", "dur")])
 TRANSFER = np.dtype({"names": [n for n, _ in _TRANSFER_FIELDS], "formats": [f for _, f in _TRANSFER_FIELDS],
@@ -70,18 +64,18 @@ TRANSFER = np.dtype({"names": [n for n, _ in _TRANSFER_FIELDS], "formats": [f fo
 WORK = np.dtype([(name, np.int64) for name in ("tid", "seq", "key", "tokens")])
 # The integer state IS: scalars (S_*), configuration (C_*), the pass's row (R_*), region
 # offsets (H_*), then the regions (queues, lists, scratch).
-(S_SEQ, S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_HEAD, S_TAIL, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
- S_FREEN, S_WH, S_WN, S_PENDN, S_MEMBN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
- S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE, S_ABASE,
- C_EV, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
+(S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
+ S_FREEN, S_WH, S_WN, S_PENDN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
+ S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE,
+ C_FORM, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE, C_LRUNCAP,
- C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC, C_STABLE, C_LSWB,
+ C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC, C_PENDING, C_KEEPSTATIC,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
- H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_MEMB, H_LGEN, H_LADM, H_LMARK, H_RUNS,
- H_SCR, H_OFF, H_GROUP, H_KPOSOFF, H_KPOS, H_KNEXT, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
- H_PENDMAX, H_LSQ, H_LSWALK, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, I_HEADER) = range(109)
+ H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_LGEN, H_LADM, H_LMARK, H_RUNS,
+ H_SCR, H_OFF, H_GROUP, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
+ H_PENDMAX, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
+ H_PDUR, I_HEADER) = range(98)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, SF_HOST, CF_CAP,
@@ -159,49 +153,112 @@ def _ffn(key, tokens, DF, IS):
     return DF[IS[H_TTAB] + tokens]
 
 
-@_inline
-def _set_clock(IS, A):
-    """Set a hook policy's clock (:mod:`policies.hooks`) to the replay's pass, layer and stamp
-    counter."""
-    clock = A[U][U_CLOCK]
-    clock[CLOCK_PASS] = IS[S_PASS]
-    clock[CLOCK_LAYER] = IS[S_LAYER]
-    clock[CLOCK_TICK] = IS[S_SEQ]
-
-
-@_jit
-def _stamp(key, IS, K):
-    IS[S_SEQ] += 1
-    K[key].stamp = IS[S_SEQ]
-
-
 @_jit
 def _new_gen(IS, which):
     IS[which] += 1
     return IS[which]
 
 
-def _set_walk(IS: np.ndarray, walk: np.ndarray) -> None:
-    """Install a list form's victim walk table (``H_LSWALK``, rows of ``C_LSWB``; its region
-    sized ``walk.size`` by :func:`_layout`)."""
-    IS[C_LSWB] = walk.shape[-1] if walk.size else 0
-    IS[IS[H_LSWALK]:IS[H_LSWALK] + walk.size] = walk.ravel()
+# -- what an eviction policy's compiled form reads of the replay (its hooks get IS, K, DI and A:
+# these name what they may use) ------------------------------------------------------------------
+@_inline
+def evictable(key, pin_gen, adm_layer, IS, K):
+    """Whether the cache may evict ``key`` now (the pinning rule, ``docs/design.md`` step 7):
+    resident, not pinned (``pin_gen``: the current pins), not statically pinned, and not one of
+    the earlier admissions of a prefetch's target layer ``adm_layer`` (-1: none)."""
+    if K[key].state != RESIDENT or K[key].pin == pin_gen or K[key].static:
+        return False
+    return not (adm_layer >= 0 and K[key].layer == adm_layer and K[key].adm == IS[IS[H_LGEN] + adm_layer])
+
+
+@_inline
+def current_pass(IS):
+    """The forward pass being replayed."""
+    return IS[S_PASS]
+
+
+@_inline
+def current_layer(IS):
+    """The layer being replayed."""
+    return IS[S_LAYER]
+
+
+@_inline
+def layer_count(IS):
+    """The model's layers."""
+    return IS[C_L]
+
+
+@_inline
+def key_layer(key, K):
+    """The layer of cache key ``key``."""
+    return K[key].layer
+
+
+@_inline
+def pending(key, IS, K):
+    """Whether ``key`` is one of the current layer's routed experts still to run
+    (``Clock.pending``); marked only for a form that declares ``reads_pending``."""
+    return K[key].pend == IS[S_PENDGEN]
+
+
+@_inline
+def entry_size(key, IS):
+    """The bytes of ``key``'s entry (its precision's)."""
+    return _nbytes(key, IS)
+
+
+@_inline
+def expert_size(IS):
+    """The bytes of one expert at the scenario's precision."""
+    return IS[C_NBYTES]
+
+
+@_inline
+def layer_accesses(IS, DI):
+    """The current (pass, layer)'s accesses: ``lo .. hi`` (:func:`access_key`)."""
+    b = _here(IS)
+    return DI[IS[H_OFF] + b], DI[IS[H_OFF] + b + 1]
+
+
+@_inline
+def access_key(j, IS, A):
+    """The cache key of access ``j``."""
+    return _key(j, IS, A)
+
+
+@_jit
+def access_of(key, ai, IS, DI, A):
+    """Access ``ai`` when it is one (``>= 0``), else the current (pass, layer)'s access of
+    ``key``, or -1 when it has none."""
+    if ai >= 0:
+        return ai
+    lo, hi = layer_accesses(IS, DI)
+    for j in range(lo, hi):
+        if _key(j, IS, A) == key:
+            return j
+    return -1
+
+
+@_inline
+def access_weight(ai, A):
+    """The summed gate weight of access ``ai`` (0 for -1: none)."""
+    return A[3][ai] if ai >= 0 else 0.0
 
 
 def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, fin: int = 1,
-            lrun: int = 1, nprec: int = 1, per_layer: int = 0, walk: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-                                                                          np.ndarray]:
+            lrun: int = 1, nprec: int = 1, per_layer: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                                    np.ndarray]:
     """The state arrays ``IS``, ``FS``, ``K``, ``T``, ``W``, initialised: regions after the
     headers, their offsets in ``IS`` (``W``'s regions' first records there too).
     Every precision (``nprec``) is one byte and takes one second to copy until set
     (``H_PBYTES``, ``H_PDUR``); the only precision level is the default, 0. ``per_layer``:
     the keys of a layer (``C_DIV``: experts times precisions; 0, all the keys in one layer),
-    each key's layer (``K.layer``) its key over it. ``walk``: the size of a list form's walk
-    table (``H_LSWALK``, rows of ``C_LSWB``: :func:`moesim.policies.eviction.walk_table`)."""
+    each key's layer (``K.layer``) its key over it."""
     i_sizes = ((H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
-               (H_FREE, pool), (H_WQ, num_keys), (H_MEMB, num_keys),
+               (H_FREE, pool), (H_WQ, num_keys),
                (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys),
-               (H_SPEC, 2 * lrun), (H_ROUTED, num_keys), (H_LSQ, 4 * num_keys), (H_LSWALK, walk),
+               (H_SPEC, 2 * lrun), (H_ROUTED, num_keys),
                (H_PFTMP, pool), (H_FIN, fin), (H_LEVELS, nprec), (H_PBYTES, nprec), (H_VICT, 2 * num_keys))
     f_sizes = ((H_SCR, 2 * max(1, maxn)), (H_MSCR, 2 * top_k),
                (H_PDUR, nprec))
@@ -216,12 +273,11 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
     for h, o in offsets.items():
         IS[h] = o
     IS[H_POOL], IS[H_NKEYS], IS[H_PENDMAX] = pool, num_keys, pend_max
-    IS[S_HEAD] = IS[S_TAIL] = -1
     IS[C_LRUNCAP] = lrun
     IS[S_PINGEN] = IS[S_PENDGEN] = IS[S_MARKGEN] = 1
     IS[S_FREEN] = pool
     K = np.zeros(num_keys, KEY).view(np.recarray)
-    for name in ("tid", "curpass", "prev", "next", "memb", "evicted", "accpass"):
+    for name in ("tid", "evicted", "accpass"):
         K[name] = -1
     T = np.zeros(pool, TRANSFER).view(np.recarray)
     # W's regions: the layer's computations, the two lookup buffers, the pending prefetches
@@ -229,7 +285,6 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
     W = np.zeros(max(1, maxn) + 2 * lrun + pend_max, WORK).view(np.recarray)
     IS[IS[H_FREE]:IS[H_FREE] + pool] = np.arange(pool - 1, -1, -1)
     IS[IS[H_LGEN]:IS[H_LGEN] + num_keys] = 1
-    IS[IS[H_LSQ]:IS[H_LSQ] + 4 * num_keys] = -1
     IS[C_DIV] = per_layer or num_keys
     K["layer"] = np.arange(num_keys) // IS[C_DIV]
     IS[C_NPREC] = nprec

@@ -1,0 +1,64 @@
+"""The compiled forms the replay kernel is built with, and which one runs each eviction policy.
+
+:data:`FORM_CLASSES` holds every compiled form shipped with moesim -- each built-in policy's own
+(``form``, beside it in its module) and :class:`moesim.policies.hooks.PriorityHooks`, which runs
+the policies given as hooks (the built-ins' ``compiled`` hook classes and a user's
+:class:`~moesim.policies.hooks.HookEviction`) -- each as the tuple of its seven hooks
+(:meth:`~moesim.policies.eviction.base.KernelForm.functions`: :data:`INLINE_FORMS`, then
+:data:`CALLED_FORMS`). The kernel is compiled once with all of them (numba's on-disk cache keeps it: the tuple is made from moesim's own sources, whose
+digest keys that cache) and runs the replay's form by its index in the tuple
+(:func:`form_index`), so that it names no policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moesim.policies.eviction import REGISTRY
+from moesim.policies.eviction.base import KernelForm
+from moesim.policies.hooks import HookEviction, PriorityHooks, compiled
+
+
+def _shipped(cls: type) -> bool:
+    return cls.__module__.startswith("moesim.")
+
+
+def _built_in_forms() -> list[type[KernelForm]]:
+    forms: list[type[KernelForm]] = []
+    for _, cls in REGISTRY.items():
+        form = cls.__dict__.get("form")
+        if form is not None and _shipped(cls) and form not in forms:
+            forms.append(form)
+    return [*forms, PriorityHooks]
+
+
+# the forms whose hooks are inlined where the kernel calls them come first (``inline = True``: the
+# hot lists of lru, fifo and least-stale); the others are called through one compiled function per
+# hook, which keeps the kernel's compile short (every form inlined at every call site doubled it)
+FORM_CLASSES: tuple[type[KernelForm], ...] = tuple(sorted(_built_in_forms(), key=lambda f: not f.inline))
+INLINED = sum(f.inline for f in FORM_CLASSES)
+INLINE_FORMS: tuple[tuple[Any, ...], ...] = tuple(f.functions() for f in FORM_CLASSES[:INLINED])
+CALLED_FORMS: tuple[tuple[Any, ...], ...] = tuple(f.functions() for f in FORM_CLASSES[INLINED:])
+
+
+def form_of(cls: type) -> type[KernelForm] | None:
+    """The compiled form the kernel runs for eviction policy class ``cls``, or None (the SimPy
+    path): a built-in's own form or compiled hooks (declared in the class itself: a subclass
+    elsewhere may change what it does), a hook policy whose hooks numba compiles."""
+    if _shipped(cls):
+        form: type[KernelForm] | None = cls.__dict__.get("form")
+        if form is not None:
+            return form
+        if cls.__dict__.get("compiled") is not None:
+            return PriorityHooks
+    if issubclass(cls, HookEviction) and isinstance(compiled(cls), tuple):
+        return PriorityHooks
+    return None
+
+
+def form_index(cls: type) -> int:
+    """The index in :data:`FORM_CLASSES` of the form that runs eviction policy class ``cls`` (which has
+    one: :func:`form_of`)."""
+    form = form_of(cls)
+    assert form is not None, cls
+    return FORM_CLASSES.index(form)
