@@ -276,8 +276,14 @@ def _inside(path: Path, folder: Path) -> str | None:
 @click.option("--ray-address", default=None, help="With --executor ray: an existing cluster (default: a local instance).")
 @click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
               help="Replay this trace file instead of the scenario's (same as --set workload.trace={path: FILE}).")
+@click.option("--verify", is_flag=True,
+              help="Check every finished point's files by their digests before reusing it (files up to 16 MB are "
+                   "always checked; larger ones by size unless this is given).")
+@click.option("--prune", is_flag=True,
+              help="Remove the folder's points that belong to none of this run's (left by a run of other values).")
 def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], out_dir: str | None,
-              executor: str, workers: int | None, ray_address: str | None, trace_file: str | None) -> None:
+              executor: str, workers: int | None, ray_address: str | None, trace_file: str | None, verify: bool,
+              prune: bool) -> None:
     """Run SCENARIO over the cartesian product of its axes (--grid and the YAML 'sweep:' section),
     one worker process per point; rerunning resumes. Writes DIR/points/<id>/ and DIR/results.parquet."""
     import os as _os
@@ -307,10 +313,11 @@ def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], 
     with prog, _interrupted_note(target, "sweep"):
         task = prog.add_task("sweep", total=None, failed=0)
         df = sweep(scenario, str(target), parse_grid(grid), overrides, n_workers, executor, ray_address,
-                   progress=lambda d, f, n: prog.update(task, completed=d, total=n, failed=f))
+                   progress=lambda d, f, n: prog.update(task, completed=d, total=n, failed=f), verify=verify,
+                   prune=prune)
     ok = int((df["status"] == "ok").sum()) if len(df) else 0
     Console().print(f"{len(df)} points ({ok} ok, {len(df) - ok} failed) -> {target}/results.parquet")
-    click.echo(_reuse_note(df.attrs.get("reused", 0), len(df)), err=True)
+    _runs_note(df.attrs, target, "sweep")
     if ok < len(df):
         bad = df[df["status"] != "ok"]
         for row in bad.to_dict("records"):
@@ -389,10 +396,35 @@ def _with_trace(trace_file: str | None, overrides: tuple[str, ...]) -> tuple[str
     return (f"workload.trace={{path: {json.dumps(trace_file)}}}", *overrides)
 
 
-def _reuse_note(reused: int, total: int) -> str:
-    """The line that says how many finished points a sweep or compare reused."""
-    return (f"{reused} of {total} points reused from the folder (same resolved scenario, input files, plugins "
-            f"and moesim code); {total - reused} run now.")
+def _runs_note(attrs: Any, target: Path, command: str) -> None:
+    """Say what a sweep or compare reused and ran (every bisection probe counted), which
+    finished points it ran again because their files were not whole, and which points of the
+    folder belong to none of its own (removed with --prune)."""
+    from moesim.studies.sweep import describe_values
+
+    runs = attrs["runs"]
+    say(f"{runs.reused} of {runs.reused + runs.ran} points reused from {target}/points (whole, with the same "
+        f"resolved scenario, input files, plugins and moesim code); {runs.ran} run now.")
+    for pid, why in runs.recomputed.items():
+        say(f"point {pid} ({why}); run again.")
+    others = attrs.get("others") or []
+    if others:
+        listed = "; ".join(f"{pid} ({describe_values(values)})" for pid, values in others[:5])
+        more = f" and {len(others) - 5} more" if len(others) > 5 else ""
+        if attrs.get("pruned"):
+            say(f"removed {len(others)} point folders of {target}/points that belong to no point of this {command}: "
+                f"{listed}{more}.")
+        else:
+            say(f"{len(others)} point folders of {target}/points belong to no point of this {command} (an earlier "
+                f"{command} of other values into the folder): {listed}{more}. {command} --prune removes them.")
+
+
+def say(text: str) -> None:
+    """A note on stderr, wrapped at 80 columns (its continuation lines indented)."""
+    import textwrap
+
+    click.echo(textwrap.fill(text, 80, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False),
+               err=True)
 
 
 def _csv(value: str | None) -> list[str] | None:
@@ -420,9 +452,15 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--ray-address", default=None, help="With --executor ray: an existing cluster.")
 @click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
               help="Replay this trace file instead of the scenario's (same as --set workload.trace={path: FILE}).")
+@click.option("--verify", is_flag=True,
+              help="Check every finished point's files by their digests before reusing it (files up to 16 MB are "
+                   "always checked; larger ones by size unless this is given).")
+@click.option("--prune", is_flag=True,
+              help="Remove the folder's points that belong to none of this run's (left by a run of other values).")
 def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss: str | None, budget: str | None,
                 capacity: str | None, rate: str | None, overrides: tuple[str, ...], out_dir: str | None,
-                executor: str, workers: int | None, ray_address: str | None, trace_file: str | None) -> None:
+                executor: str, workers: int | None, ray_address: str | None, trace_file: str | None, verify: bool,
+                prune: bool) -> None:
     """Rank policy combinations on SCENARIO: each candidate beside on-demand LRU (the baseline),
     Belady with oracle prefetch (the bound) and an infinite cache, by TPOT (TTFT without decode
     passes), with speedup over the baseline and the share of the baseline-to-bound gap closed.
@@ -451,9 +489,10 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
             n_workers, executor, ray_address)
     with _interrupted_note(target, "compare"):
         table, _ = _with_progress("compare", lambda progress: compare(
-            *args, progress=(lambda done, _failed, total: progress(done, total)) if progress else None, rates=rates))
+            *args, progress=(lambda done, _failed, total: progress(done, total)) if progress else None, rates=rates,
+            verify=verify, prune=prune))
     click.echo(table.attrs.get("text") or terminal(table, table.attrs["metric"], table.attrs["title"]))
-    click.echo(_reuse_note(table.attrs.get("reused", 0), table.attrs.get("points", 0)), err=True)
+    _runs_note(table.attrs, target, "compare")
     cap = ", capacity.parquet (each policy's highest rate within the SLO)" if "capacity" in table.attrs else ""
     click.echo(f"wrote {target}/compare.parquet, compare.md (every column){cap} and compare.png")
 

@@ -164,14 +164,17 @@ RESULT_FILES = ("summary.json", "steps.parquet", "requests.parquet", "scenario.r
 
 
 def write_results(result: Result, out_dir: str | os.PathLike[str], extra: dict[str, str] | None = None,
-                  files: dict[str, Callable[[Path], Any]] | None = None) -> Path:
+                  files: dict[str, Callable[[Path], Any]] | None = None,
+                  seal: Callable[[Path], Any] | None = None) -> Path:
     """Write ``summary.json``, ``steps.parquet`` (``requests.parquet`` too when serving under
     load) and ``scenario.resolved.yaml`` into
     ``out_dir`` atomically: everything goes to a temporary sibling folder that then replaces
     ``out_dir`` in one rename, so a failure leaves the old results (or nothing). ``extra``:
     more files by name and text; ``files``: more files by path relative to ``out_dir`` and a
     function that writes one to the path it is given (a timeline asked for inside the
-    folder), so that they are part of the folder that replaces the old one."""
+    folder), so that they are part of the folder that replaces the old one; ``seal`` is called
+    with the temporary folder once every file is in it (a sweep point records their sizes and
+    digests)."""
     target = Path(out_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -187,6 +190,8 @@ def write_results(result: Result, out_dir: str | os.PathLike[str], extra: dict[s
         for rel, write in (files or {}).items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             write(tmp / rel)
+        if seal is not None:
+            seal(tmp)
         old = None
         if target.exists():
             old = target.parent / f".{target.name}.old-{os.getpid()}"

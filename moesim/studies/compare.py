@@ -37,6 +37,7 @@ from moesim.studies.sweep import (
     folder_lock,
     joined_rows,
     make_points,
+    other_points,
     run_points,
     trace_key,
     workers_started,
@@ -267,18 +268,22 @@ def compare(scenario_path: str, out_dir: str | Path, eviction: Sequence[str] | N
             overrides: tuple[str, ...] = (), workers: int = 1, executor: str = "local",
             ray_address: str | None = None,
             progress: Callable[[int, int, int], None] | None = None,
-            rates: Sequence[float] | None = None) -> tuple[pd.DataFrame, str]:
+            rates: Sequence[float] | None = None, verify: bool = False,
+            prune: bool = False) -> tuple[pd.DataFrame, str]:
     """Run the comparison; write ``compare.parquet``, ``compare.md`` and ``compare.png`` in
     ``out_dir`` (each atomically; the runs in ``out_dir/points``, resumable). Returns the
     table and the ranking metric. A scenario with ``workload.arrivals`` is compared under
-    load, at ``rates`` (:mod:`studies.load`)."""
+    load, at ``rates`` (:mod:`studies.load`). The table's ``attrs``: ``runs`` (reused and run,
+    every bisection probe counted: :class:`studies.sweep.Runs`) and ``others``, the folder's
+    points that belong to none of this comparison's (removed when ``prune``); ``verify``
+    checks every finished point's files by digest."""
     from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
     with workers_started(executor):  # the kernel loads (or compiles) while the points are planned
         p, raw, _ = base_data(scenario_path, overrides)
         if (raw.get("workload") or {}).get("arrivals") is not None:  # serving under load: studies.load
             return _compare_load(scenario_path, p, raw, Path(out_dir), eviction, prefetch, miss, budget, capacity,
-                                 rates, workers, executor, ray_address, progress)
+                                 rates, workers, executor, ray_address, progress, verify, prune)
         if rates:
             raise MoesimError(f"{p}: --rate compares policies at request rates, which needs requests arriving over time: "
                               "add workload.arrivals to the scenario (e.g. --set workload.arrivals.process=poisson "
@@ -286,14 +291,16 @@ def compare(scenario_path: str, out_dir: str | Path, eviction: Sequence[str] | N
         data, points, rows = plan_compare(scenario_path, eviction, prefetch, miss, budget, capacity, overrides)
         out = Path(out_dir)
         with folder_lock(out):
-            reused = run_points(data, points, out, workers, executor, ray_address, progress)
+            runs = run_points(data, points, out, workers, executor, ray_address, progress, verify)
+            others = other_points(out, points, prune)
             results = collect(out, points)
             table, metric = rank(results, rows)
             title = describe(scenario_path, data)
             write_atomic(out / "compare.parquet", lambda tmp: table.to_parquet(tmp, index=False))
             write_text_atomic(out / "compare.md", markdown(table, metric, title))
             save_figure_atomic(figure(table, metric, title), out / "compare.png")
-        table.attrs.update(reused=reused, points=len(points), metric=metric, title=title)
+        table.attrs.update(runs=runs, reused=runs.reused, others=others, pruned=prune, points=len(points),
+                           metric=metric, title=title)
     return table, metric
 
 
@@ -331,7 +338,8 @@ def describe(scenario_path: str, data: dict[str, Any]) -> str:
 def _compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, eviction: Sequence[str] | None,
                   prefetch: Sequence[str] | None, miss: Sequence[str] | None, budget: Sequence[str] | None,
                   capacity: Sequence[str] | None, rates: Sequence[float] | None, workers: int, executor: str,
-                  ray_address: str | None, progress: Callable[[int, int, int], None] | None) -> tuple[pd.DataFrame, str]:
+                  ray_address: str | None, progress: Callable[[int, int, int], None] | None, verify: bool = False,
+                  prune: bool = False) -> tuple[pd.DataFrame, str]:
     """``compare`` for a scenario with arrivals (:func:`studies.load.compare_load`)."""
     from moesim.studies.load import compare_load
 
@@ -345,4 +353,4 @@ def _compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, 
     title = describe(scenario_path, {**data, "__base_dir__": str(p.parent)})
     with folder_lock(out):
         return compare_load(scenario_path, p, data, out, eviction, prefetch, capacity, rates, has_pred_next, traces,
-                            workers, executor, ray_address, progress, title)
+                            workers, executor, ray_address, progress, title, verify, prune)

@@ -8,7 +8,8 @@ determined it").
   every default) and the hardware as built (``repr``: a calibration profile's tables and
   link fit, which ``to_dict`` names by file only);
 - the content of every input file the scenario reads — the trace (a Parquet file, or the
-  files of an imported log), a fitted synthetic profile — never its path: a file replaced
+  files of an imported log), a fitted synthetic profile, a serving trace's arrivals, an expert
+  placement — never its path: a file replaced
   at the same path changes the digest, a copy at another path does not;
 - the source of every plugin loaded in this process;
 - moesim's version and the content of its own package files (an edited source tree is
@@ -94,6 +95,11 @@ def input_files(scenario: Scenario) -> list[Path]:
         ap = Path(arr.path) if Path(arr.path).is_absolute() else Path(scenario.base_dir) / arr.path
         if ap.is_file():
             out.append(ap)
+    # an expert placement file (expert parallelism, and XShare's per-GPU budget), read as given
+    budget = getattr(scenario.policies.budget, "params", None)
+    for spec in (scenario.hardware.placement, getattr(budget, "placement", None)):
+        if isinstance(spec, str) and spec not in ("contiguous", "round-robin") and Path(spec).is_file():
+            out.append(Path(spec))
     return out
 
 

@@ -30,7 +30,15 @@ import numpy as np
 import pandas as pd
 
 from moesim.errors import MoesimError
-from moesim.studies.sweep import Point, RunsFailed, collect, joined_rows, make_points, run_points
+from moesim.studies.sweep import (
+    Point,
+    RunsFailed,
+    collect,
+    joined_rows,
+    make_points,
+    other_points,
+    run_points,
+)
 
 SERVED_EVICTION = ("lru", "lfu", "fld", "least-stale")
 SERVED_PREFETCH = ("none",)
@@ -307,7 +315,7 @@ def compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, e
                  prefetch: Sequence[str] | None, capacity: Sequence[str] | None, rates: Sequence[float] | None,
                  has_pred_next: bool, traces: dict[str, Any], workers: int, executor: str,
                  ray_address: str | None, progress: Callable[[int, int, int], None] | None,
-                 title: str) -> tuple[pd.DataFrame, str]:
+                 title: str, verify: bool = False, prune: bool = False) -> tuple[pd.DataFrame, str]:
     """The comparison under load (module docstring): writes compare.parquet (per rate),
     capacity.parquet (with an SLO), compare.md and compare.png in ``out``."""
     from moesim.config.scenario import scenario_from_dict
@@ -315,7 +323,7 @@ def compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, e
 
     points, rows = plan_load(p, data, eviction, prefetch, capacity, rates, has_pred_next, traces)
     all_points = list(points)
-    reused = run_points(data, points, out, workers, executor, ray_address, progress)
+    runs = run_points(data, points, out, workers, executor, ray_address, progress, verify)
     results = collect(out, points)
     sc = scenario_from_dict({k: v for k, v in data.items() if not str(k).startswith("__")}, where=str(p),
                             base_dir=str(p.parent))
@@ -332,7 +340,7 @@ def compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, e
 
         def run(pts: list[Point]) -> pd.DataFrame:
             all_points.extend(pts)
-            run_points(data, pts, out, workers, executor, ray_address, progress)
+            runs.add(run_points(data, pts, out, workers, executor, ray_address, progress, verify))
             got = collect(out, all_points)
             bad = got[(got["point"].isin([q.pid for q in pts])) & (got["status"] != "ok")]
             if len(bad):
@@ -358,8 +366,9 @@ def compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, e
     write_atomic(out / "compare.parquet", lambda tmp: plain.to_parquet(tmp, index=False))
     write_text_atomic(out / "compare.md", markdown_load(plain, cap_table, title, slo_text))
     save_figure_atomic(figure_load(plain, cap_table, title, slo), out / "compare.png")
-    plain.attrs.update(reused=reused, points=len(all_points), metric="ttft_p99_s", title=title,
-                       text=terminal_load(plain, cap_table, title, slo_text))
+    others = other_points(out, all_points, prune)
+    plain.attrs.update(runs=runs, reused=runs.reused, others=others, pruned=prune, points=runs.reused + runs.ran,
+                       metric="ttft_p99_s", title=title, text=terminal_load(plain, cap_table, title, slo_text))
     if cap_table is not None:
         plain.attrs["capacity"] = cap_table.drop(columns=["curve"])
     return plain, "ttft_p99_s"

@@ -19,7 +19,11 @@ recorded in its ``point.json``; otherwise it runs again and replaces the folder.
 resumes an interrupted sweep and never shows results computed from other inputs.
 ``DIR/results.parquet`` has one row per finished point: its axis values and every summary
 metric (nested ones flattened with dots). One sweep or compare at a time writes a folder: a
-second one started into it is refused (``DIR/.lock``).
+second one started into it is refused (``DIR/.lock``). A finished point is reused only whole:
+its ``point.json`` records each file's size and SHA-256 as written, and a point whose files no
+longer match is run again, saying which file and why (:func:`check_point`). Points of an
+earlier sweep of other values into the same folder are named on a rerun, and removed with
+``--prune``.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -219,8 +223,7 @@ def run_point(data: dict[str, Any], point: Point, out_dir: str) -> tuple[str, st
         sc_data = apply_overrides(base, [(k.split("."), v) for k, v in point.values.items()])
         sc = scenario_from_dict(sc_data, where=f"{source} (sweep point {point.values})", base_dir=base_dir)
         result = Simulation(sc).run()
-        write_results(result, target, extra={"point.json": json.dumps(
-            {"id": point.pid, "values": point.values, "fingerprint": point.fingerprint})})
+        write_results(result, target, seal=lambda folder: seal_point(folder, point))
         return point.pid, "ok", time.perf_counter() - t0
     except Exception as exc:
         msg = str(exc) if isinstance(exc, MoesimError) else "".join(traceback.format_exception(exc))
@@ -238,6 +241,52 @@ def _write_error(target: Path, point: Point, message: str) -> None:
     os.rename(tmp, target)
 
 
+# a finished point's files up to this size are read for their digest at every reuse check; larger
+# ones only when asked (``--verify``): their sizes are always checked
+DIGEST_ALWAYS = 16 << 20
+
+
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def seal_point(folder: Path, point: Point) -> None:
+    """Write the finished point's ``point.json``: its id, values and fingerprint, and each
+    file's size and digest as written (reuse checks them: :func:`check_point`)."""
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": file_digest(f)}
+             for f in sorted(folder.iterdir()) if f.is_file() and f.name != "point.json"}
+    (folder / "point.json").write_text(json.dumps(
+        {"id": point.pid, "values": point.values, "fingerprint": point.fingerprint, "files": files}, indent=1))
+
+
+def check_point(folder: Path, verify: bool = False) -> str | None:
+    """Why the finished point in ``folder`` cannot be reused as it is (None: it is whole):
+    a file its ``point.json`` records is missing, of another size, or (files up to
+    :data:`DIGEST_ALWAYS`, every file when ``verify``) of other content than was written; a
+    ``point.json`` that records no files (written before they were recorded) is not trusted."""
+    try:
+        files = json.loads((folder / "point.json").read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return "its point.json is missing or unreadable"
+    if not isinstance(files, dict) or not files:
+        return "its point.json records no file sizes and digests (written by an older moesim)"
+    for name, rec in files.items():
+        f = folder / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != rec.get("bytes"):
+            return f"{name} is {size:,} bytes, {rec.get('bytes', 0):,} when written"
+        if (verify or size <= DIGEST_ALWAYS) and file_digest(f) != rec.get("sha256"):
+            return f"{name} is not what was written (its SHA-256 differs)"
+    return None
+
+
 def done_points(out_dir: Path) -> dict[str, str]:
     """Finished points: id -> the fingerprint recorded with them ("" when none was; a failed
     point runs again when the sweep is rerun)."""
@@ -252,6 +301,55 @@ def done_points(out_dir: Path) -> dict[str, str]:
             except (OSError, ValueError, AttributeError):
                 out[d.name] = ""
     return out
+
+
+def stale_points(out_dir: Path, points: list[Point]) -> list[str]:
+    """The point folders of ``out_dir`` (finished or failed) that belong to none of
+    ``points``: left by an earlier sweep or compare of other values into the same folder."""
+    base = out_dir / "points"
+    if not base.is_dir():
+        return []
+    mine = {p.pid for p in points}
+    return sorted(d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith(".") and d.name not in mine)
+
+
+def other_points(out_dir: Path, points: list[Point], remove: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """The point folders of ``out_dir`` that belong to none of ``points`` (:func:`stale_points`),
+    each with the values its ``point.json`` records; removed when ``remove`` (``--prune``)."""
+    out = []
+    for pid in stale_points(out_dir, points):
+        try:
+            values = json.loads((out_dir / "points" / pid / "point.json").read_text()).get("values", {})
+        except (OSError, ValueError, AttributeError):
+            values = {}
+        out.append((pid, values if isinstance(values, dict) else {}))
+        if remove:
+            shutil.rmtree(out_dir / "points" / pid, ignore_errors=True)
+    return out
+
+
+def describe_values(values: dict[str, Any]) -> str:
+    """A point's overrides in a line: ``key=value, ...`` (a policy given as a mapping by its name)."""
+    def one(v: Any) -> str:
+        return str(v.get("name", v)) if isinstance(v, dict) else str(v)
+
+    return ", ".join(f"{k}={one(v)}" for k, v in values.items()) or "the scenario as it is"
+
+
+@dataclass
+class Runs:
+    """What :func:`run_points` did: points reused from the folder, run now, and those run again
+    although their fingerprint matched because their files were not whole (id -> why)."""
+
+    reused: int = 0
+    ran: int = 0
+    recomputed: dict[str, str] = field(default_factory=dict)
+
+    def add(self, other: Runs) -> None:
+        """Count another call's runs too (a compare's bisection probes)."""
+        self.reused += other.reused
+        self.ran += other.ran
+        self.recomputed.update(other.recomputed)
 
 
 @contextmanager
@@ -315,8 +413,12 @@ def collect(out_dir: Path, points: list[Point]) -> pd.DataFrame:
 
 def sweep(scenario_path: str, out_dir: str, grid: dict[str, list[Any]] | None = None,
           overrides: tuple[str, ...] = (), workers: int = 1, executor: str = "local",
-          ray_address: str | None = None, progress: Callable[[int, int, int], None] | None = None) -> pd.DataFrame:
-    """Run every point not yet done; return the results table (see module docstring)."""
+          ray_address: str | None = None, progress: Callable[[int, int, int], None] | None = None,
+          verify: bool = False, prune: bool = False) -> pd.DataFrame:
+    """Run every point not yet done; return the results table (see module docstring). Its
+    ``attrs``: ``runs`` (:class:`Runs`), ``reused``, and ``others``, the folder's points that
+    belong to none of this sweep's (removed when ``prune``); ``verify`` checks every finished
+    point's files by digest (:func:`check_point`)."""
     with workers_started(executor):  # the kernel loads (or compiles) while the points are planned
         data, points, zips = plan(scenario_path, grid or {}, overrides)
         out = Path(out_dir)
@@ -324,9 +426,10 @@ def sweep(scenario_path: str, out_dir: str, grid: dict[str, list[Any]] | None = 
             write_atomic(out / "sweep.yaml", lambda tmp: Path(tmp).write_text(yaml.safe_dump(
                 {"scenario": str(scenario_path), "axes": sorted({k for pt in points for k in pt.values}),
                  "zip": zips, "points": [{"id": p.pid, **p.values} for p in points]}, sort_keys=False)))
-            reused = run_points(data, points, out, workers, executor, ray_address, progress)
+            runs = run_points(data, points, out, workers, executor, ray_address, progress, verify)
+            others = other_points(out, points, prune)
             df = collect(out, points)
-    df.attrs["reused"] = reused
+    df.attrs.update(runs=runs, reused=runs.reused, others=others, pruned=prune)
     return df
 
 
@@ -414,13 +517,25 @@ def workers_started(executor: str) -> Iterator[None]:
 
 
 def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: int = 1, executor: str = "local",
-               ray_address: str | None = None, progress: Callable[[int, int, int], None] | None = None) -> int:
-    """Run every point not finished with its own fingerprint yet (locally, one fresh process
-    per point, or on Ray); ``progress(finished, failed, total)`` after each. Returns how many
-    finished points were reused."""
+               ray_address: str | None = None, progress: Callable[[int, int, int], None] | None = None,
+               verify: bool = False) -> Runs:
+    """Run every point not finished with its own fingerprint and whole files yet (locally, one
+    fresh process per point, or on Ray; :func:`check_point`, every file's digest when
+    ``verify``); ``progress(finished, failed, total)`` after each. Returns what was reused and
+    run (:class:`Runs`)."""
     clean_partial(out)
     done = done_points(out)
-    todo = [p for p in points if done.get(p.pid) != p.fingerprint]
+    runs = Runs()
+    todo = []
+    for p in points:
+        if done.get(p.pid) != p.fingerprint:
+            todo.append(p)
+            continue
+        why = check_point(out / "points" / p.pid, verify)
+        if why is not None:
+            runs.recomputed[p.pid] = f"{describe_values(p.values)}: {why}"
+            todo.append(p)
+    runs.reused, runs.ran = len(points) - len(todo), len(todo)
     failed = 0
     finished = len(points) - len(todo)
     if progress is not None:
@@ -446,7 +561,7 @@ def run_points(data: dict[str, Any], points: list[Point], out: Path, workers: in
                 pool.shutdown(wait=True, cancel_futures=True)
     elif executor != "local":
         raise MoesimError(f"unknown executor '{executor}'; valid: local, ray.")
-    return len(points) - len(todo)
+    return runs
 
 
 def _run_ray(data: dict[str, Any], todo: list[Point], out: Path, workers: int, address: str | None,
