@@ -638,7 +638,13 @@ def trace_synth(preset: str | None, fit: str | None, requests: int, prompt_token
 
         if tokens < 1 or requests < 1:
             raise MoesimError("--tokens and --requests must be >= 1.")
-        t = synthesise(load_profile(fit), requests=requests, tokens=tokens, seed=seed)
+        shaped = [name for name, v in (("--layers", layers), ("--experts", experts), ("--top-k", top_k), ("--skew", skew),
+                                       ("--reuse", reuse), ("--corr", corr)) if v is not None]
+        if shaped or routing != "realistic":
+            raise MoesimError(f"{', '.join(shaped) or '--routing'}: a fitted profile gives the shape and the routing "
+                              "statistics; leave them out with --fit, or use --preset.")
+        t = synthesise(load_profile(fit), requests=requests, tokens=tokens, seed=seed, prompt_tokens=prompt_tokens,
+                       probs=probs, pred_next=pred_next, pred_noise=pred_noise)
         write_trace(t, out)
         click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens "
                    f"from fitted profile {fit}")

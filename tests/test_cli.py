@@ -232,6 +232,30 @@ def test_fit_then_synth_from_the_profile(tmp_path):
     r = moesim("trace", "synth", "--preset", "mixtral-8x7b", "--fit", str(prof), "--out", str(out))
     assert r.returncode == 2
     assert "exactly one of --preset and --fit" in r.stderr
+    # the optional columns and the prefill, from the profile as from a preset (they were dropped)
+    r = moesim("trace", "synth", "--fit", str(prof), "--tokens", "5", "--prompt-tokens", "7", "--pred-next",
+               "--probs", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    from moesim.traces.io import read_trace
+
+    t = read_trace(out)
+    assert t.probs is not None
+    assert t.pred_next is not None
+    assert t.probs.shape == t.pred_next.shape == (len(t), 8)
+    np.testing.assert_allclose(t.probs.sum(axis=1), 1.0, rtol=1e-5)
+    assert sorted(set(t.phase.tolist())) == [0, 1]  # prefill and decode
+    assert int((t.phase == 0).sum()) == 7 * 4  # 7 prompt tokens x 4 layers
+    from moesim.config.scenario import load_scenario
+    from moesim.simulator.build import load_trace
+
+    sc = load_scenario("quickstart", [f"workload.trace={{synth: {{fit: {prof}, tokens: 3, pred_next: true, "
+                                      "prompt_tokens: 2}}"])
+    t = load_trace(sc)
+    assert t.pred_next is not None
+    assert int((t.phase == 0).sum()) == 2 * 4
+    r = moesim("trace", "synth", "--fit", str(prof), "--layers", "2", "--out", str(out))
+    assert r.returncode == 2
+    assert "--layers: a fitted profile gives the shape" in r.stderr
 
 
 def test_listings_fit_80_columns_without_cutting_names():

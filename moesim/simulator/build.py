@@ -78,7 +78,8 @@ def load_trace(scenario: Scenario) -> Trace:
         if not fp.is_absolute() and (Path(scenario.base_dir) / fp).is_file():
             fp = Path(scenario.base_dir) / fp
         return synthesise(load_profile(str(fp)), requests=s.requests, tokens=s.tokens,
-                          seed=scenario.seed if s.seed is None else s.seed)
+                          seed=scenario.seed if s.seed is None else s.seed, prompt_tokens=s.prompt_tokens,
+                          probs=s.probs, pred_next=s.pred_next, pred_noise=s.pred_noise)
     assert s.preset is not None
     return synth_from_preset(
         s.preset, layers=s.layers, experts=s.experts, top_k=s.top_k, routing=s.routing,

@@ -23,13 +23,17 @@ PROFILE_VERSION = 1
 
 
 def synthesise(profile: dict[str, Any], *, requests: int | None = None, tokens: int | None = None,
-               seed: int = 0) -> Trace:
-    """A trace from a fitted profile (shape defaults to the fitted trace's)."""
+               seed: int = 0, prompt_tokens: int = 0, probs: bool = False, pred_next: bool = False,
+               pred_noise: float = 1.0) -> Trace:
+    """A trace from a fitted profile (shape defaults to the fitted trace's), with a prefill of
+    ``prompt_tokens`` per request and the optional columns a preset's trace can have: the full
+    router probabilities (``probs``) and a next-layer predictor (``pred_next``, ``pred_noise``)."""
     model = ModelInfo.from_dict(profile["model"], "profile")
     w = profile["weights"]
     shape = profile["shape"]
     return generate(model, requests=requests or shape["requests"], tokens=tokens or shape["tokens"],
-                 seed=seed, params=RoutingParams(skew=0.0, reuse=w["reuse"], corr=w["corr"]),
+                 seed=seed, prompt_tokens=prompt_tokens, probs=probs, pred_next=pred_next, pred_noise=pred_noise,
+                 params=RoutingParams(skew=0.0, reuse=w["reuse"], corr=w["corr"]),
                  popularity=np.asarray(profile["popularity"], dtype=np.float64),
                  affinity=_dense_affinity(profile, model), batch_corr=w["batch"],
                  capture={"source": "moesim trace synth --fit", "profile": profile.get("name")})
