@@ -431,7 +431,7 @@ def test_bad_serving_input(change: dict[str, Any], words: str) -> None:
 @pytest.mark.parametrize(("text", "words"), [
     ("when,input_tokens,output_tokens\n0,2,2\n", "no column for the arrival time"),
     ("arrival_time,input_tokens,output_tokens\n0,2,2\n1,-2,2\n", "line 3 (data row 2) has input_tokens = -2"),
-    ("arrival_time,input_tokens,output_tokens\n0,2,2\n1,2,0\n", "output_tokens = 0"),
+    ("arrival_time,input_tokens,output_tokens\n0,2,0\n1,2,0\n", "every one of its 2 rows has output_tokens = 0"),
     ("arrival_time,input_tokens,output_tokens\n2,2,2\n1,2,2\n", "arrival order"),
     ("arrival_time,input_tokens,output_tokens\n", "has no rows"),
 ])
@@ -449,6 +449,57 @@ def test_bad_arrival_file_cli(text: str, words: str, tmp_path: Path) -> None:
     assert str(path) in r.output.replace("\n", "")
     assert "Traceback" not in r.output
     assert not out.exists()
+
+
+def test_zero_output_rows_skipped_and_counted(tmp_path: Path) -> None:
+    """A BurstGPT-shaped file whose failed requests record 0 response tokens: by default those
+    rows are skipped, the run says how many, and the requests served are the others with
+    their own times, prompts and outputs (``requests`` counts rows kept); with
+    ``skip_zero_output: false`` the first such row is refused by line, naming the key."""
+    path = write_csv(tmp_path / "a.csv", [(0, 3, 0), (1, 5, 2), (2, 4, 0), (3, 6, 1), (5, 2, 0), (6, 1, 3)],
+                     header="Timestamp,Request tokens,Response tokens")
+    t, prompt, output, found = serving.read_arrival_file(path, None)
+    assert t.tolist() == [0.0, 2.0, 5.0]  # rows 2, 4 and 6, from the first kept
+    assert prompt.tolist() == [5, 6, 1]
+    assert output.tolist() == [2, 1, 3]
+    assert found.endswith("; skipped 3 rows with 0 output tokens (failed requests; "
+                          "workload.arrivals.skip_zero_output: false refuses them)")
+    t, prompt, _, found = serving.read_arrival_file(path, 2)
+    assert t.tolist() == [0.0, 2.0]
+    assert prompt.tolist() == [5, 6]
+    one = write_csv(tmp_path / "b.csv", [(0, 3, 1), (1, 5, 0)])
+    assert serving.read_arrival_file(one, None)[3].endswith("; skipped 1 row with 0 output tokens (failed "
+                                                            "requests; workload.arrivals.skip_zero_output: false "
+                                                            "refuses them)")
+    assert "skipped" not in serving.read_arrival_file(write_csv(tmp_path / "c.csv", [(0, 3, 1)]), None)[3]
+    with pytest.raises(MoesimError) as err:
+        serving.read_arrival_file(path, None, skip_zero_output=False)
+    assert str(err.value) == (f"arrival file {path}: line 2 (data row 1) has Response tokens = 0; it must be a whole "
+                              "number of tokens >= 1. Fix or remove that row, or remove "
+                              "workload.arrivals.skip_zero_output: false to skip every row of 0 output tokens "
+                              "(failed requests).")
+    # a bad row after skipped ones is named by its line in the file
+    late = write_csv(tmp_path / "d.csv", [(0, 3, 0), (1, 5, 2), (2, -4, 1)])
+    with pytest.raises(MoesimError) as err:
+        serving.read_arrival_file(late, None)
+    assert "line 4 (data row 3) has input_tokens = -4" in str(err.value)
+    sc = tmp_path / "s.yaml"
+    sc.write_text(json.dumps(served(TINY, {"process": "file", "path": "a.csv"})))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["run", str(sc), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    notes = json.loads((out / "summary.json").read_text())["arrival_notes"]
+    assert any(n.endswith("skipped 3 rows with 0 output tokens (failed requests; workload.arrivals.skip_zero_output: "
+                          "false refuses them)") for n in notes)
+    assert "skipped 3 rows" in " ".join(r.output.replace("│", " ").split())
+    req = pd.read_parquet(out / "requests.parquet")
+    assert req["arrival_s"].tolist() == [0.0, 2.0, 5.0]
+    assert req["output_tokens"].tolist() == [2, 1, 3]
+    sc.write_text(json.dumps(served(TINY, {"process": "file", "path": "a.csv", "skip_zero_output": False})))
+    r = CliRunner().invoke(cli, ["run", str(sc), "--out", str(tmp_path / "o2"), "-q"])
+    assert r.exit_code == 2
+    assert "line 2 (data row 1) has Response tokens = 0" in " ".join(r.output.split())
+    assert not (tmp_path / "o2").exists()
 
 
 def test_cli_run_writes_the_request_table(tmp_path: Path) -> None:

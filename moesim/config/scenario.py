@@ -152,6 +152,9 @@ class ArrivalsConfig:
         "help": "every request's prompt length (default: the file's, else the trace request's)"})
     output_tokens: int | None = field(default=None, metadata={
         "help": "every request's output length (default: the file's, else the trace request's)"})
+    skip_zero_output: bool = field(default=True, metadata={
+        "help": "file: skip rows of 0 output tokens (failed requests, as BurstGPT records them), saying how many; "
+                "false refuses them"})
     seed: int | None = field(default=None, metadata={"help": "arrival seed (default: the scenario's)"})
 
     def __post_init__(self) -> None:

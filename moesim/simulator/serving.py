@@ -148,15 +148,18 @@ def _column(frame: pd.DataFrame, names: tuple[str, ...], what: str, path: Path) 
                       f"{', '.join(names[4:])}).")
 
 
-def read_arrival_file(path: Path, limit: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+def read_arrival_file(path: Path, limit: int | None, skip_zero_output: bool = True
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     """(arrival seconds from the first, prompt tokens, output tokens, which columns were
-    read) from a serving-trace CSV; rows in arrival order. Errors name the file, the column
+    read) from a serving-trace CSV; rows in arrival order. Rows with 0 output tokens (failed
+    requests, as BurstGPT records them) are skipped and counted when ``skip_zero_output``,
+    refused otherwise; ``limit`` takes the first rows kept. Errors name the file, the column
     and the row."""
     if not path.is_file():
         raise MoesimError(f"arrival file {path}: not found. Give workload.arrivals.path as a CSV of arrival time, "
                           "input tokens and output tokens (relative to the scenario file).")
     try:
-        frame = pd.read_csv(path, nrows=limit)
+        frame = pd.read_csv(path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
         raise MoesimError(f"arrival file {path}: not a readable CSV ({str(exc).strip().splitlines()[0]}). Give a "
                           "CSV with a header row naming the arrival time, input and output token columns.") from None
@@ -165,6 +168,17 @@ def read_arrival_file(path: Path, limit: int | None) -> tuple[np.ndarray, np.nda
     tcol = _column(frame, TIME_COLUMNS, "the arrival time", path)
     pcol = _column(frame, PROMPT_COLUMNS, "the input (prompt) tokens", path)
     ocol = _column(frame, OUTPUT_COLUMNS, "the output tokens", path)
+    skipped = 0
+    if skip_zero_output:
+        zero = (pd.to_numeric(frame[ocol], errors="coerce") == 0).to_numpy()
+        skipped = int(zero.sum())
+        if skipped == len(frame):
+            raise MoesimError(f"arrival file {path}: every one of its {skipped} rows has {ocol} = 0 (failed "
+                              "requests, skipped); it needs rows of requests that produced output.")
+        frame = frame[~zero]
+    if limit is not None:
+        frame = frame.iloc[:limit]
+    line = frame.index.to_numpy() + 2  # the header is line 1
     raw = frame[tcol]
     if pd.api.types.is_numeric_dtype(raw):
         t = raw.to_numpy(np.float64) / (1000.0 if tcol.endswith("_ms") else 1.0)
@@ -180,14 +194,22 @@ def read_arrival_file(path: Path, limit: int | None) -> tuple[np.ndarray, np.nda
         if len(bad):
             r = int(bad[0])
             kind = "a time" if col == tcol else (f"a whole number of tokens >= {low}")
-            raise MoesimError(f"arrival file {path}: line {r + 2} (data row {r + 1}) has {col} = "
-                              f"{frame[col].astype(str).iloc[r]}; it must be {kind}. Fix or remove that row.")
+            fix = "Fix or remove that row"
+            if col == ocol and v[r] == 0:
+                fix += (", or remove workload.arrivals.skip_zero_output: false to skip every row of 0 output "
+                        "tokens (failed requests)")
+            raise MoesimError(f"arrival file {path}: line {line[r]} (data row {line[r] - 1}) has {col} = "
+                              f"{frame[col].astype(str).iloc[r]}; it must be {kind}. {fix}.")
     back = np.flatnonzero(np.diff(t) < 0)
     if len(back):
         r = int(back[0]) + 1
-        raise MoesimError(f"arrival file {path}: line {r + 2} (data row {r + 1}) arrives at {t[r]:g} s, before the row above it "
-                          f"({t[r - 1]:g} s); the rows must be in arrival order. Sort the file by {tcol}.")
+        raise MoesimError(f"arrival file {path}: line {line[r]} (data row {line[r] - 1}) arrives at {t[r]:g} s, before "
+                          f"the row above it ({t[r - 1]:g} s); the rows must be in arrival order. Sort the file by "
+                          f"{tcol}.")
     found = f"arrival file {path.name}: arrival time from '{tcol}' ({unit}), prompt from '{pcol}', output from '{ocol}'"
+    if skipped:
+        found += (f"; skipped {skipped} row{'s' if skipped != 1 else ''} with 0 output tokens (failed requests; "
+                  "workload.arrivals.skip_zero_output: false refuses them)")
     return (t - t[0], frame[pcol].to_numpy(np.int64), frame[ocol].to_numpy(np.int64), found)
 
 
@@ -200,7 +222,7 @@ def plan_requests(cfg: ArrivalsConfig, bank: Bank, seed: int, base_dir: str) -> 
     if cfg.process == "file":
         assert cfg.path is not None
         path = Path(cfg.path) if Path(cfg.path).is_absolute() else Path(base_dir) / cfg.path
-        t, prompt, output, found = read_arrival_file(path, cfg.requests)
+        t, prompt, output, found = read_arrival_file(path, cfg.requests, cfg.skip_zero_output)
         notes.append(found)
         if cfg.rate is not None and len(t) > 1 and t[-1] > 0:
             scale = (len(t) - 1) / cfg.rate / t[-1]

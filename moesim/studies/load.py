@@ -64,7 +64,7 @@ def file_rate(data: dict[str, Any], base_dir: str, where: str) -> float:
     arr = data["workload"]["arrivals"]
     p = Path(str(arr["path"]))
     p = p if p.is_absolute() else Path(base_dir) / p
-    t, _, _, _ = read_arrival_file(p, arr.get("requests"))
+    t, _, _, _ = read_arrival_file(p, arr.get("requests"), bool(arr.get("skip_zero_output", True)))
     if len(t) < 2 or t[-1] <= 0:
         raise MoesimError(f"{where}: the arrival file {p} spans no time, so it has no rate to compare at; give "
                           "--rate R1,R2,... (its timestamps are rescaled to each).")
