@@ -30,7 +30,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except MoesimError as exc:
-            click.echo(f"error: {exc}", err=True)
+            echo(f"error: {exc}", err=True)
             ctx.exit(exc.exit_code)
 
 
@@ -72,10 +72,14 @@ def _progress(enabled: bool, label: str) -> Any:
 
 def _with_progress(label: str, run: Callable[[Callable[[int, int], None] | None], T], enabled: bool = True) -> T:
     """``run(progress)`` with a progress bar on stderr when it is a terminal (``progress(done,
-    total)`` moves it), else ``run(None)``."""
-    prog = _progress(enabled and sys.stderr.isatty(), label)
-    if prog is None:
+    total)`` moves it), else with a line now and then (:class:`~moesim.output.console.LogProgress`)."""
+    from moesim.output.console import LogProgress
+
+    if not enabled:
         return run(None)
+    prog = _progress(sys.stderr.isatty(), label)
+    if prog is None:
+        return run(LogProgress(label))
     with prog:
         task = prog.add_task(label, total=None)
         return run(lambda done, total: prog.update(task, completed=done, total=total))
@@ -148,7 +152,7 @@ def _device(device: str) -> str:
 def _deprecated(old: str, new: str, value: Any) -> Any:
     """An old spelling still accepted: say what replaces it."""
     if value is not None:
-        click.echo(f"note: {old} is deprecated; use {new}.", err=True)
+        echo(f"note: {old} is deprecated; use {new}.", err=True)
     return value
 
 
@@ -191,14 +195,17 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
     forward pass) and DIR/scenario.resolved.yaml; with workload.arrivals (serving under load)
     also DIR/requests.parquet (one row per request: queueing, TTFT, TPOT, end-to-end).
     """
-    from rich.console import Console
-
     from moesim.config.scenario import load_scenario, resolve_path
-    from moesim.output.results import RESULT_FILES, summary_table, write_results
-    from moesim.simulator.engine import Simulation
 
     overrides = _with_trace(trace_file, overrides)
     sc = load_scenario(scenario, overrides)
+    if not quiet:  # before the heavy imports and the kernel's load: a first line within a second
+        say(f"moesim run {scenario}: loading the trace and the replay kernel")
+    from rich.console import Console
+
+    from moesim.output.results import RESULT_FILES, summary_table, write_results
+    from moesim.simulator.engine import Simulation
+
     if events_passes < 0:
         raise MoesimError(f"--events-passes must be >= 0 (0: all passes), got {events_passes}.")
     target = Path(out_dir) if out_dir else Path("runs") / resolve_path(scenario).stem
@@ -218,7 +225,7 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
 
     sim, result = _with_progress("simulating", replay, not quiet)
     if result.summary["replay_path"] == "simpy":  # a user would ask why it took long
-        click.echo(f"note: replayed on the SimPy path, not the compiled kernel: {result.summary['replay_path_reason']}.",
+        echo(f"note: replayed on the SimPy path, not the compiled kernel: {result.summary['replay_path_reason']}.",
                    err=True)
     timeline: tuple[Callable[[Any], Any], str] | None = None  # the timeline's writer and what to say of it
     if events is not None and serving:
@@ -249,12 +256,12 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
         replaced = target.exists()
         # a timeline inside the results folder is written with it, or the folder's replacement would remove it
         write_results(result, target, files={inside: timeline[0]} if timeline is not None and inside else None)
-        click.echo(f"results written to {target}/ (summary.json, steps.parquet, "
+        echo(f"results written to {target}/ (summary.json, steps.parquet, "
                    f"{'requests.parquet, ' if serving else ''}scenario.resolved.yaml"
                    f"{', ' + inside if inside else ''})"
                    + ("; they replace the results that were there" if replaced else ""), err=True)
     if timeline is not None:
-        click.echo(timeline[1], err=True)
+        echo(timeline[1], err=True)
 
 
 def _inside(path: Path, folder: Path) -> str | None:
@@ -268,7 +275,9 @@ def _inside(path: Path, folder: Path) -> str | None:
 @cli.command("sweep")
 @plugin_option
 @click.argument("scenario")
-@click.option("--grid", "grid", multiple=True, metavar="KEY=V1,V2,...", help="An axis: dotted key and its values. Repeatable.")
+@click.option("--grid", "grid", multiple=True, metavar="KEY=V1,V2,...",
+              help="An axis: dotted key and its values. Repeatable; given, the --grid axes are the whole grid (the "
+                   "scenario's sweep: section is not used).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a base scenario key.")
 @click.option("--out", "out_dir", type=OUT_DIR, default=None, help="Sweep folder (default: runs/sweep-<scenario name>).")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True)
@@ -284,8 +293,9 @@ def _inside(path: Path, folder: Path) -> str | None:
 def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], out_dir: str | None,
               executor: str, workers: int | None, ray_address: str | None, trace_file: str | None, verify: bool,
               prune: bool) -> None:
-    """Run SCENARIO over the cartesian product of its axes (--grid and the YAML 'sweep:' section),
-    one worker process per point; rerunning resumes. Writes DIR/points/<id>/ and DIR/results.parquet."""
+    """Run SCENARIO over the cartesian product of its axes, one worker process per point;
+    rerunning resumes. The axes are the --grid options when any is given, else the scenario's
+    'sweep:' section. Writes DIR/points/<id>/ and DIR/results.parquet."""
     import os as _os
 
     from rich.console import Console
@@ -308,13 +318,18 @@ def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], 
         TimeRemainingColumn,
     )
 
+    from moesim.output.console import LogProgress
+
+    tty = sys.stderr.isatty()
     prog = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[failed]} failed"),
-                    TimeRemainingColumn(), console=_stderr_console(), disable=not sys.stderr.isatty())
+                    TimeRemainingColumn(), console=_stderr_console(), disable=not tty)
+    log = LogProgress("sweep")
+    say(f"moesim sweep {scenario}: planning the points (results in {target}/)")
     with prog, _interrupted_note(target, "sweep"):
         task = prog.add_task("sweep", total=None, failed=0)
         df = sweep(scenario, str(target), parse_grid(grid), overrides, n_workers, executor, ray_address,
-                   progress=lambda d, f, n: prog.update(task, completed=d, total=n, failed=f), verify=verify,
-                   prune=prune)
+                   progress=(lambda d, f, n: prog.update(task, completed=d, total=n, failed=f)) if tty else
+                   (lambda d, f, n: log(d, n)), verify=verify, prune=prune, say=say)
     ok = int((df["status"] == "ok").sum()) if len(df) else 0
     Console().print(f"{len(df)} points ({ok} ok, {len(df) - ok} failed) -> {target}/results.parquet")
     _runs_note(df.attrs, target, "sweep")
@@ -322,8 +337,8 @@ def sweep_cmd(scenario: str, grid: tuple[str, ...], overrides: tuple[str, ...], 
         bad = df[df["status"] != "ok"]
         for row in bad.to_dict("records"):
             where = ", ".join(f"{a}={row[a]}" for a in df.attrs["axes"] if row.get(a) is not None)
-            click.echo(f"failed point {row['point']} ({where}): {row.get('error', '?')}", err=True)
-        click.echo(f"{len(bad)} of {len(df)} points failed; each has DIR/points/<id>/error.json. Fix the cause and "
+            echo(f"failed point {row['point']} ({where}): {row.get('error', '?')}", err=True)
+        echo(f"{len(bad)} of {len(df)} points failed; each has DIR/points/<id>/error.json. Fix the cause and "
                    "rerun the same command: finished points are kept, failed ones run again.", err=True)
         raise SystemExit(1)
 
@@ -358,11 +373,11 @@ def plot_cmd(results: str, kind: str, metric: str | None, window: str | None, x:
             except ValueError:
                 raise MoesimError(f"--window '{window}' must look like START:END (milliseconds).") from None
             win = (a, b)
-        click.echo(f"wrote {plot_timeline(results, out, win, title)}")
+        echo(f"wrote {plot_timeline(results, out, win, title)}")
         return
     if metric is None:
         raise MoesimError(f"plot --kind {kind} needs --metric.")
-    click.echo(f"wrote {plot(results, kind, out, metric, x, y, by, title, where, facet)}")
+    echo(f"wrote {plot(results, kind, out, metric, x, y, by, title, where, facet)}")
 
 
 @contextlib.contextmanager
@@ -374,7 +389,7 @@ def _interrupted_note(target: Path, what: str) -> Iterator[None]:
         from moesim.studies.sweep import done_points
 
         kept = len(done_points(target))
-        click.echo(f"\n{what} interrupted: {target}/points keeps {kept} finished point(s), each written whole; "
+        echo(f"\n{what} interrupted: {target}/points keeps {kept} finished point(s), each written whole; "
                    f"rerun the same command to resume (finished points with the same inputs are reused).", err=True)
         raise SystemExit(130) from None
 
@@ -384,9 +399,10 @@ def _compile_note() -> None:
     of that form after an installation, or after an upgrade changed the kernel), so a long
     first run is not a silent one. Said as the compile starts: a form in numba's cache loads
     without a word."""
-    from moesim.simulator.kernel import announce_compiles, compile_message
+    from moesim.output.console import say as note
+    from moesim.simulator.kernel import announce_compiles
 
-    announce_compiles(lambda form: click.echo(compile_message(form), err=True))
+    announce_compiles(note)
 
 
 def _with_trace(trace_file: str | None, overrides: tuple[str, ...]) -> tuple[str, ...]:
@@ -421,10 +437,14 @@ def _runs_note(attrs: Any, target: Path, command: str) -> None:
 
 def say(text: str) -> None:
     """A note on stderr, wrapped at 80 columns (its continuation lines indented)."""
-    import textwrap
+    echo(text, err=True)
 
-    click.echo(textwrap.fill(text, 80, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False),
-               err=True)
+
+def echo(text: str, err: bool = False) -> None:
+    """A line of prose on stdout (or stderr), wrapped at 80 columns."""
+    from moesim.output.console import wrapped
+
+    click.echo(wrapped(text), err=err)
 
 
 def _csv(value: str | None) -> list[str] | None:
@@ -446,7 +466,8 @@ def _csv(value: str | None) -> list[str] | None:
                    "workload.arrivals.rate). With an slo, each policy's highest rate within it is found by bisection.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a scenario key.")
 @click.option("--out", "out_dir", type=OUT_DIR, default=None,
-              help="Folder (default: runs/compare-<scenario name>); rerunning resumes.")
+              help="Folder (default: runs/compare-<scenario name>, with a suffix naming the configuration when "
+                   "any option sets one, so that a compare of other options has its own); rerunning resumes.")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True)
 @click.option("--workers", type=int, default=None, help="Worker processes (default: CPU count).")
 @click.option("--ray-address", default=None, help="With --executor ray: an existing cluster.")
@@ -476,8 +497,10 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
     n_workers = workers if workers is not None else (os.cpu_count() or 1)
     if n_workers < 1:
         raise MoesimError(f"--workers must be >= 1, got {n_workers}.")
-    target = Path(out_dir) if out_dir else Path("runs") / f"compare-{resolve_path(scenario).stem}"
+    options = (eviction, prefetch, miss, budget, capacity, rate, overrides)
+    target = Path(out_dir) if out_dir else _compare_folder(resolve_path(scenario).stem, options)
     OUT_DIR.convert(str(target), None, None)  # the default folder, checked as --out is
+    say(f"moesim compare {scenario}: planning the points (results in {target}/)")
     _compile_note()
     rates = None
     if rate:
@@ -494,7 +517,19 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
     click.echo(table.attrs.get("text") or terminal(table, table.attrs["metric"], table.attrs["title"]))
     _runs_note(table.attrs, target, "compare")
     cap = ", capacity.parquet (each policy's highest rate within the SLO)" if "capacity" in table.attrs else ""
-    click.echo(f"wrote {target}/compare.parquet, compare.md (every column){cap} and compare.png")
+    echo(f"wrote {target}/compare.parquet, compare.md (every column){cap} and compare.png")
+
+
+def _compare_folder(stem: str, options: tuple[Any, ...]) -> Path:
+    """A compare's default folder: ``runs/compare-<stem>`` for the scenario as it is, and
+    ``runs/compare-<stem>-<8 hex digits>`` (a digest of the options) for each configuration
+    the command line makes of it, so that one never replaces another's points and table."""
+    import hashlib
+
+    if not any(options):
+        return Path("runs") / f"compare-{stem}"
+    digest = hashlib.sha256(json.dumps([list(o) if isinstance(o, tuple) else o for o in options]).encode())
+    return Path("runs") / f"compare-{stem}-{digest.hexdigest()[:8]}"
 
 
 @cli.command("mrc")
@@ -547,6 +582,29 @@ def mrc_cmd(trace_file: str, policies: str, capacities: str | None, expert_compu
                   f"{row.hit_rate:.4f}", str(row.method))
     Console().print(t)
     Console().print(f"wrote {table} and {fig}")
+
+
+TINY_FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "gpt_oss")
+
+
+@cli.command("tiny-model")
+@click.argument("family", type=click.Choice(TINY_FAMILIES))
+@click.argument("out_dir", type=OUT_DIR)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
+def tiny_model_cmd(family: str, out_dir: str, seed: int) -> None:
+    """Write a random-weight FAMILY model small enough for a CPU to OUT_DIR (config.json,
+    weights and a word-level tokenizer that knows the words w0 .. w60), built from the
+    transformers config class, no download: for trying `moesim capture --model OUT_DIR`.
+    Needs the capture extra (torch, transformers)."""
+    from moesim.traces.tiny_model import build
+
+    try:
+        folder = build(family, Path(out_dir), seed)
+    except ImportError as exc:  # pragma: no cover - the capture extra is missing
+        raise MoesimError(f"tiny-model needs torch and transformers ({exc}); pip install 'moesim[capture]'.") from None
+    echo(f"wrote {folder}/: a 3-layer {family} model with random weights; capture its routing with "
+         f"`moesim capture --model {folder} --prompts FILE --out trace.parquet --device cpu` (prompts of the "
+         "words w0 .. w60).")
 
 
 @cli.group()
@@ -646,7 +704,7 @@ def trace_synth(preset: str | None, fit: str | None, requests: int, prompt_token
         t = synthesise(load_profile(fit), requests=requests, tokens=tokens, seed=seed, prompt_tokens=prompt_tokens,
                        probs=probs, pred_next=pred_next, pred_noise=pred_noise)
         write_trace(t, out)
-        click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens "
+        echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens "
                    f"from fitted profile {fit}")
         return
     assert preset is not None
@@ -655,7 +713,7 @@ def trace_synth(preset: str | None, fit: str | None, requests: int, prompt_token
                           prompt_tokens=prompt_tokens, tokens=tokens, seed=seed, probs=probs,
                           pred_next=pred_next, pred_noise=pred_noise)
     write_trace(t, out)
-    click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens, "
+    echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens, "
                f"{t.model.num_layers} layers x {t.model.num_experts} experts top-{t.model.top_k}")
 
 
@@ -688,9 +746,9 @@ def trace_import(fmt: str, src: tuple[str, ...], out: str, model_preset: str | N
     t, report = import_trace(fmt, list(src), model_preset, drop_warmup=drop_warmup,
                              tokens_per_sequence=tokens_per_sequence, columns=mapping)
     write_trace(t, out)
-    click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens")
+    echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens")
     for note in report.notes:
-        click.echo(f"note: {note}")
+        echo(f"note: {note}")
 
 
 @trace.command("fit")
@@ -715,8 +773,8 @@ def trace_fit(file: str, out: str, batch: int, batch_old: int | None, name: str 
                                                                      progress=progress))
     write_profile(profile, out)
     r = profile["report"]
-    click.echo(f"wrote {out}: weights {profile['weights']}")
-    click.echo(f"LRU hit rate at {r['cache_fractions']} of all experts: real {r['lru_hit_rate_real']}, "
+    echo(f"wrote {out}: weights {profile['weights']}")
+    echo(f"LRU hit rate at {r['cache_fractions']} of all experts: real {r['lru_hit_rate_real']}, "
                f"synthetic {r['lru_hit_rate_synthetic']} (max gap {r['max_hit_rate_gap']})")
 
 
@@ -776,7 +834,7 @@ def capture_cmd(model_path: str, prompts: str, out: str, device: str, precision:
     res = _with_progress("capturing tokens", run)
     write_trace(res.trace, out)
     t = res.trace
-    click.echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens, "
+    echo(f"wrote {out}: {len(t)} rows, {t.num_requests} requests, {t.num_tokens()} tokens, "
                f"{t.model.num_layers} MoE layers x {t.model.num_experts} experts top-{t.model.top_k}")
 
 
@@ -798,7 +856,7 @@ def calibrate_measure(device: str, model_shapes: str, quick: bool, out: str) -> 
     shapes = [s.strip() for s in model_shapes.split(",") if s.strip()]
     df = _with_progress("measuring", lambda progress: measure(device, shapes, quick, progress=progress))
     write_parquet_atomic(df, out)
-    click.echo(f"wrote {out}: {len(df)} measurements on {df['device_name'].iloc[0]} ({device})")
+    echo(f"wrote {out}: {len(df)} measurements on {df['device_name'].iloc[0]} ({device})")
 
 
 @calibrate.command("fit")
@@ -822,11 +880,11 @@ def calibrate_fit(raw: str, out: str, host_costs: str | None) -> None:
     prof = fit(df, raw, read_host_costs(host_costs) if host_costs else None, f"--host-costs {host_costs}")
     write_profile(prof, out)
     for name, link in prof["links"].items():
-        click.echo(f"{name}: {link['bandwidth_gbps']:.2f} GB/s, {link['latency_us']:.2f} us "
+        echo(f"{name}: {link['bandwidth_gbps']:.2f} GB/s, {link['latency_us']:.2f} us "
                    f"(relative RMS residual {link['rel_rms_residual']:.1%})")
     for warning in fit_warnings(prof):
-        click.echo(f"warning: {warning}", err=True)
-    click.echo(f"wrote {out}")
+        echo(f"warning: {warning}", err=True)
+    echo(f"wrote {out}")
 
 
 @calibrate.command("validate")
@@ -871,7 +929,7 @@ def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...]
     from moesim.calibration.validate import expand, validate
 
     def done(r: dict[str, Any]) -> None:
-        click.echo(f"{r['scenario']}: TPOT measured {r['tpot_measured_s'] * 1e3:.3f} ms, predicted "
+        echo(f"{r['scenario']}: TPOT measured {r['tpot_measured_s'] * 1e3:.3f} ms, predicted "
                    f"{r['tpot_predicted_s'] * 1e3:.3f} ms ({r['tpot_ape']:.1%}); TTFT measured "
                    f"{r['ttft_measured_s'] * 1e3:.3f} ms, predicted {r['ttft_predicted_s'] * 1e3:.3f} ms "
                    f"({r['ttft_ape']:.1%})", err=True)
@@ -879,19 +937,16 @@ def calibrate_validate(profile: str, trace_path: str, scenarios: tuple[str, ...]
     paths = expand(list(scenarios))
     df = _with_progress("validating scenarios", lambda progress: validate(
         profile, trace_path, paths, out_dir, _device(device), progress=progress,
-        warn=lambda w: click.echo(f"warning: {w}", err=True), overrides=list(overrides), done=done,
+        warn=lambda w: echo(f"warning: {w}", err=True), overrides=list(overrides), done=done,
         launch=launch, switch_us=switch_us, prefetch_from=prefetch_from, host_beside=host_beside))
-    click.echo(f"TPOT APE median {df['tpot_ape'].median():.1%}, p95 {df['tpot_ape'].quantile(0.95):.1%} over "
+    echo(f"TPOT APE median {df['tpot_ape'].median():.1%}, p95 {df['tpot_ape'].quantile(0.95):.1%} over "
                f"{len(df)} scenarios -> {out_dir}/report.md")
 
 
 def _plain(text: str) -> str:
-    """A docstring's first paragraph as plain text (reStructuredText roles and literals dropped)."""
-    import re
+    from moesim.config.reference import plain
 
-    first = " ".join((text or "").strip().split("\n\n")[0].split())
-    first = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", first)
-    return first.replace("``", "")
+    return plain(text)
 
 
 def _table(title: str, columns: list[str], rows: list[list[str]], wide: tuple[str, ...] = ()) -> Any:
@@ -937,6 +992,55 @@ def policies_cmd(family: str | None, as_json: bool) -> None:
         con.print(_table(f"{fam} policies", ["name", "parameters (default)", "what it does"], rows,
                          wide=("what it does",)))
     con.print("moesim policies --json lists each parameter's type and meaning.")
+
+
+def shipped_scenarios() -> list[tuple[str, str]]:
+    """Each shipped scenario's name (what ``moesim run NAME`` takes) and the first sentence of
+    its header comment (up to a full stop before a capital or a backquote), by name."""
+    import re
+
+    from moesim.config.scenario import shipped_dir
+
+    root = shipped_dir()
+    found = []
+    for path in sorted(root.rglob("*.yaml")):
+        header = []
+        for line in path.read_text().splitlines():
+            if not line.startswith("#"):
+                break
+            header.append(line.lstrip("#").strip())
+        text = " ".join(header)
+        first = re.split(r"(?<=\.)\s+(?=[A-Z`])", text, maxsplit=1)[0]
+        found.append((path.relative_to(root).with_suffix("").as_posix(), first))
+    return found
+
+
+@cli.command("scenarios")
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="The list as JSON (name and description).")
+def scenarios_cmd(name: str | None, as_json: bool) -> None:
+    """List the scenarios that ship with moesim (each runs as `moesim run NAME`), or print
+    scenario NAME's YAML, to copy and edit."""
+    from rich.console import Console
+
+    from moesim.config.scenario import shipped_dir
+
+    found = shipped_scenarios()
+    if name is not None:
+        names = [n for n, _ in found]
+        if name not in names:
+            from moesim.errors import did_you_mean
+
+            raise MoesimError(f"scenario '{name}' is not one moesim ships{did_you_mean(name, names)}; "
+                              "`moesim scenarios` lists them.")
+        click.echo(f"# {shipped_dir() / (name + '.yaml')}")
+        click.echo((shipped_dir() / f"{name}.yaml").read_text(), nl=False)
+        return
+    if as_json:
+        click.echo(json.dumps([{"name": n, "description": d} for n, d in found], indent=1))
+        return
+    Console().print(_table("shipped scenarios (moesim run NAME; moesim scenarios NAME prints one)",
+                           ["name", "what it replays"], [[n, d] for n, d in found]))
 
 
 @cli.command("presets")
@@ -995,7 +1099,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="moesim", standalone_mode=True)
     except KeyboardInterrupt:  # pragma: no cover - interactive
-        click.echo("interrupted", err=True)
+        echo("interrupted", err=True)
         sys.exit(130)
 
 

@@ -224,3 +224,28 @@ class Callable:
 
         value = getattr(self._module, name)
         return entry(value) if callable(value) and hasattr(value, "py_func") else value
+
+
+def unwrap(text: str) -> str:
+    """moesim's prose as written before wrapping at 80 columns: each continuation line (two
+    spaces of indent, :func:`moesim.output.console.wrapped`) joined to the line above."""
+    import re
+
+    return re.sub(r"\n  (?=\S)", " ", text)
+
+
+START_LINE = (r"moesim (run \S+: loading the trace and the replay kernel|(sweep|compare) \S+: planning the points "
+              r"\(results in \S+\))")
+
+
+def error_of(output: str) -> str:
+    """The one error paragraph a failed command printed, unwrapped: after, at most, the
+    command's first line (said before its heavy work), and nothing else."""
+    import re
+
+    lines = unwrap(output).strip().split("\n")
+    if len(lines) > 1 and re.fullmatch(START_LINE, lines[0]):
+        lines = lines[1:]
+    assert len(lines) == 1, output
+    assert lines[0].startswith("error: "), output
+    return lines[0]

@@ -168,3 +168,33 @@ def test_token_id_prompts_without_a_tokenizer(tmp_path):
     assert per_request == [3, 2]
     with pytest.raises(MoesimError, match="prompt 1 is text but the model folder has no tokenizer"):
         capture(model, tok, ["hello there"], max_new_tokens=2, batch_size=1)
+
+
+def test_tiny_model_then_capture_from_the_command_line(tmp_path):
+    """``moesim tiny-model olmoe DIR`` writes a CPU-sized model a user can capture from with
+    the documented command: the trace has the config's shape (3 MoE layers, 8 experts,
+    top-2), every prompt word as a prefill token and the decode tokens asked for, and the
+    printed lines fit 80 columns."""
+    from click.testing import CliRunner
+
+    from moesim.cli import cli
+
+    model = tmp_path / "tiny"
+    r = CliRunner().invoke(cli, ["tiny-model", "olmoe", str(model)])
+    assert r.exit_code == 0, r.output
+    assert (model / "config.json").is_file()
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("w3 w4 w5 w6\nw7 w8 w9\n")
+    out = tmp_path / "t.parquet"
+    r2 = CliRunner().invoke(cli, ["capture", "--model", str(model), "--prompts", str(prompts), "--out", str(out),
+                                  "--device", "cpu", "--max-new-tokens", "3"])
+    assert r2.exit_code == 0, r2.output
+    t = read_trace(out)
+    assert (t.model.num_layers, t.model.num_experts, t.model.top_k) == (3, 8, 2)
+    assert t.take(t.phase == 0).num_tokens() == 7  # 4 + 3 prompt words
+    assert t.num_requests == 2
+    assert t.take(t.phase == 1).num_tokens() <= 2 * 2  # 3 new tokens: the first from the prefill
+    assert all(len(line) <= 80 for line in (r.output + r2.output).splitlines())
+    r3 = CliRunner().invoke(cli, ["tiny-model", "llama", str(tmp_path / "x")])
+    assert r3.exit_code == 2
+    assert "olmoe" in r3.output

@@ -14,13 +14,19 @@ import pandas as pd
 import pytest
 import yaml
 
+from tests.helpers import error_of, unwrap
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def moesim(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The command's result, its prose unwrapped (:func:`tests.helpers.unwrap`; ``wrapped_*``: as printed)."""
     env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "moesim", *args], capture_output=True,
-                          text=True, cwd=cwd or ROOT, env=env, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "moesim", *args], capture_output=True,
+                       text=True, cwd=cwd or ROOT, env=env, timeout=300)
+    r.wrapped_stderr, r.wrapped_stdout = r.stderr, r.stdout  # type: ignore[attr-defined]
+    r.stderr, r.stdout = unwrap(r.stderr), unwrap(r.stdout)
+    return r
 
 
 def test_run_quickstart_writes_results(tmp_path):
@@ -121,8 +127,7 @@ def test_bad_scenarios_fail_with_one_paragraph_and_exit_2(tmp_path, text, expect
     r = moesim("run", str(path), "--out", str(out))
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
-    assert r.stderr.startswith("error: ")
-    assert re.search(expect, r.stderr), r.stderr
+    assert re.search(expect, error_of(r.stderr)), r.stderr
     assert str(path) in r.stderr or "--set" in r.stderr
     assert not out.exists()
 

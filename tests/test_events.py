@@ -14,7 +14,7 @@ from moesim.cli import cli
 from moesim.output.events import chrome_trace
 from moesim.simulator.engine import Simulation
 from moesim.traces.synth import synth_from_preset
-from tests.helpers import scenario, small_model, trace_from_array
+from tests.helpers import scenario, small_model, trace_from_array, unwrap
 
 TINY_EXPERT = 3 * 256 * 512 * 2  # small_model's bf16 expert: 786,432 bytes
 
@@ -103,7 +103,7 @@ def test_the_timeline_records_the_first_passes_only_and_says_so(tmp_path):
                                  "--set", "workload.trace.synth.requests=1", "--events", str(out),
                                  "--events-passes", "2"])
     assert r.exit_code == 0, r.output
-    assert "timeline of passes 0-1 of 6 written to" in r.output
+    assert "timeline of passes 0-1 of 6 written to" in unwrap(r.output)
     assert {e["args"]["pass"] for e in json.loads(out.read_text())["traceEvents"]
             if e["ph"] == "X" and e["tid"] == 0} == {0, 1}
 
@@ -118,17 +118,17 @@ def test_a_timeline_inside_the_results_folder_survives_the_results_write(tmp_pat
     for events in (out / "events.json", out / "tl" / "e.json"):
         r = CliRunner().invoke(cli, [*args, "--events", str(events)])
         assert r.exit_code == 0, r.output
-        assert f"timeline of passes 0-1 of 6 written to {events}" in r.output
+        assert f"timeline of passes 0-1 of 6 written to {events}" in unwrap(r.output)
         assert {e["args"]["pass"] for e in json.loads(events.read_text())["traceEvents"]
                 if e["ph"] == "X" and e["tid"] == 0} == {0, 1}
         assert (out / "summary.json").exists()
     # the second run replaced the folder: the first timeline went with the old results, as it says
     assert not (out / "events.json").exists()
-    assert "they replace the results that were there" in r.output
+    assert "they replace the results that were there" in unwrap(r.output)
     r = CliRunner().invoke(cli, [*args, "--events", str(out / "summary.json")])
     assert r.exit_code == 2
     assert r.output.startswith("error: --events")
-    assert "that is where the results go" in r.output
+    assert "that is where the results go" in unwrap(r.output)
     assert json.loads((out / "summary.json").read_text())["forward_passes"] == 6
 
 

@@ -45,7 +45,7 @@ from moesim.policies.hooks import (
 )
 from moesim.simulator.engine import Simulation
 from moesim.traces.synth import synth_from_preset
-from tests.helpers import scenario
+from tests.helpers import scenario, unwrap
 
 
 class HookLFU(HookEviction):
@@ -498,7 +498,7 @@ def test_moesim_run_says_in_a_line_why_a_plugin_runs_on_the_simpy_path(tmp_path,
                         "policies.eviction=by-name", "--set", "workload.trace.synth.tokens=8", "--no-write", "--json"],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    note = [ln for ln in r.stderr.splitlines() if ln.startswith("note: replayed on the SimPy path")]
+    note = [ln for ln in unwrap(r.stderr).splitlines() if ln.startswith("note: replayed on the SimPy path")]
     assert len(note) == 1, r.stderr
     assert "eviction policy 'by-name': its priority hook does not compile with numba (" in note[0]
     assert json.loads(r.stdout)["replay_path"] == "simpy"

@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from moesim.cli import cli
+from tests.helpers import unwrap
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--set", "workload.trace.synth.tokens=20", "--set", "workload.trace.synth.requests=1"]
@@ -34,8 +35,11 @@ def mru(tmp_path) -> Path:
 
 
 def moesim(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "moesim", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+    """The command's result, its prose unwrapped (:func:`tests.helpers.unwrap`)."""
+    r = subprocess.run([sys.executable, "-m", "moesim", *args], cwd=cwd, capture_output=True, text=True,
+                       timeout=300)
+    r.stderr, r.stdout = unwrap(r.stderr), unwrap(r.stdout)
+    return r
 
 
 @pytest.fixture
@@ -131,7 +135,7 @@ def test_a_bad_plugin_is_refused_in_one_paragraph(tmp_path, source, says, isolat
         path.write_text(source)
     r = CliRunner().invoke(cli, ["policies", "--plugin", str(path)])
     assert r.exit_code == 2
-    assert says in r.output
+    assert says in unwrap(r.output)
     assert "Traceback" not in r.output
 
 

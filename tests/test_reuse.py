@@ -22,6 +22,7 @@ from moesim.studies.compare import compare
 from moesim.studies.sweep import sweep
 from moesim.traces.io import write_trace
 from moesim.traces.synth import synth_from_preset
+from tests.helpers import unwrap
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ("workload.trace.synth.tokens=20", "workload.trace.synth.requests=1", "sweep=null")
@@ -136,7 +137,7 @@ def test_run_into_an_existing_folder_says_it_replaced_it(tmp_path):
     second = subprocess.run([*cmd, "--set", "cache.capacity=25%"], capture_output=True, text=True, timeout=300,
                             cwd=tmp_path)
     assert second.returncode == 0, second.stderr
-    assert "they replace the results that were there" in second.stderr
+    assert "they replace the results that were there" in unwrap(second.stderr)
     assert "25%" in (out / "scenario.resolved.yaml").read_text()
 
 

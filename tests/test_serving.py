@@ -29,6 +29,7 @@ from moesim.errors import MoesimError
 from moesim.simulator import serving
 from moesim.simulator.engine import Simulation, simulate
 from moesim.simulator.workload import Workload
+from tests.helpers import unwrap
 
 TINY = {"synth": {"preset": "olmoe-1b-7b", "requests": 3, "prompt_tokens": 4, "tokens": 4, "layers": 2,
                   "experts": 8, "top_k": 2}}
@@ -445,9 +446,9 @@ def test_bad_arrival_file_cli(text: str, words: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     r = CliRunner().invoke(cli, ["run", str(sc), "--out", str(out), "-q"])
     assert r.exit_code == 2, r.output
-    assert words in r.output
-    assert str(path) in r.output.replace("\n", "")
-    assert "Traceback" not in r.output
+    assert words in unwrap(r.output)
+    assert str(path) in unwrap(r.output).replace("\n", "")
+    assert "Traceback" not in unwrap(r.output)
     assert not out.exists()
 
 
@@ -517,8 +518,8 @@ def test_cli_run_writes_the_request_table(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["served_requests"] == 9
     assert 0 <= summary["slo_attainment"] <= 1
-    assert "ttft_p99_s" in r.output
-    assert "requests_per_s" in r.output
+    assert "ttft_p99_s" in unwrap(r.output)
+    assert "requests_per_s" in unwrap(r.output)
     resolved = (out / "scenario.resolved.yaml").read_text()
     assert "arrivals:" in resolved
     assert "scheduler:" in resolved
@@ -539,13 +540,13 @@ def test_compare_rate_needs_arrivals(tmp_path: Path) -> None:
     """--rate on a fixed-batch scenario, or --miss other than fetch under load: one paragraph."""
     r = CliRunner().invoke(cli, ["compare", "quickstart", "--rate", "1,2", "--out", str(tmp_path / "x")])
     assert r.exit_code == 2
-    assert "workload.arrivals" in r.output
-    assert "Traceback" not in r.output
+    assert "workload.arrivals" in unwrap(r.output)
+    assert "Traceback" not in unwrap(r.output)
     sc = tmp_path / "s.yaml"
     sc.write_text(json.dumps(served(TINY, {"process": "poisson", "rate": 4.0, "requests": 5})))
     r = CliRunner().invoke(cli, ["compare", str(sc), "--miss", "drop", "--out", str(tmp_path / "y")])
     assert r.exit_code == 2
-    assert "miss policy 'fetch'" in r.output
+    assert "miss policy 'fetch'" in unwrap(r.output)
 
 
 def test_arrival_file_in_the_fingerprint(tmp_path: Path) -> None:

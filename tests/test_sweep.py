@@ -20,6 +20,7 @@ from moesim.simulator.engine import simulate
 from moesim.studies.sweep import done_points, sweep
 from moesim.traces.io import write_trace
 from moesim.traces.synth import synth_from_preset
+from tests.helpers import unwrap
 from tests.test_plugins import isolated_registries  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,10 +103,10 @@ def test_a_sweep_with_failed_points_exits_1_naming_each_and_retries_them(tmp_pat
            "--out", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1, r.stderr
-    assert "failed point" in r.stderr
-    assert "(policies.eviction=fails-when-full)" in r.stderr
-    assert "fails-when-full: the cache is full" in r.stderr
-    assert "1 of 2 points failed" in r.stderr
+    assert "failed point" in unwrap(r.stderr)
+    assert "(policies.eviction=fails-when-full)" in unwrap(r.stderr)
+    assert "fails-when-full: the cache is full" in unwrap(r.stderr)
+    assert "1 of 2 points failed" in unwrap(r.stderr)
     ok_point = next(d for d in (out / "points").iterdir() if (d / "summary.json").is_file())
     stamp = (ok_point / "summary.json").stat().st_mtime_ns
     (out / "points" / ".leftover.tmp-x").mkdir()  # what a killed sweep leaves behind
@@ -217,15 +218,15 @@ def test_plot_refuses_to_average_over_an_axis_it_does_not_show(tmp_path):
     r = CliRunner().invoke(cli, ["plot", str(out), "--kind", "heatmap", "--metric", "tpot_s", "--x", "cache.capacity",
                                  "--y", "hardware.links.pcie.bandwidth_gbps", "--out", str(png)])
     assert r.exit_code == 2
-    assert "'policies.eviction' (belady, lru)" in r.output
-    assert "--by policies.eviction" in r.output
-    assert "--facet policies.eviction" in r.output
-    assert "--where policies.eviction=belady" in r.output
+    assert "'policies.eviction' (belady, lru)" in unwrap(r.output)
+    assert "--by policies.eviction" in unwrap(r.output)
+    assert "--facet policies.eviction" in unwrap(r.output)
+    assert "--where policies.eviction=belady" in unwrap(r.output)
     assert not png.exists()
     r = CliRunner().invoke(cli, ["plot", str(out), "--kind", "lines", "--metric", "hit_rate", "--x", "cache.capacity",
                                  "--out", str(png)])
     assert r.exit_code == 2  # lines without --by would average the policies (and the bandwidths)
-    assert "'hardware.links.pcie.bandwidth_gbps' (5, 32), 'policies.eviction' (belady, lru)" in r.output
+    assert "'hardware.links.pcie.bandwidth_gbps' (5, 32), 'policies.eviction' (belady, lru)" in unwrap(r.output)
     r = CliRunner().invoke(cli, ["plot", str(out), "--kind", "lines", "--metric", "hit_rate", "--x", "cache.capacity",
                                  "--by", "policies.eviction", "--where", "hardware.links.pcie.bandwidth_gbps=32",
                                  "--out", str(png)])
@@ -235,7 +236,7 @@ def test_plot_refuses_to_average_over_an_axis_it_does_not_show(tmp_path):
                                  "--by", "policies.eviction", "--where", "hardware.links.pcie.bandwidth_gbps=7",
                                  "--out", str(png)])
     assert r.exit_code == 2
-    assert "matches no results; values of hardware.links.pcie.bandwidth_gbps: 5, 32" in r.output
+    assert "matches no results; values of hardware.links.pcie.bandwidth_gbps: 5, 32" in unwrap(r.output)
 
 
 def test_events_export_and_timeline(tmp_path):

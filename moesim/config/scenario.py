@@ -338,18 +338,34 @@ class Scenario:
 
 @dataclass(frozen=True)
 class _TopLevel:
-    seed: int = 0
-    timing: bool = True
-    expert_compute: Literal["layer", "on-arrival", "per-expert"] = "layer"
-    expert_fetch: Literal["pipelined", "blocking"] = "pipelined"
-    execution: Any = None
-    hardware: Any = None
-    workload: Any = None
-    cache: Any = None
-    policies: Any = None
-    scheduler: Any = None
-    slo: Any = None
-    sweep: Any = None
+    """A scenario file's top-level keys (each section is built into its own class)."""
+
+    seed: int = field(default=0, metadata={"help": "the seed of every random draw: same scenario and seed, same "
+                                                   "results"})
+    timing: bool = field(default=True, metadata={
+        "help": "false: cache-only replay (the same hit and miss decisions, no timeline)"})
+    expert_compute: Literal["layer", "on-arrival", "per-expert"] = field(default="layer", metadata={
+        "help": "layer (one fused kernel per layer), on-arrival (each expert as it lands) or per-expert (a "
+                "Hugging Face-style loop)"})
+    expert_fetch: Literal["pipelined", "blocking"] = field(default="pipelined", metadata={
+        "help": "per-expert: pipelined (copies overlap the compute) or blocking (each miss waits)"})
+    execution: Any = field(default=None, metadata={"help": "the host thread that feeds the GPU", "section":
+                                                   ExecutionConfig})
+    hardware: Any = field(default=None, metadata={"help": "the GPU, its links and host costs (default: preset "
+                                                  "a100-80g-pcie4)", "section": HardwareConfig})
+    workload: Any = field(default=None, metadata={"help": "the trace and how its tokens form forward passes "
+                                                  "(required)", "section": WorkloadConfig})
+    cache: Any = field(default=None, metadata={"help": "the GPU expert cache", "section": CacheConfig})
+    policies: Any = field(default=None, metadata={
+        "help": "one policy per family: eviction, miss, prefetch, routing, budget (a name, or {name: ..., "
+                "parameter: value}; `moesim policies` lists them)"})
+    scheduler: Any = field(default=None, metadata={"help": "continuous batching (with workload.arrivals)",
+                                                   "section": SchedulerConfig})
+    slo: Any = field(default=None, metadata={"help": "the latency objective (with workload.arrivals)",
+                                             "section": SloConfig})
+    sweep: Any = field(default=None, metadata={
+        "help": "axes: {dotted.key: [values]} and zip: [[keys advancing together]] for `moesim sweep` (used when "
+                "no --grid is given)"})
 
 
 def _policy(family: str, value: Any, where: str) -> PolicySpec:

@@ -300,7 +300,7 @@ def _precisions(sim: Any, miss: int, max_rows: int, IS: np.ndarray, FS: np.ndarr
     return np.concatenate([rows.ravel(), scale])
 
 
-_ANNOUNCE: dict[str, Any] = {}  # "say": told when this process starts compiling a kernel form
+_ANNOUNCE: dict[str, Any] = {}  # "say": told of this process's kernel compiles; "ticker": the one running
 
 
 def form_of(args: tuple[Any, ...]) -> str:
@@ -314,35 +314,42 @@ def form_of(args: tuple[Any, ...]) -> str:
 
 
 def announce_compiles(say: Any) -> None:
-    """Call ``say(form)`` when this process starts compiling a form of the replay kernel (a
+    """Call ``say(text)`` when this process starts compiling a form of the replay kernel (a
     numba cache miss: the first replay of that form after an installation, or after an
-    upgrade changed the kernel); numba's compile event fires for a compile only, never for a
-    load from its cache. A later call replaces ``say``."""
+    upgrade changed the kernel), every :func:`moesim.output.console.every` seconds while it
+    compiles, and when it is done; numba's compile event fires for a compile only, never for
+    a load from its cache. A later call replaces ``say``."""
     first = not _ANNOUNCE
     _ANNOUNCE["say"] = say
     if not first or not HAVE_NUMBA:
         return
     from numba.core import event
 
+    from moesim.output.console import Ticker
+
+    def ours(ev: Any) -> bool:
+        return ev.data["dispatcher"].py_func is getattr(replay_passes, "py_func", None)
+
     class _Listener(event.Listener):
         def on_start(self, ev: Any) -> None:
-            if ev.data["dispatcher"].py_func is getattr(replay_passes, "py_func", None):
-                _ANNOUNCE["say"](form_of(tuple(ev.data["args"])))
+            if ours(ev):
+                _ANNOUNCE["say"](compile_message(form_of(tuple(ev.data["args"]))))
+                _ANNOUNCE["ticker"] = Ticker(lambda s: _ANNOUNCE["say"](
+                    f"moesim: still compiling the replay kernel ({s:.0f} s)"))
 
         def on_end(self, ev: Any) -> None:
-            pass
+            ticker = _ANNOUNCE.pop("ticker", None) if ours(ev) else None
+            if ticker is not None:
+                took = ticker.stop()
+                _ANNOUNCE["say"](f"moesim: compiled the replay kernel in {took:.0f} s; later runs load it from "
+                                 "numba's cache.")
 
     event.register("numba:compile", _Listener())
 
 
 def compile_message(form: str) -> str:
-    """The line a run says as it starts compiling the kernel's ``form`` (measured on the 2-core
-    CI machine with numba's cache emptied, :mod:`moesim.jitplan`'s helper on the other core:
-    ``benchmarks/results/first_run_8494561_helper_{a,b}.txt``, README: Speed)."""
-    return (f"moesim: compiling the replay kernel's form for {form}, once for this installation "
-            f"(measured on a 2-core machine, a helper compiling on the other core: 15-19 s for layer execution "
-            f"with fetch on a miss, 26-29 s per-expert, 29-31 s with a per-token miss policy, 63-66 s both); later "
-            f"runs load it from numba's cache.")
+    """The note a run gives as it starts compiling the kernel's ``form``."""
+    return f"moesim: compiling the replay kernel's form for {form}, once for this installation."
 
 
 def load_cached_forms() -> int:

@@ -2,11 +2,12 @@
 compiled replay kernel once, so that every point's process, forked from the server, starts
 with it in memory instead of loading numba's cache again (about 0.5 s a point)."""
 
-import sys
+import warnings
 
 from moesim.config.scenario import scenario_from_dict
+from moesim.output.console import say
 from moesim.simulator.engine import Simulation
-from moesim.simulator.kernel import announce_compiles, compile_message, load_cached_forms
+from moesim.simulator.kernel import announce_compiles, load_cached_forms
 from moesim.traces.synth import synth_from_preset
 
 
@@ -15,7 +16,9 @@ def warm() -> None:
     replays of the layer form with fetch on a miss (compiling it the first time after an
     installation) with every argument type it takes. A point whose form is not in the cache
     compiles it in its own process (saying so), and the next sweep's server loads it."""
-    announce_compiles(lambda form: print(compile_message(form), file=sys.stderr, flush=True))
+    # the jit helper (moesim.jitplan) is this server's child, which the server's own loop reaps as a pid it does not know
+    warnings.filterwarnings("ignore", "forkserver: waitpid returned unexpected pid", UserWarning)
+    announce_compiles(say)
     load_cached_forms()
     trace = synth_from_preset("olmoe-1b-7b", layers=2, experts=8, top_k=2, requests=1, tokens=2, seed=0,
                               pred_next=True)

@@ -1,6 +1,7 @@
 """Sweeps: the cartesian product of named axes, each point run in its own worker process.
 
-Axes come from ``--grid dotted.key=v1,v2,...`` and from the scenario's ``sweep:`` section::
+Axes come from ``--grid dotted.key=v1,v2,...`` or, when no ``--grid`` is given, from the
+scenario's ``sweep:`` section (a ``--grid`` on the command line is the whole grid)::
 
     sweep:
       axes:
@@ -166,8 +167,11 @@ def make_points(p: Path, data: dict[str, Any], combos: list[dict[str, Any]],
 
 def plan(scenario_path: str, grid: dict[str, list[Any]], overrides: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[Point], list[list[str]]]:
     """The base scenario data (without ``sweep:``) and the points, validating every point's
-    scenario before anything runs (a bad axis value fails the sweep up front)."""
+    scenario before anything runs (a bad axis value fails the sweep up front). A non-empty
+    ``grid`` is the whole grid; the scenario's ``sweep:`` section gives it otherwise."""
     p, data, section = base_data(scenario_path, overrides)
+    if grid:
+        section = {}
     if not isinstance(section, dict) or set(section) - {"axes", "zip"}:
         bad = sorted(set(section) - {"axes", "zip"}) if isinstance(section, dict) else [repr(section)]
         raise MoesimError(f"{p}: key 'sweep.{bad[0]}' is not a known key{did_you_mean(str(bad[0]), ['axes', 'zip'])}; "
@@ -411,16 +415,32 @@ def collect(out_dir: Path, points: list[Point]) -> pd.DataFrame:
     return df
 
 
+def describe_grid(points: list[Point], zips: list[list[str]], source: str) -> str:
+    """The grid a sweep runs, in words: its point count and each axis with its values, in the
+    order the points vary them, and where the axes came from."""
+    axes: dict[str, list[Any]] = {}
+    for pt in points:
+        for key, value in pt.values.items():
+            if value not in axes.setdefault(key, []):
+                axes[key].append(value)
+    parts = [f"{key} ({', '.join(map(str, values))})" for key, values in axes.items()]
+    zipped = "".join(f"; {' and '.join(z)} advance together" for z in zips)
+    return f"{len(points)} point{'s' if len(points) != 1 else ''} over {' x '.join(parts)} (from {source}){zipped}"
+
+
 def sweep(scenario_path: str, out_dir: str, grid: dict[str, list[Any]] | None = None,
           overrides: tuple[str, ...] = (), workers: int = 1, executor: str = "local",
           ray_address: str | None = None, progress: Callable[[int, int, int], None] | None = None,
-          verify: bool = False, prune: bool = False) -> pd.DataFrame:
+          verify: bool = False, prune: bool = False, say: Callable[[str], None] | None = None) -> pd.DataFrame:
     """Run every point not yet done; return the results table (see module docstring). Its
     ``attrs``: ``runs`` (:class:`Runs`), ``reused``, and ``others``, the folder's points that
     belong to none of this sweep's (removed when ``prune``); ``verify`` checks every finished
-    point's files by digest (:func:`check_point`)."""
+    point's files by digest (:func:`check_point`). ``say`` is told the grid (:func:`describe_grid`)
+    before any point runs."""
     with workers_started(executor):  # the kernel loads (or compiles) while the points are planned
         data, points, zips = plan(scenario_path, grid or {}, overrides)
+        if say is not None:
+            say("sweeping " + describe_grid(points, zips, "--grid" if grid else "the scenario's sweep: section"))
         out = Path(out_dir)
         with folder_lock(out):
             write_atomic(out / "sweep.yaml", lambda tmp: Path(tmp).write_text(yaml.safe_dump(

@@ -99,7 +99,9 @@ def load_local(path: str, device: str, dtype: str, any_causal_lm: bool = False) 
     accepts any causal LM (a draft model), not only the supported MoE families."""
     torch = _need_torch()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # moesim shows its own progress; tqdm's lines run past 80 columns
     p = Path(path)
     if not p.is_dir():
         raise MoesimError(f"capture: --model {path} is not a local folder. moesim capture works offline "
