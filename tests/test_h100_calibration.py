@@ -1,4 +1,4 @@
-"""The committed H100 calibration (``profiles/h100.yaml``, ``validation/h100/``) stays what
+"""The committed H100 calibration (``profiles/h100.yaml``, ``validation/h100/graphs/``) stays what
 the code makes of its raw data: the profile is the fit of the raw measurements, and every
 prediction in the validation table is what the simulator predicts today for that scenario,
 trace and profile. If a change to the simulator moves a prediction, the README's measured
@@ -18,15 +18,16 @@ from moesim.config.scenario import load_scenario
 from moesim.simulator.engine import Simulation
 
 ROOT = Path(__file__).resolve().parents[1]
-VALIDATION = ROOT / "validation" / "h100"
+VALIDATION = ROOT / "validation" / "h100" / "graphs"  # the suite: its report and re-prediction
+MEASURED = VALIDATION / "2026-11-22"  # the measure: raw microbenchmarks, rows, passes
 PROFILE = ROOT / "profiles" / "h100.yaml"
 
 
 def test_the_h100_profile_is_the_fit_of_its_raw_measurements():
     """The raw file and the host-call diagnostics (the raw run predates host rows): the
     profile is ``moesim calibrate fit raw.parquet --host-costs diagnostics/host_overhead.csv``."""
-    raw = pd.read_parquet(VALIDATION / "raw.parquet")
-    host = read_host_costs(str(VALIDATION / "diagnostics" / "host_overhead.csv"))
+    raw = pd.read_parquet(MEASURED / "raw.parquet")
+    host = read_host_costs(str(ROOT / "validation" / "h100" / "host-calls" / "2026-11-22" / "host_overhead.csv"))
     profile = yaml.safe_load(PROFILE.read_text())
     assert fit(raw, "raw.parquet", host) == profile
     assert profile["host"] == {"graph_launch_us": 9.07, "eager_kernel_us": 66.72 / 5, "copy_submit_us": 7.34,
@@ -44,7 +45,7 @@ def traces(tmp_path_factory):
 # Measured before issue 33 changed Least-Stale's prefetch victims (and gave a freed slot to
 # demand first): in these rows the simulator now makes other decisions than the ones the
 # executor performed on the H100, so their recorded predictions describe the old rule and
-# they need a new GPU run (validation/h100/report.md, "Rows measured under the old rule").
+# they need a new GPU run (validation/h100/graphs/report.md, "Rows measured under the old rule").
 OLD_RULE_ROWS = {(model, mode, f"cap{cap}-pf-least-stale") for model in ("olmoe-1b-7b", "mixtral-8x7b")
                  for mode in ("layer", "per-expert") for cap in (1, 5, 25)} - {("mixtral-8x7b", mode, "cap1-pf-least-stale")
                                                                              for mode in ("layer", "per-expert")}
@@ -54,7 +55,7 @@ def test_every_recorded_prediction_is_what_the_simulator_predicts_today(traces):
     """Every row but the ones measured under the old Least-Stale rule: today's prediction is
     the recorded one. Those rows: the executor performed the decisions the simulator made
     then (its counts equal the recorded simulator's), and today's decisions differ."""
-    table = pd.read_parquet(VALIDATION / "validation.parquet")
+    table = pd.read_parquet(MEASURED / "validation.parquet")
     assert len(table) == 64
     assert set(table["expert_compute"]) == {"layer", "per-expert"}
     moved = set()
@@ -78,13 +79,13 @@ def test_every_recorded_prediction_is_what_the_simulator_predicts_today(traces):
 
 
 def test_the_repredicted_validation_is_what_the_simulator_predicts_today(traces):
-    """``validation/h100/repredicted.parquet`` (tools/repredict_h100.py, issue 37) is today's
+    """``validation/h100/graphs/repredicted.parquet`` (``tools/validation_reports.py h100-graphs``) is today's
     re-prediction of the committed run: its measured and recorded columns the run's own,
     today's predictions without a host model equal to the recorded ones wherever the decisions
     are the executor's, and the executor's host only ever adding time."""
     from moesim.calibration.validate import repredict
 
-    table = pd.read_parquet(VALIDATION / "validation.parquet")
+    table = pd.read_parquet(MEASURED / "validation.parquet")
     committed = pd.read_parquet(VALIDATION / "repredicted.parquet")
     today = repredict(table, str(PROFILE), {k: str(v) for k, v in traces.items()})
     pd.testing.assert_frame_equal(committed, today, rtol=1e-9)
@@ -97,7 +98,7 @@ def test_the_repredicted_validation_is_what_the_simulator_predicts_today(traces)
         assert same[f"{k}_none_s"].to_numpy() == pytest.approx(same[f"{k}_recorded_s"].to_numpy(), rel=1e-9)
         assert (committed[f"{k}_host_s"] > committed[f"{k}_none_s"]).all()
     assert set(committed["style"]) == {"graph-layer", "graph-per-expert"}
-    assert "## Re-predicted with the host model (issue 37)" in (VALIDATION / "report.md").read_text()
+    assert "## Re-predicted with the host model" in (VALIDATION / "report.md").read_text()
 
 
 def test_the_same_calls_took_different_times_per_capacity_in_per_expert_execution():
@@ -105,7 +106,7 @@ def test_the_same_calls_took_different_times_per_capacity_in_per_expert_executio
     measured rows: every access missed in the 1% and 5% no-prefetch rows (the same copies and
     launches), yet per-expert decode passes took over 3 ms longer with 51 slots than with 10,
     while in layer execution they differ by under 1 ms."""
-    t = pd.read_parquet(VALIDATION / "validation.parquet")
+    t = pd.read_parquet(MEASURED / "validation.parquet")
     rows = t[(t.model == "olmoe-1b-7b") & t.scenario.isin(["cap1-nopf-lru", "cap1-nopf-least-stale",
                                                              "cap5-nopf-lru", "cap5-nopf-least-stale"])]
     assert len(rows) == 8

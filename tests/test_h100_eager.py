@@ -1,6 +1,6 @@
 """Issue 37's H100 runs (``validation/h100/eager/``): the profile is the fit of the run's raw
 microbenchmarks, the measured columns are kept as the device wrote them, the re-predictions
-and the report are what ``tools/repredict_h100_eager.py`` makes today (on both replay paths),
+and the report are what ``tools/validation_reports.py h100-eager`` makes today (on both replay paths),
 and what the report says of the measurements holds on the measured files."""
 
 from __future__ import annotations
@@ -20,20 +20,20 @@ EAGER = ROOT / "validation" / "h100" / "eager"
 
 @pytest.fixture(scope="module")
 def tool():
-    return load_tool("repredict_h100_eager")
+    return load_tool("validation_reports")
 
 
 @pytest.fixture(scope="module")
 def today(tool, tmp_path_factory):
-    return tool.repredicted(tmp_path_factory.mktemp("h100eager"))
+    return tool.h100_eager_repredicted(tmp_path_factory.mktemp("h100eager"))
 
 
-@pytest.mark.parametrize(("raw_file", "profile_file"), [("raw.parquet", "profile.yaml"), ("raw3.parquet", "profile3.yaml")])
-def test_the_profiles_are_the_fits_of_the_runs_microbenchmarks(raw_file, profile_file):
-    raw = pd.read_parquet(EAGER / raw_file)
+@pytest.mark.parametrize(("call", "raw_file", "profile_file"), [("call1", "raw.parquet", "profile.yaml"), ("call3", "raw3.parquet", "profile3.yaml")])
+def test_the_profiles_are_the_fits_of_the_runs_microbenchmarks(call, raw_file, profile_file):
+    raw = pd.read_parquet(EAGER / call / raw_file)
     assert (raw["device_name"] == "NVIDIA H100 80GB HBM3").all()
     prof = fit(raw, raw_file)
-    assert prof == yaml.safe_load((EAGER / profile_file).read_text())
+    assert prof == yaml.safe_load((EAGER / call / profile_file).read_text())
     # the executor's own host calls were measured, and cost more than its bare kernels
     assert prof["host"]["eager_expert_us"] > 5 * prof["host"]["eager_kernel_us"]
     assert set(raw.loc[raw["kind"] == "host", "call"]) >= {"executor layer, eager", "executor expert, eager (hit + run)"}
@@ -42,24 +42,24 @@ def test_the_profiles_are_the_fits_of_the_runs_microbenchmarks(raw_file, profile
 def test_the_re_predictions_and_the_report_are_today_s(tool, today):
     committed = pd.read_parquet(EAGER / "repredicted.parquet")
     pd.testing.assert_frame_equal(today, committed, rtol=1e-9)
-    assert (EAGER / "report.md").read_text() == tool.report(committed)
+    assert (EAGER / "report.md").read_text() == tool.h100_eager_report(committed)
     # the measured columns are the runs' own
-    for run in (*tool.RUNS, *tool.OLD_RULE):
+    for run in (*tool.H100_EAGER_RUNS, *tool.H100_EAGER_OLD_RULE):
         rec = pd.read_parquet(EAGER / run / "validation.parquet")
         got = committed[committed["run"] == run]
         assert got["tpot_measured_s"].tolist() == rec["tpot_measured_s"].tolist()
         assert got["ttft_measured_s"].tolist() == rec["ttft_measured_s"].tolist()
     assert committed["same_decisions"].all()
-    assert set(committed.loc[committed["run"].isin(list(tool.RUNS)), "style"]) == {"eager-per-expert"}
+    assert set(committed.loc[committed["run"].isin(list(tool.H100_EAGER_RUNS)), "style"]) == {"eager-per-expert"}
 
 
 def test_the_simpy_path_predicts_the_same(tool, today, monkeypatch, tmp_path):
     """The judged run's predictions on the SimPy path (the reference semantics) equal the
     compiled kernel's in all 16 rows, with the microbenchmarks' host and the held-out one."""
     monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
-    monkeypatch.setattr(tool, "RUNS", {"main": tool.RUNS["main"]})
-    monkeypatch.setattr(tool, "OLD_RULE", ())
-    got = tool.repredicted(tmp_path)
+    monkeypatch.setattr(tool, "H100_EAGER_RUNS", {"main": tool.H100_EAGER_RUNS["main"]})
+    monkeypatch.setattr(tool, "H100_EAGER_OLD_RULE", ())
+    got = tool.h100_eager_repredicted(tmp_path)
     want = today[today["run"] == "main"].reset_index(drop=True)
     assert len(got) == 16
     pd.testing.assert_frame_equal(got, want, rtol=1e-9)
@@ -83,11 +83,11 @@ def test_what_the_report_says_of_the_measurements_holds(tool):
     main = df[df["run"] == "main"]
     rest = main[main["capacity"] != "100%"]
     assert len(rest) == 12
-    held = tool.errors(rest, "held")
+    held = tool.h100_eager_errors(rest, "held")
     assert held["tpot median"] <= 0.05
     assert held["tpot p95"] <= 0.10
     assert held["ttft median"] <= 0.05
-    micro = tool.errors(main, "host")
+    micro = tool.h100_eager_errors(main, "host")
     assert 0.05 < micro["tpot median"] < 0.052
     assert micro["tpot p95"] <= 0.10
     assert micro["ttft median"] <= 0.05
@@ -100,7 +100,7 @@ def test_the_old_rule_rows_are_the_committed_run_s_ten(tool):
     from tests.test_h100_calibration import OLD_RULE_ROWS
 
     df = pd.read_parquet(EAGER / "repredicted.parquet")
-    old = df[df["run"].isin(list(tool.OLD_RULE))]
+    old = df[df["run"].isin(list(tool.H100_EAGER_OLD_RULE))]
     assert set(zip(old["model"], old["expert_compute"], old["scenario"], strict=True)) == OLD_RULE_ROWS
     assert old["same_decisions"].all()
     assert set(old["style"]) == {"graph-layer", "graph-per-expert"}
@@ -114,14 +114,14 @@ def test_what_the_report_says_of_the_replicate_holds(tool):
     a = df[df["run"] == "main"].set_index("scenario")
     b = df[df["run"] == "main2"].set_index("scenario").loc[a.index]
     assert (a[["hits_exec", "misses_exec"]] == b[["hits_exec", "misses_exec"]]).all().all()
-    ratio = tool.replicate_ratio(df)
+    ratio = tool.h100_eager_replicate_ratio(df)
     assert 1.5 < ratio.max() < 1.6
     assert ratio.min() > 0.99
-    first, third = (pd.read_parquet(EAGER / f) for f in ("raw.parquet", "raw3.parquet"))
+    first, third = (pd.read_parquet(EAGER / f) for f in ("call1/raw.parquet", "call3/raw3.parquet"))
     us = [r[r["kind"] == "host"].groupby("call")["median_s"].median() for r in (first, third)]
     slow = us[1] / us[0]
     assert 0.95 < slow["graph replay"] < 1.05
     assert (slow.drop("graph replay") > 1.65).all()
     rest = b[b["capacity"] != "100%"]
-    assert tool.errors(rest, "held")["tpot median"] > 0.10
-    assert tool.errors(b, "host")["tpot median"] > 0.15
+    assert tool.h100_eager_errors(rest, "held")["tpot median"] > 0.10
+    assert tool.h100_eager_errors(b, "host")["tpot median"] > 0.15

@@ -2,7 +2,7 @@
 profile is the fit of the first call's microbenchmarks, the measured columns are the runs' own,
 today's simulator makes the executor's decisions and, with each row's host timing, the very
 predictions the device recorded; the re-predictions and the report are what
-``tools/repredict_h200_beside.py`` makes today (on both replay paths), and what the report says
+``tools/validation_reports.py h200-beside`` makes today (on both replay paths), and what the report says
 of the measurements holds on the measured files."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ HERE = ROOT / "validation" / "h200" / "beside"
 
 @pytest.fixture(scope="module")
 def tool():
-    return load_tool("repredict_h200_beside")
+    return load_tool("validation_reports")
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +32,16 @@ def committed():
 
 
 def test_the_profile_is_the_fit_of_the_first_call_s_microbenchmarks():
-    raw = pd.read_parquet(HERE / "raw.parquet")
+    raw = pd.read_parquet(HERE / "machine-a" / "raw.parquet")
     assert (raw["device_name"] == "NVIDIA H200").all()
-    assert fit(raw, "raw.parquet") == yaml.safe_load((HERE / "profile.yaml").read_text())
+    assert fit(raw, "raw.parquet") == yaml.safe_load((HERE / "machine-a" / "profile.yaml").read_text())
 
 
 def test_the_re_predictions_and_the_report_are_today_s(tool, committed, tmp_path):
-    today = tool.repredicted(tmp_path)
+    today = tool.h200_beside_repredicted(tmp_path)
     pd.testing.assert_frame_equal(today, committed, rtol=1e-9)
-    assert (HERE / "report.md").read_text() == tool.report(committed)
-    for run in tool.RUNS:
+    assert (HERE / "report.md").read_text() == tool.h200_beside_report(committed)
+    for run in tool.H200_BESIDE_RUNS:
         rec = pd.read_parquet(HERE / run / "validation.parquet")
         got = committed[committed["run"] == run]
         assert got["tpot_measured_s"].tolist() == rec["tpot_measured_s"].tolist()
@@ -55,16 +55,16 @@ def test_the_re_predictions_and_the_report_are_today_s(tool, committed, tmp_path
 
 def test_the_simpy_path_predicts_the_same(tool, committed, monkeypatch, tmp_path):
     monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
-    monkeypatch.setattr(tool, "RUNS", {"pinned2": tool.RUNS["pinned2"]})
-    got = tool.repredicted(tmp_path)
+    monkeypatch.setattr(tool, "H200_BESIDE_RUNS", {"pinned2": tool.H200_BESIDE_RUNS["pinned2"]})
+    got = tool.h200_beside_repredicted(tmp_path)
     want = committed[committed["run"] == "pinned2"].reset_index(drop=True)
     pd.testing.assert_frame_equal(got, want, rtol=1e-12)
 
 
 def test_the_host_time_a_full_cache_pass_implies_by_hand(tool):
     # 16 layers of one 100 us launch and 8 experts: 10 ms a pass is (10,000 / 16 - 100) / 8 us an expert
-    assert tool.implied_expert_us(0.010, 100.0) == pytest.approx(65.625)
-    assert tool.implied_expert_us(16 * (100 + 8 * 70) * 1e-6, 100.0) == pytest.approx(70.0)
+    assert tool.h200_beside_implied_expert_us(0.010, 100.0) == pytest.approx(65.625)
+    assert tool.h200_beside_implied_expert_us(16 * (100 + 8 * 70) * 1e-6, 100.0) == pytest.approx(70.0)
 
 
 def test_what_the_report_says_of_the_measurements_holds(committed):
@@ -80,7 +80,7 @@ def test_what_the_report_says_of_the_measurements_holds(committed):
     assert (us > 90).sum() >= 10
     assert np.corrcoef(full["host_expert_us"], full["tpot_measured_s"])[0, 1] < 0.5
     # machine B: every core's median below machine A's slow group
-    m = pd.read_csv(HERE / "host_modes.csv")
+    m = pd.read_csv(HERE / "machine-b" / "host_modes.csv")
     assert m.groupby("phase")["expert_us"].median().max() < 90
     assert (m.loc[m["phase"] == "free", "core_after"] == 0).all()
     # pinned, both runs meet the TPOT and TTFT median targets and miss the p95 one
@@ -104,25 +104,23 @@ def test_held_out_on_machine_b_meets_the_targets(tool, committed):
         assert g["ttft_ape_held"].median() <= 0.05
     # the held-out host time is the 100% rows' mean pass turned into an expert's time by hand
     g = pd.read_parquet(HERE / "pinned2" / "validation.parquet")
-    layer = yaml.safe_load((HERE / "profile.yaml").read_text())["host"]["eager_layer_us"]
+    layer = yaml.safe_load((HERE / "machine-a" / "profile.yaml").read_text())["host"]["eager_layer_us"]
     full = g[g["capacity"] == "100%"]["tpot_measured_s"].mean()
-    assert tool.held_out_expert_us(g) == pytest.approx((full * 1e6 / 16 - layer) / 8)
+    assert tool.h200_beside_held_out_expert_us(g) == pytest.approx((full * 1e6 / 16 - layer) / 8)
 
 
-def test_the_host_modes_sampler_on_the_cpu(tmp_path, monkeypatch, capsys):
-    """``tools/gpu_host_modes.py`` (the second call's first part) on the CPU: a free phase, then
-    a phase pinned to each allowed core whose samples all ran there, and the fastest core's
-    number (by median) as its last line; the process's cores are given back afterwards."""
+def test_the_host_modes_sampler_on_the_cpu(tmp_path, capsys):
+    """``tools/gpu_diagnostics.py cores`` (the second call's first part) on the CPU: a free
+    phase, then a phase pinned to each allowed core whose samples all ran there, and the
+    fastest core's number (by median) as its last line; the process's cores are given back
+    afterwards."""
     import os
-    import sys
 
     pytest.importorskip("torch")
-    modes = load_tool("gpu_host_modes")
+    modes = load_tool("gpu_diagnostics")
     before = os.sched_getaffinity(0)
     out = tmp_path / "modes.csv"
-    monkeypatch.setattr(sys, "argv", ["gpu_host_modes.py", str(out), "--device", "cpu", "--free-s", "0.05",
-                                      "--core-s", "0.02", "--calls", "2"])
-    modes.main()
+    modes.main(["cores", str(out), "--device", "cpu", "--free-s", "0.05", "--core-s", "0.02", "--calls", "2"])
     assert os.sched_getaffinity(0) == before
     m = pd.read_csv(out)
     assert m["phase"].iloc[0] == "free"
