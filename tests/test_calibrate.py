@@ -324,7 +324,7 @@ def test_the_cost_model_reads_the_bf16_tables_whatever_their_order(tmp_path):
 @pytest.mark.parametrize("mode", ["layer", "per-expert"])
 def test_the_executor_plans_its_launches_and_spare_buffers_from_the_decisions(mode):
     """With room for no expert every fetch is uncached, so the spare buffers the plan makes are
-    the experts held at once (docs/execution.md's pinning): all of a layer's distinct routed
+    the experts held at once (docs/concepts/execution.md's pinning): all of a layer's distinct routed
     experts in ``layer`` execution, the running one and the one looked up next in
     ``per-expert``. A layer's experts are one launch in ``layer`` execution (one CUDA graph on a
     GPU) and one launch each in ``per-expert``; every layer starts with its non-expert launch."""
@@ -421,15 +421,15 @@ def test_the_host_cost_csv_is_read_and_its_faults_named(tmp_path):
 
 
 def test_the_executor_s_diagnostic_variants_make_the_same_decisions(tmp_path):
-    """``tools/gpu_perexpert_slots.py``'s variants (issue 37): a pool spread over more memory
+    """``tools/gpu_diagnostics.py slots``' variants: a pool spread over more memory
     and eager launches perform the simulator's decisions, the spread pool from every
     spread-th buffer only, with the same launches."""
     pytest.importorskip("torch")
     from tests.helpers import load_tool
 
-    tool = load_tool("gpu_perexpert_slots")
-    df = tool.run(str(tmp_path / "slots.csv"), "cpu", repeats=1, tokens=3, layers=2)
-    assert set(df["variant"]) == set(tool.VARIANTS)
+    tool = load_tool("gpu_diagnostics")
+    df = tool.slots(str(tmp_path / "slots.csv"), "cpu", repeats=1, tokens=3, layers=2)
+    assert set(df["variant"]) == set(tool.SLOT_VARIANTS)
     launches = df.groupby("variant")["launches"].first()
     assert launches["cap1-spread5"] == launches["cap1"] == launches["cap1-eager"]
     assert (df["measured_s"] > 0).all()
@@ -690,6 +690,7 @@ def test_validate_host_beside_predicts_each_scenario_with_the_host_time_measured
     from moesim.simulator.engine import simulate
     from moesim.traces.io import write_trace
     from moesim.traces.synth import synth_from_preset
+    from tests.helpers import narrow
 
     made = iter([{"eager_layer_us": 200.0 + 10 * i, "eager_expert_us": 300.0 + 10 * i} for i in range(4)])
     seen = []
@@ -700,14 +701,15 @@ def test_validate_host_beside_predicts_each_scenario_with_the_host_time_measured
 
     monkeypatch.setattr(calibrate, "executor_host_us", fake)
     path = tmp_path / "t.parquet"
-    write_trace(synth_from_preset("olmoe-1b-7b", layers=2, requests=1, prompt_tokens=32, tokens=40, seed=0), path)
+    write_trace(narrow(synth_from_preset("olmoe-1b-7b", layers=2, requests=1, prompt_tokens=32, tokens=40, seed=0)),
+                path)
     v = ROOT / "moesim" / "scenarios" / "validation"
     base = ["calibrate", "validate", "--profile", str(ROOT / "profiles" / "h100.yaml"), "--trace", str(path),
             "--scenarios", str(v / "cap5-nopf-lru.yaml"), "--scenarios", str(v / "cap100-nopf-lru.yaml"),
             "--device", "cpu", "--host-beside"]
     r = CliRunner().invoke(cli, [*base, "--set", "expert_compute=per-expert", "--out", str(tmp_path / "a")])
     assert r.exit_code == 0, r.output
-    assert seen == [(2048, 1024, "cpu")] * 2
+    assert seen == [(256, 128, "cpu")] * 2
     rows = pd.read_parquet(tmp_path / "a" / "validation.parquet")
     assert rows["host_layer_us"].tolist() == [200.0, 210.0]
     assert rows["host_expert_us"].tolist() == [300.0, 310.0]

@@ -1,4 +1,4 @@
-"""Write notebooks/specmd_policies.ipynb (source only; CI executes it).
+"""Write docs/notebooks/specmd_policies.ipynb (source only; CI executes it).
 
 Usage: ``python tools/make_notebooks.py``. Editing the .ipynb by hand works too; this script
 keeps the notebook's source reviewable as Python.
@@ -45,7 +45,7 @@ from moesim.simulator.build import load_trace
 from moesim.simulator.engine import Simulation
 from moesim.config.scenario import load_scenario
 
-ROOT = Path.cwd() if (Path.cwd() / "moesim").is_dir() else Path.cwd().parent
+ROOT = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "moesim").is_dir())  # the repository
 SPECMD = ROOT / "moesim" / "scenarios" / "specmd"
 CAPACITIES = ["1%", "5%", "25%"]
 # SpecMD states capacity as a share of the full model (Table 3's total size); FLAME-MoE is not
@@ -160,13 +160,15 @@ facts = {
 }
 pd.Series(facts)"""),
     code("""# Configuration 2 substitutes a resident expert for a missing one (no copy): what Least-Stale
-# changes in its prefills
+# changes in its prefills, copies told apart (demand copies: misses not substituted)
 c2 = []
 for ev in ("score", "least-stale"):
     r = Simulation(load_scenario(SPECMD / "olmoe-config2.yaml", [f"policies.eviction={ev}"]), trace=olmoe_trace).run()
     pre = r.steps[r.steps.phase == "prefill"]
     c2.append({"eviction": ev, "TTFT ms": round(1e3 * r.summary["ttft_s"], 1), "prefill misses": int(pre.misses.sum()),
-               "substituted": int(pre.substituted_experts.sum()), "GB copied": round(pre.bytes_h2d.sum() / 1e9, 3),
+               "substituted": int(pre.substituted_experts.sum()),
+               "demand copies": int(pre.misses.sum() - pre.substituted_experts.sum()),
+               "prefetches": int(pre.prefetches_issued.sum()), "GB copied": round(pre.bytes_h2d.sum() / 1e9, 3),
                "gate mass retained (run)": round(r.summary["gate_mass_retained"], 3)})
 pd.DataFrame(c2)"""),
     md("""### Reading the time tables
@@ -186,13 +188,15 @@ pd.DataFrame(c2)"""),
   only its collision misses and the experts still resident from the last request.
 * **The paper's OLMoE savings exceed what its cache can save.** Zhu et al. '25 with
   Least-Stale saves 784 ms of TTFT; copying every one of OLMoE's 1,024 experts once at 4-bit
-  and 5 GB/s takes 644 ms, so an eviction policy in a one-pass prefill cannot save that much
-  by copies alone (the closed form above). Table 2 also lists the same TTFT, 3791.1 ms, for two
+  and 5 GB/s takes 644 ms, so in moesim's cost model (where a prefill's time is its copies
+  and its compute, the closed form above) an eviction policy in a one-pass prefill cannot
+  save that much by copies alone; what else the paper's executor spent is not known. Table 2 also lists the same TTFT, 3791.1 ms, for two
   Phi-3.5-MoE rows (Eliseev '23 and MixtureCache '25 with Least-Stale).
-* **Configuration 2 gets slower with Least-Stale here.** Its miss policy substitutes a
-  resident expert for a missing one; with score-based eviction 240 prefill misses are
-  substituted, with Least-Stale none (fewer misses), so it copies more bytes and its TTFT
-  rises, while the router mass it keeps rises from 0.73 to 0.96 (the table above).
+* **Configuration 2 gets slower with Least-Stale here.** Under Least-Stale it issues 201 more
+  prefetches in its prefills (743 against 542), and those are its extra bytes (11.71 GB
+  against 11.11 GB): the substitutions (240 under score eviction, none under Least-Stale)
+  change its demand copies by 12 only (2,990 against 2,978). Its TTFT rises, while the router
+  mass it keeps rises from 0.73 to 0.96 (the table above).
 * **Rankings.** Configuration 3 (Least High-precision Used, a 4/2-bit cascade) has the lowest
   TTFT in both; configuration 2 the highest tokens/s here (substitution skips copies) and the
   lowest in the paper. Why the paper's configuration 1 is its slowest prefill is not
@@ -397,7 +401,7 @@ above with the same semantics."""),
 META = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
         "language_info": {"name": "python"}}
 Path("notebooks").mkdir(exist_ok=True)
-nbf.write(nbf.v4.new_notebook(cells=cells, metadata=META), "notebooks/specmd_policies.ipynb")
+nbf.write(nbf.v4.new_notebook(cells=cells, metadata=META), "docs/notebooks/specmd_policies.ipynb")
 
 quickstart = [
     md("""# moesim quickstart
@@ -414,7 +418,7 @@ import matplotlib.pyplot as plt
 from moesim.simulator.engine import Simulation
 from moesim.config.scenario import load_scenario
 
-OUT = Path(os.environ.get("MOESIM_NOTEBOOK_OUT", "../runs/notebooks"))
+OUT = Path(os.environ.get("MOESIM_NOTEBOOK_OUT", "runs/notebooks"))
 OUT.mkdir(parents=True, exist_ok=True)
 scenario = load_scenario("quickstart", ["workload.trace.synth.tokens=200"])
 result = Simulation(scenario).run()
@@ -433,7 +437,7 @@ fig.tight_layout()
 fig.savefig(OUT / "quickstart_steps.png", dpi=100)
 print(f"stall is {decode.stall_s.sum() / decode.duration_s.sum():.0%} of decode time: the PCIe link is the bottleneck")"""),
 ]
-nbf.write(nbf.v4.new_notebook(cells=quickstart, metadata=META), "notebooks/quickstart.ipynb")
+nbf.write(nbf.v4.new_notebook(cells=quickstart, metadata=META), "docs/notebooks/quickstart.ipynb")
 
 capbw = [
     md("""# Capacity x bandwidth x eviction policy
@@ -448,7 +452,7 @@ from pathlib import Path
 from moesim.output.plots import figure
 from moesim.studies.sweep import sweep
 
-OUT = Path(os.environ.get("MOESIM_NOTEBOOK_OUT", "../runs/notebooks"))
+OUT = Path(os.environ.get("MOESIM_NOTEBOOK_OUT", "runs/notebooks"))
 OUT.mkdir(parents=True, exist_ok=True)
 grid = {
     "cache.capacity": ["1%", "5%", "25%", "50%", "100%"],
@@ -473,7 +477,7 @@ print("TPOT falls with both capacity and bandwidth; at 100% capacity the link no
 gap = fast.pivot_table(index="cache.capacity", columns="policies.eviction", values="hit_rate")
 print("Belady's headroom over LRU in hit rate:", (gap["belady"] - gap["lru"]).round(3).to_dict())"""),
 ]
-nbf.write(nbf.v4.new_notebook(cells=capbw, metadata=META), "notebooks/capacity_bandwidth.ipynb")
+nbf.write(nbf.v4.new_notebook(cells=capbw, metadata=META), "docs/notebooks/capacity_bandwidth.ipynb")
 budgets = [
     md("""# Expert budgets: MoE-Spec, XShare, expert parallelism
 
@@ -494,7 +498,7 @@ from moesim.simulator.engine import Simulation
 from moesim.config.scenario import load_scenario
 from moesim.traces.importers import import_trace
 
-ROOT = Path.cwd() if (Path.cwd() / "moesim").is_dir() else Path.cwd().parent
+ROOT = next(p for p in (Path.cwd(), *Path.cwd().parents) if (p / "moesim").is_dir())  # the repository
 REAL = ROOT.parent / "shared" / "traces" / "real"
 OUT = Path(os.environ.get("MOESIM_NOTEBOOK_OUT", ROOT / "runs" / "notebooks"))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -611,7 +615,7 @@ print(f"peak GPU load: {base['max_experts_per_gpu']:.1f} -> {alg6['max_experts_p
   along about the same curve. XShare's advantage for Algorithm 4 comes from the strong overlap of
   the experts of speculative tokens of one request (2-3x that of independent tokens, its Fig. 3);
   the synthetic requests' consecutive tokens overlap less (set overlap ~0.30 against 0.125 for
-  independent tokens, see docs/synthetic.md), so per-request selection has less to exploit.
+  independent tokens, see docs/concepts/synthetic.md), so per-request selection has less to exploit.
 * **Not reproducible here.** The published accuracy numbers (GSM8K, MATH500, HumanEval, ...)
   need the real models: the simulator reports gate mass retained and tokens altered as quality
   proxies only. Absolute speedups (MoE-Spec Table 1, XShare's 13-14% OTPS) depend on real EAGLE
@@ -619,7 +623,7 @@ print(f"peak GPU load: {base['max_experts_per_gpu']:.1f} -> {alg6['max_experts_p
   GPT-OSS and DeepSeek-R1, none of which are available as multi-layer traces here (FLAME-MoE is
   a 290M model with 10 decode tokens; Mixtral's log has 2 problems and no router
   probabilities); the tree experiments use synthetic routing and trees assembled from recorded
-  tokens (docs/speculative.md)."""),
+  tokens (docs/concepts/speculative.md)."""),
 ]
-nbf.write(nbf.v4.new_notebook(cells=budgets, metadata=META), "notebooks/budgets.ipynb")
-print("wrote notebooks/*.ipynb")
+nbf.write(nbf.v4.new_notebook(cells=budgets, metadata=META), "docs/notebooks/budgets.ipynb")
+print("wrote docs/notebooks/*.ipynb")

@@ -22,14 +22,12 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "mutation.json"
-SURVIVORS = ROOT / "benchmarks" / "results" / "mutation-survivors"  # the alive mutants' diffs, per module
 KILLED = {1, 3, 36, 24, -24, 152, 255, 37}  # test failure, pytest error, timeout, type check
 SURVIVED = {0}
 NO_TESTS = {5, 33}
@@ -63,6 +61,8 @@ TESTS: dict[str, list[str]] = {
     "moesim/policies/budget/": ["tests/test_budget.py", "tests/test_budget_hand.py", "tests/test_budget_exact.py",
                            "tests/test_expert_parallel.py"],
     "moesim/studies/fingerprint.py": ["tests/test_reuse.py"],
+    "moesim/output/console.py": ["tests/test_first_steps.py"],
+    "moesim/config/reference.py": ["tests/test_reference.py"],
     "moesim/simulator/stream.py": ["tests/test_stream.py"],
     "moesim/jitplan.py": ["tests/test_jitplan.py", "tests/test_workers_server.py"],
     "moesim/studies/sweep.py": ["tests/test_sweep.py", "tests/test_workers_server.py", "tests/test_compare.py"],
@@ -529,8 +529,7 @@ def run(module: str) -> dict[str, object]:
                    if c in SURVIVED | NO_TESTS and k not in EQUIVALENT}
     diffs = [subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=work, env=env,
                             capture_output=True, text=True).stdout for name in sorted(alive_codes)]
-    SURVIVORS.mkdir(parents=True, exist_ok=True)
-    (SURVIVORS / f"{dotted}.txt").write_text("".join(f"# {name}\n{d}\n" for name, d in zip(sorted(alive_codes), diffs, strict=True)))
+    alive_diffs = dict(zip(sorted(alive_codes), diffs, strict=True))
     shutil.rmtree(work, ignore_errors=True)
     codes: dict[str, int | None] = meta["exit_code_by_key"]
     killed = sorted(k for k, c in codes.items() if c in KILLED)
@@ -544,7 +543,7 @@ def run(module: str) -> dict[str, object]:
         "mutants": len(codes), "killed": len(killed), "survived": len(survived), "no_tests": len(untested),
         "unchecked": len(other), "equivalent": {k: EQUIVALENT[k] for k in equivalent},
         "kill_rate": len(killed) / judged if judged else None,
-        "alive": live,
+        "alive": live, "alive_diffs": {k: alive_diffs[k] for k in live if k in alive_diffs},
     }
 
 
@@ -560,12 +559,9 @@ def reclassify(results: dict[str, dict[str, object]]) -> None:
         r["alive"] = [k for k in alive if k not in EQUIVALENT]
         judged = int(r["killed"]) + len(r["alive"])  # type: ignore[call-overload, arg-type]
         r["kill_rate"] = int(r["killed"]) / judged if judged else None  # type: ignore[call-overload]
-    for path in SURVIVORS.glob("*.txt"):
-        # each alive mutant's block begins "# NAME" on a line of its own; drop those judged since
-        parts = re.split(r"(?m)^# (\S+)\n", path.read_text())
-        kept = [f"# {name}\n{body}" for name, body in zip(parts[1::2], parts[2::2], strict=True)
-                if name not in EQUIVALENT]
-        path.write_text(parts[0] + "".join(kept))
+        diffs = r.get("alive_diffs")
+        if isinstance(diffs, dict):  # the alive mutants' diffs: drop those judged since
+            r["alive_diffs"] = {k: v for k, v in diffs.items() if k not in EQUIVALENT}
 
 
 def main(modules: list[str]) -> None:

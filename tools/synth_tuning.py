@@ -1,19 +1,27 @@
-"""Tune the realistic routing defaults of traces/synth.py against real-trace statistics.
+"""The synthetic generator's realistic routing defaults (``moesim/traces/synth.py`` ``PRESETS``,
+``docs/concepts/synthetic.md``), from the real traces.
 
-Grid search over (skew, reuse, corr) minimising the squared relative error between the
-statistics of a synthetic trace of the same size as the real one and the real trace's
-statistics (from tools/real_stats.py). Usage: ``python tools/tune_synth.py``.
-The results are copied by hand into traces/synth.py PRESETS and docs/synthetic.md.
+    python tools/synth_tuning.py stats [SHARED_REAL_DIR]   (default ../shared/traces/real)
+    python tools/synth_tuning.py tune
+
+``stats`` reads the real traces with the importers (warm-up rows of the layer-0 vLLM logs
+dropped) and prints their routing statistics (:mod:`moesim.traces.stats`). ``tune`` grid-searches
+(skew, reuse, corr) for each preset, minimising the squared relative error between the
+statistics of a synthetic trace of the real one's size and the real statistics (``TARGETS``,
+as ``stats`` prints them); the best parameters are copied by hand into the presets.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
+from pathlib import Path
 
+from moesim.traces.importers import import_trace
 from moesim.traces.stats import trace_stats
 from moesim.traces.synth import RoutingParams, generate, get_preset
 
-# Real statistics measured by tools/real_stats.py (docs/synthetic.md).
+# The real statistics ``stats`` prints (docs/concepts/synthetic.md).
 TARGETS = {
     "mixtral-8x7b": ({"top1_repeat": 0.221, "set_overlap": 0.344, "popularity_skew": 0.027,
                       "layer_mi": 0.191}, {"requests": 2, "tokens": 124}),
@@ -22,6 +30,18 @@ TARGETS = {
     "qwen1.5-moe-a2.7b": ({"top1_repeat": 0.052, "set_overlap": 0.100, "popularity_skew": 0.005},
                           {"requests": 20, "tokens": 122}),
 }
+
+
+def stats(root: str) -> None:
+    base = Path(root)
+    for name in ("gsm8k", "humaneval"):
+        src = base / "mixtral-8x7b-vllm" / f"routing_data_collected_{name}_2_routing.jsonl"
+        t, _ = import_trace("expert-jsonl", [src], "mixtral-8x7b")
+        print(f"mixtral {name}: tokens={t.num_tokens()}", trace_stats(t))
+    for folder, preset in (("olmoe-1b-7b", "olmoe-1b-7b"), ("qwen1.5-moe-a2.7b-chat", "qwen1.5-moe-a2.7b")):
+        t, _ = import_trace("vllm-routes-jsonl", [base / "layer0-vllm" / folder / "moe_routes.jsonl"], preset,
+                            drop_warmup=True)
+        print(f"{folder} layer0: tokens={t.num_tokens()}", trace_stats(t))
 
 
 def score(preset: str, params: RoutingParams, seeds: int = 3) -> tuple[float, dict[str, float]]:
@@ -36,7 +56,7 @@ def score(preset: str, params: RoutingParams, seeds: int = 3) -> tuple[float, di
     return err, acc
 
 
-def main() -> None:
+def tune() -> None:
     for preset in TARGETS:
         best = None
         for skew, reuse, corr in itertools.product((0.05, 0.1, 0.2, 0.25, 0.35, 0.5),
@@ -53,4 +73,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) < 2 or sys.argv[1] not in ("stats", "tune"):
+        raise SystemExit(__doc__)
+    stats(sys.argv[2] if len(sys.argv) > 2 else "../shared/traces/real") if sys.argv[1] == "stats" else tune()

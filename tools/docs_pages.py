@@ -1,0 +1,316 @@
+"""The documentation's generated parts.
+
+- As the site builds (``mkdocs.yml``: ``hooks``), the pages generated from the code are filled
+  in, so that they are never out of step with it: the scenario-key reference and the policy
+  tables (:mod:`moesim.config.reference`).
+- ``python tools/docs_pages.py`` renders the parts made from results files, between
+  ``<!-- rendered: NAME -->`` and ``<!-- end rendered -->`` in the README and the docs: the
+  README's headline figures, the performance page (``benchmarks/results/*.json``), the
+  validation page (``validation/**/manifest.yaml`` and ``repredicted.parquet``) and the mutation
+  table of the development page (``benchmarks/results/mutation.json``). ``--check`` writes
+  nothing and exits 1 when a rendered part is not what the files give (a test runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+VALIDATION = ROOT / "validation"
+
+GENERATED = {
+    "<!-- generated: scenario keys -->": "markdown",
+    "<!-- generated: policies -->": "policies_markdown",
+}
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    """mkdocs hook: replace each placeholder with what :mod:`moesim.config.reference` generates."""
+    from moesim.config import reference
+
+    for mark, fn in GENERATED.items():
+        if mark in markdown:
+            markdown = markdown.replace(mark, getattr(reference, fn)())
+    return markdown
+
+
+# ---- results files
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _made(d: dict[str, Any]) -> str:
+    """Where and how a results file was made, from its ``provenance``."""
+    p = d.get("provenance")
+    if not p:
+        return "_Made on: not recorded._"
+    dirty = " (with uncommitted changes)" if p.get("dirty") else ""
+    return (f"_Made on {p['machine']}, Python {p['python']}, numba {p['numba']}; commit "
+            f"`{p['commit']}`{dirty}, {p['date']}; `{p['command']}`._")
+
+
+def _n(x: float) -> str:
+    """A count or rate with thousands separators, or in millions above ten million."""
+    return f"{x / 1e6:.1f} M" if x >= 1e7 else f"{x:,.0f}"
+
+
+def _end_to_end() -> str:
+    out = ["### A whole `moesim run` on a trace file", "",
+           "One `moesim run --trace FILE` process per size (reading the file in pieces, the replay "
+           "compiled, full timing), against libCacheSim's C loop on the same accesses "
+           "(`benchmarks/end_to_end.py`).", ""]
+    for policy in ("lru", "static_pin", "ls_sp", "belady"):
+        d = _load(f"end_to_end_{policy}")
+        if d is None:
+            continue
+        out += [f"**{d['policy']}** ({', '.join(d['sets'])}):", "",
+                "| accesses | wall s | accesses/s | peak RSS MB | libCacheSim accesses/s | moesim / libCacheSim |",
+                "|---:|---:|---:|---:|---:|---:|"]
+        for s in d["sizes"]:
+            lcs = s.get("lcs_accesses_per_s")
+            ratio = f"{s['ratio_vs_lcs']:.2f}" if lcs else "-"
+            out.append(f"| {_n(s['accesses'])} | {s['wall_s']:.1f} | {_n(s['accesses_per_s'])} | "
+                       f"{s['peak_rss_mb']:.0f} | {_n(lcs) if lcs else '-'} | {ratio} |")
+        out += ["", _made(d), ""]
+    return "\n".join(out)
+
+
+def _replay() -> str:
+    d = _load("replay_speed")
+    if d is None:
+        return ""
+    full, ratio = d["full_timing_accesses_per_s"], d["ratio_full_timing_vs_libcachesim_native"]
+    ls = d["least_stale_score_percentile"]["kernel"]
+    return "\n".join([
+        "### The replay alone", "",
+        f"{_n(d['expert_accesses'])} expert accesses ({d['tokens']:,} tokens, a cache of "
+        f"{d['cache_capacity_experts']} experts), in one process (`benchmarks/replay_speed.py`):", "",
+        "| replay | accesses/s | against libCacheSim's C loop |", "|---|---:|---:|",
+        f"| compiled kernel, LRU, full timing | {_n(full['kernel'])} | {ratio['kernel']:.2f}x |",
+        f"| compiled kernel, LRU, cache only | {_n(d['cache_only_accesses_per_s_kernel'])} | "
+        f"{d['ratio_cache_only_vs_libcachesim_native']:.2f}x |",
+        f"| compiled kernel, Least-Stale + score-percentile prefetch | {_n(ls['accesses_per_s'])} | "
+        f"{d['ratio_least_stale_score_percentile_vs_libcachesim_native']['kernel']:.2f}x |",
+        f"| SimPy (reference semantics), LRU, full timing | {_n(full['simpy'])} | {ratio['simpy']:.3f}x |",
+        f"| libCacheSim, C loop | {_n(d['libcachesim_native_accesses_per_s'])} | 1.00x |",
+        f"| libCacheSim, Python loop | {_n(d['libcachesim_python_loop_accesses_per_s'])} | "
+        f"{d['libcachesim_python_loop_accesses_per_s'] / d['libcachesim_native_accesses_per_s']:.2f}x |",
+        "", f"Every replay's misses equal libCacheSim's ({_n(d['misses']['libcachesim_native'])}). A sweep of "
+        f"{d['sweep_64_points']['points']} points of {d['sweep_64_points']['tokens']:,} tokens on "
+        f"{d['sweep_64_points']['workers']} workers: {d['sweep_64_points']['seconds']:.1f} s.", "", _made(d), ""])
+
+
+def _hooks() -> str:
+    d = _load("hook_speed")
+    if d is None:
+        return ""
+    out = ["### Policies written as hooks against the built-ins", "",
+           f"The same replay ({_n(d['tokens'])} tokens, {d['repeat']} runs each, the median) with a "
+           "built-in policy and with the same policy written as a plugin's hook "
+           "(`benchmarks/hook_speed.py`); the misses are equal in each pair.", "",
+           "| policy | accesses/s | hook / built-in |", "|---|---:|---:|"]
+    for name, rate in d["accesses_per_s"].items():
+        r = d["ratio_hook_vs_builtin"].get(name)
+        out.append(f"| {name} | {_n(rate)} | {f'{r:.2f}x' if r is not None else '-'} |")
+    return "\n".join([*out, "", _made(d), ""])
+
+
+def _serving() -> str:
+    d = _load("serving_10k")
+    if d is None:
+        return ""
+    return "\n".join([
+        "### Serving under load", "",
+        f"{d['requests']:,} requests arriving as a Poisson process at {d['offered_rate']:.2f} requests/s "
+        f"({d['offered_share']:.0%} of the burst throughput, {d['saturation_requests_s']:.2f} requests/s), "
+        f"served at {d['served_requests_s']:.2f} requests/s"
+        + (": above what the server sustains, the queue grows through the run" if d["served_requests_s"]
+           < 0.98 * d["offered_rate"] else "") + f" (`benchmarks/serving.py`). {d['forward_passes']:,} forward "
+        f"passes, {d['simulated_s']:,.0f} simulated seconds.", "",
+        "| wall s | peak RSS MB | start-up wall s |", "|---:|---:|---:|",
+        f"| {d['wall_s']:.1f} | {d['peak_rss_mb']:.0f} | {d['startup_wall_s']:.1f} |", "", _made(d), ""])
+
+
+def _sweep() -> str:
+    d = _load("sweep_scaling")
+    if d is None:
+        return ""
+    return "\n".join([
+        "### A sweep on one and two workers", "",
+        "| workers | seconds | points a minute |", "|---:|---:|---:|",
+        f"| 1 | {d['workers_1']['seconds']:.1f} | {d['workers_1']['points_per_minute']:.0f} |",
+        f"| 2 | {d['workers_2']['seconds']:.1f} | {d['workers_2']['points_per_minute']:.0f} |", "",
+        f"Scaling: {d['scaling']:.2f}x (`benchmarks/sweep_scaling.py`).", "", _made(d), ""])
+
+
+def _first_run() -> str:
+    d = _load("first_run")
+    if d is None:
+        return ""
+    runs = d["runs"]
+    c = runs["compare"]
+    out = ["### A first run on a fresh install", "",
+           f"`moesim compare` with an empty compile cache: its first line after {c['first']['first_line_s']:.1f} s, "
+           f"the ranking after {c['first']['wall_s']:.0f} s; with the cache kept, {c['warm']['wall_s']:.1f} s. Each "
+           "form of the replay compiled from an empty cache (`moesim run quickstart`; the compile is the first "
+           "run less the warm one) (`benchmarks/first_run.py`):", "",
+           "| form | first run s | first line s | warm run s | compile s |", "|---|---:|---:|---:|---:|"]
+    for name, r in runs.items():
+        if name != "compare":
+            out.append(f"| {name.replace('_', ' ')} | {r['first']['wall_s']:.1f} | {r['first']['first_line_s']:.1f} | "
+                       f"{r['warm']['wall_s']:.1f} | {r['first']['wall_s'] - r['warm']['wall_s']:.0f} |")
+    return "\n".join([*out, "", _made(d), ""])
+
+
+def performance() -> str:
+    return "\n".join(p for p in (_first_run(), _end_to_end(), _replay(), _hooks(), _serving(), _sweep()) if p)
+
+
+# ---- validation
+
+
+def _manifest(folder: Path) -> dict[str, Any]:
+    import yaml
+
+    path = folder / "manifest.yaml"
+    return yaml.safe_load(path.read_text()) if path.exists() else {}
+
+
+def _validation_rows() -> list[dict[str, Any]]:
+    """A row per measured run (and model and execution), from each suite's ``repredicted.parquet``
+    and the run's manifest."""
+    import pandas as pd
+
+    rows = []
+    for rep in sorted(VALIDATION.glob("*/*/repredicted.parquet")):
+        suite = rep.parent
+        df = pd.read_parquet(rep)
+        if "run" not in df:
+            runs = [p.parent.name for p in suite.glob("*/validation.parquet")]
+            df = df.assign(run=runs[0])
+        for (run, model, mode), g in df.groupby(["run", "model", "expert_compute"], sort=True):
+            m = _manifest(suite / run)
+            proto = m.get("protocol") or {}
+            art = m.get("artefact") or {}
+            pf = g[(g["prefetch"] != "none") & g["capacity"].isin(["1%", "5%"])]
+            ratio = pf["tpot_measured_s"] / pf["tpot_host_s"]
+            rows.append({
+                "device": suite.parent.name.upper(), "run": f"{suite.name}/{run}", "date": m.get("date", "?"),
+                "model": model, "execution": mode, "launch": proto.get("launch", "?"),
+                "prefetch_from": proto.get("prefetch_from", "?"), "pinned": proto.get("pinned"),
+                "rows": len(g), "tpot_median": g["tpot_ape_host"].median(),
+                "tpot_p95": g["tpot_ape_host"].quantile(0.95), "ttft_median": g["ttft_ape_host"].median(),
+                "pf_ratio": f"{ratio.min():.2f}-{ratio.max():.2f}x" if len(pf) else "-",
+                "beside": (g["tpot_ape_beside"].median(), g["tpot_ape_beside"].quantile(0.95))
+                if "tpot_ape_beside" in g else None,
+                "artefact": "; ".join(r.split(":")[0] for r in art.get("reason", [])) or "-",
+            })
+    return rows
+
+
+def validation() -> str:
+    out = ["| device | run | date | model | execution | launch | prefetches from | pinned | rows | "
+           "TPOT APE median | TPOT APE p95 | TTFT APE median | prefetch rows at 1%/5%: measured / predicted | "
+           "TPOT APE median / p95, host timed beside | artefact |",
+           "|---|---|---|---|---|---|---|---|---:|---:|---:|---:|---|---|---|"]
+    for r in _validation_rows():
+        out.append(f"| {r['device']} | `{r['run']}` | {r['date']} | {r['model']} | {r['execution']} | {r['launch']} | "
+                   f"{r['prefetch_from']} | {'yes' if r['pinned'] else 'no'} | {r['rows']} | {r['tpot_median']:.1%} | "
+                   f"{r['tpot_p95']:.1%} | {r['ttft_median']:.1%} | {r['pf_ratio']} | "
+                   + (f"{r['beside'][0]:.1%} / {r['beside'][1]:.1%}" if r["beside"] else "-") + f" | {r['artefact']} |")
+    return "\n".join(out) + "\n"
+
+
+# ---- mutation
+
+
+def mutation() -> str:
+    d = json.loads((RESULTS / "mutation.json").read_text())
+    out = ["| module (functions) | mutants | killed | equivalent | alive |", "|---|---:|---:|---:|---:|"]
+    total = alive = 0
+    for name, r in sorted(d.items()):
+        eq = len(r.get("equivalent", {}))
+        out.append(f"| `{name}` | {r['mutants']} | {r['killed']} | {eq} | {len(r['alive'])} |")
+        total += r["mutants"]
+        alive += len(r["alive"])
+    out += ["", f"{len(d)} runs, {total:,} mutants, {alive} alive that are not listed as equivalent."]
+    return "\n".join(out) + "\n"
+
+
+# ---- README
+
+
+def headline() -> str:
+    lines = ["| figure | value | from |", "|---|---|---|"]
+    lru = _load("end_to_end_lru")
+    if lru:
+        s = next(s for s in lru["sizes"] if "ratio_vs_lcs" in s)
+        lines.append(f"| `moesim run` on a {_n(s['accesses'])}-access trace file, LRU, full timing, against "
+                     f"libCacheSim's C loop | {s['ratio_vs_lcs']:.2f}x its speed | `benchmarks/results/end_to_end_lru.json` |")
+    rp = _load("replay_speed")
+    if rp:
+        lines.append(f"| the compiled replay against the SimPy reference (LRU, full timing) | "
+                     f"{rp['full_timing_accesses_per_s']['kernel'] / rp['full_timing_accesses_per_s']['simpy']:.0f}x "
+                     "as fast, the same results | `benchmarks/results/replay_speed.json` |")
+    fr = _load("first_run")
+    if fr:
+        c = fr["runs"]["compare"]
+        lines.append(f"| first `moesim compare` on a fresh install (compiles the replay) | first line after "
+                     f"{c['first']['first_line_s']:.1f} s, ranking after {c['first']['wall_s']:.0f} s; later runs "
+                     f"{c['warm']['wall_s']:.0f} s | `benchmarks/results/first_run.json` |")
+    pinned = [r for r in _validation_rows() if "pinned" in r["run"]]
+    if pinned:
+        lines.append("| predicted TPOT against a lent H200 (OLMoE per-expert, eager, host pinned and timed beside "
+                     "each scenario), two runs | "
+                     + "; ".join(f"APE median {r['beside'][0]:.1%}, p95 {r['beside'][1]:.1%}" for r in pinned)
+                     + " | `validation/h200/beside/` |")
+    return "\n".join(lines) + "\n"
+
+
+PARTS = {  # name -> (file, renderer)
+    "headline": ("README.md", headline),
+    "performance": ("docs/results/performance.md", performance),
+    "validation": ("docs/results/validation.md", validation),
+    "mutation": ("docs/development.md", mutation),
+}
+
+
+def rendered(text: str, name: str, body: str) -> str:
+    """``text`` with the part between ``<!-- rendered: name -->`` and ``<!-- end rendered -->``
+    replaced by ``body``."""
+    pat = re.compile(rf"(<!-- rendered: {re.escape(name)} -->\n).*?(<!-- end rendered -->)", re.S)
+    if not pat.search(text):
+        raise SystemExit(f"no '<!-- rendered: {name} -->' ... '<!-- end rendered -->' markers")
+    return pat.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(2), text, count=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a rendered part is stale")
+    args = ap.parse_args(argv)
+    stale = []
+    for name, (file, render) in PARTS.items():
+        path = ROOT / file
+        old = path.read_text()
+        new = rendered(old, name, render())
+        if new != old:
+            stale.append(f"{file} ({name})")
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        print("stale: " + ", ".join(stale) + "; run python tools/docs_pages.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
