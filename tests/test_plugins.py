@@ -24,10 +24,10 @@ SMALL = ["--set", "workload.trace.synth.tokens=20", "--set", "workload.trace.syn
 
 @pytest.fixture
 def mru(tmp_path) -> Path:
-    """The README's plugin example, written out as it stands in the README."""
-    text = (ROOT / "README.md").read_text()
-    code = re.search(r"<!-- plugin-example -->\n```python\n(.*?)```", text, re.S)
-    assert code is not None, "README lost its plugin example"
+    """The plugin example of the policies guide, written out as it stands there."""
+    text = (ROOT / "docs" / "guides" / "policies.md").read_text()
+    code = re.search(r"<!-- file: mru.py -->\n```python\n(.*?)```", text, re.S)
+    assert code is not None, "the policies guide lost its plugin example"
     assert len(code.group(1).strip().splitlines()) <= 20
     path = tmp_path / "mru.py"
     path.write_text(code.group(1))
