@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 from processes import timed_run  # one whole `moesim run` process: wall, peak RSS, summary
+from provenance import provenance  # machine, software, commit, date, command
 from replay_speed import lcs_native  # libCacheSim LRU's C loop over the stream, the call timed
 
 from moesim.traces.io import trace_to_table
@@ -98,7 +99,7 @@ def main() -> None:
     elif args.policy == "static-pin":
         sets += ["policies.prefetch=static-pin"]
     pred = args.policy == "ls-sp"
-    out: dict[str, Any] = {"machine": platform.machine(), "python": platform.python_version(),
+    out: dict[str, Any] = {"provenance": provenance(), "machine": platform.machine(), "python": platform.python_version(),
                            "policy": args.policy, "sets": sets, "sizes": []}
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         folder = Path(d)

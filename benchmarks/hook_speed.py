@@ -34,6 +34,8 @@ from moesim.config.scenario import load_scenario
 from moesim.simulator.engine import Simulation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import provenance  # machine, software, commit, date, command
 
 
 def register_hooks() -> dict[str, str]:
@@ -87,7 +89,7 @@ def main() -> None:
             times[n].append(dt)
             seen[n] = (acc, miss)
             print(f"[{r + 1}/{args.repeat}] {n}: {acc / dt / 1e6:.2f} M accesses/s", file=sys.stderr)
-    out: dict[str, Any] = {"machine": platform.machine(), "python": platform.python_version(),
+    out: dict[str, Any] = {"provenance": provenance(), "machine": platform.machine(), "python": platform.python_version(),
                            "numba": numba.__version__, "tokens": 10 * (64 + args.tokens), "repeat": args.repeat,
                            "accesses": {n: seen[n][0] for n in names}, "misses": {n: seen[n][1] for n in names},
                            "median_s": {n: statistics.median(times[n]) for n in names},

@@ -36,6 +36,9 @@ import pandas as pd
 from moesim.config.scenario import load_scenario
 from moesim.simulator.engine import Simulation
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import provenance  # machine, software, commit, date, command
+
 
 def lcs_python(keys: list[int], capacity: int) -> tuple[int, float]:
     import libcachesim as lcs
@@ -177,6 +180,7 @@ def main() -> None:
     m_c, t_c = lcs_native(keys, capacity)
     native = len(keys) / t_c
     out: dict[str, Any] = {
+        "provenance": provenance(),
         "machine": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "tokens": int(wl.pass_tokens.sum()),

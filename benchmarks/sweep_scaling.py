@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from moesim.studies.sweep import sweep
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import provenance  # machine, software, commit, date, command
 
 GRID = {"cache.capacity": ["5%", "10%", "25%", "50%"], "policies.eviction": ["lru", "fifo", "lfu", "least-stale"]}
 BASE = ("workload.trace.synth.tokens=300",)
@@ -19,7 +23,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    out = {}
+    out: dict[str, object] = {"provenance": provenance()}
     for workers in (1, 2):
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
