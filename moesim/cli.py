@@ -863,7 +863,7 @@ def calibrate_measure(device: str, model_shapes: str, quick: bool, out: str) -> 
 @click.argument("raw", type=click.Path(dir_okay=False, exists=True))
 @click.option("--out", "out", required=True, type=OUT_FILE, help="Profile YAML.")
 @click.option("--host-costs", "host_costs", default=None, type=click.Path(dir_okay=False, exists=True),
-              help="CSV of host time per CUDA call (call,host_us; tools/gpu_host_overhead.py), used when RAW "
+              help="CSV of host time per CUDA call (call,host_us; tools/gpu_diagnostics.py host-calls), used when RAW "
                    "has no host rows.")
 def calibrate_fit(raw: str, out: str, host_costs: str | None) -> None:
     """Fit RAW measurements into a hardware profile (links: affine latency + bytes/bandwidth;
@@ -907,8 +907,8 @@ def calibrate_fit(raw: str, out: str, host_costs: str | None) -> None:
               help="Who issues the executor's prefetch copies: the main thread, which keeps two issued on the "
                    "prefetch stream and makes the GPU, not itself, wait for a late one (as the simulator models the "
                    "host), or a copy worker thread that waits for each to land, the main thread waiting for one still "
-                   "in flight (validation/h100/eager/report.md: 27-34% slower than predicted with prefetch at 1% "
-                   "and 5%).")
+                   "in flight (validation/h100/eager/report.md: with prefetch at 1% and 5% the worker's rows "
+                   "measured 1.36-1.52x the prediction).")
 @click.option("--host-beside", is_flag=True,
               help="Before each scenario, time the eager executor's host work for a layer and a cached expert and "
                    "predict that scenario with them, so the prediction has the host's speed of that moment (on the "

@@ -127,8 +127,8 @@ try:
             return ty
 
     _KEEPING: set[_PlainTypes] = set()  # the dispatchers keeping tuples (forget_tuples)
-    # a tuple whose arrays hold more is typed at each call, not kept (issue 34: keeping the last 16
-    # pieces' per-access tuples raised LRU's peak on the 25.6 M-access trace by 250 MB, 12212da)
+    # a tuple whose arrays hold more is typed at each call, not kept (keeping the last 16
+    # pieces' per-access tuples raised LRU's peak on the 25.6 M-access trace by 250 MB)
     _KEEP_BYTES = 1 << 22
 except ImportError:  # pragma: no cover - exercised where numba has no wheel
     HAVE_NUMBA = False

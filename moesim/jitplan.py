@@ -1,4 +1,4 @@
-"""A first compile on two cores (issue 34: a fresh install's first ``moesim compare``).
+"""A first compile on two cores (a fresh install's first ``moesim compare``).
 
 numba compiles one function at a time, depth first: a call from compiled code compiles the
 function called (and all it calls) before its caller goes on, and each compiled function goes

@@ -249,3 +249,16 @@ def error_of(output: str) -> str:
     assert len(lines) == 1, output
     assert lines[0].startswith("error: "), output
     return lines[0]
+
+
+def narrow(trace: Any, hidden: int = 256, inter: int = 128) -> Any:
+    """``trace`` with its model's expert shapes narrowed (same routing, layers and experts):
+    for the calibration executor's tests on the CPU, whose expert pool at 100% capacity would
+    otherwise hold an OLMoE-shaped model's gigabytes."""
+    import dataclasses
+
+    from moesim.traces.schema import expert_bytes_for
+
+    model = dataclasses.replace(trace.model, hidden_size=hidden, expert_intermediate_size=inter,
+                                expert_bytes=expert_bytes_for(hidden, inter))
+    return dataclasses.replace(trace, model=model)

@@ -1,4 +1,4 @@
-"""The host thread (docs/execution.md, "The host thread"; ``moesim.config.execution``): each
+"""The host thread (docs/concepts/execution.md, "The host thread"; ``moesim.config.execution``): each
 style's timeline worked by hand on a two-layer pass, the closed form of a policy change on a
 saturated link, both replay paths bit-identical under every style, and the ``execution`` key's
 configuration and bad input."""

@@ -1,4 +1,4 @@
-"""Serving under load (``moesim.simulator.serving``, ``docs/serving.md``): request arrivals,
+"""Serving under load (``moesim.simulator.serving``, ``docs/guides/serving.md``): request arrivals,
 continuous batching, per-request latencies and the SLO figures.
 
 References are independent of the code under test: the M/D/1 mean response time and a

@@ -1,4 +1,4 @@
-"""Serving under load, the longer checks (``docs/serving.md``): the M/D/1 closed form over
+"""Serving under load, the longer checks (``docs/guides/serving.md``): the M/D/1 closed form over
 10,000 Poisson arrivals, and ``moesim compare --rate`` finding each policy's capacity by
 bisection. Kept apart from ``tests/test_serving.py`` so that mutation runs of
 ``simulator/serving.py`` can run the quick checks per mutant and these on the survivors."""

@@ -91,7 +91,7 @@ def test_uniform_routing_statistics_match_closed_forms():
 
 
 def test_realistic_mixtral_defaults_resemble_the_real_trace():
-    """Defaults tuned on the real Mixtral GSM8K trace (docs/synthetic.md): top-1 repeat 0.221
+    """Defaults tuned on the real Mixtral GSM8K trace (docs/concepts/synthetic.md): top-1 repeat 0.221
     (uniform 0.125), set overlap 0.344, popularity skew 0.027, layer MI 0.191."""
     sts = [trace_stats(synth_from_preset("mixtral-8x7b", requests=2, tokens=124, seed=s)) for s in range(4)]
     mean = {k: float(np.mean([s[k] for s in sts])) for k in sts[0]}

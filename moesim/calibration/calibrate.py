@@ -205,7 +205,7 @@ def _measure(torch: Any, device: str, dims: dict[str, tuple[int, int]], env: dic
 
 
 # the host's CUDA calls that execution styles add up (moesim.config.execution): the name a
-# measurement carries (raw 'call' column; tools/gpu_host_overhead.py's CSV) -> the profile's
+# measurement carries (raw 'call' column; tools/gpu_diagnostics.py host-calls's CSV) -> the profile's
 # host key and how many calls the measurement makes
 HOST_CALLS = {"graph replay": ("graph_launch_us", 1), "ffn eager (5 kernels)": ("eager_kernel_us", 5),
               "h2d copy dispatch (4 KiB pinned)": ("copy_submit_us", 1),
@@ -213,7 +213,7 @@ HOST_CALLS = {"graph replay": ("graph_launch_us", 1), "ffn eager (5 kernels)": (
               "stream switch + wait_event": ("stream_wait_us", 1),
               "wait_event on the current stream": ("event_wait_us", 1)}
 # the calibration executor's own Python around its eager launches (DevicePool, module
-# moesim.calibration.executor), measured since issue 37's H100 run; a profile without them uses
+# moesim.calibration.executor), measured since the H100 eager runs; a profile without them uses
 # eager_kernel_us times the kernels (moesim.config.execution)
 EXECUTOR_CALLS = {"executor layer, eager": ("eager_layer_us", 1),
                   "executor expert, eager (hit + run)": ("eager_expert_us", 1)}
@@ -225,8 +225,9 @@ def _executor_calls(torch: Any, h: int, inter: int, device: str = "cuda") -> tup
     launches (:class:`moesim.calibration.executor.DevicePool`, as ``calibrate validate --launch
     eager`` replays it): a layer's start and its non-expert part on one token, and one cached
     expert's ``hit`` and ``run`` decisions (the pool's bookkeeping and the FFN's 5 kernels).
-    ``validation/h100/eager/profile.yaml`` measured them before the pool's main-thread prefetch
-    queue existed, ``profile3.yaml`` with it (two checks of an empty queue per decision)."""
+    ``validation/h100/eager/call1/profile.yaml`` measured them before the pool's main-thread
+    prefetch queue existed, ``call3/profile3.yaml`` with it (two checks of an empty queue per
+    decision)."""
     from moesim.calibration.executor import DevicePool
 
     host = torch.randn(1, 3, h, inter, dtype=torch.float32)  # the executor's dtype: bf16 on a GPU, float32 on the CPU
@@ -338,7 +339,7 @@ def host_section(calls: dict[str, float], source: str) -> dict[str, float]:
     missing = [name for name in HOST_CALLS if name not in calls]
     if missing:
         raise MoesimError(f"calibrate fit: {source} lacks the host call(s) {', '.join(repr(m) for m in missing)}; "
-                          "measure them with `moesim calibrate measure --device cuda` (or tools/gpu_host_overhead.py).")
+                          "measure them with `moesim calibrate measure --device cuda` (or tools/gpu_diagnostics.py host-calls).")
     out = {}
     for name, (key, n) in {**HOST_CALLS, **{k: v for k, v in EXECUTOR_CALLS.items() if k in calls}}.items():
         us = float(calls[name])
@@ -350,7 +351,7 @@ def host_section(calls: dict[str, float], source: str) -> dict[str, float]:
 
 
 def read_host_costs(path: str) -> dict[str, float]:
-    """A host-cost CSV (``call,host_us``, as ``tools/gpu_host_overhead.py`` writes it):
+    """A host-cost CSV (``call,host_us``, as ``tools/gpu_diagnostics.py host-calls`` writes it):
     microseconds per call by name. A call's name may hold commas (the tool writes them
     unquoted), so each line splits at its last comma, which a CSV reader cannot do. Errors
     name the file, the line and the fix."""
@@ -360,7 +361,7 @@ def read_host_costs(path: str) -> dict[str, float]:
         raise MoesimError(f"calibrate fit: --host-costs {path} is not a readable text file ({exc}).") from None
     if not lines or lines[0].strip() != "call,host_us":
         raise MoesimError(f"calibrate fit: --host-costs {path} must start with the header call,host_us; "
-                          "write it with tools/gpu_host_overhead.py.")
+                          "write it with tools/gpu_diagnostics.py host-calls.")
     out = {}
     for n, line in enumerate(lines[1:], start=2):
         if not line.strip():

@@ -45,7 +45,7 @@ class DevicePool:
         # executor styles model it); "worker", the copy worker's thread submits each prefetch and
         # waits for it to land, and the main thread waits for a prefetch still in flight when it
         # needs its buffer (on the H100 the OLMoE per-expert rows with prefetch at 1% and 5% took
-        # 27-34% longer than predicted that way and 7-10% with "main": validation/h100/eager/)
+        # 1.36-1.52x the prediction that way and 1.07-1.11x with "main": validation/h100/eager/)
         if prefetch_from not in ("worker", "main"):
             raise ValueError(f"prefetch_from must be 'worker' or 'main', got {prefetch_from!r}")
         self.main_prefetch = prefetch_from == "main"
@@ -313,17 +313,44 @@ class DevicePool:
             self._ran(b)
 
 
+class RepeatedExperts:
+    """Host memory of ``experts`` experts that repeats ``distinct`` (a list of tensors of one
+    shape), ``[e]`` giving ``distinct[e % len(distinct)]``: what :func:`host_weights` holds
+    when the device is the CPU, whose "host" and "device" memory are one (a copy reads the
+    same bytes whichever expert it names, and an OLMoE-shaped model's 13 GB need not be
+    allocated to replay its decisions)."""
+
+    def __init__(self, distinct: list[Any], experts: int) -> None:
+        self.distinct, self.experts = distinct, experts
+        self.shape = (experts, *distinct[0].shape)
+        self.dtype = distinct[0].dtype
+
+    def __getitem__(self, e: int) -> Any:
+        if not 0 <= e < self.experts:
+            raise IndexError(f"expert {e} of {self.experts}")
+        return self.distinct[e % len(self.distinct)]
+
+
+def repeated(torch: Any, distinct: list[Any], experts: int, device: str) -> Any:
+    """``experts`` experts' host memory made of ``distinct`` repeated: pinned, one row per
+    expert, on CUDA; :class:`RepeatedExperts` on the CPU."""
+    if device == "cpu":
+        return RepeatedExperts(distinct, experts)
+    host = torch.empty(experts, *distinct[0].shape, dtype=distinct[0].dtype, pin_memory=device == "cuda")
+    for e in range(experts):
+        host[e].copy_(distinct[e % len(distinct)])
+    return host
+
+
 def host_weights(torch: Any, experts: int, h: int, inter: int, device: str) -> Any:
     """Every expert's gate, up and down weights in host memory (pinned on CUDA; bf16 on a GPU,
     float32 on the CPU), made once per validation run and shared by its scenarios. The values
     are random normal (never zeros, which can run faster than real weights); to keep a
     13-GB model's set-up in seconds, up to 8 distinct random experts are drawn on the device
-    and repeated (an expert's values do not change what copying or multiplying it costs)."""
+    and repeated (an expert's values do not change what copying or multiplying it costs):
+    :func:`repeated`."""
     dt = torch.float32 if device == "cpu" else torch.bfloat16
-    host = torch.empty(experts, 3, h, inter, dtype=dt, pin_memory=device == "cuda")
     gen = torch.Generator(device=device).manual_seed(0)
     distinct = [torch.randn(3, h, inter, generator=gen, dtype=torch.float32, device=device).to(dt)
                 for _ in range(min(experts, 8))]
-    for e in range(experts):
-        host[e].copy_(distinct[e % len(distinct)])
-    return host
+    return repeated(torch, distinct, experts, device)

@@ -1,4 +1,4 @@
-"""The calibration executor in SpecMD's style (issue 37's GPU part; ``execution.style: hf-loop``):
+"""The calibration executor in SpecMD's style (``execution.style: hf-loop``):
 a Hugging Face-style per-expert Python loop with blocking fetches, 4-bit experts dequantised
 before their matmuls, and the host-to-device link throttled in software.
 
@@ -41,7 +41,7 @@ import threading
 import time
 from typing import Any
 
-from moesim.calibration.executor import DevicePool
+from moesim.calibration.executor import DevicePool, repeated
 
 # bitsandbytes' NF4 code values (the normal-float 4-bit data type, QLoRA §3; the table in
 # bitsandbytes' functional.py), and its block size for absmax scales
@@ -282,7 +282,4 @@ def hf_host_weights(torch: Any, experts: int, h: int, inter: int, device: str, q
             distinct.append(torch.cat((packed, absmax.view(torch.uint8))))
         else:
             distinct.append(w.view(torch.uint8))
-    host = torch.empty(experts, distinct[0].numel(), dtype=torch.uint8, pin_memory=device == "cuda")
-    for e in range(experts):
-        host[e].copy_(distinct[e % len(distinct)])
-    return host
+    return repeated(torch, distinct, experts, device)

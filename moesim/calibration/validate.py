@@ -246,7 +246,7 @@ VALIDATION_TRACES = {"olmoe-1b-7b": None, "mixtral-8x7b": 4}  # model -> layers 
 
 
 def write_validation_traces(folder: Path) -> dict[str, str]:
-    """The committed validation runs' traces (``validation/h100/``: ``moesim trace synth --preset
+    """The committed validation runs' traces (``validation/``: ``moesim trace synth --preset
     MODEL --tokens 128 --prompt-tokens 64``, Mixtral with 4 of its layers, as
     ``tools/gpu_calibrate.sh`` makes them; synthetic traces are deterministic for a seed),
     written into ``folder``: model -> path."""
@@ -310,12 +310,12 @@ def repredicted_section(df: pd.DataFrame, command: str) -> str:
     execution as recorded, today without a host model and today with the executor's host,
     over the rows whose decisions today are the executor's."""
     same = df[df["same_decisions"]]
-    lines = ["## Re-predicted with the host model (issue 37)", "",
+    lines = ["## Re-predicted with the host model", "",
              f"`{command}` re-predicts every row with today's simulator and `profiles/h100.yaml` refitted with the "
              "host's time per CUDA call (`diagnostics/host_overhead.csv`: data disjoint from the rows judged here). "
              "The measured columns are the run's own. "
              f"{len(df) - len(same)} rows are left out: today's simulator makes other decisions there than the "
-             "executor performed (issue 33). `recorded`: the prediction the run recorded; `none`: today, no host "
+             "executor performed. `recorded`: the prediction the run recorded; `none`: today, no host "
              "model; `host`: today, with the executor's style (`graph-layer` or `graph-per-expert`).", "",
              "| model | execution | rows | TPOT APE median recorded / none / host | TPOT APE p95 recorded / none / host | "
              "TTFT APE median recorded / none / host |", "|---|---|---|---|---|---|"]

@@ -1,4 +1,4 @@
-"""Execution styles: how the host thread of a serving stack feeds the GPU (``docs/execution.md``,
+"""Execution styles: how the host thread of a serving stack feeds the GPU (``docs/concepts/execution.md``,
 "The host thread").
 
 The simulator's compute stream and copy engine model the GPU; a style adds the host thread

@@ -67,7 +67,7 @@ class GpuConfig:
 class HostCosts:
     """What the host thread that feeds the GPU spends per CUDA call, microseconds (the
     execution styles of :mod:`moesim.config.execution` add them up). The defaults were measured
-    on the host of the H100 VM (``validation/h100/diagnostics/host_overhead.csv``, torch 2.11,
+    on the host of the H100 VM (``validation/h100/host-calls/2026-11-22/host_overhead.csv``, torch 2.11,
     CUDA 13.0, 2026-11-22); ``moesim calibrate measure`` on a GPU records this machine's and a
     profile's ``host`` section replaces them."""
 

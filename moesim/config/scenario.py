@@ -107,7 +107,7 @@ class TraceSource:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative verification built from a decode trace (``docs/speculative.md``)."""
+    """Speculative verification built from a decode trace (``docs/concepts/speculative.md``)."""
 
     tree_size: int = field(metadata={
         "help": "tokens verified per request per pass (a chain of s draft tokens: s + 1; an EAGLE tree: M)"})
@@ -137,7 +137,7 @@ ARRIVAL_PROCESSES = ("poisson", "gamma", "file")
 
 @dataclass(frozen=True)
 class ArrivalsConfig:
-    """Requests arriving over time (``docs/serving.md``): a Poisson or gamma process at
+    """Requests arriving over time (``docs/guides/serving.md``): a Poisson or gamma process at
     ``rate``, or the timestamps and lengths of a serving-trace CSV."""
 
     process: Literal["poisson", "gamma", "file"] = field(metadata={
@@ -184,7 +184,8 @@ class ArrivalsConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching as vLLM schedules it (``docs/serving.md``)."""
+    """Continuous batching (``docs/guides/serving.md``): vLLM V0's prefill-first scheduling or
+    chunked prefill, as vLLM's V1 scheduler does."""
 
     max_running: int = field(default=256, metadata={"help": "requests admitted at once (vLLM max_num_seqs)"})
     max_batched_tokens: int = field(default=8192, metadata={
@@ -217,7 +218,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SloConfig:
-    """A latency service-level objective per request (``docs/serving.md``)."""
+    """A latency service-level objective per request (``docs/guides/serving.md``)."""
 
     ttft_s: float | None = field(default=None, metadata={"help": "time to first token, seconds"})
     tpot_s: float | None = field(default=None, metadata={"help": "time per output token after the first, seconds"})
@@ -246,7 +247,7 @@ class WorkloadConfig:
     speculative: SpeculativeConfig | None = field(default=None, metadata={
         "help": "replace decode steps by speculative verification passes"})
     arrivals: ArrivalsConfig | None = field(default=None, metadata={
-        "help": "requests arriving over time, served by continuous batching (docs/serving.md)", "omit_none": True})
+        "help": "requests arriving over time, served by continuous batching (docs/guides/serving.md)", "omit_none": True})
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

@@ -29,7 +29,7 @@ METRIC_LABELS: dict[str, tuple[str, float]] = {
     "tokens_per_s": ("throughput (tokens/s)", 1.0), "hit_rate": ("hit rate (hits / expert accesses)", 1.0),
     "misses": ("misses (expert accesses)", 1.0), "collision_misses": ("collision misses", 1.0),
     "cache_peak_bytes": ("cache peak (GB)", 1e-9),
-    # serving under load (docs/serving.md)
+    # serving under load (docs/guides/serving.md)
     "ttft_mean_s": ("mean TTFT (ms)", 1e3), "ttft_p50_s": ("p50 TTFT (ms)", 1e3), "ttft_p99_s": ("p99 TTFT (ms)", 1e3),
     "tpot_mean_s": ("mean TPOT (ms per output token)", 1e3), "tpot_p50_s": ("p50 TPOT (ms per output token)", 1e3),
     "tpot_p99_s": ("p99 TPOT (ms per output token)", 1e3), "e2e_p99_s": ("p99 end-to-end latency (s)", 1.0),
@@ -76,7 +76,7 @@ def load_results(path: str) -> pd.DataFrame:
 
 
 def _setting(resolved: Path, df: pd.DataFrame, axes: list[str]) -> str:
-    """What a figure's title says of the setting it holds (issue 36): the model, the trace,
+    """What a figure's title says of the setting it holds: the model, the trace,
     the GPU and its host link's bandwidth — each unless it is a swept axis, which the figure
     shows or --where fixes."""
     import yaml

@@ -22,7 +22,7 @@ from moesim.traces.schema import PHASES
 class PassRows:
     """A replay's per-pass rows, handed over a block of consecutive passes at a time
     (:meth:`add`). One block stays in memory as it is. From the second on, every block goes
-    to a Parquet file in a temporary folder as it comes (issue 34: a trace read in pieces
+    to a Parquet file in a temporary folder as it comes (a trace read in pieces
     kept about 1 KB a pass, 2.5 GB at 256 M expert accesses), written on a second thread
     while the replay goes on (one block in flight at most), which :attr:`Result.steps` reads
     when asked and :func:`write_results` copies; the folder goes when this goes. With

@@ -1,4 +1,4 @@
-"""The SimPy model of one GPU (``docs/design.md``: "Simulation semantics"; ``docs/execution.md``).
+"""The SimPy model of one GPU (``docs/design.md``: "Simulation semantics"; ``docs/concepts/execution.md``).
 
 One SimPy process runs the forward passes on the compute stream. For each layer of a pass:
 
@@ -17,13 +17,13 @@ One SimPy process runs the forward passes on the compute stream. For each layer 
 With an execution style (``execution``, :mod:`moesim.config.execution`) a host thread issues
 the work: its clock advances by the style's cost per launch and per demand copy, waits where
 the style synchronises, and the GPU starts nothing before the host has issued it
-(``docs/execution.md``, "The host thread"; the kernel keeps the same clock).
+(``docs/concepts/execution.md``, "The host thread"; the kernel keeps the same clock).
 
 Time spent by the compute stream waiting for transfers is *stall*. A *collision miss* is a
 miss on an expert evicted earlier in the same forward pass. With no prefetch, in ``layer``
 execution, the step time is exactly ``sum over layers of (non-expert + copy of missed experts
 + expert compute)`` (``speculating-experts-prefetch.txt`` §5.1), which the tests check, as
-they check the ``per-expert`` recurrence of ``docs/execution.md``.
+they check the ``per-expert`` recurrence of ``docs/concepts/execution.md``.
 
 Cache-only replay (``timing: false``) runs the same decisions with zero-cost compute and
 instant transfers, so no simulated time passes.
@@ -168,7 +168,7 @@ class Simulation:
         self.decisions: list[tuple[int, int, str, int]] | None = [] if record_decisions else None
         self._init_replay_state()
         self.timing = scenario.timing
-        # the host thread (docs/execution.md, "The host thread"): its clock, its costs in seconds
+        # the host thread (docs/concepts/execution.md, "The host thread"): its clock, its costs in seconds
         hm = scenario.host
         self.host_on = hm.active
         self.host_t = 0.0
@@ -205,7 +205,7 @@ class Simulation:
             return None
         self._source_stamp = _stamp(path)  # before the first read (the reader starts on a thread)
         pieces = stream.read_ahead(stream.pieces(sc, path, chunk), self.prepare_piece)
-        # the whole file's order is checked while the reader reads the first piece (issue 34: the
+        # the whole file's order is checked while the reader reads the first piece (the
         # check took 0.03-0.09 s of the replay's thread on the 25.6 M-access benchmark trace); a
         # file out of order is read whole, whether or not its first piece read
         with ThreadPoolExecutor(1) as checking:

@@ -501,7 +501,7 @@ def _hand_over_pieces(sim: Any, parts: list[Any], outs: list[tuple[Any, ...]], m
     """:func:`_hand_over` for the pieces replayed since the last (``parts``: their passes and
     requests, joined here): a trace read in pieces hands its passes over about
     :data:`BLOCK_PASSES` at a time, so that they need not all be in memory at once, on a
-    thread of its own while the kernel replays the next pieces (issue 34: the hand-overs took
+    thread of its own while the kernel replays the next pieces (the hand-overs took
     0.11-0.12 s of the replay's thread on the 25.6 M-access benchmark trace). Returns the
     joined workload."""
     return _hand_over(sim, join(parts), outs, miss)

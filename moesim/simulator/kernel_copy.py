@@ -142,7 +142,7 @@ def _complete(tid, IS, K, T):
 @_inline
 def _advance(now, IS, K, T, FS):
     """Start the transfers whose start time is before ``now``; complete those done by it. The
-    rings' heads and counts and the busy time are kept in locals while it runs (issue 34: as
+    rings' heads and counts and the busy time are kept in locals while it runs (as
     ``IS``/``FS`` entries each step waited on the last one's store)."""
     size = IS[H_POOL]
     dq, rq, pfq = IS[H_DQ], IS[H_RQ], IS[H_PFQ]

@@ -107,7 +107,7 @@ class ExactSum:
     """The sum of float64 values taken a block at a time, kept exactly and rounded once when
     asked (:attr:`value`): the correctly rounded sum of all the values, as :func:`math.fsum`
     gives it over them at once, however they were cut into blocks and in whatever order the
-    blocks came, in memory that does not grow with the count (issue 34). Every finite double
+    blocks came, in memory that does not grow with the count. Every finite double
     is a whole multiple of 2**-1074, so the sum is kept as a Python integer in units of
     2**-1127 (2**-1074 / 2**53, so that no shift is negative). A block is added with numpy:
     each value split into its exponent and 53-bit whole significand (``np.frexp``), the
@@ -155,7 +155,7 @@ class ExactSum:
 
 class PassTotals:
     """What the summary reads of the per-pass rows, taken a block of rows at a time
-    (:meth:`add`) so that a long replay need not keep its rows (issue 34: the rows of a trace
+    (:meth:`add`) so that a long replay need not keep its rows (the rows of a trace
     read in pieces go to disk). Whole-number columns are added up as the blocks come; the
     few floating-point columns the summary adds up (``stall_s``, the gate mass, decode pass
     durations) are added up exactly as they come and rounded once (:class:`ExactSum`): the
@@ -180,7 +180,7 @@ class PassTotals:
         """Take a block of per-pass rows (consecutive passes, in order) as columns of the
         per-pass rows' names, each an array with an entry per pass, ``phase`` as codes into
         :data:`traces.schema.PHASES` (the numbers, not a frame: a frame's columns cost a
-        replay in pieces 4 ms a block, issue 34)."""
+        replay in pieces 4 ms a block)."""
         phase = np.asarray(steps["phase"])
         if not len(phase):
             return

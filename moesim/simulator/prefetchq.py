@@ -1,5 +1,5 @@
 """The prefetch issuer: SpecMD appendix A.3's asynchronous prefetch queue (``docs/design.md``,
-"the prefetch contract"; ``docs/execution.md``).
+"the prefetch contract"; ``docs/concepts/execution.md``).
 
 At a layer's routing point the prefetch policy proposes cache keys of later layers
 (:meth:`PrefetchQueue.propose`). A proposal already resident or in flight is *selected* (the

@@ -1,15 +1,16 @@
-"""Serving under load: request arrivals and continuous batching (``docs/serving.md``).
+"""Serving under load: request arrivals and continuous batching (``docs/guides/serving.md``).
 
 Without ``workload.arrivals`` a replay runs the trace's requests in fixed batches, back to
 back. With it, requests arrive over time (:func:`plan_requests`: a Poisson or gamma process,
 or a serving-trace CSV) and a scheduler forms each forward pass from the requests present
-when the previous pass ends, as vLLM's continuous batching does (:class:`Scheduler`):
+when the previous pass ends, in continuous batching (:class:`Scheduler`):
 
-- ``prefill-first`` (vLLM's default scheduler without chunked prefill): whenever waiting
+- ``prefill-first`` (vLLM V0's scheduling without chunked prefill, as the Vidur simulator
+  models it; vLLM's V1 scheduler mixes decodes and prompt chunks, as ``chunked``): whenever waiting
   requests can be admitted (first come, first served, up to ``max_running`` requests, their
   prompts within ``max_batched_tokens``, their KV cache within the memory left), the pass
   prefills them; otherwise it decodes one token of every running request.
-- ``chunked`` (vLLM's chunked prefill): one decode token of every running request first, then
+- ``chunked`` (vLLM's chunked prefill, what its V1 scheduler does): one decode token of every running request first, then
   the unfinished prompts of running requests, then newly admitted prompts, each in chunks of at
   most ``chunked_prefill_tokens``, until the pass holds ``max_batched_tokens`` tokens.
 
@@ -434,7 +435,7 @@ class Scheduler:
         return r
 
     def _prefill_first(self, now: float) -> tuple[list[int], list[int]]:
-        """vLLM's default: the whole prompts of the requests admitted now, as many as fit in
+        """vLLM V0's scheduling: the whole prompts of the requests admitted now, as many as fit in
         ``max_batched_tokens``; with none admitted, one decode token of every running one."""
         batch_r: list[int] = []
         batch_c: list[int] = []
@@ -543,7 +544,7 @@ class Scheduler:
 
 
 def summary(requests: pd.DataFrame, slo: SloConfig | None) -> dict[str, Any]:
-    """The serving figures of the summary (``docs/serving.md``, "Metrics"): TTFT and TPOT
+    """The serving figures of the summary (``docs/guides/serving.md``, "Metrics"): TTFT and TPOT
     mean, median and 99th percentile (numpy's linear percentile), e2e p99, output tokens and
     requests per second over the span from the first arrival to the last finish, and with an
     SLO the share of requests meeting it and those per second (goodput)."""

@@ -54,7 +54,7 @@ def piece_rows(path: Path | None = None) -> int:
     memory with smaller pieces, the same results), else :data:`CHUNK_ROWS` for a file of the
     required columns, and proportionally fewer for the file at ``path`` when it also carries
     per-expert columns (``pred_next``: 64 floats a row at OLMoE's shape, a 3.7x wider row), so
-    that a piece holds about as many bytes either way (issue 34: with ``pred_next`` the
+    that a piece holds about as many bytes either way (with ``pred_next`` the
     25.6 M-access benchmark peaked at 1.25 GB in pieces of the plain row count)."""
     raw = os.environ.get("MOESIM_PIECE_ROWS", "").strip()
     if not raw:

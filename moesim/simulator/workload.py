@@ -122,7 +122,7 @@ class Workload:
 
 def speculate(trace: Trace, tree_size: int, depth: int, accept_prob: float,
               rng: np.random.Generator) -> tuple[Trace, dict[tuple[int, int], int]]:
-    """Decode rows -> verification rows (see ``docs/speculative.md``). Returns the new trace
+    """Decode rows -> verification rows (see ``docs/concepts/speculative.md``). Returns the new trace
     and the tokens each (request, verify step) produces."""
     dec = trace.phase == PHASE_CODES["decode"]
     keep = trace.take(~dec)

@@ -1,4 +1,4 @@
-"""``moesim compare`` under load: which policy, at what request rate (``docs/serving.md``).
+"""``moesim compare`` under load: which policy, at what request rate (``docs/guides/serving.md``).
 
 For a scenario with ``workload.arrivals`` the comparison runs every candidate policy (eviction x
 prefetch, as ``compare`` picks them, less the prefetchers serving cannot run) and on-demand LRU

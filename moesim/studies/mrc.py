@@ -11,7 +11,7 @@ alone makes of a routing trace at each capacity.
   would not evict anyway — except at a capacity of one expert, where the running expert
   cannot make room for the next: that capacity is replayed.
 - **LRU in layer execution** is replayed at every capacity: there all of a layer's routed
-  experts are pinned from the layer's routing point until it has run (``docs/execution.md``),
+  experts are pinned from the layer's routing point until it has run (``docs/concepts/execution.md``),
   so LRU may have to pass over its least recent expert and the stack property fails.
 - **Every other policy** (Belady, the bound; FIFO, LFU, Least-Stale, ...) is replayed through
   the engine, with the same pinning rules.

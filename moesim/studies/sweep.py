@@ -488,7 +488,7 @@ def start_workers(executor: str) -> bool:
     """With the local executor, start the server the points are forked from now (a no-op when
     it runs), so that it imports the heavy modules and loads the replay kernel, or compiles it
     the first time after an installation, while the caller plans the points on the other core
-    (issue 34: the first ``moesim compare``). Returns whether this call started one."""
+    (the first ``moesim compare``). Returns whether this call started one."""
     if executor != "local":
         return False
     from multiprocessing import forkserver

@@ -186,7 +186,7 @@ def _open(p: str) -> tuple[dict[str, Any], ModelInfo, pq.ParquetFile]:
     try:
         # phase as codes + 3 names, not a string per row; no pre-buffering: its cache of the file's
         # bytes is never evicted while the reader lives (apache/arrow#39808), so a read in pieces
-        # grew with the file (issue 34: by 190 MB over the 256 M-access benchmark's 204 MB file)
+        # grew with the file (by 190 MB over the 256 M-access benchmark's 204 MB file)
         pf = pq.ParquetFile(p, read_dictionary=["phase"], pre_buffer=False)
     except (pa.ArrowException, OSError) as exc:
         raise _unreadable(p, exc) from None
@@ -279,7 +279,7 @@ def iter_trace(path: str | os.PathLike[str], chunk_rows: int, requests_multiple:
     try:
         # never empty; may span row groups. Decoded on the reading thread itself, not on arrow's
         # pool as well: a replay in pieces keeps two cores busy (the kernel's thread and the one
-        # reading), and arrow's threads took the kernel's core from it (issue 34: on the 2-core
+        # reading), and arrow's threads took the kernel's core from it (on the 2-core
         # machine, ten interleaved pairs of the 25.6 M-access LRU replay, median wall 0.973x and
         # peak memory 537 against 573 MiB; least-stale + score-percentile, six pairs, 0.913x and
         # 565 against 629 MiB)

@@ -1,7 +1,7 @@
 """Routing statistics of a trace: what makes routing non-uniform.
 
 These are the statistics the realistic synthetic routing model is tuned to reproduce
-(``docs/synthetic.md``) and that ``moesim trace info`` prints:
+(``docs/concepts/synthetic.md``) and that ``moesim trace info`` prints:
 
 - ``top1_repeat``: probability that a token's top-1 expert at a layer equals the previous
   token's top-1 expert at the same layer (same request). Uniform routing gives 1/N.

@@ -15,8 +15,8 @@ those experts, renormalised over the top-k when the model does so. ``uniform`` r
 skew = reuse = corr = 0, so every k-subset is equally likely and tokens are independent.
 
 The defaults per preset were tuned so that the statistics of :mod:`traces.stats` match the
-real traces in ``../shared/traces/real``; ``docs/synthetic.md`` gives the figures and the
-procedure (``tools/tune_synth.py``).
+real traces in ``../shared/traces/real``; ``docs/concepts/synthetic.md`` gives the figures and the
+procedure (``tools/synth_tuning.py tune``).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _model(name: str, layers: int, experts: int, k: int, hidden: int, inter: int
                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim)
 
 
-# Shapes from the models' public configs; routing defaults from tools/tune_synth.py.
+# Shapes from the models' public configs; routing defaults from tools/synth_tuning.py.
 PRESETS: dict[str, SynthPreset] = {
     "olmoe-1b-7b": SynthPreset(
         _model("olmoe-1b-7b", 16, 64, 8, 2048, 1024, False, 16, 16, 128),

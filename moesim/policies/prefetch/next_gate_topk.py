@@ -54,7 +54,7 @@ def topk_proposals(pred: np.ndarray, row_order: np.ndarray, bounds: np.ndarray, 
     float32 (the trace format's type). The last layer proposes nothing.
 
     Each row's experts are ordered by the whole-number keys of :func:`_score_key`, all of a
-    call's rows sorted at once by numpy's vectorised sort (issue 34: the proposals were made
+    call's rows sorted at once by numpy's vectorised sort (the proposals were made
     in Python per (pass, layer), about 14 us a group; a next-gate-topk replay of the 5.12
     M-access benchmark trace took 2.16-2.26 s against 10.62-10.72 s, README "Speed")."""
     num_e = pred.shape[1]

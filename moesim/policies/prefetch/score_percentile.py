@@ -70,7 +70,7 @@ def percentile_proposals(pred: np.ndarray, row_order: np.ndarray, bounds: np.nda
 
     Each group's experts are ordered by a whole-number key (:func:`_percentile_keys`) whose
     order is that one, all of a call's groups sorted at once by numpy's vectorised sort (SIMD
-    where the machine has it). Issue 34: on 262,144 groups of one row (64 random float32
+    where the machine has it). On 262,144 groups of one row (64 random float32
     predictions, 16 layers, q 0.8) 217-220 against 725-743 ns a group (each commit's own
     function, three interleaved rounds, the same proposals) for the top ``n - floor((n - 1) q)``
     means kept in order by insertion before."""
