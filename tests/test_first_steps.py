@@ -189,3 +189,38 @@ def test_a_first_compare_speaks_at_once_shows_compile_progress_and_leaks_no_warn
     assert "Warning" not in r.stderr
     assert "waitpid" not in r.stderr
     assert not fits(r.stderr + r.stdout)
+
+
+def test_the_ticker_tells_the_seconds_so_far_from_a_daemon_thread_until_stopped(monkeypatch):
+    """``Ticker``: ``tell`` is called every ``MOESIM_PROGRESS_EVERY`` seconds with the seconds
+    since the step began, from a daemon thread named for it (a step that never ends cannot keep
+    the process alive); ``stop`` ends the thread, and nothing is told after it."""
+    import threading
+    import time
+
+    from moesim.output.console import Ticker
+
+    monkeypatch.setenv("MOESIM_PROGRESS_EVERY", "0.05")
+    told: list[float] = []
+    began = time.monotonic()
+    ticker = Ticker(told.append)
+    assert ticker._thread.daemon
+    assert ticker._thread.name == "moesim-progress"
+    assert "moesim-progress" in [t.name for t in threading.enumerate()]
+    time.sleep(0.4)
+    stopper = threading.Thread(target=lambda: told.append(-ticker.stop()), daemon=True)
+    stopper.start()
+    stopper.join(5)
+    assert not stopper.is_alive(), "stop() did not return"
+    ended = time.monotonic()
+    took = -told.pop()
+    assert not ticker._thread.is_alive()
+    assert 0.4 <= took <= ended - began
+    assert len(told) >= 3
+    assert told == sorted(told)
+    assert told[0] >= 0.05
+    assert all(0 < t <= took for t in told)
+    assert all(b - a >= 0.04 for a, b in zip(told, told[1:], strict=False))
+    n = len(told)
+    time.sleep(0.2)
+    assert len(told) == n
