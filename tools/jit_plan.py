@@ -1,4 +1,4 @@
-"""Write ``moesim/jitplan.json``, the plan of :mod:`moesim.jitplan`, from a compile (issue 34;
+"""Write ``moesim/jitplan.json``, the plan of :mod:`moesim.jitplan`, from a compile (
 not part of the test run).
 
 Runs the kernel warm-up (:mod:`moesim.studies._kernel_loaded`) in a fresh process with an

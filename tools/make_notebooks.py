@@ -371,7 +371,7 @@ ones this notebook computes).
   current (`test_lru_evicts_a_selected_expert_for_its_own_batch`). Every collision count
   equals an independent replay written from the contract
   (`test_flame_prefill_oracle_equals_the_reference_replay`).
-* **A prefetch evicts only what this pass no longer needs** (issue 33's rule): a stale
+* **A prefetch evicts only what this pass no longer needs** (the victim rule for prefetches): a stale
   expert, or a current one of a layer already passed (or of the current layer once it has
   run); never a current-layer expert still to run, nor a current expert of a later layer.
   When the cache can stream a pass, Least-Stale then streams as LRU does

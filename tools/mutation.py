@@ -1,4 +1,4 @@
-"""Mutation testing of one module at a time with mutmut (issue 12; not part of the test run).
+"""Mutation testing of one module at a time with mutmut (not part of the test run).
 
 Usage: ``python tools/mutation.py simulator/cache.py [policies/eviction.py ...]``, or
 ``python tools/mutation.py --reclassify`` after adding a survivor to ``EQUIVALENT``;
@@ -65,7 +65,11 @@ TESTS: dict[str, list[str]] = {
     "moesim/config/reference.py": ["tests/test_reference.py"],
     "moesim/simulator/stream.py": ["tests/test_stream.py"],
     "moesim/jitplan.py": ["tests/test_jitplan.py", "tests/test_workers_server.py"],
-    "moesim/studies/sweep.py": ["tests/test_sweep.py", "tests/test_workers_server.py", "tests/test_compare.py"],
+    "moesim/studies/sweep.py": ["tests/test_sweep.py", "tests/test_workers_server.py", "tests/test_compare.py",
+                                "tests/test_reuse.py"],
+    # the capacity bisection by hand and its reuse; the slow end-to-end checks are run on the survivors
+    "moesim/studies/load.py": ["tests/test_load_bisection.py", "tests/test_reuse.py", "tests/test_serving_studies.py"],
+    "moesim/studies/compare.py": ["tests/test_compare.py", "tests/test_reuse.py", "tests/test_first_steps.py"],
     # the quick serving checks per mutant; tests/test_serving_studies.py (M/D/1 over 10,000 requests, compare's
     # bisection) is run on the survivors
     "moesim/simulator/serving.py": ["tests/test_serving.py"],
@@ -91,7 +95,7 @@ def tests_of(module: str) -> list[str]:
 FUNCTIONS: dict[str, list[str]] = {
     "moesim/calibration/calibrate.py": ["x_fit*", "x__check_raw*"],
     "moesim/calibration/hf_loop.py": ["x_nf4*", "xǁLinkǁ*", "xǁHfLoopPoolǁtop_k_index*"],
-    # the main thread's prefetch queue (issue 37); perform and _copy give 466 mutants, many of them
+    # the main thread's prefetch queue; perform and _copy give 466 mutants, many of them
     # endless loops that each run to mutmut's timeout (about 40 s), hours on this machine
     "moesim/calibration/executor.py": ["xǁDevicePoolǁ_issue*", "xǁDevicePoolǁ_pump*", "xǁDevicePoolǁ_upto*",
                                        "xǁDevicePoolǁ_landed*", "xǁDevicePoolǁ_mark*"],
@@ -99,17 +103,17 @@ FUNCTIONS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
-    # a first compile on two cores (issue 34): the helper's lock file's name
+    # a first compile on two cores : the helper's lock file's name
     **{'moesim.jitplan.x__lock_path__mutmut_' + str(n): "another fixed text for an unset NUMBA_CACHE_DIR: the "
        "name stays one per moesim and cache folder" for n in (4, 6, 9)},
     'moesim.jitplan.x__lock_path__mutmut_13': "17 hexadecimal digits of the digest in the name, not 16: still one "
                                               "name per moesim and cache folder",
     'moesim.jitplan.x_load_plan__mutmut_6': "every warning ignored while the plan's types are made, not only "
                                             "numba's experimental-feature one: none other is raised there",
-    # the SpecMD-style executor's router output (issue 37)
+    # the SpecMD-style executor's router output 
     'moesim.calibration.hf_loop.xǁHfLoopPoolǁtop_k_index__mutmut_19':
         "more padding than n * k choices: only the first n * k are read",
-    # serving under load (issue 35; MUTATE_ONLY over the scheduler, the bank and the summary)
+    # serving under load (MUTATE_ONLY over the scheduler, the bank and the summary)
     'moesim.simulator.serving.xǁSchedulerǁ_chunked__mutmut_16':
         "a prompt chunk of 0 tokens when the decodes took the whole budget: it adds no token, makes no output "
         "and changes no count (its request is in the pass with nothing to compute)",
@@ -130,7 +134,7 @@ EQUIVALENT: dict[str, str] = {
         "np.where(None, ...) takes the seconds everywhere, and an unparsed date-time's seconds are NaN already",
     'moesim.simulator.serving.x_read_arrival_file__mutmut_87':
         "None for NaN where a date-time is unparsed: to_numeric reads None as NaN, so the same row is refused",
-    # the chunked trace reader (issue 34; MUTATE_ONLY iter_trace, requests_in_order, trace_rows, _open, _repeats,
+    # the chunked trace reader (MUTATE_ONLY iter_trace, requests_in_order, trace_rows, _open, _repeats,
     # _phase_codes with tests/test_stream.py, test_traces.py, test_bad_input.py)
     **{'moesim.traces.io.x__open__mutmut_' + str(n): "read_dictionary changes memory only: _phase_codes "
        "dictionary-encodes a column of strings itself" for n in (13, 15)},
@@ -144,10 +148,10 @@ EQUIVALENT: dict[str, str] = {
     'moesim.traces.io.x_iter_trace__mutmut_97': "cut's `final` None is as falsy as False",
     **{'moesim.traces.io.x_requests_in_order__mutmut_' + str(n): "the same answer from more columns or other "
        "batch sizes (speed only)" for n in (5, 6, 7)},
-    # Least-Stale's prefetch victims (issue 33; a MUTATE_ONLY run of xǁLeastStaleǁ*)
+    # Least-Stale's prefetch victims (a MUTATE_ONLY run of xǁLeastStaleǁ*)
     'moesim.policies.eviction.xǁLeastStaleǁprefetch_candidates__mutmut_10':
         "_queue's upcoming flag None for False: both falsy, read only by `if upcoming`",
-    # the summary from the per-pass totals (issue 34: MUTATE_ONLY xǁPassTotalsǁ*, x_summarise*)
+    # the summary from the per-pass totals (MUTATE_ONLY xǁPassTotalsǁ*, x_summarise*)
     **{'moesim.simulator.metrics.x_summarise__mutmut_' + str(n): "unreachable: a replay has a pass, an expert "
        "access, a token and gate mass, and with timing its last pass ends after 0" for n in (129, 151, 159, 32)},
     'moesim.simulator.metrics.x_summarise__mutmut_235':
@@ -170,9 +174,9 @@ EQUIVALENT: dict[str, str] = {
        "hands it float64, and an int or float32 array's values are added exactly either way (frexp widens "
        "them)" for n in (3, 5)},
     # the engine
-    # the host thread (issue 37; a MUTATE_ONLY run of _host*, _compute, _fused, _end_pass with
+    # the host thread (a MUTATE_ONLY run of _host*, _compute, _fused, _end_pass with
     # tests/test_host.py and tests/test_engine.py). The judgements of _run and __init__ were
-    # dropped: issue 37 changed both, so their old mutant numbers no longer name the mutants judged
+    # dropped: the host thread changed both, so their old mutant numbers no longer name the mutants judged
     **{'moesim.simulator.engine.xǁSimulationǁ_compute__mutmut_' + str(n):
        "a comparison on equality that then sets a value to the value it has (ready, t or the host's clock)"
        for n in (9, 19, 31, 41)},
@@ -181,7 +185,7 @@ EQUIVALENT: dict[str, str] = {
     **{'moesim.simulator.engine.xǁSimulationǁ_host_issue__mutmut_' + str(n): "the host's clock set to the value it has when equal"
        for n in (4, 11)},
     'moesim.simulator.engine.xǁSimulationǁ_host_ready__mutmut_7': "h = t when the host's clock equals t: the same value",
-    # _per_expert with the host (issue 37; MUTATE_ONLY _per_expert* with the host, engine, kernel and fidelity tests)
+    # _per_expert with the host (MUTATE_ONLY _per_expert* with the host, engine, kernel and fidelity tests)
     **{'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_' + str(n):
        "_host_issue reads its runs only for a blocking fetch, and None is as falsy as False" for n in (127, 129)},
     **{'moesim.simulator.engine.xǁSimulationǁ_per_expert__mutmut_' + str(n):
@@ -467,7 +471,7 @@ EQUIVALENT: dict[str, str] = {
     **{f"moesim.policies.budget.xǁSkipThresholdǁselect__mutmut_{n}":
        "a token's k <= 16 weights: numpy's default sort is an insertion sort there, which is stable "
        "(and reads 'STABLE' as 'stable')" for n in (35, 37, 40)},
-    # prefetch policies (after the tests of issue 12's second pass)
+    # prefetch policies
     "moesim.policies.prefetch.xǁNextGateTopKǁpropose__mutmut_15":
         "count is at most the number of experts: with count == N, argpartition at N - 1 keeps all N, as the else branch does",
     "moesim.policies.prefetch.xǁNextGateTopKǁpropose__mutmut_26":
