@@ -28,7 +28,8 @@ def start(tmp_path: Path) -> tuple[Path, dict, pd.DataFrame]:
     for label, ev in (("a", "lru"), ("b", "lfu")):
         for rate in (2.0, 8.0):
             rows.append({"role": "candidate", "label": label, "capacity": "25%", "rate": rate,
-                         "slo_attainment": 1.0 if rate <= LIMIT[label] else 0.0, "ttft_p99_s": rate, "tpot_p99_s": rate,
+                         "slo_attainment": 1.0 if rate <= LIMIT[label] else 0.0, "ttft_p99_s": rate,
+                         "tpot_p99_s": rate, "itl_p99_s": rate,
                          "values": {"cache.capacity": "25%", "policies.eviction": ev, RATE: rate}})
     return p, data, pd.DataFrame(rows)
 
@@ -52,7 +53,7 @@ def test_the_bisection_probes_and_answer_are_those_worked_out_by_hand(tmp_path):
             rate = pt.values[RATE]
             asked[label].append(rate)
             ok = 1.0 if rate <= LIMIT[label] else 0.0
-            rows.append({"point": pt.pid, "slo_attainment": ok, "ttft_p99_s": rate, "tpot_p99_s": rate})
+            rows.append({"point": pt.pid, "slo_attainment": ok, "ttft_p99_s": rate, "tpot_p99_s": rate, "itl_p99_s": rate})
         return pd.DataFrame(rows)
 
     got = bisect_capacity(p, data, table, 0.9, run, {}).set_index("label")
@@ -79,7 +80,7 @@ def test_a_policy_meeting_the_slo_at_every_rate_doubles_until_it_fails(tmp_path)
     def run(pts):
         asked.extend(pt.values[RATE] for pt in pts)
         return pd.DataFrame([{"point": pt.pid, "slo_attainment": float(pt.values[RATE] <= 5.0),
-                              "ttft_p99_s": 0.0, "tpot_p99_s": 0.0} for pt in pts])
+                              "ttft_p99_s": 0.0, "tpot_p99_s": 0.0, "itl_p99_s": 0.0} for pt in pts])
 
     got = bisect_capacity(p, data, table, 0.9, run, {}).iloc[0]
     assert asked == [6.0, 4.243, 5.046, 4.627, 4.832]

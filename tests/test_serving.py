@@ -223,6 +223,18 @@ def test_continuous_batching_by_hand(name: str, block: int, tmp_path: Path, monk
         assert res.requests["first_token_s"].iloc[r] == end[f]
         assert res.requests["finish_s"].iloc[r] == end[last]
         assert res.requests["tpot_s"].iloc[r] == pytest.approx((end[last] - end[f]) / (rows[r][2] - 1), rel=1e-15)
+    # each output token's time is the end of the pass that made it (the hand schedule's `made`):
+    # a request's gaps are the differences between consecutive ones, pooled for the summary
+    pooled = []
+    for r in range(len(rows)):
+        made_at = [end[k] for k, p in enumerate(passes) for x, i, c in p if x == r and i + c >= max(prompt[r], 1)]
+        assert len(made_at) == rows[r][2]
+        gaps = np.diff(made_at)
+        pooled += gaps.tolist()
+        got = res.requests["itl_max_s"].iloc[r]
+        assert (np.isnan(got) if len(gaps) == 0 else got == gaps.max()), (r, got, gaps)
+    assert res.summary["itl_p50_s"] == pytest.approx(float(np.percentile(pooled, 50)), rel=1e-15)
+    assert res.summary["itl_p99_s"] == pytest.approx(float(np.percentile(pooled, 99)), rel=1e-15)
     assert res.requests["source_request"].tolist() == [0, 1, 2]  # the recorded requests, in order
     assert res.requests["scheduled_s"].tolist() == [0.0, *[steps["start_s"].iloc[next(
         k for k, p in enumerate(passes) if any(x[0] == r for x in p))] for r in (1, 2)]]
@@ -411,6 +423,8 @@ def test_kv_memory_limits_admission(tmp_path: Path) -> None:
     ({"arrivals": {"process": "poisson", "rate": 2.0}}, "needs 'requests'"),
     ({"arrivals": {"process": "poisson", "requests": 2, "rate": -1.0}}, "positive"),
     ({"arrivals": {"process": "poisson", "requests": 2, "rate": 1.0, "cv": 2.0}}, "cv is for process 'gamma'"),
+    ({"slo": {"attainment": 0.9}}, "give ttft_s, tpot_s, itl_s or several"),
+    ({"slo": {"itl_s": 0.0}}, "itl_s must be a positive number of seconds"),
 ])
 def test_bad_serving_input(change: dict[str, Any], words: str) -> None:
     """Impossible scheduler limits and mismatched keys: one error naming the key and the fix."""
@@ -749,7 +763,9 @@ def test_summary_by_hand() -> None:
     """``serving.summary`` on a request table made by hand: means, numpy's linear percentiles
     (worked out: p99 of five values is the fourth plus 0.96 of the gap to the fifth), rates
     over the span from the first arrival to the last finish, the offered rate over the
-    arrivals' span, and SLO attainment with each limit alone and both, ties meeting it."""
+    arrivals' span, the inter-token gaps' percentiles (ten gaps: p50 between the fifth and sixth,
+    p99 the ninth plus 0.91 of the gap to the tenth), and SLO attainment with each limit alone
+    and both, ties meeting it."""
     from moesim.config.scenario import SloConfig
 
     nan = float("nan")
@@ -757,17 +773,21 @@ def test_summary_by_hand() -> None:
         "arrival_s": [0.0, 1.0, 2.0, 4.0, 8.0], "ttft_s": [0.5, 1.0, 1.5, 2.0, 3.0],
         "tpot_s": [0.1, nan, 0.3, 0.2, 0.5], "e2e_s": [1.0, 2.0, 3.0, 4.0, 10.0],
         "queue_s": [0.0, 0.5, 1.0, 1.5, 2.0], "finish_s": [1.0, 3.0, 5.0, 8.0, 18.0],
-        "output_tokens": [3, 1, 2, 4, 5]})
-    s = serving.summary(req, SloConfig(ttft_s=1.5, tpot_s=0.3))
+        "output_tokens": [3, 1, 2, 4, 5], "itl_max_s": [0.2, nan, 0.3, 0.2, 0.6]})
+    gaps = np.array([0.1, 0.2, 0.3, 0.1, 0.2, 0.2, 0.5, 0.4, 0.6, 0.1])  # 2, 0, 1, 3 and 4 per request
+    s = serving.summary(req, SloConfig(ttft_s=1.5, tpot_s=0.3), gaps)
     want = {"ttft_mean_s": 1.6, "ttft_p50_s": 1.5, "ttft_p99_s": 2.96, "tpot_mean_s": 0.275, "tpot_p50_s": 0.25,
             "tpot_p99_s": 0.494, "e2e_p99_s": 9.76, "queue_mean_s": 1.0, "throughput_tokens_s": 15 / 18,
             "requests_per_s": 5 / 18, "served_requests": 5, "offered_rate": 0.5, "slo_attainment": 0.6,
-            "goodput_requests_s": 3 / 18}
+            "goodput_requests_s": 3 / 18, "itl_p50_s": 0.2, "itl_p99_s": 0.591}
     assert set(s) == set(want)
     for k, v in want.items():
         assert s[k] == pytest.approx(v, rel=1e-12), k
     assert serving.summary(req, SloConfig(ttft_s=1.0))["slo_attainment"] == 0.4  # 0.5 and 1.0 (a tie)
     assert serving.summary(req, SloConfig(tpot_s=0.2))["slo_attainment"] == 0.6  # 0.1, none, 0.2 (a tie)
+    assert serving.summary(req, SloConfig(itl_s=0.3))["slo_attainment"] == 0.8  # all but 0.6 (0.3 a tie)
+    assert serving.summary(req, SloConfig(ttft_s=1.5, itl_s=0.25))["slo_attainment"] == 0.4  # TTFT 2, 3; gap 0.3
+    assert serving.summary(req, None)["itl_p99_s"] is None  # no gaps given
     two = serving.summary(req.iloc[[1, 3]], None)
     assert two["offered_rate"] == pytest.approx(1 / 3)
     assert "slo_attainment" not in two

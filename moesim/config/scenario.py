@@ -222,15 +222,17 @@ class SloConfig:
 
     ttft_s: float | None = field(default=None, metadata={"help": "time to first token, seconds"})
     tpot_s: float | None = field(default=None, metadata={"help": "time per output token after the first, seconds"})
+    itl_s: float | None = field(default=None, metadata={
+        "help": "the longest gap between two consecutive output tokens of a request, seconds (a streaming stall)"})
     attainment: float = field(default=0.9, metadata={
-        "help": "a request rate meets the SLO when this share of requests meets both limits (compare's capacity)"})
+        "help": "a request rate meets the SLO when this share of requests meets every limit given (compare's capacity)"})
 
     def __post_init__(self) -> None:
-        if self.ttft_s is None and self.tpot_s is None:
-            raise ValueError("give ttft_s, tpot_s or both (seconds)")
+        if self.ttft_s is None and self.tpot_s is None and self.itl_s is None:
+            raise ValueError("give ttft_s, tpot_s, itl_s or several (seconds)")
         if not 0 < self.attainment <= 1:
             raise ValueError(f"attainment must be in (0, 1], got {self.attainment}")
-        for key in ("ttft_s", "tpot_s"):
+        for key in ("ttft_s", "tpot_s", "itl_s"):
             v = getattr(self, key)
             if v is not None and not (0 < v < float("inf")):
                 raise ValueError(f"{key} must be a positive number of seconds, got {v}")

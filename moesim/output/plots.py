@@ -33,6 +33,7 @@ METRIC_LABELS: dict[str, tuple[str, float]] = {
     "ttft_mean_s": ("mean TTFT (ms)", 1e3), "ttft_p50_s": ("p50 TTFT (ms)", 1e3), "ttft_p99_s": ("p99 TTFT (ms)", 1e3),
     "tpot_mean_s": ("mean TPOT (ms per output token)", 1e3), "tpot_p50_s": ("p50 TPOT (ms per output token)", 1e3),
     "tpot_p99_s": ("p99 TPOT (ms per output token)", 1e3), "e2e_p99_s": ("p99 end-to-end latency (s)", 1.0),
+    "itl_p50_s": ("p50 inter-token gap (ms)", 1e3), "itl_p99_s": ("p99 inter-token gap (ms)", 1e3),
     "queue_mean_s": ("mean queueing delay (s)", 1.0), "requests_per_s": ("served (requests/s)", 1.0),
     "throughput_tokens_s": ("throughput (output tokens/s)", 1.0),
     "goodput_requests_s": ("goodput (requests/s within the SLO)", 1.0),

@@ -804,7 +804,7 @@ class Simulation:
         if self.serving is not None:
             from moesim.simulator import serving
 
-            summary.update(serving.summary(requests, self.scenario.slo))
+            summary.update(serving.summary(requests, self.scenario.slo, self.serving.gaps()))
             summary["arrival_notes"] = self.serving.plan.notes
             summary["max_running_seen"] = self.serving.max_running_seen
             summary["kv_capacity_tokens"] = (self.serving.kv_tokens if np.isfinite(self.serving.kv_tokens)

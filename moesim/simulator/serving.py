@@ -362,6 +362,9 @@ class Scheduler:
         self.generated = np.zeros(n, np.int64)
         self.scheduled = np.full(n, np.nan)
         self.first_token = np.full(n, np.nan)
+        self.last_token = np.full(n, np.nan)  # when each request's latest output token was made
+        self.itl_max = np.full(n, np.nan)  # each request's longest gap between two output tokens
+        self._gaps: list[np.ndarray] = []  # every inter-token gap, pass by pass
         self.finish = np.full(n, np.nan)
         self.finished = 0
         self.max_running_seen = 0
@@ -481,6 +484,15 @@ class Scheduler:
         firsts = rs[(start < self.first_part[rs]) & (self.processed[rs] >= self.first_part[rs])]
         self.first_token[firsts] = now
         self.generated[rs] += made
+        out = rs[made > 0]  # each request is in a pass at most once
+        prev = self.last_token[out]
+        had = np.isfinite(prev)
+        if had.any():
+            gap = now - prev[had]
+            self._gaps.append(gap)
+            who = out[had]
+            self.itl_max[who] = np.fmax(self.itl_max[who], gap)
+        self.last_token[out] = now
         done = rs[self.generated[rs] == self.plan.output[rs]]
         if len(done):
             self.finish[done] = now
@@ -519,10 +531,17 @@ class Scheduler:
         return wl
 
     # -- the results ------------------------------------------------------------------------
+    def gaps(self) -> np.ndarray:
+        """Every inter-token gap of the run (seconds between two consecutive output tokens of a
+        request, each the end of the pass that made the later token less the end of the pass
+        that made the earlier one), pooled over the requests."""
+        return np.concatenate(self._gaps) if self._gaps else np.zeros(0)
+
     def frame(self) -> pd.DataFrame:
         """One row per request: arrival, when first scheduled, first token and finish (s);
         queueing delay, TTFT, TPOT (after the first token, per token; NaN with one output
-        token) and end-to-end latency; its lengths and recorded request."""
+        token), its longest inter-token gap (``itl_max_s``; NaN with one output token) and
+        end-to-end latency; its lengths and recorded request."""
         p = self.plan
         out = p.output.astype(np.float64)
         with np.errstate(invalid="ignore"):  # one output token: 0 / 0, masked
@@ -537,17 +556,19 @@ class Scheduler:
             "queue_s": self.scheduled - p.arrival,
             "ttft_s": self.first_token - p.arrival,
             "tpot_s": tpot,
+            "itl_max_s": self.itl_max,
             "e2e_s": self.finish - p.arrival,
             "prompt_tokens": p.prompt,
             "output_tokens": p.output,
         })
 
 
-def summary(requests: pd.DataFrame, slo: SloConfig | None) -> dict[str, Any]:
+def summary(requests: pd.DataFrame, slo: SloConfig | None, gaps: np.ndarray | None = None) -> dict[str, Any]:
     """The serving figures of the summary (``docs/guides/serving.md``, "Metrics"): TTFT and TPOT
-    mean, median and 99th percentile (numpy's linear percentile), e2e p99, output tokens and
-    requests per second over the span from the first arrival to the last finish, and with an
-    SLO the share of requests meeting it and those per second (goodput)."""
+    mean, median and 99th percentile (numpy's linear percentile), the inter-token gaps'
+    (``gaps``, pooled over every token of every request) median and 99th percentile, e2e p99,
+    output tokens and requests per second over the span from the first arrival to the last
+    finish, and with an SLO the share of requests meeting it and those per second (goodput)."""
 
     def q(col: str, pct: float) -> float | None:
         v = requests[col].to_numpy(np.float64)
@@ -564,6 +585,8 @@ def summary(requests: pd.DataFrame, slo: SloConfig | None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "ttft_mean_s": mean("ttft_s"), "ttft_p50_s": q("ttft_s", 50), "ttft_p99_s": q("ttft_s", 99),
         "tpot_mean_s": mean("tpot_s"), "tpot_p50_s": q("tpot_s", 50), "tpot_p99_s": q("tpot_s", 99),
+        "itl_p50_s": float(np.percentile(gaps, 50)) if gaps is not None and len(gaps) else None,
+        "itl_p99_s": float(np.percentile(gaps, 99)) if gaps is not None and len(gaps) else None,
         "e2e_p99_s": q("e2e_s", 99), "queue_mean_s": mean("queue_s"),
         "throughput_tokens_s": float(requests["output_tokens"].sum()) / span if span > 0 else None,
         "requests_per_s": n / span if span > 0 else None,
@@ -578,6 +601,9 @@ def summary(requests: pd.DataFrame, slo: SloConfig | None) -> dict[str, Any]:
         if slo.tpot_s is not None:
             tp = requests["tpot_s"].to_numpy()
             ok &= np.isnan(tp) | (tp <= slo.tpot_s)  # one output token: no TPOT to miss
+        if slo.itl_s is not None:
+            gap = requests["itl_max_s"].to_numpy()
+            ok &= np.isnan(gap) | (gap <= slo.itl_s)  # every gap within the limit
         out["slo_attainment"] = float(ok.mean())
         out["goodput_requests_s"] = float(ok.sum()) / span if span > 0 else None
     return out

@@ -48,7 +48,7 @@ BASELINE = {"policies.eviction": "lru", "policies.prefetch": "none", "policies.m
 RATE = "workload.arrivals.rate"
 TOLERANCE = 0.05  # bisection stops when the bracket's ends are within 5% of each other
 MAX_STEPS = 8  # halvings or doublings to bracket a policy's capacity from the rates run
-SHOWN = ("role", "label", "capacity", "rate", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
+SHOWN = ("role", "label", "capacity", "rate", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "itl_p99_s",
          "slo_attainment", "goodput_requests_s", "requests_per_s", "hit_rate")
 
 
@@ -213,16 +213,17 @@ def markdown_load(table: pd.DataFrame, cap_table: pd.DataFrame | None, title: st
                          f"{_num(r['vs_baseline'], '.2f', 1.0, 'x')} | {r['probes']} |")
         lines.append("")
     head = ["rank", "policy", "capacity", "rate (req/s)", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)",
-            "TPOT p99 (ms)", "SLO attainment", "goodput (req/s)", "served (req/s)", "hit rate"]
+            "TPOT p99 (ms)", "ITL p99 (ms)", "SLO attainment", "goodput (req/s)", "served (req/s)", "hit rate"]
     lines += ["## Latency at each rate", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table.to_dict("records"):
         lines.append("| " + " | ".join([
             "" if pd.isna(r["rank"]) else str(int(r["rank"])), str(r["label"]), str(r["capacity"]),
             _num(r["rate"], "g"), _num(r["ttft_p50_s"], ".1f", 1e3), _num(r["ttft_p99_s"], ".1f", 1e3),
-            _num(r["tpot_p50_s"], ".2f", 1e3), _num(r["tpot_p99_s"], ".2f", 1e3), _num(r["slo_attainment"], ".0%"),
+            _num(r["tpot_p50_s"], ".2f", 1e3), _num(r["tpot_p99_s"], ".2f", 1e3), _num(r["itl_p99_s"], ".2f", 1e3),
+            _num(r["slo_attainment"], ".0%"),
             _num(r["goodput_requests_s"], ".3g"), _num(r["requests_per_s"], ".3g"), _num(r["hit_rate"], ".3f")]) + " |")
     lines += ["", "Ranked per capacity and rate by SLO attainment, then p99 TTFT. A rate meets the SLO when at least "
-              "the SLO's attainment share of requests meet its TTFT and TPOT limits; the highest such rate is found by "
+              "the SLO's attainment share of requests meet its TTFT, TPOT and ITL limits (ITL: a request's longest gap between two output tokens); the highest such rate is found by "
               "bisection on the rate (each probe a run)."]
     return "\n".join(lines) + "\n"
 
@@ -254,14 +255,15 @@ def terminal_load(table: pd.DataFrame, cap_table: pd.DataFrame | None, title: st
             lines += textwrap.wrap(f"Best at {cap}: {best['label']} serves up to {best['max_rate']:.3g} requests/s "
                                    f"within the SLO ({slo_text}){vs}.", 80, subsequent_indent="  ")
     else:
-        lines.append(f"{'#':>2} {'policy':<30} {'cap':>5} {'req/s':>7} {'TTFT p99 ms':>12} {'TPOT p99 ms':>12}")
+        lines.append(f"{'#':>2} {'policy':<24} {'cap':>5} {'req/s':>7} {'TTFT p99 ms':>12} {'TPOT p99 ms':>12} "
+                     f"{'ITL p99 ms':>11}")
         lines.append("-" * 80)
         for r in table.to_dict("records"):
-            label = str(r["label"]) if len(str(r["label"])) <= 30 else str(r["label"])[:29] + "~"
-            lines.append(f"{'' if pd.isna(r['rank']) else int(r['rank']):>2} {label:<30} {r['capacity']:>5} "
+            label = str(r["label"]) if len(str(r["label"])) <= 24 else str(r["label"])[:23] + "~"
+            lines.append(f"{'' if pd.isna(r['rank']) else int(r['rank']):>2} {label:<24} {r['capacity']:>5} "
                          f"{r['rate']:>7.3g} {_num(r['ttft_p99_s'], '.1f', 1e3):>12} "
-                         f"{_num(r['tpot_p99_s'], '.2f', 1e3):>12}")
-        lines += ["", "Give the scenario an slo (ttft_s, tpot_s) to find each policy's highest rate within it."]
+                         f"{_num(r['tpot_p99_s'], '.2f', 1e3):>12} {_num(r['itl_p99_s'], '.2f', 1e3):>11}")
+        lines += ["", "Give the scenario an slo (ttft_s, tpot_s, itl_s) to find each policy's highest rate within it."]
     return "\n".join(lines) + "\n"
 
 
@@ -335,7 +337,8 @@ def compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, e
     slo_text = ""
     if slo is not None:
         parts = [f"TTFT <= {slo.ttft_s * 1e3:g} ms" if slo.ttft_s is not None else "",
-                 f"TPOT <= {slo.tpot_s * 1e3:g} ms" if slo.tpot_s is not None else ""]
+                 f"TPOT <= {slo.tpot_s * 1e3:g} ms" if slo.tpot_s is not None else "",
+                 f"every ITL <= {slo.itl_s * 1e3:g} ms" if slo.itl_s is not None else ""]
         slo_text = f"{' and '.join(x for x in parts if x)} for {slo.attainment:.0%} of requests"
 
         def run(pts: list[Point]) -> pd.DataFrame:
