@@ -110,7 +110,7 @@ EQUIVALENT: dict[str, str] = {
                                               "name per moesim and cache folder",
     'moesim.jitplan.x_load_plan__mutmut_6': "every warning ignored while the plan's types are made, not only "
                                             "numba's experimental-feature one: none other is raised there",
-    # the SpecMD-style executor's router output 
+    # the SpecMD-style executor's router output
     'moesim.calibration.hf_loop.xǁHfLoopPoolǁtop_k_index__mutmut_19':
         "more padding than n * k choices: only the first n * k are read",
     # serving under load (MUTATE_ONLY over the scheduler, the bank and the summary)
