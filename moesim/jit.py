@@ -10,7 +10,9 @@ also stale once any source file of its package changed (:class:`PackageCache`)."
 
 from __future__ import annotations
 
+import functools
 import inspect
+import warnings
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -206,15 +208,28 @@ def entry(func: Any) -> Any:
     """A twin of compiled function ``func`` that Python can call (``kernel`` and ``inline``
     functions have no wrapper for it): the same source compiled with numba's wrapper, not cached
     on disk (its cache would be the wrapperless one's); the functions it calls are the shared
-    ones. ``func`` itself where numba is off."""
+    ones. Called, it compiles as the replay does, numba's "experimental" first-class function
+    warning silenced (the forms' functions are first-class values; whether a call compiles or
+    finds its callees compiled already must not change what it does). ``func`` itself where
+    numba is off."""
     if not HAVE_NUMBA or not isinstance(func, CPUDispatcher):
         return func
-    twin = _ENTRIES.get(func)
-    if twin is None:
+    call = _ENTRIES.get(func)
+    if call is None:
+        from numba.core.errors import NumbaExperimentalFeatureWarning
+
         twin = _numba_njit(**_OPTIONS)(func.py_func)
         twin.__class__ = _PlainTypes
-        _ENTRIES[func] = twin
-    return twin
+
+        @functools.wraps(func.py_func)
+        def call(*args: Any) -> Any:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
+                return twin(*args)
+
+        call.dispatcher = twin  # type: ignore[attr-defined]
+        _ENTRIES[func] = call
+    return call
 
 
 _ENTRIES: dict[Any, Any] = {}
