@@ -263,7 +263,8 @@ def terminal_load(table: pd.DataFrame, cap_table: pd.DataFrame | None, title: st
             lines.append(f"{'' if pd.isna(r['rank']) else int(r['rank']):>2} {label:<24} {r['capacity']:>5} "
                          f"{r['rate']:>7.3g} {_num(r['ttft_p99_s'], '.1f', 1e3):>12} "
                          f"{_num(r['tpot_p99_s'], '.2f', 1e3):>12} {_num(r['itl_p99_s'], '.2f', 1e3):>11}")
-        lines += ["", "Give the scenario an slo (ttft_s, tpot_s, itl_s) to find each policy's highest rate within it."]
+        lines += ["", *textwrap.wrap("Give the scenario an slo (ttft_s, tpot_s, itl_s) to find each policy's highest "
+                                     "rate within it.", 80)]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,176 @@
+"""``compare --rate``'s plan and tables (:mod:`moesim.studies.load`) on inputs made by hand: the
+points planned for each rate and capacity, the arrival file's rate, the ranking per (capacity,
+rate), and the Markdown and terminal tables, every figure worked out in advance."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from moesim.errors import MoesimError
+from moesim.studies import load
+from tests.helpers import unwrap
+from tests.test_serving import served
+
+SYNTH = {"synth": {"preset": "olmoe-1b-7b", "requests": 2, "prompt_tokens": 8, "tokens": 2, "layers": 2}}
+
+
+def scenario(tmp_path: Path, arrivals: dict) -> tuple[Path, dict]:
+    data = served(SYNTH, arrivals)
+    p = tmp_path / "s.yaml"
+    p.write_text("")
+    return p, data
+
+
+def test_plan_covers_every_policy_capacity_and_rate_with_the_baseline(tmp_path: Path) -> None:
+    """Two evictions x the served prefetchers at two capacities and two rates: a candidate row
+    per combination, a baseline row per (capacity, rate), rows and points in that order, each
+    row's point carrying its values; identical combinations share a point."""
+    p, data = scenario(tmp_path, {"process": "poisson", "rate": 1.0, "requests": 4})
+    points, rows = load.plan_load(p, copy.deepcopy(data), ["lru", "lfu"], None, ["5%", "25%"], [2.0, 8.0], False, {})
+    assert [(r["role"], r["label"], r["capacity"], r["rate"]) for r in rows] == [
+        (role, label, cap, rate) for cap in ("5%", "25%") for rate in (2.0, 8.0)
+        for role, label in (("candidate", "lru"), ("candidate", "lfu"), ("baseline", "on-demand LRU (baseline)"))]
+    values = {pt.pid: pt.values for pt in points}
+    assert len(points) == 12  # the lru candidate is not the baseline: the baseline sets miss and budget too
+    for r in rows:
+        v = values[r["point"]]
+        assert v["cache.capacity"] == r["capacity"]
+        assert v[load.RATE] == r["rate"]
+        assert v["policies.eviction"] == ("lru" if r["role"] == "baseline" else r["label"])
+        assert v["policies.prefetch"] == "none"
+        if r["role"] == "baseline":
+            assert v["policies.miss"] == "fetch"
+            assert v["policies.budget"] == "none"
+    same, _ = load.plan_load(p, copy.deepcopy(data), ["lru", "lru"], ["none"], None, [2.0], False, {})
+    assert len(same) == 2  # lru twice: one point; the baseline another
+
+
+def test_plan_defaults_the_policies_capacity_and_rate_from_the_scenario(tmp_path: Path) -> None:
+    """No --eviction: the served evictions; no --prefetch: none, and the predictor prefetchers
+    when the trace has pred_next; no --capacity: the scenario's (5% when it gives none); no
+    --rate: the scenario's arrival rate."""
+    p, data = scenario(tmp_path, {"process": "poisson", "rate": 3.0, "requests": 4})
+    data = {**data, "cache": {"capacity": "10%"}}
+    _, rows = load.plan_load(p, copy.deepcopy(data), None, None, None, None, False, {})
+    cands = [r["label"] for r in rows if r["role"] == "candidate"]
+    assert cands == list(load.SERVED_EVICTION)
+    assert {r["capacity"] for r in rows} == {"10%"}
+    assert {r["rate"] for r in rows} == {3.0}
+    pred = {k: copy.deepcopy(v) for k, v in data.items() if k != "cache"}
+    pred["workload"]["trace"]["synth"]["pred_next"] = True
+    _, rows = load.plan_load(p, pred, ["lru"], None, None, None, True, {})
+    assert [r["label"] for r in rows if r["role"] == "candidate"] == [
+        "lru", "lru + next-gate-topk", "lru + score-percentile"]
+    assert {r["capacity"] for r in rows} == {"5%"}
+
+
+@pytest.mark.parametrize("rate", [0.0, -1.0, float("inf"), float("nan")])
+def test_plan_refuses_a_rate_that_is_not_a_positive_number(tmp_path: Path, rate: float) -> None:
+    p, data = scenario(tmp_path, {"process": "poisson", "rate": 1.0, "requests": 4})
+    with pytest.raises(MoesimError, match="every rate must be a positive number of requests per second"):
+        load.plan_load(p, data, ["lru"], None, None, [2.0, rate], False, {})
+
+
+def test_the_arrival_file_s_rate_and_its_refusal(tmp_path: Path) -> None:
+    """Four arrivals over 3 s: (4 - 1) / 3 requests/s, read relative to the scenario's folder
+    and rounded to 4 significant figures for the plan; one arrival spans no time: refused,
+    naming the file and the fix."""
+    (tmp_path / "arr.csv").write_text("timestamp,input_tokens,output_tokens\n0,8,2\n1,8,2\n2.5,8,2\n3,8,2\n")
+    p, data = scenario(tmp_path, {"process": "file", "path": "arr.csv"})
+    assert load.file_rate(data, str(tmp_path), "s.yaml") == 1.0
+    (tmp_path / "arr.csv").write_text("timestamp,input_tokens,output_tokens\n0,8,2\n1,8,2\n7,8,2\n")
+    assert load.file_rate(data, str(tmp_path), "s.yaml") == pytest.approx(2 / 7, rel=1e-15)
+    _, rows = load.plan_load(p, data, ["lru"], None, None, None, False, {})
+    assert {r["rate"] for r in rows} == {0.2857}
+    (tmp_path / "one.csv").write_text("timestamp,input_tokens,output_tokens\n5,8,2\n")
+    _, one = scenario(tmp_path, {"process": "file", "path": str(tmp_path / "one.csv")})
+    with pytest.raises(MoesimError) as err:
+        load.file_rate(one, "/elsewhere", "s.yaml")
+    assert "s.yaml: the arrival file" in str(err.value)
+    assert "one.csv spans no time" in str(err.value)
+    assert "--rate R1,R2" in str(err.value)
+
+
+def results_by_hand() -> tuple[list[dict], pd.DataFrame]:
+    """One capacity, one rate: candidates a (attainment 0.9, p99 TTFT 0.2 s), b (0.9, 0.1),
+    c (1.0, 0.5) and the baseline (0.5, 0.4)."""
+    rows = [{"role": "candidate", "label": x, "capacity": "5%", "rate": 2.0, "point": x} for x in "abc"]
+    rows.append({"role": "baseline", "label": "on-demand LRU (baseline)", "capacity": "5%", "rate": 2.0, "point": "z"})
+    res = pd.DataFrame({"point": ["a", "b", "c", "z"], "status": "ok", "slo_attainment": [0.9, 0.9, 1.0, 0.5],
+                        "ttft_p99_s": [0.2, 0.1, 0.5, 0.4], "ttft_p50_s": [0.1, 0.05, 0.3, 0.2],
+                        "tpot_p50_s": [0.01, 0.02, 0.03, 0.04], "tpot_p99_s": [0.011, 0.022, 0.033, 0.044],
+                        "itl_p99_s": [0.012, 0.024, 0.036, 0.048], "goodput_requests_s": [1.8, 1.8, 2.0, 1.0],
+                        "requests_per_s": [2.0, 2.0, 2.0, 2.0], "hit_rate": [0.5, 0.25, 0.125, 0.0]})
+    return rows, res
+
+
+def test_ranking_by_attainment_then_p99_ttft_with_the_baseline_last() -> None:
+    """With an SLO: c (attainment 1.0) first, then b before a (same attainment, lower p99
+    TTFT); without: by p99 TTFT alone (b, a, c). The baseline unranked, after them; the speedup
+    is the baseline's p99 TTFT over each row's."""
+    rows, res = results_by_hand()
+    t = load.rank_load(res, rows, slo=True)
+    assert t["label"].tolist()[:3] == ["c", "b", "a"]
+    assert t["rank"].tolist()[:3] == [1, 2, 3]
+    assert t["role"].iloc[3] == "baseline"
+    assert pd.isna(t["rank"].iloc[3])
+    assert t["speedup_ttft_p99"].tolist() == pytest.approx([0.8, 4.0, 2.0, 1.0])
+    assert list(t.columns[:len(load.SHOWN) + 1]) == ["rank", *load.SHOWN]
+    plain = load.rank_load(res, rows, slo=False)
+    assert plain["label"].tolist() == ["b", "a", "c", "on-demand LRU (baseline)"]
+    tie = res.assign(ttft_p99_s=[0.2, 0.2, 0.2, 0.4], slo_attainment=0.9)
+    assert load.rank_load(tie, rows, slo=True)["label"].tolist()[:3] == ["a", "b", "c"]  # then by label
+
+
+def test_the_tables_say_what_the_rows_hold() -> None:
+    """The Markdown table's rows with every column's unit (ms for latencies, % for attainment),
+    and the capacity table; the terminal table, every line at most 80 columns, a long label cut
+    with a tilde, and the recommendation per capacity (with and without a baseline capacity,
+    and when no policy met the SLO)."""
+    rows, res = results_by_hand()
+    rows[0]["label"] = "least-stale + score-percentile"  # 30 characters: cut in the terminal
+    t = load.rank_load(res, rows, slo=True)
+    md = load.markdown_load(t, None, "T", "")
+    assert md.startswith("# T\n\n## Latency at each rate\n\n| rank | policy | capacity | rate (req/s) | TTFT p50 (ms) |")
+    assert "| 1 | c | 5% | 2 | 300.0 | 500.0 | 30.00 | 33.00 | 36.00 | 100% | 2 | 2 | 0.125 |" in md
+    assert "|  | on-demand LRU (baseline) | 5% | 2 | 200.0 | 400.0 | 40.00 | 44.00 | 48.00 | 50% | 1 | 2 | 0.000 |" in md
+    assert "Highest request rate" not in md
+    cap = pd.DataFrame({"rank": [1, 2, pd.NA], "role": ["candidate", "candidate", "baseline"],
+                        "label": ["c", "least-stale + score-percentile", "on-demand LRU (baseline)"],
+                        "capacity": "5%", "max_rate": [4.0, np.nan, 2.0], "fails_at": [4.2, 0.5, np.nan],
+                        "vs_baseline": [2.0, np.nan, 1.0], "probes": [5, 9, 3]})
+    md = load.markdown_load(t, cap, "T", "TTFT <= 500 ms for 90% of requests")
+    assert "## Highest request rate meeting the SLO (TTFT <= 500 ms for 90% of requests)" in md
+    assert "| 1 | c | 5% | 4 | 4.2 | 2.00x | 5 |" in md
+    assert "| 2 | least-stale + score-percentile | 5% | none run | 0.5 | x | 9 |" not in md
+    assert "| 2 | least-stale + score-percentile | 5% | none run | 0.5 |  | 9 |" in md
+    assert "|  | on-demand LRU (baseline) | 5% | 2 | none run | 1.00x | 3 |" in md
+    term = load.terminal_load(t, None, "T", "")
+    lines = term.splitlines()
+    assert all(len(x) <= 80 for x in lines)
+    assert lines[2] == " #" + " policy".ljust(25) + "   cap   req/s  TTFT p99 ms  TPOT p99 ms  ITL p99 ms"
+    assert lines[3] == "-" * 80
+    assert lines[4] == " 1 c" + " " * 24 + "   5%       2        500.0        33.00       36.00"
+    assert lines[6].startswith(" 3 least-stale + score-per~    5%")
+    assert lines[7].startswith("   on-demand LRU (baseline)")
+    assert " ".join(lines[-2:]) == ("Give the scenario an slo (ttft_s, tpot_s, itl_s) to find each policy's highest "
+                                    "rate within it.")
+    term = load.terminal_load(t, cap, "T", "TTFT <= 500 ms for 90% of requests")
+    lines = term.splitlines()
+    assert all(len(x) <= 80 for x in lines)
+    assert lines[2] == " # policy" + " " * 31 + "cap  max req/s  fails at  vs base"
+    assert lines[4] == " 1 c" + " " * 37 + "5%" + " " * 10 + "4" + " " * 7 + "4.2" + " " * 4 + "2.00x"
+    assert lines[5] == " 2 least-stale + score-percentile" + " " * 8 + "5%" + " " * 10 + "-" + " " * 7 + "0.5"
+    text = unwrap("\n".join(lines[8:]))
+    assert text == ("Best at 5%: c serves up to 4 requests/s within the SLO (TTFT <= 500 ms for 90% of "
+                    "requests), 2.00x on-demand LRU's 2.")
+    none = cap.assign(max_rate=np.nan)
+    text = unwrap("\n".join(load.terminal_load(t, none, "T", "S").splitlines()[8:]))
+    assert text == "At 5%: no policy met the SLO (S) at any rate run."
+    nobase = cap.assign(vs_baseline=np.nan)
+    assert load.terminal_load(t, nobase, "T", "S").splitlines()[-1].endswith("within the SLO (S).")
