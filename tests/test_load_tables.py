@@ -93,7 +93,37 @@ def test_the_arrival_file_s_rate_and_its_refusal(tmp_path: Path) -> None:
         load.file_rate(one, "/elsewhere", "s.yaml")
     assert "s.yaml: the arrival file" in str(err.value)
     assert "one.csv spans no time" in str(err.value)
-    assert "--rate R1,R2" in str(err.value)
+    assert str(err.value).endswith("give --rate R1,R2,... (its timestamps are rescaled to each).")
+
+
+@pytest.mark.parametrize(("times", "arrivals", "rate"), [
+    ([0, 2], {}, 0.5),  # two arrivals are enough
+    ([0, 0.5], {}, 2.0),  # a span under a second
+    ([0, 0, 2], {}, 1.0),  # the span is the last arrival's time
+    ([0, 1, 3, 9], {"requests": 3}, 2 / 3),  # the first `requests` rows only
+])
+def test_the_arrival_file_s_rate_over_its_rows(tmp_path: Path, times: list[float], arrivals: dict,
+                                               rate: float) -> None:
+    rows = "".join(f"{t},8,2\n" for t in times)
+    (tmp_path / "arr.csv").write_text("timestamp,input_tokens,output_tokens\n" + rows)
+    _, data = scenario(tmp_path, {"process": "file", "path": "arr.csv", **arrivals})
+    assert load.file_rate(data, str(tmp_path), "s.yaml") == pytest.approx(rate, rel=1e-15)
+
+
+def test_the_arrival_file_s_rate_skips_failed_requests_as_the_replay_does(tmp_path: Path) -> None:
+    """A row of 0 output tokens (a failed request) is skipped by default, so the rate is over
+    the rest; with skip_zero_output false the file is refused, as the replay refuses it; two
+    arrivals at the same instant span no time."""
+    (tmp_path / "arr.csv").write_text("timestamp,input_tokens,output_tokens\n0,8,2\n1,8,2\n2,8,0\n4,8,2\n")
+    _, data = scenario(tmp_path, {"process": "file", "path": "arr.csv"})
+    assert load.file_rate(data, str(tmp_path), "s.yaml") == 0.5  # 0, 1, 4: (3 - 1) / 4
+    _, strict = scenario(tmp_path, {"process": "file", "path": "arr.csv", "skip_zero_output": False})
+    with pytest.raises(MoesimError, match="0 output tokens"):
+        load.file_rate(strict, str(tmp_path), "s.yaml")
+    (tmp_path / "same.csv").write_text("timestamp,input_tokens,output_tokens\n3,8,2\n3,8,2\n")
+    _, same = scenario(tmp_path, {"process": "file", "path": "same.csv"})
+    with pytest.raises(MoesimError, match="spans no time"):
+        load.file_rate(same, str(tmp_path), "s.yaml")
 
 
 def results_by_hand() -> tuple[list[dict], pd.DataFrame]:

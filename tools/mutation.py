@@ -110,6 +110,8 @@ EQUIVALENT: dict[str, str] = {
                                               "name per moesim and cache folder",
     'moesim.jitplan.x_load_plan__mutmut_6': "every warning ignored while the plan's types are made, not only "
                                             "numba's experimental-feature one: none other is raised there",
+    # compare --rate's arrival-file rate
+    "moesim.studies.load.x_file_rate__mutmut_12": "Path(base) / p is p when p is absolute: the same path either way",
     # the SpecMD-style executor's router output
     'moesim.calibration.hf_loop.xǁHfLoopPoolǁtop_k_index__mutmut_19':
         "more padding than n * k choices: only the first n * k are read",
