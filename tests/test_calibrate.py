@@ -17,6 +17,7 @@ from moesim.errors import MoesimError
 from moesim.simulator.cost import CostModel
 from moesim.simulator.engine import simulate
 from moesim.traces.synth import PRESETS
+from tests.helpers import unwrap
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -223,7 +224,7 @@ def test_fit_flags_a_link_fit_with_large_residuals(tmp_path):
     raw.to_parquet(tmp_path / "raw.parquet")
     r = CliRunner().invoke(cli, ["calibrate", "fit", str(tmp_path / "raw.parquet"), "--out", str(tmp_path / "p.yaml")])
     assert r.exit_code == 0, r.output
-    assert "warning: link h2d_pageable: the affine fit misses the measurements by" in r.output
+    assert "warning: link h2d_pageable: the affine fit misses the measurements by" in unwrap(r.output)
     clean = raw.assign(median_s=[1e-5 + n / 2e10 for n in sizes])
     clean.to_parquet(tmp_path / "clean.parquet")
     r = CliRunner().invoke(cli, ["calibrate", "fit", str(tmp_path / "clean.parquet"), "--out", str(tmp_path / "q.yaml")])
@@ -251,8 +252,8 @@ def test_validate_warns_on_the_command_line_and_in_the_report(tmp_path):
                         "--device", "cpu", "--out", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    assert "warning: profile" in r.stderr
-    assert "(128x256; it has 256x512)" in r.stderr
+    assert "warning: profile" in unwrap(r.stderr)
+    assert "(128x256; it has 256x512)" in unwrap(r.stderr)
     assert "**Warning:** profile" in (tmp_path / "out" / "report.md").read_text()
 
 
@@ -543,7 +544,7 @@ def test_validate_with_eager_launches_predicts_with_the_eager_executor_s_host(tm
             "--launch", "eager"]
     r = CliRunner().invoke(cli, [*base, "--set", "expert_compute=layer", "--out", str(tmp_path / "a")])
     assert r.exit_code != 0
-    assert "eager launches are modelled in per-expert execution only" in r.output
+    assert "eager launches are modelled in per-expert execution only" in unwrap(r.output)
     assert "Traceback" not in r.output
     assert not (tmp_path / "a" / "validation.parquet").exists()
     r = CliRunner().invoke(cli, [*base, "--set", "expert_compute=per-expert", "--out", str(tmp_path / "b")])

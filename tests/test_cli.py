@@ -139,7 +139,7 @@ def test_bad_trace_file_fails_cleanly(tmp_path):
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert "broken.parquet" in r.stderr
-    assert "not a readable Parquet file" in r.stderr
+    assert "not a readable Parquet file" in unwrap(r.stderr)
     sc = _scenario(tmp_path, "workload: {trace: {path: broken.parquet}}\n")
     out = tmp_path / "o"
     r = moesim("run", str(sc), "--out", str(out))
@@ -151,10 +151,10 @@ def test_bad_trace_file_fails_cleanly(tmp_path):
 def test_bad_set_override_is_named(tmp_path):
     r = moesim("run", "quickstart", "--no-write", "--set", "cache.capacity")
     assert r.returncode == 2
-    assert "must look like dotted.key=value" in r.stderr
+    assert "must look like dotted.key=value" in unwrap(r.stderr)
     r = moesim("run", "quickstart", "--no-write", "--set", "cache.size=3")
     assert r.returncode == 2
-    assert "key 'cache.size' is not a known key" in r.stderr
+    assert "key 'cache.size' is not a known key" in unwrap(r.stderr)
 
 
 def test_policies_and_presets_list():
@@ -190,7 +190,7 @@ def test_out_of_range_expert_in_a_scenario_trace(tmp_path):
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert not out.exists()
-    assert "t.parquet: column 'experts' has expert id(s) [2, 9] at row 3; ids must be 0..7" in r.stderr
+    assert "t.parquet: column 'experts' has expert id(s) [2, 9] at row 3; ids must be 0..7" in unwrap(r.stderr)
 
 
 @pytest.mark.parametrize("args", [["--top-k", "9", "--experts", "8"], ["--tokens", "-1"], ["--layers", "0"]])
@@ -236,7 +236,7 @@ def test_fit_then_synth_from_the_profile(tmp_path):
     assert info["model"]["num_layers"] == 4
     r = moesim("trace", "synth", "--preset", "mixtral-8x7b", "--fit", str(prof), "--out", str(out))
     assert r.returncode == 2
-    assert "exactly one of --preset and --fit" in r.stderr
+    assert "exactly one of --preset and --fit" in unwrap(r.stderr)
     # the optional columns and the prefill, from the profile as from a preset (they were dropped)
     r = moesim("trace", "synth", "--fit", str(prof), "--tokens", "5", "--prompt-tokens", "7", "--pred-next",
                "--probs", "--out", str(out))
@@ -260,7 +260,7 @@ def test_fit_then_synth_from_the_profile(tmp_path):
     assert int((t.phase == 0).sum()) == 2 * 4
     r = moesim("trace", "synth", "--fit", str(prof), "--layers", "2", "--out", str(out))
     assert r.returncode == 2
-    assert "--layers: a fitted profile gives the shape" in r.stderr
+    assert "--layers: a fitted profile gives the shape" in unwrap(r.stderr)
 
 
 def test_listings_fit_80_columns_without_cutting_names():
@@ -306,8 +306,8 @@ def test_old_spellings_still_work_with_a_note(tmp_path):
     r = CliRunner().invoke(cli, ["trace", "import", "--format", "routed-experts-npy", str(tmp_path / "r.npy"),
                                  "--model-preset", "olmoe-1b-7b", "--out", str(tmp_path / "t.parquet")])
     assert r.exit_code == 0, r.output
-    assert "note: --model-preset is deprecated; use --preset." in r.output
+    assert "note: --model-preset is deprecated; use --preset." in unwrap(r.output)
     r = CliRunner().invoke(cli, ["mrc", str(tmp_path / "t.parquet"), "--batch", "1", "--capacities", "8,64",
                                  "--out", str(tmp_path / "m"), "--json"])
     assert r.exit_code == 0, r.output
-    assert "note: --batch is deprecated; use --batch-size." in r.output
+    assert "note: --batch is deprecated; use --batch-size." in unwrap(r.output)

@@ -137,7 +137,7 @@ def test_compare_command_prints_the_ranked_table(scenario_file, tmp_path):
     r = CliRunner().invoke(cli, ["compare", str(scenario_file), "--eviction", "lru,fifo", "--prefetch", "none",
                                  "--out", str(out), "--workers", "1"])
     assert r.exit_code == 0, r.output
-    assert "Belady + oracle prefetch (bound)" in r.output
+    assert "Belady + oracle prefetch (bound)" in unwrap(r.output)
     table = pd.read_parquet(out / "compare.parquet")
     cands = table[table["role"] == "candidate"]
     assert cands["tpot_s"].is_monotonic_increasing
@@ -163,7 +163,7 @@ def test_compare_refuses_an_output_folder_that_is_a_file(scenario_file, tmp_path
     target.write_text("x")
     r = CliRunner().invoke(cli, ["compare", str(scenario_file), "--out", str(target / "sub")])
     assert r.exit_code == 2
-    assert "is a file" in r.output
+    assert "is a file, not a folder" in unwrap(r.output)
 
 
 def test_defaults_add_the_gate_predictors_when_the_trace_has_them(scenario_file):
@@ -183,7 +183,7 @@ def test_a_run_that_cannot_be_built_fails_before_any_runs(scenario_file, tmp_pat
     r = CliRunner().invoke(cli, ["compare", str(scenario_file), "--eviction", "lru", "--prefetch", "next-gate-topk",
                                  "--out", str(tmp_path / "c"), "--workers", "1"])
     assert r.exit_code == 2, r.output
-    assert "'policies.prefetch': 'next-gate-topk'" in r.output
+    assert "'policies.prefetch': 'next-gate-topk'" in unwrap(r.output)
     assert "pred_next" in r.output
     assert "Nothing was run" in unwrap(r.output)
     assert not (tmp_path / "c" / "points").exists()

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import unwrap
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -65,9 +67,9 @@ def test_an_installed_scenario_needing_real_traces_names_the_key(installed, tmp_
     r = subprocess.run([str(installed / "bin" / "moesim"), "run", "specmd/mixtral-config1", "--no-write"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
-    assert "key 'workload.trace.import.path'" in r.stderr
-    assert "reads data moesim does not ship" in r.stderr
-    assert "--set workload.trace.import.path=FILE" in r.stderr
+    assert "key 'workload.trace.import.path'" in unwrap(r.stderr)
+    assert "reads data moesim does not ship" in unwrap(r.stderr)
+    assert "--set workload.trace.import.path=FILE" in unwrap(r.stderr)
     assert "Traceback" not in r.stderr
 
 

@@ -107,7 +107,7 @@ def test_plugin_policies_are_listed_and_run_from_the_command_line(mru, tmp_path)
     assert json.loads(r.stdout)["misses"] > 0
     r = moesim("run", "quickstart", "--set", "policies.eviction=mru", "--no-write", *SMALL, cwd=tmp_path)
     assert r.returncode == 2
-    assert "unknown eviction policy 'mru'" in r.stderr
+    assert "unknown eviction policy 'mru'" in unwrap(r.stderr)
 
 
 def test_plugin_policies_run_in_sweep_and_compare_workers(mru, tmp_path):
@@ -142,4 +142,4 @@ def test_a_bad_plugin_is_refused_in_one_paragraph(tmp_path, source, says, isolat
 def test_an_unknown_plugin_module_is_named(isolated_registries):
     r = CliRunner().invoke(cli, ["policies", "--plugin", "no_such_moesim_plugin"])
     assert r.exit_code == 2
-    assert "plugin no_such_moesim_plugin: no module named 'no_such_moesim_plugin'" in r.output
+    assert "plugin no_such_moesim_plugin: no module named 'no_such_moesim_plugin'" in unwrap(r.output)

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from moesim.cli import cli
 from moesim.config.scenario import scenario_from_dict
 from moesim.simulator.engine import simulate
+from tests.helpers import unwrap
 from tests.test_serving import ONE_EXPERT, lindley, served, service_times
 
 
@@ -57,7 +58,7 @@ def test_compare_under_load_finds_each_policys_capacity(tmp_path: Path) -> None:
     r = CliRunner().invoke(cli, ["compare", str(sc), "--eviction", "lru,lfu", "--rate", "2,8", "--out", str(out),
                                  "--workers", "2"])
     assert r.exit_code == 0, r.output
-    assert "requests/s within the SLO" in r.output
+    assert "requests/s within the SLO" in unwrap(r.output)
     table = pd.read_parquet(out / "compare.parquet")
     cap = pd.read_parquet(out / "capacity.parquet")
     assert sorted(table["rate"].unique().tolist()) == [2.0, 8.0]
