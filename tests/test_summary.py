@@ -45,12 +45,12 @@ def test_the_summary_has_exactly_the_documented_metrics():
 
 
 def test_the_readme_lists_exactly_the_steps_columns():
-    """README's ``steps.parquet`` paragraph names every column of the per-pass table, in order
-    (it had fallen behind: 11 columns were missing)."""
+    """The metrics page's ``steps.parquet`` paragraph names every column of the per-pass table,
+    in order."""
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "concepts" / "metrics.md").read_text()
     start = text.index("`steps.parquet` has one row per forward pass")
     para = text[start:text.index("Summaries are derived", start)]
     names = [n.strip() for part in re.findall(r"`([^`]*)`", para)[1:] for n in part.split(",") if n.strip()]
