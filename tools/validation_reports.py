@@ -44,6 +44,20 @@ from moesim.traces.io import write_trace
 from moesim.traces.synth import synth_from_preset
 
 ROOT = Path(__file__).resolve().parents[1]
+TARGET = {"tpot median": 0.05, "tpot p95": 0.10, "ttft median": 0.05}  # the validation targets
+LAYERS, TOP_K = 16, 8  # OLMoE: a decode pass's layers and experts a layer (a token each)
+
+
+def _ms(s: float) -> str:
+    """Seconds as milliseconds to a tenth ('-' for none)."""
+    return f"{1e3 * s:.1f}" if np.isfinite(s) else "-"
+
+
+def errors(df: pd.DataFrame, which: str) -> dict[str, float]:
+    """TPOT median and p95 and TTFT median of the absolute percentage errors in ``df``."""
+    return {"tpot median": float(df[f"tpot_ape_{which}"].median()),
+            "tpot p95": float(df[f"tpot_ape_{which}"].quantile(0.95)),
+            "ttft median": float(df[f"ttft_ape_{which}"].median())}
 
 
 def _ratio_range(rows: pd.DataFrame, predicted: str = "tpot_host_s") -> str:
@@ -137,8 +151,6 @@ H100_EAGER_RUNS = {"main": ("second", "prefetches from the main thread (`--prefe
 H100_EAGER_PROFILES = {"main2": H100_EAGER / "call3" / "profile3.yaml"}  # a run's microbenchmarks, where not the first call's
 H100_EAGER_OLD_RULE = ("oldrule-olmoe-layer", "oldrule-olmoe-per-expert", "oldrule-mixtral-layer", "oldrule-mixtral-per-expert")
 
-H100_EAGER_TARGET = {"tpot median": 0.05, "tpot p95": 0.10, "ttft median": 0.05}  # the validation targets
-LAYERS, TOP_K = 16, 8  # OLMoE: the decode pass's layers and experts a layer (a token each)
 
 
 def h100_eager_held_out_expert_us(run: pd.DataFrame, profile: Path = H100_EAGER_PROFILE) -> float:
@@ -186,19 +198,11 @@ def _h100_eager_range(ape: pd.Series) -> str:
     return f"{ape.min():.1%}-{ape.max():.1%}"
 
 
-def _h100_eager_ms(s: float) -> str:
-    return f"{1e3 * s:.1f}" if np.isfinite(s) else "-"
-
-
-def h100_eager_errors(df: pd.DataFrame, which: str) -> dict[str, float]:
-    """TPOT median and p95 and TTFT median of the absolute percentage errors in ``df``."""
-    return {"tpot median": float(df[f"tpot_ape_{which}"].median()), "tpot p95": float(df[f"tpot_ape_{which}"].quantile(0.95)),
-            "ttft median": float(df[f"ttft_ape_{which}"].median())}
 
 
 def h100_eager_verdict(err: dict[str, float]) -> str:
     parts = [f"{k.upper().replace(' MEDIAN', ' median').replace(' P95', ' p95')} {v:.1%} "
-             f"({'met' if v <= H100_EAGER_TARGET[k] else 'not met'}: {H100_EAGER_TARGET[k]:.0%})" for k, v in err.items()]
+             f"({'met' if v <= TARGET[k] else 'not met'}: {TARGET[k]:.0%})" for k, v in err.items()]
     return ", ".join(parts)
 
 
@@ -222,13 +226,13 @@ def h100_eager_validation_section(df: pd.DataFrame) -> str:
              "| scenario | hits / misses | late withdraws | TPOT measured ms | predicted: microbench. / held out | APE | "
              "TTFT measured ms | predicted | APE |", "|---|---|---|---|---|---|---|---|---|"]
     for r in main_run.itertuples():
-        lines.append(f"| {r.scenario} | {r.hits_exec:,} / {r.misses_exec:,} | {r.late_withdraws} | {_h100_eager_ms(r.tpot_measured_s)} | "
-                     f"{_h100_eager_ms(r.tpot_host_s)} / {_h100_eager_ms(r.tpot_held_s)} | {r.tpot_ape_host:.1%} / {r.tpot_ape_held:.1%} | "
-                     f"{_h100_eager_ms(r.ttft_measured_s)} | {_h100_eager_ms(r.ttft_host_s)} | {r.ttft_ape_host:.1%} |")
+        lines.append(f"| {r.scenario} | {r.hits_exec:,} / {r.misses_exec:,} | {r.late_withdraws} | {_ms(r.tpot_measured_s)} | "
+                     f"{_ms(r.tpot_host_s)} / {_ms(r.tpot_held_s)} | {r.tpot_ape_host:.1%} / {r.tpot_ape_held:.1%} | "
+                     f"{_ms(r.ttft_measured_s)} | {_ms(r.ttft_host_s)} | {r.ttft_ape_host:.1%} |")
     lines += ["", f"All 16 rows make the executor's decisions today: {bool(main_run['same_decisions'].all())}. The validation "
               "targets: TPOT APE median at most 5% and p95 at most 10%, TTFT median at most 5%.",
-              f"- Microbenchmarks only, all 16 rows: {h100_eager_verdict(h100_eager_errors(main_run, 'host'))}.",
-              f"- Held out, the 12 rows below 100%: {h100_eager_verdict(h100_eager_errors(rest, 'held'))}.",
+              f"- Microbenchmarks only, all 16 rows: {h100_eager_verdict(errors(main_run, 'host'))}.",
+              f"- Held out, the 12 rows below 100%: {h100_eager_verdict(errors(rest, 'held'))}.",
               f"- **A replicate on a freshly started machine misses them** (section 5): the same work measured up to "
               f"{h100_eager_replicate_ratio(df).max() - 1:.0%} slower there, the host's speed varying between calls."]
     pf = main_run[(main_run["prefetch"] != "none") & main_run["capacity"].isin(["1%", "5%"])]
@@ -257,8 +261,8 @@ def h100_eager_prefetch_section(df: pd.DataFrame) -> str:
              "|---|---|" + "---|" * len(H100_EAGER_RUNS)]
     for sc, g in rows.groupby("scenario"):
         by = g.set_index("run")
-        lines.append(f"| {sc} | {_h100_eager_ms(by['tpot_host_s'].iloc[0])} | " +
-                     " | ".join(_h100_eager_ms(by.loc[run, "tpot_measured_s"]) if run in by.index else "-" for run in H100_EAGER_RUNS) + " |")
+        lines.append(f"| {sc} | {_ms(by['tpot_host_s'].iloc[0])} | " +
+                     " | ".join(_ms(by.loc[run, "tpot_measured_s"]) if run in by.index else "-" for run in H100_EAGER_RUNS) + " |")
     second = rows[rows["run"].isin(["main", "pf-main"])]
     lines += ["", "Runs: " + "; ".join(f"`{run}`: {what}" for run, (_, what) in H100_EAGER_RUNS.items()) + ".", "",
               "- **With the copy worker the host waits.** The worker's thread submits a prefetch and waits for it to "
@@ -284,8 +288,8 @@ def h100_eager_spread_section(df: pd.DataFrame) -> str:
              "|---|---|---|---|---|"]
     for sc, g in nopf.groupby("scenario"):
         by = g.set_index("run")["tpot_measured_s"]
-        lines.append(f"| {sc} | {_h100_eager_ms(by['eager'])} | {_h100_eager_ms(by['eager-switch50'])} | {_h100_eager_ms(by['main'])} | "
-                     f"{_h100_eager_ms(g['tpot_host_s'].iloc[0])} |")
+        lines.append(f"| {sc} | {_ms(by['eager'])} | {_ms(by['eager-switch50'])} | {_ms(by['main'])} | "
+                     f"{_ms(g['tpot_host_s'].iloc[0])} |")
     t = nopf.pivot(index="scenario", columns="run", values="tpot_measured_s")
     spread = (t[["eager", "eager-switch50"]].max(axis=1) / t[["eager", "eager-switch50"]].min(axis=1) - 1)
     below = int((t["main"] <= t[["eager", "eager-switch50"]].min(axis=1)).sum())
@@ -306,8 +310,8 @@ def h100_eager_old_rule_section(df: pd.DataFrame) -> str:
              "| model | execution | scenario | today's decisions | TPOT measured ms | predicted | APE | TTFT measured ms | "
              "predicted | APE |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in old.sort_values(["model", "expert_compute", "scenario"]).itertuples():
-        lines.append(f"| {r.model} | {r.expert_compute} | {r.scenario} | {r.same_decisions} | {_h100_eager_ms(r.tpot_measured_s)} | "
-                     f"{_h100_eager_ms(r.tpot_host_s)} | {r.tpot_ape_host:.1%} | {_h100_eager_ms(r.ttft_measured_s)} | {_h100_eager_ms(r.ttft_host_s)} | "
+        lines.append(f"| {r.model} | {r.expert_compute} | {r.scenario} | {r.same_decisions} | {_ms(r.tpot_measured_s)} | "
+                     f"{_ms(r.tpot_host_s)} | {r.tpot_ape_host:.1%} | {_ms(r.ttft_measured_s)} | {_ms(r.ttft_host_s)} | "
                      f"{r.ttft_ape_host:.1%} |")
     lines += ["", f"Today's simulator makes the executor's decisions in all {len(old)}: {bool(old['same_decisions'].all())}. "
               "The OLMoE per-expert rows time the per-expert graphs (`validation/h200/report.md`, section 1), and the "
@@ -338,8 +342,8 @@ def h100_eager_replicate_section(df: pd.DataFrame) -> str:
              "| scenario | main (second call) | main2 (third call) | main2 / main | late withdraws | predicted "
              "(its microbench. / held out) | APE |", "|---|---|---|---|---|---|---|"]
     for sc, r in b.iterrows():
-        lines.append(f"| {sc} | {_h100_eager_ms(a.loc[sc, 'tpot_measured_s'])} | {_h100_eager_ms(r.tpot_measured_s)} | {ratio[sc]:.2f} | "
-                     f"{a.loc[sc, 'late_withdraws']} / {r.late_withdraws} | {_h100_eager_ms(r.tpot_host_s)} / {_h100_eager_ms(r.tpot_held_s)} | "
+        lines.append(f"| {sc} | {_ms(a.loc[sc, 'tpot_measured_s'])} | {_ms(r.tpot_measured_s)} | {ratio[sc]:.2f} | "
+                     f"{a.loc[sc, 'late_withdraws']} / {r.late_withdraws} | {_ms(r.tpot_host_s)} / {_ms(r.tpot_held_s)} | "
                      f"{r.tpot_ape_host:.1%} / {r.tpot_ape_held:.1%} |")
     lines += ["", "The host calls the microbenchmarks time, us per call (first call / third call):", "",
               "| call | first | third | third / first |", "|---|---|---|---|"]
@@ -347,16 +351,16 @@ def h100_eager_replicate_section(df: pd.DataFrame) -> str:
         lines.append(f"| {call} | {calls['first'][call]:.1f} | {calls['third'][call]:.1f} | "
                      f"{calls['third'][call] / calls['first'][call]:.2f} |")
     slow = calls["third"] / calls["first"]
-    lines += ["", f"- Microbenchmarks alone, all 16 rows: {h100_eager_verdict(h100_eager_errors(b, 'host'))}.",
-              f"- Held out (fitted on this run's 100% rows), the 12 rows below 100%: {h100_eager_verdict(h100_eager_errors(rest, 'held'))}.",
+    lines += ["", f"- Microbenchmarks alone, all 16 rows: {h100_eager_verdict(errors(b, 'host'))}.",
+              f"- Held out (fitted on this run's 100% rows), the 12 rows below 100%: {h100_eager_verdict(errors(rest, 'held'))}.",
               f"- **The same work measured up to {ratio.max() - 1:.0%} slower** ({ratio.idxmax()}) than in the second "
               f"call, with the same hits and misses, and the host calls made from Python took {slow.drop('graph replay').min():.1f}-"
               f"{slow.max():.1f} times as long as in the first call (a CUDA graph's replay {slow['graph replay']:.2f}). "
               "No prediction can be within 5% of both runs of such a row: on these lent machines the host's speed "
               "varies between calls, and in this call between its microbenchmarks (which predict 100% rows "
-              f"{_h100_eager_ms(b.loc[b['capacity'] == '100%', 'tpot_host_s'].iloc[0])} ms a pass) and its rows (measured "
-              f"{_h100_eager_ms(b.loc[b['capacity'] == '100%', 'tpot_measured_s'].min())}-"
-              f"{_h100_eager_ms(b.loc[b['capacity'] == '100%', 'tpot_measured_s'].max())} ms). The per-expert executor with eager "
+              f"{_ms(b.loc[b['capacity'] == '100%', 'tpot_host_s'].iloc[0])} ms a pass) and its rows (measured "
+              f"{_ms(b.loc[b['capacity'] == '100%', 'tpot_measured_s'].min())}-"
+              f"{_ms(b.loc[b['capacity'] == '100%', 'tpot_measured_s'].max())} ms). The per-expert executor with eager "
               "launches is host-bound, so its times carry the host's speed.",
               "- So section 1's figures hold for a quiet host, and the validation targets are met in one of two full "
               "runs. `calibrate validate --host-beside` (built after these runs) times the executor's host work before "
@@ -437,9 +441,6 @@ def h200_eager_specmd_predicted(folder: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _h200_eager_ms(x: float) -> str:
-    return f"{1e3 * x:.1f}"
-
 
 def h200_eager_slots_section() -> str:
     s = pd.concat([pd.read_csv(H200_DIAGNOSTICS / "call1" / "slots.csv").assign(run=1), pd.read_csv(H200_DIAGNOSTICS / "call2" / "slots2.csv").assign(run=2)])
@@ -453,25 +454,25 @@ def h200_eager_slots_section() -> str:
              "make the same decisions (every access misses).", "",
              "| run | variant | distinct launches | prefill ms | decode ms |", "|---|---|---|---|---|"]
     for (run, variant), r in g.iterrows():
-        lines.append(f"| {run} | {variant} | {launches[(run, variant)]} | {_h200_eager_ms(r['prefill'])} | {_h200_eager_ms(r['decode'])} |")
+        lines.append(f"| {run} | {variant} | {launches[(run, variant)]} | {_ms(r['prefill'])} | {_ms(r['decode'])} |")
     c = g.loc[1]
     d = g.loc[2]
     lines += ["", f"- **Not the memory the copies land in**: 1%'s ten slots spread over 5%'s memory "
-              f"(`cap1-spread5`) took {_h200_eager_ms(c.loc['cap1-spread5', 'decode'])} ms a decode pass, as 1% "
-              f"({_h200_eager_ms(c.loc['cap1', 'decode'])}), not as 5% ({_h200_eager_ms(c.loc['cap5', 'decode'])}).",
+              f"(`cap1-spread5`) took {_ms(c.loc['cap1-spread5', 'decode'])} ms a decode pass, as 1% "
+              f"({_ms(c.loc['cap1', 'decode'])}), not as 5% ({_ms(c.loc['cap5', 'decode'])}).",
               f"- **The CUDA graphs**: launched eagerly, 1% and 5% take the same time "
-              f"({_h200_eager_ms(c.loc['cap1-eager', 'decode'])} and {_h200_eager_ms(c.loc['cap5-eager', 'decode'])} ms a decode pass, "
-              f"{_h200_eager_ms(c.loc['cap1-eager', 'prefill'])} and {_h200_eager_ms(c.loc['cap5-eager', 'prefill'])} ms the prefill); "
+              f"({_ms(c.loc['cap1-eager', 'decode'])} and {_ms(c.loc['cap5-eager', 'decode'])} ms a decode pass, "
+              f"{_ms(c.loc['cap1-eager', 'prefill'])} and {_ms(c.loc['cap5-eager', 'prefill'])} ms the prefill); "
               "with a graph per (buffer, token count) 5% has about three times as many distinct graphs and "
-              f"costs {_h200_eager_ms(c.loc['cap5', 'decode'] - c.loc['cap1', 'decode'])} ms more a decode pass and "
-              f"{_h200_eager_ms(c.loc['cap5', 'prefill'] - c.loc['cap1', 'prefill'])} ms more a prefill (the H100 run: "
+              f"costs {_ms(c.loc['cap5', 'decode'] - c.loc['cap1', 'decode'])} ms more a decode pass and "
+              f"{_ms(c.loc['cap5', 'prefill'] - c.loc['cap1', 'prefill'])} ms more a prefill (the H100 run: "
               "3.5 and 60 ms).",
               f"- **Not the graphs' first launches**: replaying every graph once before timing (`upload`) leaves "
-              f"5% at {_h200_eager_ms(d.loc['cap5-upload', 'decode'])} ms against 1%'s {_h200_eager_ms(d.loc['cap1-upload', 'decode'])}.",
+              f"5% at {_ms(d.loc['cap5-upload', 'decode'])} ms against 1%'s {_ms(d.loc['cap1-upload', 'decode'])}.",
               f"- **Graphs waiting on the demand-copy stream**: with graphs, the prefill takes "
-              f"{_h200_eager_ms(c.loc['cap1', 'prefill'])} ms with the demand copies on their own stream and "
-              f"{_h200_eager_ms(d.loc['cap1-one-stream', 'prefill'])} ms with them on the compute stream (no overlap of copy "
-              f"and compute); eager launches on two streams take {_h200_eager_ms(c.loc['cap1-eager', 'prefill'])} ms. A graph "
+              f"{_ms(c.loc['cap1', 'prefill'])} ms with the demand copies on their own stream and "
+              f"{_ms(d.loc['cap1-one-stream', 'prefill'])} ms with them on the compute stream (no overlap of copy "
+              f"and compute); eager launches on two streams take {_ms(c.loc['cap1-eager', 'prefill'])} ms. A graph "
               "launched behind a wait on another stream's event costs the GPU what the same kernels launched "
               "eagerly do not (the mechanism inside the driver is not measured here: no hardware counters on this "
               "machine).",
@@ -494,9 +495,11 @@ def h200_eager_section(df: pd.DataFrame) -> str:
     t = pd.read_parquet(H200_EAGER / "run1" / "validation.parquet").set_index("scenario")
     for r in df.itertuples():
         lines.append(f"| {r.scenario} | {t.loc[r.scenario, 'hits_exec']:,} / {t.loc[r.scenario, 'misses_exec']:,} | "
-                     f"{_h200_eager_ms(r.tpot_measured_s)} | {_h200_eager_ms(r.tpot_host_s)} / {_h200_eager_ms(r.tpot_none_s)} | "
-                     f"{r.tpot_ape_host:.1%} | {_h200_eager_ms(r.ttft_measured_s)} | {_h200_eager_ms(r.ttft_host_s)} | {r.ttft_ape_host:.1%} |")
+                     f"{_ms(r.tpot_measured_s)} | {_ms(r.tpot_host_s)} / {_ms(r.tpot_none_s)} | "
+                     f"{r.tpot_ape_host:.1%} | {_ms(r.ttft_measured_s)} | {_ms(r.ttft_host_s)} | {r.ttft_ape_host:.1%} |")
     full = df[df["capacity"] == "100%"]
+    h100 = pd.read_parquet(H100_EAGER / "repredicted.parquet")
+    h100 = h100[(h100["prefetch"] != "none") & h100["capacity"].isin(["1%", "5%"])]
     pf = df[(df["prefetch"] != "none") & df["capacity"].isin(["1%", "5%"])]
     rest = df.drop(full.index.union(pf.index))
     lines += ["", f"All {len(df)} rows make the executor's decisions today: {bool(df['same_decisions'].all())}. "
@@ -505,15 +508,16 @@ def h200_eager_section(df: pd.DataFrame) -> str:
               f"- The {len(rest)} rows without prefetch below 100% and with prefetch at 25%: TPOT within "
               f"{rest['tpot_ape_host'].max():.1%}.",
               f"- The {len(full)} rows at 100% make identical decisions yet measured "
-              f"{_h200_eager_ms(full['tpot_measured_s'].min())}-{_h200_eager_ms(full['tpot_measured_s'].max())} ms a decode pass "
+              f"{_ms(full['tpot_measured_s'].min())}-{_ms(full['tpot_measured_s'].max())} ms a decode pass "
               f"(a {full['tpot_measured_s'].max() / full['tpot_measured_s'].min() - 1:.0%} spread between runs of the "
               "same work): the pass is host-bound (the eager launches), and the host's time varied that much "
-              f"on this machine; predicted {_h200_eager_ms(full['tpot_host_s'].iloc[0])} ms (without a host model "
-              f"{_h200_eager_ms(full['tpot_none_s'].iloc[0])}).",
+              f"on this machine; predicted {_ms(full['tpot_host_s'].iloc[0])} ms (without a host model "
+              f"{_ms(full['tpot_none_s'].iloc[0])}).",
               f"- The {len(pf)} rows with prefetch at 1% and 5% measured {_ratio_range(pf)} the prediction, slower "
               "even than the same capacities without prefetch. Not explained on this machine; on an H100 the same "
-              "rows measured 1.36-1.52x the prediction with the executor's copy worker (a Python thread whose "
-              "in-flight prefetches the main thread waited for) and 1.07-1.11x with the prefetches issued from the "
+              f"rows measured {_ratio_range(h100[h100['run'] == 'pf-worker'])} the prediction with the executor's "
+              "copy worker (a Python thread whose in-flight prefetches the main thread waited for) and "
+              f"{_ratio_range(h100[h100['run'].isin(['main', 'pf-main'])])} with the prefetches issued from the "
               "main thread, in the same call, "
               "while a 50 us thread switch interval changed nothing (`validation/h100/eager/report.md`, section 2)."]
     return "\n".join(lines) + "\n"
@@ -545,15 +549,15 @@ def h200_eager_specmd_section(pred: pd.DataFrame) -> str:
                         for link in ("sleep", "spin")]
 
             def each(ev: str, cap: str = cap, pf: str = pf) -> str:
-                return "; ".join(" ".join(_h200_eager_ms(v) for v in ttft.loc[(link, cap, pf, ev)].to_numpy())
+                return "; ".join(" ".join(_ms(v) for v in ttft.loc[(link, cap, pf, ev)].to_numpy())
                                  for link in ("sleep", "spin") if (link, cap, pf, ev) in ttft.index)
 
             lru, ls = runs("lru"), runs("least-stale")
             saving = "; ".join(f"{1 - b / a:.0%}" for a, b in zip(lru, ls, strict=True) if np.isfinite(a + b))
             a, b = p.loc[(cap, pf, "lru")], p.loc[(cap, pf, "least-stale")]
             lines.append(f"| {cap} | {pf} | {copies[(cap, pf, 'lru')]:,} / {copies[(cap, pf, 'least-stale')]:,} | {each('lru')} | {each('least-stale')} | "
-                         f"{saving} | {_h200_eager_ms(a['ttft_style_s'])} / {_h200_eager_ms(b['ttft_style_s'])}; {_h200_eager_ms(a['ttft_parts_s'])} / "
-                         f"{_h200_eager_ms(b['ttft_parts_s'])} | {1 - b['ttft_style_s'] / a['ttft_style_s']:.0%}; "
+                         f"{saving} | {_ms(a['ttft_style_s'])} / {_ms(b['ttft_style_s'])}; {_ms(a['ttft_parts_s'])} / "
+                         f"{_ms(b['ttft_parts_s'])} | {1 - b['ttft_style_s'] / a['ttft_style_s']:.0%}; "
                          f"{1 - b['ttft_parts_s'] / a['ttft_parts_s']:.0%} |")
     lines += ["", f"- **The paper's effect appears where the cache is small and prefetch thrashes it**: at 1% of the "
               "model with next-gate top-k prefetch, Least-Stale cut the measured TTFT by about a third in every run, "
@@ -598,8 +602,6 @@ H200_BESIDE_PROFILE = H200_BESIDE / "machine-a" / "profile.yaml"
 H200_BESIDE_RUNS = {"beside1": ("A", False), "beside2": ("A", False), "beside3": ("A", False),
         "pinned1": ("B", True), "pinned2": ("B", True), "free1": ("B", False)}
 
-H200_BESIDE_TARGET = {"tpot median": 0.05, "tpot p95": 0.10, "ttft median": 0.05}  # the validation targets
-LAYERS, TOP_K = 16, 8  # OLMoE: a decode pass's layers and experts a layer (one token)
 
 
 def h200_beside_implied_expert_us(tpot_s: float | pd.Series, layer_us: float | pd.Series) -> float | pd.Series:
@@ -637,19 +639,10 @@ def h200_beside_repredicted(folder: Path) -> pd.DataFrame:
     return pd.concat(out, ignore_index=True)
 
 
-def h200_beside_errors(df: pd.DataFrame, which: str) -> dict[str, float]:
-    """TPOT median and p95 and TTFT median of the absolute percentage errors in ``df``."""
-    return {"tpot median": float(df[f"tpot_ape_{which}"].median()),
-            "tpot p95": float(df[f"tpot_ape_{which}"].quantile(0.95)),
-            "ttft median": float(df[f"ttft_ape_{which}"].median())}
-
 
 def _h200_beside_err(err: dict[str, float]) -> str:
-    return " / ".join(f"{v:.1%}{'' if v <= H200_BESIDE_TARGET[k] else '*'}" for k, v in err.items())
+    return " / ".join(f"{v:.1%}{'' if v <= TARGET[k] else '*'}" for k, v in err.items())
 
-
-def _h200_beside_ms(s: float) -> str:
-    return f"{1e3 * s:.1f}"
 
 
 def _h200_beside_runs(df: pd.DataFrame, runs: list[str]) -> dict[str, pd.DataFrame]:
@@ -662,17 +655,17 @@ def h200_beside_summary_table(df: pd.DataFrame) -> str:
     for run, (machine, pinned) in H200_BESIDE_RUNS.items():
         g = df[df["run"] == run]
         full = g[g["capacity"] == "100%"]["tpot_measured_s"]
-        lines.append(f"| {run} | {machine} | {'yes' if pinned else 'no'} | {_h200_beside_err(h200_beside_errors(g, 'host'))} | "
-                     f"{_h200_beside_err(h200_beside_errors(g, 'beside'))} | {_h200_beside_err(h200_beside_errors(g[g['capacity'] != '100%'], 'held'))} | "
-                     f"{_h200_beside_ms(full.min())}-{_h200_beside_ms(full.max())} |")
+        lines.append(f"| {run} | {machine} | {'yes' if pinned else 'no'} | {_h200_beside_err(errors(g, 'host'))} | "
+                     f"{_h200_beside_err(errors(g, 'beside'))} | {_h200_beside_err(errors(g[g['capacity'] != '100%'], 'held'))} | "
+                     f"{_ms(full.min())}-{_ms(full.max())} |")
     return "\n".join(lines)
 
 
 def h200_beside_held_line(df: pd.DataFrame) -> str:
     """What the held-out prediction shows on machine B."""
     b = [df[(df["run"] == r) & (df["capacity"] != "100%")] for r, (m, _) in H200_BESIDE_RUNS.items() if m == "B"]
-    errs = [h200_beside_errors(g, "held") for g in b]
-    met = all(v <= H200_BESIDE_TARGET[k] for e in errs for k, v in e.items())
+    errs = [errors(g, "held") for g in b]
+    met = all(v <= TARGET[k] for e in errs for k, v in e.items())
     p95 = ", ".join(f"{e['tpot p95']:.1%}" for e in errs)
     return (f"With the per-expert host time fitted from a run's own four 100% rows, the other twelve "
             f"{'meet all three targets' if met else 'do not meet all three targets'} in every machine-B run "
@@ -694,16 +687,16 @@ def h200_beside_beside_section(df: pd.DataFrame) -> str:
              "| scenario | measured 1 / 2 / 3 | host us 1 / 2 / 3 | predicted beside 1 / 2 / 3 |", "|---|---|---|---|"]
     for sc in runs["beside1"].index:
         rs = [runs[r].loc[sc] for r in runs]
-        lines.append(f"| {sc} | {' / '.join(_h200_beside_ms(r.tpot_measured_s) for r in rs)} | "
+        lines.append(f"| {sc} | {' / '.join(_ms(r.tpot_measured_s) for r in rs)} | "
                      f"{' / '.join(f'{r.host_expert_us:.0f}' for r in rs)} | "
-                     f"{' / '.join(_h200_beside_ms(r.tpot_beside_s) for r in rs)} |")
+                     f"{' / '.join(_ms(r.tpot_beside_s) for r in rs)} |")
     same = bool(all((runs[r]["hits_exec"] == runs["beside1"]["hits_exec"]).all() for r in runs))
     lines += ["", f"The three runs made the same hits and misses in every scenario: {same}.", "",
               f"- **The timing beside a scenario does not carry the host's speed into it.** The beside timings fell "
               f"into two groups, {a['host_expert_us'].min():.0f}-{a.loc[a['host_expert_us'] < 90, 'host_expert_us'].max():.0f} "
               f"us and {a.loc[a['host_expert_us'] >= 90, 'host_expert_us'].min():.0f}-{a['host_expert_us'].max():.0f} us a "
               f"cached expert. The 12 runs of the four 100% scenarios (identical work: every access a hit) measured "
-              f"{_h200_beside_ms(full['tpot_measured_s'].min())}-{_h200_beside_ms(full['tpot_measured_s'].max())} ms a decode pass, which implies "
+              f"{_ms(full['tpot_measured_s'].min())}-{_ms(full['tpot_measured_s'].max())} ms a decode pass, which implies "
               f"{implied.min():.0f}-{implied.max():.0f} us a cached expert; the correlation between the timing beside "
               f"and the measured TPOT over those 12 is {corr:.2f}. In "
               f"{int(((implied < 90) != (full['host_expert_us'] < 90)).sum())} of the 12 the pass ran in the other "
@@ -747,10 +740,10 @@ def h200_beside_pinned_section(df: pd.DataFrame) -> str:
     for sc in runs["pinned1"].index:
         rs = [runs[r].loc[sc] for r in runs]
         lines.append(f"| {sc} | {' / '.join(str(int(r.late_withdraws)) for r in rs)} | "
-                     f"{' / '.join(_h200_beside_ms(r.tpot_measured_s) for r in rs)} | {' / '.join(_h200_beside_ms(r.tpot_beside_s) for r in rs)} | "
+                     f"{' / '.join(_ms(r.tpot_measured_s) for r in rs)} | {' / '.join(_ms(r.tpot_beside_s) for r in rs)} | "
                      f"{' / '.join(f'{r.tpot_ape_beside:.1%}' for r in rs)} |")
     p = df[df["pinned"]]
-    e1, e2, ef = (h200_beside_errors(df[df["run"] == r], "beside") for r in ("pinned1", "pinned2", "free1"))
+    e1, e2, ef = (errors(df[df["run"] == r], "beside") for r in ("pinned1", "pinned2", "free1"))
     pf = p[(p["prefetch"] != "none") & p["capacity"].isin(["1%", "5%"])]
     lines += ["", f"- **Pinned, both runs meet the TPOT and TTFT median targets** (TPOT median {e1['tpot median']:.1%} and "
               f"{e2['tpot median']:.1%}, TTFT median {e1['ttft median']:.1%} and {e2['ttft median']:.1%}); the TPOT p95 "
@@ -762,7 +755,7 @@ def h200_beside_pinned_section(df: pd.DataFrame) -> str:
               "prefetches the main thread had issued before the simulator withdrew them: copies the simulator does not "
               "make (as on the H100, `validation/h100/eager/report.md`, section 1).",
               "- One of the eight pinned 100% rows (pinned1, cap100-pf-lru, "
-              f"{_h200_beside_ms(runs['pinned1'].loc['cap100-pf-lru', 'tpot_measured_s'])} ms) measured slower than its three "
+              f"{_ms(runs['pinned1'].loc['cap100-pf-lru', 'tpot_measured_s'])} ms) measured slower than its three "
               "siblings of that run, which pinning did not prevent."]
     return "\n".join(lines) + "\n"
 
