@@ -65,7 +65,8 @@ TESTS: dict[str, list[str]] = {
     "moesim/config/reference.py": ["tests/test_reference.py"],
     "moesim/simulator/stream.py": ["tests/test_stream.py"],
     "moesim/jitplan.py": ["tests/test_jitplan.py", "tests/test_workers_server.py"],
-    "moesim/studies/sweep.py": ["tests/test_sweep.py", "tests/test_workers_server.py", "tests/test_compare.py",
+    # the reuse path by hand first (tests/test_sweep_reuse_hand.py), then real sweeps
+    "moesim/studies/sweep.py": ["tests/test_sweep_reuse_hand.py", "tests/test_sweep.py", "tests/test_workers_server.py", "tests/test_compare.py",
                                 "tests/test_reuse.py"],
     # the capacity bisection by hand and its reuse; the slow end-to-end checks are run on the survivors
     "moesim/studies/load.py": ["tests/test_load_tables.py", "tests/test_load_bisection.py", "tests/test_reuse.py"],
