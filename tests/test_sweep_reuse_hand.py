@@ -215,7 +215,8 @@ def test_run_points_hands_on_exactly_the_points_not_whole_with_their_own_fingerp
     executor is replaced to see what it is handed."""
     handed: list[tuple[list[str], int, int]] = []
 
-    def fake_ray(data, todo, out, workers, address, progress, finished_, total):
+    def fake_ray(data, todo, out_, workers, address, progress, finished_, total):
+        assert (data, out_, workers, address, progress) == ({"k": 1}, out, 3, "ray://h", report)
         handed.append(([p.pid for p in todo], finished_, total))
         return 0
 
@@ -231,13 +232,17 @@ def test_run_points_hands_on_exactly_the_points_not_whole_with_their_own_fingerp
     (out / "points" / ".ok.tmp-9").mkdir()
     monkeypatch.setattr(S, "DIGEST_ALWAYS", 100)
     seen = []
-    runs = run_points({}, pts, out, executor="ray", progress=lambda *a: seen.append(a))
+
+    def report(*a):
+        seen.append(a)
+
+    runs = run_points({"k": 1}, pts, out, 3, "ray", "ray://h", report)
     assert handed == [(["old", "never", "harmed"], 2, 5)]
     assert (runs.reused, runs.ran) == (2, 3)
     assert runs.recomputed == {"harmed": "cache.capacity=harmed: steps.parquet is missing"}
     assert seen == [(2, 0, 5)]
     assert not (out / "points" / ".ok.tmp-9").exists()
-    runs = run_points({}, pts, out, executor="ray", verify=True)
+    runs = run_points({"k": 1}, pts, out, 3, "ray", "ray://h", report, verify=True)
     assert handed[-1] == (["old", "never", "harmed", "big"], 1, 5)
     assert (runs.reused, runs.ran) == (1, 4)
     assert runs.recomputed["big"] == "cache.capacity=big: steps.parquet is not what was written (its SHA-256 differs)"
@@ -252,3 +257,72 @@ def test_run_points_with_nothing_to_run_forks_nothing_and_an_unknown_executor_is
     assert (runs.reused, runs.ran, runs.recomputed, S._forked) == (1, 0, {}, forked)
     with pytest.raises(MoesimError, match="unknown executor 'slurm'; valid: local, ray"):
         run_points({}, [p], tmp_path, executor="slurm")
+
+
+class Pool(S.ProcessPoolExecutor):
+    """The local executor's pool, recording how it was made and shut down."""
+
+    made: list[tuple] = []
+    shut: list[tuple] = []
+
+    def __init__(self, *args, **kw):
+        Pool.made.append((args, kw))
+        super().__init__(*args, **kw)
+
+    def shutdown(self, wait=True, *, cancel_futures=False):
+        Pool.shut.append((wait, cancel_futures))
+        super().shutdown(wait, cancel_futures=cancel_futures)
+
+
+def failing(pid: str) -> Point:
+    """A point whose scenario is refused at once (no simulation): it runs and fails fast."""
+    return Point(pid, {"eviction": "no-such-policy"}, "fp")
+
+
+def test_the_local_executor_runs_each_point_in_a_fresh_process_and_counts_as_they_end(tmp_path, monkeypatch):
+    """Three points to run (each refused by its scenario, so each ends in an error file) beside
+    one reused: one fresh process per point, one at a time by default, progress after each."""
+    Pool.made, Pool.shut = [], []
+    monkeypatch.setattr(S, "ProcessPoolExecutor", Pool)
+    done = point("done")
+    finished(tmp_path, done)
+    todo = [failing("f1"), failing("f2"), failing("f3")]
+    seen = []
+    forked = S._forked
+    data = S.base_data("quickstart")[1]
+    runs = run_points(data, [done, *todo], tmp_path, progress=lambda *a: seen.append(a))
+    assert (runs.reused, runs.ran, runs.recomputed) == (1, 3, {})
+    assert S._forked == forked + 3
+    assert seen == [(1, 0, 4), (2, 1, 4), (3, 2, 4), (4, 3, 4)]
+    (args, kw), = Pool.made
+    assert args[0] == 1 and args[1].get_start_method() == "forkserver"
+    assert kw == {"max_tasks_per_child": 1}
+    assert Pool.shut == [(True, True)]
+    for p in todo:
+        err = json.loads((tmp_path / "points" / p.pid / "error.json").read_text())
+        assert err["id"] == p.pid and "no-such-policy" in err["error"]
+    assert check_point(tmp_path / "points" / "done") is None
+
+
+
+def test_a_folder_that_cannot_be_removed_does_not_stop_the_rerun(tmp_path, monkeypatch):
+    """Leftovers the file system refuses to remove (another user's files, a busy NFS handle)
+    are left where they are: cleaning and pruning go on."""
+    real = S.shutil.rmtree
+
+    def refusing(path, ignore_errors=False, **kw):
+        if Path(path).name in (".stuck.tmp-1", "stuck-old"):
+            if not ignore_errors:
+                raise PermissionError(13, "Permission denied", str(path))
+            return
+        real(path, ignore_errors=ignore_errors, **kw)
+
+    base = tmp_path / "points"
+    for name in (".stuck.tmp-1", ".gone.tmp-2"):
+        (base / name).mkdir(parents=True)
+    finished(tmp_path, point("stuck-old"))
+    finished(tmp_path, point("gone-old"))
+    monkeypatch.setattr(S.shutil, "rmtree", refusing)
+    assert sorted(p.name for p in clean_partial(tmp_path)) == [".gone.tmp-2", ".stuck.tmp-1"]
+    assert [pid for pid, _ in other_points(tmp_path, [], remove=True)] == ["gone-old", "stuck-old"]
+    assert sorted(p.name for p in base.iterdir()) == [".stuck.tmp-1", "stuck-old"]

@@ -104,6 +104,14 @@ FUNCTIONS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
+    # the sweep's reuse path (MUTATE_ONLY over it, with tests/test_sweep_reuse_hand.py)
+    **{"moesim.studies.sweep.x_file_digest__mutmut_" + str(n):
+       "the size of each read changes how the file is read, not the digest of its bytes" for n in (5, 7, 8)},
+    **{"moesim.studies.sweep.x_other_points__mutmut_" + str(n):
+       "a values entry that is not a mapping (None included) is read as {} on the next line" for n in (9, 11, 22)},
+    "moesim.studies.sweep.x_run_points__mutmut_73":
+        "sys.version_info > (3, 11) for >= (3, 11): a version tuple is longer than (3, 11), so never equal to it",
+    "moesim.studies.sweep.x_run_points__mutmut_111": "shutdown's wait is True by default",
     # a first compile on two cores : the helper's lock file's name
     **{'moesim.jitplan.x__lock_path__mutmut_' + str(n): "another fixed text for an unset NUMBA_CACHE_DIR: the "
        "name stays one per moesim and cache folder" for n in (4, 6, 9)},
