@@ -3,7 +3,7 @@ saturation in at most 60 s on the 2-core machine), measured in one run (not a te
 
 The scenario (``benchmarks/serving-10k.yaml``): an OLMoE-1B-7B synthetic trace of 64 recorded
 requests (128 prompt tokens, 32 output tokens), 10,000 requests arriving as a Poisson process,
-prefill-first continuous batching (64 running, 8,192 tokens a pass), an expert cache of 50% on
+vllm-v0 continuous batching (64 running, 8,192 tokens a pass), an expert cache of 50% on
 an A100-80GB behind PCIe 4.0, LRU. First the burst throughput is measured (the requests served
 per second when 2,000 of them arrive at 1,000 requests/s, every batch full); the timed run then
 offers 95% of it. That is above what the server sustains under Poisson arrivals (batches are

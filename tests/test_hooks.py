@@ -719,7 +719,7 @@ def test_a_compiled_hook_policy_serves_under_load_as_the_builtin_it_mirrors(hook
                 "workload": {"trace": {"synth": {"preset": "olmoe-1b-7b", "requests": 6, "prompt_tokens": 16,
                                                  "tokens": 6, "layers": 4, "pred_next": True}},
                              "arrivals": {"process": "gamma", "rate": 2.0, "cv": 3.0, "requests": 14}},
-                "scheduler": {"max_running": 4, "max_batched_tokens": 40, "policy": "chunked",
+                "scheduler": {"max_running": 4, "max_batched_tokens": 40, "policy": "sarathi",
                               "chunked_prefill_tokens": 12}}
         return Simulation(scenario_from_dict(data)).run()
 

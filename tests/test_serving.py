@@ -33,6 +33,7 @@ from tests.helpers import unwrap
 
 TINY = {"synth": {"preset": "olmoe-1b-7b", "requests": 3, "prompt_tokens": 4, "tokens": 4, "layers": 2,
                   "experts": 8, "top_k": 2}}
+TINY_KV = 2 * 2 * 16 * 128 * 2  # KV bytes a token: keys and values, 2 layers, 16 KV heads of 128, bf16
 
 
 def served(trace: dict[str, Any], arrivals: dict[str, Any], scheduler: dict[str, Any] | None = None,
@@ -160,30 +161,57 @@ def hand_union(trace: Any, tokens: list[tuple[int, int, int]], prompt: dict[int,
     return out
 
 
+KV = {"kv_memory": f"{10 * TINY_KV}B", "kv_block_tokens": 2}  # 10 tokens of TINY's KV (16 KiB a token): 5 blocks
+ROWS_KV = [(0, 4, 3), (0, 2, 4), (0, 2, 2)]
+RECOMPUTED = {name: {2: 2} for name in ("vllm-v1-kv", "vllm-v0-kv", "sarathi-kv")}  # request: tokens thrown away
+
 SCHEDULES = {
-    # prefill-first, 2 running at most: A and B prefilled together; C waits for B to finish
-    "prefill-first": ({"max_running": 2, "max_batched_tokens": 16},
+    # vllm-v0, 2 running at most: A and B prefilled together; C waits for B to finish
+    "vllm-v0": ({"max_running": 2, "max_batched_tokens": 16, "policy": "vllm-v0"},
                       [[(0, 0, 4), (1, 0, 2)], [(0, 4, 1), (1, 2, 1)], [(2, 0, 3)], [(0, 5, 1), (2, 3, 1)]],
                       {0: (0, 3), 1: (0, 1), 2: (2, 3)}),
     # chunked, 4 tokens a pass: A's prompt; A's decode + B's prompt; both decode; C; C's decode
-    "chunked": ({"max_running": 2, "max_batched_tokens": 4, "policy": "chunked"},
+    "sarathi": ({"max_running": 2, "max_batched_tokens": 4, "policy": "sarathi"},
                 [[(0, 0, 4)], [(0, 4, 1), (1, 0, 2)], [(0, 5, 1), (1, 2, 1)], [(2, 0, 3)], [(2, 3, 1)]],
                 {0: (0, 2), 1: (1, 2), 2: (3, 4)}),
     # chunked prompts of at most 2 tokens: A's and C's prompts in two chunks (no token from the first);
     # B's first token in pass 0, its decode first in pass 1
-    "chunked-2": ({"max_running": 3, "max_batched_tokens": 8, "policy": "chunked", "chunked_prefill_tokens": 2},
+    "sarathi-2": ({"max_running": 3, "max_batched_tokens": 8, "policy": "sarathi", "chunked_prefill_tokens": 2},
                   [[(0, 0, 2), (1, 0, 2), (2, 0, 2)], [(0, 2, 2), (1, 2, 1), (2, 2, 1)],
                    [(0, 4, 1), (2, 3, 1)], [(0, 5, 1)]],
                   {0: (1, 3), 1: (0, 1), 2: (1, 2)}),
     # chunked, 4 tokens a pass, 3 running: B's long prompt goes on in chunks behind A's decode token,
     # and C waits for the pass with tokens to spare (requests: A 3+3, B 8+2, C 2+2)
-    "chunked-carry": ({"max_running": 3, "max_batched_tokens": 4, "policy": "chunked"},
+    "sarathi-carry": ({"max_running": 3, "max_batched_tokens": 4, "policy": "sarathi"},
                       [[(0, 0, 3), (1, 0, 1)], [(0, 3, 1), (1, 1, 3)], [(0, 4, 1), (1, 4, 3)],
                        [(1, 7, 1), (2, 0, 2)], [(1, 8, 1), (2, 2, 1)]],
                       {0: (0, 2), 1: (3, 4), 2: (3, 4)}),
+    # vllm-v1, 2 running at most: A and B prefilled together and decoded; A's last decode and C's
+    # prompt in one pass (V0 gives C's prompt a pass of its own)
+    "vllm-v1": ({"max_running": 2, "max_batched_tokens": 16},
+                [[(0, 0, 4), (1, 0, 2)], [(0, 4, 1), (1, 2, 1)], [(0, 5, 1), (2, 0, 3)], [(2, 3, 1)]],
+                {0: (0, 2), 1: (0, 1), 2: (2, 3)}),
+    # KV in 5 blocks of 2 tokens (A 4+3, B 2+4, C 2+2): all three prefilled (2 + 1 + 1 blocks); in
+    # the next pass B's decode needs a block A's took, so C (the last admitted) is preempted and
+    # B decodes; C is readmitted when A's blocks are freed and recomputes its prompt and its
+    # first output token (3 tokens, 2 blocks) before making its second
+    "vllm-v1-kv": ({"max_running": 3, "max_batched_tokens": 16, **KV},
+                   [[(0, 0, 4), (1, 0, 2), (2, 0, 2)], [(0, 4, 1), (1, 2, 1)], [(0, 5, 1), (1, 3, 1)],
+                    [(1, 4, 1), (2, 0, 3)]],
+                   {0: (0, 2), 1: (0, 3), 2: (0, 3)}),
+    # the same under vllm-v0: C's recompute is a prefill pass of its own, B's last decode after it
+    "vllm-v0-kv": ({"max_running": 3, "max_batched_tokens": 16, "policy": "vllm-v0", **KV},
+                   [[(0, 0, 4), (1, 0, 2), (2, 0, 2)], [(0, 4, 1), (1, 2, 1)], [(0, 5, 1), (1, 3, 1)],
+                    [(2, 0, 3)], [(1, 4, 1)]],
+                   {0: (0, 2), 1: (0, 4), 2: (0, 3)}),
+    # and under sarathi: decodes first, C's recompute in the tokens left, as vllm-v1
+    "sarathi-kv": ({"max_running": 3, "max_batched_tokens": 16, "policy": "sarathi", **KV},
+                   [[(0, 0, 4), (1, 0, 2), (2, 0, 2)], [(0, 4, 1), (1, 2, 1)], [(0, 5, 1), (1, 3, 1)],
+                    [(1, 4, 1), (2, 0, 3)]],
+                   {0: (0, 2), 1: (0, 3), 2: (0, 3)}),
 }
 
-ROWS = {"chunked-carry": [(0, 3, 3), (0, 8, 2), (0, 2, 2)]}
+ROWS = {"sarathi-carry": [(0, 3, 3), (0, 8, 2), (0, 2, 2)], **dict.fromkeys(RECOMPUTED, ROWS_KV)}
 
 
 @pytest.mark.parametrize("block", [1 << 16, 2])
@@ -235,6 +263,10 @@ def test_continuous_batching_by_hand(name: str, block: int, tmp_path: Path, monk
         assert (np.isnan(got) if len(gaps) == 0 else got == gaps.max()), (r, got, gaps)
     assert res.summary["itl_p50_s"] == pytest.approx(float(np.percentile(pooled, 50)), rel=1e-15)
     assert res.summary["itl_p99_s"] == pytest.approx(float(np.percentile(pooled, 99)), rel=1e-15)
+    recomputed = RECOMPUTED.get(name, {})
+    assert res.requests["recomputed_tokens"].tolist() == [recomputed.get(r, 0) for r in range(3)]
+    assert res.requests["preemptions"].tolist() == [int(r in recomputed) for r in range(3)]
+    assert (res.summary["preemptions"], res.summary["recomputed_tokens"]) == (len(recomputed), sum(recomputed.values()))
     assert res.requests["source_request"].tolist() == [0, 1, 2]  # the recorded requests, in order
     assert res.requests["scheduled_s"].tolist() == [0.0, *[steps["start_s"].iloc[next(
         k for k, p in enumerate(passes) if any(x[0] == r for x in p))] for r in (1, 2)]]
@@ -272,7 +304,7 @@ def test_closed_loop_equals_simpy_open_loop(eviction: str, prefetch: str, mode: 
     monkeypatch.setattr(serving.Scheduler, "KEEP", True)
     trace = {"synth": {"preset": "olmoe-1b-7b", "requests": 6, "prompt_tokens": 16, "tokens": 6, "layers": 4}}
     data = served(trace, {"process": "gamma", "rate": 2.0, "cv": 3.0, "requests": 14},
-                  {"max_running": 4, "max_batched_tokens": 40, "policy": "chunked", "chunked_prefill_tokens": 12},
+                  {"max_running": 4, "max_batched_tokens": 40, "policy": "sarathi", "chunked_prefill_tokens": 12},
                   expert_compute=mode, execution={"style": execution},
                   policies={"eviction": eviction, "prefetch": prefetch})
     sc = scenario_from_dict(data)
@@ -390,9 +422,11 @@ def test_summary_figures_from_the_table() -> None:
     assert not np.array_equal(other.requests["arrival_s"], req["arrival_s"])
 
 
-def test_kv_memory_limits_admission(tmp_path: Path) -> None:
-    """With room for the KV cache of two requests only, the third waits for one to finish
-    although max_running allows three."""
+def test_paged_kv_admits_by_the_blocks_held_and_preempts_the_last_admitted(tmp_path: Path) -> None:
+    """15 one-token blocks, three requests of 4 + 3 at once: each holds the blocks of the tokens
+    it has processed, so all three run together (a reservation of the whole 7-token context
+    would admit two); when A's third token needs a block none is free, C (admitted last) is
+    preempted, and it recomputes its prompt and two outputs (6 tokens) when A and B are done."""
     from moesim.traces.schema import ModelInfo
 
     b = bank()
@@ -400,12 +434,19 @@ def test_kv_memory_limits_admission(tmp_path: Path) -> None:
     per_token = 2 * m.num_layers * m.kv_heads * m.head_size * 2
     path = write_csv(tmp_path / "three.csv", [(0, 4, 3), (0, 4, 3), (0, 4, 3)])
     data = served(TINY, {"process": "file", "path": str(path)},
-                  {"max_running": 3, "max_batched_tokens": 64, "kv_memory": f"{per_token * 15}B"})
+                  {"max_running": 3, "max_batched_tokens": 64, "kv_memory": f"{per_token * 15}B",
+                   "kv_block_tokens": 1})
     res = simulate(scenario_from_dict(data))
     assert res.summary["kv_capacity_tokens"] == 15
-    assert res.steps["requests"].tolist()[0] == 2  # 7 tokens each: two fit in 15
-    assert res.requests["scheduled_s"].iloc[2] == res.requests["finish_s"].iloc[0]
-    assert res.summary["max_running_seen"] == 2
+    assert res.steps["requests"].tolist() == [3, 3, 2, 1]
+    assert res.steps["tokens"].tolist() == [12, 3, 2, 6]
+    assert res.summary["max_running_seen"] == 3
+    end = res.steps["end_s"].to_numpy()
+    assert res.requests["finish_s"].tolist() == [end[2], end[2], end[3]]
+    assert res.requests["first_token_s"].tolist() == [end[0]] * 3
+    assert res.requests["preemptions"].tolist() == [0, 0, 1]
+    assert res.requests["recomputed_tokens"].tolist() == [0, 0, 5]
+    assert res.requests["itl_max_s"].iloc[2] == end[3] - end[1]  # its third token waited for the recompute
 
 
 # -- bad input -----------------------------------------------------------------------------------
@@ -414,9 +455,14 @@ def test_kv_memory_limits_admission(tmp_path: Path) -> None:
     ({"workload.batch_size": 4}, "workload.batch_size"),
     ({"policies": {"prefetch": "previous-token"}}, "previous-token"),
     ({"policies": {"eviction": "belady"}}, "belady"),
-    ({"scheduler": {"max_running": 8, "max_batched_tokens": 4, "policy": "chunked"}}, "at least max_running"),
-    ({"scheduler": {"max_running": 8, "max_batched_tokens": 4}}, "decodes one token of every running request"),
-    ({"scheduler": {"max_running": 2, "max_batched_tokens": 3}}, "more than scheduler.max_batched_tokens"),
+    ({"scheduler": {"max_running": 8, "max_batched_tokens": 4, "policy": "sarathi"}}, "at least max_running"),
+    ({"scheduler": {"max_running": 8, "max_batched_tokens": 4}}, "a token of every running request in one pass"),
+    ({"scheduler": {"max_running": 2, "max_batched_tokens": 3, "policy": "vllm-v0"}},
+     "more than scheduler.max_batched_tokens"),
+    ({"scheduler": {"policy": "vllm-v0", "chunked_prefill_tokens": 4}}, "vllm-v0 prefills whole prompts"),
+    ({"scheduler": {"kv_watermark": 1.0}}, "kv_watermark is a share of the KV blocks in [0, 1)"),
+    ({"scheduler": {"kv_block_tokens": 0}}, "kv_block_tokens must be >= 1"),
+    ({"scheduler": {"policy": "chunked"}}, "vllm-v1, vllm-v0, sarathi"),
     ({"scheduler": {"kv_memory": "1KB"}}, "less than one token"),
     ({"cache": {"capacity": "inf"}}, "cache.capacity is infinite"),
     ({"timing": False}, "timing: true"),
@@ -672,9 +718,9 @@ def loads(draw: Any) -> dict[str, Any]:
     n = draw(st.integers(1, 7))
     rows = [(draw(st.sampled_from([0.0, 0.0, 0.01, 0.05, 0.3, 2.0])), draw(st.integers(0, 6)), draw(st.integers(1, 6)))
             for _ in range(n)]
-    policy = draw(st.sampled_from(["prefill-first", "chunked"]))
+    policy = draw(st.sampled_from(["vllm-v0", "sarathi", "vllm-v1"]))
     running = draw(st.integers(1, 4))
-    if policy == "chunked":
+    if policy != "vllm-v0":
         sched = {"policy": policy, "max_running": running,
                  "max_batched_tokens": draw(st.integers(running, running + 8)),
                  "chunked_prefill_tokens": draw(st.sampled_from([None, 1, 2, 5]))}
@@ -683,22 +729,28 @@ def loads(draw: Any) -> dict[str, Any]:
                  "max_batched_tokens": draw(st.integers(max(running, *(max(p, 1) for _, p, _ in rows)), 14))}
     if sched.get("chunked_prefill_tokens") is None:
         sched.pop("chunked_prefill_tokens", None)
+    kv = draw(st.sampled_from([None, 12, 12, 16]))  # tokens of KV: a request needs at most 11
+    if kv is not None:
+        sched.update(kv_memory=f"{kv * TINY_KV}B", kv_block_tokens=draw(st.sampled_from([1, 2, 4])))
+        if policy == "vllm-v0":  # a recompute is one pass: vLLM V0 needs max_model_len in the budget
+            sched["max_batched_tokens"] = max(sched["max_batched_tokens"], 12)
     return {"rows": rows, "scheduler": sched, "eviction": draw(st.sampled_from(["lru", "least-stale", "lfu"])),
             "prefetch": draw(st.sampled_from(["none", "oracle"])),
             "mode": draw(st.sampled_from(["layer", "per-expert", "on-arrival"])),
             "capacity": draw(st.sampled_from(["10%", "40%"]))}
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(load=loads())
 def test_schedules_keep_their_limits_and_replay_as_simpy(load: dict[str, Any], tmp_path_factory: Any,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any small load: every request is served in full (its prompt, or one decode token, then
-    one decode token per further output token); no pass holds more than max_batched_tokens
-    tokens or max_running requests, nor a prompt chunk above chunked_prefill_tokens; with
-    prefill-first a pass prefills or decodes, never both; admission is first come, first
-    served; times are in order; and the kernel's closed loop equals the SimPy path's open-loop
-    replay of its schedule, bit for bit."""
+    """Any small load, with and without KV pressure: every request is served in full (its
+    prompt, or one decode token, then one decode token per further output token, and again
+    the tokens a preemption threw away); no pass holds more than max_batched_tokens tokens or
+    max_running requests, nor a prompt chunk above chunked_prefill_tokens; the KV blocks the
+    requests of a pass hold never exceed the cache; with vllm-v0 a pass prefills or decodes,
+    never both; first admission is first come, first served; times are in order; and the
+    kernel's closed loop equals the SimPy path's open-loop replay of its schedule, bit for bit."""
     monkeypatch.setattr(serving.Scheduler, "KEEP", True)
     t, rows = 0.0, []
     for gap, p, o in load["rows"]:
@@ -725,16 +777,20 @@ def test_schedules_keep_their_limits_and_replay_as_simpy(load: dict[str, Any], t
         assert toks["r"].nunique() <= sched["max_running"]
         per = toks.groupby("r").size()
         firsts = np.maximum(prompt, 1)
-        if sched["policy"] == "prefill-first":  # all newly admitted (whole first parts), or all decoding
-            admitted = [done[r] == 0 and c == firsts[r] for r, c in per.items()]
-            decoding = [done[r] >= firsts[r] and c == 1 for r, c in per.items()]
-            assert all(admitted) or all(decoding)
+        if sched["policy"] == "vllm-v0":  # all (re)admitted, from their first position, or all decoding
+            first = toks.groupby("r")["pos"].min()
+            assert (first == 0).all() or ((per == 1).all() and (first > 0).all())
         for r, c in per.items():
             done[r] += c
+        if "kv_memory" in sched:  # the blocks of the positions each request reached, within the cache
+            block = sched["kv_block_tokens"]
+            reached = toks.groupby("r")["pos"].max() + 1
+            assert int((-(-reached // block)).sum()) <= int(sched["kv_memory"][:-1]) // TINY_KV // block
         pre = toks[toks["ph"] == 0].groupby("r").size()
         if sched.get("chunked_prefill_tokens"):
             assert (pre <= sched["chunked_prefill_tokens"]).all()
-    assert done.tolist() == (np.maximum(prompt, 1) + output - 1).tolist()
+    assert done.tolist() == (np.maximum(prompt, 1) + output - 1 + req["recomputed_tokens"].to_numpy()).tolist()
+    assert (req["recomputed_tokens"] > 0).tolist() == (req["preemptions"] > 0).tolist()
     assert int(res.steps["generated"].sum()) == int(output.sum())
     assert (np.diff(req["scheduled_s"]) >= 0).all()  # first come, first served
     assert (req["scheduled_s"] >= req["arrival_s"]).all()
@@ -773,13 +829,15 @@ def test_summary_by_hand() -> None:
         "arrival_s": [0.0, 1.0, 2.0, 4.0, 8.0], "ttft_s": [0.5, 1.0, 1.5, 2.0, 3.0],
         "tpot_s": [0.1, nan, 0.3, 0.2, 0.5], "e2e_s": [1.0, 2.0, 3.0, 4.0, 10.0],
         "queue_s": [0.0, 0.5, 1.0, 1.5, 2.0], "finish_s": [1.0, 3.0, 5.0, 8.0, 18.0],
-        "output_tokens": [3, 1, 2, 4, 5], "itl_max_s": [0.2, nan, 0.3, 0.2, 0.6]})
+        "output_tokens": [3, 1, 2, 4, 5], "itl_max_s": [0.2, nan, 0.3, 0.2, 0.6],
+        "preemptions": [0, 0, 1, 0, 2], "recomputed_tokens": [0, 0, 5, 0, 7]})
     gaps = np.array([0.1, 0.2, 0.3, 0.1, 0.2, 0.2, 0.5, 0.4, 0.6, 0.1])  # 2, 0, 1, 3 and 4 per request
     s = serving.summary(req, SloConfig(ttft_s=1.5, tpot_s=0.3), gaps)
     want = {"ttft_mean_s": 1.6, "ttft_p50_s": 1.5, "ttft_p99_s": 2.96, "tpot_mean_s": 0.275, "tpot_p50_s": 0.25,
             "tpot_p99_s": 0.494, "e2e_p99_s": 9.76, "queue_mean_s": 1.0, "throughput_tokens_s": 15 / 18,
             "requests_per_s": 5 / 18, "served_requests": 5, "offered_rate": 0.5, "slo_attainment": 0.6,
-            "goodput_requests_s": 3 / 18, "itl_p50_s": 0.2, "itl_p99_s": 0.591}
+            "goodput_requests_s": 3 / 18, "itl_p50_s": 0.2, "itl_p99_s": 0.591, "preemptions": 3,
+            "recomputed_tokens": 12}
     assert set(s) == set(want)
     for k, v in want.items():
         assert s[k] == pytest.approx(v, rel=1e-12), k
@@ -793,7 +851,7 @@ def test_summary_by_hand() -> None:
     assert "slo_attainment" not in two
     one = serving.summary(pd.DataFrame({k: [v[0]] for k, v in {
         "arrival_s": [2.0], "ttft_s": [0.0], "tpot_s": [nan], "e2e_s": [0.0], "queue_s": [0.0], "finish_s": [2.0],
-        "output_tokens": [1]}.items()}), SloConfig(ttft_s=1.0))
+        "output_tokens": [1], "preemptions": [0], "recomputed_tokens": [0]}.items()}), SloConfig(ttft_s=1.0))
     assert one["requests_per_s"] is None
     assert one["goodput_requests_s"] is None
     assert one["offered_rate"] is None

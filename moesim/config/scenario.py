@@ -15,7 +15,7 @@ Keys (``docs/design.md``: "Scenario YAML")::
       trace: {synth: {preset: olmoe-1b-7b, tokens: 2000}}   # or {path: trace.parquet}
       batch_size: 1
       arrivals: {process: poisson, rate: 4, requests: 500}   # serving under load (optional)
-    scheduler: {max_running: 64, max_batched_tokens: 4096, policy: prefill-first}
+    scheduler: {max_running: 64, max_batched_tokens: 4096, policy: vllm-v1}
     slo: {ttft_s: 0.5, tpot_s: 0.1}
     cache: {capacity: 5%, precision: bf16}
     policies: {eviction: lru, miss: fetch, prefetch: none, routing: standard, budget: none}
@@ -184,36 +184,51 @@ class ArrivalsConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching (``docs/guides/serving.md``): vLLM V0's prefill-first scheduling or
-    chunked prefill, as vLLM's V1 scheduler does."""
+    """Continuous batching (``docs/guides/serving.md``), scheduled as vLLM's V1 engine does
+    (``vllm-v1``), its V0 engine without chunked prefill (``vllm-v0``) or Sarathi-Serve
+    (``sarathi``); KV cache in blocks allocated as tokens are made, preempted by recompute."""
 
     max_running: int = field(default=256, metadata={"help": "requests admitted at once (vLLM max_num_seqs)"})
     max_batched_tokens: int = field(default=8192, metadata={
         "help": "tokens in one forward pass (vLLM max_num_batched_tokens)"})
-    policy: Literal["prefill-first", "chunked"] = field(default="prefill-first", metadata={
-        "help": "prefill-first (a pass of new prompts whenever one can be admitted, else a decode pass) or "
-                "chunked (decodes first, then prompt chunks in the tokens left)"})
+    policy: Literal["vllm-v1", "vllm-v0", "sarathi"] = field(default="vllm-v1", metadata={
+        "help": "vllm-v1 (running requests first, a decode token or the rest of a prompt each, then waiting ones, "
+                "in one token budget), vllm-v0 (a pass of whole new prompts whenever one can be admitted, else "
+                "a decode pass) or sarathi (decodes first, then prompt chunks in the tokens left)"})
     chunked_prefill_tokens: int | None = field(default=None, metadata={
-        "help": "chunked: the most prompt tokens of one request in a pass (default: max_batched_tokens)"})
+        "help": "vllm-v1 and sarathi: the most prompt tokens of one request in a pass (vLLM "
+                "long_prefill_token_threshold; Sarathi's chunk size; default: max_batched_tokens)"})
     kv_memory: str = field(default="auto", metadata={
         "help": "KV-cache memory: 'auto' (HBM left after the expert cache and the dense weights), "
                 "a size ('20GB'), or 'none' (no limit)"})
+    kv_block_tokens: int = field(default=16, metadata={"help": "tokens per KV-cache block (vLLM block_size)"})
+    kv_watermark: float | None = field(default=None, metadata={
+        "help": "share of KV blocks a new admission must leave free (default: 0.01 for vllm-v0 and sarathi, "
+                "as vLLM V0's block manager; 0 for vllm-v1, which keeps none)"})
 
     def __post_init__(self) -> None:
-        for key in ("max_running", "max_batched_tokens"):
+        for key in ("max_running", "max_batched_tokens", "kv_block_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.kv_watermark is not None and not 0 <= self.kv_watermark < 1:
+            raise ValueError(f"kv_watermark is a share of the KV blocks in [0, 1), got {self.kv_watermark}")
         if self.chunked_prefill_tokens is not None:
             if self.chunked_prefill_tokens < 1:
                 raise ValueError(f"chunked_prefill_tokens must be >= 1, got {self.chunked_prefill_tokens}")
-            if self.policy != "chunked":
-                raise ValueError("chunked_prefill_tokens is for policy 'chunked'; set policy: chunked or remove it")
+            if self.policy == "vllm-v0":
+                raise ValueError("chunked_prefill_tokens is for policies vllm-v1 and sarathi (vllm-v0 prefills whole "
+                                 "prompts); set policy: vllm-v1 or sarathi, or remove it")
         if self.max_batched_tokens < self.max_running:
-            why = ("schedules every running request's decode token first" if self.policy == "chunked" else
-                   "decodes one token of every running request in a pass")
-            raise ValueError(f"policy '{self.policy}' {why}, so max_batched_tokens ({self.max_batched_tokens}) must "
-                             f"be at least max_running ({self.max_running}), as vLLM requires; raise "
-                             "max_batched_tokens or lower max_running")
+            raise ValueError(f"policy '{self.policy}' can schedule a token of every running request in one pass, "
+                             f"so max_batched_tokens ({self.max_batched_tokens}) must be at least max_running "
+                             f"({self.max_running}), as vLLM requires; raise max_batched_tokens or lower max_running")
+
+    @property
+    def watermark(self) -> float:
+        """The share of KV blocks an admission leaves free (``kv_watermark`` or the policy's)."""
+        if self.kv_watermark is not None:
+            return self.kv_watermark
+        return 0.0 if self.policy == "vllm-v1" else 0.01
 
 
 @dataclass(frozen=True)

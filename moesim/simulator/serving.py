@@ -5,19 +5,29 @@ back. With it, requests arrive over time (:func:`plan_requests`: a Poisson or ga
 or a serving-trace CSV) and a scheduler forms each forward pass from the requests present
 when the previous pass ends, in continuous batching (:class:`Scheduler`):
 
-- ``prefill-first`` (vLLM V0's scheduling without chunked prefill, as the Vidur simulator
-  models it; vLLM's V1 scheduler mixes decodes and prompt chunks, as ``chunked``): whenever waiting
-  requests can be admitted (first come, first served, up to ``max_running`` requests, their
-  prompts within ``max_batched_tokens``, their KV cache within the memory left), the pass
-  prefills them; otherwise it decodes one token of every running request.
-- ``chunked`` (vLLM's chunked prefill, what its V1 scheduler does): one decode token of every running request first, then
-  the unfinished prompts of running requests, then newly admitted prompts, each in chunks of at
-  most ``chunked_prefill_tokens``, until the pass holds ``max_batched_tokens`` tokens.
+- ``vllm-v1`` (vLLM's V1 engine, the default since vLLM 0.8: ``vllm/v1/core/sched/scheduler.py``,
+  ``Scheduler.schedule``): the running requests first, in the order they were admitted, each
+  its decode token or the rest of its prompt (at most ``chunked_prefill_tokens``), then
+  waiting requests' prompts, first come first served, in one budget of ``max_batched_tokens``
+  tokens; no new admission in a pass that preempted.
+- ``vllm-v0`` (vLLM's V0 engine without chunked prefill, ``vllm/core/scheduler.py``,
+  ``_schedule_default``, as the Vidur simulator models it): whenever waiting requests can be
+  admitted (up to ``max_running`` requests, their prompts within ``max_batched_tokens``), the
+  pass prefills their whole prompts; otherwise it decodes one token of every running request.
+- ``sarathi`` (Sarathi-Serve, Agrawal et al., OSDI 2024, its stall-free batching; vLLM V0 with chunked
+  prefill): one decode token of every running request first, then the unfinished prompts of
+  running requests, then newly admitted prompts, each in chunks of at most
+  ``chunked_prefill_tokens``, until the pass holds ``max_batched_tokens`` tokens.
 
-A request reserves the KV cache of its whole context (prompt and output) when admitted, so it
-is never preempted (vLLM allocates blocks as tokens are made and preempts when it runs out; a
-reservation admits fewer requests at once but never recomputes one). With nothing running and
-nobody waiting the GPU idles until the next arrival (the pass's *release* time).
+The KV cache is paged as vLLM pages it: blocks of ``kv_block_tokens`` tokens, a request
+holding the blocks of the positions it has processed or is processing in the pass (its first
+position's context included). A pass's blocks are allocated when it is formed; when a running
+request's are not free, the most recently admitted running request is preempted by
+recompute (its blocks freed, its tokens processed again later: prompt and the outputs made so
+far, before it makes the next one) and goes back to the head of the queue; the request itself
+when it is the last. A new admission must leave ``kv_watermark`` of the blocks free. With
+nothing running and nobody waiting the GPU idles until the next arrival (the pass's
+*release* time).
 
 Each pass is made into a one-pass :class:`Workload` by the same builder as every replay
 (:func:`simulator.workload.build_workload`: the distinct experts of each layer over the pass's
@@ -355,9 +365,18 @@ class Scheduler:
         n = len(plan.arrival)
         self.n = n
         self.first_part = np.maximum(plan.prompt, 1)  # tokens of the pass that makes the first output token
-        self.total = self.first_part + plan.output - 1  # tokens processed in all
-        self.kv = (bank.base[plan.source] + plan.prompt + plan.output).astype(np.float64)
+        self.total = self.first_part + plan.output - 1  # tokens processed in all, without preemption
+        self.need = self.first_part.copy()  # tokens processed when the next output token is made
+        self.redo = np.zeros(n, np.int64)  # a preempted request's tokens to recompute (prefilled again)
+        self.context = bank.base[plan.source].astype(np.int64)  # positions before the first served token
         self.kv_tokens = kv_tokens
+        self.block = self.cfg.kv_block_tokens
+        self.blocks = math.floor(kv_tokens / self.block) if math.isfinite(kv_tokens) else math.inf
+        self.watermark = math.floor(self.cfg.watermark * self.blocks) if math.isfinite(self.blocks) else 0
+        self.free = self.blocks
+        self.held = np.zeros(n, np.int64)  # KV blocks each request holds
+        self.preemptions = np.zeros(n, np.int64)
+        self.recomputed = np.zeros(n, np.int64)  # tokens processed again after preemption
         self.processed = np.zeros(n, np.int64)
         self.generated = np.zeros(n, np.int64)
         self.scheduled = np.full(n, np.nan)
@@ -369,25 +388,33 @@ class Scheduler:
         self.finished = 0
         self.max_running_seen = 0
         self.kept: list[Workload] | None = [] if self.KEEP else None
+        self.where = scenario.source
         self._check(scenario.source)
+
+    def _blocks(self, tokens: np.ndarray | int) -> np.ndarray | int:
+        """KV blocks that hold ``tokens`` tokens."""
+        return -(-tokens // self.block)
 
     def _check(self, where: str) -> None:
         """Limits no request can ever meet: one paragraph naming the first such request."""
         cfg = self.cfg
-        if cfg.policy == "prefill-first":
+        if cfg.policy == "vllm-v0":
             big = np.flatnonzero(self.first_part > cfg.max_batched_tokens)
             if len(big):
                 r = int(big[0])
                 raise MoesimError(f"{where}: request {r} (and {len(big) - 1} more) has a {int(self.first_part[r])}-token "
                                   f"prompt, more than scheduler.max_batched_tokens ({cfg.max_batched_tokens}); with "
-                                  "policy 'prefill-first' a prompt is prefilled in one pass, so it could never be "
-                                  "scheduled. Raise max_batched_tokens, or set policy: chunked.")
-        big = np.flatnonzero(self.kv > self.kv_tokens)
+                                  "policy 'vllm-v0' a prompt is prefilled in one pass, so it could never be "
+                                  "scheduled. Raise max_batched_tokens, or set policy: vllm-v1.")
+        whole = self._blocks(self.context + self.total)
+        big = np.flatnonzero(whole + self.watermark > self.blocks)
         if len(big):
             r = int(big[0])
-            raise MoesimError(f"{where}: request {r} (and {len(big) - 1} more) needs a KV cache of {int(self.kv[r]):,} "
-                              f"tokens, more than the {int(self.kv_tokens):,} the GPU holds beside the expert cache; it "
-                              "could never be admitted. Lower cache.capacity, shorten the requests, or set "
+            raise MoesimError(f"{where}: request {r} (and {len(big) - 1} more) needs {int(whole[r]):,} KV blocks of "
+                              f"{self.block} tokens ({int(self.context[r] + self.total[r]):,} tokens) at its last "
+                              f"token, more than the {int(self.blocks):,} the GPU holds beside the expert cache"
+                              f"{f' less the {self.watermark:,} kept free (kv_watermark)' if self.watermark else ''}; "
+                              "it could never be served. Lower cache.capacity, shorten the requests, or set "
                               "scheduler.kv_memory.")
 
     # -- the passes ------------------------------------------------------------------------
@@ -396,13 +423,14 @@ class Scheduler:
         arrival = self.plan.arrival
         self.waiting: deque[int] = deque()
         self.running: list[int] = []
-        self.kv_used = 0.0
         nxt = 0
         now = 0.0
-        # every pass processes at least one of the tokens left, so there are never more passes than tokens
-        tokens_left = int(self.total.sum())
+        # every pass processes at least one of the tokens left (a preemption adds those it
+        # throws away), so there are never more passes than tokens
+        self.tokens_left = int(self.total.sum())
+        form = {"vllm-v1": self._vllm_v1, "vllm-v0": self._vllm_v0, "sarathi": self._sarathi}[self.cfg.policy]
         while self.finished < self.n:
-            if tokens_left <= 0:
+            if self.tokens_left <= 0:
                 raise AssertionError("serving: the scheduler formed more passes than there are tokens to process")
             release = 0.0
             if not self.running and not self.waiting and arrival[nxt] > now:  # idle until the next arrival
@@ -410,78 +438,158 @@ class Scheduler:
             while nxt < self.n and arrival[nxt] <= now:
                 self.waiting.append(nxt)
                 nxt += 1
-            form = self._prefill_first if self.cfg.policy == "prefill-first" else self._chunked
             batch_r, batch_c = form(now)
             self.max_running_seen = max(self.max_running_seen, len(self.running))
             rs = np.asarray(batch_r, np.int64)
             cs = np.asarray(batch_c, np.int64)
-            tokens_left -= max(int(cs.sum()), 1)
+            self.tokens_left -= max(int(cs.sum()), 1)
             start = self.processed[rs].copy()
             made = self._made(rs, start, cs)
             end = yield self._workload(rs, start, cs, release, int(made.sum()))
             now = float(end)
             self._account(rs, start, cs, made, now)
 
-    def _admit(self, now: float) -> int | None:
-        """The first waiting request, admitted now if there is room for it among the running
-        (``max_running``) and for its KV cache; else None (first come, first served: nobody
-        behind it goes first)."""
-        if not self.waiting or len(self.running) >= self.cfg.max_running:
-            return None
-        r = self.waiting[0]
-        if self.kv_used + self.kv[r] > self.kv_tokens:
-            return None
+    def _left(self, r: int) -> int:
+        """Tokens request ``r`` has to process before its next output token (1 when decoding)."""
+        return max(int(self.need[r] - self.processed[r]), 1)
+
+    def _grow(self, r: int, tokens: int, keep: int = 0) -> bool:
+        """Allocate the KV blocks request ``r`` needs to process ``tokens`` more tokens, leaving
+        ``keep`` blocks free; False (nothing allocated) when they are not free."""
+        want = int(self._blocks(self.context[r] + self.processed[r] + tokens)) - int(self.held[r])
+        if want <= 0:
+            return True
+        if self.free - want < keep:
+            return False
+        self.held[r] += want
+        self.free -= want
+        return True
+
+    def _preempt(self, r: int) -> None:
+        """vLLM's preemption by recompute: the running request ``r`` frees its blocks and goes
+        back to the head of the queue, to process its prompt and the outputs it made again."""
+        self.running.remove(r)
+        self.waiting.appendleft(r)
+        self.free += int(self.held[r])
+        self.held[r] = 0
+        self.preemptions[r] += 1
+        self.recomputed[r] += self.processed[r]
+        self.tokens_left += int(self.processed[r])
+        self.processed[r] = 0
+        self.need[r] = self.redo[r] = self.first_part[r] + self.generated[r]
+        if self.cfg.policy == "vllm-v0" and self.need[r] > self.cfg.max_batched_tokens:
+            raise MoesimError(f"{self.where}: request {r} was preempted (its KV blocks were needed) with "
+                              f"{int(self.need[r]):,} tokens to recompute, more than scheduler.max_batched_tokens "
+                              f"({self.cfg.max_batched_tokens}); policy 'vllm-v0' recomputes them in one pass, as "
+                              "vLLM V0 without chunked prefill (which requires max_num_batched_tokens to be at least "
+                              "max_model_len). Raise max_batched_tokens, give the KV cache more memory "
+                              "(scheduler.kv_memory, a smaller cache.capacity), or set policy: vllm-v1.")
+
+    def _take(self, r: int, tokens: int, batch: dict[int, int]) -> bool:
+        """Allocate the running request ``r``'s blocks for ``tokens`` tokens, preempting the most
+        recently admitted running requests (dropped from ``batch`` when already in it) until
+        they are free; False when ``r`` itself had to go."""
+        while not self._grow(r, tokens):
+            victim = self.running[-1]
+            batch.pop(victim, None)
+            self._preempt(victim)
+            if victim == r:
+                return False
+        return True
+
+    def _start(self, r: int, now: float) -> None:
+        """The first waiting request starts running (admitted, or readmitted after preemption)."""
         self.waiting.popleft()
         self.running.append(r)
-        self.kv_used += self.kv[r]
-        self.scheduled[r] = now
-        return r
+        if np.isnan(self.scheduled[r]):
+            self.scheduled[r] = now
 
-    def _prefill_first(self, now: float) -> tuple[list[int], list[int]]:
-        """vLLM V0's scheduling: the whole prompts of the requests admitted now, as many as fit in
-        ``max_batched_tokens``; with none admitted, one decode token of every running one."""
-        batch_r: list[int] = []
-        batch_c: list[int] = []
+    def _admit(self, batch: dict[int, int], budget: int, cap: int, now: float) -> None:
+        """Waiting requests, first come first served, while the budget lasts, ``max_running``
+        allows and their first chunk's blocks are free beside the watermark."""
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
+            r = self.waiting[0]
+            n = min(self._left(r), cap, budget)
+            if not self._grow(r, n, self.watermark):
+                return
+            self._start(r, now)
+            batch[r] = n
+            budget -= n
+
+    def _vllm_v1(self, now: float) -> tuple[list[int], list[int]]:
+        """vLLM V1's ``schedule``: each running request in admission order gets its decode
+        token or the rest of its prompt (at most ``chunked_prefill_tokens``) while the budget
+        lasts, preempting from the back when blocks run out; then, when nothing was preempted,
+        waiting requests' prompts in the tokens left."""
+        cfg = self.cfg
+        cap = cfg.chunked_prefill_tokens or cfg.max_batched_tokens
+        budget = cfg.max_batched_tokens
+        batch: dict[int, int] = {}
+        before = int(self.preemptions.sum())
+        i = 0
+        while i < len(self.running) and budget > 0:
+            r = self.running[i]
+            n = min(self._left(r), cap, budget)
+            if not self._take(r, n, batch):
+                break
+            batch[r] = n
+            budget -= n
+            i += 1
+        if int(self.preemptions.sum()) == before:
+            self._admit(batch, budget, cap, now)
+        return list(batch), list(batch.values())
+
+    def _vllm_v0(self, now: float) -> tuple[list[int], list[int]]:
+        """vLLM V0 without chunked prefill: the whole prompts of the requests admitted now, as
+        many as fit in ``max_batched_tokens``; with none admitted, one decode token of every
+        running one, preempting from the back when a block is not free."""
+        batch: dict[int, int] = {}
         budget = self.cfg.max_batched_tokens
-        while self.waiting and int(self.first_part[self.waiting[0]]) <= budget:
-            r = self._admit(now)
-            if r is None:
+        while self.waiting and len(self.running) < self.cfg.max_running:
+            r = self.waiting[0]
+            n = self._left(r)
+            if n > budget or not self._grow(r, n, self.watermark):
                 break
-            batch_r.append(r)
-            batch_c.append(int(self.first_part[r]))
-            budget -= batch_c[-1]
-        if not batch_r:
-            return list(self.running), [1] * len(self.running)
-        return batch_r, batch_c
+            self._start(r, now)
+            batch[r] = n
+            budget -= n
+        if not batch:
+            i = 0
+            while i < len(self.running):
+                r = self.running[i]
+                if not self._take(r, 1, batch):
+                    break
+                batch[r] = 1
+                i += 1
+        return list(batch), list(batch.values())
 
-    def _chunked(self, now: float) -> tuple[list[int], list[int]]:
-        """vLLM's chunked prefill: a decode token of every running request that has its first
-        token, then chunks of the unfinished prompts, then of newly admitted ones, at most
-        ``chunked_prefill_tokens`` each, until the pass holds ``max_batched_tokens``."""
-        cap = self.cfg.chunked_prefill_tokens or self.cfg.max_batched_tokens
-        batch_r = [r for r in self.running if self.processed[r] >= self.first_part[r]]
-        batch_c = [1] * len(batch_r)
-        budget = self.cfg.max_batched_tokens - len(batch_r)
-        for r in self.running:
-            left = int(self.first_part[r] - self.processed[r])
-            if left > 0 and budget > 0:
-                batch_r.append(r)
-                batch_c.append(min(left, budget, cap))
-                budget -= batch_c[-1]
-        while budget > 0:
-            new = self._admit(now)
-            if new is None:
-                break
-            batch_r.append(new)
-            batch_c.append(min(int(self.first_part[new]), budget, cap))
-            budget -= batch_c[-1]
-        return batch_r, batch_c
+    def _sarathi(self, now: float) -> tuple[list[int], list[int]]:
+        """Sarathi-Serve: a decode token of every running request that has its first token,
+        then chunks of the unfinished prompts, then of newly admitted ones (none in a pass that
+        preempted), at most ``chunked_prefill_tokens`` each, until the pass holds
+        ``max_batched_tokens``; blocks as vLLM V1 allocates them."""
+        cfg = self.cfg
+        cap = cfg.chunked_prefill_tokens or cfg.max_batched_tokens
+        batch: dict[int, int] = {}
+        before = int(self.preemptions.sum())
+        for r in [r for r in self.running if self.processed[r] >= self.need[r]]:
+            if r in self.running and self._take(r, 1, batch):
+                batch[r] = 1
+        for r in [r for r in self.running if self.processed[r] < self.need[r]]:
+            budget = cfg.max_batched_tokens - sum(batch.values())
+            if r in self.running and budget > 0:
+                n = min(self._left(r), budget, cap)
+                if self._take(r, n, batch):
+                    batch[r] = n
+        if int(self.preemptions.sum()) == before:
+            self._admit(batch, cfg.max_batched_tokens - sum(batch.values()), cap, now)
+        return list(batch), list(batch.values())
 
     def _account(self, rs: np.ndarray, start: np.ndarray, cs: np.ndarray, made: np.ndarray, now: float) -> None:
         """After a pass that ended at ``now``: the tokens processed, first tokens, output
-        tokens made, and the requests that finished (leaving, their KV cache freed)."""
+        tokens made, and the requests that finished (leaving, their KV blocks freed)."""
         self.processed[rs] += cs
-        firsts = rs[(start < self.first_part[rs]) & (self.processed[rs] >= self.first_part[rs])]
+        firsts = rs[(start < self.need[rs]) & (self.processed[rs] >= self.need[rs]) & np.isnan(self.first_token[rs])]
         self.first_token[firsts] = now
         self.generated[rs] += made
         out = rs[made > 0]  # each request is in a pass at most once
@@ -499,13 +607,14 @@ class Scheduler:
             self.finished += len(done)
             gone = set(done.tolist())
             self.running = [r for r in self.running if r not in gone]
-            self.kv_used -= float(self.kv[done].sum())
+            self.free += int(self.held[done].sum())
+            self.held[done] = 0
 
     def _made(self, rs: np.ndarray, start: np.ndarray, cs: np.ndarray) -> np.ndarray:
-        """Output tokens each request of a pass makes: one when the pass ends its prompt (its
-        first token) or decodes; none for a prompt chunk that leaves some of the prompt."""
-        fp = self.first_part[rs]
-        return ((start >= fp) | (start + cs >= fp)).astype(np.int64)
+        """Output tokens each request of a pass makes: one when the pass reaches the tokens its
+        next output token needs (its prompt, or after preemption all it had) or decodes; none
+        for a chunk that leaves some of them."""
+        return (start + cs >= self.need[rs]).astype(np.int64)
 
     def _workload(self, rs: np.ndarray, start: np.ndarray, cs: np.ndarray, release: float,
                   made: int) -> Workload:
@@ -522,7 +631,7 @@ class Scheduler:
         piece.request = np.repeat(req, lens)
         piece.step = np.zeros(len(piece.request), np.int32)
         piece.position = np.repeat(bank.base[src] + i, lens)
-        piece.phase = np.repeat(np.where(i < prompt, PREFILL, DECODE).astype(np.int8), lens)
+        piece.phase = np.repeat(np.where((i < prompt) | (i < self.redo[req]), PREFILL, DECODE).astype(np.int8), lens)
         wl = build_workload(piece, batch_size=len(rs))
         wl.pass_generated = np.array([made], np.int64)
         wl.pass_release = np.array([release])
@@ -541,7 +650,8 @@ class Scheduler:
         """One row per request: arrival, when first scheduled, first token and finish (s);
         queueing delay, TTFT, TPOT (after the first token, per token; NaN with one output
         token), its longest inter-token gap (``itl_max_s``; NaN with one output token) and
-        end-to-end latency; its lengths and recorded request."""
+        end-to-end latency; its lengths and recorded request; how often it was preempted and
+        the tokens it processed again."""
         p = self.plan
         out = p.output.astype(np.float64)
         with np.errstate(invalid="ignore"):  # one output token: 0 / 0, masked
@@ -560,6 +670,8 @@ class Scheduler:
             "e2e_s": self.finish - p.arrival,
             "prompt_tokens": p.prompt,
             "output_tokens": p.output,
+            "preemptions": self.preemptions,
+            "recomputed_tokens": self.recomputed,
         })
 
 
@@ -568,7 +680,7 @@ def summary(requests: pd.DataFrame, slo: SloConfig | None, gaps: np.ndarray | No
     mean, median and 99th percentile (numpy's linear percentile), the inter-token gaps'
     (``gaps``, pooled over every token of every request) median and 99th percentile, e2e p99,
     output tokens and requests per second over the span from the first arrival to the last
-    finish, and with an SLO the share of requests meeting it and those per second (goodput)."""
+    finish, preemptions and the tokens they made the GPU process again, and with an SLO the share of requests meeting it and those per second (goodput)."""
 
     def q(col: str, pct: float) -> float | None:
         v = requests[col].to_numpy(np.float64)
@@ -591,6 +703,8 @@ def summary(requests: pd.DataFrame, slo: SloConfig | None, gaps: np.ndarray | No
         "throughput_tokens_s": float(requests["output_tokens"].sum()) / span if span > 0 else None,
         "requests_per_s": n / span if span > 0 else None,
         "served_requests": n,
+        "preemptions": int(requests["preemptions"].sum()),
+        "recomputed_tokens": int(requests["recomputed_tokens"].sum()),
         "offered_rate": ((n - 1) / float(requests["arrival_s"].max() - requests["arrival_s"].min())
                          if n > 1 and requests["arrival_s"].max() > requests["arrival_s"].min() else None),
     }
