@@ -776,7 +776,6 @@ def test_schedules_keep_their_limits_and_replay_as_simpy(load: dict[str, Any], t
         assert len(toks) <= sched["max_batched_tokens"]
         assert toks["r"].nunique() <= sched["max_running"]
         per = toks.groupby("r").size()
-        firsts = np.maximum(prompt, 1)
         if sched["policy"] == "vllm-v0":  # all (re)admitted, from their first position, or all decoding
             first = toks.groupby("r")["pos"].min()
             assert (first == 0).all() or ((per == 1).all() and (first > 0).all())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -202,9 +203,8 @@ def test_a_second_lock_on_a_folder_is_refused_and_freed_after(tmp_path):
     out = tmp_path / "new" / "deep"
     with folder_lock(out):
         assert (out / ".lock").is_file()
-        with pytest.raises(MoesimError, match="being written by another moesim sweep or compare"):
-            with folder_lock(out):
-                pass
+        with pytest.raises(MoesimError, match="being written by another moesim sweep or compare"), folder_lock(out):
+            pass
     with folder_lock(out):
         pass
 
@@ -262,8 +262,8 @@ def test_run_points_with_nothing_to_run_forks_nothing_and_an_unknown_executor_is
 class Pool(S.ProcessPoolExecutor):
     """The local executor's pool, recording how it was made and shut down."""
 
-    made: list[tuple] = []
-    shut: list[tuple] = []
+    made: ClassVar[list[tuple]] = []
+    shut: ClassVar[list[tuple]] = []
 
     def __init__(self, *args, **kw):
         Pool.made.append((args, kw))
@@ -295,12 +295,14 @@ def test_the_local_executor_runs_each_point_in_a_fresh_process_and_counts_as_the
     assert S._forked == forked + 3
     assert seen == [(1, 0, 4), (2, 1, 4), (3, 2, 4), (4, 3, 4)]
     (args, kw), = Pool.made
-    assert args[0] == 1 and args[1].get_start_method() == "forkserver"
+    assert args[0] == 1
+    assert args[1].get_start_method() == "forkserver"
     assert kw == {"max_tasks_per_child": 1}
     assert Pool.shut == [(True, True)]
     for p in todo:
         err = json.loads((tmp_path / "points" / p.pid / "error.json").read_text())
-        assert err["id"] == p.pid and "no-such-policy" in err["error"]
+        assert err["id"] == p.pid
+        assert "no-such-policy" in err["error"]
     assert check_point(tmp_path / "points" / "done") is None
 
 
