@@ -406,7 +406,7 @@ class Scheduler:
                                   f"prompt, more than scheduler.max_batched_tokens ({cfg.max_batched_tokens}); with "
                                   "policy 'vllm-v0' a prompt is prefilled in one pass, so it could never be "
                                   "scheduled. Raise max_batched_tokens, or set policy: vllm-v1.")
-        whole = self._blocks(self.context + self.total)
+        whole = np.asarray(self._blocks(self.context + self.total))
         big = np.flatnonzero(whole + self.watermark > self.blocks)
         if len(big):
             r = int(big[0])
