@@ -76,15 +76,21 @@ def lindley(arrival: np.ndarray, first: float, rest: float) -> np.ndarray:
     return out
 
 
-def test_deterministic_arrivals_by_hand(tmp_path: Path) -> None:
+POLICIES = ["vllm-v1", "vllm-v0", "sarathi"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_deterministic_arrivals_by_hand(policy: str, tmp_path: Path) -> None:
     """Arrivals every S/2 (twice as fast as served): request n starts when n requests have
-    been served, so its TTFT is first + n S - n S/2; arrivals every 2S never queue."""
+    been served, so its TTFT is first + n S - n S/2; arrivals every 2S never queue; under
+    every scheduler."""
     first, s = service_times()
     for gap, expect in ((s / 2, lambda n: first + n * s - n * s / 2), (2 * first, lambda n: first if n == 0 else s)):
         rows = [(n * gap, 8, 1) for n in range(12)]
         path = write_csv(tmp_path / "det.csv", rows)
         res = simulate(scenario_from_dict(served(ONE_EXPERT, {"process": "file", "path": str(path)},
-                                                 {"max_running": 1, "kv_memory": "none"}, cache={"capacity": "inf"})))
+                                                 {"max_running": 1, "kv_memory": "none", "policy": policy},
+                                                 cache={"capacity": "inf"})))
         want = np.array([expect(n) for n in range(12)])
         np.testing.assert_allclose(res.requests["ttft_s"].to_numpy(), want, rtol=1e-9, atol=1e-15)
 

@@ -18,20 +18,22 @@ from moesim.cli import cli
 from moesim.config.scenario import scenario_from_dict
 from moesim.simulator.engine import simulate
 from tests.helpers import unwrap
-from tests.test_serving import ONE_EXPERT, lindley, served, service_times
+from tests.test_serving import ONE_EXPERT, POLICIES, lindley, served, service_times
 
 
-@pytest.mark.parametrize(("rho", "tol"), [(0.5, 0.05), (0.7, 0.12)])
-def test_md1_mean_ttft(rho: float, tol: float) -> None:
+@pytest.mark.parametrize(("rho", "tol", "policy"), [(0.5, 0.05, "vllm-v1"), *((0.7, 0.12, p) for p in POLICIES)])
+def test_md1_mean_ttft(rho: float, tol: float, policy: str) -> None:
     """One expert, all resident after the first request, prefill-only requests, one running
-    at a time, Poisson arrivals: each TTFT is the Lindley recursion's response time (within
-    float rounding), and the mean is S(1 + rho / (2(1 - rho))) within sampling error (4
-    standard deviations of the mean over 10,000 requests, measured over 200 seeds)."""
+    at a time, Poisson arrivals, under every scheduler: each TTFT is the Lindley recursion's
+    response time (within float rounding), and the mean is S(1 + rho / (2(1 - rho))) within
+    sampling error (4 standard deviations of the mean over 10,000 requests, measured over 200
+    seeds)."""
     first, s = service_times()
     n = 10_000
     res = simulate(scenario_from_dict(served(ONE_EXPERT, {"process": "poisson", "rate": rho / s, "requests": n,
                                                           "output_tokens": 1},
-                                             {"max_running": 1, "kv_memory": "none"}, cache={"capacity": "inf"})))
+                                             {"max_running": 1, "kv_memory": "none", "policy": policy},
+                                             cache={"capacity": "inf"})))
     req = res.requests
     expect = lindley(req["arrival_s"].to_numpy(), first, s)
     np.testing.assert_allclose(req["ttft_s"].to_numpy(), expect, rtol=1e-9, atol=1e-9 * req["finish_s"].max())
