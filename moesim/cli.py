@@ -464,6 +464,9 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--rate", default=None, metavar="R1,R2,...",
               help="Serving under load: request rates (requests/s) to compare at (default: the scenario's "
                    "workload.arrivals.rate). With an slo, each policy's highest rate within it is found by bisection.")
+@click.option("--seeds", type=int, default=None, metavar="N",
+              help="Serving under load: arrival draws run at each rate, their requests pooled (default 5: the "
+                   "arrival seed and the next four; one for an arrival file).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a scenario key.")
 @click.option("--out", "out_dir", type=OUT_DIR, default=None,
               help="Folder (default: runs/compare-<scenario name>, with a suffix naming the configuration when "
@@ -479,17 +482,18 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--prune", is_flag=True,
               help="Remove the folder's points that belong to none of this run's (left by a run of other values).")
 def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss: str | None, budget: str | None,
-                capacity: str | None, rate: str | None, overrides: tuple[str, ...], out_dir: str | None,
-                executor: str, workers: int | None, ray_address: str | None, trace_file: str | None, verify: bool,
-                prune: bool) -> None:
+                capacity: str | None, rate: str | None, seeds: int | None, overrides: tuple[str, ...],
+                out_dir: str | None, executor: str, workers: int | None, ray_address: str | None,
+                trace_file: str | None, verify: bool, prune: bool) -> None:
     """Rank policy combinations on SCENARIO: each candidate beside on-demand LRU (the baseline),
     Belady with oracle prefetch (the bound) and an infinite cache, by TPOT (TTFT without decode
     passes), with speedup over the baseline and the share of the baseline-to-bound gap closed.
     Writes OUT/compare.parquet, OUT/compare.md and OUT/compare.png.
 
     A SCENARIO with workload.arrivals (serving under load) is compared at each --rate: p50/p99
-    TTFT and TPOT, SLO attainment and goodput per policy; with an slo, each policy's highest
-    rate meeting it (OUT/capacity.parquet); OUT/compare.png plots p99 latency against load."""
+    TTFT and TPOT, SLO attainment and goodput per policy over --seeds arrival draws; with an
+    slo, each policy's highest rate meeting it and its range over the draws
+    (OUT/capacity.parquet); OUT/compare.png plots p99 latency against load."""
     from moesim.config.scenario import resolve_path
     from moesim.studies.compare import compare, terminal
 
@@ -497,7 +501,7 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
     n_workers = workers if workers is not None else (os.cpu_count() or 1)
     if n_workers < 1:
         raise MoesimError(f"--workers must be >= 1, got {n_workers}.")
-    options = (eviction, prefetch, miss, budget, capacity, rate, overrides)
+    options = (eviction, prefetch, miss, budget, capacity, rate, overrides) + ((seeds,) if seeds is not None else ())
     target = Path(out_dir) if out_dir else _compare_folder(resolve_path(scenario).stem, options)
     OUT_DIR.convert(str(target), None, None)  # the default folder, checked as --out is
     say(f"moesim compare {scenario}: planning the points (results in {target}/)")
@@ -513,7 +517,7 @@ def compare_cmd(scenario: str, eviction: str | None, prefetch: str | None, miss:
     with _interrupted_note(target, "compare"):
         table, _ = _with_progress("compare", lambda progress: compare(
             *args, progress=(lambda done, _failed, total: progress(done, total)) if progress else None, rates=rates,
-            verify=verify, prune=prune))
+            verify=verify, prune=prune, seeds=seeds))
     click.echo(table.attrs.get("text") or terminal(table, table.attrs["metric"], table.attrs["title"]))
     _runs_note(table.attrs, target, "compare")
     cap = ", capacity.parquet (each policy's highest rate within the SLO)" if "capacity" in table.attrs else ""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from moesim.studies import load
 from moesim.studies.load import RATE, bisect_capacity
 from tests.test_serving import served
 
@@ -45,23 +46,24 @@ def test_the_bisection_probes_and_answer_are_those_worked_out_by_hand(tmp_path):
     asked: dict[str, list[float]] = {"a": [], "b": []}
     rounds: list[int] = []
 
-    def run(pts):
-        rounds.append(len(pts))
+    def run(combos):
+        rounds.append(len(combos))
         rows = []
-        for pt in pts:
-            label = "a" if pt.values["policies.eviction"] == "lru" else "b"
-            rate = pt.values[RATE]
+        for v in combos:
+            label = "a" if v["policies.eviction"] == "lru" else "b"
+            rate = v[RATE]
             asked[label].append(rate)
             ok = 1.0 if rate <= LIMIT[label] else 0.0
-            rows.append({"point": pt.pid, "slo_attainment": ok, "ttft_p99_s": rate, "tpot_p99_s": rate, "itl_p99_s": rate})
-        return pd.DataFrame(rows)
+            rows.append({"slo_attainment": ok, "ttft_p99_s": rate, "tpot_p99_s": rate, "itl_p99_s": rate})
+        return rows
 
-    got = bisect_capacity(p, data, table, 0.9, run, {}).set_index("label")
+    got = bisect_capacity(table, 0.9, run).set_index("label")
     assert asked["a"] == [4.0, 5.657, 4.757, 5.188, 4.968]
     assert asked["b"] == [1.0, 0.5, 0.25, 0.3536, 0.2973, 0.3242, 0.3105]
     assert rounds == [2, 2, 2, 2, 2, 1, 1]
-    assert (got.loc["a", "max_rate"], got.loc["a", "fails_at"], got.loc["a", "probes"]) == (4.968, 5.188, 7)
-    assert (got.loc["b", "max_rate"], got.loc["b", "fails_at"], got.loc["b", "probes"]) == (0.2973, 0.3105, 9)
+    assert (got.loc["a", "capacity_rps"], got.loc["a", "fails_at_rps"], got.loc["a", "probes"]) == (4.968, 5.188, 7)
+    assert (got.loc["b", "capacity_rps"], got.loc["b", "fails_at_rps"], got.loc["b", "probes"]) == (0.2973, 0.3105, 9)
+    assert not got["lower_bound"].any()
     curve = got.loc["a", "curve"]
     assert [r for r, _, _ in curve] == sorted([2.0, 8.0, 4.0, 5.657, 4.757, 5.188, 4.968])
 
@@ -77,11 +79,80 @@ def test_a_policy_meeting_the_slo_at_every_rate_doubles_until_it_fails(tmp_path)
     table["values"] = [{**v, RATE: r} for v, r in zip(table["values"], table["rate"], strict=True)]
     asked: list[float] = []
 
-    def run(pts):
-        asked.extend(pt.values[RATE] for pt in pts)
-        return pd.DataFrame([{"point": pt.pid, "slo_attainment": float(pt.values[RATE] <= 5.0),
-                              "ttft_p99_s": 0.0, "tpot_p99_s": 0.0, "itl_p99_s": 0.0} for pt in pts])
+    def run(combos):
+        asked.extend(v[RATE] for v in combos)
+        return [{"slo_attainment": float(v[RATE] <= 5.0), "ttft_p99_s": 0.0, "tpot_p99_s": 0.0, "itl_p99_s": 0.0}
+                for v in combos]
 
-    got = bisect_capacity(p, data, table, 0.9, run, {}).iloc[0]
+    got = bisect_capacity(table, 0.9, run).iloc[0]
     assert asked == [6.0, 4.243, 5.046, 4.627, 4.832]
-    assert (got["max_rate"], got["fails_at"], got["probes"]) == (4.832, 5.046, 7)
+    assert (got["capacity_rps"], got["fails_at_rps"], got["probes"]) == (4.832, 5.046, 7)
+
+
+def test_a_capacity_no_failing_rate_brackets_is_a_lower_bound(tmp_path):
+    """A policy meeting the SLO at every rate: doubling from 3 eight times (6 ... 768), every
+    one meeting it: capacity at least 768, nothing failed, 10 rates run."""
+    _, _, table = start(tmp_path)
+    table = table[table["label"] == "a"].copy()
+    table["rate"] = [2.0, 3.0]
+    table["slo_attainment"] = [1.0, 1.0]
+    table["values"] = [{**v, RATE: r} for v, r in zip(table["values"], table["rate"], strict=True)]
+    asked: list[float] = []
+
+    def run(combos):
+        asked.extend(v[RATE] for v in combos)
+        return [{"slo_attainment": 1.0, "ttft_p99_s": 0.0, "tpot_p99_s": 0.0} for _ in combos]
+
+    got = bisect_capacity(table, 0.9, run).iloc[0]
+    assert asked == [6.0, 12.0, 24.0, 48.0, 96.0, 192.0, 384.0, 768.0]
+    assert (got["capacity_rps"], got["fails_at_rps"], got["lower_bound"], got["probes"]) == (768.0, None, True, 10)
+    assert load.capacity_text(got) == "at least 770"
+
+
+def test_each_seeds_capacity_and_the_interval_over_seeds(tmp_path):
+    """Three seeds whose own limits are 4.5, 5 and 6 req/s; the pooled attainment is their
+    share meeting it (0.9 needs all three). Bracket [2, 8]: 4 (all meet), 5.657 (only the
+    third: fails), 4.757 (the 4.5 seed fails), 4.362 (all), 4.555 (4.5 fails), and 4.555 /
+    4.362 = 1.044 stops it: capacity 4.362. Each seed's own capacity, the highest rate up to
+    which it meets the SLO at every rate run (2, 4, 4.362, 4.555, 4.757, 5.657, 8): 4.362, 4.757
+    and 5.657: the interval 4.362 to 5.657; the realised rate the mean of the probe's."""
+    _, _, table = start(tmp_path)
+    limits = [4.5, 5.0, 6.0]
+    table = table[table["label"] == "a"].copy()
+    table["slo_attainment"] = [1.0, 1 / 3]
+    table["seed_attainment"] = [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    table["offered_rate"] = [2.1, 7.7]
+    asked: list[float] = []
+
+    def run(combos):
+        rows = []
+        for v in combos:
+            rate = v[RATE]
+            asked.append(rate)
+            each = [float(rate <= lim) for lim in limits]
+            rows.append({"slo_attainment": sum(each) / 3, "seed_attainment": each, "offered_rate": rate * 1.01,
+                         "ttft_p99_s": 0.0, "tpot_p99_s": 0.0})
+        return rows
+
+    got = bisect_capacity(table, 0.9, run).iloc[0]
+    assert asked == [4.0, 5.657, 4.757, 4.362, 4.555]
+    assert (got["capacity_rps"], got["fails_at_rps"], got["seeds"]) == (4.362, 4.555, 3)
+    assert load.seed_capacities({r: {"seed_attainment": [float(r <= lim) for lim in limits], "slo_attainment": 0}
+                                 for r in (2.0, 4.0, 4.362, 4.555, 4.757, 5.657, 8.0)}, 0.9) == [4.362, 4.757, 5.657]
+    assert (got["capacity_low_rps"], got["capacity_high_rps"]) == (4.362, 5.657)
+    assert got["realised_rps"] == 4.362 * 1.01
+    assert load.interval_text(got) == "4.4-5.7"
+    assert load.capacity_text(got) == "4.4"
+
+
+def test_a_seed_failing_at_every_rate_run_leaves_the_interval_open_below():
+    assert load.seed_capacities({1.0: {"seed_attainment": [0.5, 1.0], "slo_attainment": 0.75},
+                                 2.0: {"seed_attainment": [1.0, 0.0], "slo_attainment": 0.5}}, 0.9) == [None, 1.0]
+    row = {"seeds": 2, "capacity_low_rps": None, "capacity_high_rps": 1.0}
+    assert load.interval_text(row) == "<1.0"
+    assert load.interval_text({**row, "seeds": 1}) == ""
+
+
+def test_two_significant_figures():
+    assert [load.sig2(x) for x in (4.968, 0.2973, 256.0, 12.4, 1.0, 0.0449, 99.6, 0.0)] == [
+        "5.0", "0.30", "260", "12", "1.0", "0.045", "100", "0"]

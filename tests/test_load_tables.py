@@ -28,26 +28,43 @@ def scenario(tmp_path: Path, arrivals: dict) -> tuple[Path, dict]:
 
 def test_plan_covers_every_policy_capacity_and_rate_with_the_baseline(tmp_path: Path) -> None:
     """Two evictions x the served prefetchers at two capacities and two rates: a candidate row
-    per combination, a baseline row per (capacity, rate), rows and points in that order, each
-    row's point carrying its values; identical combinations share a point."""
+    per combination, a baseline row per (capacity, rate), rows in that order, each row's
+    points one per arrival seed (the scenario's seed, 0, and the next), carrying its values;
+    the baseline is the LRU candidate run once (the same resolved scenario: under load the
+    miss and budget policies are always the baseline's), so 2 x 2 x 2 x 2 points."""
     p, data = scenario(tmp_path, {"process": "poisson", "rate": 1.0, "requests": 4})
-    points, rows = load.plan_load(p, copy.deepcopy(data), ["lru", "lfu"], None, ["5%", "25%"], [2.0, 8.0], False, {})
+    points, rows = load.plan_load(p, copy.deepcopy(data), ["lru", "lfu"], None, ["5%", "25%"], [2.0, 8.0], False, {},
+                                  seeds=2)
     assert [(r["role"], r["label"], r["capacity"], r["rate"]) for r in rows] == [
         (role, label, cap, rate) for cap in ("5%", "25%") for rate in (2.0, 8.0)
         for role, label in (("candidate", "lru"), ("candidate", "lfu"), ("baseline", "on-demand LRU (baseline)"))]
     values = {pt.pid: pt.values for pt in points}
-    assert len(points) == 12  # the lru candidate is not the baseline: the baseline sets miss and budget too
+    assert len(points) == 16
     for r in rows:
-        v = values[r["point"]]
-        assert v["cache.capacity"] == r["capacity"]
-        assert v[load.RATE] == r["rate"]
-        assert v["policies.eviction"] == ("lru" if r["role"] == "baseline" else r["label"])
-        assert v["policies.prefetch"] == "none"
+        pids = r["point"].split("+")
+        assert [values[pid][load.SEED] for pid in pids] == [0, 1]
+        for pid in pids:
+            v = values[pid]
+            assert v["cache.capacity"] == r["capacity"]
+            assert v[load.RATE] == r["rate"]
+            assert v["policies.eviction"] in (r["label"], "lru")
+            assert v["policies.prefetch"] == "none"
         if r["role"] == "baseline":
-            assert v["policies.miss"] == "fetch"
-            assert v["policies.budget"] == "none"
-    same, _ = load.plan_load(p, copy.deepcopy(data), ["lru", "lru"], ["none"], None, [2.0], False, {})
-    assert len(same) == 2  # lru twice: one point; the baseline another
+            assert r["point"] == next(x["point"] for x in rows if x["label"] == "lru" and x["capacity"] == r["capacity"]
+                                      and x["rate"] == r["rate"])
+    same, _ = load.plan_load(p, copy.deepcopy(data), ["lru", "lru"], ["none"], None, [2.0], False, {}, seeds=1)
+    assert len(same) == 1  # lru twice and the baseline: one run
+    with pytest.raises(MoesimError, match="--seeds must be at least 1"):
+        load.plan_load(p, copy.deepcopy(data), ["lru"], ["none"], None, [2.0], False, {}, seeds=0)
+
+
+def test_the_arrival_seeds_follow_the_scenarios_and_a_file_draws_once(tmp_path: Path) -> None:
+    """The seeds run: the arrivals' own seed and the next ones, else the scenario's; an
+    arrival file has no draw, so one run (no seed axis) whatever --seeds says."""
+    assert load.seed_values({"seed": 7, "workload": {"arrivals": {"process": "poisson"}}}, 3) == [7, 8, 9]
+    assert load.seed_values({"seed": 7, "workload": {"arrivals": {"process": "gamma", "seed": 40}}}, 2) == [40, 41]
+    assert load.seed_values({"workload": {"arrivals": {"process": "poisson"}}}, 1) == [0]
+    assert load.seed_values({"seed": 7, "workload": {"arrivals": {"process": "file"}}}, 5) == [None]
 
 
 def test_plan_defaults_the_policies_capacity_and_rate_from_the_scenario(tmp_path: Path) -> None:
@@ -172,14 +189,16 @@ def test_the_tables_say_what_the_rows_hold() -> None:
     assert "Highest request rate" not in md
     cap = pd.DataFrame({"rank": [1, 2, pd.NA], "role": ["candidate", "candidate", "baseline"],
                         "label": ["c", "least-stale + score-percentile", "on-demand LRU (baseline)"],
-                        "capacity": "5%", "max_rate": [4.0, np.nan, 2.0], "fails_at": [4.2, 0.5, np.nan],
-                        "vs_baseline": [2.0, np.nan, 1.0], "probes": [5, 9, 3]})
+                        "capacity": "5%", "capacity_rps": [4.012, np.nan, 2.0],
+                        "capacity_low_rps": [3.71, np.nan, None], "capacity_high_rps": [4.46, np.nan, 2.5],
+                        "realised_rps": [4.1, np.nan, 2.05], "fails_at_rps": [4.2, 0.5, np.nan],
+                        "lower_bound": [False, False, True], "seeds": [5, 5, 5],
+                        "vs_baseline": [2.006, np.nan, 1.0], "probes": [5, 9, 3]})
     md = load.markdown_load(t, cap, "T", "TTFT <= 500 ms for 90% of requests")
     assert "## Highest request rate meeting the SLO (TTFT <= 500 ms for 90% of requests)" in md
-    assert "| 1 | c | 5% | 4 | 4.2 | 2.00x | 5 |" in md
-    assert "| 2 | least-stale + score-percentile | 5% | none run | 0.5 | x | 9 |" not in md
-    assert "| 2 | least-stale + score-percentile | 5% | none run | 0.5 |  | 9 |" in md
-    assert "|  | on-demand LRU (baseline) | 5% | 2 | none run | 1.00x | 3 |" in md
+    assert "| 1 | c | 5% | 4.0 | 3.7-4.5 | 4.1 | 4.2 | 2.01x | 5 | 5 |" in md
+    assert "| 2 | least-stale + score-percentile | 5% | below 0.50 |  |  | 0.5 |  | 5 | 9 |" in md
+    assert "|  | on-demand LRU (baseline) | 5% | at least 2.0 | <2.5 | 2.0 | none run | 1.00x | 5 | 3 |" in md
     term = load.terminal_load(t, None, "T", "")
     lines = term.splitlines()
     assert all(len(x) <= 80 for x in lines)
@@ -193,14 +212,15 @@ def test_the_tables_say_what_the_rows_hold() -> None:
     term = load.terminal_load(t, cap, "T", "TTFT <= 500 ms for 90% of requests")
     lines = term.splitlines()
     assert all(len(x) <= 80 for x in lines)
-    assert lines[2] == " # policy" + " " * 31 + "cap  max req/s  fails at  vs base"
-    assert lines[4] == " 1 c" + " " * 37 + "5%" + " " * 10 + "4" + " " * 7 + "4.2" + " " * 4 + "2.00x"
-    assert lines[5] == " 2 least-stale + score-percentile" + " " * 8 + "5%" + " " * 10 + "-" + " " * 7 + "0.5"
+    assert lines[2] == " # policy" + " " * 31 + "cap" + " " * 10 + "req/s  over seeds  vs base"
+    assert lines[4] == " 1 c" + " " * 37 + "5%" + " " * 12 + "4.0" + " " * 5 + "3.7-4.5    2.01x"
+    assert lines[5] == " 2 least-stale + score-percentile" + " " * 8 + "5%" + " " * 5 + "below 0.50"
+    assert lines[6] == "   on-demand LRU (baseline)" + " " * 14 + "5%" + " " * 3 + "at least 2.0        <2.5    1.00x"
     text = unwrap("\n".join(lines[8:]))
-    assert text == ("Best at 5%: c serves up to 4 requests/s within the SLO (TTFT <= 500 ms for 90% of "
-                    "requests), 2.00x on-demand LRU's 2.")
-    none = cap.assign(max_rate=np.nan)
+    assert text == ("Best at 5%: c serves 4.0 requests/s (3.7-4.5 over 5 arrival seeds) within the SLO (TTFT <= 500 "
+                    "ms for 90% of requests), 2.01x on-demand LRU's at least 2.0.")
+    none = cap.assign(capacity_rps=np.nan)
     text = unwrap("\n".join(load.terminal_load(t, none, "T", "S").splitlines()[8:]))
     assert text == "At 5%: no policy met the SLO (S) at any rate run."
     nobase = cap.assign(vs_baseline=np.nan)
-    assert load.terminal_load(t, nobase, "T", "S").splitlines()[-1].endswith("within the SLO (S).")
+    assert unwrap(load.terminal_load(t, nobase, "T", "S")).rstrip().endswith("within the SLO (S).")

@@ -269,21 +269,25 @@ def compare(scenario_path: str, out_dir: str | Path, eviction: Sequence[str] | N
             ray_address: str | None = None,
             progress: Callable[[int, int, int], None] | None = None,
             rates: Sequence[float] | None = None, verify: bool = False,
-            prune: bool = False) -> tuple[pd.DataFrame, str]:
+            prune: bool = False, seeds: int | None = None) -> tuple[pd.DataFrame, str]:
     """Run the comparison; write ``compare.parquet``, ``compare.md`` and ``compare.png`` in
     ``out_dir`` (each atomically; the runs in ``out_dir/points``, resumable). Returns the
     table and the ranking metric. A scenario with ``workload.arrivals`` is compared under
     load, at ``rates`` (:mod:`studies.load`). The table's ``attrs``: ``runs`` (reused and run,
     every bisection probe counted: :class:`studies.sweep.Runs`) and ``others``, the folder's
     points that belong to none of this comparison's (removed when ``prune``); ``verify``
-    checks every finished point's files by digest."""
+    checks every finished point's files by digest; ``seeds`` is the arrival draws each rate
+    runs under load (default :data:`studies.load.SEEDS`)."""
     from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
     with workers_started(executor):  # the kernel loads (or compiles) while the points are planned
         p, raw, _ = base_data(scenario_path, overrides)
         if (raw.get("workload") or {}).get("arrivals") is not None:  # serving under load: studies.load
             return _compare_load(scenario_path, p, raw, Path(out_dir), eviction, prefetch, miss, budget, capacity,
-                                 rates, workers, executor, ray_address, progress, verify, prune)
+                                 rates, workers, executor, ray_address, progress, verify, prune, seeds)
+        if seeds is not None:
+            raise MoesimError(f"{p}: --seeds runs several arrival draws at each rate, which needs requests arriving "
+                              "over time: add workload.arrivals to the scenario, or leave out --seeds.")
         if rates:
             raise MoesimError(f"{p}: --rate compares policies at request rates, which needs requests arriving over time: "
                               "add workload.arrivals to the scenario (e.g. --set workload.arrivals.process=poisson "
@@ -339,9 +343,9 @@ def _compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, 
                   prefetch: Sequence[str] | None, miss: Sequence[str] | None, budget: Sequence[str] | None,
                   capacity: Sequence[str] | None, rates: Sequence[float] | None, workers: int, executor: str,
                   ray_address: str | None, progress: Callable[[int, int, int], None] | None, verify: bool = False,
-                  prune: bool = False) -> tuple[pd.DataFrame, str]:
+                  prune: bool = False, seeds: int | None = None) -> tuple[pd.DataFrame, str]:
     """``compare`` for a scenario with arrivals (:func:`studies.load.compare_load`)."""
-    from moesim.studies.load import compare_load
+    from moesim.studies.load import SEEDS, compare_load
 
     for opt, given in (("--miss", miss), ("--budget", budget)):
         if given and any(v != ("fetch" if opt == "--miss" else "none") for v in given):
@@ -353,4 +357,5 @@ def _compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, 
     title = describe(scenario_path, {**data, "__base_dir__": str(p.parent)})
     with folder_lock(out):
         return compare_load(scenario_path, p, data, out, eviction, prefetch, capacity, rates, has_pred_next, traces,
-                            workers, executor, ray_address, progress, title, verify, prune)
+                            workers, executor, ray_address, progress, title, verify, prune,
+                            SEEDS if seeds is None else seeds)

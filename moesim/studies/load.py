@@ -7,14 +7,23 @@ scenario's), all as sweep points (parallel, resumable, Ray). The fixed-batch ref
 not apply: Belady's MIN needs the future of a schedule that depends on the replay's own
 timing, and an infinite cache leaves no HBM for the KV cache.
 
-The table gives per (capacity, rate) the p50/p99 TTFT and TPOT, SLO attainment and goodput,
-candidates ranked by SLO attainment (with an ``slo``) then p99 TTFT. With an ``slo`` each
-policy's *capacity* — the highest rate at which at least ``slo.attainment`` of the requests
-meet it (DistServe's definition) — is found by bisection on the rate: bracketed from the rates
-run (halving or doubling, at most :data:`MAX_STEPS` times), then the geometric middle of the
-bracket until it is within :data:`TOLERANCE` (every probe a sweep point; a rate scales the same
-arrival draws, so the probes share their randomness). The plot is latency against load: p99
-TTFT and p99 TPOT against the offered rate, a line per policy, the SLO drawn.
+Each (policy, capacity, rate) runs several arrival draws (``--seeds``, default :data:`SEEDS`:
+the arrival seed and the next ones; one for an arrival file, which draws nothing), each a sweep
+point run in parallel; runs whose inputs are identical (their fingerprints equal: the on-demand
+LRU baseline is the LRU candidate when the scenario's miss and budget policies are the
+baseline's) run once. The table gives per (capacity, rate) the figures over the draws'
+requests pooled — p50/p99 TTFT and TPOT, SLO attainment — and the mean over the draws of the
+served and goodput rates, the realised arrival rate, the p99 ITL and the hit rate; candidates
+ranked by SLO attainment (with an ``slo``) then p99 TTFT. With an ``slo`` each policy's
+*capacity* — the highest rate at which at least ``slo.attainment`` of the pooled requests meet
+it (DistServe's definition) — is found by bisection on the rate: bracketed from the rates run
+(halving or doubling, at most :data:`MAX_STEPS` times), then the geometric middle of the
+bracket until it is within :data:`TOLERANCE` (a rate scales the same arrival draws, so the
+probes share their randomness). Beside it, the interval over the draws: each draw's own
+capacity (the highest rate run up to which that draw meets the SLO at every rate run), lowest
+and highest. A capacity no failing rate brackets is a lower bound, and says so. The plot is
+latency against load: p99 TTFT and p99 TPOT against the offered rate, a line per policy, the
+SLO drawn.
 """
 
 from __future__ import annotations
@@ -46,10 +55,78 @@ PREDICTOR_PREFETCH = ("next-gate-topk", "score-percentile")  # need the trace's 
 BASELINE = {"policies.eviction": "lru", "policies.prefetch": "none", "policies.miss": "fetch",
             "policies.budget": "none"}
 RATE = "workload.arrivals.rate"
+SEED = "workload.arrivals.seed"
+SEEDS = 5  # arrival draws per (policy, capacity, rate) by default
 TOLERANCE = 0.05  # bisection stops when the bracket's ends are within 5% of each other
 MAX_STEPS = 8  # halvings or doublings to bracket a policy's capacity from the rates run
 SHOWN = ("role", "label", "capacity", "rate", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "itl_p99_s",
          "slo_attainment", "goodput_requests_s", "requests_per_s", "hit_rate")
+
+
+def sig2(x: float) -> str:
+    """A rate to two significant figures, without an exponent (4.968 -> 5.0, 256 -> 260)."""
+    if not x > 0:
+        return f"{x:g}"
+    mag = math.floor(math.log10(x))
+    if mag >= 1:
+        return f"{round(x, 1 - mag):.0f}"
+    return f"{x:.{1 - mag}f}"
+
+
+def seed_values(data: dict[str, Any], seeds: int) -> list[int | None]:
+    """The arrival seeds each rate runs: the arrivals' seed (else the scenario's) and the next
+    ``seeds - 1``; [None] (no seed axis) for an arrival file, whose times are given."""
+    if seeds < 1:
+        raise MoesimError(f"--seeds must be at least 1, got {seeds}.")
+    arr = data["workload"]["arrivals"]
+    if arr.get("process") == "file":
+        return [None]
+    base = arr.get("seed")
+    base = int(data.get("seed") or 0) if base is None else int(base)
+    return [base + k for k in range(seeds)]
+
+
+def seed_points(p: Path, data: dict[str, Any], groups: list[dict[str, Any]], seeds: list[int | None],
+                traces: dict[str, Any]) -> tuple[list[Point], list[str]]:
+    """A point per group of values and seed, runs with the same fingerprint merged: the points
+    to run, and per group its key (its points' ids joined by '+', in seed order)."""
+    combos = [{**g, SEED: s} if s is not None else dict(g) for g in groups for s in seeds]
+    pts = make_points(p, data, combos, traces)
+    first: dict[str, Point] = {}
+    ids = [first.setdefault(pt.fingerprint, pt).pid for pt in pts]
+    k = len(seeds)
+    return list(first.values()), ["+".join(ids[i * k:(i + 1) * k]) for i in range(len(groups))]
+
+
+def pooled(out: Path, results: pd.DataFrame, keys: list[str], slo: Any) -> pd.DataFrame:
+    """One row per key (a group's points, '+'-joined): the TTFT, TPOT and e2e figures and SLO
+    attainment of the seeds' requests pooled (:func:`simulator.serving.summary`), the served,
+    goodput and realised arrival rates, the ITL percentiles and the hit rate as the mean over
+    the seeds, each seed's SLO attainment (``seed_attainment``) and the seeds (``seeds``); a
+    failed run's status and error."""
+    from moesim.simulator.serving import summary
+
+    by = results.set_index("point")
+    rows = []
+    for key in dict.fromkeys(keys):
+        pids = key.split("+")
+        here = by.loc[pids]
+        bad = here[here["status"] != "ok"]
+        if len(bad):
+            rows.append({"point": key, "status": "error", "error": bad["error"].iloc[0]})
+            continue
+        frames = [pd.read_parquet(out / "points" / pid / "requests.parquet") for pid in pids]
+        row: dict[str, Any] = {"point": key, "status": "ok", "seeds": len(pids)}
+        row.update(summary(pd.concat(frames, ignore_index=True), slo))
+        for col in ("requests_per_s", "goodput_requests_s", "throughput_tokens_s", "offered_rate", "itl_p50_s",
+                    "itl_p99_s", "hit_rate"):
+            if col in here:
+                v = pd.to_numeric(here[col], errors="coerce")
+                row[col] = float(v.mean()) if v.notna().all() else None
+        if slo is not None:
+            row["seed_attainment"] = [float(a) for a in here["slo_attainment"]]
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def _round(rate: float) -> float:
@@ -73,8 +150,10 @@ def file_rate(data: dict[str, Any], base_dir: str, where: str) -> float:
 
 def plan_load(p: Path, data: dict[str, Any], eviction: Sequence[str] | None, prefetch: Sequence[str] | None,
               capacity: Sequence[str] | None, rates: Sequence[float] | None, has_pred_next: bool,
-              traces: dict[str, Any]) -> tuple[list[Point], list[dict[str, Any]]]:
-    """The points (candidates and the baseline at every capacity and rate) and the row plan."""
+              traces: dict[str, Any], seeds: int = SEEDS) -> tuple[list[Point], list[dict[str, Any]]]:
+    """The points (candidates and the baseline at every capacity and rate, each with every
+    arrival seed, identical runs once) and the row plan (each row's ``point``: its points'
+    ids joined by '+')."""
     arr = data["workload"]["arrivals"]
     cache = data.get("cache") or {}
     caps = list(capacity) if capacity else [str(cache.get("capacity", "5%"))]
@@ -102,22 +181,42 @@ def plan_load(p: Path, data: dict[str, Any], eviction: Sequence[str] | None, pre
             add("candidate", label, cap, rate, {"cache.capacity": cap, "policies.eviction": ev,
                                                 "policies.prefetch": pf, RATE: rate})
         add("baseline", "on-demand LRU (baseline)", cap, rate, {"cache.capacity": cap, **BASELINE, RATE: rate})
-    points = make_points(p, data, list(combos.values()), traces)
-    pid_of = {key: pt.pid for key, pt in zip(combos, points, strict=True)}
+    points, keys = seed_points(p, data, list(combos.values()), seed_values(data, seeds), traces)
+    pid_of = dict(zip(combos, keys, strict=True))
     for r in rows:
         r["point"] = pid_of[r.pop("key")]
     return points, rows
 
 
-def _meets(row: pd.Series, target: float) -> bool:
+def _meets(row: Any, target: float) -> bool:
     return bool(row["slo_attainment"] >= target)
 
 
-def bisect_capacity(p: Path, data: dict[str, Any], table: pd.DataFrame, target: float,
-                    run: Callable[[list[Point]], pd.DataFrame], traces: dict[str, Any]) -> pd.DataFrame:
-    """Per (policy, capacity), the highest rate measured to meet the SLO (``max_rate``) and the
-    lowest measured not to (``fails_at``), by bracketing and bisection on the rate (module
-    docstring); ``probes`` counts the rates run. ``run`` runs points and returns their rows."""
+def seed_capacities(measured: dict[float, Any], target: float) -> list[float | None]:
+    """Each seed's own capacity from the rates run: the highest rate up to which that seed met
+    the SLO at every rate run (None: it failed at the lowest)."""
+    rates = sorted(measured)
+    per_rate = [list(measured[r].get("seed_attainment") or [measured[r]["slo_attainment"]]) for r in rates]
+    caps: list[float | None] = []
+    for i in range(len(per_rate[0])):
+        cap = None
+        for r, att in zip(rates, per_rate, strict=True):
+            if att[i] < target:
+                break
+            cap = r
+        caps.append(cap)
+    return caps
+
+
+def bisect_capacity(table: pd.DataFrame, target: float,
+                    measure: Callable[[list[dict[str, Any]]], list[Any]]) -> pd.DataFrame:
+    """Per (policy, capacity), the highest rate measured to meet the SLO (``capacity_rps``)
+    and the lowest measured not to (``fails_at_rps``), by bracketing and bisection on the rate
+    (module docstring); the interval over the seeds (``capacity_low_rps``,
+    ``capacity_high_rps``: :func:`seed_capacities`' lowest and highest; the low end None when
+    a seed failed at every rate run), the realised arrival rate at the capacity, whether it is
+    a lower bound (no rate run failed), and ``probes``, the rates run. ``measure`` runs the
+    given values (a rate each) and returns a row each, in order."""
     keys = table[["role", "label", "capacity"]].drop_duplicates().to_dict("records")
     values_of: dict[tuple[str, str], dict[str, Any]] = {}
     for _, r in table.iterrows():
@@ -152,11 +251,8 @@ def bisect_capacity(p: Path, data: dict[str, Any], table: pd.DataFrame, target: 
             probes[key] = rate
         if not probes:
             break
-        combos = [{**values_of[key], RATE: rate} for key, rate in probes.items()]
-        pts = make_points(p, {k: v for k, v in data.items() if not str(k).startswith("__")}, combos, traces)
-        rows = run(pts)
-        for (key, rate), pt in zip(probes.items(), pts, strict=True):
-            row = rows[rows["point"] == pt.pid].iloc[0]
+        rows = measure([{**values_of[key], RATE: rate} for key, rate in probes.items()])
+        for (key, rate), row in zip(probes.items(), rows, strict=True):
             s = state[key]
             s["measured"][rate] = row
             s["probes"] += 1
@@ -166,10 +262,19 @@ def bisect_capacity(p: Path, data: dict[str, Any], table: pd.DataFrame, target: 
                 s["hi"] = rate if s["hi"] is None or rate < s["hi"] else s["hi"]
     out_rows = []
     for (label, cap), s in state.items():
-        out_rows.append({"role": s["role"], "label": label, "capacity": cap, "max_rate": s["lo"],
-                         "fails_at": s["hi"], "probes": s["probes"],
-                         "curve": sorted((r, float(m["ttft_p99_s"]), float(m["tpot_p99_s"] if pd.notna(m["tpot_p99_s"]) else np.nan))
-                                         for r, m in s["measured"].items())})
+        caps = seed_capacities(s["measured"], target)
+        found = [c for c in caps if c is not None]
+        at = s["measured"].get(s["lo"]) if s["lo"] is not None else None
+        realised = at.get("offered_rate") if at is not None else None
+        out_rows.append({
+            "role": s["role"], "label": label, "capacity": cap, "capacity_rps": s["lo"],
+            "capacity_low_rps": None if len(found) < len(caps) else min(found),
+            "capacity_high_rps": max(found) if found else None,
+            "realised_rps": None if realised is None or pd.isna(realised) else float(realised),
+            "fails_at_rps": s["hi"], "lower_bound": s["lo"] is not None and s["hi"] is None, "seeds": len(caps),
+            "probes": s["probes"],
+            "curve": sorted((r, float(m["ttft_p99_s"]), float(m["tpot_p99_s"] if pd.notna(m["tpot_p99_s"]) else np.nan))
+                            for r, m in s["measured"].items())})
     return pd.DataFrame(out_rows)
 
 
@@ -200,18 +305,45 @@ def _num(v: Any, spec: str, scale: float = 1.0, unit: str = "") -> str:
     return "" if v is None or pd.isna(v) else format(float(v) * scale, spec) + unit
 
 
+def _sig(v: Any) -> str:
+    return "" if v is None or pd.isna(v) else sig2(float(v))
+
+
+def capacity_text(r: Any) -> str:
+    """A policy's capacity in words: '4.9', 'at least 260' (no rate run failed) or 'below 0.25'
+    (the lowest rate run failed)."""
+    if r["capacity_rps"] is None or pd.isna(r["capacity_rps"]):
+        return f"below {_sig(r['fails_at_rps'])}" if pd.notna(r["fails_at_rps"]) else "none run"
+    return f"at least {_sig(r['capacity_rps'])}" if r["lower_bound"] else _sig(r["capacity_rps"])
+
+
+def interval_text(r: Any) -> str:
+    """The interval over seeds: 'lo-hi', '<hi' when a seed failed at every rate run, '' with
+    one seed."""
+    if r["seeds"] < 2 or r["capacity_high_rps"] is None or pd.isna(r["capacity_high_rps"]):
+        return ""
+    lo = r["capacity_low_rps"]
+    return (f"{_sig(lo)}-{_sig(r['capacity_high_rps'])}" if lo is not None and pd.notna(lo)
+            else f"<{_sig(r['capacity_high_rps'])}")
+
+
 def markdown_load(table: pd.DataFrame, cap_table: pd.DataFrame | None, title: str, slo_text: str) -> str:
     """The tables as GitHub Markdown: the capacity per policy (with an SLO), then per rate."""
     lines = [f"# {title}", ""]
     if cap_table is not None:
         lines += [f"## Highest request rate meeting the SLO ({slo_text})", "",
-                  "| rank | policy | cache capacity | max rate (req/s) | fails at (req/s) | vs baseline | rates run |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| rank | policy | cache capacity | capacity (req/s) | over seeds (req/s) | realised (req/s) | "
+                  "fails at (req/s) | vs baseline | seeds | rates run |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in cap_table.to_dict("records"):
             lines.append(f"| {'' if pd.isna(r['rank']) else int(r['rank'])} | {r['label']} | {r['capacity']} | "
-                         f"{_num(r['max_rate'], '.3g') or 'none run'} | {_num(r['fails_at'], '.3g') or 'none run'} | "
-                         f"{_num(r['vs_baseline'], '.2f', 1.0, 'x')} | {r['probes']} |")
-        lines.append("")
+                         f"{capacity_text(r)} | {interval_text(r)} | {_sig(r['realised_rps'])} | "
+                         f"{_num(r['fails_at_rps'], '.3g') or 'none run'} | {_num(r['vs_baseline'], '.2f', 1.0, 'x')} | "
+                         f"{r['seeds']} | {r['probes']} |")
+        lines += ["", "Capacity: the highest rate run at which the SLO's share of the seeds' pooled requests meet it "
+                  "(to two significant figures); over seeds: the lowest and highest of each seed's own capacity "
+                  "(the highest rate up to which that seed met it at every rate run; '<x': a seed failed at the "
+                  "lowest rate run); realised: the arrival rate the seeds drew at the capacity, their mean.", ""]
     head = ["rank", "policy", "capacity", "rate (req/s)", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)",
             "TPOT p99 (ms)", "ITL p99 (ms)", "SLO attainment", "goodput (req/s)", "served (req/s)", "hit rate"]
     lines += ["## Latency at each rate", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -233,12 +365,12 @@ def terminal_load(table: pd.DataFrame, cap_table: pd.DataFrame | None, title: st
     recommendation per cache capacity."""
     lines = [*textwrap.wrap(title, 80, subsequent_indent="  "), ""]
     if cap_table is not None:
-        lines.append(f"{'#':>2} {'policy':<34} {'cap':>5} {'max req/s':>10} {'fails at':>9} {'vs base':>8}")
+        lines.append(f"{'#':>2} {'policy':<34} {'cap':>5} {'req/s':>14} {'over seeds':>11} {'vs base':>8}")
         lines.append("-" * 80)
         for r in cap_table.to_dict("records"):
             label = str(r["label"]) if len(str(r["label"])) <= 34 else str(r["label"])[:33] + "~"
             lines.append(f"{'' if pd.isna(r['rank']) else int(r['rank']):>2} {label:<34} {r['capacity']:>5} "
-                         f"{_num(r['max_rate'], '.3g') or '-':>10} {_num(r['fails_at'], '.3g') or '-':>9} "
+                         f"{capacity_text(r):>14} {interval_text(r):>11} "
                          f"{_num(r['vs_baseline'], '.2f', 1.0, 'x'):>8}".rstrip())
         lines.append("")
         for cap, here in cap_table.groupby("capacity", sort=False):
@@ -247,12 +379,14 @@ def terminal_load(table: pd.DataFrame, cap_table: pd.DataFrame | None, title: st
             if cands.empty:
                 continue
             best = cands.iloc[0]
-            if pd.isna(best["max_rate"]):
+            if pd.isna(best["capacity_rps"]):
                 lines += textwrap.wrap(f"At {cap}: no policy met the SLO ({slo_text}) at any rate run.", 80)
                 continue
+            seeds = "" if best["seeds"] < 2 or not interval_text(best) else \
+                f" ({interval_text(best)} over {best['seeds']} arrival seeds)"
             vs = "" if pd.isna(best["vs_baseline"]) else f", {best['vs_baseline']:.2f}x on-demand LRU's " + \
-                f"{base['max_rate']:.3g}"
-            lines += textwrap.wrap(f"Best at {cap}: {best['label']} serves up to {best['max_rate']:.3g} requests/s "
+                f"{capacity_text(base)}"
+            lines += textwrap.wrap(f"Best at {cap}: {best['label']} serves {capacity_text(best)} requests/s{seeds} "
                                    f"within the SLO ({slo_text}){vs}.", 80, subsequent_indent="  ")
     else:
         lines.append(f"{'#':>2} {'policy':<24} {'cap':>5} {'req/s':>7} {'TTFT p99 ms':>12} {'TPOT p99 ms':>12} "
@@ -297,9 +431,9 @@ def figure_load(table: pd.DataFrame, cap_table: pd.DataFrame | None, title: str,
             line = row[0].plot(x, [p[1] * 1e3 for p in pts], marker="o", markersize=3, label=label, **style)[0]
             row[1].plot(x, [p[2] * 1e3 for p in pts], marker="o", markersize=3, color=line.get_color(),
                         linewidth=line.get_linewidth())
-            if cap_table is not None and pd.notna(c["max_rate"]):
+            if cap_table is not None and pd.notna(c["capacity_rps"]):
                 for ax in row:
-                    ax.axvline(float(c["max_rate"]), color=line.get_color(), linestyle=":", linewidth=0.8)
+                    ax.axvline(float(c["capacity_rps"]), color=line.get_color(), linestyle=":", linewidth=0.8)
         for ax, what, limit in ((row[0], "p99 TTFT (ms)", getattr(slo, "ttft_s", None)),
                                 (row[1], "p99 TPOT (ms)", getattr(slo, "tpot_s", None))):
             if limit is not None:
@@ -318,22 +452,26 @@ def compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, e
                  prefetch: Sequence[str] | None, capacity: Sequence[str] | None, rates: Sequence[float] | None,
                  has_pred_next: bool, traces: dict[str, Any], workers: int, executor: str,
                  ray_address: str | None, progress: Callable[[int, int, int], None] | None,
-                 title: str, verify: bool = False, prune: bool = False) -> tuple[pd.DataFrame, str]:
+                 title: str, verify: bool = False, prune: bool = False, seeds: int = SEEDS) -> tuple[pd.DataFrame, str]:
     """The comparison under load (module docstring): writes compare.parquet (per rate),
     capacity.parquet (with an SLO), compare.md and compare.png in ``out``."""
     from moesim.config.scenario import scenario_from_dict
     from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
-    points, rows = plan_load(p, data, eviction, prefetch, capacity, rates, has_pred_next, traces)
+    points, rows = plan_load(p, data, eviction, prefetch, capacity, rates, has_pred_next, traces, seeds)
+    seed_list = seed_values(data, seeds)
     all_points = list(points)
     runs = run_points(data, points, out, workers, executor, ray_address, progress, verify)
-    results = collect(out, points)
     sc = scenario_from_dict({k: v for k, v in data.items() if not str(k).startswith("__")}, where=str(p),
                             base_dir=str(p.parent))
     slo = sc.slo
+    results = pooled(out, collect(out, points), [r["point"] for r in rows], slo)
     table = rank_load(results, rows, slo is not None)
-    by_pid = {pt.pid: pt.values for pt in points}
-    table["values"] = table["point"].map(by_pid)
+    values_of = {}
+    for r in rows:
+        pt = next(q for q in points if q.pid == r["point"].split("+")[0])
+        values_of[r["point"]] = {k: v for k, v in pt.values.items() if k != SEED}
+    table["values"] = table["point"].map(values_of)
     cap_table = None
     slo_text = ""
     if slo is not None:
@@ -341,23 +479,26 @@ def compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, e
                  f"TPOT <= {slo.tpot_s * 1e3:g} ms" if slo.tpot_s is not None else "",
                  f"every ITL <= {slo.itl_s * 1e3:g} ms" if slo.itl_s is not None else ""]
         slo_text = f"{' and '.join(x for x in parts if x)} for {slo.attainment:.0%} of requests"
-
-        def run(pts: list[Point]) -> pd.DataFrame:
+        def measure(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            plain_data = {k: v for k, v in data.items() if not str(k).startswith("__")}  # make_points adds them
+            pts, keys = seed_points(p, plain_data, groups, seed_list, traces)
             all_points.extend(pts)
             runs.add(run_points(data, pts, out, workers, executor, ray_address, progress, verify))
-            got = collect(out, all_points)
-            bad = got[(got["point"].isin([q.pid for q in pts])) & (got["status"] != "ok")]
+            got = pooled(out, collect(out, all_points), keys, slo)
+            bad = got[got["status"] != "ok"]
             if len(bad):
                 raise RunsFailed(f"compare: a bisection run failed: {bad.iloc[0].get('error', '?')}")
-            return got
+            by = got.set_index("point")
+            return [by.loc[k].to_dict() for k in keys]
 
-        cap_table = bisect_capacity(p, data, table, slo.attainment, run, traces)
+        cap_table = bisect_capacity(table, slo.attainment, measure)
         parts_ = []
         for _cap, here in cap_table.groupby("capacity", sort=False):
             here = here.copy()
-            base = here.loc[here["role"] == "baseline", "max_rate"].iloc[0]
-            here["vs_baseline"] = here["max_rate"] / base if base is not None and pd.notna(base) and base > 0 else np.nan
-            cands = here[here["role"] == "candidate"].sort_values(["max_rate", "label"], ascending=[False, True],
+            base = here.loc[here["role"] == "baseline", "capacity_rps"].iloc[0]
+            here["vs_baseline"] = (here["capacity_rps"] / base if base is not None and pd.notna(base) and base > 0
+                                   else np.nan)
+            cands = here[here["role"] == "candidate"].sort_values(["capacity_rps", "label"], ascending=[False, True],
                                                                    na_position="last", kind="stable")
             cands.insert(0, "rank", np.arange(1, len(cands) + 1))
             parts_ += [cands, here[here["role"] != "candidate"].assign(rank=pd.NA)]
