@@ -42,7 +42,7 @@ def test_the_bisection_probes_and_answer_are_those_worked_out_by_hand(tmp_path):
     (meets), then bisection: 0.3536 (fails), 0.2973 (meets), 0.3242 (fails), 0.3105 (fails):
     0.3105 / 0.2973 = 1.044 stops it: capacity 0.2973, 9 rates run. The probes of both policies
     go out together, a round at a time."""
-    p, data, table = start(tmp_path)
+    _, _, table = start(tmp_path)
     asked: dict[str, list[float]] = {"a": [], "b": []}
     rounds: list[int] = []
 
@@ -72,7 +72,7 @@ def test_a_policy_meeting_the_slo_at_every_rate_doubles_until_it_fails(tmp_path)
     """A policy meeting the SLO up to 5 req/s whose first rates (2 and 3) both meet it: 6
     (fails) bounds it after one doubling of 3, then 4.243 (meets), 5.046 (fails), 4.627 (meets),
     4.832 (meets), and 5.046 / 4.832 = 1.044 stops it."""
-    p, data, table = start(tmp_path)
+    _, _, table = start(tmp_path)
     table = table[table["label"] == "a"].copy()
     table["rate"] = [2.0, 3.0]
     table["slo_attainment"] = [1.0, 1.0]
