@@ -224,3 +224,46 @@ def test_the_tables_say_what_the_rows_hold() -> None:
     assert text == "At 5%: no policy met the SLO (S) at any rate run."
     nobase = cap.assign(vs_baseline=np.nan)
     assert unwrap(load.terminal_load(t, nobase, "T", "S")).rstrip().endswith("within the SLO (S).")
+
+
+def test_pooled_figures_over_seeds_by_hand(tmp_path: Path) -> None:
+    """Two seeds' runs of one (policy, rate): TTFT and TPOT percentiles and SLO attainment over
+    their four requests pooled, worked out here from the four numbers; served, goodput and
+    realised rates, ITL and hit rate the mean of the two runs'; each seed's attainment; a key
+    shared by two rows appears once; a failed seed fails the row, with its error."""
+    from moesim.config.scenario import SloConfig
+
+    out = tmp_path
+    reqs = {"p0": ([0.0, 1.0], [0.1, 0.3], [0.01, np.nan]), "p1": ([0.0, 2.0], [0.2, 0.4], [0.03, 0.02])}
+    for pid, (arr, ttft, tpot) in reqs.items():
+        (out / "points" / pid).mkdir(parents=True)
+        pd.DataFrame({"arrival_s": arr, "ttft_s": ttft, "tpot_s": tpot, "e2e_s": [1.0, 1.0], "queue_s": [0.0, 0.0],
+                      "finish_s": [1.0, 3.0], "output_tokens": [2, 1], "itl_max_s": [0.01, np.nan],
+                      "preemptions": [0, 1], "recomputed_tokens": [0, 4]}).to_parquet(
+            out / "points" / pid / "requests.parquet")
+    results = pd.DataFrame({"point": ["p0", "p1", "p2"], "status": ["ok", "ok", "error"], "error": [None, None, "boom"],
+                            "requests_per_s": [2.0, 1.0, None], "goodput_requests_s": [1.0, 0.5, None],
+                            "throughput_tokens_s": [3.0, 1.0, None], "offered_rate": [1.0, 0.5, None],
+                            "itl_p50_s": [0.01, 0.03, None], "itl_p99_s": [0.02, 0.04, None],
+                            "hit_rate": [0.5, 0.7, None], "slo_attainment": [1.0, 0.5, None]})
+    slo = SloConfig(ttft_s=0.25, tpot_s=0.025)
+    got = load.pooled(out, results, ["p0+p1", "p0+p1", "p0+p2"], slo)
+    assert got["point"].tolist() == ["p0+p1", "p0+p2"]
+    row = got.iloc[0]
+    assert row["status"] == "ok"
+    assert row["seeds"] == 2
+    assert row["ttft_p99_s"] == pytest.approx(0.397, rel=1e-12)  # 0.1, 0.2, 0.3, 0.4: 0.3 + 0.97 x 0.1
+    assert row["ttft_p50_s"] == pytest.approx(0.25)
+    assert row["tpot_p50_s"] == pytest.approx(0.02)  # 0.01, 0.02, 0.03 (one output token: none)
+    assert row["slo_attainment"] == 0.25  # TTFT/TPOT 0.1/0.01 meets; 0.3 and 0.4 miss TTFT, 0.2/0.03 TPOT
+    assert row["seed_attainment"] == [1.0, 0.5]
+    assert row["preemptions"] == 2  # one in each seed's run
+    assert row["recomputed_tokens"] == 8
+    want = {"requests_per_s": 1.5, "goodput_requests_s": 0.75, "throughput_tokens_s": 2.0, "offered_rate": 0.75,
+            "itl_p50_s": 0.02, "itl_p99_s": 0.03, "hit_rate": 0.6}
+    assert {k: row[k] for k in want} == pytest.approx(want)
+    bad = got.iloc[1]
+    assert (bad["status"], bad["error"]) == ("error", "boom")
+    plain = load.pooled(out, results, ["p0+p1"], None)
+    assert "seed_attainment" not in plain.columns
+    assert "slo_attainment" not in plain.columns
