@@ -107,3 +107,49 @@ def test_compare_under_load_finds_each_policys_capacity(tmp_path: Path) -> None:
     assert "Highest request rate meeting the SLO" in md
     assert "Latency at each rate" in md
     assert (out / "compare.png").stat().st_size > 10_000
+
+
+def test_the_interval_over_seeds_covers_a_fresh_seeds_capacity_as_often_as_order_statistics_say() -> None:
+    """One expert, one request at a time, prefill-only requests (the M/D/1 queue above), 30
+    Poisson arrivals a draw, SLO TTFT <= the first (cold) pass and 3 service times for 90% of
+    them. The capacity search
+    over seeds 0-4 gives an interval, the lowest and highest of their own capacities; each of
+    40 fresh seeds' own capacity (searched alone) falls inside it about as often as the range
+    of 5 exchangeable draws holds a sixth: 4 times in 6 (binomial over 40: 26.7 +/- 3; the
+    bounds here are 4 standard deviations). Every run in-process."""
+    from moesim.config.scenario import SloConfig
+    from moesim.studies.load import RATE, bisect_capacity
+
+    first, s = service_times()
+    limit = first + 3 * s  # the first request's pass misses; the rest are served in S
+    slo = SloConfig(ttft_s=limit, attainment=0.9)
+    base = served(ONE_EXPERT, {"process": "poisson", "rate": 1.0, "requests": 30, "output_tokens": 1},
+                  {"max_running": 1, "kv_memory": "none"}, cache={"capacity": "inf"})
+
+    def search(seeds: list[int]) -> dict:
+        def measure(combos: list[dict]) -> list[dict]:
+            rows = []
+            for v in combos:
+                each = []
+                for seed in seeds:
+                    point = copy.deepcopy(base)
+                    point["workload"]["arrivals"].update(rate=v[RATE], seed=seed)
+                    req = simulate(scenario_from_dict(point)).requests
+                    each.append(float((req["ttft_s"] <= limit).mean()))
+                rows.append({"slo_attainment": float(np.mean(each)), "seed_attainment": each, "ttft_p99_s": 0.0,
+                             "tpot_p99_s": 0.0})
+            return rows
+
+        lo_rate, hi_rate = 0.2 / s, 0.9 / s
+        first_rows = measure([{RATE: lo_rate}, {RATE: hi_rate}])
+        table = pd.DataFrame([{"role": "candidate", "label": "lru", "capacity": "inf", "rate": r,
+                               "values": {RATE: r}, **row} for r, row in zip((lo_rate, hi_rate), first_rows,
+                                                                            strict=True)])
+        return bisect_capacity(table, slo.attainment, measure).iloc[0].to_dict()
+
+    pooled = search([0, 1, 2, 3, 4])
+    low, high = pooled["capacity_low_rps"], pooled["capacity_high_rps"]
+    assert low is not None
+    assert low <= high
+    inside = sum(low <= search([seed])["capacity_rps"] <= high for seed in range(100, 140))
+    assert 15 <= inside <= 38, inside
