@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+import pytest
 
 from moesim.studies import load
 from moesim.studies.load import RATE, bisect_capacity
@@ -153,6 +155,85 @@ def test_a_seed_failing_at_every_rate_run_leaves_the_interval_open_below():
     assert load.interval_text({**row, "seeds": 1}) == ""
 
 
-def test_two_significant_figures():
-    assert [load.sig2(x) for x in (4.968, 0.2973, 256.0, 12.4, 1.0, 0.0449, 99.6, 0.0)] == [
+def test_significant_figures():
+    assert [load.sig(x) for x in (4.968, 0.2973, 256.0, 12.4, 1.0, 0.0449, 99.6, 0.0)] == [
         "5.0", "0.30", "260", "12", "1.0", "0.045", "100", "0"]
+    assert [load.sig(x, 3) for x in (1234.0, 0.04512, 2.0, 99.96, 5.188)] == ["1230", "0.0451", "2.00", "100", "5.19"]
+
+
+def test_a_policy_failing_at_every_rate_halves_eight_times_and_is_below_the_lowest(tmp_path):
+    """b fails at 2 and 8 and at every halving: 1, 0.5, ..., 0.01562 (4 significant figures)
+    and its half, 0.00781 (eight halvings), then stops: no capacity, fails at 0.00781, 'below
+    0.0078'; its
+    seeds have no capacity either. a, beside it in the same search, meets at every rate and
+    doubles from 8 to 2048 (eight doublings): at least 2048, a lower bound. Both keep their
+    role and cache capacity."""
+    _, _, table = start(tmp_path)
+    table["slo_attainment"] = [1.0, 1.0, 0.0, 0.0]
+    table["seed_attainment"] = [[1.0, 1.0], [1.0, 1.0], [0.0, 0.5], [0.0, 0.0]]
+    asked: dict[str, list[float]] = {"a": [], "b": []}
+
+    def run(combos):
+        rows = []
+        for v in combos:
+            label = "a" if v["policies.eviction"] == "lru" else "b"
+            asked[label].append(v[RATE])
+            ok = float(label == "a")
+            rows.append({"slo_attainment": ok, "seed_attainment": [ok, ok], "ttft_p99_s": 0.0, "tpot_p99_s": 0.0})
+        return rows
+
+    got = bisect_capacity(table, 0.9, run).set_index("label")
+    assert asked["b"] == [1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125, 0.01562, 0.00781]
+    assert asked["a"] == [16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0]
+    b = got.loc["b"]
+    assert b["fails_at_rps"] == 0.00781
+    assert pd.isna([b["capacity_rps"], b["capacity_low_rps"], b["capacity_high_rps"], b["realised_rps"]]).all()
+    assert not b["lower_bound"]
+    assert load.capacity_text(b) == "below 0.0078"
+    assert load.interval_text(b) == ""
+    a = got.loc["a"]
+    assert (a["capacity_rps"], a["lower_bound"], a["probes"]) == (2048.0, True, 10)
+    assert got["role"].tolist() == ["candidate", "candidate"]
+    assert got["capacity"].tolist() == ["25%", "25%"]
+
+
+def test_a_bracket_exactly_five_percent_wide_is_closed(tmp_path):
+    """2 meets and 2.1 fails: 2.1 / 2 = 1.05, the tolerance itself: nothing more is run."""
+    _, _, table = start(tmp_path)
+    table = table[table["label"] == "a"].copy()
+    table["rate"] = [2.0, 2.1]
+    asked: list[float] = []
+    got = bisect_capacity(table, 0.9, lambda combos: asked.extend(combos) or []).iloc[0]
+    assert asked == []
+    assert (got["capacity_rps"], got["fails_at_rps"], got["probes"]) == (2.0, 2.1, 2)
+
+
+def test_a_measure_that_answers_fewer_rows_than_asked_is_an_error(tmp_path):
+    _, _, table = start(tmp_path)
+    with pytest.raises(ValueError, match="zip"):
+        bisect_capacity(table, 0.9, lambda combos: [])
+
+
+def test_the_curve_keeps_a_missing_tpot_and_the_realised_rate_reads_nan_as_none(tmp_path):
+    """A rate run whose requests made one token each has no TPOT: its point on the curve is
+    NaN; a realised rate that is NaN is reported as none. An attainment equal to the target
+    meets it, for the pooled requests and for a seed."""
+    _, _, table = start(tmp_path)
+    table = table[table["label"] == "a"].copy()
+    table["rate"] = [2.0, 2.1]
+    table["slo_attainment"] = [0.9, 0.0]
+    table["seed_attainment"] = [[0.9, 0.9], [0.0, 0.0]]
+    table["tpot_p99_s"] = [np.nan, 0.5]
+    table["offered_rate"] = [np.nan, 2.2]
+    got = bisect_capacity(table, 0.9, lambda combos: []).iloc[0]
+    assert got["capacity_rps"] == 2.0
+    (r0, t0, p0), (r1, t1, p1) = got["curve"]
+    assert (r0, t0, r1, t1, p1) == (2.0, 2.0, 2.1, 8.0, 0.5)  # the table's p99 TTFTs: 2 and 8
+    assert np.isnan(p0)
+    assert got["realised_rps"] is None
+    assert (got["capacity_low_rps"], got["capacity_high_rps"]) == (2.0, 2.0)
+
+
+def test_capacity_text_when_nothing_was_run():
+    assert load.capacity_text({"capacity_rps": None, "fails_at_rps": None, "lower_bound": False}) == "none run"
+    assert load.capacity_text({"capacity_rps": np.nan, "fails_at_rps": np.nan, "lower_bound": False}) == "none run"

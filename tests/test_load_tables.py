@@ -52,8 +52,13 @@ def test_plan_covers_every_policy_capacity_and_rate_with_the_baseline(tmp_path: 
         if r["role"] == "baseline":
             assert r["point"] == next(x["point"] for x in rows if x["label"] == "lru" and x["capacity"] == r["capacity"]
                                       and x["rate"] == r["rate"])
-    same, _ = load.plan_load(p, copy.deepcopy(data), ["lru", "lru"], ["none"], None, [2.0], False, {}, seeds=1)
+    traces: dict = {}
+    same, _ = load.plan_load(p, copy.deepcopy(data), ["lru", "lru"], ["none"], None, [2.0], False, traces, seeds=1)
     assert len(same) == 1  # lru twice and the baseline: one run
+    assert len(traces) == 1  # the trace loaded once, kept for the caller (the bisection's points)
+    picked, rows = load.plan_load(p, copy.deepcopy(data), ["lru"], ["oracle"], None, [2.0], False, {}, seeds=1)
+    assert [r["label"] for r in rows] == ["lru + oracle", "on-demand LRU (baseline)"]
+    assert len(picked) == 2
     with pytest.raises(MoesimError, match="--seeds must be at least 1"):
         load.plan_load(p, copy.deepcopy(data), ["lru"], ["none"], None, [2.0], False, {}, seeds=0)
 
@@ -102,10 +107,14 @@ def test_the_arrival_file_s_rate_and_its_refusal(tmp_path: Path) -> None:
     assert load.file_rate(data, str(tmp_path), "s.yaml") == 1.0
     (tmp_path / "arr.csv").write_text("timestamp,input_tokens,output_tokens\n0,8,2\n1,8,2\n7,8,2\n")
     assert load.file_rate(data, str(tmp_path), "s.yaml") == pytest.approx(2 / 7, rel=1e-15)
-    _, rows = load.plan_load(p, data, ["lru"], None, None, None, False, {})
+    points, rows = load.plan_load(p, data, ["lru"], None, None, None, False, {})
     assert {r["rate"] for r in rows} == {0.2857}
+    assert len(points) == 1  # a file draws nothing: no seed axis, and the baseline is the lru candidate
+    assert load.SEED not in points[0].values
     (tmp_path / "one.csv").write_text("timestamp,input_tokens,output_tokens\n5,8,2\n")
     _, one = scenario(tmp_path, {"process": "file", "path": str(tmp_path / "one.csv")})
+    with pytest.raises(MoesimError, match=f"^{tmp_path / 's.yaml'}: the arrival file"):
+        load.plan_load(p, copy.deepcopy(one), ["lru"], None, None, None, False, {})
     with pytest.raises(MoesimError) as err:
         load.file_rate(one, "/elsewhere", "s.yaml")
     assert "s.yaml: the arrival file" in str(err.value)
@@ -184,8 +193,8 @@ def test_the_tables_say_what_the_rows_hold() -> None:
     t = load.rank_load(res, rows, slo=True)
     md = load.markdown_load(t, None, "T", "")
     assert md.startswith("# T\n\n## Latency at each rate\n\n| rank | policy | capacity | rate (req/s) | TTFT p50 (ms) |")
-    assert "| 1 | c | 5% | 2 | 300.0 | 500.0 | 30.00 | 33.00 | 36.00 | 100% | 2 | 2 | 0.125 |" in md
-    assert "|  | on-demand LRU (baseline) | 5% | 2 | 200.0 | 400.0 | 40.00 | 44.00 | 48.00 | 50% | 1 | 2 | 0.000 |" in md
+    assert "| 1 | c | 5% | 2 | 300.0 | 500.0 | 30.00 | 33.00 | 36.00 | 100% | 2.00 | 2.00 | 0.125 |" in md
+    assert "|  | on-demand LRU (baseline) | 5% | 2 | 200.0 | 400.0 | 40.00 | 44.00 | 48.00 | 50% | 1.00 | 2.00 | 0.000 |" in md
     assert "Highest request rate" not in md
     cap = pd.DataFrame({"rank": [1, 2, pd.NA], "role": ["candidate", "candidate", "baseline"],
                         "label": ["c", "least-stale + score-percentile", "on-demand LRU (baseline)"],
@@ -196,8 +205,8 @@ def test_the_tables_say_what_the_rows_hold() -> None:
                         "vs_baseline": [2.006, np.nan, 1.0], "probes": [5, 9, 3]})
     md = load.markdown_load(t, cap, "T", "TTFT <= 500 ms for 90% of requests")
     assert "## Highest request rate meeting the SLO (TTFT <= 500 ms for 90% of requests)" in md
-    assert "| 1 | c | 5% | 4.0 | 3.7-4.5 | 4.1 | 4.2 | 2.01x | 5 | 5 |" in md
-    assert "| 2 | least-stale + score-percentile | 5% | below 0.50 |  |  | 0.5 |  | 5 | 9 |" in md
+    assert "| 1 | c | 5% | 4.0 | 3.7-4.5 | 4.1 | 4.20 | 2.01x | 5 | 5 |" in md
+    assert "| 2 | least-stale + score-percentile | 5% | below 0.50 |  |  | 0.500 |  | 5 | 9 |" in md
     assert "|  | on-demand LRU (baseline) | 5% | at least 2.0 | <2.5 | 2.0 | none run | 1.00x | 5 | 3 |" in md
     term = load.terminal_load(t, None, "T", "")
     lines = term.splitlines()
@@ -243,13 +252,13 @@ def test_pooled_figures_over_seeds_by_hand(tmp_path: Path) -> None:
             out / "points" / pid / "requests.parquet")
     results = pd.DataFrame({"point": ["p0", "p1", "p2"], "status": ["ok", "ok", "error"], "error": [None, None, "boom"],
                             "requests_per_s": [2.0, 1.0, None], "goodput_requests_s": [1.0, 0.5, None],
-                            "throughput_tokens_s": [3.0, 1.0, None], "offered_rate": [1.0, 0.5, None],
+                            "throughput_tokens_s": [3.0, 2.0, None], "offered_rate": [1.0, 0.5, None],
                             "itl_p50_s": [0.01, 0.03, None], "itl_p99_s": [0.02, 0.04, None],
                             "hit_rate": [0.5, 0.7, None], "slo_attainment": [1.0, 0.5, None]})
     slo = SloConfig(ttft_s=0.25, tpot_s=0.025)
-    got = load.pooled(out, results, ["p0+p1", "p0+p1", "p0+p2"], slo)
-    assert got["point"].tolist() == ["p0+p1", "p0+p2"]
-    row = got.iloc[0]
+    got = load.pooled(out, results, ["p0+p2", "p0+p1", "p0+p1"], slo)
+    assert got["point"].tolist() == ["p0+p2", "p0+p1"]
+    row = got.iloc[1]
     assert row["status"] == "ok"
     assert row["seeds"] == 2
     assert row["ttft_p99_s"] == pytest.approx(0.397, rel=1e-12)  # 0.1, 0.2, 0.3, 0.4: 0.3 + 0.97 x 0.1
@@ -259,11 +268,137 @@ def test_pooled_figures_over_seeds_by_hand(tmp_path: Path) -> None:
     assert row["seed_attainment"] == [1.0, 0.5]
     assert row["preemptions"] == 2  # one in each seed's run
     assert row["recomputed_tokens"] == 8
-    want = {"requests_per_s": 1.5, "goodput_requests_s": 0.75, "throughput_tokens_s": 2.0, "offered_rate": 0.75,
+    want = {"requests_per_s": 1.5, "goodput_requests_s": 0.75, "throughput_tokens_s": 2.5, "offered_rate": 0.75,
             "itl_p50_s": 0.02, "itl_p99_s": 0.03, "hit_rate": 0.6}
     assert {k: row[k] for k in want} == pytest.approx(want)
-    bad = got.iloc[1]
+    bad = got.iloc[0]
     assert (bad["status"], bad["error"]) == ("error", "boom")
+    gapless = load.pooled(out, results.assign(itl_p50_s=[0.01, None, None]), ["p0+p1"], slo).iloc[0]
+    assert gapless["itl_p50_s"] is None  # a seed without gaps: no mean over seeds
+    assert gapless["itl_p99_s"] == pytest.approx(0.03)
     plain = load.pooled(out, results, ["p0+p1"], None)
     assert "seed_attainment" not in plain.columns
     assert "slo_attainment" not in plain.columns
+
+
+L34 = "least-stale + score-percentile-abc"  # 34 characters: shown whole in the capacity table
+L35 = "least-stale + score-percentile-abcd"  # 35: cut with a tilde
+TITLE = ("moesim compare s.yaml: synthetic olmoe-1b-7b (4 x 32+8 tokens); a100-80g-pcie4, pcie 32 GB/s; poisson "
+         "arrivals")
+
+
+def rich_tables() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Two cache capacities (50% listed before 5%), three candidates (one 34 and one 35
+    characters long) and the baseline at each: at 50% none met the SLO (two below the rate
+    they failed at, one never run); at 5% a capacity with its interval over 5 seeds, one from
+    a single seed (no interval), one below the lowest rate, and the baseline a lower bound with
+    a seed failing at the lowest rate."""
+    rows = []
+    for cap in ("50%", "5%"):
+        for lab, role in (("lru", "candidate"), (L34, "candidate"), (L35, "candidate"),
+                          ("on-demand LRU (baseline)", "baseline")):
+            rows.append({"role": role, "label": lab, "capacity": cap, "rate": 0.00001 if cap == "50%" else 2.0,
+                         "point": lab + cap})
+    res = pd.DataFrame({"point": [r["point"] for r in rows], "status": "ok",
+                        "slo_attainment": [0.95, 0.9, 0.5, 0.8] * 2, "ttft_p99_s": [0.25, 0.5, 1.25, 0.4] * 2,
+                        "ttft_p50_s": [0.125, 0.25, 0.5, 0.2] * 2, "tpot_p50_s": [0.0125, 0.025, 0.05, 0.02] * 2,
+                        "tpot_p99_s": [0.015, 0.03, 0.06, 0.025] * 2, "itl_p99_s": [0.0175, 0.035, 0.07, np.nan] * 2,
+                        "goodput_requests_s": [1.9, 1.8, 1.0, 1.6] * 2, "requests_per_s": [2.0] * 8,
+                        "hit_rate": [0.5, 0.25, 0.125, 0.0] * 2})
+    t = load.rank_load(res, rows, slo=True)
+    cap = pd.DataFrame({"rank": [1, 2, 3, pd.NA] * 2, "role": (["candidate"] * 3 + ["baseline"]) * 2,
+                        "label": ["lru", L34, L35, "on-demand LRU (baseline)"] * 2,
+                        "capacity": ["50%"] * 4 + ["5%"] * 4,
+                        "capacity_rps": [np.nan] * 4 + [4.012, 3.3, np.nan, 2.0],
+                        "capacity_low_rps": [np.nan] * 4 + [3.71, 3.1, np.nan, None],
+                        "capacity_high_rps": [np.nan] * 4 + [4.46, 3.5, np.nan, 2.5],
+                        "realised_rps": [np.nan] * 4 + [4.1, 3.31, np.nan, 2.05],
+                        "fails_at_rps": [0.5, 0.25, np.nan, 0.5, 4.2, 3.4, 0.5, np.nan],
+                        "lower_bound": [False] * 7 + [True], "seeds": [5] * 4 + [5, 1, 5, 5],
+                        "vs_baseline": [np.nan] * 4 + [2.006, 1.65, np.nan, 1.0], "probes": [9, 9, 9, 9, 5, 6, 9, 3]})
+    return t, cap
+
+
+MARKDOWN = (
+    '# moesim compare s.yaml: synthetic olmoe-1b-7b (4 x 32+8 tokens); a100-80g-pcie4, pcie 32 GB/s; poisson arrivals\n'
+    '\n'
+    '## Highest request rate meeting the SLO (TTFT <= 500 ms for 90% of requests)\n'
+    '\n'
+    '| rank | policy | cache capacity | capacity (req/s) | over seeds (req/s) | realised (req/s) | fails at (req/s) | vs baseline | seeds | rates run |\n'
+    '|---|---|---|---|---|---|---|---|---|---|\n'
+    '| 1 | lru | 50% | below 0.50 |  |  | 0.500 |  | 5 | 9 |\n'
+    '| 2 | least-stale + score-percentile-abc | 50% | below 0.25 |  |  | 0.250 |  | 5 | 9 |\n'
+    '| 3 | least-stale + score-percentile-abcd | 50% | none run |  |  | none run |  | 5 | 9 |\n'
+    '|  | on-demand LRU (baseline) | 50% | below 0.50 |  |  | 0.500 |  | 5 | 9 |\n'
+    '| 1 | lru | 5% | 4.0 | 3.7-4.5 | 4.1 | 4.20 | 2.01x | 5 | 5 |\n'
+    '| 2 | least-stale + score-percentile-abc | 5% | 3.3 |  | 3.3 | 3.40 | 1.65x | 1 | 6 |\n'
+    '| 3 | least-stale + score-percentile-abcd | 5% | below 0.50 |  |  | 0.500 |  | 5 | 9 |\n'
+    '|  | on-demand LRU (baseline) | 5% | at least 2.0 | <2.5 | 2.0 | none run | 1.00x | 5 | 3 |\n'
+    '\n'
+    "Capacity: the highest rate run at which the SLO's share of the seeds' pooled requests meet it (to two significant figures); over seeds: the lowest and highest of each seed's own capacity (the highest rate up to which that seed met it at every rate run; '<x': a seed failed at the lowest rate run); realised: the arrival rate the seeds drew at the capacity, their mean.\n"
+    '\n'
+    '## Latency at each rate\n'
+    '\n'
+    '| rank | policy | capacity | rate (req/s) | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | ITL p99 (ms) | SLO attainment | goodput (req/s) | served (req/s) | hit rate |\n'
+    '|---|---|---|---|---|---|---|---|---|---|---|---|---|\n'
+    '| 1 | lru | 50% | 1e-05 | 125.0 | 250.0 | 12.50 | 15.00 | 17.50 | 95% | 1.90 | 2.00 | 0.500 |\n'
+    '| 2 | least-stale + score-percentile-abc | 50% | 1e-05 | 250.0 | 500.0 | 25.00 | 30.00 | 35.00 | 90% | 1.80 | 2.00 | 0.250 |\n'
+    '| 3 | least-stale + score-percentile-abcd | 50% | 1e-05 | 500.0 | 1250.0 | 50.00 | 60.00 | 70.00 | 50% | 1.00 | 2.00 | 0.125 |\n'
+    '|  | on-demand LRU (baseline) | 50% | 1e-05 | 200.0 | 400.0 | 20.00 | 25.00 |  | 80% | 1.60 | 2.00 | 0.000 |\n'
+    '| 1 | lru | 5% | 2 | 125.0 | 250.0 | 12.50 | 15.00 | 17.50 | 95% | 1.90 | 2.00 | 0.500 |\n'
+    '| 2 | least-stale + score-percentile-abc | 5% | 2 | 250.0 | 500.0 | 25.00 | 30.00 | 35.00 | 90% | 1.80 | 2.00 | 0.250 |\n'
+    '| 3 | least-stale + score-percentile-abcd | 5% | 2 | 500.0 | 1250.0 | 50.00 | 60.00 | 70.00 | 50% | 1.00 | 2.00 | 0.125 |\n'
+    '|  | on-demand LRU (baseline) | 5% | 2 | 200.0 | 400.0 | 20.00 | 25.00 |  | 80% | 1.60 | 2.00 | 0.000 |\n'
+    '\n'
+    "Ranked per capacity and rate by SLO attainment, then p99 TTFT. A rate meets the SLO when at least the SLO's attainment share of requests meet its TTFT, TPOT and ITL limits (ITL: a request's longest gap between two output tokens); the highest such rate is found by bisection on the rate (each probe a run).\n"
+)
+
+TERMINAL = (
+    'moesim compare s.yaml: synthetic olmoe-1b-7b (4 x 32+8 tokens); a100-80g-pcie4,\n'
+    '  pcie 32 GB/s; poisson arrivals\n'
+    '\n'
+    ' # policy                               cap          req/s  over seeds  vs base\n'
+    '--------------------------------------------------------------------------------\n'
+    ' 1 lru                                  50%     below 0.50\n'
+    ' 2 least-stale + score-percentile-abc   50%     below 0.25\n'
+    ' 3 least-stale + score-percentile-ab~   50%       none run\n'
+    '   on-demand LRU (baseline)             50%     below 0.50\n'
+    ' 1 lru                                   5%            4.0     3.7-4.5    2.01x\n'
+    ' 2 least-stale + score-percentile-abc    5%            3.3                1.65x\n'
+    ' 3 least-stale + score-percentile-ab~    5%     below 0.50\n'
+    '   on-demand LRU (baseline)              5%   at least 2.0        <2.5    1.00x\n'
+    '\n'
+    'At 50%: no policy met the SLO (TTFT <= 500 ms for 90% of requests) at any rate\n'
+    '  run.\n'
+    'Best at 5%: lru serves 4.0 requests/s (3.7-4.5 over 5 arrival seeds) within the\n'
+    "  SLO (TTFT <= 500 ms for 90% of requests), 2.01x on-demand LRU's at least 2.0.\n"
+)
+
+TERMINAL_NO_SLO = (
+    'moesim compare s.yaml: synthetic olmoe-1b-7b (4 x 32+8 tokens); a100-80g-pcie4,\n'
+    '  pcie 32 GB/s; poisson arrivals\n'
+    '\n'
+    ' # policy                     cap   req/s  TTFT p99 ms  TPOT p99 ms  ITL p99 ms\n'
+    '--------------------------------------------------------------------------------\n'
+    ' 1 lru                        50%   1e-05        250.0        15.00       17.50\n'
+    ' 2 least-stale + score-per~   50%   1e-05        500.0        30.00       35.00\n'
+    ' 3 least-stale + score-per~   50%   1e-05       1250.0        60.00       70.00\n'
+    '   on-demand LRU (baseline)   50%   1e-05        400.0        25.00\n'
+    ' 1 lru                         5%       2        250.0        15.00       17.50\n'
+    ' 2 least-stale + score-per~    5%       2        500.0        30.00       35.00\n'
+    ' 3 least-stale + score-per~    5%       2       1250.0        60.00       70.00\n'
+    '   on-demand LRU (baseline)    5%       2        400.0        25.00\n'
+    '\n'
+    "Give the scenario an slo (ttft_s, tpot_s, itl_s) to find each policy's highest\n"
+    'rate within it.\n'
+)
+
+def test_the_whole_tables_word_for_word() -> None:
+    """Every line of the Markdown and the terminal tables of :func:`rich_tables`, checked by eye
+    once and held here: headers, units, the notes, the wrapped title and sentences (indented),
+    the capacities in their listed order, labels whole up to 34 characters, empty cells."""
+    t, cap = rich_tables()
+    slo = "TTFT <= 500 ms for 90% of requests"
+    assert load.markdown_load(t, cap, TITLE, slo) == MARKDOWN
+    assert load.terminal_load(t, cap, TITLE, slo) == TERMINAL
+    assert load.terminal_load(t, None, TITLE, "") == TERMINAL_NO_SLO

@@ -63,14 +63,14 @@ SHOWN = ("role", "label", "capacity", "rate", "ttft_p50_s", "ttft_p99_s", "tpot_
          "slo_attainment", "goodput_requests_s", "requests_per_s", "hit_rate")
 
 
-def sig2(x: float) -> str:
-    """A rate to two significant figures, without an exponent (4.968 -> 5.0, 256 -> 260)."""
+def sig(x: float, digits: int = 2) -> str:
+    """A rate to ``digits`` significant figures, without an exponent (4.968 -> 5.0, 256 ->
+    260; to 3: 1,234 -> 1230, 0.0451 -> 0.0451)."""
     if not x > 0:
         return f"{x:g}"
-    mag = math.floor(math.log10(x))
-    if mag >= 1:
-        return f"{round(x, 1 - mag):.0f}"
-    return f"{x:.{1 - mag}f}"
+    rounded = float(f"{x:.{digits - 1}e}")  # its magnitude after rounding: 99.96 -> 100
+    decimals = digits - 1 - math.floor(math.log10(rounded))
+    return f"{round(rounded, decimals):.{max(decimals, 0)}f}"
 
 
 def seed_values(data: dict[str, Any], seeds: int) -> list[int | None]:
@@ -121,7 +121,7 @@ def pooled(out: Path, results: pd.DataFrame, keys: list[str], slo: Any) -> pd.Da
         for col in ("requests_per_s", "goodput_requests_s", "throughput_tokens_s", "offered_rate", "itl_p50_s",
                     "itl_p99_s", "hit_rate"):
             if col in here:
-                v = pd.to_numeric(here[col], errors="coerce")
+                v = pd.to_numeric(here[col])
                 row[col] = float(v.mean()) if v.notna().all() else None
         if slo is not None:
             row["seed_attainment"] = [float(a) for a in here["slo_attainment"]]
@@ -246,8 +246,6 @@ def bisect_capacity(table: pd.DataFrame, target: float,
             else:
                 rate = _round(lo * 2)
                 s["steps"] += 1
-            if rate in s["measured"] or rate <= 0:
-                continue
             probes[key] = rate
         if not probes:
             break
@@ -256,16 +254,12 @@ def bisect_capacity(table: pd.DataFrame, target: float,
             s = state[key]
             s["measured"][rate] = row
             s["probes"] += 1
-            if _meets(row, target):
-                s["lo"] = rate if s["lo"] is None or rate > s["lo"] else s["lo"]
-            else:
-                s["hi"] = rate if s["hi"] is None or rate < s["hi"] else s["hi"]
+            s["lo" if _meets(row, target) else "hi"] = rate  # every probe lies beyond lo and below hi
     out_rows = []
     for (label, cap), s in state.items():
         caps = seed_capacities(s["measured"], target)
         found = [c for c in caps if c is not None]
-        at = s["measured"].get(s["lo"]) if s["lo"] is not None else None
-        realised = at.get("offered_rate") if at is not None else None
+        realised = s["measured"][s["lo"]].get("offered_rate") if s["lo"] is not None else None
         out_rows.append({
             "role": s["role"], "label": label, "capacity": cap, "capacity_rps": s["lo"],
             "capacity_low_rps": None if len(found) < len(caps) else min(found),
@@ -305,8 +299,8 @@ def _num(v: Any, spec: str, scale: float = 1.0, unit: str = "") -> str:
     return "" if v is None or pd.isna(v) else format(float(v) * scale, spec) + unit
 
 
-def _sig(v: Any) -> str:
-    return "" if v is None or pd.isna(v) else sig2(float(v))
+def _sig(v: Any, digits: int = 2) -> str:
+    return "" if v is None or pd.isna(v) else sig(float(v), digits)
 
 
 def capacity_text(r: Any) -> str:
@@ -338,7 +332,7 @@ def markdown_load(table: pd.DataFrame, cap_table: pd.DataFrame | None, title: st
         for r in cap_table.to_dict("records"):
             lines.append(f"| {'' if pd.isna(r['rank']) else int(r['rank'])} | {r['label']} | {r['capacity']} | "
                          f"{capacity_text(r)} | {interval_text(r)} | {_sig(r['realised_rps'])} | "
-                         f"{_num(r['fails_at_rps'], '.3g') or 'none run'} | {_num(r['vs_baseline'], '.2f', 1.0, 'x')} | "
+                         f"{_sig(r['fails_at_rps'], 3) or 'none run'} | {_num(r['vs_baseline'], '.2f', 1.0, 'x')} | "
                          f"{r['seeds']} | {r['probes']} |")
         lines += ["", "Capacity: the highest rate run at which the SLO's share of the seeds' pooled requests meet it "
                   "(to two significant figures); over seeds: the lowest and highest of each seed's own capacity "
@@ -353,7 +347,7 @@ def markdown_load(table: pd.DataFrame, cap_table: pd.DataFrame | None, title: st
             _num(r["rate"], "g"), _num(r["ttft_p50_s"], ".1f", 1e3), _num(r["ttft_p99_s"], ".1f", 1e3),
             _num(r["tpot_p50_s"], ".2f", 1e3), _num(r["tpot_p99_s"], ".2f", 1e3), _num(r["itl_p99_s"], ".2f", 1e3),
             _num(r["slo_attainment"], ".0%"),
-            _num(r["goodput_requests_s"], ".3g"), _num(r["requests_per_s"], ".3g"), _num(r["hit_rate"], ".3f")]) + " |")
+            _sig(r["goodput_requests_s"], 3), _sig(r["requests_per_s"], 3), _num(r["hit_rate"], ".3f")]) + " |")
     lines += ["", "Ranked per capacity and rate by SLO attainment, then p99 TTFT. A rate meets the SLO when at least "
               "the SLO's attainment share of requests meet its TTFT, TPOT and ITL limits (ITL: a request's longest gap between two output tokens); the highest such rate is found by "
               "bisection on the rate (each probe a run)."]
@@ -380,7 +374,8 @@ def terminal_load(table: pd.DataFrame, cap_table: pd.DataFrame | None, title: st
                 continue
             best = cands.iloc[0]
             if pd.isna(best["capacity_rps"]):
-                lines += textwrap.wrap(f"At {cap}: no policy met the SLO ({slo_text}) at any rate run.", 80)
+                lines += textwrap.wrap(f"At {cap}: no policy met the SLO ({slo_text}) at any rate run.", 80,
+                                       subsequent_indent="  ")
                 continue
             seeds = "" if best["seeds"] < 2 or not interval_text(best) else \
                 f" ({interval_text(best)} over {best['seeds']} arrival seeds)"
@@ -396,7 +391,7 @@ def terminal_load(table: pd.DataFrame, cap_table: pd.DataFrame | None, title: st
             label = str(r["label"]) if len(str(r["label"])) <= 24 else str(r["label"])[:23] + "~"
             lines.append(f"{'' if pd.isna(r['rank']) else int(r['rank']):>2} {label:<24} {r['capacity']:>5} "
                          f"{r['rate']:>7.3g} {_num(r['ttft_p99_s'], '.1f', 1e3):>12} "
-                         f"{_num(r['tpot_p99_s'], '.2f', 1e3):>12} {_num(r['itl_p99_s'], '.2f', 1e3):>11}")
+                         f"{_num(r['tpot_p99_s'], '.2f', 1e3):>12} {_num(r['itl_p99_s'], '.2f', 1e3):>11}".rstrip())
         lines += ["", *textwrap.wrap("Give the scenario an slo (ttft_s, tpot_s, itl_s) to find each policy's highest "
                                      "rate within it.", 80)]
     return "\n".join(lines) + "\n"
