@@ -237,3 +237,28 @@ def test_the_curve_keeps_a_missing_tpot_and_the_realised_rate_reads_nan_as_none(
 def test_capacity_text_when_nothing_was_run():
     assert load.capacity_text({"capacity_rps": None, "fails_at_rps": None, "lower_bound": False}) == "none run"
     assert load.capacity_text({"capacity_rps": np.nan, "fails_at_rps": np.nan, "lower_bound": False}) == "none run"
+
+
+def test_a_search_that_stopped_does_not_stop_the_others(tmp_path):
+    """a meets the SLO at every rate and stops after eight doublings (a lower bound); b fails
+    down to 0.01562 and meets at 0.00781 after eight halvings, so its bisection goes on after
+    a has stopped, until its bracket is within 5%."""
+    _, _, table = start(tmp_path)
+    table["slo_attainment"] = [1.0, 1.0, 0.0, 0.0]
+    asked: dict[str, list[float]] = {"a": [], "b": []}
+
+    def run(combos):
+        rows = []
+        for v in combos:
+            label = "a" if v["policies.eviction"] == "lru" else "b"
+            asked[label].append(v[RATE])
+            rows.append({"slo_attainment": float(label == "a" or v[RATE] <= 0.01), "ttft_p99_s": 0.0,
+                         "tpot_p99_s": None})
+        return rows
+
+    got = bisect_capacity(table, 0.9, run).set_index("label")
+    assert len(asked["a"]) == 8
+    assert len(asked["b"]) > 8
+    b = got.loc["b"]
+    assert b["capacity_rps"] <= 0.01 < b["fails_at_rps"] <= b["capacity_rps"] * 1.05
+    assert all(np.isnan(p) for _, _, p in b["curve"] if _ not in (2.0, 8.0))  # no TPOT measured: NaN

@@ -402,3 +402,50 @@ def test_the_whole_tables_word_for_word() -> None:
     assert load.markdown_load(t, cap, TITLE, slo) == MARKDOWN
     assert load.terminal_load(t, cap, TITLE, slo) == TERMINAL
     assert load.terminal_load(t, None, TITLE, "") == TERMINAL_NO_SLO
+
+
+def test_the_sentence_per_capacity_names_the_seeds_only_with_an_interval() -> None:
+    """The best policy's range is told when it has one: 2 seeds with an interval are named; 1
+    seed, or 5 whose interval is unknown (every seed failed at the lowest rate run), are not.
+    A capacity with no candidate says nothing, and the next one still speaks."""
+    t, cap = rich_tables()
+    slo = "S"
+
+    def sentence(**change) -> str:
+        c = cap.copy()
+        for k, v in change.items():
+            c.loc[4, k] = v
+        return unwrap(load.terminal_load(t, c, "T", slo)).split("Best at 5%: ")[1]
+
+    assert sentence(seeds=2).startswith("lru serves 4.0 requests/s (3.7-4.5 over 2 arrival seeds) within")
+    assert sentence(seeds=1).startswith("lru serves 4.0 requests/s within the SLO (S)")
+    assert sentence(capacity_low_rps=np.nan, capacity_high_rps=np.nan).startswith(
+        "lru serves 4.0 requests/s within the SLO (S)")
+    lone = pd.concat([cap[cap["capacity"] == "50%"].iloc[[3]], cap[cap["capacity"] == "5%"]], ignore_index=True)
+    text = unwrap(load.terminal_load(t, lone, "T", slo))
+    assert "At 50%" not in text
+    assert "Best at 50%" not in text
+    assert "Best at 5%: lru serves 4.0" in text
+
+
+def test_lines_wrap_at_80_columns_exactly() -> None:
+    """A title and a sentence whose first 81 characters end a word wrap before it: 80 is the
+    limit, not 81."""
+    t, cap = rich_tables()
+    title = "x" * 76 + " abcd tail"
+    assert load.terminal_load(t, cap, title, "S").splitlines()[:2] == ["x" * 76, "  abcd tail"]
+    none = cap.assign(capacity_rps=np.nan)
+    slo = "y" * 42  # "At 50%: no policy met the SLO (" (31) + 42 + ") at any" (8): 81 characters
+    lines = load.terminal_load(t, none, "T", slo).splitlines()
+    at = lines.index(next(x for x in lines if x.startswith("At 50%")))
+    assert lines[at] == f"At 50%: no policy met the SLO ({slo}) at"
+    assert lines[at + 1] == "  any rate run."
+
+
+def test_a_label_of_25_characters_is_cut_in_the_per_rate_table() -> None:
+    rows, res = results_by_hand()
+    rows[0]["label"] = "a" * 25
+    rows[1]["label"] = "b" * 24
+    lines = load.terminal_load(load.rank_load(res, rows, slo=False), None, "T", "").splitlines()
+    assert any(x.startswith(" 2 " + "a" * 23 + "~ ") for x in lines)
+    assert any(x.startswith(" 1 " + "b" * 24 + " ") for x in lines)

@@ -104,6 +104,28 @@ FUNCTIONS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
+    # compare --rate's seeds, pooled rows, capacity interval and tables (MUTATE_ONLY over them, with
+    # tests/test_load_tables.py and tests/test_load_bisection.py)
+    **dict.fromkeys(("moesim.studies.load.x_bisect_capacity__mutmut_10", "moesim.studies.load.x_markdown_load__mutmut_127",
+                     "moesim.studies.load.x_markdown_load__mutmut_14", "moesim.studies.load.x_terminal_load__mutmut_178",
+                     "moesim.studies.load.x_terminal_load__mutmut_30"), "pandas reads to_dict's orient case-insensitively"),
+    **{"moesim.studies.load.x_markdown_load__mutmut_" + str(n): "'F' differs from 'f' only in how inf and nan are written: _num "
+       "writes NaN as an empty cell, and no latency, rate or ratio here is infinite" for n in (55, 167, 178, 189, 200, 211, 241)},
+    **{"moesim.studies.load.x_terminal_load__mutmut_" + str(n): "'F' differs from 'f' only in how inf and nan are written: _num "
+       "writes NaN as an empty cell, and no latency or ratio here is infinite" for n in (71, 217, 228, 239)},
+    **{"moesim.studies.load.x_plan_load__mutmut_" + str(n): "zip's strict flag: one key per combination by construction"
+       for n in (158, 161, 162)},
+    **{"moesim.studies.load.x_seed_capacities__mutmut_" + str(n): "zip's strict flag: one list of attainments per rate by construction"
+       for n in (16, 19, 20)},
+    **{"moesim.studies.load.x_plan_load__mutmut_" + str(n): "the items sort by their keys, which are unique: the same order with or "
+       "without a key function" for n in (69, 71)},
+    **{"moesim.studies.load.x_pooled__mutmut_" + str(n): "the summary reads the pooled requests' columns as arrays, never their index"
+       for n in (54, 56, 57)},
+    "moesim.studies.load.x_bisect_capacity__mutmut_60": "a rate run once either meets the SLO or not: no failing rate equals the highest "
+        "meeting one",
+    "moesim.studies.load.x_terminal_load__mutmut_78": "groupby's sort=None is falsy: the capacities in the order listed, as sort=False",
+    "moesim.studies.load.x_terminal_load__mutmut_253": "a fixed sentence whose first line is 79 characters and whose next word is 4: "
+        "it wraps alike at 80 and 81 columns",
     # the sweep's reuse path (MUTATE_ONLY over it, with tests/test_sweep_reuse_hand.py)
     **{"moesim.studies.sweep.x_file_digest__mutmut_" + str(n):
        "the size of each read changes how the file is read, not the digest of its bytes" for n in (5, 7, 8)},
