@@ -383,12 +383,12 @@ def test_compare_under_load_counts_every_bisection_probe_reused_and_run(tmp_path
     sc = tmp_path / "s.yaml"
     sc.write_text(json.dumps(data))
     out = tmp_path / "c"
-    kw = {"eviction": ["lfu"], "prefetch": ["none"], "rates": [2.0, 64.0]}
+    kw = {"eviction": ["lfu"], "prefetch": ["none"], "rates": [2.0, 64.0], "seeds": 2}
     first, _ = compare(str(sc), out, **kw)
     runs = first.attrs["runs"]
     total = runs.ran
     assert runs.reused == 0
-    assert total == first.attrs["points"] > 4  # 2 policies x 2 rates, and the probes
+    assert total == first.attrs["points"] > 8  # lfu and the baseline x 2 rates x 2 seeds, and the probes
     assert total == sum(1 for d in (out / "points").iterdir() if d.is_dir())
     again, _ = compare(str(sc), out, **kw)
     assert (again.attrs["runs"].reused, again.attrs["runs"].ran) == (total, 0)
