@@ -69,7 +69,8 @@ TESTS: dict[str, list[str]] = {
     "moesim/studies/sweep.py": ["tests/test_sweep_reuse_hand.py", "tests/test_sweep.py", "tests/test_workers_server.py", "tests/test_compare.py",
                                 "tests/test_reuse.py"],
     # the capacity bisection by hand and its reuse; the slow end-to-end checks are run on the survivors
-    "moesim/studies/load.py": ["tests/test_load_tables.py", "tests/test_load_bisection.py", "tests/test_reuse.py"],
+    "moesim/studies/load.py": ["tests/test_load_tables.py", "tests/test_load_bisection.py", "tests/test_load_compare.py",
+                               "tests/test_reuse.py"],
     "moesim/studies/compare.py": ["tests/test_compare.py", "tests/test_reuse.py", "tests/test_first_steps.py"],
     # the quick serving checks per mutant; tests/test_serving_studies.py (M/D/1 over 10,000 requests, compare's
     # bisection) is run on the survivors
