@@ -105,6 +105,23 @@ FUNCTIONS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
+    # compare --rate's glue (MUTATE_ONLY x_compare_load*, with tests/test_load_compare.py)
+    **dict.fromkeys(("moesim.studies.load.x_compare_load__mutmut_103", "moesim.studies.load.x_compare_load__mutmut_104"), "without an slo the text of the SLO is read by no table: the capacity "
+                    "table and the recommendation are not written"),
+    **{"moesim.studies.load.x_compare_load__mutmut_" + str(n): "groupby's sort=None is falsy, and the capacities listed are grouped in that order"
+       for n in (204, 206)},
+    **{"moesim.studies.load.x_compare_load__mutmut_" + str(n): "a NaN baseline capacity divides to NaN, the else branch's value; no capacity is 0"
+       for n in (224, 228, 229, 232)},
+    **{"moesim.studies.load.x_compare_load__mutmut_" + str(n): "the sort on (capacity, label) has no ties: labels are unique per cache capacity, so every "
+       "sort kind gives one order" for n in (238, 241, 242, 256, 257)},
+    "moesim.studies.load.x_compare_load__mutmut_276": "pd.NA and None are both written as a null rank",
+    **{"moesim.studies.load.x_compare_load__mutmut_" + str(n): "the concatenated index is read by nothing: the tables are read by column and record, and "
+       "written without their index" for n in (284, 286, 287)},
+    **{"moesim.studies.load.x_compare_load__mutmut_" + str(n): "to_parquet's index=None writes a RangeIndex as metadata only, as index=False does its "
+       "absence: the file's columns are the same" for n in (301, 303, 324, 326)},
+    **{"moesim.studies.load.x_compare_load__mutmut_" + str(n): "this scenario_from_dict reads the slo of a scenario every point of which plan_load has "
+       "built already: where and base_dir only name and resolve files in errors that cannot happen here"
+       for n in (48, 49, 51, 52, 57, 58)},
     # compare --rate's seeds, pooled rows, capacity interval and tables (MUTATE_ONLY over them, with
     # tests/test_load_tables.py and tests/test_load_bisection.py)
     **dict.fromkeys(("moesim.studies.load.x_bisect_capacity__mutmut_10", "moesim.studies.load.x_markdown_load__mutmut_127",
