@@ -85,8 +85,12 @@ def test_the_capacity_search_on_a_stand_in_replay(world):
     point handed out counted."""
     tmp_path, p, data, ran = world
     out = tmp_path / "c"
+    calls: list[tuple] = []
+    load.run_points = fake_run(ran, calls)  # the fixture's monkeypatch restores the real one
     table, metric = go(p, data, out)
     assert metric == "ttft_p99_s"
+    assert table.attrs["metric"] == "ttft_p99_s"
+    assert {c[-1] for c in calls} == {False}  # verify only when asked
     first = ran[0]
     assert len(first) == 8  # lfu and lru (the baseline with it) x 2 rates x 2 seeds
     assert sorted({(v["policies.eviction"], v[load.RATE], v[load.SEED]) for v in first}) == [
@@ -216,3 +220,34 @@ def test_the_arguments_travel_the_ranking_uses_the_slo_and_a_failed_probe_is_nam
                                   1, "local", None, None, "T", prune=True, seeds=1)
     assert pruned.attrs["pruned"] is True
     assert not stale.exists()
+
+
+def test_the_plan_and_the_probes_get_the_callers_trace_cache_and_predictor_flag(world, monkeypatch):
+    """The caller's dict of loaded traces and its has_pred_next reach the plan, and the dict
+    reaches every round of probes; an SLO of TPOT alone, or of TTFT alone, is told as such."""
+    tmp_path, p, data, _ = world
+    seen: dict[str, list] = {"plan": [], "probes": []}
+    real_plan, real_points = load.plan_load, load.seed_points
+
+    def plan(*a):
+        seen["plan"].append((a[6], a[7]))
+        return real_plan(*a[:6], False, *a[7:])
+
+    def points(p_, data_, groups, seeds, traces):
+        seen["probes"].append(traces)
+        return real_points(p_, data_, groups, seeds, traces)
+
+    monkeypatch.setattr(load, "plan_load", plan)
+    traces: dict = {}
+    only_tpot = {**data, "slo": {"tpot_s": 0.02, "attainment": 0.9}}
+    table, _ = load.compare_load("s", p, copy.deepcopy(only_tpot), tmp_path / "c", ["lfu"], ["none"], None,
+                                 [1.0, 8.0], True, traces, 1, "local", None, None, "T", seeds=1)
+    assert seen["plan"] == [(True, traces)]
+    assert "TPOT <= 20 ms for 90% of requests" in unwrap(table.attrs["text"])
+    monkeypatch.setattr(load, "seed_points", points)
+    only_ttft = {**data, "slo": {"ttft_s": 0.5, "attainment": 0.9}}
+    table, _ = load.compare_load("s", p, copy.deepcopy(only_ttft), tmp_path / "d", ["lfu"], ["none"], None,
+                                 [1.0, 8.0], False, traces, 1, "local", None, None, "T", seeds=1)
+    assert seen["probes"]
+    assert all(t is traces for t in seen["probes"])
+    assert "SLO (TTFT <= 500 ms for 90% of requests)" in unwrap(table.attrs["text"])

@@ -106,6 +106,8 @@ FUNCTIONS: dict[str, list[str]] = {
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
     # compare --rate's glue (MUTATE_ONLY x_compare_load*, with tests/test_load_compare.py)
+    **{"moesim.studies.load.x_compare_load__mutmut_" + str(n): "a failed row always carries its error (pooled copies it from the point's error.json): the "
+       "default is never read" for n in (184, 186, 190)},
     **dict.fromkeys(("moesim.studies.load.x_compare_load__mutmut_103", "moesim.studies.load.x_compare_load__mutmut_104"), "without an slo the text of the SLO is read by no table: the capacity "
                     "table and the recommendation are not written"),
     **{"moesim.studies.load.x_compare_load__mutmut_" + str(n): "groupby's sort=None is falsy, and the capacities listed are grouped in that order"
