@@ -243,7 +243,7 @@ def test_the_plan_and_the_probes_get_the_callers_trace_cache_and_predictor_flag(
     table, _ = load.compare_load("s", p, copy.deepcopy(only_tpot), tmp_path / "c", ["lfu"], ["none"], None,
                                  [1.0, 8.0], True, traces, 1, "local", None, None, "T", seeds=1)
     assert seen["plan"] == [(True, traces)]
-    assert "TPOT <= 20 ms for 90% of requests" in unwrap(table.attrs["text"])
+    assert "SLO (TPOT <= 20 ms for 90% of requests)" in unwrap(table.attrs["text"])
     monkeypatch.setattr(load, "seed_points", points)
     only_ttft = {**data, "slo": {"ttft_s": 0.5, "attainment": 0.9}}
     table, _ = load.compare_load("s", p, copy.deepcopy(only_ttft), tmp_path / "d", ["lfu"], ["none"], None,
