@@ -70,15 +70,21 @@ def test_the_bisection_probes_and_answer_are_those_worked_out_by_hand(tmp_path):
     assert [r for r, _, _ in curve] == sorted([2.0, 8.0, 4.0, 5.657, 4.757, 5.188, 4.968])
 
 
-def test_a_policy_meeting_the_slo_at_every_rate_doubles_until_it_fails(tmp_path):
-    """A policy meeting the SLO up to 5 req/s whose first rates (2 and 3) both meet it: 6
-    (fails) bounds it after one doubling of 3, then 4.243 (meets), 5.046 (fails), 4.627 (meets),
-    4.832 (meets), and 5.046 / 4.832 = 1.044 stops it."""
+def meeting_at_2_and_3(tmp_path) -> pd.DataFrame:
+    """Policy a alone, its first rates 2 and 3 req/s, both meeting the SLO."""
     _, _, table = start(tmp_path)
     table = table[table["label"] == "a"].copy()
     table["rate"] = [2.0, 3.0]
     table["slo_attainment"] = [1.0, 1.0]
     table["values"] = [{**v, RATE: r} for v, r in zip(table["values"], table["rate"], strict=True)]
+    return table
+
+
+def test_a_policy_meeting_the_slo_at_every_rate_doubles_until_it_fails(tmp_path):
+    """A policy meeting the SLO up to 5 req/s whose first rates (2 and 3) both meet it: 6
+    (fails) bounds it after one doubling of 3, then 4.243 (meets), 5.046 (fails), 4.627 (meets),
+    4.832 (meets), and 5.046 / 4.832 = 1.044 stops it."""
+    table = meeting_at_2_and_3(tmp_path)
     asked: list[float] = []
 
     def run(combos):
@@ -94,11 +100,7 @@ def test_a_policy_meeting_the_slo_at_every_rate_doubles_until_it_fails(tmp_path)
 def test_a_capacity_no_failing_rate_brackets_is_a_lower_bound(tmp_path):
     """A policy meeting the SLO at every rate: doubling from 3 eight times (6 ... 768), every
     one meeting it: capacity at least 768, nothing failed, 10 rates run."""
-    _, _, table = start(tmp_path)
-    table = table[table["label"] == "a"].copy()
-    table["rate"] = [2.0, 3.0]
-    table["slo_attainment"] = [1.0, 1.0]
-    table["values"] = [{**v, RATE: r} for v, r in zip(table["values"], table["rate"], strict=True)]
+    table = meeting_at_2_and_3(tmp_path)
     asked: list[float] = []
 
     def run(combos):

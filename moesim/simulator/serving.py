@@ -376,6 +376,7 @@ class Scheduler:
         self.free = self.blocks
         self.held = np.zeros(n, np.int64)  # KV blocks each request holds
         self.preemptions = np.zeros(n, np.int64)
+        self.preempted = 0  # preemptions so far, all requests (a pass that preempts admits nobody)
         self.recomputed = np.zeros(n, np.int64)  # tokens processed again after preemption
         self.processed = np.zeros(n, np.int64)
         self.generated = np.zeros(n, np.int64)
@@ -473,6 +474,7 @@ class Scheduler:
         self.free += int(self.held[r])
         self.held[r] = 0
         self.preemptions[r] += 1
+        self.preempted += 1
         self.recomputed[r] += self.processed[r]
         self.tokens_left += int(self.processed[r])
         self.processed[r] = 0
@@ -525,7 +527,7 @@ class Scheduler:
         cap = cfg.chunked_prefill_tokens or cfg.max_batched_tokens
         budget = cfg.max_batched_tokens
         batch: dict[int, int] = {}
-        before = int(self.preemptions.sum())
+        before = self.preempted
         i = 0
         while i < len(self.running) and budget > 0:
             r = self.running[i]
@@ -535,7 +537,7 @@ class Scheduler:
             batch[r] = n
             budget -= n
             i += 1
-        if int(self.preemptions.sum()) == before:
+        if self.preempted == before:
             self._admit(batch, budget, cap, now)
         return list(batch), list(batch.values())
 
@@ -571,7 +573,7 @@ class Scheduler:
         cfg = self.cfg
         cap = cfg.chunked_prefill_tokens or cfg.max_batched_tokens
         batch: dict[int, int] = {}
-        before = int(self.preemptions.sum())
+        before = self.preempted
         for r in [r for r in self.running if self.processed[r] >= self.need[r]]:
             if r in self.running and self._take(r, 1, batch):
                 batch[r] = 1
@@ -581,7 +583,7 @@ class Scheduler:
                 n = min(self._left(r), budget, cap)
                 if self._take(r, n, batch):
                     batch[r] = n
-        if int(self.preemptions.sum()) == before:
+        if self.preempted == before:
             self._admit(batch, cfg.max_batched_tokens - sum(batch.values()), cap, now)
         return list(batch), list(batch.values())
 

@@ -462,10 +462,8 @@ def compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, e
     slo = sc.slo
     results = pooled(out, collect(out, points), [r["point"] for r in rows], slo)
     table = rank_load(results, rows, slo is not None)
-    values_of = {}
-    for r in rows:
-        pt = next(q for q in points if q.pid == r["point"].split("+")[0])
-        values_of[r["point"]] = {k: v for k, v in pt.values.items() if k != SEED}
+    by_pid = {q.pid: q.values for q in points}
+    values_of = {r["point"]: {k: v for k, v in by_pid[r["point"].split("+")[0]].items() if k != SEED} for r in rows}
     table["values"] = table["point"].map(values_of)
     cap_table = None
     slo_text = ""
