@@ -537,6 +537,12 @@ def test_validate_with_eager_launches_predicts_with_the_eager_executor_s_host(tm
     sc = load_scenario("validation/cap5-nopf-lru", sets)
     assert executor_style(sc, "validation/cap5-nopf-lru", sets, graphs=False).execution.style == "eager-per-expert"
     assert executor_style(sc, "validation/cap5-nopf-lru", sets).execution.style == "graph-per-expert"
+    # prefetch copies issued as the executor issues them: its main thread keeps 2, a copy worker
+    # (or SpecMD's loop, which prefetches from one) runs one at a time
+    assert executor_style(sc, "validation/cap5-nopf-lru", sets).host.prefetch_depth == 2
+    assert executor_style(sc, "validation/cap5-nopf-lru", sets, prefetch_from="worker").host.prefetch_depth == 1
+    hf = load_scenario("validation/cap5-nopf-lru", [*sets, "execution.style=hf-loop"])
+    assert executor_style(hf, "validation/cap5-nopf-lru", sets, prefetch_from="main").host.prefetch_depth == 1
     path = tmp_path / "t.parquet"
     write_trace(synth_from_preset("olmoe-1b-7b", layers=2, requests=1, prompt_tokens=3, tokens=3, seed=0), path)
     base = ["calibrate", "validate", "--profile", str(ROOT / "profiles" / "h100.yaml"), "--trace", str(path),

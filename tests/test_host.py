@@ -18,6 +18,7 @@ from moesim.config.execution import (
     EAGER_LAYER_KERNELS,
     HF_EXPERT_KERNELS,
     HF_LAYER_KERNELS,
+    STYLES,
 )
 from moesim.simulator.engine import simulate
 from moesim.simulator.workload import build_workload
@@ -208,7 +209,7 @@ def test_a_style_sets_the_execution_keys_the_scenario_leaves_out():
     assert graph.host.copy_us == pytest.approx(7.28 * 2 + 10.94 + 7.34 + 5.62)  # 47.53 - 9.07 measured
     assert graph.to_dict()["execution"] == {"style": "graph-per-expert", "host_layer_us": 9.07,
                                             "host_launch_us": 9.07, "host_copy_us": graph.host.copy_us,
-                                            "host_sync": "none", "dequant": False}
+                                            "host_sync": "none", "dequant": False, "prefetch_depth": 2}
     mine = scenario(execution={"style": "graph-layer", "host_layer_us": 0, "host_copy_us": 0.5, "host_launch_us": 2.5})
     assert (mine.host.layer_us, mine.host.launch_us, mine.host.copy_us) == (0.0, 2.5, 0.5)
     eager = scenario(execution={"style": "eager-per-expert"})
@@ -233,11 +234,27 @@ def test_a_style_sets_the_execution_keys_the_scenario_leaves_out():
     assert not scenario(execution={"style": "hf-loop"}, timing=False).host.active
 
 
+
+def test_each_style_issues_its_prefetch_copies_as_its_stack_does():
+    """``execution.prefetch_depth``: the calibration executor's styles keep 2 admitted copies
+    issued (its main thread's ``PREFETCH_DEPTH``), the others issue each when it is admitted
+    (None: all); a scenario's own value, a number or ``all``, goes over the style's and into
+    ``scenario.resolved.yaml``."""
+    assert [scenario(execution={"style": s}).host.prefetch_depth for s in STYLES] == [None, 2, 2, 2, None, None]
+    assert scenario().to_dict()["execution"]["prefetch_depth"] == "all"
+    mine = scenario(execution={"style": "eager-per-expert", "prefetch_depth": "all"})
+    assert (mine.host.prefetch_depth, mine.to_dict()["execution"]["prefetch_depth"]) == (None, "all")
+    one = scenario(execution={"prefetch_depth": 1})
+    assert (one.host.prefetch_depth, one.to_dict()["execution"]["prefetch_depth"]) == (1, 1)
+
+
 @pytest.mark.parametrize(("execution", "words"), [
     ({"style": "hf"}, ["execution.style", "hf-loop"]),
     ({"host_launch_us": -1}, ["execution", "host_launch_us must be >= 0"]),
     ({"host_sync": "token"}, ["execution.host_sync", "expert"]),
     ({"threads": 2}, ["execution.threads", "host_copy_us"]),
+    ({"prefetch_depth": 0}, ["execution", "prefetch_depth must be 'all' or a number of copies >= 1, got 0"]),
+    ({"prefetch_depth": "some"}, ["execution.prefetch_depth", "'some'"]),
 ])
 def test_a_bad_execution_key_is_named_with_its_fix(execution, words):
     with pytest.raises(ConfigError) as err:

@@ -306,20 +306,38 @@ settings_kw: dict[str, Any] = {"max_examples": 100, "deadline": None, "suppress_
                              {"name": "fetch-priority", "degrade_fraction": 0.0},
                              {"name": "fetch-priority", "precisions": ["int8", "int2"], "degrade_fraction": 1.0}]),
        probs=st.booleans(),
-       precision=st.sampled_from([None, "int8"]))
+       precision=st.sampled_from([None, "int8"]), depth=st.sampled_from([1, 2, 3, "all"]))
 def test_kernel_equals_simpy_on_generated_scenarios(layers, experts, k, tokens, prompt, requests, batch, cap,
                                                     eviction, prefetch, mode, timing, seed, bandwidth, miss, probs,
-                                                    precision):
+                                                    precision, depth):
     model = small_model(layers, experts, min(k, experts))
     trace = generate(model, requests=requests, prompt_tokens=prompt, tokens=tokens, seed=seed, pred_next=True,
                      probs=probs or miss == "substitute")
     policy = "fetch" if miss is None else {"name": "drop", "rank": miss} if isinstance(miss, int) else miss
     sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": policy}, expert_compute=mode,
                   timing=timing, cache={"capacity": experts_cap(cap, model), **({"precision": precision} if precision else {})},
-                  workload={"batch_size": batch},
+                  workload={"batch_size": batch}, execution={"prefetch_depth": depth},
                   hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": bandwidth}}})
     with pytest.MonkeyPatch.context() as mp:
         assert_identical(*both_paths(sc, trace, mp))
+
+
+@pytest.mark.parametrize(("mode", "prefetch"), [("layer", "previous-token"), ("on-arrival", "lookahead"),
+                                                ("per-expert", "next-gate-topk")])
+def test_kernel_equals_simpy_at_every_prefetch_depth(olmoe_trace, monkeypatch, mode, prefetch):
+    """Prefetches issued to the copy engine are not withdrawn (``execution.prefetch_depth``) on
+    both paths alike: at a quarter of the experts cached, PCIe at 16 GB/s (copies queue), the
+    mispredicting prefetchers have admitted copies withdrawn at depths 1 to 3, fewer at each
+    greater depth, and none when every admitted copy is issued."""
+    cancelled = []
+    for depth in (1, 2, 3, "all"):
+        sc = scenario(policies={"eviction": "least-stale", "prefetch": prefetch}, expert_compute=mode,
+                      cache={"capacity": "25%"}, execution={"prefetch_depth": depth},
+                      hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": 16.0}}})
+        fast, ref = both_paths(sc, olmoe_trace, monkeypatch)
+        assert_identical(fast, ref)
+        cancelled.append(fast.summary["prefetches_cancelled"])
+    assert cancelled[0] > cancelled[1] > cancelled[2] > cancelled[3] == 0
 
 
 def test_kernel_equals_simpy_on_the_real_mixtral_trace(monkeypatch):

@@ -206,3 +206,55 @@ def test_the_clock_a_policy_reads_at_each_admission(monkeypatch, mode):
         want = [(a, 0, 0, {k(0, 0)}), (a + c + f, 0, 0, set()), (2 * a + c + f, 0, 1, {k(1, 1)})]
     assert [(p, layer, set(pending)) for _, p, layer, pending in seen] == [(p, la, s) for _, p, la, s in want]
     assert [now for now, *_ in seen] == pytest.approx([t for t, *_ in want], rel=1e-12)
+
+
+@pytest.mark.parametrize(("depth", "withdrawn", "copies_after"), [
+    (1, 2, 0), (2, 1, 1), (3, 0, 2), ("all", 0, 2)])
+def test_a_prefetch_issued_to_the_copy_engine_is_not_withdrawn(monkeypatch, depth, withdrawn, copies_after):
+    """``execution.prefetch_depth`` d: the host keeps d admitted prefetch copies issued to the
+    copy engine, counting one copying; only the rest can be withdrawn. PCIe at 32 GB/s: a copy
+    c is longer than a layer (c > f + a, checked). Capacity unbounded; 0:0 statically pinned.
+
+    Layer 0 (routing point t0): 0:0 hits; the prefetcher proposes 1:0, 1:2 and 1:3, all
+    admitted at t0: 1:0 starts at once, 1:2 and 1:3 queue. Layer 1 (t0 + f + a < t0 + c): 1:0
+    is still copying and the layer needs 1:1 only. Issued by then: 1:0, and as many of 1:2,
+    1:3 as d allows (d - 1); the others are withdrawn (2, 1, 0, 0 for d = 1, 2, 3, all). 1:1's
+    demand copy waits for 1:0 (non-preemptive) and goes before the queued prefetches: it lands
+    at t0 + 2c. Each issued prefetch still to copy (0, 1, 2) then runs ahead of the demand
+    copies issued after it lands at its turn, layer 2's and layer 3's demand copies each
+    arriving behind one of them (each later routing point comes before the copy ahead ends:
+    c > f + a):
+
+    - d = 1: 2:2 issued at t2 = t0 + 2c + f + a onto an idle link; the pass ends at
+      t0 + 4c + 3f + 2a;
+    - d = 2: 1:2 copies t0 + 2c .. t0 + 3c; 2:2 lands at t0 + 4c; the pass ends at
+      t0 + 5c + 2f + a;
+    - d = 3 or all: 2:2 goes before the queued 1:3 (demand first) at t0 + 3c, lands t0 + 4c;
+      1:3 copies t0 + 4c .. t0 + 5c; 3:3 lands at t0 + 6c; the pass ends at t0 + 6c + f.
+    """
+    monkeypatch.setitem(REGISTRY._classes, "scripted", scripted({0: [(1, 0), (1, 2), (1, 3)]}, pinned=[(0, 0)]))
+    model = small_model(layers=L, experts=E, top_k=1)
+    trace = trace_from_array(model, np.arange(L).reshape(1, 1, L, 1))
+    sc = scenario(cache={"capacity": "inf"}, policies={"prefetch": "scripted"}, execution={"prefetch_depth": depth},
+                  hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": 32}}})
+    sim = Simulation(sc, trace=trace, record_transfers=True, record_layers=True, record_decisions=True)
+    res = sim.run()
+    f, a, c = times(sim, 32)
+    assert c > f + a
+    layers = {layer: (routing, end) for _, layer, _, routing, _, end in res.extra["layers"]}
+    t0, end = layers[0][0], layers[3][1]
+    expected = {1: 4 * c + 3 * f + 2 * a, 2: 5 * c + 2 * f + a, 3: 6 * c + f, "all": 6 * c + f}[depth]
+    assert end - t0 == pytest.approx(expected, rel=1e-9)
+    row = res.steps.iloc[0]
+    assert (row.prefetches_issued, row.prefetches_cancelled, row.prefetches_used) == (3, withdrawn, 0)
+    assert (row.hits, row.misses) == (1, 3)
+    k = sim.eviction.ctx.key
+    gone = [key for _, _, op, key in sim.decisions if op == "withdraw"]
+    assert gone == [k(1, 2), k(1, 3)][2 - withdrawn:]
+    # the bytes moved: the demand copies and every prefetch not withdrawn
+    assert row.bytes_h2d == (3 + 3 - withdrawn) * sim.expert_bytes
+    # the issued prefetches still to copy when 1:1 lands are copied after it
+    landed_11 = next(done for key, _, _, _, done, _ in res.transfers if key == k(1, 1))
+    assert landed_11 - t0 == pytest.approx(2 * c, rel=1e-9)
+    after = [key for key, kind, _, start, _, _ in res.transfers if kind == "prefetch" and start >= landed_11]
+    assert len(after) == copies_after

@@ -9,8 +9,9 @@ from collections import deque
 from typing import Any
 
 from moesim.calibration.torchops import cuda_graph, expert_ffn, warm_up
-
-PREFETCH_DEPTH = 2  # prefetch copies the main thread keeps issued ahead on the prefetch stream
+from moesim.config.execution import (
+    PREFETCH_DEPTH,  # copies the main thread keeps issued on the prefetch stream
+)
 
 
 class DevicePool:

@@ -163,7 +163,7 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     sets = [f"hardware.profile={profile}", f"workload.trace.path={Path(trace_path).resolve()}", *(overrides or [])]
     plain = [load_scenario(path, sets) for path in scenarios]
     graphs = [launch == "graphs" or (launch == "auto" and sc.expert_compute != "per-expert") for sc in plain]
-    loaded = [executor_style(sc, path, sets, g)
+    loaded = [executor_style(sc, path, sets, g, prefetch_from)
               for sc, path, g in zip(plain, scenarios, graphs, strict=True)]  # every scenario checked before any is measured
     if host_beside:
         for path, sc in zip(scenarios, loaded, strict=True):
@@ -186,6 +186,7 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
             model = trace.model
             beside = executor_host_us(torch, model.hidden_size, model.expert_intermediate_size, device)
             sc = load_scenario(path, [*sets, "execution.style=eager-per-expert",
+                                      f"execution.prefetch_depth={sc.host.prefetch_depth or 'all'}",
                                       f"execution.host_layer_us={beside['eager_layer_us']!r}",
                                       f"execution.host_launch_us={beside['eager_expert_us']!r}"])
         meas = execute(sc, trace, device, hosts.get(kind), graphs=graphs[i], switch_us=switch_us,
@@ -200,7 +201,7 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
                "model": pred.summary["model"], "expert_compute": sc.expert_compute,
                "prefetch": sc.policies.prefetch.name, "launch": meas["launch"],
                "switch_interval_us": round(meas["switch_s"] * 1e6, 3), "prefetch_from": meas["prefetch_from"],
-               "late_withdraws": meas["late_withdraws"], "host_layer_us": beside["eager_layer_us"],
+               "prefetch_depth": sc.host.prefetch_depth, "late_withdraws": meas["late_withdraws"], "host_layer_us": beside["eager_layer_us"],
                "host_expert_us": beside["eager_expert_us"],
                "hits_sim": pred.summary["hits"] + pred.summary["late_prefetches"], "misses_sim": pred.summary["misses"],
                "hits_exec": meas["hits"], "misses_exec": meas["misses"],
@@ -226,20 +227,27 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     return df
 
 
-def executor_style(sc: Any, path: Any, sets: list[str], graphs: bool = True) -> Any:
+def executor_style(sc: Any, path: Any, sets: list[str], graphs: bool = True, prefetch_from: str = "main") -> Any:
     """``sc`` predicted with the executor's own host: a scenario without an execution style
     gets the executor's (``graph-per-expert`` in per-expert execution, else ``graph-layer``;
-    with eager launches, ``eager-per-expert``, which models per-expert execution only)."""
+    with eager launches, ``eager-per-expert``, which models per-expert execution only), and the
+    number of prefetch copies its issuer keeps issued (``execution.prefetch_depth``: the main
+    thread's :data:`~moesim.config.execution.PREFETCH_DEPTH`, the style's; one where a copy
+    worker issues them, ``prefetch_from="worker"`` or SpecMD's loop)."""
     from moesim.config.scenario import load_scenario
 
     if not graphs and sc.expert_compute != "per-expert":
         raise MoesimError(f"calibrate validate --launch eager: {path} runs expert_compute={sc.expert_compute}; eager "
                           "launches are modelled in per-expert execution only (execution.style=eager-per-expert). "
                           "Add --set expert_compute=per-expert, or launch graphs.")
-    if sc.execution.style != "none":
+    style = sc.execution.style
+    if style == "none":
+        per_expert = "graph-per-expert" if graphs else "eager-per-expert"
+        style = per_expert if sc.expert_compute == "per-expert" else "graph-layer"
+    one = prefetch_from == "worker" or style == "hf-loop"  # the copy worker runs one copy at a time
+    if style == sc.execution.style and not one:
         return sc
-    style = ("graph-per-expert" if graphs else "eager-per-expert") if sc.expert_compute == "per-expert" else "graph-layer"
-    return load_scenario(path, [*sets, f"execution.style={style}"])
+    return load_scenario(path, [*sets, f"execution.style={style}", *(["execution.prefetch_depth=1"] if one else [])])
 
 
 VALIDATION_TRACES = {"olmoe-1b-7b": None, "mixtral-8x7b": 4}  # model -> layers kept (None: all)
@@ -284,9 +292,11 @@ def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str], graphs:
                "tpot_measured_s": r["tpot_measured_s"], "ttft_measured_s": r["ttft_measured_s"],
                "tpot_recorded_s": r["tpot_predicted_s"], "ttft_recorded_s": r["ttft_predicted_s"]}
         plain = load_scenario(path, sets)
-        hosted = executor_style(plain, path, sets, graphs)
-        more = [(name, load_scenario(path, [*sets, f"execution.style={hosted.execution.style}", *extra]))
-                for name, extra in (variants or {}).items()]
+        issuer = r.get("prefetch_from")  # the runs before the column issued from the copy worker
+        hosted = executor_style(plain, path, sets, graphs, issuer if isinstance(issuer, str) else "worker")
+        style = [f"execution.style={hosted.execution.style}",
+                 f"execution.prefetch_depth={hosted.host.prefetch_depth or 'all'}"]
+        more = [(name, load_scenario(path, [*sets, *style, *extra])) for name, extra in (variants or {}).items()]
         for name, sc in (("none", plain), ("host", hosted), *more):
             res = Simulation(sc).run()
             steps = res.steps
@@ -298,6 +308,7 @@ def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str], graphs:
                 row["same_decisions"] = bool((s["misses"], s["hits"] + s["late_prefetches"]) == (r["misses_exec"], r["hits_exec"]))
             elif name == "host":
                 row["style"] = sc.execution.style
+                row["prefetch_depth"] = sc.host.prefetch_depth
         for k in ("tpot", "ttft"):
             for name in ("recorded", "none", "host", *(variants or {})):
                 row[f"{k}_ape_{name}"] = abs(row[f"{k}_{name}_s"] - row[f"{k}_measured_s"]) / row[f"{k}_measured_s"]

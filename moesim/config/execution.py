@@ -37,6 +37,16 @@ calls that stack makes:
 - ``fused-moe``: a vLLM-like fused MoE kernel, one launch for a layer's experts, the
   non-expert part a CUDA graph; copies submitted from pinned memory; no host waits.
 
+Prefetch copies handed to the copy engine (``execution.prefetch_depth``): a prefetch the
+prefetch queue admits is a copy the host thread issues to the copy engine, and a copy issued
+cannot be recalled. Where the target layer's routing point finds an admitted copy the layer does
+not need, only one still waiting on the host is withdrawn. ``all`` (every style but the
+executor's): each admitted copy is issued at once, as SpecMD's watchdog thread issues a
+non-blocking transfer when space allows (``specmd-expert-caching-least-stale.txt``, appendix
+A.3), so none is withdrawn. The calibration executor's main thread keeps
+:data:`PREFETCH_DEPTH` copies issued at a time (counting one still copying) and holds the rest;
+its copy worker (``calibrate validate --prefetch-from worker``) issues one at a time (depth 1).
+
 Every knob can be set directly (``execution.host_layer_us`` and the rest) over the style's.
 """
 
@@ -52,6 +62,7 @@ HF_LAYER_KERNELS = 60  # a transformers 5.24 OLMoE decoder layer outside its exp
 HF_EXPERT_KERNELS = 10  # one routed expert of its loop
 EAGER_LAYER_KERNELS = 5  # the calibration executor's non-expert part: q, k, v, o projections and the router
 EAGER_EXPERT_KERNELS = 5  # its expert FFN: x @ gate, x @ up, SiLU, the product, @ down
+PREFETCH_DEPTH = 2  # prefetch copies the calibration executor's main thread keeps issued (module docstring)
 
 
 @dataclass(frozen=True)
@@ -72,12 +83,20 @@ class ExecutionConfig:
                 "point), expert (also before each expert) (default: the style's)"})
     dequant: bool | None = field(default=None, metadata={
         "help": "4- and 8-bit experts are dequantised before their matmuls (default: the style's)"})
+    prefetch_depth: int | Literal["all"] | None = field(default=None, metadata={
+        "help": "admitted prefetch copies issued to the copy engine at a time, counting one still "
+                "copying; the rest wait on the host, where the target layer may withdraw them: "
+                "all (every copy issued when admitted; none withdrawn) or a number >= 1 "
+                f"(default: the style's: {PREFETCH_DEPTH} in the calibration executor's, else all)"})
 
     def __post_init__(self) -> None:
         for key in ("host_layer_us", "host_launch_us", "host_copy_us"):
             value = getattr(self, key)
             if value is not None and not value >= 0:
                 raise ValueError(f"{key} must be >= 0 microseconds, got {value}")
+        depth = self.prefetch_depth
+        if isinstance(depth, int) and depth < 1:
+            raise ValueError(f"prefetch_depth must be 'all' or a number of copies >= 1, got {depth}")
 
 
 @dataclass(frozen=True)
@@ -89,6 +108,7 @@ class HostModel:
     copy_us: float = 0.0
     sync: Literal["none", "layer", "expert"] = "none"
     dequant: bool = False
+    prefetch_depth: int | None = None  # admitted prefetch copies issued at a time; None: all
 
     @property
     def active(self) -> bool:
@@ -109,12 +129,13 @@ def style_costs(style: str, host: HostCosts) -> HostModel:
     """A style's host costs, summed from the measured per-call costs (module docstring)."""
     demand_copy = 2 * host.event_record_us + host.stream_wait_us + host.copy_submit_us + host.event_wait_us
     if style in ("graph-layer", "graph-per-expert"):
-        return HostModel(layer_us=host.graph_launch_us, launch_us=host.graph_launch_us, copy_us=demand_copy)
+        return HostModel(layer_us=host.graph_launch_us, launch_us=host.graph_launch_us, copy_us=demand_copy,
+                         prefetch_depth=PREFETCH_DEPTH)
     if style == "eager-per-expert":
         layer, expert = host.eager_layer_us, host.eager_expert_us
         return HostModel(layer_us=EAGER_LAYER_KERNELS * host.eager_kernel_us if layer is None else layer,
                          launch_us=EAGER_EXPERT_KERNELS * host.eager_kernel_us if expert is None else expert,
-                         copy_us=demand_copy)
+                         copy_us=demand_copy, prefetch_depth=PREFETCH_DEPTH)
     if style == "hf-loop":
         return HostModel(layer_us=HF_LAYER_KERNELS * host.eager_kernel_us,
                          launch_us=HF_EXPERT_KERNELS * host.eager_kernel_us,
@@ -136,4 +157,10 @@ def resolve_host(execution: ExecutionConfig, host: HostCosts) -> HostModel:
                      launch_us=float(pick(execution.host_launch_us, base.launch_us)),
                      copy_us=float(pick(execution.host_copy_us, base.copy_us)),
                      sync=pick(execution.host_sync, base.sync),
-                     dequant=bool(pick(execution.dequant, base.dequant)))
+                     dequant=bool(pick(execution.dequant, base.dequant)),
+                     prefetch_depth=depth_value(pick(execution.prefetch_depth, base.prefetch_depth)))
+
+
+def depth_value(depth: int | str | None) -> int | None:
+    """``execution.prefetch_depth`` as the replay reads it: a number of copies, or None for all."""
+    return None if depth is None or depth == "all" else int(depth)

@@ -334,7 +334,8 @@ class Scenario:
         """The ``execution`` key as resolved: the style and every knob's value."""
         h = resolve_host(self.execution, self.hardware.host)
         return {"style": self.execution.style, "host_layer_us": h.layer_us, "host_launch_us": h.launch_us,
-                "host_copy_us": h.copy_us, "host_sync": h.sync, "dequant": h.dequant}
+                "host_copy_us": h.copy_us, "host_sync": h.sync, "dequant": h.dequant,
+                "prefetch_depth": "all" if h.prefetch_depth is None else h.prefetch_depth}
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved scenario as plain data (what scenario.resolved.yaml holds)."""

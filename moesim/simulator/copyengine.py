@@ -122,6 +122,23 @@ class CopyEngine:
             first = min(first, i)
         self._project_demand(first)
 
+    def handed(self, depth: int | None) -> float:
+        """The issue number (``SEQ``) of the last queued prefetch handed to the engine when the
+        host keeps ``depth`` prefetch copies issued at a time, counting one copying (None: every
+        one): those up to it cannot be withdrawn. The issued ones are the first ``depth``
+        prefetches not yet done, in issue order; the caller has advanced the engine to now."""
+        if depth is None:
+            return float("inf")
+        left = depth - sum(1 for t in self._running if t[PRIORITY] != DEMAND)
+        cut = -1
+        for t in self._pf:
+            if left <= 0:
+                break
+            if not (t[CANCELLED] or t[PRIORITY] == DEMAND):
+                cut = t[SEQ]
+                left -= 1
+        return cut
+
     def cancel_many(self, trs: list[Transfer]) -> list[Transfer]:
         """Withdraw the queued (not started) transfers among ``trs``; returns those withdrawn."""
         gone = []

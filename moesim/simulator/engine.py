@@ -378,7 +378,8 @@ class Simulation:
         prefetch queue (:class:`simulator.prefetchq.PrefetchQueue`); the keys evicted in the
         pass (collision misses) are the cache's ``evicted``, cleared at each pass."""
         self.row = PassRow()  # the pass being replayed
-        self.pfq = PrefetchQueue(self.prefetch, self.eviction, self.cache, self.decisions)
+        self.pfq = PrefetchQueue(self.prefetch, self.eviction, self.cache, self.decisions,
+                                 self.scenario.host.prefetch_depth)
         self.pf_unused = self.pfq.unused  # prefetched keys not accessed yet
         if self.withdrawn is not None:
             self.pfq.on_withdrawn.append(self._log_withdrawn)

@@ -70,6 +70,7 @@ from moesim.kernel_state import (
     C_DPREC,
     C_DROPRANK,
     C_FORM,
+    C_HANDED,
     C_HOST,
     C_HSYNC,
     C_IMPORTANT,
@@ -423,6 +424,8 @@ def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, pf: int, miss: int, max
     IS[C_BLOCKING] = sim.scenario.expert_fetch == "blocking"
     IS[C_HOST] = sim.host_on
     IS[C_HSYNC] = sim.host_sync
+    depth = sim.scenario.host.prefetch_depth
+    IS[C_HANDED] = -1 if depth is None else depth  # -1: every admitted copy is issued
     FS[CF_HLAYER], FS[CF_HLAUNCH], FS[CF_HCOPY] = sim.host_layer, sim.host_launch, sim.host_copy
     IS[C_MODE] = {"layer": MODE_LAYER, "on-arrival": MODE_ARRIVAL, "per-expert": MODE_PER_EXPERT}[
         sim.scenario.expert_compute]

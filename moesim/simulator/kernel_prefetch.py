@@ -8,6 +8,7 @@ from moesim.jit import kernel as _jit
 from moesim.kernel_state import (
     ABSENT,
     C_DEPTH,
+    C_HANDED,
     C_INSTANT,
     C_L,
     C_PF,
@@ -21,6 +22,8 @@ from moesim.kernel_state import (
     H_PENDA,
     H_PENDMAX,
     H_PFQ,
+    H_POOL,
+    H_RQ,
     H_WQ,
     PF_ARRAY,
     PF_LOOKAHEAD,
@@ -36,6 +39,11 @@ from moesim.kernel_state import (
     S_MARKGEN,
     S_PBASE,
     S_PENDN,
+    S_PFH,
+    S_PFN,
+    S_RH,
+    S_RN,
+    S_TSEQ,
     S_USED,
     S_WH,
     S_WN,
@@ -98,10 +106,35 @@ def _compact_pending(IS, T, W):
 
 
 @_jit
+def _handed(IS, T):
+    """``CopyEngine.handed``: the sequence number of the last queued prefetch the host has
+    issued to the copy engine (``C_HANDED`` copies at a time, counting one copying; -1: every
+    one), after :func:`_advance` to now."""
+    depth = IS[C_HANDED]
+    if depth < 0:
+        return IS[S_TSEQ]
+    size = IS[H_POOL]
+    left = depth
+    for j in range(IS[S_RN]):
+        if T[IS[IS[H_RQ] + _ring(IS[S_RH] + j, size)]].prio != DEMAND:
+            left -= 1
+    cut = -1
+    h = IS[S_PFH]
+    for j in range(IS[S_PFN]):
+        if left <= 0:
+            break
+        t = IS[IS[H_PFQ] + _ring(h + j, size)]
+        if t != -1:
+            cut = T[t].seq
+            left -= 1
+    return cut
+
+
+@_jit
 def _withdraw(layer, lo, hi, IS, K, T, W, A):
     """At ``layer``'s routing point (``PrefetchQueue.withdraw``): proposals for it or earlier still
-    waiting are withdrawn, its admissions stop being pinned, and its queued prefetches the
-    layer does not need are withdrawn with their room."""
+    waiting are withdrawn, its admissions stop being pinned, and its prefetches the layer does
+    not need that the host has not issued (:func:`_handed`) are withdrawn with their room."""
     size = IS[H_NKEYS]
     n = IS[S_WN]
     if n:
@@ -126,6 +159,7 @@ def _withdraw(layer, lo, hi, IS, K, T, W, A):
     gen = IS[S_MARKGEN]
     for j in range(lo, hi):
         K[_key(j, IS, A)].mark = gen
+    cut = _handed(IS, T)
     keep = 0
     for j in range(n):
         pend = W[IS[H_PENDA] + j]
@@ -138,7 +172,7 @@ def _withdraw(layer, lo, hi, IS, K, T, W, A):
             keep += 1
             continue
         if (T[tid].seq != seq or T[tid].prio == DEMAND or K[key].mark == gen
-                or T[tid].started or T[tid].cancelled):
+                or T[tid].started or T[tid].cancelled or seq <= cut):
             continue
         # withdrawn: no bytes move, its room is given back
         T[tid].cancelled = 1

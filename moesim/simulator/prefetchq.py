@@ -9,8 +9,10 @@ cache can make room for them without evicting a pinned key (the caller's pins an
 admissions for the same target layer) and queue their copies at prefetch priority; a round
 stops at the first proposal for which no room can be made. At a layer's routing point
 (:meth:`PrefetchQueue.withdraw`) proposals for it or earlier still waiting are withdrawn, its
-admissions are no longer pinned for it, and its admitted copies still queued that the layer
-does not need are withdrawn with their room (no bytes move).
+admissions are no longer pinned for it, and its admitted copies that the layer does not need and
+the host has not yet issued to the copy engine (``execution.prefetch_depth``:
+:meth:`CopyEngine.handed`) are withdrawn with their room (no bytes move); an issued copy runs
+to completion.
 
 Every count lands in the pass's :class:`simulator.lookup.PassRow`, which the caller passes.
 """
@@ -24,7 +26,7 @@ from collections.abc import Set as AbstractSet
 from moesim.policies.eviction import EvictionPolicy
 from moesim.policies.prefetch import PrefetchPolicy
 from moesim.simulator.cache import ExpertCache
-from moesim.simulator.copyengine import DEMAND, KEY, PRIORITY, Transfer
+from moesim.simulator.copyengine import DEMAND, KEY, PRIORITY, SEQ, Transfer
 from moesim.simulator.lookup import PassRow
 
 NO_PINS: frozenset[int] = frozenset()
@@ -47,10 +49,11 @@ class _Either:
 class PrefetchQueue:
     """One GPU's prefetch queue (module docstring) for ``policy``, whose context gives the
     model's dimensions, the entry size, the replay's clock and workload; ``decisions`` the
-    decision log, when recorded."""
+    decision log, when recorded; ``depth`` the admitted copies the host keeps issued to the
+    copy engine at a time (None: every one)."""
 
     def __init__(self, policy: PrefetchPolicy, eviction: EvictionPolicy, cache: ExpertCache,
-                 decisions: list[tuple[int, int, str, int]] | None) -> None:
+                 decisions: list[tuple[int, int, str, int]] | None, depth: int | None = None) -> None:
         ctx = policy.ctx
         self.policy = policy
         self.eviction = eviction
@@ -61,6 +64,7 @@ class PrefetchQueue:
         self.div = ctx.keys_per_layer  # key // div = the key's layer
         self.expert_bytes = ctx.expert_bytes
         self.decisions = decisions
+        self.depth = depth
         self.waiting: deque[tuple[int, int]] = deque()  # (key, target layer), in order
         self.queued: set[int] = set()  # the waiting keys
         self.admitted: dict[int, set[int]] = {}  # per target layer: pinned against later admissions for it
@@ -145,9 +149,9 @@ class PrefetchQueue:
 
     def withdraw(self, layer: int, needed: list[int], row: PassRow) -> None:
         """At ``layer``'s routing point: proposals for it (or earlier) still waiting are
-        withdrawn, its admissions are no longer pinned for it, and its prefetches still
-        queued on the copy engine that the layer does not need (``needed``) are withdrawn
-        with their room (``prefetches_cancelled``; no bytes move)."""
+        withdrawn, its admissions are no longer pinned for it, and its prefetches the layer
+        does not need (``needed``) that the host has not issued to the copy engine are
+        withdrawn with their room (``prefetches_cancelled``; no bytes move)."""
         waiting = self.waiting
         if waiting and any(t <= layer for _, t in waiting):
             keep = [(k, t) for k, t in waiting if t > layer]
@@ -160,9 +164,11 @@ class PrefetchQueue:
         if not pending:
             return
         need = set(needed)
+        cut = self.cache.copy.handed(self.depth)
         stale: list[Transfer] = []
         for target in [t for t in pending if t <= layer]:
-            stale.extend(tr for tr in pending.pop(target) if tr[PRIORITY] != DEMAND and tr[KEY] not in need)
+            stale.extend(tr for tr in pending.pop(target)
+                         if tr[PRIORITY] != DEMAND and tr[KEY] not in need and tr[SEQ] > cut)
         if not stale:
             return
         gone = self.cache.copy.cancel_many(stale)
