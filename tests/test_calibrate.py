@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -124,7 +125,8 @@ def test_validate_pipeline_on_cpu_makes_the_simulators_decisions(tmp_path):
              "policies": {"eviction": "least-stale", "prefetch": pf}}))
     r = subprocess.run([sys.executable, "-m", "moesim", "calibrate", "validate", "--profile", str(tmp_path / "p.yaml"),
                         "--trace", str(tmp_path / "t.parquet"), "--scenarios", str(tmp_path / "s*.yaml"), "--device", "cpu",
-                        "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                        "--protocol", "none", "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
     assert r.returncode == 0, r.stderr
     df = pd.read_parquet(tmp_path / "out" / "validation.parquet")
     assert len(df) == 11
@@ -249,7 +251,7 @@ def test_validate_warns_on_the_command_line_and_in_the_report(tmp_path):
                                                      "cache": {"capacity": "50%"}}))
     r = subprocess.run([sys.executable, "-m", "moesim", "calibrate", "validate", "--profile", str(tmp_path / "p.yaml"),
                         "--trace", str(tmp_path / "t.parquet"), "--scenarios", str(tmp_path / "s.yaml"),
-                        "--device", "cpu", "--out", str(tmp_path / "out")],
+                        "--device", "cpu", "--protocol", "none", "--out", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "warning: profile" in unwrap(r.stderr)
@@ -258,8 +260,8 @@ def test_validate_warns_on_the_command_line_and_in_the_report(tmp_path):
 
 
 def test_the_executor_performs_withdrawn_prefetches_of_the_timed_replay():
-    """A timed replay whose prefetches queue behind a slow link withdraws some at their target
-    layer, freeing their room without an eviction; the decision log records each as
+    """A timed replay whose prefetches queue behind a slow link, the host issuing one at a time,
+    withdraws some at their target layer, freeing their room without an eviction; the decision log records each as
     ``withdraw``. Replaying the log with a slot count (written here from the contract: fetch and
     prefetch take a slot, evict and withdraw give one back) never overfills the cache, and the
     executor performs it with the replay's own hits and misses (it ran out of slots before)."""
@@ -272,7 +274,7 @@ def test_the_executor_performs_withdrawn_prefetches_of_the_timed_replay():
     t = generate(small_model(layers=4, experts=8, top_k=2, hidden=64, inter=128), requests=1, prompt_tokens=0,
                  tokens=40, seed=5)
     sc = scenario(cache={"capacity": "4 experts"}, policies={"prefetch": "previous-token", "eviction": "lru"},
-                  hardware={"links": {"pcie": {"bandwidth_gbps": 0.05}}})
+                  hardware={"links": {"pcie": {"bandwidth_gbps": 0.05}}}, execution={"prefetch_depth": 1})
     sim = Simulation(sc, trace=t, record_decisions=True)
     res = sim.run()
     assert sim.decisions is not None
@@ -492,7 +494,7 @@ def test_validate_records_and_restores_the_thread_switch_interval(tmp_path):
     write_trace(synth_from_preset("olmoe-1b-7b", layers=2, requests=1, prompt_tokens=3, tokens=3, seed=0), path)
     base = ["calibrate", "validate", "--profile", str(ROOT / "profiles" / "h100.yaml"), "--trace", str(path),
             "--scenarios", str(ROOT / "moesim" / "scenarios" / "validation" / "cap5-pf-lru.yaml"), "--device", "cpu",
-            "--set", "expert_compute=per-expert"]
+            "--set", "expert_compute=per-expert", "--protocol", "none"]
     before = sys.getswitchinterval()
     during: list[float] = []
     real = v.time.perf_counter
@@ -547,7 +549,7 @@ def test_validate_with_eager_launches_predicts_with_the_eager_executor_s_host(tm
     write_trace(synth_from_preset("olmoe-1b-7b", layers=2, requests=1, prompt_tokens=3, tokens=3, seed=0), path)
     base = ["calibrate", "validate", "--profile", str(ROOT / "profiles" / "h100.yaml"), "--trace", str(path),
             "--scenarios", str(ROOT / "moesim" / "scenarios" / "validation" / "cap5-nopf-lru.yaml"), "--device", "cpu",
-            "--launch", "eager"]
+            "--protocol", "none", "--launch", "eager"]
     r = CliRunner().invoke(cli, [*base, "--set", "expert_compute=layer", "--out", str(tmp_path / "a")])
     assert r.exit_code != 0
     assert "eager launches are modelled in per-expert execution only" in unwrap(r.output)
@@ -593,7 +595,8 @@ def test_each_expert_runs_from_its_own_weights_whoever_issues_the_prefetches(pre
     t = generate(small_model(layers=4, experts=8, top_k=2, hidden=64, inter=128), requests=1, prompt_tokens=0,
                  tokens=40, seed=5)
     sc = scenario(cache={"capacity": "4 experts"}, policies={"prefetch": "previous-token", "eviction": "lru"},
-                  hardware={"links": {"pcie": {"bandwidth_gbps": 0.05}}})
+                  hardware={"links": {"pcie": {"bandwidth_gbps": 0.05}}},
+                  execution={"prefetch_depth": {"worker": 1, "main": 2}[prefetch_from]})  # as each issues them
     host = _distinct_host(torch, sc, t)
     checked = []
     real = DevicePool._launch
@@ -713,7 +716,7 @@ def test_validate_host_beside_predicts_each_scenario_with_the_host_time_measured
     v = ROOT / "moesim" / "scenarios" / "validation"
     base = ["calibrate", "validate", "--profile", str(ROOT / "profiles" / "h100.yaml"), "--trace", str(path),
             "--scenarios", str(v / "cap5-nopf-lru.yaml"), "--scenarios", str(v / "cap100-nopf-lru.yaml"),
-            "--device", "cpu", "--host-beside"]
+            "--device", "cpu", "--host-beside", "--protocol", "none"]
     r = CliRunner().invoke(cli, [*base, "--set", "expert_compute=per-expert", "--out", str(tmp_path / "a")])
     assert r.exit_code == 0, r.output
     assert seen == [(256, 128, "cpu")] * 2
@@ -771,3 +774,86 @@ def test_executor_host_us_times_the_executor_s_layer_and_expert_calls(monkeypatc
     real = calibrate.executor_host_us(torch, 64, 32, "cpu", batch=20, repeats=2)
     assert set(real) == {"eager_layer_us", "eager_expert_us"}
     assert all(v > 0 for v in real.values())
+
+
+def test_validate_runs_the_declared_protocol_by_default_and_labels_every_row(tmp_path):
+    """``calibrate validate`` without options runs the declared protocol: eager launches, prefetches
+    from the main thread, the process pinned to one allowed core, a sentinel row (the first
+    scenario at 100% capacity without prefetch) before and after the scenarios; with host costs
+    measured just before on this device every row says ``declared``; with a profile measured
+    elsewhere (the committed H100 one) the rows say what differed and a warning says the fix.
+    Outside the protocol, a copy worker's prefetch rows carry the artefact and the report puts
+    them apart; asking the protocol for a copy worker is refused with the fix."""
+    pytest.importorskip("torch")
+    from click.testing import CliRunner
+
+    from moesim.calibration.calibrate import measure
+    from moesim.calibration.validate import WORKER_ARTEFACT
+    from moesim.cli import cli
+    from moesim.traces.io import write_trace
+    from moesim.traces.synth import generate
+    from tests.helpers import small_model
+
+    write_trace(generate(small_model(layers=2, experts=8, top_k=2, hidden=128, inter=256), requests=1, prompt_tokens=2,
+                         tokens=6, seed=4), tmp_path / "t.parquet")
+    write_profile(fit(measure("cpu", ["128x256"], quick=True)), tmp_path / "p.yaml")
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump({"workload": {"trace": {"path": "t.parquet"}}, "cache": {
+        "capacity": "50%"}, "policies": {"eviction": "least-stale", "prefetch": "previous-token"}}))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump({"workload": {"trace": {"path": "t.parquet"}}, "cache": {
+        "capacity": "25%"}}))
+    base = ["calibrate", "validate", "--trace", str(tmp_path / "t.parquet"), "--scenarios", str(tmp_path / "a.yaml"),
+            "--scenarios", str(tmp_path / "b.yaml"), "--device", "cpu", "--set", "expert_compute=per-expert"]
+    allowed = os.sched_getaffinity(0)
+    try:
+        r = CliRunner().invoke(cli, [*base, "--profile", str(tmp_path / "p.yaml"), "--out", str(tmp_path / "d")])
+        assert os.sched_getaffinity(0) != allowed or len(allowed) == 1  # pinned to one core
+        assert len(os.sched_getaffinity(0)) == 1
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert r.exit_code == 0, r.output
+    df = pd.read_parquet(tmp_path / "d" / "validation.parquet")
+    assert df["scenario"].tolist() == ["a (sentinel before)", "a", "b", "a (sentinel after)"]
+    assert df["sentinel"].tolist() == ["before", "", "", "after"]
+    assert (df["capacity"].iloc[[0, 3]] == "100%").all()
+    assert (df["prefetch"].iloc[[0, 3]] == "none").all()
+    assert (df["protocol"] == "declared").all()
+    assert not df["artefact"].any()
+    assert (df["launch"] == "eager").all()
+    assert (df["prefetch_from"] == "main").all()
+    assert df["core"].nunique() == 1
+    assert int(df["core"].iloc[0]) in allowed
+    assert (df["hits_exec"] == df["hits_sim"]).all()
+    assert (df["misses_exec"] == df["misses_sim"]).all()
+    report = (tmp_path / "d" / "report.md").read_text()
+    assert "Protocol: declared." in report
+    drift = abs(df["tpot_measured_s"].iloc[3] - df["tpot_measured_s"].iloc[0]) / df["tpot_measured_s"].iloc[0]
+    assert f"a drift of {drift:.1%}" in report
+    assert "over 2 scenarios" in r.output  # the sentinels are not judged
+    # host costs from another machine and day: labelled, with the fix
+    try:
+        r = CliRunner().invoke(cli, [*base, "--profile", str(ROOT / "profiles" / "h100.yaml"), "--out", str(tmp_path / "e")])
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert r.exit_code == 0, r.output
+    assert "run `moesim calibrate measure` and `fit` just before" in unwrap(r.output)
+    df = pd.read_parquet(tmp_path / "e" / "validation.parquet")
+    assert (df["protocol"] == "not declared: host costs not measured just before in the same lease").all()
+    # outside the protocol: a copy worker's prefetch row is an artefact, reported apart
+    r = CliRunner().invoke(cli, [*base, "--profile", str(tmp_path / "p.yaml"), "--protocol", "none",
+                                 "--prefetch-from", "worker", "--out", str(tmp_path / "f")])
+    assert r.exit_code == 0, r.output
+    df = pd.read_parquet(tmp_path / "f" / "validation.parquet").set_index("scenario")
+    assert df["artefact"].to_dict() == {"a": True, "b": False}
+    assert df.loc["a", "artefact_reason"] == WORKER_ARTEFACT
+    assert df.loc["b", "protocol"] == ("not declared: prefetches from a copy worker; not pinned to one core; "
+                                       "host costs not measured just before in the same lease; no sentinel rows")
+    report = (tmp_path / "f" / "report.md").read_text()
+    assert "1 rows carry an executor artefact and are reported apart" in report
+    assert "## Rows with an executor artefact, reported apart" in report
+    assert "over 1 scenarios" in r.output
+    r = CliRunner().invoke(cli, [*base, "--profile", str(tmp_path / "p.yaml"), "--prefetch-from", "worker",
+                                 "--out", str(tmp_path / "g")])
+    assert r.exit_code != 0
+    assert "--protocol none" in unwrap(r.output)
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "g").exists()

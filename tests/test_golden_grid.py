@@ -34,12 +34,14 @@ def test_the_grid_names_every_built_in_policy_and_every_setting():
     assert set(G.BUDGETS) == set(BUDGET.names())
     assert sorted(G.cases()) == sorted(GOLDEN_GRID)
     assert set(CHANGED) <= set(GOLDEN_GRID)
-    # the cache-only cases of the per-token path, and issue 33's: with least-stale or in
-    # per-expert execution, and a prefetcher (cache-aware routing's cases prefetch)
+    # the cache-only cases of the per-token path; issue 33's: with least-stale or in per-expert
+    # execution, and a prefetcher (cache-aware routing's cases prefetch); issue 63's: timed, with
+    # a prefetcher that can mispredict
     for name in CHANGED:
         parts = name.split("/")
         prefetch = parts[1] if len(parts) == 7 else "cache-aware"
-        assert "/cache-only/" in name or (prefetch != "none" and ("least-stale" in parts or "per-expert" in parts))
+        issued = "timed" in parts and prefetch not in ("none", "static-pin")
+        assert "/cache-only/" in name or issued or (prefetch != "none" and ("least-stale" in parts or "per-expert" in parts))
     # every budget meets every mode x timing x batch; every eviction x prefetch x miss x budget
     # appears once
     single = [n.split("/") for n in GOLDEN_GRID if n.split("/")[0] in G.EVICTIONS]

@@ -35,6 +35,80 @@ from moesim.calibration.executor import DevicePool, host_weights
 from moesim.errors import MoesimError
 from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
+HOST_COSTS_MAX_AGE_S = 1800.0  # a lease holds a machine at most 30 minutes: older microbenchmarks are another's
+SENTINEL = ["cache.capacity=100%", "policies.prefetch=none"]  # identical work pass after pass: every access a hit
+GRAPHS_ARTEFACT = ("graph-per-buffer executor: a per-expert CUDA graph launched behind a wait on the demand-copy "
+                   "stream costs time eager launches do not (H200: 375 ms prefill with graphs against 234 ms eager "
+                   "for the same decisions; identical work measured 5.43-7.57 ms a decode pass on the H100)")
+WORKER_ARTEFACT = ("copy-worker thread: prefetches issued by a Python worker the main thread waits for when it "
+                   "needs one still in flight (the prefetch rows at 1% and 5% measured 1.36-1.58x the prediction)")
+
+
+def protocol_columns(protocol: dict[str, Any], expert_compute: str, prefetch: str) -> dict[str, Any]:
+    """A validation row's label: ``protocol`` ("declared", or "not declared: " and what differed
+    from the declared protocol: eager launches, prefetches issued from the main thread, the
+    process pinned to one core, host costs from ``calibrate measure`` in the same lease just
+    before, sentinel rows), ``artefact`` and ``artefact_reason`` (the executor artefacts that
+    inflate a row: per-expert CUDA graphs, a copy worker issuing the row's prefetches).
+    ``protocol``: how the run was measured (``launch``, ``prefetch_from``, ``pinned``,
+    ``host_costs_same_lease``, ``sentinels``; a committed run's manifest or
+    :func:`validate`'s own)."""
+    off = []
+    if protocol.get("launch") != "eager":
+        off.append("graph launches")
+    if protocol.get("prefetch_from") != "main":
+        off.append("prefetches from a copy worker")
+    if not protocol.get("pinned"):
+        off.append("not pinned to one core")
+    if not protocol.get("host_costs_same_lease"):
+        off.append("host costs not measured just before in the same lease")
+    if not protocol.get("sentinels"):
+        off.append("no sentinel rows")
+    reasons = []
+    if protocol.get("launch") == "graphs" and expert_compute == "per-expert":
+        reasons.append(GRAPHS_ARTEFACT)
+    if protocol.get("prefetch_from") == "worker" and prefetch != "none":
+        reasons.append(WORKER_ARTEFACT)
+    return {"protocol": "declared" if not off else "not declared: " + "; ".join(off),
+            "artefact": bool(reasons), "artefact_reason": "; ".join(reasons)}
+
+
+def fastest_core(torch: Any, h: int, inter: int, device: str, repeats: int = 3) -> int | None:
+    """The allowed CPU core on which the eager executor's host work for a cached expert
+    (:func:`moesim.calibration.calibrate.executor_host_us`) is fastest, by the median of
+    ``repeats`` timings pinned to each; the process is left pinned to it (None where the
+    platform cannot pin: its affinity is left as it was)."""
+    import os
+
+    from moesim.calibration.calibrate import executor_host_us
+
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    best, best_us = cores[0], float("inf")
+    for c in cores:
+        os.sched_setaffinity(0, {c})
+        us = float(np.median([executor_host_us(torch, h, inter, device)["eager_expert_us"] for _ in range(repeats)]))
+        if us < best_us:
+            best, best_us = c, us
+    os.sched_setaffinity(0, {best})
+    return best
+
+
+def host_costs_age_s(profile: str, device_name: str, now: float | None = None) -> float | None:
+    """Seconds since ``profile``'s microbenchmarks were measured, or None where they were measured
+    on another device (by name) or the profile does not say when."""
+    import datetime
+
+    from moesim.config.profile import load_profile
+
+    on = load_profile(profile, "calibrate validate").get("measured_on") or {}
+    at = on.get("measured_at")
+    if not at or on.get("device_name") != device_name:
+        return None
+    then = datetime.datetime.fromisoformat(str(at)).timestamp()
+    return (time.time() if now is None else now) - then
+
 
 def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, spread: int = 1,
             graphs: bool = True, upload: bool = False, one_stream: bool = False,
@@ -135,7 +209,8 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
              progress: Any = None,
              warn: Callable[[str], None] | None = None, overrides: list[str] | None = None,
              done: Callable[[dict[str, Any]], None] | None = None, launch: str = "auto",
-             switch_us: float | None = None, prefetch_from: str = "main", host_beside: bool = False) -> pd.DataFrame:
+             switch_us: float | None = None, prefetch_from: str = "main", host_beside: bool = False,
+             protocol: str = "declared") -> pd.DataFrame:
     """Measure and predict every scenario; write report.md, validation.parquet (a row per
     scenario), passes.parquet (a row per forward pass: measured and predicted seconds, so the
     error can be studied pass by pass) and a plot. ``overrides`` (``KEY=VALUE``) apply to every
@@ -150,11 +225,30 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     (:func:`moesim.calibration.calibrate.executor_host_us`) and predict that scenario with them
     (``execution.host_layer_us``/``host_launch_us``, recorded as ``host_layer_us`` and
     ``host_expert_us``), so the prediction has the host's speed of the moment; eager launches in
-    per-expert execution only."""
+    per-expert execution only.
+
+    ``protocol="declared"`` (``docs/guides/calibration.md``, "The validation protocol"): eager
+    launches, prefetches issued from the main thread, the process pinned to the core where the
+    executor's host work is fastest (:func:`fastest_core`), and a sentinel row (the first
+    scenario at 100% capacity without prefetch: identical work) before and after the scenarios
+    (``sentinel``: "before"/"after"), whose difference is the host's drift; whether the profile's
+    host costs were measured on this device within :data:`HOST_COSTS_MAX_AGE_S` is checked, not
+    enforced. ``"none"``: as the options say. Every row records its ``protocol``, ``artefact``
+    and ``artefact_reason`` (:func:`protocol_columns`) and the ``core`` it was pinned to."""
 
     from moesim.config.scenario import load_scenario
     from moesim.traces.io import read_trace
 
+    if protocol not in ("declared", "none"):
+        raise ValueError(f"protocol must be 'declared' or 'none', got {protocol!r}")
+    declared = protocol == "declared"
+    if declared and (launch == "graphs" or prefetch_from != "main"):
+        raise MoesimError("calibrate validate: the declared protocol launches eagerly and issues prefetches from the "
+                          f"main thread, not with --launch {launch} --prefetch-from {prefetch_from}: leave those "
+                          "options out, or add --protocol none to measure outside it (the rows are then labelled "
+                          "with what differed).")
+    if declared:
+        launch = "eager"
     trace = read_trace(trace_path)
     warnings = shape_warnings(profile, trace)
     if warn is not None:
@@ -162,6 +256,11 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
             warn(w)
     sets = [f"hardware.profile={profile}", f"workload.trace.path={Path(trace_path).resolve()}", *(overrides or [])]
     plain = [load_scenario(path, sets) for path in scenarios]
+    for path, sc in zip(scenarios, plain, strict=True):
+        if declared and sc.expert_compute != "per-expert":
+            raise MoesimError(f"calibrate validate: {path} runs expert_compute={sc.expert_compute}; the declared protocol "
+                              "launches eagerly, which moesim models in per-expert execution only. Add --set "
+                              "expert_compute=per-expert, or --protocol none to measure outside the protocol.")
     graphs = [launch == "graphs" or (launch == "auto" and sc.expert_compute != "per-expert") for sc in plain]
     loaded = [executor_style(sc, path, sets, g, prefetch_from)
               for sc, path, g in zip(plain, scenarios, graphs, strict=True)]  # every scenario checked before any is measured
@@ -173,9 +272,35 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
                                   "eager (or auto) and --set expert_compute=per-expert.")
     hosts: dict[tuple[bool, Any], Any] = {}  # the experts' host copies, made once per executor and precision
     rows, passes = [], []
-    for i, (path, sc) in enumerate(zip(scenarios, loaded, strict=True)):
+    core, same_lease = None, False
+    if declared:
+        import torch
+
+        from moesim.calibration.calibrate import environment
+
+        model = trace.model
+        core = fastest_core(torch, model.hidden_size, model.expert_intermediate_size, device)
+        name = environment(device)["device_name"]
+        age = host_costs_age_s(profile, name)
+        same_lease = age is not None and 0 <= age <= HOST_COSTS_MAX_AGE_S
+        if not same_lease:
+            w = (f"{profile}'s host costs were not measured on this device ({name}) in the last "
+                 f"{HOST_COSTS_MAX_AGE_S / 60:.0f} minutes: run `moesim calibrate measure` and `fit` just before, or the "
+                 "rows are labelled 'not declared'.")
+            warnings.append(w)
+            if warn is not None:
+                warn(w)
+        sentinel_sc = load_scenario(scenarios[0], [*sets, *SENTINEL, "execution.style=eager-per-expert"])
+        order = [(scenarios[0], sentinel_sc, "before"), *((p, sc, "") for p, sc in zip(scenarios, loaded, strict=True)),
+                 (scenarios[0], sentinel_sc, "after")]
+        graphs = [False, *graphs, False]
+    else:
+        order = [(p, sc, "") for p, sc in zip(scenarios, loaded, strict=True)]
+    how = {"launch": launch if declared else None, "prefetch_from": prefetch_from, "pinned": core is not None,
+           "host_costs_same_lease": same_lease, "sentinels": declared}
+    for i, (path, sc, sentinel) in enumerate(order):
         if progress is not None:
-            progress(i, len(scenarios))
+            progress(i, len(order))
         kind = (sc.execution.style == "hf-loop", sc.cache.precision)
         beside = {"eager_layer_us": np.nan, "eager_expert_us": np.nan}
         if host_beside:
@@ -185,7 +310,7 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
 
             model = trace.model
             beside = executor_host_us(torch, model.hidden_size, model.expert_intermediate_size, device)
-            sc = load_scenario(path, [*sets, "execution.style=eager-per-expert",
+            sc = load_scenario(path, [*sets, *(SENTINEL if sentinel else []), "execution.style=eager-per-expert",
                                       f"execution.prefetch_depth={sc.host.prefetch_depth or 'all'}",
                                       f"execution.host_layer_us={beside['eager_layer_us']!r}",
                                       f"execution.host_launch_us={beside['eager_expert_us']!r}"])
@@ -197,7 +322,10 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
         dec = (steps["phase"] == "decode").to_numpy()
         first = (steps["phase"] != "decode").to_numpy()
         m = meas["pass_s"]
-        row = {"scenario": Path(path).stem, "capacity": sc.cache.capacity, "eviction": sc.policies.eviction.name,
+        label = protocol_columns({**how, "launch": meas["launch"]}, sc.expert_compute, sc.policies.prefetch.name)
+        row = {"scenario": Path(path).stem + (f" (sentinel {sentinel})" if sentinel else ""), "sentinel": sentinel,
+               **label, "core": -1 if core is None else core,
+               "capacity": sc.cache.capacity, "eviction": sc.policies.eviction.name,
                "model": pred.summary["model"], "expert_compute": sc.expert_compute,
                "prefetch": sc.policies.prefetch.name, "launch": meas["launch"],
                "switch_interval_us": round(meas["switch_s"] * 1e6, 3), "prefetch_from": meas["prefetch_from"],
@@ -402,13 +530,31 @@ def write_report(df: pd.DataFrame, out: Path, profile: str, device: str, warning
     """``report.md`` (the error over all scenarios, then per model and execution, ``notes``,
     then every scenario, largest TPOT error first), ``summary.json`` and the plot, for the rows
     of one validation run or of several put together (``tools/validation_summary.py``)."""
+    sentinels = df[df["sentinel"] != ""] if "sentinel" in df else df.iloc[:0]
+    df = df[df["sentinel"] == ""] if "sentinel" in df else df
+    apart = df[df["artefact"]] if "artefact" in df else df.iloc[:0]
+    df = df[~df["artefact"]] if "artefact" in df else df
     _plot(df, out, device)
 
     def same(g: pd.DataFrame) -> bool:
         return bool(((g.hits_sim == g.hits_exec) & (g.misses_sim == g.misses_exec)).all())
 
+    head = []
+    if "protocol" in df:
+        head += [f"Protocol: {', '.join(sorted(set(df['protocol'])))}.", ""]
+    drift = sentinel_drift(sentinels)
+    if drift is not None:
+        before, after = (float(sentinels.loc[sentinels["sentinel"] == k, "tpot_measured_s"].iloc[0])
+                          for k in ("before", "after"))
+        verdict = ("within 5%: the host held its speed, so the rows are judged" if drift <= 0.05 else
+                   "over 10%: the host's speed moved during the run, so its host-bound rows cannot be validated on "
+                   "this machine" if drift > 0.10 else "between 5% and 10%: judge the host-bound rows with care")
+        head += [f"Sentinels (the first scenario at 100% capacity without prefetch, before and after): TPOT "
+                 f"{1e3 * before:.3f} ms and {1e3 * after:.3f} ms, a drift of {drift:.1%}, {verdict}.", ""]
+    if len(apart):
+        head += [f"{len(apart)} rows carry an executor artefact and are reported apart, at the end.", ""]
     lines = [f"# Validation on {device} with profile `{profile}`", "",
-             *[f"**Warning:** {w}\n" for w in warnings or []],
+             *[f"**Warning:** {w}\n" for w in warnings or []], *head,
              f"TPOT absolute percentage error: median {df['tpot_ape'].median():.1%}, "
              f"p95 {df['tpot_ape'].quantile(0.95):.1%} over {len(df)} scenarios.",
              f"TTFT absolute percentage error: median {df['ttft_ape'].median():.1%}, "
@@ -426,10 +572,25 @@ def write_report(df: pd.DataFrame, out: Path, profile: str, device: str, warning
         lines.append(f"| {r.model} | {r.expert_compute} | {r.scenario} | {r.capacity} | {r.eviction} | "
                      f"{1e3 * r.tpot_measured_s:.3f} | {1e3 * r.tpot_predicted_s:.3f} | {r.tpot_ape:.1%} | "
                      f"{1e3 * r.ttft_measured_s:.2f} | {1e3 * r.ttft_predicted_s:.2f} | {r.ttft_ape:.1%} |")
+    if len(apart):
+        lines += ["", "## Rows with an executor artefact, reported apart", "",
+                  "| scenario | TPOT measured / predicted | TTFT measured / predicted | artefact |", "|---|---|---|---|"]
+        for _, r in apart.iterrows():
+            lines.append(f"| {r.scenario} | {r.tpot_measured_s / r.tpot_predicted_s:.2f}x | "
+                         f"{r.ttft_measured_s / r.ttft_predicted_s:.2f}x | {r.artefact_reason} |")
     write_text_atomic(out / "report.md", "\n".join(lines) + "\n")
     write_text_atomic(out / "summary.json", json.dumps({
         "tpot_median_ape": float(df["tpot_ape"].median()), "tpot_p95_ape": float(df["tpot_ape"].quantile(0.95)),
-        "scenarios": len(df)}, indent=2))
+        "scenarios": len(df), "artefact_rows": len(apart), "sentinel_drift": drift}, indent=2))
+
+
+def sentinel_drift(rows: pd.DataFrame) -> float | None:
+    """The host's drift over a run: how far the sentinel row after the scenarios measured from the
+    one before (identical work), relative to the one before; None without both."""
+    if "sentinel" not in rows or not {"before", "after"} <= set(rows["sentinel"]):
+        return None
+    before, after = (float(rows.loc[rows["sentinel"] == k, "tpot_measured_s"].iloc[0]) for k in ("before", "after"))
+    return abs(after - before) / before
 
 
 def expand(patterns: list[str]) -> list[str]:

@@ -11,8 +11,8 @@ Definitions (names as in ``docs/design.md``; README "Metrics" repeats them):
 - ``collision_misses``: misses on an expert evicted earlier in the same forward pass.
 - ``prefetches_issued``: prefetch transfers queued; ``prefetches_used``: prefetched experts
   accessed (hit or late) before being evicted; ``prefetches_cancelled``: prefetches still
-  queued (not started) when their target layer was reached without needing them, withdrawn
-  (no bytes moved).
+  waiting on the host, not issued to the copy engine (``execution.prefetch_depth``), when their
+  target layer was reached without needing them, withdrawn (no bytes moved).
 - ``prefetch_precision`` / ``prefetch_recall``: over the layers a prefetcher made proposals
   for, |proposed ∩ needed| / |proposed| and |proposed ∩ needed| / |needed| (prediction
   quality, independent of what was already cached).
