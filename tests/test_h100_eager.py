@@ -49,8 +49,15 @@ def test_the_re_predictions_and_the_report_are_today_s(tool, today):
         got = committed[committed["run"] == run]
         assert got["tpot_measured_s"].tolist() == rec["tpot_measured_s"].tolist()
         assert got["ttft_measured_s"].tolist() == rec["ttft_measured_s"].tolist()
-    assert committed["same_decisions"].all()
-    assert set(committed.loc[committed["run"].isin(list(tool.H100_EAGER_RUNS)), "style"]) == {"eager-per-expert"}
+    # the runs made the decisions of the simulator of their day, which withdrew every prefetch not
+    # yet copying: today's with the copy worker's depth (1) are those; with the main thread's two
+    # issued copies, some prefetch rows' decisions move
+    eager = committed[committed["run"].isin(list(tool.H100_EAGER_RUNS))]
+    assert eager["same_depth1"].all()
+    assert committed.loc[committed["prefetch_from"] == "worker", "same_decisions"].all()
+    assert (committed.loc[~committed["same_decisions"], "prefetch"] != "none").all()
+    assert set(eager["style"]) == {"eager-per-expert"}
+    assert eager["prefetch_depth"].tolist() == [1 if w == "worker" else 2 for w in eager["prefetch_from"]]
 
 
 def test_the_simpy_path_predicts_the_same(tool, today, monkeypatch, tmp_path):
@@ -79,7 +86,7 @@ def test_what_the_report_says_of_the_measurements_holds(tool):
     for run in ("main", "pf-main"):
         assert (1 - pred / pf[run] < 0.11).all(), run
     # section 1: the held-out fit uses the 100% rows only and meets issue 37's targets on the others;
-    # the microbenchmarks alone miss the TPOT median by a little
+    # so do the microbenchmarks alone, with the two issued prefetch copies modelled
     main = df[df["run"] == "main"]
     rest = main[main["capacity"] != "100%"]
     assert len(rest) == 12
@@ -88,7 +95,7 @@ def test_what_the_report_says_of_the_measurements_holds(tool):
     assert held["tpot p95"] <= 0.10
     assert held["ttft median"] <= 0.05
     micro = tool.errors(main, "host")
-    assert 0.05 < micro["tpot median"] < 0.052
+    assert micro["tpot median"] <= 0.05
     assert micro["tpot p95"] <= 0.10
     assert micro["ttft median"] <= 0.05
     # the late withdrawals are only where the simulator withdrew prefetches (prefetch below 100%)
@@ -124,4 +131,4 @@ def test_what_the_report_says_of_the_replicate_holds(tool):
     assert (slow.drop("graph replay") > 1.65).all()
     rest = b[b["capacity"] != "100%"]
     assert tool.errors(rest, "held")["tpot median"] > 0.10
-    assert tool.errors(b, "host")["tpot median"] > 0.15
+    assert tool.errors(b, "host")["tpot median"] > 0.14

@@ -47,10 +47,16 @@ def test_the_re_predictions_and_the_report_are_today_s(tool, committed, tmp_path
         assert got["tpot_measured_s"].tolist() == rec["tpot_measured_s"].tolist()
         assert got["ttft_measured_s"].tolist() == rec["ttft_measured_s"].tolist()
         assert got["host_expert_us"].tolist() == rec["host_expert_us"].tolist()
-    assert committed["same_decisions"].all()
-    # with each row's own host timing, today's prediction is the one the device recorded
-    np.testing.assert_allclose(committed["tpot_beside_s"], committed["tpot_recorded_s"], rtol=1e-12)
-    np.testing.assert_allclose(committed["ttft_beside_s"], committed["ttft_recorded_s"], rtol=1e-12)
+    # with each row's own host timing and the simulator of the runs' day (every prefetch not yet
+    # copying withdrawn), today's prediction is the one the device recorded, with its decisions
+    assert committed["same_then"].all()
+    np.testing.assert_allclose(committed["tpot_then_s"], committed["tpot_recorded_s"], rtol=1e-12)
+    np.testing.assert_allclose(committed["ttft_then_s"], committed["ttft_recorded_s"], rtol=1e-12)
+    # the two copies the main thread keeps issued change decisions only where prefetches were withdrawn
+    moved = committed[~committed["same_decisions"]]
+    assert len(moved) > 0
+    assert (moved["prefetch"] != "none").all()
+    assert (moved["withdrawn_depth1"] >= moved["withdrawn_own"]).all()
 
 
 def test_the_simpy_path_predicts_the_same(tool, committed, monkeypatch, tmp_path):
@@ -83,16 +89,58 @@ def test_what_the_report_says_of_the_measurements_holds(committed):
     m = pd.read_csv(HERE / "machine-b" / "host_modes.csv")
     assert m.groupby("phase")["expert_us"].median().max() < 90
     assert (m.loc[m["phase"] == "free", "core_after"] == 0).all()
-    # pinned, both runs meet the TPOT and TTFT median targets and miss the p95 one
+    # pinned, both runs meet the TPOT and TTFT median targets; the p95 one pinned2 only (pinned1
+    # has its slow 100% row)
     for run in ("pinned1", "pinned2"):
         g = committed[committed["run"] == run]
         assert g["tpot_ape_beside"].median() <= 0.05
         assert g["ttft_ape_beside"].median() <= 0.05
-        assert g["tpot_ape_beside"].quantile(0.95) > 0.10
+        assert (g["tpot_ape_beside"].quantile(0.95) > 0.10) == (run == "pinned1")
     # the prefetch rows at 1% and 5% measured above the prediction, with issued prefetches withdrawn
     p = committed[committed["pinned"] & (committed["prefetch"] != "none") & committed["capacity"].isin(["1%", "5%"])]
     assert (p["tpot_measured_s"] > p["tpot_beside_s"]).all()
     assert (p["late_withdraws"] > 0).all()
+
+
+def test_the_pinned_runs_from_their_own_microbenchmarks(tool, committed):
+    """Section 4: machine B's own cached-expert microbenchmark (core 3's median, the free
+    phase's for the unpinned run), nothing fitted to a validation row; pinned2 meets the three
+    targets and pinned1 misses the TPOT p95 by one row, cap100-pf-lru, whose identical siblings
+    measured at most 10.0 ms; fewer withdrawals than the executor's late ones in every prefetch
+    row at 1% and 5%, and more time predicted for them than with every unstarted prefetch
+    withdrawn."""
+    modes = pd.read_csv(HERE / "machine-b" / "host_modes.csv")
+    assert tool.h200_beside_own_expert_us("pinned1") == modes.loc[modes["phase"] == "pinned-3", "expert_us"].median()
+    assert tool.h200_beside_own_expert_us("free1") == modes.loc[modes["phase"] == "free", "expert_us"].median()
+    prof = yaml.safe_load((HERE / "machine-a" / "profile.yaml").read_text())["host"]["eager_expert_us"]
+    assert tool.h200_beside_own_expert_us("beside2") == prof
+    two = committed[committed["run"] == "pinned2"]
+    assert two["tpot_ape_own"].median() <= 0.05
+    assert two["tpot_ape_own"].quantile(0.95) <= 0.10
+    assert two["ttft_ape_own"].median() <= 0.05
+    one = committed[committed["run"] == "pinned1"]
+    assert one["tpot_ape_own"].quantile(0.95) > 0.10
+    assert one["tpot_ape_own"].drop(one["tpot_ape_own"].idxmax()).max() <= 0.10
+    assert one.loc[one["tpot_ape_own"].idxmax(), "scenario"] == "cap100-pf-lru"
+    sib = one[(one["capacity"] == "100%") & (one["scenario"] != "cap100-pf-lru")]["tpot_measured_s"]
+    assert sib.max() < 0.0101
+    pf = committed[committed["pinned"] & (committed["prefetch"] != "none") & committed["capacity"].isin(["1%", "5%"])]
+    fewer = pf["withdrawn_depth1"] - pf["withdrawn_own"]
+    assert ((fewer > 0) & (fewer < pf["late_withdraws"])).all()
+    assert (pf["tpot_own_s"] > pf["tpot_depth1_s"]).all()
+    assert (pf["tpot_measured_s"] > pf["tpot_own_s"]).all()
+
+
+def test_every_row_carries_its_protocol_from_its_manifest(committed):
+    """Machine A measured its host costs in the same call, unpinned; machine B pinned two runs
+    and used machine A's microbenchmarks; none had sentinel rows; eager launches and main-thread
+    prefetches, so no row carries an artefact."""
+    want = {"beside1": "not pinned to one core; no sentinel rows",
+            "pinned1": "host costs not measured just before in the same lease; no sentinel rows",
+            "free1": "not pinned to one core; host costs not measured just before in the same lease; no sentinel rows"}
+    for run, off in want.items():
+        assert (committed.loc[committed["run"] == run, "protocol"] == f"not declared: {off}").all()
+    assert not committed["artefact"].any()
 
 
 def test_held_out_on_machine_b_meets_the_targets(tool, committed):

@@ -202,7 +202,7 @@ def _validation_rows() -> list[dict[str, Any]]:
         for (run, model, mode), g in df.groupby(["run", "model", "expert_compute"], sort=True):
             m = _manifest(suite / run)
             proto = m.get("protocol") or {}
-            art = m.get("artefact") or {}
+            names = sorted({x.split(":")[0] for r in g["artefact_reason"] for x in r.split("; ") if x})
             pf = g[(g["prefetch"] != "none") & g["capacity"].isin(["1%", "5%"])]
             ratio = pf["tpot_measured_s"] / pf["tpot_host_s"]
             rows.append({
@@ -214,7 +214,7 @@ def _validation_rows() -> list[dict[str, Any]]:
                 "pf_ratio": f"{ratio.min():.2f}-{ratio.max():.2f}x" if len(pf) else "-",
                 "beside": (g["tpot_ape_beside"].median(), g["tpot_ape_beside"].quantile(0.95))
                 if "tpot_ape_beside" in g else None,
-                "artefact": "; ".join(r.split(":")[0] for r in art.get("reason", [])) or "-",
+                "artefact": f"{int(g['artefact'].sum())} rows: {'; '.join(names)}" if names else "-",
             })
     return rows
 
@@ -239,15 +239,18 @@ def _artefacts() -> str:
     h100 = pf(pd.read_parquet(VALIDATION / "h100" / "eager" / "repredicted.parquet"))
     h200 = pf(pd.read_parquet(VALIDATION / "h200" / "eager" / "repredicted.parquet"))
     beside = pd.read_parquet(VALIDATION / "h200" / "beside" / "repredicted.parquet")
-    late = pf(beside[beside["pinned"]])["late_withdraws"]
+    pinned = pf(beside[beside["pinned"]])
+    late, fewer = pinned["late_withdraws"], pinned["withdrawn_depth1"] - pinned["withdrawn_own"]
     return "\n".join([
         f"- **graph-per-buffer**: identical work at 100% capacity measured {1e3 * full.min():.2f}–"
         f"{1e3 * full.max():.2f} ms a decode pass in the first H100 calibration's OLMoE per-expert rows.",
         f"- **copy-worker**: the rows with prefetch at 1% and 5% measured "
         f"{ratio(h100[(h100['prefetch_from'] == 'worker') & (h100['style'] == 'eager-per-expert')])} the prediction on the H100 (eager launches) and {ratio(h200)} on the "
         f"H200; issued from the main thread in the same H100 call, {ratio(h100[h100['run'].isin(['main', 'pf-main'])])}.",
-        f"- In the pinned H200 runs' rows with prefetch at 1% and 5%, the simulator withdrew {late.min():,}–"
-        f"{late.max():,} prefetches the executor had already issued (`late_withdraws`).",
+        f"- In the pinned H200 runs' rows with prefetch at 1% and 5%, the executor had already issued {late.min():,}–"
+        f"{late.max():,} of the prefetches the simulator of its day withdrew (`late_withdraws`); with the two copies "
+        f"the main thread keeps issued modelled (`execution.prefetch_depth`), today's simulator withdraws "
+        f"{fewer.min():,}–{fewer.max():,} fewer.",
     ]) + "\n"
 
 

@@ -402,11 +402,15 @@ def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str], graphs:
     """Today's predictions for a committed validation run (``validation.parquet``: its
     measured and recorded columns kept as they are): per scenario, the shipped
     ``validation/SCENARIO`` on the run's trace for its model (``traces``) and ``profile``,
-    predicted without a host model (``none``) and with the executor's own style
+    predicted without host costs (``none``, its prefetch copies issued as the executor issued them) and with the executor's own style
     (:func:`executor_style`; ``graphs`` False: the executor launched eagerly), and whether today's hits and misses are the ones the executor
     performed (``same_decisions``; when not, the row measured other decisions). ``variants``
     (name -> ``KEY=VALUE`` overrides over the executor's style, e.g. a host cost fitted from
-    held-out rows) add a prediction each, in ``tpot_NAME_s``, ``ttft_NAME_s`` and their errors."""
+    held-out rows) add a prediction each, in ``tpot_NAME_s``, ``ttft_NAME_s`` and their errors;
+    ``withdrawn_NAME``: the prefetches each prediction withdrew, ``same_NAME`` whether a variant
+    makes the executor's hits and misses. The executor's style issues
+    prefetch copies as the row's executor did (``prefetch_from``; the runs from before that
+    column issued them from the copy worker)."""
     from moesim.config.scenario import load_scenario
     from moesim.simulator.engine import Simulation
 
@@ -419,11 +423,12 @@ def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str], graphs:
                "capacity": r["capacity"], "eviction": r["eviction"], "prefetch": r["prefetch"],
                "tpot_measured_s": r["tpot_measured_s"], "ttft_measured_s": r["ttft_measured_s"],
                "tpot_recorded_s": r["tpot_predicted_s"], "ttft_recorded_s": r["ttft_predicted_s"]}
-        plain = load_scenario(path, sets)
         issuer = r.get("prefetch_from")  # the runs before the column issued from the copy worker
-        hosted = executor_style(plain, path, sets, graphs, issuer if isinstance(issuer, str) else "worker")
-        style = [f"execution.style={hosted.execution.style}",
-                 f"execution.prefetch_depth={hosted.host.prefetch_depth or 'all'}"]
+        hosted = executor_style(load_scenario(path, sets), path, sets, graphs,
+                                issuer if isinstance(issuer, str) else "worker")
+        depth = f"execution.prefetch_depth={hosted.host.prefetch_depth or 'all'}"
+        plain = load_scenario(path, [*sets, depth])  # no host costs; prefetches issued as the executor did
+        style = [f"execution.style={hosted.execution.style}", depth]
         more = [(name, load_scenario(path, [*sets, *style, *extra])) for name, extra in (variants or {}).items()]
         for name, sc in (("none", plain), ("host", hosted), *more):
             res = Simulation(sc).run()
@@ -431,10 +436,14 @@ def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str], graphs:
             dec = (steps["phase"] == "decode").to_numpy()
             row[f"tpot_{name}_s"] = float(steps.loc[dec, "duration_s"].mean())
             row[f"ttft_{name}_s"] = float(steps.loc[~dec, "duration_s"].mean())
+            row[f"withdrawn_{name}"] = int(res.summary["prefetches_cancelled"])
+            s = res.summary
+            same = bool((s["misses"], s["hits"] + s["late_prefetches"]) == (r["misses_exec"], r["hits_exec"]))
             if name == "none":
-                s = res.summary
-                row["same_decisions"] = bool((s["misses"], s["hits"] + s["late_prefetches"]) == (r["misses_exec"], r["hits_exec"]))
-            elif name == "host":
+                row["same_decisions"] = same
+            elif name != "host":
+                row[f"same_{name}"] = same
+            else:
                 row["style"] = sc.execution.style
                 row["prefetch_depth"] = sc.host.prefetch_depth
         for k in ("tpot", "ttft"):
