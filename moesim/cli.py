@@ -1067,8 +1067,8 @@ def presets_cmd(as_json: bool) -> None:
         models = {name: {"model": p.model.to_dict(), "routing": {"skew": p.routing.skew, "reuse": p.routing.reuse,
                                                                   "corr": p.routing.corr}, "tuned_on": p.tuned_on}
                   for name, p in SY.items()}
-        styles = {r[0]: dict(zip(("execution", "host_layer_us", "host_launch_us", "host_copy_us", "host_sync", "dequant"),
-                                 r[1:], strict=True)) for r in _style_rows()}
+        styles = {r[0]: dict(zip(("execution", "host_layer_us", "host_launch_us", "host_copy_us", "host_sync", "dequant",
+                                  "prefetch_depth"), r[1:], strict=True)) for r in _style_rows()}
         click.echo(json.dumps({"hardware": HW, "models": models, "execution_styles": styles}, indent=1, default=str))
         return
     con = Console()
@@ -1087,13 +1087,15 @@ def presets_cmd(as_json: bool) -> None:
     con.print(_table("synthetic model presets", ["name", "layers", "experts", "top-k", "expert MiB (bf16)"], rows))
     con.print(_table("execution styles (execution.style): host us per layer, per launch and per demand copy "
                      "at the default hardware.host",
-                     ["style", "execution", "layer", "launch", "copy", "host waits", "dequant"], _style_rows(),
+                     ["style", "execution", "layer", "launch", "copy", "host waits", "dequant"],
+                     [r[:-1] for r in _style_rows()],  # --json adds the prefetch copies each issues
                      wide=("execution",)))
     con.print("moesim presets --json adds the GPU names, every link, each model's routing parameters and the styles.")
 
 
 def _style_rows() -> list[list[str]]:
-    """Each execution style with the defaults it sets and its host costs at the default host."""
+    """Each execution style with the defaults it sets, its host costs at the default host and the
+    prefetch copies it keeps issued."""
     from moesim.config.execution import STYLES, style_costs, style_defaults
     from moesim.config.hardware import HostCosts
 
@@ -1101,7 +1103,8 @@ def _style_rows() -> list[list[str]]:
     for name in STYLES:
         d, h = style_defaults(name), style_costs(name, HostCosts())
         mode = d.get("expert_compute", "(any)") + (f" {d['expert_fetch']}" if "expert_fetch" in d else "")
-        rows.append([name, mode, f"{h.layer_us:.2f}", f"{h.launch_us:.2f}", f"{h.copy_us:.2f}", h.sync, str(h.dequant)])
+        rows.append([name, mode, f"{h.layer_us:.2f}", f"{h.launch_us:.2f}", f"{h.copy_us:.2f}", h.sync, str(h.dequant),
+                     "all" if h.prefetch_depth is None else str(h.prefetch_depth)])
     return rows
 
 

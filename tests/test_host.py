@@ -310,7 +310,8 @@ def test_the_styles_are_listed_with_their_host_costs_and_named_in_compare_s_titl
         "66.72", "66.72")  # 5 kernels of 13.344 us (hf-loop's 60 make 800.64)
     assert styles["hf-loop"] == {"execution": "per-expert blocking", "host_layer_us": "800.64",
                                  "host_launch_us": "133.44", "host_copy_us": "7.34", "host_sync": "expert",
-                                 "dequant": "True"}
+                                 "dequant": "True", "prefetch_depth": "all"}
+    assert styles["eager-per-expert"]["prefetch_depth"] == "2"
     sc = scenario(execution={"style": "hf-loop"})
     title = describe("s.yaml", sc.to_dict())
     assert "per-expert (blocking fetch) execution with the hf-loop host, seed 0" in title
