@@ -363,6 +363,7 @@ EQUIVALENT: dict[str, str] = {
     "moesim.simulator.copyengine.xǁCopyEngineǁduration__mutmut_2":
         "the duration cache missed: copy_time is a pure function, recomputed equal",
     "moesim.simulator.copyengine.xǁCopyEngineǁfinish__mutmut_4": "float('INF') is float('inf')",
+    "moesim.simulator.copyengine.xǁCopyEngineǁhanded__mutmut_4": "float('INF') is float('inf')",
     # prefetch policies
     'moesim.policies.prefetch.xǁNextGateTopKǁ__init____mutmut_1':
         'self.params is not read after __init__ in this class (the local params is)',
