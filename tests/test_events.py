@@ -69,12 +69,13 @@ def test_withdrawn_prefetches_are_instant_events_on_the_copy_engine():
     """2 layers, top-2, room for 2 experts, previous-token prefetch, a 0.01 GB/s link. Pass 0
     routes (0, 1) then (2, 3); pass 1 routes (4, 5) then (6, 7). At pass 1 layer 0 the
     previous token's layer-1 experts 2 and 3 are proposed; they wait for room until layer 0
-    has run (its experts are pinned), then go to the link: 2 starts, 3 queues. Layer 1 needs
-    6 and 7: the queued copy of 3 is withdrawn (2 is already moving). One instant event."""
+    has run (its experts are pinned), then go to the link: 2 starts, 3 queues, the host
+    issuing one copy at a time (``execution.prefetch_depth`` 1). Layer 1 needs 6 and 7: the
+    queued copy of 3, not yet issued, is withdrawn (2 is already moving). One instant event."""
     model = small_model(layers=2, experts=8, top_k=2)
     t = trace_from_array(model, np.array([[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]]))
     sc = scenario(cache={"capacity": "2 experts"}, policies={"prefetch": "previous-token"},
-                  hardware={"links": {"pcie": {"bandwidth_gbps": 0.01}}})
+                  hardware={"links": {"pcie": {"bandwidth_gbps": 0.01}}}, execution={"prefetch_depth": 1})
     sim = Simulation(sc, trace=t, record_transfers=True, record_layers=True)
     res = sim.run()
     ev = chrome_trace(res, sim.link_name, sim.model.num_experts, sim.num_prec)["traceEvents"]

@@ -89,6 +89,14 @@ def labelled(df: pd.DataFrame, folders: list[Path]) -> pd.DataFrame:
     return df.assign(**{k: [c[k] for c in cols] for k in ("protocol", "artefact", "artefact_reason")})
 
 
+def with_predicted(df: pd.DataFrame, name: str) -> pd.DataFrame:
+    """``df`` with ``tpot_predicted_s``/``ttft_predicted_s`` and their ``tpot_ape``/``ttft_ape``: the
+    prediction ``name``, the one from the microbenchmarks alone (nothing fitted to a validation
+    row)."""
+    return df.assign(tpot_predicted_s=df[f"tpot_{name}_s"], ttft_predicted_s=df[f"ttft_{name}_s"],
+                     tpot_ape=df[f"tpot_ape_{name}"], ttft_ape=df[f"ttft_ape_{name}"])
+
+
 def protocol_section(df: pd.DataFrame, runs: str = "run") -> str:
     """Each run's protocol, its rows with an executor artefact (reported apart) and the
     microbenchmark-only error of the others."""
@@ -165,7 +173,7 @@ def h100_graphs_main() -> None:
     table = pd.read_parquet(H100_GRAPHS / "2026-11-22" / "validation.parquet")
     with tempfile.TemporaryDirectory() as tmp:
         df = repredict(table, str(ROOT / "profiles" / "h100.yaml"), write_validation_traces(Path(tmp)))
-    df = labelled(df, [H100_GRAPHS / "2026-11-22"] * len(df))
+    df = with_predicted(labelled(df, [H100_GRAPHS / "2026-11-22"] * len(df)), "host")
     write_atomic(H100_GRAPHS / "repredicted.parquet", lambda t: df.to_parquet(t, index=False))
     report = (H100_GRAPHS / "report.md").read_text()
     section = (repredicted_section(df, H100_GRAPHS_COMMAND) + h100_graphs_same_calls_evidence(table, df) + "\n"
@@ -242,7 +250,7 @@ def h100_eager_repredicted(folder: Path) -> pd.DataFrame:
     df = pd.concat(out, ignore_index=True)
     same = [c for c in df if c.startswith("same_") and c != "same_decisions"]  # the old-rule rows have none
     counts = [c for c in df if c.startswith("withdrawn_")]
-    return df.astype({**dict.fromkeys(same, "boolean"), **dict.fromkeys(counts, "Int64")})
+    return with_predicted(df.astype({**dict.fromkeys(same, "boolean"), **dict.fromkeys(counts, "Int64")}), "host")
 
 
 def _h100_eager_range(ape: pd.Series) -> str:
@@ -466,7 +474,7 @@ def h200_eager_repredicted(folder: Path) -> pd.DataFrame:
     write_trace(synth_from_preset("olmoe-1b-7b", requests=1, prompt_tokens=64, tokens=200, seed=0), path)
     table = pd.read_parquet(H200_EAGER / "run1" / "validation.parquet")
     df = repredict(table, str(H200_EAGER_PROFILE), {"olmoe-1b-7b": str(path)}, graphs=False)
-    return labelled(df, [H200_EAGER / "run1"] * len(df))
+    return with_predicted(labelled(df, [H200_EAGER / "run1"] * len(df)), "host")
 
 
 def h200_eager_specmd_predicted(folder: Path) -> pd.DataFrame:
@@ -711,7 +719,7 @@ def h200_beside_repredicted(folder: Path) -> pd.DataFrame:
                              host_expert_us=table["host_expert_us"].to_numpy(),
                              late_withdraws=table["late_withdraws"].to_numpy(), hits_exec=table["hits_exec"].to_numpy(),
                              misses_exec=table["misses_exec"].to_numpy()))
-    return pd.concat(out, ignore_index=True)
+    return with_predicted(pd.concat(out, ignore_index=True), "own")
 
 
 

@@ -239,14 +239,7 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     from moesim.config.scenario import load_scenario
     from moesim.traces.io import read_trace
 
-    if protocol not in ("declared", "none"):
-        raise ValueError(f"protocol must be 'declared' or 'none', got {protocol!r}")
-    declared = protocol == "declared"
-    if declared and (launch == "graphs" or prefetch_from != "main"):
-        raise MoesimError("calibrate validate: the declared protocol launches eagerly and issues prefetches from the "
-                          f"main thread, not with --launch {launch} --prefetch-from {prefetch_from}: leave those "
-                          "options out, or add --protocol none to measure outside it (the rows are then labelled "
-                          "with what differed).")
+    declared = _check_protocol(protocol, launch, prefetch_from)
     if declared:
         launch = "eager"
     trace = read_trace(trace_path)
@@ -272,30 +265,12 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
                                   "eager (or auto) and --set expert_compute=per-expert.")
     hosts: dict[tuple[bool, Any], Any] = {}  # the experts' host copies, made once per executor and precision
     rows, passes = [], []
+    order = [(p, sc, "") for p, sc in zip(scenarios, loaded, strict=True)]
     core, same_lease = None, False
     if declared:
-        import torch
-
-        from moesim.calibration.calibrate import environment
-
-        model = trace.model
-        core = fastest_core(torch, model.hidden_size, model.expert_intermediate_size, device)
-        name = environment(device)["device_name"]
-        age = host_costs_age_s(profile, name)
-        same_lease = age is not None and 0 <= age <= HOST_COSTS_MAX_AGE_S
-        if not same_lease:
-            w = (f"{profile}'s host costs were not measured on this device ({name}) in the last "
-                 f"{HOST_COSTS_MAX_AGE_S / 60:.0f} minutes: run `moesim calibrate measure` and `fit` just before, or the "
-                 "rows are labelled 'not declared'.")
-            warnings.append(w)
-            if warn is not None:
-                warn(w)
-        sentinel_sc = load_scenario(scenarios[0], [*sets, *SENTINEL, "execution.style=eager-per-expert"])
-        order = [(scenarios[0], sentinel_sc, "before"), *((p, sc, "") for p, sc in zip(scenarios, loaded, strict=True)),
-                 (scenarios[0], sentinel_sc, "after")]
+        core, same_lease, sentinel_sc = _declared_setup(trace, profile, device, scenarios[0], sets, warnings, warn)
+        order = [(scenarios[0], sentinel_sc, "before"), *order, (scenarios[0], sentinel_sc, "after")]
         graphs = [False, *graphs, False]
-    else:
-        order = [(p, sc, "") for p, sc in zip(scenarios, loaded, strict=True)]
     how = {"launch": launch if declared else None, "prefetch_from": prefetch_from, "pinned": core is not None,
            "host_costs_same_lease": same_lease, "sentinels": declared}
     for i, (path, sc, sentinel) in enumerate(order):
@@ -304,41 +279,14 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
         kind = (sc.execution.style == "hf-loop", sc.cache.precision)
         beside = {"eager_layer_us": np.nan, "eager_expert_us": np.nan}
         if host_beside:
-            import torch
-
-            from moesim.calibration.calibrate import executor_host_us
-
-            model = trace.model
-            beside = executor_host_us(torch, model.hidden_size, model.expert_intermediate_size, device)
-            sc = load_scenario(path, [*sets, *(SENTINEL if sentinel else []), "execution.style=eager-per-expert",
-                                      f"execution.prefetch_depth={sc.host.prefetch_depth or 'all'}",
-                                      f"execution.host_layer_us={beside['eager_layer_us']!r}",
-                                      f"execution.host_launch_us={beside['eager_expert_us']!r}"])
+            sc, beside = _beside(sc, path, [*sets, *(SENTINEL if sentinel else [])], trace.model, device)
         meas = execute(sc, trace, device, hosts.get(kind), graphs=graphs[i], switch_us=switch_us,
                        prefetch_from=prefetch_from)
         hosts[kind] = meas["host"]
-        pred = meas["predicted"]
-        steps = pred.steps
-        dec = (steps["phase"] == "decode").to_numpy()
-        first = (steps["phase"] != "decode").to_numpy()
-        m = meas["pass_s"]
         label = protocol_columns({**how, "launch": meas["launch"]}, sc.expert_compute, sc.policies.prefetch.name)
         row = {"scenario": Path(path).stem + (f" (sentinel {sentinel})" if sentinel else ""), "sentinel": sentinel,
-               **label, "core": -1 if core is None else core,
-               "capacity": sc.cache.capacity, "eviction": sc.policies.eviction.name,
-               "model": pred.summary["model"], "expert_compute": sc.expert_compute,
-               "prefetch": sc.policies.prefetch.name, "launch": meas["launch"],
-               "switch_interval_us": round(meas["switch_s"] * 1e6, 3), "prefetch_from": meas["prefetch_from"],
-               "prefetch_depth": sc.host.prefetch_depth, "late_withdraws": meas["late_withdraws"], "host_layer_us": beside["eager_layer_us"],
-               "host_expert_us": beside["eager_expert_us"],
-               "hits_sim": pred.summary["hits"] + pred.summary["late_prefetches"], "misses_sim": pred.summary["misses"],
-               "hits_exec": meas["hits"], "misses_exec": meas["misses"],
-               "tpot_measured_s": float(m[dec].mean()) if dec.any() else np.nan,
-               "tpot_predicted_s": float(steps.loc[dec, "duration_s"].mean()) if dec.any() else np.nan,
-               "ttft_measured_s": float(m[first].mean()) if first.any() else np.nan,
-               "ttft_predicted_s": float(steps.loc[first, "duration_s"].mean()) if first.any() else np.nan}
-        for k in ("tpot", "ttft"):
-            row[f"{k}_ape"] = abs(row[f"{k}_predicted_s"] - row[f"{k}_measured_s"]) / row[f"{k}_measured_s"]
+               **label, "core": -1 if core is None else core, **_measured_row(sc, meas, beside)}
+        m, steps = meas["pass_s"], meas["predicted"].steps
         rows.append(row)
         passes.append(pd.DataFrame({"scenario": row["scenario"], "model": row["model"],
                                     "expert_compute": sc.expert_compute, "pass": np.arange(len(m)),
@@ -353,6 +301,83 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
     write_report(df, out, profile, device, warnings)
     df.attrs["warnings"] = warnings
     return df
+
+
+def _measured_row(sc: Any, meas: dict[str, Any], beside: dict[str, float]) -> dict[str, Any]:
+    """A validation row's scenario, executor and timing columns: ``sc`` measured (``meas``:
+    :func:`execute`'s) and predicted, with the host timings taken beside it."""
+    pred = meas["predicted"]
+    steps = pred.steps
+    dec = (steps["phase"] == "decode").to_numpy()
+    first = (steps["phase"] != "decode").to_numpy()
+    m = meas["pass_s"]
+    row = {"capacity": sc.cache.capacity, "eviction": sc.policies.eviction.name,
+           "model": pred.summary["model"], "expert_compute": sc.expert_compute,
+           "prefetch": sc.policies.prefetch.name, "launch": meas["launch"],
+           "switch_interval_us": round(meas["switch_s"] * 1e6, 3), "prefetch_from": meas["prefetch_from"],
+           "prefetch_depth": sc.host.prefetch_depth, "late_withdraws": meas["late_withdraws"],
+           "host_layer_us": beside["eager_layer_us"], "host_expert_us": beside["eager_expert_us"],
+           "hits_sim": pred.summary["hits"] + pred.summary["late_prefetches"], "misses_sim": pred.summary["misses"],
+           "hits_exec": meas["hits"], "misses_exec": meas["misses"],
+           "tpot_measured_s": float(m[dec].mean()) if dec.any() else np.nan,
+           "tpot_predicted_s": float(steps.loc[dec, "duration_s"].mean()) if dec.any() else np.nan,
+           "ttft_measured_s": float(m[first].mean()) if first.any() else np.nan,
+           "ttft_predicted_s": float(steps.loc[first, "duration_s"].mean()) if first.any() else np.nan}
+    for k in ("tpot", "ttft"):
+        row[f"{k}_ape"] = abs(row[f"{k}_predicted_s"] - row[f"{k}_measured_s"]) / row[f"{k}_measured_s"]
+    return row
+
+
+def _beside(sc: Any, path: str, sets: list[str], model: Any, device: str) -> tuple[Any, dict[str, float]]:
+    """``--host-beside``: the eager executor's host work timed now, and ``sc`` (from ``path`` with
+    ``sets``) predicted with it."""
+    import torch
+
+    from moesim.calibration.calibrate import executor_host_us
+    from moesim.config.scenario import load_scenario
+
+    beside = executor_host_us(torch, model.hidden_size, model.expert_intermediate_size, device)
+    return load_scenario(path, [*sets, "execution.style=eager-per-expert",
+                                f"execution.prefetch_depth={sc.host.prefetch_depth or 'all'}",
+                                f"execution.host_layer_us={beside['eager_layer_us']!r}",
+                                f"execution.host_launch_us={beside['eager_expert_us']!r}"]), beside
+
+
+def _check_protocol(protocol: str, launch: str, prefetch_from: str) -> bool:
+    """Whether :func:`validate` runs the declared protocol; options outside it are refused with the fix."""
+    if protocol not in ("declared", "none"):
+        raise ValueError(f"protocol must be 'declared' or 'none', got {protocol!r}")
+    if protocol == "declared" and (launch == "graphs" or prefetch_from != "main"):
+        raise MoesimError("calibrate validate: the declared protocol launches eagerly and issues prefetches from the "
+                          f"main thread, not with --launch {launch} --prefetch-from {prefetch_from}: leave those "
+                          "options out, or add --protocol none to measure outside it (the rows are then labelled "
+                          "with what differed).")
+    return protocol == "declared"
+
+
+def _declared_setup(trace: Any, profile: str, device: str, first: str, sets: list[str], warnings: list[str],
+                    warn: Callable[[str], None] | None) -> tuple[int | None, bool, Any]:
+    """The declared protocol's preparation: the process pinned to the fastest core, whether the
+    profile's host costs are this lease's (else a warning, told to ``warn`` and kept in
+    ``warnings``), and the sentinel scenario (``first`` at 100% capacity without prefetch)."""
+    import torch
+
+    from moesim.calibration.calibrate import environment
+    from moesim.config.scenario import load_scenario
+
+    model = trace.model
+    core = fastest_core(torch, model.hidden_size, model.expert_intermediate_size, device)
+    name = environment(device)["device_name"]
+    age = host_costs_age_s(profile, name)
+    same_lease = age is not None and 0 <= age <= HOST_COSTS_MAX_AGE_S
+    if not same_lease:
+        w = (f"{profile}'s host costs were not measured on this device ({name}) in the last "
+             f"{HOST_COSTS_MAX_AGE_S / 60:.0f} minutes: run `moesim calibrate measure` and `fit` just before, or the "
+             "rows are labelled 'not declared'.")
+        warnings.append(w)
+        if warn is not None:
+            warn(w)
+    return core, same_lease, load_scenario(first, [*sets, *SENTINEL, "execution.style=eager-per-expert"])
 
 
 def executor_style(sc: Any, path: Any, sets: list[str], graphs: bool = True, prefetch_from: str = "main") -> Any:
