@@ -857,3 +857,49 @@ def test_validate_runs_the_declared_protocol_by_default_and_labels_every_row(tmp
     assert "--protocol none" in unwrap(r.output)
     assert "Traceback" not in r.output
     assert not (tmp_path / "g").exists()
+
+
+def test_a_rows_protocol_label_by_hand(tmp_path):
+    """``protocol_columns``: each way a run differs from the declared protocol named, in order;
+    the graph artefact only on per-expert rows launched as graphs, the copy worker's only on rows
+    that prefetch. ``sentinel_drift``: |after - before| / before, None without both.
+    ``host_costs_age_s``: seconds since the profile's microbenchmarks, None on another device or
+    without a date."""
+    from moesim.calibration.validate import (
+        GRAPHS_ARTEFACT,
+        WORKER_ARTEFACT,
+        host_costs_age_s,
+        protocol_columns,
+        sentinel_drift,
+    )
+
+    ok = {"launch": "eager", "prefetch_from": "main", "pinned": True, "host_costs_same_lease": True, "sentinels": True}
+    assert protocol_columns(ok, "per-expert", "previous-token") == {"protocol": "declared", "artefact": False,
+                                                                     "artefact_reason": ""}
+    off = {"launch": "graphs", "prefetch_from": "worker", "pinned": False, "host_costs_same_lease": False,
+           "sentinels": False}
+    label = protocol_columns(off, "per-expert", "previous-token")
+    assert label["protocol"] == ("not declared: graph launches; prefetches from a copy worker; not pinned to one "
+                                 "core; host costs not measured just before in the same lease; no sentinel rows")
+    assert (label["artefact"], label["artefact_reason"]) == (True, f"{GRAPHS_ARTEFACT}; {WORKER_ARTEFACT}")
+    assert protocol_columns(off, "layer", "none")["artefact"] is False
+    assert protocol_columns(off, "layer", "oracle")["artefact_reason"] == WORKER_ARTEFACT
+    assert protocol_columns(off, "per-expert", "none")["artefact_reason"] == GRAPHS_ARTEFACT
+    for key in ok:
+        one = protocol_columns({**ok, key: off[key]}, "per-expert", "none")["protocol"]
+        assert one.startswith("not declared: "), key
+        assert ";" not in one, key
+    rows = pd.DataFrame({"sentinel": ["before", "", "after"], "tpot_measured_s": [0.010, 0.5, 0.0108]})
+    assert sentinel_drift(rows) == pytest.approx(0.08)
+    assert sentinel_drift(rows.assign(tpot_measured_s=[0.010, 0.5, 0.0095])) == pytest.approx(0.05)
+    assert sentinel_drift(rows.iloc[:2]) is None
+    assert sentinel_drift(rows.drop(columns="sentinel")) is None
+    prof = yaml.safe_load((ROOT / "profiles" / "h100.yaml").read_text())
+    prof["measured_on"] = {"device_name": "GPU X", "measured_at": "2026-12-02T10:00:00+00:00"}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(prof))
+    at = 1_796_205_600.0  # 2026-12-02T10:00:00Z
+    assert host_costs_age_s(str(tmp_path / "p.yaml"), "GPU X", now=at + 600) == pytest.approx(600)
+    assert host_costs_age_s(str(tmp_path / "p.yaml"), "GPU Y", now=at + 600) is None
+    prof["measured_on"] = {"device_name": "GPU X"}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(prof))
+    assert host_costs_age_s(str(tmp_path / "p.yaml"), "GPU X", now=at) is None
