@@ -258,3 +258,77 @@ def test_a_prefetch_issued_to_the_copy_engine_is_not_withdrawn(monkeypatch, dept
     assert landed_11 - t0 == pytest.approx(2 * c, rel=1e-9)
     after = [key for key, kind, _, start, _, _ in res.transfers if kind == "prefetch" and start >= landed_11]
     assert len(after) == copies_after
+
+
+def test_withdrawals_in_two_layers_of_a_pass_add_up(monkeypatch):
+    """The host issuing one copy at a time (depth 1), PCIe at 32 GB/s (c > f + a, checked),
+    capacity unbounded. Layer 0 proposes 1:0, 1:2, 1:3 (as in the depth test): at layer 1, 1:0 is
+    copying and 1:2, 1:3 are withdrawn. Layer 1 proposes 2:0 and 2:1, queued behind 1:1's demand
+    copy (t0 + c .. t0 + 2c): 2:0 copies from t0 + 2c, and layer 2's routing point
+    t0 + 2c + f + a comes before it ends, so 2:1, not yet issued, is withdrawn. The pass counts
+    three withdrawals, in that order."""
+    monkeypatch.setitem(REGISTRY._classes, "scripted", scripted({0: [(1, 0), (1, 2), (1, 3)], 1: [(2, 0), (2, 1)]},
+                                                                pinned=[(0, 0)]))
+    model = small_model(layers=L, experts=E, top_k=1)
+    trace = trace_from_array(model, np.arange(L).reshape(1, 1, L, 1))
+    sc = scenario(cache={"capacity": "inf"}, policies={"prefetch": "scripted"}, execution={"prefetch_depth": 1},
+                  hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": 32}}})
+    sim = Simulation(sc, trace=trace, record_decisions=True)
+    res = sim.run()
+    f, a, c = times(sim, 32)
+    assert c > f + a
+    row = res.steps.iloc[0]
+    assert (row.prefetches_issued, row.prefetches_cancelled) == (5, 3)
+    k = sim.eviction.ctx.key
+    assert [key for _, _, op, key in sim.decisions if op == "withdraw"] == [k(1, 2), k(1, 3), k(2, 1)]
+
+
+def test_a_proposal_still_waiting_at_its_layer_is_withdrawn_not_admitted_later(monkeypatch):
+    """Capacity 2 experts, 0:0 statically pinned, PCIe at 32 GB/s (c > f + a, checked). Layer 0
+    (t0): 0:0 hits; the proposal 2:3 takes the free slot (copying until t0 + c), 1:2 finds no
+    room (0:0 pinned, 2:3 in flight) and waits, also at the layer's end. Layer 1's routing point
+    (t0 + f + a, 2:3 still in flight) withdraws 1:2: its layer has come. 1:1 finds no room either
+    and is fetched uncached. At layer 1's end 2:3 has landed and could be evicted for a proposal
+    of layer 1, but none is waiting: one prefetch issued in the pass, not two. Layers 2 and 3
+    miss (2:3 was a wrong guess)."""
+    monkeypatch.setitem(REGISTRY._classes, "scripted", scripted({0: [(2, 3), (1, 2)]}, pinned=[(0, 0)]))
+    model = small_model(layers=L, experts=E, top_k=1)
+    trace = trace_from_array(model, np.arange(L).reshape(1, 1, L, 1))
+    sc = scenario(cache={"capacity": "2 experts"}, policies={"prefetch": "scripted"},
+                  hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": 32}}})
+    sim = Simulation(sc, trace=trace, record_decisions=True)
+    res = sim.run()
+    f, a, c = times(sim, 32)
+    assert c > f + a
+    row = res.steps.iloc[0]
+    assert (row.prefetches_issued, row.prefetches_cancelled, row.uncached_fetches) == (1, 0, 1)
+    assert (row.hits, row.misses) == (1, 3)
+    k = sim.eviction.ctx.key
+    assert [key for _, _, op, key in sim.decisions if op == "prefetch"] == [k(2, 3)]
+    assert not sim.pfq.waiting
+    assert not sim.pfq.queued
+
+
+def test_the_last_layer_s_admissions_are_not_pinned_into_the_next_pass(monkeypatch):
+    """Two passes, layer l routing expert l in both; capacity 3 experts, 0:0 statically pinned,
+    PCIe at 512 GB/s (every copy lands within its layer: 2c < f + a, checked); LRU. The
+    prefetcher proposes 3:2 at layer 0 and 3:1 at layer 2. Pass 0: 3:2 is admitted at layer 0,
+    evicted by layer 2's demand fetch of 2:2; 3:1 is admitted at layer 2 (evicting 1:1); layer 3
+    fetches 3:3 in place of 2:2. Layer 3's routing point ends 3:1's admission for layer 3. Pass 1,
+    layer 0: 3:2 again needs room; 3:1 and 3:3 are unpinned and 3:1 the least recent, so it is
+    the victim (still pinned as an admission for layer 3, 3:3 would be)."""
+    monkeypatch.setitem(REGISTRY._classes, "scripted", scripted({0: [(3, 2)], 2: [(3, 1)]}, pinned=[(0, 0)]))
+    model = small_model(layers=L, experts=E, top_k=1)
+    trace = trace_from_array(model, np.tile(np.arange(L).reshape(1, 1, L, 1), (1, 2, 1, 1)))
+    sc = scenario(cache={"capacity": "3 experts"}, policies={"prefetch": "scripted", "eviction": "lru"},
+                  hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": 512}}})
+    sim = Simulation(sc, trace=trace, record_decisions=True)
+    sim.run()
+    f, a, c = times(sim, 512)
+    assert 2 * c < f + a
+    k = sim.eviction.ctx.key
+    assert [(op, key) for p, layer, op, key in sim.decisions if p == 0 and op in ("evict", "prefetch", "fetch")] == [
+        ("prefetch", k(3, 2)), ("fetch", k(1, 1)), ("evict", k(3, 2)), ("fetch", k(2, 2)), ("evict", k(1, 1)),
+        ("prefetch", k(3, 1)), ("evict", k(2, 2)), ("fetch", k(3, 3))]
+    assert [(op, key) for p, layer, op, key in sim.decisions if (p, layer) == (1, 0)][:3] == [
+        ("hit", k(0, 0)), ("evict", k(3, 1)), ("prefetch", k(3, 2))]
