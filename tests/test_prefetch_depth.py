@@ -34,3 +34,28 @@ def test_both_paths_withdraw_the_same_unissued_prefetches(monkeypatch, mode):
         seen.append(ref.summary["prefetches_cancelled"])
     assert seen[0] > seen[1] > 0
     assert seen[1] >= seen[2] >= seen[3] == 0
+
+
+@pytest.mark.parametrize("prefetch", ["next-gate-topk", "lookahead", "score-percentile"])
+def test_both_paths_agree_at_small_depths_over_seeds_and_capacities(monkeypatch, prefetch):
+    """The same, over seeds, cache sizes, top-k and both bandwidths at which copies queue or
+    land late (late prefetches are promoted, leaving tombstones in the prefetch queue), in
+    layer and per-expert execution."""
+    withdrawn = 0
+    for seed in range(4):
+        for k, cap, bw in ((1, "3 experts", 1.0), (2, "5 experts", 4.0), (2, "9 experts", 1.0)):
+            trace = generate(small_model(layers=3, experts=8, top_k=k), requests=2, prompt_tokens=1, tokens=8,
+                             seed=seed, pred_next=True)
+            for depth in (1, 2):
+                sc = scenario(policies={"prefetch": prefetch, "eviction": "lru"},
+                              expert_compute=("layer", "per-expert")[seed % 2], cache={"capacity": cap},
+                              execution={"prefetch_depth": depth},
+                              hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": bw}}})
+                monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+                fast = Simulation(sc, trace=trace).run()
+                monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+                ref = Simulation(sc, trace=trace).run()
+                assert fast.summary["replay_path"] == "kernel"
+                assert fast.steps.equals(ref.steps), (seed, k, cap, depth)
+                withdrawn += ref.summary["prefetches_cancelled"]
+    assert withdrawn > 0
