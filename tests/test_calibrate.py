@@ -788,7 +788,7 @@ def test_validate_runs_the_declared_protocol_by_default_and_labels_every_row(tmp
     from click.testing import CliRunner
 
     from moesim.calibration.calibrate import measure
-    from moesim.calibration.validate import WORKER_ARTEFACT
+    from moesim.calibration.protocol import WORKER_ARTEFACT
     from moesim.cli import cli
     from moesim.traces.io import write_trace
     from moesim.traces.synth import generate
@@ -865,7 +865,7 @@ def test_a_rows_protocol_label_by_hand(tmp_path):
     that prefetch. ``sentinel_drift``: |after - before| / before, None without both.
     ``host_costs_age_s``: seconds since the profile's microbenchmarks, None on another device or
     without a date."""
-    from moesim.calibration.validate import (
+    from moesim.calibration.protocol import (
         GRAPHS_ARTEFACT,
         WORKER_ARTEFACT,
         host_costs_age_s,

@@ -78,6 +78,8 @@ TESTS: dict[str, list[str]] = {
     "moesim/traces/io.py": ["tests/test_stream.py", "tests/test_traces.py", "tests/test_bad_input.py"],
     # NF4, the throttled link and the router output (the executor's CUDA paths need a GPU)
     "moesim/calibration/hf_loop.py": ["tests/test_hf_loop.py"],
+    # the validation protocol's labels by hand, then calibrate validate's rows on the CPU
+    "moesim/calibration/protocol.py": ["tests/test_calibrate.py"],
     "moesim/config/execution.py": ["tests/test_host.py"],
     # the validation executor's decisions, buffers and main-thread prefetch queue (its CUDA paths need a GPU)
     "moesim/calibration/executor.py": ["tests/test_calibrate.py"],
