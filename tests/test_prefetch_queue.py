@@ -40,11 +40,13 @@ def scripted(proposals: dict[int, list[tuple[int, int]]], pinned: Sequence[tuple
 
 
 def run(monkeypatch: pytest.MonkeyPatch, policy: type[PrefetchPolicy], capacity: str,
-        gbps: int = GBPS) -> tuple[Simulation, object]:
+        gbps: int = GBPS, tokens: int = 1, **over: object) -> tuple[Simulation, object]:
+    """The scripted ``policy`` over ``tokens`` passes of layer l routing expert l; ``over``: more
+    scenario keys (``execution``, ...)."""
     monkeypatch.setitem(REGISTRY._classes, "scripted", policy)
     model = small_model(layers=L, experts=E, top_k=1)
-    trace = trace_from_array(model, np.arange(L).reshape(1, 1, L, 1))
-    sc = scenario(cache={"capacity": capacity}, policies={"prefetch": "scripted"},
+    trace = trace_from_array(model, np.tile(np.arange(L).reshape(1, 1, L, 1), (1, tokens, 1, 1)))
+    sc = scenario(cache={"capacity": capacity}, policies={"prefetch": "scripted"}, **over,
                   hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": gbps}}})
     sim = Simulation(sc, trace=trace, record_transfers=True, record_layers=True, record_decisions=True)
     return sim, sim.run()
@@ -232,13 +234,8 @@ def test_a_prefetch_issued_to_the_copy_engine_is_not_withdrawn(monkeypatch, dept
     - d = 3 or all: 2:2 goes before the queued 1:3 (demand first) at t0 + 3c, lands t0 + 4c;
       1:3 copies t0 + 4c .. t0 + 5c; 3:3 lands at t0 + 6c; the pass ends at t0 + 6c + f.
     """
-    monkeypatch.setitem(REGISTRY._classes, "scripted", scripted({0: [(1, 0), (1, 2), (1, 3)]}, pinned=[(0, 0)]))
-    model = small_model(layers=L, experts=E, top_k=1)
-    trace = trace_from_array(model, np.arange(L).reshape(1, 1, L, 1))
-    sc = scenario(cache={"capacity": "inf"}, policies={"prefetch": "scripted"}, execution={"prefetch_depth": depth},
-                  hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": 32}}})
-    sim = Simulation(sc, trace=trace, record_transfers=True, record_layers=True, record_decisions=True)
-    res = sim.run()
+    sim, res = run(monkeypatch, scripted({0: [(1, 0), (1, 2), (1, 3)]}, pinned=[(0, 0)]), "inf", gbps=32,
+                   execution={"prefetch_depth": depth})
     f, a, c = times(sim, 32)
     assert c > f + a
     layers = {layer: (routing, end) for _, layer, _, routing, _, end in res.extra["layers"]}
@@ -267,14 +264,8 @@ def test_withdrawals_in_two_layers_of_a_pass_add_up(monkeypatch):
     copy (t0 + c .. t0 + 2c): 2:0 copies from t0 + 2c, and layer 2's routing point
     t0 + 2c + f + a comes before it ends, so 2:1, not yet issued, is withdrawn. The pass counts
     three withdrawals, in that order."""
-    monkeypatch.setitem(REGISTRY._classes, "scripted", scripted({0: [(1, 0), (1, 2), (1, 3)], 1: [(2, 0), (2, 1)]},
-                                                                pinned=[(0, 0)]))
-    model = small_model(layers=L, experts=E, top_k=1)
-    trace = trace_from_array(model, np.arange(L).reshape(1, 1, L, 1))
-    sc = scenario(cache={"capacity": "inf"}, policies={"prefetch": "scripted"}, execution={"prefetch_depth": 1},
-                  hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": 32}}})
-    sim = Simulation(sc, trace=trace, record_decisions=True)
-    res = sim.run()
+    policy = scripted({0: [(1, 0), (1, 2), (1, 3)], 1: [(2, 0), (2, 1)]}, pinned=[(0, 0)])
+    sim, res = run(monkeypatch, policy, "inf", gbps=32, execution={"prefetch_depth": 1})
     f, a, c = times(sim, 32)
     assert c > f + a
     row = res.steps.iloc[0]
@@ -291,13 +282,7 @@ def test_a_proposal_still_waiting_at_its_layer_is_withdrawn_not_admitted_later(m
     and is fetched uncached. At layer 1's end 2:3 has landed and could be evicted for a proposal
     of layer 1, but none is waiting: one prefetch issued in the pass, not two. Layers 2 and 3
     miss (2:3 was a wrong guess)."""
-    monkeypatch.setitem(REGISTRY._classes, "scripted", scripted({0: [(2, 3), (1, 2)]}, pinned=[(0, 0)]))
-    model = small_model(layers=L, experts=E, top_k=1)
-    trace = trace_from_array(model, np.arange(L).reshape(1, 1, L, 1))
-    sc = scenario(cache={"capacity": "2 experts"}, policies={"prefetch": "scripted"},
-                  hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": 32}}})
-    sim = Simulation(sc, trace=trace, record_decisions=True)
-    res = sim.run()
+    sim, res = run(monkeypatch, scripted({0: [(2, 3), (1, 2)]}, pinned=[(0, 0)]), "2 experts", gbps=32)
     f, a, c = times(sim, 32)
     assert c > f + a
     row = res.steps.iloc[0]
@@ -317,13 +302,7 @@ def test_the_last_layer_s_admissions_are_not_pinned_into_the_next_pass(monkeypat
     fetches 3:3 in place of 2:2. Layer 3's routing point ends 3:1's admission for layer 3. Pass 1,
     layer 0: 3:2 again needs room; 3:1 and 3:3 are unpinned and 3:1 the least recent, so it is
     the victim (still pinned as an admission for layer 3, 3:3 would be)."""
-    monkeypatch.setitem(REGISTRY._classes, "scripted", scripted({0: [(3, 2)], 2: [(3, 1)]}, pinned=[(0, 0)]))
-    model = small_model(layers=L, experts=E, top_k=1)
-    trace = trace_from_array(model, np.tile(np.arange(L).reshape(1, 1, L, 1), (1, 2, 1, 1)))
-    sc = scenario(cache={"capacity": "3 experts"}, policies={"prefetch": "scripted", "eviction": "lru"},
-                  hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": 512}}})
-    sim = Simulation(sc, trace=trace, record_decisions=True)
-    sim.run()
+    sim, _ = run(monkeypatch, scripted({0: [(3, 2)], 2: [(3, 1)]}, pinned=[(0, 0)]), "3 experts", gbps=512, tokens=2)
     f, a, c = times(sim, 512)
     assert 2 * c < f + a
     k = sim.eviction.ctx.key
