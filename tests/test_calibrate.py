@@ -871,6 +871,7 @@ def test_a_rows_protocol_label_by_hand(tmp_path):
         host_costs_age_s,
         protocol_columns,
         sentinel_drift,
+        sentinel_tpots,
     )
 
     ok = {"launch": "eager", "prefetch_from": "main", "pinned": True, "host_costs_same_lease": True, "sentinels": True}
@@ -892,7 +893,9 @@ def test_a_rows_protocol_label_by_hand(tmp_path):
     rows = pd.DataFrame({"sentinel": ["before", "", "after"], "tpot_measured_s": [0.010, 0.5, 0.0108]})
     assert sentinel_drift(rows) == pytest.approx(0.08)
     assert sentinel_drift(rows.assign(tpot_measured_s=[0.010, 0.5, 0.0095])) == pytest.approx(0.05)
+    assert sentinel_tpots(rows) == (0.010, 0.0108)
     assert sentinel_drift(rows.iloc[:2]) is None
+    assert sentinel_tpots(rows.iloc[1:]) is None
     assert sentinel_drift(rows.drop(columns="sentinel")) is None
     prof = yaml.safe_load((ROOT / "profiles" / "h100.yaml").read_text())
     prof["measured_on"] = {"device_name": "GPU X", "measured_at": "2026-12-02T10:00:00+00:00"}
@@ -903,3 +906,28 @@ def test_a_rows_protocol_label_by_hand(tmp_path):
     prof["measured_on"] = {"device_name": "GPU X"}
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(prof))
     assert host_costs_age_s(str(tmp_path / "p.yaml"), "GPU X", now=at) is None
+
+
+def test_the_declared_protocol_pins_the_core_where_the_host_work_is_fastest(monkeypatch):
+    """``fastest_core``: the executor's cached-expert host work timed pinned to each allowed core
+    (replaced here by times that fall with the core's number), the process left pinned to the
+    fastest, every allowed core tried."""
+    from moesim.calibration import calibrate
+    from moesim.calibration.validate import fastest_core
+
+    allowed = os.sched_getaffinity(0)
+    tried = []
+
+    def timed(torch, h, inter, device):
+        (core,) = os.sched_getaffinity(0)
+        tried.append(core)
+        return {"eager_layer_us": 1.0, "eager_expert_us": 100.0 - core}
+
+    monkeypatch.setattr(calibrate, "executor_host_us", timed)
+    try:
+        assert fastest_core(None, 8, 16, "cpu", repeats=2) == max(allowed)
+        assert os.sched_getaffinity(0) == {max(allowed)}
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert sorted(set(tried)) == sorted(allowed)
+    assert len(tried) == 2 * len(allowed)

@@ -81,11 +81,11 @@ def manifest_protocol(folder: Path) -> dict[str, object]:
             "sentinels": bool(m["sentinels"])}
 
 
-def labelled(df: pd.DataFrame, folders: list[Path]) -> pd.DataFrame:
-    """``df`` (re-predicted rows; ``folders[i]`` the measure row ``i`` comes from) with each row's
-    ``protocol``, ``artefact`` and ``artefact_reason``."""
-    cols = [protocol_columns(manifest_protocol(f), r.expert_compute, r.prefetch)
-            for f, r in zip(folders, df.itertuples(), strict=True)]
+def labelled(df: pd.DataFrame, folder: Path) -> pd.DataFrame:
+    """``df`` (re-predicted rows of the measure in ``folder``) with each row's ``protocol``,
+    ``artefact`` and ``artefact_reason``."""
+    how = manifest_protocol(folder)
+    cols = [protocol_columns(how, r.expert_compute, r.prefetch) for r in df.itertuples()]
     return df.assign(**{k: [c[k] for c in cols] for k in ("protocol", "artefact", "artefact_reason")})
 
 
@@ -173,7 +173,7 @@ def h100_graphs_main() -> None:
     table = pd.read_parquet(H100_GRAPHS / "2026-11-22" / "validation.parquet")
     with tempfile.TemporaryDirectory() as tmp:
         df = repredict(table, str(ROOT / "profiles" / "h100.yaml"), write_validation_traces(Path(tmp)))
-    df = with_predicted(labelled(df, [H100_GRAPHS / "2026-11-22"] * len(df)), "host")
+    df = with_predicted(labelled(df, H100_GRAPHS / "2026-11-22"), "host")
     write_atomic(H100_GRAPHS / "repredicted.parquet", lambda t: df.to_parquet(t, index=False))
     report = (H100_GRAPHS / "report.md").read_text()
     section = (repredicted_section(df, H100_GRAPHS_COMMAND) + h100_graphs_same_calls_evidence(table, df) + "\n"
@@ -242,11 +242,11 @@ def h100_eager_repredicted(folder: Path) -> pd.DataFrame:
         held = [f"execution.host_launch_us={h100_eager_held_out_expert_us(table if own else main_run, profile)!r}"]
         df = repredict(table, str(profile), paths, graphs=False,
                        variants={"held": held, "depth1": ["execution.prefetch_depth=1"]})
-        out.append(labelled(df, [H100_EAGER / run] * len(df)).assign(run=run, **_h100_eager_executor_columns(table)))
+        out.append(labelled(df, H100_EAGER / run).assign(run=run, **_h100_eager_executor_columns(table)))
     for run in H100_EAGER_OLD_RULE:
         table = pd.read_parquet(H100_EAGER / run / "validation.parquet")
         df = repredict(table, str(H100_EAGER_COMMITTED_PROFILE), paths, graphs=True)
-        out.append(labelled(df, [H100_EAGER / run] * len(df)).assign(run=run, **_h100_eager_executor_columns(table)))
+        out.append(labelled(df, H100_EAGER / run).assign(run=run, **_h100_eager_executor_columns(table)))
     df = pd.concat(out, ignore_index=True)
     same = [c for c in df if c.startswith("same_") and c != "same_decisions"]  # the old-rule rows have none
     counts = [c for c in df if c.startswith("withdrawn_")]
@@ -474,7 +474,7 @@ def h200_eager_repredicted(folder: Path) -> pd.DataFrame:
     write_trace(synth_from_preset("olmoe-1b-7b", requests=1, prompt_tokens=64, tokens=200, seed=0), path)
     table = pd.read_parquet(H200_EAGER / "run1" / "validation.parquet")
     df = repredict(table, str(H200_EAGER_PROFILE), {"olmoe-1b-7b": str(path)}, graphs=False)
-    return with_predicted(labelled(df, [H200_EAGER / "run1"] * len(df)), "host")
+    return with_predicted(labelled(df, H200_EAGER / "run1"), "host")
 
 
 def h200_eager_specmd_predicted(folder: Path) -> pd.DataFrame:
@@ -714,7 +714,7 @@ def h200_beside_repredicted(folder: Path) -> pd.DataFrame:
             parts.append(repredict(row, str(H200_BESIDE_PROFILE), paths, graphs=False, variants={
                 "beside": beside, "held": held, "own": own, "depth1": [*own, "execution.prefetch_depth=1"],
                 "then": [*beside, "execution.prefetch_depth=1"]}))
-        df = labelled(pd.concat(parts, ignore_index=True), [H200_BESIDE / run] * len(table))
+        df = labelled(pd.concat(parts, ignore_index=True), H200_BESIDE / run)
         out.append(df.assign(run=run, machine=machine, pinned=pinned, host_layer_us=table["host_layer_us"].to_numpy(),
                              host_expert_us=table["host_expert_us"].to_numpy(),
                              late_withdraws=table["late_withdraws"].to_numpy(), hits_exec=table["hits_exec"].to_numpy(),

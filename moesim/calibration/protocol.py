@@ -63,10 +63,20 @@ def host_costs_age_s(profile: str, device_name: str, now: float | None = None) -
     return (time.time() if now is None else now) - then
 
 
-def sentinel_drift(rows: pd.DataFrame) -> float | None:
-    """The host's drift over a run: how far the sentinel row after the scenarios measured from the
-    one before (identical work), relative to the one before; None without both."""
+def sentinel_tpots(rows: pd.DataFrame) -> tuple[float, float] | None:
+    """The TPOT the sentinel rows measured before and after the scenarios (identical work); None
+    without both."""
     if "sentinel" not in rows or not {"before", "after"} <= set(rows["sentinel"]):
         return None
     before, after = (float(rows.loc[rows["sentinel"] == k, "tpot_measured_s"].iloc[0]) for k in ("before", "after"))
+    return before, after
+
+
+def sentinel_drift(rows: pd.DataFrame) -> float | None:
+    """The host's drift over a run: how far the sentinel row after the scenarios measured from the
+    one before, relative to the one before; None without both."""
+    tpots = sentinel_tpots(rows)
+    if tpots is None:
+        return None
+    before, after = tpots
     return abs(after - before) / before

@@ -38,7 +38,9 @@ from moesim.calibration.protocol import (
     host_costs_age_s,
     protocol_columns,
     sentinel_drift,
+    sentinel_tpots,
 )
+from moesim.config.execution import depth_key
 from moesim.errors import MoesimError
 from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
@@ -63,7 +65,6 @@ def fastest_core(torch: Any, h: int, inter: int, device: str, repeats: int = 3) 
             best, best_us = c, us
     os.sched_setaffinity(0, {best})
     return best
-
 
 
 def execute(scenario: Any, trace: Any, device: str = "cpu", host: Any = None, spread: int = 1,
@@ -227,8 +228,8 @@ def validate(profile: str, trace_path: str, scenarios: list[str], out_dir: str, 
         core, same_lease, sentinel_sc = _declared_setup(trace, profile, device, scenarios[0], sets, warnings, warn)
         order = [(scenarios[0], sentinel_sc, "before"), *order, (scenarios[0], sentinel_sc, "after")]
         graphs = [False, *graphs, False]
-    how = {"launch": launch if declared else None, "prefetch_from": prefetch_from, "pinned": core is not None,
-           "host_costs_same_lease": same_lease, "sentinels": declared}
+    how = {"prefetch_from": prefetch_from, "pinned": core is not None, "host_costs_same_lease": same_lease,
+           "sentinels": declared}  # and each row's launch
     for i, (path, sc, sentinel) in enumerate(order):
         if progress is not None:
             progress(i, len(order))
@@ -294,7 +295,7 @@ def _beside(sc: Any, path: str, sets: list[str], model: Any, device: str) -> tup
 
     beside = executor_host_us(torch, model.hidden_size, model.expert_intermediate_size, device)
     return load_scenario(path, [*sets, "execution.style=eager-per-expert",
-                                f"execution.prefetch_depth={sc.host.prefetch_depth or 'all'}",
+                                f"execution.prefetch_depth={depth_key(sc.host.prefetch_depth)}",
                                 f"execution.host_layer_us={beside['eager_layer_us']!r}",
                                 f"execution.host_launch_us={beside['eager_expert_us']!r}"]), beside
 
@@ -407,7 +408,7 @@ def repredict(table: pd.DataFrame, profile: str, traces: dict[str, str], graphs:
         issuer = r.get("prefetch_from")  # the runs before the column issued from the copy worker
         hosted = executor_style(load_scenario(path, sets), path, sets, graphs,
                                 issuer if isinstance(issuer, str) else "worker")
-        depth = f"execution.prefetch_depth={hosted.host.prefetch_depth or 'all'}"
+        depth = f"execution.prefetch_depth={depth_key(hosted.host.prefetch_depth)}"
         plain = load_scenario(path, [*sets, depth])  # no host costs; prefetches issued as the executor did
         style = [f"execution.style={hosted.execution.style}", depth]
         more = [(name, load_scenario(path, [*sets, *style, *extra])) for name, extra in (variants or {}).items()]
@@ -532,10 +533,10 @@ def write_report(df: pd.DataFrame, out: Path, profile: str, device: str, warning
     head = []
     if "protocol" in df:
         head += [f"Protocol: {', '.join(sorted(set(df['protocol'])))}.", ""]
+    tpots = sentinel_tpots(sentinels)
     drift = sentinel_drift(sentinels)
-    if drift is not None:
-        before, after = (float(sentinels.loc[sentinels["sentinel"] == k, "tpot_measured_s"].iloc[0])
-                          for k in ("before", "after"))
+    if tpots is not None and drift is not None:
+        before, after = tpots
         verdict = ("within 5%: the host held its speed, so the rows are judged" if drift <= 0.05 else
                    "over 10%: the host's speed moved during the run, so its host-bound rows cannot be validated on "
                    "this machine" if drift > 0.10 else "between 5% and 10%: judge the host-bound rows with care")

@@ -164,3 +164,8 @@ def resolve_host(execution: ExecutionConfig, host: HostCosts) -> HostModel:
 def depth_value(depth: int | str | None) -> int | None:
     """``execution.prefetch_depth`` as the replay reads it: a number of copies, or None for all."""
     return None if depth is None or depth == "all" else int(depth)
+
+
+def depth_key(depth: int | None) -> int | str:
+    """The replay's prefetch depth as ``execution.prefetch_depth`` writes it (None: ``all``)."""
+    return "all" if depth is None else depth

@@ -35,7 +35,13 @@ from typing import Any, Literal
 import yaml
 
 from moesim.config.confload import ConfigError, build, to_plain
-from moesim.config.execution import ExecutionConfig, HostModel, resolve_host, style_defaults
+from moesim.config.execution import (
+    ExecutionConfig,
+    HostModel,
+    depth_key,
+    resolve_host,
+    style_defaults,
+)
 from moesim.config.hardware import HardwareConfig, expand_preset
 from moesim.errors import MoesimError
 from moesim.files import read_yaml as read_yaml_file
@@ -335,7 +341,7 @@ class Scenario:
         h = resolve_host(self.execution, self.hardware.host)
         return {"style": self.execution.style, "host_layer_us": h.layer_us, "host_launch_us": h.launch_us,
                 "host_copy_us": h.copy_us, "host_sync": h.sync, "dequant": h.dequant,
-                "prefetch_depth": "all" if h.prefetch_depth is None else h.prefetch_depth}
+                "prefetch_depth": depth_key(h.prefetch_depth)}
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved scenario as plain data (what scenario.resolved.yaml holds)."""
