@@ -161,12 +161,13 @@ class PrefetchQueue:
         for t in [t for t in self.admitted if t <= layer]:
             del self.admitted[t]
         pending = self.pending
-        if not pending:
+        due = [t for t in pending if t <= layer]
+        if not due:
             return
         need = set(needed)
-        cut = self.cache.copy.handed(self.depth)
+        cut = self.cache.copy.handed(self.depth)  # the copies the host has issued stay
         stale: list[Transfer] = []
-        for target in [t for t in pending if t <= layer]:
+        for target in due:
             stale.extend(tr for tr in pending.pop(target)
                          if tr[PRIORITY] != DEMAND and tr[KEY] not in need and tr[SEQ] > cut)
         if not stale:
