@@ -6,8 +6,8 @@ the same shape. The hook policies here restate built-ins exactly (``tests/test_h
 checks their rows are the built-ins'): eviction LFU (a count per key, the lowest evicted; its
 priority kept between victim searches, ``stable_priority``, and asked of every candidate at each
 search) and FLD (the farthest layer from the current one: asked at each search, as it reads the
-clock); prefetch oracle (the next layer's true experts) and previous-token, with LRU (the
-built-ins are the kernel's own loops, the hooks' proposals come as arrays). Each pair replays the quickstart scenario's model
+clock); prefetch oracle (the next layer's true experts) and previous-token, with LRU (both
+propose through arrays made ahead: the built-ins' compiled form, the hooks' ``select``). Each pair replays the quickstart scenario's model
 (OLMoE-1B-7B shape: 16 layers x 64 experts, top-8) at 5% capacity, full timing, on the
 compiled kernel, from a trace in memory; the replays alternate (built-in, hook, built-in, ...)
 and the median of each is reported, as expert accesses per second of ``Simulation.run``.

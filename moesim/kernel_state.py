@@ -15,8 +15,8 @@ prefetches (``W[IS[H_PENDA] + i]``). Element ``i`` of a queue or list ``Q`` is
 waiting proposals ``WQ``. Transfer slots are reused; a slot kept past a layer is checked against its
 transfer's sequence number. Sets the SimPy path rebuilds (pins, pending experts, keys evicted
 in this pass) are generation marks. Read-only data: ``DI`` (offsets of each (pass, layer)'s
-accesses, pass groups), ``DF`` (expert seconds by token count,
-per-pass factor), ``A`` (the workload's own per-access arrays) and ``P`` (proposal arrays); a
+accesses), ``DF`` (expert seconds by token count,
+per-pass factor), ``A`` (the workload's own per-access arrays) and ``P`` (the prefetcher's proposals, arrays its compiled form made); a
 trace read in pieces has the read-only arrays hold one piece (``S_PBASE``: the piece's first
 pass, where its (pass, layer) entries start).
 """
@@ -32,8 +32,6 @@ from moesim.jit import kernel as _jit
 # hook policy's compiled hooks, :mod:`moesim.policies.hooks`; :data:`A_FORM`: the arrays the
 # form keeps its own state in, ``(I2, F2, I1, F1, P)``: :mod:`moesim.policies.eviction.base`)
 A_HOOKS, A_FORM = 5, 6
-# prefetch proposal sources
-PF_NONE, PF_ORACLE, PF_PREV, PF_LOOKAHEAD, PF_ARRAY = range(5)
 MODE_LAYER, MODE_ARRIVAL, MODE_PER_EXPERT = range(3)
 ABSENT, INFLIGHT, RESIDENT = 0, 1, 2
 DEMAND, PREFETCH = 0, 1
@@ -67,16 +65,16 @@ WORK = np.dtype([(name, np.int64) for name in ("tid", "seq", "key", "tokens")])
 (S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
  S_FREEN, S_WH, S_WN, S_PENDN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
  S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE,
- C_FORM, C_PF, C_DEPTH, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
+ C_FORM, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE, C_LRUNCAP,
  C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC, C_PENDING, C_KEEPSTATIC,
  C_HANDED,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
  H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_LGEN, H_LADM, H_LMARK, H_RUNS,
- H_SCR, H_OFF, H_GROUP, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
+ H_SCR, H_OFF, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
  H_PENDMAX, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, I_HEADER) = range(99)
+ H_PDUR, I_HEADER) = range(96)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, SF_HOST, CF_CAP,

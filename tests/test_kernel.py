@@ -416,6 +416,38 @@ def test_a_users_own_policy_runs_on_the_simpy_path(tiny, monkeypatch):
         "simpy", "eviction policy 'my-lru' has no kernel form")
 
 
+def test_a_users_prefetcher_runs_compiled_only_through_a_compiled_form(olmoe_trace, monkeypatch):
+    """A subclass of a built-in prefetcher that changes ``propose`` is the user's code: the
+    compiled form's proposals would not be its own, so it runs on the SimPy path and says so. A
+    user's prefetcher that proposes nothing in the replay (``active = False``: it only pins
+    experts) has nothing to compile: it runs on the kernel, its rows its SimPy run's."""
+    from moesim.policies.prefetch import REGISTRY, PrefetchPolicy
+    from moesim.policies.prefetch.oracle import Oracle
+
+    class FartherOracle(Oracle):
+        def propose(self, pass_index: int, layer: int) -> list[int]:
+            return list(super().propose(pass_index, layer + 1)) if layer + 2 < self.ctx.num_layers else []
+
+    class PinFirstLayer(PrefetchPolicy):
+        active = False
+
+        def propose(self, pass_index: int, layer: int) -> list[int]:
+            return []
+
+        def pinned(self) -> list[int]:
+            return [int(self.ctx.cache_keys(e)) for e in range(8)]
+
+    monkeypatch.setitem(REGISTRY._classes, "farther-oracle", FartherOracle)
+    monkeypatch.setitem(REGISTRY._classes, "pin-first-layer", PinFirstLayer)
+    why = "prefetch policy 'farther-oracle': it has no kernel form (it changes propose or proposals apart from its compiled form)"
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    assert path_of(scenario(policies={"prefetch": "farther-oracle"}), olmoe_trace) == ("simpy", why)
+    fast, ref = both_paths(scenario(policies={"prefetch": "pin-first-layer"}, cache={"capacity": "25%"}), olmoe_trace,
+                           monkeypatch)
+    assert_identical(fast, ref)
+    assert fast.summary["preloaded_experts"] == 8
+
+
 def test_the_kernel_source_runs_as_plain_python(tmp_path):
     """Without numba's compiler (NUMBA_DISABLE_JIT=1 stands in for a Python without numba
     wheels) the same functions run as plain Python and give the same answer (with a plain

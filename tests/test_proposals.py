@@ -176,6 +176,45 @@ def test_previous_token_stays_within_its_batch_group():
     assert list(p.propose(1, 0)) == [key(1, 1, experts=8)]
 
 
+def arrays(pol, first, last, layers):
+    """A policy's compiled proposals (``proposals``) as {(pass, layer): keys}, the offsets'
+    shape checked."""
+    off, keys = pol.proposals(first, last)
+    assert off.dtype == np.int64
+    assert keys.dtype == np.int64
+    assert off.shape == ((last - first) * layers + 1,)
+    assert off[0] == 0
+    assert off[-1] == len(keys)
+    return {(p, layer): keys[off[(p - first) * layers + layer]:off[(p - first) * layers + layer + 1]].tolist()
+            for p in range(first, last) for layer in range(layers)}
+
+
+def test_the_compiled_proposals_of_the_routed_prefetchers_by_hand():
+    """What the kernel reads for oracle, previous-token and lookahead, written out: on the
+    two-request trace of the test above (passes 0, 1: request 0, layer-1 experts 1 then 3;
+    passes 2, 3: request 1, layer-1 experts 6 then 7), each pass's layer 0 proposes one layer-1
+    expert and layer 1 nothing; previous-token reads the pass before only within its request,
+    also when the range starts at that pass; on the three-layer trace (token 1 of one request)
+    lookahead proposes the previous token's next ``depth`` layers, nearest first, capped at the
+    last layer."""
+    model = small_model(layers=2, experts=8, top_k=1)
+    t = trace_from_array(model, np.array([[[[0], [1]], [[2], [3]]], [[[4], [6]], [[5], [7]]]]))
+    k = lambda layer, e: key(layer, e, experts=8)  # noqa: E731
+    oracle = arrays(policy(t, "oracle"), 0, 4, 2)
+    assert oracle == {(0, 0): [k(1, 1)], (1, 0): [k(1, 3)], (2, 0): [k(1, 6)], (3, 0): [k(1, 7)],
+                      (0, 1): [], (1, 1): [], (2, 1): [], (3, 1): []}
+    prev = policy(t, "previous-token")
+    assert arrays(prev, 0, 4, 2) == {(0, 0): [], (1, 0): [k(1, 1)], (2, 0): [], (3, 0): [k(1, 6)],
+                                     (0, 1): [], (1, 1): [], (2, 1): [], (3, 1): []}
+    assert arrays(prev, 3, 4, 2) == {(3, 0): [k(1, 6)], (3, 1): []}
+    assert arrays(prev, 2, 3, 2) == {(2, 0): [], (2, 1): []}
+    assert arrays(prev, 2, 2, 2) == {}
+    three = three_layer_trace()
+    for depth, want in ((1, [key(1, 1)]), (2, [key(1, 1), key(2, 2)]), (5, [key(1, 1), key(2, 2)])):
+        got = arrays(policy(three, {"name": "lookahead", "depth": depth}), 0, 2, 3)
+        assert got == {(0, 0): [], (0, 1): [], (0, 2): [], (1, 0): want, (1, 1): [key(2, 2)], (1, 2): []}
+
+
 def test_score_percentile_beyond_its_first_planning_chunk():
     """The policy plans 256 passes at a time; at pass 270 (the second chunk) its proposals are
     still the experts above the percentile of that pass's mean prediction, highest first (one
@@ -481,8 +520,9 @@ def test_a_prefetchers_chunk_of_proposals_is_of_the_workload_it_now_reads(spec):
     assert after != before
 
 
-@pytest.mark.parametrize("spec", [{"name": "next-gate-topk", "overfetch": 1.5}, {"name": "score-percentile",
-                                                                             "percentile": 70.0}])
+@pytest.mark.parametrize("spec", [{"name": "next-gate-topk", "overfetch": 1.5},
+                                  {"name": "score-percentile", "percentile": 70.0}, "oracle", "previous-token",
+                                  {"name": "lookahead", "depth": 2}])
 def test_a_pieces_proposals_made_ahead_are_those_of_all_its_passes(spec):
     """What the reading thread makes for a piece (``piece_proposals``, from the piece alone)
     equals the proposals of all its passes asked of a policy that reads it, and each pass's

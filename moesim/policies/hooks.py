@@ -533,6 +533,11 @@ class HookPrefetch(PrefetchPolicy):
     def select(p: int, layer: int, trace: tuple[np.ndarray, ...], out: np.ndarray) -> int:
         """Write the keys to prefetch to ``out[:n]``; return ``n``."""
 
+    @classmethod
+    def compiled_form(cls) -> bool | str:
+        made = compiled_prefetch(cls)
+        return True if isinstance(made, tuple) else made
+
     def __init__(self, params: Any, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
         self._of: tuple[Any, tuple[np.ndarray, ...]] | None = None

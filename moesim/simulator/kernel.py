@@ -17,8 +17,10 @@ beside the policy in its module; a policy given as hooks runs through
 shipped with moesim and picks the replay's by its index (:mod:`simulator.kernel_cache`), so
 that it names none. Scope (:func:`kernel_form`): one GPU, routing that does not change what
 tokens compute, no budget, an eviction policy with a compiled form, a prefetcher and a miss
-policy the kernel knows (``_policy_codes``; a user's prefetcher written as a hook,
-:class:`policies.hooks.HookPrefetch`, runs compiled too). The miss policies that re-route tokens
+policy the kernel knows (``_miss_codes``), and a prefetcher with a compiled form
+(:meth:`~moesim.policies.prefetch.base.PrefetchPolicy.compiled_form`: its proposals are arrays
+made ahead of the kernel's calls from the trace alone, :func:`_proposals_ahead`; a user's
+prefetcher written as a hook, :class:`policies.hooks.HookPrefetch`, has one when it compiles). The miss policies that re-route tokens
 keep what each token of the layer computes in ``IS[H_FIN]``; the precision cascades cache
 entries of several sizes (a key's precision gives its bytes, copy and compute seconds; room is
 made by as many victims as it takes, in :func:`simulator.kernel_cache._victims`). Everything else
@@ -66,7 +68,6 @@ from moesim.jit import HAVE_NUMBA, forget_large_tuples, forget_tuples
 from moesim.kernel_state import (
     A_FORM,
     C_BLOCKING,
-    C_DEPTH,
     C_DPREC,
     C_DROPRANK,
     C_FORM,
@@ -87,7 +88,6 @@ from moesim.kernel_state import (
     C_NLEV,
     C_NPREC,
     C_PENDING,
-    C_PF,
     C_PFACTIVE,
     C_PROBS,
     C_REROUTE,
@@ -97,7 +97,6 @@ from moesim.kernel_state import (
     CF_HLAUNCH,
     CF_HLAYER,
     COLUMNS,
-    H_GROUP,
     H_LEVELS,
     H_NKEYS,
     H_OFF,
@@ -114,11 +113,6 @@ from moesim.kernel_state import (
     MODE_ARRIVAL,
     MODE_LAYER,
     MODE_PER_EXPERT,
-    PF_ARRAY,
-    PF_LOOKAHEAD,
-    PF_NONE,
-    PF_ORACLE,
-    PF_PREV,
     R_COUNT,
     S_BYTES,
     S_MAXUSED,
@@ -134,28 +128,17 @@ from moesim.simulator.workload import join, passes_of
 
 # -- dispatch --------------------------------------------------------------------------------------
 @functools.cache
-def _policy_codes() -> tuple[dict[Any, int], dict[Any, int]]:
-    """The built-in prefetch and miss policy classes with a kernel form, and their codes (made
-    once)."""
+def _miss_codes() -> dict[Any, int]:
+    """The built-in miss policy classes with a kernel form, and their codes (made once)."""
     from moesim.policies.miss.drop import Drop
     from moesim.policies.miss.fetch import Fetch
     from moesim.policies.miss.fetch_lowest_bit import FetchLowestBit
     from moesim.policies.miss.fetch_priority import FetchPriority
     from moesim.policies.miss.speculative import Speculative
     from moesim.policies.miss.substitute import Substitute
-    from moesim.policies.prefetch.lookahead import Lookahead
-    from moesim.policies.prefetch.next_gate_topk import NextGateTopK
-    from moesim.policies.prefetch.none import NoPrefetch
-    from moesim.policies.prefetch.oracle import Oracle
-    from moesim.policies.prefetch.previous_token import PreviousToken
-    from moesim.policies.prefetch.score_percentile import ScorePercentile
-    from moesim.policies.prefetch.static_pin import StaticPin
 
-    prefetchers = {NoPrefetch: PF_NONE, StaticPin: PF_NONE, Oracle: PF_ORACLE, PreviousToken: PF_PREV,
-                   Lookahead: PF_LOOKAHEAD, NextGateTopK: PF_ARRAY, ScorePercentile: PF_ARRAY}
-    misses = {Fetch: MISS_FETCH, Drop: MISS_DROP, Substitute: MISS_SUBSTITUTE, Speculative: MISS_SPECULATIVE,
-              FetchLowestBit: MISS_LOWEST_BIT, FetchPriority: MISS_PRIORITY}
-    return prefetchers, misses
+    return {Fetch: MISS_FETCH, Drop: MISS_DROP, Substitute: MISS_SUBSTITUTE, Speculative: MISS_SPECULATIVE,
+            FetchLowestBit: MISS_LOWEST_BIT, FetchPriority: MISS_PRIORITY}
 
 
 def kernel_off() -> str | None:
@@ -179,7 +162,7 @@ def kernel_form(sim: Any) -> str | None:
         return "expert parallelism"
     if sim.routing.changes_routing or sim.budget.restricts:
         return "a routing or budget policy that changes what tokens compute"
-    misses = _policy_codes()[1]
+    misses = _miss_codes()
     if type(sim.miss) not in misses:
         return f"miss policy '{sim.scenario.policies.miss.name}' has no kernel form"
     if misses[type(sim.miss)] != MISS_FETCH and sim.model.top_k > 128:
@@ -191,13 +174,9 @@ def kernel_form(sim: Any) -> str | None:
         if isinstance(sim.eviction, HookEviction):
             return f"eviction policy '{name}': {compiled(type(sim.eviction))}"
         return f"eviction policy '{name}' has no kernel form"
-    if _prefetch_code(sim.prefetch) is None:
-        name = sim.scenario.policies.prefetch.name
-        from moesim.policies.hooks import HookPrefetch, compiled_prefetch
-
-        if isinstance(sim.prefetch, HookPrefetch):
-            return f"prefetch policy '{name}': {compiled_prefetch(type(sim.prefetch))}"
-        return f"prefetch policy '{name}' has no kernel form"
+    why = prefetch_form(type(sim.prefetch))
+    if isinstance(why, str):
+        return f"prefetch policy '{sim.scenario.policies.prefetch.name}': {why}"
     return None
 
 
@@ -209,17 +188,13 @@ def eviction_form(cls: type) -> type[KernelForm] | None:
     return form_of(cls)
 
 
-def _prefetch_code(policy: Any) -> int | None:
-    """The kernel's code of a prefetch policy (an instance or its class): a built-in's,
-    ``PF_ARRAY`` for a hook policy whose ``select`` compiles (its proposals come as arrays,
-    :mod:`policies.hooks`), else None (the SimPy path)."""
-    cls = policy if isinstance(policy, type) else type(policy)
-    code = _policy_codes()[0].get(cls)
-    from moesim.policies.hooks import HookPrefetch, compiled_prefetch
-
-    if code is not None or not issubclass(cls, HookPrefetch):
-        return code
-    return PF_ARRAY if isinstance(compiled_prefetch(cls), tuple) else None
+def prefetch_form(cls: type) -> bool | str:
+    """Whether the kernel runs prefetch policy class ``cls``
+    (:meth:`~moesim.policies.prefetch.base.PrefetchPolicy.compiled_form`): True when it
+    proposes through arrays its compiled form makes, False when it proposes nothing in the
+    replay, else why it has no compiled form (a line; the SimPy path)."""
+    made: bool | str = cls.compiled_form()  # type: ignore[attr-defined]
+    return made
 
 
 def _form_arrays(policy: Any, num_keys: int) -> tuple[tuple[Any, ...], tuple[np.ndarray, ...]]:
@@ -385,7 +360,7 @@ def _future_piece(sim: Any, wl: Any, firsts: np.ndarray, afters: np.ndarray, k: 
 def _piece(sim: Any, wl: Any, miss: int, max_rows: int, IS: np.ndarray, FS: np.ndarray, hooks: tuple[Any, ...],
            S: tuple[np.ndarray, ...], after: tuple[int, np.ndarray] | None = None) -> tuple[Any, ...]:
     """The kernel's read-only data for the passes of ``wl`` (the whole trace's workload, or a
-    piece of it): ``DI`` = access offsets | pass groups; ``A`` = the per-access arrays (layer,
+    piece of it): ``DI`` = access offsets; ``A`` = the per-access arrays (layer,
     expert, tokens routed, summed gate weight, best router rank), the eviction form's ``hooks``
     and its state ``S`` as its :meth:`~moesim.policies.eviction.base.KernelForm.piece` makes it
     for ``wl`` (``after``: the piece's first access and every key's first access after it,
@@ -393,11 +368,8 @@ def _piece(sim: Any, wl: Any, miss: int, max_rows: int, IS: np.ndarray, FS: np.n
     whole trace, which starts at 0 with nothing after it); ``DF`` = expert seconds by token count
     | per-pass factor; ``M`` = the per-token arrays; the non-expert seconds of each pass. Region
     offsets go to ``IS``."""
-    parts = [np.ascontiguousarray(wl.off, dtype=np.int64), np.asarray(wl.pass_group, np.int64)]
-    starts = np.cumsum([0] + [len(x) for x in parts])
-    DI = np.concatenate(parts)
-    del parts
-    IS[H_OFF], IS[H_GROUP] = starts[0], starts[1]
+    DI = np.ascontiguousarray(wl.off, dtype=np.int64)
+    IS[H_OFF] = 0
     form = eviction_form(type(sim.eviction))
     assert form is not None
     S = form.piece(sim.eviction, S, wl, after, int(IS[H_NKEYS]))
@@ -407,10 +379,9 @@ def _piece(sim: Any, wl: Any, miss: int, max_rows: int, IS: np.ndarray, FS: np.n
     return DI, A, DF, M, sim.nonexpert_times()
 
 
-def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, pf: int, miss: int, max_runs: int) -> None:
+def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, miss: int, max_runs: int) -> None:
     """The replay's configuration (``C_*``, ``CF_*``) from ``sim``'s scenario and policies."""
     from moesim.policies.eviction.forms import form_index
-    from moesim.policies.prefetch.lookahead import Lookahead
 
     model = sim.model
     reroute = miss in (MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE)
@@ -419,8 +390,6 @@ def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, pf: int, miss: int, max
     IS[C_FORM] = form_index(type(sim.eviction))
     IS[C_PENDING] = form.reads_pending
     IS[C_KEEPSTATIC] = form.keeps_static
-    IS[C_PF] = pf
-    IS[C_DEPTH] = sim.prefetch.params.depth if isinstance(sim.prefetch, Lookahead) else 0
     IS[C_BLOCKING] = sim.scenario.expert_fetch == "blocking"
     IS[C_HOST] = sim.host_on
     IS[C_HSYNC] = sim.host_sync
@@ -558,7 +527,7 @@ def _pass_arrays(wl: Any) -> tuple[np.ndarray, ...]:
 
 
 def _replay(sim: Any) -> None:
-    misses = _policy_codes()[1]
+    misses = _miss_codes()
     wl, model = sim.wl, sim.model
     num_l = model.num_layers
     div = model.num_experts * sim.num_prec
@@ -566,8 +535,7 @@ def _replay(sim: Any) -> None:
     streamed = sim.pieces is not None
     # a layer's distinct experts (a piece's largest is not the trace's: the bound when in pieces)
     maxn = model.num_experts if streamed else int(np.diff(wl.off).max(initial=0))
-    pf = _prefetch_code(sim.prefetch)
-    assert pf is not None, "kernel_form"
+    assert not isinstance(prefetch_form(type(sim.prefetch)), str), "kernel_form"
     pool = num_keys + maxn + 16
     pend_max = num_keys + 16
     miss = misses[type(sim.miss)]
@@ -578,7 +546,7 @@ def _replay(sim: Any) -> None:
     max_runs = maxn + (model.num_experts if reroute else 0)
     IS, FS, K, T, W = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
                               max(1, max_rows), sim.num_prec, div)
-    _configure(sim, IS, FS, pf, miss, max_runs)
+    _configure(sim, IS, FS, miss, max_runs)
     hooks, S = _form_arrays(sim.eviction, num_keys)
     # a policy reading the future, a piece at a time: a first pass over the file finds each piece's
     # first access and every key's first access after the piece (the progress covers it too)
@@ -606,7 +574,7 @@ def _replay(sim: Any) -> None:
             IS[S_PBASE] = base
             props = None
             bounds = _calls(wl.off, n_pass, num_l)
-            if pf == PF_ARRAY:
+            if sim.prefetch.active:
                 props = (_chunks_of(wl.proposals, bounds, num_l) if wl.proposals is not None
                          else _proposals_ahead(sim.prefetch, bounds))
             for q0, q1 in itertools.pairwise(bounds):

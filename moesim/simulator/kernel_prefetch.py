@@ -7,13 +7,10 @@ from __future__ import annotations
 from moesim.jit import kernel as _jit
 from moesim.kernel_state import (
     ABSENT,
-    C_DEPTH,
     C_HANDED,
     C_INSTANT,
     C_L,
-    C_PF,
     DEMAND,
-    H_GROUP,
     H_LADM,
     H_LGEN,
     H_LMARK,
@@ -25,9 +22,6 @@ from moesim.kernel_state import (
     H_POOL,
     H_RQ,
     H_WQ,
-    PF_ARRAY,
-    PF_LOOKAHEAD,
-    PF_ORACLE,
     PREFETCH,
     R_ACTUAL,
     R_PFCANCEL,
@@ -37,7 +31,6 @@ from moesim.kernel_state import (
     S_BYTES,
     S_LAYER,
     S_MARKGEN,
-    S_PBASE,
     S_PENDN,
     S_PFH,
     S_PFN,
@@ -217,26 +210,12 @@ def _propose_key(key, p, IS, K, DI, A):
 
 @_jit
 def _propose(p, layer, p0, now, pin_gen, IS, K, T, W, FS, DI, A, P):
-    """The prefetcher's proposals at ``layer``'s routing point, then one admission round."""
-    num_l = IS[C_L]
-    kind = IS[C_PF]
+    """The prefetcher's proposals at ``layer``'s routing point (``P``: the offsets and keys its
+    compiled form made for the call's passes from ``p0``), then one admission round."""
     IS[S_MARKGEN] += 1
-    if kind == PF_ARRAY:
-        poff, pkeys = P
-        g = (p - p0) * num_l + layer
-        for j in range(poff[g], poff[g + 1]):
-            _propose_key(pkeys[j], p, IS, K, DI, A)
-    else:
-        src = p - IS[S_PBASE]  # the pass's index in DI (a piece of the trace starts with a group)
-        if kind != PF_ORACLE:
-            src = src - 1 if src > 0 and DI[IS[H_GROUP] + src - 1] == DI[IS[H_GROUP] + src] else -1
-        last = layer + 2 if kind != PF_LOOKAHEAD else layer + 1 + IS[C_DEPTH]
-        if last > num_l:
-            last = num_l
-        if src >= 0:
-            for t in range(layer + 1, last):
-                b = src * num_l + t
-                for j in range(DI[IS[H_OFF] + b], DI[IS[H_OFF] + b + 1]):
-                    _propose_key(_key(j, IS, A), p, IS, K, DI, A)
+    poff, pkeys = P
+    g = (p - p0) * IS[C_L] + layer
+    for j in range(poff[g], poff[g + 1]):
+        _propose_key(pkeys[j], p, IS, K, DI, A)
     if IS[S_WN]:
         _admit(now, pin_gen, IS, K, T, W, FS, DI, A)

@@ -98,13 +98,13 @@ def _piecewise(scenario: Scenario) -> tuple[str, str] | None:
     policies get their next uses from a first pass), a prefetcher the kernel runs that is
     ``piecewise`` or ``counts_whole_trace``, a miss policy that ``always_fetch``es, routing that
     does not change and no budget."""
-    from moesim.simulator.kernel import _prefetch_code, eviction_form
+    from moesim.simulator.kernel import eviction_form, prefetch_form
 
     ev, pf, miss, routing, budget = _classes(scenario)
     pol = scenario.policies
     if eviction_form(ev) is None:
         return "eviction", pol.eviction.name
-    if _prefetch_code(pf) is None or not (pf.piecewise or pf.counts_whole_trace):
+    if isinstance(prefetch_form(pf), str) or not (pf.piecewise or pf.counts_whole_trace):
         return "prefetch", pol.prefetch.name
     if not miss.always_fetch:
         return "miss", pol.miss.name
@@ -154,11 +154,11 @@ def _served(family: str) -> list[str]:
     """The registered policies of ``family`` (eviction or prefetch) that serving can run, by
     their capability flags."""
     from moesim.policies import families
-    from moesim.simulator.kernel import _prefetch_code, eviction_form
+    from moesim.simulator.kernel import eviction_form, prefetch_form
 
     if family == "eviction":
         return [n for n, c in families()["eviction"].items() if eviction_form(c) is not None and not c.reads_future]
-    return [n for n, c in families()["prefetch"].items() if _prefetch_code(c) is not None and c.piecewise
+    return [n for n, c in families()["prefetch"].items() if not isinstance(prefetch_form(c), str) and c.piecewise
             and not (c.reads_previous_pass or c.counts_whole_trace)]
 
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from moesim.errors import MoesimError
-from moesim.jit import inline
+from moesim.jit import inline, jit
 from moesim.policies.registry import Policy, PolicyContext, Registry
 
 
@@ -37,6 +37,14 @@ class PrefetchPolicy(Policy, ABC):
     @abstractmethod
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:
         """Cache keys to prefetch, most wanted first."""
+
+    @classmethod
+    def compiled_form(cls) -> bool | str:
+        """Whether the compiled replay kernel runs the policy: True when its :meth:`proposals`
+        are made by compiled code from the trace alone (the kernel reads them as arrays), False
+        when it proposes nothing in the replay (``active = False``), else why it runs on the
+        SimPy path only (a line)."""
+        return False if not cls.active else "it has no kernel form"
 
     def pinned(self) -> Sequence[int]:
         """Cache keys admitted before the replay starts (untimed) and never evicted. Default: none."""
@@ -106,11 +114,24 @@ class TopKParams:
 
 class _ProposedInChunks(PrefetchPolicy):
     """A prefetcher whose proposals read the workload alone, made for many passes at once
-    (:meth:`_proposals_of`, compiled): :meth:`propose` reads them from a chunk of
-    :attr:`CHUNK` passes made at once, the kernel asks :meth:`proposals` for its calls, and a
-    trace read in pieces makes each piece's on the reading thread (:meth:`piece_proposals`)."""
+    (:meth:`_proposals_of`, compiled): its compiled form. :meth:`propose` (the SimPy path's
+    call, unless the policy writes its own) reads them from a chunk of :attr:`CHUNK` passes made
+    at once, the kernel asks :meth:`proposals` for its calls, and a trace read in pieces makes
+    each piece's on the reading thread (:meth:`piece_proposals`)."""
 
     CHUNK = 256
+
+    @classmethod
+    def compiled_form(cls) -> bool | str:
+        """True unless a subclass changed what it proposes on the SimPy path (``propose``) or
+        how the kernel asks for the arrays (``proposals``) apart from the form that makes them
+        (``_proposals_of``): a user's change the compiled form cannot know of."""
+        def owner(name: str) -> type:
+            return next(k for k in cls.__mro__ if name in k.__dict__)
+
+        if owner("proposals") is _ProposedInChunks and issubclass(owner("_proposals_of"), owner("propose")):
+            return True
+        return "it has no kernel form (it changes propose or proposals apart from its compiled form)"
 
     def __init__(self, params: Any, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
@@ -135,9 +156,18 @@ class _ProposedInChunks(PrefetchPolicy):
     def piece_proposals(self, workload: Any) -> tuple[np.ndarray, np.ndarray]:
         return self._proposals_of(workload, 0, workload.num_passes)
 
+    @abstractmethod
     def _proposals_of(self, wl: Any, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
-        """The proposals of passes ``first .. last`` of workload ``wl``: they read ``wl``, the
-        parameters and the layout alone (every buffer is the call's own)."""
+        """The proposals of passes ``first .. last`` of workload ``wl`` (offsets and cache
+        keys, as :meth:`PrefetchPolicy.proposals`): they read ``wl``, the parameters and the
+        layout alone (every buffer is the call's own)."""
+
+
+class _Predicted(_ProposedInChunks):
+    """A prefetcher whose proposals read the trace's predicted next-layer scores
+    (``pred_next``) of each (pass, layer)'s tokens."""
+
+    def _proposals_of(self, wl: Any, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
         num_l = self._num_l
         bounds = np.ascontiguousarray(wl.row_off[first * num_l:last * num_l + 1], dtype=np.int64)
         off, out = self._arrays(wl.pred_next, wl.row_order, bounds, first * num_l)
@@ -148,6 +178,89 @@ class _ProposedInChunks(PrefetchPolicy):
                 g0: int) -> tuple[np.ndarray, np.ndarray]:
         """The proposals of the (pass, layer) groups ``g0 + g`` whose rows are
         ``row_order[bounds[g]:bounds[g + 1]]``: offsets and next-layer flat expert ids."""
+
+
+class _Routed(_ProposedInChunks):
+    """A prefetcher whose proposals are experts the trace routed: at layer ``l`` of pass ``p``,
+    the experts of layers ``l + 1 .. l + ahead`` of pass ``p`` itself, or of the pass before it
+    in its batch (the previous token) when the policy ``reads_previous_pass``: nearest layer
+    first, each layer's in access order (:meth:`propose`, the reference form; compiled:
+    :func:`routed_proposals`)."""
+
+    def _ahead(self) -> int:
+        """How many layers ahead it proposes."""
+        return 1
+
+    def _source(self, pass_index: int) -> int | None:
+        """The pass whose routing pass ``pass_index`` proposes, or None."""
+        return _previous_pass(self.ctx, pass_index) if self.reads_previous_pass else pass_index
+
+    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
+        src = self._source(pass_index)
+        out: list[int] = []
+        if src is not None:
+            for t in range(layer + 1, min(layer + 1 + self._ahead(), self.ctx.num_layers)):
+                out.extend(_keys_of(self.ctx, src, t))
+        return out
+
+    def _proposals_of(self, wl: Any, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
+        off, flat = routed_proposals(np.ascontiguousarray(wl.off, np.int64), wl.acc_expert, wl.pass_group, first,
+                                     last, self._num_l, self.ctx.num_experts, self.reads_previous_pass,
+                                     self._ahead())
+        return off, self.ctx.cache_keys(flat)
+
+
+def routed_proposals(off: np.ndarray, acc_expert: np.ndarray, group: np.ndarray, first: int, last: int,
+                     num_l: int, num_e: int, previous: bool, ahead: int) -> tuple[np.ndarray, np.ndarray]:
+    """:class:`_Routed`'s proposals for passes ``first .. last`` of a workload (its access
+    offsets ``off``, one entry per (pass, layer) and the end; each access's expert; each pass's
+    batch group): offsets (``off[0]`` = 0) and flat expert ids (``layer * num_e + e``). A
+    pass's layers are consecutive in ``off``, so layers ``l + 1 .. l + ahead`` of the source pass
+    are one run of accesses, copied in order (:func:`_routed_fill`)."""
+    out_off = np.zeros((last - first) * num_l + 1, dtype=np.int64)
+    _routed_counts(off, group, first, num_l, previous, ahead, out_off)
+    out = np.empty(out_off[-1], dtype=np.int64)
+    _routed_fill(off, acc_expert, first, num_l, num_e, previous, ahead, out_off, out)
+    return out_off, out
+
+
+@jit
+def _routed_source(p, group, previous):
+    """The pass whose routing pass ``p`` proposes: itself, or the one before it in its batch
+    (-1: none)."""
+    if not previous:
+        return p
+    return p - 1 if p > 0 and group[p - 1] == group[p] else -1
+
+
+@jit
+def _routed_counts(off, group, first, num_l, previous, ahead, out_off):
+    """The running counts of :func:`routed_proposals` into ``out_off[1:]``."""
+    for i in range(out_off.shape[0] - 1):
+        p = first + i // num_l
+        layer = i % num_l
+        src = _routed_source(p, group, previous)
+        n = 0
+        if src >= 0 and layer + 1 < num_l:
+            n = off[src * num_l + min(layer + 1 + ahead, num_l)] - off[src * num_l + layer + 1]
+        out_off[i + 1] = out_off[i] + n
+
+
+@jit
+def _routed_fill(off, acc_expert, first, num_l, num_e, previous, ahead, out_off, out):
+    """The flat expert ids of :func:`routed_proposals`, group by group at ``out_off``."""
+    for i in range(out_off.shape[0] - 1):
+        if out_off[i + 1] == out_off[i]:
+            continue
+        p = first + i // num_l
+        layer = i % num_l
+        src = p - 1 if previous else p
+        o = out_off[i]
+        for t in range(layer + 1, min(layer + 1 + ahead, num_l)):
+            b = src * num_l + t
+            for j in range(off[b], off[b + 1]):
+                out[o] = np.int64(t) * num_e + acc_expert[j]
+                o += 1
 
 
 def _proposing(bounds: np.ndarray, g0: int, num_l: int) -> np.ndarray:

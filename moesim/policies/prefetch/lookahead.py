@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from moesim.policies.prefetch.base import (
-    REGISTRY,
-    PrefetchPolicy,
-    _keys_of,
-    _previous_pass,
-)
+from moesim.policies.prefetch.base import REGISTRY, _Routed
 
 
 @dataclass(frozen=True)
@@ -25,7 +19,7 @@ class LookaheadParams:
 
 
 @REGISTRY.register("lookahead")
-class Lookahead(PrefetchPolicy):
+class Lookahead(_Routed):
     """Prefetch ``depth`` layers ahead: at layer l, the experts layers l+1 .. l+d used for the
     previous token, nearest layer first (previous-token prediction extended d layers)."""
 
@@ -34,11 +28,5 @@ class Lookahead(PrefetchPolicy):
 
     Params = LookaheadParams
 
-    def propose(self, pass_index: int, layer: int) -> Sequence[int]:
-        prev = _previous_pass(self.ctx, pass_index)
-        if prev is None:
-            return ()
-        out: list[int] = []
-        for t in range(layer + 1, min(layer + 1 + self.params.depth, self.ctx.num_layers)):
-            out.extend(_keys_of(self.ctx, prev, t))
-        return out
+    def _ahead(self) -> int:
+        return self.params.depth

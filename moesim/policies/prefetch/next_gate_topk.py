@@ -13,7 +13,7 @@ from moesim.policies.prefetch.base import (
     _key_expert,
     _need_pred_next,
     _offsets,
-    _ProposedInChunks,
+    _Predicted,
     _proposing,
     _row_sums,
     _score_key,
@@ -22,7 +22,7 @@ from moesim.policies.registry import PolicyContext
 
 
 @REGISTRY.register("next-gate-topk")
-class NextGateTopK(_ProposedInChunks):
+class NextGateTopK(_Predicted):
     """Speculative top-k prefetch (SpecMD §3.1.4; Eliseev & Mazur 2023): the next layer's
     router applied to this layer's hidden state (the trace's ``pred_next``) gives predicted
     probabilities; each token's top ``ceil(k * overfetch)`` experts are prefetched, the union

@@ -14,7 +14,7 @@ from moesim.policies.prefetch.base import (
     _key_mean,
     _need_pred_next,
     _offsets,
-    _ProposedInChunks,
+    _Predicted,
     _proposing,
     _row_sums,
     _score_key,
@@ -35,7 +35,7 @@ class PercentileParams:
 
 
 @REGISTRY.register("score-percentile")
-class ScorePercentile(_ProposedInChunks):
+class ScorePercentile(_Predicted):
     """Score-based prefetch (SpecMD §3.1.4, after Zhu et al. 2025): every expert whose
     predicted next-layer score (mean over the pass's tokens of ``pred_next``) is above the
     p-th percentile of the layer's predicted scores, highest first
