@@ -66,15 +66,15 @@ WORK = np.dtype([(name, np.int64) for name in ("tid", "seq", "key", "tokens")])
  S_FREEN, S_WH, S_WN, S_PENDN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
  S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE,
  C_FORM, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
- C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_DROPRANK, C_PROBS, C_K, C_NE, C_LRUNCAP,
- C_NLEV, C_IMPORTANT, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC, C_PENDING, C_KEEPSTATIC,
+ C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_MISSARG, C_PROBS, C_K, C_NE, C_LRUNCAP,
+ C_NLEV, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC, C_PENDING, C_KEEPSTATIC,
  C_HANDED,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
  H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_SCR, H_OFF, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
  H_PENDMAX, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, I_HEADER) = range(96)
+ H_PDUR, I_HEADER) = range(95)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, SF_HOST, CF_CAP,
@@ -84,8 +84,6 @@ COLUMNS = ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fe
            "prefetches_issued", "prefetches_used", "prefetch_predicted_hits", "prefetch_predicted",
            "prefetch_actual", "prefetches_cancelled", "unique_computed", "dropped_experts", "tokens_altered",
            "substituted_experts", "low_precision_experts")
-# miss policies with a kernel form
-MISS_FETCH, MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE, MISS_LOWEST_BIT, MISS_PRIORITY = range(6)
 
 
 @_inline

@@ -806,12 +806,15 @@ def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
 
 
 def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_on_a_tie():
-    """``_substitute`` by hand (SpecMD §3.1.2, as ``Substitute.decide``): expert 0 misses for
-    both tokens; its mean probability is 0.5. Experts 1 and 2 are routed and 6 is absent
-    (each scores 0.5, distance 0): not candidates. Of the cached 3 (0.25), 4 (0.0) and 5
-    (0.75), 3 and 5 are equally near: the lower id wins. With 3 gone, 5."""
+    """Substitute's compiled ``decide`` by hand (SpecMD §3.1.2, as ``Substitute.decide``):
+    expert 0 misses for both tokens; its mean probability is 0.5. Experts 1 and 2 are routed
+    and 6 is absent (each scores 0.5, distance 0): not candidates. Of the cached 3 (0.25), 4
+    (0.0) and 5 (0.75), 3 and 5 are equally near: the lower id wins. With 3 gone, 5; with none
+    cached the miss is fetched."""
+    from moesim.policies.miss.base import FETCH
+
     KX = Callable(import_module("moesim.simulator.kernel_compute"))
-    KL = Callable(import_module("moesim.simulator.kernel_lookup"))
+    SU = Callable(import_module("moesim.policies.miss.substitute"))
     KS = Callable(import_module("moesim.kernel_state"))
 
     E = 7
@@ -831,12 +834,13 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
         IS[IS[KS.H_ROUTED] + e] = 3  # routed in this layer
     for e, state in ((1, KS.RESIDENT), (2, KS.RESIDENT), (3, KS.RESIDENT), (4, KS.INFLIGHT), (5, KS.RESIDENT)):
         KR[e].state = state
-    assert KL._substitute(0, IS, KR, M) == 3
+    assert SU._substitute_nearest(0, 0, 0, IS, KR, M) == 3
     KR[3].state = KS.ABSENT
-    assert KL._substitute(0, IS, KR, M) == 5
+    assert SU._substitute_nearest(0, 0, 0, IS, KR, M) == 5
     for e in (4, 5):
         KR[e].state = KS.ABSENT
-    assert KL._substitute(0, IS, KR, M) == -1  # none cached: the miss is fetched
+    assert SU._nearest_resident(0, IS, KR, M) == -1
+    assert SU._substitute_nearest(0, 0, 0, IS, KR, M) == FETCH
 
 
 def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():

@@ -17,7 +17,7 @@ beside the policy in its module; a policy given as hooks runs through
 shipped with moesim and picks the replay's by its index (:mod:`simulator.kernel_cache`), so
 that it names none. Scope (:func:`kernel_form`): one GPU, routing that does not change what
 tokens compute, no budget, an eviction policy with a compiled form, a prefetcher and a miss
-policy the kernel knows (``_miss_codes``), and a prefetcher with a compiled form
+policy with a compiled form (:func:`miss_form`: it decides, the kernel carries the decision out), and a prefetcher with a compiled form
 (:meth:`~moesim.policies.prefetch.base.PrefetchPolicy.compiled_form`: its proposals are arrays
 made ahead of the kernel's calls from the trace alone, :func:`_proposals_ahead`; a user's
 prefetcher written as a hook, :class:`policies.hooks.HookPrefetch`, has one when it compiles). The miss policies that re-route tokens
@@ -54,7 +54,6 @@ thread while this one replays (:func:`simulator.stream.read_ahead`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
 import warnings
@@ -69,18 +68,17 @@ from moesim.kernel_state import (
     A_FORM,
     C_BLOCKING,
     C_DPREC,
-    C_DROPRANK,
     C_FORM,
     C_HANDED,
     C_HOST,
     C_HSYNC,
-    C_IMPORTANT,
     C_INSTANT,
     C_K,
     C_KEEPSTATIC,
     C_L,
     C_MAXN,
     C_MISS,
+    C_MISSARG,
     C_MODE,
     C_MULTI,
     C_NBYTES,
@@ -104,12 +102,6 @@ from moesim.kernel_state import (
     H_PDUR,
     H_SCALE,
     H_TTAB,
-    MISS_DROP,
-    MISS_FETCH,
-    MISS_LOWEST_BIT,
-    MISS_PRIORITY,
-    MISS_SPECULATIVE,
-    MISS_SUBSTITUTE,
     MODE_ARRIVAL,
     MODE_LAYER,
     MODE_PER_EXPERT,
@@ -122,23 +114,18 @@ from moesim.kernel_state import (
     _layout,
 )
 from moesim.policies.eviction.base import KernelForm
+from moesim.policies.miss.base import MissForm
 from moesim.simulator.kernel_compute import _finish, _preload, replay_passes
 from moesim.simulator.workload import join, passes_of
 
 
 # -- dispatch --------------------------------------------------------------------------------------
-@functools.cache
-def _miss_codes() -> dict[Any, int]:
-    """The built-in miss policy classes with a kernel form, and their codes (made once)."""
-    from moesim.policies.miss.drop import Drop
-    from moesim.policies.miss.fetch import Fetch
-    from moesim.policies.miss.fetch_lowest_bit import FetchLowestBit
-    from moesim.policies.miss.fetch_priority import FetchPriority
-    from moesim.policies.miss.speculative import Speculative
-    from moesim.policies.miss.substitute import Substitute
+def miss_form(cls: type) -> type[MissForm] | None:
+    """The compiled form the kernel runs for miss policy class ``cls``
+    (:func:`moesim.policies.miss.forms.form_of`), or None (the SimPy path)."""
+    from moesim.policies.miss.forms import form_of
 
-    return {Fetch: MISS_FETCH, Drop: MISS_DROP, Substitute: MISS_SUBSTITUTE, Speculative: MISS_SPECULATIVE,
-            FetchLowestBit: MISS_LOWEST_BIT, FetchPriority: MISS_PRIORITY}
+    return form_of(cls)
 
 
 def kernel_off() -> str | None:
@@ -162,10 +149,9 @@ def kernel_form(sim: Any) -> str | None:
         return "expert parallelism"
     if sim.routing.changes_routing or sim.budget.restricts:
         return "a routing or budget policy that changes what tokens compute"
-    misses = _miss_codes()
-    if type(sim.miss) not in misses:
+    if miss_form(type(sim.miss)) is None:
         return f"miss policy '{sim.scenario.policies.miss.name}' has no kernel form"
-    if misses[type(sim.miss)] != MISS_FETCH and sim.model.top_k > 128:
+    if not sim.miss.always_fetch and sim.model.top_k > 128:
         return "top-k above 128 (the kernel sums a token's gate mass as numpy does up to 128 terms)"
     if eviction_form(type(sim.eviction)) is None:
         name = sim.scenario.policies.eviction.name
@@ -249,21 +235,20 @@ def _mass_arrays(sim: Any) -> tuple[np.ndarray, ...]:
             np.zeros(n_tok, np.int64), np.full(n_tok, -1, np.int64))
 
 
-def _precisions(sim: Any, miss: int, max_rows: int, IS: np.ndarray, FS: np.ndarray) -> np.ndarray:
+def _precisions(sim: Any, miss: type[MissForm], max_rows: int, IS: np.ndarray, FS: np.ndarray) -> np.ndarray:
     """Per precision (largest first): entry bytes, copy seconds and the expert seconds by
     token count (another precision's as the per-token lookup path computes it; only a
     precision cascade reads those rows); the precisions the miss policy fetches at (a
     cascade's, else the scenario's). Returns ``DF``: the seconds table, then the per-pass
     factor."""
     sizes = [int(sim.model.expert_bytes[q]) for q in sim.precisions]
-    cascade = miss in (MISS_LOWEST_BIT, MISS_PRIORITY)
+    cascade = miss.cascade
     IS[C_NPREC], IS[C_DPREC], IS[C_NBYTES] = sim.num_prec, sim.default_prec, sim.expert_bytes
     IS[IS[H_PBYTES]:IS[H_PBYTES] + sim.num_prec] = sizes
     FS[IS[H_PDUR]:IS[H_PDUR] + sim.num_prec] = [sim.copy.duration(nb) for nb in sizes]
     levels = list(sim.miss.levels) if cascade else [sim.default_prec]
     IS[IS[H_LEVELS]:IS[H_LEVELS] + len(levels)] = levels
     IS[C_NLEV] = len(levels)
-    IS[C_IMPORTANT] = sim.miss.important_ranks if miss == MISS_PRIORITY else 0
     IS[C_MULTI] = cascade  # only a cascade caches other precisions
     table, scale = sim.ffn_table(max_rows)  # a substitute computes up to all of a layer's tokens
     rows = np.zeros((sim.num_prec, len(table)))
@@ -357,7 +342,7 @@ def _future_piece(sim: Any, wl: Any, firsts: np.ndarray, afters: np.ndarray, k: 
     return int(firsts[k]), afters[k]
 
 
-def _piece(sim: Any, wl: Any, miss: int, max_rows: int, IS: np.ndarray, FS: np.ndarray, hooks: tuple[Any, ...],
+def _piece(sim: Any, wl: Any, miss: type[MissForm], max_rows: int, IS: np.ndarray, FS: np.ndarray, hooks: tuple[Any, ...],
            S: tuple[np.ndarray, ...], after: tuple[int, np.ndarray] | None = None) -> tuple[Any, ...]:
     """The kernel's read-only data for the passes of ``wl`` (the whole trace's workload, or a
     piece of it): ``DI`` = access offsets; ``A`` = the per-access arrays (layer,
@@ -375,16 +360,15 @@ def _piece(sim: Any, wl: Any, miss: int, max_rows: int, IS: np.ndarray, FS: np.n
     S = form.piece(sim.eviction, S, wl, after, int(IS[H_NKEYS]))
     A = (wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight, wl.acc_rank, hooks, S)
     DF = _precisions(sim, miss, max_rows, IS, FS)
-    M = _mass_arrays(sim) if miss != MISS_FETCH else None
+    M = _mass_arrays(sim) if not sim.miss.always_fetch else None
     return DI, A, DF, M, sim.nonexpert_times()
 
 
-def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, miss: int, max_runs: int) -> None:
+def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, miss: type[MissForm], max_runs: int) -> None:
     """The replay's configuration (``C_*``, ``CF_*``) from ``sim``'s scenario and policies."""
     from moesim.policies.eviction.forms import form_index
 
     model = sim.model
-    reroute = miss in (MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE)
     form = eviction_form(type(sim.eviction))
     assert form is not None
     IS[C_FORM] = form_index(type(sim.eviction))
@@ -403,12 +387,14 @@ def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, miss: int, max_runs: in
     IS[C_PFACTIVE] = sim.prefetch.active
     IS[C_MAXN] = max_runs
     FS[CF_CAP] = float(sim.capacity)
-    IS[C_MISS] = miss
-    IS[C_REROUTE] = reroute
-    IS[C_DROPRANK] = sim.miss.params.rank if miss == MISS_DROP else -1
+    from moesim.policies.miss.forms import form_index as miss_index
+
+    IS[C_MISS] = miss_index(type(sim.miss))
+    IS[C_MISSARG] = miss.arg(sim.miss)
+    IS[C_REROUTE] = miss.reroutes
     IS[C_K] = model.top_k
     IS[C_NE] = model.num_experts
-    IS[C_PROBS] = miss != MISS_FETCH and sim.wl.probs is not None
+    IS[C_PROBS] = not sim.miss.always_fetch and sim.wl.probs is not None
 
 
 def next_piece(pieces: Generator[Any, float, None], now: float) -> Any:
@@ -459,24 +445,24 @@ def _chunks_of(proposals: tuple[np.ndarray, np.ndarray], bounds: list[int],
         yield o - o[0], keys[o[0]:o[-1]]
 
 
-def _hand_over(sim: Any, wl: Any, outs: list[tuple[Any, ...]], miss: int) -> Any:
+def _hand_over(sim: Any, wl: Any, outs: list[tuple[Any, ...]]) -> Any:
     """Give ``sim`` the per-pass columns of the passes of ``wl`` (``outs``, as the kernel
     wrote them call by call), which it turns into per-pass rows
     (:meth:`simulator.engine.Simulation.take_block`). Returns ``wl``."""
     cols, t_start, t_end, stall, m_total, m_kept = (np.concatenate(x) for x in zip(*outs, strict=True))
     named = dict(zip(COLUMNS, np.ascontiguousarray(cols.T), strict=True))
-    sim.take_block(wl, named, t_start, t_end, stall, (m_total, m_kept) if miss != MISS_FETCH else None)
+    sim.take_block(wl, named, t_start, t_end, stall, (m_total, m_kept) if not sim.miss.always_fetch else None)
     return wl
 
 
-def _hand_over_pieces(sim: Any, parts: list[Any], outs: list[tuple[Any, ...]], miss: int) -> Any:
+def _hand_over_pieces(sim: Any, parts: list[Any], outs: list[tuple[Any, ...]]) -> Any:
     """:func:`_hand_over` for the pieces replayed since the last (``parts``: their passes and
     requests, joined here): a trace read in pieces hands its passes over about
     :data:`BLOCK_PASSES` at a time, so that they need not all be in memory at once, on a
     thread of its own while the kernel replays the next pieces (the hand-overs took
     0.11-0.12 s of the replay's thread on the 25.6 M-access benchmark trace). Returns the
     joined workload."""
-    return _hand_over(sim, join(parts), outs, miss)
+    return _hand_over(sim, join(parts), outs)
 
 
 def replay(sim: Any) -> None:
@@ -527,7 +513,6 @@ def _pass_arrays(wl: Any) -> tuple[np.ndarray, ...]:
 
 
 def _replay(sim: Any) -> None:
-    misses = _miss_codes()
     wl, model = sim.wl, sim.model
     num_l = model.num_layers
     div = model.num_experts * sim.num_prec
@@ -538,10 +523,12 @@ def _replay(sim: Any) -> None:
     assert not isinstance(prefetch_form(type(sim.prefetch)), str), "kernel_form"
     pool = num_keys + maxn + 16
     pend_max = num_keys + 16
-    miss = misses[type(sim.miss)]
-    assert not streamed or miss == MISS_FETCH, "simulator.stream.why_whole"
-    max_rows = int(np.diff(wl.row_off).max(initial=0)) if miss != MISS_FETCH and wl.row_off is not None else 0
-    reroute = miss in (MISS_DROP, MISS_SUBSTITUTE, MISS_SPECULATIVE)
+    miss = miss_form(type(sim.miss))
+    assert miss is not None, "kernel_form"
+    fetch_only = sim.miss.always_fetch
+    assert not streamed or fetch_only, "simulator.stream.why_whole"
+    max_rows = int(np.diff(wl.row_off).max(initial=0)) if not fetch_only and wl.row_off is not None else 0
+    reroute = miss.reroutes
     # a layer computes its routed experts and, for a miss policy that re-routes, others
     max_runs = maxn + (model.num_experts if reroute else 0)
     IS, FS, K, T, W = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
@@ -595,7 +582,7 @@ def _replay(sim: Any) -> None:
             base += n_pass
             held += n_pass
             if not streamed:
-                _hand_over(sim, wl, outs, miss)
+                _hand_over(sim, wl, outs)
                 break
             parts.append(passes_of(wl))  # its per-access and per-row arrays go with the piece
             rows_done += len(wl.trace)
@@ -604,7 +591,7 @@ def _replay(sim: Any) -> None:
                 if handing is not None:
                     handing.result()  # one block at a time: its errors raised here, its memory let go
                 assert rows is not None
-                handing = rows.submit(_hand_over_pieces, sim, parts, outs, miss)
+                handing = rows.submit(_hand_over_pieces, sim, parts, outs)
                 outs, parts, held = [], [], 0
             if nxt is None:
                 break

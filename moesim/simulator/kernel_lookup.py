@@ -1,6 +1,7 @@
 """The replay kernel's lookup path (:mod:`simulator.lookup`'s model): hit, late prefetch or
 miss per routed expert, and the miss policies (fetch; drop, substitute and speculative with the
-per-token gate mass; the precision cascades)."""
+per-token gate mass; the precision cascades). What a miss policy decides is its compiled form's
+(:mod:`moesim.policies.miss.forms`, picked by its index ``IS[C_MISS]``); the kernel carries it out."""
 
 from __future__ import annotations
 
@@ -8,28 +9,23 @@ import numpy as np
 
 from moesim.jit import inline as _inline
 from moesim.jit import kernel as _jit
+from moesim.jit import literal_unroll
 from moesim.kernel_state import (
     ABSENT,
     C_DPREC,
-    C_DROPRANK,
-    C_IMPORTANT,
     C_INSTANT,
     C_K,
     C_MISS,
+    C_MISSARG,
     C_MULTI,
     C_NE,
     C_NLEV,
     DEMAND,
     H_FIN,
     H_LEVELS,
-    H_ROUTED,
     H_RUNS,
     H_SPEC,
     INFLIGHT,
-    MISS_DROP,
-    MISS_LOWEST_BIT,
-    MISS_SPECULATIVE,
-    MISS_SUBSTITUTE,
     R_COLL,
     R_DROPPED,
     R_HITS,
@@ -51,8 +47,13 @@ from moesim.kernel_state import (
     _nbytes,
     _prec,
 )
+from moesim.policies.miss.base import DROP, FETCH, SPECULATE
+from moesim.policies.miss.forms import FORM_HOOKS
 from moesim.simulator.kernel_cache import _insert, _on_access, _on_miss, _room, _used_prefetch
 from moesim.simulator.kernel_copy import _free, _promote, _submit
+
+# a miss form's hooks, in the order of MissForm.functions
+_DECIDE, _SEARCH = range(2)
 
 
 @_jit
@@ -71,45 +72,6 @@ def _fin_replace(e, e2, IS, M):
                 for jj in range(k):
                     has |= e2 >= 0 and IS[fin + i * k + jj] == e2
                 IS[fin + i * k + j] = -1 if has else e2
-
-
-@_jit
-def _substitute(e, IS, K, M):
-    """Substitution (the engine's ``Substitute.decide``, SpecMD §3.1.2): among the layer's
-    experts that are not routed and are resident or in flight, the one whose router score
-    (mean probability over ``e``'s tokens, in float32 as numpy's ``mean``) is nearest to
-    ``e``'s; the lowest id on a tie; -1 when there is none."""
-    score_e = _mean_prob(e, e, IS, M)
-    best = -1
-    best_d = 0.0
-    for c in range(IS[C_NE]):
-        key = _key_at(IS[S_LAYER], c, IS)
-        if IS[IS[H_ROUTED] + key] == IS[S_LAYERGEN] or K[key].state == ABSENT:
-            continue
-        d = abs(np.float64(_mean_prob(e, c, IS, M)) - np.float64(score_e))
-        if best < 0 or d < best_d:
-            best = c
-            best_d = d
-    return best
-
-
-@_jit
-def _mean_prob(e, c, IS, M):
-    """Mean router probability of expert ``c`` over the layer's tokens routed to ``e``,
-    summed row by row in float32 and divided in float32 (numpy's ``mean(axis=0)``)."""
-    row_order, row_off, experts, mass = M[0], M[1], M[2], M[3]
-    k = IS[C_K]
-    b = _here(IS)
-    total = np.float32(0.0)
-    n = 0
-    for i in range(row_off[b + 1] - row_off[b]):
-        r = row_order[row_off[b] + i]
-        for j in range(k):
-            if experts[r, j] == e:
-                v = mass[r, c]
-                total = v if n == 0 else np.float32(total + v)
-                n += 1
-    return np.float32(total / np.float32(n))
 
 
 @_inline
@@ -260,20 +222,19 @@ def _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
     """A miss of access ``ai`` under a miss policy other than ``fetch`` (the rest of the
     engine's ``LayerLookup.lookup``): drop, substitute, speculate, or fetch (down a precision
     cascade). Returns -1 when the miss is dealt with, else the key to fetch uncached."""
-    miss = IS[C_MISS]
-    if miss == MISS_DROP and A[4][ai] >= IS[C_DROPRANK]:  # drop (SpecMD §3.1.2)
+    e = np.int64(A[1][ai])
+    d = _decide(e, A[4][ai], IS, K, M)
+    if d == DROP:  # SpecMD §3.1.2
         IS[R_DROPPED] += 1
-        _fin_replace(np.int64(A[1][ai]), -1, IS, M)
+        _fin_replace(e, -1, IS, M)
         return -1
-    if miss == MISS_SUBSTITUTE:
-        e2 = _substitute(np.int64(A[1][ai]), IS, K, M)
-        if e2 >= 0:
-            IS[R_SUBST] += 1
-            _fin_replace(np.int64(A[1][ai]), e2, IS, M)
-            _use_other(e2, ntok, pin_gen, buf, IS, K, T, W, FS, DI, A)
-            return -1
-    if miss == MISS_SPECULATIVE and IS[S_LAYER] > 0:  # layer 0 has no prediction: fetch
-        _speculate(np.int64(A[1][ai]), pin_gen, buf, IS, K, T, W, FS, DI, A, M)
+    if d == SPECULATE:
+        _speculate(e, pin_gen, buf, IS, K, T, W, FS, DI, A, M)
+        return -1
+    if d >= 0:  # substitute expert d
+        IS[R_SUBST] += 1
+        _fin_replace(e, d, IS, M)
+        _use_other(d, ntok, pin_gen, buf, IS, K, T, W, FS, DI, A)
         return -1
     # fetch (the fetch in the engine's ``LayerLookup.lookup``): at the scenario's precision or down a precision
     # cascade; when no room can be made, an uncached fetch (at the cascade's last precision)
@@ -344,16 +305,27 @@ def _cascade(key, rank, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A):
 @_inline
 def _levels(rank, IS):
     """For a missed expert of best router rank ``rank``: the range of ``IS[H_LEVELS]`` (its
-    precision indices) searched for a resident copy, and the range to fetch from. The
-    ``fetch-lowest-bit`` policy (SpecMD §3.1.2) uses a copy at any of its precisions
-    (highest first) and fetches the lowest; ``fetch-priority`` (§3.1.2, §5.4) uses for an
-    important expert (rank below ``C_IMPORTANT``) its first precision only and fetches from
-    it down the cascade, for the others any copy below the first and fetches from the second
-    down."""
-    n = IS[C_NLEV]
-    miss = IS[C_MISS]
-    if miss == MISS_LOWEST_BIT:
-        return 0, n, n - 1, n
-    if rank < IS[C_IMPORTANT]:  # fetch-priority
-        return 0, 1, 0, n
-    return 1, n, 1 if n > 1 else 0, n
+    precision indices) searched for a resident copy, and the range to fetch from (the miss
+    form's ``search``)."""
+    f = IS[C_MISS]
+    out = (0, 0, 0, 0)
+    i = 0
+    for form in literal_unroll(FORM_HOOKS):
+        if i == f:
+            out = form[_SEARCH](rank, IS[C_NLEV], IS[C_MISSARG])
+        i += 1
+    return out
+
+
+@_inline
+def _decide(e, rank, IS, K, M):
+    """The miss form's ``decide`` for missed expert ``e`` of best router rank ``rank``:
+    ``FETCH``, ``DROP``, ``SPECULATE`` or the expert to substitute."""
+    f = IS[C_MISS]
+    d = FETCH
+    i = 0
+    for form in literal_unroll(FORM_HOOKS):
+        if i == f:
+            d = form[_DECIDE](e, rank, IS[C_MISSARG], IS, K, M)
+        i += 1
+    return d

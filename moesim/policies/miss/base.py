@@ -12,6 +12,11 @@ precision. Otherwise the access is a miss and :meth:`MissPolicy.decide` returns 
 - ``speculate``: each of the expert's tokens runs its best-predicted expert that is cached
   and not already in its set (dropped when there is none); the true expert is never fetched.
 
+The compiled replay kernel asks a policy's compiled form (:class:`MissForm`, ``form`` in its
+class) instead: its ``decide`` answers :data:`FETCH`, :data:`DROP`, :data:`SPECULATE` or the
+expert to substitute, and the kernel carries the answer out as the engine does; a precision
+cascade's ``search`` gives the precisions looked for and fetched.
+
 Each policy is a module of this package; this one holds what they share."""
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from moesim.errors import MoesimError
+from moesim.jit import inline
 from moesim.policies.registry import Policy, PolicyContext, Registry
 
 
@@ -68,6 +74,47 @@ class MissPolicy(Policy, ABC):
 
 
 REGISTRY: Registry[MissPolicy] = Registry("miss")
+
+# a compiled ``decide``'s answers (:class:`MissForm`); an expert id (>= 0): substitute that expert
+FETCH, DROP, SPECULATE = -1, -2, -3
+
+
+@inline
+def _fetch(e, rank, arg, IS, K, M):
+    return FETCH
+
+
+@inline
+def _no_search(rank, n, arg):
+    return 0, 0, 0, n
+
+
+class MissForm:
+    """A miss policy's compiled form, what the replay kernel asks at a miss.
+
+    ``decide(e, rank, arg, IS, K, M)``: for missed expert ``e`` of best router rank ``rank``
+    (``arg``: the policy's one integer parameter, :meth:`arg`; the kernel's state ``IS``, ``K``
+    and per-token arrays ``M``, read through :mod:`moesim.kernel_state`), :data:`FETCH`,
+    :data:`DROP`, :data:`SPECULATE` or the expert to substitute, as ``decide`` answers the
+    engine. ``search(rank, n, arg)``: for a precision cascade (``cascade``) over the ``n``
+    precisions of the policy's ``levels``, the range of them looked for resident and the range
+    fetched from, in order (``alternative`` and the fetch's ``precisions``). ``reroutes``: the
+    policy may change what a token computes (drop, substitute, speculate)."""
+
+    reroutes: ClassVar[bool] = False
+    cascade: ClassVar[bool] = False
+    decide = staticmethod(_fetch)
+    search = staticmethod(_no_search)
+
+    @classmethod
+    def arg(cls, policy: Any) -> int:
+        """The policy's integer parameter ``decide`` and ``search`` read. Default: 0."""
+        return 0
+
+    @classmethod
+    def functions(cls) -> tuple[Any, ...]:
+        """``decide`` and ``search``, in the order the kernel indexes them."""
+        return (cls.decide, cls.search)
 
 _FETCH = MissDecision("fetch")
 

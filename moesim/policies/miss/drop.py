@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from moesim.jit import inline
 from moesim.policies.miss.base import (
     _FETCH,
+    DROP,
+    FETCH,
     REGISTRY,
     MissDecision,
+    MissForm,
     MissInfo,
     MissPolicy,
 )
@@ -25,6 +30,23 @@ class DropParams:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
 
 
+@inline
+def _drop_low_ranks(e, rank, arg, IS, K, M):
+    """Drop a missed expert of router rank ``arg`` or more, fetch the others."""
+    return DROP if rank >= arg else FETCH
+
+
+class DropForm(MissForm):
+    """drop's compiled form (``arg``: the rank from which missed experts are dropped)."""
+
+    reroutes = True
+    decide = staticmethod(_drop_low_ranks)
+
+    @classmethod
+    def arg(cls, policy: Any) -> int:
+        return int(policy.params.rank)
+
+
 @REGISTRY.register("drop")
 class Drop(MissPolicy):
     """Drop (SpecMD §3.1.2, after Skliar et al. 2025): skip missed experts of router rank
@@ -32,6 +54,7 @@ class Drop(MissPolicy):
     its best rank among the tokens routed to it."""
 
     Params = DropParams
+    form = DropForm
 
     def decide(self, info: MissInfo) -> MissDecision:
         return MissDecision("drop") if info.rank >= self.params.rank else _FETCH

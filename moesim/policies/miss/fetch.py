@@ -6,6 +6,7 @@ from moesim.policies.miss.base import (
     _FETCH,
     REGISTRY,
     MissDecision,
+    MissForm,
     MissInfo,
     MissPolicy,
 )
@@ -17,6 +18,7 @@ class Fetch(MissPolicy):
     on-demand baseline, ``speculating-experts-prefetch.txt`` §5.1)."""
 
     always_fetch = True
+    form = MissForm
 
     def decide(self, info: MissInfo) -> MissDecision:
         return _FETCH

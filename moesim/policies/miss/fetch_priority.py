@@ -6,9 +6,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from moesim.jit import inline
 from moesim.policies.miss.base import (
     REGISTRY,
     MissDecision,
+    MissForm,
     MissInfo,
     MissPolicy,
     _precision_indices,
@@ -30,6 +32,28 @@ class PriorityParams:
             raise ValueError(f"degrade_fraction must be in [0, 1], got {self.degrade_fraction}")
 
 
+@inline
+def _by_importance(rank, n, arg):
+    """An important expert (router rank below ``arg``) uses its first level only and is
+    fetched from it down the cascade; the others use any copy below the first and are fetched
+    from the second down (the first when there is one level)."""
+    if rank < arg:
+        return 0, 1, 0, n
+    return 1, n, 1 if n > 1 else 0, n
+
+
+class PriorityForm(MissForm):
+    """fetch-priority's compiled form: a fetch down its cascade by importance
+    (:func:`_by_importance`, ``arg``: the important ranks)."""
+
+    cascade = True
+    search = staticmethod(_by_importance)
+
+    @classmethod
+    def arg(cls, policy: Any) -> int:
+        return int(policy.important_ranks)
+
+
 @REGISTRY.register("fetch-priority")
 class FetchPriority(MissPolicy):
     """Fetch-priority with a precision cascade (SpecMD §3.1.2 and §5.4, e.g. int8:4:2):
@@ -39,6 +63,7 @@ class FetchPriority(MissPolicy):
     resident lower-precision copy."""
 
     Params = PriorityParams
+    form = PriorityForm
 
     def __init__(self, params: PriorityParams, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
