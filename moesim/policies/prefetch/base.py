@@ -204,23 +204,26 @@ class _Routed(_ProposedInChunks):
         return out
 
     def _proposals_of(self, wl: Any, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
-        off, flat = routed_proposals(np.ascontiguousarray(wl.off, np.int64), wl.acc_expert, wl.pass_group, first,
-                                     last, self._num_l, self.ctx.num_experts, self.reads_previous_pass,
-                                     self._ahead())
+        off, flat = routed_proposals(np.ascontiguousarray(wl.off, np.int64), wl.acc_layer, wl.acc_expert,
+                                     wl.pass_group, first, last, self._num_l, self.ctx.num_experts,
+                                     self.reads_previous_pass, self._ahead())
         return off, self.ctx.cache_keys(flat)
 
 
-def routed_proposals(off: np.ndarray, acc_expert: np.ndarray, group: np.ndarray, first: int, last: int,
-                     num_l: int, num_e: int, previous: bool, ahead: int) -> tuple[np.ndarray, np.ndarray]:
+def routed_proposals(off: np.ndarray, acc_layer: np.ndarray, acc_expert: np.ndarray, group: np.ndarray,
+                     first: int, last: int, num_l: int, num_e: int, previous: bool,
+                     ahead: int) -> tuple[np.ndarray, np.ndarray]:
     """:class:`_Routed`'s proposals for passes ``first .. last`` of a workload (its access
-    offsets ``off``, one entry per (pass, layer) and the end; each access's expert; each pass's
-    batch group): offsets (``off[0]`` = 0) and flat expert ids (``layer * num_e + e``). A
-    pass's layers are consecutive in ``off``, so layers ``l + 1 .. l + ahead`` of the source pass
-    are one run of accesses, copied in order (:func:`_routed_fill`)."""
-    out_off = np.zeros((last - first) * num_l + 1, dtype=np.int64)
-    _routed_counts(off, group, first, num_l, previous, ahead, out_off)
+    offsets ``off``, one entry per (pass, layer) and the end; each access's layer and expert;
+    each pass's batch group): offsets (``off[0]`` = 0) and flat expert ids (``layer * num_e +
+    e``). A pass's layers are consecutive in ``off``, so layers ``l + 1 .. l + ahead`` of the
+    source pass are one run of accesses (:func:`_routed_runs`), copied in order."""
+    groups = (last - first) * num_l
+    starts = np.zeros(groups, dtype=np.int64)
+    out_off = np.zeros(groups + 1, dtype=np.int64)
+    _routed_runs(off, group, first, num_l, previous, ahead, starts, out_off)
     out = np.empty(out_off[-1], dtype=np.int64)
-    _routed_fill(off, acc_expert, first, num_l, num_e, previous, ahead, out_off, out)
+    _routed_copy(acc_layer, acc_expert, num_e, starts, out_off, out)
     return out_off, out
 
 
@@ -234,33 +237,29 @@ def _routed_source(p, group, previous):
 
 
 @jit
-def _routed_counts(off, group, first, num_l, previous, ahead, out_off):
-    """The running counts of :func:`routed_proposals` into ``out_off[1:]``."""
-    for i in range(out_off.shape[0] - 1):
-        p = first + i // num_l
+def _routed_runs(off, group, first, num_l, previous, ahead, starts, out_off):
+    """Where each (pass, layer) group's run of accesses starts (``starts``) and the running
+    counts of :func:`routed_proposals` (``out_off[1:]``); the last layer's run is empty (its
+    next layer is the next pass's first)."""
+    for i in range(starts.shape[0]):
+        src = _routed_source(first + i // num_l, group, previous)
         layer = i % num_l
-        src = _routed_source(p, group, previous)
         n = 0
-        if src >= 0 and layer + 1 < num_l:
-            n = off[src * num_l + min(layer + 1 + ahead, num_l)] - off[src * num_l + layer + 1]
+        if src >= 0:
+            lo = src * num_l + layer + 1
+            starts[i] = off[lo]
+            n = off[src * num_l + min(layer + 1 + ahead, num_l)] - off[lo]
         out_off[i + 1] = out_off[i] + n
 
 
 @jit
-def _routed_fill(off, acc_expert, first, num_l, num_e, previous, ahead, out_off, out):
-    """The flat expert ids of :func:`routed_proposals`, group by group at ``out_off``."""
-    for i in range(out_off.shape[0] - 1):
-        if out_off[i + 1] == out_off[i]:
-            continue
-        p = first + i // num_l
-        layer = i % num_l
-        src = p - 1 if previous else p
+def _routed_copy(acc_layer, acc_expert, num_e, starts, out_off, out):
+    """Each group's run of accesses as flat expert ids, at its offset."""
+    for i in range(starts.shape[0]):
+        s = starts[i]
         o = out_off[i]
-        for t in range(layer + 1, min(layer + 1 + ahead, num_l)):
-            b = src * num_l + t
-            for j in range(off[b], off[b + 1]):
-                out[o] = np.int64(t) * num_e + acc_expert[j]
-                o += 1
+        for j in range(out_off[i + 1] - o):
+            out[o + j] = np.int64(acc_layer[s + j]) * num_e + acc_expert[s + j]
 
 
 def _proposing(bounds: np.ndarray, g0: int, num_l: int) -> np.ndarray:
