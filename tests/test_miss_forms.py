@@ -64,11 +64,12 @@ def test_fetch_lowest_bit_uses_any_copy_and_fetches_the_lowest():
 
 def test_fetch_priority_keeps_important_experts_at_the_first_level():
     """Important ranks 3 of 4 levels: rank 2 uses level 0 only and is fetched from level 0 down;
-    rank 3 uses levels 1-3 and is fetched from level 1 down; with one level, every expert is
-    fetched at it (none may use a copy below it)."""
+    rank 3 uses levels 1-3 and is fetched from level 1 down (of two levels, from the second);
+    with one level, every expert is fetched at it (none may use a copy below it)."""
     s = module("fetch_priority")._by_importance
     assert tuple(s(2, 4, 3)) == (0, 1, 0, 4)
     assert tuple(s(3, 4, 3)) == (1, 4, 1, 4)
+    assert tuple(s(3, 2, 3)) == (1, 2, 1, 2)
     assert tuple(s(3, 1, 3)) == (1, 1, 0, 1)
 
 
