@@ -143,6 +143,22 @@ def test_a_predictor_without_pred_next_names_the_fixes():
         "no hidden state.")
 
 
+def test_the_predictors_are_the_prefetchers_a_trace_without_pred_next_refuses():
+    """``predictors()`` (what ``compare`` adds when the trace records ``pred_next``) lists
+    exactly the registered prefetchers that refuse a trace without it."""
+    from moesim.errors import MoesimError
+    from moesim.policies.prefetch.base import predictors
+
+    refused = []
+    for name, _ in PREFETCH.items():
+        try:
+            policy(three_layer_trace(), name)
+        except MoesimError as exc:
+            assert "'pred_next'" in str(exc)
+            refused.append(name)
+    assert predictors() == refused == ["next-gate-topk", "score-percentile"]
+
+
 def test_static_pin_pins_the_calibration_favourites():
     """One layer, 8 experts, top-1, four decode tokens routed to experts 3, 5, 5, 5; room for
     4 experts. calibration 0.25 -> the first ceil(4 x 0.25) = 1 pass: only expert 3 was used,

@@ -30,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from moesim.errors import MoesimError
+from moesim.policies.prefetch.base import predictors
 from moesim.studies.sweep import (
     Point,
     base_data,
@@ -45,7 +46,6 @@ from moesim.studies.sweep import (
 
 DEFAULT_EVICTION = ("lru", "lfu", "fld", "least-stale")
 DEFAULT_PREFETCH = ("none", "previous-token")
-PREDICTOR_PREFETCH = ("next-gate-topk", "score-percentile")  # need the trace's pred_next
 BASELINE = {"policies.eviction": "lru", "policies.prefetch": "none", "policies.miss": "fetch",
             "policies.budget": "none"}
 BOUND = {"policies.eviction": "belady", "policies.prefetch": "oracle", "policies.miss": "fetch",
@@ -96,7 +96,7 @@ def plan_compare(scenario_path: str, eviction: Sequence[str] | None = None, pref
     evs = list(eviction) if eviction else list(DEFAULT_EVICTION)
     traces: dict[str, Any] = {}
     has_pred_next = _check_trace(data, str(p.parent), caps, str(p), traces)
-    pfs = list(prefetch) if prefetch else list(DEFAULT_PREFETCH) + (list(PREDICTOR_PREFETCH) if has_pred_next else [])
+    pfs = list(prefetch) if prefetch else list(DEFAULT_PREFETCH) + (predictors() if has_pred_next else [])
     misses = list(miss) if miss else [_names(pol.get("miss", "fetch"))]
     budgets = list(budget) if budget else [_names(pol.get("budget", "none"))]
     rows: list[dict[str, Any]] = []

@@ -39,6 +39,7 @@ import numpy as np
 import pandas as pd
 
 from moesim.errors import MoesimError
+from moesim.policies.prefetch.base import predictors
 from moesim.studies.sweep import (
     Point,
     RunsFailed,
@@ -51,7 +52,6 @@ from moesim.studies.sweep import (
 
 SERVED_EVICTION = ("lru", "lfu", "fld", "least-stale")
 SERVED_PREFETCH = ("none",)
-PREDICTOR_PREFETCH = ("next-gate-topk", "score-percentile")  # need the trace's pred_next
 BASELINE = {"policies.eviction": "lru", "policies.prefetch": "none", "policies.miss": "fetch",
             "policies.budget": "none"}
 RATE = "workload.arrivals.rate"
@@ -166,7 +166,7 @@ def plan_load(p: Path, data: dict[str, Any], eviction: Sequence[str] | None, pre
     if any(not (r > 0 and math.isfinite(r)) for r in rate_list):
         raise MoesimError(f"--rate: every rate must be a positive number of requests per second, got {rate_list}.")
     evs = list(eviction) if eviction else list(SERVED_EVICTION)
-    pfs = list(prefetch) if prefetch else list(SERVED_PREFETCH) + (list(PREDICTOR_PREFETCH) if has_pred_next else [])
+    pfs = list(prefetch) if prefetch else list(SERVED_PREFETCH) + (predictors() if has_pred_next else [])
     combos: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
 

@@ -29,10 +29,12 @@ class PrefetchPolicy(Policy, ABC):
     # (pass, layer) read that pass or the one before it in its batch and nothing later (a trace
     # read in pieces can be replayed a piece at a time); ``reads_previous_pass``, they read the
     # pass before (serving forms each pass anew: there is none); ``counts_whole_trace``, it counts
-    # over the whole trace before the replay (a first pass over a file read in pieces)
+    # over the whole trace before the replay (a first pass over a file read in pieces);
+    # ``reads_predictions``, it needs the trace's ``pred_next`` column
     piecewise: ClassVar[bool] = False
     reads_previous_pass: ClassVar[bool] = False
     counts_whole_trace: ClassVar[bool] = False
+    reads_predictions: ClassVar[bool] = False
 
     @abstractmethod
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:
@@ -72,6 +74,12 @@ class PrefetchPolicy(Policy, ABC):
 
 
 REGISTRY: Registry[PrefetchPolicy] = Registry("prefetch")
+
+
+def predictors() -> list[str]:
+    """The registered prefetchers that read the trace's predicted next-layer scores
+    (``reads_predictions``), in registration order."""
+    return [name for name, cls in REGISTRY.items() if cls.reads_predictions]
 
 
 def _keys_of(ctx: PolicyContext, pass_index: int, layer: int) -> list[int]:
@@ -166,6 +174,8 @@ class _ProposedInChunks(PrefetchPolicy):
 class _Predicted(_ProposedInChunks):
     """A prefetcher whose proposals read the trace's predicted next-layer scores
     (``pred_next``) of each (pass, layer)'s tokens."""
+
+    reads_predictions = True
 
     def _proposals_of(self, wl: Any, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
         num_l = self._num_l
