@@ -331,6 +331,98 @@ def test_closed_loop_equals_simpy_open_loop(eviction: str, prefetch: str, mode: 
         assert ref.steps[col].tolist() == res.steps[col].tolist(), col
 
 
+@pytest.mark.parametrize(("eviction", "prefetch", "mode"), [
+    ("lru", "previous-token", "layer"), ("least-stale", {"name": "lookahead", "depth": 2}, "per-expert")])
+def test_a_request_served_alone_reads_its_last_pass_as_a_fixed_batch_reads_the_pass_before(
+        eviction: str, prefetch: Any, mode: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Requests 5 s apart, each alone, served on the kernel: each pass's prefetcher reads its
+    request's own last pass. The same passes replayed as one fixed workload on the SimPy path,
+    each in its request's batch and with the passes' release times (the idle gaps, in which a
+    pass's unused prefetch copies finish), read the pass before in the batch: every per-pass
+    column bit for bit, and the prefetcher proposed (and mispredicted) in both."""
+    from dataclasses import replace
+
+    monkeypatch.setattr(serving.Scheduler, "KEEP", True)
+    trace = {"synth": {"preset": "olmoe-1b-7b", "requests": 4, "prompt_tokens": 24, "tokens": 12, "layers": 6}}
+    path = write_csv(tmp_path / "apart.csv", [(5 * n, 24, 13) for n in range(4)])
+    data = served(trace, {"process": "file", "path": str(path)}, expert_compute=mode,
+                  policies={"eviction": eviction, "prefetch": prefetch})
+    sim = Simulation(scenario_from_dict(data))
+    res = sim.run()
+    assert res.summary["replay_path"] == "kernel"
+    assert sim.serving is not None
+    assert sim.serving.kept is not None
+    kept = sim.serving.kept
+    assert [len(np.unique(w.trace.request)) for w in kept] == [1] * len(kept)
+    group = np.array([int(w.trace.request[0]) for w in kept])
+    fixed = replace(joined(kept), pass_group=group, request_ids=np.arange(4), request_group=np.arange(4),
+                    request_first_pass=np.searchsorted(group, np.arange(4)))
+    plain = copy.deepcopy(data)
+    del plain["workload"]["arrivals"]
+    ref = Simulation(scenario_from_dict(plain), workload=fixed, record_decisions=True).run()
+    assert ref.summary["replay_path"] == "simpy"
+    for col in ("start_s", "end_s", "stall_s", "hits", "misses", "late_prefetches", "collision_misses",
+                "bytes_h2d", "prefetches_issued", "prefetches_used", "prefetches_cancelled", "unique_experts"):
+        assert ref.steps[col].tolist() == res.steps[col].tolist(), col
+    assert res.steps["prefetches_issued"].sum() > res.steps["prefetches_used"].sum() > 0
+
+
+@pytest.mark.parametrize("prefetch", ["previous-token", {"name": "lookahead", "depth": 3}])
+def test_a_served_pass_reads_each_requests_own_last_pass(prefetch: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under load (chunked prompts, queues, preemption) a prefetcher that reads the pass before
+    proposes, at each served pass, the experts its requests' own last passes routed: for each
+    request of the pass, the latest earlier pass whose tokens of that request end right before
+    this pass's first token of it (none after a preemption's restart or for a first chunk),
+    found here from the schedule (the passes kept) alone. The compiled proposals the kernel read
+    are the reference ``propose``'s."""
+    monkeypatch.setattr(serving.Scheduler, "KEEP", True)
+    trace = {"synth": {"preset": "olmoe-1b-7b", "requests": 6, "prompt_tokens": 16, "tokens": 6, "layers": 4}}
+    data = served(trace, {"process": "gamma", "rate": 4.0, "cv": 3.0, "requests": 14},
+                  {"max_running": 4, "max_batched_tokens": 24, "chunked_prefill_tokens": 10, "kv_memory": "3MB",
+                   "kv_block_tokens": 4}, policies={"prefetch": prefetch})
+    sim = Simulation(scenario_from_dict(data))
+    res = sim.run()
+    assert res.summary["replay_path"] == "kernel"
+    assert sim.serving is not None
+    assert sim.serving.kept is not None
+    assert res.requests["preemptions"].sum() > 0
+    kept = sim.serving.kept
+    ahead = 1 if prefetch == "previous-token" else 3
+    layers = sim.model.num_layers
+    pol = sim.prefetch
+    firsts, after_restart = 0, 0
+    for p, wl in enumerate(kept):
+        tr = wl.trace
+        want: dict[int, set[int]] = {layer: set() for layer in range(layers)}
+        for r in np.unique(tr.request):
+            here = tr.position[tr.request == r].min()
+            src = None
+            for q in range(p - 1, -1, -1):
+                mine = kept[q].trace.request == r
+                if mine.any():
+                    if kept[q].trace.position[mine].max() == here - 1:
+                        src = (kept[q].trace, mine)
+                    break
+            if src is None:
+                firsts += 1
+                after_restart += bool(any((kept[q].trace.request == r).any() for q in range(p)))
+                continue
+            t, mine = src
+            for layer in range(layers):
+                for nxt in range(layer + 1, min(layer + 1 + ahead, layers)):
+                    rows = mine & (t.layer == nxt)
+                    want[layer] |= {(nxt * 64 + int(e)) * len(pol.ctx.precisions) + pol.ctx.default_precision
+                                    for e in t.experts[rows].ravel()}
+        pol.ctx.workload = wl
+        off, keys = pol.proposals(0, 1)
+        for layer in range(layers):
+            got = pol.propose(0, layer)
+            assert set(got) == want[layer], (p, layer)
+            assert keys[off[layer]:off[layer + 1]].tolist() == list(got)
+    assert firsts > 0
+    assert after_restart > 0  # a preempted request's recompute reads no pass before it
+
+
 # -- arrivals ------------------------------------------------------------------------------------
 def bank() -> serving.Bank:
     return serving.Bank(hand_trace(), "test")
@@ -459,7 +551,6 @@ def test_paged_kv_admits_by_the_blocks_held_and_preempts_the_last_admitted(tmp_p
 @pytest.mark.parametrize(("change", "words"), [
     ({"scheduler": {"max_running": 2}, "drop_arrivals": True}, "scheduler' is for serving"),
     ({"workload.batch_size": 4}, "workload.batch_size"),
-    ({"policies": {"prefetch": "previous-token"}}, "previous-token"),
     ({"policies": {"eviction": "belady"}}, "belady"),
     ({"scheduler": {"max_running": 8, "max_batched_tokens": 4, "policy": "sarathi"}}, "at least max_running"),
     ({"scheduler": {"max_running": 8, "max_batched_tokens": 4}}, "a token of every running request in one pass"),

@@ -256,7 +256,9 @@ class Simulation:
         cost = CostModel(sc.hardware, trace.model, size.expert_bytes)
         dense = serving.BF16 * cost.nonexpert_weights * trace.model.num_layers
         kv = serving.kv_capacity_tokens(sc, trace.model, size.capacity, dense)
-        self.serving = serving.Scheduler(sc, plan, bank, kv)
+        from moesim.simulator.stream import _classes
+
+        self.serving = serving.Scheduler(sc, plan, bank, kv, previous=_classes(sc)[1].reads_previous_pass)
         self.pieces = self.serving.passes()
         self.whole_reason = "serving under load: one forward pass at a time"
         return next(self.pieces)

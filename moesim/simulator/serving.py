@@ -358,8 +358,9 @@ class Scheduler:
 
     KEEP = False  # tests: keep every pass's workload (``kept``) to replay the schedule again
 
-    def __init__(self, scenario: Scenario, plan: Plan, bank: Bank, kv_tokens: float) -> None:
+    def __init__(self, scenario: Scenario, plan: Plan, bank: Bank, kv_tokens: float, previous: bool = False) -> None:
         self.cfg = scenario.scheduler or SchedulerConfig()
+        self.previous = previous  # give each pass its requests' own last passes (Workload.previous)
         self.plan = plan
         self.bank = bank
         n = len(plan.arrival)
@@ -379,6 +380,8 @@ class Scheduler:
         self.preempted = 0  # preemptions so far, all requests (a pass that preempts admits nobody)
         self.recomputed = np.zeros(n, np.int64)  # tokens processed again after preemption
         self.processed = np.zeros(n, np.int64)
+        self.last_start = np.zeros(n, np.int64)  # each request's last pass: its first token there
+        self.last_count = np.zeros(n, np.int64)  # and the tokens it processed (0: none since it began)
         self.generated = np.zeros(n, np.int64)
         self.scheduled = np.full(n, np.nan)
         self.first_token = np.full(n, np.nan)
@@ -478,6 +481,7 @@ class Scheduler:
         self.recomputed[r] += self.processed[r]
         self.tokens_left += int(self.processed[r])
         self.processed[r] = 0
+        self.last_count[r] = 0  # its recompute starts anew: no pass before it
         self.need[r] = self.redo[r] = self.first_part[r] + self.generated[r]
         if self.cfg.policy == "vllm-v0" and self.need[r] > self.cfg.max_batched_tokens:
             raise MoesimError(f"{self.where}: request {r} was preempted (its KV blocks were needed) with "
@@ -590,6 +594,8 @@ class Scheduler:
     def _account(self, rs: np.ndarray, start: np.ndarray, cs: np.ndarray, made: np.ndarray, now: float) -> None:
         """After a pass that ended at ``now``: the tokens processed, first tokens, output
         tokens made, and the requests that finished (leaving, their KV blocks freed)."""
+        self.last_start[rs] = self.processed[rs]
+        self.last_count[rs] = cs
         self.processed[rs] += cs
         firsts = rs[(start < self.need[rs]) & (self.processed[rs] >= self.need[rs]) & np.isnan(self.first_token[rs])]
         self.first_token[firsts] = now
@@ -621,8 +627,26 @@ class Scheduler:
     def _workload(self, rs: np.ndarray, start: np.ndarray, cs: np.ndarray, release: float,
                   made: int) -> Workload:
         """The one-pass workload of ``cs`` tokens of each request ``rs`` from its processed
-        token ``start`` on: the recorded tokens' rows, renumbered as the served request's
-        tokens (request, position, phase) in one step."""
+        token ``start`` on (:meth:`_piece`); for a prefetcher that reads the pass before, with
+        the one-pass workload of the tokens each of those requests processed in its own last
+        pass (``Workload.previous``; vLLM's scheduler keeps no batch from pass to pass, so a
+        request's previous token is its own last pass's)."""
+        wl = build_workload(self._piece(rs, start, cs), batch_size=len(rs))
+        wl.pass_generated = np.array([made], np.int64)
+        wl.pass_release = np.array([release])
+        if self.previous:
+            had = rs[self.last_count[rs] > 0]
+            if len(had):
+                wl.previous = build_workload(self._piece(had, self.last_start[had], self.last_count[had]),
+                                             batch_size=len(had))
+        if self.kept is not None:
+            self.kept.append(wl)
+        return wl
+
+    def _piece(self, rs: np.ndarray, start: np.ndarray, cs: np.ndarray) -> Trace:
+        """The recorded tokens' rows of ``cs`` tokens of each request ``rs`` from its processed
+        token ``start`` on, renumbered as the served request's tokens (request, position,
+        phase) in one step."""
         bank, plan = self.bank, self.plan
         req = np.repeat(rs, cs)
         i = np.repeat(start - np.r_[0, np.cumsum(cs)[:-1]], cs) + np.arange(int(cs.sum()))
@@ -634,12 +658,7 @@ class Scheduler:
         piece.step = np.zeros(len(piece.request), np.int32)
         piece.position = np.repeat(bank.base[src] + i, lens)
         piece.phase = np.repeat(np.where((i < prompt) | (i < self.redo[req]), PREFILL, DECODE).astype(np.int8), lens)
-        wl = build_workload(piece, batch_size=len(rs))
-        wl.pass_generated = np.array([made], np.int64)
-        wl.pass_release = np.array([release])
-        if self.kept is not None:
-            self.kept.append(wl)
-        return wl
+        return piece
 
     # -- the results ------------------------------------------------------------------------
     def gaps(self) -> np.ndarray:

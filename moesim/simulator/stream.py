@@ -159,7 +159,7 @@ def _served(family: str) -> list[str]:
     if family == "eviction":
         return [n for n, c in families()["eviction"].items() if eviction_form(c) is not None and not c.reads_future]
     return [n for n, c in families()["prefetch"].items() if not isinstance(prefetch_form(c), str) and c.piecewise
-            and not (c.reads_previous_pass or c.counts_whole_trace)]
+            and not c.counts_whole_trace]
 
 
 def why_not_served(scenario: Scenario, recording: bool) -> str | None:
@@ -167,7 +167,8 @@ def why_not_served(scenario: Scenario, recording: bool) -> str | None:
     ("... on the compiled kernel, which <reason>"); None when it can be served. Serving
     replays one forward pass at a time, each formed when the one before ends, so it needs the
     kernel's piece loop and the policies that a piece at a time allows (:func:`why_whole`),
-    less the prefetchers that read the pass before."""
+    less the prefetchers that count over the whole trace; one that reads the pass before reads
+    each request's own last pass (``Workload.previous``)."""
     from moesim.simulator.kernel import kernel_off
 
     if not scenario.timing:
@@ -185,9 +186,9 @@ def why_not_served(scenario: Scenario, recording: bool) -> str | None:
     if (blocked is not None and blocked[0] == "eviction") or ev.reads_future:
         return (f"cannot run eviction policy '{pol.eviction.name}' (it reads the whole trace or the future, or its "
                 f"hooks do not compile); use one of {', '.join(_served('eviction'))} or a hook policy numba compiles")
-    if (blocked is not None and blocked[0] == "prefetch") or pf.reads_previous_pass or pf.counts_whole_trace:
-        return (f"cannot run prefetch policy '{pol.prefetch.name}' (it reads the pass before or the whole trace, "
-                f"and each pass is formed anew); use one of {', '.join(_served('prefetch'))}")
+    if (blocked is not None and blocked[0] == "prefetch") or pf.counts_whole_trace:
+        return (f"cannot run prefetch policy '{pol.prefetch.name}' (it reads the whole trace, and each pass is "
+                f"formed anew); use one of {', '.join(_served('prefetch'))}")
     if blocked is not None and blocked[0] == "miss":
         return f"runs miss policy 'fetch' only (not '{pol.miss.name}', which re-routes tokens)"
     if blocked is not None:

@@ -71,6 +71,9 @@ class Workload:
     # the prefetcher's proposals for every pass, made as the piece was read (``PrefetchPolicy.piece_proposals``,
     # simulator.stream.read_ahead); None: the kernel asks for them as it replays
     proposals: tuple[np.ndarray, np.ndarray] | None = None
+    # serving, for a prefetcher that reads the pass before: one pass of the tokens each request of
+    # this one-pass piece processed in its own last pass (None: no request of it had one)
+    previous: Workload | None = None
 
     def release(self) -> np.ndarray:
         """Per pass, the time it may start at the earliest (seconds; zeros without arrivals,
@@ -402,7 +405,7 @@ def passes_of(wl: Workload) -> Workload:
     return replace(wl, acc_layer=wl.acc_layer[:0].copy(), acc_expert=wl.acc_expert[:0].copy(),
                    acc_rank=wl.acc_rank[:0].copy(), acc_tokens=wl.acc_tokens[:0].copy(),
                    acc_weight=wl.acc_weight[:0].copy(), row_order=None, row_off=None, trace=None,
-                   proposals=None)
+                   proposals=None, previous=None)
 
 
 def join(parts: list[Workload]) -> Workload:

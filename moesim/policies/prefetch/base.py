@@ -82,9 +82,9 @@ def predictors() -> list[str]:
     return [name for name, cls in REGISTRY.items() if cls.reads_predictions]
 
 
-def _keys_of(ctx: PolicyContext, pass_index: int, layer: int) -> list[int]:
-    """Cache keys the workload accesses at (pass, layer), in access order."""
-    wl = ctx.workload
+def _keys_of(ctx: PolicyContext, pass_index: int, layer: int, wl: Any = None) -> list[int]:
+    """Cache keys the workload (``ctx``'s, or ``wl``) accesses at (pass, layer), in access order."""
+    wl = ctx.workload if wl is None else wl
     b = pass_index * ctx.num_layers + layer
     return ctx.cache_keys(wl.acc_layer[wl.off[b]:wl.off[b + 1]].astype(np.int64) * ctx.num_experts
                           + wl.acc_expert[wl.off[b]:wl.off[b + 1]]).tolist()
@@ -201,22 +201,35 @@ class _Routed(_ProposedInChunks):
         """How many layers ahead it proposes."""
         return 1
 
-    def _source(self, pass_index: int) -> int | None:
-        """The pass whose routing pass ``pass_index`` proposes, or None."""
-        return _previous_pass(self.ctx, pass_index) if self.reads_previous_pass else pass_index
+    def _source(self, pass_index: int) -> tuple[Any, int] | None:
+        """The workload and pass whose routing pass ``pass_index`` proposes, or None: the pass
+        itself, or the one before it in its batch; serving gives a pass that reads the pass
+        before the tokens its requests processed in their own last passes
+        (``Workload.previous``, one pass)."""
+        wl = self.ctx.workload
+        if not self.reads_previous_pass:
+            return wl, pass_index
+        if wl.previous is not None:
+            return wl.previous, 0
+        prev = _previous_pass(self.ctx, pass_index)
+        return None if prev is None else (wl, prev)
 
     def propose(self, pass_index: int, layer: int) -> Sequence[int]:
         src = self._source(pass_index)
         out: list[int] = []
         if src is not None:
             for t in range(layer + 1, min(layer + 1 + self._ahead(), self.ctx.num_layers)):
-                out.extend(_keys_of(self.ctx, src, t))
+                out.extend(_keys_of(self.ctx, src[1], t, src[0]))
         return out
 
     def _proposals_of(self, wl: Any, first: int, last: int) -> tuple[np.ndarray, np.ndarray]:
+        previous = self.reads_previous_pass
+        if previous and wl.previous is not None:  # serving: a one-pass piece and its requests' last passes
+            assert (first, last) == (0, 1), (first, last)
+            wl, previous = wl.previous, False
         off, flat = routed_proposals(np.ascontiguousarray(wl.off, np.int64), wl.acc_layer, wl.acc_expert,
-                                     wl.pass_group, first, last, self._num_l, self.ctx.num_experts,
-                                     self.reads_previous_pass, self._ahead())
+                                     wl.pass_group, first, last, self._num_l, self.ctx.num_experts, previous,
+                                     self._ahead())
         return off, self.ctx.cache_keys(flat)
 
 
