@@ -457,7 +457,8 @@ def _csv(value: str | None) -> list[str] | None:
 @click.option("--eviction", default=None, metavar="A,B,...", help="Eviction policies (default: lru,lfu,fld,least-stale).")
 @click.option("--prefetch", default=None, metavar="A,B,...",
               help="Prefetch policies (default: none,previous-token, plus next-gate-topk,score-percentile when "
-                   "the trace has pred_next; under load previous-token is left out: serving cannot run it).")
+                   "the trace has pred_next; under load (--rate) none, plus the predictors: name previous-token or "
+                   "lookahead to add them).")
 @click.option("--miss", default=None, metavar="A,B,...", help="Miss policies (default: the scenario's).")
 @click.option("--budget", default=None, metavar="A,B,...", help="Budget policies (default: the scenario's).")
 @click.option("--capacity", default=None, metavar="C1,C2,...", help="Cache capacities, e.g. 5%,25% (default: the scenario's).")
