@@ -418,8 +418,8 @@ def test_a_users_own_policy_runs_on_the_simpy_path(tiny, monkeypatch):
 
 def test_a_users_prefetcher_runs_compiled_only_through_a_compiled_form(olmoe_trace, monkeypatch):
     """A subclass of a built-in prefetcher that changes ``propose`` is the user's code: the
-    compiled form's proposals would not be its own, so it runs on the SimPy path and says so. A
-    user's prefetcher that proposes nothing in the replay (``active = False``: it only pins
+    compiled form's proposals would not be its own, so it runs on the SimPy path and says so, as
+    a user's prefetcher that only ``propose``s does. A user's prefetcher that proposes nothing in the replay (``active = False``: it only pins
     experts) has nothing to compile: it runs on the kernel, its rows its SimPy run's."""
     from moesim.policies.prefetch import REGISTRY, PrefetchPolicy
     from moesim.policies.prefetch.oracle import Oracle
@@ -437,11 +437,18 @@ def test_a_users_prefetcher_runs_compiled_only_through_a_compiled_form(olmoe_tra
         def pinned(self) -> list[int]:
             return [int(self.ctx.cache_keys(e)) for e in range(8)]
 
+    class NextExpertZero(PrefetchPolicy):
+        def propose(self, pass_index: int, layer: int) -> list[int]:
+            return [int(self.ctx.key(layer + 1, 0))] if layer + 1 < self.ctx.num_layers else []
+
     monkeypatch.setitem(REGISTRY._classes, "farther-oracle", FartherOracle)
     monkeypatch.setitem(REGISTRY._classes, "pin-first-layer", PinFirstLayer)
+    monkeypatch.setitem(REGISTRY._classes, "next-expert-zero", NextExpertZero)
     why = "prefetch policy 'farther-oracle': it has no kernel form (it changes propose or proposals apart from its compiled form)"
     monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
     assert path_of(scenario(policies={"prefetch": "farther-oracle"}), olmoe_trace) == ("simpy", why)
+    assert path_of(scenario(policies={"prefetch": "next-expert-zero"}), olmoe_trace) == (
+        "simpy", "prefetch policy 'next-expert-zero': it has no kernel form")
     fast, ref = both_paths(scenario(policies={"prefetch": "pin-first-layer"}, cache={"capacity": "25%"}), olmoe_trace,
                            monkeypatch)
     assert_identical(fast, ref)

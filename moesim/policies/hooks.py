@@ -534,9 +534,9 @@ class HookPrefetch(PrefetchPolicy):
         """Write the keys to prefetch to ``out[:n]``; return ``n``."""
 
     @classmethod
-    def compiled_form(cls) -> bool | str:
+    def why_not_compiled(cls) -> str | None:
         made = compiled_prefetch(cls)
-        return True if isinstance(made, tuple) else made
+        return None if isinstance(made, tuple) else made
 
     def __init__(self, params: Any, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)

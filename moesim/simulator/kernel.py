@@ -18,7 +18,7 @@ shipped with moesim and picks the replay's by its index (:mod:`simulator.kernel_
 that it names none. Scope (:func:`kernel_form`): one GPU, routing that does not change what
 tokens compute, no budget, an eviction policy with a compiled form, a prefetcher and a miss
 policy with a compiled form (:func:`miss_form`: it decides, the kernel carries the decision out), and a prefetcher with a compiled form
-(:meth:`~moesim.policies.prefetch.base.PrefetchPolicy.compiled_form`: its proposals are arrays
+(:meth:`~moesim.policies.prefetch.base.PrefetchPolicy.why_not_compiled`: its proposals are arrays
 made ahead of the kernel's calls from the trace alone, :func:`_proposals_ahead`; a user's
 prefetcher written as a hook, :class:`policies.hooks.HookPrefetch`, has one when it compiles). The miss policies that re-route tokens
 keep what each token of the layer computes in ``IS[H_FIN]``; the precision cascades cache
@@ -161,7 +161,7 @@ def kernel_form(sim: Any) -> str | None:
             return f"eviction policy '{name}': {compiled(type(sim.eviction))}"
         return f"eviction policy '{name}' has no kernel form"
     why = prefetch_form(type(sim.prefetch))
-    if isinstance(why, str):
+    if why is not None:
         return f"prefetch policy '{sim.scenario.policies.prefetch.name}': {why}"
     return None
 
@@ -174,13 +174,12 @@ def eviction_form(cls: type) -> type[KernelForm] | None:
     return form_of(cls)
 
 
-def prefetch_form(cls: type) -> bool | str:
-    """Whether the kernel runs prefetch policy class ``cls``
-    (:meth:`~moesim.policies.prefetch.base.PrefetchPolicy.compiled_form`): True when it
-    proposes through arrays its compiled form makes, False when it proposes nothing in the
-    replay, else why it has no compiled form (a line; the SimPy path)."""
-    made: bool | str = cls.compiled_form()  # type: ignore[attr-defined]
-    return made
+def prefetch_form(cls: type) -> str | None:
+    """Why the kernel cannot run prefetch policy class ``cls`` (a line; the SimPy path), or
+    None: it proposes through arrays its compiled form makes, or nothing in the replay
+    (:meth:`~moesim.policies.prefetch.base.PrefetchPolicy.why_not_compiled`)."""
+    why: str | None = cls.why_not_compiled()  # type: ignore[attr-defined]
+    return why
 
 
 def _form_arrays(policy: Any, num_keys: int) -> tuple[tuple[Any, ...], tuple[np.ndarray, ...]]:
@@ -520,7 +519,7 @@ def _replay(sim: Any) -> None:
     streamed = sim.pieces is not None
     # a layer's distinct experts (a piece's largest is not the trace's: the bound when in pieces)
     maxn = model.num_experts if streamed else int(np.diff(wl.off).max(initial=0))
-    assert not isinstance(prefetch_form(type(sim.prefetch)), str), "kernel_form"
+    assert prefetch_form(type(sim.prefetch)) is None, "kernel_form"
     pool = num_keys + maxn + 16
     pend_max = num_keys + 16
     miss = miss_form(type(sim.miss))

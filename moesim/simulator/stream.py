@@ -104,7 +104,7 @@ def _piecewise(scenario: Scenario) -> tuple[str, str] | None:
     pol = scenario.policies
     if eviction_form(ev) is None:
         return "eviction", pol.eviction.name
-    if isinstance(prefetch_form(pf), str) or not (pf.piecewise or pf.counts_whole_trace):
+    if prefetch_form(pf) is not None or not (pf.piecewise or pf.counts_whole_trace):
         return "prefetch", pol.prefetch.name
     if not miss.always_fetch:
         return "miss", pol.miss.name
@@ -158,7 +158,7 @@ def _served(family: str) -> list[str]:
 
     if family == "eviction":
         return [n for n, c in families()["eviction"].items() if eviction_form(c) is not None and not c.reads_future]
-    return [n for n, c in families()["prefetch"].items() if not isinstance(prefetch_form(c), str) and c.piecewise
+    return [n for n, c in families()["prefetch"].items() if prefetch_form(c) is None and c.piecewise
             and not c.counts_whole_trace]
 
 

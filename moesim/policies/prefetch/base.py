@@ -41,12 +41,12 @@ class PrefetchPolicy(Policy, ABC):
         """Cache keys to prefetch, most wanted first."""
 
     @classmethod
-    def compiled_form(cls) -> bool | str:
-        """Whether the compiled replay kernel runs the policy: True when its :meth:`proposals`
-        are made by compiled code from the trace alone (the kernel reads them as arrays), False
-        when it proposes nothing in the replay (``active = False``), else why it runs on the
-        SimPy path only (a line)."""
-        return False if not cls.active else "it has no kernel form"
+    def why_not_compiled(cls) -> str | None:
+        """Why the compiled replay kernel cannot run the policy (a line; it runs on the SimPy
+        path), or None: its :meth:`proposals` are made by compiled code from the trace alone
+        (the kernel reads them as arrays), or it proposes nothing in the replay
+        (``active = False``)."""
+        return None if not cls.active else "it has no kernel form"
 
     def pinned(self) -> Sequence[int]:
         """Cache keys admitted before the replay starts (untimed) and never evicted. Default: none."""
@@ -130,15 +130,15 @@ class _ProposedInChunks(PrefetchPolicy):
     CHUNK = 256
 
     @classmethod
-    def compiled_form(cls) -> bool | str:
-        """True unless a subclass changed what it proposes on the SimPy path (``propose``) or
+    def why_not_compiled(cls) -> str | None:
+        """None unless a subclass changed what it proposes on the SimPy path (``propose``) or
         how the kernel asks for the arrays (``proposals``) apart from the form that makes them
         (``_proposals_of``): a user's change the compiled form cannot know of."""
         def owner(name: str) -> type:
             return next(k for k in cls.__mro__ if name in k.__dict__)
 
         if owner("proposals") is _ProposedInChunks and issubclass(owner("_proposals_of"), owner("propose")):
-            return True
+            return None
         return "it has no kernel form (it changes propose or proposals apart from its compiled form)"
 
     def __init__(self, params: Any, ctx: PolicyContext) -> None:
