@@ -107,6 +107,11 @@ FUNCTIONS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
+    # the routed prefetchers' proposals (MUTATE_ONLY over _Routed, with tests/test_proposals.py,
+    # tests/test_kernel.py and tests/test_serving.py)
+    **dict.fromkeys(("moesim.policies.prefetch.base.xǁ_Routedǁ_proposals_of__mutmut_31",
+                     "moesim.policies.prefetch.base.xǁ_Routedǁ_proposals_of__mutmut_33"),
+                    "a workload's access offsets are int64 already: ascontiguousarray without the dtype returns the same array"),
     # compare --rate's glue (MUTATE_ONLY x_compare_load*, with tests/test_load_compare.py)
     **{"moesim.studies.load.x_compare_load__mutmut_" + str(n): "a failed row always carries its error (pooled copies it from the point's error.json): the "
        "default is never read" for n in (184, 186, 190)},
