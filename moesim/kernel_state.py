@@ -72,9 +72,9 @@ WORK = np.dtype([(name, np.int64) for name in ("tid", "seq", "key", "tokens")])
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
  H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_LGEN, H_LADM, H_LMARK, H_RUNS,
- H_SCR, H_OFF, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
+ H_SCR, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
  H_PENDMAX, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, I_HEADER) = range(95)
+ H_PDUR, I_HEADER) = range(94)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, SF_HOST, CF_CAP,
@@ -215,7 +215,7 @@ def expert_size(IS):
 def layer_accesses(IS, DI):
     """The current (pass, layer)'s accesses: ``lo .. hi`` (:func:`access_key`)."""
     b = _here(IS)
-    return DI[IS[H_OFF] + b], DI[IS[H_OFF] + b + 1]
+    return DI[b], DI[b + 1]
 
 
 @_inline

@@ -97,7 +97,6 @@ from moesim.kernel_state import (
     COLUMNS,
     H_LEVELS,
     H_NKEYS,
-    H_OFF,
     H_PBYTES,
     H_PDUR,
     H_SCALE,
@@ -353,7 +352,6 @@ def _piece(sim: Any, wl: Any, miss: type[MissForm], max_rows: int, IS: np.ndarra
     | per-pass factor; ``M`` = the per-token arrays; the non-expert seconds of each pass. Region
     offsets go to ``IS``."""
     DI = np.ascontiguousarray(wl.off, dtype=np.int64)
-    IS[H_OFF] = 0
     form = eviction_form(type(sim.eviction))
     assert form is not None
     S = form.piece(sim.eviction, S, wl, after, int(IS[H_NKEYS]))

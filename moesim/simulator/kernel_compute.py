@@ -32,7 +32,6 @@ from moesim.kernel_state import (
     CF_HLAYER,
     H_FIN,
     H_MSCR,
-    H_OFF,
     H_ROUTED,
     H_RUNS,
     H_SCALE,
@@ -450,7 +449,7 @@ def replay_passes(p0, p1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp, 
         ne = nonexp[p - p0]
         base = _row_base(p, IS)
         if IS[C_PFACTIVE]:
-            for j in range(DI[IS[H_OFF] + base], DI[IS[H_OFF] + base + num_l]):
+            for j in range(DI[base], DI[base + num_l]):
                 K[_key(j, IS, A)].accpass = p
         for layer in range(num_l):
             delay = carry + ne
@@ -464,7 +463,7 @@ def replay_passes(p0, p1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp, 
             if IS[C_HSYNC] and FS[SF_HOST] < now:  # the host waits for the routing
                 FS[SF_HOST] = now
             carry = 0.0
-            lo, hi = DI[IS[H_OFF] + base + layer], DI[IS[H_OFF] + base + layer + 1]
+            lo, hi = DI[base + layer], DI[base + layer + 1]
             if lo == hi:
                 continue  # no routing for this (pass, layer): the layer is skipped
             _advance(now, IS, K, T, FS)

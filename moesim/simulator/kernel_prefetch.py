@@ -15,7 +15,6 @@ from moesim.kernel_state import (
     H_LGEN,
     H_LMARK,
     H_NKEYS,
-    H_OFF,
     H_PENDA,
     H_PENDMAX,
     H_PFQ,
@@ -198,7 +197,7 @@ def _propose_key(key, p, IS, K, DI, A):
     if IS[IS[H_LMARK] + target] != gen:
         IS[IS[H_LMARK] + target] = gen
         b = _row_base(p, IS) + target
-        IS[R_ACTUAL] += DI[IS[H_OFF] + b + 1] - DI[IS[H_OFF] + b]
+        IS[R_ACTUAL] += DI[b + 1] - DI[b]
     if K[key].state != ABSENT:
         _on_select(key, IS, K, A)
     elif not K[key].queued:
