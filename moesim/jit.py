@@ -96,7 +96,7 @@ try:
         def typeof_pyval(self, val: Any) -> Any:
             """numba types a tuple argument in Python at every call (its C fast path takes
             arrays and numbers); the replay hands the kernel the same tuples (``A``'s eviction
-            hooks, ``M``) chunk after chunk and piece after piece, so the types of the last
+            hooks, ``M``; named tuples among them) chunk after chunk and piece after piece, so the types of the last
             tuples used are kept, with the tuples (:func:`forget_tuples` lets them go), and a tuple
             is typed from its elements' types, a kept tuple's among them (a new piece's ``A``
             holds the same hooks). The hooks' first-class functions took 0.7 ms a call to
@@ -106,7 +106,7 @@ try:
             or :func:`forget_large_tuples` (the replay calls it as a piece ends), so that the
             pieces gone do not stay in memory: typing it took 0.2 ms a call, 0.18 s of an LRU
             replay's 1.4 s on the 25.6 M-access trace (800 calls of 256 passes)."""
-            if type(val) is not tuple:
+            if not isinstance(val, tuple):
                 return super().typeof_pyval(val)
             large = self._large
             if large is not None and large[0] is val:
@@ -119,7 +119,7 @@ try:
             if hit is not None and hit[0] is val:
                 kept[id(val)] = hit  # the most recently used last
                 return hit[1]
-            ty = types.BaseTuple.from_types([self.typeof_pyval(v) for v in val], tuple)
+            ty = types.BaseTuple.from_types([self.typeof_pyval(v) for v in val], type(val))
             if sum(v.nbytes for v in val if isinstance(v, np.ndarray)) > _KEEP_BYTES:
                 self._large = (val, ty)  # a piece's per-access arrays: kept alone (16 pieces' would stay)
                 return ty

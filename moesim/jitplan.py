@@ -65,7 +65,10 @@ def encode_type(ty: Any) -> Any:
                 "ndim": ty.ndim, "layout": ty.layout, "readonly": not ty.mutable}
     if isinstance(ty, types.BaseTuple):
         members: Any = ty  # a tuple type iterates over its members' types
-        return {"tuple": [encode_type(t) for t in members]}
+        spec: dict[str, Any] = {"tuple": [encode_type(t) for t in members]}
+        if isinstance(ty, (types.NamedTuple, types.NamedUniTuple)):
+            spec["named"] = f"{ty.instance_class.__module__}:{ty.instance_class.__qualname__}"
+        return spec
     if isinstance(ty, types.FunctionType):  # an eviction hook, handed to the kernel
         return {"function": [encode_type(t) for t in ty.signature.args], "returns": encode_type(ty.signature.return_type)}
     if ty == types.none:
@@ -87,7 +90,8 @@ def decode_type(spec: Any) -> Any:
     if isinstance(spec, str):
         return from_dtype(np.dtype(spec))
     if "tuple" in spec:
-        return types.BaseTuple.from_types([decode_type(s) for s in spec["tuple"]])
+        cls = pkgutil.resolve_name(spec["named"]) if "named" in spec else tuple
+        return types.BaseTuple.from_types([decode_type(s) for s in spec["tuple"]], cls)
     if "function" in spec:
         return types.FunctionType(signature(decode_type(spec["returns"]), *[decode_type(s) for s in spec["function"]]))
     dtype = np.lib.format.descr_to_dtype(spec["array"])

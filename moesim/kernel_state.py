@@ -9,29 +9,41 @@ then regions), and three record arrays with named fields: ``K``, one record per 
 ``T``, one per transfer slot (:data:`TRANSFER`: ``T[t].key``, ``.seq``, ``.start``, ``.done``
 ...), and ``W``, units of a layer's work (:data:`WORK`: ``.tid``, ``.seq``, ``.key``,
 ``.tokens``) in three regions: the layer's computations, the lookup buffers' and the pending
-prefetches (``W[IS[H_PENDA] + i]``). Element ``i`` of a queue or list ``Q`` is
-``IS[IS[H_Q] + i]``. Queues: the demand queue ``DQ`` in service order, the prefetch queue
-``PFQ`` as a ring whose withdrawn or promoted entries are -1, the running ring ``RQ``, the
-waiting proposals ``WQ``. Transfer slots are reused; a slot kept past a layer is checked against its
+prefetches. Each region is reached by its name, as an array of its own (``_demand_queue(IS)[i]``,
+``_pending_prefetches(IS, W)[i]``): the demand queue in service order, the prefetch queue as a
+ring whose withdrawn or promoted entries are -1, the running ring, the waiting proposals, the
+per-layer marks, scratch. Transfer slots are reused; a slot kept past a layer is checked against its
 transfer's sequence number. Sets the SimPy path rebuilds (pins, pending experts, keys evicted
 in this pass) are generation marks. Read-only data: ``DI`` (offsets of each (pass, layer)'s
-accesses), ``DF`` (expert seconds by token count,
-per-pass factor), ``A`` (the workload's own per-access arrays) and ``P`` (the prefetcher's proposals, arrays its compiled form made); a
-trace read in pieces has the read-only arrays hold one piece (``S_PBASE``: the piece's first
-pass, where its (pass, layer) entries start).
+accesses), ``DF`` (expert seconds by token count, per-pass factor), ``A`` (:data:`Accesses`:
+the workload's own per-access arrays, with the eviction form's hooks and state by name),
+``M`` (:data:`Tokens`: the per-token arrays, None under the ``fetch`` miss policy) and ``P``
+(the prefetcher's proposals, arrays its compiled form made); a trace read in pieces has the
+read-only arrays hold one piece (``S_PBASE``: the piece's first pass, where its (pass, layer)
+entries start).
 """
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 
 from moesim.jit import inline as _inline
+from moesim.jit import ir_inline as _view
 from moesim.jit import kernel as _jit
 
-# the per-access arrays, then the eviction form's hooks and state, in ``A`` (:data:`A_HOOKS`: a
-# hook policy's compiled hooks, :mod:`moesim.policies.hooks`; :data:`A_FORM`: the arrays the
-# form keeps its own state in, ``(I2, F2, I1, F1, P)``: :mod:`moesim.policies.eviction.base`)
-A_HOOKS, A_FORM = 5, 6
+# ``A``: the per-access arrays (each access's layer, expert, tokens routed, summed gate weight
+# and best router rank), then the eviction form's ``hooks`` (a hook policy's compiled hooks,
+# :mod:`moesim.policies.hooks`) and ``form``, the arrays the form keeps its own state in
+# (``(I2, F2, I1, F1, P)``: :mod:`moesim.policies.eviction.base`)
+Accesses = namedtuple("Accesses", "layer expert tokens weight rank hooks form")
+# ``M``: what the per-token functions read (:func:`simulator.kernel._mass_arrays`): the trace's
+# rows of each (pass, layer) in order (``row_order``, CSR offsets ``row_off``), each row's
+# ``experts``, its ``mass`` (router probabilities, or the top-k weights), its ``token``
+# numbered; a ``mark`` per token, the next-layer predictions ``pred``, and per token its row in
+# the latest layer replayed (``prev_row``) and that layer's (pass, layer) index (``prev_stamp``)
+Tokens = namedtuple("Tokens", "row_order row_off experts mass token mark pred prev_row prev_stamp")
 MODE_LAYER, MODE_ARRIVAL, MODE_PER_EXPERT = range(3)
 ABSENT, INFLIGHT, RESIDENT = 0, 1, 2
 DEMAND, PREFETCH = 0, 1
@@ -41,7 +53,7 @@ DEMAND, PREFETCH = 0, 1
 # statically pinned, its pending generation, the pass it was evicted in, whether it is an unused
 # prefetch, its admission generation, whether a proposal of it waits, its proposal mark, the pass
 # that last routed it, its layer (the key over C_DIV, set by _layout: the prefetch path reads it
-# where it divided). What an eviction policy keeps per key is in its form's own arrays (A[A_FORM]).
+# where it divided). What an eviction policy keeps per key is in its form's own arrays (A.form).
 KEY = np.dtype([(name, np.int64) for name in (
     "state", "computed", "tid", "pin", "static", "pend", "evicted", "unused", "adm", "queued", "mark", "accpass",
     "layer")])
@@ -106,10 +118,155 @@ def _here(IS):
     return _row_base(IS[S_PASS], IS) + IS[S_LAYER]
 
 
-@_inline
-def _buffer(buf, IS):
-    """The first record in ``W`` of per-expert execution's lookup buffer ``buf`` (0 or 1)."""
-    return IS[H_LRUN] + buf * IS[C_LRUNCAP]
+# -- the regions, each reached by its name as an array of its own (a view of ``IS``, ``FS``, ``W``
+# or ``DF`` from the region's first element on: the layout's offsets are read here only). Inlined
+# into their callers before these compile (``ir_inline``): a compiled function without numba's
+# runtime may return no array but an argument ------------------------------------------------------
+@_view
+def _region(IS, h):
+    """Region ``h`` of ``IS`` from its first element on (the one read of the layout's
+    offsets into ``IS``)."""
+    return IS[IS[h]:]
+
+
+@_view
+def _demand_queue(IS):
+    """The demand transfers in service order (``S_DQN`` of them)."""
+    return _region(IS, H_DQ)
+
+
+@_view
+def _prefetch_ring(IS):
+    """The prefetch queue, a ring of ``H_POOL`` slots from ``S_PFH`` (``S_PFN`` of them; a
+    withdrawn or promoted entry is -1)."""
+    return _region(IS, H_PFQ)
+
+
+@_view
+def _running_ring(IS):
+    """The transfers on the link, a ring of ``H_POOL`` slots from ``S_RH`` (``S_RN`` of them)."""
+    return _region(IS, H_RQ)
+
+
+@_view
+def _free_slots(IS):
+    """The free transfer slots, a stack (``S_FREEN`` of them)."""
+    return _region(IS, H_FREE)
+
+
+@_view
+def _waiting(IS):
+    """The waiting proposals' keys, a ring of ``H_NKEYS`` from ``S_WH`` (``S_WN`` of them)."""
+    return _region(IS, H_WQ)
+
+
+@_view
+def _layer_gen(IS):
+    """Per layer, its prefetch admission generation (:func:`evictable`)."""
+    return _region(IS, H_LGEN)
+
+
+@_view
+def _layer_admitted(IS):
+    """Per layer, whether a prefetch was admitted into it in the current generation."""
+    return _region(IS, H_LADM)
+
+
+@_view
+def _layer_mark(IS):
+    """Per layer, the proposal generation that last marked it."""
+    return _region(IS, H_LMARK)
+
+
+@_view
+def _spec_scratch(IS):
+    """The speculative miss policy's scratch: two lookup buffers' experts."""
+    return _region(IS, H_SPEC)
+
+
+@_view
+def _routed(IS):
+    """Per key, the layer generation (``S_LAYERGEN``) that last routed it."""
+    return _region(IS, H_ROUTED)
+
+
+@_view
+def _kept_scratch(IS):
+    """The prefetch ring's compaction scratch (``H_POOL`` slots)."""
+    return _region(IS, H_PFTMP)
+
+
+@_view
+def _final(IS):
+    """What each token of the layer computes: ``k`` experts per token (-1: dropped)."""
+    return _region(IS, H_FIN)
+
+
+@_view
+def _level_precs(IS):
+    """The precision cascade's levels, each a precision index (``C_NLEV`` of them)."""
+    return _region(IS, H_LEVELS)
+
+
+@_view
+def _prec_bytes(IS):
+    """Per precision index, an entry's bytes."""
+    return _region(IS, H_PBYTES)
+
+
+@_view
+def _victims_scratch(IS):
+    """The eviction's victim list scratch (``2 * H_NKEYS``)."""
+    return _region(IS, H_VICT)
+
+
+@_view
+def _ready_scratch(IS, FS):
+    """On-arrival execution's computations in order: when each one's expert is on the GPU."""
+    return FS[IS[H_SCR]:]
+
+
+@_view
+def _seconds_scratch(IS, FS):
+    """On-arrival execution's computations in order: each one's compute seconds."""
+    return FS[IS[H_SCR] + IS[C_MAXN]:]
+
+
+@_view
+def _mass_scratch(IS, FS):
+    """A token's gate masses, routed then kept (``2 * top-k``)."""
+    return FS[IS[H_MSCR]:]
+
+
+@_view
+def _prec_seconds(IS, FS):
+    """Per precision index, an entry's copy seconds."""
+    return FS[IS[H_PDUR]:]
+
+
+@_view
+def _runs(IS, W):
+    """The layer's computations (layer and on-arrival execution; ``S_NCOMP`` of them)."""
+    return W[IS[H_RUNS]:]
+
+
+@_view
+def _buffer(buf, IS, W):
+    """Per-expert execution's lookup buffer ``buf`` (0 or 1; ``C_LRUNCAP`` records)."""
+    return W[IS[H_LRUN] + buf * IS[C_LRUNCAP]:]
+
+
+@_view
+def _pending_prefetches(IS, W):
+    """The prefetches pending admission (slot, sequence and key; ``S_PENDN`` of them, up to
+    ``H_PENDMAX``)."""
+    return W[IS[H_PENDA]:]
+
+
+@_view
+def _pass_factors(IS, DF):
+    """The per-pass expert-compute factor of each pass of the piece."""
+    return DF[IS[H_SCALE]:]
 
 
 @_inline
@@ -123,7 +280,7 @@ def _ring(i, size):
 @_jit
 def _key(j, IS, A):
     """The cache key of access ``j``."""
-    return _key_at(A[0][j], A[1][j], IS)
+    return _key_at(A.layer[j], A.expert[j], IS)
 
 
 @_inline
@@ -137,17 +294,29 @@ def _prec(key, IS):
 def _nbytes(key, IS):
     """The size of ``key``'s entry: its precision's expert bytes (``C_NBYTES``, the
     scenario's, unless a precision cascade may cache others)."""
-    return IS[IS[H_PBYTES] + key % IS[C_NPREC]] if IS[C_MULTI] else IS[C_NBYTES]
+    return _prec_bytes(IS)[key % IS[C_NPREC]] if IS[C_MULTI] else IS[C_NBYTES]
+
+
+@_view
+def _ffn_table(IS, DF):
+    """Expert compute seconds by token count at the scenario's precision."""
+    return DF[IS[H_TTAB]:]
+
+
+@_view
+def _ffn_tables(IS, DF):
+    """Expert compute seconds by token count at each precision, largest first, one row of
+    ``C_TLEN`` per precision index (the scenario's is :func:`_ffn_table`)."""
+    return DF[IS[H_TTAB] - IS[C_DPREC] * IS[C_TLEN]:]
 
 
 @_inline
 def _ffn(key, tokens, DF, IS):
     """Compute seconds of expert ``key`` (at its precision) with ``tokens`` tokens, before
-    the pass's factor: ``H_TTAB`` is the scenario's precision's row of the table, the
-    other precisions' rows lie ``C_TLEN`` apart around it."""
+    the pass's factor."""
     if IS[C_MULTI]:
-        return DF[IS[H_TTAB] + (key % IS[C_NPREC] - IS[C_DPREC]) * IS[C_TLEN] + tokens]
-    return DF[IS[H_TTAB] + tokens]
+        return _ffn_tables(IS, DF)[(key % IS[C_NPREC]) * IS[C_TLEN] + tokens]
+    return _ffn_table(IS, DF)[tokens]
 
 
 @_jit
@@ -165,7 +334,7 @@ def evictable(key, pin_gen, adm_layer, IS, K):
     the earlier admissions of a prefetch's target layer ``adm_layer`` (-1: none)."""
     if K[key].state != RESIDENT or K[key].pin == pin_gen or K[key].static:
         return False
-    return not (adm_layer >= 0 and K[key].layer == adm_layer and K[key].adm == IS[IS[H_LGEN] + adm_layer])
+    return not (adm_layer >= 0 and K[key].layer == adm_layer and K[key].adm == _layer_gen(IS)[adm_layer])
 
 
 @_inline
@@ -197,6 +366,13 @@ def pending(key, IS, K):
     """Whether ``key`` is one of the current layer's routed experts still to run
     (``Clock.pending``); marked only for a form that declares ``reads_pending``."""
     return K[key].pend == IS[S_PENDGEN]
+
+
+@_inline
+def routed_now(key, IS):
+    """Whether ``key`` is one of the current layer's routed experts (marked for a miss policy
+    that changes what tokens compute)."""
+    return _routed(IS)[key] == IS[S_LAYERGEN]
 
 
 @_inline
@@ -240,7 +416,14 @@ def access_of(key, ai, IS, DI, A):
 @_inline
 def access_weight(ai, A):
     """The summed gate weight of access ``ai`` (0 for -1: none)."""
-    return A[3][ai] if ai >= 0 else 0.0
+    return A.weight[ai] if ai >= 0 else 0.0
+
+
+def region(state: np.ndarray, h: int, n: int, IS: np.ndarray) -> np.ndarray:
+    """The first ``n`` elements of region ``h`` (``H_*``) of ``state`` (``IS``, ``FS``, ``W``
+    or ``DF``), for Python to fill."""
+    start = int(IS[h])
+    return state[start:start + n]
 
 
 def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, fin: int = 1,
@@ -252,11 +435,12 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
     (``H_PBYTES``, ``H_PDUR``); the only precision level is the default, 0. ``per_layer``:
     the keys of a layer (``C_DIV``: experts times precisions; 0, all the keys in one layer),
     each key's layer (``K.layer``) its key over it."""
+    # the regions sized by a layer's tokens come last (:func:`grow_rows` extends them)
     i_sizes = ((H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
                (H_FREE, pool), (H_WQ, num_keys),
                (H_LGEN, num_keys), (H_LADM, num_keys), (H_LMARK, num_keys),
-               (H_SPEC, 2 * lrun), (H_ROUTED, num_keys),
-               (H_PFTMP, pool), (H_FIN, fin), (H_LEVELS, nprec), (H_PBYTES, nprec), (H_VICT, 2 * num_keys))
+               (H_ROUTED, num_keys), (H_PFTMP, pool), (H_LEVELS, nprec), (H_PBYTES, nprec),
+               (H_VICT, 2 * num_keys), (H_FIN, fin), (H_SPEC, 2 * lrun))
     f_sizes = ((H_SCR, 2 * max(1, maxn)), (H_MSCR, 2 * top_k),
                (H_PDUR, nprec))
     n_i, n_f = I_HEADER, F_HEADER
@@ -277,16 +461,17 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
     for name in ("tid", "evicted", "accpass"):
         K[name] = -1
     T = np.zeros(pool, TRANSFER).view(np.recarray)
-    # W's regions: the layer's computations, the two lookup buffers, the pending prefetches
-    IS[H_RUNS], IS[H_LRUN], IS[H_PENDA] = 0, max(1, maxn), max(1, maxn) + 2 * lrun
-    W = np.zeros(max(1, maxn) + 2 * lrun + pend_max, WORK).view(np.recarray)
-    IS[IS[H_FREE]:IS[H_FREE] + pool] = np.arange(pool - 1, -1, -1)
-    IS[IS[H_LGEN]:IS[H_LGEN] + num_keys] = 1
+    # W's regions: the layer's computations, the pending prefetches, the two lookup buffers
+    IS[H_RUNS], IS[H_PENDA], IS[H_LRUN] = 0, max(1, maxn), max(1, maxn) + pend_max
+    W = np.zeros(max(1, maxn) + pend_max + 2 * lrun, WORK).view(np.recarray)
+    region(IS, H_FREE, pool, IS)[:] = np.arange(pool - 1, -1, -1)
+    region(IS, H_LGEN, num_keys, IS)[:] = 1
     IS[C_DIV] = per_layer or num_keys
     K["layer"] = np.arange(num_keys) // IS[C_DIV]
     IS[C_NPREC] = nprec
     IS[C_NLEV] = 1
     IS[C_NBYTES] = 1
-    IS[IS[H_PBYTES]:IS[H_PBYTES] + nprec] = 1
-    FS[IS[H_PDUR]:IS[H_PDUR] + nprec] = 1.0
+    region(IS, H_PBYTES, nprec, IS)[:] = 1
+    region(FS, H_PDUR, nprec, IS)[:] = 1.0
     return IS, FS, K, T, W
+

@@ -208,7 +208,7 @@ def kernel_by_hand(ev: str, num_keys: int, layers: int = 1, nprec: int = 1, para
     FS[KS.CF_CAP] = capacity
     hooks, S = K._form_arrays(policy, num_keys)
     DI = np.zeros(2, np.int64)
-    A = (*(np.zeros(1, np.int64),) * 5, hooks, S)
+    A = KS.Accesses(*(np.zeros(1, np.int64),) * 5, hooks, S)
     return IS, FS, KR, TR, DI, A
 
 

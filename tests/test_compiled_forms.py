@@ -408,7 +408,7 @@ def test_least_stale_lists_by_hand():
     assert _ls_walk(f, False) == [0, 1, 3, 4]
     f.withdraw(1)  # joined the stale list behind 0 at the pass: its neighbour is 0
     assert _ls_walk(f, False) == [0, 3, 4]
-    S = f.A[f.KS.A_FORM]
+    S = f.A.form
     assert S[0][0, 1] == -1  # 0 has no next
     assert S[2][1 + 1] == 0  # layer 0's stale list ends at 0
 
@@ -454,7 +454,7 @@ def test_a_new_pass_appends_each_current_list_behind_its_stale_tail():
     f.fetch(2, True)
     f.at(2, 0, set())
     assert _ls_walk(f, False) == [0, 1, 2]
-    S = f.A[f.KS.A_FORM]
+    S = f.A.form
     assert (S[0][2, 0], S[0][1, 1]) == (1, 2)
     f.withdraw(2)
     assert _ls_walk(f, False) == [0, 1]

@@ -647,7 +647,7 @@ def test_the_kernels_room_takes_as_many_victims_as_it_needs_or_changes_nothing()
     IS[IS[KS.H_PBYTES]:IS[KS.H_PBYTES] + 2] = [4, 1]  # key % 2 == 0: 4 bytes, else 1 byte
     FS[KS.CF_CAP] = 8.0
     S = RecencyList.state(None, 8)
-    DI, A = np.zeros(1, np.int64), (*(np.zeros(1, np.int64),) * 5, unused_hooks(), S)
+    DI, A = np.zeros(1, np.int64), KS.Accesses(*(np.zeros(1, np.int64),) * 5, unused_hooks(), S)
     for key in (1, 3, 4, 7):  # least recently used first; 7 bytes in all
         KE._insert(key, KC._submit(key, KS.DEMAND, 0.0, 0, IS, TR, FS), True, -1, IS, KR, TR, DI, A)
     assert IS[KS.S_USED] == 7
@@ -716,7 +716,7 @@ def test_statically_pinned_experts_stay_out_of_the_recency_lists(ev):
     for key in (5, 2, 6, 1):
         KE._on_access(key, -1, IS, KR, DI, A)
 
-    S = A[KS.A_FORM]
+    S = A.form
 
     def walk(head: int) -> list[int]:
         out, key = [], S[2][head]
@@ -795,8 +795,8 @@ def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
     else:
         mass = np.array([[1.0, tiny, tiny]], np.float32)
         want_total = want_kept = want_sub = 1.0
-    M = (np.array([0], np.int64), np.array([0, 1], np.int64), experts, mass, np.array([0], np.int64),
-         np.array([-1], np.int64), np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64))
+    M = KS.Tokens(np.array([0], np.int64), np.array([0, 1], np.int64), experts, mass, np.array([0], np.int64),
+                  np.array([-1], np.int64), np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64))
 
     def mass_with(final: list[int]) -> tuple[float, float, int]:
         IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 3] = final
@@ -807,8 +807,8 @@ def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
     assert mass_with([7, 1, 3]) == (want_total, want_total, 0)
     assert mass_with([7, 1, -1]) == (want_total, want_kept, 1)  # expert 3 dropped
     assert mass_with([7, 1, -1])[2] == 1  # the same token again in the pass: altered once
-    assert M[5][0] == 0  # marked in pass 0
-    M[5][0] = -1  # a new pass
+    assert M.mark[0] == 0  # marked in pass 0
+    M.mark[0] = -1  # a new pass
     assert mass_with([7, 1, 0]) == (want_total, want_sub, 2)  # expert 0 computes for 3
 
 
@@ -834,9 +834,9 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
     probs[:, 1] = probs[:, 2] = probs[:, 6] = 0.5
     probs[:, 3] = (0.5, 0.0)  # mean 0.25
     probs[:, 5] = (1.0, 0.5)  # mean 0.75
-    M = (np.array([0, 1], np.int64), np.array([0, 2], np.int64), experts, probs, np.array([0, 1], np.int64),
-         np.array([-1, -1], np.int64), np.zeros((1, 1), np.float32), np.zeros(2, np.int64), np.zeros(2, np.int64))
-    KX._fin_init(0, 0, 0, 0, IS, (np.zeros(0, np.int32),) * 5, M)
+    M = KS.Tokens(np.array([0, 1], np.int64), np.array([0, 2], np.int64), experts, probs, np.array([0, 1], np.int64),
+                  np.array([-1, -1], np.int64), np.zeros((1, 1), np.float32), np.zeros(2, np.int64), np.zeros(2, np.int64))
+    KX._fin_init(0, 0, 0, 0, IS, KS.Accesses(*(np.zeros(0, np.int32),) * 5, (), ()), M)
     for e in (0, 1, 2):
         IS[IS[KS.H_ROUTED] + e] = 3  # routed in this layer
     for e, state in ((1, KS.RESIDENT), (2, KS.RESIDENT), (3, KS.RESIDENT), (4, KS.INFLIGHT), (5, KS.RESIDENT)):
@@ -864,7 +864,7 @@ def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
     IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 1, 2, E, 1, 0, E
     IS[KS.C_FORM] = form_index(FIFO)
     IS[KS.S_LAYERGEN] = 1
-    A = (*(np.zeros(1, np.int32),) * 5, unused_hooks(), InsertionList.state(None, E))
+    A = KS.Accesses(*(np.zeros(1, np.int32),) * 5, unused_hooks(), InsertionList.state(None, E))
     KC._submit(3, KS.DEMAND, 0.0, 0, IS, TR, FS)  # the link is busy until t = 1
     tid = KC._submit(2, KS.PREFETCH, 0.0, 0, IS, TR, FS)
     KR[2].state = KS.INFLIGHT
@@ -943,13 +943,13 @@ def test_the_kernels_speculation_by_hand():
     pred[1, [1, 3, 5, 6]] = (0.9, 0.4, 0.4, 1.0)
     prev_row = np.array([0, 1, 0], np.int64)
     prev_stamp = np.array([0, 0, -1], np.int64)  # token 2 has no row in (pass 0, layer 0)
-    M = (np.array([0, 1, 2, 3, 4, 5], np.int64), np.array([0, 3, 6], np.int64), experts,
-         np.zeros((6, E), np.float32), np.array([0, 1, 2, 0, 1, 2], np.int64), np.full(3, -1, np.int64),
-         pred, prev_row, prev_stamp)
+    M = KS.Tokens(np.array([0, 1, 2, 3, 4, 5], np.int64), np.array([0, 3, 6], np.int64), experts,
+                  np.zeros((6, E), np.float32), np.array([0, 1, 2, 0, 1, 2], np.int64), np.full(3, -1, np.int64),
+                  pred, prev_row, prev_stamp)
     IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 6] = (0, 2, 0, 1, 0, 4)
     for e in (1, 2, 3, 4, 5):
         KR[E + e].state = KS.RESIDENT
-    A = (*(np.zeros(1, np.int32),) * 5, unused_hooks(), InsertionList.state(None, 2 * E))
+    A = KS.Accesses(*(np.zeros(1, np.int32),) * 5, unused_hooks(), InsertionList.state(None, 2 * E))
     IS[KS.S_LRUNN] = 0
     KL._speculate(0, 9, 0, IS, KR, TR, WR, FS, np.zeros(1, np.int64), A, M)
     assert IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 6].tolist() == [3, 2, 3, 1, -1, 4]

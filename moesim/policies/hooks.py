@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from moesim.jit import inline, jit, kernel
-from moesim.kernel_state import A_HOOKS, access_of, current_layer, current_pass, evictable
+from moesim.kernel_state import access_of, current_layer, current_pass, evictable
 from moesim.kernel_state import access_weight as weight_of
 from moesim.policies.eviction import (
     CLOCK_KEYS_PER_LAYER,
@@ -341,7 +341,7 @@ def _unused_state() -> tuple[np.ndarray, ...]:
 
 
 def unused_hooks() -> tuple[Any, ...]:
-    """``A[A_HOOKS]`` for a form other than :class:`PriorityHooks`: hooks that are never called,
+    """``A.hooks`` for a form other than :class:`PriorityHooks`: hooks that are never called,
     of the types the real ones have (one compiled kernel serves every form)."""
     clock, si, sf = _unused_state()
     return _first_class(addresses(_NoHooks), clock, si, sf, np.zeros(1, np.int64))
@@ -349,14 +349,14 @@ def unused_hooks() -> tuple[Any, ...]:
 
 def _first_class(fns: tuple[Any, ...], clock: np.ndarray, si: np.ndarray, sf: np.ndarray,
                  keys: np.ndarray) -> tuple[Any, ...]:
-    """``A[A_HOOKS]``: each hook in a tuple of one, which numba types as a first-class function (a
+    """``A.hooks``: each hook in a tuple of one, which numba types as a first-class function (a
     function's address, called indirectly) rather than as that function (one compiled kernel
     for every hook policy); the clock and state; the cached keys (a view of the form's member
     list) and the victim search's buffer of their priorities."""
     return (*((f,) for f in fns), clock, si, sf, keys, np.zeros(max(len(si), len(keys))))
 
 
-# A[A_HOOKS]: the hooks (insert, access, remove, priority, priorities), clock, state, members, priorities
+# A.hooks: the hooks (insert, access, remove, priority, priorities), clock, state, members, priorities
 U_INSERT, U_ACCESS, U_REMOVE, U_PRIORITY, U_PRIORITIES, U_CLOCK, U_SI, U_SF, U_KEYS, U_PRIOS = range(10)
 # the form's own arrays: I2 (the tick of the key's last insert or use, its place among the members),
 # F2 (its kept priority), I1 (the tick, the members' count, the members), F1 (1: a stable priority)
@@ -368,7 +368,7 @@ TICK, COUNT, MEMBERS = 0, 1, 2
 @inline
 def _set_clock(S: Any, IS: np.ndarray, A: Any) -> None:
     """The hooks' clock at the replay's pass, layer and tick."""
-    clock = A[A_HOOKS][U_CLOCK]
+    clock = A.hooks[U_CLOCK]
     clock[CLOCK_PASS] = current_pass(IS)
     clock[CLOCK_LAYER] = current_layer(IS)
     clock[CLOCK_TICK] = S[2][TICK]
@@ -384,7 +384,7 @@ def _touched(key: int, S: Any) -> None:
 def _keep(key: int, S: Any, A: Any) -> None:
     """A stable priority (``stable_priority``) is computed after the key's hooks ran and kept."""
     if S[3][0]:
-        H = A[A_HOOKS]
+        H = A.hooks
         S[1][key, KEPT] = H[U_PRIORITY][0](key, H[U_CLOCK], H[U_SI], H[U_SF])
 
 
@@ -398,7 +398,7 @@ def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI:
     _touched(key, S)
     w = float(weight_of(access_of(key, ai, IS, DI, A), A)) if demand else 0.0
     _set_clock(S, IS, A)
-    H = A[A_HOOKS]
+    H = A.hooks
     H[U_INSERT][0](key, demand != 0, w, H[U_CLOCK], H[U_SI], H[U_SF])
     _keep(key, S, A)
 
@@ -407,7 +407,7 @@ def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI:
 def _access(key: int, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
     _touched(key, S)
     _set_clock(S, IS, A)
-    H = A[A_HOOKS]
+    H = A.hooks
     H[U_ACCESS][0](key, float(weight_of(access_of(key, ai, IS, DI, A), A)), H[U_CLOCK], H[U_SI], H[U_SF])
     _keep(key, S, A)
 
@@ -422,7 +422,7 @@ def _remove(key: int, evicted: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> N
     I1[COUNT] -= 1
     I2[key, MEMB] = -1
     _set_clock(S, IS, A)
-    H = A[A_HOOKS]
+    H = A.hooks
     H[U_REMOVE][0](key, H[U_CLOCK], H[U_SI], H[U_SF])
 
 
@@ -443,7 +443,7 @@ def _victim(for_prefetch: bool, pin_gen: int, adm_layer: int, again: int, S: Any
             if best == -1 or f < bf or (f == bf and st < bs):
                 best, bf, bs = key, f, st
         return best
-    H = A[A_HOOKS]
+    H = A.hooks
     keys, prios = H[U_KEYS], H[U_PRIOS]  # keys: the members (a view of I1)
     _set_clock(S, IS, A)
     H[U_PRIORITIES][0](keys, n, prios, H[U_CLOCK], H[U_SI], H[U_SF])
@@ -460,7 +460,7 @@ def _victim(for_prefetch: bool, pin_gen: int, adm_layer: int, again: int, S: Any
 class PriorityHooks(KernelForm):
     """The compiled form of every eviction policy given as hooks (:class:`HookEviction`, a user's,
     and the built-ins' ``compiled`` forms: lfu, fld, score, lhu): the members and their stamps
-    and kept priorities in its arrays, the hooks called through ``A[A_HOOKS]`` (first-class
+    and kept priorities in its arrays, the hooks called through ``A.hooks`` (first-class
     functions: one compiled kernel for all of them)."""
 
     insert = staticmethod(_insert)

@@ -21,7 +21,7 @@ policy with a compiled form (:func:`miss_form`: it decides, the kernel carries t
 (:meth:`~moesim.policies.prefetch.base.PrefetchPolicy.why_not_compiled`: its proposals are arrays
 made ahead of the kernel's calls from the trace alone, :func:`_proposals_ahead`; a user's
 prefetcher written as a hook, :class:`policies.hooks.HookPrefetch`, has one when it compiles). The miss policies that re-route tokens
-keep what each token of the layer computes in ``IS[H_FIN]``; the precision cascades cache
+keep what each token of the layer computes (``kernel_state._final``); the precision cascades cache
 entries of several sizes (a key's precision gives its bytes, copy and compute seconds; room is
 made by as many victims as it takes, in :func:`simulator.kernel_cache._victims`). Everything else
 — a routing or budget policy that changes what a token computes (each is its own Python/numpy
@@ -65,7 +65,6 @@ import numpy as np
 
 from moesim.jit import HAVE_NUMBA, forget_large_tuples, forget_tuples
 from moesim.kernel_state import (
-    A_FORM,
     C_BLOCKING,
     C_DPREC,
     C_FORM,
@@ -110,7 +109,10 @@ from moesim.kernel_state import (
     S_PBASE,
     SF_BUSY,
     SF_NOW,
+    Accesses,
+    Tokens,
     _layout,
+    region,
 )
 from moesim.policies.eviction.base import KernelForm
 from moesim.policies.miss.base import MissForm
@@ -182,8 +184,8 @@ def prefetch_form(cls: type) -> str | None:
 
 
 def _form_arrays(policy: Any, num_keys: int) -> tuple[tuple[Any, ...], tuple[np.ndarray, ...]]:
-    """The eviction form's ``A[A_HOOKS]`` (a hook policy's compiled hooks and their state, or
-    hooks never called) and its own state arrays, ``A[A_FORM]``."""
+    """The eviction form's ``A.hooks`` (a hook policy's compiled hooks and their state, or
+    hooks never called) and its own state arrays, ``A.form``."""
     from moesim.policies.hooks import unused_hooks
 
     form = eviction_form(type(policy))
@@ -206,17 +208,15 @@ CALL_ACCESSES = 1 << 18
 BLOCK_PASSES = 1 << 13
 
 
-_NO_MASS = (np.zeros(1, np.int64), np.zeros(2, np.int64), np.zeros((1, 1), np.int16),
-            np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64),
-            np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64))
+_NO_PRED = np.zeros((1, 1), np.float32)  # M.pred of a trace without next-layer predictions
 
 
-def _mass_arrays(sim: Any) -> tuple[np.ndarray, ...]:
-    """What the per-token functions read: the trace's rows of each (pass, layer) in order
-    (CSR), its experts, the mass per row (router probabilities when the trace has them, else
-    the top-k weights), each row's token (request, position) numbered, a mark per token, the
-    next-layer predictions (speculative) and per token its row in the latest layer replayed
-    and that layer's (pass, layer) index."""
+def _mass_arrays(sim: Any) -> Tokens:
+    """What the per-token functions read (:data:`moesim.kernel_state.Tokens`): the trace's
+    rows of each (pass, layer) in order (CSR), its experts, the mass per row (router
+    probabilities when the trace has them, else the top-k weights), each row's token
+    (request, position) numbered, a mark per token, the next-layer predictions (speculative)
+    and per token its row in the latest layer replayed and that layer's (pass, layer) index."""
     wl = sim.wl
     trace = wl.trace
     assert trace is not None
@@ -226,11 +226,11 @@ def _mass_arrays(sim: Any) -> tuple[np.ndarray, ...]:
     tok = trace.request.astype(np.int64) * (int(trace.position.max(initial=0)) + 1) + trace.position
     _, token = np.unique(tok, return_inverse=True)
     n_tok = int(token.max(initial=0)) + 1
-    return (np.ascontiguousarray(wl.row_order, np.int64), np.ascontiguousarray(wl.row_off, np.int64),
-            np.ascontiguousarray(trace.experts, np.int16), np.ascontiguousarray(mass, np.float32),
-            token.astype(np.int64), np.full(n_tok, -1, np.int64),
-            np.ascontiguousarray(wl.pred_next, np.float32) if wl.pred_next is not None else _NO_MASS[6],
-            np.zeros(n_tok, np.int64), np.full(n_tok, -1, np.int64))
+    return Tokens(np.ascontiguousarray(wl.row_order, np.int64), np.ascontiguousarray(wl.row_off, np.int64),
+                  np.ascontiguousarray(trace.experts, np.int16), np.ascontiguousarray(mass, np.float32),
+                  token.astype(np.int64), np.full(n_tok, -1, np.int64),
+                  np.ascontiguousarray(wl.pred_next, np.float32) if wl.pred_next is not None else _NO_PRED,
+                  np.zeros(n_tok, np.int64), np.full(n_tok, -1, np.int64))
 
 
 def _precisions(sim: Any, miss: type[MissForm], max_rows: int, IS: np.ndarray, FS: np.ndarray) -> np.ndarray:
@@ -242,10 +242,10 @@ def _precisions(sim: Any, miss: type[MissForm], max_rows: int, IS: np.ndarray, F
     sizes = [int(sim.model.expert_bytes[q]) for q in sim.precisions]
     cascade = miss.cascade
     IS[C_NPREC], IS[C_DPREC], IS[C_NBYTES] = sim.num_prec, sim.default_prec, sim.expert_bytes
-    IS[IS[H_PBYTES]:IS[H_PBYTES] + sim.num_prec] = sizes
-    FS[IS[H_PDUR]:IS[H_PDUR] + sim.num_prec] = [sim.copy.duration(nb) for nb in sizes]
+    region(IS, H_PBYTES, sim.num_prec, IS)[:] = sizes
+    region(FS, H_PDUR, sim.num_prec, IS)[:] = [sim.copy.duration(nb) for nb in sizes]
     levels = list(sim.miss.levels) if cascade else [sim.default_prec]
-    IS[IS[H_LEVELS]:IS[H_LEVELS] + len(levels)] = levels
+    region(IS, H_LEVELS, len(levels), IS)[:] = levels
     IS[C_NLEV] = len(levels)
     IS[C_MULTI] = cascade  # only a cascade caches other precisions
     table, scale = sim.ffn_table(max_rows)  # a substitute computes up to all of a layer's tokens
@@ -355,7 +355,7 @@ def _piece(sim: Any, wl: Any, miss: type[MissForm], max_rows: int, IS: np.ndarra
     form = eviction_form(type(sim.eviction))
     assert form is not None
     S = form.piece(sim.eviction, S, wl, after, int(IS[H_NKEYS]))
-    A = (wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight, wl.acc_rank, hooks, S)
+    A = Accesses(wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight, wl.acc_rank, hooks, S)
     DF = _precisions(sim, miss, max_rows, IS, FS)
     M = _mass_arrays(sim) if not sim.miss.always_fetch else None
     return DI, A, DF, M, sim.nonexpert_times()
@@ -469,7 +469,7 @@ def replay(sim: Any) -> None:
     the state carried over (the same arithmetic on the same state: ``S_PBASE`` maps a pass
     to its piece's arrays), and ``sim`` then adopts the joined passes."""
     with warnings.catch_warnings():
-        if HAVE_NUMBA:  # the hooks in ``A[U]`` are numba's first-class functions, "experimental"
+        if HAVE_NUMBA:  # the hooks in ``A.hooks`` are numba's first-class functions, "experimental"
             from numba.core.errors import NumbaExperimentalFeatureWarning
 
             warnings.simplefilter("ignore", NumbaExperimentalFeatureWarning)
@@ -509,6 +509,11 @@ def _pass_arrays(wl: Any) -> tuple[np.ndarray, ...]:
             np.zeros(n_pass), np.zeros(n_pass), np.zeros(n_pass), np.zeros(n_pass), np.zeros(n_pass))
 
 
+def _layer_rows(wl: Any) -> int:
+    """The most trace rows (tokens) any (pass, layer) of ``wl`` holds."""
+    return int(np.diff(wl.row_off).max(initial=0)) if wl.row_off is not None else 0
+
+
 def _replay(sim: Any) -> None:
     wl, model = sim.wl, sim.model
     num_l = model.num_layers
@@ -524,7 +529,7 @@ def _replay(sim: Any) -> None:
     assert miss is not None, "kernel_form"
     fetch_only = sim.miss.always_fetch
     assert not streamed or fetch_only, "simulator.stream.why_whole"
-    max_rows = int(np.diff(wl.row_off).max(initial=0)) if not fetch_only and wl.row_off is not None else 0
+    max_rows = 0 if fetch_only else _layer_rows(wl)
     reroute = miss.reroutes
     # a layer computes its routed experts and, for a miss policy that re-routes, others
     max_runs = maxn + (model.num_experts if reroute else 0)
@@ -592,7 +597,7 @@ def _replay(sim: Any) -> None:
                 outs, parts, held = [], [], 0
             if nxt is None:
                 break
-            S = A[A_FORM]  # the eviction form's state goes on (its per-piece part made anew)
+            S = A.form  # the eviction form's state goes on (its per-piece part made anew)
             del DI, A, DF, M, nonexp
             forget_large_tuples()  # the piece's per-access arrays, kept by the kernel with their type
             wl = nxt

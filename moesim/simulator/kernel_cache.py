@@ -4,7 +4,7 @@ entry, insertion.
 
 The form is one of :data:`moesim.policies.eviction.forms.FORM_CLASSES`, picked by its index
 (``IS[C_FORM]``): each event goes to that form's hook, with the form's own state arrays
-(``A[A_FORM]``). The loops over the forms are unrolled when the kernel compiles: the hooks of the
+(``A.form``). The loops over the forms are unrolled when the kernel compiles: the hooks of the
 forms declared ``inline`` are inlined where the kernel calls them, the others' are reached
 through one compiled function per hook (``_called_*``).
 """
@@ -15,19 +15,18 @@ from moesim.jit import inline as _inline
 from moesim.jit import kernel as _jit
 from moesim.jit import literal_unroll
 from moesim.kernel_state import (
-    A_FORM,
     ABSENT,
     C_FORM,
     C_INSTANT,
     C_KEEPSTATIC,
     CF_CAP,
-    H_VICT,
     INFLIGHT,
     R_PFUSED,
     S_MAXUSED,
     S_PASS,
     S_USED,
     _nbytes,
+    _victims_scratch,
 )
 from moesim.policies.eviction.forms import CALLED_FORMS, INLINE_FORMS, INLINED
 from moesim.simulator.kernel_copy import _complete
@@ -54,7 +53,7 @@ def _on_insert(key, demand, ai, IS, K, DI, A):
     i = 0
     for form in literal_unroll(INLINE_FORMS):
         if i == f:
-            form[_INSERT](key, demand, ai, A[A_FORM], IS, K, DI, A)
+            form[_INSERT](key, demand, ai, A.form, IS, K, DI, A)
         i += 1
 
 
@@ -63,7 +62,7 @@ def _called_insert(f, key, demand, ai, IS, K, DI, A):
     i = 0
     for form in literal_unroll(CALLED_FORMS):
         if i == f:
-            form[_INSERT](key, demand, ai, A[A_FORM], IS, K, DI, A)
+            form[_INSERT](key, demand, ai, A.form, IS, K, DI, A)
         i += 1
 
 
@@ -79,7 +78,7 @@ def _on_access(key, ai, IS, K, DI, A):
     i = 0
     for form in literal_unroll(INLINE_FORMS):
         if i == f:
-            form[_ACCESS](key, ai, A[A_FORM], IS, K, DI, A)
+            form[_ACCESS](key, ai, A.form, IS, K, DI, A)
         i += 1
 
 
@@ -88,7 +87,7 @@ def _called_access(f, key, ai, IS, K, DI, A):
     i = 0
     for form in literal_unroll(CALLED_FORMS):
         if i == f:
-            form[_ACCESS](key, ai, A[A_FORM], IS, K, DI, A)
+            form[_ACCESS](key, ai, A.form, IS, K, DI, A)
         i += 1
 
 
@@ -102,7 +101,7 @@ def _on_remove(key, evicted, IS, K, A):
     i = 0
     for form in literal_unroll(INLINE_FORMS):
         if i == f:
-            form[_REMOVE](key, evicted, A[A_FORM], IS, K, A)
+            form[_REMOVE](key, evicted, A.form, IS, K, A)
         i += 1
 
 
@@ -111,7 +110,7 @@ def _called_remove(f, key, evicted, IS, K, A):
     i = 0
     for form in literal_unroll(CALLED_FORMS):
         if i == f:
-            form[_REMOVE](key, evicted, A[A_FORM], IS, K, A)
+            form[_REMOVE](key, evicted, A.form, IS, K, A)
         i += 1
 
 
@@ -127,7 +126,7 @@ def _on_select(key, IS, K, A):
     i = 0
     for form in literal_unroll(INLINE_FORMS):
         if i == f:
-            form[_SELECT](key, A[A_FORM], IS, K)
+            form[_SELECT](key, A.form, IS, K)
         i += 1
 
 
@@ -136,7 +135,7 @@ def _called_select(f, key, IS, K, A):
     i = 0
     for form in literal_unroll(CALLED_FORMS):
         if i == f:
-            form[_SELECT](key, A[A_FORM], IS, K)
+            form[_SELECT](key, A.form, IS, K)
         i += 1
 
 
@@ -147,11 +146,11 @@ def _new_pass(IS, K, A):
     i = 0
     for form in literal_unroll(INLINE_FORMS):
         if i == f:
-            form[_NEW_PASS](A[A_FORM], IS, K)
+            form[_NEW_PASS](A.form, IS, K)
         i += 1
     for form in literal_unroll(CALLED_FORMS):
         if i == f:
-            form[_NEW_PASS](A[A_FORM], IS, K)
+            form[_NEW_PASS](A.form, IS, K)
         i += 1
 
 
@@ -165,7 +164,7 @@ def _on_miss(key, IS, K, A):
     i = 0
     for form in literal_unroll(INLINE_FORMS):
         if i == f:
-            form[_MISS](key, A[A_FORM], IS, K)
+            form[_MISS](key, A.form, IS, K)
         i += 1
 
 
@@ -174,7 +173,7 @@ def _called_miss(f, key, IS, K, A):
     i = 0
     for form in literal_unroll(CALLED_FORMS):
         if i == f:
-            form[_MISS](key, A[A_FORM], IS, K)
+            form[_MISS](key, A.form, IS, K)
         i += 1
 
 
@@ -190,7 +189,7 @@ def _find_victim(for_prefetch, pin_gen, adm_layer, again, IS, K, A):
     v = -1
     for form in literal_unroll(INLINE_FORMS):
         if i == f:
-            v = form[_VICTIM](for_prefetch, pin_gen, adm_layer, again, A[A_FORM], IS, K, A)
+            v = form[_VICTIM](for_prefetch, pin_gen, adm_layer, again, A.form, IS, K, A)
         i += 1
     return v
 
@@ -201,7 +200,7 @@ def _called_victim(f, for_prefetch, pin_gen, adm_layer, again, IS, K, A):
     v = -1
     for form in literal_unroll(CALLED_FORMS):
         if i == f:
-            v = form[_VICTIM](for_prefetch, pin_gen, adm_layer, again, A[A_FORM], IS, K, A)
+            v = form[_VICTIM](for_prefetch, pin_gen, adm_layer, again, A.form, IS, K, A)
         i += 1
     return v
 
@@ -249,11 +248,11 @@ def _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, K, A):
     """:func:`_room` when the first victim ``v`` is not enough: each victim found is pinned
     while the walk goes on to the next (its pin restored after); all are evicted once they
     free enough, none when the walk runs out."""
-    vict = IS[H_VICT]
+    vict = _victims_scratch(IS)
     n = 0
     while v != -1:
-        IS[vict + 2 * n] = v
-        IS[vict + 2 * n + 1] = K[v].pin
+        vict[2 * n] = v
+        vict[2 * n + 1] = K[v].pin
         K[v].pin = pin_gen
         n += 1
         free += _nbytes(v, IS)
@@ -261,11 +260,11 @@ def _victims(nb, free, v, for_prefetch, pin_gen, adm_layer, IS, K, A):
             break
         v = _find_victim(for_prefetch, pin_gen, adm_layer, 1, IS, K, A)
     for j in range(n):  # the pins as they were
-        K[IS[vict + 2 * j]].pin = IS[vict + 2 * j + 1]
+        K[vict[2 * j]].pin = vict[2 * j + 1]
     if v == -1:
         return -1
     for j in range(n):
-        _evict_for(IS[vict + 2 * j], for_prefetch, IS, K, A)
+        _evict_for(vict[2 * j], for_prefetch, IS, K, A)
     return n
 
 

@@ -18,7 +18,6 @@ from moesim.kernel_state import (
     C_INSTANT,
     C_K,
     C_L,
-    C_MAXN,
     C_MODE,
     C_NBYTES,
     C_NPREC,
@@ -30,12 +29,6 @@ from moesim.kernel_state import (
     CF_HCOPY,
     CF_HLAUNCH,
     CF_HLAYER,
-    H_FIN,
-    H_MSCR,
-    H_ROUTED,
-    H_RUNS,
-    H_SCALE,
-    H_SCR,
     MODE_LAYER,
     R_ALTERED,
     R_BYTES,
@@ -64,10 +57,17 @@ from moesim.kernel_state import (
     SF_STALL,
     _buffer,
     _ffn,
+    _final,
     _here,
     _key,
+    _mass_scratch,
     _new_gen,
+    _pass_factors,
+    _ready_scratch,
+    _routed,
     _row_base,
+    _runs,
+    _seconds_scratch,
 )
 from moesim.simulator.kernel_cache import _kept_out, _new_pass, _on_insert
 from moesim.simulator.kernel_copy import _advance, _arrival
@@ -89,14 +89,15 @@ def _mark_pending(lo, hi, IS, K, A):
 def _tokens_of(key, tokens, p, IS, M):
     """How many of the layer's tokens finally compute ``key``: ``tokens`` unless the miss
     policy re-routes tokens (``C_REROUTE``: drop, substitute, speculative), else counted in
-    ``IS[H_FIN]``."""
+    :func:`~moesim.kernel_state._final`."""
     if M is None or not IS[C_REROUTE]:
         return tokens
     e = (key % IS[C_DIV]) // IS[C_NPREC]
     b = _here(IS)
     n = 0
-    for i in range((M[1][b + 1] - M[1][b]) * IS[C_K]):
-        n += IS[IS[H_FIN] + i] == e
+    fin = _final(IS)
+    for i in range((M.row_off[b + 1] - M.row_off[b]) * IS[C_K]):
+        n += fin[i] == e
     return n
 
 
@@ -120,12 +121,13 @@ def _layer(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M):
     computed = IS[S_NCOMP]
     if IS[C_PFACTIVE]:
         _propose(p, layer, p0, now, pins, IS, K, T, W, FS, DI, A, P)
-    scale = DF[IS[H_SCALE] + p - IS[S_PBASE]]
+    scale = _pass_factors(IS, DF)[p - IS[S_PBASE]]
+    runs = _runs(IS, W)
     if IS[C_MODE] == MODE_LAYER:
         ready = now
         total = 0.0
         for i in range(computed):
-            run = W[IS[H_RUNS] + i]
+            run = runs[i]
             a = _arrival(run.tid, run.seq, now, T)
             if a > ready:
                 ready = a
@@ -137,29 +139,30 @@ def _layer(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M):
                 ready = FS[SF_HOST]
         end = ready + total
     else:  # on-arrival: in arrival order (ties by compute time), each when it has arrived
+        ready, secs = _ready_scratch(IS, FS), _seconds_scratch(IS, FS)
         for i in range(computed):
-            run = W[IS[H_RUNS] + i]
+            run = runs[i]
             a = _arrival(run.tid, run.seq, now, T)
             f = _ffn(run.key, _tokens_of(run.key, run.tokens, p, IS, M), DF, IS) * scale
             j = i
-            while j > 0 and (FS[IS[H_SCR] + j - 1] > a or (FS[IS[H_SCR] + j - 1] == a and FS[IS[H_SCR] + IS[C_MAXN] + j - 1] > f)):
-                FS[IS[H_SCR] + j] = FS[IS[H_SCR] + j - 1]
-                FS[IS[H_SCR] + IS[C_MAXN] + j] = FS[IS[H_SCR] + IS[C_MAXN] + j - 1]
+            while j > 0 and (ready[j - 1] > a or (ready[j - 1] == a and secs[j - 1] > f)):
+                ready[j] = ready[j - 1]
+                secs[j] = secs[j - 1]
                 j -= 1
-            FS[IS[H_SCR] + j] = a
-            FS[IS[H_SCR] + IS[C_MAXN] + j] = f
+            ready[j] = a
+            secs[j] = f
         t = now
         for i in range(computed):
             if IS[C_HOST]:  # one launch per expert, after the GPU has run the last (sync: expert)
                 if IS[C_HSYNC] == 2 and FS[SF_HOST] < t:
                     FS[SF_HOST] = t
                 FS[SF_HOST] += FS[CF_HLAUNCH]
-            if FS[IS[H_SCR] + i] > t:
-                FS[SF_STALL] += FS[IS[H_SCR] + i] - t
-                t = FS[IS[H_SCR] + i]
+            if ready[i] > t:
+                FS[SF_STALL] += ready[i] - t
+                t = ready[i]
             if IS[C_HOST] and FS[SF_HOST] > t:
                 t = FS[SF_HOST]
-            t += FS[IS[H_SCR] + IS[C_MAXN] + i]
+            t += secs[i]
         end = t
     _new_gen(IS, S_PENDGEN)  # the layer's experts have run
     if IS[S_WN]:
@@ -172,17 +175,17 @@ def _layer(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M):
 @_inline
 def _pin_buffer(buf, pins, IS, K, W):
     """Pin the keys of lookup buffer ``buf``'s computations with generation ``pins``."""
-    b = _buffer(buf, IS)
+    b = _buffer(buf, IS, W)
     for x in range(IS[S_LRUNN + buf]):
-        K[W[b + x].key].pin = pins
+        K[b[x].key].pin = pins
 
 
 @_inline
 def _buffer_arrived(buf, t, IS, T, W):
     """Whether every computation of lookup buffer ``buf`` has its expert on the GPU by ``t``."""
-    b = _buffer(buf, IS)
+    b = _buffer(buf, IS, W)
     for x in range(IS[S_LRUNN + buf]):
-        run = W[b + x]
+        run = b[x]
         if _arrival(run.tid, run.seq, t, T) > t:
             return False
     return True
@@ -205,9 +208,9 @@ def _host_issue(buf, t, blocking, IS, T, W, FS):
     if IS[C_HSYNC] == 2 and FS[SF_HOST] < t:
         FS[SF_HOST] = t
     if blocking:
-        b = _buffer(buf, IS)
+        b = _buffer(buf, IS, W)
         for x in range(IS[S_LRUNN + buf]):
-            run = W[b + x]
+            run = b[x]
             a = _arrival(run.tid, run.seq, FS[SF_HOST], T)
             if a > FS[SF_HOST]:
                 FS[SF_HOST] = a
@@ -241,7 +244,7 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M):
     t = now
     cur = 0
     looked = 0
-    scale = DF[IS[H_SCALE] + p - IS[S_PBASE]]
+    scale = _pass_factors(IS, DF)[p - IS[S_PBASE]]
     IS[S_LRUNN] = IS[S_LRUNN + 1] = IS[S_NCOMP] = 0
     if n:
         _host_lookup(lo, t, _new_gen(IS, S_PINGEN), cur, IS, K, T, W, FS, DI, A, M)
@@ -252,9 +255,9 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M):
         if host and not launched:
             issued = _host_issue(cur, t, blocking, IS, T, W, FS)
         launched = False
-        base = _buffer(cur, IS)
+        base = _buffer(cur, IS, W)
         for x in range(IS[S_LRUNN + cur]):
-            run = W[base + x]
+            run = base[x]
             a = _arrival(run.tid, run.seq, t, T)
             if a > t:
                 FS[SF_STALL] += a - t
@@ -271,7 +274,7 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M):
             _host_lookup(lo + looked, t, pins, nxt, IS, K, T, W, FS, DI, A, M)
             looked += 1
         for x in range(IS[S_LRUNN + cur]):
-            run = W[base + x]
+            run = base[x]
             t += _ffn(run.key, run.tokens, DF, IS) * scale
         if timed:
             _advance(t, IS, K, T, FS)
@@ -312,55 +315,55 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M):
 
 
 @_jit
-def _pairwise_sum(FS, a, n):
-    """``FS[a:a + n]`` summed as numpy sums a float64 array of up to 128 terms: one after
+def _pairwise_sum(x, a, n):
+    """``x[a:a + n]`` summed as numpy sums a float64 array of up to 128 terms: one after
     another below eight, else in eight accumulators combined as a tree, then the rest."""
     if n < 8:
         res = 0.0
         for i in range(n):
-            res += FS[a + i]
+            res += x[a + i]
         return res
-    r0, r1, r2, r3 = FS[a], FS[a + 1], FS[a + 2], FS[a + 3]
-    r4, r5, r6, r7 = FS[a + 4], FS[a + 5], FS[a + 6], FS[a + 7]
+    r0, r1, r2, r3 = x[a], x[a + 1], x[a + 2], x[a + 3]
+    r4, r5, r6, r7 = x[a + 4], x[a + 5], x[a + 6], x[a + 7]
     i = 8
     while i < n - n % 8:
-        r0 += FS[a + i]
-        r1 += FS[a + i + 1]
-        r2 += FS[a + i + 2]
-        r3 += FS[a + i + 3]
-        r4 += FS[a + i + 4]
-        r5 += FS[a + i + 5]
-        r6 += FS[a + i + 6]
-        r7 += FS[a + i + 7]
+        r0 += x[a + i]
+        r1 += x[a + i + 1]
+        r2 += x[a + i + 2]
+        r3 += x[a + i + 3]
+        r4 += x[a + i + 4]
+        r5 += x[a + i + 5]
+        r6 += x[a + i + 6]
+        r7 += x[a + i + 7]
         i += 8
     res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
     while i < n:
-        res += FS[a + i]
+        res += x[a + i]
         i += 1
     return res
 
 
 @_jit
-def _insert_sorted(FS, at, n, v):
-    """Insert ``v`` into the ascending ``FS[at:at + n]``."""
+def _insert_sorted(x, at, n, v):
+    """Insert ``v`` into the ascending ``x[at:at + n]``."""
     i = n
-    while i > 0 and FS[at + i - 1] > v:
-        FS[at + i] = FS[at + i - 1]
+    while i > 0 and x[at + i - 1] > v:
+        x[at + i] = x[at + i - 1]
         i -= 1
-    FS[at + i] = v
+    x[at + i] = v
 
 
 @_jit
 def _token_mass(p, layer, IS, FS, M):
     """With a miss policy that changes what tokens compute: the layer's gate mass (original
-    top-k, and what each token finally computes, ``IS[H_FIN]``) and the pass's altered tokens,
+    top-k, and what each token finally computes, :func:`~moesim.kernel_state._final`) and the pass's altered tokens,
     as the engine's ``token_mass``: per token, probabilities at ascending expert ids summed as
     numpy sums them, or top-k weights in rank order (a weight counts while its expert stays)."""
-    row_order, row_off, experts, mass, token, mark = M[0], M[1], M[2], M[3], M[4], M[5]
+    row_order, row_off, experts, mass, token, mark = M.row_order, M.row_off, M.experts, M.mass, M.token, M.mark
     b = _row_base(p, IS) + layer
     k = IS[C_K]
-    scr = IS[H_MSCR]
-    fin = IS[H_FIN]
+    scr = _mass_scratch(IS, FS)
+    fin = _final(IS)
     total = 0.0
     kept = 0.0
     for i in range(row_off[b + 1] - row_off[b]):
@@ -371,12 +374,12 @@ def _token_mass(p, layer, IS, FS, M):
         t_kept = 0.0
         for j in range(k):
             e = np.int64(experts[r, j])
-            f = IS[fin + i * k + j]
+            f = fin[i * k + j]
             changed |= f != e
-            if IS[C_PROBS]:  # ids, ascending: the original at FS[scr], the final after them
-                _insert_sorted(FS, scr, j, e)
+            if IS[C_PROBS]:  # ids, ascending: the original at scr[0], the final after them
+                _insert_sorted(scr, 0, j, e)
                 if f >= 0:
-                    _insert_sorted(FS, scr + k, n_fin, f)
+                    _insert_sorted(scr, k, n_fin, f)
                     n_fin += 1
             else:
                 w = np.float64(mass[r, j])
@@ -385,18 +388,18 @@ def _token_mass(p, layer, IS, FS, M):
                     t_kept += w
         if IS[C_PROBS]:
             for j in range(k):
-                FS[scr + j] = np.float64(mass[r, np.int64(FS[scr + j])])
+                scr[j] = np.float64(mass[r, np.int64(scr[j])])
             for j in range(n_fin):
-                FS[scr + k + j] = np.float64(mass[r, np.int64(FS[scr + k + j])])
-            t_total = _pairwise_sum(FS, scr, k)
-            t_kept = _pairwise_sum(FS, scr + k, n_fin) if n_fin else 0.0
+                scr[k + j] = np.float64(mass[r, np.int64(scr[k + j])])
+            t_total = _pairwise_sum(scr, 0, k)
+            t_kept = _pairwise_sum(scr, k, n_fin) if n_fin else 0.0
         total += t_total
         kept += t_kept
         if changed and mark[token[r]] != p:
             mark[token[r]] = p
             IS[R_ALTERED] += 1
-        M[7][token[r]] = r  # the token's row in the latest layer (speculative reads it)
-        M[8][token[r]] = b
+        M.prev_row[token[r]] = r  # the token's row in the latest layer (speculative reads it)
+        M.prev_stamp[token[r]] = b
     FS[SF_MTOTAL] += total
     FS[SF_MKEPT] += kept
 
@@ -405,14 +408,15 @@ def _token_mass(p, layer, IS, FS, M):
 def _fin_init(p, layer, lo, hi, IS, A, M):
     """At the layer's routing point: each token computes its routed experts, and the
     layer's routed experts are marked (a substitute is never one of them)."""
-    row_order, row_off, experts = M[0], M[1], M[2]
+    row_order, row_off, experts = M.row_order, M.row_off, M.experts
     b = _row_base(p, IS) + layer
     k = IS[C_K]
+    fin, routed = _final(IS), _routed(IS)
     for i in range(row_off[b + 1] - row_off[b]):
         for j in range(k):
-            IS[IS[H_FIN] + i * k + j] = experts[row_order[row_off[b] + i], j]
+            fin[i * k + j] = experts[row_order[row_off[b] + i], j]
     for j in range(lo, hi):
-        IS[IS[H_ROUTED] + _key(j, IS, A)] = IS[S_LAYERGEN]
+        routed[_key(j, IS, A)] = IS[S_LAYERGEN]
 
 
 @_entry

@@ -9,13 +9,7 @@ from moesim.jit import kernel as _jit
 from moesim.kernel_state import (
     C_INSTANT,
     DEMAND,
-    H_DQ,
-    H_FREE,
-    H_PDUR,
-    H_PFQ,
-    H_PFTMP,
     H_POOL,
-    H_RQ,
     RESIDENT,
     S_BYTES,
     S_DQN,
@@ -28,9 +22,15 @@ from moesim.kernel_state import (
     S_TSEQ,
     SF_BUSY,
     SF_BUSY_UNTIL,
+    _demand_queue,
+    _free_slots,
+    _kept_scratch,
     _nbytes,
     _prec,
+    _prec_seconds,
+    _prefetch_ring,
     _ring,
+    _running_ring,
 )
 
 
@@ -40,7 +40,7 @@ def _submit(key, prio, now, bypass, IS, T, FS):
     if IS[S_FREEN] == 0:
         raise RuntimeError("moesim kernel: transfer slots exhausted")
     IS[S_FREEN] -= 1
-    tid = IS[IS[H_FREE] + IS[S_FREEN]]
+    tid = _free_slots(IS)[IS[S_FREEN]]
     xfer = T[tid]
     xfer.key = key
     xfer.prio = prio
@@ -50,7 +50,7 @@ def _submit(key, prio, now, bypass, IS, T, FS):
     xfer.cancelled = 0
     xfer.bypass = bypass
     xfer.pfslot = -1
-    dur = FS[IS[H_PDUR] + _prec(key, IS)]
+    dur = _prec_seconds(IS, FS)[_prec(key, IS)]
     xfer.issued = now
     xfer.start = now
     xfer.done = now
@@ -62,33 +62,35 @@ def _submit(key, prio, now, bypass, IS, T, FS):
         xfer.started = 1
     elif prio == DEMAND:
         n = IS[S_DQN]
-        prev = T[IS[IS[H_DQ] + n - 1]].done if n else FS[SF_BUSY_UNTIL]
+        dq = _demand_queue(IS)
+        prev = T[dq[n - 1]].done if n else FS[SF_BUSY_UNTIL]
         start = prev if prev > now else now
         xfer.start = start
         xfer.done = start + dur
-        IS[IS[H_DQ] + n] = tid
+        dq[n] = tid
         IS[S_DQN] = n + 1
     else:
         size = IS[H_POOL]
+        pfq = _prefetch_ring(IS)
         if IS[S_PFN] == size:  # drop the tombstones
             h, n = IS[S_PFH], IS[S_PFN]
-            keep = IS[H_PFTMP]
+            keep = _kept_scratch(IS)
             m = 0
             for j in range(n):
-                t = IS[IS[H_PFQ] + _ring(h + j, size)]
+                t = pfq[_ring(h + j, size)]
                 if t != -1:
-                    IS[keep + m] = t
+                    keep[m] = t
                     m += 1
             for j in range(m):
-                t = IS[keep + j]
-                IS[IS[H_PFQ] + j] = t
+                t = keep[j]
+                pfq[j] = t
                 T[t].pfslot = j
             IS[S_PFH] = 0
             IS[S_PFN] = m
             if m == size:
                 raise RuntimeError("moesim kernel: prefetch queue full")
         slot = _ring(IS[S_PFH] + IS[S_PFN], size)
-        IS[IS[H_PFQ] + slot] = tid
+        pfq[slot] = tid
         T[tid].pfslot = slot
         IS[S_PFN] += 1
     return tid
@@ -96,15 +98,16 @@ def _submit(key, prio, now, bypass, IS, T, FS):
 
 @_inline
 def _free(tid, IS):
-    IS[IS[H_FREE] + IS[S_FREEN]] = tid
+    _free_slots(IS)[IS[S_FREEN]] = tid
     IS[S_FREEN] += 1
 
 
 @_jit
 def _project(first, IS, T, FS):
-    prev = T[IS[IS[H_DQ] + first - 1]].done if first else FS[SF_BUSY_UNTIL]
+    dq = _demand_queue(IS)
+    prev = T[dq[first - 1]].done if first else FS[SF_BUSY_UNTIL]
     for i in range(first, IS[S_DQN]):
-        t = IS[IS[H_DQ] + i]
+        t = dq[i]
         issued = T[t].issued
         start = prev if prev > issued else issued
         T[t].start = start
@@ -118,14 +121,15 @@ def _promote(tid, IS, T, FS):
     if T[tid].started or T[tid].prio == DEMAND or T[tid].cancelled:
         return
     T[tid].prio = DEMAND
-    IS[IS[H_PFQ] + T[tid].pfslot] = -1
+    _prefetch_ring(IS)[T[tid].pfslot] = -1
+    dq = _demand_queue(IS)
     n = IS[S_DQN]
     i = n
     seq = T[tid].seq
-    while i > 0 and T[IS[IS[H_DQ] + i - 1]].seq > seq:
-        IS[IS[H_DQ] + i] = IS[IS[H_DQ] + i - 1]
+    while i > 0 and T[dq[i - 1]].seq > seq:
+        dq[i] = dq[i - 1]
         i -= 1
-    IS[IS[H_DQ] + i] = tid
+    dq[i] = tid
     IS[S_DQN] = n + 1
     _project(i, IS, T, FS)
 
@@ -145,30 +149,30 @@ def _advance(now, IS, K, T, FS):
     rings' heads and counts and the busy time are kept in locals while it runs (as
     ``IS``/``FS`` entries each step waited on the last one's store)."""
     size = IS[H_POOL]
-    dq, rq, pfq = IS[H_DQ], IS[H_RQ], IS[H_PFQ]
+    dq, rq, pfq = _demand_queue(IS), _running_ring(IS), _prefetch_ring(IS)
     prev = FS[SF_BUSY_UNTIL]
     busy = FS[SF_BUSY]
     rh, rn = IS[S_RH], IS[S_RN]
     n = IS[S_DQN]
     started = 0
     while started < n:
-        t = IS[dq + started]
+        t = dq[started]
         if T[t].start >= now:
             break
         prev = T[t].done
         T[t].started = 1
-        IS[rq + _ring(rh + rn, size)] = t
+        rq[_ring(rh + rn, size)] = t
         rn += 1
         busy += prev - T[t].start
         started += 1
     if started:
         for i in range(started, n):
-            IS[dq + i - started] = IS[dq + i]
+            dq[i - started] = dq[i]
         IS[S_DQN] = n - started
     if IS[S_DQN] == 0:
         pfh, pfn = IS[S_PFH], IS[S_PFN]
         while pfn:
-            t = IS[pfq + pfh]
+            t = pfq[pfh]
             if t == -1:
                 pfh = _ring(pfh + 1, size)
                 pfn -= 1
@@ -183,14 +187,14 @@ def _advance(now, IS, K, T, FS):
             prev = start + T[t].dur
             T[t].done = prev
             T[t].started = 1
-            IS[rq + _ring(rh + rn, size)] = t
+            rq[_ring(rh + rn, size)] = t
             rn += 1
             busy += prev - start
         IS[S_PFH], IS[S_PFN] = pfh, pfn
     FS[SF_BUSY_UNTIL] = prev
     FS[SF_BUSY] = busy
-    while rn and T[IS[rq + rh]].done <= now:
-        t = IS[rq + rh]
+    while rn and T[rq[rh]].done <= now:
+        t = rq[rh]
         rh = _ring(rh + 1, size)
         rn -= 1
         _complete(t, IS, K, T)

@@ -21,10 +21,6 @@ from moesim.kernel_state import (
     C_NE,
     C_NLEV,
     DEMAND,
-    H_FIN,
-    H_LEVELS,
-    H_RUNS,
-    H_SPEC,
     INFLIGHT,
     R_COLL,
     R_DROPPED,
@@ -41,11 +37,15 @@ from moesim.kernel_state import (
     S_NCOMP,
     S_PASS,
     _buffer,
+    _final,
     _here,
     _key,
     _key_at,
+    _level_precs,
     _nbytes,
     _prec,
+    _runs,
+    _spec_scratch,
 )
 from moesim.policies.miss.base import DROP, FETCH, SPECULATE
 from moesim.policies.miss.forms import FORM_HOOKS
@@ -61,8 +61,8 @@ def _fin_replace(e, e2, IS, M):
     """The layer's tokens routed to ``e`` compute ``e2`` in its place (-1: nothing; a token
     that already computes ``e2`` computes it once)."""
     k = IS[C_K]
-    fin = IS[H_FIN]
-    row_order, row_off, experts = M[0], M[1], M[2]
+    fin = _final(IS)
+    row_order, row_off, experts = M.row_order, M.row_off, M.experts
     b = _here(IS)
     for i in range(row_off[b + 1] - row_off[b]):
         r = row_order[row_off[b] + i]
@@ -70,8 +70,8 @@ def _fin_replace(e, e2, IS, M):
             if experts[r, j] == e:
                 has = False
                 for jj in range(k):
-                    has |= e2 >= 0 and IS[fin + i * k + jj] == e2
-                IS[fin + i * k + j] = -1 if has else e2
+                    has |= e2 >= 0 and fin[i * k + jj] == e2
+                fin[i * k + j] = -1 if has else e2
 
 
 @_inline
@@ -79,20 +79,19 @@ def _add_run(buf, tid, key, ntok, IS, K, T, W):
     """One computation a lookup leads to: the transfer it waits for (slot and sequence; -1:
     none), its key and its tokens. A key computed for the first time in the layer (the
     engine's ``key_for``) is counted (``S_NCOMP``); with ``buf`` -1 (``layer`` and
-    ``on-arrival`` execution) such a computation is appended to the layer's (``H_RUNS``),
+    ``on-arrival`` execution) such a computation is appended to the layer's (:func:`_runs`),
     with ``buf`` 0 or 1 (``per-expert``) every computation goes into that lookup buffer."""
     new = K[key].computed != IS[S_LAYERGEN]
     K[key].computed = IS[S_LAYERGEN]
     if buf < 0:
         if not new:
             return
-        r = IS[H_RUNS] + IS[S_NCOMP]
+        run = _runs(IS, W)[IS[S_NCOMP]]
     else:
         n = IS[S_LRUNN + buf]
-        r = _buffer(buf, IS) + n
+        run = _buffer(buf, IS, W)[n]
         IS[S_LRUNN + buf] = n + 1
     IS[S_NCOMP] += new
-    run = W[r]
     run.tid = tid
     run.seq = T[tid].seq if tid >= 0 else -1
     run.key = key
@@ -131,18 +130,19 @@ def _speculate(e, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
     not already computed by the token, or nothing; each expert chosen then computes its
     tokens (:func:`_use_other`), in the order first chosen."""
     IS[R_SUBST] += 1
-    row_order, row_off, experts, token, pred, prev_row, prev_stamp = M[0], M[1], M[2], M[4], M[6], M[7], M[8]
+    row_order, row_off, experts, token = M.row_order, M.row_off, M.experts, M.token
+    pred, prev_row, prev_stamp = M.pred, M.prev_row, M.prev_stamp
     k = IS[C_K]
-    fin = IS[H_FIN]
+    fin = _final(IS)
     b = _here(IS)
-    spec = IS[H_SPEC]
+    spec = _spec_scratch(IS)
     n_spec = 0
     for i in range(row_off[b + 1] - row_off[b]):
         r = row_order[row_off[b] + i]
         for j in range(k):
             if experts[r, j] != e:
                 continue
-            IS[fin + i * k + j] = -1
+            fin[i * k + j] = -1
             t = token[r]
             if prev_stamp[t] != b - 1:
                 continue  # no prediction for this token
@@ -155,22 +155,22 @@ def _speculate(e, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
                     continue
                 dup = False
                 for jj in range(k):
-                    dup |= IS[fin + i * k + jj] == c
+                    dup |= fin[i * k + jj] == c
                 if not dup:
                     best = c
             if best < 0:
                 continue
-            IS[fin + i * k + j] = best
+            fin[i * k + j] = best
             s = 0
-            while s < n_spec and IS[spec + 2 * s] != best:
+            while s < n_spec and spec[2 * s] != best:
                 s += 1
             if s == n_spec:
-                IS[spec + 2 * s] = best
-                IS[spec + 2 * s + 1] = 0
+                spec[2 * s] = best
+                spec[2 * s + 1] = 0
                 n_spec += 1
-            IS[spec + 2 * s + 1] += 1
+            spec[2 * s + 1] += 1
     for s in range(n_spec):
-        _use_other(IS[spec + 2 * s], IS[spec + 2 * s + 1], pin_gen, buf, IS, K, T, W, FS, DI, A)
+        _use_other(spec[2 * s], spec[2 * s + 1], pin_gen, buf, IS, K, T, W, FS, DI, A)
 
 
 @_inline
@@ -184,7 +184,7 @@ def _lookup(ai, now, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
     state = K[key].state
     if buf >= 0:
         IS[S_LRUNN + buf] = 0
-    ntok = np.int64(A[2][ai])
+    ntok = np.int64(A.tokens[ai])
     if state == RESIDENT:
         IS[R_HITS] += 1
         _on_access(key, ai, IS, K, DI, A)
@@ -197,7 +197,7 @@ def _lookup(ai, now, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
         _used_prefetch(key, IS, K)
         _add_run(buf, _needed_now(key, IS, K, T, FS), key, ntok, IS, K, T, W)
         return
-    if M is not None and IS[C_MULTI] and _alternative(key, A[4][ai], ntok, pin_gen, buf, IS, K, T, W, DI, A):
+    if M is not None and IS[C_MULTI] and _alternative(key, A.rank[ai], ntok, pin_gen, buf, IS, K, T, W, DI, A):
         return
     IS[R_MISSES] += 1
     if K[key].evicted == IS[S_PASS]:
@@ -222,8 +222,8 @@ def _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
     """A miss of access ``ai`` under a miss policy other than ``fetch`` (the rest of the
     engine's ``LayerLookup.lookup``): drop, substitute, speculate, or fetch (down a precision
     cascade). Returns -1 when the miss is dealt with, else the key to fetch uncached."""
-    e = np.int64(A[1][ai])
-    d = _decide(e, A[4][ai], IS, K, M)
+    e = np.int64(A.expert[ai])
+    d = _decide(e, A.rank[ai], IS, K, M)
     if d == DROP:  # SpecMD §3.1.2
         IS[R_DROPPED] += 1
         _fin_replace(e, -1, IS, M)
@@ -239,7 +239,7 @@ def _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
     # fetch (the fetch in the engine's ``LayerLookup.lookup``): at the scenario's precision or down a precision
     # cascade; when no room can be made, an uncached fetch (at the cascade's last precision)
     if IS[C_MULTI]:
-        return _cascade(key, A[4][ai], ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A)
+        return _cascade(key, A.rank[ai], ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A)
     return -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A) else key
 
 
@@ -275,8 +275,9 @@ def _alternative(key, rank, ntok, pin_gen, buf, IS, K, T, W, DI, A):
     """A precision cascade's resident copy of the missed ``key`` at another precision (the
     policy's ``alternative``), used as a hit: returns whether there was one."""
     alo, ahi, _, _ = _levels(rank, IS)
+    precs = _level_precs(IS)
     for li in range(alo, ahi):
-        kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
+        kq = key - IS[C_DPREC] + precs[li]
         if K[kq].state == RESIDENT:
             IS[R_HITS] += 1
             _use_copy(kq, ntok, pin_gen, buf, IS, K, T, W, DI, A)
@@ -291,21 +292,22 @@ def _cascade(key, rank, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A):
     when room can be made for it. Returns -1, or the key of the last precision when none
     could be (for an uncached fetch)."""
     _, _, flo, fhi = _levels(rank, IS)
+    precs = _level_precs(IS)
     for li in range(flo, fhi):
-        kq = key - IS[C_DPREC] + IS[IS[H_LEVELS] + li]
+        kq = key - IS[C_DPREC] + precs[li]
         if K[kq].state == RESIDENT:
             _use_copy(kq, ntok, pin_gen, buf, IS, K, T, W, DI, A)
             return -1
         aq = ai if kq == key else -1  # the policies find no access of another precision's key
         if _fetch_at(kq, aq, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A):
             return -1
-    return key - IS[C_DPREC] + IS[IS[H_LEVELS] + fhi - 1]
+    return key - IS[C_DPREC] + precs[fhi - 1]
 
 
 @_inline
 def _levels(rank, IS):
-    """For a missed expert of best router rank ``rank``: the range of ``IS[H_LEVELS]`` (its
-    precision indices) searched for a resident copy, and the range to fetch from (the miss
+    """For a missed expert of best router rank ``rank``: the range of the cascade's levels
+    (:func:`~moesim.kernel_state._level_precs`: their precision indices) searched for a resident copy, and the range to fetch from (the miss
     form's ``search``)."""
     f = IS[C_MISS]
     out = (0, 0, 0, 0)

@@ -11,16 +11,9 @@ from moesim.kernel_state import (
     C_INSTANT,
     C_L,
     DEMAND,
-    H_LADM,
-    H_LGEN,
-    H_LMARK,
     H_NKEYS,
-    H_PENDA,
     H_PENDMAX,
-    H_PFQ,
     H_POOL,
-    H_RQ,
-    H_WQ,
     PREFETCH,
     R_ACTUAL,
     R_PFCANCEL,
@@ -40,9 +33,16 @@ from moesim.kernel_state import (
     S_WH,
     S_WN,
     _key,
+    _layer_admitted,
+    _layer_gen,
+    _layer_mark,
     _nbytes,
+    _pending_prefetches,
+    _prefetch_ring,
     _ring,
     _row_base,
+    _running_ring,
+    _waiting,
 )
 from moesim.simulator.kernel_cache import _insert, _on_remove, _on_select, _room
 from moesim.simulator.kernel_copy import _free, _submit
@@ -52,8 +52,9 @@ from moesim.simulator.kernel_copy import _free, _submit
 def _admit(now, pin_gen, IS, K, T, W, FS, DI, A):
     """One admission round (``PrefetchQueue.admit``)."""
     size = IS[H_NKEYS]
+    waiting = _waiting(IS)
     while IS[S_WN]:
-        key = IS[IS[H_WQ] + IS[S_WH]]  # absent (PrefetchQueue.admit)
+        key = waiting[IS[S_WH]]  # absent (PrefetchQueue.admit)
         target = K[key].layer
         if _room(_nbytes(key, IS), True, pin_gen, target, IS, K, FS, A) == -1:
             return
@@ -66,13 +67,13 @@ def _admit(now, pin_gen, IS, K, T, W, FS, DI, A):
             n = IS[S_PENDN]
             if n == IS[H_PENDMAX]:
                 n = _compact_pending(IS, T, W)
-            pend = W[IS[H_PENDA] + n]
+            pend = _pending_prefetches(IS, W)[n]
             pend.tid = tid
             pend.seq = T[tid].seq
             pend.key = key
             IS[S_PENDN] = n + 1
-        K[key].adm = IS[IS[H_LGEN] + target]
-        IS[IS[H_LADM] + target] = 1
+        K[key].adm = _layer_gen(IS)[target]
+        _layer_admitted(IS)[target] = 1
         K[key].unused = 1
         IS[R_PFISSUED] += 1
 
@@ -81,12 +82,13 @@ def _admit(now, pin_gen, IS, K, T, W, FS, DI, A):
 def _compact_pending(IS, T, W):
     """Drop the pending entries whose transfer has started (a withdrawal skips them)."""
     keep = 0
+    pending = _pending_prefetches(IS, W)
     for j in range(IS[S_PENDN]):
-        pend = W[IS[H_PENDA] + j]
+        pend = pending[j]
         tid, seq = pend.tid, pend.seq
         if T[tid].seq != seq or T[tid].started or T[tid].cancelled:
             continue
-        kept = W[IS[H_PENDA] + keep]
+        kept = pending[keep]
         kept.tid = tid
         kept.seq = seq
         kept.key = pend.key
@@ -107,15 +109,16 @@ def _handed(IS, T):
         return IS[S_TSEQ]
     size = IS[H_POOL]
     left = depth
+    running, pfq = _running_ring(IS), _prefetch_ring(IS)
     for j in range(IS[S_RN]):
-        if T[IS[IS[H_RQ] + _ring(IS[S_RH] + j, size)]].prio != DEMAND:
+        if T[running[_ring(IS[S_RH] + j, size)]].prio != DEMAND:
             left -= 1
     cut = -1
     h = IS[S_PFH]
     for j in range(IS[S_PFN]):
         if left <= 0:
             break
-        t = IS[IS[H_PFQ] + _ring(h + j, size)]
+        t = pfq[_ring(h + j, size)]
         if t != -1:
             cut = T[t].seq
             left -= 1
@@ -130,20 +133,22 @@ def _withdraw(layer, lo, hi, IS, K, T, W, A):
     size = IS[H_NKEYS]
     n = IS[S_WN]
     if n:
+        waiting = _waiting(IS)
         h = IS[S_WH]
         m = 0
         for j in range(n):
-            key = IS[IS[H_WQ] + _ring(h + j, size)]
+            key = waiting[_ring(h + j, size)]
             if K[key].layer > layer:
-                IS[IS[H_WQ] + _ring(h + m, size)] = key
+                waiting[_ring(h + m, size)] = key
                 m += 1
             else:
                 K[key].queued = 0
         IS[S_WN] = m
+    admitted, lgen = _layer_admitted(IS), _layer_gen(IS)
     for t in range(layer + 1):
-        if IS[IS[H_LADM] + t]:
-            IS[IS[H_LGEN] + t] += 1
-            IS[IS[H_LADM] + t] = 0
+        if admitted[t]:
+            lgen[t] += 1
+            admitted[t] = 0
     n = IS[S_PENDN]
     if n == 0:
         return
@@ -153,11 +158,12 @@ def _withdraw(layer, lo, hi, IS, K, T, W, A):
         K[_key(j, IS, A)].mark = gen
     cut = _handed(IS, T)
     keep = 0
+    pending = _pending_prefetches(IS, W)
     for j in range(n):
-        pend = W[IS[H_PENDA] + j]
+        pend = pending[j]
         tid, seq, key = pend.tid, pend.seq, pend.key
         if K[key].layer > layer:
-            kept = W[IS[H_PENDA] + keep]
+            kept = pending[keep]
             kept.tid = tid
             kept.seq = seq
             kept.key = key
@@ -168,7 +174,7 @@ def _withdraw(layer, lo, hi, IS, K, T, W, A):
             continue
         # withdrawn: no bytes move, its room is given back
         T[tid].cancelled = 1
-        IS[IS[H_PFQ] + T[tid].pfslot] = -1
+        _prefetch_ring(IS)[T[tid].pfslot] = -1
         IS[S_BYTES] -= _nbytes(key, IS)
         K[key].state = ABSENT
         K[key].tid = -1
@@ -194,8 +200,9 @@ def _propose_key(key, p, IS, K, DI, A):
     IS[R_PRED] += 1
     if K[key].accpass == p:
         IS[R_PREDHITS] += 1
-    if IS[IS[H_LMARK] + target] != gen:
-        IS[IS[H_LMARK] + target] = gen
+    marks = _layer_mark(IS)
+    if marks[target] != gen:
+        marks[target] = gen
         b = _row_base(p, IS) + target
         IS[R_ACTUAL] += DI[b + 1] - DI[b]
     if K[key].state != ABSENT:
@@ -203,7 +210,7 @@ def _propose_key(key, p, IS, K, DI, A):
     elif not K[key].queued:
         K[key].queued = 1
         size = IS[H_NKEYS]
-        IS[IS[H_WQ] + _ring(IS[S_WH] + IS[S_WN], size)] = key
+        _waiting(IS)[_ring(IS[S_WH] + IS[S_WN], size)] = key
         IS[S_WN] += 1
 
 

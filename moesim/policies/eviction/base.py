@@ -194,7 +194,7 @@ class KernelForm:
 
     @classmethod
     def first_class(cls, policy: Any, S: tuple[np.ndarray, ...]) -> tuple[Any, ...] | None:
-        """What the kernel hands a hook policy's form in ``A[A_HOOKS]`` (its compiled hooks and
+        """What the kernel hands a hook policy's form in ``A.hooks`` (its compiled hooks and
         their state, :mod:`moesim.policies.hooks`); None for every other form, which the kernel
         hands hooks that are never called (the same types: one compiled kernel for all)."""
         return None

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from moesim.jit import inline, kernel
-from moesim.kernel_state import ABSENT, C_K, C_NE, H_ROUTED, S_LAYER, S_LAYERGEN, _here, _key_at
+from moesim.kernel_state import ABSENT, C_K, C_NE, S_LAYER, _here, _key_at, routed_now
 from moesim.policies.miss.base import (
     _FETCH,
     FETCH,
@@ -31,7 +31,7 @@ def _nearest_resident(e, IS, K, M):
     best_d = 0.0
     for c in range(IS[C_NE]):
         key = _key_at(IS[S_LAYER], c, IS)
-        if IS[IS[H_ROUTED] + key] == IS[S_LAYERGEN] or K[key].state == ABSENT:
+        if routed_now(key, IS) or K[key].state == ABSENT:
             continue
         d = abs(np.float64(_mean_prob(e, c, IS, M)) - np.float64(score_e))
         if best < 0 or d < best_d:
@@ -44,7 +44,7 @@ def _nearest_resident(e, IS, K, M):
 def _mean_prob(e, c, IS, M):
     """Mean router probability of expert ``c`` over the layer's tokens routed to ``e``,
     summed row by row in float32 and divided in float32 (numpy's ``mean(axis=0)``)."""
-    row_order, row_off, experts, mass = M[0], M[1], M[2], M[3]
+    row_order, row_off, experts, mass = M.row_order, M.row_off, M.experts, M.mass
     k = IS[C_K]
     b = _here(IS)
     total = np.float32(0.0)
