@@ -475,3 +475,19 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
     region(FS, H_PDUR, nprec, IS)[:] = 1.0
     return IS, FS, K, T, W
 
+
+def grow_rows(IS: np.ndarray, W: np.ndarray, rows: int, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``IS`` and ``W`` with room for a layer of ``rows`` tokens (a trace read in pieces, or
+    served, whose later passes hold more tokens than its first): the regions sized by a layer's
+    tokens, last in each (what each token computes, the speculative scratch, the two lookup
+    buffers), made larger, everything before them copied; or ``IS`` and ``W`` themselves when
+    they have the room. Those regions hold nothing between two (pass, layer)s."""
+    if rows <= IS[C_LRUNCAP]:
+        return IS, W
+    fin, lrun = int(IS[H_FIN]), int(IS[H_LRUN])
+    grown = np.zeros(fin + rows * top_k + 2 * rows, np.int64)
+    grown[:fin] = IS[:fin]
+    grown[H_SPEC], grown[C_LRUNCAP] = fin + rows * top_k, rows
+    work = np.zeros(lrun + 2 * rows, WORK).view(np.recarray)
+    work[:lrun] = W[:lrun]
+    return grown, work

@@ -331,6 +331,75 @@ def test_closed_loop_equals_simpy_open_loop(eviction: str, prefetch: str, mode: 
         assert ref.steps[col].tolist() == res.steps[col].tolist(), col
 
 
+def with_tokens(parts: list[Workload]) -> Workload:
+    """:func:`joined`, with the passes' trace rows (one trace of the pieces' rows, each
+    (pass, layer)'s rows numbered on): what a miss policy that changes what tokens compute
+    reads."""
+    from dataclasses import replace
+
+    cat = np.concatenate
+    rows = np.cumsum([0] + [len(w.trace) for w in parts])
+    order = np.cumsum([0] + [len(w.row_order) for w in parts])
+    trace = replace(parts[0].trace, **{
+        f: (None if getattr(parts[0].trace, f) is None else cat([getattr(w.trace, f) for w in parts]))
+        for f in ("request", "step", "position", "phase", "layer", "experts", "weights", "probs", "pred_next")})
+    return replace(joined(parts), trace=trace,
+                   row_order=cat([w.row_order + rows[i] for i, w in enumerate(parts)]),
+                   row_off=cat([np.zeros(1, np.int64)] + [w.row_off[1:] + order[i] for i, w in enumerate(parts)]))
+
+
+@pytest.mark.parametrize(("miss", "mode"), [
+    ("drop", "layer"), ({"name": "drop", "rank": 1}, "per-expert"), ("substitute", "on-arrival"),
+    ("substitute", "per-expert"), ("speculative", "layer"),
+    ({"name": "fetch-lowest-bit", "precisions": ["bf16", "int4"]}, "per-expert"),
+    ({"name": "fetch-priority", "precisions": ["bf16", "int8", "int4"], "degrade_fraction": 0.5}, "layer")])
+def test_miss_policies_that_change_what_tokens_compute_serve_as_the_simpy_path_replays_the_schedule(
+        miss: Any, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under load (vLLM V1, chunked prompts): the passes the scheduler formed, with their
+    tokens, replayed as one fixed workload on the SimPy path give every per-pass column bit
+    for bit, the miss policy's own counts and the gate mass among them. Later passes hold more
+    tokens than the first (the kernel's per-token room grows as they come), and the policy
+    acted (dropped, substituted or fetched at a lower precision)."""
+    monkeypatch.setattr(serving.Scheduler, "KEEP", True)
+    trace = {"synth": {"preset": "olmoe-1b-7b", "requests": 6, "prompt_tokens": 16, "tokens": 6, "layers": 3,
+                       "pred_next": True, "probs": True}}
+    data = served(trace, {"process": "gamma", "rate": 4.0, "cv": 3.0, "requests": 12},
+                  {"max_running": 4, "max_batched_tokens": 48}, expert_compute=mode,
+                  cache={"capacity": "10%"}, policies={"eviction": "lru", "prefetch": "none", "miss": miss})
+    sim = Simulation(scenario_from_dict(data))
+    res = sim.run()
+    assert res.summary["replay_path"] == "kernel"
+    assert sim.serving is not None
+    assert sim.serving.kept is not None
+    kept = sim.serving.kept
+    rows = [int(np.diff(w.row_off).max()) for w in kept]
+    assert max(rows) > rows[0]
+    plain = copy.deepcopy(data)
+    del plain["workload"]["arrivals"], plain["scheduler"]
+    ref = Simulation(scenario_from_dict(plain), workload=with_tokens(kept), record_decisions=True).run()
+    assert ref.summary["replay_path"] == "simpy"
+    for col in ("start_s", "end_s", "stall_s", "hits", "misses", "late_prefetches", "collision_misses",
+                "bytes_h2d", "unique_experts", "dropped_experts", "substituted_experts", "low_precision_experts",
+                "tokens_altered", "gate_weight_total", "gate_weight_computed"):
+        assert ref.steps[col].tolist() == res.steps[col].tolist(), col
+    acted = res.steps[["dropped_experts", "substituted_experts", "low_precision_experts"]].to_numpy().sum()
+    assert acted > 0
+
+
+def test_a_served_scenario_the_kernel_cannot_run_is_one_paragraph_naming_why() -> None:
+    """Top-k above 128 with a miss policy that changes what tokens compute runs on the SimPy
+    path only; under load that is refused with the kernel's reason and the way out."""
+    trace = {"synth": {"preset": "olmoe-1b-7b", "requests": 2, "prompt_tokens": 2, "tokens": 2, "layers": 1,
+                       "experts": 130, "top_k": 129}}
+    data = served(trace, {"process": "poisson", "rate": 1.0, "requests": 2}, policies={"miss": "drop"})
+    with pytest.raises(MoesimError) as err:
+        Simulation(scenario_from_dict(data)).run()
+    assert str(err.value) == (
+        "Serving under load replays on the compiled kernel, which cannot run this scenario: top-k above 128 (the "
+        "kernel sums a token's gate mass as numpy does up to 128 terms). Leave out workload.arrivals to replay "
+        "the trace as a fixed batch on the SimPy path.")
+
+
 @pytest.mark.parametrize(("eviction", "prefetch", "mode"), [
     ("lru", "previous-token", "layer"), ("least-stale", {"name": "lookahead", "depth": 2}, "per-expert")])
 def test_a_request_served_alone_reads_its_last_pass_as_a_fixed_batch_reads_the_pass_before(

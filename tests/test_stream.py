@@ -148,25 +148,31 @@ POLICIES = st.sampled_from([("lru", "none"), ("least-stale", "score-percentile")
        chunk=st.integers(200, 1500), cap=st.sampled_from(["3%", "10%", "40%"]),
        style=st.sampled_from(["none", "hf-loop", "graph-per-expert"]),
        fetch=st.sampled_from(["pipelined", "blocking"]), max_requests=st.sampled_from([None, 5, 8]),
-       block=st.sampled_from([1, 40, 1 << 16]))
+       block=st.sampled_from([1, 40, 1 << 16]),
+       miss=st.sampled_from(["fetch", "fetch", "drop", "speculative", "fetch-lowest-bit", "fetch-priority"]))
 @example(pol=("least-stale", "score-percentile"), batch=2, mode="per-expert", chunk=700, cap="10%",
-         style="hf-loop", fetch="blocking", max_requests=None, block=1)
+         style="hf-loop", fetch="blocking", max_requests=None, block=1, miss="fetch")
 @example(pol=("lru", "none"), batch=3, mode="layer", chunk=200, cap="3%", style="none", fetch="pipelined",
-         max_requests=5, block=1 << 16)
+         max_requests=5, block=1 << 16, miss="fetch")
 @example(pol=("belady", "oracle"), batch=1, mode="per-expert", chunk=300, cap="3%", style="none",
-         fetch="pipelined", max_requests=None, block=40)
+         fetch="pipelined", max_requests=None, block=40, miss="fetch")
 @example(pol=("belady", "score-percentile"), batch=1, mode="layer", chunk=200, cap="40%", style="none",
-         fetch="pipelined", max_requests=None, block=1 << 16)  # keys proposed that the piece never routes
+         fetch="pipelined", max_requests=None, block=1 << 16, miss="fetch")  # keys proposed that the piece never routes
 @example(pol=("lru", "static-pin"), batch=1, mode="layer", chunk=200, cap="40%", style="none",
-         fetch="pipelined", max_requests=None, block=1 << 16)  # a piece a request: the share ends in the second
+         fetch="pipelined", max_requests=None, block=1 << 16, miss="fetch")  # a piece a request: the share ends in the second
+@example(pol=("lru", "oracle"), batch=1, mode="per-expert", chunk=200, cap="10%", style="none",
+         fetch="pipelined", max_requests=None, block=40, miss="drop")
+@example(pol=("least-stale", "none"), batch=2, mode="layer", chunk=300, cap="10%", style="none",
+         fetch="pipelined", max_requests=None, block=1 << 16, miss="speculative")
 def test_a_replay_in_pieces_equals_the_whole_trace_replay(ragged_file: Path, monkeypatch, pol, batch, mode, chunk, cap,
-                                                          style, fetch, max_requests, block) -> None:
+                                                          style, fetch, max_requests, block, miss) -> None:
     """... and so does one whose per-pass rows are handed over ``block`` passes at a time
-    (from the second block on, through a file on disk)."""
+    (from the second block on, through a file on disk), and one whose miss policy changes
+    what tokens compute (each piece's tokens its own)."""
     monkeypatch.setattr(kernel, "BLOCK_PASSES", block)
     sets = [f"workload.trace.path={ragged_file}", f"policies.eviction={pol[0]}", f"policies.prefetch={pol[1]}",
             f"workload.batch_size={batch}", f"expert_compute={mode}", f"cache.capacity={cap}",
-            f"execution.style={style}", f"expert_fetch={fetch}"]
+            f"execution.style={style}", f"expert_fetch={fetch}", f"policies.miss={miss}"]
     if max_requests is not None:
         sets.append(f"workload.max_requests={max_requests}")
     if style != "none":  # a style sets the execution mode and fetch discipline unless the scenario does
@@ -550,8 +556,8 @@ def test_progress_counts_the_file_rows_up_to_all_of_them(ragged_file: Path) -> N
 
 
 @pytest.mark.parametrize(("sets", "reason"), [
-    (["policies.miss=drop"], "miss policy 'drop' re-routes tokens"),
     (["workload.speculative.tree_size=4"], "speculative decoding"),
+    (["policies.budget=dynamic-skip"], "a routing or budget policy"),
 ])
 def test_replays_that_need_the_whole_trace_read_it_whole(ragged_file: Path, sets: list[str], reason: str) -> None:
     sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", *sets])
@@ -645,6 +651,12 @@ def test_every_reason_to_read_the_whole_trace(ragged_file: Path, monkeypatch) ->
     assert why_whole(sc("hardware.preset=h100-sxm-nvlink-x2"), False) == "expert parallelism"
     assert why_whole(sc("policies.routing=cache-aware"), False) == "a routing or budget policy"
     assert why_whole(sc("policies.budget=dynamic-skip"), False) == "a routing or budget policy"
+    assert why_whole(sc("policies.miss=drop"), False) is None
+    wide = write_trace(synth_from_preset("olmoe-1b-7b", layers=1, experts=130, top_k=129, requests=2, prompt_tokens=2,
+                                         tokens=2, seed=0), ragged_file.parent / "wide.parquet")
+    assert why_whole(load_scenario("quickstart", [f"workload.trace.path={wide}", "policies.miss=drop"]), False) == (
+        "top-k above 128 with a miss policy that changes what tokens compute (the SimPy path)")
+    assert why_whole(load_scenario("quickstart", [f"workload.trace.path={wide}"]), False) is None
     monkeypatch.setenv("MOESIM_NO_KERNEL", "0")
     assert why_whole(sc(), False) is None
     monkeypatch.setenv("MOESIM_NO_KERNEL", "1")

@@ -789,8 +789,12 @@ class Simulation:
 
         t0 = _time.perf_counter()
         self.simpy_reason = kernel.kernel_form(self)
-        # a trace in pieces only for replays the kernel runs (simulator.stream.why_whole)
-        assert self.pieces is None or self.simpy_reason is None, self.simpy_reason
+        # a trace in pieces only for replays the kernel runs (simulator.stream.why_whole,
+        # why_not_served)
+        if self.pieces is not None and self.simpy_reason is not None:
+            raise MoesimError(f"Serving under load replays on the compiled kernel, which cannot run this scenario: "
+                              f"{self.simpy_reason}. Leave out workload.arrivals to replay the trace as a fixed "
+                              "batch on the SimPy path.")
         if self.simpy_reason is None:
             kernel.replay(self)
         else:

@@ -112,6 +112,7 @@ from moesim.kernel_state import (
     Accesses,
     Tokens,
     _layout,
+    grow_rows,
     region,
 )
 from moesim.policies.eviction.base import KernelForm
@@ -528,8 +529,7 @@ def _replay(sim: Any) -> None:
     miss = miss_form(type(sim.miss))
     assert miss is not None, "kernel_form"
     fetch_only = sim.miss.always_fetch
-    assert not streamed or fetch_only, "simulator.stream.why_whole"
-    max_rows = 0 if fetch_only else _layer_rows(wl)
+    max_rows = 0 if fetch_only else _layer_rows(wl)  # pieces: the most so far (grow_rows)
     reroute = miss.reroutes
     # a layer computes its routed experts and, for a miss policy that re-routes, others
     max_runs = maxn + (model.num_experts if reroute else 0)
@@ -602,6 +602,9 @@ def _replay(sim: Any) -> None:
             forget_large_tuples()  # the piece's per-access arrays, kept by the kernel with their type
             wl = nxt
             sim.bind_piece(wl)
+            if not fetch_only:
+                max_rows = max(max_rows, _layer_rows(wl))
+                IS, W = grow_rows(IS, W, max_rows, model.top_k)
             DI, A, DF, M, nonexp = _piece(sim, wl, miss, max_rows, IS, FS, hooks, S,
                                           None if firsts is None else _future_piece(sim, wl, firsts, afters, n_pieces))
         if handing is not None:

@@ -96,9 +96,9 @@ def _piecewise(scenario: Scenario) -> tuple[str, str] | None:
     or None. Capability flags decide (each policy's class declares them): an eviction policy the
     kernel runs (whose compiled form reads no more than the current pass; ``reads_future``
     policies get their next uses from a first pass), a prefetcher the kernel runs that is
-    ``piecewise`` or ``counts_whole_trace``, a miss policy that ``always_fetch``es, routing that
-    does not change and no budget."""
-    from moesim.simulator.kernel import eviction_form, prefetch_form
+    ``piecewise`` or ``counts_whole_trace``, a miss policy the kernel runs (each piece's tokens
+    are its own), routing that does not change and no budget."""
+    from moesim.simulator.kernel import eviction_form, miss_form, prefetch_form
 
     ev, pf, miss, routing, budget = _classes(scenario)
     pol = scenario.policies
@@ -106,7 +106,7 @@ def _piecewise(scenario: Scenario) -> tuple[str, str] | None:
         return "eviction", pol.eviction.name
     if prefetch_form(pf) is not None or not (pf.piecewise or pf.counts_whole_trace):
         return "prefetch", pol.prefetch.name
-    if not miss.always_fetch:
+    if miss_form(miss) is None:
         return "miss", pol.miss.name
     if routing.changes_routing or budget.restricts:
         return "routing", ""
@@ -131,6 +131,13 @@ def why_whole(scenario: Scenario, recording: bool) -> str | None:
         return "speculative decoding"
     blocked = _piecewise(scenario)
     if blocked is None:
+        if _classes(scenario)[2].always_fetch:
+            return None
+        from moesim.simulator.build import trace_path
+        from moesim.traces.io import trace_layout
+
+        if trace_layout(trace_path(scenario))[0].top_k > 128:
+            return "top-k above 128 with a miss policy that changes what tokens compute (the SimPy path)"
         return None
     family, name = blocked
     if family == "eviction":
@@ -138,7 +145,7 @@ def why_whole(scenario: Scenario, recording: bool) -> str | None:
     if family == "prefetch":
         return f"prefetch policy '{name}' reads the whole trace"
     if family == "miss":
-        return f"miss policy '{name}' re-routes tokens"
+        return f"miss policy '{name}' has no compiled form"
     return "a routing or budget policy"
 
 
@@ -190,7 +197,7 @@ def why_not_served(scenario: Scenario, recording: bool) -> str | None:
         return (f"cannot run prefetch policy '{pol.prefetch.name}' (it reads the whole trace, and each pass is "
                 f"formed anew); use one of {', '.join(_served('prefetch'))}")
     if blocked is not None and blocked[0] == "miss":
-        return f"runs miss policy 'fetch' only (not '{pol.miss.name}', which re-routes tokens)"
+        return f"cannot run miss policy '{pol.miss.name}' (it has no compiled form)"
     if blocked is not None:
         return "runs routing 'standard' and budget 'none' only"
     return None
