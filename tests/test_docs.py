@@ -10,6 +10,7 @@ block preceded by ``<!-- output -->`` is the standard output of the block run be
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -144,6 +145,24 @@ def test_the_readme_shows_what_moesim_compare_prints() -> None:
     readme = next(b for b in blocks(ROOT / "README.md") if b.lang == "text")
     shown = next(b for b in blocks(ROOT / "docs" / "getting-started.md") if b.output)
     assert readme.text == shown.text
+
+
+def test_the_specmd_tables_are_today_s_replays() -> None:
+    """The papers page's SpecMD tables come from ``benchmarks/results/specmd_tables.json``; its
+    figures are what the shipped scenarios give today, bit for bit (``docs_pages.py --specmd``
+    makes it again), and the ranks and savings the page shows are worked out from them here."""
+    from tests.helpers import load_tool
+
+    pages = load_tool("docs_pages")
+    saved = json.loads((ROOT / "benchmarks" / "results" / "specmd_tables.json").read_text())
+    assert saved["runs"] == pages.specmd_runs()
+    text = pages.specmd_tables()
+    ttft = {n: 1e3 * saved["runs"][str(n)]["ttft_s"] for n in range(1, 6)}
+    fastest = min(ttft, key=ttft.__getitem__)
+    row = next(line for line in text.splitlines() if line.startswith(f"| #{fastest} "))
+    assert row.split(" | ")[5].endswith("/ 1")  # moesim's TTFT rank of its fastest configuration
+    one = saved["runs"]["1"]["ttft_s"], saved["runs"]["1-ls"]["ttft_s"]
+    assert f"{1e3 * one[0]:.1f} → {1e3 * one[1]:.1f} | {1 - one[1] / one[0]:.1%}" in text
 
 
 def test_the_rendered_parts_are_what_the_results_files_give() -> None:

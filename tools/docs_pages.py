@@ -6,8 +6,10 @@
 - ``python tools/docs_pages.py`` renders the parts made from results files, between
   ``<!-- rendered: NAME -->`` and ``<!-- end rendered -->`` in the README and the docs: the
   README's headline figures, the performance page (``benchmarks/results/*.json``), the
-  validation page (``validation/**/manifest.yaml`` and ``repredicted.parquet``) and the mutation
-  table of the development page (``benchmarks/results/mutation.json``). ``--check`` writes
+  validation page (``validation/**/manifest.yaml`` and ``repredicted.parquet``), the mutation
+  table of the development page (``benchmarks/results/mutation.json``) and SpecMD's time tables
+  beside moesim's on the papers page (``benchmarks/results/specmd_tables.json``, which
+  ``--specmd`` first makes by replaying the shipped SpecMD scenarios). ``--check`` writes
   nothing and exits 1 when a rendered part is not what the files give (a test runs it).
 """
 
@@ -313,12 +315,76 @@ def headline() -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---- SpecMD's time tables beside moesim's (docs/results/papers.md)
+
+# SpecMD (OLMoE-1B-7B, 5% of the model): Table 1's TTFT (ms) and tokens/s per configuration,
+# Table 2's baselines (configurations #1-#4) with their TTFT before and after Least-Stale (ms)
+PAPER_T1 = {1: (3077, 1.91), 2: (2257, 1.22), 3: (1590, 1.34), 4: (2665, 2.33), 5: (2220, 1.69)}
+PAPER_T2 = {1: ("Eliseev '23", 3076.8, 2748.1), 2: ("Zhu et al. '25", 2257.2, 1473.1),
+            3: ("HOBBIT '24", 1590.1, 1309.2), 4: ("MixtureCache '25", 2664.6, 2297.5)}
+T1_NAMES = {1: "Spec, LRU, Fetch, Stnd", 2: "Score, ScoreE, Subs, Stnd", 3: "Spec, LHU, Cascade, Stnd",
+            4: "No pref, LRU, Fetch, Mod", 5: "Score, LS, Fetch, Stnd"}
+
+
+def specmd_runs() -> dict[str, dict[str, float]]:
+    """moesim's side of SpecMD's Tables 1 and 2: each shipped ``specmd/olmoe-config<n>``
+    scenario as it is (``n``), and #1-#4 with Least-Stale eviction (``n-ls``), all on
+    configuration #1's synthetic trace: TTFT (s), tokens/s and misses."""
+    from moesim.config.scenario import load_scenario
+    from moesim.simulator.build import load_trace
+    from moesim.simulator.engine import Simulation
+
+    spec = ROOT / "moesim" / "scenarios" / "specmd"
+    trace = load_trace(load_scenario(spec / "olmoe-config1.yaml"))
+    out = {}
+    for n in PAPER_T1:
+        for ls in (False, True) if n in PAPER_T2 else (False,):
+            sc = load_scenario(spec / f"olmoe-config{n}.yaml", ["policies.eviction=least-stale"] if ls else [])
+            s = Simulation(sc, trace=trace).run().summary
+            out[f"{n}-ls" if ls else str(n)] = {"ttft_s": s["ttft_s"], "tokens_per_s": s["tokens_per_s"],
+                                                 "misses": int(s["misses"])}
+    return out
+
+
+def _ranks(values: dict[int, float], high_first: bool) -> dict[int, int]:
+    order = sorted(values, key=lambda n: -values[n] if high_first else values[n])
+    return {n: order.index(n) + 1 for n in values}
+
+
+def specmd_tables() -> str:
+    """SpecMD's Table 1 and Table 2 beside moesim's figures (``benchmarks/results/specmd_tables.json``)."""
+    d = _load("specmd_tables")
+    if d is None:
+        return "_No results file yet: run `python tools/docs_pages.py --specmd`._\n"
+    r = d["runs"]
+    ttft = {n: 1e3 * r[str(n)]["ttft_s"] for n in PAPER_T1}
+    tps = {n: r[str(n)]["tokens_per_s"] for n in PAPER_T1}
+    ranks = (_ranks({n: v[0] for n, v in PAPER_T1.items()}, False), _ranks(ttft, False),
+             _ranks({n: v[1] for n, v in PAPER_T1.items()}, True), _ranks(tps, True))
+    lines = ["Table 1 (the five configurations; rank 1 is the fastest):", "",
+             "| config | paper TTFT ms | moesim TTFT ms | paper tokens/s | moesim tokens/s | TTFT rank paper / moesim "
+             "| tokens/s rank paper / moesim |", "|---|---|---|---|---|---|---|"]
+    for n, (p_ttft, p_tps) in PAPER_T1.items():
+        lines.append(f"| #{n} {T1_NAMES[n]} | {p_ttft} | {ttft[n]:.1f} | {p_tps:.2f} | {tps[n]:.2f} | "
+                     f"{ranks[0][n]} / {ranks[1][n]} | {ranks[2][n]} / {ranks[3][n]} |")
+    lines += ["", "Table 2 (each baseline's eviction policy swapped for Least-Stale):", "",
+              "| baseline | paper TTFT → w/ LS ms | paper saving | moesim TTFT → w/ LS ms | moesim saving "
+              "| moesim misses → w/ LS |", "|---|---|---|---|---|---|"]
+    for n, (name, before, after) in PAPER_T2.items():
+        a, b = ttft[n], 1e3 * r[f"{n}-ls"]["ttft_s"]
+        saving = f"{1 - b / a:.1%}".replace("-", "−")
+        lines.append(f"| {name} (#{n}) | {before} → {after} | {1 - after / before:.1%} | {a:.1f} → {b:.1f} | "
+                     f"{saving} | {r[str(n)]['misses']:,} → {r[f'{n}-ls']['misses']:,} |")
+    return "\n".join([*lines, "", _made(d)]) + "\n"
+
+
 PARTS = {  # name -> (file, renderer)
     "headline": ("README.md", headline),
     "performance": ("docs/results/performance.md", performance),
     "validation": ("docs/results/validation.md", validation),
     "artefacts": ("docs/results/validation.md", _artefacts),
     "mutation": ("docs/development.md", mutation),
+    "specmd-tables": ("docs/results/papers.md", specmd_tables),
 }
 
 
@@ -334,7 +400,15 @@ def rendered(text: str, name: str, body: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a rendered part is stale")
+    ap.add_argument("--specmd", action="store_true",
+                    help="first replay the SpecMD tables' scenarios into benchmarks/results/specmd_tables.json")
     args = ap.parse_args(argv)
+    if args.specmd:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from provenance import provenance
+
+        doc = {"provenance": provenance([__file__, "--specmd"]), "runs": specmd_runs()}
+        (RESULTS / "specmd_tables.json").write_text(json.dumps(doc, indent=1) + "\n")
     stale = []
     for name, (file, render) in PARTS.items():
         path = ROOT / file
