@@ -346,6 +346,90 @@ def specmd_runs() -> dict[str, dict[str, float]]:
     return out
 
 
+# the collision-miss study (SpecMD §5.2): per trace, its scenario, prefetcher, how its capacity
+# is stated (a share of the full model's bytes for OLMoE, as SpecMD states it; of the expert
+# bytes for FLAME-MoE, which SpecMD does not size) and SpecMD's figure per capacity
+COLLISION_TRACES = {
+    "flame": ("flame-prefill.yaml", "oracle", None, "FLAME-MoE prefill",
+              {"1%": "up to 85x (Fig. 8)", "5%": "2.6–8.6x; LS 1.6–1.9%, LRU 4.5–12.6% (§5.2)",
+               "25%": "LS near zero (Fig. 8)"}),
+    "olmoe": ("olmoe-prefill.yaml", "next-gate-topk", 12.89, "OLMoE synthetic prefill",
+              {"1%": "up to 85x", "5%": "2.6–8.6x", "25%": "LS near zero"}),
+}
+COLLISION_RUNS = (("per-expert", "pipelined"), ("per-expert", "blocking"), ("layer", "pipelined"))
+SHARES = ("1%", "5%", "25%")
+
+
+def specmd_collision_runs(traces: tuple[str, ...] = tuple(COLLISION_TRACES)) -> dict[str, dict[str, int]]:
+    """Cache-only replays of the prefill scenarios, LRU and Least-Stale, per execution, fetch
+    and capacity: accesses, misses and collision misses, keyed ``trace|mode|fetch|share|eviction``."""
+    from moesim.config.scenario import load_scenario
+    from moesim.simulator.build import load_trace
+    from moesim.simulator.engine import Simulation
+
+    spec = ROOT / "moesim" / "scenarios" / "specmd"
+    out = {}
+    for name in traces:
+        file, prefetch, model_gb, _, _ = COLLISION_TRACES[name]
+        trace = load_trace(load_scenario(spec / file))
+        for mode, fetch in COLLISION_RUNS:
+            for share in SHARES:
+                cap = f"{model_gb * float(share[:-1]) / 100:.4f}GB" if model_gb else share
+                for ev in ("lru", "least-stale"):
+                    sets = [f"expert_compute={mode}", f"expert_fetch={fetch}", f"cache.capacity={cap}",
+                            f"policies.prefetch={prefetch}", f"policies.eviction={ev}", "timing=false"]
+                    s = Simulation(load_scenario(spec / file, sets), trace=trace).run().summary
+                    out[f"{name}|{mode}|{fetch}|{share}|{ev}"] = {
+                        "accesses": int(s["expert_accesses"]), "misses": int(s["misses"]),
+                        "collisions": int(s["collision_misses"])}
+    return out
+
+
+def _pct(x: float) -> str:
+    return "0%" if x == 0 else f"{x:.2%}"
+
+
+def _one_or_two(a: str, b: str) -> str:
+    return a if a == b else f"{a} / {b}"
+
+
+def specmd_collisions() -> str:
+    """The collision-miss table (``benchmarks/results/specmd_tables.json``: ``collisions``)."""
+    d = _load("specmd_tables")
+    if d is None or "collisions" not in d:
+        return "_No results file yet: run `python tools/docs_pages.py --specmd`._\n"
+    c = d["collisions"]
+
+    def ratio(name: str, mode: str, fetch: str, share: str) -> str:
+        lru, ls = (c[f"{name}|{mode}|{fetch}|{share}|{ev}"]["collisions"] for ev in ("lru", "least-stale"))
+        if ls == 0:
+            return f"LS none (LRU {lru:,})" if lru else "none either"
+        return f"{lru / ls:.1f}x"
+
+    def rate(name: str, mode: str, fetch: str, share: str) -> str:
+        r = c[f"{name}|{mode}|{fetch}|{share}|least-stale"]
+        return _pct(r["collisions"] / r["accesses"])
+
+    lines = ["| trace, execution, prefetch | capacity | LRU / Least-Stale collision misses | Least-Stale collision "
+             "rate | SpecMD |", "|---|---|---|---|---|"]
+    rows = {n: COLLISION_TRACES[n] for n in COLLISION_TRACES if f"{n}|layer|pipelined|1%|lru" in c}
+    for name, (_, prefetch, model_gb, title, paper) in rows.items():
+        of = " of the model" if model_gb else ""
+        pf = "top-k" if prefetch == "next-gate-topk" else prefetch
+        for share in SHARES:
+            both = [(f(name, "per-expert", "pipelined", share), f(name, "per-expert", "blocking", share))
+                    for f in (ratio, rate)]
+            lines.append(f"| {title}, per-expert (pipelined / blocking fetch), {pf} | {share}{of} | "
+                         f"{_one_or_two(*both[0])} | {_one_or_two(*both[1])} | {paper[share]} |")
+    for name, (_, prefetch, model_gb, title, _) in rows.items():
+        of = " of the model" if model_gb else ""
+        pf = "top-k" if prefetch == "next-gate-topk" else prefetch
+        lines.append(f"| {title}, layer, {pf} | {' / '.join(SHARES)}{of} | "
+                     f"{' / '.join(ratio(name, 'layer', 'pipelined', s) for s in SHARES)} | "
+                     f"{' / '.join(rate(name, 'layer', 'pipelined', s) for s in SHARES)} | — |")
+    return "\n".join([*lines, "", _made(d)]) + "\n"
+
+
 def _ranks(values: dict[int, float], high_first: bool) -> dict[int, int]:
     order = sorted(values, key=lambda n: -values[n] if high_first else values[n])
     return {n: order.index(n) + 1 for n in values}
@@ -385,6 +469,7 @@ PARTS = {  # name -> (file, renderer)
     "artefacts": ("docs/results/validation.md", _artefacts),
     "mutation": ("docs/development.md", mutation),
     "specmd-tables": ("docs/results/papers.md", specmd_tables),
+    "specmd-collisions": ("docs/results/papers.md", specmd_collisions),
 }
 
 
@@ -407,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(ROOT / "benchmarks"))
         from provenance import provenance
 
-        doc = {"provenance": provenance([__file__, "--specmd"]), "runs": specmd_runs()}
+        doc = {"provenance": provenance([__file__, "--specmd"]), "runs": specmd_runs(),
+               "collisions": specmd_collision_runs()}
         (RESULTS / "specmd_tables.json").write_text(json.dumps(doc, indent=1) + "\n")
     stale = []
     for name, (file, render) in PARTS.items():
