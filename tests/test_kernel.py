@@ -991,3 +991,25 @@ def test_a_compiled_helper_is_compiled_once_whatever_literals_its_callers_pass()
     assert never.signatures == []  # pruned: opt is None
     assert caller(5, 1) == 18 + 5000
     assert len(helper.signatures) == 1
+
+
+def test_grow_rows_makes_the_per_token_regions_larger_last_in_is_and_w_and_keeps_the_rest() -> None:
+    """The regions sized by a layer's tokens lie last (what each token computes, ``rows x
+    top-k``; the speculative scratch, ``2 x rows``; the two lookup buffers, ``rows`` records
+    each): a layer of as many tokens as there is room for changes nothing (the same arrays);
+    more makes them larger with everything before them as it was."""
+    KS = import_module("moesim.kernel_state")
+    IS, _, _, _, W = KS._layout(num_keys=8, pool=8, pend_max=4, maxn=3, top_k=2, fin=2 * 5, lrun=5)
+    fin, lrun = int(IS[KS.H_FIN]), int(IS[KS.H_LRUN])
+    assert (IS[KS.H_SPEC], len(IS), len(W)) == (fin + 10, fin + 10 + 10, lrun + 10)
+    IS[KS.S_PASS], IS[fin - 1] = 7, 11  # a scalar and the last entry of the region before
+    W.key[:] = np.arange(len(W))
+    same, work = KS.grow_rows(IS, W, 5, 2)
+    assert same is IS and work is W
+    grown, work = KS.grow_rows(IS, W, 9, 2)
+    assert grown[KS.H_SPEC] == fin + 18 and grown[KS.C_LRUNCAP] == 9
+    assert len(grown) == fin + 18 + 2 * 9 and len(work) == lrun + 2 * 9
+    kept = np.ones(fin, bool)
+    kept[[KS.H_SPEC, KS.C_LRUNCAP]] = False
+    assert (grown[:fin][kept] == IS[:fin][kept]).all() and grown[KS.S_PASS] == 7 and grown[fin - 1] == 11
+    assert work.key[:lrun].tolist() == list(range(lrun)) and (work.key[lrun:] == 0).all()
