@@ -530,9 +530,8 @@ def _replay(sim: Any) -> None:
     assert miss is not None, "kernel_form"
     fetch_only = sim.miss.always_fetch
     max_rows = 0 if fetch_only else _layer_rows(wl)  # pieces: the most so far (grow_rows)
-    reroute = miss.reroutes
     # a layer computes its routed experts and, for a miss policy that re-routes, others
-    max_runs = maxn + (model.num_experts if reroute else 0)
+    max_runs = maxn + (model.num_experts if miss.reroutes else 0)
     IS, FS, K, T, W = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
                               max(1, max_rows), sim.num_prec, div)
     _configure(sim, IS, FS, miss, max_runs)
