@@ -331,6 +331,16 @@ def test_closed_loop_equals_simpy_open_loop(eviction: str, prefetch: str, mode: 
         assert ref.steps[col].tolist() == res.steps[col].tolist(), col
 
 
+def run_served(data: dict[str, Any]) -> tuple[Any, list[Workload]]:
+    """The served run (on the kernel) and the passes its scheduler formed (``Scheduler.KEEP``)."""
+    sim = Simulation(scenario_from_dict(data))
+    res = sim.run()
+    assert res.summary["replay_path"] == "kernel"
+    assert sim.serving is not None
+    assert sim.serving.kept is not None
+    return res, sim.serving.kept
+
+
 def with_tokens(parts: list[Workload]) -> Workload:
     """:func:`joined`, with the passes' trace rows (one trace of the pieces' rows, each
     (pass, layer)'s rows numbered on): what a miss policy that changes what tokens compute
@@ -366,12 +376,7 @@ def test_miss_policies_that_change_what_tokens_compute_serve_as_the_simpy_path_r
     data = served(trace, {"process": "gamma", "rate": 4.0, "cv": 3.0, "requests": 12},
                   {"max_running": 4, "max_batched_tokens": 48}, expert_compute=mode,
                   cache={"capacity": "10%"}, policies={"eviction": "lru", "prefetch": "none", "miss": miss})
-    sim = Simulation(scenario_from_dict(data))
-    res = sim.run()
-    assert res.summary["replay_path"] == "kernel"
-    assert sim.serving is not None
-    assert sim.serving.kept is not None
-    kept = sim.serving.kept
+    res, kept = run_served(data)
     rows = [int(np.diff(w.row_off).max()) for w in kept]
     assert max(rows) > rows[0]
     plain = copy.deepcopy(data)
@@ -416,12 +421,7 @@ def test_a_request_served_alone_reads_its_last_pass_as_a_fixed_batch_reads_the_p
     path = write_csv(tmp_path / "apart.csv", [(5 * n, 24, 13) for n in range(4)])
     data = served(trace, {"process": "file", "path": str(path)}, expert_compute=mode,
                   policies={"eviction": eviction, "prefetch": prefetch})
-    sim = Simulation(scenario_from_dict(data))
-    res = sim.run()
-    assert res.summary["replay_path"] == "kernel"
-    assert sim.serving is not None
-    assert sim.serving.kept is not None
-    kept = sim.serving.kept
+    res, kept = run_served(data)
     assert [len(np.unique(w.trace.request)) for w in kept] == [1] * len(kept)
     group = np.array([int(w.trace.request[0]) for w in kept])
     fixed = replace(joined(kept), pass_group=group, request_ids=np.arange(4), request_group=np.arange(4),
