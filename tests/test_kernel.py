@@ -1005,11 +1005,17 @@ def test_grow_rows_makes_the_per_token_regions_larger_last_in_is_and_w_and_keeps
     IS[KS.S_PASS], IS[fin - 1] = 7, 11  # a scalar and the last entry of the region before
     W.key[:] = np.arange(len(W))
     same, work = KS.grow_rows(IS, W, 5, 2)
-    assert same is IS and work is W
+    assert same is IS
+    assert work is W
     grown, work = KS.grow_rows(IS, W, 9, 2)
-    assert grown[KS.H_SPEC] == fin + 18 and grown[KS.C_LRUNCAP] == 9
-    assert len(grown) == fin + 18 + 2 * 9 and len(work) == lrun + 2 * 9
+    assert grown[KS.H_SPEC] == fin + 18
+    assert grown[KS.C_LRUNCAP] == 9
+    assert len(grown) == fin + 18 + 2 * 9
+    assert len(work) == lrun + 2 * 9
     kept = np.ones(fin, bool)
     kept[[KS.H_SPEC, KS.C_LRUNCAP]] = False
-    assert (grown[:fin][kept] == IS[:fin][kept]).all() and grown[KS.S_PASS] == 7 and grown[fin - 1] == 11
-    assert work.key[:lrun].tolist() == list(range(lrun)) and (work.key[lrun:] == 0).all()
+    assert (grown[:fin][kept] == IS[:fin][kept]).all()
+    assert grown[KS.S_PASS] == 7
+    assert grown[fin - 1] == 11
+    assert work.key[:lrun].tolist() == list(range(lrun))
+    assert (work.key[lrun:] == 0).all()

@@ -391,18 +391,113 @@ def test_miss_policies_that_change_what_tokens_compute_serve_as_the_simpy_path_r
     assert acted > 0
 
 
-def test_a_served_scenario_the_kernel_cannot_run_is_one_paragraph_naming_why() -> None:
-    """Top-k above 128 with a miss policy that changes what tokens compute runs on the SimPy
-    path only; under load that is refused with the kernel's reason and the way out."""
+MIXED = {"synth": {"preset": "olmoe-1b-7b", "requests": 6, "prompt_tokens": 16, "tokens": 6, "layers": 3,
+                   "pred_next": True, "probs": True}}
+OLMOE3_KV = 2 * 3 * 16 * 128 * 2  # KV bytes a token of MIXED: keys and values, 3 layers, 16 KV heads of 128, bf16
+
+
+@pytest.mark.parametrize(("policies", "mode", "kv_tokens"), [
+    ({"eviction": "lru", "prefetch": "none"}, "layer", 60),
+    ({"eviction": "least-stale", "prefetch": "oracle"}, "per-expert", None),
+    ({"eviction": "lru", "prefetch": "previous-token"}, "layer", 60),
+    ({"eviction": "lru", "prefetch": "none", "miss": "drop"}, "layer", None)])
+def test_serving_on_the_simpy_path_gives_the_kernels_rows_bit_for_bit(
+        policies: dict[str, Any], mode: str, kv_tokens: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same served scenario (vLLM V1, chunked prompts, bursty arrivals; with a KV cache of
+    60 tokens, preemptions) on the compiled kernel and, with ``MOESIM_NO_KERNEL``, on the SimPy
+    path's own piece loop: every per-pass and per-request column bit for bit, and the summary's
+    latency figures."""
+    sched: dict[str, Any] = {"max_running": 4, "max_batched_tokens": 40}
+    if kv_tokens is not None:
+        sched.update(kv_memory=f"{OLMOE3_KV * kv_tokens}B", kv_block_tokens=4)
+    data = served(MIXED, {"process": "gamma", "rate": 3.0, "cv": 3.0, "requests": 14}, sched,
+                  expert_compute=mode, cache={"capacity": "30%"}, policies=policies)
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    fast = simulate(scenario_from_dict(copy.deepcopy(data)))
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+    ref = simulate(scenario_from_dict(copy.deepcopy(data)))
+    assert (fast.summary["replay_path"], ref.summary["replay_path"]) == ("kernel", "simpy")
+    pd.testing.assert_frame_equal(ref.steps, fast.steps, check_exact=True)
+    pd.testing.assert_frame_equal(ref.requests, fast.requests, check_exact=True)
+    for key in ("ttft_p99_s", "tpot_p99_s", "itl_p50_s", "itl_p99_s", "preemptions", "recomputed_tokens"):
+        assert ref.summary[key] == fast.summary[key], key
+    assert (fast.requests["queue_s"] > 0).any()
+    if kv_tokens is not None:
+        assert fast.summary["preemptions"] > 0
+
+
+@pytest.mark.parametrize(("policies", "mode", "top"), [
+    ({"budget": {"name": "moe-spec", "budget": 8}}, "layer", {}),
+    ({"eviction": "least-stale", "budget": {"name": "xshare", "budget": 12}}, "per-expert", {}),
+    ({"routing": "cache-aware"}, "on-arrival", {}),
+    ({"budget": "lynx"}, "layer", {"hardware": {"preset": "h100-sxm-nvlink-x4"}})])
+def test_routing_budgets_and_expert_parallelism_serve_as_the_simpy_path_replays_the_schedule(
+        policies: dict[str, Any], mode: str, top: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under load, a budget, cache-aware routing and expert parallelism (4 GPUs) run on the
+    SimPy path a pass at a time (the kernel has no form for them): the passes the scheduler
+    formed, with their tokens, replayed as one fixed workload give every per-pass column bit
+    for bit; the policy acted (tokens altered; under expert parallelism, tokens crossed the
+    EP link)."""
+    monkeypatch.setattr(serving.Scheduler, "KEEP", True)
+    data = served(MIXED, {"process": "gamma", "rate": 3.0, "cv": 3.0, "requests": 14},
+                  {"max_running": 4, "max_batched_tokens": 40}, expert_compute=mode, cache={"capacity": "30%"},
+                  policies=policies, **top)
+    sim = Simulation(scenario_from_dict(data))
+    res = sim.run()
+    assert res.summary["replay_path"] == "simpy"
+    assert sim.serving is not None
+    assert sim.serving.kept is not None
+    plain = copy.deepcopy(data)
+    del plain["workload"]["arrivals"], plain["scheduler"]
+    ref = Simulation(scenario_from_dict(plain), workload=with_tokens(sim.serving.kept)).run()
+    for col in ("start_s", "end_s", "stall_s", "hits", "misses", "late_prefetches", "collision_misses",
+                "bytes_h2d", "bytes_ep", "unique_experts", "tokens_altered", "gate_weight_total",
+                "gate_weight_computed", "max_experts_per_gpu"):
+        assert ref.steps[col].tolist() == res.steps[col].tolist(), col
+    assert (res.requests["queue_s"] > 0).any()
+    assert res.steps["tokens_altered"].sum() > 0
+    if top:
+        assert res.steps["bytes_ep"].sum() > 0
+
+
+def test_under_expert_parallelism_each_gpu_holds_the_kv_of_its_share_of_the_tokens() -> None:
+    """Four GPUs: each holds the dense weights, a quarter of the experts and KV in what is
+    left; the KV tokens are four times those of one GPU whose expert cache is that quarter."""
+    trace = {"synth": {"preset": "olmoe-1b-7b", "requests": 2, "prompt_tokens": 4, "tokens": 2, "layers": 2}}
+    one_gpu = served(trace, {"process": "poisson", "rate": 1.0, "requests": 2},
+                     hardware={"preset": "h100-sxm-nvlink-x4", "gpus": 1}, cache={"capacity": "25%"})
+    four = served(trace, {"process": "poisson", "rate": 1.0, "requests": 2},
+                  hardware={"preset": "h100-sxm-nvlink-x4"})
+    kv_one = simulate(scenario_from_dict(one_gpu)).summary["kv_capacity_tokens"]
+    kv_four = simulate(scenario_from_dict(four)).summary["kv_capacity_tokens"]
+    assert kv_one > 0
+    assert kv_four == 4 * kv_one
+
+
+def test_a_served_scenario_the_kernel_cannot_run_serves_on_the_simpy_path_and_says_why() -> None:
+    """Top-k above 128 with a miss policy that changes what tokens compute has no kernel form:
+    under load it serves on the SimPy path, which says why."""
     trace = {"synth": {"preset": "olmoe-1b-7b", "requests": 2, "prompt_tokens": 2, "tokens": 2, "layers": 1,
                        "experts": 130, "top_k": 129}}
-    data = served(trace, {"process": "poisson", "rate": 1.0, "requests": 2}, policies={"miss": "drop"})
+    data = served(trace, {"process": "poisson", "rate": 1.0, "requests": 2}, policies={"miss": "drop"},
+                  cache={"capacity": "50%"})
+    s = simulate(scenario_from_dict(data)).summary
+    assert (s["replay_path"], s["served_requests"]) == ("simpy", 2)
+    assert s["replay_path_reason"].startswith("top-k above 128")
+    assert s["dropped_experts"] > 0
+
+
+@pytest.mark.parametrize(("budget", "name"), [
+    ({"name": "moe-spec", "budget": 8, "ranking": "static"}, "moe-spec"), ("skip-threshold", "skip-threshold")])
+def test_a_budget_calibrated_on_leading_passes_is_refused_under_load(budget: Any, name: str) -> None:
+    data = served(MIXED, {"process": "poisson", "rate": 1.0, "requests": 2}, policies={"budget": budget})
     with pytest.raises(MoesimError) as err:
-        Simulation(scenario_from_dict(data)).run()
+        simulate(scenario_from_dict(data, where="s.yaml"))
     assert str(err.value) == (
-        "Serving under load replays on the compiled kernel, which cannot run this scenario: top-k above 128 (the "
-        "kernel sums a token's gate mass as numpy does up to 128 terms). Leave out workload.arrivals to replay "
-        "the trace as a fixed batch on the SimPy path.")
+        f"s.yaml: key 'workload.arrivals': serving under load replays one forward pass at a time, which cannot run "
+        f"budget '{name}' as configured (it calibrates on the trace's leading passes, which the scheduler forms as "
+        "it goes); use a budget, or a ranking, that reads each pass alone. Change that, or remove "
+        "workload.arrivals for the fixed-batch replay.")
 
 
 @pytest.mark.parametrize(("eviction", "prefetch", "mode"), [

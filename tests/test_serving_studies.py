@@ -109,6 +109,34 @@ def test_compare_under_load_finds_each_policys_capacity(tmp_path: Path) -> None:
     assert (out / "compare.png").stat().st_size > 10_000
 
 
+def test_compare_under_load_ranks_miss_policies_and_budgets(tmp_path: Path) -> None:
+    """``moesim compare --rate --miss --budget``: a candidate per (eviction, miss, budget),
+    each row the pooled requests of its arrival draws, rerun in-process with those policies
+    (the budget on the SimPy path, the miss policy on the kernel)."""
+    data = served({"synth": {"preset": "olmoe-1b-7b", "requests": 4, "prompt_tokens": 32, "tokens": 8,
+                             "layers": 3, "probs": True}},
+                  {"process": "poisson", "rate": 4.0, "requests": 12}, {"max_running": 4},
+                  cache={"capacity": "20%"})
+    sc = tmp_path / "s.yaml"
+    sc.write_text(json.dumps(data))
+    out = tmp_path / "cmp"
+    r = CliRunner().invoke(cli, ["compare", str(sc), "--eviction", "lru", "--miss", "fetch,drop", "--budget",
+                                 "none,moe-spec", "--rate", "4", "--seeds", "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    table = pd.read_parquet(out / "compare.parquet")
+    assert set(table["label"]) == {"lru", "lru + drop", "lru + moe-spec", "lru + drop + moe-spec",
+                                   "on-demand LRU (baseline)"}
+    for label, policies in (("lru + drop", {"eviction": "lru", "miss": "drop"}),
+                            ("lru + drop + moe-spec", {"eviction": "lru", "miss": "drop", "budget": "moe-spec"})):
+        point = copy.deepcopy(data)
+        point["policies"] = policies
+        req = pooled_by_hand(point, [0, 1])
+        row = table[table["label"] == label].iloc[0]
+        assert row["ttft_p99_s"] == float(np.percentile(req["ttft_s"], 99)), label
+    same = table.set_index("label")["ttft_p99_s"]
+    assert same["lru + moe-spec"] != same["lru"]
+
+
 def test_the_interval_over_seeds_covers_a_fresh_seeds_capacity_as_often_as_order_statistics_say() -> None:
     """One expert, one request at a time, prefill-only requests (the M/D/1 queue above), 30
     Poisson arrivals a draw, SLO TTFT <= the first (cold) pass and 3 service times for 90% of

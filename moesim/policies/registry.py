@@ -25,19 +25,23 @@ class NoParams:
 class Clock:
     """Mutable view of where the simulation is, shared by the engine with every policy.
 
-    The engine updates ``now`` (seconds), ``pass_index`` (forward pass number), ``layer``
-    (the layer being executed) and ``pending`` (cache keys of that layer's routed experts that
+    The engine updates ``now`` (seconds), ``pass_index`` (forward pass number, counted over
+    the whole replay), ``pass_base`` (the number of the first pass of the workload the
+    policies read, ``PolicyContext.workload``: 0 but under load, where each pass is a workload
+    of its own, so that pass ``pass_index`` is that workload's ``pass_index - pass_base``),
+    ``layer`` (the layer being executed) and ``pending`` (cache keys of that layer's routed experts that
     have not run yet) before it consults a policy; policies read them and never write. The
     execution point lies between the experts that have run and those in ``pending``:
     ``expert_compute: per-expert`` runs a layer's experts one at a time, the other modes all
     at once (``pending`` empties when the layer's experts have run).
     """
 
-    __slots__ = ("layer", "now", "pass_index", "pending")
+    __slots__ = ("layer", "now", "pass_base", "pass_index", "pending")
 
     def __init__(self) -> None:
         self.now = 0.0
         self.pass_index = 0
+        self.pass_base = 0
         self.layer = 0
         self.pending: set[int] = set()
 

@@ -234,7 +234,7 @@ class Simulation:
         reason = stream.why_not_served(sc, recording)
         if reason is not None:
             raise MoesimError(f"{sc.source}: key 'workload.arrivals': serving under load replays one forward pass "
-                              f"at a time on the compiled kernel, which {reason}. Change that, or remove "
+                              f"at a time, which {reason}. Change that, or remove "
                               "workload.arrivals for the fixed-batch replay.")
         given = trace is not None
         trace = trace if trace is not None else load_trace(sc)
@@ -255,7 +255,10 @@ class Simulation:
         size = cache_sizing(sc, trace.model)
         cost = CostModel(sc.hardware, trace.model, size.expert_bytes)
         dense = serving.BF16 * cost.nonexpert_weights * trace.model.num_layers
-        kv = serving.kv_capacity_tokens(sc, trace.model, size.capacity, dense)
+        m = trace.model
+        g = sc.hardware.gpus  # expert parallelism: each GPU holds its share of the experts
+        held = size.capacity if g == 1 else m.num_layers * m.num_experts * size.expert_bytes / g
+        kv = serving.kv_capacity_tokens(sc, m, held, dense)
         from moesim.simulator.stream import _classes
 
         self.serving = serving.Scheduler(sc, plan, bank, kv, previous=_classes(sc)[1].reads_previous_pass)
@@ -421,6 +424,32 @@ class Simulation:
 
     # -- the compute-stream process -------------------------------------------------------
     def _run(self) -> Generator[simpy.Event, Any, None]:
+        """The compute stream: the passes of the workload (:meth:`_passes`), then, serving
+        under load (``self.pieces``: the scheduler), each pass the scheduler forms when the
+        one before has ended, numbered on (``Clock.pass_base``) with the cache, the copy engine
+        and the prefetch queue carried over, as the kernel's piece loop does; the replay then
+        adopts the joined passes."""
+        from moesim.simulator.kernel import next_piece
+        from moesim.simulator.workload import join, passes_of
+
+        self.look = LayerLookup(self, self.cache.evicted)
+        parts = []
+        while True:
+            yield from self._passes()
+            self.take_rows()
+            if self.pieces is None:
+                return
+            parts.append(passes_of(self.wl))
+            nxt = next_piece(self.pieces, self.env.now)
+            if nxt is None:
+                self.wl = join(parts)
+                self.trace_pieces = len(parts)
+                return
+            self.clock.pass_base += self.wl.num_passes
+            self.bind_piece(nxt)
+            self._size_passes(nxt)
+
+    def _passes(self) -> Generator[simpy.Event, Any, None]:
         """Forward passes on the compute stream. Per layer: non-expert compute, then from the
         routing point :meth:`_layer` (lookups, proposals, expert compute) or, under expert
         parallelism, :meth:`_ep_step`; per pass one row (:meth:`_end_pass`). Cache-only
@@ -428,7 +457,6 @@ class Simulation:
         env = self.env
         num_l = self.model.num_layers
         off = self.wl.off.tolist()
-        self.look = LayerLookup(self, self.cache.evicted)
         ep = self.scenario.hardware.gpus > 1
         if ep:
             nonexp = self._ep_nonexpert_times()
@@ -471,9 +499,11 @@ class Simulation:
             if ep:
                 self.row.hits = self.row.unique  # every expert is resident on its GPU
             self._end_pass(p, bytes0)
-            if self.progress is not None and (p + 1) % report_every == 0:
+            if self.progress is not None and self.serving is not None:  # requests served
+                self.progress(self.serving.finished, self.serving.n)
+            elif self.progress is not None and (p + 1) % report_every == 0:
                 self.progress(p + 1, n_pass)
-        if self.progress is not None:
+        if self.progress is not None and self.serving is None:
             self.progress(n_pass, n_pass)
 
     def _layer(self, p: int, layer: int, lo: int, hi: int, now: float, ne: float) -> float:
@@ -530,7 +560,7 @@ class Simulation:
         return end
 
     def _begin_pass(self, p: int) -> None:
-        self.clock.pass_index = p
+        self.clock.pass_index = self.clock.pass_base + p
         self._t_start[p] = self.env.now
         self.cache.evicted.clear()
         self.row = PassRow()
@@ -789,12 +819,9 @@ class Simulation:
 
         t0 = _time.perf_counter()
         self.simpy_reason = kernel.kernel_form(self)
-        # a trace in pieces only for replays the kernel runs (simulator.stream.why_whole,
-        # why_not_served)
-        if self.pieces is not None and self.simpy_reason is not None:
-            raise MoesimError(f"Serving under load replays on the compiled kernel, which cannot run this scenario: "
-                              f"{self.simpy_reason}. Leave out workload.arrivals to replay the trace as a fixed "
-                              "batch on the SimPy path.")
+        # a trace file in pieces only for replays the kernel runs (simulator.stream.why_whole); serving's
+        # passes on either path
+        assert self.pieces is None or self.serving is not None or self.simpy_reason is None, self.simpy_reason
         if self.simpy_reason is None:
             kernel.replay(self)
         else:
@@ -802,7 +829,6 @@ class Simulation:
             self.env.process(self._run())
             self.env.run()
             self.copy.finish()
-            self.take_rows()
         self.wall_s = _time.perf_counter() - t0
         self.rows.close()
         requests = (self.serving.frame() if self.serving is not None

@@ -317,8 +317,12 @@ def kv_bytes_per_token(model: Any) -> int:
 
 
 def kv_capacity_tokens(scenario: Scenario, model: Any, capacity: float, dense_bytes: float) -> float:
-    """Tokens of KV cache the GPU holds: ``scheduler.kv_memory`` as given, or ('auto') the
-    HBM left after the expert cache and the dense (non-expert) weights; inf with 'none'."""
+    """Tokens of KV cache the GPUs hold: ``scheduler.kv_memory`` as given, or ('auto') the
+    HBM left after the expert cache and the dense (non-expert) weights; inf with 'none'. Under
+    expert parallelism (``hardware.gpus`` G > 1) every GPU holds the dense weights, its share
+    of the experts (``capacity``: all experts / G) and the KV of its share of the tokens
+    (attention runs data-parallel), ``kv_memory`` is per GPU, and the tokens are G times one
+    GPU's."""
     sched = scenario.scheduler or SchedulerConfig()
     where = scenario.source
     per_token = kv_bytes_per_token(model)
@@ -326,6 +330,7 @@ def kv_capacity_tokens(scenario: Scenario, model: Any, capacity: float, dense_by
     if text == "none":
         return math.inf
     hbm = scenario.hardware.gpu.memory_gb * 1e9
+    gpus = scenario.hardware.gpus
     if text == "auto":
         if not math.isfinite(capacity):
             raise MoesimError(f"{where}: key 'scheduler.kv_memory' is 'auto' (the HBM left after the expert cache), "
@@ -333,11 +338,12 @@ def kv_capacity_tokens(scenario: Scenario, model: Any, capacity: float, dense_by
                               "scheduler.kv_memory as a size ('20GB') or 'none'.")
         left = hbm - capacity - dense_bytes
         if left < per_token:
-            raise MoesimError(f"{where}: the GPU's {hbm / 1e9:g} GB of HBM less the expert cache "
+            held = "the expert cache" if gpus == 1 else f"its share of the experts over {gpus} GPUs"
+            raise MoesimError(f"{where}: the GPU's {hbm / 1e9:g} GB of HBM less {held} "
                               f"({capacity / 1e9:.3g} GB) and the dense weights ({dense_bytes / 1e9:.3g} GB) leaves "
                               f"{max(left, 0) / 1e9:.3g} GB, not one token of KV cache ({per_token:,} bytes). Lower "
                               "cache.capacity, or set scheduler.kv_memory to a size ('20GB') or 'none'.")
-        return float(left // per_token)
+        return float(left // per_token) * gpus
     try:
         nbytes = parse_capacity(text, 1, 1, where)
     except MoesimError:
@@ -348,7 +354,7 @@ def kv_capacity_tokens(scenario: Scenario, model: Any, capacity: float, dense_by
                           f"{'a share or count' if text.endswith(('%', 'expert', 'experts')) else 'less than one token'}"
                           f"; one token of KV cache takes {per_token:,} bytes. Write a size such as '20GB', or "
                           "'auto' or 'none'.")
-    return float(nbytes // per_token)
+    return float(nbytes // per_token) * gpus
 
 
 class Scheduler:

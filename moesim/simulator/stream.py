@@ -161,45 +161,36 @@ def _served(family: str) -> list[str]:
     """The registered policies of ``family`` (eviction or prefetch) that serving can run, by
     their capability flags."""
     from moesim.policies import families
-    from moesim.simulator.kernel import eviction_form, prefetch_form
 
     if family == "eviction":
-        return [n for n, c in families()["eviction"].items() if eviction_form(c) is not None and not c.reads_future]
-    return [n for n, c in families()["prefetch"].items() if prefetch_form(c) is None and c.piecewise
-            and not c.counts_whole_trace]
+        return [n for n, c in families()["eviction"].items() if not c.reads_future]
+    return [n for n, c in families()["prefetch"].items() if c.piecewise and not c.counts_whole_trace]
 
 
 def why_not_served(scenario: Scenario, recording: bool) -> str | None:
     """What keeps ``scenario`` from serving under load, said as the rest of a sentence
-    ("... on the compiled kernel, which <reason>"); None when it can be served. Serving
-    replays one forward pass at a time, each formed when the one before ends, so it needs the
-    kernel's piece loop and the policies that a piece at a time allows (:func:`why_whole`),
-    less the prefetchers that count over the whole trace; one that reads the pass before reads
-    each request's own last pass (``Workload.previous``)."""
-    from moesim.simulator.kernel import kernel_off
-
+    ("... one forward pass at a time, which <reason>"); None when it can be served. Serving
+    replays one forward pass at a time, each formed when the one before ends: on the compiled
+    kernel's piece loop when it has a form for every policy, else on the SimPy path's
+    (:meth:`simulator.engine.Simulation._run`), so what it refuses is what a pass at a time
+    cannot know: the trace's future (which depends on the replay's own timing here), counts
+    over the whole trace or its leading passes, and a timeline. A prefetcher that reads the
+    pass before reads each request's own last pass (``Workload.previous``)."""
     if not scenario.timing:
         return "needs time to pass (timing: true): arrivals and latencies are times"
     if recording:
         return "cannot record a timeline or decisions (leave out --events)"
-    off = kernel_off()
-    if off is not None:
-        return f"is off here ({off})"
-    if scenario.hardware.gpus > 1:
-        return "models one GPU (set hardware.gpus: 1)"
-    ev, pf, *_ = _classes(scenario)
+    ev, pf, _, _, budget = _classes(scenario)
     pol = scenario.policies
-    blocked = _piecewise(scenario)
-    if (blocked is not None and blocked[0] == "eviction") or ev.reads_future:
-        return (f"cannot run eviction policy '{pol.eviction.name}' (it reads the whole trace or the future, or its "
-                f"hooks do not compile); use one of {', '.join(_served('eviction'))} or a hook policy numba compiles")
-    if (blocked is not None and blocked[0] == "prefetch") or pf.counts_whole_trace:
+    if ev.reads_future:
+        return (f"cannot run eviction policy '{pol.eviction.name}' (it reads the trace's future, which depends on "
+                f"the replay's own timing under load); use one of {', '.join(_served('eviction'))}")
+    if pf.counts_whole_trace or not pf.piecewise:
         return (f"cannot run prefetch policy '{pol.prefetch.name}' (it reads the whole trace, and each pass is "
                 f"formed anew); use one of {', '.join(_served('prefetch'))}")
-    if blocked is not None and blocked[0] == "miss":
-        return f"cannot run miss policy '{pol.miss.name}' (it has no compiled form)"
-    if blocked is not None:
-        return "runs routing 'standard' and budget 'none' only"
+    if budget.calibrates(pol.budget.params):
+        return (f"cannot run budget '{pol.budget.name}' as configured (it calibrates on the trace's leading "
+                "passes, which the scheduler forms as it goes); use a budget, or a ranking, that reads each pass alone")
     return None
 
 

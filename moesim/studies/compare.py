@@ -347,10 +347,6 @@ def _compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, 
     """``compare`` for a scenario with arrivals (:func:`studies.load.compare_load`)."""
     from moesim.studies.load import SEEDS, compare_load
 
-    for opt, given in (("--miss", miss), ("--budget", budget)):
-        if given and any(v != ("fetch" if opt == "--miss" else "none") for v in given):
-            raise MoesimError(f"{p}: {opt} {','.join(given)}: serving under load runs miss policy 'fetch' and budget "
-                              f"'none' only (one forward pass at a time on the compiled kernel); leave out {opt}.")
     caps = list(capacity) if capacity else [str((data.get("cache") or {}).get("capacity", "5%"))]
     traces: dict[str, Any] = {}
     has_pred_next = _check_trace(data, str(p.parent), caps, str(p), traces)
@@ -358,4 +354,4 @@ def _compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, 
     with folder_lock(out):
         return compare_load(scenario_path, p, data, out, eviction, prefetch, capacity, rates, has_pred_next, traces,
                             workers, executor, ray_address, progress, title, verify, prune,
-                            SEEDS if seeds is None else seeds)
+                            SEEDS if seeds is None else seeds, miss, budget)

@@ -150,10 +150,12 @@ def file_rate(data: dict[str, Any], base_dir: str, where: str) -> float:
 
 def plan_load(p: Path, data: dict[str, Any], eviction: Sequence[str] | None, prefetch: Sequence[str] | None,
               capacity: Sequence[str] | None, rates: Sequence[float] | None, has_pred_next: bool,
-              traces: dict[str, Any], seeds: int = SEEDS) -> tuple[list[Point], list[dict[str, Any]]]:
+              traces: dict[str, Any], seeds: int = SEEDS, miss: Sequence[str] | None = None,
+              budget: Sequence[str] | None = None) -> tuple[list[Point], list[dict[str, Any]]]:
     """The points (candidates and the baseline at every capacity and rate, each with every
     arrival seed, identical runs once) and the row plan (each row's ``point``: its points'
-    ids joined by '+')."""
+    ids joined by '+'). Candidates are every eviction, prefetch, miss and budget policy
+    given (the scenario's own miss and budget policies when none are)."""
     arr = data["workload"]["arrivals"]
     cache = data.get("cache") or {}
     caps = list(capacity) if capacity else [str(cache.get("capacity", "5%"))]
@@ -175,11 +177,15 @@ def plan_load(p: Path, data: dict[str, Any], eviction: Sequence[str] | None, pre
         combos.setdefault(key, values)
         rows.append({"role": role, "label": label, "capacity": cap, "rate": rate, "key": key})
 
+    misses: list[str | None] = list(miss) if miss else [None]
+    budgets: list[str | None] = list(budget) if budget else [None]
     for cap, rate in itertools.product(caps, rate_list):
-        for ev, pf in itertools.product(evs, pfs):
-            label = ev if pf == "none" else f"{ev} + {pf}"
-            add("candidate", label, cap, rate, {"cache.capacity": cap, "policies.eviction": ev,
-                                                "policies.prefetch": pf, RATE: rate})
+        for ev, pf, ms, bd in itertools.product(evs, pfs, misses, budgets):
+            label = " + ".join(x for x in (ev, pf if pf != "none" else "", ms if ms not in (None, "fetch") else "",
+                                           bd if bd not in (None, "none") else "") if x)
+            values = {"cache.capacity": cap, "policies.eviction": ev, "policies.prefetch": pf, RATE: rate}
+            values.update({k: v for k, v in (("policies.miss", ms), ("policies.budget", bd)) if v is not None})
+            add("candidate", label, cap, rate, values)
         add("baseline", "on-demand LRU (baseline)", cap, rate, {"cache.capacity": cap, **BASELINE, RATE: rate})
     points, keys = seed_points(p, data, list(combos.values()), seed_values(data, seeds), traces)
     pid_of = dict(zip(combos, keys, strict=True))
@@ -447,13 +453,14 @@ def compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, e
                  prefetch: Sequence[str] | None, capacity: Sequence[str] | None, rates: Sequence[float] | None,
                  has_pred_next: bool, traces: dict[str, Any], workers: int, executor: str,
                  ray_address: str | None, progress: Callable[[int, int, int], None] | None,
-                 title: str, verify: bool = False, prune: bool = False, seeds: int = SEEDS) -> tuple[pd.DataFrame, str]:
+                 title: str, verify: bool = False, prune: bool = False, seeds: int = SEEDS,
+                 miss: Sequence[str] | None = None, budget: Sequence[str] | None = None) -> tuple[pd.DataFrame, str]:
     """The comparison under load (module docstring): writes compare.parquet (per rate),
     capacity.parquet (with an SLO), compare.md and compare.png in ``out``."""
     from moesim.config.scenario import scenario_from_dict
     from moesim.files import save_figure_atomic, write_atomic, write_text_atomic
 
-    points, rows = plan_load(p, data, eviction, prefetch, capacity, rates, has_pred_next, traces, seeds)
+    points, rows = plan_load(p, data, eviction, prefetch, capacity, rates, has_pred_next, traces, seeds, miss, budget)
     seed_list = seed_values(data, seeds)
     all_points = list(points)
     runs = run_points(data, points, out, workers, executor, ray_address, progress, verify)

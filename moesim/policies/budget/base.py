@@ -25,6 +25,12 @@ class BudgetPolicy(Policy, ABC):
 
     restricts: ClassVar[bool] = True
 
+    @classmethod
+    def calibrates(cls, params: object) -> bool:
+        """Whether the policy with ``params`` calibrates on the trace's leading passes when it
+        is made (serving under load, which forms its passes as it goes, cannot give them)."""
+        return False
+
     @abstractmethod
     def select(self, pass_index: int, layer: int, rows: np.ndarray, experts: np.ndarray) -> list[list[int]]:
         """Each token's experts (rank order) for trace ``rows`` whose router chose ``experts``."""

@@ -45,6 +45,10 @@ class MoESpec(BudgetPolicy):
 
     Params = MoESpecParams
 
+    @classmethod
+    def calibrates(cls, params: object) -> bool:
+        return isinstance(params, MoESpecParams) and params.ranking == "static"
+
     def __init__(self, params: MoESpecParams, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
         if params.coverage == "substitution" and ctx.workload is not None and ctx.workload.probs is None:

@@ -40,6 +40,10 @@ class SkipThreshold(BudgetPolicy):
 
     Params = SkipThresholdParams
 
+    @classmethod
+    def calibrates(cls, params: object) -> bool:
+        return True
+
     def __init__(self, params: SkipThresholdParams, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
         if params.max_skip >= ctx.top_k:

@@ -264,7 +264,7 @@ def _access_index(ctx: PolicyContext, keys: list[int], key: int) -> int | None:
     """Index of the access of ``key`` at the clock's (pass, layer), or None. ``keys`` are the
     workload's accesses as cache keys (``ctx.cache_keys(workload.keys()).tolist()``)."""
     wl = ctx.workload
-    base = ctx.clock.pass_index * ctx.num_layers + ctx.clock.layer
+    base = (ctx.clock.pass_index - ctx.clock.pass_base) * ctx.num_layers + ctx.clock.layer
     lo, hi = int(wl.off[base]), int(wl.off[base + 1])
     try:
         return int(keys.index(key, lo, hi))

@@ -171,7 +171,7 @@ class Belady(EvictionPolicy):
             return float("inf")
         i = _access_index(ctx, self._keys, key)
         if i is None:
-            i = int(ctx.workload.off[ctx.clock.pass_index * ctx.num_layers + ctx.clock.layer]) - 1
+            i = int(ctx.workload.off[(ctx.clock.pass_index - ctx.clock.pass_base) * ctx.num_layers + ctx.clock.layer]) - 1
         j = int(np.searchsorted(pos, i, side="right"))
         return float(pos[j]) if j < len(pos) else float("inf")
 
