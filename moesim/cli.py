@@ -214,9 +214,9 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
                           f"{', '.join(RESULT_FILES[:-1])} and {RESULT_FILES[-1]}); name another file, e.g. "
                           f"{target / 'events.json'}.")
     _compile_note()
-    serving = sc.workload.arrivals is not None  # its timeline: passes and requests (the kernel records no copies)
-    rec: dict[str, Any] = {"record_transfers": events is not None and not serving,
-                           "record_layers": events is not None and not serving, "record_passes": events_passes or None}
+    serving = sc.workload.arrivals is not None  # its timeline adds the passes and the requests
+    rec: dict[str, Any] = {"record_transfers": events is not None, "record_layers": events is not None,
+                           "record_passes": events_passes or None}
 
     def replay(progress: Any) -> tuple[Simulation, Any]:
         # per-pass rows only where something reads them: the results folder, the timeline
@@ -231,11 +231,10 @@ def run(scenario: str, overrides: tuple[str, ...], out_dir: str | None, no_write
     if events is not None and serving:
         from moesim.output.events import serving_trace, write_events
 
-        doc = serving_trace(result, events_passes)
+        doc = serving_trace(result, events_passes, sim.link_name, sim.model.num_experts, sim.num_prec)
         timeline = (functools.partial(write_events, doc),
                     f"timeline of {doc['otherData']['passes']} forward passes and {doc['otherData']['requests']} "
-                    f"requests written to {events} (open it in Perfetto; --events-passes N shows more, 0 all; "
-                    "serving replays on the kernel, which records no copies)")
+                    f"requests written to {events} (open it in Perfetto; --events-passes N records more, 0 all)")
     elif events is not None:
         from moesim.output.events import chrome_trace, write_events
 

@@ -858,16 +858,18 @@ def test_no_arrivals_resolves_as_before() -> None:
 
 # -- compare under load ----------------------------------------------------------------------------
 def test_compare_rate_needs_arrivals(tmp_path: Path) -> None:
-    """--rate on a fixed-batch scenario, or --miss other than fetch under load: one paragraph."""
+    """--rate on a fixed-batch scenario, or a budget serving cannot run under load: one paragraph."""
     r = CliRunner().invoke(cli, ["compare", "quickstart", "--rate", "1,2", "--out", str(tmp_path / "x")])
     assert r.exit_code == 2
     assert "workload.arrivals" in unwrap(r.output)
     assert "Traceback" not in unwrap(r.output)
     sc = tmp_path / "s.yaml"
     sc.write_text(json.dumps(served(TINY, {"process": "poisson", "rate": 4.0, "requests": 5})))
-    r = CliRunner().invoke(cli, ["compare", str(sc), "--miss", "drop", "--out", str(tmp_path / "y")])
+    r = CliRunner().invoke(cli, ["compare", str(sc), "--budget", "none,skip-threshold", "--out", str(tmp_path / "y")])
     assert r.exit_code == 2
-    assert "miss policy 'fetch'" in unwrap(r.output)
+    assert "--budget skip-threshold: serving under load replays one forward pass at a time, which cannot run budget " \
+           "'skip-threshold' as configured (it calibrates on the trace's leading passes" in unwrap(r.output)
+    assert not (tmp_path / "y").exists()
 
 
 def test_arrival_file_in_the_fingerprint(tmp_path: Path) -> None:
@@ -882,8 +884,10 @@ def test_arrival_file_in_the_fingerprint(tmp_path: Path) -> None:
 
 
 def test_timeline_shows_requests(tmp_path: Path) -> None:
-    """``moesim run --events`` when serving: the passes on the GPU's track and each request's
-    queueing, prefill and decode on its own track, at the per-request table's times."""
+    """``moesim run --events`` when serving: the replay records on the SimPy path (the same
+    rows as without a timeline); the timeline holds the compute stream's layers and the copy
+    engine's copies, the passes on the GPU's forward-pass track and each request's queueing,
+    prefill and decode on its own track, at the per-pass and per-request tables' times."""
     path = write_csv(tmp_path / "three.csv", [(0, 4, 3), (0, 2, 2), (0, 3, 2)])
     sc = tmp_path / "s.yaml"
     sc.write_text(json.dumps(served(TINY, {"process": "file", "path": str(path)},
@@ -895,9 +899,19 @@ def test_timeline_shows_requests(tmp_path: Path) -> None:
     doc = json.loads(ev.read_text())["traceEvents"]
     steps = pd.read_parquet(out / "steps.parquet")
     req = pd.read_parquet(out / "requests.parquet")
-    passes = [e for e in doc if e["ph"] == "X" and e["pid"] == 0]
+    plain = simulate(scenario_from_dict(json.loads(sc.read_text())))
+    assert plain.summary["replay_path"] == "kernel"
+    pd.testing.assert_frame_equal(steps, plain.steps, check_exact=True)
+    passes = [e for e in doc if e["ph"] == "X" and e["pid"] == 0 and e["tid"] == 2]
     assert [e["name"] for e in passes] == ["prefill", "decode", "prefill", "decode"]
     assert [e["ts"] for e in passes] == (steps["start_s"] * 1e6).tolist()
+    experts = [e for e in doc if e["ph"] == "X" and e["pid"] == 0 and e["tid"] == 0 and e["name"].endswith("experts")]
+    assert sorted({e["args"]["pass"] for e in experts}) == [0, 1, 2, 3]  # numbered over the run, not per pass
+    end = steps["end_s"].to_numpy() * 1e6
+    for e in experts:
+        assert e["ts"] + e["dur"] <= end[e["args"]["pass"]] * (1 + 1e-12)
+    copies = [e for e in doc if e["ph"] == "X" and e["pid"] == 0 and e["tid"] == 1]
+    assert len(copies) == int(steps["misses"].sum())  # on-demand LRU: a copy per miss
     c = {e["name"]: e for e in doc if e["ph"] == "X" and e["pid"] == 1 and e["tid"] == 2}
     assert set(c) == {"queued", "prefill", "decode"}  # the third request waits for a place
     assert c["queued"]["ts"] == 0

@@ -149,19 +149,21 @@ def write_events(doc: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     return write_atomic(path, dump)
 
 
-def serving_trace(result: Result, passes: int) -> dict[str, Any]:
-    """The timeline of a run serving under load: a *forward passes* track (each pass named by
-    its phase, its tokens, requests, hits, misses and stall as arguments) and a track per
-    request — *queued* from its arrival to its first pass, *prefill* to its first token,
-    *decode* to its last — for the first ``passes`` passes (0: all) and the requests that
+def serving_trace(result: Result, passes: int, link: str, num_experts: int, num_precisions: int) -> dict[str, Any]:
+    """The timeline of a run serving under load: :func:`chrome_trace`'s compute stream and
+    copy engine, a *forward passes* track (each pass named by its phase, its tokens,
+    requests, hits, misses and stall as arguments) and a track per request — *queued* from
+    its arrival to its first pass, *prefill* to its first token, *decode* to its last — for
+    the first ``passes`` passes (0: all; the replay recorded as many) and the requests that
     arrive before the last of them ends."""
+    doc = chrome_trace(result, link, num_experts, num_precisions)
     steps, req = result.steps, result.requests
     shown = steps if not passes else steps.iloc[:passes]
     until = float(shown["end_s"].max())
-    events: list[dict[str, Any]] = [_meta(0, None, "process_name", "GPU 0"), _meta(0, 0, "thread_name", "forward passes"),
+    events: list[dict[str, Any]] = [_meta(0, 2, "thread_name", "forward passes"),
                                     _meta(1, None, "process_name", "requests")]
     for r in shown.to_dict("records"):
-        events.append({"name": str(r["phase"]), "ph": "X", "pid": 0, "tid": 0, "ts": r["start_s"] * 1e6,
+        events.append({"name": str(r["phase"]), "ph": "X", "pid": 0, "tid": 2, "ts": r["start_s"] * 1e6,
                        "dur": r["duration_s"] * 1e6,
                        "args": {k: (float(r[k]) if k == "stall_s" else int(r[k])) for k in
                                 ("pass", "tokens", "requests", "generated", "hits", "misses", "stall_s")}})
@@ -175,5 +177,6 @@ def serving_trace(result: Result, passes: int) -> dict[str, Any]:
                 events.append({"name": name, "ph": "X", "pid": 1, "tid": tid, "ts": a * 1e6, "dur": (b - a) * 1e6,
                                "args": {"prompt_tokens": int(r["prompt_tokens"]),
                                         "output_tokens": int(r["output_tokens"])}})
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"passes": len(shown), "requests": len(here)}}
+    doc["traceEvents"].extend(events)
+    doc["otherData"].update(passes=len(shown), requests=len(here))
+    return doc

@@ -116,7 +116,7 @@ class Simulation:
         self.serving: Scheduler | None = None  # serving under load: the scheduler forming each pass
         recording = record_transfers or record_layers or record_decisions
         if scenario.workload.arrivals is not None:
-            workload = self._serve(trace, recording)
+            workload = self._serve(trace)
         if workload is None and trace is None:
             workload = self._first_piece(recording, chunk_rows)
         if workload is None:
@@ -225,13 +225,13 @@ class Simulation:
         self.first_passes = stream.first_passes(sc)
         return first
 
-    def _serve(self, trace: Trace | None, recording: bool) -> Workload:
+    def _serve(self, trace: Trace | None) -> Workload:
         """Serving under load (:mod:`simulator.serving`): the requests' plan, the scheduler
         as the source of forward passes (``self.pieces``) and its first pass."""
         from moesim.simulator import serving, stream
 
         sc = self.scenario
-        reason = stream.why_not_served(sc, recording)
+        reason = stream.why_not_served(sc)
         if reason is not None:
             raise MoesimError(f"{sc.source}: key 'workload.arrivals': serving under load replays one forward pass "
                               f"at a time, which {reason}. Change that, or remove "
@@ -530,7 +530,7 @@ class Simulation:
         else:
             end = self._fused(look, p, layer, now)
         if self.layer_log is not None and self._recording():
-            self.layer_log.append((p, layer, now - ne, now, now + row.stall - st0, end))
+            self.layer_log.append((clock.pass_index, layer, now - ne, now, now + row.stall - st0, end))
             assert self.occupancy is not None
             self.occupancy.append((now, self.cache.used))
         return end
@@ -552,7 +552,7 @@ class Simulation:
         end = self._compute(look.finish(runs), now, self.scenario.expert_compute == "on-arrival")
         self.clock.pending = set()
         if self.decisions is not None:
-            self.decisions.append((p, layer, "run", -1))
+            self.decisions.append((self.clock.pass_index, layer, "run", -1))
         if self.pfq.waiting:  # the layer's pins are released
             self.copy.advance(end)
             self.clock.now = end
@@ -685,7 +685,7 @@ class Simulation:
                 clock.now = t
             clock.pending.discard(look.keys[i])  # expert i has run
             if self.decisions is not None:
-                self.decisions.extend((look.p, look.layer, "run", k) for k in pins)
+                self.decisions.extend((look.at, look.layer, "run", k) for k in pins)
             if blocking:
                 nxt = []
                 if looked < n:
@@ -808,7 +808,7 @@ class Simulation:
         if self.ep_log is not None and self._recording():
             t0 = self.env.now
             t_exp = t0 + nonexp + a2a
-            self.ep_log.extend((p, layer, g, t0, t0 + nonexp, t_exp, t_exp + per_gpu_time[g] * scale,
+            self.ep_log.extend((self.clock.pass_index, layer, g, t0, t0 + nonexp, t_exp, t_exp + per_gpu_time[g] * scale,
                                 t0 + (nonexp + t_layer)) for g in range(g_n))
         return t_layer
 

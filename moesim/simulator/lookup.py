@@ -27,6 +27,7 @@ import numpy as np
 from moesim.policies.budget import BudgetPolicy
 from moesim.policies.eviction import EvictionPolicy
 from moesim.policies.miss import MissInfo, MissPolicy
+from moesim.policies.registry import Clock
 from moesim.policies.routing import RoutingPolicy
 from moesim.simulator.cache import ExpertCache
 from moesim.simulator.copyengine import (
@@ -48,6 +49,7 @@ class Replay(Protocol):
     import the engine that imports it)."""
 
     wl: Workload
+    clock: Clock  # the policies' clock: ``pass_index`` numbers the passes over the whole replay
     eviction: EvictionPolicy
     miss: MissPolicy
     routing: RoutingPolicy
@@ -144,6 +146,7 @@ class LayerLookup:
         self.rec = sim.decisions  # the decision log, when recorded
         self.always_fetch = sim.miss.always_fetch  # a miss is fetched at the default precision
         self.p = self.layer = 0
+        self.at = 0  # the pass's number over the whole replay (the decision log's; under load p is 0)
         self.row = PassRow()
         self.experts: list[int] = []
         self.keys: list[int] = []
@@ -156,6 +159,7 @@ class LayerLookup:
         routing point; its counts go to ``row``."""
         sim = self.sim
         self.p = p
+        self.at = sim.clock.pass_index
         self.layer = layer
         self.row = row
         ctx = self.ctx
@@ -206,7 +210,7 @@ class LayerLookup:
             if self.pf_unused:
                 self._used_prefetch(key)
             if self.rec is not None:
-                self.rec.append((self.p, self.layer, "hit", key))
+                self.rec.append((self.at, self.layer, "hit", key))
             runs.append((key, None, self.ffn[i]) if self.plain else self._run(i, key, None))
             return
         tr = self.inflight.get(key)
@@ -218,7 +222,7 @@ class LayerLookup:
             if tr[PRIORITY] != DEMAND and not tr[STARTED]:
                 self.sim.copy.promote(tr)
             if self.rec is not None:
-                self.rec.append((self.p, self.layer, "hit", key))
+                self.rec.append((self.at, self.layer, "hit", key))
             runs.append((key, tr, self.ffn[i]) if self.plain else self._run(i, key, tr))
             return
         if not self.plain and self._alternative(i, pinned, runs):
@@ -241,7 +245,7 @@ class LayerLookup:
                     pinned.add(kq)
                     row.low_precision += 1
                     if self.rec is not None:
-                        self.rec.append((self.p, self.layer, "hit", kq))
+                        self.rec.append((self.at, self.layer, "hit", kq))
                     runs.append(self._run(i, kq, None))
                     return
             got = self.cache.fetch(kq, self.ctx.precision_bytes[q], pinned, True, now)
@@ -251,8 +255,8 @@ class LayerLookup:
             if q != default:
                 row.low_precision += 1
             if self.rec is not None:
-                self.rec.extend((self.p, self.layer, "evict", v) for v in got[0])
-                self.rec.append((self.p, self.layer, "fetch", kq))
+                self.rec.extend((self.at, self.layer, "evict", v) for v in got[0])
+                self.rec.append((self.at, self.layer, "fetch", kq))
             tr = None if self.instant else got[1]
             runs.append((kq, tr, self.ffn[i]) if self.plain else self._run(i, kq, tr))
             return
@@ -271,7 +275,7 @@ class LayerLookup:
         pinned.add(alt)
         self.row.low_precision += ctx.precision_of(alt) != ctx.default_precision
         if self.rec is not None:
-            self.rec.append((self.p, self.layer, "hit", alt))
+            self.rec.append((self.at, self.layer, "hit", alt))
         runs.append(self._run(i, alt, None))
         return True
 
@@ -348,7 +352,7 @@ class LayerLookup:
             self.key_for[e2] = k2
         pinned.add(k2)
         if self.rec is not None:
-            self.rec.append((self.p, self.layer, "hit", k2))
+            self.rec.append((self.at, self.layer, "hit", k2))
         nb = self.ctx.precision_bytes[self.ctx.precision_of(k2)]
         return (k2, tr, sim.cost.expert_time_at(n_tokens, nb) * self.scale)
 
@@ -364,7 +368,7 @@ class LayerLookup:
         if q != self.default:
             row.low_precision += 1
         if self.rec is not None:
-            self.rec.append((self.p, self.layer, "bypass", kq))
+            self.rec.append((self.at, self.layer, "bypass", kq))
         done = None if self.instant else tr
         return (kq, done, self.ffn[i]) if self.plain else self._run(i, kq, done)
 

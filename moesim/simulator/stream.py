@@ -167,19 +167,18 @@ def _served(family: str) -> list[str]:
     return [n for n, c in families()["prefetch"].items() if c.piecewise and not c.counts_whole_trace]
 
 
-def why_not_served(scenario: Scenario, recording: bool) -> str | None:
+def why_not_served(scenario: Scenario) -> str | None:
     """What keeps ``scenario`` from serving under load, said as the rest of a sentence
     ("... one forward pass at a time, which <reason>"); None when it can be served. Serving
     replays one forward pass at a time, each formed when the one before ends: on the compiled
     kernel's piece loop when it has a form for every policy, else on the SimPy path's
     (:meth:`simulator.engine.Simulation._run`), so what it refuses is what a pass at a time
-    cannot know: the trace's future (which depends on the replay's own timing here), counts
-    over the whole trace or its leading passes, and a timeline. A prefetcher that reads the
+    cannot know: the trace's future (which depends on the replay's own timing here) and
+    counts over the whole trace or its leading passes (a timeline is recorded on the SimPy
+    path). A prefetcher that reads the
     pass before reads each request's own last pass (``Workload.previous``)."""
     if not scenario.timing:
         return "needs time to pass (timing: true): arrivals and latencies are times"
-    if recording:
-        return "cannot record a timeline or decisions (leave out --events)"
     ev, pf, _, _, budget = _classes(scenario)
     pol = scenario.policies
     if ev.reads_future:

@@ -20,6 +20,7 @@ baseline-to-bound difference a candidate closes: (baseline - candidate) / (basel
 
 from __future__ import annotations
 
+import copy
 import itertools
 import textwrap
 from collections.abc import Callable, Sequence
@@ -345,8 +346,18 @@ def _compare_load(scenario_path: str, p: Path, data: dict[str, Any], out: Path, 
                   ray_address: str | None, progress: Callable[[int, int, int], None] | None, verify: bool = False,
                   prune: bool = False, seeds: int | None = None) -> tuple[pd.DataFrame, str]:
     """``compare`` for a scenario with arrivals (:func:`studies.load.compare_load`)."""
+    from moesim.config.scenario import scenario_from_dict
+    from moesim.simulator.stream import why_not_served
     from moesim.studies.load import SEEDS, compare_load
 
+    for opt, given in (("--miss", miss), ("--budget", budget)):
+        for name in given or ():
+            trial = copy.deepcopy({k: v for k, v in data.items() if not str(k).startswith("__")})
+            trial.setdefault("policies", {})[opt[2:]] = name
+            reason = why_not_served(scenario_from_dict(trial, where=str(p), base_dir=str(p.parent)))
+            if reason is not None:
+                raise MoesimError(f"{p}: {opt} {name}: serving under load replays one forward pass at a time, "
+                                  f"which {reason}. Leave it out of {opt}.")
     caps = list(capacity) if capacity else [str((data.get("cache") or {}).get("capacity", "5%"))]
     traces: dict[str, Any] = {}
     has_pred_next = _check_trace(data, str(p.parent), caps, str(p), traces)
