@@ -565,7 +565,7 @@ def test_a_hook_policy_replays_a_trace_file_in_pieces_as_it_replays_it_whole(olm
                                       "workload.batch_size=1", "cache.capacity=5%"])
     whole = Simulation(sc, trace=olmoe).run()
     sim = Simulation(sc, chunk_rows=chunk)
-    assert sim.pieces is not None, sim.whole_reason
+    assert sim.source.pieces is not None, sim.source.whole_reason
     res = sim.run()
     assert res.summary["trace_pieces"] >= 3
     same_rows(res, whole)
@@ -573,8 +573,8 @@ def test_a_hook_policy_replays_a_trace_file_in_pieces_as_it_replays_it_whole(olm
         k: v for k, v in whole.summary.items() if k not in ("wall_s", "trace_pieces")}
     s = Simulation(load_scenario("quickstart", [f"workload.trace.path={path}", "policies.eviction=not-numeric"]),
                    chunk_rows=chunk)
-    assert s.pieces is None
-    assert s.whole_reason == "eviction policy 'not-numeric' reads the whole trace"
+    assert s.source.pieces is None
+    assert s.source.whole_reason == "eviction policy 'not-numeric' reads the whole trace"
 
 
 class PastItsColumns(HookEviction):

@@ -55,7 +55,7 @@ def run(monkeypatch: pytest.MonkeyPatch, policy: type[PrefetchPolicy], capacity:
 def times(sim: Simulation, gbps: int) -> tuple[float, float, float]:
     """Expert compute f, non-expert a (datasheet figures) and one copy c over PCIe at
     ``gbps`` (the datasheet's 80% efficiency and 10 us latency)."""
-    ffn, nonexp, _ = datasheet_times(sim.model, build_workload(sim._trace, 1))
+    ffn, nonexp, _ = datasheet_times(sim.model, build_workload(sim.source.trace, 1))
     h, i = sim.model.hidden_size, sim.model.expert_intermediate_size
     return float(ffn[0]), float(nonexp[0]), 10e-6 + (6 * h * i + 65_536) / (gbps * 1e9 * 0.8)
 

@@ -243,10 +243,10 @@ def test_continuous_batching_by_hand(name: str, block: int, tmp_path: Path, monk
     assert steps["tokens"].tolist() == [sum(c for _, _, c in p) for p in passes]
     made = [sum(1 for r, i, c in p if i + c >= max(prompt[r], 1)) for p in passes]
     assert steps["generated"].tolist() == made
-    trace = sim._trace  # the recorded trace (made again with 8-token prompts for chunked-carry's B)
-    assert sim.serving is not None
-    assert sim.serving.kept is not None
-    for k, (p, wl) in enumerate(zip(passes, sim.serving.kept, strict=True)):
+    trace = sim.source.trace  # the recorded trace (made again with 8-token prompts for chunked-carry's B)
+    assert sim.source.serving is not None
+    assert sim.source.serving.kept is not None
+    for k, (p, wl) in enumerate(zip(passes, sim.source.serving.kept, strict=True)):
         want = hand_union(trace, p, prompt)
         for layer in range(2):
             lo, hi = wl.off[layer], wl.off[layer + 1]
@@ -317,14 +317,14 @@ def test_closed_loop_equals_simpy_open_loop(eviction: str, prefetch: str, mode: 
     sim = Simulation(sc)
     res = sim.run()
     assert res.summary["replay_path"] == "kernel"
-    assert sim.serving is not None
-    assert sim.serving.kept is not None
-    release = np.array([float(w.pass_release[0]) for w in sim.serving.kept])
+    assert sim.source.serving is not None
+    assert sim.source.serving.kept is not None
+    release = np.array([float(w.pass_release[0]) for w in sim.source.serving.kept])
     assert (release > 0).sum() >= 2
     assert (res.requests["queue_s"] > 0).any()
     plain = copy.deepcopy(data)
     del plain["workload"]["arrivals"], plain["scheduler"]
-    ref = Simulation(scenario_from_dict(plain), workload=joined(sim.serving.kept), record_decisions=True).run()
+    ref = Simulation(scenario_from_dict(plain), workload=joined(sim.source.serving.kept), record_decisions=True).run()
     assert ref.summary["replay_path"] == "simpy"
     for col in ("start_s", "end_s", "stall_s", "hits", "misses", "late_prefetches", "collision_misses",
                 "bytes_h2d", "prefetches_issued", "prefetches_used", "prefetches_cancelled", "unique_experts"):
@@ -336,9 +336,9 @@ def run_served(data: dict[str, Any]) -> tuple[Any, list[Workload]]:
     sim = Simulation(scenario_from_dict(data))
     res = sim.run()
     assert res.summary["replay_path"] == "kernel"
-    assert sim.serving is not None
-    assert sim.serving.kept is not None
-    return res, sim.serving.kept
+    assert sim.source.serving is not None
+    assert sim.source.serving.kept is not None
+    return res, sim.source.serving.kept
 
 
 def with_tokens(parts: list[Workload]) -> Workload:
@@ -445,11 +445,11 @@ def test_routing_budgets_and_expert_parallelism_serve_as_the_simpy_path_replays_
     sim = Simulation(scenario_from_dict(data))
     res = sim.run()
     assert res.summary["replay_path"] == "simpy"
-    assert sim.serving is not None
-    assert sim.serving.kept is not None
+    assert sim.source.serving is not None
+    assert sim.source.serving.kept is not None
     plain = copy.deepcopy(data)
     del plain["workload"]["arrivals"], plain["scheduler"]
-    ref = Simulation(scenario_from_dict(plain), workload=with_tokens(sim.serving.kept)).run()
+    ref = Simulation(scenario_from_dict(plain), workload=with_tokens(sim.source.serving.kept)).run()
     for col in ("start_s", "end_s", "stall_s", "hits", "misses", "late_prefetches", "collision_misses",
                 "bytes_h2d", "bytes_ep", "unique_experts", "tokens_altered", "gate_weight_total",
                 "gate_weight_computed", "max_experts_per_gpu"):
@@ -547,10 +547,10 @@ def test_a_served_pass_reads_each_requests_own_last_pass(prefetch: Any, monkeypa
     sim = Simulation(scenario_from_dict(data))
     res = sim.run()
     assert res.summary["replay_path"] == "kernel"
-    assert sim.serving is not None
-    assert sim.serving.kept is not None
+    assert sim.source.serving is not None
+    assert sim.source.serving.kept is not None
     assert res.requests["preemptions"].sum() > 0
-    kept = sim.serving.kept
+    kept = sim.source.serving.kept
     ahead = 1 if prefetch == "previous-token" else 3
     layers = sim.model.num_layers
     pol = sim.prefetch
@@ -1039,12 +1039,12 @@ def test_schedules_keep_their_limits_and_replay_as_simpy(load: dict[str, Any], t
     sim = Simulation(scenario_from_dict(data))
     res = sim.run()
     req = res.requests
-    assert sim.serving is not None
-    assert sim.serving.kept is not None
+    assert sim.source.serving is not None
+    assert sim.source.serving.kept is not None
     prompt = np.array([p for _, p, _ in rows])
     output = np.array([o for _, _, o in rows])
     done = np.zeros(len(rows), np.int64)
-    for wl in sim.serving.kept:
+    for wl in sim.source.serving.kept:
         tr = wl.trace
         assert tr is not None
         toks = pd.DataFrame({"r": tr.request, "pos": tr.position, "ph": tr.phase}).drop_duplicates(["r", "pos"])
@@ -1073,7 +1073,7 @@ def test_schedules_keep_their_limits_and_replay_as_simpy(load: dict[str, Any], t
     assert res.summary["max_running_seen"] <= sched["max_running"]
     plain = copy.deepcopy(data)
     del plain["workload"]["arrivals"], plain["scheduler"]
-    ref = Simulation(scenario_from_dict(plain), workload=joined(sim.serving.kept), record_decisions=True).run()
+    ref = Simulation(scenario_from_dict(plain), workload=joined(sim.source.serving.kept), record_decisions=True).run()
     for col in ("start_s", "end_s", "stall_s", "hits", "misses", "late_prefetches", "bytes_h2d", "prefetches_issued"):
         assert ref.steps[col].tolist() == res.steps[col].tolist(), col
 

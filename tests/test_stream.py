@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from moesim.config.scenario import load_scenario
 from moesim.errors import MoesimError
 from moesim.simulator import kernel
+from moesim.simulator.blocks import PassBlocks
 from moesim.simulator.engine import Simulation
 from moesim.simulator.stream import CHUNK_ROWS, READ_AHEAD, piece_rows, read_ahead, why_whole
 from moesim.simulator.workload import build_workload, join
@@ -103,8 +104,8 @@ def test_a_file_out_of_request_order_is_read_whole_with_the_same_results(tmp_pat
         list(iter_trace(path, 500))
     sc = load_scenario("quickstart", [f"workload.trace.path={path}", "cache.capacity=10%"])
     sim = Simulation(sc, chunk_rows=500)
-    assert sim.pieces is None
-    assert sim.whole_reason == "the trace file's rows are not in request order"
+    assert sim.source.pieces is None
+    assert sim.source.whole_reason == "the trace file's rows are not in request order"
     res = sim.run()
     assert res.summary["trace_pieces"] == 1
     in_order = write_trace(tr, tmp_path / "in-order.parquet")
@@ -125,8 +126,8 @@ def test_a_file_whose_first_pieces_are_in_order_and_the_rest_not_is_read_whole(t
     assert len(list(itertools.islice(iter_trace(path, 500), 3))) == 3  # the first pieces read
     sc = load_scenario("quickstart", [f"workload.trace.path={path}", "cache.capacity=10%"])
     sim = Simulation(sc, chunk_rows=500)
-    assert sim.pieces is None
-    assert sim.whole_reason == "the trace file's rows are not in request order"
+    assert sim.source.pieces is None
+    assert sim.source.whole_reason == "the trace file's rows are not in request order"
     in_order = write_trace(tr, tmp_path / "in-order.parquet")
     whole = Simulation(load_scenario("quickstart", [f"workload.trace.path={in_order}", "cache.capacity=10%"]),
                        trace=read_trace(in_order)).run()
@@ -183,7 +184,7 @@ def test_a_replay_in_pieces_equals_the_whole_trace_replay(ragged_file: Path, mon
     sc = load_scenario("quickstart", sets)
     whole = Simulation(sc, trace=read_trace(ragged_file)).run()
     sim = Simulation(sc, chunk_rows=chunk)
-    assert sim.pieces is not None, sim.whole_reason
+    assert sim.source.pieces is not None, sim.source.whole_reason
     res = sim.run()
     _same(whole, res)
     pieces = len(list(iter_trace(ragged_file, chunk, batch, max_requests)))
@@ -221,7 +222,7 @@ def test_belady_in_pieces_shows_both_passes_and_names_a_file_that_changed(ragged
     sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", "policies.eviction=belady"])
     seen: list[tuple[int, int]] = []
     sim = Simulation(sc, chunk_rows=700, progress=lambda d, t: seen.append((d, t)))
-    assert sim.whole_reason is None
+    assert sim.source.whole_reason is None
     sim.run()
     rows = len(read_trace(ragged_file))
     assert {t for _, t in seen} == {2 * rows}
@@ -321,8 +322,8 @@ def test_a_replay_asked_for_its_summary_alone_keeps_no_rows_and_says_so(ragged_f
     res = sim.run()
     assert _summary(res) == _summary(whole)
     assert res.requests.equals(whole.requests)
-    assert sim.rows.path is None  # nothing went to disk
-    assert sim.rows.frame is None
+    assert sim.blocks.rows.path is None  # nothing went to disk
+    assert sim.blocks.rows.frame is None
     with pytest.raises(MoesimError, match=r"kept no per-pass rows .*moesim run --no-write"):
         _ = res.steps
 
@@ -331,8 +332,8 @@ def test_a_replay_of_one_block_keeps_its_rows_in_memory(ragged_file: Path) -> No
     sim = Simulation(load_scenario("quickstart", [f"workload.trace.path={ragged_file}"]), chunk_rows=500)
     res = sim.run()
     assert res.summary["trace_pieces"] > 1
-    assert sim.rows.path is None  # no file
-    assert res.steps is sim.rows.frame
+    assert sim.blocks.rows.path is None  # no file
+    assert res.steps is sim.blocks.rows.frame
 
 
 def test_the_blocks_of_rows_are_taken_in_order_on_a_thread_beside_the_replay(ragged_file: Path, monkeypatch) -> None:
@@ -345,13 +346,13 @@ def test_the_blocks_of_rows_are_taken_in_order_on_a_thread_beside_the_replay(rag
     whole = Simulation(sc, trace=read_trace(ragged_file)).run()
     monkeypatch.setattr(kernel, "BLOCK_PASSES", 25)
     taken: list[tuple[int, int, int]] = []  # (thread, first pass, passes) of each block
-    take = Simulation.take_block
+    take = PassBlocks.take
 
     def spied(self, wl, *args, **kwargs) -> None:
         taken.append((threading.get_ident(), self._pass_base, wl.num_passes))
         take(self, wl, *args, **kwargs)
 
-    monkeypatch.setattr(Simulation, "take_block", spied)
+    monkeypatch.setattr(PassBlocks, "take", spied)
     sim = Simulation(sc, chunk_rows=500)
     res = sim.run()
     _same(whole, res)
@@ -488,7 +489,7 @@ def test_static_pinning_in_pieces_pins_the_experts_counted_over_the_whole_trace(
             "policies.prefetch.calibration=0.5", "policies.prefetch.fraction=1.0", "cache.capacity=5%"]
     sc = load_scenario("quickstart", sets)
     sim = Simulation(sc, chunk_rows=300)
-    assert sim.pieces is not None, sim.whole_reason
+    assert sim.source.pieces is not None, sim.source.whole_reason
     first = sim.wl
     whole = build_workload(read_trace(ragged_file), 1)
     assert first.num_passes < whole.num_passes // 2  # the share ends beyond the first piece
@@ -518,7 +519,7 @@ def test_a_trace_file_that_changes_during_a_replay_in_pieces_is_named(ragged_fil
     path = Path(shutil.copy(ragged_file, tmp_path / "changing.parquet"))
     sc = load_scenario("quickstart", [f"workload.trace.path={path}", *sets])
     sim = Simulation(sc, chunk_rows=700)
-    assert sim.pieces is not None, sim.whole_reason
+    assert sim.source.pieces is not None, sim.source.whole_reason
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     with pytest.raises(MoesimError, match=rf"trace {path}: the file changed while it was replayed a piece at a "
@@ -562,24 +563,24 @@ def test_progress_counts_the_file_rows_up_to_all_of_them(ragged_file: Path) -> N
 def test_replays_that_need_the_whole_trace_read_it_whole(ragged_file: Path, sets: list[str], reason: str) -> None:
     sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", *sets])
     sim = Simulation(sc, chunk_rows=500)
-    assert sim.pieces is None
-    assert sim.whole_reason == reason
+    assert sim.source.pieces is None
+    assert sim.source.whole_reason == reason
 
 
 def test_a_synthesised_trace_a_recorded_timeline_and_a_file_of_one_piece_are_whole(ragged_file: Path) -> None:
-    assert Simulation(load_scenario("quickstart", [])).whole_reason == "the trace is synthesised or imported in memory"
+    assert Simulation(load_scenario("quickstart", [])).source.whole_reason == "the trace is synthesised or imported in memory"
     sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}"])
     for record in ("record_transfers", "record_layers", "record_decisions"):
         sim = Simulation(sc, chunk_rows=500, **{record: True})
-        assert sim.pieces is None
-        assert sim.whole_reason == "the replay records its timeline or decisions"
+        assert sim.source.pieces is None
+        assert sim.source.whole_reason == "the replay records its timeline or decisions"
     rows = trace_rows(ragged_file)
     sim = Simulation(sc, chunk_rows=rows)  # exactly one piece's rows
-    assert sim.pieces is None
-    assert sim.whole_reason == "the trace fits in one piece"
+    assert sim.source.pieces is None
+    assert sim.source.whole_reason == "the trace fits in one piece"
     sim = Simulation(sc, chunk_rows=rows - 1)
-    assert sim.pieces is not None
-    assert sim.whole_reason is None
+    assert sim.source.pieces is not None
+    assert sim.source.whole_reason is None
 
 
 def test_the_command_line_reads_a_long_trace_in_pieces_with_the_same_summary(ragged_file: Path, monkeypatch) -> None:

@@ -145,7 +145,7 @@ def kernel_form(sim: Any) -> str | None:
     off = kernel_off()
     if off is not None:
         return off
-    if sim.transfers is not None or sim.layer_log is not None or sim.decisions is not None:
+    if sim.recorder.active or sim.decisions is not None:
         return "the replay records its timeline or decisions"
     if sim.scenario.hardware.gpus > 1:
         return "expert parallelism"
@@ -336,7 +336,7 @@ def _future_piece(sim: Any, wl: Any, firsts: np.ndarray, afters: np.ndarray, k: 
     if k + 1 >= len(firsts) or int(firsts[k + 1] - firsts[k]) != len(wl.acc_layer):
         from moesim.errors import MoesimError
 
-        raise MoesimError(f"trace {sim.stream_source[0]}: the file changed while it was replayed (piece {k + 1} "
+        raise MoesimError(f"trace {sim.source.stream_source[0]}: the file changed while it was replayed (piece {k + 1} "
                           "has other accesses than its first pass read). Replay it again once nothing writes it.")
     return int(firsts[k]), afters[k]
 
@@ -373,11 +373,11 @@ def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, miss: type[MissForm], m
     IS[C_PENDING] = form.reads_pending
     IS[C_KEEPSTATIC] = form.keeps_static
     IS[C_BLOCKING] = sim.scenario.expert_fetch == "blocking"
-    IS[C_HOST] = sim.host_on
-    IS[C_HSYNC] = sim.host_sync
+    IS[C_HOST] = sim.host.on
+    IS[C_HSYNC] = sim.host.sync
     depth = sim.scenario.host.prefetch_depth
     IS[C_HANDED] = -1 if depth is None else depth  # -1: every admitted copy is issued
-    FS[CF_HLAYER], FS[CF_HLAUNCH], FS[CF_HCOPY] = sim.host_layer, sim.host_launch, sim.host_copy
+    FS[CF_HLAYER], FS[CF_HLAUNCH], FS[CF_HCOPY] = sim.host.layer_s, sim.host.launch_s, sim.host.copy_s
     IS[C_MODE] = {"layer": MODE_LAYER, "on-arrival": MODE_ARRIVAL, "per-expert": MODE_PER_EXPERT}[
         sim.scenario.expert_compute]
     IS[C_INSTANT] = not sim.scenario.timing
@@ -446,10 +446,10 @@ def _chunks_of(proposals: tuple[np.ndarray, np.ndarray], bounds: list[int],
 def _hand_over(sim: Any, wl: Any, outs: list[tuple[Any, ...]]) -> Any:
     """Give ``sim`` the per-pass columns of the passes of ``wl`` (``outs``, as the kernel
     wrote them call by call), which it turns into per-pass rows
-    (:meth:`simulator.engine.Simulation.take_block`). Returns ``wl``."""
+    (:meth:`simulator.blocks.PassBlocks.take`). Returns ``wl``."""
     cols, t_start, t_end, stall, m_total, m_kept = (np.concatenate(x) for x in zip(*outs, strict=True))
     named = dict(zip(COLUMNS, np.ascontiguousarray(cols.T), strict=True))
-    sim.take_block(wl, named, t_start, t_end, stall, (m_total, m_kept) if not sim.miss.always_fetch else None)
+    sim.blocks.take(wl, named, t_start, t_end, stall, (m_total, m_kept) if not sim.miss.always_fetch else None)
     return wl
 
 
@@ -466,7 +466,7 @@ def _hand_over_pieces(sim: Any, parts: list[Any], outs: list[tuple[Any, ...]]) -
 def replay(sim: Any) -> None:
     """Replay ``sim`` with the kernel, filling its per-pass arrays, the copy engine's busy
     time and bytes, and the cache's high-water mark, as its SimPy process would. A trace read
-    in pieces (``sim.pieces``, :mod:`simulator.stream`) is replayed piece after piece with
+    in pieces (``sim.source.pieces``, :mod:`simulator.stream`) is replayed piece after piece with
     the state carried over (the same arithmetic on the same state: ``S_PBASE`` maps a pass
     to its piece's arrays), and ``sim`` then adopts the joined passes."""
     with warnings.catch_warnings():
@@ -520,7 +520,7 @@ def _replay(sim: Any) -> None:
     num_l = model.num_layers
     div = model.num_experts * sim.num_prec
     num_keys = num_l * div
-    streamed = sim.pieces is not None
+    streamed = sim.source.pieces is not None
     # a layer's distinct experts (a piece's largest is not the trace's: the bound when in pieces)
     maxn = model.num_experts if streamed else int(np.diff(wl.off).max(initial=0))
     assert prefetch_form(type(sim.prefetch)) is None, "kernel_form"
@@ -540,8 +540,8 @@ def _replay(sim: Any) -> None:
     # first access and every key's first access after the piece (the progress covers it too)
     firsts: Any = None
     if streamed and sim.eviction.reads_future:
-        firsts, afters = sim.accesses_after()
-    shown, total = sim.rows_shown, (1 + sim.first_passes) * sim.trace_rows  # after the first passes
+        firsts, afters = sim.source.accesses_after(sim.num_prec, sim.default_prec, num_keys)
+    shown, total = sim.source.rows_shown, (1 + sim.source.first_passes) * sim.source.trace_rows  # after first passes
     DI, A, DF, M, nonexp = _piece(sim, wl, miss, max_rows, IS, FS, hooks, S,
                                   None if firsts is None else _future_piece(sim, wl, firsts, afters, 0))
     pinned = [int(k) for k in sim.prefetch.pinned()]
@@ -572,8 +572,8 @@ def _replay(sim: Any) -> None:
                                   release[q0:q1], cols[q0:q1], t_start[q0:q1], t_end[q0:q1], stall[q0:q1],
                                   m_total[q0:q1], m_kept[q0:q1])
                 if sim.progress is not None:
-                    if sim.serving is not None:  # requests served
-                        sim.progress(sim.serving.finished, sim.serving.n)
+                    if sim.source.serving is not None:  # requests served
+                        sim.progress(sim.source.serving.finished, sim.source.serving.n)
                     elif streamed:  # the share of the file's rows replayed
                         sim.progress(shown + rows_done + len(wl.trace) * q1 // n_pass, total)
                     else:
@@ -587,7 +587,7 @@ def _replay(sim: Any) -> None:
                 break
             parts.append(passes_of(wl))  # its per-access and per-row arrays go with the piece
             rows_done += len(wl.trace)
-            nxt = next_piece(sim.pieces, float(FS[SF_NOW]))  # serving: formed now the last has ended
+            nxt = next_piece(sim.source.pieces, float(FS[SF_NOW]))  # serving: formed now the last has ended
             if nxt is None or held >= BLOCK_PASSES:
                 if handing is not None:
                     handing.result()  # one block at a time: its errors raised here, its memory let go
@@ -608,10 +608,10 @@ def _replay(sim: Any) -> None:
                                           None if firsts is None else _future_piece(sim, wl, firsts, afters, n_pieces))
         if handing is not None:
             sim.wl = handing.result()  # the last block's passes and requests
-            sim.trace_pieces = n_pieces
+            sim.source.trace_pieces = n_pieces
     _finish(IS, K, T, FS)  # the transfers still queued or running complete
-    if sim.stream_source is not None:
-        sim.check_source()  # the file the pieces came from is the one the first passes read
+    if sim.source.stream_source is not None:
+        sim.source.check_source()  # the file the pieces came from is the one the first passes read
     sim.copy.busy_time = float(FS[SF_BUSY])
     sim.copy.bytes_moved = int(IS[S_BYTES])
     sim.cache.max_used = int(IS[S_MAXUSED])

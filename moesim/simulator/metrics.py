@@ -84,7 +84,7 @@ class RunInfo(Protocol):
     preloaded: int
     link_name: str
     simpy_reason: str | None
-    trace_pieces: int
+    source: Any  # a simulator.source.Source: ``trace_pieces``, the pieces the trace was read in
 
 TIME_METRICS = ("stall_s", "ttft_s", "tpot_s", "tokens_per_s", "total_time_s")
 
@@ -282,7 +282,7 @@ def summarise(sim: RunInfo, totals: PassTotals, requests: pd.DataFrame) -> dict[
         "hardware_source": sim.scenario.hardware.source,
         "replay_path": "kernel" if sim.simpy_reason is None else "simpy",
         "replay_path_reason": sim.simpy_reason,
-        "trace_pieces": sim.trace_pieces,
+        "trace_pieces": sim.source.trace_pieces,
     }
     dec_time = totals.total("dec_duration")
     dec_gen = totals.decode_like_generated

@@ -208,7 +208,7 @@ def accesses_after(workloads: Iterable[Workload], num_prec: int, default_prec: i
                    num_keys: int) -> tuple[np.ndarray, np.ndarray]:
     """For an eviction policy that reads the future (``reads_future``) a piece at a time: one
     pass over the trace file's pieces (``workloads``,
-    cut as the replay cuts them: :meth:`simulator.engine.Simulation.pieces_again`) before the
+    cut as the replay cuts them: :meth:`simulator.source.Source.pieces_again`) before the
     replay. Returns
     ``firsts`` (per piece its first access, counted over the whole trace, then the number of
     accesses: ``pieces + 1`` entries) and ``after`` (pieces x cache keys: the key's first access
