@@ -52,12 +52,12 @@ from moesim.simulator.engine import Simulation
 
 def _setup(sc: Any, wl: Any) -> tuple[Simulation, dict[str, Any]]:
     sim = Simulation(sc, workload=wl)
-    table, factor = sim.ffn_table()
+    table, factor = sim.costs.ffn_table()
     ctx = sim.eviction.ctx
     return sim, {
         "ctx": ctx, "nbytes": ctx.precision_bytes[ctx.default_precision], "off": wl.off.tolist(),
         "layers": sim.model.num_layers, "passes": wl.num_passes, "table": table.tolist(),
-        "factor": factor.tolist(), "nonexp": sim.nonexpert_times().tolist(), "experts": wl.acc_expert,
+        "factor": factor.tolist(), "nonexp": sim.costs.nonexpert_times().tolist(), "experts": wl.acc_expert,
         "tokens": wl.acc_tokens,
     }
 

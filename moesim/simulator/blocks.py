@@ -8,6 +8,7 @@ block. Both replay paths hand their blocks to it."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -16,6 +17,52 @@ from moesim.output.results import PassRows
 from moesim.simulator.metrics import PassTotals
 from moesim.simulator.workload import Workload
 from moesim.traces.schema import PHASES
+
+
+class PassArrays:
+    """The per-pass arrays the SimPy path fills for the passes of ``wl``: the counts by name,
+    the start and end times, the stall, the mean experts per GPU and the gate mass (the
+    workload's until a policy changes it); :meth:`write` fills a pass from its
+    :class:`simulator.lookup.PassRow` (the only place they are written)."""
+
+    COUNTS = ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches", "bytes", "bytes_ep",
+              "prefetches_issued", "prefetches_used", "prefetch_predicted_hits", "prefetch_predicted",
+              "prefetch_actual", "low_precision_experts", "dropped_experts", "substituted_experts",
+              "tokens_altered", "prefetches_cancelled", "unique_computed")
+
+    def __init__(self, wl: Workload) -> None:
+        n = wl.num_passes
+        self.wl = wl
+        self.cols = {name: np.zeros(n, dtype=np.int64) for name in self.COUNTS}
+        self.t_start, self.t_end, self.stall = np.zeros(n), np.zeros(n), np.zeros(n)
+        self.ep_max_load = np.zeros(n)
+        self.mass_total = wl.weight_total.astype(np.float64).copy()
+        self.mass_kept = wl.weight_total.astype(np.float64).copy()
+
+    def write(self, p: int, row: Any, end: float, nbytes: int, mass: bool) -> None:
+        """Pass ``p`` ended at ``end`` having copied ``nbytes``, its counts in ``row``; with
+        ``mass`` (a policy may change what tokens compute) its gate mass too."""
+        self.t_end[p] = end
+        self.stall[p] = row.stall
+        for name, value in (("hits", row.hits), ("misses", row.misses), ("late_prefetches", row.late),
+                            ("collision_misses", row.collisions), ("uncached_fetches", row.uncached),
+                            ("bytes", nbytes), ("prefetches_issued", row.pf_issued),
+                            ("prefetches_used", row.pf_used), ("prefetch_predicted_hits", row.pred_hits),
+                            ("prefetch_predicted", row.pred_total), ("prefetch_actual", row.actual_total),
+                            ("prefetches_cancelled", row.pf_cancelled), ("low_precision_experts", row.low_precision),
+                            ("dropped_experts", row.dropped), ("substituted_experts", row.substituted),
+                            ("tokens_altered", len(row.altered)), ("unique_computed", row.unique),
+                            ("bytes_ep", row.ep_bytes)):
+            self.cols[name][p] = value
+        self.ep_max_load[p] = float(np.mean(row.ep_loads)) if row.ep_loads else 0.0
+        if mass:
+            self.mass_total[p] = row.mass_total
+            self.mass_kept[p] = row.mass_kept
+
+    def hand_to(self, blocks: PassBlocks) -> None:
+        """The filled arrays, as per-pass and per-request rows (:meth:`PassBlocks.take`)."""
+        blocks.take(self.wl, self.cols, self.t_start, self.t_end, self.stall, (self.mass_total, self.mass_kept),
+                    self.ep_max_load)
 
 
 class PassBlocks:

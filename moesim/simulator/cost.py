@@ -14,6 +14,8 @@ Copy times come from the link model in :mod:`simulator.hardware`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from moesim.config.hardware import HardwareConfig
@@ -123,3 +125,38 @@ class CostModel:
     def copy_time(self, nbytes: float) -> float:
         """Seconds to copy ``nbytes`` host-to-device (no queueing)."""
         return self.hw.h2d.copy_time(nbytes)
+
+
+class PassCosts:
+    """The per-pass costs of one workload ``wl`` that both replay paths read: the
+    attention-context and expert-time factors of sparse verification
+    (``sparse-verification-speculative-decoding.txt`` Table 1: attention context and expert
+    down projections are thinned in verification passes; 1 elsewhere; ``speculative`` is
+    the scenario's ``workload.speculative``), the expert compute table and each pass's
+    non-expert seconds, all zero in cache-only replay (``timing`` False)."""
+
+    def __init__(self, cost: CostModel, wl: Any, timing: bool, speculative: Any) -> None:
+        from moesim.simulator.workload import VERIFY
+
+        self.cost, self.wl, self.timing = cost, wl, timing
+        is_verify = wl.pass_phase == VERIFY
+        spec = speculative
+        self.attn_scale = np.where(is_verify, 1.0 - (spec.sparse_attention if spec else 0.0), 1.0)
+        self.ffn_scale = np.where(is_verify, 1.0 - (spec.sparse_ffn if spec else 0.0) / 3.0, 1.0)
+
+    def ffn_table(self, at_least: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Expert compute seconds by the number of tokens routed (index 0 unused; up to the
+        most any access has, or ``at_least``) and the per-pass factor: an access's compute
+        time is ``table[tokens] * factor[pass]`` on both replay paths."""
+        n = max(int(self.wl.acc_tokens.max()), at_least)  # a workload has an access (no empty trace)
+        table = np.zeros(n + 1)
+        if self.timing:
+            table[1:] = self.cost.expert_time(np.arange(1, n + 1))
+        return table, self.ffn_scale
+
+    def nonexpert_times(self) -> np.ndarray:
+        """Non-expert (attention, gate) seconds of every pass."""
+        wl = self.wl
+        if self.timing:
+            return self.cost.nonexpert_time(wl.pass_tokens, wl.pass_context * self.attn_scale)
+        return np.zeros(wl.num_passes)

@@ -42,16 +42,16 @@ import simpy
 from moesim.config.scenario import Scenario
 from moesim.output.results import Result
 from moesim.policies.registry import Clock
-from moesim.simulator.blocks import PassBlocks
+from moesim.simulator import expert_compute
+from moesim.simulator.blocks import PassArrays, PassBlocks
 from moesim.simulator.build import cache_sizing, make_policies
 from moesim.simulator.cache import ExpertCache
 from moesim.simulator.copyengine import (
-    DONE,
     CopyEngine,
 )
-from moesim.simulator.cost import CostModel
+from moesim.simulator.cost import CostModel, PassCosts
 from moesim.simulator.host import HostThread
-from moesim.simulator.lookup import LayerLookup, PassRow, Run, arrival
+from moesim.simulator.lookup import LayerLookup, PassRow, Run
 from moesim.simulator.parallel import ExpertParallel
 from moesim.simulator.prefetchq import NO_PINS, PrefetchQueue
 from moesim.simulator.recording import Recorder
@@ -116,13 +116,14 @@ class Simulation:
         if self.recorder.transfers is not None:
             self.copy.on_complete.append(self.recorder.on_transfers)
         self.env = simpy.Environment()
-        self.attn_scale, self.ffn_scale = self._pass_scales(workload)  # the per-pass cost factors
+        self.costs = PassCosts(self.cost, workload, scenario.timing, scenario.workload.speculative)  # per pass
         self.ep = ExpertParallel(self)  # its layers, with hardware.gpus > 1
         # (pass, layer, op, key) in decision order, op in hit/fetch/bypass/evict/prefetch/run
         # (run: the expert ``key`` runs, or with key -1 all the layer's looked-up experts);
         # the calibration executor replays them on the device
         self.decisions: list[tuple[int, int, str, int]] | None = [] if record_decisions else None
         self._init_replay_state()
+        self.arrays: PassArrays  # the SimPy path's per-pass arrays, made as it runs each workload
         self.timing = scenario.timing
         self.host = HostThread(scenario.host, self.copy)  # the host thread issuing the GPU's work
         self.general = (self.routing.changes_routing or not self.miss.always_fetch or self.budget.restricts
@@ -149,33 +150,9 @@ class Simulation:
         """Make ``workload`` (the trace's next piece) the one the policies and the per-pass
         costs read."""
         self.wl = workload
-        self.attn_scale, self.ffn_scale = self._pass_scales(workload)
+        self.costs = PassCosts(self.cost, workload, self.timing, self.scenario.workload.speculative)
         for pol in (self.eviction, self.miss, self.prefetch, self.routing, self.budget):
             pol.ctx.workload = workload
-
-    def _size_passes(self, workload: Workload) -> None:
-        """The per-pass arrays the SimPy path fills, one entry per forward pass of ``workload``:
-        the counts, the times and the gate mass (the workload's until a policy changes it)."""
-        n = workload.num_passes
-        self._cols = {name: np.zeros(n, dtype=np.int64) for name in
-                      ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches",
-                       "bytes", "bytes_ep", "prefetches_issued", "prefetches_used", "prefetch_predicted_hits",
-                       "prefetch_predicted", "prefetch_actual", "low_precision_experts",
-                       "dropped_experts", "substituted_experts", "tokens_altered",
-                       "prefetches_cancelled", "unique_computed")}
-        self._t_start, self._t_end, self._stall = np.zeros(n), np.zeros(n), np.zeros(n)
-        self._ep_max_load = np.zeros(n)
-        self._mass_total = workload.weight_total.astype(np.float64).copy()
-        self._mass_kept = workload.weight_total.astype(np.float64).copy()
-
-    def _pass_scales(self, workload: Workload) -> tuple[np.ndarray, np.ndarray]:
-        """Per pass, the attention-context and expert-time factors of sparse verification
-        (sparse-verification-speculative-decoding.txt Table 1): attention context and expert
-        down projections are thinned in verification passes; 1 elsewhere."""
-        spec = self.scenario.workload.speculative
-        is_verify = workload.pass_phase == VERIFY
-        return (np.where(is_verify, 1.0 - (spec.sparse_attention if spec else 0.0), 1.0),
-                np.where(is_verify, 1.0 - (spec.sparse_ffn if spec else 0.0) / 3.0, 1.0))
 
     @cached_property
     def acc_keys(self) -> np.ndarray:
@@ -194,31 +171,13 @@ class Simulation:
         if self.recorder.withdrawn is not None:
             self.pfq.on_withdrawn.append(self.recorder.on_withdrawn)
 
-    def ffn_table(self, at_least: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Expert compute seconds by the number of tokens routed (index 0 unused; up to the
-        most any access has, or ``at_least``) and the per-pass factor: an access's compute
-        time is ``table[tokens] * factor[pass]`` on both replay paths (zero in cache-only
-        replay)."""
-        n = max(int(self.wl.acc_tokens.max()), at_least)  # a workload has an access (no empty trace)
-        table = np.zeros(n + 1)
-        if self.scenario.timing:
-            table[1:] = self.cost.expert_time(np.arange(1, n + 1))
-        return table, self.ffn_scale
-
-    def nonexpert_times(self) -> np.ndarray:
-        """Non-expert (attention, gate) seconds of every pass (zero in cache-only replay)."""
-        wl = self.wl
-        if self.scenario.timing:
-            return self.cost.nonexpert_time(wl.pass_tokens, wl.pass_context * self.attn_scale)
-        return np.zeros(wl.num_passes)
-
     def _prepare_costs(self) -> None:
         """Expert compute seconds by tokens and per-pass factor (an access's time is their
         product, read per layer) and the non-expert time of every pass."""
-        table, scale = self.ffn_table()
+        table, scale = self.costs.ffn_table()
         self.ffn_by_tokens = table.tolist()
         self.ffn_factor = scale.tolist()
-        self._nonexp = self.nonexpert_times().tolist()
+        self._nonexp = self.costs.nonexpert_times().tolist()
 
     # -- the compute-stream process -------------------------------------------------------
     def _run(self) -> Generator[simpy.Event, Any, None]:
@@ -234,7 +193,7 @@ class Simulation:
         parts = []
         while True:
             yield from self._passes()
-            self.take_rows()
+            self.arrays.hand_to(self.blocks)
             if self.source.pieces is None:
                 return
             parts.append(passes_of(self.wl))
@@ -245,7 +204,7 @@ class Simulation:
                 return
             self.clock.pass_base += self.wl.num_passes
             self.bind_piece(nxt)
-            self._size_passes(nxt)
+            self.arrays = PassArrays(nxt)
 
     def _passes(self) -> Generator[simpy.Event, Any, None]:
         """Forward passes on the compute stream. Per layer: non-expert compute, then from the
@@ -323,7 +282,7 @@ class Simulation:
         if self.scenario.expert_compute == "per-expert":
             if self.prefetch.active:
                 q.propose(p, layer, now, row)
-            end = self._per_expert(look, now)
+            end = expert_compute.per_expert(self, look, now)
         else:
             end = self._fused(look, p, layer, now)
         self.recorder.layer(layer, now - ne, now, now + row.stall - st0, end, self.cache.used)
@@ -331,7 +290,7 @@ class Simulation:
 
     def _fused(self, look: LayerLookup, p: int, layer: int, now: float) -> float:
         """``layer`` and ``on-arrival`` execution: every expert looked up under the layer's
-        pins, the proposals queued, the experts run (:meth:`_compute`); then the pins are
+        pins, the proposals queued, the experts run (:func:`expert_compute.fused`); then the pins are
         released and waiting proposals admitted. Returns the layer's end."""
         pinned = set(look.keys)
         runs: list[Run] = []
@@ -343,7 +302,7 @@ class Simulation:
             self.host.t += (self.copy.demand_submits - copies) * self.host.copy_s
         if self.prefetch.active:
             self.pfq.propose(p, layer, now, self.row, pinned)
-        end = self._compute(look.finish(runs), now, self.scenario.expert_compute == "on-arrival")
+        end = expert_compute.fused(self, look.finish(runs), now, self.scenario.expert_compute == "on-arrival")
         self.clock.pending = set()
         if self.decisions is not None:
             self.decisions.append((self.clock.pass_index, layer, "run", -1))
@@ -355,154 +314,16 @@ class Simulation:
 
     def _begin_pass(self, p: int) -> None:
         self.clock.pass_index = self.clock.pass_base + p
-        self._t_start[p] = self.env.now
+        self.arrays.t_start[p] = self.env.now
         self.cache.evicted.clear()
         self.row = PassRow()
 
     def _end_pass(self, p: int, bytes0: int) -> None:
-        """The pass's row: its end, stall and counts (the only place they are written). The
-        host waits for the pass's end (its next token needs this one)."""
-        row = self.row
+        """The pass's row: its end, stall and counts. The host waits for the pass's end (its
+        next token needs this one)."""
         self.host.wait_until(self.env.now)
         self.copy.advance(self.env.now)
-        self._t_end[p] = self.env.now
-        self._stall[p] = row.stall
-        for name, value in (("hits", row.hits), ("misses", row.misses), ("late_prefetches", row.late),
-                            ("collision_misses", row.collisions), ("uncached_fetches", row.uncached),
-                            ("bytes", self.copy.bytes_moved - bytes0), ("prefetches_issued", row.pf_issued),
-                            ("prefetches_used", row.pf_used), ("prefetch_predicted_hits", row.pred_hits),
-                            ("prefetch_predicted", row.pred_total), ("prefetch_actual", row.actual_total),
-                            ("prefetches_cancelled", row.pf_cancelled), ("low_precision_experts", row.low_precision),
-                            ("dropped_experts", row.dropped), ("substituted_experts", row.substituted),
-                            ("tokens_altered", len(row.altered)), ("unique_computed", row.unique),
-                            ("bytes_ep", row.ep_bytes)):
-            self._cols[name][p] = value
-        self._ep_max_load[p] = float(np.mean(row.ep_loads)) if row.ep_loads else 0.0
-        if self.general:
-            self._mass_total[p] = row.mass_total
-            self._mass_kept[p] = row.mass_kept
-
-    def _compute(self, runs: list[Run], now: float, on_arrival: bool) -> float:
-        """``layer`` execution: the experts run once all have arrived, back to back (a fused
-        kernel): end = max(arrivals) + sum(compute). ``on-arrival``: each as soon as it has
-        arrived, in arrival order: t = max(t, arrival) + compute. Stall is the time the
-        compute stream waits. Returns the layer's end."""
-        row = self.row
-        host = self.host.on
-        if not on_arrival:
-            ready = now
-            total = 0.0
-            for _, tr, f in runs:  # ready >= now: a transfer done by now cannot raise it
-                if tr is not None and tr[DONE] > ready:
-                    ready = tr[DONE]
-                total += f
-            row.stall += ready - now
-            if host and runs:  # one launch for the layer's experts
-                self.host.t += self.host.launch_s
-                if self.host.t > ready:
-                    ready = self.host.t
-            return ready + total
-        t = now
-        for a, f in sorted((arrival(tr, now), f) for _, tr, f in runs):
-            if host:  # one launch per expert, after the GPU has run the last (host_sync: expert)
-                if self.host.sync == 2:
-                    self.host.wait_until(t)
-                self.host.t += self.host.launch_s
-            if a > t:
-                row.stall += a - t
-                t = a
-            if host and self.host.t > t:
-                t = self.host.t
-            t += f
-        return t
-
-    def _per_expert(self, look: LayerLookup, now: float) -> float:
-        """``per-expert`` execution (SpecMD Algorithm 1, appendix A.2: a Hugging Face-style
-        loop): the layer's experts run one after another in router order. Pinned are the
-        running expert and the one looked up next (transfers in flight are never evicted).
-        When an expert has run its pin is released and the waiting prefetch proposals are
-        admitted (:meth:`PrefetchQueue.admit`) — after the demand lookup made at that same
-        instant, if any: a freed slot goes to demand first. ``expert_fetch``:
-
-        - ``pipelined``: expert j+1 is looked up when expert j starts to run, so its copy
-          overlaps j's compute. When j ends and j+1 has arrived (j+1 starts at once), j+2's
-          lookup comes first, then the admission round with j+1 and j+2 pinned; when j+1 is
-          still in flight, the round (j+1 pinned) comes first and j+2 is looked up when j+1
-          starts. With compute f and copy c per expert and every expert missing, n experts
-          take c + (n - 1) * max(c, f) + f.
-        - ``blocking`` (A.2: "fetch blocks until the expert loads from CPU"): expert j+1 is
-          looked up when j ends, before the admission round, which then pins j+1; its copy
-          does not overlap j's compute: n missing experts take n * (c + f).
-
-        Returns the layer's end."""
-        clock = self.clock
-        advance = self.copy.advance
-        timing = self.scenario.timing
-        blocking = self.scenario.expert_fetch == "blocking"
-        row = self.row
-        pfq = self.pfq
-        n = len(look)
-        t = now
-        cur: list[Run] = []
-        nxt: list[Run] = []  # the computations of the expert looked up next, if any
-        looked = 0  # experts looked up so far
-        host = self.host.on
-        if n:
-            self.host.lookup(look, 0, set(), t, cur)
-            looked = 1
-        launched = False  # whether expert i's launch is issued already (it started at once)
-        issued = 0.0  # when the host issued expert i's launch
-        for i in range(n):
-            if host and not launched:
-                issued = self.host.issue(cur, t, blocking)
-            launched = False
-            for _, tr, _ in cur:
-                a = arrival(tr, t)
-                if a > t:
-                    row.stall += a - t
-                    t = a
-            if host and issued > t:  # the GPU waits for the host to launch expert i
-                t = issued
-            if timing:
-                advance(t)
-                clock.now = t
-            pins = {key for key, _, _ in cur}  # the running expert
-            if not blocking and looked == i + 1 and looked < n:
-                nxt = []
-                self.host.lookup(look, looked, set(pins), t, nxt)
-                looked += 1
-            for _, _, f in cur:
-                t += f
-            if timing:
-                advance(t)
-                clock.now = t
-            clock.pending.discard(look.keys[i])  # expert i has run
-            if self.decisions is not None:
-                self.decisions.extend((look.at, look.layer, "run", k) for k in pins)
-            if blocking:
-                nxt = []
-                if looked < n:
-                    self.host.lookup(look, looked, set(), t, nxt)
-                    looked += 1
-            elif (looked == i + 2 and looked < n and all(arrival(tr, t) <= t for _, tr, _ in nxt)
-                  and (not host or self.host.ready(t))):
-                held = {key for key, _, _ in nxt}
-                after: list[Run] = []  # expert i+1 starts now: i+2's lookup comes first
-                if host:  # i+1's launch, then i+2's copies
-                    issued = self.host.issue(nxt, t, False)
-                    launched = True
-                self.host.lookup(look, looked, set(held), t, after)
-                looked += 1
-                if pfq.waiting:
-                    pfq.admit(t, held | {key for key, _, _ in after}, row)
-                cur, nxt = nxt, after
-                continue
-            if pfq.waiting:  # nxt: the expert looked up next, held while it waits or runs
-                pfq.admit(t, {key for key, _, _ in nxt}, row)
-            cur = nxt
-            nxt = []
-        look.finish([])
-        return t
+        self.arrays.write(p, self.row, self.env.now, self.copy.bytes_moved - bytes0, self.general)
 
     def run(self) -> Result:
         """Run the simulation to the end and derive the metrics."""
@@ -518,7 +339,7 @@ class Simulation:
         if self.simpy_reason is None:
             kernel.replay(self)
         else:
-            self._size_passes(self.wl)  # the SimPy path's per-pass arrays (the kernel makes its own a piece at a time)
+            self.arrays = PassArrays(self.wl)  # the SimPy path's per-pass arrays (the kernel makes its own)
             self.env.process(self._run())
             self.env.run()
             self.copy.finish()
@@ -527,13 +348,7 @@ class Simulation:
         requests = src.serving.frame() if src.serving is not None else self.blocks.requests_frame()
         summary = summarise(self, self.blocks.totals, requests)
         if src.serving is not None:
-            from moesim.simulator import serving
-
-            summary.update(serving.summary(requests, self.scenario.slo, src.serving.gaps()))
-            summary["arrival_notes"] = src.serving.plan.notes
-            summary["max_running_seen"] = src.serving.max_running_seen
-            summary["kv_capacity_tokens"] = (src.serving.kv_tokens if np.isfinite(src.serving.kv_tokens)
-                                             else None)
+            summary.update(src.serving.report(requests, self.scenario.slo))
         if self.scenario.workload.speculative is not None and self.scenario.timing and src.trace is not None:
             from dataclasses import replace
 
@@ -542,12 +357,6 @@ class Simulation:
             summary["speedup_vs_autoregressive"] = (summary["tokens_per_s"] / ar_rate) if ar_rate else None
         return Result(self.scenario, self.blocks.rows, requests, summary, self.recorder.transfers,
                       extra=self.recorder.extra(self.wl.num_passes))
-
-    def take_rows(self) -> None:
-        """Turn the per-pass arrays the SimPy path filled (the passes of ``self.wl``) into
-        per-pass and per-request rows (:meth:`PassBlocks.take`)."""
-        self.blocks.take(self.wl, self._cols, self._t_start, self._t_end, self._stall,
-                        (self._mass_total, self._mass_kept), self._ep_max_load)
 
 
 def simulate(scenario: Scenario, trace: Trace | None = None, **kwargs: Any) -> Result:

@@ -249,7 +249,7 @@ def _precisions(sim: Any, miss: type[MissForm], max_rows: int, IS: np.ndarray, F
     region(IS, H_LEVELS, len(levels), IS)[:] = levels
     IS[C_NLEV] = len(levels)
     IS[C_MULTI] = cascade  # only a cascade caches other precisions
-    table, scale = sim.ffn_table(max_rows)  # a substitute computes up to all of a layer's tokens
+    table, scale = sim.costs.ffn_table(max_rows)  # a substitute computes up to all of a layer's tokens
     rows = np.zeros((sim.num_prec, len(table)))
     for q, nb in enumerate(sizes):
         if q == sim.default_prec:
@@ -359,7 +359,7 @@ def _piece(sim: Any, wl: Any, miss: type[MissForm], max_rows: int, IS: np.ndarra
     A = Accesses(wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight, wl.acc_rank, hooks, S)
     DF = _precisions(sim, miss, max_rows, IS, FS)
     M = _mass_arrays(sim) if not sim.miss.always_fetch else None
-    return DI, A, DF, M, sim.nonexpert_times()
+    return DI, A, DF, M, sim.costs.nonexpert_times()
 
 
 def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, miss: type[MissForm], max_runs: int) -> None:

@@ -32,7 +32,7 @@ class ExpertParallel:
         if not sim.timing:
             return [0.0] * wl.num_passes
         return sim.cost.nonexpert_time(np.ceil(wl.pass_tokens / g_n),
-                                       np.ceil(wl.pass_context * sim.attn_scale / g_n)).tolist()
+                                       np.ceil(wl.pass_context * sim.costs.attn_scale / g_n)).tolist()
 
     def step(self, p: int, layer: int, nonexp: float) -> float:
         """One layer, from its start: the budget policy plans it as on one GPU
@@ -85,7 +85,7 @@ class ExpertParallel:
             return 0.0
         per_gpu_time = [float(sim.cost.expert_time(np.asarray(list(d.values()))).sum()) if d else 0.0
                         for d in per_gpu_tokens]
-        scale = float(sim.ffn_scale[p])
+        scale = float(sim.costs.ffn_scale[p])
         expert_t = max(per_gpu_time) * scale
         traffic = float(max(sent.max(), recv.max()))
         a2a = hw.links[hw.ep_link].copy_time(traffic) if traffic > 0 else 0.0

@@ -667,6 +667,14 @@ class Scheduler:
         return piece
 
     # -- the results ------------------------------------------------------------------------
+    def report(self, requests: pd.DataFrame, slo: SloConfig | None) -> dict[str, Any]:
+        """The summary's serving figures for the run's per-request rows ``requests``
+        (:func:`summary`), the arrival plan's notes and the scheduler's own figures."""
+        out = summary(requests, slo, self.gaps())
+        out.update(arrival_notes=self.plan.notes, max_running_seen=self.max_running_seen,
+                   kv_capacity_tokens=self.kv_tokens if np.isfinite(self.kv_tokens) else None)
+        return out
+
     def gaps(self) -> np.ndarray:
         """Every inter-token gap of the run (seconds between two consecutive output tokens of a
         request, each the end of the pass that made the later token less the end of the pass
