@@ -93,6 +93,8 @@ def test_deterministic_arrivals_by_hand(policy: str, tmp_path: Path) -> None:
                                                  cache={"capacity": "inf"})))
         want = np.array([expect(n) for n in range(12)])
         np.testing.assert_allclose(res.requests["ttft_s"].to_numpy(), want, rtol=1e-9, atol=1e-15)
+        assert res.summary["kv_capacity_tokens"] is None  # no limit: JSON's null, not infinity
+        assert res.summary["max_running_seen"] == 1
 
 
 # -- requests that never overlap are today's batch-1 replay ----------------------------------
