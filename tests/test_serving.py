@@ -421,8 +421,10 @@ def test_serving_on_the_simpy_path_gives_the_kernels_rows_bit_for_bit(
     assert (fast.summary["replay_path"], ref.summary["replay_path"]) == ("kernel", "simpy")
     pd.testing.assert_frame_equal(ref.steps, fast.steps, check_exact=True)
     pd.testing.assert_frame_equal(ref.requests, fast.requests, check_exact=True)
-    for key in ("ttft_p99_s", "tpot_p99_s", "itl_p50_s", "itl_p99_s", "preemptions", "recomputed_tokens"):
-        assert ref.summary[key] == fast.summary[key], key
+    other = {"wall_s", "replay_path", "replay_path_reason"}
+    assert {k: v for k, v in ref.summary.items() if k not in other} == {
+        k: v for k, v in fast.summary.items() if k not in other}  # TTFT, ITL, preemptions, the passes served...
+    assert ref.summary["trace_pieces"] == len(fast.steps)  # a piece a pass
     assert (fast.requests["queue_s"] > 0).any()
     if kv_tokens is not None:
         assert fast.summary["preemptions"] > 0
