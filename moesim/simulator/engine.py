@@ -32,9 +32,9 @@ instant transfers, so no simulated time passes.
 from __future__ import annotations
 
 import time as _time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import simpy
@@ -55,14 +55,9 @@ from moesim.simulator.lookup import LayerLookup, PassRow, Run
 from moesim.simulator.parallel import ExpertParallel
 from moesim.simulator.prefetchq import NO_PINS, PrefetchQueue
 from moesim.simulator.recording import Recorder
-from moesim.simulator.source import Source
+from moesim.simulator.source import ProgressFn, Source
 from moesim.simulator.workload import DECODE, VERIFY, Workload
 from moesim.traces.trace import Trace
-
-if TYPE_CHECKING:
-    pass
-
-ProgressFn = Callable[[int, int], None]
 
 
 class Simulation:
