@@ -434,18 +434,21 @@ def test_serving_on_the_simpy_path_gives_the_kernels_rows_bit_for_bit(
     ({"budget": {"name": "moe-spec", "budget": 8}}, "layer", {}),
     ({"eviction": "least-stale", "budget": {"name": "xshare", "budget": 12}}, "per-expert", {}),
     ({"routing": "cache-aware"}, "on-arrival", {}),
-    ({"budget": "lynx"}, "layer", {"hardware": {"preset": "h100-sxm-nvlink-x4"}})])
+    ({"budget": "lynx"}, "layer", {"hardware": {"preset": "h100-sxm-nvlink-x4"}}),
+    ({"eviction": "lfu", "budget": {"name": "moe-spec", "budget": 8}}, "per-expert",
+     {"hardware": {"preset": "h100-sxm-nvlink-x2"}, "cache": {"ep_offload": True}})])
 def test_routing_budgets_and_expert_parallelism_serve_as_the_simpy_path_replays_the_schedule(
         policies: dict[str, Any], mode: str, top: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under load, a budget, cache-aware routing and expert parallelism (4 GPUs) run on the
-    SimPy path a pass at a time (the kernel has no form for them): the passes the scheduler
-    formed, with their tokens, replayed as one fixed workload give every per-pass column bit
-    for bit; the policy acted (tokens altered; under expert parallelism, tokens crossed the
-    EP link)."""
+    """Under load, a budget, cache-aware routing and expert parallelism (4 GPUs; 2 with offload,
+    each GPU's LFU cache fed by its own host link) run on the SimPy path a pass at a time (the
+    kernel has no form for them): the passes the scheduler formed, with their tokens, replayed
+    as one fixed workload give every per-pass column bit for bit; the policy acted (tokens
+    altered; under expert parallelism, tokens crossed the EP link; with offload, GPUs missed)."""
     monkeypatch.setattr(serving.Scheduler, "KEEP", True)
+    top = copy.deepcopy(top)
     data = served(MIXED, {"process": "gamma", "rate": 3.0, "cv": 3.0, "requests": 14},
-                  {"max_running": 4, "max_batched_tokens": 40}, expert_compute=mode, cache={"capacity": "30%"},
-                  policies=policies, **top)
+                  {"max_running": 4, "max_batched_tokens": 40}, expert_compute=mode,
+                  cache={"capacity": "30%", **top.pop("cache", {})}, policies=policies, **top)
     sim = Simulation(scenario_from_dict(data))
     res = sim.run()
     assert res.summary["replay_path"] == "simpy"
@@ -462,11 +465,16 @@ def test_routing_budgets_and_expert_parallelism_serve_as_the_simpy_path_replays_
     assert res.steps["tokens_altered"].sum() > 0
     if top:
         assert res.steps["bytes_ep"].sum() > 0
+    if data["cache"].get("ep_offload"):
+        assert res.steps["misses"].sum() > 0
+        assert res.steps["stall_s"].sum() > 0
+        assert ref.summary["gpu_hit_rate"] == res.summary["gpu_hit_rate"]
 
 
 def test_under_expert_parallelism_each_gpu_holds_the_kv_of_its_share_of_the_tokens() -> None:
     """Four GPUs: each holds the dense weights, a quarter of the experts and KV in what is
-    left; the KV tokens are four times those of one GPU whose expert cache is that quarter."""
+    left; the KV tokens are four times those of one GPU whose expert cache is that quarter.
+    With offload each holds its cache (10%) in place of its quarter."""
     trace = {"synth": {"preset": "olmoe-1b-7b", "requests": 2, "prompt_tokens": 4, "tokens": 2, "layers": 2}}
     one_gpu = served(trace, {"process": "poisson", "rate": 1.0, "requests": 2},
                      hardware={"preset": "h100-sxm-nvlink-x4", "gpus": 1}, cache={"capacity": "25%"})
@@ -476,6 +484,15 @@ def test_under_expert_parallelism_each_gpu_holds_the_kv_of_its_share_of_the_toke
     kv_four = simulate(scenario_from_dict(four)).summary["kv_capacity_tokens"]
     assert kv_one > 0
     assert kv_four == 4 * kv_one
+    # with offload each GPU holds its own expert cache instead of its share
+    cached = {"capacity": "10%"}
+    one_cache = served(trace, {"process": "poisson", "rate": 1.0, "requests": 2},
+                       hardware={"preset": "h100-sxm-nvlink-x4", "gpus": 1}, cache=cached)
+    four_cache = served(trace, {"process": "poisson", "rate": 1.0, "requests": 2},
+                        hardware={"preset": "h100-sxm-nvlink-x4"}, cache={**cached, "ep_offload": True})
+    kv_cache = simulate(scenario_from_dict(one_cache)).summary["kv_capacity_tokens"]
+    assert kv_cache > kv_one
+    assert simulate(scenario_from_dict(four_cache)).summary["kv_capacity_tokens"] == 4 * kv_cache
 
 
 def test_a_served_scenario_the_kernel_cannot_run_serves_on_the_simpy_path_and_says_why() -> None:

@@ -287,6 +287,10 @@ class CacheConfig:
         "help": "'5%' of all expert bytes, '0.6GB' / '600MiB', '64 experts', or 'inf'"})
     precision: str | None = field(default=None, metadata={
         "help": "precision experts are stored and fetched at (default: bf16 or the trace's first)"})
+    ep_offload: bool = field(default=False, metadata={
+        "help": "expert parallelism (hardware.gpus > 1) with offload: each GPU keeps cache.capacity of its "
+                "experts in its own cache, fed on demand by its own host link (false: every GPU holds its "
+                "share of the experts)"})
 
 
 @dataclass(frozen=True)
@@ -467,6 +471,23 @@ def apply_overrides(data: dict[str, Any], overrides: list[tuple[list[str], Any]]
     return data
 
 
+def _check_ep_offload(cache: CacheConfig, hardware: HardwareConfig, specs: dict[str, PolicySpec], where: str) -> None:
+    """``cache.ep_offload`` needs expert parallelism, and each GPU fetches its misses on demand:
+    the prefetch and miss families stay at their defaults."""
+    if not cache.ep_offload:
+        return
+    if hardware.gpus == 1:
+        raise ConfigError(f"{where}: key 'cache.ep_offload' gives each GPU of expert parallelism its own expert "
+                          "cache, but hardware.gpus is 1 (one GPU's cache is cache.capacity already). Set "
+                          "hardware.gpus (or an -x8 preset), or remove cache.ep_offload.")
+    for fam in ("prefetch", "miss"):
+        if specs[fam].name != POLICY_DEFAULTS[fam]:
+            raise ConfigError(f"{where}: key 'policies.{fam}' is '{specs[fam].name}'; with cache.ep_offload each GPU "
+                              f"fetches its missed experts on demand over its own host link, and {fam} policies are "
+                              f"not modelled per GPU. Set policies.{fam}: {POLICY_DEFAULTS[fam]}, or remove "
+                              "cache.ep_offload.")
+
+
 def scenario_from_dict(data: Any, where: str = "<scenario>", base_dir: str = ".") -> Scenario:
     """Build a :class:`Scenario` from plain data; errors name ``where`` and the key path."""
     if not isinstance(data, dict):
@@ -493,6 +514,7 @@ def scenario_from_dict(data: Any, where: str = "<scenario>", base_dir: str = "."
                           f"{did_you_mean(str(unknown[0]), list(fams))}; valid families: {', '.join(fams)}.")
     specs = {fam: _policy(fam, pol_raw.get(fam, POLICY_DEFAULTS[fam]), where) for fam in fams}
     execution = build(ExecutionConfig, top.execution, "execution", where)
+    _check_ep_offload(cache, hardware, specs, where)
     if hardware.gpus > 1 and resolve_host(execution, hardware.host).active:
         raise ConfigError(f"{where}: key 'execution' models the host of one GPU; with expert parallelism "
                           f"(hardware.gpus: {hardware.gpus}) there is no host model. Remove the execution style and "

@@ -231,6 +231,7 @@ SUMMARY_ROWS = ("hits", "misses", "hit_rate", "collision_misses", "late_prefetch
                 "tokens_per_s", "mean_accepted_tokens", "speedup_vs_autoregressive", "link_utilisation", "unique_experts_per_layer",
                 "unique_experts_per_layer_prefill", "gate_mass_retained", "tokens_altered",
                 "low_precision_experts", "dropped_experts", "substituted_experts", "gpus", "max_experts_per_gpu",
+                "gpu_load", "gpu_hit_rate", "gpu_link_utilisation",
                 "total_time_s", "forward_passes", "tokens", "requests")
 
 

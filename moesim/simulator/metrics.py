@@ -85,6 +85,7 @@ class RunInfo(Protocol):
     link_name: str
     simpy_reason: str | None
     source: Any  # a simulator.source.Source: ``trace_pieces``, the pieces the trace was read in
+    ep: Any  # a simulator.parallel.ExpertParallel: per-GPU figures under expert parallelism
 
 TIME_METRICS = ("stall_s", "ttft_s", "tpot_s", "tokens_per_s", "total_time_s")
 
@@ -295,6 +296,8 @@ def summarise(sim: RunInfo, totals: PassTotals, requests: pd.DataFrame) -> dict[
         out["tokens_per_s"] = tokens_total / total_time
     if n[_VERIFY]:
         out["mean_accepted_tokens"] = float(np.int64(totals.verify_generated) / np.int64(totals.verify_requests))
+    if sim.scenario.hardware.gpus > 1:
+        out.update(sim.ep.summary(total_time))
     if not timing:
         for key in TIME_METRICS:
             out[key] = None

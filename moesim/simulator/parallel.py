@@ -1,9 +1,12 @@
 """Expert parallelism (``hardware.gpus`` G > 1; ``docs/concepts/simulation.md``): the
-experts of each layer are placed on the G GPUs (``hardware.placement``) and stay resident
-there (no host offload, so cache, eviction, miss, prefetch and routing policies do not apply);
-attention runs data-parallel with a pass's tokens split across the GPUs, and each layer's
-tokens cross the EP link to the GPUs of their experts and back. :class:`ExpertParallel` is the
-collaborator the SimPy process (:class:`simulator.engine.Simulation`) is given for it."""
+experts of each layer are placed on the G GPUs (``hardware.placement``); attention runs
+data-parallel with a pass's tokens split across the GPUs, and each layer's tokens cross the EP
+link to the GPUs of their experts and back. By default every GPU holds its share of the experts
+(no host offload: cache, eviction, miss and prefetch policies do not apply). With
+``cache.ep_offload`` each GPU keeps ``cache.capacity`` of its experts in its own cache, under
+its own instance of the eviction policy, and fetches a missed expert on demand over its own host
+link (expert parallelism with offload). :class:`ExpertParallel` is the collaborator the SimPy
+process (:class:`simulator.engine.Simulation`) is given for it."""
 
 from __future__ import annotations
 
@@ -12,17 +15,36 @@ from typing import Any
 
 import numpy as np
 
+from moesim.policies.eviction import REGISTRY as EVICTION
+from moesim.simulator.cache import ExpertCache
+from moesim.simulator.copyengine import BYPASS, DEMAND, DONE, CopyEngine
 from moesim.simulator.lookup import plan
 
 
 class ExpertParallel:
     """A replay's layers under expert parallelism. ``sim`` is the replay
     (:class:`simulator.engine.Simulation`): its workload, costs, clock, pass row and
-    timeline, read as each layer runs."""
+    timeline, read as each layer runs. Over the replay it counts each GPU's token-expert
+    computations (``pairs``) and lookups (``hits``, ``misses``: every computation is a hit when
+    the GPUs hold their shares)."""
 
     def __init__(self, sim: Any) -> None:
         self.sim = sim
         self.gpus = sim.scenario.hardware.gpus
+        self.offload = self.gpus > 1 and sim.scenario.cache.ep_offload
+        self.pairs = np.zeros(self.gpus, np.int64)
+        self.hits = np.zeros(self.gpus, np.int64)
+        self.misses = np.zeros(self.gpus, np.int64)
+        self._pass = -1  # the pass whose evictions the GPUs' caches hold (collision misses)
+        # with offload, each GPU's cache of cache.capacity, its own eviction policy (sharing the
+        # replay's policy context) and copy engine on its own host link
+        self.caches = [self._gpu_cache() for _ in range(self.gpus)] if self.offload else []
+
+    def _gpu_cache(self) -> ExpertCache:
+        sim = self.sim
+        spec = sim.scenario.policies.eviction
+        policy = EVICTION.get(spec.name)(spec.params, sim.eviction.ctx)
+        return ExpertCache(sim.capacity, policy, CopyEngine(sim.scenario.hardware.h2d, instant=not sim.scenario.timing))
 
     def nonexpert_times(self) -> list[float]:
         """Each pass's non-expert seconds, with the pass's tokens and context split across the
@@ -36,18 +58,25 @@ class ExpertParallel:
 
     def step(self, p: int, layer: int, nonexp: float) -> float:
         """One layer, from its start: the budget policy plans it as on one GPU
-        (:func:`simulator.lookup.plan`; XShare Algorithm 6 balances the per-GPU load) and the
-        pass's row counts it as on one GPU (:meth:`PassRow.count_tokens`); returns its
-        non-expert seconds plus :meth:`layer`'s time."""
+        (:func:`simulator.lookup.plan`; XShare Algorithm 6 balances the per-GPU load; with
+        offload a cache-aware router sees the GPUs' caches) and the pass's row counts it as on
+        one GPU (:meth:`PassRow.count_tokens`); returns its non-expert seconds plus
+        :meth:`layer`'s time."""
         sim = self.sim
         sim.clock.layer = layer
         rows = sim.wl.rows(p, layer)
         t_layer = nonexp
         if rows.size:
-            orig, chosen = plan(sim, p, layer, rows, None)
+            orig, chosen = plan(sim, p, layer, rows, self.cached if self.offload else None)
             sim.row.count_tokens(sim.wl, rows, orig, [set(c) for c in chosen])
             t_layer += self.layer(p, layer, chosen, nonexp)
         return t_layer
+
+    def cached(self, key: int) -> bool:
+        """Whether the cache of the GPU that owns ``key`` holds it (resident or in flight)."""
+        ctx = self.sim.eviction.ctx
+        base = ctx.base_of(key)
+        return key in self.caches[int(self.owner[base // ctx.num_experts, base % ctx.num_experts])]
 
     @cached_property
     def owner(self) -> np.ndarray:
@@ -62,7 +91,7 @@ class ExpertParallel:
         """One layer's time from its routing point: each (token, expert) pair on another GPU
         than the token's sends the token's hidden state over the EP link and back (dispatch
         and combine all-to-all, as long as the busiest GPU's traffic); the layer waits for the
-        slowest GPU's experts."""
+        slowest GPU's experts (:meth:`gpu_spans`)."""
         sim = self.sim
         hw = sim.scenario.hardware
         g_n = self.gpus
@@ -81,19 +110,122 @@ class ExpertParallel:
                     recv[gpu] += token_bytes
         sim.row.ep_loads.append(max(len(d) for d in per_gpu_tokens))
         sim.row.ep_bytes += int(2 * sent.sum())  # dispatch, then combine back
+        self.pairs += [sum(d.values()) for d in per_gpu_tokens]
+        t_route = sim.env.now + nonexp
+        arrive = self.lookups(layer, per_gpu_tokens, t_route) if self.offload else None
+        if arrive is None:  # every GPU holds its share: each computation is a hit
+            self.hits += [len(d) for d in per_gpu_tokens]
         if not sim.timing:
             return 0.0
-        per_gpu_time = [float(sim.cost.expert_time(np.asarray(list(d.values()))).sum()) if d else 0.0
-                        for d in per_gpu_tokens]
-        scale = float(sim.costs.ffn_scale[p])
-        expert_t = max(per_gpu_time) * scale
         traffic = float(max(sent.max(), recv.max()))
         a2a = hw.links[hw.ep_link].copy_time(traffic) if traffic > 0 else 0.0
-        t_layer = 2 * a2a + expert_t
+        t_layer, spans = self.gpu_spans(p, per_gpu_tokens, arrive, t_route, a2a)
         log = sim.recorder.ep
         if log is not None and sim.recorder.now():
             t0 = sim.env.now
-            t_exp = t0 + nonexp + a2a
-            log.extend((sim.clock.pass_index, layer, g, t0, t0 + nonexp, t_exp, t_exp + per_gpu_time[g] * scale,
-                        t0 + (nonexp + t_layer)) for g in range(g_n))
+            log.extend((sim.clock.pass_index, layer, g, t0, t_route, start, end, t0 + (nonexp + t_layer))
+                       for g, (start, end) in enumerate(spans))
         return t_layer
+
+    def gpu_spans(self, p: int, per_gpu_tokens: list[dict[int, int]], arrive: list[list[float]] | None,
+                  t_route: float, a2a: float) -> tuple[float, list[tuple[float, float]]]:
+        """The layer's seconds from the routing point (dispatch, the slowest GPU's experts,
+        combine) and each GPU's experts' start and end. They start once the tokens are
+        dispatched (``a2a``) and, with offload, as ``expert_compute`` says once their weights
+        have arrived (``arrive``): ``layer`` all once the last has, ``per-expert`` each in lookup
+        order once it has, ``on-arrival`` in arrival order. The seconds the copies add to the
+        layer go to the pass's stall."""
+        sim = self.sim
+        scale = float(sim.costs.ffn_scale[p])
+        times = [sim.cost.expert_time(np.asarray(list(d.values()))) if d else np.zeros(0) for d in per_gpu_tokens]
+        busy = [float(x.sum()) * scale for x in times]
+        t_exp = t_route + a2a
+        resident = 2 * a2a + max(busy)  # the layer with every GPU's experts resident
+        if arrive is None:
+            return resident, [(t_exp, t_exp + b) for b in busy]
+        mode = sim.scenario.expert_compute
+        spans = []  # each GPU's experts' start and end, from the tokens' dispatch
+        for g, ready in enumerate(arrive):
+            late = [r - t_exp for r in ready]  # each expert's weights after the dispatch
+            if not late:
+                spans.append((0.0, 0.0))
+            elif mode == "layer":
+                wait = max(0.0, max(late))
+                spans.append((wait, wait + busy[g]))
+            else:
+                order = sorted(range(len(late)), key=late.__getitem__) if mode == "on-arrival" else range(len(late))
+                t = 0.0
+                for i in order:
+                    t = max(t, late[i]) + float(times[g][i]) * scale
+                spans.append((max(0.0, min(late)), t))
+        t_layer = 2 * a2a + max(end for _, end in spans)
+        sim.row.stall += t_layer - resident
+        return t_layer, [(t_exp + start, t_exp + end) for start, end in spans]
+
+    def lookups(self, layer: int, per_gpu_tokens: list[dict[int, int]], t_route: float) -> list[list[float]]:
+        """With offload, each GPU looks up its experts of the layer at the routing point
+        ``t_route``, in the order its tokens reach them, and fetches each one missed over its
+        own host link (the miss -> evict -> insert loop of :meth:`ExpertCache.fetch`, the layer's
+        experts on that GPU pinned; a copy to a buffer not kept when no room can be made).
+        Returns when each expert's weights are on its GPU. The copies' bytes are counted on
+        the replay's copy engine (idle under expert parallelism), which the pass rows read."""
+        sim = self.sim
+        ctx, row, nbytes = sim.eviction.ctx, sim.row, sim.expert_bytes
+        if sim.clock.pass_index != self._pass:  # a new pass: its collision misses start again
+            self._pass = sim.clock.pass_index
+            for cache in self.caches:
+                cache.evicted.clear()
+        arrive = []
+        for g, d in enumerate(per_gpu_tokens):
+            cache = self.caches[g]
+            copy = cache.copy
+            copy.advance(t_route)
+            moved = copy.bytes_moved
+            keys = ctx.layer_keys(layer, list(d))
+            pinned = set(keys)
+            ready = []
+            for key in keys:
+                if key in cache.resident or key in cache.inflight:
+                    row.hits += 1
+                    self.hits[g] += 1
+                    cache.policy.on_access(key)
+                    tr = cache.inflight.get(key)
+                    ready.append(t_route if tr is None else max(t_route, tr[DONE]))
+                    continue
+                row.misses += 1
+                self.misses[g] += 1
+                if key in cache.evicted:
+                    row.collisions += 1
+                got = cache.fetch(key, nbytes, pinned, True, t_route)
+                if got is None:  # no room: the layer's own experts fill the cache
+                    tr = copy.submit(key, nbytes, DEMAND, t_route)
+                    tr[BYPASS] = True
+                    row.uncached += 1
+                else:
+                    tr = got[1]
+                ready.append(t_route if copy.instant else tr[DONE])
+            sim.copy.bytes_moved += copy.bytes_moved - moved
+            arrive.append(ready)
+        return arrive
+
+    def summary(self, total_time: float) -> dict[str, Any]:
+        """Per-GPU figures for the summary: each GPU's share of the token-expert computations
+        (``gpu_load``) and its hit rate; with offload each GPU's host-link utilisation, the
+        host link's as their mean, and the fullest GPU cache's peak bytes."""
+        names = [f"gpu{g}" for g in range(self.gpus)]
+        total = int(self.pairs.sum())
+        looked = self.hits + self.misses
+        out: dict[str, Any] = {
+            "gpu_load": {n: (int(x) / total if total else None) for n, x in zip(names, self.pairs, strict=True)},
+            "gpu_hit_rate": {n: (int(h) / int(k) if k else None)
+                             for n, h, k in zip(names, self.hits, looked, strict=True)}}
+        if self.offload:
+            for cache in self.caches:
+                cache.copy.advance(total_time)
+            busy: list[float | None] = [c.copy.busy_time / total_time if total_time > 0 else None
+                                        for c in self.caches]
+            out["gpu_link_utilisation"] = dict(zip(names, busy, strict=True))
+            out["link_utilisation"] = {self.sim.link_name: sum(b or 0.0 for b in busy) / self.gpus
+                                       if total_time > 0 else None}
+            out["cache_peak_bytes"] = max(int(c.max_used) for c in self.caches)
+        return out

@@ -144,8 +144,8 @@ class Source:
         cost = CostModel(sc.hardware, trace.model, size.expert_bytes)
         dense = serving.BF16 * cost.nonexpert_weights * trace.model.num_layers
         m = trace.model
-        g = sc.hardware.gpus  # expert parallelism: each GPU holds its share of the experts
-        held = size.capacity if g == 1 else m.num_layers * m.num_experts * size.expert_bytes / g
+        g = sc.hardware.gpus  # expert parallelism: each GPU holds its share of the experts, or its cache
+        held = size.capacity if g == 1 or sc.cache.ep_offload else m.num_layers * m.num_experts * size.expert_bytes / g
         kv = serving.kv_capacity_tokens(sc, m, held, dense)
         self.serving = serving.Scheduler(sc, plan, bank, kv, previous=stream._classes(sc)[1].reads_previous_pass)
         self.pieces = self.serving.passes()
