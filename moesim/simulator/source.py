@@ -147,7 +147,7 @@ class Source:
         g = sc.hardware.gpus  # expert parallelism: each GPU holds its share of the experts, or its cache
         held = size.capacity if g == 1 or sc.cache.ep_offload else m.num_layers * m.num_experts * size.expert_bytes / g
         kv = serving.kv_capacity_tokens(sc, m, held, dense)
-        self.serving = serving.Scheduler(sc, plan, bank, kv, previous=stream._classes(sc)[1].reads_previous_pass)
+        self.serving = serving.Scheduler(sc, plan, bank, kv, previous=stream.policy_classes(sc)[1].reads_previous_pass)
         self.pieces = self.serving.passes()
         self.whole_reason = "serving under load: one forward pass at a time"
         return next(self.pieces)

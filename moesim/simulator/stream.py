@@ -83,7 +83,7 @@ def _rows_of_plain_bytes(path: Path) -> int:
     return max(1, CHUNK_ROWS * plain // (plain + wide))
 
 
-def _classes(scenario: Scenario) -> tuple[Any, ...]:
+def policy_classes(scenario: Scenario) -> tuple[Any, ...]:
     """The scenario's eviction, prefetch, miss, routing and budget policy classes."""
     from moesim.policies import families
 
@@ -100,7 +100,7 @@ def _piecewise(scenario: Scenario) -> tuple[str, str] | None:
     are its own), routing that does not change and no budget."""
     from moesim.simulator.kernel import eviction_form, miss_form, prefetch_form
 
-    ev, pf, miss, routing, budget = _classes(scenario)
+    ev, pf, miss, routing, budget = policy_classes(scenario)
     pol = scenario.policies
     if eviction_form(ev) is None:
         return "eviction", pol.eviction.name
@@ -131,7 +131,7 @@ def why_whole(scenario: Scenario, recording: bool) -> str | None:
         return "speculative decoding"
     blocked = _piecewise(scenario)
     if blocked is None:
-        if _classes(scenario)[2].always_fetch:
+        if policy_classes(scenario)[2].always_fetch:
             return None
         from moesim.simulator.build import trace_path
         from moesim.traces.io import trace_layout
@@ -153,7 +153,7 @@ def first_passes(scenario: Scenario) -> int:
     """How many times a replay of ``scenario`` a piece at a time reads the whole trace file
     before it replays it (its progress covers them): once for the next uses of a policy that reads the future
     (:func:`accesses_after`), once for static pinning's counts."""
-    ev, pf, *_ = _classes(scenario)
+    ev, pf, *_ = policy_classes(scenario)
     return int(ev.reads_future) + int(pf.counts_whole_trace)
 
 
@@ -179,7 +179,7 @@ def why_not_served(scenario: Scenario) -> str | None:
     pass before reads each request's own last pass (``Workload.previous``)."""
     if not scenario.timing:
         return "needs time to pass (timing: true): arrivals and latencies are times"
-    ev, pf, _, _, budget = _classes(scenario)
+    ev, pf, _, _, budget = policy_classes(scenario)
     pol = scenario.policies
     if ev.reads_future:
         return (f"cannot run eviction policy '{pol.eviction.name}' (it reads the trace's future, which depends on "
