@@ -64,6 +64,86 @@ def test_each_gpu_fetches_its_misses_over_its_own_link_by_hand(mode):
     assert s["cache_peak_bytes"] == 2 * model.expert_bytes["bf16"]
     total = steps["duration_s"].sum()
     assert s["gpu_link_utilisation"] == {"gpu0": pytest.approx(2 * c / total), "gpu1": pytest.approx(2 * c / total)}
+    assert s["link_utilisation"] == {"pcie.h2d": pytest.approx(2 * c / total)}  # the GPUs' links' mean
+
+
+def test_on_arrival_runs_the_resident_expert_while_the_missed_one_copies():
+    """Six experts (0-2 on GPU 0), a cache of 2 each. Pass 1 (one token -> {0, 3}) leaves 0 on
+    GPU 0. Pass 2 (one token -> {1, 0}, both on GPU 0: no all-to-all): GPU 0 looks up 1 (a
+    miss, there c later) then 0 (a hit). ``layer`` and ``per-expert`` (lookup order) wait c,
+    then run both: c + 2e; ``on-arrival`` runs 0 first, then 1 once it has arrived: c + e."""
+    model = small_model(layers=1, experts=6, top_k=2)
+    ex = np.array([[[[0, 3]], [[1, 0]]]])
+    c = e = 0.0
+    got = {}
+    for mode in ("layer", "per-expert", "on-arrival"):
+        sc = scenario(hardware=X2, cache={"capacity": "2 experts", "ep_offload": True}, expert_compute=mode)
+        res = simulate(sc, trace=trace_from_array(model, ex, prompt_tokens=1))
+        got[mode] = res.steps["stall_s"].iloc[1]
+        c = sc.hardware.h2d.copy_time(model.expert_bytes["bf16"])
+        e = float(CostModel(sc.hardware, model, model.expert_bytes["bf16"]).expert_time(np.array([1]))[0])
+    assert c > e
+    # the stall: the layer less its time with both experts resident (2e)
+    assert got == {"layer": pytest.approx(c), "per-expert": pytest.approx(c), "on-arrival": pytest.approx(c - e)}
+
+
+def test_with_no_room_a_copy_goes_to_a_buffer_not_kept():
+    """A cache of 1 expert a GPU; layer 0 routes to GPU 0's experts (0, 1), layer 1 to GPU 1's
+    (2, 3). Pass 1 (one token, on GPU 0): each GPU fetches its first expert and keeps it; the
+    second finds no room (the first is the layer's) and is copied behind it to a buffer not kept
+    (uncached), so the experts start 2c after the routing point. Pass 2 (the experts in the other
+    order): the second is a hit, the first misses again and again finds no room: c. Layer 1's
+    token crosses the EP link to both experts (a2a each way), which overlaps the copies: its stall is 2c - a2a,
+    then c - a2a; the pass's stall adds its layers'. In the timeline each GPU runs its experts
+    from then for 2e, and the layer ends a2a (the combine) after."""
+    from moesim.simulator.engine import Simulation
+
+    model = small_model(layers=2, experts=4, top_k=2)
+    ex = np.array([[[[0, 1], [2, 3]], [[1, 0], [3, 2]]]])
+    sc = scenario(hardware=X2, cache={"capacity": "1 experts", "ep_offload": True})
+    sim = Simulation(sc, trace=trace_from_array(model, ex, prompt_tokens=1), record_layers=True)
+    res = sim.run()
+    c = sc.hardware.h2d.copy_time(model.expert_bytes["bf16"])
+    e = float(CostModel(sc.hardware, model, model.expert_bytes["bf16"]).expert_time(np.array([1]))[0])
+    a2a = sc.hardware.links["nvlink"].copy_time(2 * 2 * model.hidden_size)  # the token to both experts
+    assert c > a2a
+    steps = res.steps
+    assert steps["stall_s"].tolist() == pytest.approx([2 * c + (2 * c - a2a), c + (c - a2a)], rel=1e-12)
+    assert steps["uncached_fetches"].tolist() == [2, 2]
+    assert (steps["hits"].tolist(), steps["misses"].tolist()) == ([0, 2], [4, 2])
+    # (pass, layer, gpu, layer start, routing point, experts start, experts end, layer end)
+    work = [r for r in sim.recorder.ep if r[5] != r[6]]
+    assert [(r[0], r[1], r[2]) for r in work] == [(0, 0, 0), (0, 1, 1), (1, 0, 0), (1, 1, 1)]
+    assert [r[5] - r[4] for r in work] == pytest.approx([2 * c, 2 * c, c, c], rel=1e-9)
+    assert [r[6] - r[5] for r in work] == pytest.approx([2 * e] * 4, rel=1e-9)
+    assert [r[7] - r[6] for r in work] == pytest.approx([0.0, a2a, 0.0, a2a], rel=1e-9, abs=1e-15)
+    assert len(sim.recorder.ep) == 8  # and the other GPU, idle, in each layer
+
+
+def test_a_cache_aware_router_sees_the_gpus_caches():
+    """Cache-aware routing biases tokens toward cached experts: with offload it reads the cache
+    of the GPU that owns each expert (a key held by another GPU's cache does not count), and it
+    re-routes tokens; with every GPU holding its share nothing is cached apart from the rest, so
+    it changes no token."""
+    from moesim.simulator.engine import Simulation
+
+    def sc(offload: bool):
+        return scenario(hardware=X2, workload={"trace": {"synth": {"preset": "olmoe-1b-7b", "tokens": 40,
+                                                                     "layers": 2, "probs": True}}},
+                        cache={"capacity": "5%", "ep_offload": offload},
+                        policies={"eviction": {"name": "least-stale"}, "miss": "fetch", "prefetch": "none",
+                                  "routing": "cache-aware"})
+
+    assert simulate(sc(True)).summary["tokens_altered"] > 0
+    assert simulate(sc(False)).summary["tokens_altered"] == 0
+    sim = Simulation(sc(True))
+    ctx = sim.eviction.ctx
+    key = ctx.key(1, 40)  # expert 40 of layer 1: GPU 1's (contiguous: 32-63)
+    sim.ep.caches[0].fetch(key, sim.expert_bytes, set(), True, 0.0)
+    assert not sim.ep.cached(key)
+    sim.ep.caches[1].fetch(key, sim.expert_bytes, set(), True, 0.0)
+    assert sim.ep.cached(key)
+    assert not sim.ep.cached(ctx.key(0, 40))
 
 
 def _lru_by_gpu(ex: np.ndarray, prompt: int, gpus: int, cap: int) -> tuple[list[tuple[int, int, int, int]], list]:
@@ -124,6 +204,7 @@ def test_per_gpu_lru_counts_equal_an_independent_replay(gpus, cap):
                   cache={"capacity": f"{cap} experts", "ep_offload": True})
     res = simulate(sc, trace=trace_from_array(model, ex, prompt_tokens=6))
     rows, per_gpu = _lru_by_gpu(ex, 6, gpus, cap)
+    assert (res.steps["end_s"] == 0).all()  # cache-only: no time passes
     got = res.steps[["hits", "misses", "collision_misses", "uncached_fetches"]].itertuples(index=False)
     assert [tuple(int(v) for v in r) for r in got] == rows
     assert res.summary["gpu_hit_rate"] == {f"gpu{g}": pytest.approx(h / (h + m)) for g, (h, m) in enumerate(per_gpu)}
@@ -162,3 +243,34 @@ def test_ep_offload_refuses_what_it_does_not_model():
     with pytest.raises(ConfigError, match=r"policies\.miss: fetch"):
         scenario(hardware=X2, cache={"ep_offload": True},
                  policies={"eviction": "lru", "miss": "drop", "prefetch": "none"})
+
+
+def test_compare_under_ep_offload_ranks_eviction_with_on_demand_references(tmp_path):
+    """``moesim compare`` with offload: the candidates' eviction policies now matter (each GPU's
+    cache runs its own), the bound is Belady on demand (fewest misses of every row) and the
+    all-resident reference is the GPUs holding their shares (no host copies); each reference row
+    equals its scenario run alone."""
+    import yaml
+
+    from moesim.config.scenario import scenario_from_dict
+    from moesim.studies.compare import compare
+
+    data = {"seed": 0, "hardware": {"preset": "h100-sxm-nvlink-x2"},
+            "workload": {"trace": {"synth": {"preset": "olmoe-1b-7b", "layers": 4, "requests": 2,
+                                             "prompt_tokens": 8, "tokens": 30}}, "batch_size": 2},
+            "cache": {"capacity": "8%", "ep_offload": True},
+            "policies": {"eviction": "lru", "miss": "fetch", "prefetch": "none"}}
+    path = tmp_path / "ep.yaml"
+    path.write_text(yaml.safe_dump(data))
+    table, _ = compare(str(path), tmp_path / "cmp", ["lru", "lfu", "least-stale"], ["none"], workers=1)
+    by = table.set_index("label")
+    bound = by.loc["Belady, on demand (bound)"]
+    assert (by["misses"][by["role"] == "candidate"] >= bound["misses"]).all()
+    assert by["misses"][by["role"] == "candidate"].nunique() > 1
+    resident = by.loc["each GPU holds its experts (no offload)"]
+    assert (resident["misses"], resident["bytes_moved"] > 0) == (0, True)  # the all-to-all's bytes only
+    alone = simulate(scenario_from_dict({**data, "cache": {"capacity": "8%"}}, base_dir=str(tmp_path))).summary
+    assert resident["tpot_s"] == alone["tpot_s"]
+    belady = simulate(scenario_from_dict({**data, "policies": {**data["policies"], "eviction": "belady"}},
+                                         base_dir=str(tmp_path))).summary
+    assert (bound["misses"], bound["tpot_s"]) == (belady["misses"], belady["tpot_s"])

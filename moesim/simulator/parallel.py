@@ -25,8 +25,7 @@ class ExpertParallel:
     """A replay's layers under expert parallelism. ``sim`` is the replay
     (:class:`simulator.engine.Simulation`): its workload, costs, clock, pass row and
     timeline, read as each layer runs. Over the replay it counts each GPU's token-expert
-    computations (``pairs``) and lookups (``hits``, ``misses``: every computation is a hit when
-    the GPUs hold their shares)."""
+    computations (``pairs``) and, with offload, lookups (``hits``, ``misses``)."""
 
     def __init__(self, sim: Any) -> None:
         self.sim = sim
@@ -113,8 +112,6 @@ class ExpertParallel:
         self.pairs += [sum(d.values()) for d in per_gpu_tokens]
         t_route = sim.env.now + nonexp
         arrive = self.lookups(layer, per_gpu_tokens, t_route) if self.offload else None
-        if arrive is None:  # every GPU holds its share: each computation is a hit
-            self.hits += [len(d) for d in per_gpu_tokens]
         if not sim.timing:
             return 0.0
         traffic = float(max(sent.max(), recv.max()))
@@ -184,13 +181,12 @@ class ExpertParallel:
             keys = ctx.layer_keys(layer, list(d))
             pinned = set(keys)
             ready = []
-            for key in keys:
-                if key in cache.resident or key in cache.inflight:
+            for key in keys:  # (none in flight: a layer ends after every copy it issued)
+                if key in cache.resident:
                     row.hits += 1
                     self.hits[g] += 1
                     cache.policy.on_access(key)
-                    tr = cache.inflight.get(key)
-                    ready.append(t_route if tr is None else max(t_route, tr[DONE]))
+                    ready.append(t_route)
                     continue
                 row.misses += 1
                 self.misses[g] += 1
@@ -203,7 +199,7 @@ class ExpertParallel:
                     row.uncached += 1
                 else:
                     tr = got[1]
-                ready.append(t_route if copy.instant else tr[DONE])
+                ready.append(tr[DONE])  # (at once in cache-only replay: issued at t_route)
             sim.copy.bytes_moved += copy.bytes_moved - moved
             arrive.append(ready)
         return arrive
@@ -217,8 +213,9 @@ class ExpertParallel:
         looked = self.hits + self.misses
         out: dict[str, Any] = {
             "gpu_load": {n: (int(x) / total if total else None) for n, x in zip(names, self.pairs, strict=True)},
-            "gpu_hit_rate": {n: (int(h) / int(k) if k else None)
-                             for n, h, k in zip(names, self.hits, looked, strict=True)}}
+            # every computation a hit when the GPUs hold their shares
+            "gpu_hit_rate": {n: (int(h) / int(k) if self.offload else 1.0) if p else None
+                             for n, h, k, p in zip(names, self.hits, looked, self.pairs, strict=True)}}
         if self.offload:
             for cache in self.caches:
                 cache.copy.advance(total_time)
