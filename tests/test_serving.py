@@ -402,7 +402,8 @@ OLMOE3_KV = 2 * 3 * 16 * 128 * 2  # KV bytes a token of MIXED: keys and values, 
     ({"eviction": "lru", "prefetch": "none"}, "layer", 60),
     ({"eviction": "least-stale", "prefetch": "oracle"}, "per-expert", None),
     ({"eviction": "lru", "prefetch": "previous-token"}, "layer", 60),
-    ({"eviction": "lru", "prefetch": "none", "miss": "drop"}, "layer", None)])
+    ({"eviction": "lru", "prefetch": "none", "miss": "drop"}, "layer", None),
+    ({"eviction": "belady", "prefetch": "none"}, "per-expert", 60)])
 def test_serving_on_the_simpy_path_gives_the_kernels_rows_bit_for_bit(
         policies: dict[str, Any], mode: str, kv_tokens: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same served scenario (vLLM V1, chunked prompts, bursty arrivals; with a KV cache of
@@ -469,6 +470,74 @@ def test_routing_budgets_and_expert_parallelism_serve_as_the_simpy_path_replays_
         assert res.steps["misses"].sum() > 0
         assert res.steps["stall_s"].sum() > 0
         assert ref.summary["gpu_hit_rate"] == res.summary["gpu_hit_rate"]
+
+
+@pytest.mark.parametrize("mode", ["layer", "per-expert"])
+def test_served_belady_at_its_fixed_point_is_belady_over_the_passes_it_served(
+        mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Belady under load reads, after each pass, the schedule of a run before it
+    (:mod:`simulator.served_future`); here a run makes the schedule it read (``future_exact``),
+    so its future was its own: the passes the scheduler formed, replayed as one fixed workload
+    by the fixed-batch Belady (which reads the whole workload's future), give every per-pass
+    column bit for bit. Belady misses less than LRU on the same arrivals."""
+    monkeypatch.setattr(serving.Scheduler, "KEEP", True)
+    data = served(MIXED, {"process": "gamma", "rate": 3.0, "cv": 3.0, "requests": 14},
+                  {"max_running": 4, "max_batched_tokens": 40}, expert_compute=mode, cache={"capacity": "20%"},
+                  policies={"eviction": "belady"})
+    sim = Simulation(scenario_from_dict(copy.deepcopy(data)))
+    res = sim.run()
+    assert res.summary["future_exact"] is True
+    assert res.summary["future_runs"] >= 1
+    assert "future_note" not in res.summary
+    assert sim.source.serving is not None
+    assert sim.source.serving.kept is not None
+    plain = copy.deepcopy(data)
+    del plain["workload"]["arrivals"], plain["scheduler"]
+    ref = Simulation(scenario_from_dict(plain), workload=with_tokens(sim.source.serving.kept)).run()
+    for col in ("start_s", "end_s", "stall_s", "hits", "misses", "collision_misses", "bytes_h2d", "unique_experts"):
+        assert ref.steps[col].tolist() == res.steps[col].tolist(), col
+    lru = simulate(scenario_from_dict({**copy.deepcopy(data), "policies": {"eviction": "lru"}}))
+    assert res.summary["misses"] < lru.summary["misses"]
+
+
+def test_served_belady_without_a_fixed_point_says_its_decisions_are_not_the_optimums(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no run allowed before the reported one, the reported run reads an empty schedule
+    (no future after each pass), not its own: the summary says so."""
+    from moesim.simulator import served_future
+
+    monkeypatch.setattr(served_future, "MAX_RUNS", 1)
+    data = served(MIXED, {"process": "gamma", "rate": 3.0, "cv": 3.0, "requests": 14},
+                  {"max_running": 4, "max_batched_tokens": 40}, cache={"capacity": "20%"},
+                  policies={"eviction": "belady"})
+    s = simulate(scenario_from_dict(data)).summary
+    assert (s["future_runs"], s["future_exact"]) == (0, False)
+    assert "not the optimum's" in s["future_note"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_reference_schedule_gives_each_keys_first_access_after_a_pass(seed: int) -> None:
+    """``Reference.after(p)``: each key's first access from pass p + 1 on, counted from that
+    pass's start, as a brute-force search finds it; asked again from pass 0 (the next run), the
+    same answers."""
+    from moesim.simulator.served_future import Reference
+
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(0, 7, 12)
+    keys = rng.integers(0, 9, int(sizes.sum()))
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    ref = Reference(keys, bounds, 10)
+
+    def brute(p: int) -> list[int]:
+        if p + 1 >= len(sizes):
+            return [-1] * 10
+        rest = keys[bounds[p + 1]:].tolist()
+        return [rest.index(k) if k in rest else -1 for k in range(10)]
+
+    for _ in range(2):
+        assert [ref.after(p).tolist() for p in range(len(sizes))] == [brute(p) for p in range(len(sizes))]
+    assert ref.equals(keys, bounds)
+    assert not ref.equals(keys[::-1], bounds)
 
 
 def test_under_expert_parallelism_each_gpu_holds_the_kv_of_its_share_of_the_tokens() -> None:
@@ -736,7 +805,7 @@ def test_paged_kv_admits_by_the_blocks_held_and_preempts_the_last_admitted(tmp_p
 @pytest.mark.parametrize(("change", "words"), [
     ({"scheduler": {"max_running": 2}, "drop_arrivals": True}, "scheduler' is for serving"),
     ({"workload.batch_size": 4}, "workload.batch_size"),
-    ({"policies": {"eviction": "belady"}}, "belady"),
+    ({"policies": {"prefetch": "static-pin"}}, "static-pin"),
     ({"scheduler": {"max_running": 8, "max_batched_tokens": 4, "policy": "sarathi"}}, "at least max_running"),
     ({"scheduler": {"max_running": 8, "max_batched_tokens": 4}}, "a token of every running request in one pass"),
     ({"scheduler": {"max_running": 2, "max_batched_tokens": 3, "policy": "vllm-v0"}},

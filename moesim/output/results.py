@@ -224,7 +224,8 @@ RATES = ("tokens_per_s", "throughput_tokens_s", "requests_per_s", "goodput_reque
 SERVING_ROWS = ("served_requests", "offered_rate", "requests_per_s", "throughput_tokens_s", "ttft_mean_s",
                 "ttft_p50_s", "ttft_p99_s", "tpot_mean_s", "tpot_p50_s", "tpot_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p99_s",
                 "queue_mean_s",
-                "preemptions", "recomputed_tokens", "slo_attainment", "goodput_requests_s", "max_running_seen", "kv_capacity_tokens")
+                "preemptions", "recomputed_tokens", "slo_attainment", "goodput_requests_s", "max_running_seen", "kv_capacity_tokens",
+                "future_runs", "future_exact", "future_note")
 SUMMARY_ROWS = ("hits", "misses", "hit_rate", "collision_misses", "late_prefetches",
                 "prefetches_issued", "prefetches_used", "prefetch_precision", "prefetch_recall",
                 "uncached_fetches", "bytes_by_link", "stall_s", "ttft_s", "tpot_s",

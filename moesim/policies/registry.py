@@ -65,7 +65,10 @@ class PolicyContext:
     the file each time it is called): for a policy that counts over the whole trace before the
     replay (static pinning). None: ``workload`` is the whole trace. :meth:`whole_trace` gives
     either. ``static_keys`` holds the keys pinned for the whole replay (static pinning), which
-    a policy is never asked to evict.
+    a policy is never asked to evict. ``piece_future``, serving under load with a policy that
+    reads the future: ``piece_future(workload, P, default_precision, keys)`` gives the pass
+    ``workload``'s first access over the run and each cache key's first access after it (-1:
+    none; :meth:`simulator.source.Source.future_of`).
     """
 
     num_layers: int
@@ -80,6 +83,7 @@ class PolicyContext:
     default_precision: int = 0
     precision_bytes: tuple[int, ...] = ()
     trace_pieces: Callable[[], Iterator[Any]] | None = None
+    piece_future: Callable[[Any, int, int, int], tuple[int, Any]] | None = None
     static_keys: set[int] = field(default_factory=set)
 
     def whole_trace(self) -> Generator[Any, None, None]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -136,11 +137,13 @@ class Policies:
 
 
 def make_policies(scenario: Scenario, workload: Workload, size: CacheSizing, clock: Clock,
-                  trace_pieces: Callable[[], Iterator[Workload]] | None = None) -> Policies:
+                  trace_pieces: Callable[[], Iterator[Workload]] | None = None,
+                  piece_future: Callable[[Any, int, int, int], tuple[int, Any]] | None = None) -> Policies:
     """The scenario's policies, each with its own context and generator seeded with
     ``[seed, family index]`` (eviction 0, miss 1, prefetch 2, routing 3, budget 4).
     ``trace_pieces``: the trace file's pieces read again, when ``workload`` is its first
-    (``PolicyContext.trace_pieces``)."""
+    (``PolicyContext.trace_pieces``); ``piece_future``: each served pass's future
+    (``PolicyContext.piece_future``)."""
     model = workload.model
 
     def ctx(family_index: int) -> PolicyContext:
@@ -150,7 +153,8 @@ def make_policies(scenario: Scenario, workload: Workload, size: CacheSizing, clo
                              default_precision=size.default_prec,
                              precision_bytes=tuple(int(model.expert_bytes[q]) for q in size.precisions),
                              rng=np.random.default_rng([scenario.seed, family_index]),
-                             clock=clock, workload=workload, trace_pieces=trace_pieces)
+                             clock=clock, workload=workload, trace_pieces=trace_pieces,
+                             piece_future=piece_future)
 
     pol = scenario.policies
     return Policies(eviction=EVICTION.get(pol.eviction.name)(pol.eviction.params, ctx(0)),

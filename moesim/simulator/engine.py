@@ -42,7 +42,7 @@ import simpy
 from moesim.config.scenario import Scenario
 from moesim.output.results import Result
 from moesim.policies.registry import Clock
-from moesim.simulator import expert_compute
+from moesim.simulator import expert_compute, served_future
 from moesim.simulator.blocks import PassArrays, PassBlocks
 from moesim.simulator.build import cache_sizing, make_policies
 from moesim.simulator.cache import ExpertCache
@@ -99,7 +99,8 @@ class Simulation:
         self.progress = progress
         self.clock = Clock()
         pol = make_policies(scenario, workload, size, self.clock,
-                            self.source.read_again if self.source.stream_source is not None else None)
+                            self.source.read_again if self.source.stream_source is not None else None,
+                            self.source.future_of if self.source.tracks_future else None)
         self.eviction, self.miss, self.prefetch = pol.eviction, pol.miss, pol.prefetch
         self.routing, self.budget = pol.routing, pol.budget
         hw = scenario.hardware
@@ -326,6 +327,8 @@ class Simulation:
         from moesim.simulator.metrics import summarise
 
         t0 = _time.perf_counter()
+        if self.source.tracks_future and self.source.reference is None:  # serving Belady: the future it reads
+            served_future.settle(self)
         self.simpy_reason = kernel.kernel_form(self)
         # a trace file in pieces only for replays the kernel runs (simulator.stream.why_whole); serving's
         # passes on either path
@@ -343,7 +346,7 @@ class Simulation:
         requests = src.serving.frame() if src.serving is not None else self.blocks.requests_frame()
         summary = summarise(self, self.blocks.totals, requests)
         if src.serving is not None:
-            summary.update(src.serving.report(requests, self.scenario.slo))
+            summary.update(src.serving.report(requests, self.scenario.slo), **src.future_report())
         if self.scenario.workload.speculative is not None and self.scenario.timing and src.trace is not None:
             from dataclasses import replace
 

@@ -332,7 +332,9 @@ def load_cached_forms() -> int:
 def _future_piece(sim: Any, wl: Any, firsts: np.ndarray, afters: np.ndarray, k: int) -> tuple[int, np.ndarray]:
     """Piece ``k``'s first access and its keys' first accesses after it, from the first pass
     over the file for a policy reading the future, checked against the piece now read (the file
-    may have changed)."""
+    may have changed); serving, from the schedule the run reads (``Source.future_of``)."""
+    if sim.source.serving is not None:
+        return sim.source.future_of(wl, sim.num_prec, sim.default_prec, afters.shape[1])
     if k + 1 >= len(firsts) or int(firsts[k + 1] - firsts[k]) != len(wl.acc_layer):
         from moesim.errors import MoesimError
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from moesim.config.scenario import Scenario
 from moesim.errors import MoesimError
+from moesim.simulator import served_future
 from moesim.simulator.build import cache_sizing, load_trace, scenario_workload
 from moesim.simulator.cost import CostModel
 from moesim.simulator.workload import Workload
@@ -51,6 +52,14 @@ class Source:
         self.first_passes = self.rows_shown = 0
         self._counted = False  # the policies' pass over the file has been shown
         self.serving: Scheduler | None = None  # serving under load: the scheduler forming each pass
+        # serving an eviction policy that reads the future (simulator.served_future): the schedule
+        # this run read as its future (None until found), how many runs found it, and this run's
+        # schedule as its passes are formed (their accesses, as layer * experts + expert)
+        self.reference: served_future.Reference | None = None
+        self.future_runs = 0
+        self._schedule: list[np.ndarray] = []
+        self._latest: tuple[Workload, int, int] | None = None  # the pass formed last, its number and first access
+        self._scheduled_accesses = 0
 
     def first(self, trace: Trace | None, workload: Workload | None, recording: bool, chunk_rows: int | None,
               prepare: Callable[[Workload], None]) -> Workload:
@@ -149,8 +158,64 @@ class Source:
         kv = serving.kv_capacity_tokens(sc, m, held, dense)
         self.serving = serving.Scheduler(sc, plan, bank, kv, previous=stream.policy_classes(sc)[1].reads_previous_pass)
         self.pieces = self.serving.passes()
+        if stream.policy_classes(sc)[0].reads_future:
+            self.pieces = self._scheduled(self.pieces)
         self.whole_reason = "serving under load: one forward pass at a time"
         return next(self.pieces)
+
+    @property
+    def tracks_future(self) -> bool:
+        """Whether the passes served make a schedule for an eviction policy reading the future."""
+        return self.serving is not None and stream_reads_future(self.scenario)
+
+    def _scheduled(self, passes: Generator[Workload, float, None]) -> Generator[Workload, float, None]:
+        """The scheduler's passes, each added to the run's schedule as it is formed."""
+        wl = next(passes)
+        while True:
+            self._latest = (wl, len(self._schedule), self._scheduled_accesses)
+            self._schedule.append(wl.keys())
+            self._scheduled_accesses += len(self._schedule[-1])
+            now = yield wl
+            try:
+                wl = passes.send(now)
+            except StopIteration:
+                return
+
+    def future_report(self) -> dict[str, object]:
+        """The summary's account of the future an eviction policy read under load
+        (:mod:`simulator.served_future`): the runs before this one that found it, and whether
+        this run's passes are the schedule it read (its future was its own)."""
+        if not self.tracks_future or self.reference is None:
+            return {}
+        exact = self.reference.equals(*self.schedule())
+        out: dict[str, object] = {"future_runs": self.future_runs, "future_exact": exact}
+        if not exact:
+            out["future_note"] = (f"no run in {self.future_runs + 1} made the schedule it read: this one read the "
+                                  "last run's passes as its future, not its own, so its eviction decisions are "
+                                  "not the optimum's")
+        return out
+
+    def schedule(self) -> tuple[np.ndarray, np.ndarray]:
+        """The passes served so far as a schedule: their accesses (layer * experts + expert) and
+        each pass's first access, and the end."""
+        lengths = [len(k) for k in self._schedule]
+        keys = np.concatenate(self._schedule) if self._schedule else np.zeros(0, np.int64)
+        return keys, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+    def future_of(self, wl: Workload, num_prec: int, default_prec: int, num_keys: int) -> tuple[int, np.ndarray]:
+        """The future the pass ``wl`` (the one formed last) reads, as a piece's ``after`` for a
+        policy reading the future (``EvictionPolicy.reads_future``): its first access over the
+        run, and each cache key's first access after the pass (-1: none), from the reference
+        schedule (:class:`simulator.served_future.Reference`; None: nothing after the pass)."""
+        assert self._latest is not None, "a pass formed"
+        latest, p, first = self._latest
+        assert latest is wl, "the pass formed last"
+        later = np.full(num_keys, -1, np.int64)
+        if self.reference is not None:
+            after = self.reference.after(p)
+            seen = np.flatnonzero(after >= 0)
+            later[seen * num_prec + default_prec] = after[seen] + first + len(self._schedule[p])
+        return first, later
 
     def first_pass_progress(self) -> Callable[[int], None]:
         """The progress of a first pass over the trace file (told the rows read so far): the
@@ -200,10 +265,21 @@ class Source:
 
     def accesses_after(self, num_prec: int, default_prec: int, num_keys: int) -> tuple[np.ndarray, np.ndarray]:
         """For an eviction policy that reads the future, a piece at a time: the first pass over
-        the trace file, shown in the progress (:func:`simulator.stream.accesses_after`)."""
+        the trace file, shown in the progress (:func:`simulator.stream.accesses_after`); serving,
+        none (each pass's future is :meth:`future_of`)."""
         from moesim.simulator import stream
 
+        if self.serving is not None:
+            return np.zeros(0, np.int64), np.zeros((0, num_keys), np.int64)
+
         return stream.accesses_after(self.pieces_again(self.first_pass_progress()), num_prec, default_prec, num_keys)
+
+
+def stream_reads_future(scenario: Scenario) -> bool:
+    """Whether the scenario's eviction policy reads the future (``reads_future``)."""
+    from moesim.simulator import stream
+
+    return bool(stream.policy_classes(scenario)[0].reads_future)
 
 
 def _stamp(path: Path) -> tuple[int, int]:

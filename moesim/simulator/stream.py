@@ -157,13 +157,10 @@ def first_passes(scenario: Scenario) -> int:
     return int(ev.reads_future) + int(pf.counts_whole_trace)
 
 
-def _served(family: str) -> list[str]:
-    """The registered policies of ``family`` (eviction or prefetch) that serving can run, by
-    their capability flags."""
+def _served_prefetch() -> list[str]:
+    """The registered prefetch policies that serving can run, by their capability flags."""
     from moesim.policies import families
 
-    if family == "eviction":
-        return [n for n, c in families()["eviction"].items() if not c.reads_future]
     return [n for n, c in families()["prefetch"].items() if c.piecewise and not c.counts_whole_trace]
 
 
@@ -173,20 +170,17 @@ def why_not_served(scenario: Scenario) -> str | None:
     replays one forward pass at a time, each formed when the one before ends: on the compiled
     kernel's piece loop when it has a form for every policy, else on the SimPy path's
     (:meth:`simulator.engine.Simulation._run`), so what it refuses is what a pass at a time
-    cannot know: the trace's future (which depends on the replay's own timing here) and
-    counts over the whole trace or its leading passes (a timeline is recorded on the SimPy
-    path). A prefetcher that reads the
-    pass before reads each request's own last pass (``Workload.previous``)."""
+    cannot know: counts over the whole trace or its leading passes (a timeline is recorded on
+    the SimPy path). A prefetcher that reads the pass before reads each request's own last pass
+    (``Workload.previous``); an eviction policy that reads the future reads the schedule of the
+    run's passes, found as a fixed point (:mod:`simulator.served_future`)."""
     if not scenario.timing:
         return "needs time to pass (timing: true): arrivals and latencies are times"
-    ev, pf, _, _, budget = policy_classes(scenario)
+    _, pf, _, _, budget = policy_classes(scenario)
     pol = scenario.policies
-    if ev.reads_future:
-        return (f"cannot run eviction policy '{pol.eviction.name}' (it reads the trace's future, which depends on "
-                f"the replay's own timing under load); use one of {', '.join(_served('eviction'))}")
     if pf.counts_whole_trace or not pf.piecewise:
         return (f"cannot run prefetch policy '{pol.prefetch.name}' (it reads the whole trace, and each pass is "
-                f"formed anew); use one of {', '.join(_served('prefetch'))}")
+                f"formed anew); use one of {', '.join(_served_prefetch())}")
     if budget.calibrates(pol.budget.params):
         return (f"cannot run budget '{pol.budget.name}' as configured (it calibrates on the trace's leading "
                 "passes, which the scheduler forms as it goes); use a budget, or a ranking, that reads each pass alone")

@@ -155,6 +155,16 @@ class Belady(EvictionPolicy):
         super().__init__(params, ctx)
         if ctx.workload is None:
             raise ValueError("belady needs the workload to read future accesses")
+        self._wl: Any = None  # the workload the positions below are of
+        self._next: dict[int, float] = {}
+
+    def _read(self) -> None:
+        """The accesses of the workload being replayed, each key's positions among them, and
+        what comes after it: the whole trace, nothing; serving, a pass at a time, each key's
+        first access after the pass (``PolicyContext.piece_future``), positions counted over the
+        run as the compiled form counts them."""
+        ctx = self.ctx
+        self._wl = ctx.workload
         keys = ctx.cache_keys(ctx.workload.keys())
         self._keys = keys.tolist()
         order = np.argsort(keys, kind="stable")
@@ -162,18 +172,27 @@ class Belady(EvictionPolicy):
         starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
         ends = np.r_[starts[1:], len(sk)]
         self._positions = {int(sk[s]): order[s:e] for s, e in zip(starts, ends, strict=True)}
-        self._next: dict[int, float] = {}
+        self._base, self._later = 0, None
+        if ctx.piece_future is not None:
+            n_keys = ctx.num_layers * ctx.num_experts * len(ctx.precisions)
+            self._base, self._later = ctx.piece_future(ctx.workload, len(ctx.precisions), ctx.default_precision,
+                                                       n_keys)
 
     def _next_use(self, key: int) -> float:
         ctx = self.ctx
+        if ctx.workload is not self._wl:
+            self._read()
         pos = self._positions.get(key)
-        if pos is None:
-            return float("inf")
-        i = _access_index(ctx, self._keys, key)
-        if i is None:
-            i = int(ctx.workload.off[(ctx.clock.pass_index - ctx.clock.pass_base) * ctx.num_layers + ctx.clock.layer]) - 1
-        j = int(np.searchsorted(pos, i, side="right"))
-        return float(pos[j]) if j < len(pos) else float("inf")
+        if pos is not None:
+            i = _access_index(ctx, self._keys, key)
+            if i is None:
+                i = int(ctx.workload.off[(ctx.clock.pass_index - ctx.clock.pass_base) * ctx.num_layers
+                                         + ctx.clock.layer]) - 1
+            j = int(np.searchsorted(pos, i, side="right"))
+            if j < len(pos):
+                return float(self._base + pos[j])
+        later = -1 if self._later is None else int(self._later[key])
+        return float("inf") if later < 0 else float(later)
 
     def on_insert(self, key: int, demand: bool) -> None:
         self._next[key] = self._next_use(key)
