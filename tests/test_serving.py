@@ -516,28 +516,42 @@ def test_served_belady_without_a_fixed_point_says_its_decisions_are_not_the_opti
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_a_reference_schedule_gives_each_keys_first_access_after_a_pass(seed: int) -> None:
-    """``Reference.after(p)``: each key's first access from pass p + 1 on, counted from that
-    pass's start, as a brute-force search finds it; asked again from pass 0 (the next run), the
-    same answers."""
-    from moesim.simulator.served_future import Reference
+def test_a_reference_schedule_gives_each_keys_next_access_by_a_token_still_to_come(seed: int) -> None:
+    """``Reader.after``: once a run has processed a pass's tokens, each key's next access is
+    the first, in the reference schedule's order, reached by a token the run has not processed,
+    as a brute-force search over the (token, access) pairs finds it; the run processes the
+    tokens in another order than the schedule (and some the schedule never saw). Where the run
+    stands: the end of the latest reference pass that processed one of its pass's tokens. A
+    second reader starts again. A schedule is the same as itself only."""
+    from moesim.simulator.served_future import Pass, Reference
 
     rng = np.random.default_rng(seed)
-    sizes = rng.integers(0, 7, 12)
-    keys = rng.integers(0, 9, int(sizes.sum()))
-    bounds = np.concatenate([[0], np.cumsum(sizes)])
-    ref = Reference(keys, bounds, 10)
-
-    def brute(p: int) -> list[int]:
-        if p + 1 >= len(sizes):
-            return [-1] * 10
-        rest = keys[bounds[p + 1]:].tolist()
-        return [rest.index(k) if k in rest else -1 for k in range(10)]
-
+    passes, pairs, pos0 = [], [], 0  # pairs: (position in the schedule, key, token)
+    codes = iter(rng.permutation(40).astype(np.int64) * 8 + rng.integers(0, 2, 40))  # each token once
+    for _ in range(8):
+        keys = rng.choice(10, int(rng.integers(1, 6)), replace=False).astype(np.int64)
+        tokens = np.sort([next(codes) for _ in range(int(rng.integers(1, 4)))]).astype(np.int64)
+        rec = Pass.__new__(Pass)
+        rec.keys, rec.tokens = keys, tokens
+        rec.pair_access = rng.integers(0, len(keys), 6)
+        rec.pair_token = rng.integers(0, len(tokens), 6)
+        passes.append(rec)
+        pairs += [(pos0 + int(a), int(keys[a]), int(tokens[t])) for a, t in zip(rec.pair_access, rec.pair_token)]
+        pos0 += len(keys)
+    ref = Reference(passes, 10)
+    ends = np.cumsum([len(q.keys) for q in passes])
+    end_of = {int(t): int(ends[q]) for q, rec in enumerate(passes) for t in rec.tokens}
+    run_order = [p.tokens for p in passes[::-1]] + [np.array([999 * 8], np.int64)]
     for _ in range(2):
-        assert [ref.after(p).tolist() for p in range(len(sizes))] == [brute(p) for p in range(len(sizes))]
-    assert ref.equals(keys, bounds)
-    assert not ref.equals(keys[::-1], bounds)
+        reader, done = ref.reader(), set()
+        for toks in run_order:
+            done |= set(toks.tolist())
+            want = [min((pos for pos, k, t in pairs if k == key and t not in done), default=-1) for key in range(10)]
+            got, stand = reader.after(toks)
+            assert got.tolist() == want
+            assert stand == max((end_of[t] for t in toks.tolist() if t in end_of), default=None)
+    assert ref.same(passes)
+    assert not ref.same(passes[::-1])
 
 
 def test_under_expert_parallelism_each_gpu_holds_the_kv_of_its_share_of_the_tokens() -> None:

@@ -57,9 +57,12 @@ class Source:
         # schedule as its passes are formed (their accesses, as layer * experts + expert)
         self.reference: served_future.Reference | None = None
         self.future_runs = 0
-        self._schedule: list[np.ndarray] = []
-        self._latest: tuple[Workload, int, int] | None = None  # the pass formed last, its number and first access
+        self.schedule: list[served_future.Pass] = []  # the passes served, as a schedule
+        self._times: dict[int, int] = {}  # how many times each token was processed
+        self._latest: tuple[Workload, int] | None = None  # the pass formed last and its first access
         self._scheduled_accesses = 0
+        self._reader: served_future.Reader | None = None
+        self._shift = 0  # this run's count of accesses less the reference's, where it stands in it
 
     def first(self, trace: Trace | None, workload: Workload | None, recording: bool, chunk_rows: int | None,
               prepare: Callable[[Workload], None]) -> Workload:
@@ -172,9 +175,9 @@ class Source:
         """The scheduler's passes, each added to the run's schedule as it is formed."""
         wl = next(passes)
         while True:
-            self._latest = (wl, len(self._schedule), self._scheduled_accesses)
-            self._schedule.append(wl.keys())
-            self._scheduled_accesses += len(self._schedule[-1])
+            self._latest = (wl, self._scheduled_accesses)
+            self.schedule.append(served_future.Pass(wl, self._times))
+            self._scheduled_accesses += len(self.schedule[-1].keys)
             now = yield wl
             try:
                 wl = passes.send(now)
@@ -187,7 +190,7 @@ class Source:
         this run's passes are the schedule it read (its future was its own)."""
         if not self.tracks_future or self.reference is None:
             return {}
-        exact = self.reference.equals(*self.schedule())
+        exact = self.reference.same(self.schedule)
         out: dict[str, object] = {"future_runs": self.future_runs, "future_exact": exact}
         if not exact:
             out["future_note"] = (f"no run in {self.future_runs + 1} made the schedule it read: this one read the "
@@ -195,26 +198,29 @@ class Source:
                                   "not the optimum's")
         return out
 
-    def schedule(self) -> tuple[np.ndarray, np.ndarray]:
-        """The passes served so far as a schedule: their accesses (layer * experts + expert) and
-        each pass's first access, and the end."""
-        lengths = [len(k) for k in self._schedule]
-        keys = np.concatenate(self._schedule) if self._schedule else np.zeros(0, np.int64)
-        return keys, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-
     def future_of(self, wl: Workload, num_prec: int, default_prec: int, num_keys: int) -> tuple[int, np.ndarray]:
         """The future the pass ``wl`` (the one formed last) reads, as a piece's ``after`` for a
         policy reading the future (``EvictionPolicy.reads_future``): its first access over the
-        run, and each cache key's first access after the pass (-1: none), from the reference
-        schedule (:class:`simulator.served_future.Reference`; None: nothing after the pass)."""
+        run, and each cache key's next access after the pass (-1: none), from the reference
+        schedule (:class:`simulator.served_future.Reference`; none: nothing after the pass), as
+        its position there moved by where the run stands in it (the end of the reference's pass
+        that processed the latest of this pass's tokens is this pass's end), at least the pass's
+        end: once the run serves the reference, each key's next access over the run. Asked for
+        the passes in order."""
         assert self._latest is not None, "a pass formed"
-        latest, p, first = self._latest
+        latest, first = self._latest
         assert latest is wl, "the pass formed last"
         later = np.full(num_keys, -1, np.int64)
         if self.reference is not None:
-            after = self.reference.after(p)
+            if self._reader is None:
+                self._reader = self.reference.reader()
+            this = self.schedule[-1]
+            end = first + len(this.keys)
+            after, stand = self._reader.after(this.tokens)
+            if stand is not None:  # the reference's count of accesses, moved to stand at this pass's end
+                self._shift = end - stand
             seen = np.flatnonzero(after >= 0)
-            later[seen * num_prec + default_prec] = after[seen] + first + len(self._schedule[p])
+            later[seen * num_prec + default_prec] = np.maximum(after[seen] + self._shift, end)
         return first, later
 
     def first_pass_progress(self) -> Callable[[int], None]:
