@@ -66,6 +66,7 @@ TESTS: dict[str, list[str]] = {
                                      "tests/test_events.py",
                                      "tests/test_serving.py"],
     "moesim/simulator/source.py": ["tests/test_stream.py", "tests/test_serving.py"],
+    "moesim/simulator/served_future.py": ["tests/test_serving.py"],
     "moesim/simulator/blocks.py": ["tests/test_summary.py", "tests/test_stream.py", "tests/test_engine.py",
                                    "tests/test_metrics.py"],
     "moesim/simulator/recording.py": ["tests/test_events.py", "tests/test_serving.py"],
