@@ -472,22 +472,32 @@ def test_routing_budgets_and_expert_parallelism_serve_as_the_simpy_path_replays_
         assert ref.summary["gpu_hit_rate"] == res.summary["gpu_hit_rate"]
 
 
-@pytest.mark.parametrize("mode", ["layer", "per-expert"])
+@pytest.mark.parametrize(("mode", "kv_tokens"), [("layer", None), ("per-expert", None), ("layer", 60)])
 def test_served_belady_at_its_fixed_point_is_belady_over_the_passes_it_served(
-        mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        mode: str, kv_tokens: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Belady under load reads, after each pass, the schedule of a run before it
     (:mod:`simulator.served_future`); here a run makes the schedule it read (``future_exact``),
     so its future was its own: the passes the scheduler formed, replayed as one fixed workload
     by the fixed-batch Belady (which reads the whole workload's future), give every per-pass
-    column bit for bit. Belady misses less than LRU on the same arrivals."""
+    column bit for bit; with a KV cache of 60 tokens requests are preempted and their tokens
+    processed again. ``future_runs`` is the runs made before the reported one. Belady misses
+    less than LRU on the same arrivals."""
     monkeypatch.setattr(serving.Scheduler, "KEEP", True)
-    data = served(MIXED, {"process": "gamma", "rate": 3.0, "cv": 3.0, "requests": 14},
-                  {"max_running": 4, "max_batched_tokens": 40}, expert_compute=mode, cache={"capacity": "20%"},
-                  policies={"eviction": "belady"})
+    sched: dict[str, Any] = {"max_running": 4, "max_batched_tokens": 40}
+    if kv_tokens is not None:
+        sched.update(kv_memory=f"{OLMOE3_KV * kv_tokens}B", kv_block_tokens=4)
+    data = served(MIXED, {"process": "gamma", "rate": 3.0, "cv": 3.0, "requests": 14}, sched,
+                  expert_compute=mode, cache={"capacity": "20%"}, policies={"eviction": "belady"})
+    runs: list[int] = []
+    real_run = Simulation.run
+    monkeypatch.setattr(Simulation, "run", lambda self: runs.append(1) or real_run(self))
     sim = Simulation(scenario_from_dict(copy.deepcopy(data)))
     res = sim.run()
+    monkeypatch.setattr(Simulation, "run", real_run)
     assert res.summary["future_exact"] is True
-    assert res.summary["future_runs"] >= 1
+    assert res.summary["future_runs"] == len(runs) - 1 >= 1
+    if kv_tokens is not None:
+        assert res.summary["preemptions"] > 0
     assert "future_note" not in res.summary
     assert sim.source.serving is not None
     assert sim.source.serving.kept is not None
@@ -510,9 +520,28 @@ def test_served_belady_without_a_fixed_point_says_its_decisions_are_not_the_opti
     data = served(MIXED, {"process": "gamma", "rate": 3.0, "cv": 3.0, "requests": 14},
                   {"max_running": 4, "max_batched_tokens": 40}, cache={"capacity": "20%"},
                   policies={"eviction": "belady"})
-    s = simulate(scenario_from_dict(data)).summary
+    s = simulate(scenario_from_dict(copy.deepcopy(data))).summary
     assert (s["future_runs"], s["future_exact"]) == (0, False)
     assert "not the optimum's" in s["future_note"]
+    monkeypatch.setattr(served_future, "MAX_RUNS", 2)  # one run before: its schedule, read by the next, is its own
+    s = simulate(scenario_from_dict(copy.deepcopy(data))).summary
+    assert s["future_runs"] == 1
+
+
+def test_served_belady_reads_the_trace_it_is_given() -> None:
+    """A trace given to the replay (not the scenario's) is the one every run that finds the
+    future serves: the reported run reaches the fixed point (runs serving the scenario's own
+    trace would make other schedules), and its rows are not the scenario's trace's."""
+    from moesim.traces.synth import synth_from_preset
+
+    trace = synth_from_preset("olmoe-1b-7b", requests=6, prompt_tokens=16, tokens=6, layers=3, seed=7)
+    data = served(MIXED, {"process": "gamma", "rate": 3.0, "cv": 3.0, "requests": 14},
+                  {"max_running": 4, "max_batched_tokens": 40}, cache={"capacity": "20%"},
+                  policies={"eviction": "belady"})
+    given = simulate(scenario_from_dict(copy.deepcopy(data)), trace=trace)
+    own = simulate(scenario_from_dict(copy.deepcopy(data)))
+    assert given.summary["future_exact"] is True
+    assert given.steps["misses"].tolist() != own.steps["misses"].tolist()
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -536,7 +565,7 @@ def test_a_reference_schedule_gives_each_keys_next_access_by_a_token_still_to_co
         rec.pair_access = rng.integers(0, len(keys), 6)
         rec.pair_token = rng.integers(0, len(tokens), 6)
         passes.append(rec)
-        pairs += [(pos0 + int(a), int(keys[a]), int(tokens[t])) for a, t in zip(rec.pair_access, rec.pair_token)]
+        pairs += [(pos0 + int(a), int(keys[a]), int(tokens[t])) for a, t in zip(rec.pair_access, rec.pair_token, strict=True)]
         pos0 += len(keys)
     ref = Reference(passes, 10)
     ends = np.cumsum([len(q.keys) for q in passes])
@@ -552,6 +581,11 @@ def test_a_reference_schedule_gives_each_keys_next_access_by_a_token_still_to_co
             assert stand == max((end_of[t] for t in toks.tolist() if t in end_of), default=None)
     assert ref.same(passes)
     assert not ref.same(passes[::-1])
+    for field in ("keys", "tokens"):  # a pass that differs in its accesses only, or its tokens only
+        other = Pass.__new__(Pass)
+        other.keys, other.tokens = passes[3].keys, passes[3].tokens
+        setattr(other, field, getattr(passes[3], field) + 1)
+        assert not ref.same([*passes[:3], other, *passes[4:]])
 
 
 def test_under_expert_parallelism_each_gpu_holds_the_kv_of_its_share_of_the_tokens() -> None:

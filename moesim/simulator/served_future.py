@@ -30,10 +30,10 @@ MAX_RUNS = 8  # runs to reach a schedule that reads its own future, the reported
 
 class Pass:
     """One served pass of a schedule: its accesses (``keys``: layer * experts + expert, each
-    once), the tokens it processed (``tokens``: request << 32 | position, times 8, plus how many
-    times the run had processed that token before: a preempted request's tokens are processed
-    again), and which token reaches which access (``pair_token``, ``pair_access``: indices into
-    the two)."""
+    once), the tokens it processed (``tokens``: (request << 32 | position) << 8 | how many times
+    the run had processed that token before, up to 255: a preempted request's tokens are
+    processed again), and which token reaches which access (``pair_token``, ``pair_access``:
+    indices into the two)."""
 
     __slots__ = ("keys", "pair_access", "pair_token", "tokens")
 
@@ -43,10 +43,10 @@ class Pass:
         num_e = wl.model.num_experts
         code = (tr.request.astype(np.int64) << 32) | tr.position.astype(np.int64)
         uniq, row_token = np.unique(code, return_inverse=True)
-        again = np.array([times.get(int(c), 0) for c in uniq], np.int64)
+        again = np.array([times.get(c, 0) for c in uniq.tolist()], np.int64)
         for c in uniq.tolist():
             times[c] = times.get(c, 0) + 1
-        self.tokens = uniq * 8 + np.minimum(again, 7)
+        self.tokens = (uniq << 8) | np.minimum(again, 255)
         k = tr.experts.shape[1]
         routed = tr.experts.reshape(-1).astype(np.int64)
         pair_key = np.repeat(tr.layer.astype(np.int64) * num_e, k) + routed
@@ -82,7 +82,8 @@ class Reference:
         # each token's pass's end in the schedule (where a run that has just processed it stands)
         self.tok_end = np.repeat(firsts[1:], [len(q.tokens) for q in passes]).astype(np.int64)
         order = np.lexsort((pos, key))  # each key's (token, access) pairs in the schedule's order
-        self.pair_pos, self.pair_tok = pos[order], tok[order]
+        # (and past the last pair, one that reads as none)
+        self.pair_pos, self.pair_tok = np.append(pos[order], -1), tok[order]
         self.seg = np.searchsorted(key[order], np.arange(num_keys + 1))
         self.code_order = np.argsort(codes, kind="stable")
         self.codes = codes[self.code_order]
@@ -111,8 +112,6 @@ class Reader:
         the schedule the run stands: the end of the latest pass that processed one of the
         tokens (None: the schedule processed none of them)."""
         ref = self.ref
-        if not len(ref.pair_pos):
-            return np.full(ref.num_keys, -1, np.int64), None
         at = np.searchsorted(ref.codes, tokens)
         found = at < len(ref.codes)
         found[found] = ref.codes[at[found]] == tokens[found]
@@ -126,7 +125,7 @@ class Reader:
             if not len(stale):
                 break
             ptr[stale] += 1
-        return np.where(ptr < end, ref.pair_pos[np.minimum(ptr, len(ref.pair_pos) - 1)], -1).astype(np.int64), stand
+        return np.where(ptr < end, ref.pair_pos[ptr], -1), stand
 
 
 def settle(sim: Any) -> None:
