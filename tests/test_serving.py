@@ -544,6 +544,30 @@ def test_served_belady_reads_the_trace_it_is_given() -> None:
     assert given.steps["misses"].tolist() != own.steps["misses"].tolist()
 
 
+def test_a_pass_codes_each_token_by_request_position_and_times_processed_before() -> None:
+    """A pass's tokens: request 1 and 2 at positions 0 and 5, a request 2 token twice in the
+    pass (two layers' rows), each code distinct; the same tokens in three passes (a preempted
+    request processes them again) are coded with 0, 1 and 2 times before; each (token, expert)
+    row reaches the access of its (layer, expert)."""
+    from types import SimpleNamespace
+
+    from moesim.simulator.served_future import Pass
+
+    model = SimpleNamespace(num_experts=4)
+    trace = SimpleNamespace(request=np.array([1, 2, 2, 1]), position=np.array([5, 0, 0, 0]),
+                            layer=np.array([0, 0, 1, 0]), experts=np.array([[1, 3], [1, -1], [2, 0], [0, -1]]))
+    wl = SimpleNamespace(model=model, trace=trace, keys=lambda: np.array([4, 0, 1, 3, 6], np.int64))
+    times: dict[int, int] = {}
+    codes = [Pass(wl, times).tokens for _ in range(3)]  # type: ignore[arg-type]
+    base = [(1 << 32 | 0) << 8, (1 << 32 | 5) << 8, (2 << 32 | 0) << 8]
+    assert [c.tolist() for c in codes] == [[b + n for b in base] for n in range(3)]
+    one = Pass(wl, {})  # type: ignore[arg-type]
+    keys = one.keys[one.pair_access].tolist()
+    toks = one.tokens[one.pair_token].tolist()
+    assert sorted(zip(toks, keys, strict=True)) == sorted([
+        (base[1], 1), (base[1], 3), (base[2], 1), (base[2], 4 + 2), (base[2], 4 + 0), (base[0], 0)])
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_a_reference_schedule_gives_each_keys_next_access_by_a_token_still_to_come(seed: int) -> None:
     """``Reader.after``: once a run has processed a pass's tokens, each key's next access is

@@ -70,7 +70,6 @@ class Reference:
 
     def __init__(self, passes: list[Pass], num_keys: int) -> None:
         self.passes = passes
-        self.num_keys = num_keys
         firsts = np.cumsum([0] + [len(q.keys) for q in passes])
         tok_base = np.cumsum([0] + [len(q.tokens) for q in passes])
         codes = np.concatenate([q.tokens for q in passes]) if passes else np.zeros(0, np.int64)
@@ -82,7 +81,7 @@ class Reference:
         # each token's pass's end in the schedule (where a run that has just processed it stands)
         self.tok_end = np.repeat(firsts[1:], [len(q.tokens) for q in passes]).astype(np.int64)
         order = np.lexsort((pos, key))  # each key's (token, access) pairs in the schedule's order
-        # (and past the last pair, one that reads as none)
+        # (and past the last pair one more position, which :meth:`Reader.after` never reads)
         self.pair_pos, self.pair_tok = np.append(pos[order], -1), tok[order]
         self.seg = np.searchsorted(key[order], np.arange(num_keys + 1))
         self.code_order = np.argsort(codes, kind="stable")
