@@ -120,6 +120,26 @@ FUNCTIONS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
+    # Belady's future under load (simulator/served_future.py, with tests/test_serving.py)
+    **dict.fromkeys((f"moesim.simulator.served_future.x_settle__mutmut_{n}" for n in (16, 19, 20)),
+                    "the runs that find the future keep their per-pass rows or not: only their schedules are read"),
+    **dict.fromkeys((f"moesim.simulator.served_future.xǁPassǁ__init____mutmut_{n}" for n in (18, 20, 46, 57)),
+                    "a float array of whole numbers makes the same codes and keys (exact below 2**53)"),
+    "moesim.simulator.served_future.xǁPassǁ__init____mutmut_42":
+        "256 or more times processed before (a request preempted 256 times) is what the cap is for; below it the same",
+    "moesim.simulator.served_future.xǁPassǁ__init____mutmut_49": "numpy reads any negative reshape size as -1",
+    **dict.fromkeys((f"moesim.simulator.served_future.xǁPassǁ__init____mutmut_{n}" for n in (63, 65, 67)),
+                    "a pass's accesses are distinct keys: every sort orders them alike (numpy reads the kind's case freely)"),
+    **dict.fromkeys((f"moesim.simulator.served_future.xǁReferenceǁ__init____mutmut_{n}" for n in (76, 78, 80)),
+                    "a schedule's token codes are distinct: every sort orders them alike"),
+    **dict.fromkeys((f"moesim.simulator.served_future.xǁReferenceǁ__init____mutmut_{n}"
+                     for n in (15, 17, 24, 26, 35, 37, 49, 51)),
+                    "an empty schedule's arrays hold nothing a reader reads (an extra token no pair names, a float "
+                    "type for no values); a float pass end of a whole number is the same in int()"),
+    **dict.fromkeys((f"moesim.simulator.served_future.xǁReferenceǁ__init____mutmut_{n}" for n in (61, 64, 65)),
+                    "the position past each key's last pair is read only where Reader.after masks it out"),
+    **dict.fromkeys((f"moesim.simulator.served_future.xǁReferenceǁsame__mutmut_{n}" for n in (7, 10, 11)),
+                    "the lengths are compared first: zip's strictness never acts"),
     # the routed prefetchers' proposals (MUTATE_ONLY over _Routed, with tests/test_proposals.py,
     # tests/test_kernel.py and tests/test_serving.py)
     **dict.fromkeys(("moesim.policies.prefetch.base.xǁ_Routedǁ_proposals_of__mutmut_31",
