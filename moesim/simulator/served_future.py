@@ -128,17 +128,16 @@ class Reader:
 
 
 def settle(sim: Any) -> None:
-    """Find the future the served run ``sim`` (not yet run) reads: run the scenario again, each
-    run reading the schedule of the one before (the first, none), until a run serves the
-    schedule it read, or :data:`MAX_RUNS` - 1 runs; ``sim`` then reads the last schedule served
+    """Find the future the served run ``sim`` (a :class:`simulator.engine.Simulation`, not yet
+    run) reads: run the scenario again (a replay of ``sim``'s class), each run reading the
+    schedule of the one before (the first, none), until a run serves the schedule it read, or
+    :data:`MAX_RUNS` - 1 runs; ``sim`` then reads the last schedule served
     (``Source.reference``), and ``Source.future_runs`` counts the runs before it."""
-    from moesim.simulator.engine import Simulation
-
     num_keys = sim.model.num_layers * sim.model.num_experts  # a schedule's keys: layer * experts + expert
     ref = Reference([], num_keys)
     runs = 0
     while runs < MAX_RUNS - 1:
-        run = Simulation(sim.scenario, trace=sim.source.trace, keep_rows=False)
+        run = type(sim)(sim.scenario, trace=sim.source.trace, keep_rows=False)
         run.source.reference = ref
         run.run()
         runs += 1

@@ -54,7 +54,7 @@ class Source:
         self.serving: Scheduler | None = None  # serving under load: the scheduler forming each pass
         # serving an eviction policy that reads the future (simulator.served_future): the schedule
         # this run read as its future (None until found), how many runs found it, and this run's
-        # schedule as its passes are formed (their accesses, as layer * experts + expert)
+        # schedule as its passes are formed
         self.reference: served_future.Reference | None = None
         self.future_runs = 0
         self.schedule: list[served_future.Pass] = []  # the passes served, as a schedule
@@ -161,7 +161,7 @@ class Source:
         kv = serving.kv_capacity_tokens(sc, m, held, dense)
         self.serving = serving.Scheduler(sc, plan, bank, kv, previous=stream.policy_classes(sc)[1].reads_previous_pass)
         self.pieces = self.serving.passes()
-        if stream.policy_classes(sc)[0].reads_future:
+        if self.tracks_future:
             self.pieces = self._scheduled(self.pieces)
         self.whole_reason = "serving under load: one forward pass at a time"
         return next(self.pieces)
@@ -169,7 +169,9 @@ class Source:
     @property
     def tracks_future(self) -> bool:
         """Whether the passes served make a schedule for an eviction policy reading the future."""
-        return self.serving is not None and stream_reads_future(self.scenario)
+        from moesim.simulator import stream
+
+        return self.serving is not None and bool(stream.policy_classes(self.scenario)[0].reads_future)
 
     def _scheduled(self, passes: Generator[Workload, float, None]) -> Generator[Workload, float, None]:
         """The scheduler's passes, each added to the run's schedule as it is formed."""
@@ -277,15 +279,7 @@ class Source:
 
         if self.serving is not None:
             return np.zeros(0, np.int64), np.zeros((0, num_keys), np.int64)
-
         return stream.accesses_after(self.pieces_again(self.first_pass_progress()), num_prec, default_prec, num_keys)
-
-
-def stream_reads_future(scenario: Scenario) -> bool:
-    """Whether the scenario's eviction policy reads the future (``reads_future``)."""
-    from moesim.simulator import stream
-
-    return bool(stream.policy_classes(scenario)[0].reads_future)
 
 
 def _stamp(path: Path) -> tuple[int, int]:
