@@ -248,8 +248,6 @@ class Simulation:
             if carry > 0:
                 yield env.timeout(carry)
                 carry = 0.0
-            if ep and not self.ep.offload:
-                self.row.hits = self.row.unique  # every expert is resident on its GPU
             self._end_pass(p, bytes0)
             if self.progress is not None and self.source.serving is not None:  # requests served
                 self.progress(self.source.serving.finished, self.source.serving.n)

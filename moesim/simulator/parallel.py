@@ -112,6 +112,8 @@ class ExpertParallel:
         self.pairs += [sum(d.values()) for d in per_gpu_tokens]
         t_route = sim.env.now + nonexp
         arrive = self.lookups(layer, per_gpu_tokens, t_route) if self.offload else None
+        if arrive is None:  # every GPU holds its share: each expert computed is a hit
+            sim.row.hits += sum(len(d) for d in per_gpu_tokens)
         if not sim.timing:
             return 0.0
         traffic = float(max(sent.max(), recv.max()))
