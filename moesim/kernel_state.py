@@ -59,9 +59,11 @@ KEY = np.dtype([(name, np.int64) for name in (
     "layer")])
 # A transfer slot's record (``T[t]``): its key, priority (DEMAND, PREFETCH), sequence number,
 # whether it started or was withdrawn, whether it bypasses the cache, its place in the prefetch
-# ring; when it was issued, starts, is done, and its duration. Its 88 bytes of fields take a
-# 128-byte record (two cache lines: records 88 bytes apart made the kernel measurably slower)
-_TRANSFER_FIELDS = ([(name, np.int64) for name in ("key", "prio", "seq", "started", "cancelled", "bypass", "pfslot")]
+# ring, whether it was promoted (a queued prefetch a layer needed); when it was issued, starts,
+# is done, and its duration. Its 96 bytes of fields take a 128-byte record (two cache lines:
+# records packed at their fields' size made the kernel measurably slower)
+_TRANSFER_FIELDS = ([(name, np.int64) for name in ("key", "prio", "seq", "started", "cancelled", "bypass", "pfslot",
+                                                   "promoted")]
                     + [(name, np.float64) for name in ("issued", "start", "done", "dur")])
 TRANSFER = np.dtype({"names": [n for n, _ in _TRANSFER_FIELDS], "formats": [f for _, f in _TRANSFER_FIELDS],
                      "itemsize": 128})
@@ -76,21 +78,30 @@ WORK = np.dtype([(name, np.int64) for name in ("tid", "seq", "key", "tokens")])
 # offsets (H_*), then the regions (queues, lists, scratch).
 (S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
  S_FREEN, S_WH, S_WN, S_PENDN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
- S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE,
+ S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE, S_LOGN, S_REC,
  C_FORM, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_MISSARG, C_PROBS, C_K, C_NE, C_LRUNCAP,
  C_NLEV, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC, C_PENDING, C_KEEPSTATIC,
- C_HANDED,
+ C_HANDED, C_RECPASS, C_LOGCAP,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
  H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_SCR, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
  H_PENDMAX, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, I_HEADER) = range(94)
+ H_PDUR, H_LOG, I_HEADER) = range(99)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, SF_HOST, CF_CAP,
  CF_HLAYER, CF_HLAUNCH, CF_HCOPY, F_HEADER) = range(13)
+# The timeline (``moesim run --events``; :class:`simulator.recording.Recorder` takes it): records
+# of LOG_WIDTH floats in region ``H_LOG`` of ``FS`` (``S_LOGN`` of them, at most ``C_LOGCAP``),
+# written while ``S_REC`` is set (the pass is before ``C_RECPASS``), each a tag then its fields:
+# LOG_TRANSFER (key, kind, issued, start, done, bytes; kind LOG_DEMAND, LOG_PREFETCH or
+# LOG_PROMOTED), LOG_WITHDRAWN (key, issued, withdrawn at, bytes), LOG_LAYER (pass, layer,
+# non-expert start, routing point, experts start, end, cache bytes)
+LOG_TRANSFER, LOG_WITHDRAWN, LOG_LAYER = range(3)
+LOG_DEMAND, LOG_PREFETCH, LOG_PROMOTED = range(3)
+LOG_WIDTH = 8
 # per-pass columns, in engine order
 COLUMNS = ("hits", "misses", "late_prefetches", "collision_misses", "uncached_fetches", "bytes",
            "prefetches_issued", "prefetches_used", "prefetch_predicted_hits", "prefetch_predicted",
@@ -242,6 +253,31 @@ def _mass_scratch(IS, FS):
 def _prec_seconds(IS, FS):
     """Per precision index, an entry's copy seconds."""
     return FS[IS[H_PDUR]:]
+
+
+@_view
+def _log(IS, FS):
+    """The timeline's records (``S_LOGN`` of them, :data:`LOG_WIDTH` floats each)."""
+    return FS[IS[H_LOG]:]
+
+
+@_inline
+def _record(tag, a, b, c, d, e, f, g, IS, FS):
+    """Append a timeline record (``tag`` and its fields ``a`` .. ``g``; unused fields 0)."""
+    n = IS[S_LOGN]
+    if n == IS[C_LOGCAP]:
+        raise RuntimeError("moesim kernel: timeline log full")
+    log = _log(IS, FS)
+    i = n * LOG_WIDTH
+    log[i] = tag
+    log[i + 1] = a
+    log[i + 2] = b
+    log[i + 3] = c
+    log[i + 4] = d
+    log[i + 5] = e
+    log[i + 6] = f
+    log[i + 7] = g
+    IS[S_LOGN] = n + 1
 
 
 @_view
@@ -427,14 +463,16 @@ def region(state: np.ndarray, h: int, n: int, IS: np.ndarray) -> np.ndarray:
 
 
 def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, fin: int = 1,
-            lrun: int = 1, nprec: int = 1, per_layer: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+            lrun: int = 1, nprec: int = 1, per_layer: int = 0, log: int = 0) -> tuple[np.ndarray, np.ndarray,
+                                                                                      np.ndarray, np.ndarray,
                                                                     np.ndarray]:
     """The state arrays ``IS``, ``FS``, ``K``, ``T``, ``W``, initialised: regions after the
     headers, their offsets in ``IS`` (``W``'s regions' first records there too).
     Every precision (``nprec``) is one byte and takes one second to copy until set
     (``H_PBYTES``, ``H_PDUR``); the only precision level is the default, 0. ``per_layer``:
     the keys of a layer (``C_DIV``: experts times precisions; 0, all the keys in one layer),
-    each key's layer (``K.layer``) its key over it."""
+    each key's layer (``K.layer``) its key over it. ``log``: the timeline's records a kernel
+    call can write (:func:`_record`; 0: the replay records none)."""
     # the regions sized by a layer's tokens come last (:func:`grow_rows` extends them)
     i_sizes = ((H_DQ, pool), (H_PFQ, pool), (H_RQ, pool),
                (H_FREE, pool), (H_WQ, num_keys),
@@ -442,7 +480,7 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
                (H_ROUTED, num_keys), (H_PFTMP, pool), (H_LEVELS, nprec), (H_PBYTES, nprec),
                (H_VICT, 2 * num_keys), (H_FIN, fin), (H_SPEC, 2 * lrun))
     f_sizes = ((H_SCR, 2 * max(1, maxn)), (H_MSCR, 2 * top_k),
-               (H_PDUR, nprec))
+               (H_PDUR, nprec), (H_LOG, LOG_WIDTH * log))
     n_i, n_f = I_HEADER, F_HEADER
     offsets = {}
     for h, size in i_sizes:
@@ -455,6 +493,7 @@ def _layout(num_keys: int, pool: int, pend_max: int, maxn: int, top_k: int = 1, 
         IS[h] = o
     IS[H_POOL], IS[H_NKEYS], IS[H_PENDMAX] = pool, num_keys, pend_max
     IS[C_LRUNCAP] = lrun
+    IS[C_LOGCAP] = log
     IS[S_PINGEN] = IS[S_PENDGEN] = IS[S_MARKGEN] = 1
     IS[S_FREEN] = pool
     K = np.zeros(num_keys, KEY).view(np.recarray)

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from moesim.cli import cli
+from moesim.config.scenario import load_scenario
 from moesim.output.events import chrome_trace
 from moesim.simulator.engine import Simulation
 from moesim.traces.synth import synth_from_preset
@@ -107,6 +108,78 @@ def test_the_timeline_records_the_first_passes_only_and_says_so(tmp_path):
     assert "timeline of passes 0-1 of 6 written to" in unwrap(r.output)
     assert {e["args"]["pass"] for e in json.loads(out.read_text())["traceEvents"]
             if e["ph"] == "X" and e["tid"] == 0} == {0, 1}
+
+
+OLMOE = {"preset": "olmoe-1b-7b", "requests": 8, "prompt_tokens": 8, "tokens": 24, "seed": 3, "pred_next": True}
+HOST = {"graph_launch_us": 10.0, "eager_kernel_us": 2.0, "copy_submit_us": 3.0, "event_record_us": 1.0,
+        "stream_wait_us": 2.0, "event_wait_us": 1.0}
+
+
+def both_timelines(monkeypatch, sc, trace=None, **kwargs):
+    """(result, timeline document) of the kernel's replay, then of the SimPy path's."""
+    out = []
+    for off in ("", "1"):
+        monkeypatch.setenv("MOESIM_NO_KERNEL", off)
+        sim = Simulation(sc, trace=trace, record_transfers=True, record_layers=True, **kwargs)
+        res = sim.run()
+        out.append((res, chrome_trace(res, sim.link_name, sim.model.num_experts, sim.num_prec)))
+    monkeypatch.delenv("MOESIM_NO_KERNEL")
+    assert out[0][0].summary["replay_path"] == "kernel", out[0][0].summary["replay_path_reason"]
+    assert out[1][0].summary["replay_path"] == "simpy"
+    return out
+
+
+@pytest.mark.parametrize(("over", "passes", "kinds", "withdrawn"), [
+    ({"policies": {"prefetch": "oracle"}}, 8, {"demand", "prefetch", "promoted"}, False),
+    ({"policies": {"eviction": "least-stale", "prefetch": "score-percentile"}, "expert_compute": "per-expert"},
+     None, {"demand", "prefetch", "promoted"}, False),
+    ({"policies": {"prefetch": "previous-token"}, "expert_compute": "on-arrival", "cache": {"capacity": "25%"},
+      "execution": {"prefetch_depth": 1}}, None, {"demand", "prefetch", "promoted"}, True),
+    ({"policies": {"eviction": "belady", "prefetch": "lookahead"}, "expert_compute": "per-expert",
+      "expert_fetch": "blocking"}, 3, {"demand", "prefetch", "promoted"}, False),
+    ({"policies": {"prefetch": "oracle"}, "hardware": {"preset": "a100-80g-pcie4", "host": HOST},
+      "execution": {"style": "hf-loop"}}, 5, {"demand", "prefetch"}, False),
+    ({"policies": {"eviction": "fld"}, "timing": False}, None, set(), False),
+])
+def test_the_kernel_records_the_timeline_the_simpy_path_records(monkeypatch, over, passes, kinds, withdrawn):
+    """Copies (each kind), withdrawn prefetches, each layer's times and the cache's bytes:
+    the same records, in the same order, bit for bit, whichever path replays (under each
+    execution mode, a host model, a recorded window and a cache-only replay, which moves no
+    time and records no copies); the timeline documents are equal."""
+    sc = scenario(**{"cache": {"capacity": "5%"}, "workload": {"trace": {"synth": OLMOE}}, **over})
+    (fast, fast_doc), (ref, ref_doc) = both_timelines(monkeypatch, sc, record_passes=passes)
+    assert fast.transfers == ref.transfers
+    assert fast.extra == ref.extra
+    assert fast_doc == ref_doc
+    assert {kind for _, kind, *_ in ref.transfers} == kinds
+    assert bool(ref.extra["withdrawn"]) == withdrawn
+    shown = passes or len(ref.steps)
+    assert len(ref.extra["layers"]) == shown * 16
+    assert {p for p, *_ in ref.extra["layers"]} == set(range(shown))
+
+
+def test_a_trace_read_in_pieces_and_a_served_run_record_the_timeline_on_the_kernel(monkeypatch, tmp_path):
+    """A trace file read a piece at a time records the passes of every piece (numbered over
+    the whole replay), and a run serving arrivals its passes, as the SimPy path does."""
+    from moesim.traces.io import write_trace
+
+    path = write_trace(synth_from_preset("olmoe-1b-7b", requests=9, prompt_tokens=4, tokens=6, seed=5,
+                                         layers=4), tmp_path / "t.parquet")
+    sc = load_scenario("quickstart", [f"workload.trace.path={path}", "cache.capacity=10%",
+                                      "policies.prefetch=previous-token"])
+    (fast, _), (ref, _) = both_timelines(monkeypatch, sc, chunk_rows=60)
+    assert fast.summary["trace_pieces"] > 2
+    assert fast.transfers == ref.transfers
+    assert fast.extra == ref.extra
+    assert len(ref.extra["layers"]) == len(ref.steps) * 4
+    served = scenario(cache={"capacity": "10%"}, policies={"prefetch": "previous-token"},
+                      workload={"trace": {"synth": {**OLMOE, "layers": 4, "requests": 6}},
+                                "arrivals": {"process": "poisson", "rate": 40.0, "requests": 6}})
+    (fast, fast_doc), (ref, ref_doc) = both_timelines(monkeypatch, served, record_passes=6)
+    assert fast.transfers == ref.transfers
+    assert fast.extra == ref.extra
+    assert fast_doc == ref_doc
+    assert len(ref.extra["layers"]) == 6 * 4
 
 
 def test_a_timeline_inside_the_results_folder_survives_the_results_write(tmp_path):

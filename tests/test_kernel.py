@@ -365,6 +365,7 @@ def tiny():
 def test_the_kernel_runs_when_every_policy_has_a_kernel_form(tiny, monkeypatch):
     monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
     assert path_of(scenario(), tiny) == ("kernel", None)
+    assert path_of(scenario(), tiny, record_transfers=True, record_layers=True) == ("kernel", None)
 
 
 @pytest.mark.parametrize(("over", "kwargs", "why"), [
@@ -373,8 +374,7 @@ def test_the_kernel_runs_when_every_policy_has_a_kernel_form(tiny, monkeypatch):
      "a routing or budget policy that changes what tokens compute"),
     ({"policies": {"routing": "cache-aware"}}, {}, "a routing or budget policy that changes what tokens compute"),
     ({"hardware": {"preset": "h100-sxm-nvlink-x2"}}, {}, "expert parallelism"),
-    ({}, {"record_transfers": True}, "the replay records its timeline or decisions"),
-    ({}, {"record_decisions": True}, "the replay records its timeline or decisions"),
+    ({}, {"record_decisions": True}, "the replay records its decisions"),
 ])
 def test_the_simpy_path_runs_and_says_why(tiny, monkeypatch, over, kwargs, why):
     monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)

@@ -567,13 +567,14 @@ def test_replays_that_need_the_whole_trace_read_it_whole(ragged_file: Path, sets
     assert sim.source.whole_reason == reason
 
 
-def test_a_synthesised_trace_a_recorded_timeline_and_a_file_of_one_piece_are_whole(ragged_file: Path) -> None:
+def test_a_synthesised_trace_recorded_decisions_and_a_file_of_one_piece_are_whole(ragged_file: Path) -> None:
     assert Simulation(load_scenario("quickstart", [])).source.whole_reason == "the trace is synthesised or imported in memory"
     sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}"])
-    for record in ("record_transfers", "record_layers", "record_decisions"):
-        sim = Simulation(sc, chunk_rows=500, **{record: True})
-        assert sim.source.pieces is None
-        assert sim.source.whole_reason == "the replay records its timeline or decisions"
+    sim = Simulation(sc, chunk_rows=500, record_decisions=True)
+    assert sim.source.pieces is None
+    assert sim.source.whole_reason == "the replay records its decisions"
+    for record in ("record_transfers", "record_layers"):  # the kernel records a timeline in pieces
+        assert Simulation(sc, chunk_rows=500, **{record: True}).source.pieces is not None
     rows = trace_rows(ragged_file)
     sim = Simulation(sc, chunk_rows=rows)  # exactly one piece's rows
     assert sim.source.pieces is None
@@ -648,7 +649,7 @@ def test_every_reason_to_read_the_whole_trace(ragged_file: Path, monkeypatch) ->
         return load_scenario("quickstart", [f"workload.trace.path={ragged_file}", *sets])
 
     assert why_whole(sc(), False) is None
-    assert why_whole(sc(), True) == "the replay records its timeline or decisions"
+    assert why_whole(sc(), True) == "the replay records its decisions"
     assert why_whole(sc("hardware.preset=h100-sxm-nvlink-x2"), False) == "expert parallelism"
     assert why_whole(sc("policies.routing=cache-aware"), False) == "a routing or budget policy"
     assert why_whole(sc("policies.budget=dynamic-skip"), False) == "a routing or budget policy"

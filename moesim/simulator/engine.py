@@ -81,8 +81,7 @@ class Simulation:
         self.scenario = scenario
         # where the passes come from: the workload given, the trace whole or in pieces, serving's scheduler
         self.source = Source(scenario, progress)
-        recording = record_transfers or record_layers or record_decisions
-        workload = self.source.first(trace, workload, recording, chunk_rows, self.prepare_piece)
+        workload = self.source.first(trace, workload, record_decisions, chunk_rows, self.prepare_piece)
         self.wl = workload
         model = workload.model
         self.model = model

@@ -26,8 +26,10 @@ entries of several sizes (a key's precision gives its bytes, copy and compute se
 made by as many victims as it takes, in :func:`simulator.kernel_cache._victims`). Everything else
 — a routing or budget policy that changes what a token computes (each is its own Python/numpy
 selection), expert parallelism, a policy without a compiled form or whose hooks numba cannot
-compile, and a replay that records its timeline or decisions — runs on the SimPy path, and the
-replay says why.
+compile, and a replay that records its decisions (``Simulation.decisions``, which the
+calibration executor carries out) — runs on the SimPy path, and the replay says why. A replay
+that records its timeline (``moesim run --events``) writes the same records into the kernel's
+log as the SimPy path gives its :class:`simulator.recording.Recorder` (:func:`_drain`).
 
 The same functions run as plain Python under ``NUMBA_DISABLE_JIT=1`` (the tests check that
 they give the same answer), at about a third of the SimPy path's speed; so where numba is not
@@ -87,6 +89,7 @@ from moesim.kernel_state import (
     C_PENDING,
     C_PFACTIVE,
     C_PROBS,
+    C_RECPASS,
     C_REROUTE,
     C_TLEN,
     CF_CAP,
@@ -95,16 +98,19 @@ from moesim.kernel_state import (
     CF_HLAYER,
     COLUMNS,
     H_LEVELS,
+    H_LOG,
     H_NKEYS,
     H_PBYTES,
     H_PDUR,
     H_SCALE,
     H_TTAB,
+    LOG_WIDTH,
     MODE_ARRIVAL,
     MODE_LAYER,
     MODE_PER_EXPERT,
     R_COUNT,
     S_BYTES,
+    S_LOGN,
     S_MAXUSED,
     S_PBASE,
     SF_BUSY,
@@ -145,8 +151,8 @@ def kernel_form(sim: Any) -> str | None:
     off = kernel_off()
     if off is not None:
         return off
-    if sim.recorder.active or sim.decisions is not None:
-        return "the replay records its timeline or decisions"
+    if sim.decisions is not None:
+        return "the replay records its decisions"
     if sim.scenario.hardware.gpus > 1:
         return "expert parallelism"
     if sim.routing.changes_routing or sim.budget.restricts:
@@ -407,12 +413,13 @@ def next_piece(pieces: Generator[Any, float, None], now: float) -> Any:
         return None
 
 
-def _calls(off: np.ndarray, n_pass: int, num_l: int) -> list[int]:
+def _calls(off: np.ndarray, n_pass: int, num_l: int, single: int = 0) -> list[int]:
     """Where a piece's kernel calls begin and end: pass numbers from 0 to ``n_pass``, each call
     at least one pass, at most :data:`CHUNK`, and no more passes than keep its accesses (from
-    the offsets ``off``, ``num_l`` a pass) within :data:`CALL_ACCESSES`."""
+    the offsets ``off``, ``num_l`` a pass) within :data:`CALL_ACCESSES`; the first ``single``
+    passes a call each (those the timeline records: :func:`_timeline`)."""
     starts = np.ascontiguousarray(off[::num_l])  # each pass's first access, and the end: n_pass + 1
-    bounds = [0]
+    bounds = list(range(min(max(single, 0), n_pass) + 1))
     while bounds[-1] < n_pass:
         q0 = bounds[-1]
         q1 = int(np.searchsorted(starts, starts[q0] + CALL_ACCESSES, "right")) - 1  # accesses that fit
@@ -503,6 +510,41 @@ def _hook_errors(sim: Any) -> Iterator[None]:
             "the forward pass and the layer.") from None
 
 
+def _timeline(sim: Any, num_l: int, pool: int, max_runs: int) -> tuple[int, int]:
+    """The pass the timeline stops before (``C_RECPASS``; 0: the replay records none) and the
+    records a kernel call may write (``C_LOGCAP``): the calls of the passes it records replay a
+    pass each (:func:`_calls`), whose records are a layer's each, and a transfer's completion or
+    withdrawal each, of those on the copy engine as the pass starts (at most ``pool``, the
+    transfer slots) and those submitted in it (per layer at most ``max_runs`` demand copies
+    and, each needing a free slot, ``pool`` prefetches, each free again at most once)."""
+    rec = sim.recorder
+    if not rec.active:
+        return 0, 0
+    return (1 << 62) if rec.passes is None else rec.passes, pool + num_l * (1 + max_runs + 2 * pool)
+
+
+def _drain(sim: Any, IS: np.ndarray, FS: np.ndarray) -> None:
+    """The timeline's records the last kernel call wrote, to the replay's recorder."""
+    n = int(IS[S_LOGN])
+    if n:
+        sim.recorder.take(region(FS, H_LOG, n * LOG_WIDTH, IS).reshape(n, LOG_WIDTH))
+        IS[S_LOGN] = 0
+
+
+def _report(sim: Any, wl: Any, done: int, before: int, total: int) -> None:
+    """Progress once the first ``done`` passes of ``wl`` are replayed: requests served
+    (serving), the share of the file's rows replayed (a trace in pieces: ``before`` in the
+    pieces before, of ``total``), or passes."""
+    if sim.progress is None:
+        return
+    if sim.source.serving is not None:
+        sim.progress(sim.source.serving.finished, sim.source.serving.n)
+    elif sim.source.pieces is not None:
+        sim.progress(before + len(wl.trace) * done // wl.num_passes, total)
+    else:
+        sim.progress(done, wl.num_passes)
+
+
 def _pass_arrays(wl: Any) -> tuple[np.ndarray, ...]:
     """A piece's per-pass arrays for the kernel: each pass's release time (it reads), then those
     it writes the results into: the counts (``COLUMNS``), start and end times, stall, gate mass
@@ -534,9 +576,11 @@ def _replay(sim: Any) -> None:
     max_rows = 0 if fetch_only else _layer_rows(wl)  # pieces: the most so far (grow_rows)
     # a layer computes its routed experts and, for a miss policy that re-routes, others
     max_runs = maxn + (model.num_experts if miss.reroutes else 0)
+    window, log = _timeline(sim, num_l, pool, max_runs)
     IS, FS, K, T, W = _layout(num_keys, pool, pend_max, max_runs, model.top_k, max(1, max_rows * model.top_k),
-                              max(1, max_rows), sim.num_prec, div)
+                              max(1, max_rows), sim.num_prec, div, log)
     _configure(sim, IS, FS, miss, max_runs)
+    IS[C_RECPASS] = window
     hooks, S = _form_arrays(sim.eviction, num_keys)
     # a policy reading the future, a piece at a time: a first pass over the file finds each piece's
     # first access and every key's first access after the piece (the progress covers it too)
@@ -563,7 +607,7 @@ def _replay(sim: Any) -> None:
             release, cols, t_start, t_end, stall, m_total, m_kept = _pass_arrays(wl)
             IS[S_PBASE] = base
             props = None
-            bounds = _calls(wl.off, n_pass, num_l)
+            bounds = _calls(wl.off, n_pass, num_l, window - base)
             if sim.prefetch.active:
                 props = (_chunks_of(wl.proposals, bounds, num_l) if wl.proposals is not None
                          else _proposals_ahead(sim.prefetch, bounds))
@@ -573,13 +617,8 @@ def _replay(sim: Any) -> None:
                     replay_passes(base + q0, base + q1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp[q0:q1],
                                   release[q0:q1], cols[q0:q1], t_start[q0:q1], t_end[q0:q1], stall[q0:q1],
                                   m_total[q0:q1], m_kept[q0:q1])
-                if sim.progress is not None:
-                    if sim.source.serving is not None:  # requests served
-                        sim.progress(sim.source.serving.finished, sim.source.serving.n)
-                    elif streamed:  # the share of the file's rows replayed
-                        sim.progress(shown + rows_done + len(wl.trace) * q1 // n_pass, total)
-                    else:
-                        sim.progress(q1, n_pass)
+                _drain(sim, IS, FS)
+                _report(sim, wl, q1, shown + rows_done, total)
             outs.append((cols, t_start, t_end, stall, m_total, m_kept))
             n_pieces += 1
             base += n_pass
@@ -612,6 +651,7 @@ def _replay(sim: Any) -> None:
             sim.wl = handing.result()  # the last block's passes and requests
             sim.source.trace_pieces = n_pieces
     _finish(IS, K, T, FS)  # the transfers still queued or running complete
+    _drain(sim, IS, FS)
     if sim.source.stream_source is not None:
         sim.source.check_source()  # the file the pieces came from is the one the first passes read
     sim.copy.busy_time = float(FS[SF_BUSY])

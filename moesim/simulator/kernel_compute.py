@@ -24,11 +24,13 @@ from moesim.kernel_state import (
     C_PENDING,
     C_PFACTIVE,
     C_PROBS,
+    C_RECPASS,
     C_REROUTE,
     CF_CAP,
     CF_HCOPY,
     CF_HLAUNCH,
     CF_HLAYER,
+    LOG_LAYER,
     MODE_LAYER,
     R_ALTERED,
     R_BYTES,
@@ -47,6 +49,7 @@ from moesim.kernel_state import (
     S_PBASE,
     S_PENDGEN,
     S_PINGEN,
+    S_REC,
     S_USED,
     S_WN,
     SF_CARRY,
@@ -64,6 +67,7 @@ from moesim.kernel_state import (
     _new_gen,
     _pass_factors,
     _ready_scratch,
+    _record,
     _routed,
     _row_base,
     _runs,
@@ -108,7 +112,7 @@ def _layer(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M):
     ``FS[SF_STALL]``."""
     _mark_pending(lo, hi, IS, K, A)
     if IS[C_PFACTIVE]:
-        _withdraw(layer, lo, hi, IS, K, T, W, A)
+        _withdraw(layer, lo, hi, now, IS, K, T, W, FS, A)
     pins = _new_gen(IS, S_PINGEN)
     for j in range(lo, hi):
         K[_key(j, IS, A)].pin = pins
@@ -238,7 +242,7 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M):
     host = IS[C_HOST]
     _mark_pending(lo, hi, IS, K, A)
     if IS[C_PFACTIVE]:
-        _withdraw(layer, lo, hi, IS, K, T, W, A)
+        _withdraw(layer, lo, hi, now, IS, K, T, W, FS, A)
         _propose(p, layer, p0, now, _new_gen(IS, S_PINGEN), IS, K, T, W, FS, DI, A, P)
     n = hi - lo
     t = now
@@ -436,6 +440,7 @@ def replay_passes(p0, p1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp, 
     carry = FS[SF_CARRY]
     for p in range(p0, p1):
         IS[S_PASS] = p
+        IS[S_REC] = p < IS[C_RECPASS]
         if p > 0:
             _new_pass(IS, K, A)
         rel = release[p - p0]
@@ -475,10 +480,13 @@ def replay_passes(p0, p1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp, 
             IS[S_LAYERGEN] += 1
             if M is not None:
                 _fin_init(p, layer, lo, hi, IS, A, M)
+            st0 = FS[SF_STALL]
             if per_expert is None:
                 end = _layer(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M)
             else:
                 end = _per_expert(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M)
+            if IS[S_REC]:  # the layer's times, and the cache's bytes once it has run
+                _record(LOG_LAYER, p, layer, now - ne, now, now + FS[SF_STALL] - st0, end, IS[S_USED], IS, FS)
             if M is not None:
                 _token_mass(p, layer, IS, FS, M)
             carry = end - now

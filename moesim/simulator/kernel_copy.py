@@ -10,6 +10,10 @@ from moesim.kernel_state import (
     C_INSTANT,
     DEMAND,
     H_POOL,
+    LOG_DEMAND,
+    LOG_PREFETCH,
+    LOG_PROMOTED,
+    LOG_TRANSFER,
     RESIDENT,
     S_BYTES,
     S_DQN,
@@ -17,6 +21,7 @@ from moesim.kernel_state import (
     S_NDEM,
     S_PFH,
     S_PFN,
+    S_REC,
     S_RH,
     S_RN,
     S_TSEQ,
@@ -29,6 +34,7 @@ from moesim.kernel_state import (
     _prec,
     _prec_seconds,
     _prefetch_ring,
+    _record,
     _ring,
     _running_ring,
 )
@@ -50,6 +56,7 @@ def _submit(key, prio, now, bypass, IS, T, FS):
     xfer.cancelled = 0
     xfer.bypass = bypass
     xfer.pfslot = -1
+    xfer.promoted = 0
     dur = _prec_seconds(IS, FS)[_prec(key, IS)]
     xfer.issued = now
     xfer.start = now
@@ -121,6 +128,7 @@ def _promote(tid, IS, T, FS):
     if T[tid].started or T[tid].prio == DEMAND or T[tid].cancelled:
         return
     T[tid].prio = DEMAND
+    T[tid].promoted = 1
     _prefetch_ring(IS)[T[tid].pfslot] = -1
     dq = _demand_queue(IS)
     n = IS[S_DQN]
@@ -141,6 +149,14 @@ def _complete(tid, IS, K, T):
         K[key].state = RESIDENT
         K[key].tid = -1
     _free(tid, IS)
+
+
+@_jit
+def _record_transfer(tid, IS, T, FS):
+    """A completed transfer, into the timeline (the copy engine's ``on_complete``)."""
+    xfer = T[tid]
+    kind = LOG_PROMOTED if xfer.promoted else (LOG_DEMAND if xfer.prio == DEMAND else LOG_PREFETCH)
+    _record(LOG_TRANSFER, xfer.key, kind, xfer.issued, xfer.start, xfer.done, _nbytes(xfer.key, IS), 0, IS, FS)
 
 
 @_inline
@@ -197,6 +213,8 @@ def _advance(now, IS, K, T, FS):
         t = rq[rh]
         rh = _ring(rh + 1, size)
         rn -= 1
+        if IS[S_REC]:
+            _record_transfer(t, IS, T, FS)
         _complete(t, IS, K, T)
     IS[S_RH], IS[S_RN] = rh, rn
 

@@ -14,6 +14,7 @@ from moesim.kernel_state import (
     H_NKEYS,
     H_PENDMAX,
     H_POOL,
+    LOG_WITHDRAWN,
     PREFETCH,
     R_ACTUAL,
     R_PFCANCEL,
@@ -26,6 +27,7 @@ from moesim.kernel_state import (
     S_PENDN,
     S_PFH,
     S_PFN,
+    S_REC,
     S_RH,
     S_RN,
     S_TSEQ,
@@ -39,6 +41,7 @@ from moesim.kernel_state import (
     _nbytes,
     _pending_prefetches,
     _prefetch_ring,
+    _record,
     _ring,
     _row_base,
     _running_ring,
@@ -126,10 +129,11 @@ def _handed(IS, T):
 
 
 @_jit
-def _withdraw(layer, lo, hi, IS, K, T, W, A):
+def _withdraw(layer, lo, hi, now, IS, K, T, W, FS, A):
     """At ``layer``'s routing point (``PrefetchQueue.withdraw``): proposals for it or earlier still
     waiting are withdrawn, its admissions stop being pinned, and its prefetches the layer does
-    not need that the host has not issued (:func:`_handed`) are withdrawn with their room."""
+    not need that the host has not issued (:func:`_handed`) are withdrawn with their room (into
+    the timeline at ``now`` while it records)."""
     size = IS[H_NKEYS]
     n = IS[S_WN]
     if n:
@@ -174,6 +178,8 @@ def _withdraw(layer, lo, hi, IS, K, T, W, A):
             continue
         # withdrawn: no bytes move, its room is given back
         T[tid].cancelled = 1
+        if IS[S_REC]:
+            _record(LOG_WITHDRAWN, key, T[tid].issued, now, _nbytes(key, IS), 0, 0, 0, IS, FS)
         _prefetch_ring(IS)[T[tid].pfslot] = -1
         IS[S_BYTES] -= _nbytes(key, IS)
         K[key].state = ABSENT

@@ -1,14 +1,26 @@
 """A replay's timeline (``moesim run --events``; ``docs/guides/sweeps.md``, "A replay's
-timeline"): :class:`Recorder` is the observer the SimPy process
-(:class:`simulator.engine.Simulation`) is given. It listens to the copy engine (completed
-transfers) and the prefetch queue (withdrawn prefetches) and is told each layer's times, for
-the passes before ``passes`` (all when None), numbered over the whole replay
-(``Clock.pass_index``)."""
+timeline"): :class:`Recorder` is the observer both replay paths report to, for the passes
+before ``passes`` (all when None), numbered over the whole replay (``Clock.pass_index``). On
+the SimPy path (:class:`simulator.engine.Simulation`) it listens to the copy engine (completed
+transfers) and the prefetch queue (withdrawn prefetches) and is told each layer's times; the
+compiled kernel writes the same records, in the same order, into its log
+(:func:`moesim.kernel_state._record`), which :meth:`Recorder.take` reads after each kernel
+call."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from moesim.kernel_state import (
+    LOG_DEMAND,
+    LOG_LAYER,
+    LOG_PREFETCH,
+    LOG_PROMOTED,
+    LOG_TRANSFER,
+    LOG_WITHDRAWN,
+)
 from moesim.policies.registry import Clock
 from moesim.simulator.copyengine import (
     DEMAND,
@@ -21,6 +33,8 @@ from moesim.simulator.copyengine import (
     START,
     Transfer,
 )
+
+_KINDS = {LOG_DEMAND: "demand", LOG_PREFETCH: "prefetch", LOG_PROMOTED: "promoted"}
 
 
 class Recorder:
@@ -42,7 +56,7 @@ class Recorder:
 
     @property
     def active(self) -> bool:
-        """Whether anything is recorded (the SimPy path then replays)."""
+        """Whether anything is recorded."""
         return self.transfers is not None or self.layers is not None
 
     def now(self) -> bool:
@@ -69,6 +83,19 @@ class Recorder:
             assert self.occupancy is not None
             self.layers.append((self.clock.pass_index, layer, start, route, experts, end))
             self.occupancy.append((route, used))
+
+    def take(self, log: np.ndarray) -> None:
+        """The kernel's records (rows of :data:`moesim.kernel_state.LOG_WIDTH`: a tag, then
+        its fields), into the timeline as the listeners above would have put them."""
+        for tag, a, b, c, d, e, f, g in log.tolist():
+            if tag == LOG_TRANSFER and self.transfers is not None:
+                self.transfers.append((int(a), _KINDS[int(b)], c, d, e, int(f)))
+            elif tag == LOG_WITHDRAWN and self.withdrawn is not None:
+                self.withdrawn.append((int(a), b, c, int(d)))
+            elif tag == LOG_LAYER and self.layers is not None:
+                assert self.occupancy is not None
+                self.layers.append((int(a), int(b), c, d, e, f))
+                self.occupancy.append((d, int(g)))
 
     def extra(self, num_passes: int) -> dict[str, Any]:
         """What the result carries of the timeline (``Result.extra``) for a replay of
