@@ -181,6 +181,21 @@ def test_kernel_equals_simpy_with_the_drop_miss_policy(monkeypatch, probs, evict
     assert (steps.gate_weight_computed < steps.gate_weight_total).any()
 
 
+@pytest.mark.parametrize("probs", [True, False])
+def test_kernel_equals_simpy_with_a_top_k_above_128(monkeypatch, probs):
+    """A token's gate mass over more than 128 terms (top-160 of 256 experts, router
+    probabilities summed as numpy splits a long sum in two): the drop policy's per-pass rows
+    and gate mass bit for bit on both paths."""
+    trace = synth_from_preset("olmoe-1b-7b", layers=2, experts=256, top_k=160, requests=3, prompt_tokens=2,
+                              tokens=3, seed=7, probs=probs)
+    sc = scenario(policies={"prefetch": "none", "miss": "drop"}, hardware=COMPUTE_BOUND, cache={"capacity": "30%"})
+    fast, ref = both_paths(sc, trace, monkeypatch)
+    assert_identical(fast, ref)
+    steps = ref.steps
+    assert steps.dropped_experts.sum() > 0
+    assert (steps.gate_weight_computed < steps.gate_weight_total).all()
+
+
 @pytest.mark.parametrize(("eviction", "prefetch", "capacity"), [
     ("lru", "none", "60%"), ("least-stale", "score-percentile", "60%"), ("belady", "oracle", "60%"),
     ("score", "next-gate-topk", "40%"), ("fld", "lookahead", "40%")])
@@ -616,11 +631,12 @@ def test_the_copy_engine_serves_demand_first_in_order_and_completes_what_is_done
 
 
 @settings(max_examples=300, deadline=None)
-@given(values=st.lists(st.floats(0, 1e3, allow_subnormal=False) | st.floats(0, 1e-3), min_size=0, max_size=128),
+@given(values=st.lists(st.floats(0, 1e3, allow_subnormal=False) | st.floats(0, 1e-3), min_size=0, max_size=700),
        offset=st.integers(0, 3))
 def test_the_kernels_pairwise_sum_is_numpys(values, offset):
     """``_pairwise_sum`` adds as numpy's ``sum`` adds a float64 array (tested bit for bit
-    from 0 to 128 terms, where numpy switches from one loop to eight accumulators at 8)."""
+    from 0 to 700 terms: numpy switches from one loop to eight accumulators at 8, and splits
+    a run of more than 128 in two, recursively)."""
     KX = Callable(import_module("moesim.simulator.kernel_compute"))
 
     FS = np.full(offset + len(values) + 1, 12345.0)  # a term read outside the range shows

@@ -637,16 +637,12 @@ def test_under_expert_parallelism_each_gpu_holds_the_kv_of_its_share_of_the_toke
 
 
 def test_a_served_scenario_the_kernel_cannot_run_serves_on_the_simpy_path_and_says_why() -> None:
-    """Top-k above 128 with a miss policy that changes what tokens compute has no kernel form:
-    under load it serves on the SimPy path, which says why."""
-    trace = {"synth": {"preset": "olmoe-1b-7b", "requests": 2, "prompt_tokens": 2, "tokens": 2, "layers": 1,
-                       "experts": 130, "top_k": 129}}
-    data = served(trace, {"process": "poisson", "rate": 1.0, "requests": 2}, policies={"miss": "drop"},
-                  cache={"capacity": "50%"})
+    """An eviction policy without a compiled form (random): under load it serves on the SimPy
+    path, which says why."""
+    data = served(TINY, {"process": "poisson", "rate": 1.0, "requests": 3}, policies={"eviction": "random"})
     s = simulate(scenario_from_dict(data)).summary
-    assert (s["replay_path"], s["served_requests"]) == ("simpy", 2)
-    assert s["replay_path_reason"].startswith("top-k above 128")
-    assert s["dropped_experts"] > 0
+    assert (s["replay_path"], s["served_requests"]) == ("simpy", 3)
+    assert s["replay_path_reason"] == "eviction policy 'random' has no kernel form"
 
 
 @pytest.mark.parametrize(("budget", "name"), [

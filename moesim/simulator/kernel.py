@@ -159,8 +159,6 @@ def kernel_form(sim: Any) -> str | None:
         return "a routing or budget policy that changes what tokens compute"
     if miss_form(type(sim.miss)) is None:
         return f"miss policy '{sim.scenario.policies.miss.name}' has no kernel form"
-    if not sim.miss.always_fetch and sim.model.top_k > 128:
-        return "top-k above 128 (the kernel sums a token's gate mass as numpy does up to 128 terms)"
     if eviction_form(type(sim.eviction)) is None:
         name = sim.scenario.policies.eviction.name
         from moesim.policies.hooks import HookEviction, compiled

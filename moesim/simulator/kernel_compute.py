@@ -319,8 +319,8 @@ def _per_expert(p, layer, lo, hi, now, p0, IS, K, T, W, FS, DI, DF, A, P, M):
 
 
 @_jit
-def _pairwise_sum(x, a, n):
-    """``x[a:a + n]`` summed as numpy sums a float64 array of up to 128 terms: one after
+def _block_sum(x, a, n):
+    """``x[a:a + n]`` summed as numpy sums a block of up to 128 float64 terms: one after
     another below eight, else in eight accumulators combined as a tree, then the rest."""
     if n < 8:
         res = 0.0
@@ -345,6 +345,18 @@ def _pairwise_sum(x, a, n):
         res += x[a + i]
         i += 1
     return res
+
+
+@_jit
+def _pairwise_sum(x, a, n):
+    """``x[a:a + n]`` summed as numpy sums a float64 array (its pairwise summation): up to 128
+    terms as one block (:func:`_block_sum`), more split in two, the first half rounded down to
+    a multiple of eight terms, each half summed so and the two added."""
+    if n <= 128:
+        return _block_sum(x, a, n)
+    half = n // 2
+    half -= half % 8
+    return _pairwise_sum(x, a, half) + _pairwise_sum(x, a + half, n - half)
 
 
 @_jit

@@ -131,13 +131,6 @@ def why_whole(scenario: Scenario, recording: bool) -> str | None:
         return "speculative decoding"
     blocked = _piecewise(scenario)
     if blocked is None:
-        if policy_classes(scenario)[2].always_fetch:
-            return None
-        from moesim.simulator.build import trace_path
-        from moesim.traces.io import trace_layout
-
-        if trace_layout(trace_path(scenario))[0].top_k > 128:
-            return "top-k above 128 with a miss policy that changes what tokens compute (the SimPy path)"
         return None
     family, name = blocked
     if family == "eviction":
