@@ -333,20 +333,6 @@ def load_cached_forms() -> int:
     return len(forms)
 
 
-def _future_piece(sim: Any, wl: Any, firsts: np.ndarray, afters: np.ndarray, k: int) -> tuple[int, np.ndarray]:
-    """Piece ``k``'s first access and its keys' first accesses after it, from the first pass
-    over the file for a policy reading the future, checked against the piece now read (the file
-    may have changed); serving, from the schedule the run reads (``Source.future_of``)."""
-    if sim.source.serving is not None:
-        return sim.source.future_of(wl, sim.num_prec, sim.default_prec, afters.shape[1])
-    if k + 1 >= len(firsts) or int(firsts[k + 1] - firsts[k]) != len(wl.acc_layer):
-        from moesim.errors import MoesimError
-
-        raise MoesimError(f"trace {sim.source.stream_source[0]}: the file changed while it was replayed (piece {k + 1} "
-                          "has other accesses than its first pass read). Replay it again once nothing writes it.")
-    return int(firsts[k]), afters[k]
-
-
 def _piece(sim: Any, wl: Any, miss: type[MissForm], max_rows: int, IS: np.ndarray, FS: np.ndarray, hooks: tuple[Any, ...],
            S: tuple[np.ndarray, ...], after: tuple[int, np.ndarray] | None = None) -> tuple[Any, ...]:
     """The kernel's read-only data for the passes of ``wl`` (the whole trace's workload, or a
@@ -354,7 +340,7 @@ def _piece(sim: Any, wl: Any, miss: type[MissForm], max_rows: int, IS: np.ndarra
     expert, tokens routed, summed gate weight, best router rank), the eviction form's ``hooks``
     and its state ``S`` as its :meth:`~moesim.policies.eviction.base.KernelForm.piece` makes it
     for ``wl`` (``after``: the piece's first access and every key's first access after it,
-    counted over the whole trace, :func:`simulator.stream.accesses_after`; None: ``wl`` is the
+    counted over the whole trace or the run, ``Source.piece_futures``; None: ``wl`` is the
     whole trace, which starts at 0 with nothing after it); ``DF`` = expert seconds by token count
     | per-pass factor; ``M`` = the per-token arrays; the non-expert seconds of each pass. Region
     offsets go to ``IS``."""
@@ -580,14 +566,12 @@ def _replay(sim: Any) -> None:
     _configure(sim, IS, FS, miss, max_runs)
     IS[C_RECPASS] = window
     hooks, S = _form_arrays(sim.eviction, num_keys)
-    # a policy reading the future, a piece at a time: a first pass over the file finds each piece's
-    # first access and every key's first access after the piece (the progress covers it too)
-    firsts: Any = None
-    if streamed and sim.eviction.reads_future:
-        firsts, afters = sim.source.accesses_after(sim.num_prec, sim.default_prec, num_keys)
+    # a policy reading the future, a piece at a time: each piece's first access and every key's first
+    # access after it (a trace file's from a first pass over it, which the progress covers too)
+    future = (sim.source.piece_futures(sim.num_prec, sim.default_prec, num_keys)
+              if streamed and sim.eviction.reads_future else None)
     shown, total = sim.source.rows_shown, (1 + sim.source.first_passes) * sim.source.trace_rows  # after first passes
-    DI, A, DF, M, nonexp = _piece(sim, wl, miss, max_rows, IS, FS, hooks, S,
-                                  None if firsts is None else _future_piece(sim, wl, firsts, afters, 0))
+    DI, A, DF, M, nonexp = _piece(sim, wl, miss, max_rows, IS, FS, hooks, S, None if future is None else future(wl, 0))
     pinned = [int(k) for k in sim.prefetch.pinned()]
     if pinned:
         with _hook_errors(sim):
@@ -644,7 +628,7 @@ def _replay(sim: Any) -> None:
                 max_rows = max(max_rows, _layer_rows(wl))
                 IS, W = grow_rows(IS, W, max_rows, model.top_k)
             DI, A, DF, M, nonexp = _piece(sim, wl, miss, max_rows, IS, FS, hooks, S,
-                                          None if firsts is None else _future_piece(sim, wl, firsts, afters, n_pieces))
+                                          None if future is None else future(wl, n_pieces))
         if handing is not None:
             sim.wl = handing.result()  # the last block's passes and requests
             sim.source.trace_pieces = n_pieces

@@ -63,6 +63,7 @@ class Source:
         self._scheduled_accesses = 0
         self._reader: served_future.Reader | None = None
         self._shift = 0  # this run's count of accesses less the reference's, where it stands in it
+        self._future: tuple[Workload, int, np.ndarray] | None = None  # the last pass's future, as future_of gave it
 
     def first(self, trace: Trace | None, workload: Workload | None, recording: bool, chunk_rows: int | None,
               prepare: Callable[[Workload], None]) -> Workload:
@@ -208,10 +209,13 @@ class Source:
         its position there moved by where the run stands in it (the end of the reference's pass
         that processed the latest of this pass's tokens is this pass's end), at least the pass's
         end: once the run serves the reference, each key's next access over the run. Asked for
-        the passes in order."""
+        the passes in order; asked again for the same pass (each GPU's policy, under expert
+        parallelism), the answer given first."""
         assert self._latest is not None, "a pass formed"
         latest, first = self._latest
         assert latest is wl, "the pass formed last"
+        if self._future is not None and self._future[0] is wl:
+            return self._future[1], self._future[2]
         later = np.full(num_keys, -1, np.int64)
         if self.reference is not None:
             if self._reader is None:
@@ -223,6 +227,7 @@ class Source:
                 self._shift = end - stand
             seen = np.flatnonzero(after >= 0)
             later[seen * num_prec + default_prec] = np.maximum(after[seen] + self._shift, end)
+        self._future = (wl, first, later)
         return first, later
 
     def first_pass_progress(self) -> Callable[[int], None]:
@@ -271,15 +276,30 @@ class Source:
         self._counted = True
         return self.pieces_again(shown)
 
-    def accesses_after(self, num_prec: int, default_prec: int, num_keys: int) -> tuple[np.ndarray, np.ndarray]:
-        """For an eviction policy that reads the future, a piece at a time: the first pass over
-        the trace file, shown in the progress (:func:`simulator.stream.accesses_after`); serving,
-        none (each pass's future is :meth:`future_of`)."""
+    def piece_futures(self, num_prec: int, default_prec: int,
+                      num_keys: int) -> Callable[[Workload, int], tuple[int, np.ndarray]]:
+        """For an eviction policy that reads the future, a piece at a time: what gives piece
+        ``k`` (``wl``) its ``after`` (its first access over the replay and every cache key's
+        first access after it, -1 for none; ``KernelForm.piece``). Serving: the pass's future in
+        the schedule the run reads (:meth:`future_of`). A trace file: a first pass over it now,
+        shown in the progress (:func:`simulator.stream.accesses_after`), each piece checked
+        against what it read there (the file may have changed since)."""
+        if self.serving is not None:
+            return lambda wl, k: self.future_of(wl, num_prec, default_prec, num_keys)
         from moesim.simulator import stream
 
-        if self.serving is not None:
-            return np.zeros(0, np.int64), np.zeros((0, num_keys), np.int64)
-        return stream.accesses_after(self.pieces_again(self.first_pass_progress()), num_prec, default_prec, num_keys)
+        firsts, afters = stream.accesses_after(self.pieces_again(self.first_pass_progress()), num_prec, default_prec,
+                                               num_keys)
+        assert self.stream_source is not None, "a trace read in pieces"
+        path = self.stream_source[0]
+
+        def after(wl: Workload, k: int) -> tuple[int, np.ndarray]:
+            if k + 1 >= len(firsts) or int(firsts[k + 1] - firsts[k]) != len(wl.acc_layer):
+                raise MoesimError(f"trace {path}: the file changed while it was replayed (piece {k + 1} "
+                                  "has other accesses than its first pass read). Replay it again once nothing writes it.")
+            return int(firsts[k]), afters[k]
+
+        return after
 
 
 def _stamp(path: Path) -> tuple[int, int]:
