@@ -174,8 +174,24 @@ def _first_run() -> str:
     return "\n".join([*out, "", _made(d), ""])
 
 
+def _suite() -> str:
+    d = _load("suite")
+    if d is None:
+        return ""
+    return "\n".join([
+        "### The test suite (the README's second command)", "",
+        f"`{d['command']}` in a fresh clone after installing it (numba's cache: {d['numba_cache']}), the whole "
+        f"suite (`benchmarks/suite.py`): resident memory summed over the suite's process and every process it "
+        f"starts, sampled every {d['sample_every_s']:.0f} s, peaked {d['peak_at_s']:,} s in.", "",
+        "| wall s | peak RSS, all processes, GB | peak RSS, largest process, GB | exit status |",
+        "|---:|---:|---:|---:|",
+        f"| {d['wall_s']:,.0f} | {d['peak_rss_sum_gb']:.2f} | {d['peak_rss_largest_gb']:.2f} | {d['exit_status']} |",
+        "", _made(d), ""])
+
+
 def performance() -> str:
-    return "\n".join(p for p in (_first_run(), _end_to_end(), _replay(), _hooks(), _serving(), _sweep()) if p)
+    return "\n".join(p for p in (_first_run(), _end_to_end(), _replay(), _hooks(), _serving(), _sweep(), _suite())
+                     if p)
 
 
 # ---- validation

@@ -1,0 +1,100 @@
+"""The README's second command, measured: the whole test suite's wall time and its peak
+resident memory summed over the process and every process it starts (the warm-up's compilers,
+Ray's workers, notebook kernels, the ``moesim`` commands the docs' examples run), sampled every
+second from ``/proc``.
+
+Run it where the suite would run, on a fresh numba cache to measure a first installation's
+run (``NUMBA_CACHE_DIR`` pointing at an empty folder, or a fresh clone):
+
+    python benchmarks/suite.py --json benchmarks/results/suite.json
+
+``-- CMD ...`` measures another command instead of ``python -m pytest -m ""``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import ROOT, provenance
+
+
+def _tree_rss(root: int) -> tuple[int, int]:
+    """Bytes resident in process ``root`` and all its descendants, and in the largest one."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, frontier = {root}, [root]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p and c not in tree]
+        tree.update(kids)
+        frontier.extend(kids)
+    total = largest = 0
+    for pid in tree:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                kb = next((int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")), 0)
+        except (OSError, ValueError):
+            continue
+        total += kb * 1024
+        largest = max(largest, kb * 1024)
+    return total, largest
+
+
+def measure(cmd: list[str], every: float = 1.0) -> dict[str, Any]:
+    """Run ``cmd`` in the repository's root; its wall seconds, exit status and the peaks of the
+    summed and of the largest process's resident memory (GB), with when the summed one was reached."""
+    peak = {"sum": 0, "largest": 0, "at_s": 0.0}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            total, largest = _tree_rss(proc.pid)
+            if total > peak["sum"]:
+                peak["sum"], peak["at_s"] = total, time.perf_counter() - t0
+            peak["largest"] = max(peak["largest"], largest)
+            done.wait(every)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    status = proc.wait()
+    wall = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    return {"command": " ".join(cmd), "exit_status": status, "wall_s": round(wall, 1),
+            "peak_rss_sum_gb": round(peak["sum"] / 1e9, 2), "peak_rss_largest_gb": round(peak["largest"] / 1e9, 2),
+            "peak_at_s": round(peak["at_s"]), "sample_every_s": every}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...: the command measured")
+    args = ap.parse_args(argv)
+    cmd = [c for c in args.cmd if c != "--"] or [sys.executable, "-m", "pytest", "-m", ""]
+    out = {**measure(cmd), "numba_cache": os.environ.get("NUMBA_CACHE_DIR", "numba's default (beside the sources)"),
+           "provenance": provenance([sys.argv[0], *argv])}
+    print(json.dumps(out, indent=2))
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0 if out["exit_status"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
