@@ -158,6 +158,28 @@ def test_the_kernel_records_the_timeline_the_simpy_path_records(monkeypatch, ove
     assert {p for p, *_ in ref.extra["layers"]} == set(range(shown))
 
 
+@pytest.mark.parametrize(("transfers", "layers"), [(True, False), (False, True)])
+def test_the_kernel_records_what_is_asked_for_alone(monkeypatch, transfers, layers):
+    """Copies alone, or layers alone: the other part is not recorded (None), and what is asked
+    for is the SimPy path's."""
+    sc = scenario(cache={"capacity": "25%"}, policies={"prefetch": "previous-token"}, execution={"prefetch_depth": 1},
+                  workload={"trace": {"synth": OLMOE}})
+    got = []
+    for off in ("", "1"):
+        monkeypatch.setenv("MOESIM_NO_KERNEL", off)
+        res = Simulation(sc, record_transfers=transfers, record_layers=layers).run()
+        got.append((res.summary["replay_path"], res.transfers, res.extra))
+        n_pass = len(res.steps)
+    assert [g[0] for g in got] == ["kernel", "simpy"]
+    assert got[0][1:] == got[1][1:]
+    copies, extra = got[0][1:]
+    assert (copies is not None, "withdrawn" in extra, "layers" in extra) == (transfers, transfers, layers)
+    if transfers:
+        assert copies and extra["withdrawn"]
+    else:
+        assert len(extra["layers"]) == len(extra["occupancy"]) == n_pass * 16
+
+
 def test_a_trace_read_in_pieces_and_a_served_run_record_the_timeline_on_the_kernel(monkeypatch, tmp_path):
     """A trace file read a piece at a time records the passes of every piece (numbered over
     the whole replay), and a run serving arrivals its passes, as the SimPy path does."""
