@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -43,5 +44,5 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
         "python": platform.python_version(), "numba": numba_version,
         "commit": _git("rev-parse", "--short=12", "HEAD"), "dirty": bool(_git("status", "--porcelain", "--", "moesim")),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": " ".join(["python", os.path.relpath(argv[0], ROOT) if argv else "?", *argv[1:]]),
+        "command": shlex.join(["python", os.path.relpath(argv[0], ROOT) if argv else "?", *argv[1:]]),
     }

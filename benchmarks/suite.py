@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -77,7 +78,7 @@ def measure(cmd: list[str], every: float = 1.0) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     done.set()
     sampler.join()
-    return {"command": " ".join(cmd), "exit_status": status, "wall_s": round(wall, 1),
+    return {"command": shlex.join(cmd), "exit_status": status, "wall_s": round(wall, 1),
             "peak_rss_sum_gb": round(peak["sum"] / 1e9, 2), "peak_rss_largest_gb": round(peak["largest"] / 1e9, 2),
             "peak_at_s": round(peak["at_s"]), "sample_every_s": every}
 
