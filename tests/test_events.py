@@ -175,7 +175,8 @@ def test_the_kernel_records_what_is_asked_for_alone(monkeypatch, transfers, laye
     copies, extra = got[0][1:]
     assert (copies is not None, "withdrawn" in extra, "layers" in extra) == (transfers, transfers, layers)
     if transfers:
-        assert copies and extra["withdrawn"]
+        assert copies
+        assert extra["withdrawn"]
     else:
         assert len(extra["layers"]) == len(extra["occupancy"]) == n_pass * 16
 
