@@ -496,11 +496,12 @@ def _hook_errors(sim: Any) -> Iterator[None]:
 
 def _timeline(sim: Any, num_l: int, pool: int, max_runs: int) -> tuple[int, int]:
     """The pass the timeline stops before (``C_RECPASS``; 0: the replay records none) and the
-    records a kernel call may write (``C_LOGCAP``): the calls of the passes it records replay a
-    pass each (:func:`_calls`), whose records are a layer's each, and a transfer's completion or
-    withdrawal each, of those on the copy engine as the pass starts (at most ``pool``, the
-    transfer slots) and those submitted in it (per layer at most ``max_runs`` demand copies
-    and, each needing a free slot, ``pool`` prefetches, each free again at most once)."""
+    records a kernel call may write (``C_LOGCAP``). The passes it records are replayed a pass a
+    call (:func:`_calls`); a pass writes a record per layer and one per transfer completed or
+    withdrawn: those on the copy engine as it starts (at most ``pool``, the transfer slots) and
+    those submitted in it, sized generously at ``max_runs`` demand copies and twice the slots of
+    prefetches a layer (a call that would write more stops with an error rather than write past
+    the log)."""
     rec = sim.recorder
     if not rec.active:
         return 0, 0
