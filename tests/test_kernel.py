@@ -535,6 +535,22 @@ def test_the_run_summary_names_the_replay_path(tmp_path, monkeypatch):
     assert "simpy (MOESIM_NO_KERNEL is set)" in slow.output.split("│ replay_path")[1].splitlines()[0]
 
 
+def test_the_timeline_log_takes_records_up_to_its_room_then_stops_with_an_error():
+    """``_record`` appends a tag and seven fields per record after those written; at the room
+    the layout gave (``log``) it raises rather than write past it."""
+    KS = Callable(import_module("moesim.kernel_state"))
+
+    IS, FS, _, _, _ = KS._layout(num_keys=8, pool=4, pend_max=8, maxn=1, top_k=1, log=2)
+    KS._record(KS.LOG_LAYER, 3, 1, 0.5, 0.75, 1.0, 2.5, 4096, IS, FS)
+    KS._record(KS.LOG_WITHDRAWN, 7, 0.25, 0.75, 512, 0, 0, 0, IS, FS)
+    assert IS[KS.S_LOGN] == 2
+    log = KS.region(FS, KS.H_LOG, 2 * KS.LOG_WIDTH, IS).reshape(2, KS.LOG_WIDTH)
+    assert log.tolist() == [[KS.LOG_LAYER, 3, 1, 0.5, 0.75, 1.0, 2.5, 4096], [KS.LOG_WITHDRAWN, 7, 0.25, 0.75, 512, 0, 0, 0]]
+    with pytest.raises(RuntimeError, match="timeline log full"):
+        KS._record(KS.LOG_TRANSFER, 1, 0, 0.0, 0.0, 1.0, 512, 0, IS, FS)
+    assert IS[KS.S_LOGN] == 2
+
+
 def test_the_prefetch_ring_drops_its_tombstones_when_full():
     """The copy engine's prefetch queue is a ring whose withdrawn entries are -1. When it is
     full, the next prefetch first drops the tombstones: the queued transfers keep their FIFO
