@@ -65,7 +65,7 @@ class Source:
         self._shift = 0  # this run's count of accesses less the reference's, where it stands in it
         self._future: tuple[Workload, int, np.ndarray] | None = None  # the last pass's future, as future_of gave it
 
-    def first(self, trace: Trace | None, workload: Workload | None, recording: bool, chunk_rows: int | None,
+    def first(self, trace: Trace | None, workload: Workload | None, decisions: bool, chunk_rows: int | None,
               prepare: Callable[[Workload], None]) -> Workload:
         """The replay's first workload: serving's first pass (with ``workload.arrivals``), the
         given ``workload``, a trace file's first piece when it can be read a piece at a time
@@ -78,14 +78,14 @@ class Source:
         if workload is not None:
             return workload
         if trace is None:
-            first = self._first_piece(recording, chunk_rows, prepare)
+            first = self._first_piece(decisions, chunk_rows, prepare)
             if first is not None:
                 return first
             self.trace = load_trace(scenario)
         assert self.trace is not None
         return scenario_workload(scenario, self.trace)
 
-    def _first_piece(self, recording: bool, chunk_rows: int | None,
+    def _first_piece(self, decisions: bool, chunk_rows: int | None,
                      prepare: Callable[[Workload], None]) -> Workload | None:
         """The trace file's first piece when the replay can read it a piece at a time (its
         rows in request order and more of them than one piece holds), with the rest left to
@@ -95,7 +95,7 @@ class Source:
         from moesim.traces.io import requests_in_order, trace_rows
 
         sc = self.scenario
-        self.whole_reason = stream.why_whole(sc, recording)
+        self.whole_reason = stream.why_whole(sc, decisions)
         if self.whole_reason is not None:
             return None
         path = trace_path(sc)

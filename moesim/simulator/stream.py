@@ -113,15 +113,15 @@ def _piecewise(scenario: Scenario) -> tuple[str, str] | None:
     return None
 
 
-def why_whole(scenario: Scenario, recording: bool) -> str | None:
+def why_whole(scenario: Scenario, decisions: bool) -> str | None:
     """Why ``scenario`` replays its whole trace at once (None: it can go a piece at a time).
-    ``recording``: the replay records its decisions (the SimPy path)."""
+    ``decisions``: the replay records its decisions (the SimPy path)."""
     from moesim.simulator.kernel import kernel_off
 
     src = scenario.workload.trace
     if src.path is None:
         return "the trace is synthesised or imported in memory"
-    if recording:
+    if decisions:
         return "the replay records its decisions"
     if kernel_off() is not None:
         return "the replay runs on the SimPy path"
