@@ -42,8 +42,9 @@ Accesses = namedtuple("Accesses", "layer expert tokens weight rank hooks form")
 # rows of each (pass, layer) in order (``row_order``, CSR offsets ``row_off``), each row's
 # ``experts``, its ``mass`` (router probabilities, or the top-k weights), its ``token``
 # numbered; a ``mark`` per token, the next-layer predictions ``pred``, and per token its row in
-# the latest layer replayed (``prev_row``) and that layer's (pass, layer) index (``prev_stamp``)
-Tokens = namedtuple("Tokens", "row_order row_off experts mass token mark pred prev_row prev_stamp")
+# the latest layer replayed (``prev_row``) and that layer's (pass, layer) index (``prev_stamp``);
+# the miss policy's ``hook`` (:func:`moesim.policies.miss.hooked.hook_arrays`)
+Tokens = namedtuple("Tokens", "row_order row_off experts mass token mark pred prev_row prev_stamp hook")
 MODE_LAYER, MODE_ARRIVAL, MODE_PER_EXPERT = range(3)
 ABSENT, INFLIGHT, RESIDENT = 0, 1, 2
 DEMAND, PREFETCH = 0, 1

@@ -828,7 +828,7 @@ def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
         mass = np.array([[1.0, tiny, tiny]], np.float32)
         want_total = want_kept = want_sub = 1.0
     M = KS.Tokens(np.array([0], np.int64), np.array([0, 1], np.int64), experts, mass, np.array([0], np.int64),
-                  np.array([-1], np.int64), np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64))
+                  np.array([-1], np.int64), np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64), ())
 
     def mass_with(final: list[int]) -> tuple[float, float, int]:
         IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 3] = final
@@ -867,7 +867,7 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
     probs[:, 3] = (0.5, 0.0)  # mean 0.25
     probs[:, 5] = (1.0, 0.5)  # mean 0.75
     M = KS.Tokens(np.array([0, 1], np.int64), np.array([0, 2], np.int64), experts, probs, np.array([0, 1], np.int64),
-                  np.array([-1, -1], np.int64), np.zeros((1, 1), np.float32), np.zeros(2, np.int64), np.zeros(2, np.int64))
+                  np.array([-1, -1], np.int64), np.zeros((1, 1), np.float32), np.zeros(2, np.int64), np.zeros(2, np.int64), ())
     KX._fin_init(0, 0, 0, 0, IS, KS.Accesses(*(np.zeros(0, np.int32),) * 5, (), ()), M)
     for e in (0, 1, 2):
         IS[IS[KS.H_ROUTED] + e] = 3  # routed in this layer
@@ -977,7 +977,7 @@ def test_the_kernels_speculation_by_hand():
     prev_stamp = np.array([0, 0, -1], np.int64)  # token 2 has no row in (pass 0, layer 0)
     M = KS.Tokens(np.array([0, 1, 2, 3, 4, 5], np.int64), np.array([0, 3, 6], np.int64), experts,
                   np.zeros((6, E), np.float32), np.array([0, 1, 2, 0, 1, 2], np.int64), np.full(3, -1, np.int64),
-                  pred, prev_row, prev_stamp)
+                  pred, prev_row, prev_stamp, ())
     IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 6] = (0, 2, 0, 1, 0, 4)
     for e in (1, 2, 3, 4, 5):
         KR[E + e].state = KS.RESIDENT

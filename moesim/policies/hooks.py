@@ -304,12 +304,18 @@ def _first_line(exc: Exception) -> str:
 @functools.cache
 def addresses(cls: type) -> tuple[Any, ...]:
     """A form shipped with moesim's compiled hooks (:func:`compiled`), as the kernel is handed
-    them: as addresses (numba's wrapper address protocol) rather than as dispatchers. The
-    kernel's type is the same (a first-class function of each signature), but numba asks a
-    dispatcher for its addresses at every kernel call (30 us each: a tenth of an LRU replay's
-    time), an address object once."""
+    them (:func:`as_addresses`)."""
     fns = compiled(cls)
     assert isinstance(fns, tuple), fns
+    return as_addresses(fns, _signatures())
+
+
+def as_addresses(fns: tuple[Any, ...], sigs: Sequence[Any]) -> tuple[Any, ...]:
+    """Compiled functions ``fns`` of signatures ``sigs`` as the kernel is handed them: as
+    addresses (numba's wrapper address protocol) rather than as dispatchers. The kernel's type
+    is the same (a first-class function of each signature), but numba asks a dispatcher for its
+    addresses at every kernel call (30 us each: a tenth of an LRU replay's time), an address
+    object once. The dispatchers must outlive the addresses."""
     from numba.core.dispatcher import Dispatcher
 
     if not isinstance(fns[0], Dispatcher):  # NUMBA_DISABLE_JIT: plain functions
@@ -327,7 +333,7 @@ def addresses(cls: type) -> tuple[Any, ...]:
         def signature(self) -> Any:
             return self._sig
 
-    return tuple(Address(f, sig) for f, sig in zip(fns, _signatures(), strict=True))
+    return tuple(Address(f, sig) for f, sig in zip(fns, sigs, strict=True))
 
 
 class _NoHooks(HookEviction):

@@ -158,7 +158,12 @@ def kernel_form(sim: Any) -> str | None:
     if sim.routing.changes_routing or sim.budget.restricts:
         return "a routing or budget policy that changes what tokens compute"
     if miss_form(type(sim.miss)) is None:
-        return f"miss policy '{sim.scenario.policies.miss.name}' has no kernel form"
+        name = sim.scenario.policies.miss.name
+        from moesim.policies.miss.hooked import HookMiss, compiled_choose
+
+        if isinstance(sim.miss, HookMiss):
+            return f"miss policy '{name}': {compiled_choose(type(sim.miss))}"
+        return f"miss policy '{name}' has no kernel form"
     if eviction_form(type(sim.eviction)) is None:
         name = sim.scenario.policies.eviction.name
         from moesim.policies.hooks import HookEviction, compiled
@@ -221,7 +226,10 @@ def _mass_arrays(sim: Any) -> Tokens:
     rows of each (pass, layer) in order (CSR), its experts, the mass per row (router
     probabilities when the trace has them, else the top-k weights), each row's token
     (request, position) numbered, a mark per token, the next-layer predictions (speculative)
-    and per token its row in the latest layer replayed and that layer's (pass, layer) index."""
+    and per token its row in the latest layer replayed and that layer's (pass, layer) index;
+    the miss policy's hook."""
+    from moesim.policies.miss.hooked import hook_arrays
+
     wl = sim.wl
     trace = wl.trace
     assert trace is not None
@@ -235,7 +243,8 @@ def _mass_arrays(sim: Any) -> Tokens:
                   np.ascontiguousarray(trace.experts, np.int16), np.ascontiguousarray(mass, np.float32),
                   token.astype(np.int64), np.full(n_tok, -1, np.int64),
                   np.ascontiguousarray(wl.pred_next, np.float32) if wl.pred_next is not None else _NO_PRED,
-                  np.zeros(n_tok, np.int64), np.full(n_tok, -1, np.int64))
+                  np.zeros(n_tok, np.int64), np.full(n_tok, -1, np.int64),
+                  hook_arrays(sim.miss, sim.model.num_experts))
 
 
 def _precisions(sim: Any, miss: type[MissForm], max_rows: int, IS: np.ndarray, FS: np.ndarray) -> np.ndarray:
@@ -478,12 +487,14 @@ def _hook_errors(sim: Any) -> Iterator[None]:
     """Around the compiled calls: an error a compiled hook raised (its index checks; the
     kernel raises none of these itself) as one paragraph naming the hook policies."""
     from moesim.policies.hooks import HookEviction, HookPrefetch
+    from moesim.policies.miss.hooked import HookMiss
 
     try:
         yield
     except (IndexError, ZeroDivisionError, ValueError, OverflowError) as exc:
-        hooked = [f"{family} policy '{p.name}'" for family, p in (("eviction", sim.eviction), ("prefetch", sim.prefetch))
-                  if isinstance(p, (HookEviction, HookPrefetch))]
+        hooked = [f"{family} policy '{p.name}'" for family, p in (("eviction", sim.eviction), ("miss", sim.miss),
+                                                                   ("prefetch", sim.prefetch))
+                  if isinstance(p, (HookEviction, HookMiss, HookPrefetch))]
         if not hooked:
             raise
         from moesim.errors import MoesimError
