@@ -37,7 +37,7 @@ def test_a_batch_of_two_tokens_by_hand():
     assert wl.acc_tokens.tolist() == [1, 2, 1]
     assert wl.acc_weight.tolist() == [0.5, 1.0, 0.125]
     assert (wl.acc_layer.dtype, wl.acc_expert.dtype, wl.acc_rank.dtype, wl.acc_tokens.dtype, wl.acc_weight.dtype) == (
-        np.int32, np.int32, np.int8, np.int32, np.float64)
+        np.int32, np.int32, np.int16, np.int32, np.float64)
     assert wl.weight_total.tolist() == [1.625]
 
 

@@ -262,8 +262,9 @@ def _accesses(pl: np.ndarray, trace: Trace, order: np.ndarray, num_e: int, num_l
     off = np.empty(n_groups + 1, np.int64)
     row_off = np.empty(n_groups + 1, np.int64)
     most = ex.shape[0] * ex.shape[1]
-    rank = np.int8 if ex.shape[1] <= 128 else np.int16  # ranks 0 .. top-k - 1
-    out = (np.empty(most, np.int32), np.empty(most, np.int32), np.empty(most, rank), np.empty(most, np.int32),
+    # ranks 0 .. top-k - 1 as int16 at any top-k (a trace's experts are int16): one type, so one
+    # compiled kernel for every trace
+    out = (np.empty(most, np.int32), np.empty(most, np.int32), np.empty(most, np.int16), np.empty(most, np.int32),
            np.empty(most, np.float64))
     n = _fill_accesses(pl, ex, w, order, num_e, num_l, off, row_off, *out)
     return (off, row_off, *(a[:n] for a in out))
