@@ -1,13 +1,15 @@
-"""Kernel speed of an eviction policy written as hooks against the built-in of the same shape,
-measured in one run (not a test).
+"""Kernel speed of a policy written as hooks against the built-in of the same shape, measured
+in one run (not a test).
 
-Issue 34 asks a user's compiled policy to replay at >= 0.5x the speed of a built-in policy of
-the same shape. The hook policies here restate built-ins exactly (``tests/test_hooks.py``
+A user's compiled policy should replay at >= 0.5x the speed of a built-in policy of the same
+shape. The hook policies here restate built-ins exactly (``tests/test_hooks.py``
 checks their rows are the built-ins'): eviction LFU (a count per key, the lowest evicted; its
 priority kept between victim searches, ``stable_priority``, and asked of every candidate at each
 search) and FLD (the farthest layer from the current one: asked at each search, as it reads the
 clock); prefetch oracle (the next layer's true experts) and previous-token, with LRU (both
-propose through arrays made ahead: the built-ins' compiled form, the hooks' ``select``). Each pair replays the quickstart scenario's model
+propose through arrays made ahead: the built-ins' compiled form, the hooks' ``select``); miss
+drop (rank 2 and below fetched, the rest dropped: the built-in's compiled form, the hook's
+``choose`` called at each miss, ``tests/test_miss_hooks.py``). Each pair replays the quickstart scenario's model
 (OLMoE-1B-7B shape: 16 layers x 64 experts, top-8) at 5% capacity, full timing, on the
 compiled kernel, from a trace in memory; the replays alternate (built-in, hook, built-in, ...)
 and the median of each is reported, as expert accesses per second of ``Simulation.run``.
@@ -41,14 +43,17 @@ from provenance import provenance  # machine, software, commit, date, command
 def register_hooks() -> dict[str, str]:
     """Register the tests' hook policies; returns hook policy -> the built-in it restates, each
     as ``family=name``."""
-    from moesim.policies import eviction, prefetch
+    from moesim.policies import eviction, miss, prefetch
     from tests.test_hooks import AskedLFU, HookFLD, HookLFU, HookOracle, HookPreviousToken
+    from tests.test_miss_hooks import HookDrop
 
     for name, cls in (("hook-lfu", HookLFU), ("asked-lfu", AskedLFU), ("hook-fld", HookFLD)):
         eviction.REGISTRY.register(name)(cls)
     for name, cls in (("hook-oracle", HookOracle), ("hook-previous-token", HookPreviousToken)):
         prefetch.REGISTRY.register(name)(cls)
-    return {"eviction=hook-lfu": "eviction=lfu", "eviction=asked-lfu": "eviction=lfu",
+    miss.REGISTRY.register("hook-drop")(HookDrop)
+    return {"miss=hook-drop": "miss=drop",
+            "eviction=hook-lfu": "eviction=lfu", "eviction=asked-lfu": "eviction=lfu",
             "eviction=hook-fld": "eviction=fld", "prefetch=hook-oracle": "prefetch=oracle",
             "prefetch=hook-previous-token": "prefetch=previous-token"}
 
