@@ -30,7 +30,7 @@ import numpy as np
 
 from moesim.errors import MoesimError
 from moesim.jit import inline
-from moesim.kernel_state import ABSENT, C_NE, S_LAYER, _key_at, current_pass, routed_now
+from moesim.kernel_state import ABSENT, C_K, C_NE, C_NPREC, S_LAYER, _here, _key_at, current_pass
 from moesim.policies.miss.base import DROP, FETCH, MissDecision, MissForm, MissInfo, MissPolicy
 from moesim.policies.registry import PolicyContext
 
@@ -100,10 +100,17 @@ def _hooked(e, rank, arg, IS, K, M):
     cached, routed = H[H_CACHED], H[H_ROUTED]
     layer = IS[S_LAYER]
     n = IS[C_NE]
+    key, step = _key_at(layer, 0, IS), IS[C_NPREC]
     for c in range(n):
-        key = _key_at(layer, c, IS)
         cached[c] = K[key].state != ABSENT
-        routed[c] = routed_now(key, IS)
+        key += step
+    routed[:] = False  # the experts of the layer's tokens' rows (its trace rows, as routed)
+    b = _here(IS)
+    row_order, row_off, experts = M.row_order, M.row_off, M.experts
+    for i in range(row_off[b], row_off[b + 1]):
+        r = row_order[i]
+        for j in range(IS[C_K]):
+            routed[experts[r, j]] = True
     d = H[H_CHOOSE][0](current_pass(IS), layer, e, rank, cached, routed, H[H_SI], H[H_SF])
     if d in (FETCH, DROP):
         return d
