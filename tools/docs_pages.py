@@ -127,32 +127,38 @@ def _hooks() -> str:
     return "\n".join([*out, "", _made(d), ""])
 
 
+def _table(title: str, lead: str, columns: list[str], rows: list[list[str]], d: dict[str, Any],
+           after: str = "") -> str:
+    """A section of a heading, a lead paragraph, a table of right-aligned ``columns`` and
+    ``rows``, a paragraph after it, and where the results file was made."""
+    out = [f"### {title}", ""] + ([lead, ""] if lead else [])
+    out += ["| " + " | ".join(columns) + " |", "|" + "|".join("---:" for _ in columns) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows] + [""] + ([after, ""] if after else [])
+    return "\n".join([*out, _made(d), ""])
+
+
 def _serving() -> str:
     d = _load("serving_10k")
     if d is None:
         return ""
-    return "\n".join([
-        "### Serving under load", "",
-        f"{d['requests']:,} requests arriving as a Poisson process at {d['offered_rate']:.2f} requests/s "
-        f"({d['offered_share']:.0%} of the burst throughput, {d['saturation_requests_s']:.2f} requests/s), "
-        f"served at {d['served_requests_s']:.2f} requests/s"
-        + (": above what the server sustains, the queue grows through the run" if d["served_requests_s"]
-           < 0.98 * d["offered_rate"] else "") + f" (`benchmarks/serving.py`). {d['forward_passes']:,} forward "
-        f"passes, {d['simulated_s']:,.0f} simulated seconds.", "",
-        "| wall s | peak RSS MB | start-up wall s |", "|---:|---:|---:|",
-        f"| {d['wall_s']:.1f} | {d['peak_rss_mb']:.0f} | {d['startup_wall_s']:.1f} |", "", _made(d), ""])
+    lead = (f"{d['requests']:,} requests arriving as a Poisson process at {d['offered_rate']:.2f} requests/s "
+            f"({d['offered_share']:.0%} of the burst throughput, {d['saturation_requests_s']:.2f} requests/s), "
+            f"served at {d['served_requests_s']:.2f} requests/s"
+            + (": above what the server sustains, the queue grows through the run" if d["served_requests_s"]
+               < 0.98 * d["offered_rate"] else "") + f" (`benchmarks/serving.py`). {d['forward_passes']:,} forward "
+            f"passes, {d['simulated_s']:,.0f} simulated seconds.")
+    return _table("Serving under load", lead, ["wall s", "peak RSS MB", "start-up wall s"],
+                  [[f"{d['wall_s']:.1f}", f"{d['peak_rss_mb']:.0f}", f"{d['startup_wall_s']:.1f}"]], d)
 
 
 def _sweep() -> str:
     d = _load("sweep_scaling")
     if d is None:
         return ""
-    return "\n".join([
-        "### A sweep on one and two workers", "",
-        "| workers | seconds | points a minute |", "|---:|---:|---:|",
-        f"| 1 | {d['workers_1']['seconds']:.1f} | {d['workers_1']['points_per_minute']:.0f} |",
-        f"| 2 | {d['workers_2']['seconds']:.1f} | {d['workers_2']['points_per_minute']:.0f} |", "",
-        f"Scaling: {d['scaling']:.2f}x (`benchmarks/sweep_scaling.py`).", "", _made(d), ""])
+    rows = [[str(n), f"{d[f'workers_{n}']['seconds']:.1f}", f"{d[f'workers_{n}']['points_per_minute']:.0f}"]
+            for n in (1, 2)]
+    return _table("A sweep on one and two workers", "", ["workers", "seconds", "points a minute"], rows, d,
+                  f"Scaling: {d['scaling']:.2f}x (`benchmarks/sweep_scaling.py`).")
 
 
 def _first_run() -> str:
@@ -178,16 +184,14 @@ def _suite() -> str:
     d = _load("suite")
     if d is None:
         return ""
-    return "\n".join([
-        "### The test suite (the README's second command)", "",
-        f"`{d['command']}` as CI runs it: in a fresh clone, after installing it and running the first command "
-        f"(numba's cache: {d['numba_cache']}). Resident memory summed over the suite's process and every process "
-        f"it starts, sampled every {d['sample_every_s']:.0f} s (`benchmarks/suite.py`), peaked {d['peak_at_s']:,} s "
-        "in.", "",
-        "| wall s | peak RSS, all processes, GB | peak RSS, largest process, GB | exit status |",
-        "|---:|---:|---:|---:|",
-        f"| {d['wall_s']:,.0f} | {d['peak_rss_sum_gb']:.2f} | {d['peak_rss_largest_gb']:.2f} | {d['exit_status']} |",
-        "", _made(d), ""])
+    lead = (f"`{d['command']}` as CI runs it: in a fresh clone, after installing it and running the first command "
+            f"(numba's cache: {d['numba_cache']}). Resident memory summed over the suite's process and every process "
+            f"it starts, sampled every {d['sample_every_s']:.0f} s (`benchmarks/suite.py`), peaked {d['peak_at_s']:,} s "
+            "in.")
+    return _table("The test suite (the README's second command)", lead,
+                  ["wall s", "peak RSS, all processes, GB", "peak RSS, largest process, GB", "exit status"],
+                  [[f"{d['wall_s']:,.0f}", f"{d['peak_rss_sum_gb']:.2f}", f"{d['peak_rss_largest_gb']:.2f}",
+                    str(d["exit_status"])]], d)
 
 
 def performance() -> str:
