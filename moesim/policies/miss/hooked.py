@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from moesim.errors import MoesimError
-from moesim.jit import inline
+from moesim.jit import kernel
 from moesim.kernel_state import ABSENT, C_K, C_NE, C_NPREC, S_LAYER, _here, _key_at, current_pass
 from moesim.policies.miss.base import DROP, FETCH, MissDecision, MissForm, MissInfo, MissPolicy
 from moesim.policies.registry import PolicyContext
@@ -92,7 +92,7 @@ _ANSWERS = ("A choose hook returns FETCH (-1), DROP (-2) or the id of an expert 
             "not routed (cached[e] and not routed[e]).")
 
 
-@inline
+@kernel
 def _hooked(e, rank, arg, IS, K, M):
     """The hook's answer (``M.hook``) over the layer's cached and routed marks, checked: an
     answer that is neither FETCH, DROP nor a cached expert not routed raises ValueError."""
