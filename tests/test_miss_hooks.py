@@ -8,6 +8,8 @@ reference's per-pass rows bit for bit on both replay paths."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -107,9 +109,73 @@ class PastItsState(HookMiss):
         return FETCH
 
 
+class NotCached(HookMiss):
+    """Answers the lowest-id expert that is neither cached nor routed (not a substitute)."""
+
+    @staticmethod
+    def choose(p, layer, expert, rank, cached, routed, si, sf):
+        for e in range(cached.shape[0]):
+            if not cached[e] and not routed[e]:
+                return e
+        return FETCH
+
+
+class PastTheLayer(HookMiss):
+    """Answers the number of experts: one past the layer's last."""
+
+    @staticmethod
+    def choose(p, layer, expert, rank, cached, routed, si, sf):
+        return cached.shape[0]
+
+
+SEEN: list[tuple[Any, ...]] = []  # what Seen's hook and PlainSeen's decide were handed
+
+
+class Seen(LowestCached):
+    """LowestCached, recording what its hook is handed (a module's list: the SimPy path)."""
+
+    @staticmethod
+    def choose(p, layer, expert, rank, cached, routed, si, sf):
+        SEEN.append((p, layer, expert, rank, cached.dtype, routed.dtype, tuple(np.flatnonzero(cached)),
+                     tuple(np.flatnonzero(routed))))
+        return LowestCached.choose(p, layer, expert, rank, cached, routed, si, sf)
+
+
+class PlainSeen(PlainLowestCached):
+    def decide(self, info: MissInfo) -> MissDecision:
+        cached = tuple(e for e in range(self.ctx.num_experts) if info.cached(self.ctx.key(info.layer, e)))
+        SEEN.append((info.pass_index, info.layer, info.expert, info.rank, np.dtype(np.bool_), np.dtype(np.bool_),
+                     cached, tuple(sorted(info.routed))))
+        return super().decide(info)
+
+
+@dataclass(frozen=True)
+class AfterParams:
+    after: int = 3
+
+
+class DropsAfter(ThirdMissDrops):
+    """ThirdMissDrops with the miss it drops from as a parameter, read into ``sf[:, 1]``."""
+
+    Params = AfterParams
+    float_fields = ("experts", "after")
+
+    def init_state(self) -> None:
+        super().init_state()
+        self.sf[:, 1] = self.params.after
+
+    @staticmethod
+    def choose(p, layer, expert, rank, cached, routed, si, sf):
+        row = layer * int(sf[0, 0]) + expert
+        si[row, 0] += 1
+        return DROP if si[row, 0] >= sf[0, 1] and rank >= 1 else FETCH
+
+
 POLICIES = {"hook-drop": HookDrop, "lowest-cached": LowestCached, "plain-lowest-cached": PlainLowestCached,
             "third-miss-drops": ThirdMissDrops, "plain-third-miss-drops": PlainThirdMissDrops,
-            "not-numeric-choose": NotNumeric, "itself": Itself, "past-its-state": PastItsState}
+            "not-numeric-choose": NotNumeric, "itself": Itself, "past-its-state": PastItsState,
+            "not-cached": NotCached, "past-the-layer": PastTheLayer, "seen": Seen, "plain-seen": PlainSeen,
+            "drops-after": DropsAfter}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -224,6 +290,8 @@ def test_a_plain_miss_policy_says_it_has_no_kernel_form(olmoe, monkeypatch):
 
 @pytest.mark.parametrize("simpy", [False, True])
 @pytest.mark.parametrize(("name", "says"), [("itself", "neither FETCH, DROP nor a cached expert"),
+                                            ("not-cached", "neither FETCH, DROP nor a cached expert"),
+                                            ("past-the-layer", "neither FETCH, DROP nor a cached expert"),
                                             ("past-its-state", "IndexError")])
 def test_a_miss_hooks_bad_answer_or_index_is_one_paragraph(olmoe, monkeypatch, simpy, name, says):
     """An answer that is not FETCH, DROP or a cached expert not routed, or an index past the
@@ -238,12 +306,14 @@ def test_a_miss_hooks_bad_answer_or_index_is_one_paragraph(olmoe, monkeypatch, s
     if not simpy:
         assert says in msg
         assert "Run it with MOESIM_NO_KERNEL=1" in msg
-    elif name == "itself":
-        assert "returned " in msg
-        assert "FETCH (-1), DROP (-2)" in msg
+    elif name == "past-its-state":
+        assert re.search(r"its choose hook raised IndexError: .* \(forward pass \d+, layer \d+, expert \d+\)\. "
+                         r"Fix the hook: ", msg), msg
     else:
-        assert "its choose hook raised IndexError" in msg
-        assert "forward pass" in msg
+        assert re.search(r"choose\(p=\d+, layer=\d+, expert=\d+, \.\.\.\) returned (\d+)\. A choose hook returns "
+                         r"FETCH \(-1\), DROP \(-2\)", msg), msg
+        if name == "past-the-layer":
+            assert "returned 64." in msg
 
 
 def test_a_miss_hook_replays_a_trace_file_in_pieces_as_it_replays_it_whole(olmoe, tmp_path, monkeypatch):
@@ -266,3 +336,36 @@ def test_a_miss_hook_replays_a_trace_file_in_pieces_as_it_replays_it_whole(olmoe
     assert res.summary["trace_pieces"] >= 3
     same_rows(res, whole)
     assert (sim.miss.si == whole_sim.miss.si).all()
+
+
+def test_a_miss_hook_is_handed_what_a_plain_policy_reads_from_its_miss_info(olmoe, monkeypatch):
+    """On the SimPy path the hook's arguments are the miss's: its pass, layer, expert and rank,
+    the layer's cached and routed experts as boolean arrays (a plain policy's ``MissInfo``)."""
+    sc = {n: scenario(policies={"miss": n, "prefetch": "previous-token"}, cache={"capacity": "25%"},
+                      workload={"batch_size": 2}) for n in ("seen", "plain-seen")}
+    SEEN.clear()
+    ref = reference(sc["plain-seen"], olmoe, monkeypatch)
+    want = list(SEEN)
+    SEEN.clear()
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "0")
+    got = Simulation(sc["seen"], trace=olmoe).run()
+    assert got.summary["replay_path_reason"].startswith("miss policy 'seen': its choose hook does not compile")
+    assert len(want) > 100
+    assert len({w[0] for w in want}) > 10  # many passes
+    assert want == SEEN
+    same_rows(got, ref)
+
+
+def test_a_miss_hooks_state_has_a_row_per_expert_a_column_per_field_and_its_parameters(olmoe, monkeypatch):
+    sim = Simulation(scenario(policies={"miss": {"name": "drops-after", "after": 2}}), trace=olmoe)
+    assert sim.miss.si.shape == (16 * 64, 1)
+    assert sim.miss.sf.shape == (16 * 64, 2)
+    assert (sim.miss.sf[:, 1] == 2).all()
+    third = run(scenario(policies={"miss": "third-miss-drops"}), olmoe, monkeypatch, simpy=False)
+    same_rows(run(scenario(policies={"miss": {"name": "drops-after", "after": 3}}), olmoe, monkeypatch, simpy=False),
+              third)
+    second = run(scenario(policies={"miss": {"name": "drops-after", "after": 2}}), olmoe, monkeypatch, simpy=False)
+    assert second.summary["dropped_experts"] > third.summary["dropped_experts"]
+    plain = Simulation(scenario(policies={"miss": "hook-drop"}), trace=olmoe).miss
+    assert (plain.si.shape, plain.sf.shape) == ((16 * 64, 1), (16 * 64, 1))
+    assert (plain.si.dtype, plain.sf.dtype) == (np.int64, np.float64)

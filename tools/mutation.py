@@ -120,6 +120,9 @@ FUNCTIONS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
+    # miss hooks (moesim/policies/miss/hooked.py, with tests/test_miss_hooks.py)
+    **dict.fromkeys((f"moesim.policies.miss.hooked.xǁHookMissǁ__init____mutmut_{n}" for n in (19, 21)),
+                    "numpy's zeros are float64 unless told otherwise"),
     # Belady's future under load (simulator/served_future.py, with tests/test_serving.py)
     # (keep_rows=True is mutant 20 in the whole-module row, made before settle replayed with
     # type(sim); 21 since)
