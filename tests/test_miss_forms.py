@@ -94,14 +94,17 @@ def test_a_form_reads_its_policys_parameter():
 
 def test_every_shipped_miss_policy_has_its_own_form_and_a_users_subclass_none():
     """Each built-in class declares its form; the kernel picks it by its index. A user's
-    subclass may change what it decides: no form (the SimPy path)."""
+    subclass may change what it decides: no form (the SimPy path). The last form runs the
+    policies written as a hook (a user's among them)."""
     from moesim.policies.miss.drop import Drop
+    from moesim.policies.miss.hooked import HookMissForm
 
     for name, cls in REGISTRY.items():
         form = form_of(cls)
         assert form is not None, name
         assert MISS_FORM_CLASSES[form_index(cls)] is form
-    assert len(set(MISS_FORM_CLASSES)) == len(MISS_FORM_CLASSES) == len(REGISTRY.items())
+    assert len(set(MISS_FORM_CLASSES)) == len(MISS_FORM_CLASSES) == len(REGISTRY.items()) + 1
+    assert MISS_FORM_CLASSES[-1] is HookMissForm
     assert form_of(type("MyDrop", (Drop,), {})) is None
 
 
