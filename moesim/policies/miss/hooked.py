@@ -136,23 +136,20 @@ def _signature() -> Any:
                        types.float64[:, ::1])
 
 
-_COMPILED: dict[type, tuple[Any, ...] | str] = {}
-
-
 def compiled_choose(cls: type) -> tuple[Any, ...] | str:
     """``(choose,)`` compiled by numba (a tuple of one: a first-class function to the kernel),
     its indices checked for a user's hook; or why it does not compile (a line). Made once per
-    process and class."""
-    if cls not in _COMPILED:
-        _COMPILED[cls] = _compile(cls)
-    return _COMPILED[cls]
+    process and class (:func:`moesim.policies.hooks._once`)."""
+    from moesim.policies.hooks import _once
+
+    return _once(cls, _compile)
 
 
 def _compile(cls: type) -> tuple[Any, ...] | str:
     from moesim.jit import njit
-    from moesim.policies.hooks import _first_line
+    from moesim.policies.hooks import _builtin, _first_line
 
-    shipped = cls.__module__.startswith("moesim.")
+    shipped = _builtin(cls)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
