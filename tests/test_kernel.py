@@ -21,8 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moesim.policies.eviction.fifo import FIFO, InsertionList
-from moesim.policies.eviction.forms import form_index
-from moesim.policies.hooks import unused_hooks
+from moesim.policies.eviction.forms import form_index, unused_hooks
 from moesim.simulator.engine import Simulation
 from moesim.traces.synth import generate, synth_from_preset
 from tests.helpers import Callable, experts_cap, kernel_by_hand, scenario, small_model
@@ -667,9 +666,8 @@ def test_the_kernels_room_takes_as_many_victims_as_it_needs_or_changes_nothing()
     order, pinned entries passed over, until the request fits; when the evictable entries
     cannot free enough, nothing is evicted and every pin is as it was; a request larger
     than the cache never fits; an eviction for a prefetch ends the victim's admission."""
-    from moesim.policies.eviction.forms import form_index
+    from moesim.policies.eviction.forms import form_index, unused_hooks
     from moesim.policies.eviction.lru import LRU, RecencyList
-    from moesim.policies.hooks import unused_hooks
     KE = Callable(import_module("moesim.simulator.kernel_cache"))
     KC = Callable(import_module("moesim.simulator.kernel_copy"))
     KS = Callable(import_module("moesim.kernel_state"))

@@ -50,6 +50,7 @@ trace's arrays (its docstring); the kernel takes its proposals as arrays made ah
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from abc import abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -72,7 +73,7 @@ from moesim.policies.eviction import (
     EvictionPolicy,
     access_weight,
 )
-from moesim.policies.eviction.base import KernelForm, new_state
+from moesim.policies.eviction.base import PRIORITY_HOOKS, KernelForm, new_state
 from moesim.policies.prefetch import PrefetchPolicy
 from moesim.policies.registry import PolicyContext
 
@@ -83,7 +84,30 @@ def _no_priority(key: int, clock: np.ndarray, si: np.ndarray, sf: np.ndarray) ->
     return 0.0
 
 
-class HookEviction(CompiledForm, EvictionPolicy):
+class Clocked(EvictionPolicy):
+    """What the eviction policies given as hooks share on the SimPy path: the ``clock`` their
+    hooks read, and the gate weight of an access."""
+
+    clock: np.ndarray
+    _keys: list[int] | None = None  # the workload's accesses as cache keys (made on first use)
+
+    def _weight(self, key: int) -> float:
+        """The gate weight of the current (pass, layer)'s access of ``key`` (0: none)."""
+        if self._keys is None and self.ctx.workload is not None:  # on first use: the kernel needs none
+            self._keys = self.ctx.cache_keys(self.ctx.workload.keys()).tolist()
+        return access_weight(self.ctx, self._keys or [], key)
+
+    def _at(self, stamp: bool) -> np.ndarray:
+        """The clock at the replay's pass and layer; ``stamp``: an insert or access, a tick on."""
+        clock = self.clock
+        clock[CLOCK_PASS] = self.ctx.clock.pass_index
+        clock[CLOCK_LAYER] = self.ctx.clock.layer
+        if stamp:
+            clock[CLOCK_TICK] += 1
+        return clock
+
+
+class HookEviction(CompiledForm, Clocked):
     """An eviction policy given as hooks (module docstring). Subclasses define ``priority``
     and, as they need, ``insert``, ``access`` and ``remove`` (each a ``staticmethod``), and
     name their per-key state in ``int_fields`` / ``float_fields``.
@@ -108,7 +132,6 @@ class HookEviction(CompiledForm, EvictionPolicy):
                                                     len(ctx.precisions))
         self._stamp: dict[int, int] = {}  # cached key -> the tick of its last insert or access
         self._prio: dict[int, float] = {}  # cached key -> its kept priority (``stable_priority``)
-        self._keys: list[int] | None = None  # the workload's accesses as cache keys (the SimPy path's)
         self.init_state()
 
     def init_state(self) -> None:
@@ -125,20 +148,6 @@ class HookEviction(CompiledForm, EvictionPolicy):
         self.clock[CLOCK_PASS:CLOCK_TICK + 1] = 0
         self._stamp.clear()
         self._prio.clear()
-
-    def _weight(self, key: int) -> float:
-        """The gate weight of the current (pass, layer)'s access of ``key`` (0: none)."""
-        if self._keys is None and self.ctx.workload is not None:  # on first use: the kernel needs none
-            self._keys = self.ctx.cache_keys(self.ctx.workload.keys()).tolist()
-        return access_weight(self.ctx, self._keys or [], key)
-
-    def _at(self, stamp: bool) -> np.ndarray:
-        clock = self.clock
-        clock[CLOCK_PASS] = self.ctx.clock.pass_index
-        clock[CLOCK_LAYER] = self.ctx.clock.layer
-        if stamp:
-            clock[CLOCK_TICK] += 1
-        return clock
 
     def on_insert(self, key: int, demand: bool) -> None:
         clock = self._at(True)
@@ -187,16 +196,16 @@ class HookEviction(CompiledForm, EvictionPolicy):
             raise _raised(self, "priority", exc) from None
 
 
-def _raised(policy: Any, hook: str, exc: Exception) -> Exception:
+def _raised(policy: Any, hook: str, exc: Exception, hint: str | None = None) -> Exception:
     """A hook's own error, on the SimPy path, as one paragraph naming the policy, the hook and
-    where the replay was."""
+    where the replay was; ``hint``: what the hook's arrays hold (default: the family's)."""
     from moesim.errors import MoesimError
 
     family = "eviction" if isinstance(policy, EvictionPolicy) else "prefetch"
     clock = policy.ctx.clock
     return MoesimError(f"{family} policy '{policy.name}': its {hook} hook raised {type(exc).__name__}: {exc} "
                        f"(forward pass {clock.pass_index}, layer {clock.layer}). Fix the hook: "
-                       f"{_STATE_HINT if family == 'eviction' else _TRACE_HINT}")
+                       f"{hint or (_STATE_HINT if family == 'eviction' else _TRACE_HINT)}")
 
 
 _STATE_HINT = ("si and sf have a row per cache key and a column per name in int_fields and float_fields; "
@@ -204,7 +213,7 @@ _STATE_HINT = ("si and sf have a row per cache key and a column per name in int_
 _TRACE_HINT = "out holds one entry per cache key; trace[T_OFF] has an entry per (pass, layer) and one more."
 
 
-def state_arrays(cls: type[HookEviction], num_layers: int, keys_per_layer: int,
+def state_arrays(cls: Any, num_layers: int, keys_per_layer: int,
                  precisions: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A hook policy's ``clock`` and zeroed state ``si``, ``sf`` (at least one column each)."""
     clock = np.zeros(CLOCK_SIZE, np.int64)
@@ -295,7 +304,8 @@ def _compile(cls: type) -> tuple[Any, ...] | str:
 
 def _first_line(exc: Exception) -> str:
     """numba's message in a line: its first line that says what failed, and where."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # numba's highlighting, in a terminal
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     what = next((ln for ln in lines if not ln.startswith("Failed in ")), type(exc).__name__)
     where = next((ln for ln in lines if ln.startswith("File ")), "")
     return f"{what.rstrip(':')}; {where.rstrip(':')}" if where else what.rstrip(":")
@@ -346,23 +356,17 @@ def _unused_state() -> tuple[np.ndarray, ...]:
     return np.zeros(CLOCK_SIZE, np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1))
 
 
-def unused_hooks() -> tuple[Any, ...]:
-    """``A.hooks`` for a form other than :class:`PriorityHooks`: hooks that are never called,
-    of the types the real ones have (one compiled kernel serves every form)."""
-    clock, si, sf = _unused_state()
-    return _first_class(addresses(_NoHooks), clock, si, sf, np.zeros(1, np.int64))
-
-
 def _first_class(fns: tuple[Any, ...], clock: np.ndarray, si: np.ndarray, sf: np.ndarray,
                  keys: np.ndarray) -> tuple[Any, ...]:
-    """``A.hooks``: each hook in a tuple of one, which numba types as a first-class function (a
-    function's address, called indirectly) rather than as that function (one compiled kernel
-    for every hook policy); the clock and state; the cached keys (a view of the form's member
-    list) and the victim search's buffer of their priorities."""
+    """:class:`PriorityHooks`' part of ``A.hooks``: each hook in a tuple of one, which numba
+    types as a first-class function (a function's address, called indirectly) rather than as
+    that function (one compiled kernel for every hook policy); the clock and state; the cached
+    keys (a view of the form's member list) and the victim search's buffer of their
+    priorities."""
     return (*((f,) for f in fns), clock, si, sf, keys, np.zeros(max(len(si), len(keys))))
 
 
-# A.hooks: the hooks (insert, access, remove, priority, priorities), clock, state, members, priorities
+# A.hooks[PRIORITY_HOOKS]: the hooks (insert, access, remove, priority, priorities), clock, state, members, priorities
 U_INSERT, U_ACCESS, U_REMOVE, U_PRIORITY, U_PRIORITIES, U_CLOCK, U_SI, U_SF, U_KEYS, U_PRIOS = range(10)
 # the form's own arrays: I2 (the tick of the key's last insert or use, its place among the members),
 # F2 (its kept priority), I1 (the tick, the members' count, the members), F1 (1: a stable priority)
@@ -374,7 +378,7 @@ TICK, COUNT, MEMBERS = 0, 1, 2
 @inline
 def _set_clock(S: Any, IS: np.ndarray, A: Any) -> None:
     """The hooks' clock at the replay's pass, layer and tick."""
-    clock = A.hooks[U_CLOCK]
+    clock = A.hooks[PRIORITY_HOOKS][U_CLOCK]
     clock[CLOCK_PASS] = current_pass(IS)
     clock[CLOCK_LAYER] = current_layer(IS)
     clock[CLOCK_TICK] = S[2][TICK]
@@ -390,7 +394,7 @@ def _touched(key: int, S: Any) -> None:
 def _keep(key: int, S: Any, A: Any) -> None:
     """A stable priority (``stable_priority``) is computed after the key's hooks ran and kept."""
     if S[3][0]:
-        H = A.hooks
+        H = A.hooks[PRIORITY_HOOKS]
         S[1][key, KEPT] = H[U_PRIORITY][0](key, H[U_CLOCK], H[U_SI], H[U_SF])
 
 
@@ -404,7 +408,7 @@ def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI:
     _touched(key, S)
     w = float(weight_of(access_of(key, ai, IS, DI, A), A)) if demand else 0.0
     _set_clock(S, IS, A)
-    H = A.hooks
+    H = A.hooks[PRIORITY_HOOKS]
     H[U_INSERT][0](key, demand != 0, w, H[U_CLOCK], H[U_SI], H[U_SF])
     _keep(key, S, A)
 
@@ -413,7 +417,7 @@ def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI:
 def _access(key: int, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
     _touched(key, S)
     _set_clock(S, IS, A)
-    H = A.hooks
+    H = A.hooks[PRIORITY_HOOKS]
     H[U_ACCESS][0](key, float(weight_of(access_of(key, ai, IS, DI, A), A)), H[U_CLOCK], H[U_SI], H[U_SF])
     _keep(key, S, A)
 
@@ -428,7 +432,7 @@ def _remove(key: int, evicted: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> N
     I1[COUNT] -= 1
     I2[key, MEMB] = -1
     _set_clock(S, IS, A)
-    H = A.hooks
+    H = A.hooks[PRIORITY_HOOKS]
     H[U_REMOVE][0](key, H[U_CLOCK], H[U_SI], H[U_SF])
 
 
@@ -449,7 +453,7 @@ def _victim(for_prefetch: bool, pin_gen: int, adm_layer: int, again: int, S: Any
             if best == -1 or f < bf or (f == bf and st < bs):
                 best, bf, bs = key, f, st
         return best
-    H = A.hooks
+    H = A.hooks[PRIORITY_HOOKS]
     keys, prios = H[U_KEYS], H[U_PRIOS]  # keys: the members (a view of I1)
     _set_clock(S, IS, A)
     H[U_PRIORITIES][0](keys, n, prios, H[U_CLOCK], H[U_SI], H[U_SF])
@@ -466,8 +470,8 @@ def _victim(for_prefetch: bool, pin_gen: int, adm_layer: int, again: int, S: Any
 class PriorityHooks(KernelForm):
     """The compiled form of every eviction policy given as hooks (:class:`HookEviction`, a user's,
     and the built-ins' ``compiled`` forms: lfu, fld, score, lhu): the members and their stamps
-    and kept priorities in its arrays, the hooks called through ``A.hooks`` (first-class
-    functions: one compiled kernel for all of them)."""
+    and kept priorities in its arrays, the hooks called through ``A.hooks[PRIORITY_HOOKS]``
+    (first-class functions: one compiled kernel for all of them)."""
 
     insert = staticmethod(_insert)
     access = staticmethod(_access)
@@ -499,6 +503,13 @@ class PriorityHooks(KernelForm):
         clock, si, sf = state_arrays(form, ctx.num_layers, ctx.keys_per_layer, len(ctx.precisions))
         form.initial_state(policy.params, si, sf)
         return _first_class(addresses(form), clock, si, sf, keys)
+
+    @classmethod
+    def unused(cls) -> tuple[Any, ...]:
+        """Its part of ``A.hooks`` when the replay's form is another: hooks never called, of the
+        types the real ones have (one compiled kernel serves every form)."""
+        clock, si, sf = _unused_state()
+        return _first_class(addresses(_NoHooks), clock, si, sf, np.zeros(1, np.int64))
 
 
 def hook_form(cls: type) -> Any:

@@ -167,9 +167,12 @@ def kernel_form(sim: Any) -> str | None:
     if eviction_form(type(sim.eviction)) is None:
         name = sim.scenario.policies.eviction.name
         from moesim.policies.hooks import HookEviction, compiled
+        from moesim.policies.list_hooks import HookListEviction, compiled_lists
 
         if isinstance(sim.eviction, HookEviction):
             return f"eviction policy '{name}': {compiled(type(sim.eviction))}"
+        if isinstance(sim.eviction, HookListEviction):
+            return f"eviction policy '{name}': {compiled_lists(type(sim.eviction))}"
         return f"eviction policy '{name}' has no kernel form"
     why = prefetch_form(type(sim.prefetch))
     if why is not None:
@@ -194,14 +197,15 @@ def prefetch_form(cls: type) -> str | None:
 
 
 def _form_arrays(policy: Any, num_keys: int) -> tuple[tuple[Any, ...], tuple[np.ndarray, ...]]:
-    """The eviction form's ``A.hooks`` (a hook policy's compiled hooks and their state, or
-    hooks never called) and its own state arrays, ``A.form``."""
-    from moesim.policies.hooks import unused_hooks
+    """The eviction form's ``A.hooks`` (a hook policy's compiled hooks and their state, and
+    hooks never called: :func:`moesim.policies.eviction.forms.hooks_of`) and its own state
+    arrays, ``A.form``."""
+    from moesim.policies.eviction.forms import hooks_of
 
     form = eviction_form(type(policy))
     assert form is not None, "kernel_form"
     S = form.state(policy, num_keys)
-    return form.first_class(policy, S) or unused_hooks(), S
+    return hooks_of(policy, S), S
 
 
 # A kernel call replays at most CHUNK passes and, past its first pass, at most CALL_ACCESSES
@@ -487,6 +491,7 @@ def _hook_errors(sim: Any) -> Iterator[None]:
     """Around the compiled calls: an error a compiled hook raised (its index checks; the
     kernel raises none of these itself) as one paragraph naming the hook policies."""
     from moesim.policies.hooks import HookEviction, HookPrefetch
+    from moesim.policies.list_hooks import HookListEviction
     from moesim.policies.miss.hooked import HookMiss
 
     try:
@@ -494,7 +499,7 @@ def _hook_errors(sim: Any) -> Iterator[None]:
     except (IndexError, ZeroDivisionError, ValueError, OverflowError) as exc:
         hooked = [f"{family} policy '{p.name}'" for family, p in (("eviction", sim.eviction), ("miss", sim.miss),
                                                                    ("prefetch", sim.prefetch))
-                  if isinstance(p, (HookEviction, HookMiss, HookPrefetch))]
+                  if isinstance(p, (HookEviction, HookListEviction, HookMiss, HookPrefetch))]
         if not hooked:
             raise
         from moesim.errors import MoesimError

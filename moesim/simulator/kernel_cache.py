@@ -164,7 +164,7 @@ def _on_miss(key, IS, K, A):
     i = 0
     for form in literal_unroll(INLINE_FORMS):
         if i == f:
-            form[_MISS](key, A.form, IS, K)
+            form[_MISS](key, A.form, IS, K, A)
         i += 1
 
 
@@ -173,7 +173,7 @@ def _called_miss(f, key, IS, K, A):
     i = 0
     for form in literal_unroll(CALLED_FORMS):
         if i == f:
-            form[_MISS](key, A.form, IS, K)
+            form[_MISS](key, A.form, IS, K, A)
         i += 1
 
 

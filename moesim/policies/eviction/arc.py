@@ -67,7 +67,7 @@ def _pop(key: int, S: Any, IS: np.ndarray) -> int:
 
 
 @ir_inline
-def _miss(key: int, S: Any, IS: np.ndarray, K: Any) -> None:
+def _miss(key: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> None:
     L, F = S[2], S[3]
     L[GHOST_KEY] = -1
     F[INCOMING] = _size(key, IS)

@@ -99,7 +99,7 @@ REGISTRY: Registry[EvictionPolicy] = Registry("eviction")
 # - ``remove(key, evicted, S, IS, K, A)``: ``key`` left the cache, evicted (1) or withdrawn (0);
 # - ``select(key, S, IS, K)``: a prefetcher selected the cached ``key``;
 # - ``new_pass(S, IS, K)``: a forward pass begins;
-# - ``miss(key, S, IS, K)``: a demand lookup missed ``key`` and room is about to be made for it;
+# - ``miss(key, S, IS, K, A)``: a demand lookup missed ``key`` and room is about to be made for it;
 # - ``victim(for_prefetch, pin_gen, adm_layer, again, S, IS, K, A) -> key``: the policy's next
 #   victim that the cache may evict (``evictable(key, pin_gen, adm_layer, IS, K)``), or -1. The
 #   form walks its own order, as its reference form's ``candidates()`` (``prefetch_candidates()``
@@ -113,6 +113,11 @@ REGISTRY: Registry[EvictionPolicy] = Registry("eviction")
 # them (small and hot: lru, fifo, least-stale; the others are called, which keeps compiles short). ``tests/test_compiled_forms.py`` drives each form against its
 # reference form's candidates; the golden grid holds both replay paths to the same rows.
 ANY, NOT_PENDING, PENDING, SKIP = 2, 0, 1, -1
+# ``A.hooks``: a part per form that runs policies given as hooks (each form's compiled hooks and
+# their state; a part the replay's form is not is never called): the priority-ordered hooks'
+# (:class:`moesim.policies.hooks.PriorityHooks`), the list-shaped ones'
+# (:class:`moesim.policies.list_hooks.ListHooks`)
+PRIORITY_HOOKS, LIST_HOOKS = 0, 1
 PREV, NEXT = 0, 1  # a list form's links: columns of I2 (-1: none)
 
 
@@ -155,7 +160,7 @@ def _no_new_pass(S: Any, IS: np.ndarray, K: Any) -> None:
 
 
 @inline
-def _no_miss(key: int, S: Any, IS: np.ndarray, K: Any) -> None:
+def _no_miss(key: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> None:
     pass
 
 
@@ -194,9 +199,10 @@ class KernelForm:
 
     @classmethod
     def first_class(cls, policy: Any, S: tuple[np.ndarray, ...]) -> tuple[Any, ...] | None:
-        """What the kernel hands a hook policy's form in ``A.hooks`` (its compiled hooks and
-        their state, :mod:`moesim.policies.hooks`); None for every other form, which the kernel
-        hands hooks that are never called (the same types: one compiled kernel for all)."""
+        """A hook form's part of ``A.hooks`` for ``policy`` (its compiled hooks and their state,
+        :mod:`moesim.policies.hooks`); None for every other form. The parts of the forms the
+        replay's is not hold hooks that are never called (``unused()``: the same types, one
+        compiled kernel for all; :func:`moesim.policies.eviction.forms.hooks_of`)."""
         return None
 
     @classmethod

@@ -1,13 +1,15 @@
 """The compiled forms the replay kernel is built with, and which one runs each eviction policy.
 
 :data:`FORM_CLASSES` holds every compiled form shipped with moesim -- each built-in policy's own
-(``form``, beside it in its module) and :class:`moesim.policies.hooks.PriorityHooks`, which runs
-the policies given as hooks (the built-ins' ``compiled`` hook classes and a user's
-:class:`~moesim.policies.hooks.HookEviction`) -- each as the tuple of its seven hooks
+(``form``, beside it in its module) and the two forms that run the policies given as hooks
+(:data:`HOOK_FORMS`): :class:`moesim.policies.hooks.PriorityHooks` (the built-ins' ``compiled``
+hook classes and a user's :class:`~moesim.policies.hooks.HookEviction`) and
+:class:`moesim.policies.list_hooks.ListHooks` (a user's
+:class:`~moesim.policies.list_hooks.HookListEviction`) -- each as the tuple of its seven hooks
 (:meth:`~moesim.policies.eviction.base.KernelForm.functions`: :data:`INLINE_FORMS`, then
-:data:`CALLED_FORMS`). The kernel is compiled once with all of them (numba's on-disk cache keeps it: the tuple is made from moesim's own sources, whose
-digest keys that cache) and runs the replay's form by its index in the tuple
-(:func:`form_index`), so that it names no policy.
+:data:`CALLED_FORMS`). The kernel is compiled once with all of them (numba's on-disk cache keeps
+it: the tuple is made from moesim's own sources, whose digest keys that cache) and runs the
+replay's form by its index in the tuple (:func:`form_index`), so that it names no policy.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from typing import Any
 from moesim.policies.eviction import REGISTRY
 from moesim.policies.eviction.base import KernelForm
 from moesim.policies.hooks import HookEviction, PriorityHooks, compiled
+from moesim.policies.list_hooks import HookListEviction, ListHooks, compiled_lists
+
+# the forms that run policies given as hooks, each with its part of ``A.hooks`` (in this order:
+# PRIORITY_HOOKS, LIST_HOOKS)
+HOOK_FORMS: tuple[type[KernelForm], ...] = (PriorityHooks, ListHooks)
 
 
 def _shipped(cls: type) -> bool:
@@ -29,7 +36,7 @@ def _built_in_forms() -> list[type[KernelForm]]:
         form = cls.__dict__.get("form")
         if form is not None and _shipped(cls) and form not in forms:
             forms.append(form)
-    return [*forms, PriorityHooks]
+    return [*forms, *HOOK_FORMS]
 
 
 # the forms whose hooks are inlined where the kernel calls them come first (``inline = True``: the
@@ -53,7 +60,23 @@ def form_of(cls: type) -> type[KernelForm] | None:
             return PriorityHooks
     if issubclass(cls, HookEviction) and isinstance(compiled(cls), tuple):
         return PriorityHooks
+    if issubclass(cls, HookListEviction) and isinstance(compiled_lists(cls), tuple):
+        return ListHooks
     return None
+
+
+def hooks_of(policy: Any, S: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
+    """``A.hooks`` for the replay of eviction policy ``policy`` (whose form's state is ``S``): its
+    form's part (:meth:`~moesim.policies.eviction.base.KernelForm.first_class`) where that form
+    runs hooks, and hooks never called in the others."""
+    form = form_of(type(policy))
+    mine = form.first_class(policy, S) if form is not None else None
+    return tuple(mine if f is form and mine is not None else f.unused() for f in HOOK_FORMS)  # type: ignore[attr-defined]
+
+
+def unused_hooks() -> tuple[tuple[Any, ...], ...]:
+    """``A.hooks`` whose hooks are never called (a replay of a form that runs none)."""
+    return tuple(f.unused() for f in HOOK_FORMS)  # type: ignore[attr-defined]
 
 
 def form_index(cls: type) -> int:

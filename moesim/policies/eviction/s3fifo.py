@@ -102,7 +102,7 @@ def _leave(key: int, S: Any, IS: np.ndarray) -> int:
 
 
 @ir_inline
-def _miss(key: int, S: Any, IS: np.ndarray, K: Any) -> None:
+def _miss(key: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> None:
     L = S[2]
     L[GHOST_HIT] = -1
     if S[0][key, WHERE] == GHOST:
