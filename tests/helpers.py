@@ -207,7 +207,7 @@ def kernel_by_hand(ev: str, num_keys: int, layers: int = 1, nprec: int = 1, para
     IS[KS.C_PENDING], IS[KS.C_KEEPSTATIC] = form.reads_pending, form.keeps_static
     FS[KS.CF_CAP] = capacity
     hooks, S = K._form_arrays(policy, num_keys)
-    DI = np.zeros(2, np.int64)
+    DI = np.zeros(1 << 12, np.int64)  # no accesses at any (pass, layer) a driver reaches (its offsets)
     A = KS.Accesses(*(np.zeros(1, np.int64),) * 5, hooks, S)
     return IS, FS, KR, TR, DI, A
 
