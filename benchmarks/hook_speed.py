@@ -6,7 +6,8 @@ shape. The hook policies here restate built-ins exactly (``tests/test_hooks.py``
 checks their rows are the built-ins'): eviction LFU (a count per key, the lowest evicted; its
 priority kept between victim searches, ``stable_priority``, and asked of every candidate at each
 search) and FLD (the farthest layer from the current one: asked at each search, as it reads the
-clock); prefetch oracle (the next layer's true experts) and previous-token, with LRU (both
+clock), and SIEVE written as list-shaped hooks (``tests/test_list_hooks.py``: a queue, visited
+bits and a hand in the policy's own arrays, its walk asked a key at a time); prefetch oracle (the next layer's true experts) and previous-token, with LRU (both
 propose through arrays made ahead: the built-ins' compiled form, the hooks' ``select``); miss
 drop (rank 2 and below fetched, the rest dropped: the built-in's compiled form, the hook's
 ``choose`` called at each miss, ``tests/test_miss_hooks.py``). Each pair replays the quickstart scenario's model
@@ -45,16 +46,19 @@ def register_hooks() -> dict[str, str]:
     as ``family=name``."""
     from moesim.policies import eviction, miss, prefetch
     from tests.test_hooks import AskedLFU, HookFLD, HookLFU, HookOracle, HookPreviousToken
+    from tests.test_list_hooks import HookSieve
     from tests.test_miss_hooks import HookDrop
 
-    for name, cls in (("hook-lfu", HookLFU), ("asked-lfu", AskedLFU), ("hook-fld", HookFLD)):
+    for name, cls in (("hook-lfu", HookLFU), ("asked-lfu", AskedLFU), ("hook-fld", HookFLD),
+                      ("hook-sieve", HookSieve)):
         eviction.REGISTRY.register(name)(cls)
     for name, cls in (("hook-oracle", HookOracle), ("hook-previous-token", HookPreviousToken)):
         prefetch.REGISTRY.register(name)(cls)
     miss.REGISTRY.register("hook-drop")(HookDrop)
     return {"miss=hook-drop": "miss=drop",
             "eviction=hook-lfu": "eviction=lfu", "eviction=asked-lfu": "eviction=lfu",
-            "eviction=hook-fld": "eviction=fld", "prefetch=hook-oracle": "prefetch=oracle",
+            "eviction=hook-fld": "eviction=fld", "eviction=hook-sieve": "eviction=sieve",
+            "prefetch=hook-oracle": "prefetch=oracle",
             "prefetch=hook-previous-token": "prefetch=previous-token"}
 
 
