@@ -231,7 +231,9 @@ def _compile(cls: type) -> tuple[Any, ...] | str:
 
 # A.hooks[LIST_HOOKS]: the hooks (insert, access, remove, miss, candidate), the clock and the state
 L_INSERT, L_ACCESS, L_REMOVE, L_MISS, L_CANDIDATE, L_CLOCK, L_SI, L_SF, L_GI, L_GF = range(10)
-TICK, OFFERS = 0, 1  # the form's I1: the tick, the keys the walk has offered
+# the form's I1: the tick, the keys the walk has offered, and whether the policy defines each of
+# insert, access, remove and miss (one it leaves as it is does nothing: not called)
+TICK, OFFERS, HAS = 0, 1, 2
 
 
 def _part(fns: tuple[Any, ...], clock: np.ndarray, si: np.ndarray, sf: np.ndarray, gi: np.ndarray,
@@ -252,6 +254,8 @@ def _set_clock(S: Any, IS: np.ndarray, A: Any) -> None:
 @inline
 def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
     S[2][TICK] += 1
+    if not S[2][HAS + L_INSERT]:
+        return
     w = float(weight_of(access_of(key, ai, IS, DI, A), A)) if demand else 0.0
     _set_clock(S, IS, A)
     H = A.hooks[LIST_HOOKS]
@@ -261,6 +265,8 @@ def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI:
 @inline
 def _access(key: int, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
     S[2][TICK] += 1
+    if not S[2][HAS + L_ACCESS]:
+        return
     _set_clock(S, IS, A)
     H = A.hooks[LIST_HOOKS]
     H[L_ACCESS][0](key, float(weight_of(access_of(key, ai, IS, DI, A), A)), H[L_CLOCK], H[L_SI], H[L_SF], H[L_GI],
@@ -269,6 +275,8 @@ def _access(key: int, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A
 
 @inline
 def _remove(key: int, evicted: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> None:
+    if not S[2][HAS + L_REMOVE]:
+        return
     _set_clock(S, IS, A)
     H = A.hooks[LIST_HOOKS]
     H[L_REMOVE][0](key, evicted != 0, H[L_CLOCK], H[L_SI], H[L_SF], H[L_GI], H[L_GF])
@@ -276,6 +284,8 @@ def _remove(key: int, evicted: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> N
 
 @inline
 def _miss(key: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> None:
+    if not S[2][HAS + L_MISS]:
+        return
     _set_clock(S, IS, A)
     H = A.hooks[LIST_HOOKS]
     H[L_MISS][0](key, H[L_CLOCK], H[L_SI], H[L_SF], H[L_GI], H[L_GF])
@@ -312,7 +322,7 @@ def _victim(for_prefetch: bool, pin_gen: int, adm_layer: int, again: int, S: Any
 class ListHooks(KernelForm):
     """The compiled form of every :class:`HookListEviction` policy: the hooks called through
     ``A.hooks[LIST_HOOKS]`` (first-class functions: one compiled kernel for all of them), the
-    tick and the walk's count in its arrays."""
+    tick, the walk's count and which hooks the policy defines in its arrays."""
 
     insert = staticmethod(_insert)
     access = staticmethod(_access)
@@ -322,8 +332,10 @@ class ListHooks(KernelForm):
 
     @classmethod
     def state(cls, policy: Any, num_keys: int) -> tuple[np.ndarray, ...]:
-        I2, F2, I1, F1, P = new_state(num_keys, i1=2)
+        I2, F2, I1, F1, P = new_state(num_keys, i1=HAS + L_CANDIDATE)
         I1[:] = 0
+        for j, name in enumerate(HOOKS[:L_CANDIDATE]):
+            I1[HAS + j] = getattr(type(policy), name) is not getattr(HookListEviction, name)
         return I2, F2, I1, F1, P
 
     @classmethod
