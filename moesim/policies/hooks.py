@@ -41,7 +41,9 @@ The built-in eviction policies of this shape are written so too: ``lfu``, ``fld`
 over many keys' priorities of their own) beside their reference forms, and the kernel runs them
 through the same hooks: the compiled form :class:`PriorityHooks` calls them for every such policy.
 Those ordered otherwise (``lru``, ``fifo``, ``least-stale``, ``belady``, ``sieve``, ``s3-fifo``,
-``arc``) have compiled forms of their own beside them (:class:`moesim.policies.eviction.KernelForm`).
+``arc``) have compiled forms of their own beside them (:class:`moesim.policies.eviction.KernelForm`);
+a user's policy of that shape -- lists, a hand, ghosts -- is written as the hooks of
+:class:`moesim.policies.list_hooks.HookListEviction`.
 
 A :class:`HookPrefetch` policy is one function, ``select(p, layer, trace, out) -> n``, over the
 trace's arrays (its docstring); the kernel takes its proposals as arrays made ahead.

@@ -356,13 +356,13 @@ class ListHooks(KernelForm):
         return _part(_addresses(_NoList), *_unused_state())
 
 
-def _no_candidate(first: bool, clock: np.ndarray, si: np.ndarray, sf: np.ndarray, gi: np.ndarray,
-                  gf: np.ndarray) -> int:
-    return -1
-
-
 class _NoList(HookListEviction):
-    candidate = staticmethod(_no_candidate)
+    """The hooks of :meth:`ListHooks.unused` (never called)."""
+
+    @staticmethod
+    def candidate(first: bool, clock: np.ndarray, si: np.ndarray, sf: np.ndarray, gi: np.ndarray,
+                  gf: np.ndarray) -> int:
+        return -1
 
 
 @functools.cache

@@ -13,7 +13,8 @@ holds both paths to the same digests).
 
 The eviction policy runs as its compiled form (:class:`moesim.policies.eviction.base.KernelForm`,
 beside the policy in its module; a policy given as hooks runs through
-:class:`moesim.policies.hooks.PriorityHooks`): the kernel is compiled once with every form
+:class:`moesim.policies.hooks.PriorityHooks`, or :class:`moesim.policies.list_hooks.ListHooks`
+when it walks an order of its own): the kernel is compiled once with every form
 shipped with moesim and picks the replay's by its index (:mod:`simulator.kernel_cache`), so
 that it names none. Scope (:func:`kernel_form`): one GPU, routing that does not change what
 tokens compute, no budget, an eviction policy with a compiled form, a prefetcher and a miss
