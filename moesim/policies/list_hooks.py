@@ -356,13 +356,16 @@ class ListHooks(KernelForm):
         return _part(_addresses(_NoList), *_unused_state())
 
 
+END = -1  # a walk's end: the answer of a candidate hook that offers no more keys
+
+
 class _NoList(HookListEviction):
     """The hooks of :meth:`ListHooks.unused` (never called)."""
 
     @staticmethod
     def candidate(first: bool, clock: np.ndarray, si: np.ndarray, sf: np.ndarray, gi: np.ndarray,
                   gf: np.ndarray) -> int:
-        return -1
+        return END
 
 
 @functools.cache
