@@ -497,3 +497,114 @@ def test_the_list_form_chooses_the_victims_its_simpy_run_chooses(evs, kin, kout)
     chooses the victim that 2Q's walk on the SimPy path offers first among the keys the cache
     may evict (:func:`tests.test_compiled_forms.drive_both`)."""
     drive_both("hook-2q", TwoQParams(kin=kin, kout=kout), evs)
+
+
+class KeyOrder(HookListEviction):
+    """The lowest cached key first: each walk offers every key in order, cached or not (the
+    cache passes over what it may not evict), and ends after the last."""
+
+    global_int_fields = ("next",)
+
+    @staticmethod
+    def candidate(first, clock, si, sf, gi, gf):
+        if first:
+            gi[0] = 0
+        if gi[0] >= si.shape[0]:
+            return -1
+        gi[0] += 1
+        return gi[0] - 1
+
+
+class SortedKeys(EvictionPolicy):
+    """The reference: every cached key, lowest first (SimPy path only)."""
+
+    def __init__(self, params: Any, ctx: Any) -> None:
+        super().__init__(params, ctx)
+        self.keys: set[int] = set()
+
+    def on_insert(self, key: int, demand: bool) -> None:
+        self.keys.add(key)
+
+    def on_access(self, key: int) -> None:
+        pass
+
+    def on_remove(self, key: int) -> None:
+        self.keys.remove(key)
+
+    def candidates(self) -> Iterator[int]:
+        return iter(sorted(self.keys))
+
+
+@pytest.mark.parametrize(("capacity", "mode"), [("1 experts", "layer"), ("3 experts", "layer"),
+                                                ("2 experts", "per-expert"), ("10%", "on-arrival")])
+def test_a_walk_may_offer_every_key_once(olmoe, monkeypatch, capacity, mode):
+    """A walk over every cache key, most of them not cached, is no error; with a cache too small
+    for a layer's experts every walk offers them all and finds no victim (the fetch goes
+    uncached), as the reference's does."""
+    monkeypatch.setitem(REGISTRY._classes, "key-order", KeyOrder)
+    monkeypatch.setitem(REGISTRY._classes, "sorted-keys", SortedKeys)
+    KeyOrder.name, SortedKeys.name = "key-order", "sorted-keys"
+
+    def sc(ev: str) -> Any:
+        return scenario(policies={"eviction": ev}, expert_compute=mode, cache={"capacity": capacity})
+
+    ref = run(sc("sorted-keys"), olmoe, monkeypatch, simpy=True)
+    assert ref.summary["misses"] > 0
+    if capacity == "1 experts":
+        assert ref.summary["uncached_fetches"] > 0
+    same_rows(run(sc("key-order"), olmoe, monkeypatch, simpy=False), ref)
+    same_rows(run(sc("key-order"), olmoe, monkeypatch, simpy=True), ref)
+
+
+def test_the_state_has_a_row_per_cache_key_and_an_entry_per_name(olmoe):
+    """``si``/``sf``: a row per cache key, a column per per-key name (one at least); ``gi``/``gf``:
+    an entry per global name (one at least); int64 and float64; the clock's key layout."""
+    from moesim.policies.eviction import (
+        CLOCK_KEYS_PER_LAYER,
+        CLOCK_LAYERS,
+        CLOCK_PRECISIONS,
+        CLOCK_SIZE,
+    )
+
+    sim = Simulation(scenario(policies={"eviction": {"name": "hook-2q", "kin": 3, "kout": 9}}), trace=olmoe)
+    p = sim.eviction
+    keys = 16 * 64 * 4  # layers x experts x the precisions the scenario names
+    assert (p.si.shape, p.sf.shape, p.gi.shape, p.gf.shape) == ((keys, 3), (keys, 1), (G_FIRST + 1,), (1,))
+    assert (p.si.dtype, p.sf.dtype, p.gi.dtype, p.gf.dtype) == (np.int64, np.float64, np.int64, np.float64)
+    assert (p.gi[G_KIN], p.gi[G_KOUT]) == (3, 9)
+    assert (len(p.clock), p.clock[CLOCK_KEYS_PER_LAYER], p.clock[CLOCK_PRECISIONS], p.clock[CLOCK_LAYERS]) == (
+        CLOCK_SIZE, 64 * 4, 4, 16)
+    sieve = Simulation(scenario(policies={"eviction": "hook-sieve"}), trace=olmoe).eviction
+    assert (sieve.sf.shape, sieve.gf.shape) == ((keys, 1), (1,))
+
+
+def test_reset_state_is_the_state_before_any_insert(olmoe):
+    from moesim.policies.eviction import CLOCK_LAYER, CLOCK_PASS, CLOCK_TICK
+
+    sim = Simulation(scenario(policies={"eviction": "hook-2q"}, cache={"capacity": "5%"}), trace=olmoe)
+    p = sim.eviction
+    fresh = [a.copy() for a in (p.si, p.sf, p.gi, p.gf)]
+    p.clock[CLOCK_PASS:CLOCK_TICK + 1] = 7
+    p.si[:] = 5
+    p.gi[:] = 5
+    p.sf[:] = 2.5
+    p.gf[:] = 2.5
+    p.reset_state()
+    for a, b in zip((p.si, p.sf, p.gi, p.gf), fresh, strict=True):
+        assert (a == b).all()
+    assert (p.clock[CLOCK_PASS], p.clock[CLOCK_LAYER], p.clock[CLOCK_TICK]) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("past-the-keys", r"eviction policy 'past-the-keys': its candidate hook returned a key that is not a cache key "
+                      r"\(-1 ends the walk\): 4096, where the keys are 0 to 4095 \(forward pass \d+, layer \d+\)\."),
+    ("endless", r"eviction policy 'endless': its candidate hook offered more keys in one walk than there are cache "
+                r"keys: return -1 once the walk has offered every key \(a walk that goes round again never ends\) "
+                r"\(forward pass \d+, layer \d+; 4096 cache keys\)\.")])
+def test_the_simpy_paths_paragraph_names_the_key_the_range_and_where(olmoe, monkeypatch, name, expected):
+    import re
+
+    monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+    with pytest.raises(MoesimError) as err:
+        Simulation(scenario(policies={"eviction": name}, cache={"capacity": "10%"}), trace=olmoe).run()
+    assert re.fullmatch(expected, str(err.value)), str(err.value)
