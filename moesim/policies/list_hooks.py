@@ -102,12 +102,6 @@ class HookListEviction(Clocked):
                   gf: np.ndarray) -> int:
         """The walk's next key (``first``: a new walk), or -1 when it has offered every key."""
 
-    @classmethod
-    def why_not_compiled(cls) -> str | None:
-        """Why the kernel cannot run this policy (a line), or None."""
-        made = compiled_lists(cls)
-        return None if isinstance(made, tuple) else made
-
     def __init__(self, params: Any, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
         self.clock, self.si, self.sf = state_arrays(type(self), ctx.num_layers, ctx.keys_per_layer,
