@@ -245,7 +245,7 @@ def _set_clock(S: Any, IS: np.ndarray, A: Any) -> None:
     clock[CLOCK_TICK] = S[2][TICK]
 
 
-@inline
+@kernel
 def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
     S[2][TICK] += 1
     if not S[2][HAS + L_INSERT]:
@@ -256,7 +256,7 @@ def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI:
     H[L_INSERT][0](key, demand != 0, w, H[L_CLOCK], H[L_SI], H[L_SF], H[L_GI], H[L_GF])
 
 
-@inline
+@kernel
 def _access(key: int, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
     S[2][TICK] += 1
     if not S[2][HAS + L_ACCESS]:
@@ -267,7 +267,7 @@ def _access(key: int, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A
                    H[L_GF])
 
 
-@inline
+@kernel
 def _remove(key: int, evicted: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> None:
     if not S[2][HAS + L_REMOVE]:
         return
@@ -276,7 +276,7 @@ def _remove(key: int, evicted: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> N
     H[L_REMOVE][0](key, evicted != 0, H[L_CLOCK], H[L_SI], H[L_SF], H[L_GI], H[L_GF])
 
 
-@inline
+@kernel
 def _miss(key: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> None:
     if not S[2][HAS + L_MISS]:
         return
