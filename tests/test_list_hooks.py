@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import libcachesim as lcs
 import numba
 import numpy as np
 import pandas as pd
@@ -30,6 +29,7 @@ from moesim.simulator.engine import Simulation
 from moesim.traces.synth import synth_from_preset
 from tests.helpers import access_stream, experts_cap, mixtral_trace, scenario
 from tests.test_compiled_forms import drive_both, kernel_events
+from tests.test_sieve_s3fifo_arc import lcs_misses
 
 # -- SIEVE as list hooks: one queue, newest at its head, a visited bit, a hand ---------------------
 NEWER, OLDER, VISITED, OFFERED = range(4)
@@ -388,17 +388,6 @@ def test_a_list_hook_policy_on_the_kernel_equals_its_simpy_run(olmoe, monkeypatc
         assert (getattr(kernel.policy, a) == getattr(simpy.policy, a)).all(), a
 
 
-def lcs_sieve_misses(stream: list[int], capacity: int) -> int:
-    cache = lcs.Sieve(cache_size=capacity)
-    req = lcs.Request()
-    req.obj_size = 1
-    misses = 0
-    for key in stream:
-        req.obj_id = key
-        misses += not cache.get(req)
-    return misses
-
-
 def replay(trace: Any, name: str, capacity: int, monkeypatch: pytest.MonkeyPatch, simpy: bool) -> dict:
     """Cache-only, per-expert execution with blocking fetch, nothing pinned but the expert being
     fetched: the cache sees libCacheSim's access stream."""
@@ -410,7 +399,7 @@ def replay(trace: Any, name: str, capacity: int, monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize("capacity", [24, 64, 200])
 def test_sieve_as_list_hooks_misses_as_libcachesim_on_synthetic(monkeypatch, capacity):
     trace = synth_from_preset("olmoe-1b-7b", requests=1, tokens=150, seed=11)
-    expected = lcs_sieve_misses(access_stream(trace), capacity)
+    expected = lcs_misses("sieve", access_stream(trace), capacity)
     for simpy in (False, True):
         assert replay(trace, "hook-sieve", capacity, monkeypatch, simpy)["misses"] == expected
 
@@ -419,8 +408,8 @@ def test_sieve_as_list_hooks_misses_as_libcachesim_on_synthetic(monkeypatch, cap
 @pytest.mark.parametrize("capacity", [24, 128])
 def test_sieve_as_list_hooks_misses_as_libcachesim_on_real_mixtral(monkeypatch, capacity):
     trace = mixtral_trace("gsm8k")
-    assert replay(trace, "hook-sieve", capacity, monkeypatch, False)["misses"] == lcs_sieve_misses(
-        access_stream(trace), capacity)
+    assert replay(trace, "hook-sieve", capacity, monkeypatch, False)["misses"] == lcs_misses(
+        "sieve", access_stream(trace), capacity)
 
 
 @pytest.mark.parametrize("simpy", [False, True])
