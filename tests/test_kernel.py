@@ -379,14 +379,13 @@ def tiny():
 def test_the_kernel_runs_when_every_policy_has_a_kernel_form(tiny, monkeypatch):
     monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
     assert path_of(scenario(), tiny) == ("kernel", None)
+    assert path_of(scenario(policies={"budget": {"name": "lynx", "drop": 1}}), tiny) == ("kernel", None)
     assert path_of(scenario(), tiny, record_transfers=True, record_layers=True) == ("kernel", None)
 
 
 @pytest.mark.parametrize(("over", "kwargs", "why"), [
     ({"policies": {"eviction": "random"}}, {}, "eviction policy 'random' has no kernel form"),
-    ({"policies": {"budget": {"name": "lynx", "drop": 1}}}, {},
-     "a routing or budget policy that changes what tokens compute"),
-    ({"policies": {"routing": "cache-aware"}}, {}, "a routing or budget policy that changes what tokens compute"),
+    ({"policies": {"routing": "cache-aware"}}, {}, "a routing policy that changes what tokens compute"),
     ({"hardware": {"preset": "h100-sxm-nvlink-x2"}}, {}, "expert parallelism"),
     ({}, {"record_decisions": True}, "the replay records its decisions"),
 ])
@@ -825,7 +824,7 @@ def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
     else:
         mass = np.array([[1.0, tiny, tiny]], np.float32)
         want_total = want_kept = want_sub = 1.0
-    M = KS.Tokens(np.array([0], np.int64), np.array([0, 1], np.int64), experts, mass, np.array([0], np.int64),
+    M = KS.Tokens(np.array([0], np.int64), np.array([0, 1], np.int64), experts, experts, mass, np.array([0], np.int64),
                   np.array([-1], np.int64), np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64), ())
 
     def mass_with(final: list[int]) -> tuple[float, float, int]:
@@ -840,6 +839,10 @@ def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
     assert M.mark[0] == 0  # marked in pass 0
     M.mark[0] = -1  # a new pass
     assert mass_with([7, 1, 0]) == (want_total, want_sub, 2)  # expert 0 computes for 3
+    # a budget policy's choice: slots in its own order, experts the router did not choose
+    M.mark[0] = -1
+    assert mass_with([3, 7, 1]) == (want_total, want_total, 2)  # the routed set reordered: not altered
+    assert mass_with([1, 5, -1]) == (want_total, tiny, 3)  # 7 and 3 gone, 5 added: 1's mass kept
 
 
 def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_on_a_tie():
@@ -864,7 +867,7 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
     probs[:, 1] = probs[:, 2] = probs[:, 6] = 0.5
     probs[:, 3] = (0.5, 0.0)  # mean 0.25
     probs[:, 5] = (1.0, 0.5)  # mean 0.75
-    M = KS.Tokens(np.array([0, 1], np.int64), np.array([0, 2], np.int64), experts, probs, np.array([0, 1], np.int64),
+    M = KS.Tokens(np.array([0, 1], np.int64), np.array([0, 2], np.int64), experts, experts, probs, np.array([0, 1], np.int64),
                   np.array([-1, -1], np.int64), np.zeros((1, 1), np.float32), np.zeros(2, np.int64), np.zeros(2, np.int64), ())
     KX._fin_init(0, 0, 0, 0, IS, KS.Accesses(*(np.zeros(0, np.int32),) * 5, (), ()), M)
     for e in (0, 1, 2):
@@ -973,7 +976,7 @@ def test_the_kernels_speculation_by_hand():
     pred[1, [1, 3, 5, 6]] = (0.9, 0.4, 0.4, 1.0)
     prev_row = np.array([0, 1, 0], np.int64)
     prev_stamp = np.array([0, 0, -1], np.int64)  # token 2 has no row in (pass 0, layer 0)
-    M = KS.Tokens(np.array([0, 1, 2, 3, 4, 5], np.int64), np.array([0, 3, 6], np.int64), experts,
+    M = KS.Tokens(np.array([0, 1, 2, 3, 4, 5], np.int64), np.array([0, 3, 6], np.int64), experts, experts,
                   np.zeros((6, E), np.float32), np.array([0, 1, 2, 0, 1, 2], np.int64), np.full(3, -1, np.int64),
                   pred, prev_row, prev_stamp, ())
     IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 6] = (0, 2, 0, 1, 0, 4)

@@ -440,11 +440,12 @@ def test_serving_on_the_simpy_path_gives_the_kernels_rows_bit_for_bit(
      {"hardware": {"preset": "h100-sxm-nvlink-x2"}, "cache": {"ep_offload": True}})])
 def test_routing_budgets_and_expert_parallelism_serve_as_the_simpy_path_replays_the_schedule(
         policies: dict[str, Any], mode: str, top: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under load, a budget, cache-aware routing and expert parallelism (4 GPUs; 2 with offload,
-    each GPU's LFU cache fed by its own host link) run on the SimPy path a pass at a time (the
-    kernel has no form for them): the passes the scheduler formed, with their tokens, replayed
-    as one fixed workload give every per-pass column bit for bit; the policy acted (tokens
-    altered; under expert parallelism, tokens crossed the EP link; with offload, GPUs missed)."""
+    """Under load, a budget (on the kernel, its choices made a pass at a time as the scheduler
+    forms it; the same on the SimPy path), cache-aware routing and expert parallelism (4 GPUs;
+    2 with offload, each GPU's LFU cache fed by its own host link; these two on the SimPy path):
+    the passes the scheduler formed, with their tokens, replayed as one fixed workload give
+    every per-pass column bit for bit; the policy acted (tokens altered; under expert
+    parallelism, tokens crossed the EP link; with offload, GPUs missed)."""
     monkeypatch.setattr(serving.Scheduler, "KEEP", True)
     top = copy.deepcopy(top)
     data = served(MIXED, {"process": "gamma", "rate": 3.0, "cv": 3.0, "requests": 14},
@@ -452,7 +453,14 @@ def test_routing_budgets_and_expert_parallelism_serve_as_the_simpy_path_replays_
                   cache={"capacity": "30%", **top.pop("cache", {})}, policies=policies, **top)
     sim = Simulation(scenario_from_dict(data))
     res = sim.run()
-    assert res.summary["replay_path"] == "simpy"
+    on_kernel = not top and "routing" not in policies
+    assert res.summary["replay_path"] == ("kernel" if on_kernel else "simpy"), res.summary["replay_path_reason"]
+    if on_kernel:
+        monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+        simpy = Simulation(scenario_from_dict(data)).run()
+        monkeypatch.delenv("MOESIM_NO_KERNEL")
+        pd.testing.assert_frame_equal(simpy.steps, res.steps, check_exact=True)
+        pd.testing.assert_frame_equal(simpy.requests, res.requests, check_exact=True)
     assert sim.source.serving is not None
     assert sim.source.serving.kept is not None
     plain = copy.deepcopy(data)

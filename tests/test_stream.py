@@ -558,7 +558,7 @@ def test_progress_counts_the_file_rows_up_to_all_of_them(ragged_file: Path) -> N
 
 @pytest.mark.parametrize(("sets", "reason"), [
     (["workload.speculative.tree_size=4"], "speculative decoding"),
-    (["policies.budget=dynamic-skip"], "a routing or budget policy"),
+    (["policies.budget=skip-threshold"], "budget policy 'skip-threshold' calibrates on the trace's leading passes"),
 ])
 def test_replays_that_need_the_whole_trace_read_it_whole(ragged_file: Path, sets: list[str], reason: str) -> None:
     sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", *sets])
@@ -651,8 +651,11 @@ def test_every_reason_to_read_the_whole_trace(ragged_file: Path, monkeypatch) ->
     assert why_whole(sc(), False) is None
     assert why_whole(sc(), True) == "the replay records its decisions"
     assert why_whole(sc("hardware.preset=h100-sxm-nvlink-x2"), False) == "expert parallelism"
-    assert why_whole(sc("policies.routing=cache-aware"), False) == "a routing or budget policy"
-    assert why_whole(sc("policies.budget=dynamic-skip"), False) == "a routing or budget policy"
+    assert why_whole(sc("policies.routing=cache-aware"), False) == "routing policy 'cache-aware' runs on the SimPy path"
+    assert why_whole(sc("policies.budget=dynamic-skip"), False) is None  # a (pass, layer)'s choice reads its rows
+    assert why_whole(sc("policies.budget=moe-spec"), False) is None
+    assert why_whole(sc("policies.budget=moe-spec", "policies.budget.ranking=static"), False) == (
+        "budget policy 'moe-spec' calibrates on the trace's leading passes")
     assert why_whole(sc("policies.miss=drop"), False) is None
     wide = write_trace(synth_from_preset("olmoe-1b-7b", layers=1, experts=130, top_k=129, requests=2, prompt_tokens=2,
                                          tokens=2, seed=0), ragged_file.parent / "wide.parquet")

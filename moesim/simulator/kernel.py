@@ -17,7 +17,8 @@ beside the policy in its module; a policy given as hooks runs through
 when it walks an order of its own): the kernel is compiled once with every form
 shipped with moesim and picks the replay's by its index (:mod:`simulator.kernel_cache`), so
 that it names none. Scope (:func:`kernel_form`): one GPU, routing that does not change what
-tokens compute, no budget, an eviction policy with a compiled form, a prefetcher and a miss
+tokens compute, any budget policy (its choices made ahead of the kernel's calls,
+:func:`budget_lookups`), an eviction policy with a compiled form, a prefetcher and a miss
 policy with a compiled form (:func:`miss_form`: it decides, the kernel carries the decision out), and a prefetcher with a compiled form
 (:meth:`~moesim.policies.prefetch.base.PrefetchPolicy.why_not_compiled`: its proposals are arrays
 made ahead of the kernel's calls from the trace alone, :func:`_proposals_ahead`; a user's
@@ -25,8 +26,8 @@ prefetcher written as a hook, :class:`policies.hooks.HookPrefetch`, has one when
 keep what each token of the layer computes (``kernel_state._final``); the precision cascades cache
 entries of several sizes (a key's precision gives its bytes, copy and compute seconds; room is
 made by as many victims as it takes, in :func:`simulator.kernel_cache._victims`). Everything else
-— a routing or budget policy that changes what a token computes (each is its own Python/numpy
-selection), expert parallelism, a policy without a compiled form or whose hooks numba cannot
+— a routing policy that changes what a token computes (it reads the cache at each routing
+point: its own Python/numpy selection), expert parallelism, a policy without a compiled form or whose hooks numba cannot
 compile, and a replay that records its decisions (``Simulation.decisions``, which the
 calibration executor carries out) — runs on the SimPy path, and the replay says why. A replay
 that records its timeline (``moesim run --events``) writes the same records into the kernel's
@@ -78,6 +79,7 @@ from moesim.kernel_state import (
     C_K,
     C_KEEPSTATIC,
     C_L,
+    C_LOOKUP,
     C_MAXN,
     C_MISS,
     C_MISSARG,
@@ -156,8 +158,8 @@ def kernel_form(sim: Any) -> str | None:
         return "the replay records its decisions"
     if sim.scenario.hardware.gpus > 1:
         return "expert parallelism"
-    if sim.routing.changes_routing or sim.budget.restricts:
-        return "a routing or budget policy that changes what tokens compute"
+    if sim.routing.changes_routing:
+        return "a routing policy that changes what tokens compute"
     if miss_form(type(sim.miss)) is None:
         name = sim.scenario.policies.miss.name
         from moesim.policies.miss.hooked import HookMiss, compiled_choose
@@ -226,9 +228,10 @@ BLOCK_PASSES = 1 << 13
 _NO_PRED = np.zeros((1, 1), np.float32)  # M.pred of a trace without next-layer predictions
 
 
-def _mass_arrays(sim: Any) -> Tokens:
+def _mass_arrays(sim: Any, chosen: np.ndarray | None) -> Tokens:
     """What the per-token functions read (:data:`moesim.kernel_state.Tokens`): the trace's
-    rows of each (pass, layer) in order (CSR), its experts, the mass per row (router
+    rows of each (pass, layer) in order (CSR), its experts, the experts the budget policy
+    leaves each row (``chosen``; None: the experts themselves), the mass per row (router
     probabilities when the trace has them, else the top-k weights), each row's token
     (request, position) numbered, a mark per token, the next-layer predictions (speculative)
     and per token its row in the latest layer replayed and that layer's (pass, layer) index;
@@ -244,8 +247,9 @@ def _mass_arrays(sim: Any) -> Tokens:
     tok = trace.request.astype(np.int64) * (int(trace.position.max(initial=0)) + 1) + trace.position
     _, token = np.unique(tok, return_inverse=True)
     n_tok = int(token.max(initial=0)) + 1
+    experts = np.ascontiguousarray(trace.experts, np.int16)
     return Tokens(np.ascontiguousarray(wl.row_order, np.int64), np.ascontiguousarray(wl.row_off, np.int64),
-                  np.ascontiguousarray(trace.experts, np.int16), np.ascontiguousarray(mass, np.float32),
+                  experts, experts if chosen is None else chosen, np.ascontiguousarray(mass, np.float32),
                   token.astype(np.int64), np.full(n_tok, -1, np.int64),
                   np.ascontiguousarray(wl.pred_next, np.float32) if wl.pred_next is not None else _NO_PRED,
                   np.zeros(n_tok, np.int64), np.full(n_tok, -1, np.int64),
@@ -347,10 +351,12 @@ def load_cached_forms() -> int:
     return len(forms)
 
 
-def _piece(sim: Any, wl: Any, miss: type[MissForm], max_rows: int, IS: np.ndarray, FS: np.ndarray, hooks: tuple[Any, ...],
-           S: tuple[np.ndarray, ...], after: tuple[int, np.ndarray] | None = None) -> tuple[Any, ...]:
+def _piece(sim: Any, wl: Any, first_pass: int, miss: type[MissForm], max_rows: int, IS: np.ndarray, FS: np.ndarray,
+           hooks: tuple[Any, ...], S: tuple[np.ndarray, ...],
+           after: tuple[int, np.ndarray] | None = None) -> tuple[Any, ...]:
     """The kernel's read-only data for the passes of ``wl`` (the whole trace's workload, or a
-    piece of it): ``DI`` = access offsets; ``A`` = the per-access arrays (layer,
+    piece of it, whose first pass is the replay's ``first_pass``): ``DI`` = access offsets
+    (and, under a budget policy, lookup offsets: :func:`budget_lookups`); ``A`` = the per-access arrays (layer,
     expert, tokens routed, summed gate weight, best router rank), the eviction form's ``hooks``
     and its state ``S`` as its :meth:`~moesim.policies.eviction.base.KernelForm.piece` makes it
     for ``wl`` (``after``: the piece's first access and every key's first access after it,
@@ -364,8 +370,65 @@ def _piece(sim: Any, wl: Any, miss: type[MissForm], max_rows: int, IS: np.ndarra
     S = form.piece(sim.eviction, S, wl, after, int(IS[H_NKEYS]))
     A = Accesses(wl.acc_layer, wl.acc_expert, wl.acc_tokens, wl.acc_weight, wl.acc_rank, hooks, S)
     DF = _precisions(sim, miss, max_rows, IS, FS)
-    M = _mass_arrays(sim) if not sim.miss.always_fetch else None
+    chosen = None
+    IS[C_LOOKUP] = 0  # each (pass, layer) looks its accesses up
+    if sim.budget.restricts:
+        DI, A, chosen = budget_lookups(sim, wl, first_pass, DI, A)
+        IS[C_LOOKUP] = len(wl.off)
+    M = _mass_arrays(sim, chosen) if sim.general else None
     return DI, A, DF, M, sim.costs.nonexpert_times()
+
+
+def budget_lookups(sim: Any, wl: Any, first_pass: int, DI: np.ndarray,
+                   A: Accesses) -> tuple[np.ndarray, Accesses, np.ndarray]:
+    """Under a budget policy: what each (pass, layer) of ``wl`` (whose first pass is the
+    replay's ``first_pass``) looks up, as the SimPy path's
+    :meth:`simulator.lookup.LayerLookup.plan` does at its routing point — the budget policy's
+    choice (:func:`simulator.lookup.plan`, called once per (pass, layer) with routing, in the
+    replay's order, so that a policy that keeps state sees the same calls), its experts in
+    router order with their best ranks and tokens (:func:`simulator.lookup.router_order`).
+    A budget policy reads the trace, never the cache, so its choices can be made ahead of the
+    kernel's calls. Returns ``DI`` followed by the lookups' offsets (from ``len(wl.off)``,
+    ``IS[C_LOOKUP]``), ``A`` with the lookups after the workload's accesses (each lookup's
+    weight the summed gate weight of the trace's access of that expert, 0 when the router did
+    not choose it: what a policy is handed on either path, :func:`~moesim.kernel_state.access_of`)
+    and each trace row's experts as the policy leaves them (-1 past the last)."""
+    from moesim.simulator.lookup import plan, router_order
+
+    num_l = sim.model.num_layers
+    off = wl.off
+    n_acc = len(A.expert)
+    chosen_rows = np.full(wl.trace.experts.shape, -1, np.int16)
+    look_off = np.empty(len(off), np.int64)
+    layer: list[int] = []
+    expert: list[int] = []
+    tokens: list[int] = []
+    weight: list[float] = []
+    rank: list[int] = []
+    for b in range(len(off) - 1):
+        look_off[b] = n_acc + len(expert)
+        if off[b] == off[b + 1]:
+            continue  # no routing for this (pass, layer): the replay skips the layer
+        p, lay = divmod(b, num_l)
+        rows = wl.rows(p, lay)
+        _, chosen = plan(sim, first_pass + p, lay, rows, None)
+        for t, c in enumerate(chosen):
+            chosen_rows[rows[t], :len(c)] = c
+        experts, ranks, toks = router_order(chosen)
+        routed = dict(zip(A.expert[off[b]:off[b + 1]].tolist(), A.weight[off[b]:off[b + 1]].tolist(), strict=True))
+        layer += [lay] * len(experts)
+        expert += experts
+        tokens += [len(t) for t in toks]
+        weight += [routed.get(e, 0.0) for e in experts]
+        rank += ranks
+    look_off[-1] = n_acc + len(expert)
+
+    def joined(a: np.ndarray, more: list[Any]) -> np.ndarray:
+        return np.concatenate((a, np.asarray(more, a.dtype)))
+
+    A = A._replace(layer=joined(A.layer, layer), expert=joined(A.expert, expert), tokens=joined(A.tokens, tokens),
+                   weight=joined(A.weight, weight), rank=joined(A.rank, rank))
+    return np.concatenate((DI, look_off)), A, chosen_rows
 
 
 def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, miss: type[MissForm], max_runs: int) -> None:
@@ -398,7 +461,7 @@ def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, miss: type[MissForm], m
     IS[C_REROUTE] = miss.reroutes
     IS[C_K] = model.top_k
     IS[C_NE] = model.num_experts
-    IS[C_PROBS] = not sim.miss.always_fetch and sim.wl.probs is not None
+    IS[C_PROBS] = sim.general and sim.wl.probs is not None
 
 
 def next_piece(pieces: Generator[Any, float, None], now: float) -> Any:
@@ -456,7 +519,7 @@ def _hand_over(sim: Any, wl: Any, outs: list[tuple[Any, ...]]) -> Any:
     (:meth:`simulator.blocks.PassBlocks.take`). Returns ``wl``."""
     cols, t_start, t_end, stall, m_total, m_kept = (np.concatenate(x) for x in zip(*outs, strict=True))
     named = dict(zip(COLUMNS, np.ascontiguousarray(cols.T), strict=True))
-    sim.blocks.take(wl, named, t_start, t_end, stall, (m_total, m_kept) if not sim.miss.always_fetch else None)
+    sim.blocks.take(wl, named, t_start, t_end, stall, (m_total, m_kept) if sim.general else None)
     return wl
 
 
@@ -568,14 +631,14 @@ def _replay(sim: Any) -> None:
     num_keys = num_l * div
     streamed = sim.source.pieces is not None
     # a layer's distinct experts (a piece's largest is not the trace's: the bound when in pieces)
-    maxn = model.num_experts if streamed else int(np.diff(wl.off).max(initial=0))
+    maxn = model.num_experts if streamed or sim.budget.restricts else int(np.diff(wl.off).max(initial=0))
     assert prefetch_form(type(sim.prefetch)) is None, "kernel_form"
     pool = num_keys + maxn + 16
     pend_max = num_keys + 16
     miss = miss_form(type(sim.miss))
     assert miss is not None, "kernel_form"
-    fetch_only = sim.miss.always_fetch
-    max_rows = 0 if fetch_only else _layer_rows(wl)  # pieces: the most so far (grow_rows)
+    per_token = sim.general  # a miss or budget policy changes what tokens compute
+    max_rows = _layer_rows(wl) if per_token else 0  # pieces: the most so far (grow_rows)
     # a layer computes its routed experts and, for a miss policy that re-routes, others
     max_runs = maxn + (model.num_experts if miss.reroutes else 0)
     window, log = _timeline(sim, num_l, pool, max_runs)
@@ -589,7 +652,7 @@ def _replay(sim: Any) -> None:
     future = (sim.source.piece_futures(sim.num_prec, sim.default_prec, num_keys)
               if streamed and sim.eviction.reads_future else None)
     shown, total = sim.source.rows_shown, (1 + sim.source.first_passes) * sim.source.trace_rows  # after first passes
-    DI, A, DF, M, nonexp = _piece(sim, wl, miss, max_rows, IS, FS, hooks, S, None if future is None else future(wl, 0))
+    DI, A, DF, M, nonexp = _piece(sim, wl, 0, miss, max_rows, IS, FS, hooks, S, None if future is None else future(wl, 0))
     pinned = [int(k) for k in sim.prefetch.pinned()]
     if pinned:
         with _hook_errors(sim):
@@ -642,10 +705,10 @@ def _replay(sim: Any) -> None:
             forget_large_tuples()  # the piece's per-access arrays, kept by the kernel with their type
             wl = nxt
             sim.bind_piece(wl)
-            if not fetch_only:
+            if per_token:
                 max_rows = max(max_rows, _layer_rows(wl))
                 IS, W = grow_rows(IS, W, max_rows, model.top_k)
-            DI, A, DF, M, nonexp = _piece(sim, wl, miss, max_rows, IS, FS, hooks, S,
+            DI, A, DF, M, nonexp = _piece(sim, wl, base, miss, max_rows, IS, FS, hooks, S,
                                           None if future is None else future(wl, n_pieces))
         if handing is not None:
             sim.wl = handing.result()  # the last block's passes and requests

@@ -18,6 +18,7 @@ from moesim.kernel_state import (
     C_INSTANT,
     C_K,
     C_L,
+    C_LOOKUP,
     C_MODE,
     C_NBYTES,
     C_NPREC,
@@ -384,24 +385,28 @@ def _token_mass(p, layer, IS, FS, M):
     kept = 0.0
     for i in range(row_off[b + 1] - row_off[b]):
         r = row_order[row_off[b] + i]
-        changed = False
-        n_fin = 0
+        n_fin = 0  # experts the token finally computes
+        n_kept = 0  # of them, its routed ones
         t_total = 0.0
         t_kept = 0.0
         for j in range(k):
             e = np.int64(experts[r, j])
             f = fin[i * k + j]
-            changed |= f != e
+            stays = False  # whether routed expert e is computed (anywhere in the token's final set)
+            for jj in range(k):
+                stays |= fin[i * k + jj] == e
+            n_kept += stays
             if IS[C_PROBS]:  # ids, ascending: the original at scr[0], the final after them
                 _insert_sorted(scr, 0, j, e)
                 if f >= 0:
                     _insert_sorted(scr, k, n_fin, f)
-                    n_fin += 1
             else:
                 w = np.float64(mass[r, j])
                 t_total += w
-                if f == e:
+                if stays:
                     t_kept += w
+            n_fin += f >= 0
+        changed = n_kept != k or n_fin != k
         if IS[C_PROBS]:
             for j in range(k):
                 scr[j] = np.float64(mass[r, np.int64(scr[j])])
@@ -422,15 +427,16 @@ def _token_mass(p, layer, IS, FS, M):
 
 @_jit
 def _fin_init(p, layer, lo, hi, IS, A, M):
-    """At the layer's routing point: each token computes its routed experts, and the
-    layer's routed experts are marked (a substitute is never one of them)."""
-    row_order, row_off, experts = M.row_order, M.row_off, M.experts
+    """At the layer's routing point: each token computes the experts the budget policy
+    leaves it (its routed experts without one), and the layer's experts are marked (a
+    substitute is never one of them)."""
+    row_order, row_off, chosen = M.row_order, M.row_off, M.chosen
     b = _row_base(p, IS) + layer
     k = IS[C_K]
     fin, routed = _final(IS), _routed(IS)
     for i in range(row_off[b + 1] - row_off[b]):
         for j in range(k):
-            fin[i * k + j] = experts[row_order[row_off[b] + i], j]
+            fin[i * k + j] = chosen[row_order[row_off[b] + i], j]
     for j in range(lo, hi):
         routed[_key(j, IS, A)] = IS[S_LAYERGEN]
 
@@ -442,8 +448,8 @@ def replay_passes(p0, p1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp, 
     starts no earlier than its ``release`` time (serving: the GPU idles until a request
     arrives), the host thread with it.
 
-    ``M`` (the per-token path's arrays) is None under the ``fetch`` miss policy and
-    ``per_expert`` None unless the execution is ``per-expert``: numba prunes a branch on an
+    ``M`` (the per-token path's arrays) is None unless a miss or budget policy changes what
+    tokens compute, and ``per_expert`` None unless the execution is ``per-expert``: numba prunes a branch on an
     argument that is None when it compiles, so a replay compiles only the code its scenario
     can reach (the quickstart's form compiled in 25-29 s, against 123 s for the whole kernel), each
     form once per installation."""
@@ -484,9 +490,10 @@ def replay_passes(p0, p1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp, 
             if IS[C_HSYNC] and FS[SF_HOST] < now:  # the host waits for the routing
                 FS[SF_HOST] = now
             carry = 0.0
-            lo, hi = DI[base + layer], DI[base + layer + 1]
-            if lo == hi:
+            if DI[base + layer] == DI[base + layer + 1]:
                 continue  # no routing for this (pass, layer): the layer is skipped
+            look = IS[C_LOOKUP] + base + layer  # what it looks up (a budget policy's choice)
+            lo, hi = DI[look], DI[look + 1]
             _advance(now, IS, K, T, FS)
             IS[S_LAYER] = layer
             IS[S_LAYERGEN] += 1

@@ -15,6 +15,7 @@ from moesim.kernel_state import (
     C_DPREC,
     C_INSTANT,
     C_K,
+    C_LOOKUP,
     C_MISS,
     C_MISSARG,
     C_MULTI,
@@ -58,16 +59,17 @@ _DECIDE, _SEARCH = range(2)
 
 @_jit
 def _fin_replace(e, e2, IS, M):
-    """The layer's tokens routed to ``e`` compute ``e2`` in its place (-1: nothing; a token
-    that already computes ``e2`` computes it once)."""
+    """The layer's tokens that chose ``e`` (routed to it, or left it by the budget policy)
+    compute ``e2`` in its place (-1: nothing; a token that already computes ``e2`` computes it
+    once)."""
     k = IS[C_K]
     fin = _final(IS)
-    row_order, row_off, experts = M.row_order, M.row_off, M.experts
+    row_order, row_off, chosen = M.row_order, M.row_off, M.chosen
     b = _here(IS)
     for i in range(row_off[b + 1] - row_off[b]):
         r = row_order[row_off[b] + i]
         for j in range(k):
-            if experts[r, j] == e:
+            if chosen[r, j] == e:
                 has = False
                 for jj in range(k):
                     has |= e2 >= 0 and fin[i * k + jj] == e2
@@ -125,12 +127,12 @@ def _use_other(e2, ntok, pin_gen, buf, IS, K, T, W, FS, DI, A):
 def _speculate(e, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
     """Speculative execution (the engine's speculate branch,
     ``speculating-experts-prefetch.txt`` §4): each token routed to the missed ``e`` computes,
-    in its place, its highest-predicted expert (the previous layer's ``pred_next`` for the
+    (or left it by the budget policy) in its place, its highest-predicted expert (the previous layer's ``pred_next`` for the
     same token; the lowest id on a tie, as a stable sort) that is resident or in flight and
     not already computed by the token, or nothing; each expert chosen then computes its
     tokens (:func:`_use_other`), in the order first chosen."""
     IS[R_SUBST] += 1
-    row_order, row_off, experts, token = M.row_order, M.row_off, M.experts, M.token
+    row_order, row_off, chosen, token = M.row_order, M.row_off, M.chosen, M.token
     pred, prev_row, prev_stamp = M.pred, M.prev_row, M.prev_stamp
     k = IS[C_K]
     fin = _final(IS)
@@ -140,7 +142,7 @@ def _speculate(e, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
     for i in range(row_off[b + 1] - row_off[b]):
         r = row_order[row_off[b] + i]
         for j in range(k):
-            if experts[r, j] != e:
+            if chosen[r, j] != e:
                 continue
             fin[i * k + j] = -1
             t = token[r]
@@ -174,6 +176,15 @@ def _speculate(e, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
 
 
 @_inline
+def _form_access(ai, IS):
+    """The workload's access the eviction form is told of for lookup ``ai``: ``ai`` itself,
+    or under a budget policy (whose lookups follow the workload's accesses, ``C_LOOKUP``) -1,
+    so that the form finds the (pass, layer)'s access of the key, if the router chose it, as
+    the SimPy path's policies do (its gate weight, Belady's position in the trace)."""
+    return ai if IS[C_LOOKUP] == 0 else -1
+
+
+@_inline
 def _lookup(ai, now, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
     """Look access ``ai`` up (engine's ``LayerLookup.lookup``): the computations it leads to
     go into lookup buffer ``buf`` (:func:`_add_run`): one for a hit, a late prefetch, a
@@ -187,13 +198,13 @@ def _lookup(ai, now, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
     ntok = np.int64(A.tokens[ai])
     if state == RESIDENT:
         IS[R_HITS] += 1
-        _on_access(key, ai, IS, K, DI, A)
+        _on_access(key, _form_access(ai, IS), IS, K, DI, A)
         _used_prefetch(key, IS, K)
         _add_run(buf, -1, key, ntok, IS, K, T, W)
         return
     if state == INFLIGHT:
         IS[R_LATE] += 1
-        _on_access(key, ai, IS, K, DI, A)
+        _on_access(key, _form_access(ai, IS), IS, K, DI, A)
         _used_prefetch(key, IS, K)
         _add_run(buf, _needed_now(key, IS, K, T, FS), key, ntok, IS, K, T, W)
         return
@@ -205,7 +216,7 @@ def _lookup(ai, now, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
     if M is not None:  # a miss policy other than ``fetch`` (compiled only for one: ``M`` is None)
         kq = _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A, M)
     else:
-        kq = -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A) else key
+        kq = -1 if _fetch_at(key, _form_access(ai, IS), ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A) else key
     if kq < 0:
         return
     tid = _submit(kq, DEMAND, now, 1, IS, T, FS)
@@ -238,9 +249,10 @@ def _miss_policy(key, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A, M):
         return -1
     # fetch (the fetch in the engine's ``LayerLookup.lookup``): at the scenario's precision or down a precision
     # cascade; when no room can be made, an uncached fetch (at the cascade's last precision)
+    fa = _form_access(ai, IS)
     if IS[C_MULTI]:
-        return _cascade(key, A.rank[ai], ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A)
-    return -1 if _fetch_at(key, ai, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A) else key
+        return _cascade(key, A.rank[ai], fa, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A)
+    return -1 if _fetch_at(key, fa, ntok, now, pin_gen, buf, IS, K, T, W, FS, DI, A) else key
 
 
 @_inline

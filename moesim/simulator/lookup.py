@@ -172,22 +172,10 @@ class LayerLookup:
             return
         rows = sim.wl.rows(p, layer)
         self.rows = rows
-        self.orig, chosen = plan(sim, p, layer, rows, self.cached)
-        first: dict[int, list[int]] = {}  # expert -> [best rank, token indices...]
-        for t, toks_t in enumerate(chosen):
-            for r, e in enumerate(toks_t):
-                ent = first.get(int(e))
-                if ent is None:
-                    first[int(e)] = [r, t]
-                else:
-                    if r < ent[0]:
-                        ent[0] = r
-                    ent.append(t)
-        self.experts = list(first)
-        self.ranks = [ent[0] for ent in first.values()]
-        self.toks = [ent[1:] for ent in first.values()]
+        self.orig, chosen = plan(sim, self.at, layer, rows, self.cached)
+        self.experts, self.ranks, self.toks = router_order(chosen)
         self.keys = ctx.layer_keys(layer, self.experts)
-        self.routed = frozenset(first)
+        self.routed = frozenset(self.experts)
         self.final = [set(map(int, c)) for c in chosen]
         self.key_for: dict[int, int] = {}  # expert computed -> the cache key it computes from
         self.pred_order: list[list[int]] | None = None
@@ -399,12 +387,31 @@ def plan(sim: Replay, p: int, layer: int, rows: np.ndarray,
          cached: Any | None) -> tuple[np.ndarray, list[list[int]]]:
     """A layer's routing as the trace has it (``[tokens, k]``) and each token's experts after
     the routing policy (when ``cached`` is given: it reads residency) and the budget policy,
-    in rank order."""
+    in rank order; ``p`` is the pass's number over the whole replay (a trace read in pieces
+    or served a pass at a time numbers its passes on), ``rows`` index the workload's trace."""
     trace = sim.wl.trace
     assert trace is not None
     orig = trace.experts[rows].astype(np.int64)
     routed = sim.routing.route(p, layer, rows, orig, cached) if cached is not None and sim.routing.changes_routing else orig
     return orig, (sim.budget.select(p, layer, rows, routed) if sim.budget.restricts else routed.tolist())
+
+
+def router_order(chosen: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
+    """The experts of a layer whose tokens chose ``chosen`` (each token's experts, rank order):
+    in router order (first appearance, token by token and rank by rank), each one's best
+    rank, and the indices of its tokens. The kernel's lookups under a budget policy are made
+    here too (:func:`moesim.simulator.kernel.budget_lookups`)."""
+    first: dict[int, list[int]] = {}  # expert -> [best rank, token indices...]
+    for t, toks_t in enumerate(chosen):
+        for r, e in enumerate(toks_t):
+            ent = first.get(int(e))
+            if ent is None:
+                first[int(e)] = [r, t]
+            else:
+                if r < ent[0]:
+                    ent[0] = r
+                ent.append(t)
+    return list(first), [ent[0] for ent in first.values()], [ent[1:] for ent in first.values()]
 
 
 def token_mass(wl: Any, rows: np.ndarray, orig: np.ndarray,

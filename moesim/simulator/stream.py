@@ -97,7 +97,8 @@ def _piecewise(scenario: Scenario) -> tuple[str, str] | None:
     kernel runs (whose compiled form reads no more than the current pass; ``reads_future``
     policies get their next uses from a first pass), a prefetcher the kernel runs that is
     ``piecewise`` or ``counts_whole_trace``, a miss policy the kernel runs (each piece's tokens
-    are its own), routing that does not change and no budget."""
+    are its own), routing that does not change, and a budget policy that does not calibrate on
+    the trace's leading passes (each (pass, layer)'s choice reads only its own rows)."""
     from moesim.simulator.kernel import eviction_form, miss_form, prefetch_form
 
     ev, pf, miss, routing, budget = policy_classes(scenario)
@@ -108,8 +109,10 @@ def _piecewise(scenario: Scenario) -> tuple[str, str] | None:
         return "prefetch", pol.prefetch.name
     if miss_form(miss) is None:
         return "miss", pol.miss.name
-    if routing.changes_routing or budget.restricts:
-        return "routing", ""
+    if routing.changes_routing:
+        return "routing", pol.routing.name
+    if budget.restricts and budget.calibrates(pol.budget.params):
+        return "budget", pol.budget.name
     return None
 
 
@@ -139,7 +142,9 @@ def why_whole(scenario: Scenario, decisions: bool) -> str | None:
         return f"prefetch policy '{name}' reads the whole trace"
     if family == "miss":
         return f"miss policy '{name}' has no compiled form"
-    return "a routing or budget policy"
+    if family == "routing":
+        return f"routing policy '{name}' runs on the SimPy path"
+    return f"budget policy '{name}' calibrates on the trace's leading passes"
 
 
 def first_passes(scenario: Scenario) -> int:

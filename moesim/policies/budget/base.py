@@ -33,7 +33,8 @@ class BudgetPolicy(Policy, ABC):
 
     @abstractmethod
     def select(self, pass_index: int, layer: int, rows: np.ndarray, experts: np.ndarray) -> list[list[int]]:
-        """Each token's experts (rank order) for trace ``rows`` whose router chose ``experts``."""
+        """Each token's experts (rank order) for trace ``rows`` (of ``ctx.workload``) whose
+        router chose ``experts``, in forward pass ``pass_index`` (counted over the whole replay)."""
 
     def scores(self, rows: np.ndarray, experts: np.ndarray) -> np.ndarray:
         """Router scores ``[tokens, N]``: probabilities when the trace has them, else the top-k

@@ -104,13 +104,14 @@ def _hooked(e, rank, arg, IS, K, M):
     for c in range(n):
         cached[c] = K[key].state != ABSENT
         key += step
-    routed[:] = False  # the experts of the layer's tokens' rows (its trace rows, as routed)
+    routed[:] = False  # the experts the layer's tokens chose (as routed, or as a budget policy left them)
     b = _here(IS)
-    row_order, row_off, experts = M.row_order, M.row_off, M.experts
+    row_order, row_off, chosen = M.row_order, M.row_off, M.chosen
     for i in range(row_off[b], row_off[b + 1]):
         r = row_order[i]
         for j in range(IS[C_K]):
-            routed[experts[r, j]] = True
+            if chosen[r, j] >= 0:
+                routed[chosen[r, j]] = True
     d = H[H_CHOOSE][0](current_pass(IS), layer, e, rank, cached, routed, H[H_SI], H[H_SF])
     if d in (FETCH, DROP):
         return d

@@ -42,9 +42,10 @@ def _nearest_resident(e, IS, K, M):
 
 @kernel
 def _mean_prob(e, c, IS, M):
-    """Mean router probability of expert ``c`` over the layer's tokens routed to ``e``,
-    summed row by row in float32 and divided in float32 (numpy's ``mean(axis=0)``)."""
-    row_order, row_off, experts, mass = M.row_order, M.row_off, M.experts, M.mass
+    """Mean router probability of expert ``c`` over the layer's tokens that chose ``e`` (routed
+    to it, or left it by the budget policy: ``M.chosen``), summed row by row in float32 and
+    divided in float32 (numpy's ``mean(axis=0)``)."""
+    row_order, row_off, chosen, mass = M.row_order, M.row_off, M.chosen, M.mass
     k = IS[C_K]
     b = _here(IS)
     total = np.float32(0.0)
@@ -52,7 +53,7 @@ def _mean_prob(e, c, IS, M):
     for i in range(row_off[b + 1] - row_off[b]):
         r = row_order[row_off[b] + i]
         for j in range(k):
-            if experts[r, j] == e:
+            if chosen[r, j] == e:
                 v = mass[r, c]
                 total = v if n == 0 else np.float32(total + v)
                 n += 1
