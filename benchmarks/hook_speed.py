@@ -10,7 +10,9 @@ clock), and SIEVE written as list-shaped hooks (``tests/test_list_hooks.py``: a 
 bits and a hand in the policy's own arrays, its walk asked a key at a time); prefetch oracle (the next layer's true experts) and previous-token, with LRU (both
 propose through arrays made ahead: the built-ins' compiled form, the hooks' ``select``); miss
 drop (rank 2 and below fetched, the rest dropped: the built-in's compiled form, the hook's
-``choose`` called at each miss, ``tests/test_miss_hooks.py``). Each pair replays the quickstart scenario's model
+``choose`` called at each miss, ``tests/test_miss_hooks.py``); budget dynamic skipping (the
+built-in's numpy selection against a user's, written a token at a time,
+``tests/test_budget_kernel.py``: both asked for each (pass, layer) ahead of the kernel's calls). Each pair replays the quickstart scenario's model
 (OLMoE-1B-7B shape: 16 layers x 64 experts, top-8) at 5% capacity, full timing, on the
 compiled kernel, from a trace in memory; the replays alternate (built-in, hook, built-in, ...)
 and the median of each is reported, as expert accesses per second of ``Simulation.run``.
@@ -44,7 +46,8 @@ from provenance import provenance  # machine, software, commit, date, command
 def register_hooks() -> dict[str, str]:
     """Register the tests' hook policies; returns hook policy -> the built-in it restates, each
     as ``family=name``."""
-    from moesim.policies import eviction, miss, prefetch
+    from moesim.policies import budget, eviction, miss, prefetch
+    from tests.test_budget_kernel import UserSkip
     from tests.test_hooks import AskedLFU, HookFLD, HookLFU, HookOracle, HookPreviousToken
     from tests.test_list_hooks import HookSieve
     from tests.test_miss_hooks import HookDrop
@@ -55,7 +58,8 @@ def register_hooks() -> dict[str, str]:
     for name, cls in (("hook-oracle", HookOracle), ("hook-previous-token", HookPreviousToken)):
         prefetch.REGISTRY.register(name)(cls)
     miss.REGISTRY.register("hook-drop")(HookDrop)
-    return {"miss=hook-drop": "miss=drop",
+    budget.REGISTRY.register("user-skip")(UserSkip)
+    return {"miss=hook-drop": "miss=drop", "budget=user-skip": "budget=dynamic-skip",
             "eviction=hook-lfu": "eviction=lfu", "eviction=asked-lfu": "eviction=lfu",
             "eviction=hook-fld": "eviction=fld", "eviction=hook-sieve": "eviction=sieve",
             "prefetch=hook-oracle": "prefetch=oracle",

@@ -68,12 +68,36 @@ class Logged(BudgetPolicy):
         return [[int(e) for e in row[:keep]] for row in experts]
 
 
+class UserSkip(BudgetPolicy):
+    """Dynamic skipping as a user would write it, a token at a time (Lu et al. 2024, as
+    XShare §1 describes it): an expert of rank >= 1 is skipped when its weight is below 0.3 of
+    the token's top-1 weight. ``benchmarks/hook_speed.py`` times it against the built-in."""
+
+    def select(self, pass_index: int, layer: int, rows: np.ndarray, experts: np.ndarray) -> list[list[int]]:
+        w = self.ctx.workload.trace.weights[rows]
+        return [[int(e) for r, e in enumerate(row) if r == 0 or w[t, r] >= 0.3 * w[t, 0]]
+                for t, row in enumerate(experts)]
+
+
+USERS = {"spread": Spread, "logged": Logged, "user-skip": UserSkip}
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    REGISTRY.register("spread")(Spread)
-    REGISTRY.register("logged")(Logged)
+    for name, cls in USERS.items():
+        REGISTRY.register(name)(cls)
     yield
-    del REGISTRY._classes["spread"], REGISTRY._classes["logged"]
+    for name in USERS:
+        del REGISTRY._classes[name]
+
+
+def test_a_users_dynamic_skip_gives_the_built_ins_rows_on_both_paths(olmoe, monkeypatch):
+    for mode in MODES:
+        built_in = run(budget_scenario("dynamic-skip", mode=mode), olmoe, monkeypatch, False)
+        for simpy in (False, True):
+            mine = run(budget_scenario("user-skip", mode=mode), olmoe, monkeypatch, simpy)
+            pd.testing.assert_frame_equal(mine.steps, built_in.steps, check_exact=True)
+    assert built_in.summary["tokens_altered"] > 0
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,17 @@ from moesim.policies.eviction import (
     EvictionPolicy,
     access_weight,
 )
-from moesim.policies.eviction.base import PRIORITY_HOOKS, KernelForm, new_state
+from moesim.policies.eviction.base import (
+    HOOK_STATE,
+    HS_CLOCK,
+    HS_FLOATS,
+    HS_INTS,
+    HS_SF,
+    HS_SI,
+    PRIORITY_HOOKS,
+    KernelForm,
+    new_state,
+)
 from moesim.policies.prefetch import PrefetchPolicy
 from moesim.policies.registry import PolicyContext
 
@@ -354,22 +364,31 @@ class _NoHooks(HookEviction):
 
 
 @functools.cache
-def _unused_state() -> tuple[np.ndarray, ...]:
-    return np.zeros(CLOCK_SIZE, np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1))
+@functools.cache
+def unused_state() -> tuple[np.ndarray, ...]:
+    """``A.hooks[HOOK_STATE]`` when no hook form runs: arrays no hook reads, of the types the
+    real ones have."""
+    return (np.zeros(CLOCK_SIZE, np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1)), np.zeros(1, np.int64),
+            np.zeros(1))
+
+
+def first_class_functions(fns: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A hook form's part of ``A.hooks``: each hook in a tuple of one, which numba types as a
+    first-class function (a function's address, called indirectly) rather than as that
+    function (one compiled kernel for every hook policy)."""
+    return tuple((f,) for f in fns)
 
 
 def _first_class(fns: tuple[Any, ...], clock: np.ndarray, si: np.ndarray, sf: np.ndarray,
-                 keys: np.ndarray) -> tuple[Any, ...]:
-    """:class:`PriorityHooks`' part of ``A.hooks``: each hook in a tuple of one, which numba
-    types as a first-class function (a function's address, called indirectly) rather than as
-    that function (one compiled kernel for every hook policy); the clock and state; the cached
-    keys (a view of the form's member list) and the victim search's buffer of their
+                 keys: np.ndarray) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """:class:`PriorityHooks`' part of ``A.hooks`` and the state beside it: the clock and state,
+    the cached keys (a view of the form's member list) and the victim search's buffer of their
     priorities."""
-    return (*((f,) for f in fns), clock, si, sf, keys, np.zeros(max(len(si), len(keys))))
+    return first_class_functions(fns), (clock, si, sf, keys, np.zeros(max(len(si), len(keys))))
 
 
-# A.hooks[PRIORITY_HOOKS]: the hooks (insert, access, remove, priority, priorities), clock, state, members, priorities
-U_INSERT, U_ACCESS, U_REMOVE, U_PRIORITY, U_PRIORITIES, U_CLOCK, U_SI, U_SF, U_KEYS, U_PRIOS = range(10)
+# A.hooks[PRIORITY_HOOKS]: the hooks (insert, access, remove, priority, priorities)
+U_INSERT, U_ACCESS, U_REMOVE, U_PRIORITY, U_PRIORITIES = range(5)
 # the form's own arrays: I2 (the tick of the key's last insert or use, its place among the members),
 # F2 (its kept priority), I1 (the tick, the members' count, the members), F1 (1: a stable priority)
 STAMP, MEMB = 0, 1
@@ -380,7 +399,7 @@ TICK, COUNT, MEMBERS = 0, 1, 2
 @inline
 def _set_clock(S: Any, IS: np.ndarray, A: Any) -> None:
     """The hooks' clock at the replay's pass, layer and tick."""
-    clock = A.hooks[PRIORITY_HOOKS][U_CLOCK]
+    clock = A.hooks[HOOK_STATE][HS_CLOCK]
     clock[CLOCK_PASS] = current_pass(IS)
     clock[CLOCK_LAYER] = current_layer(IS)
     clock[CLOCK_TICK] = S[2][TICK]
@@ -396,8 +415,8 @@ def _touched(key: int, S: Any) -> None:
 def _keep(key: int, S: Any, A: Any) -> None:
     """A stable priority (``stable_priority``) is computed after the key's hooks ran and kept."""
     if S[3][0]:
-        H = A.hooks[PRIORITY_HOOKS]
-        S[1][key, KEPT] = H[U_PRIORITY][0](key, H[U_CLOCK], H[U_SI], H[U_SF])
+        H, St = A.hooks[PRIORITY_HOOKS], A.hooks[HOOK_STATE]
+        S[1][key, KEPT] = H[U_PRIORITY][0](key, St[HS_CLOCK], St[HS_SI], St[HS_SF])
 
 
 @inline
@@ -410,8 +429,8 @@ def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI:
     _touched(key, S)
     w = float(weight_of(access_of(key, ai, IS, DI, A), A)) if demand else 0.0
     _set_clock(S, IS, A)
-    H = A.hooks[PRIORITY_HOOKS]
-    H[U_INSERT][0](key, demand != 0, w, H[U_CLOCK], H[U_SI], H[U_SF])
+    H, St = A.hooks[PRIORITY_HOOKS], A.hooks[HOOK_STATE]
+    H[U_INSERT][0](key, demand != 0, w, St[HS_CLOCK], St[HS_SI], St[HS_SF])
     _keep(key, S, A)
 
 
@@ -419,8 +438,8 @@ def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI:
 def _access(key: int, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
     _touched(key, S)
     _set_clock(S, IS, A)
-    H = A.hooks[PRIORITY_HOOKS]
-    H[U_ACCESS][0](key, float(weight_of(access_of(key, ai, IS, DI, A), A)), H[U_CLOCK], H[U_SI], H[U_SF])
+    H, St = A.hooks[PRIORITY_HOOKS], A.hooks[HOOK_STATE]
+    H[U_ACCESS][0](key, float(weight_of(access_of(key, ai, IS, DI, A), A)), St[HS_CLOCK], St[HS_SI], St[HS_SF])
     _keep(key, S, A)
 
 
@@ -434,8 +453,8 @@ def _remove(key: int, evicted: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> N
     I1[COUNT] -= 1
     I2[key, MEMB] = -1
     _set_clock(S, IS, A)
-    H = A.hooks[PRIORITY_HOOKS]
-    H[U_REMOVE][0](key, H[U_CLOCK], H[U_SI], H[U_SF])
+    H, St = A.hooks[PRIORITY_HOOKS], A.hooks[HOOK_STATE]
+    H[U_REMOVE][0](key, St[HS_CLOCK], St[HS_SI], St[HS_SF])
 
 
 @kernel
@@ -455,10 +474,10 @@ def _victim(for_prefetch: bool, pin_gen: int, adm_layer: int, again: int, S: Any
             if best == -1 or f < bf or (f == bf and st < bs):
                 best, bf, bs = key, f, st
         return best
-    H = A.hooks[PRIORITY_HOOKS]
-    keys, prios = H[U_KEYS], H[U_PRIOS]  # keys: the members (a view of I1)
+    H, St = A.hooks[PRIORITY_HOOKS], A.hooks[HOOK_STATE]
+    keys, prios = St[HS_INTS], St[HS_FLOATS]  # keys: the members (a view of I1)
     _set_clock(S, IS, A)
-    H[U_PRIORITIES][0](keys, n, prios, H[U_CLOCK], H[U_SI], H[U_SF])
+    H[U_PRIORITIES][0](keys, n, prios, St[HS_CLOCK], St[HS_SI], St[HS_SF])
     for j in range(n):
         key = keys[j]
         if not evictable(key, pin_gen, adm_layer, IS, K):
@@ -488,7 +507,7 @@ class PriorityHooks(KernelForm):
         return I2, F2, I1, F1, P
 
     @classmethod
-    def first_class(cls, policy: Any, S: tuple[np.ndarray, ...]) -> tuple[Any, ...]:
+    def first_class(cls, policy: Any, S: tuple[np.ndarray, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """The policy's compiled hooks and their state: a hook policy's own arrays (so that it
         holds the replay's final state after it, as on the SimPy path); a built-in's compiled
         form's, made here (the kernel's alone)."""
@@ -510,8 +529,7 @@ class PriorityHooks(KernelForm):
     def unused(cls) -> tuple[Any, ...]:
         """Its part of ``A.hooks`` when the replay's form is another: hooks never called, of the
         types the real ones have (one compiled kernel serves every form)."""
-        clock, si, sf = _unused_state()
-        return _first_class(addresses(_NoHooks), clock, si, sf, np.zeros(1, np.int64))
+        return first_class_functions(addresses(_NoHooks))
 
 
 def hook_form(cls: type) -> Any:

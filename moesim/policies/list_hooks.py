@@ -47,8 +47,18 @@ import numpy as np
 from moesim.jit import inline, kernel
 from moesim.kernel_state import access_of, current_layer, current_pass, evictable
 from moesim.kernel_state import access_weight as weight_of
-from moesim.policies.eviction import CLOCK_LAYER, CLOCK_PASS, CLOCK_SIZE, CLOCK_TICK
-from moesim.policies.eviction.base import LIST_HOOKS, KernelForm, new_state
+from moesim.policies.eviction import CLOCK_LAYER, CLOCK_PASS, CLOCK_TICK
+from moesim.policies.eviction.base import (
+    HOOK_STATE,
+    HS_CLOCK,
+    HS_FLOATS,
+    HS_INTS,
+    HS_SF,
+    HS_SI,
+    LIST_HOOKS,
+    KernelForm,
+    new_state,
+)
 from moesim.policies.hooks import (
     Clocked,
     _builtin,
@@ -56,6 +66,7 @@ from moesim.policies.hooks import (
     _once,
     _raised,
     as_addresses,
+    first_class_functions,
     state_arrays,
 )
 from moesim.policies.registry import PolicyContext
@@ -224,22 +235,22 @@ def _compile(cls: type) -> tuple[Any, ...] | str:
 
 
 # A.hooks[LIST_HOOKS]: the hooks (insert, access, remove, miss, candidate), the clock and the state
-L_INSERT, L_ACCESS, L_REMOVE, L_MISS, L_CANDIDATE, L_CLOCK, L_SI, L_SF, L_GI, L_GF = range(10)
+L_INSERT, L_ACCESS, L_REMOVE, L_MISS, L_CANDIDATE = range(5)
 # the form's I1: the tick, the keys the walk has offered, and whether the policy defines each of
 # insert, access, remove and miss (one it leaves as it is does nothing: not called)
 TICK, OFFERS, HAS = 0, 1, 2
 
 
 def _part(fns: tuple[Any, ...], clock: np.ndarray, si: np.ndarray, sf: np.ndarray, gi: np.ndarray,
-          gf: np.ndarray) -> tuple[Any, ...]:
-    """:class:`ListHooks`' part of ``A.hooks``: each hook in a tuple of one (a first-class
-    function, as :func:`moesim.policies.hooks._first_class` says), the clock and the state."""
-    return (*((f,) for f in fns), clock, si, sf, gi, gf)
+          gf: np.ndarray) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """:class:`ListHooks`' part of ``A.hooks`` (each hook a first-class function,
+    :func:`moesim.policies.hooks.first_class_functions`) and the state beside it."""
+    return first_class_functions(fns), (clock, si, sf, gi, gf)
 
 
 @inline
 def _set_clock(S: Any, IS: np.ndarray, A: Any) -> None:
-    clock = A.hooks[LIST_HOOKS][L_CLOCK]
+    clock = A.hooks[HOOK_STATE][HS_CLOCK]
     clock[CLOCK_PASS] = current_pass(IS)
     clock[CLOCK_LAYER] = current_layer(IS)
     clock[CLOCK_TICK] = S[2][TICK]
@@ -252,8 +263,8 @@ def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI:
         return
     w = float(weight_of(access_of(key, ai, IS, DI, A), A)) if demand else 0.0
     _set_clock(S, IS, A)
-    H = A.hooks[LIST_HOOKS]
-    H[L_INSERT][0](key, demand != 0, w, H[L_CLOCK], H[L_SI], H[L_SF], H[L_GI], H[L_GF])
+    H, St = A.hooks[LIST_HOOKS], A.hooks[HOOK_STATE]
+    H[L_INSERT][0](key, demand != 0, w, St[HS_CLOCK], St[HS_SI], St[HS_SF], St[HS_INTS], St[HS_FLOATS])
 
 
 @kernel
@@ -262,9 +273,9 @@ def _access(key: int, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A
     if not S[2][HAS + L_ACCESS]:
         return
     _set_clock(S, IS, A)
-    H = A.hooks[LIST_HOOKS]
-    H[L_ACCESS][0](key, float(weight_of(access_of(key, ai, IS, DI, A), A)), H[L_CLOCK], H[L_SI], H[L_SF], H[L_GI],
-                   H[L_GF])
+    H, St = A.hooks[LIST_HOOKS], A.hooks[HOOK_STATE]
+    H[L_ACCESS][0](key, float(weight_of(access_of(key, ai, IS, DI, A), A)), St[HS_CLOCK], St[HS_SI], St[HS_SF],
+                   St[HS_INTS], St[HS_FLOATS])
 
 
 @kernel
@@ -272,8 +283,8 @@ def _remove(key: int, evicted: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> N
     if not S[2][HAS + L_REMOVE]:
         return
     _set_clock(S, IS, A)
-    H = A.hooks[LIST_HOOKS]
-    H[L_REMOVE][0](key, evicted != 0, H[L_CLOCK], H[L_SI], H[L_SF], H[L_GI], H[L_GF])
+    H, St = A.hooks[LIST_HOOKS], A.hooks[HOOK_STATE]
+    H[L_REMOVE][0](key, evicted != 0, St[HS_CLOCK], St[HS_SI], St[HS_SF], St[HS_INTS], St[HS_FLOATS])
 
 
 @kernel
@@ -281,8 +292,8 @@ def _miss(key: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> None:
     if not S[2][HAS + L_MISS]:
         return
     _set_clock(S, IS, A)
-    H = A.hooks[LIST_HOOKS]
-    H[L_MISS][0](key, H[L_CLOCK], H[L_SI], H[L_SF], H[L_GI], H[L_GF])
+    H, St = A.hooks[LIST_HOOKS], A.hooks[HOOK_STATE]
+    H[L_MISS][0](key, St[HS_CLOCK], St[HS_SI], St[HS_SF], St[HS_INTS], St[HS_FLOATS])
 
 
 @kernel
@@ -292,14 +303,14 @@ def _victim(for_prefetch: bool, pin_gen: int, adm_layer: int, again: int, S: Any
     -1; ``again``: the walk goes on. A key out of range, or more keys than the cache has in one
     walk, raise ValueError (:class:`HookListEviction.candidates` says the same)."""
     I1 = S[2]
-    H = A.hooks[LIST_HOOKS]
+    H, St = A.hooks[LIST_HOOKS], A.hooks[HOOK_STATE]
     first = again == 0
     if first:
         I1[OFFERS] = 0
     _set_clock(S, IS, A)
     num_keys = S[0].shape[0]
     while True:
-        key = H[L_CANDIDATE][0](first, H[L_CLOCK], H[L_SI], H[L_SF], H[L_GI], H[L_GF])
+        key = H[L_CANDIDATE][0](first, St[HS_CLOCK], St[HS_SI], St[HS_SF], St[HS_INTS], St[HS_FLOATS])
         first = False
         if key == -1:
             return -1
@@ -333,7 +344,7 @@ class ListHooks(KernelForm):
         return I2, F2, I1, F1, P
 
     @classmethod
-    def first_class(cls, policy: Any, S: tuple[np.ndarray, ...]) -> tuple[Any, ...]:
+    def first_class(cls, policy: Any, S: tuple[np.ndarray, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """The policy's compiled hooks and its own arrays (so that it holds the replay's final
         state after it, as on the SimPy path), reset to before the pinned experts' inserts,
         which the kernel's preload makes again. A user's hooks go as numba's dispatchers: an
@@ -347,7 +358,7 @@ class ListHooks(KernelForm):
     def unused(cls) -> tuple[Any, ...]:
         """Its part of ``A.hooks`` when the replay's form is another: hooks never called, of the
         types the real ones have."""
-        return _part(_addresses(_NoList), *_unused_state())
+        return first_class_functions(_addresses(_NoList))
 
 
 END = -1  # a walk's end: the answer of a candidate hook that offers no more keys
@@ -367,9 +378,3 @@ def _addresses(cls: type) -> tuple[Any, ...]:
     fns = compiled_lists(cls)
     assert isinstance(fns, tuple), fns
     return as_addresses(fns, _signatures())
-
-
-@functools.cache
-def _unused_state() -> tuple[np.ndarray, ...]:
-    return (np.zeros(CLOCK_SIZE, np.int64), np.zeros((1, 1), np.int64), np.zeros((1, 1)), np.zeros(1, np.int64),
-            np.zeros(1))

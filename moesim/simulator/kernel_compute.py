@@ -372,10 +372,12 @@ def _insert_sorted(x, at, n, v):
 
 @_jit
 def _token_mass(p, layer, IS, FS, M):
-    """With a miss policy that changes what tokens compute: the layer's gate mass (original
-    top-k, and what each token finally computes, :func:`~moesim.kernel_state._final`) and the pass's altered tokens,
-    as the engine's ``token_mass``: per token, probabilities at ascending expert ids summed as
-    numpy sums them, or top-k weights in rank order (a weight counts while its expert stays)."""
+    """With a miss or budget policy that changes what tokens compute: the layer's gate mass
+    (original top-k, and what each token finally computes, :func:`~moesim.kernel_state._final`,
+    in any order) and the pass's altered tokens (whose final set is not their routed one), as
+    the engine's ``token_mass``: per token, probabilities at ascending expert ids summed as
+    numpy sums them, or top-k weights in rank order (a weight counts while its expert is in
+    the token's final set)."""
     row_order, row_off, experts, mass, token, mark = M.row_order, M.row_off, M.experts, M.mass, M.token, M.mark
     b = _row_base(p, IS) + layer
     k = IS[C_K]

@@ -113,11 +113,16 @@ REGISTRY: Registry[EvictionPolicy] = Registry("eviction")
 # them (small and hot: lru, fifo, least-stale; the others are called, which keeps compiles short). ``tests/test_compiled_forms.py`` drives each form against its
 # reference form's candidates; the golden grid holds both replay paths to the same rows.
 ANY, NOT_PENDING, PENDING, SKIP = 2, 0, 1, -1
-# ``A.hooks``: a part per form that runs policies given as hooks (each form's compiled hooks and
-# their state; a part the replay's form is not is never called): the priority-ordered hooks'
+# ``A.hooks``: a part per form that runs policies given as hooks (each form's compiled hooks; a part
+# the replay's form is not is never called): the priority-ordered hooks'
 # (:class:`moesim.policies.hooks.PriorityHooks`), the list-shaped ones'
-# (:class:`moesim.policies.list_hooks.ListHooks`)
-PRIORITY_HOOKS, LIST_HOOKS = 0, 1
+# (:class:`moesim.policies.list_hooks.ListHooks`); then ``HOOK_STATE``, the running form's clock
+# and state, one set of arrays whichever form runs (every kernel function is handed ``A``: each
+# array in it lengthens their compile)
+PRIORITY_HOOKS, LIST_HOOKS, HOOK_STATE = 0, 1, 2
+# ``A.hooks[HOOK_STATE]``: the clock, the per-key state ``si``, ``sf``, and an int64 and a float64
+# vector (the priority hooks' members and their priorities; the list hooks' ``gi``, ``gf``)
+HS_CLOCK, HS_SI, HS_SF, HS_INTS, HS_FLOATS = range(5)
 PREV, NEXT = 0, 1  # a list form's links: columns of I2 (-1: none)
 
 
@@ -198,11 +203,12 @@ class KernelForm:
         return S
 
     @classmethod
-    def first_class(cls, policy: Any, S: tuple[np.ndarray, ...]) -> tuple[Any, ...] | None:
-        """A hook form's part of ``A.hooks`` for ``policy`` (its compiled hooks and their state,
-        :mod:`moesim.policies.hooks`); None for every other form. The parts of the forms the
-        replay's is not hold hooks that are never called (``unused()``: the same types, one
-        compiled kernel for all; :func:`moesim.policies.eviction.forms.hooks_of`)."""
+    def first_class(cls, policy: Any, S: tuple[np.ndarray, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+        """A hook form's part of ``A.hooks`` for ``policy`` (its compiled hooks,
+        :mod:`moesim.policies.hooks`) and ``A.hooks[HOOK_STATE]`` (their state); None for every
+        other form. The parts of the forms the replay's is not hold hooks that are never called
+        (``unused()``: the same types, one compiled kernel for all;
+        :func:`moesim.policies.eviction.forms.hooks_of`)."""
         return None
 
     @classmethod

@@ -68,15 +68,21 @@ def form_of(cls: type) -> type[KernelForm] | None:
 def hooks_of(policy: Any, S: tuple[Any, ...]) -> tuple[tuple[Any, ...], ...]:
     """``A.hooks`` for the replay of eviction policy ``policy`` (whose form's state is ``S``): its
     form's part (:meth:`~moesim.policies.eviction.base.KernelForm.first_class`) where that form
-    runs hooks, and hooks never called in the others."""
+    runs hooks, hooks never called in the others, then the running form's state
+    (``HOOK_STATE``)."""
     form = form_of(type(policy))
     mine = form.first_class(policy, S) if form is not None else None
-    return tuple(mine if f is form and mine is not None else f.unused() for f in HOOK_FORMS)  # type: ignore[attr-defined]
+    if mine is None:
+        return unused_hooks()
+    parts = tuple(mine[0] if f is form else f.unused() for f in HOOK_FORMS)  # type: ignore[attr-defined]
+    return (*parts, mine[1])
 
 
 def unused_hooks() -> tuple[tuple[Any, ...], ...]:
     """``A.hooks`` whose hooks are never called (a replay of a form that runs none)."""
-    return tuple(f.unused() for f in HOOK_FORMS)  # type: ignore[attr-defined]
+    from moesim.policies.hooks import unused_state
+
+    return (*(f.unused() for f in HOOK_FORMS), unused_state())  # type: ignore[attr-defined]
 
 
 def form_index(cls: type) -> int:
