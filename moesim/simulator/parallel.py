@@ -66,7 +66,7 @@ class ExpertParallel:
         rows = sim.wl.rows(p, layer)
         t_layer = nonexp
         if rows.size:
-            orig, chosen = plan(sim, p, layer, rows, self.cached if self.offload else None)
+            orig, chosen = plan(sim, sim.clock.pass_index, layer, rows, self.cached if self.offload else None)
             sim.row.count_tokens(sim.wl, rows, orig, [set(c) for c in chosen])
             t_layer += self.layer(p, layer, chosen, nonexp)
         return t_layer
