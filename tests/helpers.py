@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -262,3 +263,13 @@ def narrow(trace: Any, hidden: int = 256, inter: int = 128) -> Any:
     model = dataclasses.replace(trace.model, hidden_size=hidden, expert_intermediate_size=inter,
                                 expert_bytes=expert_bytes_for(hidden, inter))
     return dataclasses.replace(trace, model=model)
+
+
+def registered(registry: Any, policies: dict[str, type]) -> Iterator[None]:
+    """Register ``policies`` (name -> class) in a family's ``registry`` while the caller's
+    fixture lasts (a module's tests' plugins), then remove them."""
+    for name, cls in policies.items():
+        registry.register(name)(cls)
+    yield
+    for name in policies:
+        del registry._classes[name]

@@ -26,7 +26,7 @@ from moesim.policies.budget.base import BudgetPolicy
 from moesim.simulator.engine import Simulation
 from moesim.traces.io import write_trace
 from moesim.traces.synth import synth_from_preset
-from tests.helpers import scenario
+from tests.helpers import registered, scenario
 
 BUDGETS: list[Any] = [
     "moe-spec", {"name": "moe-spec", "coverage": "truncation", "budget": 12},
@@ -84,11 +84,7 @@ USERS = {"spread": Spread, "logged": Logged, "user-skip": UserSkip}
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    for name, cls in USERS.items():
-        REGISTRY.register(name)(cls)
-    yield
-    for name in USERS:
-        del REGISTRY._classes[name]
+    yield from registered(REGISTRY, USERS)
 
 
 def test_a_users_dynamic_skip_gives_the_built_ins_rows_on_both_paths(olmoe, monkeypatch):

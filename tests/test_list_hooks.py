@@ -27,7 +27,7 @@ from moesim.policies.eviction.forms import form_of
 from moesim.policies.list_hooks import HookListEviction, ListHooks
 from moesim.simulator.engine import Simulation
 from moesim.traces.synth import synth_from_preset
-from tests.helpers import access_stream, experts_cap, mixtral_trace, scenario
+from tests.helpers import access_stream, experts_cap, mixtral_trace, registered, scenario
 from tests.test_compiled_forms import drive_both, kernel_events
 from tests.test_sieve_s3fifo_arc import lcs_misses
 
@@ -298,11 +298,7 @@ LISTS = {"hook-sieve": HookSieve, "hook-2q": HookTwoQ, "dict-2q": DictTwoQ, "end
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    for name, cls in LISTS.items():
-        REGISTRY.register(name)(cls)
-    yield
-    for name in LISTS:
-        del REGISTRY._classes[name]
+    yield from registered(REGISTRY, LISTS)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from moesim.policies.miss import REGISTRY, MissDecision, MissInfo, MissPolicy
 from moesim.policies.miss.hooked import DROP, FETCH, HookMiss
 from moesim.simulator.engine import Simulation
 from moesim.traces.synth import synth_from_preset
-from tests.helpers import scenario
+from tests.helpers import registered, scenario
 
 
 class HookDrop(HookMiss):
@@ -180,11 +180,7 @@ POLICIES = {"hook-drop": HookDrop, "lowest-cached": LowestCached, "plain-lowest-
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    for name, cls in POLICIES.items():
-        REGISTRY.register(name)(cls)
-    yield
-    for name in POLICIES:
-        del REGISTRY._classes[name]
+    yield from registered(REGISTRY, POLICIES)
 
 
 @pytest.fixture(scope="module")

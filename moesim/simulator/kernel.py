@@ -389,10 +389,10 @@ def budget_lookups(sim: Any, wl: Any, first_pass: int, DI: np.ndarray,
     router order with their best ranks and tokens (:func:`simulator.lookup.router_order`).
     A budget policy reads the trace, never the cache, so its choices can be made ahead of the
     kernel's calls. Returns ``DI`` followed by the lookups' offsets (from ``len(wl.off)``,
-    ``IS[C_LOOKUP]``), ``A`` with the lookups after the workload's accesses (each lookup's
-    weight the summed gate weight of the trace's access of that expert, 0 when the router did
-    not choose it: what a policy is handed on either path, :func:`~moesim.kernel_state.access_of`)
-    and each trace row's experts as the policy leaves them (-1 past the last)."""
+    ``IS[C_LOOKUP]``), ``A`` with the lookups after the workload's accesses (their weights 0
+    and never read: an eviction form is told of the router's access of a key instead,
+    :func:`simulator.kernel_lookup._form_access`) and each trace row's experts as the policy
+    leaves them (-1 past the last)."""
     from moesim.simulator.lookup import plan, router_order
 
     num_l = sim.model.num_layers
@@ -403,7 +403,6 @@ def budget_lookups(sim: Any, wl: Any, first_pass: int, DI: np.ndarray,
     layer: list[int] = []
     expert: list[int] = []
     tokens: list[int] = []
-    weight: list[float] = []
     rank: list[int] = []
     for b in range(len(off) - 1):
         look_off[b] = n_acc + len(expert)
@@ -415,11 +414,9 @@ def budget_lookups(sim: Any, wl: Any, first_pass: int, DI: np.ndarray,
         for t, c in enumerate(chosen):
             chosen_rows[rows[t], :len(c)] = c
         experts, ranks, toks = router_order(chosen)
-        routed = dict(zip(A.expert[off[b]:off[b + 1]].tolist(), A.weight[off[b]:off[b + 1]].tolist(), strict=True))
         layer += [lay] * len(experts)
         expert += experts
         tokens += [len(t) for t in toks]
-        weight += [routed.get(e, 0.0) for e in experts]
         rank += ranks
     look_off[-1] = n_acc + len(expert)
 
@@ -427,7 +424,7 @@ def budget_lookups(sim: Any, wl: Any, first_pass: int, DI: np.ndarray,
         return np.concatenate((a, np.asarray(more, a.dtype)))
 
     A = A._replace(layer=joined(A.layer, layer), expert=joined(A.expert, expert), tokens=joined(A.tokens, tokens),
-                   weight=joined(A.weight, weight), rank=joined(A.rank, rank))
+                   weight=joined(A.weight, [0.0] * len(expert)), rank=joined(A.rank, rank))
     return np.concatenate((DI, look_off)), A, chosen_rows
 
 
