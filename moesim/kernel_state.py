@@ -80,20 +80,23 @@ TRANSFER = np.dtype({"names": [n for n, _ in _TRANSFER_FIELDS], "formats": [f fo
 # ``H_PENDMAX``: slot, sequence and key; their tokens unused).
 WORK = np.dtype([(name, np.int64) for name in ("tid", "seq", "key", "tokens")])
 # The integer state IS: scalars (S_*), configuration (C_*), the pass's row (R_*), region
-# offsets (H_*), then the regions (queues, lists, scratch).
+# offsets (H_*), then the regions (queues, lists, scratch). ``S_NRES`` counts the resident keys
+# that are not statically pinned (the only ones a victim can be); ``C_PUREVICT`` is set for a
+# form whose victim walk changes nothing (``KernelForm.pure_victim``), which the cache then
+# skips when that count is 0.
 (S_TSEQ, S_USED, S_MAXUSED, S_BYTES, S_DQN, S_PFH, S_PFN, S_RH, S_RN,
  S_FREEN, S_WH, S_WN, S_PENDN, S_PINGEN, S_PENDGEN, S_PASS, S_LAYER, S_MARKGEN,
- S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE, S_LOGN, S_REC,
+ S_LAYERGEN, S_LRUNN, S_LRUNN1, S_NCOMP, S_NDEM, S_PBASE, S_LOGN, S_REC, S_NRES,
  C_FORM, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_MISSARG, C_PROBS, C_K, C_NE, C_LRUNCAP,
  C_NLEV, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC, C_PENDING, C_KEEPSTATIC,
- C_HANDED, C_RECPASS, C_LOGCAP, C_LOOKUP,
+ C_HANDED, C_RECPASS, C_LOGCAP, C_LOOKUP, C_PUREVICT,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
  H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_SCR, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
  H_PENDMAX, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, H_LOG, I_HEADER) = range(100)
+ H_PDUR, H_LOG, I_HEADER) = range(102)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, SF_HOST, CF_CAP,

@@ -205,7 +205,7 @@ def kernel_by_hand(ev: str, num_keys: int, layers: int = 1, nprec: int = 1, para
     form = form_of(cls)
     assert form is not None
     IS[KS.C_L], IS[KS.C_FORM], IS[KS.C_INSTANT], IS[KS.C_NBYTES] = layers, form_index(cls), 1, 1
-    IS[KS.C_PENDING], IS[KS.C_KEEPSTATIC] = form.reads_pending, form.keeps_static
+    IS[KS.C_PENDING], IS[KS.C_KEEPSTATIC], IS[KS.C_PUREVICT] = form.reads_pending, form.keeps_static, form.pure_victim
     FS[KS.CF_CAP] = capacity
     hooks, S = K._form_arrays(policy, num_keys)
     DI = np.zeros(1 << 12, np.int64)  # no accesses at any (pass, layer) a driver reaches (its offsets)

@@ -360,8 +360,11 @@ def drive_both(name: str, params: object, evs: list) -> None:
                 form.withdraw(key)
         if name in PURE:
             form.pin(set())
+            before = [a.copy() for a in form.A.form]
             assert list(ref.candidates()) == form.order(False), (what, x, bits)
             assert list(ref.prefetch_candidates()) == form.order(True), (what, x, bits)
+            # what lets the cache skip the walk when no key is resident (``pure_victim``)
+            assert all(np.array_equal(a, b) for a, b in zip(before, form.A.form, strict=True)), (what, x, bits)
 
 
 @pytest.mark.parametrize("name", list(OWN_FORMS))
@@ -372,8 +375,19 @@ def test_the_forms_of_their_own_choose_the_reference_victims(name, evs):
     prefetch selections, withdrawals, layer changes (with any of the layer's cached experts
     still to run) and passes, the compiled form chooses the victim its reference form's
     ``candidates()`` (``prefetch_candidates()``) gives first among the keys the cache may evict;
-    a form whose walk changes nothing walks the reference's whole order."""
+    a form whose walk changes nothing walks the reference's whole order, and its state is as it
+    was after every walk."""
     drive_both(name, OWN_FORMS[name], evs)
+
+
+def test_the_forms_that_declare_a_walk_that_changes_nothing_are_those_whose_walk_is_read_only():
+    """``pure_victim`` (the cache skips such a form's walk when no key is resident) is declared
+    by exactly the forms whose walks this file checks for changes (``PURE``); SIEVE's hand and
+    S3-FIFO's and ARC's queues move as they walk."""
+    from moesim.policies.eviction.forms import form_of
+
+    declared = {n for n in OWN_FORMS if form_of(EVICTION.get(n.removesuffix("-absolute"))).pure_victim}
+    assert declared == PURE
 
 
 def _ls() -> KernelDriver:

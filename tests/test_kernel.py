@@ -131,6 +131,35 @@ def test_kernel_equals_simpy_at_the_capacity_limits(olmoe_trace, monkeypatch, ca
         assert ref.summary["uncached_fetches"] == ref.summary["misses"] > 0
 
 
+@pytest.mark.parametrize(("eviction", "mode"), [("lru", "layer"), ("least-stale", "per-expert"),
+                                               ("belady", "on-arrival"), ("sieve", "layer")])
+def test_kernel_equals_simpy_when_prefetches_fill_the_cache(olmoe_trace, monkeypatch, eviction, mode):
+    """Score-percentile proposing a third of the next layer's experts over a 2 GB/s link into
+    a cache of 5%: the prefetches in flight hold the cache, and most demand misses find no key
+    to evict (the kernel skips the walk of a form that changes nothing when no key is resident,
+    ``S_NRES``; SIEVE's walk moves its hand, so it is walked). After the replay that count
+    equals the resident keys that are not statically pinned, counted here."""
+    from moesim import kernel_state as KS
+    from moesim.simulator import kernel
+
+    counts = []
+    finish = kernel._finish
+
+    def counted(IS, K, T, FS):
+        finish(IS, K, T, FS)
+        counts.append((int(IS[KS.S_NRES]), int(((K["state"] == KS.RESIDENT) & (K["static"] == 0)).sum())))
+
+    monkeypatch.setattr(kernel, "_finish", counted)
+    sc = scenario(policies={"eviction": eviction, "prefetch": {"name": "score-percentile", "percentile": 66}},
+                  expert_compute=mode, cache={"capacity": "5%"}, workload={"batch_size": 2},
+                  hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": 2.0}}})
+    fast, ref = both_paths(sc, olmoe_trace, monkeypatch)
+    assert_identical(fast, ref)
+    assert ref.summary["uncached_fetches"] > ref.summary["misses"] / 2  # the walks found no room
+    assert len(counts) == 1
+    assert counts[0][0] == counts[0][1] > 0
+
+
 def test_kernel_equals_simpy_on_a_speculative_replay(olmoe_trace, monkeypatch):
     sc = scenario(workload={"batch_size": 2, "speculative": {"tree_size": 4, "accept_prob": 0.6}},
                   policies={"eviction": "least-stale", "prefetch": "oracle"})

@@ -92,6 +92,7 @@ from moesim.kernel_state import (
     C_PENDING,
     C_PFACTIVE,
     C_PROBS,
+    C_PUREVICT,
     C_RECPASS,
     C_REROUTE,
     C_TLEN,
@@ -438,6 +439,7 @@ def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, miss: type[MissForm], m
     IS[C_FORM] = form_index(type(sim.eviction))
     IS[C_PENDING] = form.reads_pending
     IS[C_KEEPSTATIC] = form.keeps_static
+    IS[C_PUREVICT] = form.pure_victim
     IS[C_BLOCKING] = sim.scenario.expert_fetch == "blocking"
     IS[C_HOST] = sim.host.on
     IS[C_HSYNC] = sim.host.sync

@@ -19,10 +19,13 @@ from moesim.kernel_state import (
     C_FORM,
     C_INSTANT,
     C_KEEPSTATIC,
+    C_PUREVICT,
     CF_CAP,
     INFLIGHT,
     R_PFUSED,
+    RESIDENT,
     S_MAXUSED,
+    S_NRES,
     S_PASS,
     S_USED,
     _nbytes,
@@ -207,6 +210,8 @@ def _called_victim(f, for_prefetch, pin_gen, adm_layer, again, IS, K, A):
 
 @_inline
 def _evict(key, IS, K, A):
+    if K[key].state == RESIDENT:  # as every victim is (``evictable``), never statically pinned
+        IS[S_NRES] -= 1
     K[key].state = ABSENT
     IS[S_USED] -= _nbytes(key, IS)
     _on_remove(key, 1, IS, K, A)
@@ -232,8 +237,8 @@ def _room(nb, for_prefetch, pin_gen, adm_layer, IS, K, FS, A):
     free = FS[CF_CAP] - IS[S_USED]
     if nb <= free:
         return 0
-    if nb > FS[CF_CAP]:
-        return -1
+    if nb > FS[CF_CAP] or (IS[C_PUREVICT] and IS[S_NRES] == 0):
+        return -1  # too large, or no key is resident: a walk that changes nothing would find none
     v = _find_victim(for_prefetch, pin_gen, adm_layer, 0, IS, K, A)
     if v == -1:
         return -1

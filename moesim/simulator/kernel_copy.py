@@ -19,6 +19,7 @@ from moesim.kernel_state import (
     S_DQN,
     S_FREEN,
     S_NDEM,
+    S_NRES,
     S_PFH,
     S_PFN,
     S_REC,
@@ -148,6 +149,7 @@ def _complete(tid, IS, K, T):
         key = T[tid].key
         K[key].state = RESIDENT
         K[key].tid = -1
+        IS[S_NRES] += 1  # never a statically pinned key: those are preloaded, never fetched
     _free(tid, IS)
 
 

@@ -110,8 +110,12 @@ REGISTRY: Registry[EvictionPolicy] = Registry("eviction")
 # ``keeps_static = False`` declares a form that never hears of the statically pinned keys (they
 # are never victims: a list form's walk need not pass over them), ``reads_pending = True`` one
 # whose walk reads ``pending``, ``inline = True`` one whose hooks the kernel inlines where it calls
-# them (small and hot: lru, fifo, least-stale; the others are called, which keeps compiles short). ``tests/test_compiled_forms.py`` drives each form against its
-# reference form's candidates; the golden grid holds both replay paths to the same rows.
+# them (small and hot: lru, fifo, least-stale; the others are called, which keeps compiles short),
+# ``pure_victim = True`` one whose ``victim`` changes none of its state, so that the cache need not
+# call it when no key is resident (a saturated link: every demand miss would walk the whole cache
+# for nothing; SIEVE's hand and S3-FIFO's queues move as they walk, so theirs must be called).
+# ``tests/test_compiled_forms.py`` drives each form against its reference form's candidates; the
+# golden grid holds both replay paths to the same rows.
 ANY, NOT_PENDING, PENDING, SKIP = 2, 0, 1, -1
 # ``A.hooks``: a part per form that runs policies given as hooks (each form's compiled hooks; a part
 # the replay's form is not is never called): the priority-ordered hooks'
@@ -185,6 +189,7 @@ class KernelForm:
     keeps_static: ClassVar[bool] = True
     reads_pending: ClassVar[bool] = False
     inline: ClassVar[bool] = False
+    pure_victim: ClassVar[bool] = False
     select = staticmethod(_no_select)
     new_pass = staticmethod(_no_new_pass)
     miss = staticmethod(_no_miss)

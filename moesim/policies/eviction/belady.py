@@ -113,6 +113,7 @@ class FutureUses(KernelForm):
     is the member of lowest priority, minus its next use, ties to the oldest insert (as
     :class:`Belady` sorts, stably, by next use, farthest first)."""
 
+    pure_victim = True
     insert = staticmethod(_insert)
     access = staticmethod(_access)
     remove = staticmethod(_remove)

@@ -154,6 +154,7 @@ class LeastStaleLists(KernelForm):
     keeps_static = False
     reads_pending = True
     inline = True
+    pure_victim = True
     insert = staticmethod(_insert)
     access = staticmethod(_access)
     remove = staticmethod(_remove)

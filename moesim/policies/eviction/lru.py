@@ -57,6 +57,7 @@ class RecencyList(KernelForm):
 
     keeps_static = False
     inline = True
+    pure_victim = True
     insert = staticmethod(_insert)
     access = staticmethod(_use)
     remove = staticmethod(_remove)
