@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections import defaultdict
@@ -265,11 +266,14 @@ def narrow(trace: Any, hidden: int = 256, inter: int = 128) -> Any:
     return dataclasses.replace(trace, model=model)
 
 
+@contextlib.contextmanager
 def registered(registry: Any, policies: dict[str, type]) -> Iterator[None]:
-    """Register ``policies`` (name -> class) in a family's ``registry`` while the caller's
-    fixture lasts (a module's tests' plugins), then remove them."""
+    """Register ``policies`` (name -> class) in a family's ``registry`` while the ``with``
+    block lasts (a module's tests' plugins, in a fixture), then remove them."""
     for name, cls in policies.items():
         registry.register(name)(cls)
-    yield
-    for name in policies:
-        del registry._classes[name]
+    try:
+        yield
+    finally:
+        for name in policies:
+            del registry._classes[name]

@@ -84,7 +84,8 @@ USERS = {"spread": Spread, "logged": Logged, "user-skip": UserSkip}
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    yield from registered(REGISTRY, USERS)
+    with registered(REGISTRY, USERS):
+        yield
 
 
 def test_a_users_dynamic_skip_gives_the_built_ins_rows_on_both_paths(olmoe, monkeypatch):

@@ -45,7 +45,7 @@ from moesim.policies.hooks import (
 )
 from moesim.simulator.engine import Simulation
 from moesim.traces.synth import synth_from_preset
-from tests.helpers import scenario, unwrap
+from tests.helpers import registered, scenario, unwrap
 
 
 class HookLFU(HookEviction):
@@ -304,15 +304,8 @@ HOOKED = {"hook-lfu": HookLFU, "asked-lfu": AskedLFU, "hook-fld": HookFLD, "kept
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    for name, cls in HOOKED.items():
-        REGISTRY.register(name)(cls)
-    for name, cls in PREFETCHERS.items():
-        prefetch_family.REGISTRY.register(name)(cls)
-    yield
-    for name in HOOKED:
-        del REGISTRY._classes[name]
-    for name in PREFETCHERS:
-        del prefetch_family.REGISTRY._classes[name]
+    with registered(REGISTRY, HOOKED), registered(prefetch_family.REGISTRY, PREFETCHERS):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -298,7 +298,8 @@ LISTS = {"hook-sieve": HookSieve, "hook-2q": HookTwoQ, "dict-2q": DictTwoQ, "end
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    yield from registered(REGISTRY, LISTS)
+    with registered(REGISTRY, LISTS):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -180,7 +180,8 @@ POLICIES = {"hook-drop": HookDrop, "lowest-cached": LowestCached, "plain-lowest-
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    yield from registered(REGISTRY, POLICIES)
+    with registered(REGISTRY, POLICIES):
+        yield
 
 
 @pytest.fixture(scope="module")
