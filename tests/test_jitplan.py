@@ -171,6 +171,26 @@ def test_the_shipped_plan_loads_and_names_compiled_functions_of_moesim():
     assert ("moesim.simulator.kernel_compute", "replay_passes") in names
 
 
+def test_the_plan_of_a_common_form_holds_no_hook_of_a_rare_form():
+    """The kernel is compiled per group of forms (:mod:`moesim.policies.eviction.forms`), for the
+    group of the replay's form. The plan is what the warm-up (lru, a common form) compiles from an
+    empty cache (the first test here keeps it current): it holds the victim walk of every common
+    form and not one hook of a rare form (SIEVE, S3-FIFO, ARC, the list hooks)."""
+    from moesim.policies.eviction.forms import GROUPS, NoForm
+
+    planned = {(m, f) for m, f, _ in J.load_plan()}
+
+    def hooks(forms):
+        return {(fn.py_func.__module__, fn.py_func.__qualname__) for form in forms if form is not NoForm
+                for fn in form.functions()}
+
+    common, rare = hooks(GROUPS[0]), hooks(GROUPS[1])
+    assert {"sieve", "s3fifo", "arc", "list_hooks"} == {m.rsplit(".", 1)[1] for m, _ in rare - common}
+    assert not (rare - common) & planned, (rare - common) & planned
+    victims = {(form.victim.py_func.__module__, form.victim.py_func.__qualname__) for form in GROUPS[0]}
+    assert victims <= planned, victims - planned
+
+
 def test_a_name_that_is_not_a_compiled_function_resolves_to_none():
     assert J.compiled_function("moesim.simulator.kernel_compute", "replay_passes") is not None
     assert J.compiled_function("moesim.simulator.kernel_compute", "no_such_function") is None

@@ -76,13 +76,13 @@ from moesim.policies.eviction import (
     access_weight,
 )
 from moesim.policies.eviction.base import (
+    HOOK_PART,
     HOOK_STATE,
     HS_CLOCK,
     HS_FLOATS,
     HS_INTS,
     HS_SF,
     HS_SI,
-    PRIORITY_HOOKS,
     KernelForm,
     new_state,
 )
@@ -387,7 +387,7 @@ def _first_class(fns: tuple[Any, ...], clock: np.ndarray, si: np.ndarray, sf: np
     return first_class_functions(fns), (clock, si, sf, keys, np.zeros(max(len(si), len(keys))))
 
 
-# A.hooks[PRIORITY_HOOKS]: the hooks (insert, access, remove, priority, priorities)
+# A.hooks[HOOK_PART]: the hooks (insert, access, remove, priority, priorities)
 U_INSERT, U_ACCESS, U_REMOVE, U_PRIORITY, U_PRIORITIES = range(5)
 # the form's own arrays: I2 (the tick of the key's last insert or use, its place among the members),
 # F2 (its kept priority), I1 (the tick, the members' count, the members), F1 (1: a stable priority)
@@ -415,7 +415,7 @@ def _touched(key: int, S: Any) -> None:
 def _keep(key: int, S: Any, A: Any) -> None:
     """A stable priority (``stable_priority``) is computed after the key's hooks ran and kept."""
     if S[3][0]:
-        H, St = A.hooks[PRIORITY_HOOKS], A.hooks[HOOK_STATE]
+        H, St = A.hooks[HOOK_PART], A.hooks[HOOK_STATE]
         S[1][key, KEPT] = H[U_PRIORITY][0](key, St[HS_CLOCK], St[HS_SI], St[HS_SF])
 
 
@@ -429,7 +429,7 @@ def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI:
     _touched(key, S)
     w = float(weight_of(access_of(key, ai, IS, DI, A), A)) if demand else 0.0
     _set_clock(S, IS, A)
-    H, St = A.hooks[PRIORITY_HOOKS], A.hooks[HOOK_STATE]
+    H, St = A.hooks[HOOK_PART], A.hooks[HOOK_STATE]
     H[U_INSERT][0](key, demand != 0, w, St[HS_CLOCK], St[HS_SI], St[HS_SF])
     _keep(key, S, A)
 
@@ -438,7 +438,7 @@ def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI:
 def _access(key: int, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A: Any) -> None:
     _touched(key, S)
     _set_clock(S, IS, A)
-    H, St = A.hooks[PRIORITY_HOOKS], A.hooks[HOOK_STATE]
+    H, St = A.hooks[HOOK_PART], A.hooks[HOOK_STATE]
     H[U_ACCESS][0](key, float(weight_of(access_of(key, ai, IS, DI, A), A)), St[HS_CLOCK], St[HS_SI], St[HS_SF])
     _keep(key, S, A)
 
@@ -453,7 +453,7 @@ def _remove(key: int, evicted: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> N
     I1[COUNT] -= 1
     I2[key, MEMB] = -1
     _set_clock(S, IS, A)
-    H, St = A.hooks[PRIORITY_HOOKS], A.hooks[HOOK_STATE]
+    H, St = A.hooks[HOOK_PART], A.hooks[HOOK_STATE]
     H[U_REMOVE][0](key, St[HS_CLOCK], St[HS_SI], St[HS_SF])
 
 
@@ -474,7 +474,7 @@ def _victim(for_prefetch: bool, pin_gen: int, adm_layer: int, again: int, S: Any
             if best == -1 or f < bf or (f == bf and st < bs):
                 best, bf, bs = key, f, st
         return best
-    H, St = A.hooks[PRIORITY_HOOKS], A.hooks[HOOK_STATE]
+    H, St = A.hooks[HOOK_PART], A.hooks[HOOK_STATE]
     keys, prios = St[HS_INTS], St[HS_FLOATS]  # keys: the members (a view of I1)
     _set_clock(S, IS, A)
     H[U_PRIORITIES][0](keys, n, prios, St[HS_CLOCK], St[HS_SI], St[HS_SF])
@@ -491,7 +491,7 @@ def _victim(for_prefetch: bool, pin_gen: int, adm_layer: int, again: int, S: Any
 class PriorityHooks(KernelForm):
     """The compiled form of every eviction policy given as hooks (:class:`HookEviction`, a user's,
     and the built-ins' ``compiled`` forms: lfu, fld, score, lhu): the members and their stamps
-    and kept priorities in its arrays, the hooks called through ``A.hooks[PRIORITY_HOOKS]``
+    and kept priorities in its arrays, the hooks called through ``A.hooks[HOOK_PART]``
     (first-class functions: one compiled kernel for all of them)."""
 
     insert = staticmethod(_insert)

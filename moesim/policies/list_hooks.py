@@ -49,13 +49,13 @@ from moesim.kernel_state import access_of, current_layer, current_pass, evictabl
 from moesim.kernel_state import access_weight as weight_of
 from moesim.policies.eviction import CLOCK_LAYER, CLOCK_PASS, CLOCK_TICK
 from moesim.policies.eviction.base import (
+    HOOK_PART,
     HOOK_STATE,
     HS_CLOCK,
     HS_FLOATS,
     HS_INTS,
     HS_SF,
     HS_SI,
-    LIST_HOOKS,
     KernelForm,
     new_state,
 )
@@ -234,7 +234,7 @@ def _compile(cls: type) -> tuple[Any, ...] | str:
     return tuple(out)
 
 
-# A.hooks[LIST_HOOKS]: the hooks (insert, access, remove, miss, candidate), the clock and the state
+# A.hooks[HOOK_PART]: the hooks (insert, access, remove, miss, candidate), the clock and the state
 L_INSERT, L_ACCESS, L_REMOVE, L_MISS, L_CANDIDATE = range(5)
 # the form's I1: the tick, the keys the walk has offered, and whether the policy defines each of
 # insert, access, remove and miss (one it leaves as it is does nothing: not called)
@@ -263,7 +263,7 @@ def _insert(key: int, demand: bool, ai: int, S: Any, IS: np.ndarray, K: Any, DI:
         return
     w = float(weight_of(access_of(key, ai, IS, DI, A), A)) if demand else 0.0
     _set_clock(S, IS, A)
-    H, St = A.hooks[LIST_HOOKS], A.hooks[HOOK_STATE]
+    H, St = A.hooks[HOOK_PART], A.hooks[HOOK_STATE]
     H[L_INSERT][0](key, demand != 0, w, St[HS_CLOCK], St[HS_SI], St[HS_SF], St[HS_INTS], St[HS_FLOATS])
 
 
@@ -273,7 +273,7 @@ def _access(key: int, ai: int, S: Any, IS: np.ndarray, K: Any, DI: np.ndarray, A
     if not S[2][HAS + L_ACCESS]:
         return
     _set_clock(S, IS, A)
-    H, St = A.hooks[LIST_HOOKS], A.hooks[HOOK_STATE]
+    H, St = A.hooks[HOOK_PART], A.hooks[HOOK_STATE]
     H[L_ACCESS][0](key, float(weight_of(access_of(key, ai, IS, DI, A), A)), St[HS_CLOCK], St[HS_SI], St[HS_SF],
                    St[HS_INTS], St[HS_FLOATS])
 
@@ -283,7 +283,7 @@ def _remove(key: int, evicted: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> N
     if not S[2][HAS + L_REMOVE]:
         return
     _set_clock(S, IS, A)
-    H, St = A.hooks[LIST_HOOKS], A.hooks[HOOK_STATE]
+    H, St = A.hooks[HOOK_PART], A.hooks[HOOK_STATE]
     H[L_REMOVE][0](key, evicted != 0, St[HS_CLOCK], St[HS_SI], St[HS_SF], St[HS_INTS], St[HS_FLOATS])
 
 
@@ -292,7 +292,7 @@ def _miss(key: int, S: Any, IS: np.ndarray, K: Any, A: Any) -> None:
     if not S[2][HAS + L_MISS]:
         return
     _set_clock(S, IS, A)
-    H, St = A.hooks[LIST_HOOKS], A.hooks[HOOK_STATE]
+    H, St = A.hooks[HOOK_PART], A.hooks[HOOK_STATE]
     H[L_MISS][0](key, St[HS_CLOCK], St[HS_SI], St[HS_SF], St[HS_INTS], St[HS_FLOATS])
 
 
@@ -303,7 +303,7 @@ def _victim(for_prefetch: bool, pin_gen: int, adm_layer: int, again: int, S: Any
     -1; ``again``: the walk goes on. A key out of range, or more keys than the cache has in one
     walk, raise ValueError (:class:`HookListEviction.candidates` says the same)."""
     I1 = S[2]
-    H, St = A.hooks[LIST_HOOKS], A.hooks[HOOK_STATE]
+    H, St = A.hooks[HOOK_PART], A.hooks[HOOK_STATE]
     first = again == 0
     if first:
         I1[OFFERS] = 0
@@ -326,9 +326,10 @@ def _victim(for_prefetch: bool, pin_gen: int, adm_layer: int, again: int, S: Any
 
 class ListHooks(KernelForm):
     """The compiled form of every :class:`HookListEviction` policy: the hooks called through
-    ``A.hooks[LIST_HOOKS]`` (first-class functions: one compiled kernel for all of them), the
+    ``A.hooks[HOOK_PART]`` (first-class functions: one compiled kernel for all of them), the
     tick, the walk's count and which hooks the policy defines in its arrays."""
 
+    rare = True
     insert = staticmethod(_insert)
     access = staticmethod(_access)
     remove = staticmethod(_remove)

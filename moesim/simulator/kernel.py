@@ -14,9 +14,10 @@ holds both paths to the same digests).
 The eviction policy runs as its compiled form (:class:`moesim.policies.eviction.base.KernelForm`,
 beside the policy in its module; a policy given as hooks runs through
 :class:`moesim.policies.hooks.PriorityHooks`, or :class:`moesim.policies.list_hooks.ListHooks`
-when it walks an order of its own): the kernel is compiled once with every form
-shipped with moesim and picks the replay's by its index (:mod:`simulator.kernel_cache`), so
-that it names none. Scope (:func:`kernel_form`): one GPU, routing that does not change what
+when it walks an order of its own): the kernel is compiled once per group of the forms shipped
+with moesim (the common ones and the rare ones, :mod:`moesim.policies.eviction.forms`), for the
+group of the replay's form, and picks that form by its index in the group
+(:mod:`simulator.kernel_cache`), so that it names none. Scope (:func:`kernel_form`): one GPU, routing that does not change what
 tokens compute, any budget policy (its choices made ahead of the kernel's calls,
 :func:`budget_lookups`), an eviction policy with a compiled form, a prefetcher and a miss
 policy with a compiled form (:func:`miss_form`: it decides, the kernel carries the decision out), and a prefetcher with a compiled form

@@ -2,18 +2,22 @@
 told of the cache's events and asked for victims under the pinning rule, room made for an
 entry, insertion.
 
-The form is one of :data:`moesim.policies.eviction.forms.FORM_CLASSES`, picked by its index
-(``IS[C_FORM]``): each event goes to that form's hook, with the form's own state arrays
-(``A.form``). The loops over the forms are unrolled when the kernel compiles: the hooks of the
-forms declared ``inline`` are inlined where the kernel calls them, the others' are reached
-through one compiled function per hook (``_called_*``).
+The form is one of a group of forms (:data:`moesim.policies.eviction.forms.GROUPS`), the group
+named by the type of ``A.hooks[FORM_GROUP]`` (so that the kernel is compiled for that group's
+forms alone: :func:`inline_forms`), the form picked by its index in the group (``IS[C_FORM]``):
+each event goes to that form's hook, with the form's own state arrays (``A.form``). The loops over
+a group's forms are unrolled when the kernel compiles: the hooks of the forms declared ``inline``
+are inlined where the kernel calls them, the others' are reached through one compiled function
+per hook (``_called_*``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from moesim.jit import HAVE_NUMBA, literal_unroll
 from moesim.jit import inline as _inline
 from moesim.jit import kernel as _jit
-from moesim.jit import literal_unroll
 from moesim.kernel_state import (
     ABSENT,
     C_FORM,
@@ -31,11 +35,61 @@ from moesim.kernel_state import (
     _nbytes,
     _victims_scratch,
 )
-from moesim.policies.eviction.forms import CALLED_FORMS, INLINE_FORMS, INLINED
+from moesim.policies.eviction.base import FORM_GROUP
+from moesim.policies.eviction.forms import CALLED_FORMS, INLINE_FORMS, INLINED, group_number
 from moesim.simulator.kernel_copy import _complete
 
 # a form's hooks, in the order of KernelForm.functions
 _INSERT, _ACCESS, _REMOVE, _SELECT, _NEW_PASS, _MISS, _VICTIM = range(7)
+
+
+def inline_forms(mark: Any) -> tuple[Any, ...]:
+    """The hooks of the inlined forms of the group that ``mark`` (``A.hooks[FORM_GROUP]``)
+    names. Compiled, a constant: the group is read from the mark's type, so that each function
+    that calls it is compiled once per group, with that group's forms alone."""
+    return INLINE_FORMS[group_number(mark.dtype.names[0])]
+
+
+def called_forms(mark: Any) -> tuple[Any, ...]:
+    """The hooks of the called forms of the group that ``mark`` names (as :func:`inline_forms`)."""
+    return CALLED_FORMS[group_number(mark.dtype.names[0])]
+
+
+def inlined(mark: Any) -> int:
+    """How many of the group's forms (that ``mark`` names) are inlined: the first called form's
+    index."""
+    return INLINED[group_number(mark.dtype.names[0])]
+
+
+if HAVE_NUMBA:
+    from numba.extending import overload
+
+    def _group_of_type(mark: Any) -> int:
+        return group_number(next(iter(mark.dtype.fields)))
+
+    @overload(inline_forms, inline="always")
+    def _inline_forms(mark: Any) -> Any:
+        forms = INLINE_FORMS[_group_of_type(mark)]
+
+        def impl(mark: Any) -> Any:
+            return forms
+        return impl
+
+    @overload(called_forms, inline="always")
+    def _called_forms(mark: Any) -> Any:
+        forms = CALLED_FORMS[_group_of_type(mark)]
+
+        def impl(mark: Any) -> Any:
+            return forms
+        return impl
+
+    @overload(inlined, inline="always")
+    def _inlined(mark: Any) -> Any:
+        n = INLINED[_group_of_type(mark)]
+
+        def impl(mark: Any) -> Any:
+            return n
+        return impl
 
 
 @_inline
@@ -49,12 +103,12 @@ def _kept_out(key, IS, K):
 @_inline
 def _on_insert(key, demand, ai, IS, K, DI, A):
     """The form's ``insert``: ``key`` entered the cache (``demand``: a use; ``ai`` its access)."""
-    f = IS[C_FORM]
-    if f >= INLINED:
-        _called_insert(f - INLINED, key, demand, ai, IS, K, DI, A)
+    f, n = IS[C_FORM], inlined(A.hooks[FORM_GROUP])
+    if f >= n:
+        _called_insert(f - n, key, demand, ai, IS, K, DI, A)
         return
     i = 0
-    for form in literal_unroll(INLINE_FORMS):
+    for form in literal_unroll(inline_forms(A.hooks[FORM_GROUP])):
         if i == f:
             form[_INSERT](key, demand, ai, A.form, IS, K, DI, A)
         i += 1
@@ -63,7 +117,7 @@ def _on_insert(key, demand, ai, IS, K, DI, A):
 @_jit
 def _called_insert(f, key, demand, ai, IS, K, DI, A):
     i = 0
-    for form in literal_unroll(CALLED_FORMS):
+    for form in literal_unroll(called_forms(A.hooks[FORM_GROUP])):
         if i == f:
             form[_INSERT](key, demand, ai, A.form, IS, K, DI, A)
         i += 1
@@ -74,12 +128,12 @@ def _on_access(key, ai, IS, K, DI, A):
     """The form's ``access``: a hit or a late prefetch used ``key``."""
     if _kept_out(key, IS, K):
         return
-    f = IS[C_FORM]
-    if f >= INLINED:
-        _called_access(f - INLINED, key, ai, IS, K, DI, A)
+    f, n = IS[C_FORM], inlined(A.hooks[FORM_GROUP])
+    if f >= n:
+        _called_access(f - n, key, ai, IS, K, DI, A)
         return
     i = 0
-    for form in literal_unroll(INLINE_FORMS):
+    for form in literal_unroll(inline_forms(A.hooks[FORM_GROUP])):
         if i == f:
             form[_ACCESS](key, ai, A.form, IS, K, DI, A)
         i += 1
@@ -88,7 +142,7 @@ def _on_access(key, ai, IS, K, DI, A):
 @_jit
 def _called_access(f, key, ai, IS, K, DI, A):
     i = 0
-    for form in literal_unroll(CALLED_FORMS):
+    for form in literal_unroll(called_forms(A.hooks[FORM_GROUP])):
         if i == f:
             form[_ACCESS](key, ai, A.form, IS, K, DI, A)
         i += 1
@@ -97,12 +151,12 @@ def _called_access(f, key, ai, IS, K, DI, A):
 @_inline
 def _on_remove(key, evicted, IS, K, A):
     """The form's ``remove``: ``key`` left the cache, ``evicted`` (1) or withdrawn (0)."""
-    f = IS[C_FORM]
-    if f >= INLINED:
-        _called_remove(f - INLINED, key, evicted, IS, K, A)
+    f, n = IS[C_FORM], inlined(A.hooks[FORM_GROUP])
+    if f >= n:
+        _called_remove(f - n, key, evicted, IS, K, A)
         return
     i = 0
-    for form in literal_unroll(INLINE_FORMS):
+    for form in literal_unroll(inline_forms(A.hooks[FORM_GROUP])):
         if i == f:
             form[_REMOVE](key, evicted, A.form, IS, K, A)
         i += 1
@@ -111,7 +165,7 @@ def _on_remove(key, evicted, IS, K, A):
 @_jit
 def _called_remove(f, key, evicted, IS, K, A):
     i = 0
-    for form in literal_unroll(CALLED_FORMS):
+    for form in literal_unroll(called_forms(A.hooks[FORM_GROUP])):
         if i == f:
             form[_REMOVE](key, evicted, A.form, IS, K, A)
         i += 1
@@ -122,12 +176,12 @@ def _on_select(key, IS, K, A):
     """The form's ``select``: a prefetcher selected the cached ``key`` (``on_prefetch_select``)."""
     if _kept_out(key, IS, K):
         return
-    f = IS[C_FORM]
-    if f >= INLINED:
-        _called_select(f - INLINED, key, IS, K, A)
+    f, n = IS[C_FORM], inlined(A.hooks[FORM_GROUP])
+    if f >= n:
+        _called_select(f - n, key, IS, K, A)
         return
     i = 0
-    for form in literal_unroll(INLINE_FORMS):
+    for form in literal_unroll(inline_forms(A.hooks[FORM_GROUP])):
         if i == f:
             form[_SELECT](key, A.form, IS, K)
         i += 1
@@ -136,7 +190,7 @@ def _on_select(key, IS, K, A):
 @_jit
 def _called_select(f, key, IS, K, A):
     i = 0
-    for form in literal_unroll(CALLED_FORMS):
+    for form in literal_unroll(called_forms(A.hooks[FORM_GROUP])):
         if i == f:
             form[_SELECT](key, A.form, IS, K)
         i += 1
@@ -147,11 +201,11 @@ def _new_pass(IS, K, A):
     """The form's ``new_pass``: a forward pass begins."""
     f = IS[C_FORM]
     i = 0
-    for form in literal_unroll(INLINE_FORMS):
+    for form in literal_unroll(inline_forms(A.hooks[FORM_GROUP])):
         if i == f:
             form[_NEW_PASS](A.form, IS, K)
         i += 1
-    for form in literal_unroll(CALLED_FORMS):
+    for form in literal_unroll(called_forms(A.hooks[FORM_GROUP])):
         if i == f:
             form[_NEW_PASS](A.form, IS, K)
         i += 1
@@ -160,12 +214,12 @@ def _new_pass(IS, K, A):
 @_inline
 def _on_miss(key, IS, K, A):
     """The form's ``miss``: a demand lookup missed ``key``; room is about to be made for it."""
-    f = IS[C_FORM]
-    if f >= INLINED:
-        _called_miss(f - INLINED, key, IS, K, A)
+    f, n = IS[C_FORM], inlined(A.hooks[FORM_GROUP])
+    if f >= n:
+        _called_miss(f - n, key, IS, K, A)
         return
     i = 0
-    for form in literal_unroll(INLINE_FORMS):
+    for form in literal_unroll(inline_forms(A.hooks[FORM_GROUP])):
         if i == f:
             form[_MISS](key, A.form, IS, K, A)
         i += 1
@@ -174,7 +228,7 @@ def _on_miss(key, IS, K, A):
 @_jit
 def _called_miss(f, key, IS, K, A):
     i = 0
-    for form in literal_unroll(CALLED_FORMS):
+    for form in literal_unroll(called_forms(A.hooks[FORM_GROUP])):
         if i == f:
             form[_MISS](key, A.form, IS, K, A)
         i += 1
@@ -185,12 +239,12 @@ def _find_victim(for_prefetch, pin_gen, adm_layer, again, IS, K, A):
     """The form's next victim that the cache may evict (resident, not pinned, not statically
     pinned, not an earlier admission for ``adm_layer``), or -1; ``again``: the walk of the call
     before goes on."""
-    f = IS[C_FORM]
-    if f >= INLINED:
-        return _called_victim(f - INLINED, for_prefetch, pin_gen, adm_layer, again, IS, K, A)
+    f, n = IS[C_FORM], inlined(A.hooks[FORM_GROUP])
+    if f >= n:
+        return _called_victim(f - n, for_prefetch, pin_gen, adm_layer, again, IS, K, A)
     i = 0
     v = -1
-    for form in literal_unroll(INLINE_FORMS):
+    for form in literal_unroll(inline_forms(A.hooks[FORM_GROUP])):
         if i == f:
             v = form[_VICTIM](for_prefetch, pin_gen, adm_layer, again, A.form, IS, K, A)
         i += 1
@@ -201,7 +255,7 @@ def _find_victim(for_prefetch, pin_gen, adm_layer, again, IS, K, A):
 def _called_victim(f, for_prefetch, pin_gen, adm_layer, again, IS, K, A):
     i = 0
     v = -1
-    for form in literal_unroll(CALLED_FORMS):
+    for form in literal_unroll(called_forms(A.hooks[FORM_GROUP])):
         if i == f:
             v = form[_VICTIM](for_prefetch, pin_gen, adm_layer, again, A.form, IS, K, A)
         i += 1

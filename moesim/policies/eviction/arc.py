@@ -161,6 +161,7 @@ class AdaptiveLists(KernelForm):
     and the sizes and target ``p`` in experts. Statically pinned experts are in no list."""
 
     keeps_static = False
+    rare = True
     miss = staticmethod(_miss)
     insert = staticmethod(_insert)
     access = staticmethod(_access)

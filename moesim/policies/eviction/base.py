@@ -111,19 +111,23 @@ REGISTRY: Registry[EvictionPolicy] = Registry("eviction")
 # are never victims: a list form's walk need not pass over them), ``reads_pending = True`` one
 # whose walk reads ``pending``, ``inline = True`` one whose hooks the kernel inlines where it calls
 # them (small and hot: lru, fifo, least-stale; the others are called, which keeps compiles short),
+# ``rare = True`` one compiled into a kernel of its own group (:mod:`moesim.policies.eviction.forms`:
+# a replay of a common form never compiles it; every form a kernel dispatches to lengthens the
+# compile of each function that calls it),
 # ``pure_victim = True`` one whose ``victim`` changes none of its state, so that the cache need not
 # call it when no key is resident (a saturated link: every demand miss would walk the whole cache
 # for nothing; SIEVE's hand and S3-FIFO's queues move as they walk, so theirs must be called).
 # ``tests/test_compiled_forms.py`` drives each form against its reference form's candidates; the
 # golden grid holds both replay paths to the same rows.
 ANY, NOT_PENDING, PENDING, SKIP = 2, 0, 1, -1
-# ``A.hooks``: a part per form that runs policies given as hooks (each form's compiled hooks; a part
-# the replay's form is not is never called): the priority-ordered hooks'
-# (:class:`moesim.policies.hooks.PriorityHooks`), the list-shaped ones'
-# (:class:`moesim.policies.list_hooks.ListHooks`); then ``HOOK_STATE``, the running form's clock
-# and state, one set of arrays whichever form runs (every kernel function is handed ``A``: each
-# array in it lengthens their compile)
-PRIORITY_HOOKS, LIST_HOOKS, HOOK_STATE = 0, 1, 2
+# ``A.hooks``: ``HOOK_STATE``, the running hook form's clock and state (one set of arrays whichever
+# form runs); ``HOOK_PART``, the compiled hooks of the hook form in the replay's group of forms (the
+# priority-ordered hooks', :class:`moesim.policies.hooks.PriorityHooks`, among the common forms; the
+# list-shaped ones', :class:`moesim.policies.list_hooks.ListHooks`, among the rare; hooks never called
+# where the replay's form is another); ``FORM_GROUP``, the mark of that group, whose type picks the
+# forms the kernel is compiled with (:mod:`moesim.policies.eviction.forms`). Every kernel function is
+# handed ``A``: each array in it lengthens their compile.
+HOOK_STATE, HOOK_PART, FORM_GROUP = 0, 1, 2
 # ``A.hooks[HOOK_STATE]``: the clock, the per-key state ``si``, ``sf``, and an int64 and a float64
 # vector (the priority hooks' members and their priorities; the list hooks' ``gi``, ``gf``)
 HS_CLOCK, HS_SI, HS_SF, HS_INTS, HS_FLOATS = range(5)
@@ -190,6 +194,7 @@ class KernelForm:
     reads_pending: ClassVar[bool] = False
     inline: ClassVar[bool] = False
     pure_victim: ClassVar[bool] = False
+    rare: ClassVar[bool] = False
     select = staticmethod(_no_select)
     new_pass = staticmethod(_no_new_pass)
     miss = staticmethod(_no_miss)
@@ -211,9 +216,9 @@ class KernelForm:
     def first_class(cls, policy: Any, S: tuple[np.ndarray, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
         """A hook form's part of ``A.hooks`` for ``policy`` (its compiled hooks,
         :mod:`moesim.policies.hooks`) and ``A.hooks[HOOK_STATE]`` (their state); None for every
-        other form. The parts of the forms the replay's is not hold hooks that are never called
-        (``unused()``: the same types, one compiled kernel for all;
-        :func:`moesim.policies.eviction.forms.hooks_of`)."""
+        other form. Where the replay's form is another of the hook form's group, its part holds
+        hooks that are never called (``unused()``: the same types, one compiled kernel for the
+        group; :func:`moesim.policies.eviction.forms.hooks_of`)."""
         return None
 
     @classmethod

@@ -228,6 +228,7 @@ class ThreeQueues(KernelForm):
     entry's hit count and queue. Statically pinned experts are in no queue."""
 
     keeps_static = False
+    rare = True
     miss = staticmethod(_miss)
     insert = staticmethod(_insert)
     access = staticmethod(_access)

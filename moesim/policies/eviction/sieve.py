@@ -83,6 +83,7 @@ class SieveQueue(KernelForm):
     visited bits and the hand. Statically pinned experts are never in it."""
 
     keeps_static = False
+    rare = True
     insert = staticmethod(_insert)
     access = staticmethod(_access)
     remove = staticmethod(_remove)
