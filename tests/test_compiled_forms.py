@@ -476,3 +476,80 @@ def test_a_new_pass_appends_each_current_list_behind_its_stale_tail():
     f.withdraw(1)
     assert _ls_walk(f, False) == [0]
     assert S[2][1 + 1] == 0
+
+
+# -- the kernel's dispatch to the replay's form within its group --
+HOOK_NAMES = ("insert", "access", "remove", "select", "new_pass", "miss", "victim")
+
+
+def dispatch_calls() -> list[list[object]]:
+    """Under ``NUMBA_DISABLE_JIT=1`` (the dispatch's loops as plain Python): each group's forms
+    replaced by hooks that record their own (group, index, hook), each form of each group
+    picked in turn (``IS[C_FORM]``, the group's mark in ``A.hooks``) and told of every event
+    once, a statically pinned key's use and selection with ``keeps_static`` off, then on.
+    Returns each form's calls and victim."""
+    import moesim.kernel_state as KS
+    from moesim.policies.eviction import forms as F
+    from moesim.policies.eviction.base import FORM_GROUP
+    from moesim.simulator import kernel_cache as KE
+
+    calls: list[tuple[int, int, str]] = []
+
+    def recording(g: int, j: int) -> tuple[object, ...]:
+        def hook(name: str) -> object:
+            def call(*args: object) -> object:
+                calls.append((g, j, name))
+                return 100 * g + j if name == "victim" else None
+            return call
+        return tuple(hook(n) for n in HOOK_NAMES)
+
+    KE.INLINE_FORMS = tuple(tuple(recording(g, j) for j in range(n)) for g, n in enumerate(F.INLINED))
+    KE.CALLED_FORMS = tuple(tuple(recording(g, j) for j in range(n, len(grp)))
+                            for g, (n, grp) in enumerate(zip(F.INLINED, F.GROUPS, strict=True)))
+    IS, _, K, _, DI, A = kernel_by_hand("lru", 4)
+    out: list[list[object]] = []
+    for g, grp in enumerate(F.GROUPS):
+        hooks = list(A.hooks)
+        hooks[FORM_GROUP] = F.MARKS[g]
+        Ag = A._replace(hooks=tuple(hooks))
+        for f in range(len(grp)):
+            IS[KS.C_FORM] = f
+            calls.clear()
+            K[1].static = 0
+            KE._on_insert(1, 1, 0, IS, K, DI, Ag)
+            KE._on_access(1, 0, IS, K, DI, Ag)
+            KE._on_remove(1, 1, IS, K, Ag)
+            KE._on_select(1, IS, K, Ag)
+            KE._new_pass(IS, K, Ag)
+            KE._on_miss(1, IS, K, Ag)
+            victim = KE._find_victim(False, 1, -1, 0, IS, K, Ag)
+            K[1].static = 1
+            for keep in (0, 1):
+                IS[KS.C_KEEPSTATIC] = keep
+                KE._on_access(1, 0, IS, K, DI, Ag)
+                KE._on_select(1, IS, K, Ag)
+            out.append([g, f, [list(c) for c in calls], int(victim)])
+    return out
+
+
+def test_the_kernel_tells_the_replays_form_alone_of_each_event():
+    """Whichever group and form (an inlined one or a called one), every event reaches that form's
+    hook once and no other form's, and the victim is that form's; a statically pinned key's use
+    and selection reach it only when it keeps the static keys (``keeps_static``). Checked with
+    recording hooks in place of the forms, as plain Python."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from moesim.policies.eviction import forms as F
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import json; from tests.test_compiled_forms import dispatch_calls; print(json.dumps(dispatch_calls()))"
+    env = {**os.environ, "NUMBA_DISABLE_JIT": "1"}
+    got = json.loads(subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                                    text=True, check=True).stdout)
+    want = [[g, f, [[g, f, n] for n in (*HOOK_NAMES, "access", "select")], 100 * g + f]
+            for g, grp in enumerate(F.GROUPS) for f in range(len(grp))]
+    assert got == want
+    assert all(0 < n < len(grp) for n, grp in zip(F.INLINED, F.GROUPS, strict=True))  # both kinds in each group

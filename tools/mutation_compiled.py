@@ -69,7 +69,8 @@ def main() -> None:
                 killed = True
             if not killed:
                 alive += 1
-                print(f"survived: {line!r}: {body[s:e]!r} -> {rep!r}", flush=True)
+                lineno = orig.count("\n", 0, a + s) + 1
+                print(f"survived: line {lineno}: {line!r}: {body[s:e]!r} -> {rep!r}", flush=True)
         print(f"killed {len(found) - alive} of {len(found)}")
 
 
