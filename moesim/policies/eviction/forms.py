@@ -98,7 +98,6 @@ CALLED_FORMS: tuple[tuple[tuple[Any, ...], ...], ...] = tuple(tuple(f.functions(
 MARK_FIELD = "form_group_"  # a mark's record field: this and the group's number
 MARKS: tuple[np.ndarray, ...] = tuple(np.zeros(1, np.dtype([(f"{MARK_FIELD}{g}", np.int8)]))
                                       for g in range(len(GROUPS)))
-FORM_CLASSES: tuple[type[KernelForm], ...] = tuple(f for g in GROUPS for f in g if f is not NoForm)
 
 
 def group_number(field: str) -> int:
@@ -148,9 +147,9 @@ def unused_hooks(group: int = 0) -> tuple[Any, ...]:
 def _hooks(group: int, mine: tuple[Any, ...] | None) -> tuple[Any, ...]:
     from moesim.policies.hooks import unused_state
 
-    hook_form = next((f for f in GROUPS[group] if f in HOOK_FORMS), None)
     if mine is not None:
         return (mine[1], mine[0], MARKS[group])
+    hook_form = next((f for f in GROUPS[group] if f in HOOK_FORMS), None)
     part = hook_form.unused() if hook_form is not None else ()  # type: ignore[attr-defined]
     return (unused_state(), part, MARKS[group])
 
