@@ -67,29 +67,20 @@ if HAVE_NUMBA:
     def _group_of_type(mark: Any) -> int:
         return group_number(next(iter(mark.dtype.fields)))
 
-    @overload(inline_forms, inline="always")
-    def _inline_forms(mark: Any) -> Any:
-        forms = INLINE_FORMS[_group_of_type(mark)]
+    def _constant_per_group(stub: Any, table: tuple[Any, ...]) -> None:
+        """Compiled, ``stub(mark)`` is the constant ``table`` holds for the group the mark's type
+        names."""
 
-        def impl(mark: Any) -> Any:
-            return forms
-        return impl
+        @overload(stub, inline="always")
+        def typed(mark: Any) -> Any:
+            value = table[_group_of_type(mark)]
 
-    @overload(called_forms, inline="always")
-    def _called_forms(mark: Any) -> Any:
-        forms = CALLED_FORMS[_group_of_type(mark)]
+            def impl(mark: Any) -> Any:
+                return value
+            return impl
 
-        def impl(mark: Any) -> Any:
-            return forms
-        return impl
-
-    @overload(inlined, inline="always")
-    def _inlined(mark: Any) -> Any:
-        n = INLINED[_group_of_type(mark)]
-
-        def impl(mark: Any) -> Any:
-            return n
-        return impl
+    for _stub, _table in ((inline_forms, INLINE_FORMS), (called_forms, CALLED_FORMS), (inlined, INLINED)):
+        _constant_per_group(_stub, _table)
 
 
 @_inline
