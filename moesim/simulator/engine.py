@@ -51,7 +51,7 @@ from moesim.simulator.copyengine import (
 )
 from moesim.simulator.cost import CostModel, PassCosts
 from moesim.simulator.host import HostThread
-from moesim.simulator.lookup import LayerLookup, PassRow, Run
+from moesim.simulator.lookup import LayerLookup, PassRow, Run, plan
 from moesim.simulator.parallel import ExpertParallel
 from moesim.simulator.prefetchq import NO_PINS, PrefetchQueue
 from moesim.simulator.recording import Recorder
@@ -112,7 +112,9 @@ class Simulation:
             self.copy.on_complete.append(self.recorder.on_transfers)
         self.env = simpy.Environment()
         self.costs = PassCosts(self.cost, workload, scenario.timing, scenario.workload.speculative)  # per pass
-        self.ep = ExpertParallel(self)  # its layers, with hardware.gpus > 1
+        self.ep = ExpertParallel(scenario, model, self.eviction.ctx, self.capacity, self.expert_bytes, self.cost,
+                                 self.clock, self.recorder, self.copy,
+                                 lambda *at: plan(self, *at))  # its layers, with hardware.gpus > 1
         # (pass, layer, op, key) in decision order, op in hit/fetch/bypass/evict/prefetch/run
         # (run: the expert ``key`` runs, or with key -1 all the layer's looked-up experts);
         # the calibration executor replays them on the device
@@ -211,7 +213,7 @@ class Simulation:
         off = self.wl.off.tolist()
         ep = self.scenario.hardware.gpus > 1
         if ep:
-            nonexp = self.ep.nonexpert_times()
+            nonexp = self.ep.nonexpert_times(self.wl, self.costs)
         else:
             self._prepare_costs()
             nonexp = self._nonexp
@@ -228,7 +230,7 @@ class Simulation:
             ne = nonexp[p]
             for layer in range(num_l):
                 if ep:  # the layer in one step with its non-expert compute
-                    yield env.timeout(self.ep.step(p, layer, ne))
+                    yield env.timeout(self.ep.step(p, layer, ne, env.now, self.wl, self.costs, self.row))
                     continue
                 delay = carry + ne  # the previous layer's experts, then this one's attention
                 if self.host.on:  # the host issues the non-expert part; the GPU starts it once issued
