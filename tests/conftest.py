@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 RARE = "policies.eviction=sieve"  # one of the rare group's forms
 FORMS = (([], ["expert_compute=per-expert", "policies.miss=drop"], [RARE]),
          (["expert_compute=per-expert"], ["policies.miss=drop"], ["expert_compute=per-expert", RARE]))
@@ -28,8 +30,10 @@ def _replays(forms: tuple[list[str], ...]) -> str:
             "    Simulation(load_scenario('quickstart', sets)).run()\n")
 
 
-def pytest_sessionstart(session: object) -> None:
+def pytest_sessionstart(session: pytest.Session) -> None:
     if os.environ.get("MOESIM_TEST_NO_WARM", "") not in ("", "0"):
+        return
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: the controller warmed up before starting it
         return
     from moesim.simulator.kernel import kernel_off
 
