@@ -8,7 +8,7 @@ run (``NUMBA_CACHE_DIR`` pointing at an empty folder, or a fresh clone):
 
     python benchmarks/suite.py --json benchmarks/results/suite.json
 
-``-- CMD ...`` measures another command instead of ``python -m pytest -m ""``.
+``-- CMD ...`` measures another command instead of ``python -m pytest -m "" -n 2``.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ...: the command measured")
     args = ap.parse_args(argv)
-    cmd = [c for c in args.cmd if c != "--"] or [sys.executable, "-m", "pytest", "-m", ""]
+    cmd = [c for c in args.cmd if c != "--"] or [sys.executable, "-m", "pytest", "-m", "", "-n", "2"]
     out = {**measure(cmd), "numba_cache": os.environ.get("NUMBA_CACHE_DIR", "numba's default (beside the sources)"),
            "provenance": provenance([sys.argv[0], *argv])}
     print(json.dumps(out, indent=2))

@@ -1,12 +1,13 @@
-"""Before the first test, the replay kernel's four forms (layer or per-expert execution, each
-with fetch on a miss or a per-token miss policy) for the common eviction forms, and the two with
-fetch for the rare ones (the kernel is compiled per group of eviction forms:
-:mod:`moesim.policies.eviction.forms`), are compiled into numba's cache by two child processes
-side by side, three each, so that the suite's own process loads them from the cache instead of
-compiling them. A process keeps the memory numba's compiler took (about
-1.1 GB after compiling the four, against 0.35 GB after loading them), and the machine's two
-cores compile at once. Where the cache already holds them, each child loads them in about a
-second. ``MOESIM_TEST_NO_WARM=1`` skips this (the tests then compile what they reach)."""
+"""Before the first test, the replay kernel's eight forms (layer or per-expert execution, each
+with fetch on a miss or a per-token miss policy, for the common eviction forms and for the rare
+ones: the kernel is compiled per group of eviction forms, :mod:`moesim.policies.eviction.forms`)
+are compiled into numba's cache by two child processes side by side, four each, so that the
+test processes load them from the cache instead of compiling them. A process keeps the memory
+numba's compiler took (about 1.1 GB after compiling the four common forms, against 0.35 GB
+after loading them), and the machine's two cores compile at once. Where the cache already holds
+them, each child loads them in about a second. Under pytest-xdist (``-n 2``, as the README's
+command runs the suite) the controller warms up before it starts the workers, and the workers
+do not. ``MOESIM_TEST_NO_WARM=1`` skips this (the tests then compile what they reach)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import sys
 import pytest
 
 RARE = "policies.eviction=sieve"  # one of the rare group's forms
-FORMS = (([], ["expert_compute=per-expert", "policies.miss=drop"], [RARE]),
-         (["expert_compute=per-expert"], ["policies.miss=drop"], ["expert_compute=per-expert", RARE]))
+FORMS = (([], ["expert_compute=per-expert", "policies.miss=drop"], [RARE], ["expert_compute=per-expert", "policies.miss=drop", RARE]),
+         (["expert_compute=per-expert"], ["policies.miss=drop"], ["expert_compute=per-expert", RARE], ["policies.miss=drop", RARE]))
 SMALL = ["workload.trace.synth.requests=1", "workload.trace.synth.prompt_tokens=4", "workload.trace.synth.tokens=4"]
 
 

@@ -277,3 +277,9 @@ def registered(registry: Any, policies: dict[str, type]) -> Iterator[None]:
     finally:
         for name in policies:
             del registry._classes[name]
+
+
+def too_wide(text: str) -> list[str]:
+    """The lines of ``text`` wider than 80 columns (a line that is one long word, such as a
+    path, cannot be wrapped and is allowed: a test's folder is longer under pytest-xdist)."""
+    return [line for line in text.splitlines() if len(line) > 80 and len(line.split()) > 1]

@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 from moesim.errors import MoesimError  # noqa: E402
 from moesim.traces.capture import capture, load_local, moe_layers, router_probs, supported_families  # noqa: E402
 from moesim.traces.io import read_trace, write_trace  # noqa: E402
+from tests.helpers import too_wide  # noqa: E402
 from tests.tiny_models import build, configs  # noqa: E402
 
 PROMPTS = ["w3 w4 w5 w6 w9", "w7 w8", "w10 w11 w12"]
@@ -194,7 +195,7 @@ def test_tiny_model_then_capture_from_the_command_line(tmp_path):
     assert t.take(t.phase == 0).num_tokens() == 7  # 4 + 3 prompt words
     assert t.num_requests == 2
     assert t.take(t.phase == 1).num_tokens() <= 2 * 2  # 3 new tokens: the first from the prefill
-    assert all(len(line) <= 80 for line in (r.output + r2.output).splitlines())
+    assert not too_wide(r.output + r2.output)
     r3 = CliRunner().invoke(cli, ["tiny-model", "llama", str(tmp_path / "x")])
     assert r3.exit_code == 2
     assert "olmoe" in r3.output

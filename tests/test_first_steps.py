@@ -17,16 +17,11 @@ from click.testing import CliRunner
 
 from moesim.cli import _compare_folder, cli
 from moesim.config.scenario import resolve_path
+from tests.helpers import too_wide
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "moesim" / "scenarios"
 SMALL = ("--set", "workload.trace.synth.tokens=12", "--set", "workload.trace.synth.requests=1")
-
-
-def fits(text: str) -> list[str]:
-    """The lines of ``text`` wider than 80 columns (a line that is one long word, such as a
-    path, cannot be wrapped and is allowed)."""
-    return [line for line in text.splitlines() if len(line) > 80 and len(line.split()) > 1]
 
 
 def test_scenarios_lists_every_shipped_file_and_prints_one() -> None:
@@ -54,7 +49,7 @@ def test_scenarios_lists_every_shipped_file_and_prints_one() -> None:
                                 "eviction and blocking fetch on a miss.")
     r = CliRunner().invoke(cli, ["scenarios"])
     assert r.exit_code == 0
-    assert not fits(r.output)
+    assert not too_wide(r.output)
     for n in names:
         assert n in r.output
     r = CliRunner().invoke(cli, ["scenarios", "specmd/olmoe-config2"])
@@ -81,7 +76,7 @@ def test_grid_on_the_command_line_is_the_whole_grid(tmp_path: Path) -> None:
     assert len(df) == 4
     assert sorted(zip(df["cache.capacity"], df["policies.eviction"], strict=True)) == [
         ("25%", "fifo"), ("25%", "lru"), ("5%", "fifo"), ("5%", "lru")]
-    assert not fits(r.output)
+    assert not too_wide(r.output)
     sc = tmp_path / "s.yaml"
     sc.write_text("workload:\n  trace:\n    synth: {preset: olmoe-1b-7b, requests: 1, tokens: 12}\n"
                   "cache: {capacity: 5%}\nsweep:\n  axes:\n    policies.eviction: [lru, lfu]\n")
@@ -122,7 +117,7 @@ def test_compare_default_folder_per_configuration(tmp_path: Path, monkeypatch: p
     assert again.exit_code == 0
     assert "; 0 run now." in " ".join(again.output.split())
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == folders
-    assert not fits(a.output + again.output)
+    assert not too_wide(a.output + again.output)
 
 
 def test_log_progress_by_hand(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -188,7 +183,7 @@ def test_a_first_compare_speaks_at_once_shows_compile_progress_and_leaks_no_warn
     assert text.index("compiling the replay kernel's") < text.index("still compiling") < text.index("compiled the")
     assert "Warning" not in r.stderr
     assert "waitpid" not in r.stderr
-    assert not fits(r.stderr + r.stdout)
+    assert not too_wide(r.stderr + r.stdout)
 
 
 def test_the_ticker_tells_the_seconds_so_far_from_a_daemon_thread_until_stopped(monkeypatch):

@@ -22,7 +22,7 @@ from moesim.studies.compare import compare
 from moesim.studies.sweep import sweep
 from moesim.traces.io import write_trace
 from moesim.traces.synth import synth_from_preset
-from tests.helpers import unwrap
+from tests.helpers import too_wide, unwrap
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ("workload.trace.synth.tokens=20", "workload.trace.synth.requests=1", "sweep=null")
@@ -274,7 +274,7 @@ def test_the_command_line_says_what_it_reused_ran_again_and_left_in_80_columns(t
     text = " ".join(r.output.split())
     assert "1 of 2 points reused" in text
     assert f"point {first.name} (cache.capacity=5%: steps.parquet is missing); run again." in text
-    assert max(len(line) for line in r.output.splitlines()) <= 80
+    assert not too_wide(r.output)
 
 
 # -- every input that determines a result is in the key (issue 65) ----------------------------------
