@@ -18,8 +18,9 @@ import sys
 import pytest
 
 RARE = "policies.eviction=sieve"  # one of the rare group's forms
-FORMS = (([], ["expert_compute=per-expert", "policies.miss=drop"], [RARE], ["expert_compute=per-expert", "policies.miss=drop", RARE]),
-         (["expert_compute=per-expert"], ["policies.miss=drop"], ["expert_compute=per-expert", RARE], ["policies.miss=drop", RARE]))
+PER_EXPERT, DROP = "expert_compute=per-expert", "policies.miss=drop"
+FORMS = (([], [PER_EXPERT, DROP], [RARE], [PER_EXPERT, DROP, RARE]),  # a child's forms: its --set values
+         ([PER_EXPERT], [DROP], [PER_EXPERT, RARE], [DROP, RARE]))
 SMALL = ["workload.trace.synth.requests=1", "workload.trace.synth.prompt_tokens=4", "workload.trace.synth.tokens=4"]
 
 

@@ -280,6 +280,6 @@ def registered(registry: Any, policies: dict[str, type]) -> Iterator[None]:
 
 
 def too_wide(text: str) -> list[str]:
-    """The lines of ``text`` wider than 80 columns (a line that is one long word, such as a
-    path, cannot be wrapped and is allowed: a test's folder is longer under pytest-xdist)."""
-    return [line for line in text.splitlines() if len(line) > 80 and len(line.split()) > 1]
+    """The lines of ``text`` wider than 80 columns, except a line that is one path alone, which
+    cannot be wrapped (a test's folder is longer under pytest-xdist)."""
+    return [line for line in text.splitlines() if len(line) > 80 and (len(line.split()) > 1 or "/" not in line)]
