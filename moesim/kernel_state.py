@@ -14,12 +14,14 @@ prefetches. Each region is reached by its name, as an array of its own (``_deman
 ring whose withdrawn or promoted entries are -1, the running ring, the waiting proposals, the
 per-layer marks, scratch. Transfer slots are reused; a slot kept past a layer is checked against its
 transfer's sequence number. Sets the SimPy path rebuilds (pins, pending experts, keys evicted
-in this pass) are generation marks. Read-only data: ``DI`` (offsets of each (pass, layer)'s
-accesses; under a budget policy followed, from ``IS[C_LOOKUP]``, by the offsets of what each
-(pass, layer) looks up), ``DF`` (expert seconds by token count, per-pass factor), ``A``
-(:data:`Accesses`: the workload's own per-access arrays, under a budget policy followed by the
-lookups it leaves, with the eviction form's hooks and state by name), ``M`` (:data:`Tokens`:
-the per-token arrays, None unless a miss or budget policy changes what tokens compute) and ``P``
+in this pass) are generation marks. Read-only data but where said: ``DI`` (offsets of each
+(pass, layer)'s accesses; under a budget or routing policy followed, from ``IS[C_LOOKUP]``, by
+the offsets of what each (pass, layer) looks up), ``DF`` (expert seconds by token count,
+per-pass factor), ``A`` (:data:`Accesses`: the workload's own per-access arrays, under a budget
+policy followed by the lookups it leaves, under a routing policy by room for one layer's
+lookups, which the kernel writes at each routing point, with their offsets in ``DI``; with the
+eviction form's hooks and state by name), ``M`` (:data:`Tokens`: the per-token arrays, None
+unless a miss, budget or routing policy changes what tokens compute) and ``P``
 (the prefetcher's proposals, arrays its compiled form made); a trace read in pieces has the
 read-only arrays hold one piece (``S_PBASE``: the piece's first pass, where its (pass, layer)
 entries start).
@@ -47,8 +49,12 @@ Accesses = namedtuple("Accesses", "layer expert tokens weight rank hooks form")
 # top-k weights), its ``token``
 # numbered; a ``mark`` per token, the next-layer predictions ``pred``, and per token its row in
 # the latest layer replayed (``prev_row``) and that layer's (pass, layer) index (``prev_stamp``);
-# the miss policy's ``hook`` (:func:`moesim.policies.miss.hooked.hook_arrays`)
-Tokens = namedtuple("Tokens", "row_order row_off experts chosen mass token mark pred prev_row prev_stamp hook")
+# the miss policy's ``hook`` (:func:`moesim.policies.miss.hooked.hook_arrays`) and the routing
+# form's arrays, ``route`` (:meth:`moesim.policies.routing.base.RoutingForm.arrays`; without one
+# the form's types, unread). A routing form (``C_ROUTE``) writes ``chosen`` at each routing point.
+NO_ROUTE = (np.zeros((1, 1)), np.zeros(1), np.zeros(1, np.int64))
+Tokens = namedtuple("Tokens", "row_order row_off experts chosen mass token mark pred prev_row prev_stamp hook route",
+                    defaults=(NO_ROUTE,))
 MODE_LAYER, MODE_ARRIVAL, MODE_PER_EXPERT = range(3)
 ABSENT, INFLIGHT, RESIDENT = 0, 1, 2
 DEMAND, PREFETCH = 0, 1
@@ -90,13 +96,13 @@ WORK = np.dtype([(name, np.int64) for name in ("tid", "seq", "key", "tokens")])
  C_FORM, C_MODE, C_INSTANT, C_NBYTES, C_L, C_DIV, C_TLEN,
  C_PFACTIVE, C_MAXN, C_NPREC, C_DPREC, C_MISS, C_MISSARG, C_PROBS, C_K, C_NE, C_LRUNCAP,
  C_NLEV, C_MULTI, C_REROUTE, C_BLOCKING, C_HOST, C_HSYNC, C_PENDING, C_KEEPSTATIC,
- C_HANDED, C_RECPASS, C_LOGCAP, C_LOOKUP, C_PUREVICT,
+ C_HANDED, C_RECPASS, C_LOGCAP, C_LOOKUP, C_PUREVICT, C_ROUTE,
  R_HITS, R_MISSES, R_LATE, R_COLL, R_UNCACHED, R_BYTES, R_PFISSUED, R_PFUSED, R_PREDHITS,
  R_PRED, R_ACTUAL, R_PFCANCEL, R_UNIQUE, R_DROPPED, R_ALTERED, R_SUBST, R_LOWPREC,
  H_DQ, H_PFQ, H_RQ, H_FREE, H_WQ, H_PENDA, H_LGEN, H_LADM, H_LMARK, H_RUNS,
  H_SCR, H_TTAB, H_SCALE, H_POOL, H_NKEYS,
  H_PENDMAX, H_PFTMP, H_MSCR, H_FIN, H_LRUN, H_SPEC, H_ROUTED, H_LEVELS, H_PBYTES, H_VICT,
- H_PDUR, H_LOG, I_HEADER) = range(102)
+ H_PDUR, H_LOG, I_HEADER) = range(103)
 R_FIRST, R_COUNT = R_HITS, R_LOWPREC + 1 - R_HITS
 # The float state FS: scalars, configuration, then scratch.
 (SF_BUSY_UNTIL, SF_BUSY, SF_NOW, SF_CARRY, SF_STALL, SF_MTOTAL, SF_MKEPT, SF_HOST, CF_CAP,

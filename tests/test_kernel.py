@@ -209,6 +209,29 @@ def test_kernel_equals_simpy_with_the_drop_miss_policy(monkeypatch, probs, evict
     assert (steps.gate_weight_computed < steps.gate_weight_total).any()
 
 
+@pytest.mark.parametrize(("eviction", "prefetch", "miss", "capacity"), [
+    ("lru", "none", "fetch", "60%"), ("least-stale", "score-percentile", "fetch", "60%"),
+    ("belady", "oracle", {"name": "drop", "rank": 2}, "70%"), ("lfu", "next-gate-topk", "substitute", "60%"),
+    ("fifo", "previous-token", "speculative", "80%"), ("lhu", "lookahead", "fetch-priority", "70%")])
+@pytest.mark.parametrize(("mode", "timing", "batch"), [
+    ("layer", True, 1), ("layer", True, 8), ("on-arrival", True, 8), ("per-expert", True, 4), ("layer", False, 8),
+    ("per-expert", False, 1)])
+def test_kernel_equals_simpy_with_cache_aware_routing(monkeypatch, eviction, prefetch, miss, capacity, mode, timing,
+                                                      batch):
+    """Cache-aware routing on the kernel (its compiled form chooses at each routing point from
+    what is resident or in flight then, the running mean of ``|z|`` carried over the replay):
+    re-routed tokens, the lookups they lead to, gate mass and every time as the SimPy path
+    gives them, under each miss policy's family and execution mode. (At 20% of the keys and 8
+    requests a batch a layer's experts are all evicted before it comes round again, and
+    nothing is re-routed.)"""
+    steps = miss_replay(monkeypatch, miss, policies={"eviction": eviction, "prefetch": prefetch,
+                                                     "routing": {"name": "cache-aware", "lam": 0.3}},
+                        expert_compute=mode, timing=timing, workload={"batch_size": batch},
+                        cache={"capacity": capacity})
+    assert steps.tokens_altered.sum() > 0
+    assert (steps.gate_weight_computed < steps.gate_weight_total).any()
+
+
 @pytest.mark.parametrize("probs", [True, False])
 def test_kernel_equals_simpy_with_a_top_k_above_128(monkeypatch, probs):
     """A token's gate mass over more than 128 terms (top-160 of 256 experts, router
@@ -349,15 +372,19 @@ settings_kw: dict[str, Any] = {"max_examples": 100, "deadline": None, "suppress_
                              {"name": "fetch-priority", "degrade_fraction": 0.0},
                              {"name": "fetch-priority", "precisions": ["int8", "int2"], "degrade_fraction": 1.0}]),
        probs=st.booleans(),
-       precision=st.sampled_from([None, "int8"]), depth=st.sampled_from([1, 2, 3, "all"]))
+       precision=st.sampled_from([None, "int8"]), depth=st.sampled_from([1, 2, 3, "all"]),
+       lam=st.sampled_from([None, None, 0.3, 3.0]))
 def test_kernel_equals_simpy_on_generated_scenarios(layers, experts, k, tokens, prompt, requests, batch, cap,
                                                     eviction, prefetch, mode, timing, seed, bandwidth, miss, probs,
-                                                    precision, depth):
+                                                    precision, depth, lam):
+    """... with cache-aware routing of strength ``lam`` (None: the router's own choice)."""
     model = small_model(layers, experts, min(k, experts))
     trace = generate(model, requests=requests, prompt_tokens=prompt, tokens=tokens, seed=seed, pred_next=True,
-                     probs=probs or miss == "substitute")
+                     probs=probs or miss == "substitute" or lam is not None)
     policy = "fetch" if miss is None else {"name": "drop", "rank": miss} if isinstance(miss, int) else miss
-    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": policy}, expert_compute=mode,
+    routing = "standard" if lam is None else {"name": "cache-aware", "lam": lam}
+    sc = scenario(policies={"eviction": eviction, "prefetch": prefetch, "miss": policy, "routing": routing},
+                  expert_compute=mode,
                   timing=timing, cache={"capacity": experts_cap(cap, model), **({"precision": precision} if precision else {})},
                   workload={"batch_size": batch}, execution={"prefetch_depth": depth},
                   hardware={"preset": "a100-80g-pcie4", "links": {"pcie": {"bandwidth_gbps": bandwidth}}})
@@ -409,12 +436,14 @@ def test_the_kernel_runs_when_every_policy_has_a_kernel_form(tiny, monkeypatch):
     monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
     assert path_of(scenario(), tiny) == ("kernel", None)
     assert path_of(scenario(policies={"budget": {"name": "lynx", "drop": 1}}), tiny) == ("kernel", None)
+    assert path_of(scenario(policies={"routing": "cache-aware"}), tiny) == ("kernel", None)
     assert path_of(scenario(), tiny, record_transfers=True, record_layers=True) == ("kernel", None)
 
 
 @pytest.mark.parametrize(("over", "kwargs", "why"), [
     ({"policies": {"eviction": "random"}}, {}, "eviction policy 'random' has no kernel form"),
-    ({"policies": {"routing": "cache-aware"}}, {}, "a routing policy that changes what tokens compute"),
+    ({"policies": {"routing": "cache-aware", "budget": "lynx"}}, {},
+     "routing policy 'cache-aware' under budget policy 'lynx' (the budget's choice follows the routing, in Python)"),
     ({"hardware": {"preset": "h100-sxm-nvlink-x2"}}, {}, "expert parallelism"),
     ({}, {"record_decisions": True}, "the replay records its decisions"),
 ])
@@ -433,6 +462,18 @@ def test_a_users_own_miss_policy_runs_on_the_simpy_path(tiny, monkeypatch):
     monkeypatch.setitem(REGISTRY._classes, "my-fetch", type("MyFetch", (Fetch,), {}))
     assert path_of(scenario(policies={"miss": "my-fetch"}), tiny) == (
         "simpy", "miss policy 'my-fetch' has no kernel form")
+
+
+def test_a_users_own_routing_policy_runs_on_the_simpy_path(tiny, monkeypatch):
+    """A routing policy other than the shipped ones (here a subclass of ``cache-aware``, as a
+    plugin would register it) has no kernel form: it may route otherwise."""
+    from moesim.policies.routing import REGISTRY
+    from moesim.policies.routing.cache_aware import CacheAware
+
+    monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    monkeypatch.setitem(REGISTRY._classes, "my-routing", type("MyRouting", (CacheAware,), {}))
+    assert path_of(scenario(policies={"routing": "my-routing"}), tiny) == (
+        "simpy", "routing policy 'my-routing' has no kernel form")
 
 
 def test_moesim_no_kernel_forces_the_simpy_path(tiny, monkeypatch):
@@ -910,6 +951,56 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
         KR[e].state = KS.ABSENT
     assert SU._nearest_resident(0, IS, KR, M) == -1
     assert SU._substitute_nearest(0, 0, 0, IS, KR, M) == FETCH
+
+
+def test_the_kernels_cache_aware_routing_by_hand():
+    """Cache-aware routing's compiled form and the lookups it leads to, by hand (SpecMD §3.1.1
+    eq. 1): two rows of four experts, ``z = ln p``; the running mean of ``|z|`` over the
+    layer's eight logits is 1.6028, so with lambda 0.5 the bias is 0.8014, on expert 0 (in
+    flight) and 2 (resident). Row 0 (p 0.5, 0.3, 0.15, 0.05; the router's top-2 0, 1) scores
+    0.108, -1.204, -1.096, -2.996: it takes 0 then 2. Row 1 (p 0.1, 0.2, 0.3, 0.4; router 3,
+    2) scores -1.501, -1.609, -0.403, -0.916: 2 then 3. The lookups, in router order: 0 (1
+    token, best rank 0), 2 (2 tokens, best rank 0: row 1's first), 3 (1 token, rank 1)."""
+    from moesim.policies.routing.cache_aware import CacheAwareForm
+    from moesim.policies.routing.forms import ROUTING_FORM_CLASSES
+
+    KX = Callable(import_module("moesim.simulator.kernel_compute"))
+    KS = Callable(import_module("moesim.kernel_state"))
+    E = 4
+    IS, _, KR, _, _ = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=3, top_k=2, fin=4)
+    IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 1, 2, E, 1, 0, E
+    IS[KS.C_ROUTE] = 1 + ROUTING_FORM_CLASSES.index(CacheAwareForm)
+    KR[0].state, KR[2].state = KS.INFLIGHT, KS.RESIDENT
+    probs = np.array([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]], np.float32)
+    experts = np.array([[0, 1], [3, 2]], np.int16)
+    z = np.log(probs.astype(np.float64))
+    running = np.array([0.5, 0.0, 0.0])
+    M = KS.Tokens(np.array([0, 1], np.int64), np.array([0, 2], np.int64), experts, experts.copy(), probs,
+                  np.array([0, 1], np.int64), np.array([-1, -1], np.int64), np.zeros((1, 1), np.float32),
+                  np.zeros(2, np.int64), np.zeros(2, np.int64), (), (z, running, np.zeros(1, np.int64)))
+    A = KS.Accesses(np.zeros(E, np.int16), np.zeros(E, np.int16), np.zeros(E, np.int32), np.zeros(E),
+                    np.full(E, 9, np.int16), (), ())
+    DI = np.zeros(3, np.int64)
+    KX._routed_lookups(0, 1, IS, KR, DI, A, M)
+    assert M.chosen.tolist() == [[0, 2], [2, 3]]
+    assert experts.tolist() == [[0, 1], [3, 2]]  # the router's own, untouched
+    total = 0.0
+    for v in z.ravel().tolist():  # one after another
+        total += abs(v)
+    assert running.tolist() == [0.5, total, 8.0]
+    assert total / 8 == pytest.approx(1.6028, abs=1e-4)
+    assert (DI[1], DI[2]) == (0, 3)
+    assert A.expert[:3].tolist() == [0, 2, 3]
+    assert A.tokens[:3].tolist() == [1, 2, 1]
+    assert A.rank[:3].tolist() == [0, 0, 1]
+    KR[0].state = KS.ABSENT  # with nothing cached the router's own top-2, in rank order
+    KR[2].state = KS.ABSENT
+    KX._routed_lookups(0, 1, IS, KR, DI, A, M)
+    assert M.chosen.tolist() == [[0, 1], [3, 2]]
+    assert running[2] == 16.0
+    assert A.expert[:4].tolist() == [0, 1, 3, 2]
+    assert A.rank[:4].tolist() == [0, 1, 0, 1]
+    assert (DI[1], DI[2]) == (0, 4)
 
 
 def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():

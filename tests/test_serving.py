@@ -441,8 +441,9 @@ def test_serving_on_the_simpy_path_gives_the_kernels_rows_bit_for_bit(
 def test_routing_budgets_and_expert_parallelism_serve_as_the_simpy_path_replays_the_schedule(
         policies: dict[str, Any], mode: str, top: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Under load, a budget (on the kernel, its choices made a pass at a time as the scheduler
-    forms it; the same on the SimPy path), cache-aware routing and expert parallelism (4 GPUs;
-    2 with offload, each GPU's LFU cache fed by its own host link; these two on the SimPy path):
+    forms it; the same on the SimPy path), cache-aware routing (on the kernel, its running mean
+    carried from pass to pass; the same on the SimPy path) and expert parallelism (4 GPUs; 2
+    with offload, each GPU's LFU cache fed by its own host link; on the SimPy path):
     the passes the scheduler formed, with their tokens, replayed as one fixed workload give
     every per-pass column bit for bit; the policy acted (tokens altered; under expert
     parallelism, tokens crossed the EP link; with offload, GPUs missed)."""
@@ -453,7 +454,7 @@ def test_routing_budgets_and_expert_parallelism_serve_as_the_simpy_path_replays_
                   cache={"capacity": "30%", **top.pop("cache", {})}, policies=policies, **top)
     sim = Simulation(scenario_from_dict(data))
     res = sim.run()
-    on_kernel = not top and "routing" not in policies
+    on_kernel = not top
     assert res.summary["replay_path"] == ("kernel" if on_kernel else "simpy"), res.summary["replay_path_reason"]
     if on_kernel:
         monkeypatch.setenv("MOESIM_NO_KERNEL", "1")

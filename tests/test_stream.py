@@ -192,6 +192,27 @@ def test_a_replay_in_pieces_equals_the_whole_trace_replay(ragged_file: Path, mon
     assert whole.summary["trace_pieces"] == 1
 
 
+@pytest.mark.parametrize(("mode", "miss", "batch", "chunk"), [
+    ("layer", "fetch", 1, 300), ("per-expert", "drop", 2, 700), ("on-arrival", "speculative", 3, 200)])
+def test_cache_aware_routing_in_pieces_equals_the_whole_trace_replay(tmp_path: Path, mode: str, miss: str,
+                                                                    batch: int, chunk: int) -> None:
+    """Cache-aware routing read a piece at a time: each piece's logits its own, the running
+    mean of ``|z|`` carried over, every per-pass row and the summary as the whole trace's."""
+    path = write_trace(synth_from_preset("olmoe-1b-7b", layers=4, requests=9, prompt_tokens=6, tokens=14, seed=4,
+                                         pred_next=True, probs=True), tmp_path / "probs.parquet")
+    sc = load_scenario("quickstart", [f"workload.trace.path={path}", "policies.routing=cache-aware",
+                                      f"policies.miss={miss}", f"expert_compute={mode}",
+                                      f"workload.batch_size={batch}", "cache.capacity=60%"])
+    whole = Simulation(sc, trace=read_trace(path)).run()
+    sim = Simulation(sc, chunk_rows=chunk)
+    assert sim.source.pieces is not None, sim.source.whole_reason
+    res = sim.run()
+    _same(whole, res)
+    assert res.summary["trace_pieces"] > 1
+    assert res.summary["replay_path"] == "kernel"
+    assert res.steps.tokens_altered.sum() > 0
+
+
 def test_belady_in_pieces_reads_each_keys_first_access_after_the_piece_from_a_first_pass(ragged_file: Path) -> None:
     """``accesses_after`` against the whole trace's access keys, by brute force: piece ``k``
     starts at the sum of the earlier pieces' accesses, and a key's entry is the first index
@@ -651,7 +672,9 @@ def test_every_reason_to_read_the_whole_trace(ragged_file: Path, monkeypatch) ->
     assert why_whole(sc(), False) is None
     assert why_whole(sc(), True) == "the replay records its decisions"
     assert why_whole(sc("hardware.preset=h100-sxm-nvlink-x2"), False) == "expert parallelism"
-    assert why_whole(sc("policies.routing=cache-aware"), False) == "routing policy 'cache-aware' runs on the SimPy path"
+    assert why_whole(sc("policies.routing=cache-aware"), False) is None
+    assert why_whole(sc("policies.routing=cache-aware", "policies.budget=lynx"), False) == (
+        "routing policy 'cache-aware' runs on the SimPy path")
     assert why_whole(sc("policies.budget=dynamic-skip"), False) is None  # a (pass, layer)'s choice reads its rows
     assert why_whole(sc("policies.budget=moe-spec"), False) is None
     assert why_whole(sc("policies.budget=moe-spec", "policies.budget.ranking=static"), False) == (

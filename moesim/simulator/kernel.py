@@ -17,9 +17,11 @@ beside the policy in its module; a policy given as hooks runs through
 when it walks an order of its own): the kernel is compiled once per group of the forms shipped
 with moesim (the common ones and the rare ones, :mod:`moesim.policies.eviction.forms`), for the
 group of the replay's form, and picks that form by its index in the group
-(:mod:`simulator.kernel_cache`), so that it names none. Scope (:func:`kernel_form`): one GPU, routing that does not change what
-tokens compute, any budget policy (its choices made ahead of the kernel's calls,
-:func:`budget_lookups`), an eviction policy with a compiled form, a prefetcher and a miss
+(:mod:`simulator.kernel_cache`), so that it names none. Scope (:func:`kernel_form`): one GPU; routing that does not change what
+tokens compute, with any budget policy (its choices made ahead of the kernel's calls,
+:func:`budget_lookups`), or a routing policy with a compiled form
+(:func:`routing_form`: it chooses each row's experts at the routing point from what is cached
+then, and the kernel looks them up, :func:`simulator.kernel_compute._routed_lookups`); an eviction policy with a compiled form, a prefetcher and a miss
 policy with a compiled form (:func:`miss_form`: it decides, the kernel carries the decision out), and a prefetcher with a compiled form
 (:meth:`~moesim.policies.prefetch.base.PrefetchPolicy.why_not_compiled`: its proposals are arrays
 made ahead of the kernel's calls from the trace alone, :func:`_proposals_ahead`; a user's
@@ -27,8 +29,8 @@ prefetcher written as a hook, :class:`policies.hooks.HookPrefetch`, has one when
 keep what each token of the layer computes (``kernel_state._final``); the precision cascades cache
 entries of several sizes (a key's precision gives its bytes, copy and compute seconds; room is
 made by as many victims as it takes, in :func:`simulator.kernel_cache._victims`). Everything else
-— a routing policy that changes what a token computes (it reads the cache at each routing
-point: its own Python/numpy selection), expert parallelism, a policy without a compiled form or whose hooks numba cannot
+— a routing policy under a budget policy (the budget's Python choice follows the routing's),
+expert parallelism, a policy without a compiled form or whose hooks numba cannot
 compile, and a replay that records its decisions (``Simulation.decisions``, which the
 calibration executor carries out) — runs on the SimPy path, and the replay says why. A replay
 that records its timeline (``moesim run --events``) writes the same records into the kernel's
@@ -96,6 +98,7 @@ from moesim.kernel_state import (
     C_PUREVICT,
     C_RECPASS,
     C_REROUTE,
+    C_ROUTE,
     C_TLEN,
     CF_CAP,
     CF_HCOPY,
@@ -113,6 +116,7 @@ from moesim.kernel_state import (
     MODE_ARRIVAL,
     MODE_LAYER,
     MODE_PER_EXPERT,
+    NO_ROUTE,
     R_COUNT,
     S_BYTES,
     S_LOGN,
@@ -128,6 +132,7 @@ from moesim.kernel_state import (
 )
 from moesim.policies.eviction.base import KernelForm
 from moesim.policies.miss.base import MissForm
+from moesim.policies.routing.base import RoutingForm
 from moesim.simulator.kernel_compute import _finish, _preload, replay_passes
 from moesim.simulator.workload import join, passes_of
 
@@ -161,7 +166,12 @@ def kernel_form(sim: Any) -> str | None:
     if sim.scenario.hardware.gpus > 1:
         return "expert parallelism"
     if sim.routing.changes_routing:
-        return "a routing policy that changes what tokens compute"
+        name = sim.scenario.policies.routing.name
+        if routing_form(type(sim.routing)) is None:
+            return f"routing policy '{name}' has no kernel form"
+        if sim.budget.restricts:
+            return (f"routing policy '{name}' under budget policy '{sim.scenario.policies.budget.name}' "
+                    "(the budget's choice follows the routing, in Python)")
     if miss_form(type(sim.miss)) is None:
         name = sim.scenario.policies.miss.name
         from moesim.policies.miss.hooked import HookMiss, compiled_choose
@@ -189,6 +199,14 @@ def eviction_form(cls: type) -> type[KernelForm] | None:
     """The compiled form the kernel runs for eviction policy class ``cls``
     (:func:`moesim.policies.eviction.forms.form_of`), or None (the SimPy path)."""
     from moesim.policies.eviction.forms import form_of
+
+    return form_of(cls)
+
+
+def routing_form(cls: type) -> type[RoutingForm] | None:
+    """The compiled form the kernel runs for routing policy class ``cls``
+    (:func:`moesim.policies.routing.forms.form_of`), or None (the SimPy path)."""
+    from moesim.policies.routing.forms import form_of
 
     return form_of(cls)
 
@@ -250,12 +268,18 @@ def _mass_arrays(sim: Any, chosen: np.ndarray | None) -> Tokens:
     _, token = np.unique(tok, return_inverse=True)
     n_tok = int(token.max(initial=0)) + 1
     experts = np.ascontiguousarray(trace.experts, np.int16)
+    route = NO_ROUTE
+    if sim.routing.changes_routing:  # its form writes each row's experts at the routing point
+        form = routing_form(type(sim.routing))
+        assert form is not None, "kernel_form"
+        route = form.arrays(sim.routing, wl)
+        chosen = experts.copy()
     return Tokens(np.ascontiguousarray(wl.row_order, np.int64), np.ascontiguousarray(wl.row_off, np.int64),
                   experts, experts if chosen is None else chosen, np.ascontiguousarray(mass, np.float32),
                   token.astype(np.int64), np.full(n_tok, -1, np.int64),
                   np.ascontiguousarray(wl.pred_next, np.float32) if wl.pred_next is not None else _NO_PRED,
                   np.zeros(n_tok, np.int64), np.full(n_tok, -1, np.int64),
-                  hook_arrays(sim.miss, sim.model.num_experts))
+                  hook_arrays(sim.miss, sim.model.num_experts), route)
 
 
 def _precisions(sim: Any, miss: type[MissForm], max_rows: int, IS: np.ndarray, FS: np.ndarray) -> np.ndarray:
@@ -377,6 +401,9 @@ def _piece(sim: Any, wl: Any, first_pass: int, miss: type[MissForm], max_rows: i
     if sim.budget.restricts:
         DI, A, chosen = budget_lookups(sim, wl, first_pass, DI, A)
         IS[C_LOOKUP] = len(wl.off)
+    elif IS[C_ROUTE]:
+        DI, A = routing_room(DI, A, sim.model.num_experts)
+        IS[C_LOOKUP] = len(wl.off)
     M = _mass_arrays(sim, chosen) if sim.general else None
     return DI, A, DF, M, sim.costs.nonexpert_times()
 
@@ -430,6 +457,21 @@ def budget_lookups(sim: Any, wl: Any, first_pass: int, DI: np.ndarray,
     return np.concatenate((DI, look_off)), A, chosen_rows
 
 
+def routing_room(DI: np.ndarray, A: Accesses, num_experts: int) -> tuple[np.ndarray, Accesses]:
+    """Under a routing policy that changes what tokens compute: ``DI`` followed by room for
+    the lookups' offsets of each (pass, layer) (from ``len(DI)``, ``IS[C_LOOKUP]``) and ``A``
+    followed by room for one layer's lookups (``num_experts``, the last of its arrays), which
+    the kernel fills at each routing point from the form's choice
+    (:func:`simulator.kernel_compute._routed_lookups`), as :func:`budget_lookups` fills them
+    ahead of its calls."""
+    def room(a: np.ndarray) -> np.ndarray:
+        return np.concatenate((a, np.zeros(num_experts, a.dtype)))
+
+    A = A._replace(layer=room(A.layer), expert=room(A.expert), tokens=room(A.tokens), weight=room(A.weight),
+                   rank=room(A.rank))
+    return np.concatenate((DI, np.zeros(len(DI), DI.dtype))), A
+
+
 def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, miss: type[MissForm], max_runs: int) -> None:
     """The replay's configuration (``C_*``, ``CF_*``) from ``sim``'s scenario and policies."""
     from moesim.policies.eviction.forms import form_index
@@ -462,6 +504,10 @@ def _configure(sim: Any, IS: np.ndarray, FS: np.ndarray, miss: type[MissForm], m
     IS[C_K] = model.top_k
     IS[C_NE] = model.num_experts
     IS[C_PROBS] = sim.general and sim.wl.probs is not None
+    if sim.routing.changes_routing:  # 0: the router's own choice
+        from moesim.policies.routing.forms import form_index as routing_index
+
+        IS[C_ROUTE] = 1 + routing_index(type(sim.routing))
 
 
 def next_piece(pieces: Generator[Any, float, None], now: float) -> Any:

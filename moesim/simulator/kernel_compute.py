@@ -10,6 +10,7 @@ import numpy as np
 from moesim.jit import inline as _inline
 from moesim.jit import jit as _entry
 from moesim.jit import kernel as _jit
+from moesim.jit import literal_unroll
 from moesim.kernel_state import (
     C_BLOCKING,
     C_DIV,
@@ -21,12 +22,14 @@ from moesim.kernel_state import (
     C_LOOKUP,
     C_MODE,
     C_NBYTES,
+    C_NE,
     C_NPREC,
     C_PENDING,
     C_PFACTIVE,
     C_PROBS,
     C_RECPASS,
     C_REROUTE,
+    C_ROUTE,
     CF_CAP,
     CF_HCOPY,
     CF_HLAUNCH,
@@ -74,6 +77,7 @@ from moesim.kernel_state import (
     _runs,
     _seconds_scratch,
 )
+from moesim.policies.routing.forms import ROUTE_HOOKS
 from moesim.simulator.kernel_cache import _kept_out, _new_pass, _on_insert
 from moesim.simulator.kernel_copy import _advance, _arrival
 from moesim.simulator.kernel_lookup import _lookup
@@ -428,6 +432,45 @@ def _token_mass(p, layer, IS, FS, M):
 
 
 @_jit
+def _routed_lookups(b, look, IS, K, DI, A, M):
+    """At the routing point of (pass, layer) ``b``: the routing form (``C_ROUTE``, its index
+    in :data:`moesim.policies.routing.forms.ROUTE_HOOKS` plus one) writes each row's experts
+    into ``M.chosen``; the layer's lookups are then its experts in router order (first
+    appearance, row by row and rank by rank), each with its best rank and its tokens, as
+    :func:`simulator.lookup.router_order` makes them, in the room after the accesses
+    (:func:`simulator.kernel.routing_room`), their offsets at ``DI[look]``."""
+    f = IS[C_ROUTE] - 1
+    i = 0
+    for form in literal_unroll(ROUTE_HOOKS):
+        if i == f:
+            form[0](b, IS, K, M)
+        i += 1  # noqa: SIM113 (numba's literal_unroll takes no enumerate)
+    row_order, row_off, chosen = M.row_order, M.row_off, M.chosen
+    k = IS[C_K]
+    start = len(A.expert) - IS[C_NE]
+    n = 0
+    for t in range(row_off[b + 1] - row_off[b]):
+        r = row_order[row_off[b] + t]
+        for j in range(k):
+            e = chosen[r, j]
+            at = start
+            while at < start + n and A.expert[at] != e:
+                at += 1
+            if at == start + n:
+                A.layer[at] = IS[S_LAYER]
+                A.expert[at] = e
+                A.tokens[at] = 1
+                A.rank[at] = j
+                n += 1
+            else:
+                A.tokens[at] += 1
+                if j < A.rank[at]:
+                    A.rank[at] = j
+    DI[look] = start
+    DI[look + 1] = start + n
+
+
+@_jit
 def _fin_init(p, layer, lo, hi, IS, A, M):
     """At the layer's routing point: each token computes the experts the budget policy
     leaves it (its routed experts without one), and the layer's experts are marked (a
@@ -494,10 +537,12 @@ def replay_passes(p0, p1, IS, K, T, W, FS, DI, DF, A, P, M, per_expert, nonexp, 
             carry = 0.0
             if DI[base + layer] == DI[base + layer + 1]:
                 continue  # no routing for this (pass, layer): the layer is skipped
-            look = IS[C_LOOKUP] + base + layer  # what it looks up (a budget policy's choice)
-            lo, hi = DI[look], DI[look + 1]
+            look = IS[C_LOOKUP] + base + layer  # what it looks up (a budget or routing policy's choice)
             _advance(now, IS, K, T, FS)
             IS[S_LAYER] = layer
+            if M is not None and IS[C_ROUTE]:  # the routing form chooses from what is cached now
+                _routed_lookups(base + layer, look, IS, K, DI, A, M)
+            lo, hi = DI[look], DI[look + 1]
             IS[S_LAYERGEN] += 1
             if M is not None:
                 _fin_init(p, layer, lo, hi, IS, A, M)

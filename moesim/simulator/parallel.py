@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from moesim.traces.schema import ModelInfo
 
 # the replay's routing and budget plan of a layer (simulator.lookup.plan): (pass number over the
-# replay, layer, the layer's trace rows, the residency a cache-aware router reads or None) ->
+# replay, layer, the layer's trace rows, the residency a routing policy reads or None) ->
 # (the trace's experts per token, each token's experts after the policies)
 Planner = Callable[[int, int, np.ndarray, Any], tuple[np.ndarray, list[list[int]]]]
 
@@ -78,7 +78,7 @@ class ExpertParallel:
     def step(self, p: int, layer: int, nonexp: float, now: float, wl: Workload, costs: PassCosts, row: PassRow) -> float:
         """One layer, from its start: the budget policy plans it as on one GPU
         (:func:`simulator.lookup.plan`; XShare Algorithm 6 balances the per-GPU load; with
-        offload a cache-aware router sees the GPUs' caches) and the pass's row counts it as on
+        offload a routing policy that reads the cache sees the GPUs' caches) and the pass's row counts it as on
         one GPU (:meth:`PassRow.count_tokens`); returns its non-expert seconds plus
         :meth:`layer`'s time. ``p`` numbers the pass in ``wl``, the piece being replayed (its
         per-pass ``costs``); the layer starts at ``now`` and is counted in ``row``."""

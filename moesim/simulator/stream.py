@@ -97,9 +97,10 @@ def _piecewise(scenario: Scenario) -> tuple[str, str] | None:
     kernel runs (whose compiled form reads no more than the current pass; ``reads_future``
     policies get their next uses from a first pass), a prefetcher the kernel runs that is
     ``piecewise`` or ``counts_whole_trace``, a miss policy the kernel runs (each piece's tokens
-    are its own), routing that does not change, and a budget policy that does not calibrate on
+    are its own), routing that does not change or that the kernel runs without a budget policy
+    (its state carried from piece to piece), and a budget policy that does not calibrate on
     the trace's leading passes (each (pass, layer)'s choice reads only its own rows)."""
-    from moesim.simulator.kernel import eviction_form, miss_form, prefetch_form
+    from moesim.simulator.kernel import eviction_form, miss_form, prefetch_form, routing_form
 
     ev, pf, miss, routing, budget = policy_classes(scenario)
     pol = scenario.policies
@@ -109,7 +110,7 @@ def _piecewise(scenario: Scenario) -> tuple[str, str] | None:
         return "prefetch", pol.prefetch.name
     if miss_form(miss) is None:
         return "miss", pol.miss.name
-    if routing.changes_routing:
+    if routing.changes_routing and (routing_form(routing) is None or budget.restricts):
         return "routing", pol.routing.name
     if budget.restricts and budget.calibrates(pol.budget.params):
         return "budget", pol.budget.name

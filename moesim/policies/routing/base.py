@@ -3,7 +3,8 @@
 ``standard`` keeps the router's top-k as recorded in the trace. Policies that change the
 choice keep the original weights for mixing (dual-logit semantics, SpecMD appendix A.1):
 modified logits choose the experts, the router's original probabilities weight them. Each
-policy is a module of this package; this one holds what they share."""
+policy is a module of this package; this one holds what they share, with the base of their
+compiled forms (:class:`RoutingForm`)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,28 @@ class RoutingPolicy(Policy, ABC):
 
 
 REGISTRY: Registry[RoutingPolicy] = Registry("routing")
+
+
+class RoutingForm:
+    """A routing policy's compiled form, what the replay kernel runs at each routing point.
+
+    ``route(b, IS, K, M)``: for (pass, layer) ``b`` of the replay's arrays (the current one),
+    write each of its trace rows' experts, in rank order, into ``M.chosen`` (the rows are
+    ``M.row_order[M.row_off[b]:M.row_off[b + 1]]``), reading the cache through
+    :mod:`moesim.kernel_state` (``K[key].state``; :func:`moesim.kernel_state._key_at`) and its
+    own arrays ``M.route`` (:meth:`arrays`), as the policy's ``route`` answers the engine. The
+    kernel then looks the experts up in router order, as the engine's
+    :func:`simulator.lookup.router_order` orders them."""
+
+    @classmethod
+    def arrays(cls, policy: Any, workload: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The arrays ``route`` reads and keeps its state in, for ``workload`` (float64
+        ``[rows, experts]``, float64 and int64 vectors: the types of
+        :data:`moesim.kernel_state.NO_ROUTE`); state that runs over the whole replay lives in
+        ``policy``, so that a replay in pieces carries it over."""
+        raise NotImplementedError
+
+    @classmethod
+    def functions(cls) -> tuple[Any, ...]:
+        """``route``, as the kernel indexes it."""
+        raise NotImplementedError
