@@ -50,11 +50,10 @@ Accesses = namedtuple("Accesses", "layer expert tokens weight rank hooks form")
 # numbered; a ``mark`` per token, the next-layer predictions ``pred``, and per token its row in
 # the latest layer replayed (``prev_row``) and that layer's (pass, layer) index (``prev_stamp``);
 # the miss policy's ``hook`` (:func:`moesim.policies.miss.hooked.hook_arrays`) and the routing
-# form's arrays, ``route`` (:meth:`moesim.policies.routing.base.RoutingForm.arrays`; without one
-# the form's types, unread). A routing form (``C_ROUTE``) writes ``chosen`` at each routing point.
-NO_ROUTE = (np.zeros((1, 1)), np.zeros(1), np.zeros(1, np.int64))
-Tokens = namedtuple("Tokens", "row_order row_off experts chosen mass token mark pred prev_row prev_stamp hook route",
-                    defaults=(NO_ROUTE,))
+# form's arrays, ``route`` (:func:`moesim.policies.routing.hooked.route_arrays`; without a routing
+# form, stand-ins of the same types). A routing form (``C_ROUTE``) writes ``chosen`` at each
+# routing point.
+Tokens = namedtuple("Tokens", "row_order row_off experts chosen mass token mark pred prev_row prev_stamp hook route")
 MODE_LAYER, MODE_ARRIVAL, MODE_PER_EXPERT = range(3)
 ABSENT, INFLIGHT, RESIDENT = 0, 1, 2
 DEMAND, PREFETCH = 0, 1

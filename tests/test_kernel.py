@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from moesim.policies.eviction.fifo import FIFO, InsertionList
 from moesim.policies.eviction.forms import form_index, unused_hooks
+from moesim.policies.routing.hooked import route_arrays
 from moesim.simulator.engine import Simulation
 from moesim.traces.synth import generate, synth_from_preset
 from tests.helpers import Callable, experts_cap, kernel_by_hand, scenario, small_model
@@ -895,7 +896,7 @@ def test_the_kernels_token_mass_sums_in_the_documented_orders(probs):
         mass = np.array([[1.0, tiny, tiny]], np.float32)
         want_total = want_kept = want_sub = 1.0
     M = KS.Tokens(np.array([0], np.int64), np.array([0, 1], np.int64), experts, experts, mass, np.array([0], np.int64),
-                  np.array([-1], np.int64), np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64), ())
+                  np.array([-1], np.int64), np.zeros((1, 1), np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64), (), route_arrays())
 
     def mass_with(final: list[int]) -> tuple[float, float, int]:
         IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 3] = final
@@ -938,7 +939,7 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
     probs[:, 3] = (0.5, 0.0)  # mean 0.25
     probs[:, 5] = (1.0, 0.5)  # mean 0.75
     M = KS.Tokens(np.array([0, 1], np.int64), np.array([0, 2], np.int64), experts, experts, probs, np.array([0, 1], np.int64),
-                  np.array([-1, -1], np.int64), np.zeros((1, 1), np.float32), np.zeros(2, np.int64), np.zeros(2, np.int64), ())
+                  np.array([-1, -1], np.int64), np.zeros((1, 1), np.float32), np.zeros(2, np.int64), np.zeros(2, np.int64), (), route_arrays())
     KX._fin_init(0, 0, 0, 0, IS, KS.Accesses(*(np.zeros(0, np.int32),) * 5, (), ()), M)
     for e in (0, 1, 2):
         IS[IS[KS.H_ROUTED] + e] = 3  # routed in this layer
@@ -977,7 +978,7 @@ def test_the_kernels_cache_aware_routing_by_hand():
     running = np.array([0.5, 0.0, 0.0])
     M = KS.Tokens(np.array([0, 1], np.int64), np.array([0, 2], np.int64), experts, experts.copy(), probs,
                   np.array([0, 1], np.int64), np.array([-1, -1], np.int64), np.zeros((1, 1), np.float32),
-                  np.zeros(2, np.int64), np.zeros(2, np.int64), (), (z, running, np.zeros(1, np.int64)))
+                  np.zeros(2, np.int64), np.zeros(2, np.int64), (), route_arrays(z=z, running=running))
     A = KS.Accesses(np.zeros(E, np.int16), np.zeros(E, np.int16), np.zeros(E, np.int32), np.zeros(E),
                     np.full(E, 9, np.int16), (), ())
     DI = np.zeros(3, np.int64)
@@ -1098,7 +1099,7 @@ def test_the_kernels_speculation_by_hand():
     prev_stamp = np.array([0, 0, -1], np.int64)  # token 2 has no row in (pass 0, layer 0)
     M = KS.Tokens(np.array([0, 1, 2, 3, 4, 5], np.int64), np.array([0, 3, 6], np.int64), experts, experts,
                   np.zeros((6, E), np.float32), np.array([0, 1, 2, 0, 1, 2], np.int64), np.full(3, -1, np.int64),
-                  pred, prev_row, prev_stamp, ())
+                  pred, prev_row, prev_stamp, (), route_arrays())
     IS[IS[KS.H_FIN]:IS[KS.H_FIN] + 6] = (0, 2, 0, 1, 0, 4)
     for e in (1, 2, 3, 4, 5):
         KR[E + e].state = KS.RESIDENT

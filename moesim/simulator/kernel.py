@@ -21,7 +21,9 @@ group of the replay's form, and picks that form by its index in the group
 tokens compute, with any budget policy (its choices made ahead of the kernel's calls,
 :func:`budget_lookups`), or a routing policy with a compiled form
 (:func:`routing_form`: it chooses each row's experts at the routing point from what is cached
-then, and the kernel looks them up, :func:`simulator.kernel_compute._routed_lookups`); an eviction policy with a compiled form, a prefetcher and a miss
+then, and the kernel looks them up, :func:`simulator.kernel_compute._routed_lookups`; a user's
+routing policy written as a hook, :class:`policies.routing.hooked.HookRouting`, has one when
+it compiles); an eviction policy with a compiled form, a prefetcher and a miss
 policy with a compiled form (:func:`miss_form`: it decides, the kernel carries the decision out), and a prefetcher with a compiled form
 (:meth:`~moesim.policies.prefetch.base.PrefetchPolicy.why_not_compiled`: its proposals are arrays
 made ahead of the kernel's calls from the trace alone, :func:`_proposals_ahead`; a user's
@@ -116,7 +118,6 @@ from moesim.kernel_state import (
     MODE_ARRIVAL,
     MODE_LAYER,
     MODE_PER_EXPERT,
-    NO_ROUTE,
     R_COUNT,
     S_BYTES,
     S_LOGN,
@@ -168,6 +169,11 @@ def kernel_form(sim: Any) -> str | None:
     if sim.routing.changes_routing:
         name = sim.scenario.policies.routing.name
         if routing_form(type(sim.routing)) is None:
+            from moesim.policies.routing.hooked import HookRouting
+            from moesim.policies.routing.hooked import compiled_choose as compiled_route
+
+            if isinstance(sim.routing, HookRouting):
+                return f"routing policy '{name}': {compiled_route(type(sim.routing))}"
             return f"routing policy '{name}' has no kernel form"
         if sim.budget.restricts:
             return (f"routing policy '{name}' under budget policy '{sim.scenario.policies.budget.name}' "
@@ -257,6 +263,7 @@ def _mass_arrays(sim: Any, chosen: np.ndarray | None) -> Tokens:
     and per token its row in the latest layer replayed and that layer's (pass, layer) index;
     the miss policy's hook."""
     from moesim.policies.miss.hooked import hook_arrays
+    from moesim.policies.routing.hooked import route_arrays
 
     wl = sim.wl
     trace = wl.trace
@@ -268,7 +275,7 @@ def _mass_arrays(sim: Any, chosen: np.ndarray | None) -> Tokens:
     _, token = np.unique(tok, return_inverse=True)
     n_tok = int(token.max(initial=0)) + 1
     experts = np.ascontiguousarray(trace.experts, np.int16)
-    route = NO_ROUTE
+    route = route_arrays()
     if sim.routing.changes_routing:  # its form writes each row's experts at the routing point
         form = routing_form(type(sim.routing))
         assert form is not None, "kernel_form"
@@ -603,20 +610,21 @@ def _hook_errors(sim: Any) -> Iterator[None]:
     from moesim.policies.hooks import HookEviction, HookPrefetch
     from moesim.policies.list_hooks import HookListEviction
     from moesim.policies.miss.hooked import HookMiss
+    from moesim.policies.routing.hooked import HookRouting
 
     try:
         yield
     except (IndexError, ZeroDivisionError, ValueError, OverflowError) as exc:
         hooked = [f"{family} policy '{p.name}'" for family, p in (("eviction", sim.eviction), ("miss", sim.miss),
-                                                                   ("prefetch", sim.prefetch))
-                  if isinstance(p, (HookEviction, HookListEviction, HookMiss, HookPrefetch))]
+                                                                   ("prefetch", sim.prefetch), ("routing", sim.routing))
+                  if isinstance(p, (HookEviction, HookListEviction, HookMiss, HookPrefetch, HookRouting))]
         if not hooked:
             raise
         from moesim.errors import MoesimError
 
         raise MoesimError(
             f"{' or '.join(hooked)}: a compiled hook raised {type(exc).__name__}: {exc} during the replay. "
-            "Run it with MOESIM_NO_KERNEL=1: the SimPy path calls the hooks as written and names the hook, "
+            "Run it with MOESIM_NO_KERNEL=1: the SimPy path calls the hooks one at a time and names the hook, "
             "the forward pass and the layer.") from None
 
 

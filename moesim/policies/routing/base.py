@@ -43,10 +43,10 @@ class RoutingForm:
     :func:`simulator.lookup.router_order` orders them."""
 
     @classmethod
-    def arrays(cls, policy: Any, workload: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The arrays ``route`` reads and keeps its state in, for ``workload`` (float64
-        ``[rows, experts]``, float64 and int64 vectors: the types of
-        :data:`moesim.kernel_state.NO_ROUTE`); state that runs over the whole replay lives in
+    def arrays(cls, policy: Any, workload: Any) -> tuple[Any, ...]:
+        """``M.route`` for ``policy``'s replay of ``workload``: the arrays ``route`` reads and
+        keeps its state in, laid out as :func:`moesim.policies.routing.hooked.route_arrays`
+        makes them (one type for every form); state that runs over the whole replay lives in
         ``policy``, so that a replay in pieces carries it over."""
         raise NotImplementedError
 

@@ -40,7 +40,7 @@ def _route(b, IS, K, M):
     (as :meth:`CacheAware.route` sums them), then each row's top-k of ``z + bias`` (``bias`` on
     the experts resident or in flight) is picked rank by rank, the lowest id on a tie (a stable
     sort's order)."""
-    z, F, _ = M.route
+    z, F = M.route[0], M.route[1]
     row_order, row_off, chosen = M.row_order, M.row_off, M.chosen
     k, ne, layer = IS[C_K], IS[C_NE], IS[S_LAYER]
     lo, n = row_off[b], row_off[b + 1] - row_off[b]
@@ -73,13 +73,15 @@ def _route(b, IS, K, M):
 
 
 class CacheAwareForm(RoutingForm):
-    """Cache-aware routing's compiled form: the logits of the workload's rows
-    (:func:`log_probs`), ``[lambda, sum of |z|, count]`` (the policy's, carried over the
-    replay's pieces) and no integer state."""
+    """Cache-aware routing's compiled form: its arrays are the logits of the workload's rows
+    (:func:`log_probs`) and ``[lambda, sum of |z|, count]`` (the policy's, carried over the
+    replay's pieces)."""
 
     @classmethod
-    def arrays(cls, policy: Any, workload: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return log_probs(workload.probs), policy.running, np.zeros(1, np.int64)
+    def arrays(cls, policy: Any, workload: Any) -> tuple[Any, ...]:
+        from moesim.policies.routing.hooked import route_arrays
+
+        return route_arrays(z=log_probs(workload.probs), running=policy.running)
 
     @classmethod
     def functions(cls) -> tuple[Any, ...]:

@@ -5,7 +5,9 @@ each policy.
 each built-in policy's class beside its reference ``route``), each as the tuple of its functions
 (:meth:`~moesim.policies.routing.base.RoutingForm.functions`). The kernel is compiled with all
 of them and runs the replay's by its index in the tuple (:func:`form_index`), so that it names
-no policy.
+no policy. Last among them, :class:`~moesim.policies.routing.hooked.HookRoutingForm` runs every
+policy written as a hook (:class:`~moesim.policies.routing.hooked.HookRouting`, a user's among
+them).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from moesim.policies.routing import REGISTRY
 from moesim.policies.routing.base import RoutingForm
+from moesim.policies.routing.hooked import HookRouting, HookRoutingForm, compiled_choose
 
 
 def _shipped(cls: type) -> bool:
@@ -26,7 +29,7 @@ def _built_in_forms() -> tuple[type[RoutingForm], ...]:
         form = cls.__dict__.get("form")
         if form is not None and _shipped(cls) and form not in forms:
             forms.append(form)
-    return tuple(forms)
+    return (*forms, HookRoutingForm)
 
 
 ROUTING_FORM_CLASSES: tuple[type[RoutingForm], ...] = _built_in_forms()
@@ -36,7 +39,9 @@ ROUTE_HOOKS: tuple[tuple[Any, ...], ...] = tuple(f.functions() for f in ROUTING_
 def form_of(cls: type) -> type[RoutingForm] | None:
     """The compiled form the kernel runs for routing policy class ``cls``, or None (the SimPy
     path): a built-in's own, declared in the class itself (a subclass elsewhere may change what
-    it routes)."""
+    it routes); :class:`HookRoutingForm` for a policy written as a hook whose hook compiles."""
+    if issubclass(cls, HookRouting):
+        return HookRoutingForm if isinstance(compiled_choose(cls), tuple) else None
     if not _shipped(cls):
         return None
     form: type[RoutingForm] | None = cls.__dict__.get("form")
