@@ -12,9 +12,11 @@ propose through arrays made ahead: the built-ins' compiled form, the hooks' ``se
 drop (rank 2 and below fetched, the rest dropped: the built-in's compiled form, the hook's
 ``choose`` called at each miss, ``tests/test_miss_hooks.py``); budget dynamic skipping (the
 built-in's numpy selection against a user's, written a token at a time,
-``tests/test_budget_kernel.py``: both asked for each (pass, layer) ahead of the kernel's calls). Each pair replays the quickstart scenario's model
-(OLMoE-1B-7B shape: 16 layers x 64 experts, top-8) at 5% capacity, full timing, on the
-compiled kernel, from a trace in memory; the replays alternate (built-in, hook, built-in, ...)
+``tests/test_budget_kernel.py``: both asked for each (pass, layer) ahead of the kernel's calls); routing
+cache-aware (lambda 0.3: the built-in's compiled form against a hook, ``choose`` called at each
+routing point with the layer's tokens, ``tests/test_routing_hooks.py``). Each pair replays the quickstart scenario's model
+(OLMoE-1B-7B shape: 16 layers x 64 experts, top-8; with router probabilities) at 5% capacity,
+full timing, on the compiled kernel, from a trace in memory; the replays alternate (built-in, hook, built-in, ...)
 and the median of each is reported, as expert accesses per second of ``Simulation.run``.
 Miss counts are checked equal. ``--policies`` measures built-ins only (for a paired run
 against another commit, which has no hooks).
@@ -46,11 +48,12 @@ from provenance import provenance  # machine, software, commit, date, command
 def register_hooks() -> dict[str, str]:
     """Register the tests' hook policies; returns hook policy -> the built-in it restates, each
     as ``family=name``."""
-    from moesim.policies import budget, eviction, miss, prefetch
+    from moesim.policies import budget, eviction, miss, prefetch, routing
     from tests.test_budget_kernel import UserSkip
     from tests.test_hooks import AskedLFU, HookFLD, HookLFU, HookOracle, HookPreviousToken
     from tests.test_list_hooks import HookSieve
     from tests.test_miss_hooks import HookDrop
+    from tests.test_routing_hooks import HookCacheAware
 
     for name, cls in (("hook-lfu", HookLFU), ("asked-lfu", AskedLFU), ("hook-fld", HookFLD),
                       ("hook-sieve", HookSieve)):
@@ -59,7 +62,9 @@ def register_hooks() -> dict[str, str]:
         prefetch.REGISTRY.register(name)(cls)
     miss.REGISTRY.register("hook-drop")(HookDrop)
     budget.REGISTRY.register("user-skip")(UserSkip)
+    routing.REGISTRY.register("hook-cache-aware")(HookCacheAware)
     return {"miss=hook-drop": "miss=drop", "budget=user-skip": "budget=dynamic-skip",
+            "routing=hook-cache-aware": "routing=cache-aware",
             "eviction=hook-lfu": "eviction=lfu", "eviction=asked-lfu": "eviction=lfu",
             "eviction=hook-fld": "eviction=fld", "eviction=hook-sieve": "eviction=sieve",
             "prefetch=hook-oracle": "prefetch=oracle",
@@ -84,7 +89,7 @@ def main() -> None:
     args = ap.parse_args()
     from moesim.simulator.build import load_trace
 
-    sets = ["workload.trace.synth.requests=10", "workload.trace.synth.prompt_tokens=64",
+    sets = ["workload.trace.synth.requests=10", "workload.trace.synth.prompt_tokens=64", "workload.trace.synth.probs=true",
             f"workload.trace.synth.tokens={args.tokens}", "cache.capacity=5%"]
     base = load_scenario("quickstart", sets)
     trace = load_trace(base)
@@ -93,7 +98,7 @@ def main() -> None:
     names = list(dict.fromkeys([n for h, b in pairs.items() for n in (b, h)]))
     scs = {n: load_scenario("quickstart", [*sets, f"policies.{n}"]) for n in names}
     for n in names:  # compile / load the kernel, compile the hooks
-        replay(load_scenario("quickstart", [*sets[:2], "workload.trace.synth.tokens=4", f"policies.{n}"]), None)
+        replay(load_scenario("quickstart", [*sets[:3], "workload.trace.synth.tokens=4", f"policies.{n}"]), None)
     times: dict[str, list[float]] = {n: [] for n in names}
     seen: dict[str, tuple[int, int]] = {}
     for r in range(args.repeat):

@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import ROOT, provenance
 
 
-def _tree_rss(root: int) -> tuple[int, int]:
-    """Bytes resident in process ``root`` and all its descendants, and in the largest one."""
+def _tree_rss(root: int) -> tuple[int, int, list[tuple[int, str]]]:
+    """Bytes resident in process ``root`` and all its descendants, in the largest one, and per
+    process (bytes, its command line's first 100 characters), largest first."""
     parent: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -45,30 +46,35 @@ def _tree_rss(root: int) -> tuple[int, int]:
         tree.update(kids)
         frontier.extend(kids)
     total = largest = 0
+    each = []
     for pid in tree:
         try:
             with open(f"/proc/{pid}/status") as f:
                 kb = next((int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")), 0)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                line = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except (OSError, ValueError):
             continue
         total += kb * 1024
         largest = max(largest, kb * 1024)
-    return total, largest
+        each.append((kb * 1024, line[:100]))
+    return total, largest, sorted(each, reverse=True)
 
 
 def measure(cmd: list[str], every: float = 1.0) -> dict[str, Any]:
     """Run ``cmd`` in the repository's root; its wall seconds, exit status and the peaks of the
-    summed and of the largest process's resident memory (GB), with when the summed one was reached."""
-    peak = {"sum": 0, "largest": 0, "at_s": 0.0}
+    summed and of the largest process's resident memory (GB), with when the summed one was reached
+    and the processes then (GB each, and their command lines)."""
+    peak: dict[str, Any] = {"sum": 0, "largest": 0, "at_s": 0.0, "procs": []}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT)
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            total, largest = _tree_rss(proc.pid)
+            total, largest, each = _tree_rss(proc.pid)
             if total > peak["sum"]:
-                peak["sum"], peak["at_s"] = total, time.perf_counter() - t0
+                peak["sum"], peak["at_s"], peak["procs"] = total, time.perf_counter() - t0, each
             peak["largest"] = max(peak["largest"], largest)
             done.wait(every)
 
@@ -80,7 +86,8 @@ def measure(cmd: list[str], every: float = 1.0) -> dict[str, Any]:
     sampler.join()
     return {"command": shlex.join(cmd), "exit_status": status, "wall_s": round(wall, 1),
             "peak_rss_sum_gb": round(peak["sum"] / 1e9, 2), "peak_rss_largest_gb": round(peak["largest"] / 1e9, 2),
-            "peak_at_s": round(peak["at_s"]), "sample_every_s": every}
+            "peak_at_s": round(peak["at_s"]), "sample_every_s": every,
+            "at_peak": [[round(b / 1e9, 2), line] for b, line in peak["procs"]]}
 
 
 def main(argv: list[str]) -> int:
