@@ -9,10 +9,12 @@ per-pass rows bit for bit on both replay paths."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
+from numba.extending import overload
 
 from moesim.errors import MoesimError
 from moesim.policies.routing import REGISTRY, RoutingPolicy
@@ -86,10 +88,12 @@ class CachedLast(HookRouting):
 
 
 class PlainCachedLast(RoutingPolicy):
-    """CachedLast's reference, written against the family's base (no state)."""
+    """CachedLast's reference, written against the family's base (no state; a trace without
+    probabilities gives each expert 0)."""
 
     def route(self, pass_index: int, layer: int, rows: np.ndarray, experts: np.ndarray, cached: Any) -> np.ndarray:
-        probs = self.ctx.workload.probs[rows]
+        wl = self.ctx.workload
+        probs = wl.probs[rows] if wl.probs is not None else np.zeros((len(rows), self.ctx.num_experts))
         n = self.ctx.num_experts
         out = experts.copy()
         for t in range(len(rows)):
@@ -129,8 +133,69 @@ class Twice(HookRouting):
             out[0, 1] = out[0, 0]
 
 
+def in_numba() -> bool:
+    """False as Python runs it; True compiled (its overload below)."""
+    return False
+
+
+@overload(in_numba)
+def _in_numba_compiled():
+    return lambda: True
+
+
+class WhereRun(HookRouting):
+    """Counts its calls in ``si[0, 0]`` when it runs compiled, in ``si[0, 1]`` as written."""
+
+    int_fields = ("compiled", "as_written")
+
+    @staticmethod
+    def choose(p, layer, probs, experts, cached, out, si, sf):
+        si[0, 0 if in_numba() else 1] += 1
+
+
+@dataclass(frozen=True)
+class SkipParams:
+    rank: int = 1
+
+
+class SkipRank(HookRouting):
+    """The token's expert of rank ``rank`` (a parameter, put in ``si`` by ``init_state``) gives
+    way to the cached expert of lowest id the token has not chosen."""
+
+    Params = SkipParams
+    int_fields = ("rank",)
+
+    def init_state(self) -> None:
+        self.si[:, 0] = self.params.rank
+
+    @staticmethod
+    def choose(p, layer, probs, experts, cached, out, si, sf):
+        rows, k = out.shape
+        j = si[0, 0]
+        for t in range(rows):
+            for e in range(cached.shape[0]):
+                mine = False
+                for jj in range(k):
+                    mine |= out[t, jj] == e
+                if cached[e] and not mine:
+                    out[t, j] = e
+                    break
+
+
+class Divides(HookRouting):
+    """Divides by the number of cached experts, which is 0 at the first layer of the replay."""
+
+    @staticmethod
+    def choose(p, layer, probs, experts, cached, out, si, sf):
+        n = 0
+        for e in range(cached.shape[0]):
+            n += cached[e]
+        si[0, 0] += 10 // n
+
+
 POLICIES = {"hook-cache-aware": HookCacheAware, "cached-last": CachedLast, "plain-cached-last": PlainCachedLast,
-            "talkative": Talkative, "out-of-range": OutOfRange, "twice": Twice}
+            "talkative": Talkative, "out-of-range": OutOfRange, "twice": Twice, "where-run": WhereRun,
+            "skip-rank": SkipRank, "divides": Divides}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -230,3 +295,60 @@ def test_a_row_that_is_not_k_distinct_experts_is_one_paragraph_on_either_path(ol
     else:
         assert says in text
         assert "MOESIM_NO_KERNEL=1" in text
+
+
+def test_without_router_probabilities_a_hook_is_given_zeros_on_both_paths(monkeypatch):
+    """A trace without ``probs``: the hook's ``probs`` are 0, so CachedLast takes the cached
+    expert of lowest id, as its plain reference does."""
+    trace = synth_from_preset("olmoe-1b-7b", layers=6, requests=4, prompt_tokens=4, tokens=12, seed=2)
+    assert trace.probs is None
+    over = {"cache": {"capacity": "60%"}, "workload": {"batch_size": 2}}
+    ref = run(scenario(policies={"routing": "plain-cached-last"}, **over), trace, monkeypatch, simpy=True)[1]
+    assert ref.steps.tokens_altered.sum() > 0
+    for simpy in (True, False):
+        res = run(scenario(policies={"routing": "cached-last"}, **over), trace, monkeypatch, simpy)[1]
+        assert res.summary["replay_path"] == ("simpy" if simpy else "kernel")
+        same(res, ref)
+
+
+def test_both_paths_call_the_hook_compiled(olmoe, monkeypatch):
+    """The SimPy path calls the compiled hook too (so that a hook's arithmetic, numpy's or
+    numba's, is the same number on both paths): one call per (pass, layer), each compiled."""
+    for simpy in (True, False):
+        sim, res = run(scenario(policies={"routing": "where-run"}), olmoe, monkeypatch, simpy)
+        layers = int((res.steps.tokens > 0).sum()) * 8
+        assert sim.routing.si[0].tolist() == [layers, 0]
+
+
+def test_a_hooks_parameters_reach_its_state_and_its_state_has_a_column_per_field(olmoe, monkeypatch):
+    """``init_state`` reads the scenario's parameters; ``si`` and ``sf`` have a row per expert of
+    the model and a column per field (one where there is none). Swapping rank 1 and rank 7
+    for a cached expert change different tokens."""
+    rows = {}
+    for rank in (1, 7):
+        sim, res = run(scenario(policies={"routing": {"name": "skip-rank", "rank": rank}}, cache={"capacity": "60%"}),
+                       olmoe, monkeypatch, simpy=False)
+        assert res.summary["replay_path"] == "kernel"
+        assert (sim.routing.si[:, 0] == rank).all()
+        assert sim.routing.si.shape == (8 * 64, 1)
+        assert sim.routing.sf.shape == (8 * 64, 1)
+        rows[rank] = res.steps
+        assert res.steps.tokens_altered.sum() > 0
+    assert not rows[1].equals(rows[7])
+    sim, _ = run(scenario(policies={"routing": "hook-cache-aware"}), olmoe, monkeypatch, simpy=False)
+    assert sim.routing.si.shape == (8 * 64, 1)
+    assert sim.routing.sf.shape == (8 * 64, 2)
+
+
+@pytest.mark.parametrize("simpy", [True, False])
+def test_a_hook_that_raises_is_one_paragraph_naming_it(olmoe, monkeypatch, simpy):
+    with pytest.raises(MoesimError) as err:
+        run(scenario(policies={"routing": "divides"}), olmoe, monkeypatch, simpy)
+    text = str(err.value)
+    assert "\n" not in text
+    assert text.startswith("routing policy 'divides':")
+    if simpy:
+        assert "its choose hook raised ZeroDivisionError" in text
+        assert "(forward pass 0, layer 0)" in text
+    else:
+        assert "a compiled hook raised ZeroDivisionError" in text

@@ -120,6 +120,11 @@ FUNCTIONS: dict[str, list[str]] = {
 
 # mutant name -> why no test can tell it from the original
 EQUIVALENT: dict[str, str] = {
+    # routing hooks (moesim/policies/routing/hooked.py, with tests/test_routing_hooks.py)
+    **dict.fromkeys((f"moesim.policies.routing.hooked.xǁHookRoutingǁ__init____mutmut_{n}" for n in (19, 21)),
+                    "numpy's zeros are float64 unless told otherwise"),
+    **dict.fromkeys((f"moesim.policies.routing.hooked.xǁHookRoutingǁroute__mutmut_{n}" for n in (24, 26)),
+                    "the router's experts reach route as int64 already (simulator.lookup.plan)"),
     # miss hooks (moesim/policies/miss/hooked.py, with tests/test_miss_hooks.py)
     **dict.fromkeys((f"moesim.policies.miss.hooked.xǁHookMissǁ__init____mutmut_{n}" for n in (19, 21)),
                     "numpy's zeros are float64 unless told otherwise"),
