@@ -233,6 +233,20 @@ def test_kernel_equals_simpy_with_cache_aware_routing(monkeypatch, eviction, pre
     assert (steps.gate_weight_computed < steps.gate_weight_total).any()
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("miss", "lam"), [("fetch", 0.3), ("drop", 3.0), ("fetch", 3.0)])
+def test_kernel_equals_simpy_with_cache_aware_routing_on_a_small_model(monkeypatch, mode, miss, lam):
+    """The same on 3 layers of 8 experts, top-2 (fast enough for the kernel as plain Python,
+    ``tools/mutation_compiled.py``)."""
+    model = small_model(3, 8, 2)
+    trace = generate(model, requests=3, prompt_tokens=3, tokens=8, seed=4, probs=True)
+    sc = scenario(policies={"routing": {"name": "cache-aware", "lam": lam}, "miss": miss}, expert_compute=mode,
+                  cache={"capacity": experts_cap(12, model)}, workload={"batch_size": 2})
+    fast, ref = both_paths(sc, trace, monkeypatch)
+    assert_identical(fast, ref)
+    assert ref.steps.tokens_altered.sum() > 0
+
+
 @pytest.mark.parametrize("probs", [True, False])
 def test_kernel_equals_simpy_with_a_top_k_above_128(monkeypatch, probs):
     """A token's gate mass over more than 128 terms (top-160 of 256 experts, router

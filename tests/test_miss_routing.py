@@ -82,6 +82,80 @@ def test_cache_aware_routing_prefers_cached_experts_with_dual_logits():
     assert weak["tokens_altered"] == 0.0  # 0.05 * 1.717 = 0.086 < log(.4/.3) = 0.288
 
 
+def _cache_aware(probs: np.ndarray, lam: float = 0.3):
+    """Cache-aware routing over a workload of ``probs`` alone (its context: the policy reads
+    the workload's probabilities, the number of experts and the cache keys)."""
+    from types import SimpleNamespace
+
+    from moesim.policies.routing.cache_aware import CacheAware, CacheAwareParams
+
+    n = probs.shape[1]
+    ctx = SimpleNamespace(workload=SimpleNamespace(probs=probs), num_experts=n, key=lambda layer, e: layer * n + e)
+    return CacheAware(CacheAwareParams(lam), ctx)
+
+
+def test_cache_aware_routing_breaks_a_tie_by_the_lower_expert_id():
+    """64 experts whose probabilities take four values, many equal, nothing cached: the top-8
+    are the likeliest, the lower id first among equals (as a stable sort orders them;
+    numpy's default sort would not). Two of the likeliest experts past those 8, cached, come
+    first, the lower id first."""
+    rng = np.random.default_rng(0)
+    probs = np.array([[0.4, 0.3, 0.2, 0.1][i] for i in rng.integers(0, 4, 64)], np.float32)[None, :]
+    pol = _cache_aware(probs)
+    got = pol.route(0, 0, np.array([0]), np.zeros((1, 8), np.int64), lambda key: False)
+    want = sorted(range(64), key=lambda e: (-float(probs[0, e]), e))[:8]
+    assert got.tolist() == [want]
+    tops = [e for e in range(64) if probs[0, e] == np.float32(0.4)]
+    assert len(tops) >= 10
+    cached = {tops[-1], tops[-2]}  # two of the likeliest past the first 8: a bias moves them to the front
+    got = pol.route(0, 0, np.array([0]), np.zeros((1, 8), np.int64), lambda key: key in cached)
+    assert got.tolist() == [sorted(cached) + want[:6]]
+
+
+def test_cache_aware_routing_reads_the_workload_it_is_given_now():
+    """Served or read in pieces, the workload changes between calls: the logits are the new
+    one's, not the first's."""
+    first = np.full((1, 8), 0.01, np.float32)
+    first[0, 0] = 0.9
+    then = np.full((1, 8), 0.01, np.float32)
+    then[0, 5] = 0.9
+    pol = _cache_aware(first)
+    assert pol.route(0, 0, np.array([0]), np.zeros((1, 1), np.int64), lambda key: False).tolist() == [[0]]
+    pol.ctx.workload = type(pol.ctx.workload)(probs=then)
+    assert pol.route(1, 0, np.array([0]), np.zeros((1, 1), np.int64), lambda key: False).tolist() == [[5]]
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_cache_aware_routing_averages_every_logit_it_has_routed(monkeypatch, kernel):
+    """After a replay, the running mean of ``|z|`` holds every routed logit: one per expert of
+    every trace row (each row is one token at one layer), summed as an exact sum gives them."""
+    import math
+
+    t = synth_from_preset("olmoe-1b-7b", layers=3, requests=3, prompt_tokens=4, tokens=6, seed=2, probs=True)
+    if kernel:
+        monkeypatch.delenv("MOESIM_NO_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("MOESIM_NO_KERNEL", "1")
+    sim = Simulation(scenario(policies={"routing": "cache-aware"}), trace=t)
+    res = sim.run()
+    assert res.summary["replay_path"] == ("kernel" if kernel else "simpy")
+    pol = sim.routing
+    total, n = (pol.running[1], pol.running[2]) if kernel else (pol._sum, pol._n)
+    assert n == t.probs.size
+    exact = math.fsum(abs(math.log(max(float(p), 1e-30))) for p in t.probs.ravel())
+    assert total == pytest.approx(exact, rel=1e-12)
+    assert pol.running[0] == 0.3
+
+
+def test_cache_aware_routing_without_probabilities_says_how_to_get_them():
+    t = synth_from_preset("olmoe-1b-7b", layers=2, tokens=3, seed=0)
+    with pytest.raises(MoesimError) as err:
+        Simulation(scenario(policies={"routing": "cache-aware"}), trace=t)
+    assert str(err.value) == (
+        "routing policy 'cache-aware' needs the trace's 'probs' column (full router probabilities) and this trace "
+        "has none. Record it with `moesim capture`, or use workload.trace.synth.probs: true.")
+
+
 def test_fetch_lowest_bit_moves_the_smallest_copies():
     t = synth_from_preset("olmoe-1b-7b", layers=2, tokens=10, seed=1)
     eb = t.model.expert_bytes

@@ -20,7 +20,7 @@ from moesim.errors import MoesimError
 from moesim.policies.routing import REGISTRY, RoutingPolicy
 from moesim.policies.routing.hooked import HookRouting
 from moesim.simulator.engine import Simulation
-from moesim.traces.synth import synth_from_preset
+from moesim.traces.synth import generate, synth_from_preset
 from tests.helpers import registered, scenario
 
 
@@ -352,3 +352,19 @@ def test_a_hook_that_raises_is_one_paragraph_naming_it(olmoe, monkeypatch, simpy
         assert "(forward pass 0, layer 0)" in text
     else:
         assert "a compiled hook raised ZeroDivisionError" in text
+
+
+@pytest.mark.parametrize("name", ["cached-last", "hook-cache-aware"])
+def test_hooks_on_a_small_model_give_the_same_rows_on_both_paths(monkeypatch, name):
+    """3 layers of 8 experts, top-2 (fast enough for the kernel as plain Python,
+    ``tools/mutation_compiled.py``)."""
+    from tests.helpers import experts_cap, small_model
+
+    model = small_model(3, 8, 2)
+    trace = generate(model, requests=3, prompt_tokens=3, tokens=8, seed=4, probs=True)
+    sc = scenario(policies={"routing": name}, cache={"capacity": experts_cap(12, model)}, workload={"batch_size": 2})
+    ref = run(sc, trace, monkeypatch, simpy=True)[1]
+    res = run(sc, trace, monkeypatch, simpy=False)[1]
+    assert res.summary["replay_path"] == "kernel"
+    same(res, ref)
+    assert ref.steps.tokens_altered.sum() > 0

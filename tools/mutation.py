@@ -125,6 +125,11 @@ EQUIVALENT: dict[str, str] = {
                     "numpy's zeros are float64 unless told otherwise"),
     **dict.fromkeys((f"moesim.policies.routing.hooked.xǁHookRoutingǁroute__mutmut_{n}" for n in (24, 26)),
                     "the router's experts reach route as int64 already (simulator.lookup.plan)"),
+    "moesim.policies.routing.cache_aware.xǁCacheAwareǁ_logits__mutmut_4":
+        "the logits are taken again at every call: the same numbers, more slowly",
+    "moesim.policies.routing.cache_aware.xǁCacheAwareǁroute__mutmut_33": "argsort's default axis is the last, 1 here",
+    "moesim.policies.routing.cache_aware.xǁCacheAwareǁroute__mutmut_38":
+        "numpy reads a sort's kind by its first letter, in either case",
     # miss hooks (moesim/policies/miss/hooked.py, with tests/test_miss_hooks.py)
     **dict.fromkeys((f"moesim.policies.miss.hooked.xǁHookMissǁ__init____mutmut_{n}" for n in (19, 21)),
                     "numpy's zeros are float64 unless told otherwise"),
