@@ -261,7 +261,9 @@ def _mass_arrays(sim: Any, chosen: np.ndarray | None) -> Tokens:
     probabilities when the trace has them, else the top-k weights), each row's token
     (request, position) numbered, a mark per token, the next-layer predictions (speculative)
     and per token its row in the latest layer replayed and that layer's (pass, layer) index;
-    the miss policy's hook."""
+    the miss policy's hook; the routing form's arrays (under a routing policy that changes what
+    tokens compute, ``chosen`` starts as the router's choice and the form rewrites it at each
+    routing point)."""
     from moesim.policies.miss.hooked import hook_arrays
     from moesim.policies.routing.hooked import route_arrays
 
