@@ -1018,6 +1018,41 @@ def test_the_kernels_cache_aware_routing_by_hand():
     assert (DI[1], DI[2]) == (0, 4)
 
 
+def test_the_kernels_cache_aware_routing_reads_its_own_rows_and_breaks_a_tie_by_the_lower_id():
+    """The second (pass, layer) of three rows (its rows 1 and 2 of the trace): its logits
+    alone are summed (the first row's p = 1e-6 would add 13.8), and where two experts score the
+    same the lower id ranks first: row 1 (p 0.4, 0.1, 0.4, 0.1) takes 0 then 2, row 2 (all
+    0.25) 0 then 1. With 1 and 3 cached (a bias of 0.45), row 2 takes 1 then 3; row 1's
+    biased 0.1s stay below its 0.4s."""
+    from moesim.policies.routing.cache_aware import CacheAwareForm
+    from moesim.policies.routing.forms import ROUTING_FORM_CLASSES
+
+    KX = Callable(import_module("moesim.simulator.kernel_compute"))
+    KS = Callable(import_module("moesim.kernel_state"))
+    E = 4
+    IS, _, KR, _, _ = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=3, top_k=2, fin=4)
+    IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 1, 2, E, 1, 0, E
+    IS[KS.C_ROUTE] = 1 + ROUTING_FORM_CLASSES.index(CacheAwareForm)
+    probs = np.array([[1e-6, 1e-6, 1e-6, 1e-6], [0.4, 0.1, 0.4, 0.1], [0.25, 0.25, 0.25, 0.25]], np.float32)
+    experts = np.array([[0, 1], [0, 2], [3, 1]], np.int16)
+    z = np.log(probs.astype(np.float64))
+    running = np.array([0.3, 0.0, 0.0])
+    M = KS.Tokens(np.array([0, 1, 2], np.int64), np.array([0, 1, 3], np.int64), experts, experts.copy(), probs,
+                  np.array([0, 1, 2], np.int64), np.full(3, -1, np.int64), np.zeros((1, 1), np.float32),
+                  np.zeros(3, np.int64), np.zeros(3, np.int64), (), route_arrays(z=z, running=running))
+    A = KS.Accesses(np.zeros(E, np.int16), np.zeros(E, np.int16), np.zeros(E, np.int32), np.zeros(E),
+                    np.zeros(E, np.int16), (), ())
+    KX._routed_lookups(1, 1, IS, KR, np.zeros(3, np.int64), A, M)
+    assert M.chosen[1:].tolist() == [[0, 2], [0, 1]]
+    total = 0.0
+    for v in z[1:].ravel().tolist():
+        total += abs(v)
+    assert running.tolist() == [0.3, total, 8.0]
+    KR[1].state = KR[3].state = KS.RESIDENT
+    KX._routed_lookups(1, 1, IS, KR, np.zeros(3, np.int64), A, M)
+    assert M.chosen[1:].tolist() == [[0, 2], [1, 3]]
+
+
 def test_the_kernels_substitute_waits_for_an_arriving_expert_and_promotes_it():
     """``_use_other`` by hand (the engine's ``_use_other``, for substitute and speculative): an
     expert whose prefetch is still queued is promoted to demand priority and the computation

@@ -193,7 +193,17 @@ class Divides(HookRouting):
         si[0, 0] += 10 // n
 
 
-POLICIES = {"hook-cache-aware": HookCacheAware, "cached-last": CachedLast, "plain-cached-last": PlainCachedLast,
+class SumsProbs(CachedLast):
+    """CachedLast that adds up the probabilities it is given in ``sf[0, 0]``."""
+
+    float_fields = ("probs",)
+
+    @staticmethod
+    def choose(p, layer, probs, experts, cached, out, si, sf):
+        sf[0, 0] += probs.sum()
+
+
+POLICIES = {"hook-cache-aware": HookCacheAware, "sums-probs": SumsProbs, "cached-last": CachedLast, "plain-cached-last": PlainCachedLast,
             "talkative": Talkative, "out-of-range": OutOfRange, "twice": Twice, "where-run": WhereRun,
             "skip-rank": SkipRank, "divides": Divides}
 
@@ -309,6 +319,8 @@ def test_without_router_probabilities_a_hook_is_given_zeros_on_both_paths(monkey
         res = run(scenario(policies={"routing": "cached-last"}, **over), trace, monkeypatch, simpy)[1]
         assert res.summary["replay_path"] == ("simpy" if simpy else "kernel")
         same(res, ref)
+        sim, _ = run(scenario(policies={"routing": "sums-probs"}, **over), trace, monkeypatch, simpy)
+        assert sim.routing.sf[0, 0] == 0.0
 
 
 def test_both_paths_call_the_hook_compiled(olmoe, monkeypatch):
