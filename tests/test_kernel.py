@@ -968,6 +968,18 @@ def test_the_kernels_substitute_is_the_nearest_cached_unrouted_expert_lowest_id_
     assert SU._substitute_nearest(0, 0, 0, IS, KR, M) == FETCH
 
 
+def _cache_aware_state(KS: Any, E: int) -> tuple[np.ndarray, np.ndarray]:
+    """``IS`` and ``K`` of one layer of ``E`` experts, top-2, replayed under cache-aware
+    routing (its form's index in ``C_ROUTE``), nothing cached."""
+    from moesim.policies.routing.cache_aware import CacheAwareForm
+    from moesim.policies.routing.forms import ROUTING_FORM_CLASSES
+
+    IS, _, KR, _, _ = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=3, top_k=2, fin=4)
+    IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 1, 2, E, 1, 0, E
+    IS[KS.C_ROUTE] = 1 + ROUTING_FORM_CLASSES.index(CacheAwareForm)
+    return IS, KR
+
+
 def test_the_kernels_cache_aware_routing_by_hand():
     """Cache-aware routing's compiled form and the lookups it leads to, by hand (SpecMD §3.1.1
     eq. 1): two rows of four experts, ``z = ln p``; the running mean of ``|z|`` over the
@@ -976,15 +988,10 @@ def test_the_kernels_cache_aware_routing_by_hand():
     0.108, -1.204, -1.096, -2.996: it takes 0 then 2. Row 1 (p 0.1, 0.2, 0.3, 0.4; router 3,
     2) scores -1.501, -1.609, -0.403, -0.916: 2 then 3. The lookups, in router order: 0 (1
     token, best rank 0), 2 (2 tokens, best rank 0: row 1's first), 3 (1 token, rank 1)."""
-    from moesim.policies.routing.cache_aware import CacheAwareForm
-    from moesim.policies.routing.forms import ROUTING_FORM_CLASSES
-
     KX = Callable(import_module("moesim.simulator.kernel_compute"))
     KS = Callable(import_module("moesim.kernel_state"))
     E = 4
-    IS, _, KR, _, _ = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=3, top_k=2, fin=4)
-    IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 1, 2, E, 1, 0, E
-    IS[KS.C_ROUTE] = 1 + ROUTING_FORM_CLASSES.index(CacheAwareForm)
+    IS, KR = _cache_aware_state(KS, E)
     KR[0].state, KR[2].state = KS.INFLIGHT, KS.RESIDENT
     probs = np.array([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]], np.float32)
     experts = np.array([[0, 1], [3, 2]], np.int16)
@@ -1024,15 +1031,10 @@ def test_the_kernels_cache_aware_routing_reads_its_own_rows_and_breaks_a_tie_by_
     same the lower id ranks first: row 1 (p 0.4, 0.1, 0.4, 0.1) takes 0 then 2, row 2 (all
     0.25) 0 then 1. With 1 and 3 cached (a bias of 0.45), row 2 takes 1 then 3; row 1's
     biased 0.1s stay below its 0.4s."""
-    from moesim.policies.routing.cache_aware import CacheAwareForm
-    from moesim.policies.routing.forms import ROUTING_FORM_CLASSES
-
     KX = Callable(import_module("moesim.simulator.kernel_compute"))
     KS = Callable(import_module("moesim.kernel_state"))
     E = 4
-    IS, _, KR, _, _ = KS._layout(num_keys=E, pool=4, pend_max=4, maxn=3, top_k=2, fin=4)
-    IS[KS.C_L], IS[KS.C_K], IS[KS.C_DIV], IS[KS.C_NPREC], IS[KS.C_DPREC], IS[KS.C_NE] = 1, 2, E, 1, 0, E
-    IS[KS.C_ROUTE] = 1 + ROUTING_FORM_CLASSES.index(CacheAwareForm)
+    IS, KR = _cache_aware_state(KS, E)
     probs = np.array([[1e-6, 1e-6, 1e-6, 1e-6], [0.4, 0.1, 0.4, 0.1], [0.25, 0.25, 0.25, 0.25]], np.float32)
     experts = np.array([[0, 1], [0, 2], [3, 1]], np.int16)
     z = np.log(probs.astype(np.float64))

@@ -314,6 +314,35 @@ def _compile(cls: type) -> tuple[Any, ...] | str:
     return tuple(out)
 
 
+def compiled_choose_hook(cls: type, sig: Any) -> tuple[Any, ...] | str:
+    """A one-hook policy's (the miss and routing families' ``choose``) hook compiled by numba
+    for signature ``sig``, as a tuple of one (a first-class function to the kernel), its
+    indices checked for a user's hook; or why it does not compile (a line). Made once per
+    process and class (:func:`_once`)."""
+    return _once(cls, lambda c: _compile_choose(c, sig))
+
+
+def _compile_choose(cls: type, sig: Any) -> tuple[Any, ...] | str:
+    from moesim.jit import njit
+
+    shipped = _builtin(cls)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return (njit(sig, cache=shipped, boundscheck=not shipped)(cls.choose),)  # type: ignore[attr-defined]
+    except Exception as exc:  # numba's typing and lowering errors have no common base
+        return f"its choose hook does not compile with numba ({_first_line(exc)})"
+
+
+@functools.cache
+def choose_addresses(cls: type, sig: Any) -> tuple[Any, ...]:
+    """``cls``'s compiled ``choose`` (:func:`compiled_choose_hook`) as the kernel is handed it
+    (:func:`as_addresses`)."""
+    fn = compiled_choose_hook(cls, sig)
+    assert isinstance(fn, tuple), fn
+    return as_addresses(fn, (sig,))
+
+
 def _first_line(exc: Exception) -> str:
     """numba's message in a line: its first line that says what failed, and where."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # numba's highlighting, in a terminal

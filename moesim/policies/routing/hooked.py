@@ -24,7 +24,6 @@ one paragraph, on either path.
 from __future__ import annotations
 
 import functools
-import warnings
 from abc import abstractmethod
 from typing import Any, ClassVar
 
@@ -160,25 +159,11 @@ def _signature() -> Any:
 
 
 def compiled_choose(cls: type) -> tuple[Any, ...] | str:
-    """``(choose,)`` compiled by numba (a tuple of one: a first-class function to the kernel),
-    its indices checked for a user's hook; or why it does not compile (a line). Made once per
-    process and class (:func:`moesim.policies.hooks._once`)."""
-    from moesim.policies.hooks import _once
+    """``(choose,)`` compiled by numba, or why it does not compile
+    (:func:`moesim.policies.hooks.compiled_choose_hook`)."""
+    from moesim.policies.hooks import compiled_choose_hook
 
-    return _once(cls, _compile)
-
-
-def _compile(cls: type) -> tuple[Any, ...] | str:
-    from moesim.jit import njit
-    from moesim.policies.hooks import _builtin, _first_line
-
-    shipped = _builtin(cls)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return (njit(_signature(), cache=shipped, boundscheck=not shipped)(cls.choose),)  # type: ignore[attr-defined]
-    except Exception as exc:  # numba's typing and lowering errors have no common base
-        return f"its choose hook does not compile with numba ({_first_line(exc)})"
+    return compiled_choose_hook(cls, _signature())
 
 
 def _never(p: int, layer: int, probs: np.ndarray, experts: np.ndarray, cached: np.ndarray, out: np.ndarray,
@@ -193,14 +178,11 @@ class _Unused(HookRouting):
     choose = staticmethod(_never)
 
 
-@functools.cache
 def _addresses(cls: type) -> tuple[Any, ...]:
-    """``cls``'s compiled hook as the kernel is handed it (:func:`moesim.policies.hooks.as_addresses`)."""
-    from moesim.policies.hooks import as_addresses
+    """``cls``'s compiled hook as the kernel is handed it (:func:`moesim.policies.hooks.choose_addresses`)."""
+    from moesim.policies.hooks import choose_addresses
 
-    fn = compiled_choose(cls)
-    assert isinstance(fn, tuple), fn
-    return as_addresses(fn, (_signature(),))
+    return choose_addresses(cls, _signature())
 
 
 def route_arrays(workload: Any = None, z: np.ndarray | None = None, running: np.ndarray | None = None,
