@@ -114,10 +114,10 @@ def flame_decode_trace() -> Trace:
     return import_trace("flame-csv", [real_dir() / "flame-moe-290m" / "decode"])[0]
 
 
-def batch_access_stream(trace: Trace, batch: int) -> list[int]:
-    """Independent construction of the access stream of a batched decode trace: requests in
-    groups of ``batch``; per step, per layer, the distinct (layer, expert) keys in order of
-    first appearance over requests (ascending) and ranks."""
+def batch_cells(trace: Trace, batch: int) -> list[list[int]]:
+    """Independent construction of a batched decode trace's (pass, layer) cells, in replay
+    order: requests in groups of ``batch``; per step, per layer, the distinct (layer, expert)
+    keys in order of first appearance over requests (ascending) and ranks."""
     e = trace.model.num_experts
     reqs = sorted(set(trace.request.tolist()))
     group_of = {r: i // batch for i, r in enumerate(reqs)}
@@ -125,16 +125,18 @@ def batch_access_stream(trace: Trace, batch: int) -> list[int]:
     for i in range(len(trace)):
         r = int(trace.request[i])
         cells[(group_of[r], int(trace.step[i]), int(trace.layer[i]))].append((r, trace.experts[i].tolist()))
-    out: list[int] = []
+    out: list[list[int]] = []
     for key in sorted(cells):
-        seen: set[int] = set()
+        keys: list[int] = []
         for _r, experts in sorted(cells[key], key=lambda c: c[0]):
-            for x in experts:
-                k = key[2] * e + x
-                if k not in seen:
-                    seen.add(k)
-                    out.append(k)
+            keys += [key[2] * e + x for x in experts if key[2] * e + x not in keys]
+        out.append(keys)
     return out
+
+
+def batch_access_stream(trace: Trace, batch: int) -> list[int]:
+    """The access stream of a batched decode trace: its :func:`batch_cells`, one after another."""
+    return [k for keys in batch_cells(trace, batch) for k in keys]
 
 
 def datasheet_times(model: ModelInfo, wl: Any) -> tuple[np.ndarray, np.ndarray, float]:

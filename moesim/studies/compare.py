@@ -184,8 +184,8 @@ def markdown(table: pd.DataFrame, metric: str, title: str) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"Ranked by {'TPOT' if metric == 'tpot_s' else 'TTFT'}, per capacity. speedup = baseline / policy; gap closed = "
               "(baseline - policy) / (baseline - bound). The bound is Belady's MIN with oracle prefetch "
-              "(on demand under expert parallelism with offload): optimal in misses, not in time, so a policy "
-              "may close more than 100%."]
+              "(on demand under expert parallelism with offload): the fewest misses where each layer's experts "
+              "fit in the cache, and not the least time, so a policy may close more than 100%."]
     return "\n".join(lines) + "\n"
 
 

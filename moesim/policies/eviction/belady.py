@@ -146,8 +146,12 @@ class FutureUses(KernelForm):
 @REGISTRY.register("belady")
 class Belady(EvictionPolicy):
     """Belady's MIN: evict the expert whose next use is furthest in the future (never used
-    again first), read from the trace. The optimal bound every other policy is measured
-    against (for the same pinning rules). The kernel runs :class:`FutureUses`."""
+    again first), read from the trace. The fewest misses any eviction policy makes under the
+    same pinning rules wherever each (pass, layer) routes to no more experts than the cache
+    holds; the bound compare and sweeps draw. A layer routed to more (a long prefill at a small
+    capacity) streams its last misses uncached, and there evicting by next use alone can miss
+    more than another policy (``tests/test_eviction.py`` has such a trace). The kernel runs
+    :class:`FutureUses`."""
 
     form = FutureUses
     reads_future = True
