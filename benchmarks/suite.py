@@ -27,10 +27,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import ROOT, provenance
 
+LIMIT = 4e9  # README command 2's target: the summed resident memory's spells above it are recorded
 
-def _tree_rss(root: int) -> tuple[int, int, list[tuple[int, str]]]:
-    """Bytes resident in process ``root`` and all its descendants, in the largest one, and per
-    process (bytes, its command line's first 100 characters), largest first."""
+
+def _tree_rss(root: int) -> tuple[int, int, int, list[tuple[int, str]]]:
+    """Bytes resident in process ``root`` and all its descendants, in the largest one, their
+    proportional set sizes summed (a page shared by n of them counted 1/n in each: forked
+    children share their parent's), and per process (bytes resident, its command line's first
+    100 characters), largest first."""
     parent: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -45,12 +49,14 @@ def _tree_rss(root: int) -> tuple[int, int, list[tuple[int, str]]]:
         kids = [c for c, pp in parent.items() if pp == p and c not in tree]
         tree.update(kids)
         frontier.extend(kids)
-    total = largest = 0
+    total = largest = pss = 0
     each = []
     for pid in tree:
         try:
             with open(f"/proc/{pid}/status") as f:
                 kb = next((int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")), 0)
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                pss += next((int(ln.split()[1]) for ln in f if ln.startswith("Pss:")), 0) * 1024
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 line = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except (OSError, ValueError):
@@ -58,24 +64,38 @@ def _tree_rss(root: int) -> tuple[int, int, list[tuple[int, str]]]:
         total += kb * 1024
         largest = max(largest, kb * 1024)
         each.append((kb * 1024, line[:100]))
-    return total, largest, sorted(each, reverse=True)
+    return total, largest, pss, sorted(each, reverse=True)
 
 
-def measure(cmd: list[str], every: float = 1.0) -> dict[str, Any]:
-    """Run ``cmd`` in the repository's root; its wall seconds, exit status and the peaks of the
-    summed and of the largest process's resident memory (GB), with when the summed one was reached
-    and the processes then (GB each, and their command lines)."""
-    peak: dict[str, Any] = {"sum": 0, "largest": 0, "at_s": 0.0, "procs": []}
+def measure(cmd: list[str], every: float = 1.0, limit: float = LIMIT) -> dict[str, Any]:
+    """Run ``cmd`` in the repository's root; its wall seconds, exit status, the peaks of the
+    summed and of the largest process's resident memory and of the summed proportional set
+    size (GB), with when the summed resident one was reached and the processes then (GB each,
+    and their command lines; a pytest-xdist worker's names the test it runs), and each spell
+    over ``limit`` bytes summed: its start and end (seconds) and its peak's processes."""
+    peak: dict[str, Any] = {"sum": 0, "largest": 0, "pss": 0, "at_s": 0.0, "procs": []}
+    spells: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT)
     done = threading.Event()
 
     def sample() -> None:
+        over = False
         while not done.is_set():
-            total, largest, each = _tree_rss(proc.pid)
+            total, largest, pss, each = _tree_rss(proc.pid)
+            now = round(time.perf_counter() - t0)
             if total > peak["sum"]:
-                peak["sum"], peak["at_s"], peak["procs"] = total, time.perf_counter() - t0, each
-            peak["largest"] = max(peak["largest"], largest)
+                peak["sum"], peak["at_s"], peak["procs"] = total, now, each
+            peak["largest"], peak["pss"] = max(peak["largest"], largest), max(peak["pss"], pss)
+            if total > limit:
+                if not over:
+                    spells.append({"from_s": now, "to_s": now, "peak_gb": 0.0, "at_peak": []})
+                spell = spells[-1]
+                spell["to_s"] = now
+                if total / 1e9 > spell["peak_gb"]:
+                    spell["peak_gb"] = round(total / 1e9, 2)
+                    spell["at_peak"] = [[round(b / 1e9, 2), line] for b, line in each[:5]]
+            over = total > limit
             done.wait(every)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -86,8 +106,9 @@ def measure(cmd: list[str], every: float = 1.0) -> dict[str, Any]:
     sampler.join()
     return {"command": shlex.join(cmd), "exit_status": status, "wall_s": round(wall, 1),
             "peak_rss_sum_gb": round(peak["sum"] / 1e9, 2), "peak_rss_largest_gb": round(peak["largest"] / 1e9, 2),
-            "peak_at_s": round(peak["at_s"]), "sample_every_s": every,
-            "at_peak": [[round(b / 1e9, 2), line] for b, line in peak["procs"]]}
+            "peak_pss_sum_gb": round(peak["pss"] / 1e9, 2), "peak_at_s": peak["at_s"], "sample_every_s": every,
+            "at_peak": [[round(b / 1e9, 2), line] for b, line in peak["procs"]],
+            "over_gb": limit / 1e9, "spells_over": spells}
 
 
 def main(argv: list[str]) -> int:
