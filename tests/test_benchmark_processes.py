@@ -20,3 +20,26 @@ def test_the_peak_memory_is_the_replays_own_not_the_benchmarks() -> None:
     assert held.sum() == 150_000_000
     assert summary["replay_path"] == "kernel"
     assert wall > 0
+
+
+def test_the_suite_s_memory_counts_a_forked_child_s_shared_pages_once_in_pss() -> None:
+    """``benchmarks/suite.py`` sums the resident memory over a command's processes (a page a
+    forked child shares with its parent counted in both) and their proportional set sizes
+    (counted once), and records each spell over its limit with the processes at its peak: a
+    parent holding 0.4 GB forks a child that only reads it."""
+    suite = load_tool("suite", "benchmarks")
+    program = ("import numpy as np, os, time\n"
+               "a = np.ones(50_000_000)\n"
+               "if os.fork() == 0:\n"
+               "    assert a.sum() == 50_000_000; time.sleep(2.5); os._exit(0)\n"
+               "time.sleep(3.5); os.wait()\n")
+    import sys
+
+    out = suite.measure([sys.executable, "-c", program], every=0.25, limit=0.6e9)
+    assert out["exit_status"] == 0
+    assert out["peak_rss_sum_gb"] >= 0.8  # 0.4 GB in each of the two
+    assert out["peak_pss_sum_gb"] < 0.6  # 0.4 GB once, and the interpreter's own pages
+    assert len(out["spells_over"]) == 1
+    spell = out["spells_over"][0]
+    assert spell["peak_gb"] == out["peak_rss_sum_gb"]
+    assert [line.startswith(sys.executable) for _gb, line in spell["at_peak"][:2]] == [True, True]
