@@ -180,6 +180,18 @@ def _first_run() -> str:
     return "\n".join([*out, "", _made(d), ""])
 
 
+def _role(cmdline: str) -> str:
+    """What a process of the suite is, from its command line."""
+    for needle, role in (("exec(eval(sys.stdin", "a pytest-xdist worker"), ("xdist", "a pytest-xdist worker"),
+                         ("forkserver", "a fork server or a point forked from it"),
+                         ("ipykernel", "a notebook kernel"), ("-m pytest", "pytest's controller")):
+        if needle in cmdline:
+            return role
+    words = cmdline.split()
+    i = next((i for i, w in enumerate(words) if w.rsplit("/", 1)[-1] == "moesim"), None)
+    return f"`moesim {words[i + 1]}`" if i is not None and i + 1 < len(words) else "another process"
+
+
 def _suite() -> str:
     d = _load("suite")
     if d is None:
@@ -187,11 +199,21 @@ def _suite() -> str:
     lead = (f"`{d['command']}` as CI runs it: in a fresh clone, after installing it and running the first command "
             f"(numba's cache: {d['numba_cache']}). Resident memory summed over the suite's process and every process "
             f"it starts, sampled every {d['sample_every_s']:.0f} s (`benchmarks/suite.py`), peaked {d['peak_at_s']:,} s "
-            "in.")
+            "in; proportional set size (PSS) counts a page shared by n processes (a fork server's children share "
+            "its) once in all.")
+    spells = d.get("spells_over", [])
+    if spells:
+        top = max(spells, key=lambda s: s["peak_gb"])
+        lead += (f" It was over {d['over_gb']:.0f} GB summed in {len(spells)} spells, "
+                 f"{sum(s['to_s'] - s['from_s'] + 1 for s in spells):,} s in all, from {spells[0]['from_s']:,} s to "
+                 f"{spells[-1]['to_s']:,} s; at the peak: " + ", ".join(
+                     f"{_role(line)} {gb:.2f} GB" for gb, line in top["at_peak"] if gb >= 0.1) + ".")
     return _table("The test suite (the README's second command)", lead,
-                  ["wall s", "peak RSS, all processes, GB", "peak RSS, largest process, GB", "exit status"],
-                  [[f"{d['wall_s']:,.0f}", f"{d['peak_rss_sum_gb']:.2f}", f"{d['peak_rss_largest_gb']:.2f}",
-                    str(d["exit_status"])]], d)
+                  ["wall s", "peak RSS, all processes, GB", "peak PSS, all processes, GB",
+                   "peak RSS, largest process, GB", "exit status"],
+                  [[f"{d['wall_s']:,.0f}", f"{d['peak_rss_sum_gb']:.2f}",
+                    f"{d['peak_pss_sum_gb']:.2f}" if "peak_pss_sum_gb" in d else "not measured",
+                    f"{d['peak_rss_largest_gb']:.2f}", str(d["exit_status"])]], d)
 
 
 def performance() -> str:
