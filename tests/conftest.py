@@ -48,16 +48,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     assert not failed, f"the kernel's warm-up failed: {failed}"
 
 
-FIRST = ("test_notebooks.py", "test_hf_loop_executor.py")  # the files whose tests start the largest process trees
+FIRST = ("test_notebooks.py", "test_hf_loop_executor.py")  # the tests that start the largest process trees
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The test files in the order pytest-xdist hands them to its workers (``--dist loadfile
-    --no-loadscope-reorder``): first those in :data:`FIRST`, the notebooks' kernels with their
-    sweeps' fork servers (1.5 GB) and a torch model (0.6 GB), while the workers are lean (a
-    worker keeps what every file before took: 1.2-1.9 GB by the end; run last, beside each
-    other, they made the suite's peak), then the rest with the most tests first (as
-    pytest-xdist's own order), a file's tests in their order."""
+    --no-loadscope-reorder``): first those in :data:`FIRST` (notebook kernels with their
+    sweeps' fork servers, a torch model), while the workers are lean, since a worker keeps the
+    memory every file before it took; then the rest with the most tests first (pytest-xdist's
+    own order), a file's tests in their order."""
     count: dict[str, int] = {}
     for item in items:
         count[item.path.name] = count.get(item.path.name, 0) + 1

@@ -1,7 +1,10 @@
-"""The end-to-end benchmarks' process timer (``benchmarks/processes.py``): the peak memory it
-reports is the ``moesim run`` process's own, however much memory the benchmark holds."""
+"""The benchmarks' memory readings: the end-to-end process timer's (``benchmarks/processes.py``)
+peak is the ``moesim run`` process's own, however much memory the benchmark holds; the suite's
+(``benchmarks/suite.py``) sums a command's processes, resident and proportional."""
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
@@ -33,8 +36,6 @@ def test_the_suite_s_memory_counts_a_forked_child_s_shared_pages_once_in_pss() -
                "if os.fork() == 0:\n"
                "    assert a.sum() == 50_000_000; time.sleep(2.5); os._exit(0)\n"
                "time.sleep(3.5); os.wait()\n")
-    import sys
-
     out = suite.measure([sys.executable, "-c", program], every=0.25, limit=0.6e9)
     assert out["exit_status"] == 0
     assert out["peak_rss_sum_gb"] >= 0.8  # 0.4 GB in each of the two

@@ -221,7 +221,7 @@ def test_belady_equals_the_exhaustive_optimum(layers, experts, k, tokens, seed, 
                                                                                             batch)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 3), st.integers(2, 12), st.integers(1, 3), st.integers(2, 30),
        st.integers(0, 10**6), st.integers(1, 20), st.integers(1, 3))
 def test_belady_is_a_lower_bound_for_every_policy(layers, experts, k, tokens, seed, capacity, batch):
