@@ -201,18 +201,16 @@ def _suite() -> str:
             f"it starts, sampled every {d['sample_every_s']:.0f} s (`benchmarks/suite.py`), peaked {d['peak_at_s']:,} s "
             "in; proportional set size (PSS) counts a page shared by n processes (a fork server's children share "
             "its) once in all.")
-    spells = d.get("spells_over", [])
+    spells = d["spells_over"]
     if spells:
-        top = max(spells, key=lambda s: s["peak_gb"])
         lead += (f" It was over {d['over_gb']:.0f} GB summed in {len(spells)} spells, "
                  f"{sum(s['to_s'] - s['from_s'] + 1 for s in spells):,} s in all, from {spells[0]['from_s']:,} s to "
                  f"{spells[-1]['to_s']:,} s; at the peak: " + ", ".join(
-                     f"{_role(line)} {gb:.2f} GB" for gb, line in top["at_peak"] if gb >= 0.1) + ".")
+                     f"{_role(line)} {gb:.2f} GB" for gb, line in d["at_peak"] if gb >= 0.1) + ".")
     return _table("The test suite (the README's second command)", lead,
                   ["wall s", "peak RSS, all processes, GB", "peak PSS, all processes, GB",
                    "peak RSS, largest process, GB", "exit status"],
-                  [[f"{d['wall_s']:,.0f}", f"{d['peak_rss_sum_gb']:.2f}",
-                    f"{d['peak_pss_sum_gb']:.2f}" if "peak_pss_sum_gb" in d else "not measured",
+                  [[f"{d['wall_s']:,.0f}", f"{d['peak_rss_sum_gb']:.2f}", f"{d['peak_pss_sum_gb']:.2f}",
                     f"{d['peak_rss_largest_gb']:.2f}", str(d["exit_status"])]], d)
 
 
