@@ -192,6 +192,28 @@ def test_a_replay_in_pieces_equals_the_whole_trace_replay(ragged_file: Path, mon
     assert whole.summary["trace_pieces"] == 1
 
 
+def test_a_trace_from_a_file_whole_or_in_pieces_replays_on_the_synthesised_traces_compiled_form(
+        ragged_file: Path) -> None:
+    """A file's float columns come in Arrow's read-only buffers and a synthesised trace's in
+    NumPy's own. The kernel's per-token functions (here under a miss policy that drops
+    experts) get both read-only, so the form compiled for a synthesised trace replays a trace
+    file too, read whole or in pieces, with no new compile."""
+    from moesim.simulator.kernel_compute import replay_passes
+
+    sc = load_scenario("quickstart", [f"workload.trace.path={ragged_file}", "cache.capacity=10%",
+                                      "policies.prefetch=previous-token", "policies.miss=drop"])
+    synthesised = Simulation(sc, trace=_ragged()).run()
+    assert synthesised.summary["replay_path"] == "kernel"
+    forms = list(replay_passes.signatures)
+    whole = Simulation(sc, trace=read_trace(ragged_file)).run()
+    sim = Simulation(sc, chunk_rows=300)
+    assert sim.source.pieces is not None, sim.source.whole_reason
+    pieces = sim.run()
+    assert replay_passes.signatures == forms
+    _same(synthesised, whole)
+    _same(synthesised, pieces)
+
+
 @pytest.mark.parametrize(("mode", "miss", "batch", "chunk"), [
     ("layer", "fetch", 1, 300), ("per-expert", "drop", 2, 700), ("on-arrival", "speculative", 3, 200)])
 def test_cache_aware_routing_in_pieces_equals_the_whole_trace_replay(tmp_path: Path, mode: str, miss: str,

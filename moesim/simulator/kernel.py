@@ -251,7 +251,17 @@ CALL_ACCESSES = 1 << 18
 BLOCK_PASSES = 1 << 13
 
 
-_NO_PRED = np.zeros((1, 1), np.float32)  # M.pred of a trace without next-layer predictions
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """``a`` as a C-contiguous view the kernel cannot write. A trace read from a file holds its
+    float columns in Arrow's read-only buffers and a synthesised one in NumPy's own; numba
+    types the two apart and would compile the kernel once for each, so every trace's float
+    rows reach it read-only."""
+    view = np.ascontiguousarray(a, np.float32).view()
+    view.flags.writeable = False
+    return view
+
+
+_NO_PRED = _read_only(np.zeros((1, 1), np.float32))  # M.pred of a trace without next-layer predictions
 
 
 def _mass_arrays(sim: Any, chosen: np.ndarray | None) -> Tokens:
@@ -284,9 +294,9 @@ def _mass_arrays(sim: Any, chosen: np.ndarray | None) -> Tokens:
         route = form.arrays(sim.routing, wl)
         chosen = experts.copy()
     return Tokens(np.ascontiguousarray(wl.row_order, np.int64), np.ascontiguousarray(wl.row_off, np.int64),
-                  experts, experts if chosen is None else chosen, np.ascontiguousarray(mass, np.float32),
+                  experts, experts if chosen is None else chosen, _read_only(mass),
                   token.astype(np.int64), np.full(n_tok, -1, np.int64),
-                  np.ascontiguousarray(wl.pred_next, np.float32) if wl.pred_next is not None else _NO_PRED,
+                  _read_only(wl.pred_next) if wl.pred_next is not None else _NO_PRED,
                   np.zeros(n_tok, np.int64), np.full(n_tok, -1, np.int64),
                   hook_arrays(sim.miss, sim.model.num_experts), route)
 
