@@ -11,10 +11,14 @@ do not. ``MOESIM_TEST_NO_WARM=1`` skips this (the tests then compile what they r
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,24 +68,76 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: (rank.get(item.path.name, len(FIRST)), -count[item.path.name]))
 
 
-@pytest.fixture
-def one_cluster_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A test that starts a Ray cluster holds this lock while it runs, shared by pytest-xdist's
-    workers (their temporary folders' parent): two clusters at once, beside two fork servers,
-    made the suite's peak memory (6.3 GB summed over its processes, 2.3 GB of it Ray's)."""
-    import fcntl
+# a command line that starts a study's process tree (a fork server and its points, a notebook's
+# kernel with its own) or a process as large (``calibrate validate``, 1.5 GB)
+_TREE = re.compile(r"moesim\s+(sweep|compare|calibrate\s+validate)\b|\b(sweep|compare)\(|ipykernel")
 
-    with (tmp_path_factory.getbasetemp().parent / "ray.lock").open("w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+
+class _OneTree:
+    """An exclusive lock on a file shared by pytest-xdist's workers (their temporary folders'
+    parent), held by a test from the moment it starts a large process tree (a Ray cluster, the
+    local executor's fork server, a command line matching :data:`_TREE`) until it ends, so
+    that the two workers never run two such trees at once beside each other. A process takes
+    it once however often its test asks."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.file: Any = None
+
+    def take(self) -> None:
+        if self.file is None and self.path is not None:
+            self.file = self.path.open("w")
+            fcntl.flock(self.file, fcntl.LOCK_EX)
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.close()  # closing the file lets the lock go
+            self.file = None
+
+
+_one_tree = _OneTree()
+
+
+@pytest.fixture(autouse=True)
+def _one_tree_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """:class:`_OneTree` for every test: the lock is taken where a fork server starts
+    (``multiprocessing``'s own ``ensure_running``, whichever caller) or a matching command
+    line does; at the end a fork server the test started is stopped and the lock let go."""
+    from multiprocessing import forkserver
+
+    _one_tree.path = tmp_path_factory.getbasetemp().parent / "tree.lock"
+    server_method, server_alias = forkserver.ForkServer.ensure_running, forkserver.ensure_running
+
+    def method(self: Any) -> None:
+        _one_tree.take()
+        server_method(self)
+
+    def alias() -> None:
+        _one_tree.take()
+        server_alias()
+
+    popen_init = subprocess.Popen.__init__
+
+    def init(self: subprocess.Popen, args: Any, *rest: Any, **kw: Any) -> None:
+        line = args if isinstance(args, str | bytes) else " ".join(map(str, args))
+        if _TREE.search(str(line)):
+            _one_tree.take()
+        popen_init(self, args, *rest, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(forkserver.ForkServer, "ensure_running", method)
+        mp.setattr(forkserver, "ensure_running", alias)
+        mp.setattr(subprocess.Popen, "__init__", init)
         yield
+    if _one_tree.file is not None:
+        sweep = sys.modules.get("moesim.studies.sweep")
+        if sweep is not None:
+            sweep.stop_workers()
+    _one_tree.release()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _no_idle_fork_server() -> Iterator[None]:
-    """After each test file, the local executor's fork server (0.45 GB with the modules it
-    preloads) is stopped instead of idling in its worker for the rest of the run; the next
-    study starts a new one."""
-    yield
-    sweep = sys.modules.get("moesim.studies.sweep")
-    if sweep is not None:
-        sweep.stop_workers()
+@pytest.fixture
+def one_cluster_at_a_time() -> None:
+    """A test that starts a Ray cluster holds :class:`_OneTree`'s lock from its start: a
+    cluster (2.3 GB summed over its processes) beside another tree made the suite's peak."""
+    _one_tree.take()
