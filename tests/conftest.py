@@ -91,4 +91,6 @@ def _no_idle_fork_server() -> Iterator[None]:
     import pyarrow
 
     pyarrow.default_memory_pool().release_unused()
-    ctypes.CDLL(None).malloc_trim(0)
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; absent elsewhere
+    if trim is not None:
+        trim(0)
