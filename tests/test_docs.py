@@ -147,6 +147,21 @@ def test_the_readme_shows_what_moesim_compare_prints() -> None:
     assert readme.text == shown.text
 
 
+def test_the_suite_s_processes_are_named_by_their_role() -> None:
+    """The performance page names each process at the suite's peak from its command line."""
+    from tests.helpers import load_tool
+
+    role = load_tool("docs_pages")._role
+    assert role("/r/.venv/bin/python -u -c import sys;exec(eval(sys.stdin.readline()))") == "a pytest-xdist worker"
+    assert role("/r/.venv/bin/python -B -c from multiprocessing.forkserver import main; main(3, 5)") == (
+        "a fork server or a point forked from it")
+    assert role("ray::run_point") == "a Ray worker running a point"
+    assert role("/r/.venv/bin/python -m mkdocs build --strict --site-dir /t/site") == "`mkdocs build`"
+    assert role("/r/.venv/bin/python /r/.venv/bin/moesim sweep quickstart --grid a=1") == "`moesim sweep`"
+    assert role("/r/.venv/bin/python -m pytest -m  -n 2") == "pytest's controller"
+    assert role("/usr/bin/bash -c true") == "another process"
+
+
 def test_the_specmd_tables_are_today_s_replays() -> None:
     """The papers page's SpecMD tables come from ``benchmarks/results/specmd_tables.json``; its
     figures are what the shipped scenarios give today, bit for bit (``docs_pages.py --specmd``

@@ -184,7 +184,8 @@ def _role(cmdline: str) -> str:
     """What a process of the suite is, from its command line."""
     for needle, role in (("exec(eval(sys.stdin", "a pytest-xdist worker"), ("xdist", "a pytest-xdist worker"),
                          ("forkserver", "a fork server or a point forked from it"),
-                         ("ipykernel", "a notebook kernel"), ("-m pytest", "pytest's controller")):
+                         ("ipykernel", "a notebook kernel"), ("-m pytest", "pytest's controller"),
+                         ("ray::run_point", "a Ray worker running a point"), ("-m mkdocs", "`mkdocs build`")):
         if needle in cmdline:
             return role
     words = cmdline.split()
