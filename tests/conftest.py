@@ -78,7 +78,7 @@ def one_cluster_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _no_idle_fork_server() -> Iterator[None]:
+def _after_each_file() -> Iterator[None]:
     """After each test file, the local executor's fork server (0.45 GB with the modules it
     preloads) is stopped instead of idling in its worker for the rest of the run; the next
     study starts a new one. The worker then gives the memory its allocators hold free back
