@@ -1,8 +1,13 @@
 """Before the first test, the replay kernel's eight forms (layer or per-expert execution, each
 with fetch on a miss or a per-token miss policy, for the common eviction forms and for the rare
 ones: the kernel is compiled per group of eviction forms, :mod:`moesim.policies.eviction.forms`)
-are compiled into numba's cache by two child processes side by side, four each, so that the
-test processes load them from the cache instead of compiling them. A process keeps the memory
+are compiled into numba's cache by two child processes side by side, so that the test
+processes load them from the cache instead of compiling them. Per-expert execution with a
+per-token miss policy compiles longest (about 63 s for the common group and 75 s for the rare
+one on the 2-core machine, against 6-25 s for each other form after them), so each child
+has one of the two, and the forms after it that reuse most of what it compiled: measured on a
+cache holding the quickstart's form (as after the README's first command), the two children
+took 106 s and 107 s, against 136 s and 86 s with four forms each. A process keeps the memory
 numba's compiler took (about 1.1 GB after compiling the four common forms, against 0.35 GB
 after loading them), and the machine's two cores compile at once. Where the cache already holds
 them, each child loads them in about a second. Under pytest-xdist (``-n 2``, as the README's
@@ -16,21 +21,24 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 RARE = "policies.eviction=sieve"  # one of the rare group's forms
 PER_EXPERT, DROP = "expert_compute=per-expert", "policies.miss=drop"
-FORMS = (([], [PER_EXPERT, DROP], [RARE], [PER_EXPERT, DROP, RARE]),  # a child's forms: its --set values
-         ([PER_EXPERT], [DROP], [PER_EXPERT, RARE], [DROP, RARE]))
+FORMS = (([], [PER_EXPERT, DROP], [PER_EXPERT], [DROP], [DROP, RARE], [PER_EXPERT, RARE]),  # a child's: its --set values
+         ([RARE], [PER_EXPERT, DROP, RARE]))
 SMALL = ["workload.trace.synth.requests=1", "workload.trace.synth.prompt_tokens=4", "workload.trace.synth.tokens=4"]
 
 
 def _replays(forms: tuple[list[str], ...]) -> str:
-    """A child's program: a tiny quickstart replay on each of ``forms`` (its ``--set`` values)."""
-    return ("from moesim.config.scenario import load_scenario\n"
+    """A child's program: a tiny quickstart replay on each of ``forms`` (its ``--set`` values),
+    none where no replay runs on the kernel (:func:`moesim.simulator.kernel.kernel_off`)."""
+    return ("from moesim.simulator.kernel import kernel_off\n"
+            "from moesim.config.scenario import load_scenario\n"
             "from moesim.simulator.engine import Simulation\n"
-            f"for sets in {[SMALL + f for f in forms]!r}:\n"
+            f"for sets in {[SMALL + f for f in forms]!r} if kernel_off() is None else []:\n"
             "    Simulation(load_scenario('quickstart', sets)).run()\n")
 
 
@@ -39,42 +47,62 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         return
     if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: the controller warmed up before starting it
         return
-    from moesim.simulator.kernel import kernel_off
-
-    if kernel_off() is not None:
-        return
+    # the controller imports no moesim (0.15 GB with numba) for the whole run: the children do
     env = {**os.environ, "MOESIM_NO_JIT_HELPER": "1"}  # the two children are the helpers
     children = [subprocess.Popen([sys.executable, "-c", _replays(forms)], env=env) for forms in FORMS]
     failed = [c.args for c in children if c.wait() != 0]
     assert not failed, f"the kernel's warm-up failed: {failed}"
 
 
-FIRST = ("test_notebooks.py", "test_hf_loop_executor.py")  # the tests that start the largest process trees
+# The files whose tests start process trees of 0.45 GB or more (resident memory summed over a test's
+# child processes, sampled per file): a study's fork server with its points, a Ray cluster, notebook
+# kernels, the docs' commands, a torch model's capture or calibration, a cold compile of the kernel.
+TREES = ("test_notebooks.py", "test_docs.py", "test_sweep.py", "test_compare.py", "test_plugins.py",
+         "test_serving_studies.py", "test_serving.py", "test_reuse.py", "test_first_steps.py", "test_ep_offload.py",
+         "test_workers_server.py", "test_benchmark_processes.py", "test_calibrate.py", "test_capture.py",
+         "test_host.py", "test_package.py", "test_sweep_reuse_hand.py")
+FIRST = ("test_notebooks.py", "test_hf_loop_executor.py")  # the largest trees, and a torch model in the worker
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The test files in the order pytest-xdist hands them to its workers (``--dist loadfile
-    --no-loadscope-reorder``): first those in :data:`FIRST` (notebook kernels with their
-    sweeps' fork servers, a torch model), while the workers are lean, since a worker keeps the
-    memory every file before it took; then the rest with the most tests first (pytest-xdist's
-    own order), a file's tests in their order."""
+    """The order of the work units pytest-xdist hands its workers (:func:`pytest_xdist_make_scheduler`):
+    the files in :data:`TREES` first; in each worker, first the files in :data:`FIRST`, while
+    it is lean (a worker keeps memory every file before it took); then the rest with the most
+    tests first (pytest-xdist's own order), a file's tests in their order."""
     count: dict[str, int] = {}
     for item in items:
         count[item.path.name] = count.get(item.path.name, 0) + 1
     rank = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: (rank.get(item.path.name, len(FIRST)), -count[item.path.name]))
+    items.sort(key=lambda item: (item.path.name not in TREES, rank.get(item.path.name, len(FIRST)),
+                                 -count[item.path.name]))
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's ``--dist loadfile`` (each file's tests in one worker, its module fixtures
+    once), except that the files in :data:`TREES` are one unit, so that one worker runs them
+    one after another while the other runs the rest: two of them side by side (a Ray cluster
+    beside the docs' sweeps) put the suite over 4 GB. (pytest-xdist's own ``--dist loadgroup``
+    would do it with marks, but it renames the tests to group them, which pytest 9.2 ignores.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TreesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "trees" if path.rsplit("/", 1)[-1] in TREES else path
+
+    return TreesTogether(config, log)
 
 
 @pytest.fixture
-def one_cluster_at_a_time(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A test that starts a Ray cluster holds this lock while it runs, shared by pytest-xdist's
-    workers (their temporary folders' parent): two clusters at once, beside two fork servers,
-    made the suite's peak memory (6.3 GB summed over its processes, 2.3 GB of it Ray's)."""
-    import fcntl
-
-    with (tmp_path_factory.getbasetemp().parent / "ray.lock").open("w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
+def no_fork_server_beside_the_cluster() -> None:
+    """A test that starts a Ray cluster stops its worker's fork server (0.45 GB, kept for the
+    file's studies) first. Two clusters never run at once: both such files are in
+    :data:`TREES`, run by one worker (a cluster and a second one beside two fork servers made
+    the suite's peak, 6.3 GB summed over its processes, 2.3 GB of it Ray's)."""
+    sweep = sys.modules.get("moesim.studies.sweep")
+    if sweep is not None:
+        sweep.stop_workers()
 
 
 @pytest.fixture(autouse=True, scope="module")

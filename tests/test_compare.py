@@ -189,12 +189,13 @@ def test_a_run_that_cannot_be_built_fails_before_any_runs(scenario_file, tmp_pat
     assert not (tmp_path / "c" / "points").exists()
 
 
-@pytest.mark.usefixtures("one_cluster_at_a_time")
+@pytest.mark.usefixtures("no_fork_server_beside_the_cluster")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::ResourceWarning")
 def test_compare_on_ray_equals_the_local_executor(scenario_file, tmp_path):
     pytest.importorskip("ray", reason="Ray is the optional extra 'ray' (CI installs it)")
-    local, _ = compare(str(scenario_file), tmp_path / "l", ["lru", "fifo"], ["none"], workers=2)
+    # Ray first: the cluster is shut down before the local executor's fork server starts
     ray, _ = compare(str(scenario_file), tmp_path / "r", ["lru", "fifo"], ["none"], workers=2, executor="ray")
+    local, _ = compare(str(scenario_file), tmp_path / "l", ["lru", "fifo"], ["none"], workers=2)
     cols = ["label", "tpot_s", "hits", "misses", "gap_closed"]
     pd.testing.assert_frame_equal(local[cols], ray[cols])
 

@@ -278,7 +278,7 @@ def test_events_export_and_timeline(tmp_path):
     assert json.loads((tmp_path / "e2.json").read_text())["traceEvents"]
 
 
-@pytest.mark.usefixtures("one_cluster_at_a_time")
+@pytest.mark.usefixtures("no_fork_server_beside_the_cluster")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::ResourceWarning")
 def test_ray_executor_agrees_with_local(tmp_path):
     pytest.importorskip("ray")
