@@ -5,9 +5,9 @@ are compiled into numba's cache by two child processes side by side, so that the
 processes load them from the cache instead of compiling them. Per-expert execution with a
 per-token miss policy compiles longest (about 63 s for the common group and 75 s for the rare
 one on the 2-core machine, against 6-25 s for each other form after them), so each child
-has one of the two, and the forms after it that reuse most of what it compiled: measured on a
-cache holding the quickstart's form (as after the README's first command), the two children
-took 106 s and 107 s, against 136 s and 86 s with four forms each. A process keeps the memory
+has one of the two, and the forms after it that reuse most of what it compiled (on a cache
+holding the quickstart's form, as after the README's first command, the two children take
+about 106 s each). A process keeps the memory
 numba's compiler took (about 1.1 GB after compiling the four common forms, against 0.35 GB
 after loading them), and the machine's two cores compile at once. Where the cache already holds
 them, each child loads them in about a second. Under pytest-xdist (``-n 2``, as the README's
@@ -94,28 +94,30 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return TreesTogether(config, log)
 
 
+def _stop_fork_server() -> None:
+    """Stop the local executor's fork server in this worker, if its studies started one
+    (:func:`moesim.studies.sweep.stop_workers`); the next study starts a new one."""
+    sweep = sys.modules.get("moesim.studies.sweep")
+    if sweep is not None:
+        sweep.stop_workers()
+
+
 @pytest.fixture
 def no_fork_server_beside_the_cluster() -> None:
     """A test that starts a Ray cluster stops its worker's fork server (0.45 GB, kept for the
     file's studies) first. Two clusters never run at once: both such files are in
-    :data:`TREES`, run by one worker (a cluster and a second one beside two fork servers made
-    the suite's peak, 6.3 GB summed over its processes, 2.3 GB of it Ray's)."""
-    sweep = sys.modules.get("moesim.studies.sweep")
-    if sweep is not None:
-        sweep.stop_workers()
+    :data:`TREES`, run by one worker."""
+    _stop_fork_server()
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _after_each_file() -> Iterator[None]:
     """After each test file, the local executor's fork server (0.45 GB with the modules it
-    preloads) is stopped instead of idling in its worker for the rest of the run; the next
-    study starts a new one. The worker then gives the memory its allocators hold free back
-    (glibc's ``malloc_trim``, Arrow's pool): the file's tests took it, and the next file's
-    would not reuse all of it."""
+    preloads) is stopped instead of idling in its worker for the rest of the run. The worker
+    then gives the memory its allocators hold free back (glibc's ``malloc_trim``, Arrow's
+    pool): the file's tests took it, and the next file's would not reuse all of it."""
     yield
-    sweep = sys.modules.get("moesim.studies.sweep")
-    if sweep is not None:
-        sweep.stop_workers()
+    _stop_fork_server()
     import pyarrow
 
     pyarrow.default_memory_pool().release_unused()
