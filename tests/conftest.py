@@ -103,10 +103,12 @@ def _stop_fork_server() -> None:
 
 
 @pytest.fixture
-def no_fork_server_beside_the_cluster() -> None:
-    """A test that starts a Ray cluster stops its worker's fork server (0.45 GB, kept for the
-    file's studies) first. Two clusters never run at once: both such files are in
-    :data:`TREES`, run by one worker."""
+def no_fork_server_beside_the_children() -> None:
+    """A test whose child processes start their own fork server (a ``moesim sweep`` or
+    ``compare`` subprocess) or a Ray cluster stops its worker's fork server (0.4 GB with the
+    modules and kernel forms it preloads, kept for the file's in-process studies) first, so
+    that the two do not sit side by side; the file's next in-process study starts a new one.
+    Two clusters never run at once: both such files are in :data:`TREES`, run by one worker."""
     _stop_fork_server()
 
 

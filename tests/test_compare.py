@@ -189,7 +189,7 @@ def test_a_run_that_cannot_be_built_fails_before_any_runs(scenario_file, tmp_pat
     assert not (tmp_path / "c" / "points").exists()
 
 
-@pytest.mark.usefixtures("no_fork_server_beside_the_cluster")
+@pytest.mark.usefixtures("no_fork_server_beside_the_children")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::ResourceWarning")
 def test_compare_on_ray_equals_the_local_executor(scenario_file, tmp_path):
     pytest.importorskip("ray", reason="Ray is the optional extra 'ray' (CI installs it)")

@@ -161,6 +161,7 @@ def test_the_command_line_loads_no_heavy_module() -> None:
     assert out.strip() == "[]"
 
 
+@pytest.mark.usefixtures("no_fork_server_beside_the_children")
 def test_a_first_compare_speaks_at_once_shows_compile_progress_and_leaks_no_warning(tmp_path: Path) -> None:
     """A first ``moesim compare`` after an installation (numba's cache emptied) with stderr a
     log file: the first line names the folder, the kernel's compile is announced and then

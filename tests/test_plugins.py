@@ -110,6 +110,7 @@ def test_plugin_policies_are_listed_and_run_from_the_command_line(mru, tmp_path)
     assert "unknown eviction policy 'mru'" in unwrap(r.stderr)
 
 
+@pytest.mark.usefixtures("no_fork_server_beside_the_children")
 def test_plugin_policies_run_in_sweep_and_compare_workers(mru, tmp_path):
     r = moesim("sweep", "quickstart", "--plugin", str(mru), "--grid", "policies.eviction=lru,mru", "--set", "sweep=null",
                *SMALL, "--workers", "2", "--out", str(tmp_path / "s"), cwd=tmp_path)

@@ -92,6 +92,7 @@ def test_a_bad_grid_value_fails_before_any_point_runs(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.usefixtures("no_fork_server_beside_the_children")
 def test_a_sweep_with_failed_points_exits_1_naming_each_and_retries_them(tmp_path):
     """The command exits 1 and names each failed point with its values and error; a rerun
     keeps the finished point and runs the failed one again (here it fails again)."""
@@ -135,6 +136,7 @@ def test_bad_axes_fail_before_running(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.usefixtures("no_fork_server_beside_the_children")
 def test_a_killed_sweep_leaves_no_half_written_point_and_resumes(tmp_path):
     out = tmp_path / "s"
     cmd = [sys.executable, "-m", "moesim", "sweep", "quickstart", "--grid", "cache.capacity=1%,5%,10%,25%,50%,100%",
@@ -278,7 +280,7 @@ def test_events_export_and_timeline(tmp_path):
     assert json.loads((tmp_path / "e2.json").read_text())["traceEvents"]
 
 
-@pytest.mark.usefixtures("no_fork_server_beside_the_cluster")
+@pytest.mark.usefixtures("no_fork_server_beside_the_children")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::ResourceWarning")
 def test_ray_executor_agrees_with_local(tmp_path):
     pytest.importorskip("ray")

@@ -145,6 +145,7 @@ def test_a_study_with_every_point_done_stops_the_server_it_started_and_one_that_
     assert _server_pid() is None
 
 
+@pytest.mark.usefixtures("no_fork_server_beside_the_children")
 def test_a_bad_compare_leaves_no_process_behind(tmp_path) -> None:
     """``moesim compare`` with an unknown policy, on a fresh install (numba's cache empty, so
     the fork server it starts first is compiling the kernel, with the jit helper beside it),
