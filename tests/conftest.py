@@ -57,24 +57,24 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # The files whose tests start process trees of 0.45 GB or more (resident memory summed over a test's
 # child processes, sampled per file): a study's fork server with its points, a Ray cluster, notebook
 # kernels, the docs' commands, a torch model's capture or calibration, a cold compile of the kernel.
-TREES = ("test_notebooks.py", "test_docs.py", "test_sweep.py", "test_compare.py", "test_plugins.py",
-         "test_serving_studies.py", "test_serving.py", "test_reuse.py", "test_first_steps.py", "test_ep_offload.py",
-         "test_workers_server.py", "test_benchmark_processes.py", "test_calibrate.py", "test_capture.py",
-         "test_host.py", "test_package.py", "test_sweep_reuse_hand.py")
-FIRST = ("test_notebooks.py", "test_hf_loop_executor.py")  # the largest trees, and a torch model in the worker
+# In the order they run: the largest trees first (1.1-1.9 GB; the peak-memory timer's test holds
+# 0.7 GB in the worker), while the other worker is lean (it keeps memory every file before took).
+TREES = ("test_notebooks.py", "test_sweep.py", "test_compare.py", "test_first_steps.py", "test_plugins.py",
+         "test_serving_studies.py", "test_benchmark_processes.py", "test_docs.py", "test_calibrate.py",
+         "test_capture.py", "test_host.py", "test_reuse.py", "test_serving.py", "test_ep_offload.py",
+         "test_workers_server.py", "test_package.py", "test_sweep_reuse_hand.py")
+FIRST = ("test_hf_loop_executor.py",)  # the other worker's first: a torch model in the worker, while it is lean
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The order of the work units pytest-xdist hands its workers (:func:`pytest_xdist_make_scheduler`):
-    the files in :data:`TREES` first; in each worker, first the files in :data:`FIRST`, while
-    it is lean (a worker keeps memory every file before it took); then the rest with the most
-    tests first (pytest-xdist's own order), a file's tests in their order."""
+    the files in :data:`TREES` first, in its order; then the files in :data:`FIRST`; then the
+    rest with the most tests first (pytest-xdist's own order); a file's tests in their order."""
     count: dict[str, int] = {}
     for item in items:
         count[item.path.name] = count.get(item.path.name, 0) + 1
-    rank = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: (item.path.name not in TREES, rank.get(item.path.name, len(FIRST)),
-                                 -count[item.path.name]))
+    rank = {name: i for i, name in enumerate(TREES + FIRST)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -count[item.path.name]))
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
