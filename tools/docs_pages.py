@@ -211,8 +211,10 @@ def _suite() -> str:
     if spells:
         lead += (f" It was over {d['over_gb']:.0f} GB summed in {len(spells)} spell{'s' if len(spells) > 1 else ''}, "
                  f"{sum(s['to_s'] - s['from_s'] + 1 for s in spells):,} s in all, from {spells[0]['from_s']:,} s to "
-                 f"{spells[-1]['to_s']:,} s; at the peak: " + ", ".join(
-                     f"{_role(line)} {gb:.2f} GB" for gb, line in d["at_peak"] if gb >= 0.1) + ".")
+                 f"{spells[-1]['to_s']:,} s.")
+    else:
+        lead += f" It was never over {d['over_gb']:.0f} GB summed."
+    lead += " At the peak: " + ", ".join(f"{_role(line)} {gb:.2f} GB" for gb, line in d["at_peak"] if gb >= 0.1) + "."
     return _table("The test suite (the README's second command)", lead,
                   ["wall s", "peak RSS, all processes, GB", "peak PSS, all processes, GB",
                    "peak RSS, largest process, GB", "exit status"],
