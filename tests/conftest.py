@@ -58,7 +58,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # child processes, sampled per file): a study's fork server with its points, a Ray cluster, notebook
 # kernels, the docs' commands, a torch model's capture or calibration, a cold compile of the kernel.
 # In the order they run: the largest trees first (1.1-1.9 GB; the peak-memory timer's test holds
-# 0.7 GB in the worker), while the other worker is lean (it keeps memory every file before took).
+# 0.7 GB in the worker), while the other worker is lean (a worker keeps the memory its earlier files took).
 TREES = ("test_notebooks.py", "test_sweep.py", "test_compare.py", "test_first_steps.py", "test_plugins.py",
          "test_serving_studies.py", "test_benchmark_processes.py", "test_docs.py", "test_calibrate.py",
          "test_capture.py", "test_host.py", "test_reuse.py", "test_serving.py", "test_ep_offload.py",
