@@ -5,11 +5,9 @@ are compiled into numba's cache by two child processes side by side, so that the
 processes load them from the cache instead of compiling them. Per-expert execution with a
 per-token miss policy compiles longest (about 63 s for the common group and 75 s for the rare
 one on the 2-core machine, against 6-25 s for each other form after them), so each child
-has one of the two, and the forms after it that reuse most of what it compiled (on a cache
-holding the quickstart's form, as after the README's first command, the two children take
-about 106 s each). A process keeps the memory
-numba's compiler took (about 1.1 GB after compiling the four common forms, against 0.35 GB
-after loading them), and the machine's two cores compile at once. Where the cache already holds
+has one of the two, and the forms after it that reuse most of what it compiled. A process
+keeps the memory numba's compiler took (about 1.1 GB after compiling the four common forms,
+against 0.35 GB after loading them), and the machine's two cores compile at once. Where the cache already holds
 them, each child loads them in about a second. Under pytest-xdist (``-n 2``, as the README's
 command runs the suite) the controller warms up before it starts the workers, and the workers
 do not. ``MOESIM_TEST_NO_WARM=1`` skips this (the tests then compile what they reach)."""

@@ -155,8 +155,9 @@ def test_the_suite_s_processes_are_named_by_their_role() -> None:
     assert role("/r/.venv/bin/python -u -c import sys;exec(eval(sys.stdin.readline()))") == "a pytest-xdist worker"
     assert role("[pytest-xdist running] tests/test_sweep.py::test_a[x y]") == "a pytest-xdist worker in `tests/test_sweep.py`"
     assert role("[pytest-xdist idle]") == "a pytest-xdist worker"
-    assert role("/r/.venv/bin/python -c import sys; root = sys.argv[1]; sys.path[:] = [p for p in sys.path") == (
-        "the jit helper (`moesim.jitplan`)")
+    from moesim.jitplan import _BOOT
+
+    assert role(f"/tmp/ci/main/.venv/bin/python -c {_BOOT} /r 123"[:100]) == "the jit helper (`moesim.jitplan`)"
     assert role("/r/.venv/bin/python -B -c from multiprocessing.forkserver import main; main(3, 5)") == (
         "a fork server or a point forked from it")
     assert role("ray::run_point") == "a Ray worker running a point"

@@ -183,11 +183,14 @@ def _first_run() -> str:
 def _role(cmdline: str) -> str:
     """What a process of the suite is, from its command line (a pytest-xdist worker's, where
     setproctitle is installed, names the test it runs: its file is said)."""
+    # the jit helper's program, whose start is in the first 100 characters of a command line suite.py keeps
+    from moesim.jitplan import _BOOT
+
     if cmdline.startswith("[pytest-xdist running] "):
         return f"a pytest-xdist worker in `{cmdline.split()[2].split('::')[0]}`"
     for needle, role in (("exec(eval(sys.stdin", "a pytest-xdist worker"), ("xdist", "a pytest-xdist worker"),
                          ("forkserver", "a fork server or a point forked from it"),
-                         ("root = sys.argv[1]; sys.path[:]", "the jit helper (`moesim.jitplan`)"),
+                         (_BOOT[:40], "the jit helper (`moesim.jitplan`)"),
                          ("moesim.jitplan", "the jit helper (`moesim.jitplan`)"),
                          ("ipykernel", "a notebook kernel"), ("-m pytest", "pytest's controller"),
                          ("ray::run_point", "a Ray worker running a point"), ("-m mkdocs", "`mkdocs build`")):
